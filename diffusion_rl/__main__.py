@@ -1,0 +1,3 @@
+from diffusion_rl.cli import main
+
+main()

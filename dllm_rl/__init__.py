@@ -1,0 +1,1 @@
+"""Masked diffusion language models: samplers, log-probs, diffu-GRPO, TraceRL, SLIM-RL, ForkGRPO."""

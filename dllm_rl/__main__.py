@@ -1,0 +1,3 @@
+from dllm_rl.cli import main
+
+main()

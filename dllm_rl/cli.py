@@ -1,0 +1,16 @@
+"""`dllm-rl`: the diffusion language CLI (train, eval, sample)."""
+
+from __future__ import annotations
+
+from mmrl.core.cli import BackendSpec, make_app, run
+
+SPEC = BackendSpec(modality="dllm", title="diffusion language", command="dllm-rl", module="dllm_rl.backend")
+app = make_app(SPEC)
+
+
+def main() -> None:
+    run(app)
+
+
+if __name__ == "__main__":
+    main()

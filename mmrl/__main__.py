@@ -1,0 +1,3 @@
+from mmrl.cli import main
+
+main()

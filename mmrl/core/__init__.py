@@ -1,0 +1,1 @@
+"""The modality-agnostic core: advantages, losses, rewards, batch, scheduler, trainer."""

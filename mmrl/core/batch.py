@@ -1,0 +1,161 @@
+"""The typed rollout batch: the one contract between rollout and training.
+
+Every backend's rollout produces a `RolloutBatch`; every method consumes one.
+Rows are samples (N of them), grouped by `group_ids` (one group = the G samples
+of one prompt; groups are always complete). Per-position tensors are [N, T]
+where T is whatever the backend trains on: completion tokens for the VLM,
+denoising steps for flow models, committed tokens or masked rows for dLLMs.
+Anything else a backend needs at training time (input ids, pixel values,
+latents, timesteps) goes in `data`, one tensor per key with N leading rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.core.rewards import AtomScores, Sample
+
+
+@dataclass
+class RolloutBatch:
+    group_ids: Tensor  # [N] long: the prompt each sample answers
+    samples: list[Sample]  # what reward atoms see: prompt, completion, meta
+    mask: Tensor | None = None  # [N, T] bool: positions that carry loss
+    old_logp: Tensor | None = None  # [N, T] log-probs under the weights that produced the sample
+    ref_logp: Tensor | None = None  # [N, T] log-probs under the reference policy (KL, beta > 0)
+    scores: AtomScores | None = None  # atom values [N, K] and totals [N]
+    advantages: Tensor | None = None  # [N] or [N, T]
+    policy_version: int = 0  # the optimizer step whose weights produced these samples
+    data: dict[str, Tensor] = field(default_factory=dict)  # backend tensors, [N, ...] each
+
+    def __post_init__(self):
+        self.validate()
+
+    def __len__(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    @property
+    def rewards(self) -> Tensor:  # [N]
+        if self.scores is None:
+            raise ValueError("this batch has not been scored yet (batch.scores is None)")
+        return self.scores.total
+
+    @property
+    def num_groups(self) -> int:
+        return int(torch.unique(self.group_ids).numel())
+
+    def validate(self) -> None:
+        """Every per-sample field has N rows; per-position fields share one [N, T] shape."""
+        n = len(self)
+        if self.group_ids.dim() != 1:
+            raise ValueError(f"group_ids must be 1-D [N], got shape {tuple(self.group_ids.shape)}")
+        if len(self.samples) != n:
+            raise ValueError(f"batch has {n} group ids but {len(self.samples)} samples")
+        for name in ("mask", "old_logp", "ref_logp", "advantages"):
+            t = getattr(self, name)
+            if t is not None and t.shape[0] != n:
+                raise ValueError(f"batch.{name} has {t.shape[0]} rows, expected {n}")
+        for name in ("old_logp", "ref_logp"):
+            t = getattr(self, name)
+            if t is not None and self.mask is not None and t.shape != self.mask.shape:
+                raise ValueError(f"batch.{name} shape {tuple(t.shape)} != mask shape {tuple(self.mask.shape)}")
+        if self.scores is not None and self.scores.values.shape[0] != n:
+            raise ValueError(f"batch.scores has {self.scores.values.shape[0]} rows, expected {n}")
+        for key, t in self.data.items():
+            if t.shape[0] != n:
+                raise ValueError(f"batch.data[{key!r}] has {t.shape[0]} rows, expected {n}")
+
+    def select(self, idx: Tensor) -> RolloutBatch:
+        """The rows `idx` (long indices or a bool mask [N]), every field sliced alike."""
+        idx = torch.as_tensor(idx)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero(as_tuple=True)[0]
+        rows = idx.tolist()
+
+        def take(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[idx]
+
+        return replace(
+            self,
+            group_ids=self.group_ids[idx],
+            samples=[self.samples[i] for i in rows],
+            mask=take(self.mask),
+            old_logp=take(self.old_logp),
+            ref_logp=take(self.ref_logp),
+            scores=None if self.scores is None else self.scores.select(idx),
+            advantages=take(self.advantages),
+            data={k: v[idx] for k, v in self.data.items()},
+        )
+
+    def groups(self) -> list[Tensor]:
+        """Row indices of each group, in order of first appearance."""
+        _, inverse = torch.unique(self.group_ids, return_inverse=True)
+        first = {}
+        for row, g in enumerate(inverse.tolist()):
+            first.setdefault(g, []).append(row)
+        return [torch.tensor(rows) for rows in first.values()]
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Stack batches row-wise. [N, T] fields of different T are right-padded with
+        zeros (mask False there), so rounds of different lengths can share one batch."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+
+        def cat(name: str) -> Tensor | None:
+            ts = [getattr(b, name) for b in batches]
+            if all(t is None for t in ts):
+                return None
+            if any(t is None for t in ts):
+                raise ValueError(f"cannot concat batches where only some have {name}")
+            return _cat_padded(ts)
+
+        scores = None
+        if all(b.scores is not None for b in batches):
+            names = batches[0].scores.names
+            if any(b.scores.names != names for b in batches):
+                raise ValueError("cannot concat batches scored with different reward atoms")
+            scores = AtomScores(
+                names=list(names),
+                values=torch.cat([b.scores.values for b in batches]),
+                total=torch.cat([b.scores.total for b in batches]),
+                errors=sum(b.scores.errors for b in batches),
+                failed=None if any(b.scores.failed is None for b in batches)
+                else torch.cat([b.scores.failed for b in batches]),
+            )
+        keys = batches[0].data.keys()
+        if any(b.data.keys() != keys for b in batches):
+            raise ValueError("cannot concat batches with different data keys")
+        return RolloutBatch(
+            group_ids=torch.cat([b.group_ids for b in batches]),
+            samples=[s for b in batches for s in b.samples],
+            mask=cat("mask"),
+            old_logp=cat("old_logp"),
+            ref_logp=cat("ref_logp"),
+            scores=scores,
+            advantages=cat("advantages"),
+            policy_version=min(b.policy_version for b in batches),
+            data={k: _cat_padded([b.data[k] for b in batches]) for k in keys},
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {"samples": len(self), "groups": self.num_groups, "version": self.policy_version}
+
+
+def _cat_padded(ts: list[Tensor]) -> Tensor:
+    if ts[0].dim() < 2 or all(t.shape[1:] == ts[0].shape[1:] for t in ts):
+        return torch.cat(ts)
+    if any(t.shape[2:] != ts[0].shape[2:] for t in ts):
+        raise ValueError("cannot concat tensors that differ beyond their second dimension")
+    width = max(t.shape[1] for t in ts)
+    padded = []
+    for t in ts:
+        pad = torch.zeros((t.shape[0], width - t.shape[1], *t.shape[2:]), dtype=t.dtype)
+        padded.append(torch.cat([t, pad], dim=1))
+    return torch.cat(padded)

@@ -1,0 +1,232 @@
+"""Atomic checkpoints and exact resume.
+
+Layout of one checkpoint, `<output_dir>/checkpoints/step-00000004/`:
+    model/                    the policy's save_pretrained (safetensors, from_pretrained layout)
+    trainer_state.safetensors optimizer tensors and RNG states
+    trainer_state.json        everything else: step, optimizer hyper-parameters,
+                              LR schedule, Python/NumPy RNG, data position, eval_before
+
+A checkpoint is written into a temporary sibling directory and renamed into
+place only once every file is flushed: a crash mid-write leaves at most a
+`.tmp-*` directory, which is ignored and cleaned, never a half checkpoint.
+Nothing here unpickles: tensors come from safetensors, the rest from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = STEP_DIR.match(d.name)
+        if m and (d / STATE_JSON).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    write_model: Callable[[Path], None],
+    tensors: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write checkpoint `step` atomically; then delete all but the newest `keep_last`."""
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        write_model(tmp / "model")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
+        # The JSON goes last: list_checkpoints counts a directory only once it exists.
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=1), encoding="utf-8")
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (after a resume): swap, never delete first
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {e.strerror or e}; the previous checkpoint is intact"
+        ) from e
+    for _, old_dir in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old_dir, ignore_errors=True)
+    return final
+
+
+def clean_partial(root: str | Path) -> None:
+    """Remove temporary directories left by a crash mid-write."""
+    root = Path(root)
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+        tensors = load_file(path / STATE_TENSORS)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
+    return tensors, state
+
+
+# --------------------------------------------------------------------------- model weights
+
+
+def save_module(module: torch.nn.Module, path: Path) -> None:
+    """Weights of a plain nn.Module as `model.safetensors` (tied tensors stored once)."""
+    from safetensors.torch import save_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(module, str(path / "model.safetensors"))
+
+
+def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
+    """Load `model.safetensors` (or its shards) written by save_pretrained / save_module,
+    in place. Keys the file lacks must be tied to keys it has; unknown keys are errors."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {path}")
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        loaded.update(load_file(f))
+    own = module.state_dict()
+    unexpected = sorted(set(loaded) - set(own))
+    if unexpected:
+        raise CheckpointError(f"weights in {path} do not fit the model: unexpected keys {unexpected[:5]}")
+    by_ptr = {}
+    for k, v in own.items():
+        by_ptr.setdefault(v.untyped_storage().data_ptr(), []).append(k)
+    for keys in by_ptr.values():
+        if not any(k in loaded for k in keys):
+            raise CheckpointError(f"weights in {path} lack {keys[0]!r}")
+    with torch.no_grad():
+        for k, v in loaded.items():
+            if own[k].shape != v.shape:
+                raise CheckpointError(
+                    f"weights in {path}: {k!r} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}"
+                )
+            own[k].copy_(v)
+
+
+# --------------------------------------------------------------------------- optimizer and RNG
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state_dict into safetensors-able tensors and JSON."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, slots in sd["state"].items():
+        for name, value in slots.items():
+            if torch.is_tensor(value):
+                tensors[f"optim.{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every RNG the run draws from: torch's global one, the given generators, Python, NumPy."""
+    tensors = {"rng.torch": torch.get_rng_state()}
+    tensors.update({f"rng.{name}": g.get_state() for name, g in generators.items()})
+    np_state = np.random.get_state()
+    meta = {
+        "python": _to_json(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *map(_to_json, np_state[2:])],
+    }
+    return tensors, meta
+
+
+def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    for name, g in generators.items():
+        g.set_state(tensors[f"rng.{name}"])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _to_json(x: Any) -> Any:
+    if isinstance(x, tuple):
+        return [_to_json(v) for v in x]
+    return x
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,219 @@
+"""The command line shared by the three modalities: `train`, `eval`, `sample`.
+
+Each entry point (mmrl, diffusion-rl, dllm-rl) is `make_app(spec)` with its
+modality's `BackendSpec`. A backend is a module exposing
+    CONFIG_CLASS     its TrainConfig subclass
+    DEFAULT_CONFIG   the embedded default run (a dict, merged under --config)
+    build(cfg)       -> (policy, task), the protocols of mmrl.core.protocols
+and optionally `sample(cfg, policy, prompts, n) -> list[dict]`. User errors
+(bad config, missing file, nothing to resume) print one paragraph and exit
+non-zero; only bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.rewards import RewardError
+
+err_console = Console(stderr=True)
+console = Console()
+
+USER_ERRORS = (ConfigError, CheckpointError, RewardError, FileNotFoundError)
+
+
+@dataclass
+class BackendSpec:
+    modality: str  # "vlm", "diffusion", "dllm": the configs/ subdirectory
+    title: str  # for help texts
+    command: str  # the console script
+    module: str  # the backend module, imported only when a verb runs
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def load_backend(spec: BackendSpec):
+    try:
+        return importlib.import_module(spec.module)
+    except ModuleNotFoundError as e:
+        if e.name and spec.module.startswith(e.name):
+            raise BackendUnavailable(
+                f"the {spec.title} backend ({spec.module}) is not available yet in this version of mmrl"
+            ) from None
+        raise
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def make_app(spec: BackendSpec) -> typer.Typer:
+    app = typer.Typer(
+        name=spec.command,
+        help=f"RL fine-tuning of {spec.title} models with mmrl. "
+        f"Runnable configs: configs/{spec.modality}/*.yaml; with no --config, `train` runs the "
+        "embedded default (the bundled tiny model on its synthetic task, on a CPU, in minutes).",
+        add_completion=False,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    def build_config(config: Optional[Path], overrides: List[str], backend) -> TrainConfig:
+        cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
+        defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
+        defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
+        return load_config(cls, config, overrides, defaults=defaults)
+
+    def run_verb(fn):
+        try:
+            return fn()
+        except BackendUnavailable as e:
+            fail(str(e) + ".", code=3)
+        except USER_ERRORS as e:
+            fail(str(e))
+        except _runtime_errors() as e:
+            fail(str(e), code=1)
+
+    def get_backend(config, overrides):
+        """Validate the config even before the backend exists, so config errors show first."""
+        try:
+            backend = load_backend(spec)
+        except BackendUnavailable:
+            build_config(config, overrides, None)
+            raise
+        return backend, build_config(config, overrides, backend)
+
+    @app.command()
+    def train(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
+        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Training steps (train.max_steps)."),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Seed of every RNG of the run."),
+        output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Where the run writes."),
+        save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
+        resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in the output directory."),
+    ):
+        """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
+        sample tables, reward_curve.png and checkpoints into the output directory."""
+        overrides = list(set_) + _flag_overrides(
+            {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir, "train.save_every": save_every}
+        )
+
+        def go():
+            from mmrl.core.trainer import Trainer
+
+            backend, cfg = get_backend(config, overrides)
+            console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
+            policy, task = backend.build(cfg)
+            summary = Trainer(cfg, policy, task).train(resume=resume)
+            print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
+            console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
+
+        run_verb(go)
+
+    @app.command("eval")
+    def evaluate(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
+        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory; default: the config's model."),
+    ):
+        """Evaluate a model on the config's held-out task and print its metrics as JSON."""
+
+        def go():
+            backend, cfg = get_backend(config, list(set_))
+            policy, task = backend.build(cfg)
+            if checkpoint is not None:
+                policy.load_weights(resolve_checkpoint(checkpoint))
+            from mmrl.core.trainer import Trainer
+
+            metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir).evaluate()
+            console.print_json(json.dumps(metrics))
+
+        run_verb(go)
+
+    @app.command()
+    def sample(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config of the run."),
+        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
+        prompt: List[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: held-out task prompts."),
+        num: int = typer.Option(4, "--num", "-n", min=1, help="Samples per prompt."),
+    ):
+        """Sample a model and score the samples with the task's reward atoms."""
+
+        def go():
+            backend, cfg = get_backend(config, list(set_))
+            if not hasattr(backend, "sample"):
+                raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
+            policy, task = backend.build(cfg)
+            if checkpoint is not None:
+                policy.load_weights(resolve_checkpoint(checkpoint))
+            for row in backend.sample(cfg, policy, task, list(prompt), num):
+                console.print_json(json.dumps(row, default=str))
+
+        run_verb(go)
+
+    return app
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A run directory -> its newest checkpoint's model; a checkpoint -> its model; else as is."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path / "checkpoints")
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint")
+        return found / "model"
+    if (path / "model").is_dir():
+        return path / "model"
+    return path
+
+
+def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
+    table = Table(title=f"held-out evaluation ({steps} steps)")
+    table.add_column("metric")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for k in sorted(set(before) | set(after)):
+        table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
+    console.print(table)
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _flag_overrides(flags: dict[str, Any]) -> list[str]:
+    return [f"{k}={v}" for k, v in flags.items() if v is not None]
+
+
+def _runtime_errors() -> tuple[type[BaseException], ...]:
+    from mmrl.core.trainer import TrainingError
+
+    return (TrainingError,)
+
+
+def run(app: typer.Typer) -> None:
+    """Entry point: run the app; Ctrl-C exits 130 without a traceback."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted; the newest complete checkpoint is kept (resume with --resume)")
+        sys.exit(130)

@@ -1,0 +1,351 @@
+"""Configuration: pydantic models, YAML files and dotted command-line overrides.
+
+A run is described by one `TrainConfig`. Each backend subclasses it to narrow
+`model`, `task` and `method` to its own typed unions (a `type:` field picks the
+variant). Loading is three layers, later ones winning:
+
+    embedded default (the backend's)  <-  YAML file  <-  --set key.path=value
+
+Every section forbids unknown keys, and every error is turned into one
+`ConfigError` whose message names the key path, so a CLI can print it instead of
+a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one paragraph, fit for a user."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local directory of a from_pretrained checkpoint; None = the backend's bundled tiny model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training. The CPU default is float32."""
+    trust_remote_code: bool = False
+    """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
+
+
+class RolloutConfig(Section):
+    num_generations: int = Field(8, ge=1)
+    """G: samples per prompt (the group)."""
+    prompts_per_step: int = Field(4, ge=1)
+    """Prompts per training step; the batch holds prompts_per_step * num_generations samples."""
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    engine: str = "hf"
+    """Rollout engine of the backend ("hf"; "vllm" with the GPU extra)."""
+
+
+class GroupAdvantageConfig(Section):
+    """GRPO / Dr.GRPO: A = r - mean_g, divided by the group std, the batch std, or nothing."""
+
+    type: Literal["group"] = "group"
+    scale: Literal["group", "batch", "none"] = "group"
+    eps: float = Field(1e-6, gt=0)
+
+
+class RLOOAdvantageConfig(Section):
+    """RLOO: A_i = r_i - mean of the other samples of its group."""
+
+    type: Literal["rloo"] = "rloo"
+
+
+class MultiStreamAdvantageConfig(Section):
+    """Several reward atoms: normalise each atom in its group, then weight (GDPO / HRAS), or the reverse."""
+
+    type: Literal["multi_stream"] = "multi_stream"
+    mode: Literal["normalize_then_sum", "sum_then_normalize"] = "normalize_then_sum"
+    scale: Literal["group", "batch", "none"] = "group"
+
+
+AdvantageConfig = Annotated[
+    Union[GroupAdvantageConfig, RLOOAdvantageConfig, MultiStreamAdvantageConfig],
+    Field(discriminator="type"),
+]
+
+
+class LossConfig(Section):
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """eps_low of the PPO clip: rho is clipped below at 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """eps_high: rho is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)."""
+    level: Literal["token", "sequence"] = "token"
+    """"sequence" is GSPO's ratio: exp(mean token log-ratio), shared by the sample's tokens."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "seq_mean_token_mean"
+    )
+    max_len: int | None = Field(None, ge=1)
+    """Dr.GRPO's constant divisor; None = rollout.max_new_tokens."""
+
+
+class KLConfig(Section):
+    beta: float = Field(0.0, ge=0)
+    """KL coefficient. 0 means no reference model is loaded at all."""
+    kind: Literal["k1", "k2", "k3"] = "k3"
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO: drop groups whose rewards are all equal and refill the batch with new groups."""
+
+    enabled: bool = False
+    max_rounds: int = Field(3, ge=1)
+    """Extra rollout rounds allowed per step to refill; a batch still short after them trains as is."""
+
+
+class GRPOConfig(Section):
+    """The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, RLOO) as one method with dials."""
+
+    type: Literal["grpo"] = "grpo"
+    advantage: AdvantageConfig = Field(default_factory=GroupAdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+
+
+MethodConfig = Annotated[Union[GRPOConfig], Field(discriminator="type")]
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None = no clipping."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _betas_in_range(self):
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class TrainLoopConfig(Section):
+    max_steps: int = Field(20, ge=0)
+    """Rollout-and-update steps."""
+    ppo_epochs: int = Field(1, ge=1)
+    """mu: passes over each rollout batch. With 1 and mini_batches 1 training is exactly on-policy."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass: the batch is split into this many mini-batches."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward (gradient accumulation); None = the whole mini-batch."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only at the end). The final step is always saved."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted once a newer one is complete."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every N steps (0 = only before and after training)."""
+    log_samples_every: int = Field(10, ge=0)
+    """Write a sample table every N steps (0 = never)."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Non-finite loss or gradients: the step is skipped; after this many in a row the run stops."""
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = True
+    progress: bool = True
+    """Rich progress bar on a terminal (off automatically when output is not a terminal)."""
+
+
+class TrainConfig(Section):
+    """A whole run. Backends narrow `model`, `task` and `method` in subclasses."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: dict[str, Any] | None = None
+    """The backend's task section; its schema belongs to the backend."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    method: MethodConfig = Field(default_factory=GRPOConfig)
+    reward: list[Union[str, dict[str, Any]]] = Field(default_factory=list)
+    """Extra reward atoms, each "path/to/file.py:function" or {path, weight, name, parents}."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    _base_dir: str | None = PrivateAttr(None)
+
+    @property
+    def base_dir(self) -> str | None:
+        """Directory of the YAML file this config came from: relative atom paths start there."""
+        return self._base_dir
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Recursive dict merge, `update` winning. A section whose `type` changes is replaced,
+    not merged, so switching method or task does not drag the old variant's keys along."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        old = out.get(key)
+        if (
+            isinstance(old, dict)
+            and isinstance(value, dict)
+            and value.get("type", old.get("type")) == old.get("type")
+        ):
+            out[key] = deep_merge(old, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """"a.b.c=value" -> (["a", "b", "c"], value parsed as YAML: 3 -> int, [1, 2] -> list, x -> str)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r} has an empty key in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    data = copy.deepcopy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            node = child
+        if parts[-1] == "type" and node.get("type") != value:
+            node.clear()  # a new variant starts from its own defaults
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    cls: type[TrainConfig] = TrainConfig,
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    defaults: dict | None = None,
+) -> TrainConfig:
+    """Build a validated config: `defaults` <- YAML file at `path` <- dotted `overrides`."""
+    # Start from the full default dump, so every union section carries its `type`.
+    data = deep_merge(cls().model_dump(mode="json"), defaults or {})
+    if path is not None:
+        data = deep_merge(data, read_yaml(path))
+    data = apply_overrides(data, overrides)
+    try:
+        cfg = cls.model_validate(data)
+    except ValidationError as e:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(f"invalid config{where}: " + "; ".join(_describe(e, cls, data))) from None
+    if path is not None:
+        cfg._base_dir = str(Path(path).resolve().parent)
+    return cfg
+
+
+# --------------------------------------------------------------------------- error messages
+
+
+def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[str]:
+    lines = []
+    for err in error.errors():
+        loc = _clean_loc(err["loc"], data)
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(cls, data, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = f"unknown key {key!r}"
+            if hint:
+                msg += f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])!r}?)"
+            elif known:
+                msg += f" (allowed here: {', '.join(sorted(known))})"
+        else:
+            msg = f"{key}: {err['msg']}"
+            if err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], dict):
+                msg += f" (got {err['input']!r})"
+        lines.append(msg)
+    return lines
+
+
+def _clean_loc(loc: tuple, data: Any) -> list:
+    """Drop the union tags pydantic inserts ("method.grpo.loss" -> "method.loss")."""
+    out, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("type") == part:
+            continue
+        out.append(part)
+        node = node.get(part) if isinstance(node, dict) else None
+    return out
+
+
+def _known_keys(cls: type[BaseModel], data: Any, loc: list) -> list[str]:
+    """Field names of the section at `loc`, following unions by the data's `type`."""
+    model: Any = cls
+    node = data
+    for part in loc:
+        node = node.get(part) if isinstance(node, dict) else None
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        model = _resolve(field.annotation, node)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _resolve(annotation: Any, node: Any) -> Any:
+    import typing
+
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Annotated:
+        return _resolve(args[0], node)
+    if args:
+        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        tag = node.get("type") if isinstance(node, dict) else None
+        for m in models:
+            f = m.model_fields.get("type")
+            if f is not None and tag is not None and f.default == tag:
+                return m
+        return models[0] if models else None
+    return annotation

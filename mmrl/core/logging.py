@@ -1,0 +1,151 @@
+"""Run outputs: a progress bar, metrics.jsonl, TensorBoard events, sample tables, a reward curve.
+
+`RunLogger` is the only writer of a run directory's logs. On resume it first
+cuts metrics.jsonl back to the checkpoint's step, so the file of a resumed run
+equals that of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+CURVE = "reward_curve.png"
+
+
+class RunLogger:
+    def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True, description: str = "train"):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / METRICS
+        truncate_metrics(self.metrics_path, start_step)
+        self._tb = _tensorboard_writer(self.dir / "tensorboard") if tensorboard else None
+        self._progress = None
+        if progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[step_time]} s/step"),
+                TimeRemainingColumn(), transient=False,
+            )
+            self._task = self._progress.add_task(
+                description, total=total_steps, completed=start_step, reward="-", step_time="-"
+            )
+            self._progress.start()
+        self._last = time.perf_counter()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One line of metrics.jsonl per step; the same scalars to TensorBoard and the bar."""
+        now = time.perf_counter()
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._progress is not None:
+            reward = metrics.get("reward/total")
+            self._progress.update(
+                self._task, completed=step,
+                reward="-" if reward is None else f"{reward:.3f}", step_time=f"{now - self._last:.2f}",
+            )
+        self._last = now
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> Path:
+        """A sample table: samples/step_00000010.jsonl, one row per sample."""
+        path = self.dir / "samples" / f"step_{step:08d}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        return path
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep only the lines of steps <= `step` (a resume rewinds to its checkpoint)."""
+    rows = read_metrics(path)
+    kept = [r for r in rows if r.get("step", 0) <= step]
+    if len(kept) != len(rows):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(path)
+
+
+def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: dict | None = None) -> Path:
+    """reward/total per step (and its running mean); held-out metrics as markers if given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(metrics_path) if "reward/total" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if rows:
+        steps = [r["step"] for r in rows]
+        rewards = [r["reward/total"] for r in rows]
+        ax.plot(steps, rewards, alpha=0.4, label="reward (batch mean)")
+        window = max(1, len(rows) // 10)
+        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"running mean ({window})")
+    for label, (step, value) in (eval_points or {}).items():
+        ax.scatter([step], [value], marker="o", zorder=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    if rows or eval_points:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _tensorboard_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a core dependency, but a broken install must not stop a run
+        warnings.warn("tensorboard is not importable; TensorBoard logging is off", stacklevel=3)
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe: tensors to numbers, non-finite floats to strings (JSON has no NaN)."""
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    return repr(v)

@@ -1,0 +1,617 @@
+"""Reward atoms: the public Python API for custom rewards.
+
+An *atom* is the smallest independently checkable unit of reward: an object
+exists, a count, an attribute, a relation, an answer, a format. A `Reward` is a
+weighted set of atoms; `Reward.score(samples)` returns every atom's score for
+every sample ([N, K]) and the weighted total ([N]).
+
+    @reward_atom("has_answer")
+    def has_answer(sample: Sample) -> bool:
+        return "<answer>" in sample.completion
+
+    @reward_atom("correct", weight=2.0, parents=("has_answer",))
+    async def correct(sample: Sample) -> float:  # async atoms run concurrently
+        return await judge(sample.prompt, sample.completion)
+
+    scores = Reward([has_answer, correct]).score(samples)
+    scores.total  # [N] = 1.0 * has_answer + 2.0 * correct
+
+Rules:
+- An atom returns a number: bool -> 0/1; int, float, 0-d tensor or numpy
+  scalar -> float. A batched atom (`batched=True`) takes the list of samples and
+  returns one number per sample (a sequence, or a 1-D tensor / ndarray).
+- Causal gating: a child atom scores 0 on a sample where any of its parents
+  scored below 0.5 (after the parent's own gating), and is not called for that
+  sample. A batched child is called once with only the samples it must score.
+- Atoms are evaluated level by level in topological order (parents first);
+  within a level, sync atoms run one after another, then every call of every
+  async atom runs concurrently on one event loop per `score()` call.
+- Errors (an atom raises, returns a non-number or a non-finite value, returns
+  the wrong number of values, or times out): `on_error="raise"` raises
+  `RewardError` naming the atom, the sample and what went wrong;
+  `on_error="zero"` scores that entry 0, counts it in `AtomScores.errors` and
+  warns once per `score()` call.
+- Configs name atoms as "path/to/file.py:function" (`load_atom`, `Reward.from_config`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import itertools
+import math
+import numbers
+import re
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AtomScores",
+    "Reward",
+    "RewardAtom",
+    "RewardError",
+    "Sample",
+    "load_atom",
+    "reward_atom",
+]
+
+_RESERVED_NAMES = ("total", "total_std", "errors")  # would clash with reward/<name> metrics
+
+
+@dataclass
+class Sample:
+    """One generated sample to score."""
+
+    prompt: Any
+    completion: Any  # text, token ids or an image
+    meta: dict | None = None  # anything else the atoms need: ground truth, task fields
+
+
+class RewardError(Exception):
+    """An atom failed on a sample. `.atom` is its name; `.sample_index` the index of
+    the sample in the scored list (None when a batched call failed as a whole)."""
+
+    def __init__(self, message: str, atom: str | None = None, sample_index: int | None = None):
+        super().__init__(message)
+        self.atom = atom
+        self.sample_index = sample_index
+
+
+class RewardAtom:
+    """A named, weighted reward function.
+
+    fn: `fn(sample) -> number`, or with batched=True `fn(samples) -> N numbers`;
+        either may be `async def` (detected here, stored as `is_async`).
+    weight: the atom's weight in the total; must be finite.
+    parents: names of the atoms that gate this one (see module docstring).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        weight: float = 1.0,
+        parents: Sequence[str] | str = (),
+        batched: bool = False,
+    ):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"reward atom name must be a non-empty string, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"reward atom {name!r}: fn must be callable, got {type(fn).__name__}")
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward atom {name!r}: weight must be a number, got {weight!r}")
+        if not math.isfinite(weight):
+            raise ValueError(f"reward atom {name!r}: weight must be finite, got {weight}")
+        if isinstance(parents, str):
+            parents = (parents,)
+        if not all(isinstance(p, str) for p in parents):
+            raise ValueError(f"reward atom {name!r}: parents must be atom names, got {parents!r}")
+        self.name = name
+        self.fn = fn
+        self.weight = weight
+        self.parents = tuple(parents)
+        self.batched = bool(batched)
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            type(fn).__call__  # an object with an `async def __call__`
+        )
+
+    def __call__(self, arg):
+        """Call the wrapped function directly (handy for testing an atom by itself)."""
+        return self.fn(arg)
+
+    def __repr__(self) -> str:
+        extra = "".join(
+            [
+                f", parents={self.parents!r}" if self.parents else "",
+                ", batched=True" if self.batched else "",
+                ", async" if self.is_async else "",
+            ]
+        )
+        return f"RewardAtom({self.name!r}, weight={self.weight}{extra})"
+
+
+def reward_atom(
+    name: str, weight: float = 1.0, parents: Sequence[str] | str = (), batched: bool = False
+) -> Callable[[Callable], RewardAtom]:
+    """Decorator: turn a sync or async function into a `RewardAtom`."""
+    if callable(name):
+        raise TypeError('reward_atom needs a name: use @reward_atom("my_atom"), not @reward_atom')
+
+    def wrap(fn: Callable) -> RewardAtom:
+        return RewardAtom(name, fn, weight=weight, parents=parents, batched=batched)
+
+    return wrap
+
+
+@dataclass
+class AtomScores:
+    """Scores of one batch. Column k of `values` is atom `names[k]`."""
+
+    names: list[str]
+    values: Tensor  # [N, K] float32, after gating
+    total: Tensor  # [N] float32 = sum_k weight_k * values[:, k]
+    errors: int = 0  # evaluations that failed and were scored 0 (on_error="zero")
+    failed: Tensor | None = None  # [N, K] bool: which entries those were
+
+    def metrics(self) -> dict[str, float]:
+        """`reward/<atom>` and `reward/total` means, `reward/total_std` (unbiased;
+        0 for fewer than 2 samples) and `reward/errors`. Means of an empty batch are nan."""
+        out = {f"reward/{n}": float(self.values[:, k].mean()) for k, n in enumerate(self.names)}
+        out["reward/total"] = float(self.total.mean())
+        out["reward/total_std"] = float(self.total.std()) if len(self.total) > 1 else 0.0
+        out["reward/errors"] = float(self.errors)
+        return out
+
+    def per_sample(self) -> list[dict[str, float]]:
+        """One {atom name: value} dict per sample, for sample tables."""
+        return [dict(zip(self.names, row)) for row in self.values.tolist()]
+
+    def select(self, idx: Tensor) -> AtomScores:
+        """The rows `idx` (indices or a bool mask [N]) as a new AtomScores."""
+        idx = torch.as_tensor(idx)
+        failed = self.failed[idx] if self.failed is not None else None
+        errors = int(failed.sum()) if failed is not None else self.errors
+        return AtomScores(list(self.names), self.values[idx], self.total[idx], errors, failed)
+
+
+class Reward:
+    """A weighted set of reward atoms.
+
+    on_error: "raise" (RewardError at the first failed evaluation) or "zero"
+        (score it 0, count it in AtomScores.errors, warn once per score call).
+    timeout: seconds allowed for each call of an async atom; None = no limit.
+    """
+
+    def __init__(
+        self, atoms: Sequence[RewardAtom], *, on_error: str = "raise", timeout: float | None = None
+    ):
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f'on_error must be "raise" or "zero", got {on_error!r}')
+        if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout > 0):
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
+        atoms = list(atoms)
+        if not atoms:
+            raise ValueError("a Reward needs at least one atom")
+        for a in atoms:
+            if not isinstance(a, RewardAtom):
+                raise TypeError(
+                    f"Reward atoms must be RewardAtom (use @reward_atom), got {type(a).__name__}"
+                )
+        by_name: dict[str, RewardAtom] = {}
+        for a in atoms:
+            if a.name in by_name:
+                raise ValueError(f"duplicate reward atom name {a.name!r}")
+            if a.name in _RESERVED_NAMES:
+                raise ValueError(f"reward atom name {a.name!r} is reserved for a metric")
+            if not math.isfinite(a.weight):
+                raise ValueError(f"reward atom {a.name!r}: weight must be finite, got {a.weight}")
+            by_name[a.name] = a
+        for a in atoms:
+            for p in a.parents:
+                if p not in by_name:
+                    raise ValueError(
+                        f"reward atom {a.name!r}: parent {p!r} is not an atom of this Reward "
+                        f"(atoms: {', '.join(by_name)})"
+                    )
+        self.atoms = tuple(atoms)
+        self.on_error = on_error
+        self.timeout = None if timeout is None else float(timeout)
+        self._levels = _topological_levels(self.atoms, by_name)
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.atoms]
+
+    @property
+    def weights(self) -> Tensor:
+        return torch.tensor([a.weight for a in self.atoms], dtype=torch.float32)  # [K]
+
+    def __repr__(self) -> str:
+        return f"Reward({list(self.atoms)!r}, on_error={self.on_error!r}, timeout={self.timeout})"
+
+    @classmethod
+    def from_config(
+        cls, specs: Sequence[str | Mapping], base_dir: str | Path | None = None, **kwargs
+    ) -> Reward:
+        """Build a Reward from atom specs. Each item is "file.py:fn" or a dict
+        {"path": "file.py:fn", "weight": w, "name": new_name, "parents": [names]}
+        (all but "path" optional; given fields override the loaded atom's).
+        Other keyword arguments (on_error, timeout) go to Reward()."""
+        if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
+            raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")  # noqa: TRY004
+        modules: dict[Path, Any] = {}  # import each file once, even for several atoms
+        atoms = []
+        for i, item in enumerate(specs):
+            if isinstance(item, str):
+                atoms.append(_load_atom(item, base_dir, modules))
+                continue
+            if not isinstance(item, Mapping) or "path" not in item:
+                raise ValueError(
+                    f"reward spec {i} must be 'file.py:fn' or a dict with a 'path', got {item!r}"
+                )
+            unknown = set(item) - {"path", "weight", "name", "parents"}
+            if unknown:
+                raise ValueError(
+                    f"reward spec {i} ({item['path']}): unknown keys {sorted(unknown)}"
+                )
+            atom = _load_atom(item["path"], base_dir, modules)
+            atoms.append(
+                RewardAtom(
+                    item.get("name", atom.name),
+                    atom.fn,
+                    weight=item.get("weight", atom.weight),
+                    parents=item.get("parents", atom.parents),
+                    batched=atom.batched,
+                )
+            )
+        return cls(atoms, **kwargs)
+
+    def score(self, samples: Sequence[Sample]) -> AtomScores:
+        """Score every sample with every atom (see the module docstring)."""
+        run = _ScoreRun(self, list(samples))
+        loop = _EventLoop()
+        try:
+            for level in self._levels:
+                async_jobs = []
+                for atom in level:
+                    idx = run.open_indices(atom)
+                    if not idx:
+                        continue
+                    if atom.is_async:
+                        async_jobs.append((atom, idx))
+                    elif atom.batched:
+                        run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx]))
+                    else:
+                        for i in idx:
+                            run.settle(atom, [i], _call(atom.fn, run.samples[i]))
+                if async_jobs:
+                    self._run_async(run, loop, async_jobs)
+        finally:
+            loop.close()
+        return run.result()
+
+    def _run_async(self, run: _ScoreRun, loop: _EventLoop, jobs: list) -> None:
+        """All calls of this level's async atoms, concurrently; settled in atom, sample order."""
+        calls = []  # (atom, indices, argument)
+        for atom, idx in jobs:
+            if atom.batched:
+                calls.append((atom, idx, [run.samples[i] for i in idx]))
+            else:
+                calls.extend((atom, [i], run.samples[i]) for i in idx)
+        outcomes = loop.run([_call_async(a.fn, arg, self.timeout) for a, _, arg in calls])
+        for (atom, idx, _), outcome in zip(calls, outcomes):
+            run.settle(atom, idx, outcome)
+
+
+# ---------------------------------------------------------------------------- scoring internals
+
+
+class _BadValue(Exception):
+    """What an atom returned is not a usable score; the message says why."""
+
+
+class _AtomTimeout(TimeoutError):
+    pass
+
+
+def _call(fn: Callable, arg) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, the exception fn raised)."""
+    try:
+        return fn(arg), None
+    except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
+        return None, e
+
+
+async def _call_async(fn: Callable, arg, timeout: float | None) -> tuple[Any, BaseException | None]:
+    try:
+        task = asyncio.ensure_future(fn(arg))
+        if timeout is None:
+            return await task, None
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()  # drained when the loop closes
+            return None, _AtomTimeout(f"timed out after {timeout} s")
+        return task.result(), None
+    except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
+        return None, e
+
+
+class _ScoreRun:
+    """The state of one score() call: values, failures, and how to settle outcomes."""
+
+    def __init__(self, reward: Reward, samples: list):
+        self.reward = reward
+        self.samples = samples
+        self.col = {a.name: k for k, a in enumerate(reward.atoms)}
+        n, k = len(samples), len(reward.atoms)
+        self.values = [[0.0] * k for _ in range(n)]
+        self.failed = [[False] * k for _ in range(n)]
+        self.failures: dict[str, list] = {}  # atom name -> [(sample index or None, message)]
+
+    def open_indices(self, atom: RewardAtom) -> list[int]:
+        """Samples on which no parent of `atom` scored below 0.5."""
+        cols = [self.col[p] for p in atom.parents]
+        return [i for i, row in enumerate(self.values) if all(row[c] >= 0.5 for c in cols)]
+
+    def settle(self, atom: RewardAtom, idx: list[int], outcome: tuple) -> None:
+        result, exc = outcome
+        if exc is not None:
+            what = str(exc) if isinstance(exc, _AtomTimeout) else _describe(exc)
+            return self.fail(atom, idx, what, exc, batch=atom.batched)
+        if atom.batched:
+            try:
+                result = _as_list(result, len(idx))
+            except _BadValue as e:
+                return self.fail(atom, idx, str(e), None, batch=True)
+        else:
+            result = [result]
+        for i, value in zip(idx, result):
+            try:
+                self.values[i][self.col[atom.name]] = _to_float(value)
+            except _BadValue as e:
+                self.fail(atom, [i], str(e), None)
+
+    def fail(self, atom, idx, what: str, cause, batch: bool = False) -> None:
+        sample_index = None if batch else idx[0]
+        if self.reward.on_error == "raise":
+            where = (
+                f"a batch of {_plural(len(idx), 'sample')} (first prompt: {_short(self.samples[idx[0]])})"
+                if batch
+                else f"sample {sample_index} (prompt: {_short(self.samples[sample_index])})"
+            )
+            raise RewardError(
+                f"reward atom {atom.name!r} failed on {where}: {what}", atom.name, sample_index
+            ) from cause
+        for i in idx:  # the values are already 0
+            self.failed[i][self.col[atom.name]] = True
+        self.failures.setdefault(atom.name, []).append((sample_index, len(idx), what))
+
+    def result(self) -> AtomScores:
+        k = len(self.reward.atoms)
+        values = torch.tensor(self.values, dtype=torch.float32).reshape(-1, k)  # [N, K]
+        failed = torch.tensor(self.failed, dtype=torch.bool).reshape(-1, k)  # [N, K]
+        total = values @ self.reward.weights  # [N]
+        errors = int(failed.sum())
+        if errors:
+            parts = []
+            for name, fails in self.failures.items():
+                i, _, what = fails[0]
+                first = "a batch" if i is None else f"sample {i}"
+                parts.append(f"{name!r} on {sum(f[1] for f in fails)} (first: {first}: {what})")
+            warnings.warn(
+                f"{errors} reward evaluation(s) failed and scored 0: " + "; ".join(parts),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return AtomScores(self.reward.names, values, total, errors, failed)
+
+
+def _to_float(value) -> float:
+    """bool, int, float, 0-d tensor or numpy scalar -> finite float, else _BadValue."""
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()  # no "never awaited" warning
+        raise _BadValue("returned an awaitable; declare the function with async def")
+    if isinstance(value, Tensor) or _is_numpy(value):
+        if value.ndim != 0:
+            raise _BadValue(
+                f"returned {_a(type(value).__name__)} of shape {tuple(value.shape)}, "
+                "expected a number"
+            )
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        got = "None" if value is None else _a(type(value).__name__)
+        raise _BadValue(f"returned {got}, expected a number")
+    try:
+        x = float(value)
+    except OverflowError:
+        raise _BadValue("returned a number too large for a float")
+    if not math.isfinite(x):
+        raise _BadValue(f"returned {x}")  # "returned nan", "returned inf", "returned -inf"
+    return x
+
+
+def _as_list(result, n: int) -> list:
+    """What a batched atom returned -> a list of n raw values, else _BadValue."""
+    if isinstance(result, Tensor) or _is_numpy(result):
+        if result.ndim != 1:
+            raise _BadValue(
+                f"returned {_a(type(result).__name__)} of shape {tuple(result.shape)}, "
+                f"expected {n} values"
+            )
+        result = result.tolist()
+    elif isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
+        raise _BadValue(f"returned {_a(type(result).__name__)}, expected a sequence of {n} numbers")
+    if len(result) != n:
+        raise _BadValue(f"returned {len(result)} values for {_plural(n, 'sample')}")
+    return list(result)
+
+
+def _is_numpy(x) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "ndim") and hasattr(x, "item")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _describe(exc: BaseException) -> str:
+    msg = str(exc)
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+def _short(sample, limit: int = 80) -> str:
+    text = repr(getattr(sample, "prompt", sample))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _topological_levels(atoms: tuple, by_name: dict) -> list[list[RewardAtom]]:
+    """Group atoms by depth (no parents: 0; else 1 + deepest parent), keeping the
+    user's order within a level. A parent cycle raises ValueError naming it."""
+    depth: dict[str, int] = {}
+
+    def visit(atom: RewardAtom, path: list[str]) -> int:
+        if atom.name in path:
+            cycle = " -> ".join(path[path.index(atom.name) :] + [atom.name])
+            raise ValueError(f"reward atom {atom.name!r} is in a parent cycle: {cycle}")
+        if atom.name not in depth:
+            parents = [visit(by_name[p], path + [atom.name]) for p in atom.parents]
+            depth[atom.name] = 1 + max(parents, default=-1)
+        return depth[atom.name]
+
+    for a in atoms:
+        visit(a, [])
+    levels: list[list[RewardAtom]] = [[] for _ in range(max(depth.values()) + 1)]
+    for a in atoms:
+        levels[depth[a.name]].append(a)
+    return levels
+
+
+class _EventLoop:
+    """The one event loop of a score() call, made on first use. If this thread is
+    already running a loop (score() called from async code), ours runs in a worker thread."""
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, coros: list) -> list:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                asyncio.get_running_loop()
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="mmrl-reward")
+            except RuntimeError:
+                pass
+        return self._in_place(self._loop.run_until_complete, _gather(coros))
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._in_place(self._shutdown)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+
+    def _in_place(self, fn, *args):
+        return fn(*args) if self._pool is None else self._pool.submit(fn, *args).result()
+
+    def _shutdown(self) -> None:
+        loop = self._loop
+        try:
+            pending = asyncio.all_tasks(loop)  # e.g. timed-out calls, being cancelled
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(_gather(list(pending)))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
+async def _gather(aws: list) -> list:
+    return await asyncio.gather(*aws, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------- loading from files
+
+_module_counter = itertools.count()
+
+
+def load_atom(spec: str, base_dir: str | Path | None = None) -> RewardAtom:
+    """Load the atom named by "path/to/file.py:function_name".
+
+    A relative path resolves against base_dir (default: the current directory).
+    The file is imported under a unique module name. A RewardAtom attribute is used
+    as is; a plain callable becomes RewardAtom(name=function_name, fn=it).
+    """
+    return _load_atom(spec, base_dir, {})
+
+
+def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward atom spec {spec!r} must look like 'path/to/file.py:function'")
+    file_part, attr = spec.rsplit(":", 1)  # rsplit: a Windows drive letter has a ':' too
+    if not file_part or not attr:
+        raise ValueError(f"reward atom spec {spec!r} must look like 'path/to/file.py:function'")
+    path = Path(file_part).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir if base_dir is not None else Path.cwd()) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ValueError(f"reward atom spec {spec!r}: file not found: {path}")
+    if path not in modules:
+        modules[path] = _import_file(spec, path)
+    module = modules[path]
+    if not hasattr(module, attr):
+        defined = sorted(
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        )
+        raise ValueError(
+            f"reward atom spec {spec!r}: {path.name} has no attribute {attr!r} "
+            f"(callables defined: {', '.join(defined) or 'none'})"
+        )
+    obj = getattr(module, attr)
+    if isinstance(obj, RewardAtom):
+        return obj
+    if not callable(obj):
+        raise ValueError(  # noqa: TRY004 -- a config error, like the others here
+            f"reward atom spec {spec!r}: {attr!r} is {_a(type(obj).__name__)}, not callable"
+        )
+    return RewardAtom(attr, obj)
+
+
+def _import_file(spec: str, path: Path):
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"mmrl_reward_atoms_{stem}_{next(_module_counter)}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward atom spec {spec!r}: cannot import {path} as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickle look the module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(
+            f"reward atom spec {spec!r}: importing {path} failed: {_describe(e)}"
+        ) from e
+    return module

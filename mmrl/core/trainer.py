@@ -1,0 +1,326 @@
+"""The one RL loop, shared by every modality (DESIGN.md, "The loop").
+
+    for step:
+        batch = scheduler.next_groups()       # complete groups, scored; method.keep_groups
+                                              # drops some and the scheduler refills
+        batch.advantages = method.advantages(batch)
+        for epoch, mini-batch:                # ppo_epochs x mini_batches optimizer steps
+            for micro-batch:                  # gradient accumulation
+                method.loss(policy, micro, adv, denom).backward()
+            clip, optimizer step, LR schedule
+        log; evaluate; checkpoint
+
+The backend supplies the policy and task (mmrl.core.protocols); the method
+supplies advantages and loss (mmrl.core.method); everything else is here.
+Resuming from a checkpoint reproduces the uninterrupted run exactly on a CPU:
+every RNG the loop draws from, the data position and the optimizer are saved,
+and evaluation runs with the training RNGs set aside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from mmrl.core import checkpoint as ckpt
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import OptimConfig, TrainConfig
+from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
+from mmrl.core.method import build_method
+from mmrl.core.rewards import Reward
+from mmrl.core.scheduler import PromptStream, SyncScheduler
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite training, nothing to resume); the message says why."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_factor(cfg: OptimConfig, total: int):
+    """Multiplier of the base LR after `n` optimizer steps: linear warm-up, then the schedule."""
+
+    def factor(n: int) -> float:
+        if n < cfg.warmup_steps:
+            return (n + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        frac = min(1.0, (n - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        if cfg.schedule == "linear":
+            return 1.0 - frac
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, policy, task, output_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.out = Path(output_dir or cfg.output_dir)
+        self.policy = policy
+        self.task = task
+        seed_everything(cfg.seed)
+        self.reward = combined_reward(task.reward, cfg)
+        self.method = build_method(cfg, self.reward)
+        self.params = [p for p in policy.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
+        oc = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
+        )
+        updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
+        self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
+        self.stream = PromptStream(task.train_prompts(), cfg.seed)
+        self.reference = policy.reference() if self.method.needs_reference else None
+        self.scheduler = SyncScheduler(
+            cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
+        )
+        self.step = 0
+        self.bad_steps = 0
+        self.eval_before: dict[str, float] | None = None
+        self.saved_step: int | None = None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self, resume: bool = False) -> dict[str, Any]:
+        tc = self.cfg.train
+        if resume:
+            path = ckpt.latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise TrainingError(f"--resume: no complete checkpoint in {self.checkpoint_dir}")
+            self.load(path)
+        elif ckpt.list_checkpoints(self.checkpoint_dir):
+            raise TrainingError(
+                f"{self.out} already holds checkpoints of a run; pass --resume to continue it "
+                "or choose another --output-dir"
+            )
+        ckpt.clean_partial(self.checkpoint_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        started = time.perf_counter()
+        logger = RunLogger(
+            self.out, total_steps=tc.max_steps, start_step=self.step,
+            tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
+        )
+        try:
+            if self.eval_before is None:
+                self.eval_before = self.evaluate()
+            while self.step < tc.max_steps:
+                metrics = self.train_step(logger)
+                self.step += 1
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                logger.log(self.step, metrics)
+                if tc.save_every and self.step % tc.save_every == 0 and not metrics.get("train/bad_step"):
+                    self.save()
+            if self.saved_step != self.step:
+                self.save()
+        finally:
+            logger.close()
+        eval_after = self.evaluate()
+        return self.write_summary(eval_after, time.perf_counter() - started)
+
+    def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.policy.model.eval()  # no dropout: the ratio is exactly 1 on-policy
+        batch, metrics = self.scheduler.next_groups(version=self.step)
+        if batch is None:
+            warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
+            metrics["train/skipped"] = 1.0
+            return metrics
+        batch.advantages = self.method.advantages(batch)
+        t1 = time.perf_counter()
+        metrics.update(self.update(batch))
+        metrics["time/update"] = time.perf_counter() - t1
+        metrics["time/step"] = time.perf_counter() - t0
+        every = self.cfg.train.log_samples_every
+        if logger is not None and every and (self.step + 1) % every == 0:
+            logger.samples(self.step + 1, sample_rows(batch))
+        return metrics
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """ppo_epochs x mini_batches optimizer steps on one batch, with gradient accumulation."""
+        tc, oc = self.cfg.train, self.cfg.optim
+        n = len(batch)
+        sums: dict[str, float] = defaultdict(float)
+        updates = bad = 0
+        for _ in range(tc.ppo_epochs):
+            order = torch.randperm(n, generator=self.generator) if tc.mini_batches > 1 else torch.arange(n)
+            for mini_idx in order.tensor_split(tc.mini_batches):
+                if len(mini_idx) == 0:
+                    continue
+                mini = batch.select(mini_idx)
+                denom = self.method.loss_denominator(mini)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_value = 0.0
+                for micro_idx in torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)):
+                    micro = mini.select(micro_idx)
+                    out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
+                    share = len(micro) / len(mini)
+                    # With a mini-batch denominator the micro losses already sum to the
+                    # mini-batch loss; without one each is its own mean and is weighted.
+                    loss = out.loss if denom is not None else out.loss * share
+                    loss.backward()
+                    loss_value += float(loss.detach())
+                    for k, v in out.metrics.items():
+                        sums[k] += v * share
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, oc.max_grad_norm or float("inf")))
+                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    bad += 1
+                    continue
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                updates += 1
+                sums["loss/total"] += loss_value
+                sums["loss/grad_norm"] += grad_norm
+        metrics = {k: v / max(1, tc.ppo_epochs * tc.mini_batches) for k, v in sums.items()}
+        for k in ("loss/total", "loss/grad_norm"):
+            metrics[k] = sums[k] / max(1, updates) if updates else float("nan")
+        metrics["optim/lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["train/updates"] = updates
+        metrics["reward/advantage_abs"] = float(batch.advantages.abs().mean())
+        if bad:
+            self.bad_steps += 1
+            metrics["train/bad_step"] = 1.0
+            warnings.warn(
+                f"step {self.step + 1}: {bad} update(s) had a non-finite loss or gradient and were skipped",
+                stacklevel=2,
+            )
+            if self.bad_steps >= tc.max_bad_steps:
+                raise TrainingError(
+                    f"stopping: {self.bad_steps} steps in a row had a non-finite loss or gradient "
+                    f"(train.max_bad_steps={tc.max_bad_steps}); the last good checkpoint is in "
+                    f"{self.checkpoint_dir}"
+                )
+        else:
+            self.bad_steps = 0
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics, with every training RNG set aside (so evaluating never
+        changes the training trajectory, and a resumed run matches an uninterrupted one)."""
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                self.policy.model.eval()
+                result = self.task.evaluate(self.policy)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+        return {k: float(v) for k, v in result.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        if not all(bool(torch.isfinite(p).all()) for p in self.params):
+            raise TrainingError(f"step {self.step}: the weights are not finite; no checkpoint was written")
+        opt_tensors, opt_meta = ckpt.optimizer_state(self.optimizer)
+        rng_tensors, rng_meta = ckpt.rng_state({"rollout": self.generator})
+        state = {
+            "step": self.step,
+            "bad_steps": self.bad_steps,
+            "eval_before": self.eval_before,
+            "optimizer": opt_meta,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "rng": rng_meta,
+            "data": self.stream.state_dict(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        path = ckpt.save_checkpoint(
+            self.checkpoint_dir, self.step, self.policy.save_pretrained,
+            {**opt_tensors, **rng_tensors}, state, keep_last=self.cfg.train.keep_last,
+        )
+        self.saved_step = self.step
+        return path
+
+    def load(self, path: Path) -> None:
+        tensors, state = ckpt.load_checkpoint(path)
+        # The KL reference stays as built in __init__: the starting weights, not the checkpoint's.
+        self.policy.load_weights(path / "model")
+        ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
+        self.stream.load_state_dict(state["data"])
+        self.step = state["step"]
+        self.bad_steps = state["bad_steps"]
+        self.eval_before = state["eval_before"]
+        self.saved_step = self.step
+
+    # ------------------------------------------------------------------ outputs
+
+    def write_summary(self, eval_after: dict[str, float], seconds: float) -> dict[str, Any]:
+        rows = read_metrics(self.out / "metrics.jsonl")
+        summary = {
+            "eval_before": self.eval_before,
+            "eval_after": eval_after,
+            "steps": self.step,
+            "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
+            "final_metrics": rows[-1] if rows else {},
+            "train_seconds": seconds,
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        tmp.replace(self.out / "summary.json")
+        plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
+        return summary
+
+
+def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
+    """The task's atoms plus the config's extra atoms ("path/to/file.py:fn")."""
+    if not cfg.reward:
+        return task_reward
+    extra = Reward.from_config(cfg.reward, base_dir=cfg.base_dir)
+    return Reward(
+        list(task_reward.atoms) + list(extra.atoms),
+        on_error=task_reward.on_error, timeout=task_reward.timeout,
+    )
+
+
+def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """One row per sample for a sample table: prompt, completion, atoms, total, advantage."""
+    atoms = batch.scores.per_sample() if batch.scores is not None else [{}] * len(batch)
+    adv = batch.advantages
+    rows = []
+    for i, s in enumerate(batch.samples):
+        rows.append({
+            "group": int(batch.group_ids[i]),
+            "prompt": _show(s.prompt),
+            "completion": _show(s.completion),
+            "reward": float(batch.rewards[i]) if batch.scores is not None else None,
+            "atoms": atoms[i],
+            "advantage": None if adv is None else float(adv[i].float().mean()),
+        })
+    return rows
+
+
+def _show(x: Any) -> Any:
+    if isinstance(x, (str, int, float)) or x is None:
+        return x
+    if hasattr(x, "size") and hasattr(x, "mode"):  # a PIL image
+        return f"<image {x.size[0]}x{x.size[1]} {x.mode}>"
+    if torch.is_tensor(x):
+        return x.tolist() if x.numel() <= 512 else f"<tensor {tuple(x.shape)}>"
+    text = repr(x)
+    return text if len(text) <= 2000 else text[:2000] + "..."

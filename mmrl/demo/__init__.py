@@ -1,0 +1,1 @@
+"""Gradio before/after demo."""

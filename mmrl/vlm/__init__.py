@@ -1,0 +1,1 @@
+"""Vision-language backend: Qwen-VL models, rollout engines, tasks, methods."""

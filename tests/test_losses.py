@@ -1,0 +1,431 @@
+"""CPU tests of mmrl.core.losses: hand-worked values and invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmrl.core.losses import (
+    AGGREGATIONS,
+    KL_KINDS,
+    LEVELS,
+    LossOutput,
+    aggregate,
+    kl_penalty,
+    loss_denominator,
+    policy_loss,
+)
+
+METRIC_KEYS = {
+    "loss/policy",
+    "loss/clip_frac",
+    "loss/clip_frac_low",
+    "loss/clip_frac_high",
+    "loss/ratio_mean",
+    "loss/ratio_min",
+    "loss/ratio_max",
+    "loss/approx_kl",
+}
+
+
+def close(actual, expected, atol=1e-5):
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+
+
+# Hand-worked token-level batch (N = 2, T = 3), clip 0.2 / 0.2.
+#   sample 0: A = +1, ratios [1.0, 1.5, 0.9], all three tokens masked
+#     t0: -min(1.0 * 1, 1.0 * 1) = -1.0
+#     t1: -min(1.5 * 1, clip(1.5) = 1.2 * 1) = -1.2     (clipped high)
+#     t2: -min(0.9 * 1, 0.9 * 1) = -0.9
+#   sample 1: A = -2, ratios [0.5, 1.0, 2.0], t2 masked out
+#     t0: -min(0.5 * -2 = -1.0, clip(0.5) = 0.8 * -2 = -1.6) = 1.6  (clipped low)
+#     t1: -min(-2, -2) = 2.0
+#     t2: masked (would be -min(-4, -2.4) = 4.0): 0
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.3, -2.0]])
+RATIOS = torch.tensor([[1.0, 1.5, 0.9], [0.5, 1.0, 2.0]])
+ADV = torch.tensor([1.0, -2.0])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+PER_TOKEN = [[-1.0, -1.2, -0.9], [1.6, 2.0, 0.0]]
+
+
+def _logp(requires_grad: bool = False) -> torch.Tensor:
+    return (OLD + RATIOS.log()).requires_grad_(requires_grad)
+
+
+# --------------------------------------------------------------------------- policy_loss
+
+
+def test_policy_loss_token_mean_hand_values():
+    out = policy_loss(_logp(), OLD, ADV, MASK)
+    assert isinstance(out, LossOutput)
+    close(out.per_token, PER_TOKEN)
+    # (-1 - 1.2 - 0.9 + 1.6 + 2.0) / 5 masked tokens = 0.5 / 5 = 0.1
+    close(out.loss, 0.1)
+    assert set(out.metrics) == METRIC_KEYS
+    assert all(isinstance(v, float) for v in out.metrics.values())
+    m = out.metrics
+    assert math.isclose(m["loss/policy"], 0.1, abs_tol=1e-6)
+    assert math.isclose(m["loss/clip_frac"], 2 / 5, abs_tol=1e-6)  # s0 t1 and s1 t0
+    assert math.isclose(m["loss/clip_frac_high"], 1 / 5, abs_tol=1e-6)  # s0 t1: 1.5 > 1.2, A > 0
+    assert math.isclose(m["loss/clip_frac_low"], 1 / 5, abs_tol=1e-6)  # s1 t0: 0.5 < 0.8, A < 0
+    # ratios over masked tokens: (1 + 1.5 + 0.9 + 0.5 + 1.0) / 5 = 4.9 / 5 = 0.98 (2.0 excluded)
+    assert math.isclose(m["loss/ratio_mean"], 0.98, abs_tol=1e-6)
+    assert math.isclose(m["loss/ratio_min"], 0.5, abs_tol=1e-6)
+    assert math.isclose(m["loss/ratio_max"], 1.5, abs_tol=1e-6)
+    # approx_kl = mean(old - logp) = -mean(log ratio)
+    #   = -(0 + ln 1.5 + ln 0.9 + ln 0.5 + 0) / 5 = -(0.405465 - 0.105361 - 0.693147) / 5 = 0.078609
+    assert math.isclose(m["loss/approx_kl"], 0.078609, abs_tol=1e-5)
+
+
+def test_policy_loss_seq_mean_token_mean_hand_values():
+    out = policy_loss(_logp(), OLD, ADV, MASK, aggregation="seq_mean_token_mean")
+    # sample 0: (-1 - 1.2 - 0.9) / 3 = -1.033333; sample 1: (1.6 + 2.0) / 2 = 1.8
+    # mean over samples: (-1.033333 + 1.8) / 2 = 0.383333
+    close(out.loss, 0.383333)
+
+
+def test_policy_loss_seq_mean_token_sum_norm_hand_values():
+    out = policy_loss(_logp(), OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm", max_len=4)
+    # sample 0: -3.1 / 4 = -0.775; sample 1: 3.6 / 4 = 0.9; mean (-0.775 + 0.9) / 2 = 0.0625
+    close(out.loss, 0.0625)
+
+
+def test_policy_loss_gradient_hand_values():
+    logp = _logp(requires_grad=True)
+    policy_loss(
+        logp, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm", max_len=4
+    ).loss.backward()
+    # unclipped token: d/dlogp of -rho * A / max_len / N = -rho * A / 8
+    #   s0 t0: -1 * 1 / 8 = -0.125; s0 t2: -0.9 / 8 = -0.1125; s1 t1: -1 * -2 / 8 = 0.25
+    # clipped tokens (s0 t1, s1 t0) and the masked token: 0
+    close(logp.grad, [[-0.125, 0.0, -0.1125], [0.0, 0.25, 0.0]])
+
+
+def test_policy_loss_clip_higher():
+    out = policy_loss(_logp(), OLD, ADV, MASK, clip_low=0.2, clip_high=0.28)
+    # only s0 t1 changes: -min(1.5, 1.28) = -1.28; total -1 - 1.28 - 0.9 + 1.6 + 2 = 0.42; / 5 = 0.084
+    close(out.loss, 0.084)
+    close(out.per_token[0, 1], -1.28)
+
+
+def test_policy_loss_token_advantages_2d():
+    adv_2d = ADV[:, None].expand(2, 3).clone()
+    a = policy_loss(_logp(), OLD, ADV, MASK)
+    b = policy_loss(_logp(), OLD, adv_2d, MASK)
+    torch.testing.assert_close(a.loss, b.loss)
+    # a per-token advantage: make s0 t2's advantage -1: ratio 0.9 with A = -1 -> -min(-0.9, -0.9) = 0.9
+    adv_2d[0, 2] = -1.0
+    c = policy_loss(_logp(), OLD, adv_2d, MASK)
+    # total 0.5 - (-0.9) + 0.9 = 2.3; / 5 = 0.46
+    close(c.loss, 0.46)
+
+
+def test_policy_loss_sequence_level_hand_values():
+    old = torch.zeros(2, 3)
+    # sample 0: log ratios [0.1, 0.2, 0.3], all masked -> mean 0.2 -> rho = exp(0.2) = 1.221403
+    # sample 1: log ratios [-0.3, 0.1, 5.0], t2 masked out -> mean (-0.3 + 0.1) / 2 = -0.1
+    #           -> rho = exp(-0.1) = 0.904837 (the 5.0 is ignored)
+    logp = torch.tensor([[0.1, 0.2, 0.3], [-0.3, 0.1, 5.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    out = policy_loss(logp, old, adv, mask, level="sequence")
+    # s0: A > 0, 1.221403 > 1.2 -> clipped: -1.2 per token
+    # s1: A < 0, 0.904837 inside [0.8, 1.2] -> -(0.904837 * -1) = 0.904837 per token
+    close(out.per_token, [[-1.2, -1.2, -1.2], [0.904837, 0.904837, 0.0]])
+    # token_mean: (3 * -1.2 + 2 * 0.904837) / 5 = (-3.6 + 1.809675) / 5 = -0.358065
+    close(out.loss, -0.358065)
+    assert math.isclose(out.metrics["loss/clip_frac"], 3 / 5, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/clip_frac_high"], 3 / 5, abs_tol=1e-6)
+    assert out.metrics["loss/clip_frac_low"] == 0.0
+    # ratio_mean over masked tokens: (3 * 1.221403 + 2 * 0.904837) / 5 = 1.094777
+    assert math.isclose(out.metrics["loss/ratio_mean"], 1.094777, abs_tol=1e-5)
+    out.loss.backward()
+    # s0 is clipped -> zero gradient. s1: loss = 2 * (-A * rho) / 5 with rho = exp(mean of 2
+    # log-ratios), so d/dlogp_t = 2 * rho / 5 * (1 / 2) = rho / 5 = 0.180967 for t0, t1; t2 masked.
+    close(logp.grad, [[0.0, 0.0, 0.0], [0.180967, 0.180967, 0.0]])
+
+
+def test_policy_loss_empty_sample_no_nan():
+    logp = torch.tensor([[-1.0, -2.0], [float("-inf"), float("nan")]], requires_grad=True)
+    old = torch.tensor([[-1.0, -2.0], [0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # float mask; sample 1 has no tokens
+    adv = torch.tensor([0.5, 3.0])
+    for level in LEVELS:
+        for agg in AGGREGATIONS:
+            out = policy_loss(logp, old, adv, mask, level=level, aggregation=agg, max_len=2)
+            # sample 0 on-policy: per token -0.5; sample 1 contributes 0 (padding garbage ignored)
+            # token_mean: -1.0 / 2 = -0.5; seq_mean_token_mean: (-0.5 + 0) / 2 = -0.25;
+            # seq_mean_token_sum_norm: (-1.0 / 2 + 0) / 2 = -0.25
+            expected = {"token_mean": -0.5}.get(agg, -0.25)
+            close(out.loss, expected)
+            assert out.per_token[1].tolist() == [0.0, 0.0]
+            logp.grad = None
+            out.loss.backward()
+            assert torch.isfinite(logp.grad).all()
+
+
+def test_policy_loss_no_tokens_at_all():
+    out = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3))
+    assert out.loss.item() == 0.0
+    # documented neutral metrics when nothing is masked in
+    assert out.metrics["loss/ratio_mean"] == 1.0
+    assert out.metrics["loss/ratio_min"] == 1.0
+    assert out.metrics["loss/clip_frac"] == 0.0
+    assert all(math.isfinite(v) for v in out.metrics.values())
+
+
+def test_policy_loss_bfloat16_inputs():
+    logp = _logp().to(torch.bfloat16).requires_grad_()
+    out = policy_loss(logp, OLD.to(torch.bfloat16), ADV, MASK)
+    assert out.loss.dtype == torch.float32  # computed in float32
+    close(out.loss, 0.1, atol=2e-2)  # bf16 rounding of the log-probs
+    out.loss.backward()
+    assert logp.grad.dtype == torch.bfloat16
+
+
+def test_policy_loss_errors():
+    logp = _logp()
+    with pytest.raises(ValueError, match="'token', 'sequence'"):
+        policy_loss(logp, OLD, ADV, MASK, level="seq")
+    with pytest.raises(ValueError, match="'token_mean', 'seq_mean_token_mean'"):
+        policy_loss(logp, OLD, ADV, MASK, aggregation="mean")
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(logp, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, OLD, torch.ones(3), MASK)
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(logp, OLD[:, :2], ADV, MASK)
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(logp, OLD, ADV, MASK[:, :2])
+    with pytest.raises(ValueError, match="clip"):
+        policy_loss(logp, OLD, ADV, MASK, clip_low=-0.1)
+    with pytest.raises(ValueError, match="denom"):
+        policy_loss(logp, OLD, ADV, MASK, denom=0)
+
+
+# --------------------------------------------------------------------------- aggregate
+
+
+def test_aggregate_hand_values():
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, float("nan"), 7.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]).bool()
+    # token_mean: (1 + 2 + 3 + 10) / 4 = 4.0 (the 4, 20, NaN and 7 are masked out)
+    close(aggregate(per_token, mask), 4.0)
+    # seq_mean_token_mean: ((1 + 2 + 3) / 3 + 10 / 1) / 2 = (2 + 10) / 2 = 6.0
+    close(aggregate(per_token, mask, "seq_mean_token_mean"), 6.0)
+    # seq_mean_token_sum_norm, max_len 4: (6 / 4 + 10 / 4) / 2 = (1.5 + 2.5) / 2 = 2.0
+    close(aggregate(per_token, mask, "seq_mean_token_sum_norm", max_len=4), 2.0)
+    # denom overrides the normaliser: token sum 16 / 8 = 2.0; sample sum (2 + 10) / 4 = 3.0
+    close(aggregate(per_token, mask, denom=8), 2.0)
+    close(aggregate(per_token, mask, "seq_mean_token_mean", denom=4), 3.0)
+
+
+def test_aggregate_errors():
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="seq_mean_token_sum_norm"):
+        aggregate(x, x, "sum")
+    with pytest.raises(ValueError, match="max_len"):
+        aggregate(x, x, "seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="mask"):
+        aggregate(x, torch.ones(2, 2))
+
+
+def test_loss_denominator():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert loss_denominator(mask, "token_mean") == 3.0  # three masked tokens
+    assert loss_denominator(mask, "seq_mean_token_mean") == 3.0  # three samples (rows)
+    assert loss_denominator(mask.bool()[:, :1], "seq_mean_token_sum_norm") == 3.0
+    assert loss_denominator(torch.zeros(2, 2), "token_mean") == 1.0  # never 0
+    with pytest.raises(ValueError, match="aggregation"):
+        loss_denominator(mask, "tokens")
+
+
+# --------------------------------------------------------------------------- kl_penalty
+
+
+def test_kl_penalty_hand_values():
+    ref = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    logp = ref + torch.tensor([0.0, 1.0, -1.0, 0.5])  # d = logp - ref = [0, 1, -1, 0.5]
+    close(kl_penalty(logp, ref, "k1"), [0.0, 1.0, -1.0, 0.5])  # d
+    close(kl_penalty(logp, ref, "k2"), [0.0, 0.5, 0.5, 0.125])  # d^2 / 2
+    # k3 = exp(-d) + d - 1: [1 + 0 - 1, e^-1 + 1 - 1, e + -1 - 1, e^-0.5 + 0.5 - 1]
+    #    = [0, 0.367879, 0.718282, 0.106531]
+    close(kl_penalty(logp, ref, "k3"), [0.0, 0.367879, 0.718282, 0.106531])
+    close(kl_penalty(logp, ref), [0.0, 0.367879, 0.718282, 0.106531])  # default k3
+
+
+def test_kl_penalty_gradient_and_errors():
+    logp = torch.tensor([0.5], requires_grad=True)
+    kl_penalty(logp, torch.zeros(1), "k3").sum().backward()
+    # d/dd (exp(-d) + d - 1) = 1 - exp(-d) = 1 - e^-0.5 = 0.393469
+    close(logp.grad, [0.393469])
+    with pytest.raises(ValueError, match="'k1', 'k2', 'k3'"):
+        kl_penalty(logp, logp, "k4")
+    with pytest.raises(ValueError, match="shape"):
+        kl_penalty(torch.zeros(2), torch.zeros(3))
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@st.composite
+def rollout_batch(draw, max_n=6, max_t=7, spread=2.0):
+    """Random (logp, old_logp, advantages [N], mask) with every row holding >= 0 tokens."""
+    n = draw(st.integers(1, max_n))
+    t = draw(st.integers(1, max_t))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 5
+    logp = old + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, t, generator=g) < draw(st.floats(0.2, 1.0))
+    return logp, old, adv, mask
+
+
+@settings(max_examples=50, deadline=None)
+@given(rollout_batch(), st.sampled_from(LEVELS), st.sampled_from(AGGREGATIONS))
+def test_property_on_policy_ratio_one_and_loss_is_minus_advantage(batch, level, aggregation):
+    _, old, adv, mask = batch
+    logp = old.clone()
+    out = policy_loss(logp, old, adv, mask, level=level, aggregation=aggregation, max_len=7)
+    if mask.any():
+        assert out.metrics["loss/ratio_min"] == 1.0
+        assert out.metrics["loss/ratio_max"] == 1.0
+    assert out.metrics["loss/clip_frac"] == 0.0
+    assert out.metrics["loss/approx_kl"] == 0.0
+    expected = aggregate(-adv[:, None].expand_as(logp), mask, aggregation, max_len=7)
+    torch.testing.assert_close(out.loss, expected, atol=1e-12, rtol=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rollout_batch(max_n=8),
+    st.sampled_from(LEVELS),
+    st.sampled_from(AGGREGATIONS),
+    st.data(),
+)
+def test_property_micro_batches_with_denom_sum_to_full_batch(batch, level, aggregation, data):
+    logp, old, adv, mask = batch
+    n = logp.shape[0]
+    cut = data.draw(st.integers(0, n))
+    kwargs = {"level": level, "aggregation": aggregation, "max_len": 7}
+
+    full_logp = logp.clone().requires_grad_()
+    full = policy_loss(full_logp, old, adv, mask, **kwargs).loss
+    full.backward()
+
+    denom = loss_denominator(mask, aggregation)
+    micro_logp = logp.clone().requires_grad_()
+    total = 0.0
+    for sl in (slice(0, cut), slice(cut, n)):  # two micro-batches (one may be empty)
+        micro = policy_loss(micro_logp[sl], old[sl], adv[sl], mask[sl], denom=denom, **kwargs)
+        micro.loss.backward()
+        total = total + micro.loss.detach()
+    torch.testing.assert_close(total, full.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad, atol=1e-12, rtol=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.floats(0.0, 0.5),  # clip
+    st.floats(0.01, 2.0),  # |A|
+    st.floats(1e-3, 3.0),  # how far beyond the clip boundary
+    st.sampled_from(AGGREGATIONS),
+)
+def test_property_clipped_tokens_have_zero_gradient(clip, adv_abs, beyond, aggregation):
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    # token (0, 0): A > 0, rho = 1 + clip + beyond > 1 + clip_high -> clipped, zero gradient
+    # token (1, 0): A < 0, rho = (1 - clip) * exp(-beyond) < 1 - clip_low -> clipped, zero gradient
+    # tokens (*, 1): on-policy, rho = 1 -> gradient -A * (aggregation weight), nonzero
+    logp = torch.tensor(
+        [
+            [math.log(1 + clip + beyond), 0.0],
+            [math.log(1 - clip) - beyond, 0.0],
+        ],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
+    adv = torch.tensor([adv_abs, -adv_abs], dtype=torch.float64)
+    out = policy_loss(
+        logp,
+        old,
+        adv,
+        torch.ones(2, 2),
+        clip_low=clip,
+        clip_high=clip,
+        aggregation=aggregation,
+        max_len=2,
+    )
+    out.loss.backward()
+    assert logp.grad[0, 0] == 0.0
+    assert logp.grad[1, 0] == 0.0
+    assert logp.grad[0, 1] < 0 < logp.grad[1, 1]  # -A: lower loss by raising logp when A > 0
+    assert out.metrics["loss/clip_frac_high"] == 0.25
+    assert out.metrics["loss/clip_frac_low"] == 0.25
+
+
+@settings(max_examples=50, deadline=None)
+@given(rollout_batch(spread=1.0))
+def test_property_sequence_ratio_shared_by_tokens(batch):
+    logp, old, adv, mask = batch
+    # a wide clip range keeps every token unclipped, so per_token = -rho_i * A_i
+    out = policy_loss(logp, old, adv, mask, level="sequence", clip_low=0.99, clip_high=1e6)
+    for i in range(logp.shape[0]):
+        m = mask[i]
+        if not m.any():
+            continue
+        rho = math.exp(float((logp[i] - old[i])[m].mean()))
+        values = out.per_token[i][m]
+        assert (values == values[0]).all()  # one ratio for all the sample's tokens
+        assert math.isclose(float(values[0]), -rho * float(adv[i]), rel_tol=1e-9, abs_tol=1e-12)
+        assert (out.per_token[i][~m] == 0).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rollout_batch(spread=60.0),  # log-ratios up to +-60: exp would overflow float32 unclamped
+    st.sampled_from(LEVELS),
+    st.sampled_from(AGGREGATIONS),
+    st.floats(0.0, 0.5),
+    st.floats(0.0, 0.5),
+)
+def test_property_loss_finite(batch, level, aggregation, clip_low, clip_high):
+    logp, old, adv, mask = (x.float() if x.is_floating_point() else x for x in batch)
+    logp = logp.requires_grad_()
+    out = policy_loss(
+        logp,
+        old,
+        adv * 100,
+        mask,
+        level=level,
+        aggregation=aggregation,
+        max_len=7,
+        clip_low=clip_low,
+        clip_high=clip_high,
+    )
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert torch.isfinite(out.per_token).all()
+    assert torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(v) for v in out.metrics.values())
+    assert 0.0 <= out.metrics["loss/clip_frac"] <= 1.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(-30, 5, allow_nan=False), min_size=1, max_size=16),
+    st.lists(st.floats(-30, 5, allow_nan=False), min_size=1, max_size=16),
+)
+def test_property_kl_penalty(a, b):
+    n = min(len(a), len(b))
+    logp, ref = torch.tensor(a[:n]), torch.tensor(b[:n])
+    assert (kl_penalty(logp, ref, "k2") >= 0).all()
+    assert (kl_penalty(logp, ref, "k3") >= 0).all()
+    for kind in KL_KINDS:
+        assert (kl_penalty(logp, logp.clone(), kind) == 0).all()
+        assert (kl_penalty(ref, ref.clone(), kind) == 0).all()

@@ -1,0 +1,503 @@
+"""Reward atoms (mmrl/core/rewards.py): values worked out by hand, gating, errors, loading."""
+
+import asyncio
+import math
+import textwrap
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.core.rewards import (
+    AtomScores,
+    Reward,
+    RewardAtom,
+    RewardError,
+    Sample,
+    load_atom,
+    reward_atom,
+)
+
+
+def make_samples(values):
+    """Samples whose completion is the number an atom should return."""
+    return [Sample(prompt=f"prompt {i}", completion=v) for i, v in enumerate(values)]
+
+
+def value_atom(name, **kw):
+    return RewardAtom(name, lambda s: s.completion, **kw)
+
+
+# ---------------------------------------------------------------------------- values and weights
+
+
+def test_sync_atoms_weights_and_total():
+    @reward_atom("length")
+    def length(s):
+        return len(s.completion) / 4
+
+    @reward_atom("has_a", weight=0.5)
+    def has_a(s):
+        return "a" in s.completion
+
+    samples = [Sample("p", "abcd"), Sample("p", "xy")]
+    scores = Reward([length, has_a]).score(samples)
+    assert scores.names == ["length", "has_a"]
+    assert scores.values.dtype == torch.float32 and scores.values.shape == (2, 2)
+    # "abcd": length 4/4 = 1.0, has_a True -> 1.0; total = 1.0*1.0 + 0.5*1.0 = 1.5
+    # "xy":   length 2/4 = 0.5, has_a False -> 0.0; total = 1.0*0.5 + 0.5*0.0 = 0.5
+    assert scores.values.tolist() == [[1.0, 1.0], [0.5, 0.0]]
+    assert scores.total.tolist() == [1.5, 0.5]
+    assert scores.errors == 0
+
+
+def test_value_coercion():
+    returns = [True, False, 3, 0.25, torch.tensor(0.75), np.float32(0.5), np.int64(2), np.bool_(1)]
+    scores = Reward([value_atom("v")]).score(make_samples(returns))
+    # bool -> 1/0; int 3 -> 3.0; 0-d tensor / numpy scalars -> their value
+    assert scores.values[:, 0].tolist() == [1.0, 0.0, 3.0, 0.25, 0.75, 0.5, 2.0, 1.0]
+
+
+def test_negative_weight_and_reward_weights():
+    a = value_atom("a", weight=1.0)
+    b = value_atom("b", weight=-0.5)
+    reward = Reward([a, b])
+    assert reward.names == ["a", "b"]
+    assert reward.weights.tolist() == [1.0, -0.5]
+    # value 0.8 in both columns: total = 1.0*0.8 - 0.5*0.8 = 0.4
+    assert reward.score(make_samples([0.8])).total.item() == pytest.approx(0.4)
+
+
+def test_decorated_atom_fields_and_direct_call():
+    @reward_atom("x", weight=2, parents="p", batched=False)
+    def x(s):
+        return 1
+
+    @reward_atom("y", batched=True)
+    async def y(samples):
+        return [0] * len(samples)
+
+    assert isinstance(x, RewardAtom)
+    assert (x.name, x.weight, x.parents, x.batched, x.is_async) == ("x", 2.0, ("p",), False, False)
+    assert (y.batched, y.is_async) == (True, True)
+    assert x(Sample("p", "c")) == 1  # an atom can be called like its function
+
+
+def test_batched_atom_gets_list_and_may_return_tensor():
+    calls = []
+
+    @reward_atom("b", batched=True)
+    def b(samples):
+        calls.append(len(samples))
+        return torch.tensor([s.completion * 2 for s in samples])
+
+    @reward_atom("n", batched=True, weight=0.5)
+    def n(samples):
+        return np.array([1.0] * len(samples))
+
+    scores = Reward([b, n]).score(make_samples([0.0, 0.25, 0.5]))
+    assert calls == [3]  # one call for the whole batch
+    # b = 2*value: 0.0, 0.5, 1.0; n = 1; total = b + 0.5*1
+    assert scores.values.tolist() == [[0.0, 1.0], [0.5, 1.0], [1.0, 1.0]]
+    assert scores.total.tolist() == [0.5, 1.0, 1.5]
+
+
+def test_empty_batch():
+    scores = Reward([value_atom("a"), value_atom("b")]).score([])
+    assert scores.values.shape == (0, 2)
+    assert scores.total.shape == (0,)
+    assert scores.per_sample() == []
+    m = scores.metrics()
+    assert math.isnan(m["reward/a"]) and m["reward/total_std"] == 0.0 and m["reward/errors"] == 0
+
+
+# ---------------------------------------------------------------------------- async
+
+
+def test_async_atoms_run_concurrently():
+    @reward_atom("slow_a")
+    async def slow_a(s):
+        await asyncio.sleep(0.2)
+        return s.completion
+
+    @reward_atom("slow_b", batched=True)
+    async def slow_b(samples):
+        await asyncio.sleep(0.2)
+        return [1.0] * len(samples)
+
+    start = time.perf_counter()
+    scores = Reward([slow_a, slow_b]).score(make_samples([0.0, 0.25, 0.5, 1.0]))
+    elapsed = time.perf_counter() - start
+    # 4 calls of slow_a + 1 of slow_b, 0.2 s each: 1.0 s one after another, ~0.2 s concurrently
+    assert elapsed < 0.6
+    assert scores.values[:, 0].tolist() == [0.0, 0.25, 0.5, 1.0]
+    assert scores.values[:, 1].tolist() == [1.0] * 4
+
+
+def test_async_called_from_a_thread_without_event_loop():
+    @reward_atom("a")
+    async def a(s):
+        await asyncio.sleep(0)
+        return 0.5
+
+    result = {}
+    t = threading.Thread(target=lambda: result.update(s=Reward([a]).score(make_samples([0, 0]))))
+    t.start()
+    t.join(5)
+    assert result["s"].values[:, 0].tolist() == [0.5, 0.5]
+
+
+def test_score_while_an_event_loop_is_running():
+    @reward_atom("a")
+    async def a(s):
+        await asyncio.sleep(0.01)
+        return s.completion
+
+    reward = Reward([a, value_atom("b")])
+
+    async def main():
+        asyncio.get_running_loop()  # a loop is running in this thread
+        return reward.score(make_samples([0.25, 1.0]))  # synchronous call inside it
+
+    scores = asyncio.run(main())
+    assert scores.values.tolist() == [[0.25, 0.25], [1.0, 1.0]]
+
+
+def test_async_timeout_raises_and_zeroes():
+    @reward_atom("slow")
+    async def slow(s):
+        await asyncio.sleep(0.5 if s.completion else 0)
+        return 1.0
+
+    samples = make_samples([0, 1])
+    with pytest.raises(RewardError) as info:
+        Reward([slow], timeout=0.05).score(samples)
+    assert "timed out after 0.05 s" in str(info.value)
+    assert (info.value.atom, info.value.sample_index) == ("slow", 1)
+
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="slow"):
+        scores = Reward([slow], timeout=0.05, on_error="zero").score(samples)
+    assert time.perf_counter() - start < 0.4  # did not wait for the slow call
+    assert scores.values[:, 0].tolist() == [1.0, 0.0]
+    assert scores.errors == 1
+
+
+# ---------------------------------------------------------------------------- gating
+
+
+def test_parent_gating_skips_child_calls():
+    called = []
+
+    @reward_atom("child", weight=2.0, parents=("parent",))
+    def child(s):
+        called.append(s.prompt)
+        return 0.5
+
+    parent = value_atom("parent")
+    # the child is listed first: column order is the user's, evaluation order parents first
+    scores = Reward([child, parent]).score(make_samples([0.4, 0.5, 1.0]))
+    assert scores.names == ["child", "parent"]
+    # parent 0.4 < 0.5 -> child gated to 0; parent 0.5 and 1.0 open -> child 0.5
+    torch.testing.assert_close(scores.values, torch.tensor([[0.0, 0.4], [0.5, 0.5], [0.5, 1.0]]))
+    # total = 2.0*child + parent: 0.4, 1.5, 2.0
+    assert scores.total.tolist() == pytest.approx([0.4, 1.5, 2.0])
+    assert called == ["prompt 1", "prompt 2"]  # never called on the gated sample 0
+
+
+def test_chained_gating_and_batched_child_gets_open_samples_only():
+    seen = []
+
+    @reward_atom("grandchild", batched=True, parents=("child",))
+    def grandchild(samples):
+        seen.append([s.prompt for s in samples])
+        return [1.0] * len(samples)
+
+    @reward_atom("child", parents=("root",))
+    def child(s):
+        return s.meta["child"]
+
+    samples = [
+        Sample("p0", 1.0, {"child": 1.0}),  # root open, child open -> grandchild 1
+        Sample("p1", 0.0, {"child": 1.0}),  # root closed -> child 0 -> grandchild 0
+        Sample("p2", 1.0, {"child": 0.2}),  # child 0.2 < 0.5 -> grandchild 0
+    ]
+    scores = Reward([grandchild, child, value_atom("root")]).score(samples)
+    expected = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.2, 1.0]]
+    torch.testing.assert_close(scores.values, torch.tensor(expected))
+    assert seen == [["p0"]]
+
+
+def test_child_with_two_parents_needs_both():
+    a, b = RewardAtom("a", lambda s: s.meta["a"]), RewardAtom("b", lambda s: s.meta["b"])
+    c = RewardAtom("c", lambda s: 1.0, parents=("a", "b"))
+    metas = [{"a": 1, "b": 1}, {"a": 1, "b": 0}, {"a": 0, "b": 1}]
+    scores = Reward([a, b, c]).score([Sample("p", None, m) for m in metas])
+    assert scores.values[:, 2].tolist() == [1.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------- construction errors
+
+
+def test_construction_errors():
+    a = value_atom("a")
+    with pytest.raises(ValueError, match="duplicate reward atom name 'a'"):
+        Reward([a, value_atom("a")])
+    with pytest.raises(ValueError, match="'b': parent 'missing'"):
+        Reward([a, value_atom("b", parents=("missing",))])
+    with pytest.raises(ValueError, match="cycle: x -> y -> x"):
+        Reward([a, value_atom("x", parents=("y",)), value_atom("y", parents=("x",))])
+    with pytest.raises(ValueError, match="cycle: s -> s"):
+        Reward([value_atom("s", parents=("s",))])
+    with pytest.raises(ValueError, match="finite"):
+        value_atom("w", weight=float("nan"))
+    a.weight = float("inf")  # changed after construction: still caught
+    with pytest.raises(ValueError, match="'a': weight must be finite"):
+        Reward([a])
+    with pytest.raises(ValueError, match="on_error"):
+        Reward([value_atom("b")], on_error="ignore")
+    with pytest.raises(ValueError, match="timeout"):
+        Reward([value_atom("b")], timeout=0)
+    with pytest.raises(ValueError, match="reserved"):
+        Reward([value_atom("total")])
+    with pytest.raises(TypeError, match="reward_atom"):
+        Reward([lambda s: 1.0])
+
+
+# ---------------------------------------------------------------------------- scoring errors
+
+
+def test_atom_that_raises_names_atom_sample_and_chains_cause():
+    @reward_atom("judge")
+    def judge(s):
+        if s.completion == "bad":
+            raise KeyError("answer")
+        return 1.0
+
+    long_prompt = "q" * 200
+    samples = [Sample("fine", "ok"), Sample(long_prompt, "bad")]
+    with pytest.raises(RewardError) as info:
+        Reward([judge]).score(samples)
+    err = info.value
+    msg = str(err)
+    assert (err.atom, err.sample_index) == ("judge", 1)
+    assert "'judge'" in msg and "sample 1" in msg and "KeyError: 'answer'" in msg
+    assert "'qqqq" in msg and long_prompt not in msg  # the prompt is shown, truncated
+    assert isinstance(err.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        (float("nan"), "returned nan"),
+        (float("inf"), "returned inf"),
+        (torch.tensor(float("nan")), "returned nan"),
+        ("0.5", "returned a str, expected a number"),
+        (None, "returned None, expected a number"),
+        ([1.0], "returned a list, expected a number"),
+        (torch.ones(2), "returned a Tensor of shape (2,), expected a number"),
+    ],
+)
+def test_bad_values_raise(returned, expected):
+    atom = RewardAtom("bad", lambda s: returned if s.completion else 1.0)
+    with pytest.raises(RewardError, match="bad") as info:
+        Reward([atom]).score(make_samples([0, 1]))
+    assert expected in str(info.value)
+    assert info.value.sample_index == 1
+
+
+def test_batched_wrong_count_and_bad_element():
+    three = RewardAtom("three", lambda samples: [1.0, 1.0, 1.0], batched=True)
+    with pytest.raises(RewardError, match="returned 3 values for 4 samples") as info:
+        Reward([three]).score(make_samples([0, 0, 0, 0]))
+    assert info.value.atom == "three" and info.value.sample_index is None
+
+    nan_at_2 = RewardAtom("nan_at_2", lambda samples: [0.0, 1.0, math.nan], batched=True)
+    with pytest.raises(RewardError, match="sample 2.*returned nan") as info:
+        Reward([nan_at_2]).score(make_samples([0, 0, 0]))
+    assert info.value.sample_index == 2
+
+
+def test_sync_function_returning_a_coroutine_is_an_error():
+    async def judge(s):
+        return 1.0
+
+    atom = RewardAtom("wrapped", lambda s: judge(s))  # not declared async
+    with pytest.raises(RewardError, match="async def"):
+        Reward([atom]).score(make_samples([0]))
+
+
+def test_on_error_zero_counts_and_warns_once():
+    def flaky(s):
+        if s.completion == 1:
+            raise RuntimeError("boom")
+        return s.completion
+
+    flaky_atom = RewardAtom("flaky", flaky)
+    nan_atom = RewardAtom("nan", lambda s: math.nan if s.completion == 0.5 else 1.0, weight=2.0)
+    child = RewardAtom("child", lambda s: 1.0, parents=("flaky",))
+    reward = Reward([flaky_atom, nan_atom, child], on_error="zero")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = reward.score(make_samples([0.5, 1, 1]))
+    assert len(caught) == 1  # one summary per score() call
+    text = str(caught[0].message)
+    assert "3 reward evaluation(s) failed" in text
+    assert "'flaky' on 2" in text and "RuntimeError: boom" in text and "'nan' on 1" in text
+    # sample 0: flaky 0.5 (open? no: 0.5 >= 0.5 -> open), nan -> 0 (error), child 1
+    # samples 1, 2: flaky raised -> 0 -> child gated; nan 1.0
+    assert scores.values.tolist() == [[0.5, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    # total = flaky + 2*nan + child: 0.5 + 0 + 1 = 1.5; 0 + 2 + 0 = 2; 2
+    assert scores.total.tolist() == [1.5, 2.0, 2.0]
+    assert scores.errors == 3
+    assert scores.failed.tolist() == [
+        [False, True, False],
+        [True, False, False],
+        [True, False, False],
+    ]
+    assert scores.select(torch.tensor([0])).errors == 1
+    assert scores.metrics()["reward/errors"] == 3.0
+
+
+def test_on_error_zero_batched_call_that_raises_zeroes_the_batch():
+    def broken(samples):
+        raise ValueError("down")
+
+    reward = Reward([value_atom("a"), RewardAtom("b", broken, batched=True)], on_error="zero")
+    with pytest.warns(RuntimeWarning, match="'b' on 2"):
+        scores = reward.score(make_samples([1.0, 0.5]))
+    assert scores.values.tolist() == [[1.0, 0.0], [0.5, 0.0]]
+    assert scores.errors == 2
+
+
+# ---------------------------------------------------------------------------- AtomScores
+
+
+def test_metrics_per_sample_and_select():
+    reward = Reward([value_atom("a"), RewardAtom("b", lambda s: 1.0, weight=0.5)])
+    scores = reward.score(make_samples([0.0, 0.5, 1.0]))
+    # a = 0, 0.5, 1 (mean 0.5); b = 1 (mean 1); total = a + 0.5 = 0.5, 1.0, 1.5
+    # total mean 1.0; unbiased std = sqrt((0.25 + 0 + 0.25) / 2) = 0.5
+    m = scores.metrics()
+    assert set(m) == {"reward/a", "reward/b", "reward/total", "reward/total_std", "reward/errors"}
+    assert m == pytest.approx(
+        {
+            "reward/a": 0.5,
+            "reward/b": 1.0,
+            "reward/total": 1.0,
+            "reward/total_std": 0.5,
+            "reward/errors": 0.0,
+        }
+    )
+    assert all(type(v) is float for v in m.values())
+    assert scores.per_sample() == [{"a": 0.0, "b": 1.0}, {"a": 0.5, "b": 1.0}, {"a": 1.0, "b": 1.0}]
+
+    sub = scores.select(torch.tensor([2, 0]))
+    assert isinstance(sub, AtomScores) and sub.names == ["a", "b"]
+    assert sub.values.tolist() == [[1.0, 1.0], [0.0, 1.0]]
+    assert sub.total.tolist() == [1.5, 0.5]
+    assert scores.select(torch.tensor([True, False, True])).total.tolist() == [0.5, 1.5]
+
+
+# ---------------------------------------------------------------------------- loading from files
+
+ATOMS_FILE = textwrap.dedent(
+    """
+    from mmrl.core.rewards import reward_atom
+
+    def plain(sample):
+        return len(sample.completion)
+
+    async def plain_async(sample):
+        return 1.0
+
+    @reward_atom("decorated_name", weight=0.5, parents=("plain",))
+    def decorated(sample):
+        return 1.0
+
+    NOT_CALLABLE = 3
+    """
+)
+
+
+@pytest.fixture
+def atoms_file(tmp_path):
+    path = tmp_path / "my_atoms.py"
+    path.write_text(ATOMS_FILE)
+    return path
+
+
+def test_load_atom_plain_and_decorated(atoms_file):
+    plain = load_atom(f"{atoms_file}:plain")
+    assert (plain.name, plain.weight, plain.parents, plain.is_async) == ("plain", 1.0, (), False)
+    assert plain(Sample("p", "abc")) == 3
+    assert load_atom(f"{atoms_file}:plain_async").is_async
+
+    decorated = load_atom(f"{atoms_file}:decorated")
+    assert (decorated.name, decorated.weight, decorated.parents) == (
+        "decorated_name",
+        0.5,
+        ("plain",),
+    )
+    # plain = len: "ab" -> 2, "" -> 0 (gates the child); total = plain + 0.5 * decorated
+    scores = Reward([plain, decorated]).score([Sample("p", "ab"), Sample("p", "")])
+    assert scores.total.tolist() == [2.5, 0.0]
+
+
+def test_load_atom_relative_to_base_dir(atoms_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    atom = load_atom("my_atoms.py:plain", base_dir=tmp_path)
+    assert atom.name == "plain"
+    monkeypatch.chdir(tmp_path)  # default base_dir: the current directory
+    assert load_atom("my_atoms.py:plain").name == "plain"
+
+
+def test_load_atom_errors(atoms_file, tmp_path):
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere_xyz\n")
+    cases = [
+        (str(atoms_file), "must look like 'path/to/file.py:function'"),
+        (f"{atoms_file}:", "must look like"),
+        (f"{tmp_path}/missing.py:fn", "file not found"),
+        (f"{tmp_path}/broken.py:fn", "importing .* failed: ModuleNotFoundError"),
+        (f"{atoms_file}:nope", "has no attribute 'nope'.*plain"),
+        (f"{atoms_file}:NOT_CALLABLE", "'NOT_CALLABLE' is an int, not callable"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            load_atom(spec)
+        assert repr(spec) in str(info.value)  # every error names the spec
+    with pytest.raises(ValueError) as info:
+        load_atom(f"{tmp_path}/broken.py:fn")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_from_config_overrides(atoms_file, tmp_path):
+    reward = Reward.from_config(
+        [
+            "my_atoms.py:plain",
+            {"path": "my_atoms.py:plain", "name": "plain_x2", "weight": 2.0},
+            {"path": "my_atoms.py:decorated", "weight": 3.0, "parents": ["plain_x2"]},
+        ],
+        base_dir=tmp_path,
+        on_error="zero",
+        timeout=1.5,
+    )
+    assert reward.names == ["plain", "plain_x2", "decorated_name"]
+    assert reward.weights.tolist() == [1.0, 2.0, 3.0]
+    assert reward.atoms[2].parents == ("plain_x2",)
+    assert (reward.on_error, reward.timeout) == ("zero", 1.5)
+    # "a": plain 1, plain_x2 1, decorated 1 -> total = 1 + 2*1 + 3*1 = 6
+    # "":  plain 0, plain_x2 0 -> decorated gated 0 -> total 0
+    assert reward.score([Sample("p", "a"), Sample("p", "")]).total.tolist() == [6.0, 0.0]
+
+
+def test_from_config_errors(atoms_file, tmp_path):
+    with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
+        Reward.from_config([{"path": "my_atoms.py:plain", "wieght": 2}], base_dir=tmp_path)
+    with pytest.raises(ValueError, match="must be a list"):
+        Reward.from_config("my_atoms.py:plain", base_dir=tmp_path)
+    with pytest.raises(ValueError, match="duplicate reward atom name 'plain'"):
+        Reward.from_config(["my_atoms.py:plain", "my_atoms.py:plain"], base_dir=tmp_path)
