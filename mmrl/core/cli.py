@@ -142,7 +142,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir).evaluate()
-            console.print_json(json.dumps(metrics))
+            typer.echo(json.dumps(metrics))
 
         run_verb(go)
 
@@ -164,7 +164,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             if checkpoint is not None:
                 policy.load_weights(resolve_checkpoint(checkpoint))
             for row in backend.sample(cfg, policy, task, list(prompt), num):
-                console.print_json(json.dumps(row, default=str))
+                typer.echo(json.dumps(row, default=str))  # JSON lines
 
         run_verb(go)
 

@@ -1,0 +1,76 @@
+"""The shared CLI (mmrl.core.cli) end to end on the toy backend, in process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mmrl.core.cli import BackendSpec, make_app, resolve_checkpoint
+
+runner = CliRunner()
+app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+missing = make_app(BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.nope"))
+
+
+def invoke(application, *args):
+    result = runner.invoke(application, list(args))
+    return result.exit_code, result.output
+
+
+def test_train_resume_eval_sample(tmp_path):
+    out = tmp_path / "run"
+    code, text = invoke(app, "train", "--max-steps", "2", "--output-dir", str(out), "--seed", "3")
+    assert code == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["seed"] == 3
+    assert "accuracy" in text  # the before/after table
+
+    code, text = invoke(app, "train", "--max-steps", "2", "--output-dir", str(out))
+    assert code == 1 and "--resume" in text and "Traceback" not in text
+
+    code, text = invoke(app, "train", "--max-steps", "3", "--output-dir", str(out), "--seed", "3", "--resume")
+    assert code == 0, text
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+    after = json.loads((out / "summary.json").read_text())["eval_after"]
+    code, text = invoke(app, "eval", "--checkpoint", str(out), "--set", "seed=3")
+    assert code == 0, text
+    assert json.loads(text.strip().splitlines()[-1]) == after  # the newest checkpoint, same metrics
+
+    code, text = invoke(app, "sample", "--checkpoint", str(out), "--prompt", "4", "--num", "2")
+    assert code == 0, text
+    rows = [json.loads(line) for line in text.strip().splitlines()]
+    assert len(rows) == 2 and all(r["prompt"] == 4 and len(r["completion"]) == 2 for r in rows)
+    assert all(set(r) >= {"answer", "stop"} for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "optim.lrr=1"], "optim.lrr"),
+        (["--set", "rollout.temperature=0"], "rollout.temperature"),
+        (["--config", "nowhere.yaml"], "nowhere.yaml"),
+        (["--set", "seed"], "key.path=value"),
+    ],
+)
+def test_user_errors_exit_non_zero_without_traceback(tmp_path, args, needle):
+    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "x"), *args)
+    assert code == 2, text
+    assert needle in text and "Traceback" not in text
+
+
+def test_missing_backend_says_so_after_validating_the_config():
+    code, text = invoke(missing, "train")
+    assert code == 3 and "not available yet" in text
+    code, text = invoke(missing, "train", "--set", "method.loss.clip_hi=1")
+    assert code == 2 and "method.loss.clip_hi" in text
+
+
+def test_resolve_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        resolve_checkpoint(tmp_path / "nope")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(Exception, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path)
