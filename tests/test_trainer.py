@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+import toy
 from transformers import LlamaForCausalLM
 
-import toy
 from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.logging import read_metrics

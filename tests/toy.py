@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmrl.core.batch import RolloutBatch

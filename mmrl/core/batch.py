@@ -117,6 +117,8 @@ class RolloutBatch:
             return _cat_padded(ts)
 
         scores = None
+        if any(b.scores is None for b in batches) and not all(b.scores is None for b in batches):
+            raise ValueError("cannot concat batches where only some have scores")
         if all(b.scores is not None for b in batches):
             names = batches[0].scores.names
             if any(b.scores.names != names for b in batches):
@@ -156,6 +158,6 @@ def _cat_padded(ts: list[Tensor]) -> Tensor:
     width = max(t.shape[1] for t in ts)
     padded = []
     for t in ts:
-        pad = torch.zeros((t.shape[0], width - t.shape[1], *t.shape[2:]), dtype=t.dtype)
+        pad = torch.zeros((t.shape[0], width - t.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
         padded.append(torch.cat([t, pad], dim=1))
     return torch.cat(padded)

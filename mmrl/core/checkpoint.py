@@ -20,11 +20,13 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -81,17 +83,23 @@ def save_checkpoint(
         if final.exists():  # re-saving a step (after a resume): swap, never delete first
             old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)  # put the previous copy back before reporting
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or e
         raise CheckpointError(
-            f"could not write checkpoint {final}: {e.strerror or e}; the previous checkpoint is intact"
+            f"could not write checkpoint {final}: {reason}; the previous checkpoint is intact"
         ) from e
-    for _, old_dir in list_checkpoints(root)[:-keep_last]:
+    others = [d for _, d in list_checkpoints(root) if d != final]
+    for old_dir in others[: max(0, len(others) - (keep_last - 1))]:  # never the one just written
         shutil.rmtree(old_dir, ignore_errors=True)
     return final
 
@@ -99,10 +107,17 @@ def save_checkpoint(
 def clean_partial(root: str | Path) -> None:
     """Remove temporary directories left by a crash mid-write."""
     root = Path(root)
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.name.startswith((".tmp-", ".old-")):
-                shutil.rmtree(d, ignore_errors=True)
+    if not root.is_dir():
+        return
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".old-"):
+            # A crash between the two renames of a re-save: the old copy is the checkpoint.
+            final = root / d.name[len(".old-"):].rsplit("-", 1)[0]
+            if STEP_DIR.match(final.name) and not final.exists():
+                os.replace(d, final)
+                continue
+        if d.name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -110,7 +125,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
         tensors = load_file(path / STATE_TENSORS)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
     return tensors, state
 
@@ -135,7 +150,10 @@ def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
         raise CheckpointError(f"no .safetensors weights in {path}")
     loaded: dict[str, torch.Tensor] = {}
     for f in files:
-        loaded.update(load_file(f))
+        try:
+            loaded.update(load_file(f))
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"weights file {f} is unreadable: {e}") from e
     own = module.state_dict()
     unexpected = sorted(set(loaded) - set(own))
     if unexpected:
@@ -146,12 +164,13 @@ def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
     for keys in by_ptr.values():
         if not any(k in loaded for k in keys):
             raise CheckpointError(f"weights in {path} lack {keys[0]!r}")
+    for k, v in loaded.items():  # check every shape before touching the model
+        if own[k].shape != v.shape:
+            raise CheckpointError(
+                f"weights in {path}: {k!r} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}"
+            )
     with torch.no_grad():
         for k, v in loaded.items():
-            if own[k].shape != v.shape:
-                raise CheckpointError(
-                    f"weights in {path}: {k!r} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}"
-                )
             own[k].copy_(v)
 
 
@@ -186,6 +205,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: 
 def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:
     """Every RNG the run draws from: torch's global one, the given generators, Python, NumPy."""
     tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     tensors.update({f"rng.{name}": g.get_state() for name, g in generators.items()})
     np_state = np.random.get_state()
     meta = {
@@ -197,6 +218,9 @@ def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.T
 
 def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:
     torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
     for name, g in generators.items():
         g.set_state(tensors[f"rng.{name}"])
     version, internal, gauss = meta["python"]

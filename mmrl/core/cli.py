@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -73,7 +73,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
     )
 
-    def build_config(config: Optional[Path], overrides: List[str], backend) -> TrainConfig:
+    def build_config(config: Path | None, overrides: list[str], backend) -> TrainConfig:
         cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
         defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
         defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
@@ -100,12 +100,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command()
     def train(
-        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
-        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Training steps (train.max_steps)."),
-        seed: Optional[int] = typer.Option(None, "--seed", help="Seed of every RNG of the run."),
-        output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Where the run writes."),
-        save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
+        max_steps: int | None = typer.Option(None, "--max-steps", help="Training steps (train.max_steps)."),
+        seed: int | None = typer.Option(None, "--seed", help="Seed of every RNG of the run."),
+        output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Where the run writes."),
+        save_every: int | None = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
         resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in the output directory."),
     ):
         """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
@@ -128,9 +128,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command("eval")
     def evaluate(
-        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
-        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory; default: the config's model."),
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory; default: the config's model."),
     ):
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""
 
@@ -148,10 +148,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command()
     def sample(
-        config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config of the run."),
-        set_: List[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
-        prompt: List[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: held-out task prompts."),
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
+        prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: held-out task prompts."),
         num: int = typer.Option(4, "--num", "-n", min=1, help="Samples per prompt."),
     ):
         """Sample a model and score the samples with the task's reward atoms."""

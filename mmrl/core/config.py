@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -79,7 +80,7 @@ class MultiStreamAdvantageConfig(Section):
 
 
 AdvantageConfig = Annotated[
-    Union[GroupAdvantageConfig, RLOOAdvantageConfig, MultiStreamAdvantageConfig],
+    GroupAdvantageConfig | RLOOAdvantageConfig | MultiStreamAdvantageConfig,
     Field(discriminator="type"),
 ]
 
@@ -122,7 +123,7 @@ class GRPOConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 
 
-MethodConfig = Annotated[Union[GRPOConfig], Field(discriminator="type")]
+MethodConfig = Annotated[GRPOConfig, Field(discriminator="type")]
 
 
 class OptimConfig(Section):
@@ -179,7 +180,7 @@ class TrainConfig(Section):
     """The backend's task section; its schema belongs to the backend."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     method: MethodConfig = Field(default_factory=GRPOConfig)
-    reward: list[Union[str, dict[str, Any]]] = Field(default_factory=list)
+    reward: list[str | dict[str, Any]] = Field(default_factory=list)
     """Extra reward atoms, each "path/to/file.py:function" or {path, weight, name, parents}."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
@@ -213,6 +214,25 @@ def deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """safe_load with YAML 1.2 floats: `1e-5` is a float, not the string '1e-5'."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """"a.b.c=value" -> (["a", "b", "c"], value parsed as YAML: 3 -> int, [1, 2] -> list, x -> str)."""
     if "=" not in item:
@@ -222,9 +242,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key in {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({_one_line(e)})") from None
     return parts, value
 
 
@@ -249,12 +269,14 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_one_line(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -29,7 +29,13 @@ class RunLogger:
         self._tb = _tensorboard_writer(self.dir / "tensorboard") if tensorboard else None
         self._progress = None
         if progress and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -65,8 +71,7 @@ class RunLogger:
         path = self.dir / "samples" / f"step_{step:08d}.jsonl"
         path.parent.mkdir(exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+            f.writelines(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows)
         return path
 
     def close(self) -> None:

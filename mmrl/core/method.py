@@ -11,7 +11,7 @@ Everything else (rollout, reward, optimizer, checkpoints, logging) is the core's
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 

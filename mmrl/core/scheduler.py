@@ -9,7 +9,8 @@ they keep this contract: `next_groups()` returns only complete groups.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -1,0 +1,284 @@
+"""The typed rollout batch (mmrl/core/batch.py): validation, select, concat, groups."""
+
+import pytest
+import torch
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.rewards import AtomScores, Sample
+
+
+def samples(n: int, tag: str = "s") -> list[Sample]:
+    return [Sample(prompt=f"p{i}", completion=f"{tag}{i}", meta={"row": i}) for i in range(n)]
+
+
+def scores(n: int, names=("fmt", "ok"), offset: float = 0.0) -> AtomScores:
+    # row i: values [i, 10 i] (+ offset); total = values.sum(1) = 11 i (+ 2 offset)
+    values = torch.stack([torch.arange(n) + offset, 10 * torch.arange(n) + offset], dim=1).float()
+    return AtomScores(names=list(names), values=values, total=values.sum(1))
+
+
+def make_batch(n: int = 4, t: int = 3, gids=None, tag: str = "s", offset: float = 0.0, **kw):
+    """Row i: mask has the first (i % t) + 1 positions True; old_logp[i, j] = -(10 i + j)."""
+    gids = torch.tensor(gids if gids is not None else [i // 2 for i in range(n)])
+    mask = torch.arange(t).expand(n, t) <= (torch.arange(n) % t)[:, None]
+    old = -(10 * torch.arange(n)[:, None] + torch.arange(t)[None, :]).float()
+    fields = {
+        "group_ids": gids,
+        "samples": samples(n, tag),
+        "mask": mask,
+        "old_logp": old,
+        "scores": scores(n, offset=offset),
+        "advantages": torch.arange(n).float() - 1.5,
+        "data": {
+            "input_ids": torch.arange(n * t).view(n, t),
+            "pixels": torch.arange(n * 2).float().view(n, 2),
+        },
+    }
+    fields.update(kw)
+    return RolloutBatch(**fields)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def test_valid_batch_basics():
+    b = make_batch(4, 3, gids=[5, 5, 9, 9], policy_version=2)
+    assert len(b) == 4
+    assert b.num_groups == 2
+    assert torch.equal(b.rewards, torch.tensor([0.0, 11.0, 22.0, 33.0]))  # 11 i
+    assert b.summary() == {"samples": 4, "groups": 2, "version": 2}
+
+
+def test_minimal_batch():
+    b = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=samples(2))
+    assert len(b) == 2 and b.mask is None and b.data == {}
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("samples", samples(3), "samples"),
+        ("mask", torch.ones(3, 3, dtype=torch.bool), "batch.mask"),
+        ("old_logp", torch.zeros(5, 3), "batch.old_logp"),
+        ("old_logp", torch.zeros(4, 2), "batch.old_logp shape"),  # rows right, T wrong
+        ("ref_logp", torch.zeros(4, 4), "batch.ref_logp shape"),
+        ("advantages", torch.zeros(3), "batch.advantages"),
+        ("scores", scores(5), "batch.scores"),
+        ("data", {"input_ids": torch.zeros(2, 3)}, "batch.data['input_ids']"),
+        ("group_ids", torch.zeros(2, 2, dtype=torch.long), "group_ids must be 1-D"),
+    ],
+)
+def test_mismatched_rows_raise_naming_the_field(field, value, needle):
+    with pytest.raises(ValueError) as info:
+        make_batch(4, 3, **{field: value})
+    assert needle in str(info.value)
+
+
+def test_old_logp_vs_mask_shape_only_checked_with_a_mask():
+    b = make_batch(4, 3, mask=None, old_logp=torch.zeros(4, 7))
+    assert b.old_logp.shape == (4, 7)
+
+
+def test_rewards_unscored_raises():
+    b = make_batch(scores=None)
+    with pytest.raises(ValueError, match="not been scored"):
+        _ = b.rewards
+
+
+# ---------------------------------------------------------------------------- groups
+
+
+def test_groups_in_first_appearance_order():
+    # group 7 appears first, then 2, then 5; rows interleaved
+    b = make_batch(6, 2, gids=[7, 2, 7, 5, 2, 5])
+    assert b.num_groups == 3
+    assert [g.tolist() for g in b.groups()] == [[0, 2], [1, 4], [3, 5]]
+    assert all(g.dtype == torch.long for g in b.groups())
+
+
+def test_groups_cover_every_row_once():
+    b = make_batch(8, 2, gids=[3, 1, 1, 3, 0, 0, 2, 2])
+    rows = torch.cat(b.groups()).sort().values
+    assert torch.equal(rows, torch.arange(8))
+    for g in b.groups():
+        assert b.group_ids[g].unique().numel() == 1
+
+
+# ---------------------------------------------------------------------------- select
+
+
+def assert_rows(sub: RolloutBatch, full: RolloutBatch, rows: list[int]) -> None:
+    idx = torch.tensor(rows, dtype=torch.long)
+    assert len(sub) == len(rows)
+    assert torch.equal(sub.group_ids, full.group_ids[idx])
+    assert sub.samples == [full.samples[i] for i in rows]
+    assert torch.equal(sub.mask, full.mask[idx])
+    assert torch.equal(sub.old_logp, full.old_logp[idx])
+    assert torch.equal(sub.advantages, full.advantages[idx])
+    assert sub.scores.names == full.scores.names
+    assert torch.equal(sub.scores.values, full.scores.values[idx])
+    assert torch.equal(sub.scores.total, full.scores.total[idx])
+    assert sub.data.keys() == full.data.keys()
+    for k in full.data:
+        assert torch.equal(sub.data[k], full.data[k][idx]), k
+    assert sub.policy_version == full.policy_version
+
+
+def test_select_long_indices():
+    b = make_batch(4, 3, gids=[0, 0, 1, 1], policy_version=3)
+    sub = b.select(torch.tensor([3, 1]))
+    assert_rows(sub, b, [3, 1])
+    # hand-worked: row 3 has (3 % 3) + 1 = 1 True position, row 1 has (1 % 3) + 1 = 2;
+    # old_logp[i, j] = -(10 i + j); reward 11 i; advantage i - 1.5
+    assert sub.mask.tolist() == [[True, False, False], [True, True, False]]
+    assert sub.old_logp.tolist() == [[-30.0, -31.0, -32.0], [-10.0, -11.0, -12.0]]
+    assert sub.rewards.tolist() == [33.0, 11.0]
+    assert sub.advantages.tolist() == [1.5, -0.5]
+    assert sub.group_ids.tolist() == [1, 0]
+    assert [s.completion for s in sub.samples] == ["s3", "s1"]
+
+
+def test_select_bool_mask():
+    b = make_batch(4, 3, gids=[0, 0, 1, 1])
+    keep = torch.tensor([False, True, True, False])
+    sub = b.select(keep)
+    assert_rows(sub, b, [1, 2])
+    assert sub.rewards.tolist() == [11.0, 22.0]
+    assert sub.num_groups == 2
+
+
+def test_select_list_and_empty():
+    b = make_batch(4, 3)
+    assert_rows(b.select([2]), b, [2])
+    empty = b.select(torch.zeros(4, dtype=torch.bool))
+    assert len(empty) == 0 and empty.samples == [] and empty.mask.shape == (0, 3)
+
+
+def test_select_does_not_alias_the_original_sample_list():
+    b = make_batch(4, 3)
+    sub = b.select(torch.arange(4))
+    sub.samples.pop()
+    assert len(b.samples) == 4
+
+
+# ---------------------------------------------------------------------------- concat
+
+
+def test_concat_pads_to_the_longer_t():
+    a = make_batch(2, 2, gids=[0, 0], policy_version=4)
+    b = make_batch(2, 3, gids=[1, 1], tag="b", offset=100.0, policy_version=3)
+    c = RolloutBatch.concat([a, b])
+    assert len(c) == 4 and c.num_groups == 2
+    assert c.group_ids.tolist() == [0, 0, 1, 1]
+    assert [s.completion for s in c.samples] == ["s0", "s1", "b0", "b1"]
+    # a's rows padded from T=2 to T=3 with False / 0
+    assert c.mask.tolist() == [
+        [True, False, False],
+        [True, True, False],
+        [True, False, False],
+        [True, True, False],
+    ]
+    assert c.mask.dtype == torch.bool
+    assert c.old_logp.tolist() == [
+        [-0.0, -1.0, 0.0],
+        [-10.0, -11.0, 0.0],
+        [-0.0, -1.0, -2.0],
+        [-10.0, -11.0, -12.0],
+    ]
+    assert c.data["input_ids"].tolist() == [[0, 1, 0], [2, 3, 0], [0, 1, 2], [3, 4, 5]]
+    assert c.data["pixels"].shape == (4, 2)  # same width: plain cat
+    assert c.advantages.tolist() == [-1.5, -0.5, -1.5, -0.5]
+    # scores kept: a rows 11 i, b rows 11 i + 200
+    assert c.scores.names == ["fmt", "ok"]
+    assert c.rewards.tolist() == [0.0, 11.0, 200.0, 211.0]
+    assert c.scores.values.tolist() == [[0, 0], [1, 10], [100, 100], [101, 110]]
+    assert c.policy_version == 3  # the oldest weights in the batch
+
+
+def test_concat_3d_data_pads_dim_1():
+    a = make_batch(2, 2, data={"x": torch.ones(2, 1, 2)})
+    b = make_batch(2, 2, data={"x": torch.ones(2, 3, 2)})
+    x = RolloutBatch.concat([a, b]).data["x"]
+    assert x.shape == (4, 3, 2)
+    assert x.sum().item() == 2 * 1 * 2 + 2 * 3 * 2  # padding is zeros
+
+
+def test_concat_single_and_empty():
+    a = make_batch()
+    assert RolloutBatch.concat([a]) is a
+    with pytest.raises(ValueError, match="at least one"):
+        RolloutBatch.concat([])
+
+
+def test_concat_different_atoms_raises():
+    a = make_batch()
+    b = make_batch(scores=scores(4, names=("fmt", "other")))
+    with pytest.raises(ValueError, match="different reward atoms"):
+        RolloutBatch.concat([a, b])
+
+
+def test_concat_data_key_mismatch_raises():
+    a = make_batch()
+    b = make_batch(data={"input_ids": torch.zeros(4, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="different data keys"):
+        RolloutBatch.concat([a, b])
+
+
+def test_concat_only_some_with_a_field_raises():
+    a = make_batch()
+    b = make_batch(old_logp=None)
+    with pytest.raises(ValueError, match="only some have old_logp"):
+        RolloutBatch.concat([a, b])
+
+
+def test_concat_differing_beyond_dim_1_raises():
+    a = make_batch(2, 2, data={"x": torch.ones(2, 1, 2)})
+    b = make_batch(2, 2, data={"x": torch.ones(2, 3, 4)})
+    with pytest.raises(ValueError, match="beyond their second dimension"):
+        RolloutBatch.concat([a, b])
+
+
+def test_concat_then_select_round_trip():
+    a = make_batch(2, 2, gids=[0, 0])
+    b = make_batch(2, 3, gids=[1, 1], tag="b", offset=100.0)
+    c = RolloutBatch.concat([a, b])
+    back = c.select(torch.tensor([2, 3]))
+    assert torch.equal(back.mask, b.mask)
+    assert torch.equal(back.old_logp, b.old_logp)
+    assert torch.equal(back.rewards, b.rewards)
+    assert back.samples == b.samples
+
+
+def test_concat_padding_stays_on_the_tensors_device():
+    # "meta" stands in for CUDA: a non-CPU device available everywhere
+    def meta_batch(t):
+        return RolloutBatch(
+            group_ids=torch.tensor([0, 0]),
+            samples=samples(2),
+            mask=torch.ones(2, t, dtype=torch.bool, device="meta"),
+        )
+
+    c = RolloutBatch.concat([meta_batch(2), meta_batch(3)])
+    assert c.mask.device.type == "meta" and c.mask.shape == (4, 3)
+
+
+def test_concat_keeps_failed_entries():
+    a = make_batch(
+        2,
+        2,
+        scores=AtomScores(
+            ["fmt"], torch.zeros(2, 1), torch.zeros(2), 1, torch.tensor([[True], [False]])
+        ),
+    )
+    b = make_batch(
+        2,
+        2,
+        scores=AtomScores(
+            ["fmt"], torch.zeros(2, 1), torch.zeros(2), 0, torch.tensor([[False], [False]])
+        ),
+    )
+    c = RolloutBatch.concat([a, b])
+    assert c.scores.errors == 1
+    assert c.scores.failed.tolist() == [[True], [False], [False], [False]]
+    assert c.select(torch.tensor([2, 3])).scores.errors == 0  # recounted from `failed`
+    assert c.select(torch.tensor([0, 3])).scores.errors == 1
