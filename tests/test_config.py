@@ -272,7 +272,7 @@ def test_override_values_reach_typed_fields():
             "optim.betas=[0.5, 0.75]",
             "logging.progress=false",
             "method.kl.beta=0.04",
-            "reward=[a.py:f, {path: b.py:g, weight: 2}]",
+            "reward.atoms=[a.py:f, {path: b.py:g, weight: 2}]",
         ],
     )
     assert cfg.seed == 7 and isinstance(cfg.seed, int)
@@ -281,7 +281,7 @@ def test_override_values_reach_typed_fields():
     assert cfg.optim.betas == (0.5, 0.75)
     assert cfg.logging.progress is False
     assert cfg.method.kl.beta == 0.04
-    assert cfg.reward == ["a.py:f", {"path": "b.py:g", "weight": 2}]
+    assert cfg.reward.atoms == ["a.py:f", {"path": "b.py:g", "weight": 2}]
     # untouched keys keep their defaults
     assert cfg.optim.weight_decay == 0.0 and cfg.rollout.num_generations == 8
 

@@ -217,3 +217,30 @@ def test_grpo_family_presets_train_on_the_toy_task(tmp_path, path):
     assert len(rows) == 2
     assert any(not torch.equal(v, weights(trainer)[k]) for k, v in start.items())
     assert all(isinstance(r.get("loss/total"), float) for r in rows if r.get("train/updates"))
+
+
+def test_config_reward_atoms_join_the_task_reward(tmp_path):
+    (tmp_path / "atoms.py").write_text(
+        "from mmrl.core.rewards import reward_atom\n"
+        "@reward_atom('even_first', weight=0.25)\n"
+        "def even_first(sample):\n"
+        "    return sample.completion[0] % 2 == 0\n"
+    )
+    (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n  on_error: zero\n")
+    cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'out'}", "train.max_steps=1"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    assert trainer.reward.names == ["answer", "stop", "even_first"]
+    assert trainer.reward.on_error == "zero"
+    trainer.train()
+    row = read_metrics(tmp_path / "out" / "metrics.jsonl")[0]
+    assert 0.0 <= row["reward/even_first"] <= 1.0
+
+
+def test_bad_config_atom_is_a_config_error(tmp_path):
+    from mmrl.core.config import ConfigError
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path}", "reward.atoms=[missing.py:fn]"])
+    with pytest.raises(ConfigError, match="reward.atoms.*missing.py"):
+        Trainer(cfg, *toy.build(cfg))

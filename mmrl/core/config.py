@@ -126,6 +126,17 @@ class GRPOConfig(Section):
 MethodConfig = Annotated[GRPOConfig, Field(discriminator="type")]
 
 
+class RewardConfig(Section):
+    atoms: list[str | dict[str, Any]] = Field(default_factory=list)
+    """Extra reward atoms beside the task's, each "path/to/file.py:function" or
+    {path, weight, name, parents}. Relative paths start at the config file's directory."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """An atom that raises or returns NaN: stop with an error naming it ("raise"), or
+    score it 0 and count it in reward/errors ("zero")."""
+    timeout: float | None = Field(None, gt=0)
+    """Seconds allowed for each call of an async atom; None = no limit."""
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -180,8 +191,7 @@ class TrainConfig(Section):
     """The backend's task section; its schema belongs to the backend."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     method: MethodConfig = Field(default_factory=GRPOConfig)
-    reward: list[str | dict[str, Any]] = Field(default_factory=list)
-    """Extra reward atoms, each "path/to/file.py:function" or {path, weight, name, parents}."""
+    reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

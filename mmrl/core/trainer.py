@@ -34,7 +34,7 @@ import yaml
 
 from mmrl.core import checkpoint as ckpt
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.config import OptimConfig, TrainConfig
+from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.rewards import Reward
@@ -288,14 +288,18 @@ class Trainer:
 
 
 def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
-    """The task's atoms plus the config's extra atoms ("path/to/file.py:fn")."""
-    if not cfg.reward:
-        return task_reward
-    extra = Reward.from_config(cfg.reward, base_dir=cfg.base_dir)
-    return Reward(
-        list(task_reward.atoms) + list(extra.atoms),
-        on_error=task_reward.on_error, timeout=task_reward.timeout,
-    )
+    """The task's atoms plus the config's extra atoms, under the config's error policy."""
+    rc = cfg.reward
+    atoms = list(task_reward.atoms)
+    if rc.atoms:
+        try:
+            atoms += Reward.from_config(rc.atoms, base_dir=cfg.base_dir).atoms
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"reward.atoms: {e}") from e
+    try:
+        return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout)
+    except ValueError as e:  # e.g. a config atom named like a task atom
+        raise ConfigError(f"reward.atoms: {e}") from e
 
 
 def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
