@@ -1,0 +1,74 @@
+"""The vision-language backend as the CLI and the loop see it (mmrl.core.cli).
+
+    CONFIG_CLASS    VLMTrainConfig
+    DEFAULT_CONFIG  the main job: the bundled tiny Qwen2.5-VL, shapes-qa, GRPO, on a CPU in minutes
+    build(cfg)      -> (VLMPolicy, VLMTask)
+    sample(...)     -> scored samples for `mmrl sample`
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmrl.core.config import ConfigError
+from mmrl.vlm.config import VLMTrainConfig
+from mmrl.vlm.models import load_vlm
+from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.task import VLMTask
+
+CONFIG_CLASS = VLMTrainConfig
+DEFAULT_CONFIG = {
+    "output_dir": "runs/vlm-default",
+    "rollout": {"num_generations": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
+    "optim": {"lr": 2e-4, "max_grad_norm": 1.0},
+    "train": {"max_steps": 40, "log_samples_every": 10},
+    "task": {"type": "shapes-qa", "num_train": 2000, "num_eval": 200},
+}
+
+
+def build_task(cfg: VLMTrainConfig) -> VLMTask:
+    from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
+
+    t = cfg.task
+    if t.type == "shapes-qa":
+        data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
+                        min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds)
+        train, evaluation = data.train_items(), data.eval_items()
+    else:
+        from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
+
+        base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
+        try:
+            train = load_jsonl(_resolve(t.train_path, base), on_bad_image=t.on_bad_image)
+            evaluation = load_jsonl(_resolve(t.eval_path, base), on_bad_image=t.on_bad_image)
+        except DatasetError as e:
+            raise ConfigError(f"task: {e}") from e
+    return VLMTask(t.type, train, evaluation, shapes_qa_reward(),
+                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size)
+
+
+def build(cfg: VLMTrainConfig):
+    model, processor = load_vlm(cfg.model)
+    policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    return policy, build_task(cfg)
+
+
+def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int) -> list[dict]:
+    """n samples for each of the first held-out items (or text-only --prompt questions)."""
+    from mmrl.vlm.tasks.shapes_qa import QAItem
+
+    items = [QAItem(images=[], question=p, answer="", reference="", meta={}) for p in prompts]
+    items = items or task.eval_items[:2]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    batch = policy.generate(items, n, cfg.rollout, gen)
+    scores = task.reward.score(batch.samples)
+    return [{"question": s.prompt, "answer": s.meta.get("answer"), "completion": s.completion, **a}
+            for s, a in zip(batch.samples, scores.per_sample())]
+
+
+def _resolve(path: str, base: Path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else base / p

@@ -1,0 +1,84 @@
+"""Loading vision-language models and their processors from a local directory.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL are supported and tested (tiny instances of
+each are built from configs in tests). Any other `AutoModelForImageTextToText`
+checkpoint is tried best-effort, with a warning. Nothing is ever downloaded:
+`model.path` must be a directory on disk.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from mmrl.core.config import ConfigError
+
+SUPPORTED = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+BUNDLED = "tiny-qwen2.5-vl"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def bundled_model_dir() -> Path:
+    return repo_root() / "assets" / BUNDLED
+
+
+def load_vlm(mcfg):
+    """(model, processor) from mcfg.path, or the bundled tiny Qwen2.5-VL when path is None."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    path = Path(mcfg.path) if mcfg.path else bundled_model_dir()
+    if not path.is_dir():
+        hint = " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else ""
+        raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {str(path)!r} has no config.json; is it a from_pretrained directory?")
+    if mcfg.trust_remote_code:
+        warnings.warn(f"trust_remote_code is on: running the Python code in {path}", stacklevel=2)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+    except ValueError as e:
+        raise ConfigError(f"model.path: {path} could not be read as a model config: {e}") from e
+    family = getattr(config, "model_type", "?")
+    if family in SUPPORTED:
+        cls = getattr(transformers, SUPPORTED[family])
+    else:
+        warnings.warn(
+            f"model family {family!r} is not one mmrl tests (supported: {', '.join(SUPPORTED)}); "
+            "trying AutoModelForImageTextToText",
+            stacklevel=2,
+        )
+        cls = AutoModelForImageTextToText
+    try:
+        model = cls.from_pretrained(
+            path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
+            trust_remote_code=mcfg.trust_remote_code,
+        )
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: could not load the model in {path}: {e}") from e
+    if mcfg.lora is not None:
+        model = add_lora(model, mcfg.lora)
+    return model, processor
+
+
+def add_lora(model, lcfg):
+    """Wrap the model's language layers with PEFT LoRA adapters; only adapters train."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ConfigError("model.lora needs the `peft` package (pip install 'mmrl[lora]')") from e
+    config = LoraConfig(
+        r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+        target_modules=list(lcfg.target_modules), bias="none",
+    )
+    return get_peft_model(model, config)

@@ -1,0 +1,256 @@
+"""The VLM policy: batched sampling with per-token log-probs, and the training forward.
+
+`generate` samples G completions per prompt with transformers' `generate` and
+keeps the log-probs of the sampled tokens from the generation logits themselves
+(log_softmax(logits / temperature), the distribution before top-p, as the
+training pass computes it), so no second forward is needed for old log-probs.
+
+Rows of a batch are laid out as [prompt (left-padded) | completion (right-padded)]:
+    data["prompt_ids"], data["prompt_mask"]    [N, P]
+    data["completion_ids"], batch.mask          [N, T]  (mask: tokens up to and including end-of-turn)
+    data["pixel_values"]                        [N, patches, D]  each sample's own patches, zero-padded
+    data["image_grid_thw"]                      [N, images, 3]   zero rows are padding
+    data["prompt/<key>"]                        any other per-token processor output ([N, P])
+Batches of different rounds concatenate with zero padding (RolloutBatch.concat);
+padding inside a prompt is masked out, and Qwen's rope index skips masked tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.checkpoint import load_module_weights
+from mmrl.core.rewards import Sample
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class VLMPolicy:
+    def __init__(self, model, processor, *, temperature: float = 1.0, min_pixels: int | None = None,
+                 max_pixels: int | None = None):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.temperature = temperature
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        tok = self.tokenizer
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.eos_id = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else tok.eos_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+        text_cfg = getattr(model.config, "text_config", model.config)
+        self.max_context = getattr(text_cfg, "max_position_embeddings", None)
+
+    # ------------------------------------------------------------------ prompts
+
+    def messages(self, item) -> list[dict[str, Any]]:
+        content: list[dict[str, Any]] = []
+        for image in item.images:
+            part = {"type": "image", "image": image}
+            if self.min_pixels is not None:
+                part["min_pixels"] = self.min_pixels
+            if self.max_pixels is not None:
+                part["max_pixels"] = self.max_pixels
+            content.append(part)
+        content.append({"type": "text", "text": item.question})
+        return [{"role": "user", "content": content}]
+
+    def encode(self, items: Sequence[Any]):
+        """Processor inputs for a batch of prompts (left-padded), images resized by qwen-vl-utils."""
+        from qwen_vl_utils import process_vision_info
+
+        texts, images = [], []
+        for i, item in enumerate(items):
+            msgs = self.messages(item)
+            texts.append(self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            if item.images:
+                try:
+                    found, _ = process_vision_info(msgs)
+                except Exception as e:  # noqa: BLE001 -- name the sample, whatever broke inside
+                    raise ValueError(f"prompt {i} ({item.question[:60]!r}): its image could not be read: {e}") from e
+                images.extend(found)
+        self.tokenizer.padding_side = "left"
+        return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+
+    def _check_length(self, enc, items, max_new_tokens: int) -> None:
+        if self.max_context is None:
+            return
+        lengths = enc["attention_mask"].sum(-1)
+        for i, n in enumerate(lengths.tolist()):
+            if n + max_new_tokens > self.max_context:
+                raise PromptTooLong(
+                    f"prompt {i} ({items[i].question[:60]!r}) has {n} tokens; with max_new_tokens "
+                    f"{max_new_tokens} it exceeds the model's context of {self.max_context}"
+                )
+
+    # ------------------------------------------------------------------ rollout
+
+    def generate(self, prompts, num_generations: int, rollout, generator: torch.Generator) -> RolloutBatch:
+        items = [item for item in prompts for _ in range(num_generations)]
+        enc = self.encode(items)
+        self._check_length(enc, items, rollout.max_new_tokens)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)  # generate draws from the global RNG: pin it to ours
+            out = self.model.generate(
+                **enc, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
+                max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=True,
+                eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                **self._stop_kwargs(getattr(rollout, "stop", None)),
+            )
+        p = enc["input_ids"].shape[1]
+        completion = out.sequences[:, p:]  # [N, T]
+        logits = torch.stack(out.logits, dim=1).float() / rollout.temperature  # [N, T, V]
+        logp_all = logits.log_softmax(-1)
+        old_logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)  # [N, T]
+        mask = self.completion_mask(completion)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
+        lengths = mask.sum(-1)
+        finished = (completion == self.eos_id) & mask
+        texts = self.decode(completion, mask)
+        n = len(prompts)
+        batch = RolloutBatch(
+            group_ids=torch.arange(n).repeat_interleave(num_generations),
+            samples=[
+                Sample(prompt=item.question, completion=text, meta={**item.meta, "answer": item.answer})
+                for item, text in zip(items, texts)
+            ],
+            mask=mask,
+            old_logp=old_logp.masked_fill(~mask, 0.0),
+            data={
+                "prompt_ids": enc["input_ids"],
+                "prompt_mask": enc["attention_mask"],
+                "completion_ids": completion,
+                **self._vision_rows(enc, items),
+                **{f"prompt/{k}": v for k, v in enc.items() if _per_token(k, v, enc)},
+                "stat/length": lengths.float(),
+                "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
+                "stat/truncated": (~finished.any(-1)).float(),
+            },
+        )
+        return batch
+
+    def _stop_kwargs(self, stop) -> dict:
+        return {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
+
+    def completion_mask(self, completion: Tensor) -> Tensor:
+        """True up to and including the first end-of-turn token; trailing padding is False."""
+        is_eos = completion == self.eos_id
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
+        not_pad = completion != self.pad_id
+        # last non-pad position + 1 (generate pads finished rows, e.g. after a stop string)
+        idx = torch.arange(completion.shape[1])
+        last = torch.where(not_pad, idx, torch.full_like(idx, -1)).max(-1).values  # [N]
+        return ~after_eos & (idx[None] <= last[:, None])
+
+    def decode(self, completion: Tensor, mask: Tensor) -> list[str]:
+        return [
+            self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+            for row, m in zip(completion, mask)
+        ]
+
+    def _vision_rows(self, enc, items) -> dict[str, Tensor]:
+        """Split the processor's flat pixel_values / image_grid_thw into per-sample rows."""
+        if "pixel_values" not in enc:
+            return {}
+        grid = enc["image_grid_thw"]  # [images, 3]
+        patches = grid.prod(-1).tolist()
+        counts = [len(item.images) for item in items]
+        most_images, most_patches = max(counts), 0
+        rows, start, img = [], 0, 0
+        for c in counts:
+            n = sum(patches[img: img + c])
+            rows.append((start, n, grid[img: img + c]))
+            most_patches = max(most_patches, n)
+            start, img = start + n, img + c
+        pv = enc["pixel_values"]
+        pixel = torch.zeros((len(items), most_patches, pv.shape[-1]), dtype=pv.dtype)
+        thw = torch.zeros((len(items), most_images, 3), dtype=grid.dtype)
+        for i, (s, n, g) in enumerate(rows):
+            pixel[i, :n] = pv[s: s + n]
+            thw[i, : len(g)] = g
+        return {"pixel_values": pixel, "image_grid_thw": thw}
+
+    # ------------------------------------------------------------------ training forward
+
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        """[N, T] log-probs of the completion tokens under the current weights (with grad)."""
+        d = batch.data
+        prompt, completion = d["prompt_ids"], d["completion_ids"]
+        p, t = prompt.shape[1], completion.shape[1]
+        attn = torch.cat([d["prompt_mask"], batch.mask.to(d["prompt_mask"].dtype)], dim=1)
+        ids = torch.cat([prompt, completion], dim=1).masked_fill(attn == 0, self.pad_id)
+        kwargs: dict[str, Any] = {}
+        if "pixel_values" in d:
+            grid = d["image_grid_thw"]
+            per_image = grid.prod(-1)  # [N, images]
+            kwargs["pixel_values"] = torch.cat(
+                [d["pixel_values"][i, : int(per_image[i].sum())] for i in range(len(batch))]
+            )
+            kwargs["image_grid_thw"] = grid[per_image > 0]
+        for k, v in d.items():
+            if k.startswith("prompt/"):
+                kwargs[k[len("prompt/"):]] = torch.cat([v, v.new_zeros((len(batch), t))], dim=1)
+        out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
+        logits = out.logits[:, :-1].float() / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
+        logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        return logp.masked_fill(~batch.mask, 0.0)
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def greedy(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64) -> list[str]:
+        texts: list[str] = []
+        for start in range(0, len(items), batch_size):
+            chunk = items[start: start + batch_size]
+            enc = self.encode(chunk)
+            self._check_length(enc, chunk, max_new_tokens)
+            out = self.model.generate(
+                **enc, do_sample=False, max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            )
+            completion = out[:, enc["input_ids"].shape[1]:]
+            texts += self.decode(completion, self.completion_mask(completion))
+        return texts
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def is_lora(self) -> bool:
+        return hasattr(self.model, "peft_config")
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """from_pretrained layout; with LoRA, the adapter (adapter_model.safetensors) only."""
+        self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    def load_weights(self, path: str | Path) -> None:
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.model, load_file(Path(path) / "adapter_model.safetensors"))
+            return
+        load_module_weights(self.model, path)
+
+    def reference(self) -> VLMPolicy:
+        ref = copy.copy(self)
+        ref.model = copy.deepcopy(self.model).requires_grad_(False)
+        return ref
+
+
+def _per_token(key: str, value: Any, enc) -> bool:
+    """Processor outputs aligned with input_ids besides ids and mask (e.g. mm_token_type_ids)."""
+    return (
+        key not in ("input_ids", "attention_mask")
+        and torch.is_tensor(value)
+        and value.shape == enc["input_ids"].shape
+    )

@@ -1,0 +1,42 @@
+"""A VLM task for the loop: training prompts, the reward, and held-out evaluation."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mmrl.core.rewards import Reward, Sample
+
+
+class VLMTask:
+    """Question-answer items (QAItem: images, question, answer, reference, meta).
+
+    Held-out evaluation decodes greedily and scores with the same reward atoms:
+    `accuracy` is the mean of the `answer` atom, `format` of the `format` atom,
+    `reward` of the weighted total."""
+
+    def __init__(self, name: str, train: Sequence[Any], eval_items: Sequence[Any], reward: Reward,
+                 *, max_new_tokens: int, batch_size: int = 64):
+        if not train:
+            raise ValueError(f"task {name!r} has no training items")
+        if not eval_items:
+            raise ValueError(f"task {name!r} has no evaluation items")
+        self.name = name
+        self.train = list(train)
+        self.eval_items = list(eval_items)
+        self.reward = reward
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+
+    def train_prompts(self) -> Sequence[Any]:
+        return self.train
+
+    def evaluate(self, policy) -> dict[str, float]:
+        texts = policy.greedy(self.eval_items, self.max_new_tokens, self.batch_size)
+        samples = [Sample(prompt=it.question, completion=t, meta={**it.meta, "answer": it.answer})
+                   for it, t in zip(self.eval_items, texts)]
+        scores = self.reward.score(samples)
+        out = {"reward": float(scores.total.mean())}
+        for k, name in enumerate(scores.names):
+            key = "accuracy" if name == "answer" else name
+            out[key] = float(scores.values[:, k].mean())
+        return out

@@ -1,0 +1,326 @@
+"""Users' own visual-question data as JSONL, and export of generated items to it.
+
+One JSON object per line (blank lines are ignored):
+
+    {"question": "How many cats?", "answer": 2, "image": "imgs/cats.jpg", "source": "web"}
+    {"question": "Which is bigger?", "answer": "left", "images": ["a.png", "b.png"]}
+    {"question": "What colour?", "answer": "red", "image_b64": "iVBORw0KGgo..."}
+    {"question": "What is 2 + 2?", "answer": "4"}
+
+- "question": a non-empty string (required).
+- "answer": a non-empty string or a number (required); meta["answer"] = str(answer).
+- images, at most one of: "image" (a path), "images" (a list of paths), "image_b64"
+  (base64 PNG/JPEG/..., a "data:image/...;base64," prefix allowed; or a list of them).
+  None: a text-only prompt. Relative paths resolve against base_dir (default: the
+  JSONL file's directory).
+- "reference": the SFT target completion (optional, default "").
+- every other field is copied into meta.
+
+Images are converted to 8-bit RGB: transparency is composited on white; 16-bit
+images are scaled (65535 -> 255), not clipped; see `to_rgb`. JPEG EXIF orientation
+is applied.
+
+Every error is a DatasetError naming the file, the 1-based line and the field.
+With on_bad_image="skip", a sample whose image is missing or unreadable is left out
+with one warning that counts and names them; the returned list's `.skipped` holds
+(line, reason) for each.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from mmrl.vlm.tasks.shapes_qa import QAItem
+
+__all__ = ["DatasetError", "QADataset", "load_jsonl", "save_jsonl", "to_rgb"]
+
+IMAGE_FIELDS = ("image", "images", "image_b64")
+RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
+_SKIP_NAMED = 5  # skipped samples named in the warning
+
+
+class DatasetError(ValueError):
+    """A problem with a dataset file. `.path`, `.line` (1-based, None for the whole
+    file) and `.field` (None if no single field) say where."""
+
+    def __init__(self, path, line: int | None, field: str | None, problem: str):
+        where = str(path)
+        if line is not None:
+            where += f", line {line}"
+        if field is not None:
+            where += f", field {field!r}"
+        super().__init__(f"{where}: {problem}")
+        self.path = str(path)
+        self.line = line
+        self.field = field
+        self.problem = problem
+
+
+class _BadImage(Exception):
+    """An image that is missing or cannot be decoded (skippable)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+        self.problem = problem
+
+
+class QADataset(list):
+    """A list of QAItem loaded from a file; `.skipped` lists (line, reason) of the
+    samples left out for bad images (on_bad_image="skip")."""
+
+    def __init__(self, items=(), skipped=()):
+        super().__init__(items)
+        self.skipped: list[tuple[int, str]] = list(skipped)
+
+
+def load_jsonl(
+    path: str | os.PathLike,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    on_bad_image: str = "raise",
+) -> QADataset:
+    """Load a JSONL file of visual questions (see the module docstring) as QAItems."""
+    if on_bad_image not in ("raise", "skip"):
+        raise ValueError(f'on_bad_image must be "raise" or "skip", got {on_bad_image!r}')
+    path = Path(path).expanduser()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DatasetError(path, None, None, f"cannot read the file: {e.strerror or e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DatasetError(
+            path, line, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
+        ) from e
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark
+    root = Path(base_dir).expanduser() if base_dir is not None else path.parent
+
+    items, skipped = [], []
+    # split on "\n" only: str.splitlines() would also split at U+2028 etc., which JSON
+    # strings may hold unescaped, and the line numbers would drift from an editor's
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append(_parse_line(line, path, lineno, root))
+        except _BadImage as e:
+            if on_bad_image == "raise":
+                raise DatasetError(path, lineno, e.field, e.problem) from e.__cause__
+            skipped.append((lineno, f"{e.field}: {e.problem}"))
+    if skipped:
+        named = "; ".join(f"line {n} ({why})" for n, why in skipped[:_SKIP_NAMED])
+        more = f"; and {len(skipped) - _SKIP_NAMED} more" if len(skipped) > _SKIP_NAMED else ""
+        warnings.warn(
+            f"{path}: skipped {len(skipped)} sample(s) with a missing or unreadable image: "
+            f"{named}{more}",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not items:
+        problem = "no samples" if not skipped else f"no usable samples ({len(skipped)} skipped)"
+        raise DatasetError(path, None, None, f"empty dataset: {problem}")
+    return QADataset(items, skipped)
+
+
+def _parse_line(line: str, path: Path, lineno: int, root: Path) -> QAItem:
+    def error(field, problem):
+        return DatasetError(path, lineno, field, problem)
+
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise error(None, f"invalid JSON: {e.msg} at column {e.colno}") from e
+    if not isinstance(obj, dict):
+        raise error(None, f"expected a JSON object, got {_json_type(obj)}")
+
+    for name in ("question", "answer"):
+        if name not in obj:
+            raise error(name, "missing (each line needs a question and an answer)")
+    question, answer = obj["question"], obj["answer"]
+    if not isinstance(question, str):
+        raise error("question", f"must be a string, got {_json_type(question)}")
+    if not question.strip():
+        raise error("question", "is empty")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise error("answer", f"must be a string or a number, got {_json_type(answer)}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise error("answer", f"must be a finite number, got {answer}")
+    answer = str(answer)
+    if not answer.strip():
+        raise error("answer", "is empty")
+    reference = obj.get("reference", "")
+    if not isinstance(reference, str):
+        raise error("reference", f"must be a string, got {_json_type(reference)}")
+
+    given = [f for f in IMAGE_FIELDS if f in obj]
+    if len(given) > 1:
+        raise error(given[1], f"give only one of {', '.join(IMAGE_FIELDS)} (found {given})")
+    images = []
+    if given:
+        name = given[0]
+        value = obj[name]
+        if name == "images" or (name == "image_b64" and isinstance(value, list)):
+            if not isinstance(value, list):
+                raise error(name, f"must be a list of strings, got {_json_type(value)}")
+            entries = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            entries = [(name, value)]
+        for field, v in entries:
+            if not isinstance(v, str):
+                raise error(field, f"must be a string, got {_json_type(v)}")
+            if not v.strip():
+                raise error(field, "is empty")
+        for field, v in entries:
+            images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
+
+    meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
+    meta["answer"] = answer
+    return QAItem(images=images, question=question, answer=answer, reference=reference, meta=meta)
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    return "an object" if isinstance(v, dict) else type(v).__name__
+
+
+def _open(field: str, value: str, root: Path) -> Image.Image:
+    p = Path(value).expanduser()
+    if not p.is_absolute():
+        p = root / p
+    if not p.is_file():
+        raise _BadImage(field, f"image file not found: {p}")
+    try:
+        with Image.open(p) as img:
+            return to_rgb(img)
+    except Exception as e:  # decoders raise many kinds of errors
+        raise _BadImage(field, f"cannot read image {p}: {_describe(e)}") from e
+
+
+def _decode_b64(field: str, value: str) -> Image.Image:
+    data = value.strip()
+    if data.startswith("data:"):
+        _, sep, data = data.partition(",")
+        if not sep:
+            raise _BadImage(field, "a data: URI without a ',' before the base64 data")
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise _BadImage(field, f"not valid base64: {e}") from e
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            return to_rgb(img)
+    except Exception as e:  # decoders raise many kinds of errors
+        problem = f"cannot decode the image ({len(raw)} bytes): {_describe(e)}"
+        raise _BadImage(field, problem) from e
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Decode `img` fully and return an 8-bit RGB copy.
+
+    - RGB: as is. JPEG EXIF orientation is applied first.
+    - Transparency (RGBA, LA, PA, RGBa, La, P or L/RGB with a transparency colour):
+      alpha-composited on white.
+    - 1, L, CMYK, YCbCr, P, ...: Pillow's conversion.
+    - I;16*: scaled by 255/65535 (rounded), so the full 16-bit range maps to 0..255.
+    - I (32-bit int): values in 0..65535 are treated as 16-bit as above (16-bit PNGs and
+      TIFFs open this way); otherwise min-max scaled to 0..255.
+    - F (float): values in [0, 1] scaled by 255; otherwise min-max scaled; NaN -> 0.
+    """
+    img.load()
+    if img.format == "JPEG" or "exif" in img.info:
+        img = ImageOps.exif_transpose(img)
+    mode = img.mode
+    if mode == "RGB":
+        return img.copy()
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        return _gray_to_rgb(np.asarray(img), mode)
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def _gray_to_rgb(a: np.ndarray, mode: str) -> Image.Image:
+    a = a.astype(np.float64)
+    if mode == "F":
+        a = np.nan_to_num(a, nan=0.0)
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and hi <= 65535):
+        a = a * (255.0 / 65535.0)
+    elif mode == "F" and lo >= 0 and hi <= 1:
+        a = a * 255.0
+    else:  # min-max
+        a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+    gray = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    return Image.fromarray(np.stack([gray] * 3, axis=-1), "RGB")
+
+
+def save_jsonl(
+    items: Sequence[QAItem], path: str | os.PathLike, image_dir: str | os.PathLike
+) -> Path:
+    """Write items as JSONL that load_jsonl reads back: images as PNG files in image_dir
+    (referenced relative to the JSONL file's directory when possible), "reference" when
+    non-empty, and meta fields (but meta["answer"]) as extra fields. Returns the path."""
+    path = Path(path).expanduser()
+    image_dir = Path(image_dir).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, item in enumerate(items):
+        clash = sorted(k for k in item.meta if k in RESERVED_FIELDS and k != "answer")
+        if clash:
+            raise ValueError(f"item {i}: meta keys {clash} clash with the JSONL fields")
+        refs = []
+        for j, img in enumerate(item.images):
+            file = image_dir / f"{path.stem}_{i:06d}_{j}.png"
+            to_rgb(img).save(file, format="PNG")
+            refs.append(_relative(file, path.parent))
+        obj: dict = {"question": item.question, "answer": item.answer}
+        if len(refs) == 1:
+            obj["image"] = refs[0]
+        elif refs:
+            obj["images"] = refs
+        if item.reference:
+            obj["reference"] = item.reference
+        obj.update((k, v) for k, v in item.meta.items() if k != "answer")
+        try:
+            lines.append(json.dumps(obj, ensure_ascii=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"item {i}: meta is not JSON-serialisable: {e}") from e
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _relative(file: Path, start: Path) -> str:
+    try:
+        return Path(os.path.relpath(file.resolve(), start.resolve())).as_posix()
+    except ValueError:  # another drive on Windows
+        return str(file.resolve())

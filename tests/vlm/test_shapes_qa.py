@@ -1,0 +1,281 @@
+"""The shapes-qa task (mmrl/vlm/tasks/shapes_qa.py): generation, held-out split, rewards."""
+
+import random
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mmrl.core.rewards import Reward, Sample
+from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, describe, render
+from mmrl.vlm.tasks.shapes_qa import (
+    KINDS,
+    QAItem,
+    ShapesQA,
+    accuracy,
+    answer_atom,
+    extract_answer,
+    format_atom,
+    generate_items,
+    normalize,
+    shapes_qa_reward,
+    to_sample,
+)
+
+
+def key(item):
+    return item.question, str(item.meta["scene"])
+
+
+def score(completion, answer):
+    s = shapes_qa_reward().score([Sample("q", completion, {"answer": answer})])
+    return s.values[0].tolist(), float(s.total[0])
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def test_generation_is_deterministic():
+    a = generate_items(30, seed=3)
+    b = generate_items(30, seed=3)
+    c = generate_items(30, seed=4)
+    assert [(x.question, x.answer, x.reference, x.meta) for x in a] == [
+        (x.question, x.answer, x.reference, x.meta) for x in b
+    ]
+    assert all(x.images[0].tobytes() == y.images[0].tobytes() for x, y in zip(a, b))
+    assert [key(x) for x in a] != [key(x) for x in c]
+    # item i depends only on (seed, i): a longer list extends a shorter one
+    assert [key(x) for x in generate_items(10, seed=3)] == [key(x) for x in a[:10]]
+
+
+def test_item_fields():
+    for item in generate_items(40, seed=0):
+        assert len(item.images) == 1
+        assert item.images[0].mode == "RGB" and item.images[0].size == (112, 112)
+        scene = Scene.from_dict(item.meta["scene"])
+        assert item.images[0].tobytes() == render(scene).tobytes()
+        assert item.reference == f"{describe(scene)} <answer>{item.answer}</answer>"
+        assert item.meta["answer"] == item.answer
+        assert item.meta["kind"] in KINDS
+        assert re.fullmatch(r"[A-Z][a-z ]+\?", item.question)
+
+
+def test_kinds_are_uniform_and_restrictable():
+    kinds = Counter(item.meta["kind"] for item in generate_items(500, seed=1))
+    assert set(kinds) == set(KINDS)
+    assert min(kinds.values()) > 500 / 5 * 0.6  # roughly 100 each
+    only = generate_items(20, seed=1, kinds=["left_of", "count_shape"])
+    assert {item.meta["kind"] for item in only} == {"left_of", "count_shape"}
+    with pytest.raises(ValueError, match="unknown question kind"):
+        generate_items(2, seed=0, kinds=["size_of"])
+    with pytest.raises(ValueError, match="left_of"):
+        generate_items(2, seed=0, kinds=["left_of"], max_shapes=1)
+
+
+def recount(item) -> str:
+    """The answer worked out again from the stored scene, independently of the generator."""
+    shapes = item.meta["scene"]["shapes"]
+    q = item.question
+    if m := re.fullmatch(r"How many (red|green|blue|yellow) shapes are there\?", q):
+        return str(sum(s["colour"] == m[1] for s in shapes))
+    if m := re.fullmatch(r"How many (circle|square|triangle)s are there\?", q):
+        return str(sum(s["shape"] == m[1] for s in shapes))
+    if m := re.fullmatch(r"What colour is the (circle|square|triangle)\?", q):
+        (match,) = [s for s in shapes if s["shape"] == m[1]]  # exactly one
+        return match["colour"]
+    if m := re.fullmatch(r"What shape is the (red|green|blue|yellow) object\?", q):
+        (match,) = [s for s in shapes if s["colour"] == m[1]]
+        return match["shape"]
+    if m := re.fullmatch(r"Is the (\w+) (\w+) left of the (\w+) (\w+)\?", q):
+        (a,) = [s for s in shapes if (s["colour"], s["shape"]) == (m[1], m[2])]
+        (b,) = [s for s in shapes if (s["colour"], s["shape"]) == (m[3], m[4])]
+        assert abs(a["x"] - b["x"]) >= max(a["size"], b["size"]) / 2  # clearly apart
+        return "yes" if a["x"] < b["x"] else "no"
+    raise AssertionError(f"unexpected question {q!r}")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_kind_answers_correctly(kind):
+    items = generate_items(60, seed=11, kinds=[kind])
+    for item in items:
+        assert item.meta["kind"] == kind
+        assert recount(item) == item.answer, item.question
+    answers = Counter(item.answer for item in items)
+    assert len(answers) >= 2  # not a constant answer
+    if kind.startswith("count"):
+        assert "0" in answers  # absent targets are asked sometimes ...
+        assert answers["0"] < len(items) / 2  # ... but not mostly
+
+
+def test_kinds_on_a_hand_made_scene():
+    # two red circles (left), a blue square (right): every possible question's answer
+    scene = Scene(
+        [
+            Shape("circle", "red", 20.0, 20.0, 24.0),
+            Shape("circle", "red", 20.0, 80.0, 24.0),
+            Shape("square", "blue", 80.0, 50.0, 24.0),
+        ],
+        112,
+    )
+    expected_counts = {"red": "2", "blue": "1", "green": "0", "yellow": "0"}
+    for seed in range(30):
+        rng = random.Random(seed)
+        q, a, p = KINDS["count_colour"](scene, rng)
+        assert (
+            a == expected_counts[p["colour"]] and q == f"How many {p['colour']} shapes are there?"
+        )
+        q, a, p = KINDS["count_shape"](scene, rng)
+        assert a == {"circle": "2", "square": "1", "triangle": "0"}[p["shape"]]
+        # only the square is unique as a shape, only blue as a colour
+        assert KINDS["colour_of"](scene, rng)[:2] == ("What colour is the square?", "blue")
+        assert KINDS["shape_of"](scene, rng)[:2] == ("What shape is the blue object?", "square")
+        # the red circles are not uniquely named: no relation question can be asked
+        assert KINDS["left_of"](scene, rng) is None
+    two = Scene(
+        [Shape("circle", "red", 20.0, 20.0, 24.0), Shape("square", "blue", 80.0, 50.0, 24.0)]
+    )
+    asked = {KINDS["left_of"](two, random.Random(s))[:2] for s in range(30)}
+    assert asked == {
+        ("Is the red circle left of the blue square?", "yes"),
+        ("Is the blue square left of the red circle?", "no"),
+    }
+
+
+def test_train_and_eval_are_disjoint_and_cached():
+    task = ShapesQA(seed=0, num_train=600, num_eval=150)
+    assert task.name == "shapes-qa"
+    train, ev = task.train_items(), task.eval_items()
+    assert len(train) == 600 and len(ev) == 150
+    assert not {key(x) for x in train} & {key(x) for x in ev}
+    assert task.eval_items() is ev and task.train_items() is train  # cached
+    # same arguments, same sets
+    again = ShapesQA(seed=0, num_train=600, num_eval=150)
+    assert [key(x) for x in again.eval_items()] == [key(x) for x in ev]
+    # the eval stream is not the train stream of another seed
+    assert [key(x) for x in ev[:20]] != [key(x) for x in generate_items(20, seed=0)]
+
+
+def test_eval_skips_items_identical_to_train():
+    # one 20-pixel shape in a 24-pixel image fits in one place only: 3 shapes x 4 colours
+    # = 12 scenes, so the raw eval stream repeats train items
+    args = {"image_size": 24, "max_shapes": 1, "kinds": ["count_shape"], "shape_size": (20, 20)}
+    task = ShapesQA(seed=0, num_train=300, num_eval=10, **args)
+    train_keys = {key(x) for x in task.train_items()}
+    stream = generate_items(50, seed=0, split="eval", **args)
+    assert any(key(x) in train_keys for x in stream)  # the raw stream does collide ...
+    assert not {key(x) for x in task.eval_items()} & train_keys  # ... the eval set does not
+
+
+# ---------------------------------------------------------------------------- answer checking
+
+
+def test_extract_answer_and_normalize():
+    assert extract_answer("a red circle <answer> Red </answer>") == "red"
+    assert extract_answer("<answer>1</answer> then <answer>2</answer>") == "2"  # the last one
+    assert extract_answer("<answer>a<answer>b</answer>") == "b"
+    assert extract_answer("no tags") is None
+    assert extract_answer("<answer>3") is None
+    assert normalize("Two.") == "2"
+    assert normalize("  zero ") == "0"
+    assert normalize("FOUR") == "4"
+    assert normalize("light   Blue.") == "light blue"
+    assert normalize(3) == "3"
+    assert normalize("yes") == "yes"
+
+
+def test_reference_scores_one_on_both_atoms():
+    reward = shapes_qa_reward()
+    assert reward.names == ["format", "answer"]
+    assert reward.weights.tolist() == pytest.approx([0.1, 1.0])
+    items = generate_items(25, seed=5)
+    scores = reward.score([to_sample(x, x.reference) for x in items])
+    assert scores.values.tolist() == [[1.0, 1.0]] * 25
+    assert scores.total.tolist() == pytest.approx([1.1] * 25)  # 0.1 * 1 + 1.0 * 1
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected_values, expected_total",
+    [
+        ("a red circle <answer>2</answer>", "2", [1.0, 1.0], 1.1),  # right: 0.1 + 1.0
+        ("a red circle <answer>2</answer>\n  ", "2", [1.0, 1.0], 1.1),  # trailing whitespace ok
+        ("<answer>Two.</answer>", "2", [1.0, 1.0], 1.1),  # number word normalised
+        ("<answer>three</answer>", "3", [1.0, 1.0], 1.1),
+        ("<answer> YES </answer>", "yes", [1.0, 1.0], 1.1),
+        ("a red circle <answer>3</answer>", "2", [1.0, 0.0], 0.1),  # wrong answer: format only
+        ("a red circle , 2", "2", [0.0, 0.0], 0.0),  # no tags
+        ("<answer>2", "2", [0.0, 0.0], 0.0),  # unclosed tag
+        ("<answer>2</answer> because", "2", [0.0, 0.0], 0.0),  # text after the tag
+        ("<answer>2</answer><answer>2</answer>", "2", [0.0, 0.0], 0.0),  # two answer tags
+        ("<answer>1</answer> <answer>2</answer>", "2", [0.0, 0.0], 0.0),
+        ("<answer> </answer>", "2", [0.0, 0.0], 0.0),  # empty answer
+    ],
+)
+def test_atom_scores(completion, answer, expected_values, expected_total):
+    values, total = score(completion, answer)
+    assert values == expected_values
+    assert total == pytest.approx(expected_total)
+
+
+def test_answer_is_gated_by_format():
+    # the right answer followed by extra text: the answer atom alone would say 1 ...
+    sample = Sample("q", "<answer>2</answer> extra", {"answer": "2"})
+    assert format_atom(sample) is False
+    assert answer_atom(sample) is True
+    # ... but it scores 0 because its parent "format" scored 0
+    scores = Reward([format_atom, answer_atom]).score([sample])
+    assert scores.values.tolist() == [[0.0, 0.0]]
+
+
+def test_atoms_reject_bad_samples():
+    with pytest.raises(Exception, match="decoded completion text"):
+        shapes_qa_reward().score([Sample("q", [1, 2, 3], {"answer": "2"})])
+    with pytest.raises(Exception, match='"answer"'):
+        shapes_qa_reward().score([Sample("q", "<answer>2</answer>", {})])
+
+
+def test_accuracy():
+    items = [
+        QAItem([], "How many circles are there?", "2"),
+        QAItem([], "What colour is the square?", "blue"),
+        QAItem([], "Is the red circle left of the blue square?", "yes"),
+    ]
+    completions = ["<answer>two</answer>", "<answer>red</answer>", "<answer>Yes.</answer> hm"]
+    # right, wrong, right (accuracy reads the last answer tag; the format is not required)
+    assert accuracy(completions, items) == pytest.approx(2 / 3)
+    assert accuracy(["no answer"] * 3, items) == 0.0
+    assert accuracy([x.reference for x in generate_items(10, 2)], generate_items(10, 2)) == 1.0
+    with pytest.raises(ValueError):
+        accuracy(["a"], items)
+
+
+def test_vocabulary_is_small():
+    # every word of every question and reference comes from a small fixed vocabulary
+    words = set()
+    for item in generate_items(300, seed=9):
+        words |= set(item.question.replace("?", " ?").split())
+        words |= set(re.sub(r"</?answer>", " ", item.reference).split())
+    expected = set(COLOURS) | set(SHAPES) | {s + "s" for s in SHAPES} | set("01234")
+    expected |= {
+        "How",
+        "many",
+        "shapes",
+        "are",
+        "there",
+        "?",
+        "What",
+        "colour",
+        "is",
+        "the",
+        "shape",
+        "object",
+        "Is",
+        "left",
+        "of",
+        "a",
+        ",",
+        "yes",
+        "no",
+    }
+    assert words <= expected
+    assert len(np.unique(sorted(words))) < 40
