@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -54,7 +54,7 @@ class JSONLTaskConfig(Section):
     """A missing or corrupt image: stop with an error naming it, or skip the sample with a warning."""
 
 
-TaskConfig = Annotated[Union[ShapesQATaskConfig, JSONLTaskConfig], Field(discriminator="type")]
+TaskConfig = Annotated[ShapesQATaskConfig | JSONLTaskConfig, Field(discriminator="type")]
 
 
 class VLMRolloutConfig(RolloutConfig):

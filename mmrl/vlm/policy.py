@@ -18,8 +18,9 @@ padding inside a prompt is masked out, and Qwen's rope index skips masked tokens
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,6 +47,12 @@ class VLMPolicy:
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
         self.eos_id = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else tok.eos_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+        # Vision placeholders must never be generated: in a training forward the model would
+        # take them for image slots. They are suppressed in sampling and get no probability
+        # in every log-prob we compute, so old and new log-probs use the same distribution.
+        vision = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"]
+        ids = [tok.convert_tokens_to_ids(t) for t in vision]
+        self.banned_ids = sorted({i for i in ids if isinstance(i, int) and i != tok.unk_token_id})
         text_cfg = getattr(model.config, "text_config", model.config)
         self.max_context = getattr(text_cfg, "max_position_embeddings", None)
 
@@ -74,7 +81,7 @@ class VLMPolicy:
             if item.images:
                 try:
                     found, _ = process_vision_info(msgs)
-                except Exception as e:  # noqa: BLE001 -- name the sample, whatever broke inside
+                except Exception as e:
                     raise ValueError(f"prompt {i} ({item.question[:60]!r}): its image could not be read: {e}") from e
                 images.extend(found)
         self.tokenizer.padding_side = "left"
@@ -103,16 +110,16 @@ class VLMPolicy:
             out = self.model.generate(
                 **enc, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=True,
-                eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
                 **self._stop_kwargs(getattr(rollout, "stop", None)),
             )
         p = enc["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
-        logits = torch.stack(out.logits, dim=1).float() / rollout.temperature  # [N, T, V]
+        logits = self._ban(torch.stack(out.logits, dim=1).float()) / rollout.temperature  # [N, T, V]
         logp_all = logits.log_softmax(-1)
         old_logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)  # [N, T]
         mask = self.completion_mask(completion)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
+        entropy = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)  # [N, T]; 0 * -inf -> 0
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
         texts = self.decode(completion, mask)
@@ -137,6 +144,33 @@ class VLMPolicy:
             },
         )
         return batch
+
+    def teacher_batch(self, items: Sequence[Any], completions: Sequence[str]) -> RolloutBatch:
+        """A batch of given completions (each followed by end-of-turn), for supervised
+        fine-tuning and for scoring fixed texts with `logprobs`. One group per item."""
+        enc = self.encode(items)
+        rows = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [self.eos_id] for c in completions]
+        t = max(len(r) for r in rows)
+        completion = torch.full((len(rows), t), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), t), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            completion[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = True
+        return RolloutBatch(
+            group_ids=torch.arange(len(items)),
+            samples=[Sample(prompt=it.question, completion=c, meta={**it.meta, "answer": it.answer})
+                     for it, c in zip(items, completions)],
+            mask=mask,
+            data={"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
+                  "completion_ids": completion, **self._vision_rows(enc, items),
+                  **{f"prompt/{k}": v for k, v in enc.items() if _per_token(k, v, enc)}},
+        )
+
+    def _ban(self, logits: Tensor) -> Tensor:
+        if self.banned_ids:
+            logits = logits.clone()
+            logits[..., self.banned_ids] = float("-inf")
+        return logits
 
     def _stop_kwargs(self, stop) -> dict:
         return {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
@@ -183,9 +217,9 @@ class VLMPolicy:
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """[N, T] log-probs of the completion tokens under the current weights (with grad)."""
-        d = batch.data
+        d = self._left_align(batch.data)
         prompt, completion = d["prompt_ids"], d["completion_ids"]
-        p, t = prompt.shape[1], completion.shape[1]
+        _p, t = prompt.shape[1], completion.shape[1]
         attn = torch.cat([d["prompt_mask"], batch.mask.to(d["prompt_mask"].dtype)], dim=1)
         ids = torch.cat([prompt, completion], dim=1).masked_fill(attn == 0, self.pad_id)
         kwargs: dict[str, Any] = {}
@@ -200,9 +234,25 @@ class VLMPolicy:
             if k.startswith("prompt/"):
                 kwargs[k[len("prompt/"):]] = torch.cat([v, v.new_zeros((len(batch), t))], dim=1)
         out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
-        logits = out.logits[:, :-1].float() / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
+        logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         return logp.masked_fill(~batch.mask, 0.0)
+
+    @staticmethod
+    def _left_align(data: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Move padding that concat appended after a prompt back in front of it, so the
+        last prompt column is every row's real last prompt token (it predicts the first
+        completion token)."""
+        mask = data["prompt_mask"]
+        p = mask.shape[1]
+        trailing = (mask.flip(-1).cumsum(-1) == 0).sum(-1)  # [N] padding after the prompt
+        if not bool(trailing.any()):
+            return data
+        idx = (torch.arange(p)[None] - trailing[:, None]) % p  # roll each row right
+        out = dict(data)
+        for k in ("prompt_ids", "prompt_mask", *[k for k in data if k.startswith("prompt/")]):
+            out[k] = data[k].gather(1, idx)
+        return out
 
     # ------------------------------------------------------------------ evaluation
 
@@ -215,7 +265,7 @@ class VLMPolicy:
             self._check_length(enc, chunk, max_new_tokens)
             out = self.model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
-                eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
             )
             completion = out[:, enc["input_ids"].shape[1]:]
             texts += self.decode(completion, self.completion_mask(completion))

@@ -573,15 +573,16 @@ def build_tiny_vlm(
     seed: int = 0,
     min_pixels: int = 56 * 56,
     max_pixels: int = 112 * 112,
+    corpus: list[str] | None = None,
     **config_kwargs,
 ) -> Path:
     """Build a randomly initialised tiny model of `family` and save model, processor,
     tokenizer, chat template and generation config into `out_dir` (safetensors).
-    Same seed -> identical tensors."""
+    Same seed -> identical tensors. `corpus`: extra tokenizer training text (task wordings)."""
     _check_family(family)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(corpus)
     processor = build_processor(family, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
     config = tiny_config(family, tokenizer, **config_kwargs)
     torch.manual_seed(seed)
