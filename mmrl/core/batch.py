@@ -30,7 +30,8 @@ class RolloutBatch:
     scores: AtomScores | None = None  # atom values [N, K] and totals [N]
     advantages: Tensor | None = None  # [N] or [N, T]
     policy_version: int = 0  # the optimizer step whose weights produced these samples
-    data: dict[str, Tensor] = field(default_factory=dict)  # backend tensors, [N, ...] each
+    data: dict[str, Tensor] = field(default_factory=dict)  # backend tensors, [N, ...] each;
+    # keys "stat/<name>" are per-sample rollout statistics, logged as rollout/<name> means
 
     def __post_init__(self):
         self.validate()

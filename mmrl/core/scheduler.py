@@ -99,8 +99,12 @@ class SyncScheduler:
             batch.policy_version = version
             batch.scores = self.reward.score(batch.samples)
             t_reward += time.perf_counter() - t1
-            if rounds == 1:  # the policy's reward: before any group is dropped
+            if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
                 reward_metrics = batch.scores.metrics()
+                reward_metrics.update({
+                    f"rollout/{k[len('stat/'):]}": float(v.float().mean())
+                    for k, v in batch.data.items() if k.startswith("stat/")
+                })
             t_rollout += t1 - t0
             keep = self.method.keep_groups(batch)
             if keep is not None and not bool(keep.all()):

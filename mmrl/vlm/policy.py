@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.checkpoint import load_module_weights
+from mmrl.core.checkpoint import CheckpointError
 from mmrl.core.rewards import Sample
 
 
@@ -289,7 +289,14 @@ class VLMPolicy:
 
             set_peft_model_state_dict(self.model, load_file(Path(path) / "adapter_model.safetensors"))
             return
-        load_module_weights(self.model, path)
+        # transformers renames keys between the module and the file (e.g. Qwen-VL's
+        # "model.language_model.*" is saved as "model.*"): load through from_pretrained,
+        # then copy in place so the optimizer keeps its parameters.
+        fresh = type(self.model).from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+        missing, unexpected = self.model.load_state_dict(fresh.state_dict(), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}")
 
     def reference(self) -> VLMPolicy:
         ref = copy.copy(self)
