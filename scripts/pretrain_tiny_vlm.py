@@ -44,11 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-val", type=int, default=200)
     ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--max-shapes", type=int, default=2)
+    ap.add_argument("--shape-size", type=int, nargs=2, default=(36, 48))
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    train = ShapesQA(seed=0, num_train=args.num_train, num_eval=1).train_items()
-    val = ShapesQA(seed=1, num_train=1, num_eval=args.num_val).eval_items()
+    shapes = {"max_shapes": args.max_shapes, "shape_size": tuple(args.shape_size)}
+    train = ShapesQA(seed=0, num_train=args.num_train, num_eval=1, **shapes).train_items()
+    val = ShapesQA(seed=1, num_train=1, num_eval=args.num_val, **shapes).eval_items()
     corpus = [it.question for it in train] + [it.reference for it in train]
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_vlm(args.family, tmp, seed=args.seed, corpus=corpus,

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mmrl.core.advantages import _check_choice, _compute_dtype  # shared argument checks
+
 __all__ = [
     "AGGREGATIONS",
     "KL_KINDS",
@@ -62,11 +64,6 @@ class LossOutput:
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_choice(value: str, allowed: tuple[str, ...], what: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
 def _bool_mask(mask: Tensor, shape: torch.Size, name: str = "mask") -> Tensor:
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} ([N, T]); got {tuple(mask.shape)}")
@@ -76,10 +73,6 @@ def _bool_mask(mask: Tensor, shape: torch.Size, name: str = "mask") -> Tensor:
 def _check_denom(denom) -> None:
     if denom is not None and not isinstance(denom, Tensor) and not denom > 0:
         raise ValueError(f"denom must be > 0 (the mini-batch's normaliser); got {denom}")
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # --------------------------------------------------------------------------- aggregation

@@ -22,8 +22,8 @@ CONFIG_CLASS = VLMTrainConfig
 DEFAULT_CONFIG = {
     "output_dir": "runs/vlm-default",
     "rollout": {"num_generations": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
-    "optim": {"lr": 2e-4, "max_grad_norm": 1.0},
-    "train": {"max_steps": 40, "log_samples_every": 10},
+    "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
+    "train": {"max_steps": 200, "log_samples_every": 25},
     "task": {"type": "shapes-qa", "num_train": 2000, "num_eval": 200},
 }
 
@@ -34,7 +34,8 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     t = cfg.task
     if t.type == "shapes-qa":
         data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
-                        min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds)
+                        min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
+                        shape_size=tuple(t.shape_size))
         train, evaluation = data.train_items(), data.eval_items()
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
@@ -46,7 +47,8 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
     return VLMTask(t.type, train, evaluation, shapes_qa_reward(),
-                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size)
+                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size,
+                   rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples)
 
 
 def build(cfg: VLMTrainConfig):

@@ -39,7 +39,10 @@ class ShapesQATaskConfig(Section):
     num_eval: int = Field(200, ge=1)
     image_size: int = Field(112, ge=28)
     min_shapes: int = Field(1, ge=1)
-    max_shapes: int = Field(4, ge=1)
+    max_shapes: int = Field(2, ge=1)
+    shape_size: tuple[int, int] = (36, 48)
+    """Smallest and largest shape side in pixels. The bundled tiny model's 28-px vision
+    tokens learn to read objects this size quickly; much smaller ones it barely sees."""
     kinds: list[str] | None = None
     """Question kinds to draw from (None = all)."""
 
@@ -63,6 +66,8 @@ class VLMRolloutConfig(RolloutConfig):
     """Stop strings (besides the end-of-turn token)."""
     eval_batch_size: int = Field(64, ge=1)
     """Prompts per greedy decoding batch in held-out evaluation."""
+    eval_samples: int = Field(4, ge=0)
+    """Completions sampled per held-out item for `sampled_accuracy` (0 = greedy only)."""
 
 
 class VLMTrainConfig(TrainConfig):

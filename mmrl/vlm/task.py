@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from mmrl.core.rewards import Reward, Sample
 
 
@@ -13,10 +15,13 @@ class VLMTask:
 
     Held-out evaluation decodes greedily and scores with the same reward atoms:
     `accuracy` is the mean of the `answer` atom, `format` of the `format` atom,
-    `reward` of the weighted total."""
+    `reward` of the weighted total. With `rollout` and eval_samples > 0 it also
+    reports `sampled_accuracy`: the mean `answer` over eval_samples completions per
+    item sampled at the rollout temperature (seeded, so before/after are comparable);
+    that is the quantity RL optimises, greedy accuracy the one a user decodes with."""
 
     def __init__(self, name: str, train: Sequence[Any], eval_items: Sequence[Any], reward: Reward,
-                 *, max_new_tokens: int, batch_size: int = 64):
+                 *, max_new_tokens: int, batch_size: int = 64, rollout=None, eval_samples: int = 0):
         if not train:
             raise ValueError(f"task {name!r} has no training items")
         if not eval_items:
@@ -27,6 +32,8 @@ class VLMTask:
         self.reward = reward
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.rollout = rollout
+        self.eval_samples = eval_samples
 
     def train_prompts(self) -> Sequence[Any]:
         return self.train
@@ -40,4 +47,14 @@ class VLMTask:
         for k, name in enumerate(scores.names):
             key = "accuracy" if name == "answer" else name
             out[key] = float(scores.values[:, k].mean())
+        if self.rollout is not None and self.eval_samples > 0 and "answer" in scores.names:
+            gen = torch.Generator().manual_seed(1234)
+            per_batch = max(1, self.batch_size // self.eval_samples)
+            hits = []
+            for start in range(0, len(self.eval_items), per_batch):
+                batch = policy.generate(self.eval_items[start: start + per_batch], self.eval_samples,
+                                        self.rollout, gen)
+                sampled = self.reward.score(batch.samples)
+                hits.append(sampled.values[:, sampled.names.index("answer")])
+            out["sampled_accuracy"] = float(torch.cat(hits).mean())
         return out
