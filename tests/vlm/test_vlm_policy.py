@@ -222,3 +222,31 @@ def test_vlm_resume_reproduces_the_uninterrupted_run(qwen25_dir, tmp_path):
     resumed = run("split", 3, resume=True)
     for k, v in full.items():
         assert torch.equal(v, resumed[k]), k
+
+
+def test_unreadable_image_names_the_prompt(qwen25_dir, tmp_path):
+    """A prompt whose image is a broken file object stops with the prompt's index and question."""
+    policy = make_policy(qwen25_dir)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    item = QAItem(images=[str(broken)], question="What colour is the circle?", answer="red", reference="", meta={})
+    with pytest.raises(ValueError, match=r"prompt 1 .*What colour is the circle.*could not be read"):
+        policy.generate([ITEMS[0], item], 1, rollout_cfg(), torch.Generator())
+
+
+def test_reward_atom_that_returns_nan_stops_the_run_with_its_name(qwen25_dir, tmp_path):
+    from mmrl.core.rewards import Reward, RewardError, reward_atom
+
+    @reward_atom("broken")
+    def broken(sample):
+        return float("nan")
+
+    cfg = load_config(VLMTrainConfig, overrides=[
+        f"model.path={qwen25_dir}", f"output_dir={tmp_path}", "train.max_steps=1",
+        "rollout.num_generations=2", "rollout.prompts_per_step=1", "rollout.max_new_tokens=3",
+        "logging.tensorboard=false", "logging.progress=false"])
+    policy = make_policy(qwen25_dir)
+    task = VLMTask("shapes-qa", ITEMS, ITEMS[:1], Reward([broken]), max_new_tokens=3)
+    with pytest.raises(RewardError, match="broken.*sample 0.*nan"):
+        Trainer(cfg, policy, task).train()
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
