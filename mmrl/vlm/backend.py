@@ -67,8 +67,9 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
     gen = torch.Generator().manual_seed(cfg.seed)
     batch = policy.generate(items, n, cfg.rollout, gen)
     scores = task.reward.score(batch.samples)
-    return [{"question": s.prompt, "answer": s.meta.get("answer"), "completion": s.completion, **a}
-            for s, a in zip(batch.samples, scores.per_sample())]
+    return [{"question": s.prompt, "gold": s.meta.get("answer"), "completion": s.completion,
+             "reward": float(total), "atoms": atoms}
+            for s, atoms, total in zip(batch.samples, scores.per_sample(), scores.total.tolist())]
 
 
 def _resolve(path: str, base: Path) -> Path:

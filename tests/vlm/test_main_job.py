@@ -51,3 +51,28 @@ def test_mmrl_train_bad_key_and_missing_model(tmp_path):
     assert result.exit_code == 2 and "model.min_pixel" in result.output
     result = runner.invoke(app, ["train", "--set", f"model.path={tmp_path / 'nope'}", "--output-dir", str(tmp_path)])
     assert result.exit_code == 2 and "not a directory" in result.output and "Traceback" not in result.output
+
+
+def test_mmrl_sample_prints_scored_json_lines():
+    result = CliRunner().invoke(app, ["sample", "--num", "2", "--set", "task.num_eval=4"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(rows) == 4  # 2 held-out items x 2 samples
+    for row in rows:
+        assert set(row) == {"question", "gold", "completion", "reward", "atoms"}
+        assert set(row["atoms"]) == {"format", "answer"}
+        # total = 0.1 * format + 1.0 * answer (answer gated by format)
+        assert abs(row["reward"] - (0.1 * row["atoms"]["format"] + row["atoms"]["answer"])) < 1e-6
+
+
+def test_stop_strings_end_the_completion_and_its_mask():
+    import torch
+
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG,
+                      overrides=["rollout.stop=[<answer>]", "task.num_eval=4"])
+    policy, task = backend.build(cfg)
+    batch = policy.generate(task.eval_items[:2], 3, cfg.rollout, torch.Generator().manual_seed(0))
+    for s, n in zip(batch.samples, batch.mask.sum(-1).tolist()):
+        assert s.completion.endswith("<answer>"), s.completion
+        ids = batch.data["completion_ids"][batch.samples.index(s)][:n]
+        assert policy.tokenizer.decode(ids.tolist()).endswith("<answer>")
