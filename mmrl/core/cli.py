@@ -121,8 +121,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
             policy, task = backend.build(cfg)
             summary = Trainer(cfg, policy, task).train(resume=resume)
-            print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
-            console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
+            from mmrl.core import distributed
+
+            if distributed.is_main():
+                print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
+                console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
 
         run_verb(go)
 

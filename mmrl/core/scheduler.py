@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import TrainConfig
 from mmrl.core.method import Method
@@ -84,7 +85,7 @@ class SyncScheduler:
                           and self.cfg.method.dynamic_sampling.enabled else 0)
         while have < want and rounds < max_rounds:
             rounds += 1
-            prompts, ids = self.stream.take(want - have)
+            prompts, ids = distributed.shard(*self.stream.take(want - have))  # this rank's share
             t0 = time.perf_counter()
             with torch.no_grad():
                 batch = self.policy.generate(prompts, rc.num_generations, rc, self.generator)

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from mmrl.core import checkpoint as ckpt
+from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
@@ -73,6 +74,10 @@ class Trainer:
         self.out = Path(output_dir or cfg.output_dir)
         self.policy = policy
         self.task = task
+        distributed.init()
+        self.world = distributed.world_size()
+        if self.world > 1:
+            _check_data_parallel(cfg, self.world)
         seed_everything(cfg.seed)
         self.reward = combined_reward(task.reward, cfg)
         self.method = build_method(cfg, self.reward)
@@ -114,14 +119,16 @@ class Trainer:
                 f"{self.out} already holds checkpoints of a run; pass --resume to continue it "
                 "or choose another --output-dir"
             )
-        ckpt.clean_partial(self.checkpoint_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        main = distributed.is_main()
+        if main:
+            ckpt.clean_partial(self.checkpoint_dir)
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         started = time.perf_counter()
         logger = RunLogger(
             self.out, total_steps=tc.max_steps, start_step=self.step,
             tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
-        )
+        ) if main else None
         try:
             if self.eval_before is None:
                 self.eval_before = self.evaluate()
@@ -130,15 +137,20 @@ class Trainer:
                 self.step += 1
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                logger.log(self.step, metrics)
+                if logger is not None:
+                    logger.log(self.step, metrics)
                 if tc.save_every and self.step % tc.save_every == 0 and not metrics.get("train/bad_step"):
                     self.save()
             if self.saved_step != self.step:
                 self.save()
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
         eval_after = self.evaluate()
-        return self.write_summary(eval_after, time.perf_counter() - started)
+        checksums = distributed.weights_checksum(self.params)
+        if not main:
+            return {"eval_before": self.eval_before, "eval_after": eval_after, "steps": self.step}
+        return self.write_summary(eval_after, time.perf_counter() - started, checksums)
 
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -171,19 +183,23 @@ class Trainer:
                     continue
                 mini = batch.select(mini_idx)
                 denom = self.method.loss_denominator(mini)
+                if denom is not None:
+                    denom = distributed.sum_scalar(denom)  # the global mini-batch's normaliser
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_value = 0.0
                 for micro_idx in torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)):
                     micro = mini.select(micro_idx)
                     out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
                     share = len(micro) / len(mini)
-                    # With a mini-batch denominator the micro losses already sum to the
-                    # mini-batch loss; without one each is its own mean and is weighted.
-                    loss = out.loss if denom is not None else out.loss * share
+                    # With a (global) mini-batch denominator the micro losses already sum to
+                    # the mini-batch loss; without one each is its own mean and is weighted.
+                    loss = out.loss if denom is not None else out.loss * share / self.world
                     loss.backward()
                     loss_value += float(loss.detach())
                     for k, v in out.metrics.items():
                         sums[k] += v * share
+                distributed.sum_gradients(self.params)
+                loss_value = distributed.sum_scalar(loss_value)  # every rank decides alike
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, oc.max_grad_norm or float("inf")))
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -232,7 +248,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        if not distributed.is_main():  # ranks hold identical state: the main one writes it
+            self.saved_step = self.step
+            return None
         if not all(bool(torch.isfinite(p).all()) for p in self.params):
             raise TrainingError(f"step {self.step}: the weights are not finite; no checkpoint was written")
         opt_tensors, opt_meta = ckpt.optimizer_state(self.optimizer)
@@ -269,7 +288,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ outputs
 
-    def write_summary(self, eval_after: dict[str, float], seconds: float) -> dict[str, Any]:
+    def write_summary(self, eval_after: dict[str, float], seconds: float,
+                      checksums: list[float] | None = None) -> dict[str, Any]:
         rows = read_metrics(self.out / "metrics.jsonl")
         summary = {
             "eval_before": self.eval_before,
@@ -278,6 +298,8 @@ class Trainer:
             "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
             "final_metrics": rows[-1] if rows else {},
             "train_seconds": seconds,
+            "processes": self.world,
+            "weights_checksums": checksums,
             "config": self.cfg.model_dump(mode="json"),
         }
         tmp = self.out / "summary.json.tmp"
@@ -285,6 +307,19 @@ class Trainer:
         tmp.replace(self.out / "summary.json")
         plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
         return summary
+
+
+def _check_data_parallel(cfg: TrainConfig, world: int) -> None:
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple "
+                          f"of the number of processes ({world})")
+    ds = getattr(cfg.method, "dynamic_sampling", None)
+    if ds is not None and ds.enabled:
+        raise ConfigError("method.dynamic_sampling with several processes is not supported yet")
+    adv = getattr(cfg.method, "advantage", None)
+    if adv is not None and getattr(adv, "scale", None) == "batch":
+        raise ConfigError("method.advantage.scale=batch with several processes is not supported yet "
+                          "(the batch std would be per process)")
 
 
 def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:

@@ -76,3 +76,24 @@ def test_stop_strings_end_the_completion_and_its_mask():
         assert s.completion.endswith("<answer>"), s.completion
         ids = batch.data["completion_ids"][batch.samples.index(s)][:n]
         assert policy.tokenizer.decode(ids.tolist()).endswith("<answer>")
+
+
+def test_two_process_training_keeps_ranks_in_sync(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m mmrl train` on a CPU (gloo):
+    both ranks end with the same weights; rank 0 alone writes the run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "dp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "mmrl", "train", "--max-steps", "2", "--output-dir", str(out),
+           "--set", "task.num_eval=8", "--set", "rollout.eval_samples=0", "--set", "rollout.prompts_per_step=4",
+           "--set", "rollout.num_generations=4", "--set", "logging.tensorboard=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 2
+    first, second = summary["weights_checksums"]
+    assert first == second
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2  # one writer

@@ -1,0 +1,77 @@
+"""Data-parallel training across processes (`accelerate launch`, torchrun).
+
+The design keeps algorithm code single-process. Every rank draws the same
+prompts from the stream and rolls out its share (every world-th prompt), so
+groups stay complete on one rank and advantages need no communication. After
+backward, gradients are summed across ranks; the loss normaliser of a
+mini-batch is summed first, so the update equals that of one process holding
+the whole global batch. The main rank alone writes logs and checkpoints.
+
+One process (the default) touches none of this: every function is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init() -> None:
+    """Join the process group that a launcher described in the environment."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        from accelerate import PartialState
+
+        PartialState(cpu=not torch.cuda.is_available())  # sets up gloo / nccl from the env
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def shard(items: list, ids: list[int]) -> tuple[list, list[int]]:
+    """This rank's share of a global list of prompts (and their draw indices)."""
+    n, r = world_size(), rank()
+    return items[r::n], ids[r::n]
+
+
+def sum_scalar(x: float) -> float:
+    if world_size() == 1:
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum every parameter's gradient over the ranks (a rank without one contributes 0)."""
+    if world_size() == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+
+
+def weights_checksum(params: list[torch.nn.Parameter]) -> list[float]:
+    """Each rank's sum of |w| (float64): equal entries mean the ranks hold the same weights."""
+    local = torch.tensor([sum(float(p.detach().double().abs().sum()) for p in params)], dtype=torch.float64)
+    if world_size() == 1:
+        return [local.item()]
+    out = [torch.zeros_like(local) for _ in range(world_size())]
+    dist.all_gather(out, local)
+    return [t.item() for t in out]
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()

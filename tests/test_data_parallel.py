@@ -1,0 +1,73 @@
+"""Data-parallel updates (mmrl.core.distributed): two processes, each with half of
+the global batch's groups, make the same update as one process with all of it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import toy
+
+from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.trainer import Trainer
+
+AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+def global_batch(trainer: Trainer):
+    """One fixed global batch: 4 prompts x 8 samples from the starting policy, scored."""
+    prompts = [1, 3, 5, 7]
+    batch = trainer.policy.generate(prompts, 8, trainer.cfg.rollout, torch.Generator().manual_seed(7))
+    batch.scores = trainer.reward.score(batch.samples)
+    batch.advantages = trainer.method.advantages(batch)
+    return batch
+
+
+def make(tmp, aggregation, micro):
+    overrides = [f"output_dir={tmp}", f"method.loss.aggregation={aggregation}", "train.mini_batches=1",
+                 "optim.max_grad_norm=null"]
+    if micro:
+        overrides.append(f"train.micro_batch_size={micro}")
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=overrides)
+    return Trainer(cfg, *toy.build(cfg))
+
+
+def _rank(rank, port, tmp, aggregation, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        trainer = make(tmp, aggregation, micro=4)
+        batch = global_batch(trainer)
+        mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
+        trainer.update(batch.select(mine))
+        torch.save({k: v.clone() for k, v in trainer.policy.model.state_dict().items()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_two_processes_update_like_one(tmp_path, aggregation):
+    one = make(tmp_path / "one", aggregation, micro=None)
+    start = {k: v.clone() for k, v in one.policy.model.state_dict().items()}
+    batch = global_batch(one)
+    assert batch.advantages.abs().sum() > 0  # a real update, not a no-op
+    one.update(batch)
+    expected = one.policy.model.state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in expected.items())
+
+    out = str(tmp_path / "weights")
+    mp.spawn(_rank, args=(free_port(), str(tmp_path / "two"), aggregation, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    for k, v in expected.items():
+        assert torch.equal(ranks[0][k], ranks[1][k]), f"ranks disagree on {k}"
+        torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6)
