@@ -73,7 +73,7 @@ def trl_run(steps: int, seed: int, out: Path, train_items):
         max_completion_length=MAX_NEW, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
         temperature=1.0, top_k=0, top_p=1.0, beta=0.0, loss_type="grpo", num_iterations=1,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        seed=seed, disable_tqdm=True,
+        seed=seed, disable_tqdm=True, gradient_checkpointing=False,  # mmrl does not recompute activations
     )
     trainer = GRPOTrainer(model=path, reward_funcs=[shapes_reward], args=args, train_dataset=data,
                           processing_class=processor)
