@@ -90,7 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     steps = 10 if args.quick else args.steps
-    torch.set_num_threads(torch.get_num_threads())
 
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
     task = backend.build_task(cfg)  # the same held-out items for both
