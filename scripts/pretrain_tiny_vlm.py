@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="assets/tiny-qwen2.5-vl")
     ap.add_argument("--family", default="qwen2_5_vl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target", type=float, default=0.45, help="stop once validation accuracy reaches this")
+    ap.add_argument("--target", type=float, default=0.5, help="stop once validation accuracy reaches this")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)

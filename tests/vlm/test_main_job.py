@@ -97,3 +97,23 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path):
     first, second = summary["weights_checksums"]
     assert first == second
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2  # one writer
+
+
+def test_pretrain_script_rebuilds_the_bundled_model(tmp_path):
+    """`python scripts/pretrain_tiny_vlm.py` (its defaults) reproduces the committed weights."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file
+
+    from mmrl.vlm.models import repo_root
+
+    spec = importlib.util.spec_from_file_location("pretrain", repo_root() / "scripts" / "pretrain_tiny_vlm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path)]) == 0
+    rebuilt = load_file(tmp_path / "model.safetensors")
+    bundled = load_file(bundled_model_dir() / "model.safetensors")
+    assert rebuilt.keys() == bundled.keys()
+    for k in bundled:
+        assert torch.equal(rebuilt[k], bundled[k]), k
