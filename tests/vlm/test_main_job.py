@@ -80,23 +80,37 @@ def test_stop_strings_end_the_completion_and_its_mask():
 
 def test_two_process_training_keeps_ranks_in_sync(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m mmrl train` on a CPU (gloo):
-    both ranks end with the same weights; rank 0 alone writes the run."""
+    both ranks end with the same weights; rank 0 alone writes the run; --resume with
+    two processes reproduces the uninterrupted run."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    out = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "mmrl", "train", "--max-steps", "2", "--output-dir", str(out),
-           "--set", "task.num_eval=8", "--set", "rollout.eval_samples=0", "--set", "rollout.prompts_per_step=4",
-           "--set", "rollout.num_generations=4", "--set", "logging.tensorboard=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    import torch
+
+    def launch(out, *extra):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "mmrl", "train", "--output-dir", str(out), "--set", "task.num_eval=8",
+               "--set", "rollout.eval_samples=0", "--set", "rollout.prompts_per_step=4",
+               "--set", "rollout.num_generations=4", "--set", "logging.tensorboard=false", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    summary = launch(tmp_path / "dp", "--max-steps", "2")
     assert summary["processes"] == 2 and summary["steps"] == 2
     first, second = summary["weights_checksums"]
     assert first == second
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2  # one writer
+    assert len((tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()) == 2  # one writer
+    # Resume with two processes: 2 steps + 1 resumed equals 3 steps straight.
+    straight = launch(tmp_path / "straight", "--max-steps", "3")
+    resumed = launch(tmp_path / "dp", "--max-steps", "3", "--resume")
+    assert resumed["weights_checksums"] == straight["weights_checksums"]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(Path(s["checkpoint"]) / "model.safetensors") for s in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_pretrain_script_rebuilds_the_bundled_model(tmp_path):
