@@ -126,18 +126,12 @@ class VLMPolicy:
         n = len(prompts)
         batch = RolloutBatch(
             group_ids=torch.arange(n).repeat_interleave(num_generations),
-            samples=[
-                Sample(prompt=item.question, completion=text, meta={**item.meta, "answer": item.answer})
-                for item, text in zip(items, texts)
-            ],
+            samples=[to_sample(item, text) for item, text in zip(items, texts)],
             mask=mask,
             old_logp=old_logp.masked_fill(~mask, 0.0),
             data={
-                "prompt_ids": enc["input_ids"],
-                "prompt_mask": enc["attention_mask"],
+                **self._prompt_rows(enc, items),
                 "completion_ids": completion,
-                **self._vision_rows(enc, items),
-                **{f"prompt/{k}": v for k, v in enc.items() if _per_token(k, v, enc)},
                 "stat/length": lengths.float(),
                 "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
                 "stat/truncated": (~finished.any(-1)).float(),
@@ -158,12 +152,9 @@ class VLMPolicy:
             mask[i, : len(r)] = True
         return RolloutBatch(
             group_ids=torch.arange(len(items)),
-            samples=[Sample(prompt=it.question, completion=c, meta={**it.meta, "answer": it.answer})
-                     for it, c in zip(items, completions)],
+            samples=[to_sample(it, c) for it, c in zip(items, completions)],
             mask=mask,
-            data={"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
-                  "completion_ids": completion, **self._vision_rows(enc, items),
-                  **{f"prompt/{k}": v for k, v in enc.items() if _per_token(k, v, enc)}},
+            data={**self._prompt_rows(enc, items), "completion_ids": completion},
         )
 
     def _ban(self, logits: Tensor) -> Tensor:
@@ -190,6 +181,15 @@ class VLMPolicy:
             self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
             for row, m in zip(completion, mask)
         ]
+
+    def _prompt_rows(self, enc, items) -> dict[str, Tensor]:
+        """The prompt side of a batch's data: ids, mask, per-sample vision rows, other per-token outputs."""
+        return {
+            "prompt_ids": enc["input_ids"],
+            "prompt_mask": enc["attention_mask"],
+            **self._vision_rows(enc, items),
+            **{f"prompt/{k}": v for k, v in enc.items() if _per_token(k, v, enc)},
+        }
 
     def _vision_rows(self, enc, items) -> dict[str, Tensor]:
         """Split the processor's flat pixel_values / image_grid_thw into per-sample rows."""
@@ -302,6 +302,11 @@ class VLMPolicy:
         ref = copy.copy(self)
         ref.model = copy.deepcopy(self.model).requires_grad_(False)
         return ref
+
+
+def to_sample(item, completion: str) -> Sample:
+    """What reward atoms see of a question-answer item and one completion."""
+    return Sample(prompt=item.question, completion=completion, meta={**item.meta, "answer": item.answer})
 
 
 def _per_token(key: str, value: Any, enc) -> bool:

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from mmrl.core.rewards import Reward, Sample
+from mmrl.core.rewards import Reward
+from mmrl.vlm.policy import to_sample
 
 
 class VLMTask:
@@ -40,8 +41,7 @@ class VLMTask:
 
     def evaluate(self, policy) -> dict[str, float]:
         texts = policy.greedy(self.eval_items, self.max_new_tokens, self.batch_size)
-        samples = [Sample(prompt=it.question, completion=t, meta={**it.meta, "answer": it.answer})
-                   for it, t in zip(self.eval_items, texts)]
+        samples = [to_sample(it, t) for it, t in zip(self.eval_items, texts)]
         scores = self.reward.score(samples)
         out = {"reward": float(scores.total.mean())}
         for k, name in enumerate(scores.names):
