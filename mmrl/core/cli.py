@@ -1,4 +1,4 @@
-"""The command line shared by the three modalities: `train`, `eval`, `sample`.
+"""The command line shared by the three modalities: `train`, `eval`, `sample`, `serve`.
 
 Each entry point (mmrl, diffusion-rl, dllm-rl) is `make_app(spec)` with its
 modality's `BackendSpec`. A backend is a module exposing
@@ -25,12 +25,13 @@ from rich.table import Table
 
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
 from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
 
 err_console = Console(stderr=True)
 console = Console()
 
-USER_ERRORS = (ConfigError, CheckpointError, RewardError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, RewardError, EngineError, FileNotFoundError)
 
 
 @dataclass
@@ -120,7 +121,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, overrides)
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
             policy, task = backend.build(cfg)
-            summary = Trainer(cfg, policy, task).train(resume=resume)
+            summary = Trainer(cfg, policy, task, backend=backend).train(resume=resume)
             from mmrl.core import distributed
 
             if distributed.is_main():
@@ -168,6 +169,32 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 policy.load_weights(resolve_checkpoint(checkpoint))
             for row in backend.sample(cfg, policy, task, list(prompt), num):
                 typer.echo(json.dumps(row, default=str))  # JSON lines
+
+        run_verb(go)
+
+    @app.command()
+    def serve(
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model and rollout)."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default (the API has no authentication)."),
+        port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
+    ):
+        """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
+
+        def go():
+            from mmrl.core.serve import ServedPolicyEngine
+            from mmrl.core.serve import serve as serve_engine
+
+            backend, cfg = get_backend(config, list(set_))
+            policy, _ = backend.build(cfg)
+            if checkpoint is not None:
+                policy.load_weights(resolve_checkpoint(checkpoint))
+            try:
+                serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port,
+                             ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
+            except OSError as e:  # the address is taken or not ours
+                fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
 
         run_verb(go)
 

@@ -45,6 +45,32 @@ class ModelConfig(Section):
     """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
 
 
+class SchedulerConfig(Section):
+    """How rollouts reach the trainer (METHODS.md section 3, RolloutPipe)."""
+
+    mode: Literal["sync", "pipelined"] = "sync"
+    """sync: roll out the whole round, then train. pipelined: complete-group pipelining
+    (a group goes to the trainer as soon as its samples, rewards and advantages exist;
+    the trainer steps once U = prompts_per_step / mini_batches groups are in)."""
+    frontier: int | None = None
+    """Frontier-group dispatch: the engines work only on the F_w lowest-numbered incomplete
+    groups. None = F_w = U (RolloutPipe's setting); 0 = off (every group admitted at once)."""
+    placement: Literal["auto", "inline", "thread", "process", "remote"] = "auto"
+    """Where the engine runs: in the trainer's thread (inline), a background thread with its
+    own copy of the weights, a local `mmrl serve` subprocess, or the `servers` below.
+    auto = inline for sync, thread for pipelined."""
+    servers: list[str] = Field(default_factory=list)
+    """Remote engines (placement=remote), one worker each (several = data-parallel rollout):
+    "http://host:port" for `mmrl serve`, "vllm+http://host:port" for vLLM's OpenAI server."""
+    engine_batch: int | None = Field(None, ge=1)
+    """Samples per engine call; None = U x G when pipelined, the whole round when sync,
+    divided among the engines."""
+    timeout: float = Field(600.0, gt=0)
+    """Seconds an engine may take for one call (or to take new weights) before it counts as hung."""
+    max_redispatch: int = Field(2, ge=0)
+    """Times a failed or hung engine call is retried on another engine before the run stops."""
+
+
 class RolloutConfig(Section):
     num_generations: int = Field(8, ge=1)
     """G: samples per prompt (the group)."""
@@ -55,6 +81,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     engine: str = "hf"
     """Rollout engine of the backend ("hf"; "vllm" with the GPU extra)."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
 
 class GroupAdvantageConfig(Section):

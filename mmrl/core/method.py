@@ -1,11 +1,16 @@
 """The method hooks of the one loop, and the registry that builds a method from its config.
 
-A method changes what the loop does at three points (DESIGN.md, "The loop"):
-    keep_groups   which complete groups train (DAPO's dynamic sampling drops some;
-                  the scheduler refills)
-    on_groups     reshape the batch before advantages (resample, prune)
-    advantages    [N], [N, T] or per region
-    loss          the differentiable objective of a (micro-)batch
+A method changes what the loop does at these points (DESIGN.md, "The loop"):
+    keep_groups     which complete groups train (DAPO's dynamic sampling drops some;
+                    the scheduler refills)
+    extra_requests  more samples for a complete group (AXPO: continuations of a fixed prefix)
+    on_groups       reshape a synchronous round's batch before advantages
+    advantages      [N], [N, T] or per region
+    prune           drop samples of a complete group before training (FastRL's MDAP)
+    group_size      the group size G of each data epoch (FastRL's adaptive rollout sampling)
+    loss            the differentiable objective of a (micro-)batch
+The group hooks run in the scheduler for every modality and both scheduler modes;
+in pipelined mode keep_groups, extra_requests, advantages and prune see one group.
 Everything else (rollout, reward, optimizer, checkpoints, logging) is the core's.
 """
 
@@ -17,6 +22,7 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import TrainConfig
+from mmrl.core.engine import Request
 from mmrl.core.losses import LossOutput
 from mmrl.core.rewards import Reward
 
@@ -39,11 +45,27 @@ class Method:
     def on_groups(self, batch: RolloutBatch) -> RolloutBatch:
         return batch
 
+    def extra_requests(self, group: RolloutBatch) -> list[Request]:
+        """Requests for more samples of this complete, scored group (same group id; a
+        non-zero `tag` tells them apart in batch.data["request_tag"]). Asked once per
+        group; the group trains when they are back, scored like the rest."""
+        return []
+
     def advantages(self, batch: RolloutBatch) -> Tensor:
         raise NotImplementedError
 
+    def prune(self, group: RolloutBatch) -> Tensor | None:
+        """Bool [N] over one complete group with advantages: the samples that train. None keeps all."""
+        return None
+
+    def group_size(self, epoch: int, current: int) -> int:
+        """G for data epoch `epoch` (called as each epoch's first prompt is drawn; `current`
+        is the size so far). The scheduler saves it with the checkpoint."""
+        return current
+
     def loss_denominator(self, batch: RolloutBatch) -> float | None:
-        """Normaliser of a whole mini-batch, so micro-batch losses sum to its loss."""
+        """Normaliser of a whole mini-batch, so micro-batch losses sum to its loss. It must
+        add over groups (a token or sample count): pipelined training sums it group by group."""
         return None
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:

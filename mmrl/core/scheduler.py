@@ -1,9 +1,11 @@
-"""The rollout scheduler: turns prompts into complete, scored groups for the trainer.
+"""The rollout scheduler: turns prompts into complete, scored groups with advantages.
 
-`SyncScheduler` rolls out a whole round, scores it, lets the method drop groups
-(DAPO's dynamic sampling) and refills the batch with fresh prompts, up to a
-cap of extra rounds. Pipelined modes (RolloutPipe) come with the scheduler issue;
-they keep this contract: `next_groups()` returns only complete groups.
+`SyncScheduler` rolls out a whole round in the trainer's thread with the trainer's
+own weights, scores it, lets the method drop groups (DAPO's dynamic sampling) and
+refills the batch with fresh prompts, up to a cap of extra rounds; then asks the
+method for extra samples (AXPO), computes advantages and prunes (FastRL).
+Engines beside the trainer and pipelining (RolloutPipe) live in mmrl.core.pipeline,
+with the same hooks and the same contract: only complete groups reach the trainer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import TrainConfig
+from mmrl.core.engine import PolicyEngine
 from mmrl.core.method import Method
 from mmrl.core.rewards import Reward
 
@@ -72,10 +75,12 @@ class SyncScheduler:
         self.generator = generator
         self.reference = reference
 
-    def next_groups(self, version: int) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """prompts_per_step complete, scored groups (fewer if dynamic sampling ran out of
-        rounds; None if every group was dropped). `version` is recorded on the batch."""
+    def next_groups(self, version: int, num_generations: int | None = None,
+                    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """prompts_per_step complete, scored groups with advantages (fewer if dynamic sampling
+        ran out of rounds; None if every group was dropped). `version` is recorded on the batch."""
         rc = self.cfg.rollout
+        num_generations = num_generations or rc.num_generations
         want = rc.prompts_per_step
         kept: list[RolloutBatch] = []
         have = dropped = rounds = 0
@@ -88,24 +93,21 @@ class SyncScheduler:
             prompts, ids = distributed.shard(*self.stream.take(want - have))  # this rank's share
             t0 = time.perf_counter()
             with torch.no_grad():
-                batch = self.policy.generate(prompts, rc.num_generations, rc, self.generator)
+                batch = self.policy.generate(prompts, num_generations, rc, self.generator)
             t1 = time.perf_counter()
-            if len(batch) != len(prompts) * rc.num_generations:
+            if len(batch) != len(prompts) * num_generations:
                 raise RuntimeError(
                     f"the rollout engine returned {len(batch)} samples for {len(prompts)} prompts "
-                    f"x {rc.num_generations} generations"
+                    f"x {num_generations} generations"
                 )
+            batch.data["request_tag"] = torch.zeros(len(batch), dtype=torch.long)
             # Relabel groups by draw index: unique across rounds and steps.
             batch.group_ids = torch.tensor(ids)[batch.group_ids]
             batch.policy_version = version
             batch.scores = self.reward.score(batch.samples)
             t_reward += time.perf_counter() - t1
             if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
-                reward_metrics = batch.scores.metrics()
-                reward_metrics.update({
-                    f"rollout/{k[len('stat/'):]}": float(v.float().mean())
-                    for k, v in batch.data.items() if k.startswith("stat/")
-                })
+                reward_metrics = round_metrics(batch)
             t_rollout += t1 - t0
             keep = self.method.keep_groups(batch)
             if keep is not None and not bool(keep.all()):
@@ -125,10 +127,46 @@ class SyncScheduler:
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept)
+        batch = self._extra_samples(batch, version, metrics)
         if self.reference is not None:
             with torch.no_grad():
                 batch.ref_logp = self.reference.logprobs(batch)
         batch = self.method.on_groups(batch)
+        batch.advantages = self.method.advantages(batch)
+        batch = self._prune(batch, metrics)
         metrics["rollout/groups"] = batch.num_groups
         metrics["rollout/samples"] = len(batch)
         return batch, metrics
+
+    def _extra_samples(self, batch: RolloutBatch, version: int, metrics: dict) -> RolloutBatch:
+        requests = [r for rows in batch.groups() for r in self.method.extra_requests(batch.select(rows))]
+        metrics["rollout/samples_extra"] = sum(r.n for r in requests)
+        if not requests:
+            return batch
+        engine = PolicyEngine(self.policy, own_weights=False)
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        extra = engine.generate(requests, self.cfg.rollout, seed)
+        extra.policy_version = version
+        extra.scores = self.reward.score(extra.samples)
+        merged = RolloutBatch.concat([batch, extra])
+        order = torch.argsort(merged.group_ids, stable=True)  # a group's rows stay together
+        return merged.select(order)
+
+    def _prune(self, batch: RolloutBatch, metrics: dict) -> RolloutBatch:
+        if type(self.method).prune is Method.prune:
+            return batch
+        keep = torch.ones(len(batch), dtype=torch.bool)
+        for rows in batch.groups():
+            k = self.method.prune(batch.select(rows))
+            if k is not None:
+                keep[rows] = k
+        metrics["rollout/samples_pruned"] = int((~keep).sum())
+        return batch if bool(keep.all()) else batch.select(keep)
+
+
+def round_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Reward atoms and per-sample rollout stats ("stat/<x>" data) of a round, as logged."""
+    out = batch.scores.metrics()
+    out.update({f"rollout/{k[len('stat/'):]}": float(v.float().mean())
+                for k, v in batch.data.items() if k.startswith("stat/")})
+    return out

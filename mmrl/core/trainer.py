@@ -1,14 +1,18 @@
 """The one RL loop, shared by every modality (DESIGN.md, "The loop").
 
     for step:
-        batch = scheduler.next_groups()       # complete groups, scored; method.keep_groups
-                                              # drops some and the scheduler refills
-        batch.advantages = method.advantages(batch)
+        batch = scheduler.next_groups()       # complete groups, scored, with advantages; the
+                                              # method's group hooks ran (drop + refill, extra
+                                              # samples, prune)
         for epoch, mini-batch:                # ppo_epochs x mini_batches optimizer steps
             for micro-batch:                  # gradient accumulation
                 method.loss(policy, micro, adv, denom).backward()
             clip, optimizer step, LR schedule
         log; evaluate; checkpoint
+
+With rollout.scheduler.mode=pipelined the first epoch streams instead: each group
+is trained on (forward and backward) as it arrives from the engines, and the
+optimizer steps once U groups are in (mmrl.core.pipeline).
 
 The backend supplies the policy and task (mmrl.core.protocols); the method
 supplies advantages and loss (mmrl.core.method); everything else is here.
@@ -38,6 +42,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
+from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward
 from mmrl.core.scheduler import PromptStream, SyncScheduler
 
@@ -69,7 +74,10 @@ def lr_factor(cfg: OptimConfig, total: int):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, policy, task, output_dir: str | Path | None = None):
+    def __init__(self, cfg: TrainConfig, policy, task, output_dir: str | Path | None = None, backend=None,
+                 engines: list | None = None):
+        """`backend`: the backend module (its `build_engine` makes engines of its own, e.g. vLLM).
+        `engines`: rollout engines to use instead of those the config describes (not inline)."""
         self.cfg = cfg
         self.out = Path(output_dir or cfg.output_dir)
         self.policy = policy
@@ -78,6 +86,7 @@ class Trainer:
         self.world = distributed.world_size()
         if self.world > 1:
             _check_data_parallel(cfg, self.world)
+        check_config(cfg, self.world)
         seed_everything(cfg.seed)
         self.reward = combined_reward(task.reward, cfg)
         self.method = build_method(cfg, self.reward)
@@ -93,9 +102,17 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
         self.stream = PromptStream(task.train_prompts(), cfg.seed)
         self.reference = policy.reference() if self.method.needs_reference else None
-        self.scheduler = SyncScheduler(
-            cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
-        )
+        if placement(cfg) == "inline" and engines is None:
+            self.scheduler = SyncScheduler(
+                cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
+            )
+        else:
+            self.scheduler = PipelinedScheduler(
+                cfg, engines or build_engines(cfg, policy, backend), self.stream, self.reward, self.method, self.generator,
+                policy.model, self.reference,
+            )
+        self.num_generations = cfg.rollout.num_generations  # G; a method may change it per epoch
+        self.group_epoch = 0
         self.step = 0
         self.bad_steps = 0
         self.eval_before: dict[str, float] | None = None
@@ -146,6 +163,8 @@ class Trainer:
         finally:
             if logger is not None:
                 logger.close()
+            if isinstance(self.scheduler, PipelinedScheduler):
+                self.scheduler.close()
         eval_after = self.evaluate()
         checksums = distributed.weights_checksum(self.params)
         if not main:
@@ -155,28 +174,38 @@ class Trainer:
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
         self.policy.model.eval()  # no dropout: the ratio is exactly 1 on-policy
-        batch, metrics = self.scheduler.next_groups(version=self.step)
+        self._update_group_size()
+        if getattr(self.scheduler, "pipelined", False):
+            batch, metrics = self.streamed_step()
+        else:
+            batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
+            wait = time.perf_counter() - t0
+            if batch is not None:
+                t1 = time.perf_counter()
+                metrics.update(self.update(batch))
+                metrics["time/update"] = time.perf_counter() - t1
+                metrics.update(_waiting(wait, metrics["time/update"]))
+                metrics["rollout/staleness"] = self.step - batch.policy_version
         if batch is None:
             warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
             metrics["train/skipped"] = 1.0
             return metrics
-        batch.advantages = self.method.advantages(batch)
-        t1 = time.perf_counter()
-        metrics.update(self.update(batch))
-        metrics["time/update"] = time.perf_counter() - t1
+        metrics["rollout/group_size"] = self.num_generations
         metrics["time/step"] = time.perf_counter() - t0
         every = self.cfg.train.log_samples_every
         if logger is not None and every and (self.step + 1) % every == 0:
             logger.samples(self.step + 1, sample_rows(batch))
         return metrics
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """ppo_epochs x mini_batches optimizer steps on one batch, with gradient accumulation."""
-        tc, oc = self.cfg.train, self.cfg.optim
+    def update(self, batch: RolloutBatch, epochs: int | None = None) -> dict[str, float]:
+        """`epochs` (default ppo_epochs) x mini_batches optimizer steps on one batch, with
+        gradient accumulation."""
+        tc = self.cfg.train
+        epochs = tc.ppo_epochs if epochs is None else epochs
         n = len(batch)
         sums: dict[str, float] = defaultdict(float)
-        updates = bad = 0
-        for _ in range(tc.ppo_epochs):
+        tally = {"updates": 0, "bad": 0}
+        for _ in range(epochs):
             order = torch.randperm(n, generator=self.generator) if tc.mini_batches > 1 else torch.arange(n)
             for mini_idx in order.tensor_split(tc.mini_batches):
                 if len(mini_idx) == 0:
@@ -198,21 +227,101 @@ class Trainer:
                     loss_value += float(loss.detach())
                     for k, v in out.metrics.items():
                         sums[k] += v * share
-                distributed.sum_gradients(self.params)
-                loss_value = distributed.sum_scalar(loss_value)  # every rank decides alike
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, oc.max_grad_norm or float("inf")))
-                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    bad += 1
-                    continue
-                self.optimizer.step()
-                self.lr_scheduler.step()
-                updates += 1
-                sums["loss/total"] += loss_value
-                sums["loss/grad_norm"] += grad_norm
-        metrics = {k: v / max(1, tc.ppo_epochs * tc.mini_batches) for k, v in sums.items()}
+                self._optimizer_step(loss_value, sums, tally)
+        return self._update_metrics(batch, sums, tally, max(1, epochs * tc.mini_batches))
+
+    def streamed_step(self) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Pipelined: train on each group as it arrives; step the optimizer every U groups.
+        A mini-batch's loss normaliser is only known once its last group is in, so each
+        micro-batch backpropagates its loss sum (denom 1) and the gradients are divided
+        by the mini-batch's normaliser before the step: the same update as the sync path."""
+        tc = self.cfg.train
+        t0 = time.perf_counter()
+        rnd, publish = self.scheduler.start_round(self.step, self.num_generations)
+        groups: list[RolloutBatch] = []
+        sums: dict[str, float] = defaultdict(float)
+        tally = {"updates": 0, "bad": 0}
+        acc = {"denom": 0.0, "loss": 0.0, "groups": 0}
+        busy, stale = 0.0, 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for group in rnd:
+            t = time.perf_counter()
+            stale = max(stale, self.step - group.policy_version)
+            if self.reference is not None:
+                with torch.no_grad():
+                    group.ref_logp = self.reference.logprobs(group)
+            self._accumulate(group, acc, sums)
+            groups.append(group)
+            if acc["groups"] == self.scheduler.u:
+                self._finish_minibatch(acc, sums, tally)
+            busy += time.perf_counter() - t
+        t = time.perf_counter()
+        if acc["groups"]:
+            self._finish_minibatch(acc, sums, tally)
+        metrics = dict(rnd.metrics)
+        if not groups:
+            return None, metrics
+        batch = RolloutBatch.concat(groups)
+        total = len(batch)
+        sums = {(k.removeprefix("w:")): (v / total if k.startswith("w:") else v)
+                for k, v in sums.items()}
+        metrics.update(self._update_metrics(batch, sums, tally, 1))
+        if tc.ppo_epochs > 1:  # later epochs need the whole round: as in sync mode
+            later = self.update(batch, epochs=tc.ppo_epochs - 1)
+            metrics["train/updates"] += later["train/updates"]
+        busy += time.perf_counter() - t
+        metrics.update(_waiting(rnd.wait_seconds, busy))
+        metrics.update({"time/update": busy, "time/publish": publish, "rollout/staleness": stale,
+                        "time/round": time.perf_counter() - t0,
+                        "time/engine_busy": sum(w.busy_seconds for w in self.scheduler.workers)})
+        metrics["rollout/groups"] = batch.num_groups
+        metrics["rollout/samples"] = total
+        return batch, metrics
+
+    def _accumulate(self, group: RolloutBatch, acc: dict, sums: dict) -> None:
+        size = self.cfg.train.micro_batch_size or len(group)
+        for idx in torch.arange(len(group)).split(size):
+            micro = group.select(idx)
+            denom = self.method.loss_denominator(micro)
+            out = self.method.loss(self.policy, micro, micro.advantages, denom=None if denom is None else 1.0)
+            loss = out.loss if denom is not None else out.loss * len(micro)  # a sum either way
+            loss.backward()
+            acc["denom"] += denom if denom is not None else len(micro)
+            acc["loss"] += float(loss.detach())
+            for k, v in out.metrics.items():
+                sums["w:" + k] += v * len(micro)  # sample-weighted; divided by the round's size
+        acc["groups"] += 1
+
+    def _finish_minibatch(self, acc: dict, sums: dict, tally: dict) -> None:
+        denom = max(acc["denom"], 1e-12)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(denom)
+        self._optimizer_step(acc["loss"] / denom, sums, tally)
+        acc.update(denom=0.0, loss=0.0, groups=0)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self, loss_value: float, sums: dict, tally: dict) -> None:
+        """Sum gradients over processes, clip, and step unless the loss or gradient is not finite."""
+        distributed.sum_gradients(self.params)
+        loss_value = distributed.sum_scalar(loss_value)  # every rank decides alike
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm or float("inf")))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            tally["bad"] += 1
+            return
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        tally["updates"] += 1
+        sums["loss/total"] += loss_value
+        sums["loss/grad_norm"] += grad_norm
+
+    def _update_metrics(self, batch: RolloutBatch, sums: dict, tally: dict, passes: int) -> dict[str, float]:
+        tc = self.cfg.train
+        updates, bad = tally["updates"], tally["bad"]
+        metrics = {k: v / passes for k, v in sums.items()}
         for k in ("loss/total", "loss/grad_norm"):
-            metrics[k] = sums[k] / max(1, updates) if updates else float("nan")
+            metrics[k] = sums.get(k, 0.0) / updates if updates else float("nan")
         metrics["optim/lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["train/updates"] = updates
         metrics["reward/advantage_abs"] = float(batch.advantages.abs().mean())
@@ -232,6 +341,15 @@ class Trainer:
         else:
             self.bad_steps = 0
         return metrics
+
+    def _update_group_size(self) -> None:
+        """FastRL's adaptive rollout sampling: the method may set G as each data epoch begins."""
+        epoch = self.stream.position // len(self.stream.prompts)
+        if epoch != self.group_epoch:
+            g = int(self.method.group_size(epoch, self.num_generations))
+            if g < 1:
+                raise TrainingError(f"method.group_size returned {g} for epoch {epoch}; a group needs >= 1 sample")
+            self.num_generations, self.group_epoch = g, epoch
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics, with every training RNG set aside (so evaluating never
@@ -264,6 +382,7 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": rng_meta,
             "data": self.stream.state_dict(),
+            "group_size": {"num_generations": self.num_generations, "epoch": self.group_epoch},
             "config": self.cfg.model_dump(mode="json"),
         }
         path = ckpt.save_checkpoint(
@@ -281,6 +400,9 @@ class Trainer:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
         self.stream.load_state_dict(state["data"])
+        if "group_size" in state:
+            self.num_generations = state["group_size"]["num_generations"]
+            self.group_epoch = state["group_size"]["epoch"]
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.eval_before = state["eval_before"]
@@ -307,6 +429,12 @@ class Trainer:
         tmp.replace(self.out / "summary.json")
         plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
         return summary
+
+
+def _waiting(wait: float, busy: float) -> dict[str, float]:
+    """The trainer's time in a step: waiting for rollouts vs training (RolloutPipe's waiting ratio)."""
+    return {"time/trainer_wait": wait, "time/trainer_busy": busy,
+            "time/waiting_ratio": wait / (wait + busy) if wait + busy > 0 else 0.0}
 
 
 def _check_data_parallel(cfg: TrainConfig, world: int) -> None:

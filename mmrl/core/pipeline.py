@@ -1,0 +1,412 @@
+"""Rollouts beside the trainer: RolloutPipe's complete-group pipelining (CGP) and
+frontier-group dispatch (FGD), METHODS.md section 3.
+
+A round is one training step's prompts. A dispatcher thread hands engine calls to
+workers (mmrl.core.engine), gathers the samples of each group, and once a group is
+complete scores it, applies the method's group hooks and computes its advantages:
+
+    keep_groups     drop the group (DAPO) and admit a fresh prompt instead, up to a cap
+    extra_requests  more samples for the group (AXPO's resampling from a fixed prefix);
+                    the group completes when they are back too
+    advantages      of the complete group
+    prune           FastRL's pruning of a group's samples before training
+
+Complete groups go to a FIFO in completion order; with `pipelined` the trainer takes
+them as they come (one optimizer step per U groups), otherwise it takes the whole
+round at once. Only complete groups ever leave the dispatcher.
+
+FGD: engine calls take samples only from the F_w lowest-numbered incomplete groups,
+in order, so groups complete early and one after another. Without FGD every group
+is admitted at once and each call takes a few samples of every group in turn, as a
+continuously batched engine serving all requests would finish them: groups then
+complete late. Weights are published to the engines between rounds only, after the
+trainer consumed every group, so every sample's old log-probs come from the weights
+the trainer held at the round's start (staleness 0, checked by the trainer).
+
+Faults: a call that raises an engine fault or takes longer than `timeout` marks its
+worker dead; its unfinished calls go to the other workers (at most `max_redispatch`
+times) or the round stops with an EngineError. Errors in the input (a prompt too long,
+a reward atom that fails) stop the round with the original error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError, TrainConfig
+from mmrl.core.engine import (
+    EngineError,
+    Job,
+    PolicyEngine,
+    Request,
+    Result,
+    Worker,
+    trainable_weights,
+)
+from mmrl.core.method import Method
+from mmrl.core.rewards import Reward
+from mmrl.core.scheduler import round_metrics
+
+
+def groups_per_update(cfg: TrainConfig) -> int:
+    """U: groups per optimizer step."""
+    return max(1, cfg.rollout.prompts_per_step // cfg.train.mini_batches)
+
+
+def check_config(cfg: TrainConfig, world: int) -> None:
+    sc, tc = cfg.rollout.scheduler, cfg.train
+    if sc.mode == "pipelined":
+        if placement(cfg) == "inline":
+            raise ConfigError("rollout.scheduler.placement=inline cannot pipeline: the engine must run beside "
+                              "the trainer (thread, process or remote)")
+        if cfg.rollout.prompts_per_step % tc.mini_batches:
+            raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of "
+                              f"train.mini_batches ({tc.mini_batches}) in pipelined mode (whole groups per step)")
+        adv = getattr(cfg.method, "advantage", None)
+        if getattr(adv, "scale", None) == "batch":
+            raise ConfigError("method.advantage.scale=batch needs the whole round; it cannot be pipelined "
+                              "(use rollout.scheduler.mode=sync)")
+    if placement(cfg) == "remote" and not sc.servers:
+        raise ConfigError("rollout.scheduler.placement=remote needs rollout.scheduler.servers (a list of URLs)")
+    if placement(cfg) != "inline" and world > 1:
+        raise ConfigError("rollout.scheduler.placement other than inline with several trainer processes "
+                          "is not supported yet")
+
+
+def placement(cfg: TrainConfig) -> str:
+    sc = cfg.rollout.scheduler
+    if sc.placement != "auto":
+        return sc.placement
+    return "thread" if sc.mode == "pipelined" else "inline"
+
+
+def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
+    """The engines a run's config asks for. `backend` (the backend module) may provide
+    `build_engine(kind, cfg, policy, url=None)` for engines of its own (vLLM)."""
+    where, sc = placement(cfg), cfg.rollout.scheduler
+    own = getattr(backend, "build_engine", None)
+    if where == "remote":
+        engines = []
+        for i, url in enumerate(sc.servers):
+            if url.startswith("vllm+"):
+                if own is None:
+                    raise ConfigError(f"rollout.scheduler.servers[{i}]: this backend has no vLLM engine")
+                engines.append(own("vllm-server", cfg, policy, url=url[len("vllm+"):]))
+            else:
+                from mmrl.core.remote import RemoteEngine
+
+                engines.append(RemoteEngine(url, timeout=sc.timeout))
+        return engines
+    if cfg.rollout.engine != "hf":
+        if own is None:
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not available for this backend")
+        return [own(cfg.rollout.engine, cfg, policy)]
+    if where == "process":
+        if backend is None:
+            raise ConfigError("rollout.scheduler.placement=process needs the backend module (use the CLI)")
+        from mmrl.core.remote import RemoteEngine, spawn_server
+
+        proc, url = spawn_server(backend.__name__, cfg.model_dump(mode="json"), timeout=sc.timeout)
+        return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc)]
+    return [PolicyEngine(policy, own_weights=True, name="thread")]
+
+
+@dataclass
+class _Group:
+    gid: int
+    prompt: Any
+    todo: list[Request]  # not yet sent to an engine
+    parts: list[RolloutBatch] = field(default_factory=list)
+    in_flight: int = 0  # samples sent, not back
+    extras_asked: bool = False
+    done: bool = False
+
+
+class _End:
+    pass
+
+
+class Round:
+    """One step's rollouts, produced in the background; iterate to get complete groups."""
+
+    def __init__(self, sched: PipelinedScheduler, version: int, prompts: list, ids: list[int], g: int):
+        self.s = sched
+        self.version = version
+        self.g = g
+        self.want = len(prompts)
+        self.groups: dict[int, _Group] = {}
+        self.order: list[int] = []  # admission order: the frontier is its first incomplete groups
+        for p, i in zip(prompts, ids):
+            self._admit(p, i)
+        self.ready: queue.Queue = queue.Queue()
+        self.metrics: dict[str, float] = {"rollout/groups_dropped": 0, "rollout/groups_refilled": 0,
+                                          "rollout/groups_extra": 0, "rollout/samples_extra": 0,
+                                          "rollout/samples_pruned": 0, "rollout/redispatched": 0}
+        self.handed = 0
+        self.refills_left = self.want * sched.max_refill_rounds
+        self.first_pass: list[RolloutBatch] = []  # every group as first scored, for reward metrics
+        self.t0 = time.perf_counter()
+        self.wait_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="mmrl-dispatch", daemon=True)
+        self._thread.start()
+
+    def _admit(self, prompt, gid: int) -> None:
+        self.groups[gid] = _Group(gid, prompt, [Request(gid, prompt, self.g)])
+        self.order.append(gid)
+
+    # ------------------------------------------------------------------ trainer side
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        while True:
+            t = time.perf_counter()
+            item = self.ready.get()
+            self.wait_seconds += time.perf_counter() - t
+            if isinstance(item, _End):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    # ------------------------------------------------------------------ dispatcher
+
+    def _run(self) -> None:
+        try:
+            self._dispatch_loop()
+            self.metrics["time/rollout"] = time.perf_counter() - self.t0
+            self.metrics.update(round_metrics(RolloutBatch.concat(self.first_pass)))
+            self.ready.put(_End())
+        except BaseException as e:  # noqa: BLE001 -- handed to the trainer thread
+            self.ready.put(e)
+
+    def _dispatch_loop(self) -> None:
+        s = self.s
+        while not all(g.done for g in self.groups.values()):
+            for depth in (1, 2):  # every engine one call first, then one queued: none idles
+                for w in s.workers:
+                    if w.alive and len(w.outstanding) < depth:
+                        requests = self._next_requests()
+                        if requests:
+                            seed = int(torch.randint(0, 2**62, (1,), generator=s.generator))
+                            w.submit(Job(requests, s.cfg.rollout, seed))
+            if not any(w.alive for w in s.workers):
+                raise EngineError("every rollout engine failed: " + "; ".join(
+                    f"{w.name}: {w.dead}" for w in s.workers))
+            if not self._in_flight():
+                if any(g.todo for g in self.groups.values()):
+                    continue
+                raise RuntimeError("rollout dispatcher: nothing in flight and nothing to send (a bug)")
+            try:
+                result = s.inbox.get(timeout=self._time_left())
+            except queue.Empty:
+                self._expire_hung()
+                continue
+            self._absorb(result)
+
+    def _in_flight(self) -> bool:
+        return any(w.outstanding for w in self.s.workers)
+
+    def _next_requests(self) -> list[Request]:
+        s = self.s
+        open_groups = [self.groups[i] for i in self.order if not self.groups[i].done]
+        if s.frontier:
+            open_groups = open_groups[: s.frontier]
+        pending = [g for g in open_groups if g.todo]
+        if not pending:
+            return []
+        budget = s.engine_batch
+        taken: dict[int, int] = {}
+        if s.frontier:  # in group order: the frontier's groups complete first
+            for g in pending:
+                while g.todo and budget > 0:
+                    budget -= self._take(g, min(budget, g.todo[0].n), taken)
+        else:  # round-robin over every open group: all groups progress, none completes early
+            while budget > 0 and any(g.todo for g in pending):
+                for g in pending:
+                    if g.todo and budget > 0:
+                        budget -= self._take(g, 1, taken)
+        return self._merge(taken)
+
+    def _take(self, g: _Group, n: int, taken: dict) -> int:
+        head = g.todo[0]
+        if head.n <= n:
+            g.todo.pop(0)
+            part = head
+        else:
+            g.todo[0] = Request(head.group, head.prompt, head.n - n, head.prefix, head.tag)
+            part = Request(head.group, head.prompt, n, head.prefix, head.tag)
+        g.in_flight += part.n
+        # one request per group, tag and prefix: a call's rows stay grouped
+        taken.setdefault((g.gid, head.tag, id(head.prefix)), []).append(part)
+        return part.n
+
+    @staticmethod
+    def _merge(taken: dict) -> list[Request]:
+        out = []
+        for parts in taken.values():
+            r = parts[0]
+            out.append(Request(r.group, r.prompt, sum(p.n for p in parts), r.prefix, r.tag))
+        return out
+
+    def _time_left(self) -> float:
+        now = time.monotonic()
+        starts = [j.started for w in self.s.workers for j in w.outstanding.values()]
+        return max(0.01, min(st + self.s.timeout for st in starts) - now) if starts else 0.01
+
+    def _expire_hung(self) -> None:
+        now = time.monotonic()
+        for w in self.s.workers:
+            if any(now - j.started > self.s.timeout for j in w.outstanding.values()):
+                self._fail_worker(w, f"did not answer within {self.s.timeout:g} s (hung)")
+
+    def _fail_worker(self, w: Worker, why: str) -> None:
+        for job in w.mark_dead(why):
+            self.metrics["rollout/redispatched"] += 1
+            if self.metrics["rollout/redispatched"] > self.s.max_redispatch:
+                raise EngineError(f"engine {w.name} {why}; giving up after {self.s.max_redispatch} "
+                                  "re-dispatches (rollout.scheduler.max_redispatch)")
+            for r in job.requests:  # back to the front of their group's queue
+                g = self.groups[r.group]
+                g.in_flight -= r.n
+                g.todo.insert(0, r)
+
+    def _absorb(self, result: Result) -> None:
+        w, job = result.worker, result.job
+        if job.id not in w.outstanding:  # a late answer from a worker already given up on
+            return
+        if result.error is not None:
+            if not isinstance(result.error, (EngineError, OSError)):
+                raise result.error  # bad input: the same call would fail anywhere
+            self._fail_worker(w, f"failed: {result.error}")
+            return
+        del w.outstanding[job.id]
+        batch = result.batch
+        self.metrics["rollout/engine_calls"] = self.metrics.get("rollout/engine_calls", 0) + 1
+        for r, rows in zip(job.requests, _split(batch, job.requests)):
+            g = self.groups[r.group]
+            g.parts.append(rows)
+            g.in_flight -= r.n
+        for r in job.requests:
+            g = self.groups[r.group]
+            if not g.done and not g.todo and g.in_flight == 0:
+                self._complete(g)
+
+    def _complete(self, g: _Group) -> None:
+        s = self.s
+        scored = [p for p in g.parts if p.scores is not None]
+        unscored = [p for p in g.parts if p.scores is None]
+        if unscored:  # one reward call for the group's new samples
+            new = RolloutBatch.concat(unscored)
+            new.scores = s.reward.score(new.samples)
+            g.parts = [*scored, new]
+        batch = RolloutBatch.concat(g.parts)
+        if not g.extras_asked:
+            self.first_pass.append(replace(batch))  # a copy: the group gets advantages later
+            keep = s.method.keep_groups(batch)
+            if keep is not None and not bool(keep.all()):
+                g.done = True
+                self.metrics["rollout/groups_dropped"] += 1
+                if self.refills_left > 0:
+                    self.refills_left -= 1
+                    self.metrics["rollout/groups_refilled"] += 1
+                    (prompt,), (gid,) = s.stream.take(1)
+                    self._admit(prompt, gid)
+                return
+            g.extras_asked = True
+            extra = s.method.extra_requests(batch)
+            if extra:
+                if any(r.group != g.gid for r in extra):
+                    raise ValueError("method.extra_requests returned requests for another group")
+                g.parts = [batch]
+                g.todo = list(extra)
+                self.metrics["rollout/groups_extra"] += 1
+                self.metrics["rollout/samples_extra"] += sum(r.n for r in extra)
+                return
+        g.done = True
+        batch.advantages = s.method.advantages(batch)
+        keep = s.method.prune(batch)
+        if keep is not None and not bool(keep.all()):
+            self.metrics["rollout/samples_pruned"] += int((~keep).sum())
+            batch = batch.select(keep)
+        self.handed += 1
+        self.ready.put(batch)
+
+
+def _split(batch: RolloutBatch, requests: list[Request]) -> list[RolloutBatch]:
+    out, start = [], 0
+    for r in requests:
+        out.append(batch.select(torch.arange(start, start + r.n)))
+        start += r.n
+    return out
+
+
+class PipelinedScheduler:
+    """Rounds of rollouts on background workers (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, engines: list, stream, reward: Reward, method: Method,
+                 generator: torch.Generator, model: torch.nn.Module, reference=None):
+        sc = cfg.rollout.scheduler
+        self.cfg = cfg
+        self.model = model  # the trainer's: its trainable weights are what publish sends
+        self.reference = reference
+        self.stream = stream
+        self.reward = reward
+        self.method = method
+        self.generator = generator
+        self.pipelined = sc.mode == "pipelined"
+        self.u = groups_per_update(cfg)
+        g = cfg.rollout.num_generations
+        self.frontier = (self.u if sc.frontier is None else sc.frontier) if self.pipelined else 0
+        # Default call size: one mini-batch's samples (pipelined) or the round (sync), shared
+        # among the engines so that several engines split even the frontier.
+        whole = self.u * g if self.pipelined else cfg.rollout.prompts_per_step * g
+        self.engine_batch = sc.engine_batch or -(-whole // max(1, len(engines)))
+        self.timeout = sc.timeout
+        self.max_redispatch = sc.max_redispatch
+        ds = getattr(cfg.method, "dynamic_sampling", None)
+        self.max_refill_rounds = ds.max_rounds if ds is not None and ds.enabled else 0
+        self.inbox: queue.Queue = queue.Queue()
+        self.workers = [Worker(e, self.inbox) for e in engines]
+        self.published: int | None = None
+
+    def start_round(self, version: int, num_generations: int) -> tuple[Round, float]:
+        """Publish the trainer's weights if the engines lag, then start the round's rollouts.
+        Returns the round and the seconds spent publishing."""
+        seconds = 0.0
+        if self.published != version:
+            weights = trainable_weights(self.model)
+            for w in self.workers:
+                if w.alive:
+                    seconds += w.publish(weights, version, self.timeout)
+            self.published = version
+        prompts, ids = self.stream.take(self.cfg.rollout.prompts_per_step)
+        return Round(self, version, prompts, ids, num_generations), seconds
+
+    def next_groups(self, version: int, num_generations: int | None = None,
+                    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Sync mode on background engines: the whole round at once, in group order."""
+        rnd, publish = self.start_round(version, num_generations or self.cfg.rollout.num_generations)
+        groups = list(rnd)
+        metrics = {**rnd.metrics, "time/publish": publish,
+                   "time/engine_busy": sum(w.busy_seconds for w in self.workers)}
+        if not groups:
+            return None, metrics
+        batch = RolloutBatch.concat(groups)
+        batch = batch.select(torch.argsort(batch.group_ids, stable=True))  # independent of timing
+        if self.reference is not None:
+            with torch.no_grad():
+                batch.ref_logp = self.reference.logprobs(batch)
+        metrics["rollout/groups"] = batch.num_groups
+        metrics["rollout/samples"] = len(batch)
+        return batch, metrics
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()

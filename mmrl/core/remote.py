@@ -1,0 +1,168 @@
+"""Rollout engines in other processes: an HTTP client with the Engine interface, and a launcher.
+
+`RemoteEngine(url, timeout=...)` talks to a server of mmrl.core.serve (started by
+`mmrl serve`, `python -m mmrl.core.serve` or `spawn_server`) and is used like any
+engine: a Worker runs it, the scheduler owns re-dispatch. Every failure the
+trainer cannot fix by itself (no connection, a timeout, an HTTP error, a reply
+that does not decode) raises `EngineError` naming the server's URL, so the
+scheduler can mark the engine dead and send its jobs elsewhere. A value that
+cannot be encoded on this side raises `WireError` instead: no engine would take it.
+
+`spawn_server(backend_module, config)` starts a server for a backend's policy as
+a child process on this machine and returns it with its URL: an engine in a
+separate process, with its own interpreter, memory and (optionally) device.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from http.client import HTTPException
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from mmrl.core import wire
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.engine import EngineError, Request, label
+from mmrl.core.serve import READY, VERSION_HEADER
+
+
+class RemoteEngine:
+    """An engine served over HTTP at `url`. `timeout` (seconds) bounds each wait for
+    the server: connecting, and each read of its reply (a generation must answer within it)."""
+
+    def __init__(self, url: str, *, timeout: float, name: str | None = None,
+                 process: subprocess.Popen | None = None):
+        """`process`: a server this engine owns (from spawn_server); close() stops it."""
+        self.process = process
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.name = name or urllib.parse.urlsplit(self.url).netloc or self.url
+        # No proxies: rollout servers are on this machine or the cluster's network, and a
+        # proxy from the environment would turn "server down" into a confusing proxy error.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def generate(self, requests: Sequence[Request], rollout, seed: int) -> RolloutBatch:
+        body = {"requests": wire.encode_requests(requests), "rollout": wire.encode_rollout(rollout),
+                "seed": int(seed)}
+        reply = self._call("/generate", json.dumps(body).encode(), "application/json")
+        try:
+            batch = wire.decode_batch(json.loads(reply))
+        except (ValueError, RecursionError) as e:  # WireError is a ValueError
+            raise EngineError(f"engine {self.name}: bad reply from {self.url}/generate: {e}") from e
+        return label(batch, requests, self.name)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> None:
+        self._call("/weights", wire.encode_weights(weights), "application/octet-stream",
+                   {VERSION_HEADER: str(int(version))})
+
+    def health(self) -> dict[str, Any]:
+        """The server's {"name", "version", "busy"}."""
+        try:
+            return json.loads(self._call("/health"))
+        except ValueError as e:
+            raise EngineError(f"engine {self.name}: bad reply from {self.url}/health: {e}") from e
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:  # otherwise: whoever started it
+            self.process.kill()
+            self.process.wait()
+
+    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
+              headers: dict[str, str] | None = None) -> bytes:
+        where = self.url + path
+        request = urllib.request.Request(where, data=body, method="GET" if body is None else "POST",
+                                         headers={**({"Content-Type": content_type} if content_type else {}),
+                                                  **(headers or {})})
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                return response.read()
+        except urllib.error.HTTPError as e:  # before URLError: it is one
+            raise EngineError(f"engine {self.name}: {where} answered HTTP {e.code}: {_error_text(e)}") from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
+            raise EngineError(f"engine {self.name}: cannot reach {where}: {e.reason}") from e
+        except TimeoutError as e:
+            raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
+        except (HTTPException, OSError) as e:  # reset, closed mid-reply, ...
+            raise EngineError(f"engine {self.name}: connection to {where} failed: {type(e).__name__}: {e}") from e
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The server's {"error": ...} message, or the start of whatever it sent."""
+    try:
+        text = e.read().decode("utf-8", "replace")
+    except (OSError, HTTPException):
+        return e.reason
+    try:
+        return str(json.loads(text)["error"])
+    except (ValueError, KeyError, TypeError):
+        return text[:500] or str(e.reason)
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | None = None,
+                 timeout: float = 120.0, host: str = "127.0.0.1", name: str = "served",
+                 cwd: str | Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `python -m mmrl.core.serve` for a backend's policy as a child process; returns
+    (process, url) once it listens. `config` is a run config dict, merged over the backend's
+    defaults; the child runs in `cwd` (default: ours), which is on its import path.
+    The caller owns the process: kill it when done. Raises EngineError, quoting the child's
+    stderr, if it exits or stays silent for `timeout` seconds during start-up."""
+    fd, config_path = tempfile.mkstemp(prefix="mmrl-serve-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, default=str)
+    cmd = [sys.executable, "-m", "mmrl.core.serve", "--backend", backend_module, "--config-json", config_path,
+           "--host", host, "--port", "0", "--name", name]
+    if checkpoint is not None:
+        cmd += ["--checkpoint", str(checkpoint)]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # Both pipes are drained for the child's whole life, so it can never block on a full pipe;
+    # the last lines of stderr stay on proc.stderr_tail for error messages.
+    urls: queue.Queue = queue.Queue()
+    proc.stderr_tail = tail = collections.deque(maxlen=30)
+    threading.Thread(target=_drain, args=(proc.stdout, urls, None), daemon=True).start()
+    stderr_reader = threading.Thread(target=_drain, args=(proc.stderr, None, tail), daemon=True)
+    stderr_reader.start()
+    what = f"engine server for {backend_module}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return proc, urls.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            if proc.poll() is not None:
+                stderr_reader.join(timeout=2)  # the child's last words
+                raise EngineError(f"{what} exited with code {proc.returncode} during start-up:\n" + "".join(tail))
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise EngineError(f"{what} did not start within {timeout:g} s; its stderr:\n" + "".join(tail))
+    finally:
+        os.unlink(config_path)  # the child read it before printing its URL, or is gone
+
+
+def _drain(stream, urls: queue.Queue | None, tail: collections.deque | None) -> None:
+    for line in stream:
+        if urls is not None and line.startswith(READY):
+            urls.put(line[len(READY):].strip())
+        if tail is not None:
+            tail.append(line)

@@ -1,0 +1,240 @@
+"""A rollout engine behind HTTP, so the scheduler can use engines in other processes or machines.
+
+    POST /generate  JSON {"requests", "rollout", "seed"} (mmrl.core.wire)  -> a packed RolloutBatch
+    POST /weights   safetensors bytes, version in the X-MMRL-Version header -> {"ok", "version"}
+    GET  /health                                                            -> {"name", "version", "busy"}
+
+An error inside the engine answers 500 with {"error": "..."}; input that cannot
+be decoded answers 400, an over-long body 413. Calls into the engine are
+serialized with one lock (an engine runs one job at a time; a publish never
+lands in the middle of a generation). Nothing a client sends is unpickled.
+It binds 127.0.0.1 unless told otherwise: the API has no authentication.
+
+    python -m mmrl.core.serve --backend tests.toy --config-json cfg.json --port 0
+
+builds the backend's policy and serves it; `mmrl serve` does the same from a
+run config, and `mmrl.core.remote.spawn_server` starts it as a child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from mmrl.core import wire
+from mmrl.core.engine import Engine, PolicyEngine, load_named
+
+log = logging.getLogger("mmrl.serve")
+
+READY = "mmrl-serve listening on "  # the stdout line a parent process waits for, then the URL
+VERSION_HEADER = "X-MMRL-Version"
+MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
+MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
+
+
+class ServedPolicyEngine(PolicyEngine):
+    """A policy that only this server uses: publish loads the weights into it in place,
+    without the frozen copy PolicyEngine(own_weights=True) would keep (nobody else steps it)."""
+
+    def __init__(self, policy, name: str = "served"):
+        super().__init__(policy, own_weights=False, name=name)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> None:
+        load_named(self.policy.model, weights)
+        self.version = version
+
+
+class EngineServer(ThreadingHTTPServer):
+    """The HTTP server of one engine. `url` is where it listens; `close()` stops it."""
+
+    daemon_threads = True  # a hung engine call must not keep the process alive
+
+    def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
+                 max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES):
+        super().__init__((host, port), _Handler)
+        self.engine = engine
+        self.rollout_cls = rollout_cls
+        self.max_request_bytes = max_request_bytes
+        self.max_weights_bytes = max_weights_bytes
+        self.version = getattr(engine, "version", 0)
+        self.lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> EngineServer:
+        """Serve in a background thread (for tests and in-process use)."""
+        # A short poll interval only makes close() quick; the loop sleeps in select meanwhile.
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.05,),
+                                        name=f"mmrl-serve-{self.url}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.shutdown()  # only returns once serve_forever has stopped, so only when it runs
+            self._thread.join()
+        self.server_close()
+
+
+def serve(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 8400, *,
+          ready: Callable[[str], Any] | None = None, **limits) -> None:
+    """Serve `engine` until interrupted; `ready(url)` is called once the port is bound."""
+    server = EngineServer(engine, rollout_cls, host, port, **limits)
+    if ready is not None:
+        ready(server.url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def serve_in_thread(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0,
+                    **limits) -> EngineServer:
+    """Start serving in a background thread; port 0 picks a free port (see server.url)."""
+    return EngineServer(engine, rollout_cls, host, port, **limits).start()
+
+
+class _BadInput(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: EngineServer
+
+    def do_GET(self) -> None:
+        if self.path != "/health":
+            return self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+        s = self.server
+        self._reply(200, {"name": s.engine.name, "version": s.version, "busy": s.lock.locked()})
+
+    def do_POST(self) -> None:
+        route = {"/generate": self._generate, "/weights": self._weights}.get(self.path)
+        if route is None:
+            return self._reply(404, {"error": f"no such endpoint: POST {self.path}"})
+        try:
+            route()
+        except _BadInput as e:
+            self._reply(e.status, {"error": str(e)})
+        except wire.WireError as e:
+            self._reply(400, {"error": f"bad request to {self.path}: {e}"})
+        except Exception as e:  # the client is told; the server keeps serving
+            log.exception("engine call %s failed", self.path)
+            self._reply(500, {"error": f"engine {self.server.engine.name} failed in {self.path}: "
+                                       f"{type(e).__name__}: {e}"})
+
+    def _generate(self) -> None:
+        try:
+            body = json.loads(self._body(self.server.max_request_bytes))
+        except (ValueError, RecursionError) as e:
+            raise _BadInput(400, f"body of /generate is not valid JSON: {e}") from None
+        if not isinstance(body, dict) or set(body) != {"requests", "rollout", "seed"}:
+            raise _BadInput(400, "body of /generate must be an object with keys requests, rollout, seed")
+        requests = wire.decode_requests(body["requests"])
+        rollout = wire.decode_rollout(body["rollout"], self.server.rollout_cls)
+        seed = body["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise _BadInput(400, f"seed must be an integer, got {seed!r}")
+        with self.server.lock:
+            batch = self.server.engine.generate(requests, rollout, seed)
+        self._reply(200, wire.encode_batch(batch))
+
+    def _weights(self) -> None:
+        try:
+            version = int(self.headers.get(VERSION_HEADER, ""))
+        except ValueError:
+            raise _BadInput(400, f"/weights needs an integer {VERSION_HEADER} header") from None
+        weights = wire.decode_weights(self._body(self.server.max_weights_bytes))
+        with self.server.lock:
+            self.server.engine.publish(weights, version)
+            self.server.version = version
+        self._reply(200, {"ok": True, "version": version})
+
+    def _body(self, limit: int) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise _BadInput(411, "a Content-Length header is required")
+        if int(length) > limit:
+            raise _BadInput(413, f"body of {int(length)} bytes is over this server's limit of {limit}")
+        return self.rfile.read(int(length))
+
+    def _reply(self, status: int, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def build_policy(backend_module: str, config: dict, checkpoint: str | None = None):
+    """The backend's policy for a config dict (merged over the backend's defaults) and its config."""
+    import importlib
+
+    from mmrl.core.config import TrainConfig, deep_merge, load_config
+
+    backend = importlib.import_module(backend_module)
+    cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
+    cfg = load_config(cls, defaults=deep_merge(dict(getattr(backend, "DEFAULT_CONFIG", {})), config))
+    policy = backend.build(cfg)[0]
+    if checkpoint is not None:
+        from mmrl.core.cli import resolve_checkpoint
+
+        policy.load_weights(resolve_checkpoint(checkpoint))
+    return policy, cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mmrl.core.serve",
+        description="Serve a backend's policy as a rollout engine over HTTP "
+        "(POST /generate, POST /weights, GET /health). Prints '" + READY + "<url>' once listening.",
+    )
+    parser.add_argument("--backend", required=True, help="backend module, e.g. mmrl.vlm.backend")
+    parser.add_argument("--config-json", type=Path, help="JSON file of the run config (merged over the backend's defaults)")
+    parser.add_argument("--checkpoint", help="checkpoint or run directory to load weights from")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8400, help="port; 0 picks a free one (default: 8400)")
+    parser.add_argument("--name", default="served", help="engine name in /health and error messages")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="largest /generate body")
+    parser.add_argument("--max-weights-bytes", type=int, default=MAX_WEIGHTS_BYTES, help="largest /weights body")
+    args = parser.parse_args(argv)
+
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.config import ConfigError
+
+    try:
+        config = json.loads(args.config_json.read_text()) if args.config_json else {}
+        policy, cfg = build_policy(args.backend, config, args.checkpoint)
+    except (ConfigError, CheckpointError, OSError, ValueError, ImportError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
+          ready=lambda url: print(READY + url, flush=True),
+          max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""What crosses the wire between the trainer and a rollout server, without pickle.
+
+A server must never run what a client sends, so nothing here unpickles: every
+message is JSON. Values are encoded by kind:
+
+    None, bool, int, float, str, list     as themselves
+    dict                                  as a JSON object (str keys), else tagged pairs
+    tuple, bytes                          tagged
+    torch.Tensor                          a reference into one safetensors blob per message
+                                          (base64), so dtype and shape survive exactly
+    PIL image                             base64 PNG with its mode (modes PNG cannot hold,
+                                          such as "I" or "F", go as raw pixel bytes instead)
+    dataclass                             its class name and fields, for classes defined in
+                                          the project's packages only (ALLOWED_PACKAGES)
+
+Tagged values are objects with a "__t" key. Decoding rebuilds a dataclass only
+after checking that the named class is a dataclass defined in an allowed
+package; anything else is refused with `WireError`. Requests, rollout batches
+and their samples and scores are dataclasses of mmrl, so they take the generic
+path and the batch re-validates itself on decode. Weights travel as raw
+safetensors bytes (`encode_weights`), the format checkpoints use.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import safetensors.torch
+from PIL import Image
+from torch import Tensor
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.engine import Request
+
+ALLOWED_PACKAGES = ("mmrl", "diffusion_rl", "dllm_rl")
+PNG_MODES = {"1", "L", "LA", "P", "RGB", "RGBA", "I;16"}  # those PNG round-trips exactly
+MAX_RAW_PIXELS = 1 << 28  # a raw image is allocated before its bytes are checked: bound it
+
+
+class WireError(ValueError):
+    """A value cannot be encoded, or a message is malformed or names a class not allowed."""
+
+
+# --------------------------------------------------------------------------- generic values
+
+
+def pack(value: Any) -> dict:
+    """Encode any supported value as a JSON-able message {"value", "tensors"}."""
+    tensors: dict[str, Tensor] = {}
+    try:
+        encoded = _encode(value, tensors)
+    except RecursionError:
+        raise WireError("value is nested too deeply (or refers to itself)") from None
+    blob = None
+    if tensors:
+        blob = base64.b64encode(safetensors.torch.save(tensors)).decode("ascii")
+    return {"value": encoded, "tensors": blob}
+
+
+def unpack(message: Any) -> Any:
+    """Decode a message made by `pack`; raises WireError on anything malformed or not allowed."""
+    if not isinstance(message, dict) or set(message) != {"value", "tensors"}:
+        raise WireError("a message must be an object with exactly the keys 'value' and 'tensors'")
+    tensors: dict[str, Tensor] = {}
+    if message["tensors"] is not None:
+        try:
+            tensors = safetensors.torch.load(_b64(message["tensors"], "tensors"))
+        except WireError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- any parse failure of client bytes is bad input
+            raise WireError(f"the tensor blob is not valid safetensors: {e}") from None
+    try:
+        return _decode(message["value"], tensors)
+    except RecursionError:
+        raise WireError("message is nested too deeply") from None
+
+
+def _encode(v: Any, tensors: dict[str, Tensor]) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_encode(x, tensors) for x in v]
+    if isinstance(v, tuple):
+        return {"__t": "tuple", "items": [_encode(x, tensors) for x in v]}
+    if isinstance(v, dict):
+        if all(isinstance(k, str) for k in v) and "__t" not in v:
+            return {k: _encode(x, tensors) for k, x in v.items()}
+        return {"__t": "dict", "items": [[_encode(k, tensors), _encode(x, tensors)] for k, x in v.items()]}
+    if isinstance(v, bytes):
+        return {"__t": "bytes", "b64": base64.b64encode(v).decode("ascii")}
+    if isinstance(v, Tensor):
+        key = str(len(tensors))
+        # A clone of its own: safetensors refuses tensors that share storage (views).
+        tensors[key] = v.detach().cpu().contiguous().clone()
+        return {"__t": "tensor", "key": key}
+    if isinstance(v, Image.Image):
+        return _encode_image(v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        name = _class_name(type(v))
+        if not _allowed(type(v).__module__):
+            raise WireError(f"cannot send a {name}: only dataclasses of {', '.join(ALLOWED_PACKAGES)} cross the wire")
+        fields = {f.name: _encode(getattr(v, f.name), tensors) for f in dataclasses.fields(v)}
+        return {"__t": "dataclass", "cls": name, "fields": fields}
+    raise WireError(f"cannot send a value of type {_class_name(type(v))}")
+
+
+def _decode(v: Any, tensors: dict[str, Tensor]) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_decode(x, tensors) for x in v]
+    if not isinstance(v, dict):
+        raise WireError(f"unexpected JSON value of type {type(v).__name__}")
+    if "__t" not in v:
+        return {k: _decode(x, tensors) for k, x in v.items()}
+    tag = v["__t"]
+    try:
+        if tag == "tuple":
+            return tuple(_decode(x, tensors) for x in v["items"])
+        if tag == "dict":
+            return {_decode(k, tensors): _decode(x, tensors) for k, x in v["items"]}
+        if tag == "bytes":
+            return _b64(v["b64"], "bytes")
+        if tag == "tensor":
+            return tensors[v["key"]]
+        if tag == "image":
+            return _decode_image(v)
+        if tag == "dataclass":
+            return _decode_dataclass(v, tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"malformed {tag!r} value: {type(e).__name__}: {e}") from None
+    raise WireError(f"unknown value tag {tag!r}")
+
+
+def _decode_dataclass(v: dict, tensors: dict[str, Tensor]) -> Any:
+    cls = resolve_class(v["cls"])
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = v["fields"]
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise WireError(f"{v['cls']} has no fields {sorted(unknown)}")
+    decoded = {k: _decode(x, tensors) for k, x in values.items()}
+    obj = cls(**{k: x for k, x in decoded.items() if fields[k].init})
+    for k, x in decoded.items():  # init=False fields, set as the sender had them
+        if not fields[k].init:
+            object.__setattr__(obj, k, x)
+    return obj
+
+
+def resolve_class(name: str) -> type:
+    """The dataclass named "module:QualName", if it is defined in an allowed package; else WireError."""
+    if not isinstance(name, str) or name.count(":") != 1:
+        raise WireError(f"bad class name {name!r}: expected 'module:QualName'")
+    module_name, qualname = name.split(":")
+    if not _allowed(module_name):
+        raise WireError(f"refusing class {name}: only dataclasses of {', '.join(ALLOWED_PACKAGES)} are accepted")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        raise WireError(f"unknown class {name}") from None
+    if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)) or _class_name(obj) != name:
+        raise WireError(f"refusing class {name}: not a dataclass defined there")
+    return obj
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _allowed(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in ALLOWED_PACKAGES)
+
+
+def _b64(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise WireError(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise WireError(f"{what} is not valid base64") from None
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _encode_image(im: Image.Image) -> dict:
+    out = {"__t": "image", "mode": im.mode, "size": list(im.size)}
+    if im.mode in PNG_MODES:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG", compress_level=1)  # speed over size: these are small
+        out["png"] = base64.b64encode(buf.getvalue()).decode("ascii")
+    else:
+        out["raw"] = base64.b64encode(im.tobytes()).decode("ascii")
+    return out
+
+
+def _decode_image(v: dict) -> Image.Image:
+    mode, (w, h) = v["mode"], v["size"]
+    if not (isinstance(w, int) and isinstance(h, int) and w >= 0 and h >= 0 and w * h <= MAX_RAW_PIXELS):
+        raise WireError(f"bad image size {v['size']!r}")
+    try:
+        if "png" not in v:
+            return Image.frombytes(mode, (w, h), _b64(v["raw"], "raw"))
+        im = Image.open(io.BytesIO(_b64(v["png"], "png")), formats=["PNG"])  # no other decoder
+        if im.size != (w, h):  # checked before the pixels are decoded
+            raise WireError(f"image is {im.size}, its header says {(w, h)}")
+        im.load()
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise WireError(f"bad image: {e}") from None
+    return im if im.mode == mode else im.convert(mode)
+
+
+# --------------------------------------------------------------------------- typed messages
+
+
+def encode_requests(requests: Sequence[Request]) -> dict:
+    return pack(list(requests))
+
+
+def decode_requests(message: Any) -> list[Request]:
+    requests = unpack(message)
+    if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
+        raise WireError("expected a list of Request")
+    for r in requests:  # what label() and the engines count on
+        if not all(type(x) is int for x in (r.group, r.n, r.tag)) or r.n < 1:
+            raise WireError("bad request: group, n and tag must be integers and n >= 1, "
+                            f"got group={r.group!r}, n={r.n!r}, tag={r.tag!r}")
+    return requests
+
+
+def encode_batch(batch: RolloutBatch) -> dict:
+    return pack(batch)
+
+
+def decode_batch(message: Any) -> RolloutBatch:
+    batch = unpack(message)
+    if not isinstance(batch, RolloutBatch):
+        raise WireError(f"expected a RolloutBatch, got {type(batch).__name__}")
+    return batch
+
+
+def encode_rollout(rollout: Any) -> dict:
+    """A rollout config (pydantic model or dataclass) as plain JSON."""
+    if hasattr(rollout, "model_dump"):
+        return rollout.model_dump(mode="json")
+    if dataclasses.is_dataclass(rollout):
+        return dataclasses.asdict(rollout)
+    raise WireError(f"cannot send a rollout config of type {type(rollout).__name__}")
+
+
+def decode_rollout(data: Any, cls: type) -> Any:
+    """Rebuild a rollout config with the receiver's own class (which validates it)."""
+    if not isinstance(data, dict):
+        raise WireError("the rollout config must be a JSON object")
+    try:
+        return cls.model_validate(data) if hasattr(cls, "model_validate") else cls(**data)
+    except (TypeError, ValueError) as e:
+        raise WireError(f"invalid rollout config: {' '.join(str(e).split())}") from None
+
+
+def encode_weights(weights: dict[str, Tensor]) -> bytes:
+    """Weights (name -> tensor) as safetensors bytes."""
+    return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+
+
+def decode_weights(data: bytes) -> dict[str, Tensor]:
+    try:
+        return safetensors.torch.load(data)
+    except Exception as e:  # noqa: BLE001 -- any parse failure of client bytes is bad input
+        raise WireError(f"the weights are not valid safetensors: {e}") from None
+
+
+__all__ = [
+    "ALLOWED_PACKAGES",
+    "WireError",
+    "decode_batch",
+    "decode_requests",
+    "decode_rollout",
+    "decode_weights",
+    "encode_batch",
+    "encode_requests",
+    "encode_rollout",
+    "encode_weights",
+    "pack",
+    "resolve_class",
+    "unpack",
+]

@@ -1,0 +1,357 @@
+"""The rollout scheduler (mmrl.core.pipeline): complete-group pipelining, frontier-group
+dispatch, the group hooks, weight publication and engine faults, driven by fake engines
+around the toy backend (tests/toy.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+import toy
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.engine import EngineError, PolicyEngine, Request
+from mmrl.core.grpo import GRPO
+from mmrl.core.logging import read_metrics
+from mmrl.core.method import build_method
+from mmrl.core.pipeline import PipelinedScheduler, check_config
+from mmrl.core.scheduler import PromptStream
+from mmrl.core.trainer import Trainer
+
+
+class SeededToy(toy.ToyPolicy):
+    """The toy policy, but each sample is drawn with its own seed (prompt, index in group),
+    so a sample does not depend on how rollouts are split into engine calls."""
+
+    def generate(self, prompts, num_generations, rollout, generator, prefixes=None):
+        parts = []
+        for i, p in enumerate(prompts):
+            for j in range(num_generations):
+                continued = prefixes is not None and prefixes[i * num_generations + j] is not None
+                g = torch.Generator().manual_seed(1000 * p + j + (100 if continued else 0))
+                parts.append(super().generate([p], 1, rollout, g))
+        batch = RolloutBatch.concat(parts)
+        batch.group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+        return batch
+
+    def reference(self):
+        ref = SeededToy(model=super().reference().model)
+        return ref
+
+
+class FakeEngine(PolicyEngine):
+    """A thread engine that records its calls and can be slow, fail or hang."""
+
+    def __init__(self, policy, name="fake", delay=0.0, fail_after=None, hang_after=None, error=None):
+        super().__init__(policy, own_weights=True, name=name)
+        self.calls: list[list[tuple]] = []
+        self.delay, self.fail_after, self.hang_after = delay, fail_after, hang_after
+        self.error = error or EngineError(f"engine {name} crashed")
+        self.release = threading.Event()
+
+    def generate(self, requests, rollout, seed):
+        k = len(self.calls)
+        self.calls.append([(r.group, r.n, r.prefix, r.tag) for r in requests])
+        if self.fail_after is not None and k >= self.fail_after:
+            raise self.error
+        if self.hang_after is not None and k >= self.hang_after:
+            self.release.wait(30)
+        time.sleep(self.delay)
+        return super().generate(requests, rollout, seed)
+
+
+def config(tmp_path, *overrides):
+    return load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path / 'run'}", "rollout.prompts_per_step=8", "rollout.num_generations=4",
+        "rollout.scheduler.mode=pipelined", "train.mini_batches=4", *overrides])
+
+
+def scheduler(cfg, engines, method=None):
+    policy, task = SeededToy(), toy.ToyTask()
+    method = method or build_method(cfg, task.reward)
+    return PipelinedScheduler(cfg, engines, PromptStream(task.train_prompts(), 0), task.reward, method,
+                              torch.Generator().manual_seed(0), policy.model), policy
+
+
+def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
+    cfg = config(tmp_path)  # U = 8 / 4 = 2 groups per step, F_w = U, 2 x 4 samples per call
+    engine = FakeEngine(SeededToy())
+    sched, _ = scheduler(cfg, [engine])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert [sorted(g for g, *_ in call) for call in engine.calls] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [int(b.group_ids[0]) for b in groups] == list(range(8))  # completion order = frontier order
+    assert all(len(b) == 4 and b.advantages is not None and b.scores is not None for b in groups)
+
+
+def test_without_frontier_every_group_advances_and_none_completes_early(tmp_path):
+    cfg = config(tmp_path, "rollout.scheduler.frontier=0")
+    engine = FakeEngine(SeededToy())
+    sched, _ = scheduler(cfg, [engine])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert len(engine.calls) == 4
+    assert all(sorted(g for g, *_ in call) == list(range(8)) for call in engine.calls)  # 1 sample each
+    assert sorted(int(b.group_ids[0]) for b in groups) == list(range(8))
+
+
+def test_groups_reach_the_trainer_while_later_ones_are_still_rolling_out(tmp_path):
+    cfg = config(tmp_path)
+    engine = FakeEngine(SeededToy(), delay=0.2)
+    sched, _ = scheduler(cfg, [engine])
+    rnd, _ = sched.start_round(0, 4)
+    it = iter(rnd)
+    next(it)
+    calls_when_first_arrived = len(engine.calls)
+    rest = list(it)
+    sched.close()
+    assert calls_when_first_arrived < 4 and len(rest) == 7
+
+
+def test_pipelined_and_sync_make_the_same_updates_for_the_same_samples(tmp_path):
+    runs = {}
+    for mode in ("sync", "pipelined"):
+        cfg = config(tmp_path / mode, f"rollout.scheduler.mode={mode}", "train.mini_batches=1",
+                     "train.max_steps=3", "method.loss.aggregation=token_mean")
+        policy, task = SeededToy(), toy.ToyTask()
+        trainer = Trainer(cfg, policy, task)
+        trainer.train()
+        runs[mode] = (trainer, read_metrics(tmp_path / mode / "run" / "metrics.jsonl"))
+    (sync, m_sync), (pipe, m_pipe) = runs["sync"], runs["pipelined"]
+    assert type(pipe.scheduler) is PipelinedScheduler and type(sync.scheduler) is not PipelinedScheduler
+    for (k, a), b in zip(sync.policy.model.state_dict().items(), pipe.policy.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    assert [r["reward/total"] for r in m_sync] == [r["reward/total"] for r in m_pipe]
+    assert all(r["rollout/staleness"] == 0 for r in m_pipe)
+    assert all(r["train/updates"] == 1 for r in m_pipe)
+    assert {"time/trainer_wait", "time/trainer_busy", "time/waiting_ratio", "time/publish",
+            "time/rollout", "time/round"} <= set(m_pipe[-1])
+
+
+def test_pipelined_steps_once_every_u_groups(tmp_path):
+    cfg = config(tmp_path, "train.max_steps=2")  # 8 groups, U = 2
+    trainer = Trainer(cfg, SeededToy(), toy.ToyTask())
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/updates"] for r in rows] == [4, 4]
+    assert [r["rollout/staleness"] for r in rows] == [0, 0]
+
+
+def test_engines_get_new_weights_only_between_rounds(tmp_path):
+    cfg = config(tmp_path, "train.max_steps=3")
+    policy = SeededToy()
+    engine = FakeEngine(policy)
+    versions = []
+    original = engine.generate
+
+    def spy(requests, rollout, seed):
+        versions.append(engine.version)
+        w = next(iter(engine.policy.model.parameters()))
+        versions.append(float(w.sum()))
+        return original(requests, rollout, seed)
+
+    engine.generate = spy
+    trainer = Trainer(cfg, policy, toy.ToyTask(), engines=[engine])
+    trainer.train()
+    by_round = [versions[i::2] for i in range(2)]
+    assert by_round[0] == [0] * 4 + [1] * 4 + [2] * 4  # 4 calls per round, one version each
+    sums = by_round[1]
+    assert len({sums[i] for i in range(4)}) == 1 and sums[3] != sums[4]  # constant within a round
+
+
+class DropEven(GRPO):
+    """Keeps only groups of odd prompts; asks 2 extra samples (a prefix) of prompt-3 groups;
+    prunes the last sample of every group."""
+
+    def keep_groups(self, batch):
+        return torch.tensor([s.prompt % 2 == 1 for s in batch.samples])
+
+    def extra_requests(self, group):
+        s = group.samples[0]
+        return [Request(int(group.group_ids[0]), s.prompt, 2, prefix=7, tag=1)] if s.prompt == 3 else []
+
+    def prune(self, group):
+        keep = torch.ones(len(group), dtype=torch.bool)
+        keep[-1] = False
+        return keep
+
+
+def test_group_hooks_drop_refill_extra_and_prune(tmp_path):
+    cfg = config(tmp_path, "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=1")
+    policy, task = SeededToy(), toy.ToyTask()
+    method = DropEven(cfg.method, cfg, task.reward)
+    engine = FakeEngine(policy)
+    sched, _ = scheduler(cfg, [engine], method=method)
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    m = rnd.metrics
+    assert all(g.samples[0].prompt % 2 == 1 for g in groups)
+    assert m["rollout/groups_dropped"] >= 1 and m["rollout/groups_refilled"] == min(m["rollout/groups_dropped"], 8)
+    assert len(groups) == 8 + m["rollout/groups_refilled"] - m["rollout/groups_dropped"]
+    for g in groups:
+        extra = g.samples[0].prompt == 3
+        assert len(g) == (4 + 2 if extra else 4) - 1  # one pruned
+        assert int((g.data["request_tag"] == 1).sum()) == (1 if extra else 0)  # its last row pruned
+    assert m["rollout/samples_pruned"] == len(groups)
+    assert any(r[2] == 7 for call in engine.calls for r in call) == (m["rollout/groups_extra"] > 0)
+
+
+def test_group_size_changes_at_epoch_boundaries_and_survives_resume(tmp_path, monkeypatch):
+    class Shrink(GRPO):
+        def group_size(self, epoch, current):
+            return max(2, current - 1)
+
+    import mmrl.core.method as method_mod
+
+    monkeypatch.setitem(method_mod.METHODS, "grpo", Shrink)
+
+    def run(max_steps, resume=False):
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+            f"output_dir={tmp_path / 'run'}", "rollout.num_generations=4", f"train.max_steps={max_steps}"])
+        trainer = Trainer(cfg, SeededToy(), toy.ToyTask())
+        trainer.train(resume=resume)
+        return trainer
+
+    run(4)
+    trainer = run(7, resume=True)
+    # 10 prompts, 4 per step: steps 4 and 6 are the first to draw from epochs 1 and 2
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/group_size"] for r in rows] == [4, 4, 4, 3, 3, 2, 2]
+    assert [r["rollout/samples"] for r in rows] == [16, 16, 16, 12, 12, 8, 8]
+    assert trainer.num_generations == 2
+
+
+def test_a_failing_engine_is_replaced_by_the_others(tmp_path):
+    cfg = config(tmp_path)
+    bad = FakeEngine(SeededToy(), name="bad", fail_after=1)
+    good = FakeEngine(SeededToy(), name="good")
+    sched, _ = scheduler(cfg, [bad, good])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
+    assert all(len(g) == 4 for g in groups)
+    assert rnd.metrics["rollout/redispatched"] >= 1
+    assert not sched.workers[0].alive and sched.workers[1].alive
+
+
+def test_a_hung_engine_is_detected_within_the_timeout(tmp_path):
+    cfg = config(tmp_path, "rollout.scheduler.timeout=0.5")
+    engine = FakeEngine(SeededToy(), hang_after=1)
+    sched, _ = scheduler(cfg, [engine])
+    rnd, _ = sched.start_round(0, 4)
+    got = []
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError, match="within 0.5 s"):
+        got.extend(rnd)
+    assert time.perf_counter() - t0 < 5
+    engine.release.set()
+    sched.close()
+    assert all(len(g) == 4 for g in got)  # no partial group ever reached the trainer
+    assert len(got) <= 2
+
+
+def test_a_hung_engine_is_redispatched_to_a_live_one(tmp_path):
+    cfg = config(tmp_path, "rollout.scheduler.timeout=0.5")
+    hung = FakeEngine(SeededToy(), name="hung", hang_after=0)
+    good = FakeEngine(SeededToy(), name="good")
+    sched, _ = scheduler(cfg, [hung, good])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    hung.release.set()
+    sched.close()
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
+    assert rnd.metrics["rollout/redispatched"] >= 1
+
+
+def test_bad_input_errors_are_not_retried(tmp_path):
+    cfg = config(tmp_path)
+    a = FakeEngine(SeededToy(), name="a", fail_after=0, error=ValueError("prompt 3 is too long"))
+    b = FakeEngine(SeededToy(), name="b", fail_after=0, error=ValueError("prompt 3 is too long"))
+    sched, _ = scheduler(cfg, [a, b])
+    rnd, _ = sched.start_round(0, 4)
+    with pytest.raises(ValueError, match="too long"):
+        list(rnd)
+    sched.close()
+
+
+def test_trainer_stops_with_a_clear_error_when_every_engine_fails(tmp_path):
+    cfg = config(tmp_path, "train.max_steps=2", "rollout.scheduler.max_redispatch=0")
+    engine = FakeEngine(SeededToy(), fail_after=2)
+    trainer = Trainer(cfg, SeededToy(), toy.ToyTask(), engines=[engine])
+    with pytest.raises(EngineError, match="crashed"):
+        trainer.train()
+
+
+def test_pipelined_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of train.mini_batches"):
+        check_config(config(tmp_path, "train.mini_batches=3"), 1)
+    with pytest.raises(ConfigError, match="placement=inline cannot pipeline"):
+        check_config(config(tmp_path, "rollout.scheduler.placement=inline"), 1)
+    with pytest.raises(ConfigError, match="needs the whole round"):
+        check_config(config(tmp_path, "method.advantage.scale=batch"), 1)
+    with pytest.raises(ConfigError, match="needs rollout.scheduler.servers"):
+        check_config(config(tmp_path, "rollout.scheduler.placement=remote"), 1)
+
+
+def test_worker_reports_results_through_the_inbox():
+    inbox: queue.Queue = queue.Queue()
+    from mmrl.core.engine import Job, Worker
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    w = Worker(PolicyEngine(SeededToy(), own_weights=True), inbox)
+    w.submit(Job([Request(5, 3, 2), Request(9, 4, 1)], cfg.rollout, seed=1))
+    result = inbox.get(timeout=10)
+    w.close()
+    assert result.error is None and result.batch.group_ids.tolist() == [5, 5, 9]
+    assert result.batch.data["request_tag"].tolist() == [0, 0, 0]
+
+
+def test_a_subprocess_engine_trains_exactly_like_a_thread_engine(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(toy.__file__).parent),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    final = {}
+    for where in ("thread", "process"):
+        cfg = config(tmp_path / where, f"rollout.scheduler.placement={where}", "train.max_steps=2")
+        policy, task = toy.build(cfg)
+        trainer = Trainer(cfg, policy, task, backend=toy)
+        trainer.train()
+        final[where] = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        rows = read_metrics(tmp_path / where / "run" / "metrics.jsonl")
+        assert [r["rollout/staleness"] for r in rows] == [0, 0]
+    engine = trainer.scheduler.workers[0].engine
+    assert engine.process.poll() is not None  # the run stopped its server
+    for k, v in final["thread"].items():
+        assert torch.equal(v, final["process"][k]), k
+
+
+def test_several_servers_share_a_round(tmp_path):
+    from mmrl.core.remote import RemoteEngine
+    from mmrl.core.serve import ServedPolicyEngine, serve_in_thread
+
+    cfg = config(tmp_path, "rollout.scheduler.placement=remote", "train.max_steps=2",
+                 "rollout.scheduler.servers=[http://a, http://b]")
+    servers = [serve_in_thread(ServedPolicyEngine(toy.ToyPolicy()), type(cfg.rollout)) for _ in range(2)]
+    try:
+        engines = [RemoteEngine(s.url, timeout=30) for s in servers]
+        trainer = Trainer(cfg, toy.ToyPolicy(), toy.ToyTask(), engines=engines)
+        trainer.train()
+        busy = [w.busy_seconds for w in trainer.scheduler.workers]
+        versions = [e.health()["version"] for e in engines]
+    finally:
+        for s in servers:
+            s.close()
+    assert all(b > 0 for b in busy)  # both servers rolled out
+    assert versions == [1, 1]  # both got the weights after step 1
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0, 0]

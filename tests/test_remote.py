@@ -1,0 +1,314 @@
+"""Remote rollout engines: the wire format, the HTTP server, the client and a child-process server,
+on the toy backend (tests/toy.py)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from toy import ToyPolicy
+from typer.testing import CliRunner
+
+from mmrl.core import remote, serve, wire
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.cli import BackendSpec, make_app
+from mmrl.core.config import RolloutConfig
+from mmrl.core.engine import EngineError, PolicyEngine, Request, trainable_weights
+from mmrl.core.rewards import AtomScores, Sample
+from mmrl.vlm.tasks.shapes_qa import QAItem
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLLOUT = RolloutConfig(max_new_tokens=2)
+REQUESTS = [Request(group=5, prompt=3, n=2), Request(group=9, prompt=7, n=2, tag=1)]
+
+
+def images() -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (6, 5, 4), dtype=np.uint8), mode="RGBA")
+    grey = Image.fromarray(rng.integers(0, 256, (4, 3), dtype=np.uint8), mode="L")
+    deep = Image.frombytes("I;16", (3, 2), rng.integers(0, 65536, 6, dtype=np.uint16).tobytes())
+    wide = Image.frombytes("I", (2, 2), np.array([-5, 0, 70000, 2**31 - 1], dtype=np.int32).tobytes())
+    return [rgba, grey, deep, wide]  # "I" does not fit PNG: it goes raw
+
+
+def same_image(a: Image.Image, b: Image.Image) -> bool:
+    return a.mode == b.mode and a.size == b.size and a.tobytes() == b.tobytes()
+
+
+def same_batch(a: RolloutBatch, b: RolloutBatch) -> bool:
+    tensors = ("group_ids", "mask", "old_logp", "ref_logp", "advantages")
+    return (all(_same(getattr(a, k), getattr(b, k)) for k in tensors)
+            and a.samples == b.samples and a.policy_version == b.policy_version
+            and a.data.keys() == b.data.keys() and all(_same(a.data[k], b.data[k]) for k in a.data))
+
+
+def _same(x, y) -> bool:
+    if x is None or y is None:
+        return x is None and y is None
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def roundtrip(value):
+    message = json.loads(json.dumps(wire.pack(value)))  # what actually crosses: JSON text
+    return wire.unpack(message)
+
+
+# --------------------------------------------------------------------------- wire
+
+
+def test_requests_roundtrip_with_images_tensors_and_dataclasses():
+    ims = images()
+    item = QAItem(images=ims[:3], question="How many circles?", answer="2", meta={"kind": "count_shape"})
+    prompt = {"item": item, "ids": torch.tensor([1, 2, 3]), "mixed": [None, 1.5, "x", (1, 2)],
+              "by_int": {3: "three"}, "raw": ims[3], "blob": b"\x00\xff"}
+    requests = [Request(group=0, prompt=prompt, n=2, prefix=torch.tensor([[True, False]]), tag=2),
+                Request(group=1, prompt=4, n=1)]
+    back = wire.decode_requests(json.loads(json.dumps(wire.encode_requests(requests))))
+
+    assert [(r.group, r.n, r.tag) for r in back] == [(0, 2, 2), (1, 1, 0)]
+    assert back[1].prompt == 4 and back[1].prefix is None
+    got = back[0].prompt
+    assert isinstance(got["item"], QAItem) and got["item"].question == item.question
+    assert got["item"].meta == {"kind": "count_shape"} and got["item"].answer == "2"
+    assert all(same_image(a, b) for a, b in zip(got["item"].images, ims[:3]))
+    assert [im.mode for im in got["item"].images] == ["RGBA", "L", "I;16"]
+    assert same_image(got["raw"], ims[3])
+    assert got["mixed"] == [None, 1.5, "x", (1, 2)] and got["by_int"] == {3: "three"}
+    assert got["blob"] == b"\x00\xff"
+    assert _same(got["ids"], prompt["ids"]) and _same(back[0].prefix, requests[0].prefix)
+
+
+def test_batch_roundtrip_is_exact_for_every_dtype():
+    n = 3
+    batch = RolloutBatch(
+        group_ids=torch.tensor([4, 4, 7]),
+        samples=[Sample(prompt=i, completion=[i, 11], meta={"answer": str(i)} if i else None) for i in range(n)],
+        mask=torch.tensor([[True, False]] * n),
+        old_logp=torch.randn(n, 2, dtype=torch.float64),
+        advantages=torch.randn(n).bfloat16(),
+        policy_version=12,
+        data={"input_ids": torch.arange(n * 4).view(n, 4), "pixels": torch.rand(n, 1, 2, 2).half(),
+              "stat/steps": torch.ones(n, dtype=torch.int8), "empty": torch.zeros(n, 0)},
+    )
+    back = wire.decode_batch(json.loads(json.dumps(wire.encode_batch(batch))))
+    assert same_batch(back, batch) and back.scores is None
+
+    batch.scores = AtomScores(["a", "b"], torch.rand(n, 2), torch.rand(n), errors=1,
+                              failed=torch.tensor([[False, True], [False, False], [False, False]]))
+    back = roundtrip(batch)
+    assert back.scores.names == ["a", "b"] and back.scores.errors == 1
+    assert all(_same(getattr(back.scores, k), getattr(batch.scores, k)) for k in ("values", "total", "failed"))
+
+
+def test_weights_and_rollout_roundtrip():
+    weights = trainable_weights(ToyPolicy(seed=0).model)
+    weights["extra"] = torch.randn(3, 2).bfloat16()
+    back = wire.decode_weights(wire.encode_weights(weights))
+    assert back.keys() == weights.keys() and all(_same(back[k], weights[k]) for k in weights)
+
+    rollout = RolloutConfig(max_new_tokens=5, temperature=0.7)
+    assert wire.decode_rollout(json.loads(json.dumps(wire.encode_rollout(rollout))), RolloutConfig) == rollout
+    with pytest.raises(wire.WireError, match="temperature"):
+        wire.decode_rollout({"temperature": -1}, RolloutConfig)
+
+
+@dataclass
+class Outsider:  # defined in a test module, not in an allowed package
+    x: int = 0
+
+
+@pytest.mark.parametrize("cls, needle", [
+    ("os:system", "refusing class os:system"),
+    ("subprocess:Popen", "refusing"),
+    ("builtins:eval", "refusing"),
+    ("mmrl.core.engine:PolicyEngine", "not a dataclass"),  # allowed package, but not data
+    ("mmrl.core.engine:torch.Tensor", "not a dataclass"),  # reached through a module attribute
+    ("mmrl.nowhere:Thing", "unknown class"),
+    ("mmrl.core.engine.Request", "expected 'module:QualName'"),
+])
+def test_decode_refuses_classes_outside_the_allow_list(cls, needle):
+    message = {"value": {"__t": "dataclass", "cls": cls, "fields": {}}, "tensors": None}
+    with pytest.raises(wire.WireError, match=needle):
+        wire.unpack(message)
+
+
+def test_encode_refuses_foreign_classes_and_bad_input_is_a_wire_error():
+    with pytest.raises(wire.WireError, match="test_remote:Outsider"):
+        wire.pack([Outsider()])
+    with pytest.raises(wire.WireError, match="cannot send a value of type"):
+        wire.pack({"f": lambda: 0})
+    with pytest.raises(wire.WireError, match="no fields"):
+        wire.unpack({"value": {"__t": "dataclass", "cls": "mmrl.core.engine:Request",
+                               "fields": {"group": 0, "prompt": 1, "n": 1, "evil": 2}}, "tensors": None})
+    with pytest.raises(wire.WireError, match="safetensors"):
+        wire.unpack({"value": None, "tensors": "bm90IHNhZmV0ZW5zb3Jz"})
+    with pytest.raises(wire.WireError, match="safetensors"):
+        wire.decode_weights(pickle.dumps({"w": 1}))
+    for image, needle in [({"size": [-4, -4], "raw": ""}, "bad image size"),
+                          ({"size": [1, 1], "png": "aGVsbG8="}, "bad image"),  # not a PNG
+                          ({"size": [9, 9], "png": wire.pack(images()[0])["value"]["png"]}, "header says")]:
+        with pytest.raises(wire.WireError, match=needle):
+            wire.unpack({"value": {"__t": "image", "mode": "RGBA", **image}, "tensors": None})
+    with pytest.raises(wire.WireError, match="n >= 1"):
+        wire.decode_requests(wire.pack([Request(group=0, prompt=1, n=0)]))
+
+
+def test_no_pickle_is_involved(monkeypatch):
+    for name in ("wire", "serve", "remote"):
+        source = (ROOT / "mmrl" / "core" / f"{name}.py").read_text()
+        uses = r"import pickle|pickle\.\w|Unpickler|(?<![\w.])torch\.load\("  # torch.load unpickles
+        assert not re.search(uses, source)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle was used")
+
+    for attr in ("loads", "load", "Unpickler", "dumps", "dump", "Pickler"):
+        monkeypatch.setattr(pickle, attr, refuse)
+    batch = ToyPolicy(seed=0).generate([1, 2], 2, ROLLOUT, torch.Generator().manual_seed(0))
+    assert same_batch(roundtrip(batch), batch)
+    assert wire.decode_weights(wire.encode_weights({"w": torch.ones(2)}))["w"].sum() == 2
+
+
+# --------------------------------------------------------------------------- server + client
+
+
+@pytest.fixture
+def served():
+    """A ToyPolicy engine served in a thread; yields (server, client)."""
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    yield server, remote.RemoteEngine(server.url, timeout=5)
+    server.close()
+
+
+def test_generate_matches_the_local_engine(served):
+    _, client = served
+    local = PolicyEngine(ToyPolicy(seed=0), own_weights=False)
+    got = client.generate(REQUESTS, ROLLOUT, seed=3)
+    want = local.generate(REQUESTS, ROLLOUT, seed=3)
+    assert same_batch(got, want)
+    assert got.group_ids.tolist() == [5, 5, 9, 9] and got.data["request_tag"].tolist() == [0, 0, 1, 1]
+    assert client.health() == {"name": "served", "version": 0, "busy": False}
+
+
+def test_publish_changes_the_server_weights(served):
+    _, client = served
+    before = client.generate(REQUESTS, ROLLOUT, seed=3)
+    other = ToyPolicy(seed=1)
+    client.publish(trainable_weights(other.model), version=7)
+    after = client.generate(REQUESTS, ROLLOUT, seed=3)
+    want = PolicyEngine(other, own_weights=False).generate(REQUESTS, ROLLOUT, seed=3)
+    assert torch.equal(after.old_logp, want.old_logp) and after.samples == want.samples
+    assert not torch.equal(after.old_logp, before.old_logp)
+    assert client.health()["version"] == 7
+
+    with pytest.raises(EngineError, match=r"HTTP 500: .*unknown \['nope'\]"):
+        client.publish({"nope": torch.zeros(1)}, version=8)
+    assert client.health()["version"] == 7
+
+
+class Failing:
+    name = "failing"
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def generate(self, requests, rollout, seed):
+        if seed == 1:
+            self.release.wait(10)  # hangs until the test lets go
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    def publish(self, weights, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_engine_errors_timeouts_and_bad_input_become_engine_errors():
+    engine = Failing()
+    server = serve.serve_in_thread(engine, RolloutConfig)
+    try:
+        client = remote.RemoteEngine(server.url, timeout=0.5)
+        with pytest.raises(EngineError, match=r"HTTP 500: engine failing failed in /generate: "
+                                              r"RuntimeError: CUDA out of memory \(simulated\)"):
+            client.generate(REQUESTS, ROLLOUT, seed=0)
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"no answer from http://127\.0\.0\.1:\d+/generate within 0\.5 s"):
+            client.generate(REQUESTS, ROLLOUT, seed=1)
+        assert time.monotonic() - t0 < 2.0
+        assert client.health()["busy"] is True  # the hung call still holds the engine
+        engine.release.set()
+
+        with pytest.raises(EngineError, match="HTTP 400: .*refusing class os:system"):
+            client._call("/generate", json.dumps({"requests": {"value": {"__t": "dataclass", "cls": "os:system",
+                                                                         "fields": {}}, "tensors": None},
+                                                  "rollout": {}, "seed": 0}).encode())
+        with pytest.raises(EngineError, match="HTTP 400: body of /generate is not valid JSON"):
+            client._call("/generate", b"{not json")
+        with pytest.raises(EngineError, match="HTTP 400: .*X-MMRL-Version"):
+            client._call("/weights", wire.encode_weights({"w": torch.ones(1)}))
+        with pytest.raises(EngineError, match="HTTP 404"):
+            client._call("/nope")
+        server.max_request_bytes = 10
+        with pytest.raises(EngineError, match="over this server's limit of 10"):
+            client.generate(REQUESTS, ROLLOUT, seed=0)
+    finally:
+        engine.release.set()
+        server.close()
+    with pytest.raises(EngineError, match="cannot reach http://127.0.0.1"):  # closed port
+        client.generate(REQUESTS, ROLLOUT, seed=0)
+
+
+# --------------------------------------------------------------------------- child process
+
+
+def test_spawned_server_serves_and_its_death_is_an_engine_error():
+    proc, url = remote.spawn_server("tests.toy", {"seed": 0, "rollout": {"max_new_tokens": 2}}, cwd=ROOT, timeout=60)
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        client = remote.RemoteEngine(url, timeout=30)
+        got = client.generate(REQUESTS, ROLLOUT, seed=3)
+        want = PolicyEngine(ToyPolicy(seed=0), own_weights=False).generate(REQUESTS, ROLLOUT, seed=3)
+        assert got.samples == want.samples  # the same tiny model, built from the same seed
+        torch.testing.assert_close(got.old_logp, want.old_logp)
+    finally:
+        proc.kill()
+        proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=f"cannot reach {url}/generate"):
+        client.generate(REQUESTS, ROLLOUT, seed=3)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_spawn_failure_quotes_the_child_stderr():
+    with pytest.raises(EngineError, match=r"exited with code 2 during start-up:\n.*No module named 'mmrl\.nowhere'"):
+        remote.spawn_server("mmrl.nowhere", {}, cwd=ROOT, timeout=60)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_serve_verb_and_module_help(capsys):
+    runner = CliRunner()
+    app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+    result = runner.invoke(app, ["serve", "--help"])
+    assert result.exit_code == 0
+    assert all(flag in result.output for flag in ("--checkpoint", "--host", "--port", "--set"))
+    result = runner.invoke(app, ["serve", "--set", "rollout.temperature=0"])
+    assert result.exit_code == 2 and "rollout.temperature" in result.output and "Traceback" not in result.output
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--backend" in capsys.readouterr().out
+
