@@ -100,20 +100,26 @@ class VLMPolicy:
 
     # ------------------------------------------------------------------ rollout
 
-    def generate(self, prompts, num_generations: int, rollout, generator: torch.Generator) -> RolloutBatch:
+    def generate(self, prompts, num_generations: int, rollout, generator: torch.Generator,
+                 prefixes: Sequence[Any] | None = None) -> RolloutBatch:
+        """`prefixes` (one per sample, rows of a prompt contiguous): None, or a fixed start of
+        the completion (token ids or text) to continue from. A prefix is part of the
+        sample's completion and its text, but carries no loss (mask False there)."""
         items = [item for item in prompts for _ in range(num_generations)]
         enc = self.encode(items)
-        self._check_length(enc, items, rollout.max_new_tokens)
+        fixed = self._prefix_ids(prefixes, len(items))
+        self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
+        inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)  # generate draws from the global RNG: pin it to ours
             out = self.model.generate(
-                **enc, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
+                **inputs, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=True,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
                 **self._stop_kwargs(getattr(rollout, "stop", None)),
             )
-        p = enc["input_ids"].shape[1]
+        p = inputs["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
         logits = self._ban(torch.stack(out.logits, dim=1).float()) / rollout.temperature  # [N, T, V]
         logp_all = logits.log_softmax(-1)
@@ -122,7 +128,14 @@ class VLMPolicy:
         entropy = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)  # [N, T]; 0 * -inf -> 0
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
-        texts = self.decode(completion, mask)
+        entropy = (entropy * mask).sum(-1) / lengths.clamp(min=1)
+        present = mask
+        if any(fixed):  # the prefix goes in front: in the completion and its attention, not the loss
+            completion = _prepend(fixed, completion, lambda f: f, self.pad_id)
+            present = _prepend(fixed, mask, lambda f: [True] * len(f), False)
+            old_logp = _prepend(fixed, old_logp, lambda f: [0.0] * len(f), 0.0)
+            mask = _prepend(fixed, mask, lambda f: [False] * len(f), False)
+        texts = self.decode(completion, present)
         n = len(prompts)
         batch = RolloutBatch(
             group_ids=torch.arange(n).repeat_interleave(num_generations),
@@ -132,8 +145,9 @@ class VLMPolicy:
             data={
                 **self._prompt_rows(enc, items),
                 "completion_ids": completion,
+                "completion_attention": present,
                 "stat/length": lengths.float(),
-                "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
+                "stat/entropy": entropy,
                 "stat/truncated": (~finished.any(-1)).float(),
             },
         )
@@ -154,8 +168,42 @@ class VLMPolicy:
             group_ids=torch.arange(len(items)),
             samples=[to_sample(it, c) for it, c in zip(items, completions)],
             mask=mask,
-            data={**self._prompt_rows(enc, items), "completion_ids": completion},
+            data={**self._prompt_rows(enc, items), "completion_ids": completion, "completion_attention": mask},
         )
+
+    def _prefix_ids(self, prefixes, n: int) -> list[list[int]]:
+        if prefixes is None:
+            return [[] for _ in range(n)]
+        if len(prefixes) != n:
+            raise ValueError(f"{len(prefixes)} prefixes for {n} samples")
+        out = []
+        for x in prefixes:
+            if x is None:
+                out.append([])
+            elif isinstance(x, str):
+                out.append(self.tokenizer(x, add_special_tokens=False)["input_ids"])
+            else:
+                out.append([int(t) for t in (x.tolist() if torch.is_tensor(x) else x)])
+        return out
+
+    def _with_prefixes(self, enc, fixed: list[list[int]]) -> dict[str, Tensor]:
+        """The processor's inputs with each row's prefix appended after its prompt (re-left-padded)."""
+        keep = enc["attention_mask"].bool()
+        rows = [torch.cat([enc["input_ids"][i][keep[i]], torch.tensor(f, dtype=torch.long)])
+                for i, f in enumerate(fixed)]
+        width = max(len(r) for r in rows)
+        out = dict(enc)
+        out["input_ids"] = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        out["attention_mask"] = torch.zeros((len(rows), width), dtype=enc["attention_mask"].dtype)
+        others = [k for k, v in enc.items() if _per_token(k, v, enc)]
+        for k in others:  # e.g. token types: the prefix is text (0)
+            out[k] = torch.zeros((len(rows), width), dtype=enc[k].dtype)
+        for i, r in enumerate(rows):
+            out["input_ids"][i, width - len(r):] = r
+            out["attention_mask"][i, width - len(r):] = 1
+            for k in others:
+                out[k][i, width - len(r): width - len(fixed[i])] = enc[k][i][keep[i]]
+        return out
 
     def _ban(self, logits: Tensor) -> Tensor:
         if self.banned_ids:
@@ -220,7 +268,8 @@ class VLMPolicy:
         d = self._left_align(batch.data)
         prompt, completion = d["prompt_ids"], d["completion_ids"]
         _p, t = prompt.shape[1], completion.shape[1]
-        attn = torch.cat([d["prompt_mask"], batch.mask.to(d["prompt_mask"].dtype)], dim=1)
+        present = d.get("completion_attention", batch.mask)  # a fixed prefix is attended, not trained
+        attn = torch.cat([d["prompt_mask"], present.to(d["prompt_mask"].dtype)], dim=1)
         ids = torch.cat([prompt, completion], dim=1).masked_fill(attn == 0, self.pad_id)
         kwargs: dict[str, Any] = {}
         if "pixel_values" in d:
@@ -302,6 +351,18 @@ class VLMPolicy:
         ref = copy.copy(self)
         ref.model = copy.deepcopy(self.model).requires_grad_(False)
         return ref
+
+
+def _prepend(fixed: list[list[int]], t: Tensor, head, pad) -> Tensor:
+    """Row i becomes head(fixed[i]) + t[i], right-padded with `pad` to a common width."""
+    width = max(len(f) for f in fixed) + t.shape[1]
+    out = torch.full((t.shape[0], width), pad, dtype=t.dtype)
+    for i, f in enumerate(fixed):
+        k = len(f)
+        if k:
+            out[i, :k] = torch.tensor(head(f), dtype=t.dtype)
+        out[i, k: k + t.shape[1]] = t[i]
+    return out
 
 
 def to_sample(item, completion: str) -> Sample:

@@ -250,3 +250,52 @@ def test_reward_atom_that_returns_nan_stops_the_run_with_its_name(qwen25_dir, tm
     with pytest.raises(RewardError, match="broken.*sample 0.*nan"):
         Trainer(cfg, policy, task).train()
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_generate_continues_fixed_prefixes_without_training_them(qwen25_dir):
+    """AXPO's resampling: a sample may start from a fixed prefix (text or ids). The prefix is
+    in the completion, its text and the attention, not in the loss; the rollout's log-probs
+    of the new tokens still equal the training forward's, also next to plain samples."""
+    policy = make_policy(qwen25_dir)
+    head = policy.tokenizer("I see two", add_special_tokens=False)["input_ids"]
+    prefixes = ["I see two", None, head[:1], None]
+    batch = policy.generate(ITEMS[:2], 2, rollout_cfg(), torch.Generator().manual_seed(0), prefixes=prefixes)
+    ids, mask, seen = batch.data["completion_ids"], batch.mask, batch.data["completion_attention"]
+    assert ids[0, : len(head)].tolist() == head and ids[2, 0].item() == head[0]
+    assert not mask[0, : len(head)].any() and seen[0, : len(head)].all() and mask[0, len(head)].item()
+    assert not mask[2, 0].item() and mask[1, 0].item()
+    assert batch.samples[0].completion.startswith("I see two")
+    plain = policy.generate(ITEMS[2:3], 2, rollout_cfg(), torch.Generator().manual_seed(1))
+    both = RolloutBatch.concat([batch, plain])
+    with torch.no_grad():
+        logp = policy.logprobs(both)
+    torch.testing.assert_close(logp[both.mask], both.old_logp[both.mask], atol=2e-4, rtol=1e-4)
+    assert (both.old_logp[~both.mask] == 0).all()
+
+
+def test_pipelined_training_with_extra_samples_from_a_prefix(qwen25_dir, tmp_path, monkeypatch):
+    """The VLM backend under the pipelined scheduler (a background engine with its own
+    weights): a method asks extra samples continuing a group's first completion."""
+    import mmrl.core.method as method_mod
+    from mmrl.core.engine import Request
+    from mmrl.core.grpo import GRPO
+
+    class Extra(GRPO):
+        def extra_requests(self, group):
+            start = policy.tokenizer(group.samples[0].completion, add_special_tokens=False)["input_ids"][:2]
+            return [Request(int(group.group_ids[0]), prompts[group.samples[0].prompt], 2, prefix=start, tag=1)]
+
+    monkeypatch.setitem(method_mod.METHODS, "grpo", Extra)
+    cfg = load_config(VLMTrainConfig, overrides=[
+        f"model.path={qwen25_dir}", f"output_dir={tmp_path}", "train.max_steps=2", "train.mini_batches=2",
+        "rollout.num_generations=2", "rollout.prompts_per_step=2", "rollout.max_new_tokens=6",
+        "rollout.scheduler.mode=pipelined", "logging.tensorboard=false", "logging.progress=false",
+        "train.log_samples_every=1"])
+    policy = make_policy(qwen25_dir)
+    prompts = {it.question: it for it in ITEMS}
+    task = VLMTask("shapes-qa", ITEMS, ITEMS[:2], shapes_qa_reward(), max_new_tokens=6)
+    Trainer(cfg, policy, task).train()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/staleness"] for r in rows] == [0, 0]
+    assert [r["rollout/samples"] for r in rows] == [8, 8] and [r["train/updates"] for r in rows] == [2, 2]
+    assert all(r["rollout/samples_extra"] == 4 for r in rows)
