@@ -186,6 +186,7 @@ class Trainer:
                 metrics["time/update"] = time.perf_counter() - t1
                 metrics.update(_waiting(wait, metrics["time/update"]))
                 metrics["time/round"] = time.perf_counter() - t0  # rollout start to train end
+                metrics.setdefault("time/publish", 0.0)  # inline: the engine is the trainer's model
                 metrics["rollout/staleness"] = self.step - batch.policy_version
         if batch is None:
             warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
