@@ -63,6 +63,9 @@ def groups_per_update(cfg: TrainConfig) -> int:
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     sc, tc = cfg.rollout.scheduler, cfg.train
+    if cfg.rollout.engine != "hf" and placement(cfg) == "inline":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} runs as a worker: "
+                          "rollout.scheduler.placement cannot be inline")
     if sc.mode == "pipelined":
         if placement(cfg) == "inline":
             raise ConfigError("rollout.scheduler.placement=inline cannot pipeline: the engine must run beside "
@@ -85,7 +88,8 @@ def placement(cfg: TrainConfig) -> str:
     sc = cfg.rollout.scheduler
     if sc.placement != "auto":
         return sc.placement
-    return "thread" if sc.mode == "pipelined" else "inline"
+    # An engine other than the policy's own generate always runs as a worker.
+    return "thread" if sc.mode == "pipelined" or cfg.rollout.engine != "hf" else "inline"
 
 
 def build_engines(cfg: TrainConfig, policy, backend=None) -> list:

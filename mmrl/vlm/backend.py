@@ -3,6 +3,7 @@
     CONFIG_CLASS    VLMTrainConfig
     DEFAULT_CONFIG  the main job: the bundled tiny Qwen2.5-VL, shapes-qa, GRPO, on a CPU in minutes
     build(cfg)      -> (VLMPolicy, VLMTask)
+    build_engine    vLLM rollout engines (rollout.engine: vllm; vllm+http:// servers)
     sample(...)     -> scored samples for `mmrl sample`
 """
 
@@ -56,6 +57,14 @@ def build(cfg: VLMTrainConfig):
     policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     return policy, build_task(cfg)
+
+
+def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | None = None):
+    """Engines besides HF for mmrl.core.pipeline.build_engines: "vllm" (in process, on the
+    trainer's GPU) and "vllm-server" (vLLM's OpenAI-compatible server at `url`)."""
+    from mmrl.vlm.vllm_engine import build_engine as build_vllm
+
+    return build_vllm(kind, cfg, policy, url=url)
 
 
 def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int) -> list[dict]:
