@@ -299,3 +299,35 @@ def test_pipelined_training_with_extra_samples_from_a_prefix(qwen25_dir, tmp_pat
     assert [r["rollout/staleness"] for r in rows] == [0, 0]
     assert [r["rollout/samples"] for r in rows] == [8, 8] and [r["train/updates"] for r in rows] == [2, 2]
     assert all(r["rollout/samples_extra"] == 4 for r in rows)
+
+
+def test_lora_adapters_are_what_a_served_engine_receives(qwen25_dir, tmp_path):
+    """Under LoRA, publishing to an `mmrl serve` engine pushes the adapters only, and the
+    server then samples exactly as the trainer's policy does."""
+    from mmrl.core.engine import PolicyEngine, Request, trainable_weights
+    from mmrl.core.remote import RemoteEngine
+    from mmrl.core.serve import ServedPolicyEngine, serve_in_thread
+
+    cfg = load_config(VLMTrainConfig, overrides=[f"model.path={qwen25_dir}", "model.lora.r=4",
+                                                 "rollout.max_new_tokens=6"])
+    trainer_policy, _ = backend.build(cfg)
+    server_policy, _ = backend.build(cfg)
+    with torch.no_grad():  # the trainer's adapters move away from the server's
+        for p in trainable_weights(trainer_policy.model).values():
+            p.add_(0.05 * torch.randn_like(p))
+    server = serve_in_thread(ServedPolicyEngine(server_policy), type(cfg.rollout))
+    try:
+        remote = RemoteEngine(server.url, timeout=60)
+        weights = trainable_weights(trainer_policy.model)
+        assert weights and all("lora_" in n for n in weights)
+        remote.publish(weights, version=3)
+        requests = [Request(0, ITEMS[0], 2), Request(1, ITEMS[1], 2)]
+        got = remote.generate(requests, cfg.rollout, seed=5)
+    finally:
+        server.close()
+    want = PolicyEngine(trainer_policy, own_weights=False).generate(requests, cfg.rollout, seed=5)
+    assert got.policy_version == 3
+    served = dict(server_policy.model.named_parameters())
+    assert all(torch.equal(served[n], w) for n, w in weights.items())
+    assert torch.equal(got.data["completion_ids"], want.data["completion_ids"])
+    torch.testing.assert_close(got.old_logp, want.old_logp)
