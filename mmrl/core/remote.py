@@ -83,34 +83,51 @@ class RemoteEngine:
 
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
               headers: dict[str, str] | None = None) -> bytes:
-        where = self.url + path
-        request = urllib.request.Request(where, data=body, method="GET" if body is None else "POST",
-                                         headers={**({"Content-Type": content_type} if content_type else {}),
-                                                  **(headers or {})})
-        try:
-            with self._opener.open(request, timeout=self.timeout) as response:
-                return response.read()
-        except urllib.error.HTTPError as e:  # before URLError: it is one
-            raise EngineError(f"engine {self.name}: {where} answered HTTP {e.code}: {_error_text(e)}") from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
-                raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
-            raise EngineError(f"engine {self.name}: cannot reach {where}: {e.reason}") from e
-        except TimeoutError as e:
-            raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
-        except (HTTPException, OSError) as e:  # reset, closed mid-reply, ...
-            raise EngineError(f"engine {self.name}: connection to {where} failed: {type(e).__name__}: {e}") from e
+        return http_call(self._opener, self.url + path, engine=self.name, timeout=self.timeout, body=body,
+                         headers={**({"Content-Type": content_type} if content_type else {}), **(headers or {})})
+
+
+class HTTPStatusError(EngineError):
+    """The server answered with an HTTP error status (`code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def http_call(opener, where: str, *, engine: str, timeout: float, body: bytes | None = None,
+              headers: dict[str, str] | None = None) -> bytes:
+    """GET (no body) or POST `where`; the reply's bytes. Every failure is an EngineError
+    naming the engine and the URL (HTTPStatusError for an error status)."""
+    request = urllib.request.Request(where, data=body, method="GET" if body is None else "POST",
+                                     headers=headers or {})
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.read()
+    except urllib.error.HTTPError as e:  # before URLError: it is one
+        raise HTTPStatusError(f"engine {engine}: {where} answered HTTP {e.code}: {_error_text(e)}", e.code) from None
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            raise EngineError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
+        raise EngineError(f"engine {engine}: cannot reach {where}: {e.reason}") from e
+    except TimeoutError as e:
+        raise EngineError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
+    except (HTTPException, OSError) as e:  # reset, closed mid-reply, ...
+        raise EngineError(f"engine {engine}: connection to {where} failed: {type(e).__name__}: {e}") from e
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
-    """The server's {"error": ...} message, or the start of whatever it sent."""
+    """The server's message: mmrl's {"error": "..."}, vLLM's {"error": {"message"}} or
+    {"message"}, FastAPI's {"detail"}; else the start of whatever it sent."""
     try:
         text = e.read().decode("utf-8", "replace")
     except (OSError, HTTPException):
-        return e.reason
+        return str(e.reason)
     try:
-        return str(json.loads(text)["error"])
-    except (ValueError, KeyError, TypeError):
+        body = json.loads(text)
+        err = body.get("error", body)
+        return str(err.get("message") or err.get("detail") or err) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
         return text[:500] or str(e.reason)
 
 

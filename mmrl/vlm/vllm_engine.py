@@ -103,7 +103,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
-from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +111,7 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label, load_named
+from mmrl.core.remote import HTTPStatusError, http_call
 from mmrl.vlm.policy import to_sample
 
 __all__ = [
@@ -524,12 +524,6 @@ def _completion(output, engine: str) -> Completion:
 # --------------------------------------------------------------------------- server engine
 
 
-class _HTTPError(EngineError):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
 def parse_chat_completion(reply: Any, n: int) -> tuple[list[Completion], list[int] | None]:
     """The n samples of a /v1/chat/completions reply made with logprobs=true,
     top_logprobs=0 and return_tokens_as_token_ids=true (tokens as "token_id:123"); vLLM
@@ -613,22 +607,8 @@ class VLLMServerEngine(_VLLMBase):
         json_reply=False its text (vLLM's LoRA and cache endpoints answer plain text)."""
         where = self.url + path
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(where, data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"} if data else {})
-        try:
-            with self._opener.open(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as e:  # before URLError: it is one
-            raise _HTTPError(f"engine {self.name}: {where} answered HTTP {e.code}: {_error_text(e)}",
-                             e.code) from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
-                raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
-            raise EngineError(f"engine {self.name}: cannot reach {where}: {e.reason}") from e
-        except TimeoutError as e:
-            raise EngineError(f"engine {self.name}: no answer from {where} within {self.timeout:g} s") from e
-        except (HTTPException, OSError) as e:
-            raise EngineError(f"engine {self.name}: connection to {where} failed: {type(e).__name__}: {e}") from e
+        raw = http_call(self._opener, where, engine=self.name, timeout=self.timeout, body=data,
+                        headers={"Content-Type": "application/json"} if data else {})
         if not json_reply:
             return raw.decode("utf-8", "replace")
         if not raw.strip():
@@ -728,7 +708,7 @@ class VLLMServerEngine(_VLLMBase):
         self.policy.processor.save_pretrained(path)
         try:
             self._rpc("reload_weights", kwargs={"weights_path": str(path)})
-        except _HTTPError as first:
+        except HTTPStatusError as first:
             if first.code == 404:
                 raise EngineError(f"engine {self.name}: {self.url} has no /collective_rpc; start the server "
                                   "with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.10.2) to publish weights to it") from None
@@ -741,7 +721,7 @@ class VLLMServerEngine(_VLLMBase):
         self._call("/reset_prefix_cache", {}, json_reply=False)
         try:
             self._call("/reset_encoder_cache", {}, json_reply=False)  # newer vLLM caches vision embeddings
-        except _HTTPError as e:
+        except HTTPStatusError as e:
             if e.code not in (404, 405):
                 raise
 
@@ -756,7 +736,7 @@ class VLLMServerEngine(_VLLMBase):
         name = f"mmrl-v{int(version)}"
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, json_reply=False)
-        except _HTTPError as e:
+        except HTTPStatusError as e:
             if e.code == 404:
                 raise EngineError(f"engine {self.name}: {self.url} has no /v1/load_lora_adapter; start the "
                                   "server with --enable-lora --max-lora-rank <r> and "
@@ -777,20 +757,6 @@ def _data_url(image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")  # lossless: the server sees the pixels the trainer sees
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    """vLLM's error message ({"error": {"message"}}, {"message"} or FastAPI's {"detail"})."""
-    try:
-        text = e.read().decode("utf-8", "replace")
-    except (OSError, HTTPException):
-        return str(e.reason)
-    try:
-        body = json.loads(text)
-        err = body.get("error", body)
-        return str(err.get("message") or err.get("detail") or err) if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        return text[:500] or str(e.reason)
 
 
 # --------------------------------------------------------------------------- the backend's hook
