@@ -130,7 +130,7 @@ class SyncScheduler:
         batch = self._extra_samples(batch, version, metrics)
         if self.reference is not None:
             with torch.no_grad():
-                batch.ref_logp = self.reference.logprobs(batch)
+                annotate_reference(self.reference, batch)
         batch = self.method.on_groups(batch)
         batch.advantages = self.method.advantages(batch)
         batch = self._prune(batch, metrics)
@@ -162,6 +162,15 @@ class SyncScheduler:
                 keep[rows] = k
         metrics["rollout/samples_pruned"] = int((~keep).sum())
         return batch if bool(keep.all()) else batch.select(keep)
+
+
+def annotate_reference(reference, batch: RolloutBatch) -> None:
+    """What the method's KL needs of the reference policy: its log-probs (batch.ref_logp),
+    or whatever its `reference_data(batch)` returns, into batch.data (e.g. step means)."""
+    if hasattr(reference, "reference_data"):
+        batch.data.update(reference.reference_data(batch))
+    else:
+        batch.ref_logp = reference.logprobs(batch)
 
 
 def round_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -44,7 +44,7 @@ from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward
-from mmrl.core.scheduler import PromptStream, SyncScheduler
+from mmrl.core.scheduler import PromptStream, SyncScheduler, annotate_reference
 
 
 class TrainingError(RuntimeError):
@@ -148,7 +148,7 @@ class Trainer:
         ) if main else None
         try:
             if self.eval_before is None:
-                self.eval_before = self.evaluate()
+                self.eval_before = self.evaluate(samples_tag="before")
             while self.step < tc.max_steps:
                 metrics = self.train_step(logger)
                 self.step += 1
@@ -165,7 +165,7 @@ class Trainer:
                 logger.close()
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
-        eval_after = self.evaluate()
+        eval_after = self.evaluate(samples_tag="after")
         checksums = distributed.weights_checksum(self.params)
         if not main:
             return {"eval_before": self.eval_before, "eval_after": eval_after, "steps": self.step}
@@ -251,7 +251,7 @@ class Trainer:
             stale = max(stale, self.step - group.policy_version)
             if self.reference is not None:
                 with torch.no_grad():
-                    group.ref_logp = self.reference.logprobs(group)
+                    annotate_reference(self.reference, group)
             self._accumulate(group, acc, sums)
             groups.append(group)
             if acc["groups"] == self.scheduler.u:
@@ -353,14 +353,18 @@ class Trainer:
                 raise TrainingError(f"method.group_size returned {g} for epoch {epoch}; a group needs >= 1 sample")
             self.num_generations, self.group_epoch = g, epoch
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, samples_tag: str | None = None) -> dict[str, float]:
         """Held-out metrics, with every training RNG set aside (so evaluating never
-        changes the training trajectory, and a resumed run matches an uninterrupted one)."""
+        changes the training trajectory, and a resumed run matches an uninterrupted one).
+        With `samples_tag`, a task that has `save_samples` (image tasks) also writes its
+        fixed-seed sample grid into <output>/samples/ under that tag (before / after)."""
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 self.policy.model.eval()
                 result = self.task.evaluate(self.policy)
+                if samples_tag and distributed.is_main() and hasattr(self.task, "save_samples"):
+                    self.task.save_samples(self.policy, self.out / "samples", samples_tag)
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
