@@ -1,0 +1,98 @@
+"""Config of a flow / diffusion run: the core TrainConfig with the diffusion model,
+task, rollout (SDE sampling) and method (Flow-GRPO) sections."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from mmrl.core.config import KLConfig, ModelConfig, RolloutConfig, Section, TrainConfig
+
+
+class LoRAConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+
+class DiffusionModelConfig(ModelConfig):
+    height: int | None = Field(None, ge=8)
+    """Image height in pixels; None = the model directory's default."""
+    width: int | None = Field(None, ge=8)
+    guidance_scale: float = Field(1.0, ge=1.0)
+    """Classifier-free guidance; 1.0 = off (one forward per step)."""
+    lora: LoRAConfig | None = None
+    """None = train every transformer weight (the default for the tiny model)."""
+
+
+class ShapesGenevalTaskConfig(Section):
+    """Compositional prompts of coloured shapes, each atom checked by a detector."""
+
+    type: Literal["shapes-geneval"] = "shapes-geneval"
+    seed: int = 0
+    num_train: int = Field(2000, ge=1)
+    num_eval: int = Field(64, ge=1)
+    eval_seeds: int = Field(1, ge=1)
+    """Images per held-out prompt (fixed noise seeds, the same before and after)."""
+    grid_prompts: int = Field(8, ge=0)
+    """Held-out prompts drawn in the before/after sample grids."""
+    on_unparsed: Literal["raise", "whole_prompt"] = "raise"
+    """A prompt the parser cannot decompose: stop with an error naming the words, or
+    reward it as a whole (a warning) with the extra image atoms only."""
+    image_atoms: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs."""
+
+
+TaskConfig = Annotated[ShapesGenevalTaskConfig, Field(discriminator="type")]
+
+
+class DiffusionRolloutConfig(RolloutConfig):
+    num_steps: int = Field(10, ge=2)
+    """Denoising steps of a training rollout."""
+    eval_steps: int | None = Field(None, ge=1)
+    """Denoising steps of evaluation (ODE); None = num_steps."""
+    shift: Literal["sd3", "flux", "none"] = "flux"
+    """Time shift of the sigma schedule (METHODS.md section 4)."""
+    kind: Literal["sde", "cps"] = "sde"
+    noise_level: float = Field(0.7, ge=0)
+    """a: the SDE's noise scale."""
+    window_size: int | None = Field(None, ge=1)
+    """Flow-GRPO-Fast: SDE noise (and training) only on this many consecutive steps; None = every
+    step but the last."""
+    window_start: tuple[int, int] | None = None
+    """Range of the window's first step (inclusive); None = anywhere it fits."""
+    train_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of the SDE steps each update trains on (Flow-GRPO's timestep_fraction), drawn per batch."""
+    max_new_tokens: int = 1  # unused by images; kept for the core's defaults
+
+    @model_validator(mode="after")
+    def _window_fits(self):
+        if self.window_size is not None and self.window_size >= self.num_steps:
+            raise ValueError(f"window_size ({self.window_size}) must be below num_steps ({self.num_steps}): "
+                             "the last step is never stochastic")
+        return self
+
+
+class FlowGRPOConfig(Section):
+    """Flow-GRPO (METHODS.md section 4): group z-scored advantages, clipped; a PPO ratio
+    clip per SDE step; KL to the reference on the step means."""
+
+    type: Literal["flow_grpo"] = "flow_grpo"
+    adv_clip: float = Field(5.0, gt=0)
+    std_eps: float = Field(1e-4, gt=0)
+    """A = (R - group mean) / (group std + std_eps)."""
+    clip_range: float = Field(1e-4, gt=0)
+    """eps of the ratio clip (tiny: the log-prob is a mean over latent elements)."""
+    kl: KLConfig = Field(default_factory=lambda: KLConfig(beta=0.0))
+    """beta > 0: KL = mean((mean_theta - mean_ref)^2) / (2 std^2) per step (kind is ignored)."""
+
+
+MethodConfig = Annotated[FlowGRPOConfig, Field(discriminator="type")]
+
+
+class DiffusionTrainConfig(TrainConfig):
+    model: DiffusionModelConfig = Field(default_factory=DiffusionModelConfig)
+    task: TaskConfig = Field(default_factory=ShapesGenevalTaskConfig)
+    rollout: DiffusionRolloutConfig = Field(default_factory=DiffusionRolloutConfig)
+    method: MethodConfig = Field(default_factory=FlowGRPOConfig)

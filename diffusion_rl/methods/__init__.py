@@ -1,0 +1,3 @@
+"""The flow / diffusion methods; importing this package registers them with the core loop."""
+
+from diffusion_rl.methods import flow_grpo  # noqa: F401

@@ -1,0 +1,54 @@
+"""Flow-GRPO (Liu et al., arXiv 2505.05470; code: yifan123/flow_grpo), METHODS.md section 4.
+
+    rollout   G images per prompt by the SDE sampler; each SDE step is a Gaussian transition
+              whose log-prob (mean over latent elements) is kept (diffusion_rl.policy)
+    advantage A = (R - group mean) / (group std + 1e-4), clipped to +-adv_clip
+    loss      per trained step: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = exp(logp - old_logp),
+              averaged over samples and steps; eps is tiny (1e-4) because the log-prob is a mean
+    KL        beta * mean((mean_theta - mean_ref)^2) / (2 std^2) per step, the reference being the
+              starting weights (or the base under LoRA, adapters disabled)
+
+The window (SDE noise on W consecutive steps, ODE elsewhere, train on the window: "Flow-GRPO-
+Fast") and step subsampling (rollout.train_fraction) are rollout settings. Departures: the
+trained steps of a batch are drawn once per rollout (with the rollout generator) instead of
+per epoch, so a resumed run replays them exactly; there is no EMA of the weights yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmrl.core.advantages import group_advantages
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.losses import LossOutput, aggregate, loss_denominator, policy_loss
+from mmrl.core.method import Method, register_method
+
+
+@register_method("flow_grpo")
+class FlowGRPO(Method):
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        self.needs_reference = cfg.kl.beta > 0
+
+    def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
+        adv = group_advantages(batch.rewards, batch.group_ids, scale="group", eps=self.cfg.std_eps)
+        return adv.clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
+
+    def loss_denominator(self, batch: RolloutBatch) -> float:
+        return loss_denominator(batch.mask, "token_mean")  # samples x trained steps
+
+    def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
+        steps = policy.sde_outputs(batch)
+        logp = torch.stack([s.log_prob for s in steps], 1)  # [N, T]
+        eps = self.cfg.clip_range
+        out = policy_loss(logp, batch.old_logp, advantages, batch.mask, clip_low=eps, clip_high=eps,
+                          aggregation="token_mean", denom=denom)
+        if self.needs_reference:
+            ref = batch.data["ref_mean"]  # [N, T, ...]
+            kl = torch.stack([((s.mean - ref[:, t]) ** 2).flatten(1).mean(1) / (2 * s.std.flatten(1)[:, 0] ** 2)
+                          for t, s in enumerate(steps)], 1)  # [N, T]
+            kl_term = aggregate(kl, batch.mask, "token_mean", denom=denom)
+            out.loss = out.loss + self.cfg.kl.beta * kl_term
+            out.metrics["loss/kl"] = float(kl_term.detach())
+        return out

@@ -1,0 +1,186 @@
+"""The flow-model policy: SDE rollouts with per-step log-probs, and the training forward.
+
+`generate` runs the sampler of diffusion_rl.sde from pure noise: ODE steps, except in
+the SDE window, where each step is a Gaussian transition whose log-prob is kept
+(Flow-GRPO). The steps that train are the window's (or a random `train_fraction` of
+them, drawn with the rollout generator). A batch's positions are those trained steps:
+
+    mask, old_logp                  [N, T]          T = trained steps
+    data["latents"]                 [N, T, L, C]    x before each trained step
+    data["next_latents"]            [N, T, L, C]    the sample the SDE drew
+    data["sigma"], ["sigma_next"]   [N, T]
+    data["cond/<key>"]              the model's prompt conditioning, one row per sample
+
+`logprobs` re-scores next_latents under the current weights: on-policy the ratio is
+exactly 1. Samples are Sample(prompt text, PIL image, meta).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diffusion_rl.sde import FlowSDESampler, SDEStep, sde_step_with_logprob
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.rewards import Sample
+from mmrl.core.trainer import TrainingError
+
+
+class NonFiniteRollout(TrainingError):
+    """Latents or log-probs became NaN / inf during sampling: the step stops, nothing is saved."""
+
+
+class DiffusionPolicy:
+    def __init__(self, flow, rollout):
+        self.flow = flow
+        self.model = flow.transformer
+        self.rollout = rollout  # noise level and kind: the same in rollout and training
+
+    # ------------------------------------------------------------------ rollout
+
+    def sampler(self, num_steps: int) -> FlowSDESampler:
+        s = FlowSDESampler()
+        s.set_timesteps(num_steps, shift=self.rollout.shift, image_seq_len=self.flow.seq_len)
+        return s
+
+    def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator
+                 ) -> RolloutBatch:
+        texts = [prompt_text(p) for p in prompts for _ in range(num_generations)]
+        n = len(texts)
+        cond = self.flow.encode_prompt(texts)
+        sampler = self.sampler(rollout.num_steps)
+        window = sampler.sde_steps(rollout.window_size, rollout.window_start, generator)
+        trained = _subset(window, rollout.train_fraction, generator)
+        x = self.flow.noise(n, generator)
+        xs, nexts, logps, sig, sig_next = [], [], [], [], []
+        with torch.no_grad():
+            for i in range(rollout.num_steps):
+                sigma = sampler.sigmas[i].expand(n)
+                v = self.flow.velocity(x, sigma, cond)
+                out = sampler.step(v, x, i, noise_level=rollout.noise_level, kind=rollout.kind,
+                                   sde=i in window, generator=generator)
+                if not (torch.isfinite(out.prev_sample).all() and torch.isfinite(out.log_prob).all()):
+                    raise NonFiniteRollout(f"sampling step {i} (sigma {float(sampler.sigmas[i]):.3f}) produced "
+                                           "non-finite latents or log-probs; the step is not trained")
+                if i in trained:
+                    xs.append(x)
+                    nexts.append(out.prev_sample)
+                    logps.append(out.log_prob)
+                    sig.append(sigma)
+                    sig_next.append(sampler.sigmas[i + 1].expand(n))
+                x = out.prev_sample
+            images = self.flow.decode(x)
+        t = len(xs)
+        return RolloutBatch(
+            group_ids=torch.arange(len(prompts)).repeat_interleave(num_generations),
+            samples=[to_sample(p, img) for p, img in zip([p for p in prompts for _ in range(num_generations)],
+                                                         images)],
+            mask=torch.ones((n, t), dtype=torch.bool),
+            old_logp=torch.stack(logps, 1).float(),
+            data={
+                "latents": torch.stack(xs, 1),
+                "next_latents": torch.stack(nexts, 1),
+                "sigma": torch.stack(sig, 1),
+                "sigma_next": torch.stack(sig_next, 1),
+                **{f"cond/{k}": v for k, v in cond.items()},
+            },
+        )
+
+    # ------------------------------------------------------------------ training forward
+
+    def sde_outputs(self, batch: RolloutBatch) -> list[SDEStep]:
+        """Each trained step re-scored under the current weights (with grad)."""
+        d = batch.data
+        cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
+        outs = []
+        for t in range(d["latents"].shape[1]):
+            x = d["latents"][:, t]
+            v = self.flow.velocity(x, d["sigma"][:, t], cond)
+            outs.append(sde_step_with_logprob(
+                v, x, d["sigma"][:, t], d["sigma_next"][:, t], noise_level=self.rollout.noise_level,
+                kind=self.rollout.kind, prev_sample=d["next_latents"][:, t]))
+        return outs
+
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        return torch.stack([o.log_prob for o in self.sde_outputs(batch)], 1)
+
+    @torch.no_grad()
+    def sample_images(self, prompts: Sequence[str], seeds: Sequence[int], num_steps: int) -> list:
+        """ODE sampling (evaluation): one image per (prompt, seed), the noise fixed by the seed."""
+        sampler = self.sampler(num_steps)
+        cond = self.flow.encode_prompt(list(prompts))
+        x = torch.cat([self.flow.noise(1, torch.Generator().manual_seed(int(s))) for s in seeds])
+        for i in range(num_steps):
+            v = self.flow.velocity(x, sampler.sigmas[i].expand(len(x)), cond)
+            x = sampler.step(v, x, i, noise_level=0.0, sde=False).prev_sample
+        return self.flow.decode(x)
+
+    # ------------------------------------------------------------------ weights
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """The whole pipeline directory (LoRA merged in: from_pretrained loads it as is);
+        under LoRA also the adapter alone in lora/, which is what resuming loads."""
+        self.flow.save_pretrained(path)
+        if self.flow.has_lora:
+            self.flow.save_transformer_weights(Path(path) / "lora")
+
+    def load_weights(self, path: str | Path) -> None:
+        path = Path(path)
+        self.flow.load_transformer_weights(path / "lora" if self.flow.has_lora else path)
+
+    def reference(self) -> _Reference:
+        """The KL reference: the starting weights (under LoRA, the base with adapters disabled)."""
+        return _Reference(self)
+
+
+class _Reference:
+    def __init__(self, policy: DiffusionPolicy):
+        self.lora = hasattr(policy.model, "peft_config")
+        if self.lora:
+            self.policy = policy
+        else:
+            self.policy = copy.copy(policy)
+            self.policy.flow = copy.copy(policy.flow)
+            frozen = copy.deepcopy(policy.model).requires_grad_(False)
+            self.policy.flow.transformer = self.policy.model = frozen
+        self.model = self.policy.model
+
+    def _off(self):
+        return self.policy.flow.disable_adapter() if self.lora else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        with self._off():
+            return self.policy.logprobs(batch)
+
+    @torch.no_grad()
+    def reference_data(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """The reference's step means (Flow-GRPO's KL compares means), [N, T, L, C]."""
+        with self._off():
+            return {"ref_mean": torch.stack([o.mean for o in self.policy.sde_outputs(batch)], 1)}
+
+
+def prompt_text(prompt: Any) -> str:
+    text = prompt if isinstance(prompt, str) else getattr(prompt, "text", None)
+    if not isinstance(text, str):
+        raise TypeError(f"a diffusion prompt must be text, got {type(prompt).__name__}")
+    return text
+
+
+def to_sample(prompt: Any, image) -> Sample:
+    meta = dict(getattr(prompt, "meta", None) or {})
+    return Sample(prompt=prompt_text(prompt), completion=image, meta=meta)
+
+
+def _subset(window: list[int], fraction: float, generator: torch.Generator) -> list[int]:
+    if fraction >= 1.0:
+        return list(window)
+    k = max(1, round(len(window) * fraction))
+    pick = torch.randperm(len(window), generator=generator)[:k].sort().values
+    return [window[i] for i in pick.tolist()]

@@ -1,0 +1,1 @@
+"""Synthetic, verifiable text-to-image tasks for the flow / diffusion backend (shapes-geneval)."""

@@ -1,0 +1,109 @@
+"""The diffusion policy and Flow-GRPO on tiny real diffusers models (built offline by
+diffusion_rl.models.build_tiny, loaded through from_pretrained): SDE rollouts, the
+ratio exactly 1 on-policy, one update that changes every trainable weight, KL to the
+reference, the whole loop through the core Trainer, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffusion_rl import backend
+from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.models import build_tiny
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import Reward
+from mmrl.core.trainer import Trainer, TrainingError
+
+FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
+        "task.num_train=16", "task.num_eval=2", "task.grid_prompts=2", "logging.tensorboard=false",
+        "logging.progress=false", "optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
+
+
+def make(path, tmp_path, *overrides):
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={path}", f"output_dir={tmp_path / 'run'}", *FAST, *overrides])
+    return cfg, *backend.build(cfg)
+
+
+def test_rollout_layout_and_ratio_exactly_one_on_policy(flux_dir, tmp_path):
+    cfg, policy, task = make(flux_dir, tmp_path)
+    batch = policy.generate(task.train[:2], 3, cfg.rollout, torch.Generator().manual_seed(0))
+    n, t = 6, 2
+    assert batch.old_logp.shape == (n, t) and batch.mask.all()
+    assert batch.data["latents"].shape[:2] == (n, t) and batch.data["sigma"].shape == (n, t)
+    assert (batch.data["sigma_next"] < batch.data["sigma"]).all()
+    assert all(s.completion.size == (policy.flow.width, policy.flow.height) for s in batch.samples)
+    with torch.no_grad():
+        logp = policy.logprobs(batch)
+    assert torch.equal(logp, batch.old_logp)  # exactly: the same weights score the same transition
+
+
+def test_one_update_changes_every_trainable_weight_and_kl_starts_at_zero(flux_dir, tmp_path, monkeypatch):
+    cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=1", "method.kl.beta=0.04")
+    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    # Random weights draw noise: give each group a reward spread so the update is not zero.
+    original = Reward.score
+
+    def spread(self, samples):
+        scores = original(self, samples)
+        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
+        return scores
+
+    monkeypatch.setattr(Reward, "score", spread)
+    Trainer(cfg, policy, task).train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-10)  # on the first step theta = reference
+    unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
+    assert not unchanged, unchanged
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {"atom_accuracy", "prompt_accuracy", "exist", "count", "colour", "relation"} <= set(summary["eval_after"])
+    assert (tmp_path / "run" / "samples" / "grid_before.png").is_file()
+    assert (tmp_path / "run" / "samples" / "grid_after.png").is_file()
+
+
+def test_non_finite_latents_stop_the_step_before_any_checkpoint(flux_dir, tmp_path):
+    cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=2", "train.save_every=1")
+    velocity = policy.flow.velocity
+
+    def broken(*a, **kw):
+        return velocity(*a, **kw) * float("nan")
+
+    policy.flow.velocity = broken
+    with pytest.raises(TrainingError, match="non-finite"):
+        Trainer(cfg, policy, task).train()
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+def test_bad_model_dir_is_a_config_error(tmp_path):
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={tmp_path / 'nowhere'}"])
+    with pytest.raises(ConfigError, match="model.path"):
+        backend.build(cfg)
+
+
+def test_window_must_leave_the_last_step_deterministic():
+    with pytest.raises(ConfigError, match="window_size"):
+        load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                    overrides=["rollout.num_steps=4", "rollout.window_size=4"])
+
+
+def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path):
+    def run(name, steps, resume=False):
+        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1")
+        Trainer(cfg, policy, task).train(resume=resume)
+        return policy
+
+    full = run("full", 2)
+    run("split", 1)
+    resumed = run("split", 2, resume=True)
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+

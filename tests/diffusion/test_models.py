@@ -1,0 +1,504 @@
+"""CPU tests of diffusion_rl.models / diffusion_rl.tiny: tiny FLUX.1, FLUX.2, SD3 and Qwen-Image
+pipelines built offline, loaded through the real from_pretrained, checked against diffusers' own
+pipelines, trained one step, saved and reloaded, with LoRA, and in pixel space."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import socket
+
+import huggingface_hub.constants
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffusion_rl.models import (
+    FlowModel,
+    load_flow_model,
+    pack,
+    unpack,
+)
+from diffusion_rl.tiny import (
+    FAMILIES,
+    build_clip_tokenizer,
+    build_t5_tokenizer,
+    build_tiny,
+)
+from mmrl.core.config import ConfigError
+
+PROMPTS = ["two red circles left of a blue square", "a green triangle"]
+PROMPTS_4 = PROMPTS + ["three yellow squares above one red circle", "four blue triangles"]
+COND_KEYS = {
+    "flux": {"prompt_embeds", "pooled_prompt_embeds", "text_ids"},
+    "sd3": {"prompt_embeds", "pooled_prompt_embeds"},
+    "qwen_image": {"prompt_embeds", "prompt_embeds_mask"},
+    "flux2": {"prompt_embeds", "text_ids"},
+}
+# Parameters that get no gradient by construction: the last block's text-stream *outputs* are
+# thrown away (SD3's last block is context_pre_only; Qwen-Image keeps only the image stream),
+# so the text queries, the text output projection and the text MLP of that block never reach
+# the prediction. FLUX.1 / FLUX.2 feed both streams into their single-stream blocks: no gaps.
+NO_GRAD = {
+    "flux": (),
+    "sd3": ("transformer_blocks.1.attn.add_q_proj.", "transformer_blocks.1.attn.norm_added_q."),
+    "qwen_image": (
+        "transformer_blocks.1.attn.add_q_proj.",
+        "transformer_blocks.1.attn.norm_added_q.",
+        "transformer_blocks.1.attn.to_add_out.",
+        "transformer_blocks.1.txt_mlp.",
+    ),
+    "flux2": (),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: threads only add contention on a shared CPU.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """Hub off and every socket connection refused, for the whole module."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access attempted in an offline test")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(socket.socket, "connect", refuse)
+        mp.setattr(socket, "create_connection", refuse)
+        yield
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, offline):
+    """family -> tiny pipeline directory (seed 0); "flux_pixel" -> the pixel-space FLUX."""
+    root = tmp_path_factory.mktemp("tiny_flow")
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(1)
+        dirs = {f: build_tiny(f, root / f, seed=0) for f in FAMILIES}
+        dirs["flux_pixel"] = build_tiny(
+            "flux", root / "flux_pixel", seed=0, pixel_space=True, patch_size=4
+        )
+    return dirs
+
+
+def _inputs(model: FlowModel, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = model.noise(n, g)
+    sigma = torch.linspace(0.9, 0.2, n)
+    return x, sigma
+
+
+def _family_of(key: str) -> str:
+    return "flux" if key == "flux_pixel" else key
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("key", [*FAMILIES, "flux_pixel"])
+def test_encode_noise_velocity_euler_decode(built, key):
+    family = _family_of(key)
+    model = load_flow_model(built[key])
+    assert model.family == family and model.pixel_space == (key == "flux_pixel")
+    assert (model.height, model.width) == (64, 64)  # sample_size written by build_tiny
+    assert model.guidance_scale == 1.0
+    cond = model.encode_prompt(PROMPTS)
+    assert set(cond) == COND_KEYS[family]
+    assert all(v.shape[0] == 2 and not v.requires_grad for v in cond.values())
+    # 64 px / (VAE 4x * 2x2 packing) = 8 -> 64 tokens of 4 ch x 2 x 2; pixel space: 16 x 16 of 3 x 4 x 4
+    assert (model.seq_len, model.channels) == ((256, 48) if model.pixel_space else (64, 16))
+    x = model.noise(2, torch.Generator().manual_seed(0))
+    assert x.shape == (2, model.seq_len, model.channels) and x.dtype == torch.float32
+    assert torch.equal(x, model.noise(2, torch.Generator().manual_seed(0)))
+    sigmas = torch.linspace(1.0, 0.0, 5)
+    with torch.no_grad():
+        for s, s_next in itertools.pairwise(sigmas):
+            v = model.velocity(x, s.expand(2), cond)
+            assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+            x = x + (s_next - s) * v
+    images = model.decode(x)
+    assert len(images) == 2
+    assert all(im.size == (64, 64) and im.mode == "RGB" for im in images)
+    pt = model.decode(x, output_type="pt")
+    assert pt.shape == (2, 3, 64, 64) and 0 <= pt.min() and pt.max() <= 1
+    # the frozen parts really are frozen
+    for name, comp in model.components.items():
+        if isinstance(comp, torch.nn.Module) and name != "transformer":
+            assert not comp.training and not any(p.requires_grad for p in comp.parameters())
+
+
+# The strongest check of packing, position ids, prompt encoding, time conditioning, CFG, noise
+# and decoding: a few Euler steps of ours reproduce diffusers' own pipeline __call__ on the
+# same directory (the tiny tokenizers pad to 32 / 96 tokens: passed as max_sequence_length).
+PIPELINE_KWARGS = {
+    "flux": [
+        (1.0, {"guidance_scale": 3.5, "max_sequence_length": 32}),
+        (
+            3.0,
+            {
+                "guidance_scale": 3.5,
+                "max_sequence_length": 32,
+                "true_cfg_scale": 3.0,
+                "negative_prompt": "",
+            },
+        ),
+    ],
+    "sd3": [
+        (1.0, {"guidance_scale": 1.0, "max_sequence_length": 32}),
+        (5.0, {"guidance_scale": 5.0, "max_sequence_length": 32}),
+    ],
+    "qwen_image": [
+        (1.0, {"true_cfg_scale": 1.0}),
+        (4.0, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
+    ],
+    "flux2": [(1.0, {"guidance_scale": 4.0, "max_sequence_length": 96})],  # no CFG in Flux2Pipeline
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_the_diffusers_pipeline(built, family):
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(built[family], local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for guidance_scale, kwargs in PIPELINE_KWARGS[family]:
+        model = load_flow_model(built[family], guidance_scale=guidance_scale)
+        ref = {}
+        for output_type in ("latent", "pt"):
+            ref[output_type] = pipe(
+                prompt=PROMPTS, height=64, width=64, num_inference_steps=3,
+                generator=torch.Generator().manual_seed(0), output_type=output_type, **kwargs,
+            ).images  # fmt: skip
+        sigmas = pipe.scheduler.sigmas
+        cond = model.encode_prompt(PROMPTS)
+        x = model.noise(2, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for i in range(3):
+                x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i].expand(2), cond)
+        latents = ref["latent"]
+        if latents.ndim == 4:  # SD3 returns unpacked latents
+            latents = pack(latents, model.patch)
+        torch.testing.assert_close(x, latents, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model.decode(x, output_type="pt"), ref["pt"], atol=1e-5, rtol=1e-5
+        )
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _flow_matching_loss(model: FlowModel, cond, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x0 = 0.5 * torch.randn(2, model.seq_len, model.channels, generator=g)
+    eps = model.noise(2, g)
+    s = torch.tensor([0.3, 0.8])
+    x = (1 - s[:, None, None]) * x0 + s[:, None, None] * eps
+    return ((model.velocity(x, s, cond) - (eps - x0)) ** 2).mean()
+
+
+@pytest.mark.parametrize("key", [*FAMILIES, "flux_pixel"])
+def test_one_step_changes_every_trainable_parameter(built, key):
+    model = load_flow_model(built[key])
+    cond = model.encode_prompt(PROMPTS)
+    params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
+    assert len(params) == len(list(model.transformer.parameters()))  # full fine-tuning
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = torch.optim.Adam(params.values(), lr=1e-3)
+    loss = _flow_matching_loss(model, cond)
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    excluded = NO_GRAD[_family_of(key)]
+    unchanged = [n for n, p in params.items() if torch.equal(p, before[n])]
+    assert sorted(unchanged) == sorted(n for n in params if n.startswith(excluded))
+    assert all(n in params for n in unchanged)  # the exclusions name real parameters
+    # the text side had no gradient at all
+    assert all(
+        p.grad is None
+        for name, comp in model.components.items()
+        if isinstance(comp, torch.nn.Module) and name != "transformer"
+        for p in comp.parameters()
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_are_independent(built, family):
+    model = load_flow_model(built[family])
+    cond = model.encode_prompt(PROMPTS_4)
+    x, sigma = _inputs(model, 4)
+    with torch.no_grad():
+        whole = model.velocity(x, sigma, cond)
+        halves = [
+            model.velocity(
+                x[i : i + 2], sigma[i : i + 2], {k: v[i : i + 2] for k, v in cond.items()}
+            )
+            for i in (0, 2)
+        ]
+        # and conditioning encoded in other batches concatenates row-wise
+        mixed = {k: torch.cat([a, b]) for (k, a), b in zip(
+            model.encode_prompt(PROMPTS_4[:1]).items(), model.encode_prompt(PROMPTS_4[1:]).values(), strict=True
+        )}  # fmt: skip
+        again = model.velocity(x, sigma, mixed)
+    torch.testing.assert_close(whole, torch.cat(halves), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(whole, again, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_classifier_free_guidance(built, family):
+    plain = load_flow_model(built[family])
+    guided = load_flow_model(built[family], guidance_scale=4.0)
+    cond = guided.encode_prompt(PROMPTS)
+    assert set(cond) == COND_KEYS[family] | {f"neg/{k}" for k in COND_KEYS[family]}
+    for k in COND_KEYS[family]:
+        torch.testing.assert_close(cond[k], plain.encode_prompt(PROMPTS)[k])
+        assert torch.equal(cond[f"neg/{k}"][0], cond[f"neg/{k}"][1])  # the empty prompt, per row
+    x, sigma = _inputs(plain, 2)
+    with torch.no_grad():
+        v = guided.velocity(x, sigma, cond)
+        v_cond = plain.velocity(x, sigma, {k: cond[k] for k in COND_KEYS[family]})
+        v_uncond = plain.velocity(x, sigma, {k: cond[f"neg/{k}"] for k in COND_KEYS[family]})
+    assert not torch.allclose(v, v_cond, atol=1e-3)
+    expected = v_uncond + 4.0 * (v_cond - v_uncond)
+    if family == "qwen_image":  # the pipeline rescales to the conditional prediction's norm
+        expected = (
+            expected * v_cond.norm(dim=-1, keepdim=True) / expected.norm(dim=-1, keepdim=True)
+        )
+    torch.testing.assert_close(v, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(KeyError, match="neg/"):
+        guided.velocity(x, sigma, {k: cond[k] for k in COND_KEYS[family]})
+
+
+# --------------------------------------------------------------------------- saving, loading, LoRA
+
+
+@pytest.mark.parametrize("key", [*FAMILIES, "flux_pixel"])
+def test_save_pretrained_round_trip(built, key, tmp_path):
+    model = load_flow_model(built[key])
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _inputs(model, 2)
+    loss = _flow_matching_loss(model, cond)  # a trained model, not the one on disk
+    loss.backward()
+    torch.optim.SGD(model.transformer.parameters(), lr=0.1).step()
+    out = model.save_pretrained(tmp_path / "saved")
+    index = json.loads((out / "model_index.json").read_text())
+    assert index == {
+        **json.loads((built[key] / "model_index.json").read_text()),
+        "_diffusers_version": index["_diffusers_version"],
+    }
+    assert not list(out.rglob("*.bin"))  # safetensors only
+    again = load_flow_model(out)
+    assert again.pixel_space == model.pixel_space and again.seq_len == model.seq_len
+    with torch.no_grad():
+        assert torch.equal(
+            again.velocity(x, sigma, again.encode_prompt(PROMPTS)), model.velocity(x, sigma, cond)
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora(built, family, tmp_path):
+    model = load_flow_model(built[family])
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _inputs(model, 2)
+    with torch.no_grad():
+        base = model.velocity(x, sigma, cond)
+    with pytest.raises(RuntimeError, match="LoRA"), model.disable_adapter():
+        pass
+    model.add_lora(r=4, alpha=8)
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} >= {"to_q", "to_k", "to_v"}
+    with torch.no_grad():
+        assert torch.equal(model.velocity(x, sigma, cond), base)  # B = 0 at init
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    _flow_matching_loss(model, cond).backward()
+    opt.step()
+    with torch.no_grad():
+        tuned = model.velocity(x, sigma, cond)
+        with model.disable_adapter():
+            assert torch.equal(model.velocity(x, sigma, cond), base)
+        assert torch.equal(model.velocity(x, sigma, cond), tuned)  # adapters back on
+    assert not torch.allclose(tuned, base, atol=1e-4)
+    assert [p for p in model.transformer.parameters() if p.requires_grad] == params
+
+    # the adapter alone: saved, then loaded in place into a fresh model with its own LoRA
+    adapter = model.save_transformer_weights(tmp_path / "adapter")
+    assert (adapter / "adapter_config.json").is_file() and (
+        adapter / "adapter_model.safetensors"
+    ).is_file()
+    other = load_flow_model(built[family])
+    other.add_lora(r=4, alpha=8)
+    ids = [id(p) for p in other.transformer.parameters()]
+    other.load_transformer_weights(adapter)
+    assert [id(p) for p in other.transformer.parameters()] == ids
+    with torch.no_grad():
+        assert torch.equal(other.velocity(x, sigma, cond), tuned)
+    # and into a model without one (the adapter is added from adapter_config.json)
+    fresh = load_flow_model(built[family])
+    fresh.load_transformer_weights(adapter)
+    with torch.no_grad():
+        assert torch.equal(fresh.velocity(x, sigma, cond), tuned)
+
+    # the whole pipeline, LoRA merged into plain weights (which a LoRA model refuses to load)
+    merged = load_flow_model(model.save_pretrained(tmp_path / "merged"))
+    with pytest.raises(ConfigError, match="LoRA adapter"):
+        other.load_transformer_weights(tmp_path / "merged")
+    assert not merged.has_lora
+    assert not any(
+        "lora" in k
+        for k in load_file(tmp_path / "merged/transformer/diffusion_pytorch_model.safetensors")
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(merged.velocity(x, sigma, cond), tuned, atol=1e-5, rtol=1e-5)
+
+
+def test_load_full_transformer_weights_in_place(built, tmp_path):
+    trained = load_flow_model(built["flux"])
+    cond = trained.encode_prompt(PROMPTS)
+    _flow_matching_loss(trained, cond).backward()
+    torch.optim.SGD(trained.transformer.parameters(), lr=0.1).step()
+    saved = trained.save_transformer_weights(tmp_path / "transformer")
+    target = load_flow_model(built["flux"])
+    params = list(target.transformer.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    target.load_transformer_weights(saved)
+    assert all(a is b for a, b in zip(params, target.transformer.parameters(), strict=True))
+    assert opt.param_groups[0]["params"][0] is params[0]
+    x, sigma = _inputs(target, 2)
+    with torch.no_grad():
+        assert torch.equal(target.velocity(x, sigma, cond), trained.velocity(x, sigma, cond))
+    # a pipeline directory works too (its transformer/), a mismatched one is refused by name
+    target.load_transformer_weights(built["flux"])
+    with pytest.raises(ConfigError, match="do not match"):
+        target.load_transformer_weights(built["sd3"] / "transformer")
+    with pytest.raises(ConfigError, match="neither a transformer"):
+        target.load_transformer_weights(tmp_path)
+
+
+# --------------------------------------------------------------------------- pixel space, packing
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_pack_unpack_bijection(p):
+    x = torch.randn(3, 5, 8, 12)
+    tokens = pack(x, p)
+    assert tokens.shape == (3, (8 // p) * (12 // p), 5 * p * p)
+    assert torch.equal(unpack(tokens, 8, 12, p), x)
+    assert torch.equal(pack(unpack(tokens, 8, 12, p), p), tokens)
+    # token (i, j) holds exactly the pixels of patch (i, j), channel-major
+    i, j = 1, 2
+    assert torch.equal(
+        tokens[:, i * (12 // p) + j],
+        x[:, :, i * p : (i + 1) * p, j * p : (j + 1) * p].reshape(3, -1),
+    )
+    with pytest.raises(ValueError):
+        pack(torch.zeros(1, 3, 6, 6), 4)
+
+
+def test_pixel_space_model(built):
+    path = built["flux_pixel"]
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["vae"] == [None, None] and not (path / "vae").exists()
+    assert json.loads((path / "pixel_space.json").read_text())["patch_size"] == 4
+    model = load_flow_model(path)
+    assert (
+        model.vae is None and model.pixel_patch == 4 and model.transformer.config.in_channels == 48
+    )
+    noise_images = model.decode(model.noise(2, torch.Generator().manual_seed(0)))
+    assert [im.size for im in noise_images] == [(64, 64)] * 2
+    # the latents are the image: a known image in [-1, 1] decodes to itself
+    image = torch.zeros(1, 3, 64, 64)
+    image[:, 0, 8:24, 8:40] = 1.0  # red-ish rectangle: R = 255
+    image[:, 2] = -1.0  # B = 0 everywhere
+    decoded = model.decode(pack(image, 4), output_type="pt")
+    torch.testing.assert_close(decoded, image / 2 + 0.5)
+    pil = model.decode(pack(image, 4))[0]
+    assert pil.getpixel((10, 10)) == (255, 128, 0) and pil.getpixel((50, 50)) == (128, 128, 0)
+
+
+# --------------------------------------------------------------------------- building, errors
+
+
+def test_build_tiny_is_deterministic(built, tmp_path):
+    again = build_tiny("flux", tmp_path / "a", seed=0)
+    other = build_tiny("flux", tmp_path / "b", seed=1)
+    for sub in (
+        "transformer/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+    ):
+        ref, same, diff = (load_file(d / sub) for d in (built["flux"], again, other))
+        assert ref.keys() == same.keys() and all(torch.equal(ref[k], same[k]) for k in ref)
+        assert any(not torch.equal(ref[k], diff[k]) for k in ref)
+    assert (again / "tokenizer_2/tokenizer.json").read_text() == (
+        built["flux"] / "tokenizer_2/tokenizer.json"
+    ).read_text()
+    with pytest.raises(ValueError, match="pixel_space"):
+        build_tiny("sd3", tmp_path / "c", pixel_space=True)
+    with pytest.raises(ValueError, match="family"):
+        build_tiny("sdxl", tmp_path / "d")
+
+
+def test_tiny_tokenizers_cover_the_task_vocabulary():
+    clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
+    words = "a an one two three four red green blue yellow circle circles square squares triangle triangles"
+    words += " left right of above below"
+    for w in words.split():
+        assert clip.tokenize(w) == [w + "</w>"], w
+        assert t5.tokenize(w) == ["▁" + w], w
+    # anything else still encodes: byte-level BPE never needs <unk>; T5 spells it out
+    assert clip.unk_token_id not in clip("Zebra! 123 é").input_ids[1:-1]
+    assert t5.decode(t5("Zebra 123").input_ids, skip_special_tokens=True) == "Zebra 123"
+    ids = t5(["a red circle"], padding="max_length", max_length=32).input_ids[0]
+    assert len(ids) == 32 and ids[3] == t5.eos_token_id and ids[4:] == [t5.pad_token_id] * 28
+
+
+def test_bad_directories_give_clear_errors(built, tmp_path):
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_flow_model(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="no model_index.json"):
+        load_flow_model(tmp_path)
+    sdxl = tmp_path / "sdxl"
+    sdxl.mkdir()
+    (sdxl / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*FluxPipeline.*Flux2Pipeline"):
+        load_flow_model(sdxl)
+    # a folder gone, and a component not listed
+    broken = shutil.copytree(built["sd3"], tmp_path / "broken")
+    shutil.rmtree(broken / "vae")
+    index = json.loads((broken / "model_index.json").read_text())
+    del index["text_encoder_2"]
+    (broken / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="incomplete") as err:
+        load_flow_model(broken)
+    assert "the vae/ folder is missing" in str(err.value)
+    assert "'text_encoder_2' is not listed in model_index.json" in str(err.value)
+    # a corrupt component names the component
+    corrupt = shutil.copytree(built["flux"], tmp_path / "corrupt")
+    (corrupt / "transformer/config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="'transformer'"):
+        load_flow_model(corrupt)
+    with pytest.raises(ConfigError, match="multiples of 8"):
+        load_flow_model(built["flux"], height=60, width=64)
+    with pytest.raises(ConfigError, match="dtype"):
+        load_flow_model(built["flux"], dtype="float33")
+    with pytest.raises(ConfigError, match="guidance_scale"):
+        load_flow_model(built["flux"], guidance_scale=0.5)
+
+
+def test_other_sizes_and_dtypes(built):
+    model = load_flow_model(built["flux"], height=32, width=48, dtype="bfloat16")
+    assert model.seq_len == 4 * 6 and model.dtype == torch.bfloat16
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _inputs(model, 2)
+    v = model.velocity(x, sigma, cond)
+    assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
+    assert [im.size for im in model.decode(x)] == [(48, 32)] * 2

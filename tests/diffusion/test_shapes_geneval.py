@@ -1,0 +1,748 @@
+"""shapes-geneval (diffusion_rl/tasks/shapes_geneval.py): grammar and atoms, prompt
+sampling, rendering, the detector on drawings made here with PIL directly, near
+misses, causal gating, the core Reward and the evaluation metrics."""
+
+import io
+import math
+import random
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFilter
+
+import diffusion_rl.tasks.shapes_geneval as sg
+from diffusion_rl.tasks.shapes_geneval import (
+    COLOURS,
+    IMAGE_SIZE,
+    RELATIONS,
+    SHAPES,
+    Atom,
+    Object,
+    ObjectSpec,
+    atom_accuracy,
+    detect,
+    evaluate_atoms,
+    format_prompt,
+    make_scene,
+    parse_objects,
+    parse_prompt,
+    relation_holds,
+    render,
+    reward_atoms,
+    sample_prompts,
+    score_image,
+    shapes_geneval_reward,
+)
+from mmrl.core.rewards import Reward, RewardError, Sample
+
+# ---------------------------------------------------------------------------- drawing helpers
+
+# Not the renderer's RGB values: the verifier must judge any image of the style.
+HAND = {"red": (255, 0, 0), "green": (0, 170, 0), "blue": (0, 0, 255), "yellow": (255, 220, 0)}
+
+
+def polygon(shape: str, cx: float, cy: float, s: float, angle: float) -> list:
+    """Vertices of a square of side s or an upright triangle of base and height s,
+    centred on (cx, cy) and rotated by angle degrees."""
+    if shape == "square":
+        pts = [(-s / 2, -s / 2), (s / 2, -s / 2), (s / 2, s / 2), (-s / 2, s / 2)]
+    else:
+        pts = [(0, -s / 2), (s / 2, s / 2), (-s / 2, s / 2)]
+    a = math.radians(angle)
+    return [
+        (cx + x * math.cos(a) - y * math.sin(a), cy + x * math.sin(a) + y * math.cos(a))
+        for x, y in pts
+    ]
+
+
+def draw(size: int, items, blur: float = 0.0) -> Image.Image:
+    """items: (shape, colour name or RGB, cx, cy, s, angle). White background."""
+    img = Image.new("RGB", (size, size), "white")
+    d = ImageDraw.Draw(img)
+    for shape, colour, cx, cy, s, angle in items:
+        fill = HAND[colour] if isinstance(colour, str) else colour
+        if shape == "circle":
+            d.ellipse((cx - s / 2, cy - s / 2, cx + s / 2, cy + s / 2), fill=fill)
+        else:
+            d.polygon(polygon(shape, cx, cy, s, angle), fill=fill)
+    return img.filter(ImageFilter.GaussianBlur(blur)) if blur else img
+
+
+def kinds(img) -> list[tuple[str, str]]:
+    return sorted((o.colour, o.shape) for o in detect(img))
+
+
+# ---------------------------------------------------------------------------- grammar
+
+
+def atom_table(prompt):
+    return [(a.kind, a.name, a.value, a.parents) for a in parse_prompt(prompt)]
+
+
+def test_parse_single_phrase():
+    assert atom_table("a red circle") == [
+        ("exist", "exist[circle]", "circle", ()),
+        ("colour", "colour[red circle]", "red", ("exist[circle]",)),
+        ("count", "count[red circle]=1", 1, ("colour[red circle]",)),
+    ]
+
+
+def test_parse_relation_prompt():
+    assert atom_table("two red circles left of a blue square") == [
+        ("exist", "exist[circle]", "circle", ()),
+        ("colour", "colour[red circle]", "red", ("exist[circle]",)),
+        ("count", "count[red circle]=2", 2, ("colour[red circle]",)),
+        ("exist", "exist[square]", "square", ()),
+        ("colour", "colour[blue square]", "blue", ("exist[square]",)),
+        ("count", "count[blue square]=1", 1, ("colour[blue square]",)),
+        (
+            "relation",
+            "relation[red circle left of blue square]",
+            "left of",
+            ("colour[red circle]", "colour[blue square]"),
+        ),
+    ]
+    rel = parse_prompt("two red circles left of a blue square")[-1]
+    assert rel.objects == (ObjectSpec(2, "red", "circle"), ObjectSpec(1, "blue", "square"))
+
+
+def test_parse_tolerates_case_spaces_plurals_article_and_period():
+    canonical = atom_table("a yellow triangle above three green squares")
+    for messy in (
+        "  An YELLOW   Triangle above THREE green squares. ",
+        "one yellow triangles above three green square.",
+        "a yellow triangle\tabove three green squares",
+    ):
+        assert atom_table(messy) == canonical
+
+
+@pytest.mark.parametrize(
+    "word,n", [("a", 1), ("an", 1), ("one", 1), ("two", 2), ("three", 3), ("four", 4)]
+)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parse_every_count_and_shape(word, n, shape):
+    plural = shape + ("s" if n > 1 else "")
+    atoms = parse_prompt(f"{word} blue {plural}")
+    assert [a.name for a in atoms] == [
+        f"exist[{shape}]",
+        f"colour[blue {shape}]",
+        f"count[blue {shape}]={n}",
+    ]
+
+
+@pytest.mark.parametrize("relation", RELATIONS)
+def test_parse_every_relation(relation):
+    objects, rel = parse_objects(f"a green circle {relation} two yellow triangles")
+    assert rel == relation
+    assert objects == [ObjectSpec(1, "green", "circle"), ObjectSpec(2, "yellow", "triangle")]
+    assert parse_prompt(f"a green circle {relation} a red square")[-1].name == (
+        f"relation[green circle {relation} red square]"
+    )
+
+
+def test_parse_to_the_left_of():
+    assert parse_objects("a red circle to the left of a blue square")[1] == "left of"
+    assert parse_objects("a red circle to the right of a blue square")[1] == "right of"
+
+
+def test_shared_atoms_one_exist_per_shape_and_summed_same_kind_counts():
+    # same shape, two colours: one exist atom, two colour atoms under it
+    names = [a.name for a in parse_prompt("a red circle left of a blue circle")]
+    assert names == [
+        "exist[circle]",
+        "colour[red circle]",
+        "count[red circle]=1",
+        "colour[blue circle]",
+        "count[blue circle]=1",
+        "relation[red circle left of blue circle]",
+    ]
+    # the same kind on both sides: one colour atom, the count is the total (1 + 2)
+    atoms = parse_prompt("a red circle left of two red circles")
+    assert [a.name for a in atoms] == [
+        "exist[circle]",
+        "colour[red circle]",
+        "count[red circle]=3",
+        "relation[red circle left of red circle]",
+    ]
+    assert atoms[-1].parents == ("colour[red circle]",)
+    for prompt in (
+        "four blue squares below a blue square",
+        "two red circles left of a blue square",
+    ):
+        names = [a.name for a in parse_prompt(prompt)]
+        assert len(names) == len(set(names))  # unique
+
+
+@pytest.mark.parametrize(
+    "prompt,unparsed",
+    [
+        ("a purple circle", "'purple circle'"),
+        ("two red circles next to a blue square", "'next to a blue square'"),
+        ("five red circles", "'five red circles'"),
+        ("a red hexagon", "'hexagon'"),
+        ("a red circle left of a blue square please", "'please'"),
+        ("red circle", "'red circle'"),
+        ("a red circle left a blue square", "'left a blue square'"),
+        ("a red circle and a blue square", "'and a blue square'"),
+        ("two red", "nothing after 'two red'"),
+        ("a red circle left of", "nothing after 'a red circle left of'"),
+        ("   ", "empty"),
+        ("a red circle..", "'circle.'"),
+    ],
+)
+def test_parse_errors_name_the_unparsed_words(prompt, unparsed):
+    with pytest.raises(ValueError, match="parse|empty") as err:
+        parse_prompt(prompt)
+    assert unparsed in str(err.value)
+
+
+def test_parse_rejects_non_strings():
+    with pytest.raises(TypeError, match="str"):
+        parse_prompt(3)
+    with pytest.raises(TypeError):
+        score_image(render("a red circle"), None)
+
+
+def test_format_prompt_round_trips():
+    objs = [ObjectSpec(2, "red", "circle"), ObjectSpec(1, "blue", "square")]
+    text = format_prompt(objs, "left of")
+    assert text == "two red circles left of a blue square"
+    assert parse_objects(text) == (objs, "left of")
+    assert format_prompt([ObjectSpec(4, "yellow", "triangle")]) == "four yellow triangles"
+    with pytest.raises(ValueError):
+        format_prompt(objs)  # two phrases need a relation
+    with pytest.raises(ValueError):
+        format_prompt(objs, "near")
+
+
+# ---------------------------------------------------------------------------- prompt sampling
+
+
+def test_sample_prompts_seeded_prefix_stable_and_parseable():
+    a = sample_prompts(50, seed=3)
+    assert a == sample_prompts(50, seed=3)
+    assert sample_prompts(20, seed=3) == a[:20]  # a longer list extends a shorter one
+    assert a != sample_prompts(50, seed=4)
+    assert a != sample_prompts(50, seed=3, split="eval")
+    for p in a:
+        parse_prompt(p)
+
+
+def test_sample_prompts_cover_every_atom_type_and_word():
+    prompts = sample_prompts(400, seed=0)
+    parsed = [parse_objects(p) for p in prompts]
+    with_relation = sum(rel is not None for _, rel in parsed)
+    assert 150 <= with_relation <= 250  # relation_p = 0.5
+    kinds_seen = {a.kind for p in prompts for a in parse_prompt(p)}
+    assert kinds_seen == {"exist", "colour", "count", "relation"}
+    objs = [o for objects, _ in parsed for o in objects]
+    assert {o.colour for o in objs} == set(COLOURS)
+    assert {o.shape for o in objs} == set(SHAPES)
+    assert {rel for _, rel in parsed} == set(RELATIONS) | {None}
+    assert {objects[0].count for objects, rel in parsed if rel is None} == {1, 2, 3, 4}
+    for objects, rel in parsed:
+        if rel is not None:
+            assert objects[0].kind != objects[1].kind
+            assert all(o.count <= 2 for o in objects)  # max_relation_count
+    only = sample_prompts(30, seed=1, relation_p=0.0, colours=["red"], shapes=["square"])
+    assert all(parse_objects(p)[0][0].kind == "red square" for p in only)
+    with pytest.raises(ValueError, match="colours"):
+        sample_prompts(3, colours=["purple"])
+    with pytest.raises(ValueError, match="relation_p"):
+        sample_prompts(3, relation_p=1.5)
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def test_renders_of_100_random_prompts_score_one_on_every_atom():
+    prompts = sample_prompts(100, seed=11)
+    for i, prompt in enumerate(prompts):
+        img = render(prompt, seed=i)
+        assert img.size == (IMAGE_SIZE, IMAGE_SIZE) and img.mode == "RGB"
+        scores = score_image(img, prompt)
+        assert list(scores) == [a.name for a in parse_prompt(prompt)]
+        assert all(v == 1.0 for v in scores.values()), (prompt, i, scores)
+
+
+@pytest.mark.parametrize("size", [64, 128, 256])
+def test_renders_at_other_sizes_and_without_antialiasing(size):
+    for i, prompt in enumerate(sample_prompts(10, seed=size)):
+        for antialias in (True, False):
+            img = render(prompt, seed=i, size=size, antialias=antialias)
+            assert img.size == (size, size)
+            assert min(score_image(img, prompt).values()) == 1.0, (prompt, antialias)
+
+
+def test_make_scene_matches_the_prompt_and_is_deterministic():
+    prompt = "three yellow triangles below two green squares"
+    scene = make_scene(prompt, seed=5)
+    assert scene == make_scene(prompt, seed=5)
+    assert scene != make_scene(prompt, seed=6)
+    assert render(scene).tobytes() == render(prompt, seed=5).tobytes()
+    got = sorted((s.colour, s.shape) for s in scene.shapes)
+    assert got == [("green", "square")] * 2 + [("yellow", "triangle")] * 3
+    for s in scene.shapes:
+        x0, y0, x1, y1 = s.box()
+        assert 0 <= x0 and 0 <= y0 and x1 <= scene.size and y1 <= scene.size
+    # boxes stay apart (>= 2 px gap)
+    boxes = [s.box() for s in scene.shapes]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert a[2] + 2 <= b[0] or b[2] + 2 <= a[0] or a[3] + 2 <= b[1] or b[3] + 2 <= a[1]
+    # triangles below squares: every triangle box is below every square box
+    tri = [s for s in scene.shapes if s.shape == "triangle"]
+    sq = [s for s in scene.shapes if s.shape == "square"]
+    assert all(t.box()[1] >= q.box()[3] for t in tri for q in sq)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["four red circles left of four blue squares", "four red triangles above four red triangles"],
+)
+def test_crowded_prompts_still_render_correctly(prompt):
+    img = render(prompt, seed=0)
+    assert min(score_image(img, prompt).values()) == 1.0
+
+
+def test_render_rejects_bad_input():
+    with pytest.raises(TypeError):
+        render(42)
+    with pytest.raises(ValueError, match="purple"):
+        render("a purple circle")
+
+
+# ---------------------------------------------------------------------------- detector
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "size,side,blur",
+    [
+        (64, 12, 0.0),
+        (64, 18, 0.0),
+        (64, 26, 1.0),
+        (128, 40, 0.0),
+        (256, 60, 2.0),
+        (256, 110, 0.0),
+        (512, 150, 4.0),
+    ],
+)
+@pytest.mark.parametrize("angle", [0, 20, 45, 90, 180])
+def test_detector_classifies_shapes_of_any_size_and_rotation(shape, size, side, blur, angle):
+    c = size / 2 + 0.3
+    img = draw(size, [(shape, "blue", c, c, side, angle)], blur=blur)
+    objs = detect(img)
+    assert [(o.colour, o.shape) for o in objs] == [("blue", shape)], objs
+    ideal = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}[shape] * side * side
+    assert abs(objs[0].area - ideal) <= 0.25 * ideal + 4 * side  # edge pixels either way
+    cx, cy = objs[0].center
+    assert abs(cx - c) < 0.2 * side + 1 and abs(cy - c) < 0.2 * side + 1
+
+
+def test_detector_features_match_the_ideal_shapes():
+    """fill: hull / minimum rectangle (disc pi/4, square 1, triangle 1/2); roundness:
+    farthest vertex / nearest edge from the centroid (disc 1, square sqrt 2, triangle 2+)."""
+    img = draw(
+        256,
+        [
+            ("circle", "red", 50, 60, 80, 0),
+            ("square", "green", 170, 60, 80, 30),
+            ("triangle", "blue", 110, 190, 90, 0),
+        ],
+    )
+    by_shape = {o.shape: o for o in detect(img)}
+    assert by_shape["circle"].fill == pytest.approx(math.pi / 4, abs=0.04)
+    assert by_shape["circle"].roundness == pytest.approx(1.0, abs=0.08)
+    assert by_shape["square"].fill == pytest.approx(1.0, abs=0.04)
+    assert by_shape["square"].roundness == pytest.approx(math.sqrt(2), abs=0.1)
+    assert by_shape["triangle"].fill == pytest.approx(0.5, abs=0.05)
+    assert by_shape["triangle"].roundness > 1.9
+    for o in by_shape.values():
+        assert o.solidity > 0.9 and o.aspect < 1.3  # a triangle's rectangle may lie on a slant side
+
+
+def test_detector_colours_pure_palette_variants_and_ignores_unknown_colours():
+    known = {
+        "red": (200, 20, 60),
+        "green": (90, 200, 90),
+        "blue": (20, 110, 230),
+        "yellow": (250, 240, 40),
+    }  # off-palette shades of the four colours
+    unknown = [
+        (255, 140, 0),
+        (150, 40, 200),
+        (0, 200, 200),
+        (0, 0, 0),
+        (128, 128, 128),
+        (255, 160, 200),
+    ]  # orange, purple, cyan, black, grey, pink
+    items = [("circle", rgb, 20 + 42 * i, 30, 30, 0) for i, rgb in enumerate(known.values())]
+    items += [
+        ("square", rgb, 20 + 42 * (i % 6), 100 + 60 * (i // 6), 30, 0)
+        for i, rgb in enumerate(unknown)
+    ]
+    objs = detect(draw(256, items))
+    assert sorted(o.colour for o in objs) == sorted(known)
+    assert all(o.shape == "circle" for o in objs)
+
+
+def test_detector_ignores_a_coloured_background_and_bars():
+    assert detect(Image.new("RGB", (64, 64), HAND["red"])) == []  # not "a red square"
+    bar = draw(128, [("square", "blue", 64, 64, 30, 0)])
+    ImageDraw.Draw(bar).rectangle((10, 100, 118, 112), fill=HAND["green"])  # 9:1
+    assert kinds(bar) == [("blue", "square")]
+    assert [o.shape for o in detect(bar, include_unknown=True)] == ["square", None]
+
+
+def test_detector_separates_touching_shapes_of_one_colour():
+    touching_discs = draw(
+        256, [("circle", "red", 70, 128, 64, 0), ("circle", "red", 134, 128, 64, 0)]
+    )
+    assert kinds(touching_discs) == [("red", "circle")] * 2
+    disc_and_square = draw(
+        256, [("circle", "red", 70, 110, 64, 0), ("square", "red", 137, 128, 70, 0)]
+    )
+    assert kinds(disc_and_square) == [("red", "circle"), ("red", "square")]
+    triangles = draw(64, [("triangle", "blue", 18, 20, 20, 0), ("triangle", "blue", 38, 20, 20, 0)])
+    assert kinds(triangles) == [("blue", "triangle")] * 2
+
+
+def test_detector_ignores_specks_noise_jpeg_and_blurred_fringes():
+    rng = np.random.default_rng(0)
+    prompt = "two red circles left of a blue square"
+    img = np.asarray(render(prompt, seed=3)).astype(float)
+    noisy = img + rng.normal(0, 12, img.shape)
+    salt = rng.random(img.shape[:2]) < 0.02  # 2% of pixels: random colours
+    noisy[salt] = rng.integers(0, 256, (int(salt.sum()), 3))
+    noisy = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+    assert min(score_image(noisy, prompt).values()) == 1.0
+    buf = io.BytesIO()
+    render(prompt, seed=3).resize((256, 256)).save(buf, "JPEG", quality=30)
+    assert min(score_image(Image.open(buf), prompt).values()) == 1.0
+    # red touching green, blurred: the blend between them is orange-ish, not a yellow object
+    fringe = draw(64, [("circle", "red", 20, 32, 20, 0), ("square", "green", 40, 32, 20, 0)], 1.0)
+    assert kinds(fringe) == [("green", "square"), ("red", "circle")]
+
+
+def test_detector_random_hand_drawn_scenes():
+    """Random sizes, rotations, colour shades, blur and noise, 64 to 512 px."""
+    rng = random.Random(0)
+    nrng = np.random.default_rng(0)
+    for _ in range(40):
+        n = rng.choice([64, 128, 256, 512])
+        items, boxes = [], []
+        for _ in range(rng.randint(1, 4)):
+            s = rng.uniform(0.18, 0.33) * n
+            cx, cy = rng.uniform(0.75 * s, n - 0.75 * s), rng.uniform(0.75 * s, n - 0.75 * s)
+            box = (cx - 0.75 * s, cy - 0.75 * s, cx + 0.75 * s, cy + 0.75 * s)
+            if any(
+                not (box[2] < b[0] or b[2] < box[0] or box[3] < b[1] or b[3] < box[1])
+                for b in boxes
+            ):
+                continue
+            boxes.append(box)
+            colour = rng.choice(list(COLOURS))
+            rgb = tuple(int(np.clip(v + rng.uniform(-25, 25), 0, 255)) for v in COLOURS[colour])
+            items.append((rng.choice(SHAPES), colour, rgb, cx, cy, s, rng.uniform(0, 360)))
+        img = draw(
+            n,
+            [(sh, rgb, cx, cy, s, a) for sh, _, rgb, cx, cy, s, a in items],
+            blur=rng.uniform(0, 1) * n / 64,
+        )
+        noisy = np.asarray(img) + nrng.normal(0, 8, (n, n, 3))
+        img = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+        assert kinds(img) == sorted((c, sh) for sh, c, *_ in items)
+
+
+def test_image_modes_arrays_and_non_images():
+    img = render("a red circle above a green triangle", seed=0)
+    want = [("green", "triangle"), ("red", "circle")]
+    for mode in ("RGBA", "P", "CMYK"):
+        assert kinds(img.convert(mode)) == want, mode
+    assert kinds(np.asarray(img)) == want
+    assert kinds(np.asarray(img) / 255.0) == want  # float in [0, 1]
+    rgba = np.zeros((64, 64, 4), np.uint8)  # transparent black = white background
+    rgba[10:40, 10:40] = (*HAND["blue"], 255)
+    assert kinds(Image.fromarray(rgba, "RGBA")) == [("blue", "square")]
+    grey16 = Image.fromarray(np.asarray(img.convert("L")).astype(np.uint16) * 257)
+    for grey in (img.convert("L"), img.convert("1"), grey16, img.convert("F")):
+        assert detect(grey) == []  # no colour, no object, no error
+    for bad in ("a picture", None, [[1, 2], [3, 4]], np.zeros((4, 4, 2))):
+        with pytest.raises(TypeError):
+            detect(bad)
+    with pytest.raises(TypeError, match="PIL image"):
+        score_image(b"png bytes", "a red circle")
+    with pytest.raises(ValueError, match="purple"):
+        score_image(img, "a purple circle")  # the prompt is checked first
+
+
+# ---------------------------------------------------------------------------- near misses (256 px, blurred)
+
+PROMPT = "two red circles left of a blue square"
+ALL_PASS = {
+    "exist[circle]": 1.0,
+    "colour[red circle]": 1.0,
+    "count[red circle]=2": 1.0,
+    "exist[square]": 1.0,
+    "colour[blue square]": 1.0,
+    "count[blue square]=1": 1.0,
+    "relation[red circle left of blue square]": 1.0,
+}
+CIRCLE_A = ("circle", "red", 60, 70, 60, 0)
+CIRCLE_B = ("circle", "red", 55, 185, 50, 0)
+SQUARE = ("square", "blue", 190, 128, 64, 10)
+
+
+def near_miss(items, **changes):
+    scores = score_image(draw(256, items, blur=1.5), PROMPT)
+    assert scores == {**ALL_PASS, **changes}
+
+
+def test_hand_drawn_scene_passes_every_atom():
+    near_miss([CIRCLE_A, CIRCLE_B, SQUARE])
+
+
+def test_one_object_missing_fails_only_its_count():
+    near_miss([CIRCLE_A, SQUARE], **{"count[red circle]=2": 0.0})
+
+
+def test_relation_flipped_fails_only_the_relation():
+    flipped = [(s, c, 256 - x, y, d, a) for s, c, x, y, d, a in (CIRCLE_A, CIRCLE_B, SQUARE)]
+    near_miss(flipped, **{"relation[red circle left of blue square]": 0.0})
+
+
+def test_wrong_colour_keeps_exist_fails_colour_and_gates_its_children():
+    green = [("circle", "green", *CIRCLE_A[2:]), ("circle", "green", *CIRCLE_B[2:]), SQUARE]
+    near_miss(
+        green,
+        **{
+            "colour[red circle]": 0.0,
+            "count[red circle]=2": 0.0,  # gated by colour
+            "relation[red circle left of blue square]": 0.0,  # gated by colour
+        },
+    )
+
+
+def test_extra_object_fails_the_count_only_if_it_is_of_a_named_kind():
+    third = ("circle", "red", 128, 220, 40, 0)
+    near_miss([CIRCLE_A, CIRCLE_B, SQUARE, third], **{"count[red circle]=2": 0.0})
+    other = ("triangle", "green", 128, 30, 40, 0)
+    near_miss([CIRCLE_A, CIRCLE_B, SQUARE, other])
+
+
+def test_shape_missing_fails_its_whole_branch():
+    near_miss(
+        [CIRCLE_A, CIRCLE_B],
+        **{
+            "exist[square]": 0.0,
+            "colour[blue square]": 0.0,
+            "count[blue square]=1": 0.0,
+            "relation[red circle left of blue square]": 0.0,
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- relations and gating
+
+
+def box(cx, cy, s):
+    return (cx - s / 2, cy - s / 2, cx + s / 2, cy + s / 2)
+
+
+def test_relation_holds_margin_and_dominance():
+    a = box(20, 50, 10)
+    assert relation_holds(a, "left of", box(40, 50, 10))
+    assert relation_holds(box(40, 50, 10), "right of", a)
+    assert not relation_holds(a, "right of", box(40, 50, 10))
+    assert not relation_holds(a, "left of", box(24, 50, 10))  # 4 < 0.5 x 10
+    assert relation_holds(a, "left of", box(25, 50, 10))  # 5 = 0.5 x 10
+    assert relation_holds(a, "left of", box(40, 90, 10))  # dx 20 >= 0.5 x dy 40
+    assert not relation_holds(a, "left of", box(40, 91, 10))  # 20 < 0.5 x 41
+    assert relation_holds(box(50, 10, 10), "above", box(50, 30, 10))
+    assert relation_holds(box(50, 30, 10), "below", box(50, 10, 10))
+    with pytest.raises(ValueError):
+        relation_holds(a, "near", a)
+
+
+def obj(colour, shape, cx, cy, s=10):
+    x0, y0, x1, y1 = (round(v) for v in box(cx, cy, s))
+    return Object(colour, shape, (x0, y0, x1, y1), (cx, cy), s * s)
+
+
+def test_same_kind_relation_splits_the_sorted_objects():
+    atoms = parse_prompt("a red circle left of two red circles")
+    ok = [obj("red", "circle", 10, 50), obj("red", "circle", 40, 40), obj("red", "circle", 45, 60)]
+    assert min(evaluate_atoms(atoms, ok).values()) == 1.0
+    middle = [
+        obj("red", "circle", 10, 50),
+        obj("red", "circle", 12, 70),
+        obj("red", "circle", 45, 60),
+    ]
+    scores = evaluate_atoms(atoms, middle)  # the leftmost is not left of the second
+    assert scores["relation[red circle left of red circle]"] == 0.0
+    assert scores["count[red circle]=3"] == 1.0
+    lone = evaluate_atoms(atoms, [obj("red", "circle", 10, 50)])
+    assert lone["relation[red circle left of red circle]"] == 0.0  # nothing to be left of
+
+
+def test_causal_gating_zeroes_a_child_of_a_failed_parent():
+    """A hand-made graph where the child would pass on its own: gating must zero it."""
+    red = ObjectSpec(1, "red", "circle")
+    blue = ObjectSpec(1, "blue", "square")
+    atoms = [
+        Atom("exist", "exist[square]", (blue,), "square"),
+        Atom("count", "count[red circle]=1", (red,), 1, ("exist[square]",)),
+        Atom("count", "grandchild", (red,), 1, ("count[red circle]=1",)),
+        Atom("exist", "exist[circle]", (red,), "circle"),
+    ]
+    objects = [obj("red", "circle", 20, 20)]
+    assert evaluate_atoms(atoms, objects) == {
+        "exist[square]": 0.0,
+        "count[red circle]=1": 0.0,
+        "grandchild": 0.0,
+        "exist[circle]": 1.0,
+    }
+    objects.append(obj("blue", "square", 60, 20))
+    assert min(evaluate_atoms(atoms, objects).values()) == 1.0
+
+
+# ---------------------------------------------------------------------------- core Reward
+
+
+def test_reward_scores_samples_by_atom_type(monkeypatch):
+    good = render(PROMPT, seed=1)
+    wrong_colour = draw(256, [("circle", "green", *CIRCLE_A[2:]), CIRCLE_B, SQUARE])
+    single = render("three yellow triangles", seed=2)
+    missing = draw(
+        64, [("triangle", "yellow", 15, 15, 18, 0), ("triangle", "yellow", 45, 45, 18, 0)]
+    )
+    samples = [
+        Sample(PROMPT, good),
+        Sample(PROMPT, wrong_colour),  # one red circle left: colour 2/2, count 1/2
+        Sample("three yellow triangles", single),
+        Sample("three yellow triangles", missing),
+    ]
+    calls = []
+    real_detect = sg.detect
+    monkeypatch.setattr(sg, "detect", lambda img, **kw: calls.append(1) or real_detect(img, **kw))
+    reward = shapes_geneval_reward()
+    assert isinstance(reward, Reward)
+    scores = reward.score(samples)
+    assert scores.names == ["exist", "colour", "count", "relation", "all"]
+    assert len(calls) == len(samples)  # one detection per sample, shared by the five atoms
+    # wrong_colour: exist 2/2; colour[red circle] 1 (CIRCLE_B), colour[blue square] 1;
+    # count[red circle]=2 fails (one red circle), count[blue square]=1 passes -> 1/2;
+    # relation passes (the red circle is left of the square); all 0.
+    # missing: exist 1, colour 1, count 0, relation vacuous 1, all 0.
+    assert scores.values.tolist() == [
+        [1.0, 1.0, 1.0, 1.0, 1.0],
+        [1.0, 1.0, 0.5, 1.0, 0.0],
+        [1.0, 1.0, 1.0, 1.0, 1.0],
+        [1.0, 1.0, 0.0, 1.0, 0.0],
+    ]
+    assert scores.total.tolist() == [5.0, 3.5, 5.0, 3.0]
+    parents = {a.name: a.parents for a in reward.atoms}
+    assert parents == {
+        "exist": (),
+        "colour": ("exist",),
+        "count": ("colour",),
+        "relation": (),
+        "all": ("exist", "colour", "count", "relation"),
+    }
+    assert all(a.batched for a in reward.atoms)
+
+
+def test_reward_gates_all_when_a_type_mean_is_below_half():
+    # a single-object prompt with the wrong colour: exist 1, colour 0, count 0 (gated), all 0
+    img = render("a green square", seed=0)
+    scores = shapes_geneval_reward().score([Sample("a red square", img)])
+    assert scores.values.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0]]
+    nothing = Image.new("RGB", (64, 64), "white")
+    scores = shapes_geneval_reward().score([Sample("a red square left of a blue circle", nothing)])
+    assert scores.values.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_reward_weights_and_errors():
+    atoms = reward_atoms({"all": 2.0, "relation": 0.5})
+    assert {a.name: a.weight for a in atoms} == {
+        "exist": 1.0,
+        "colour": 1.0,
+        "count": 1.0,
+        "relation": 0.5,
+        "all": 2.0,
+    }
+    with pytest.raises(ValueError, match="unknown"):
+        reward_atoms({"colour_count": 1.0})
+    reward = shapes_geneval_reward()
+    with pytest.raises(RewardError, match="exist") as err:
+        reward.score([Sample("a red circle", "not an image")])
+    assert "TypeError" in str(err.value)
+    with pytest.raises(RewardError, match="purple"):
+        reward.score([Sample("a purple circle", render("a red circle"))])
+    with pytest.raises(RewardError, match="sample 1 of the batch"):
+        reward.score([Sample("a red circle", render("a red circle")), Sample("a red circle", None)])
+    # atoms are batched: a bad completion (a bug, not a model output) fails the batch
+    zeroed = shapes_geneval_reward(on_error="zero")
+    with pytest.warns(RuntimeWarning, match="failed and scored 0"):
+        out = zeroed.score(
+            [Sample("a red circle", None), Sample("a red circle", render("a red circle"))]
+        )
+    assert out.errors > 0 and out.values.sum() == 0
+
+
+def test_reward_cache_does_not_confuse_batches():
+    reward = shapes_geneval_reward()
+    red = render("a red circle", seed=0)
+    first = reward.score([Sample("a red circle", red)])
+    assert first.total.tolist() == [5.0]
+    # same image object, other prompt: a different key, scored afresh
+    second = reward.score([Sample("a blue circle", red)])
+    assert second.values.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0]]
+    third = reward.score([Sample("a red circle", render("a blue circle", seed=0))])
+    assert third.values.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0]]
+    # a buffer overwritten in place for the next batch is judged on its new pixels
+    buf = np.asarray(render("a red circle", seed=0)).copy()
+    assert reward.score([Sample("a red circle", buf)]).total.tolist() == [5.0]
+    buf[:] = np.asarray(render("a blue circle", seed=0))
+    assert reward.score([Sample("a red circle", buf)]).total.tolist() == [2.0]
+
+
+# ---------------------------------------------------------------------------- evaluation metrics
+
+
+def test_atom_accuracy_on_a_mixed_set():
+    images = [
+        render(PROMPT, seed=0),  # 7/7
+        draw(256, [("circle", "green", *CIRCLE_A[2:]), CIRCLE_B, SQUARE]),  # see below
+        render("a blue triangle", seed=0),  # 3/3
+        draw(64, [("triangle", "yellow", 15, 15, 18, 0), ("triangle", "yellow", 45, 45, 18, 0)]),
+    ]
+    prompts = [PROMPT, PROMPT, "a blue triangle", "three yellow triangles"]
+    acc = atom_accuracy(images, prompts)
+    # exist:    2 + 2 + 1 + 1 of 6          colour: 2 + 2 + 1 + 1 of 6
+    # count:    2 + 1 + 1 + 0 of 6 = 4/6    relation: 1 + 1 of 2 (one red circle is left)
+    # atoms: (6 + 6 + 4 + 2) / 20 = 0.9;    all: 2 of 4 prompts
+    assert acc == pytest.approx(
+        {
+            "exist": 1.0,
+            "colour": 1.0,
+            "count": 4 / 6,
+            "relation": 1.0,
+            "atoms": 0.9,
+            "all": 0.5,
+            "num_images": 4.0,
+        }
+    )
+    flipped = [(s, c, 256 - x, y, d, a) for s, c, x, y, d, a in (CIRCLE_A, CIRCLE_B, SQUARE)]
+    acc = atom_accuracy(
+        [draw(256, flipped), render("a red square", seed=0)], [PROMPT, "a red circle"]
+    )
+    # relation 0/1; the red square is no circle: exist 1 + 0, colour 1 + 0, count 2 + 0
+    assert acc["relation"] == 0.0 and acc["exist"] == pytest.approx(2 / 3)
+    assert acc["count"] == pytest.approx(2 / 3) and acc["all"] == 0.0
+    assert math.isnan(atom_accuracy([render("a red square")], ["a red square"])["relation"])
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        atom_accuracy(images[:2], prompts[:1])
+    with pytest.raises(ValueError):
+        atom_accuracy([], [])
