@@ -107,3 +107,26 @@ def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path):
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
 
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "sd3", "qwen_image"])
+def test_one_flow_grpo_step_per_family(family, tmp_path, monkeypatch):
+    """Each supported diffusers family (tiny random configs with latent VAEs): one SDE rollout
+    and one Flow-GRPO update through the core loop change every trainable transformer weight
+    (except those no loss can reach: a last block's discarded text outputs, see test_models)."""
+    from test_models import NO_GRAD
+
+    path = build_tiny(family, tmp_path / family, seed=0)
+    cfg, policy, task = make(path, tmp_path, "train.max_steps=1", "task.num_eval=1", "task.grid_prompts=0")
+    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    original = Reward.score
+
+    def spread(self, samples):
+        scores = original(self, samples)
+        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
+        return scores
+
+    monkeypatch.setattr(Reward, "score", spread)
+    Trainer(cfg, policy, task).train()
+    unchanged = sorted(k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k]))
+    assert unchanged == sorted(k for k in before if k.startswith(NO_GRAD[family]))
