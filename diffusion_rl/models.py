@@ -56,6 +56,11 @@ holds `pixel_space.json` = {"patch_size": p, "channels": 3[, "sample_size": side
 pixel-space model (FLUX family): the latents ARE the image in [-1, 1], cut into p x p patches,
 (H/p)(W/p) tokens of 3 p^2 channels, position ids FLUX's latent-image ids on the (H/p, W/p)
 grid. `decode` just un-packs them. The project's bundled tiny model is one (see tiny.py).
+An optional `"prediction": "sample"` in pixel_space.json means the transformer predicts the
+clean image x0 rather than v (x-prediction, which trains far better than v-prediction when a
+token's patch has more pixel values than the transformer has width: Li & He, "Back to
+Basics: Let Denoising Generative Models Denoise", 2025); `velocity` then returns
+v = (x - x0_hat) / max(sigma, 0.05), so every caller still sees a velocity.
 
 Image size: `height` / `width` when given; else a `sample_size` found in the directory
 (pixel_space.json in pixels; SD3's transformer config in latent units x the VAE factor; the
@@ -176,6 +181,9 @@ class FlowModel:
         self.vae = components.get("vae")
         self.pixel_space = pixel_space is not None
         self.pixel_patch = int(pixel_space["patch_size"]) if pixel_space else None
+        self.prediction = (pixel_space or {}).get("prediction", "velocity")
+        if self.prediction not in ("velocity", "sample"):
+            raise ConfigError(f"pixel_space.json: prediction must be 'velocity' or 'sample', not {self.prediction!r}")
         self.height, self.width = int(height), int(width)
         if guidance_scale < 1.0:
             raise ConfigError(f"guidance_scale must be >= 1 (1 = no CFG), got {guidance_scale}")
@@ -266,7 +274,7 @@ class FlowModel:
         sigma = sigma.expand(n) if sigma.ndim == 0 else sigma.reshape(n)
         pos = {k: v for k, v in cond.items() if not k.startswith("neg/")}
         if self.guidance_scale <= 1.0:
-            return self._forward(x, sigma, self._rows(pos, n)).float()
+            return self._as_velocity(self._forward(x, sigma, self._rows(pos, n)).float(), x, sigma)
         neg = {k[4:]: v for k, v in cond.items() if k.startswith("neg/")}
         if set(neg) != set(pos):
             raise KeyError(
@@ -275,8 +283,13 @@ class FlowModel:
             )
         both = {k: torch.cat([self._rows(pos, n)[k], self._rows(neg, n)[k]]) for k in pos}
         out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).float()
-        v_cond, v_uncond = out.chunk(2)
+        v_cond, v_uncond = self._as_velocity(out, torch.cat([x, x]), torch.cat([sigma, sigma])).chunk(2)
         return self._combine_cfg(v_cond, v_uncond)
+
+    def _as_velocity(self, out: Tensor, x: Tensor, sigma: Tensor) -> Tensor:
+        if self.prediction == "velocity":
+            return out
+        return (x.float() - out) / sigma.float().clamp(min=0.05).reshape(-1, 1, 1)
 
     def _combine_cfg(self, v_cond: Tensor, v_uncond: Tensor) -> Tensor:
         return v_uncond + self.guidance_scale * (v_cond - v_uncond)
@@ -372,7 +385,8 @@ class FlowModel:
                 comp.save_pretrained(out / name)
         (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if self.pixel_space:
-            spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": self.height}
+            spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": self.height,
+                    "prediction": self.prediction}
             (out / "pixel_space.json").write_text(json.dumps(spec, indent=2) + "\n")
         return out
 

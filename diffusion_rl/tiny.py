@@ -552,6 +552,7 @@ def build_tiny(
     patch_size: int = 4,
     transformer: dict | None = None,
     text_width: int = 32,
+    prediction: str = "velocity",
 ) -> Path:
     """Write a tiny random `family` pipeline directory to `out_dir` and return its path.
 
@@ -564,6 +565,7 @@ def build_tiny(
     works on p x p patches of the image (`patch_size` = p), see the module docstring.
     FLUX only: `transformer` overrides FluxTransformer2DModel config keys (layers, heads, rope
     axes) and `text_width` sets both text encoders' width, for models bigger than the tests'.
+    `prediction` (pixel space): "velocity" or "sample" (x0-prediction, see models.py).
     """
     import diffusers
 
@@ -593,6 +595,6 @@ def build_tiny(
     pipeline = getattr(diffusers, PIPELINE_CLASSES[family])(**components)
     pipeline.save_pretrained(out, safe_serialization=True)
     if pixel_space:
-        spec = {"patch_size": patch_size, "channels": 3, "sample_size": height}
+        spec = {"patch_size": patch_size, "channels": 3, "sample_size": height, "prediction": prediction}
         (out / "pixel_space.json").write_text(json.dumps(spec, indent=2) + "\n")
     return out

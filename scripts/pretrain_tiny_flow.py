@@ -3,7 +3,8 @@
 A FLUX-style pipeline in pixel space (diffusion_rl.tiny.build_tiny: FluxTransformer2DModel
 on 8x8 patches of 64x64 images, tiny CLIP + T5 text encoders, no VAE) is trained by plain
 flow matching on rendered scenes of generated prompts: x_sigma = (1 - sigma) x0 + sigma eps,
-target v = eps - x0, sigma logit-normal. Only the transformer trains; the random text
+target v = eps - x0, sigma logit-normal; the transformer predicts the clean image and the
+loss is on the velocity it implies (x-prediction, v-loss: see diffusion_rl/models.py). Only the transformer trains; the random text
 encoders are frozen, as RL keeps them. Every `--eval-every` steps the held-out atom accuracy
 (ODE sampling, the shapes-geneval detector) is measured; training stops at the first
 evaluation at or above `--target`, so the bundled model is middling and RL has room.
@@ -66,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-steps", type=int, default=10)
     p.add_argument("--target", type=float, default=0.5, help="stop at this held-out atom accuracy")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prediction", choices=["sample", "velocity"], default="sample",
+                   help="what the transformer outputs: the clean image (x-prediction) or v")
     p.add_argument("--patch", type=int, default=8, help="pixels per token side (64 px / 8 = 8 x 8 tokens)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="tiny-flow-"))
     build_tiny("flux", work, seed=args.seed, pixel_space=True, patch_size=args.patch, transformer=TRANSFORMER,
-               text_width=64)
+               text_width=64, prediction=args.prediction)
     flow = load_flow_model(work)
     n_params = sum(x.numel() for x in flow.transformer.parameters())
     print(f"transformer: {n_params / 1e6:.2f} M parameters; {flow.seq_len} image tokens of {flow.channels}")

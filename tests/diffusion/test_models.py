@@ -425,6 +425,23 @@ def test_pixel_space_model(built):
     assert pil.getpixel((10, 10)) == (255, 128, 0) and pil.getpixel((50, 50)) == (128, 128, 0)
 
 
+def test_pixel_space_x_prediction_returns_the_implied_velocity(tmp_path):
+    """prediction "sample": the transformer's output is x0_hat and velocity() gives
+    (x - x0_hat) / max(sigma, 0.05); the setting survives save_pretrained."""
+    path = build_tiny("flux", tmp_path / "x", seed=0, pixel_space=True, prediction="sample")
+    model = load_flow_model(path)
+    assert model.prediction == "sample"
+    cond = model.encode_prompt(["a red circle", "two blue squares"])
+    x = model.noise(2, torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.8, 0.01])
+    with torch.no_grad():
+        x0_hat = model._forward(x, sigma, model._rows(cond, 2)).float()
+        v = model.velocity(x, sigma, cond)
+    torch.testing.assert_close(v, (x - x0_hat) / torch.tensor([0.8, 0.05])[:, None, None])
+    model.save_pretrained(tmp_path / "saved")
+    assert load_flow_model(tmp_path / "saved").prediction == "sample"
+
+
 # --------------------------------------------------------------------------- building, errors
 
 
