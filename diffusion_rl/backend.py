@@ -23,7 +23,7 @@ DEFAULT_CONFIG = {
     "method": {"type": "flow_grpo"},
     "rollout": {"num_generations": 8, "prompts_per_step": 4, "num_steps": 10, "window_size": 4,
                 "noise_level": 0.7},
-    "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
+    "optim": {"lr": 1e-4, "max_grad_norm": 1.0},
     "train": {"max_steps": 100, "log_samples_every": 0},
     "task": {"type": "shapes-geneval", "num_train": 2000, "num_eval": 64},
 }
