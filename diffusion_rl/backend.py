@@ -34,11 +34,12 @@ def bundled_model_dir() -> Path:
 
 
 def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
-    from diffusion_rl.tasks.shapes_geneval import parse_prompt, reward_atoms, sample_prompts
+    from diffusion_rl.tasks.shapes_geneval import reward_atoms, sample_prompts
 
     t = cfg.task
-    train = sample_prompts(t.num_train, t.seed, split="train")
-    evaluation = sample_prompts(t.num_eval, t.seed, split="eval")
+    base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
+    train = _prompt_file(t.train_path, base, "train_path") or sample_prompts(t.num_train, t.seed, split="train")
+    evaluation = _prompt_file(t.eval_path, base, "eval_path") or sample_prompts(t.num_eval, t.seed, split="eval")
     atoms = list(reward_atoms())
     if t.image_atoms:
         from diffusion_rl.rewards import build_image_reward_atoms
@@ -47,10 +48,35 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
             atoms += build_image_reward_atoms(t.image_atoms)
         except ValueError as e:
             raise ConfigError(f"task.image_atoms: {e}") from e
-    for p in train[:1] + evaluation[:1]:
-        parse_prompt(p)  # the generator's prompts always parse; user prompt files may not
     return DiffusionTask(t.type, train, evaluation, Reward(atoms), eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts)
+
+
+def _prompt_file(path: str | None, base: Path, key: str) -> list[str] | None:
+    """Prompts from a text file, one per line (blank lines and # comments skipped), each
+    checked by the shapes-geneval parser."""
+    from diffusion_rl.tasks.shapes_geneval import parse_prompt
+
+    if path is None:
+        return None
+    file = Path(path) if Path(path).is_absolute() else base / path
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"task.{key}: cannot read {file}: {e.strerror or e}") from e
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            parse_prompt(text)
+        except ValueError as e:
+            raise ConfigError(f"task.{key}: {file}, line {n} ({text!r}): {e}") from e
+        prompts.append(text)
+    if not prompts:
+        raise ConfigError(f"task.{key}: {file} holds no prompts")
+    return prompts
 
 
 def build(cfg: DiffusionTrainConfig):

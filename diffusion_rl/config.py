@@ -37,9 +37,11 @@ class ShapesGenevalTaskConfig(Section):
     """Images per held-out prompt (fixed noise seeds, the same before and after)."""
     grid_prompts: int = Field(8, ge=0)
     """Held-out prompts drawn in the before/after sample grids."""
-    on_unparsed: Literal["raise", "whole_prompt"] = "raise"
-    """A prompt the parser cannot decompose: stop with an error naming the words, or
-    reward it as a whole (a warning) with the extra image atoms only."""
+    train_path: str | None = None
+    """A text file of your own training prompts, one per line (None = generated ones).
+    Every line must parse under the shapes grammar; an error names the line and the words."""
+    eval_path: str | None = None
+    """The same for held-out prompts."""
     image_atoms: list[dict[str, Any]] = Field(default_factory=list)
     """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs."""
 

@@ -130,3 +130,14 @@ def test_one_flow_grpo_step_per_family(family, tmp_path, monkeypatch):
     Trainer(cfg, policy, task).train()
     unchanged = sorted(k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k]))
     assert unchanged == sorted(k for k in before if k.startswith(NO_GRAD[family]))
+
+
+def test_prompt_files_are_checked_line_by_line(flux_dir, tmp_path):
+    good = tmp_path / "train.txt"
+    good.write_text("# my prompts\ntwo red circles left of a blue square\n\na green triangle\n")
+    _, _, task = make(flux_dir, tmp_path, f"task.train_path={good}")
+    assert task.train == ["two red circles left of a blue square", "a green triangle"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a red circle\na purple circle next to a dog\n")
+    with pytest.raises(ConfigError, match=r"line 2 .*unparsed words"):
+        make(flux_dir, tmp_path, f"task.eval_path={bad}")
