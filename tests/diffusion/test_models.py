@@ -81,12 +81,14 @@ def offline():
 def built(tmp_path_factory, offline):
     """family -> tiny pipeline directory (seed 0); "flux_pixel" -> the pixel-space FLUX."""
     root = tmp_path_factory.mktemp("tiny_flow")
+    threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):
         torch.set_num_threads(1)
         dirs = {f: build_tiny(f, root / f, seed=0) for f in FAMILIES}
         dirs["flux_pixel"] = build_tiny(
             "flux", root / "flux_pixel", seed=0, pixel_space=True, patch_size=4
         )
+    torch.set_num_threads(threads)  # later tests (bit-exact rebuilds) depend on it
     return dirs
 
 
