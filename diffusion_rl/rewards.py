@@ -41,13 +41,9 @@ and the sample.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import itertools
 import json
 import math
 import os
-import re
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mmrl.core.rewards import RewardAtom, Sample
+from mmrl.core.rewards import RewardAtom, Sample, import_python_file
 
 __all__ = [
     "PREFERENCE_KINDS",
@@ -621,20 +617,7 @@ def _load_factory(path, base_dir) -> tuple[Callable, str]:
     file = _resolve(file_part, base_dir)
     if not file.is_file():
         raise ValueError(f"preference factory {path!r}: file not found: {file}")
-    stem = re.sub(r"\W", "_", file.stem)
-    module_name = f"mmrl_image_reward_{stem}_{next(_module_counter)}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"preference factory {path!r}: cannot import {file} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickle look the module up here
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ValueError(
-            f"preference factory {path!r}: importing {file} failed: {_describe(e)}"
-        ) from e
+    module = import_python_file(file, f"preference factory {path!r}")
     label = f"{file}:{attr}"
     if not hasattr(module, attr):
         defined = sorted(
@@ -656,9 +639,6 @@ def _load_factory(path, base_dir) -> tuple[Callable, str]:
             "not callable"
         )
     return factory, label
-
-
-_module_counter = itertools.count()
 
 
 class _CustomScorer:

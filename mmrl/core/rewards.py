@@ -600,18 +600,22 @@ def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
 
 
 def _import_file(spec: str, path: Path):
+    return import_python_file(path, f"reward atom spec {spec!r}")
+
+
+def import_python_file(path: Path, what: str):
+    """Import a user's Python file as a fresh module (a unique name each time). Errors are
+    ValueErrors starting with `what` (e.g. "reward atom spec 'x.py:f'") and naming the file."""
     stem = re.sub(r"\W", "_", path.stem)
-    name = f"mmrl_reward_atoms_{stem}_{next(_module_counter)}"
+    name = f"mmrl_user_{stem}_{next(_module_counter)}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward atom spec {spec!r}: cannot import {path} as a Python file")
+        raise ValueError(f"{what}: cannot import {path} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickle look the module up here
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise ValueError(
-            f"reward atom spec {spec!r}: importing {path} failed: {_describe(e)}"
-        ) from e
+        raise ValueError(f"{what}: importing {path} failed: {_describe(e)}") from e
     return module
