@@ -27,6 +27,20 @@ def flux_dir(tmp_path_factory):
     return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
 
 
+@pytest.fixture
+def reward_spread(monkeypatch):
+    """Random weights draw noise that scores alike: give each group a reward spread (0, 1, 0,
+    1, ...) so that an update is not zero."""
+    original = Reward.score
+
+    def spread(self, samples):
+        scores = original(self, samples)
+        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
+        return scores
+
+    monkeypatch.setattr(Reward, "score", spread)
+
+
 def make(path, tmp_path, *overrides):
     cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
                       overrides=[f"model.path={path}", f"output_dir={tmp_path / 'run'}", *FAST, *overrides])
@@ -46,18 +60,9 @@ def test_rollout_layout_and_ratio_exactly_one_on_policy(flux_dir, tmp_path):
     assert torch.equal(logp, batch.old_logp)  # exactly: the same weights score the same transition
 
 
-def test_one_update_changes_every_trainable_weight_and_kl_starts_at_zero(flux_dir, tmp_path, monkeypatch):
+def test_one_update_changes_every_trainable_weight_and_kl_starts_at_zero(flux_dir, tmp_path, reward_spread):
     cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=1", "method.kl.beta=0.04")
     before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
-    # Random weights draw noise: give each group a reward spread so the update is not zero.
-    original = Reward.score
-
-    def spread(self, samples):
-        scores = original(self, samples)
-        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
-        return scores
-
-    monkeypatch.setattr(Reward, "score", spread)
     Trainer(cfg, policy, task).train()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-10)  # on the first step theta = reference
@@ -110,7 +115,7 @@ def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["flux", "flux2", "sd3", "qwen_image"])
-def test_one_flow_grpo_step_per_family(family, tmp_path, monkeypatch):
+def test_one_flow_grpo_step_per_family(family, tmp_path, reward_spread):
     """Each supported diffusers family (tiny random configs with latent VAEs): one SDE rollout
     and one Flow-GRPO update through the core loop change every trainable transformer weight
     (except those no loss can reach: a last block's discarded text outputs, see test_models)."""
@@ -119,14 +124,6 @@ def test_one_flow_grpo_step_per_family(family, tmp_path, monkeypatch):
     path = build_tiny(family, tmp_path / family, seed=0)
     cfg, policy, task = make(path, tmp_path, "train.max_steps=1", "task.num_eval=1", "task.grid_prompts=0")
     before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
-    original = Reward.score
-
-    def spread(self, samples):
-        scores = original(self, samples)
-        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
-        return scores
-
-    monkeypatch.setattr(Reward, "score", spread)
     Trainer(cfg, policy, task).train()
     unchanged = sorted(k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k]))
     assert unchanged == sorted(k for k in before if k.startswith(NO_GRAD[family]))

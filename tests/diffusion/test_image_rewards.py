@@ -29,15 +29,6 @@ from diffusion_rl.rewards import (
 from mmrl.core.rewards import Reward, RewardError, Sample
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: threads only add contention on a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_open_clip(tmp_path_factory):
     """(model directory, config path, weights path) of a tiny random open_clip CLIP."""

@@ -53,13 +53,6 @@ NO_GRAD = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: threads only add contention on a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", autouse=True)

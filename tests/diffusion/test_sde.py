@@ -18,15 +18,6 @@ from diffusion_rl.sde import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: threads only add contention on a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
