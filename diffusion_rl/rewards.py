@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mmrl.core.rewards import RewardAtom, Sample, import_python_file
+from mmrl.core.rewards import RewardAtom, Sample, import_python_file, module_attribute
 
 __all__ = [
     "PREFERENCE_KINDS",
@@ -619,15 +619,7 @@ def _load_factory(path, base_dir) -> tuple[Callable, str]:
         raise ValueError(f"preference factory {path!r}: file not found: {file}")
     module = import_python_file(file, f"preference factory {path!r}")
     label = f"{file}:{attr}"
-    if not hasattr(module, attr):
-        defined = sorted(
-            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-        )
-        raise ValueError(
-            f"preference factory {path!r}: {file} has no attribute {attr!r} "
-            f"(callables defined: {', '.join(defined) or 'none'})"
-        )
-    factory = getattr(module, attr)
+    factory = module_attribute(module, attr, f"preference factory {path!r}", str(file))
     if isinstance(factory, RewardAtom):
         raise ValueError(  # noqa: TRY004 -- a config error, like the others here
             f"preference factory {path!r}: {attr!r} in {file} is a reward atom; list it as a "

@@ -580,16 +580,7 @@ def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
         raise ValueError(f"reward atom spec {spec!r}: file not found: {path}")
     if path not in modules:
         modules[path] = _import_file(spec, path)
-    module = modules[path]
-    if not hasattr(module, attr):
-        defined = sorted(
-            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-        )
-        raise ValueError(
-            f"reward atom spec {spec!r}: {path.name} has no attribute {attr!r} "
-            f"(callables defined: {', '.join(defined) or 'none'})"
-        )
-    obj = getattr(module, attr)
+    obj = module_attribute(modules[path], attr, f"reward atom spec {spec!r}", path.name)
     if isinstance(obj, RewardAtom):
         return obj
     if not callable(obj):
@@ -601,6 +592,19 @@ def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
 
 def _import_file(spec: str, path: Path):
     return import_python_file(path, f"reward atom spec {spec!r}")
+
+
+def module_attribute(module, attr: str, what: str, where: str):
+    """`module.attr`, or a ValueError starting with `what` that lists the callables `where` defines."""
+    if not hasattr(module, attr):
+        defined = sorted(
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        )
+        raise ValueError(
+            f"{what}: {where} has no attribute {attr!r} "
+            f"(callables defined: {', '.join(defined) or 'none'})"
+        )
+    return getattr(module, attr)
 
 
 def import_python_file(path: Path, what: str):
