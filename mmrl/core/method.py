@@ -8,6 +8,7 @@ A method changes what the loop does at these points (DESIGN.md, "The loop"):
     advantages      [N], [N, T] or per region
     prune           drop samples of a complete group before training (FastRL's MDAP)
     group_size      the group size G of each data epoch (FastRL's adaptive rollout sampling)
+    weight_average  a moving average of the weights for evaluation (Flow-GRPO's EMA)
     loss            the differentiable objective of a (micro-)batch
 The group hooks run in the scheduler for every modality and both scheduler modes;
 in pipelined mode keep_groups, extra_requests, advantages and prune see one group.
@@ -32,6 +33,10 @@ class Method:
 
     needs_reference: bool = False
     """True when loss() reads batch.ref_logp (the loop then builds a frozen reference)."""
+
+    epoch: int = 0
+    """The pass over the current rollout batch (0 .. train.ppo_epochs - 1), set by the trainer
+    before each pass: diffu-GRPO draws a different prompt mask for each."""
 
     def __init__(self, cfg, run: TrainConfig, reward: Reward):
         self.cfg = cfg  # this method's section (run.method)
@@ -62,6 +67,11 @@ class Method:
         """G for data epoch `epoch` (called as each epoch's first prompt is drawn; `current`
         is the size so far). The scheduler saves it with the checkpoint."""
         return current
+
+    def weight_average(self, params: list) -> object | None:
+        """A moving average of the trainable weights that evaluation and checkpoints use
+        (Flow-GRPO's EMA; see mmrl.core.trainer for its interface); None = none."""
+        return None
 
     def loss_denominator(self, batch: RolloutBatch) -> float | None:
         """Normaliser of a whole mini-batch, so micro-batch losses sum to its loss. It must

@@ -19,10 +19,20 @@ supplies advantages and loss (mmrl.core.method); everything else is here.
 Resuming from a checkpoint reproduces the uninterrupted run exactly on a CPU:
 every RNG the loop draws from, the data position and the optimizer are saved,
 and evaluation runs with the training RNGs set aside.
+
+Averaged weights: a method may keep a moving average of the trainable weights
+(Flow-GRPO's EMA) by having `weight_average(params)` return an object with
+`update(params)`, `applied(params)` (a context that puts the average into the
+parameters and restores them), `state_dict()` -> (tensors, JSON) and
+`load_state_dict(tensors, JSON)`. The loop updates it after every optimizer step;
+evaluation (and its sample grids) runs with the average applied; a checkpoint's
+model/ then holds the average, and its trainer state the raw weights and the
+average, which resuming restores. Rollouts and gradients always use the raw weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -93,6 +103,7 @@ class Trainer:
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
+        self.ema = self.method.weight_average(self.params)  # e.g. Flow-GRPO's EMA; usually None
         oc = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
@@ -199,15 +210,16 @@ class Trainer:
             logger.samples(self.step + 1, sample_rows(batch))
         return metrics
 
-    def update(self, batch: RolloutBatch, epochs: int | None = None) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, epochs: int | None = None, first_epoch: int = 0) -> dict[str, float]:
         """`epochs` (default ppo_epochs) x mini_batches optimizer steps on one batch, with
-        gradient accumulation."""
+        gradient accumulation; the passes are numbered from `first_epoch` (method.epoch)."""
         tc = self.cfg.train
         epochs = tc.ppo_epochs if epochs is None else epochs
         n = len(batch)
         sums: dict[str, float] = defaultdict(float)
         tally = {"updates": 0, "bad": 0}
-        for _ in range(epochs):
+        for e in range(epochs):
+            self.method.epoch = first_epoch + e
             order = torch.randperm(n, generator=self.generator) if tc.mini_batches > 1 else torch.arange(n)
             for mini_idx in order.tensor_split(tc.mini_batches):
                 if len(mini_idx) == 0:
@@ -246,6 +258,7 @@ class Trainer:
         acc = {"denom": 0.0, "loss": 0.0, "groups": 0}
         busy, stale = 0.0, 0
         self.optimizer.zero_grad(set_to_none=True)
+        self.method.epoch = 0
         for group in rnd:
             t = time.perf_counter()
             stale = max(stale, self.step - group.policy_version)
@@ -269,7 +282,7 @@ class Trainer:
                 for k, v in sums.items()}
         metrics.update(self._update_metrics(batch, sums, tally, 1))
         if tc.ppo_epochs > 1:  # later epochs need the whole round: as in sync mode
-            later = self.update(batch, epochs=tc.ppo_epochs - 1)
+            later = self.update(batch, epochs=tc.ppo_epochs - 1, first_epoch=1)
             metrics["train/updates"] += later["train/updates"]
         busy += time.perf_counter() - t
         metrics.update(_waiting(rnd.wait_seconds, busy))
@@ -314,6 +327,8 @@ class Trainer:
             return
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.params)
         tally["updates"] += 1
         sums["loss/total"] += loss_value
         sums["loss/grad_norm"] += grad_norm
@@ -360,7 +375,7 @@ class Trainer:
         fixed-seed sample grid into <output>/samples/ under that tag (before / after)."""
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), self.averaged_weights():
                 self.policy.model.eval()
                 result = self.task.evaluate(self.policy)
                 if samples_tag and distributed.is_main() and hasattr(self.task, "save_samples"):
@@ -369,6 +384,10 @@ class Trainer:
             random.setstate(py_state)
             np.random.set_state(np_state)
         return {k: float(v) for k, v in result.items()}
+
+    def averaged_weights(self):
+        """A context with the method's averaged weights in the model (a no-op without one)."""
+        return self.ema.applied(self.params) if self.ema is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -391,9 +410,19 @@ class Trainer:
             "group_size": {"num_generations": self.num_generations, "epoch": self.group_epoch},
             "config": self.cfg.model_dump(mode="json"),
         }
+        tensors = {**opt_tensors, **rng_tensors}
+        write_model = self.policy.save_pretrained
+        if self.ema is not None:  # model/ holds the average; the raw weights go here, for --resume
+            ema_tensors, state["ema"] = self.ema.state_dict()
+            tensors.update(ema_tensors)
+            tensors.update({f"weights.{i}": p for i, p in enumerate(self.params)})
+
+            def write_model(path):
+                with self.averaged_weights():
+                    self.policy.save_pretrained(path)
+
         path = ckpt.save_checkpoint(
-            self.checkpoint_dir, self.step, self.policy.save_pretrained,
-            {**opt_tensors, **rng_tensors}, state, keep_last=self.cfg.train.keep_last,
+            self.checkpoint_dir, self.step, write_model, tensors, state, keep_last=self.cfg.train.keep_last,
         )
         self.saved_step = self.step
         return path
@@ -402,6 +431,7 @@ class Trainer:
         tensors, state = ckpt.load_checkpoint(path)
         # The KL reference stays as built in __init__: the starting weights, not the checkpoint's.
         self.policy.load_weights(path / "model")
+        self._load_averaged(path, tensors, state)
         ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
@@ -413,6 +443,26 @@ class Trainer:
         self.bad_steps = state["bad_steps"]
         self.eval_before = state["eval_before"]
         self.saved_step = self.step
+
+    def _load_averaged(self, path: Path, tensors: dict, state: dict) -> None:
+        """After an averaged run's model/ (the average) is loaded: the raw weights and the average."""
+        if "ema" not in state:
+            if self.ema is not None:
+                raise TrainingError(f"--resume: {path} was saved without averaged weights, but the method "
+                                    "keeps them (e.g. method.ema); resume with the run's own config")
+            return
+        raw = [tensors.get(f"weights.{i}") for i in range(len(self.params))]
+        if any(r is None or r.shape != p.shape for r, p in zip(raw, self.params)):
+            raise TrainingError(f"--resume: the raw weights saved in {path} do not fit the model's "
+                                f"{len(self.params)} trainable parameters")
+        with torch.no_grad():
+            for p, r in zip(self.params, raw):
+                p.copy_(r)
+        if self.ema is not None:
+            try:
+                self.ema.load_state_dict(tensors, state["ema"])
+            except ValueError as e:
+                raise TrainingError(f"--resume: {path}: {e}") from e
 
     # ------------------------------------------------------------------ outputs
 

@@ -1,0 +1,102 @@
+"""The diffusion-LLM backend as the CLI and the loop see it (mmrl.core.cli).
+
+    CONFIG_CLASS    DLLMTrainConfig
+    DEFAULT_CONFIG  the main job: the bundled tiny dLLM, arith, diffu-GRPO, on a CPU in minutes
+    build(cfg)      -> (DLLMPolicy, DLLMTask)
+    sample(...)     -> scored answers for `dllm-rl sample`
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dllm_rl.config import DLLMTrainConfig
+from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
+from dllm_rl.task import DLLMTask
+from mmrl.core.config import ConfigError
+
+CONFIG_CLASS = DLLMTrainConfig
+DEFAULT_CONFIG = {
+    "output_dir": "runs/dllm-default",
+    "method": {"type": "diffu_grpo"},
+    "rollout": {"num_generations": 8, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
+                "steps": 8, "temperature": 1.0},
+    "optim": {"lr": 1e-4, "max_grad_norm": 1.0},
+    "train": {"max_steps": 100, "ppo_epochs": 2, "log_samples_every": 25},
+    "task": {"type": "arith", "num_train": 4000, "num_eval": 200},
+}
+
+
+def bundled_model_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "assets" / "tiny-dllm"
+
+
+def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
+    from dllm_rl.tasks import get_task
+
+    t = cfg.task
+    spec = get_task(t.type)
+    try:
+        train = spec.sample_problems(t.num_train, t.seed, "train", **t.options)
+        evaluation = spec.sample_problems(t.num_eval, t.seed, "eval", **t.options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task.options: {t.type} cannot use {t.options}: {e}") from e
+    return DLLMTask(t.type, train, evaluation, spec.reward(on_error=cfg.reward.on_error),
+                    answer_atom=spec.success_atom, rollout=cfg.rollout,
+                    batch_size=cfg.rollout.eval_batch_size, eval_samples=cfg.rollout.eval_samples)
+
+
+def build(cfg: DLLMTrainConfig):
+    import dllm_rl.methods  # noqa: F401  (registers diffu_grpo and tracerl)
+    from dllm_rl.methods import estimator_for
+    from dllm_rl.models import load_mask_predictor
+
+    m = cfg.model
+    path = Path(m.path) if m.path else bundled_model_dir()
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {path} is not a directory (a from_pretrained model directory is expected)")
+    try:
+        predictor = load_mask_predictor(path, kind=m.kind, mask_token_id=m.mask_token_id,
+                                        block_length=m.block_length, trust_remote_code=m.trust_remote_code,
+                                        dtype=m.dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    task = build_task(cfg)
+    tok = predictor.tokenizer
+    longest = max(task.train + task.eval_problems,
+                  key=lambda p: len(tok(p.prompt, add_special_tokens=False)["input_ids"]))
+    prompt_length = len(tok(longest.prompt, add_special_tokens=False)["input_ids"])
+    try:
+        policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg))
+    except PromptTooLong as e:
+        raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {longest.prompt!r})") from e
+    return policy, task
+
+
+def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int) -> list[dict]:
+    """n answers (rollout temperature and strategy, seeded) to each --prompt or held-out problem;
+    held-out problems are scored by the task's atoms."""
+    from dllm_rl.tasks import Problem
+
+    problems = [Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
+    texts = [p.prompt for p in problems for _ in range(n)]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    try:
+        result, _ = policy.decode(texts, gen, temperature=cfg.rollout.temperature)
+    except PromptError as e:  # too long, or a character the tokenizer has no token for
+        raise ConfigError(f"--prompt: {e}") from e
+    answers = policy.answer_text(result.completion)
+    rows = []
+    for k, (text, answer) in enumerate(zip(texts, answers)):
+        problem = problems[k // n]
+        row = {"prompt": text, "completion": answer, "nfe": int(result.nfe[k])}
+        if problem.answer:
+            from dllm_rl.policy import to_sample
+
+            scores = task.reward.score([to_sample(problem, answer)])
+            row.update({"gold": problem.answer, "reward": float(scores.total[0]),
+                        "atoms": dict(zip(scores.names, scores.values[0].tolist()))})
+        rows.append(row)
+    return rows

@@ -1,0 +1,120 @@
+"""Config of a diffusion-LLM run: the core TrainConfig with the mask-predictor model, the
+arithmetic / sudoku task, the block sampler (rollout) and the method (diffu-GRPO, TraceRL)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from mmrl.core.config import (
+    DynamicSamplingConfig,
+    ModelConfig,
+    RolloutConfig,
+    Section,
+    TrainConfig,
+)
+
+Strategy = Literal["low_confidence", "threshold", "fork", "tau_budget", "ar"]
+
+
+class DLLMModelConfig(ModelConfig):
+    kind: Literal["llada", "dream", "sdar", "masked_lm"] | None = None
+    """How to run the directory's model; None = its dllm.json (llada: a decoder with full
+    attention; dream: the same with shifted logits; sdar: block-causal attention;
+    masked_lm: any AutoModelForMaskedLM)."""
+    mask_token_id: int | None = None
+    """The [MASK] id; None = dllm.json, else the tokenizer's mask token. Checked against the vocabulary."""
+    block_length: int | None = Field(None, ge=1)
+    """Attention block of an sdar (block-causal) model; None = dllm.json."""
+
+
+class DLLMRolloutConfig(RolloutConfig):
+    """Semi-autoregressive block decoding (METHODS.md section 5)."""
+
+    gen_length: int = Field(16, ge=1)
+    """Tokens generated per answer (the rest of an answer is <eos> filler)."""
+    block_length: int = Field(8, ge=1)
+    """Decoding block: blocks are filled left to right, each by `steps / blocks` steps."""
+    steps: int = Field(16, ge=1)
+    """Denoising steps over the whole answer (fixed for low_confidence; an upper guide for
+    threshold, fork and tau_budget, which stop a block once it is filled)."""
+    strategy: Strategy = "low_confidence"
+    """Which masked positions a step commits (dllm_rl.samplers.select_commits)."""
+    threshold: float = Field(0.8, gt=0, lt=1)
+    """lambda of threshold (Fast-dLLM) and fork (Fork-dLLM)."""
+    tau: float = Field(0.9, gt=0, lt=1)
+    """tau of SLIM-RL's tau_budget."""
+    m: float = Field(1.0, gt=0)
+    """Risk budget scale of tau_budget: b = m (1 - tau)."""
+    eval_samples: int = Field(0, ge=0)
+    """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
+    the unbiased estimator); 0 = greedy accuracy only."""
+    eval_batch_size: int = Field(128, ge=1)
+    max_new_tokens: int = 16  # the core's Dr.GRPO length constant; set to gen_length
+
+    @model_validator(mode="after")
+    def _blocks_fit(self):
+        if self.gen_length % self.block_length:
+            raise ValueError(f"gen_length ({self.gen_length}) must be divisible by block_length "
+                             f"({self.block_length})")
+        blocks = self.gen_length // self.block_length
+        if self.steps % blocks:
+            raise ValueError(f"steps ({self.steps}) must be divisible by the number of blocks "
+                             f"(gen_length / block_length = {blocks})")
+        self.__dict__["max_new_tokens"] = self.gen_length  # not setattr: that re-validates
+        return self
+
+
+class DLLMTaskConfig(Section):
+    """Verifiable problems: `arith` (addition, subtraction, multiplication) or `sudoku` (4x4)."""
+
+    type: Literal["arith", "sudoku"] = "arith"
+    seed: int = 0
+    num_train: int = Field(4000, ge=1)
+    num_eval: int = Field(200, ge=1)
+    options: dict = Field(default_factory=dict)
+    """Extra arguments of the task's generator (arith: digits; sudoku: blanks)."""
+
+
+class KLOldConfig(Section):
+    beta: float = Field(0.0, ge=0)
+    """Coefficient of the k3 KL to the pre-update policy (the weights that made the rollout);
+    no reference model is loaded."""
+
+
+class DiffuGRPOConfig(Section):
+    """diffu-GRPO (d1): one-step mean-field log-probs with a randomly masked prompt."""
+
+    type: Literal["diffu_grpo"] = "diffu_grpo"
+    p_mask_prompt: float = Field(0.15, ge=0, lt=1)
+    """Probability of masking each prompt token in the log-prob pass."""
+    clip: float = Field(0.5, gt=0)
+    """eps of the PPO clip (d1 uses 0.5)."""
+    scale: Literal["group", "none"] = "group"
+    """Advantage: r - group mean, divided by the group std ("group") or not ("none")."""
+    kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.04))
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """Drop groups whose rewards are all equal (and refill)."""
+
+
+class TraceRLConfig(Section):
+    """TraceRL (dLLM-RL): train on the rollout's own decoding trajectory."""
+
+    type: Literal["tracerl"] = "tracerl"
+    merge_steps: int = Field(2, ge=1)
+    """s: consecutive decoding steps merged into one training row (<= ceil(K/s) rows per rollout)."""
+    clip: float = Field(0.2, gt=0)
+    scale: Literal["group", "none"] = "group"
+    kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+
+
+MethodConfig = Annotated[DiffuGRPOConfig | TraceRLConfig, Field(discriminator="type")]
+
+
+class DLLMTrainConfig(TrainConfig):
+    model: DLLMModelConfig = Field(default_factory=DLLMModelConfig)
+    task: DLLMTaskConfig = Field(default_factory=DLLMTaskConfig)
+    rollout: DLLMRolloutConfig = Field(default_factory=DLLMRolloutConfig)
+    method: MethodConfig = Field(default_factory=DiffuGRPOConfig)

@@ -1,0 +1,61 @@
+"""TraceRL (Wang et al., "Revolutionizing reinforcement learning framework for diffusion large
+language models"; code: Gen-Verse/dLLM-RL), METHODS.md section 5.
+
+    rollout    G answers per prompt; the sampler records the step at which each token was
+               committed (its trajectory)
+    rows       every s = merge_steps consecutive decoding steps of a rollout make one training
+               row: its input masks every token committed at or after the row's first step, its
+               targets are the tokens committed within those steps (<= ceil(K / s) rows)
+    log-prob   log pi(o_k) = the row's prediction of o_k given that partially decoded state:
+               the policy is trained on the states it actually decoded through
+    advantage  A = (r - group mean) / group std
+    loss       token-level PPO clip 0.2, averaged over answer tokens; + 0.01 k3 KL to the
+               pre-update policy
+
+Departures: TraceRL trains a value model for token-level advantages in its full form; this
+baseline uses the group advantage of the reward (its "without value model" variant). For
+block-causal (SDAR) models TraceRL merges steps within each block and packs the r-th group
+of every block into one sequence [prompt | clean answer | noisy answer] with a block mask;
+here every model gets the full-attention rule (merge across blocks, one row per group, the
+row's input the decoding state at the group's first step) under its own attention mask,
+which is exact for s = 1 and costs more forward passes than the packing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dllm_rl.logprob import token_logprobs, trace_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, scatter_rows
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.method import register_method
+
+
+class Trace:
+    def __init__(self, run):
+        self.s = run.method.merge_steps
+
+    def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
+        batch.old_logp = self.logprobs(policy, batch, 0).float()
+
+    def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, C]
+        # Steps are merged across block boundaries (TraceRL's full-attention rule): one row per
+        # merged group, its input the state at the group's first step.
+        rows = trace_rows(batch.data["commit_step"], s=self.s)
+        target = rows.target & batch.mask[rows.sample]  # answer tokens only (not the eos filler)
+        completion = batch.data["completion"][rows.sample]
+        noisy = torch.where(rows.input_masked, torch.full_like(completion, policy.predictor.mask_token_id),
+                            completion)
+        x = torch.cat([batch.data["prompt_ids"][rows.sample], noisy], 1)
+        logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]
+        logp = token_logprobs(logits, completion, policy.rollout.temperature)  # [R, C]
+        return scatter_rows(logp, rows.sample, target, len(batch))
+
+
+ESTIMATORS["tracerl"] = Trace
+
+
+@register_method("tracerl")
+class TraceRL(DLLMMethod):
+    pass

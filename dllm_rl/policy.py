@@ -1,0 +1,173 @@
+"""The diffusion-LLM policy the core loop drives: block-decoded rollouts of a mask predictor,
+and the log-probs of its answers through the method's estimator.
+
+A masked diffusion LM has no exact sequence likelihood, so each method brings an estimator
+(dllm_rl.methods): diffu-GRPO's one-step mean-field pass, TraceRL's trajectory rows. The
+estimator's `prepare` runs at the end of a rollout, under the weights that made it, and
+stores the old log-probs; its `logprobs` recomputes them with grad at training time.
+
+Every prompt is left-padded to one fixed length (the task's longest prompt), so batches of
+different rounds concatenate without re-padding.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from dllm_rl.models import MaskPredictor
+from dllm_rl.samplers import DecodeResult, decode
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.checkpoint import CheckpointError
+from mmrl.core.rewards import Sample
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take: its tokenizer cannot encode it, or it does not fit."""
+
+
+class PromptTooLong(PromptError):
+    """A prompt and its answer do not fit the model's context."""
+
+
+class Estimator(Protocol):
+    def prepare(self, policy: DLLMPolicy, batch: RolloutBatch, generator: torch.Generator) -> None:
+        """Fill batch.old_logp (and whatever logprobs needs in batch.data) under the rollout's weights."""
+
+    def logprobs(self, policy: DLLMPolicy, batch: RolloutBatch, iteration: int) -> Tensor:
+        """[N, C] log-probs of the answer tokens under the current weights, with grad."""
+
+
+class DLLMPolicy:
+    def __init__(self, predictor: MaskPredictor, rollout, prompt_length: int, estimator: Estimator | None = None):
+        self.predictor = predictor
+        self.model = predictor.model
+        self.rollout = rollout
+        self.prompt_length = prompt_length
+        self.estimator = estimator
+        banned = {predictor.mask_token_id, predictor.pad_token_id} - {predictor.eos_token_id, None}
+        self.banned = torch.tensor(sorted(banned), dtype=torch.long)
+        limit = predictor.max_length
+        if limit is not None and prompt_length + rollout.gen_length > limit:
+            raise PromptTooLong(f"prompts of up to {prompt_length} tokens plus gen_length {rollout.gen_length} "
+                                f"exceed the model's context of {limit} positions")
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode_prompts(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded prompt ids [B, P] and their validity [B, P]."""
+        tok, p = self.predictor.tokenizer, self.prompt_length
+        ids = torch.full((len(texts), p), self.predictor.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((len(texts), p), dtype=torch.bool)
+        for i, text in enumerate(texts):
+            try:
+                row = tok(text, add_special_tokens=False)["input_ids"]
+            except Exception as e:  # a fast tokenizer raises a bare Exception, e.g. for a character without a token
+                raise PromptError(f"prompt {text!r} cannot be encoded by the model's tokenizer: {e}") from e
+            if len(row) > p:
+                raise PromptTooLong(f"prompt {text!r} has {len(row)} tokens; this run's prompts may have "
+                                    f"at most {p} (the model's context is {self.predictor.max_length})")
+            if row:
+                ids[i, p - len(row):] = torch.tensor(row)
+                valid[i, p - len(row):] = True
+        return ids, valid
+
+    def answer_text(self, completion: Tensor) -> list[str]:
+        """The text of each answer up to its first <eos>."""
+        eos, out = self.predictor.eos_token_id, []
+        for row in completion.tolist():
+            if eos in row:
+                row = row[: row.index(eos)]
+            out.append(self.predictor.tokenizer.decode(row, skip_special_tokens=True))
+        return out
+
+    def completion_mask(self, completion: Tensor) -> Tensor:  # [N, C] bool
+        """The answer tokens that train: everything up to and including the first <eos> (d1)."""
+        is_eos = completion == self.predictor.eos_token_id
+        before = is_eos.long().cumsum(1) - is_eos.long()  # eos seen strictly before
+        return before == 0
+
+    def logits(self, x: Tensor, prompt_valid: Tensor) -> Tensor:
+        """[B, P + C, V] for prompt + answer ids x; the answer part is always valid."""
+        valid = torch.cat([prompt_valid, torch.ones_like(x[:, self.prompt_length:], dtype=torch.bool)], 1)
+        logits = self.predictor(x, prompt_length=self.prompt_length, valid=valid)
+        # <mask> and <pad> are never answer tokens: ban them in sampling and in every log-prob
+        # alike (a committed <mask> would look undecoded to the model later).
+        return logits.index_fill(-1, self.banned, float("-inf"))
+
+    # ------------------------------------------------------------------ sampling
+
+    def decode(self, texts: Sequence[str], generator: torch.Generator | None, *, temperature: float,
+               strategy: str | None = None, record_states: bool = False) -> tuple[DecodeResult, Tensor]:
+        r = self.rollout
+        ids, valid = self.encode_prompts(texts)
+        result = decode(lambda x: self.logits(x, valid), ids, gen_length=r.gen_length,
+                        block_length=r.block_length, steps=r.steps, mask_id=self.predictor.mask_token_id,
+                        strategy=strategy or r.strategy, temperature=temperature, threshold=r.threshold,
+                        tau=r.tau, m=r.m, generator=generator, record_states=record_states)
+        return result, valid
+
+    def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator,
+                 prefixes=None) -> RolloutBatch:
+        if prefixes is not None and any(prefixes):
+            raise ValueError("the dLLM policy does not continue fixed prefixes")
+        problems = [p for p in prompts for _ in range(num_generations)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            result, valid = self.decode([p.prompt for p in problems], generator,
+                                        temperature=rollout.temperature, strategy=rollout.strategy)
+        finally:
+            self.model.train(was_training)
+        completion = result.completion
+        texts = self.answer_text(completion)
+        samples = [to_sample(p, t) for p, t in zip(problems, texts)]
+        group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+        mask = self.completion_mask(completion)
+        data = {
+            "prompt_ids": result.tokens[:, : self.prompt_length], "prompt_valid": valid,
+            "completion": completion, "commit_step": result.commit_step,
+            "commit_logp": result.commit_logp, "fallback": result.fallback, "active": result.active,
+            "stat/nfe": result.nfe.float(), "stat/fallback_steps": result.fallback.sum(1).float(),
+            "stat/expected_wrong": result.expected_wrong.sum(1).float(),
+            "stat/answer_tokens": mask.sum(1).float(),
+        }
+        batch = RolloutBatch(group_ids=group_ids, samples=samples, mask=mask,
+                             old_logp=result.commit_logp.float(), data=data)
+        if self.estimator is not None:
+            with torch.no_grad():
+                self.estimator.prepare(self, batch, generator)
+        return batch
+
+    def logprobs(self, batch: RolloutBatch, iteration: int = 0) -> Tensor:
+        if self.estimator is None:
+            raise ValueError("this policy has no log-prob estimator (it is built by the run's method)")
+        return self.estimator.logprobs(self, batch, iteration)
+
+    # ------------------------------------------------------------------ weights
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.predictor.save_pretrained(path)
+
+    def load_weights(self, path: str | Path) -> None:
+        fresh = type(self.model).from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+        missing, unexpected = self.model.load_state_dict(fresh.state_dict(), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}")
+
+    def reference(self) -> DLLMPolicy:
+        ref = copy.copy(self)
+        ref.predictor = copy.deepcopy(self.predictor)
+        ref.model = ref.predictor.model.requires_grad_(False)
+        return ref
+
+
+def to_sample(problem, completion: str) -> Sample:
+    """What reward atoms see of a problem and one answer."""
+    return Sample(prompt=problem.prompt, completion=completion, meta={**problem.meta, "answer": problem.answer})

@@ -1,0 +1,96 @@
+"""The dLLM task for the loop: training problems, the reward, and held-out evaluation.
+
+Held-out evaluation decodes every problem greedily (temperature 0) with the run's sampler
+strategy and scores it with the task's atoms: `accuracy` (the answer atom), every other atom,
+`reward`, and `nfe` (mean function evaluations per answer). With rollout.eval_samples = n > 0
+it also samples n answers per problem at the rollout temperature (fixed seed, so before and
+after are comparable) and reports pass@k for k = 1, 2, 4, 8, 16 up to n (the unbiased
+estimator of Chen et al. 2021) and their mean NFE (`sampled_nfe`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dllm_rl.policy import to_sample
+from mmrl.core.rewards import Reward
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class DLLMTask:
+    def __init__(self, name: str, train: Sequence, evaluation: Sequence, reward: Reward, *,
+                 answer_atom: str, rollout, batch_size: int = 128, eval_samples: int = 0):
+        if not train or not evaluation:
+            raise ValueError(f"task {name!r} needs training and held-out problems")
+        self.name = name
+        self.train = list(train)
+        self.eval_problems = list(evaluation)
+        self.reward = reward
+        self.answer_atom = answer_atom
+        self.rollout = rollout
+        self.batch_size = batch_size
+        self.eval_samples = eval_samples
+
+    def train_prompts(self) -> list:
+        return self.train
+
+    def _answers(self, policy, problems, temperature: float, generator=None):
+        texts, nfe = [], []
+        for start in range(0, len(problems), self.batch_size):
+            chunk = problems[start: start + self.batch_size]
+            result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature)
+            texts += policy.answer_text(result.completion)
+            nfe.append(result.nfe.float())
+        return texts, torch.cat(nfe)
+
+    def evaluate(self, policy) -> dict[str, float]:
+        was_training = policy.model.training
+        policy.model.eval()
+        try:
+            return self._evaluate(policy)
+        finally:
+            policy.model.train(was_training)
+
+    def _evaluate(self, policy) -> dict[str, float]:
+        texts, nfe = self._answers(policy, self.eval_problems, 0.0)
+        scores = self.reward.score([to_sample(p, t) for p, t in zip(self.eval_problems, texts)])
+        out = {"reward": float(scores.total.mean()), "nfe": float(nfe.mean())}
+        for k, name in enumerate(scores.names):
+            out["accuracy" if name == self.answer_atom else name] = float(scores.values[:, k].mean())
+        n = self.eval_samples
+        if n:
+            gen = torch.Generator().manual_seed(1234)
+            problems = [p for p in self.eval_problems for _ in range(n)]
+            texts, nfe = self._answers(policy, problems, self.rollout.temperature, gen)
+            sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])
+            hits = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n) >= 0.5
+            for k in (1, 2, 4, 8, 16):
+                if k <= n:
+                    out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in hits.sum(1)) / len(hits)
+            out["sampled_nfe"] = float(nfe.mean())
+        return out
+
+    def save_samples(self, policy, out_dir: str | Path, tag: str, count: int = 16) -> Path:
+        """The greedy answers to the first held-out problems, as JSON, for before/after comparison."""
+        problems = self.eval_problems[:count]
+        texts, nfe = self._answers(policy, problems, 0.0)
+        rows = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "nfe": float(f)}
+                for p, t, f in zip(problems, texts, nfe)]
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"samples_{tag}.json"
+        path.write_text(json.dumps(rows, indent=1))
+        return path

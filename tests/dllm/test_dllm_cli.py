@@ -1,0 +1,110 @@
+"""`dllm-rl` (train, eval, sample) end to end on the tiny model, in process (typer's
+CliRunner): the run's files, a loadable checkpoint, --resume reproducing the uninterrupted
+run bit for bit, pass@k from eval, and user errors as one clean paragraph."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dllm_rl.cli import app
+from dllm_rl.tiny import CHARSET
+
+STEP2 = "checkpoints/step-00000002/model/model.safetensors"
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def ok(result):
+    assert result.exit_code == 0, (result.output[-2000:], result.exception)
+    return result
+
+
+@pytest.fixture(scope="module")
+def full_run(small_sets, tmp_path_factory):
+    """diffu-GRPO (the default method, ppo_epochs 2), 2 steps straight."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("dllm_cli") / "full"
+        ok(invoke("train", "--max-steps", 2, "--output-dir", out, *small_sets))
+    finally:
+        torch.set_num_threads(n)
+    return out
+
+
+def test_train_writes_summary_metrics_curve_and_a_loadable_checkpoint(full_run, small_sets, tmp_path):
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["method"]["type"] == "diffu_grpo"
+    for key in ("eval_before", "eval_after"):
+        assert 0 <= summary[key]["accuracy"] <= 1
+        assert summary[key]["nfe"] == 8  # low_confidence, 4 steps per block of 4: one token per step
+    rows = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/updates"] == 2 for r in rows)
+    assert (full_run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (full_run / STEP2).is_file()
+    r = ok(invoke("eval", "--checkpoint", full_run, *small_sets, "--set", f"output_dir={tmp_path / 'e'}"))
+    (metrics,) = json_lines(r.stdout)
+    # the checkpoint's weights evaluate as the trained model did at the end of the run
+    assert metrics == pytest.approx(summary["eval_after"])
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(full_run, small_sets, tmp_path):
+    split = tmp_path / "split"
+    ok(invoke("train", "--max-steps", 1, "--output-dir", split, *small_sets))
+    ok(invoke("train", "--max-steps", 2, "--output-dir", split, "--resume", *small_sets))
+    assert (split / STEP2).read_bytes() == (full_run / STEP2).read_bytes()
+    full = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2]
+    for a, b in zip(full, resumed):
+        assert a["loss/total"] == b["loss/total"] and a["reward/total"] == b["reward/total"]
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence", "fork"])
+def test_eval_reports_pass_at_k_and_sampled_nfe(small_sets, tmp_path, strategy):
+    r = ok(invoke("eval", *small_sets, "--set", "rollout.eval_samples=4", "--set", f"rollout.strategy={strategy}",
+                  "--set", f"output_dir={tmp_path}"))
+    (m,) = json_lines(r.stdout)
+    assert {k for k in m if k.startswith("pass@")} == {"pass@1", "pass@2", "pass@4"}  # k <= n = 4
+    assert 0 <= m["pass@1"] <= m["pass@2"] <= m["pass@4"] <= 1  # pass@k grows with k
+    assert {"accuracy", "reward", "nfe", "sampled_nfe"} <= set(m)
+    if strategy == "low_confidence":
+        assert m["nfe"] == m["sampled_nfe"] == 8
+    else:  # fork commits at least one token per step and stops a block once it is filled
+        assert 2 <= m["nfe"] <= 8 and 2 <= m["sampled_nfe"] <= 8
+
+
+def test_sample_prints_json_lines(small_sets, tmp_path):
+    r = ok(invoke("sample", *small_sets, "--prompt", "12+3=", "--num", 3, "--set", f"output_dir={tmp_path}"))
+    rows = json_lines(r.stdout)
+    assert len(rows) == 3 and all(row["prompt"] == "12+3=" and row["nfe"] == 8 for row in rows)
+    assert all(set(row["completion"]) <= set(CHARSET) for row in rows)
+    # no --prompt: the first 2 held-out problems, scored by the task's atoms
+    rows = json_lines(ok(invoke("sample", *small_sets, "--num", 2, "--set", f"output_dir={tmp_path}")).stdout)
+    assert len(rows) == 4 and all({"gold", "reward", "atoms"} <= set(row) for row in rows)
+    assert set(rows[0]["atoms"]) == {"format", "answer"}
+
+
+def test_sample_with_a_character_outside_the_vocabulary_is_a_clean_error(small_sets, tmp_path):
+    r = invoke("sample", *small_sets, "--prompt", "Hello=", "--set", f"output_dir={tmp_path}")
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit)  # not a traceback
+    assert "--prompt: prompt 'Hello=' cannot be encoded" in r.stderr and "Traceback" not in r.output
+
+
+def test_bad_config_is_one_paragraph_naming_gen_length(small_sets, tmp_path):
+    r = invoke("train", *small_sets, "--set", "rollout.gen_length=7", "--output-dir", tmp_path / "x")
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
+    message = r.stderr.strip()
+    assert "\n" not in message and message.startswith("error:")
+    assert "gen_length (7) must be divisible by block_length (4)" in message
+    assert not (tmp_path / "x").exists()  # nothing was built or written

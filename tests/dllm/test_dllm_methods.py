@@ -1,0 +1,317 @@
+"""The dLLM policy and its two methods on a tiny real mask predictor (dllm_rl.tiny, loaded
+through from_pretrained): the rollout batch, diffu-GRPO's mean-field estimator and TraceRL's
+trajectory rows (the ratio exactly 1 on-policy, the KL 0 at the first pass), one Trainer
+step per method that changes every trainable weight, pass@k by hand, and bad configs."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm_rl import backend
+from dllm_rl.config import DLLMTrainConfig
+from dllm_rl.logprob import trace_rows
+from dllm_rl.methods.diffu_grpo import DiffuGRPO, MeanField
+from dllm_rl.methods.tracerl import TraceRL
+from dllm_rl.task import pass_at_k
+from dllm_rl.tiny import CHARSET, build_tiny_dllm
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import Reward
+from mmrl.core.trainer import Trainer
+
+PAD, MASK, EOS = 0, 1, 2  # the tiny tokenizer's special ids; CHARSET[i] has id i + 3
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}  # as conftest.py
+BLOCKS = ["rollout.gen_length=8", "rollout.block_length=4", "rollout.steps=8"]
+
+
+def chars(ids) -> str:
+    """Hand decoding of the tiny character vocabulary (special tokens dropped)."""
+    return "".join(CHARSET[t - 3] for t in ids if t >= 3)
+
+
+def bias_eos(policy, amount: float = 4.0) -> None:
+    """Raise the <eos> logit everywhere (rollout and log-probs alike), so a random model ends
+    some answers early: p(eos) ~ e^4 / (e^4 + 52) ~ 0.5."""
+    logits = policy.logits
+
+    def biased(x, valid):
+        out = logits(x, valid).clone()
+        out[..., EOS] += amount
+        return out
+
+    policy.logits = biased
+
+
+def rollout(policy, task, cfg, seed: int = 0) -> RolloutBatch:
+    return policy.generate(task.train[:2], 4, cfg.rollout, torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- the rollout batch
+
+
+def test_completion_mask_and_answer_text_by_hand(make_run):
+    _, policy, _ = make_run()
+    completion = torch.tensor([[5, EOS, 7, EOS],   # "2" then <eos>; the filler after it is not trained
+                               [5, 6, 7, 8],       # no <eos>: all four train
+                               [EOS, 4, 4, 4]])    # empty answer: only the <eos> trains
+    assert policy.completion_mask(completion).tolist() == [[True, True, False, False],
+                                                           [True, True, True, True],
+                                                           [True, False, False, False]]
+    assert policy.answer_text(completion) == ["2", "2345", ""]
+
+
+def test_generate_batch_layout(make_run):
+    cfg, policy, task = make_run()
+    bias_eos(policy)
+    batch = rollout(policy, task, cfg)
+    n, c, p, mu = 8, 8, policy.prompt_length, cfg.train.ppo_epochs
+    assert batch.mask.shape == batch.old_logp.shape == (n, c) and batch.mask.dtype == torch.bool
+    assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    d = batch.data
+    assert {"prompt_ids", "prompt_valid", "completion", "commit_step", "commit_logp", "fallback", "active",
+            "stat/nfe", "mask_seed", "old_logp_mu"} <= set(d)
+    assert d["prompt_ids"].shape == d["prompt_valid"].shape == (n, p)
+    assert d["completion"].shape == d["commit_step"].shape == d["commit_logp"].shape == (n, c)
+    assert d["mask_seed"].shape == (n, mu) and d["old_logp_mu"].shape == (n, mu, c)
+    # every answer token was committed at one of the 8 steps, block 0 (4 steps) before block 1
+    cs = d["commit_step"]
+    assert ((cs >= 0) & (cs < 8)).all() and (cs[:, :4].amax(1) < cs[:, 4:].amin(1)).all()
+    assert (d["stat/nfe"] == 8).all()  # low_confidence: 4 steps per block, one token each
+    # prompts: left padded, padding invalid, the valid tail is the prompt's characters
+    for i, s in enumerate(batch.samples):
+        problem = task.train[i // 4]
+        assert s.prompt == problem.prompt and s.meta["answer"] == problem.answer
+        row, valid = d["prompt_ids"][i], d["prompt_valid"][i]
+        assert chars(row[valid].tolist()) == problem.prompt and (row[~valid] == PAD).all()
+        assert valid.long().diff().ge(0).all()  # padding on the left only
+    # the mask covers everything up to and including the first <eos>; the text stops before it
+    ends = 0
+    for i, row in enumerate(d["completion"].tolist()):
+        cut = row.index(EOS) if EOS in row else c
+        ends += cut < c - 1
+        assert batch.mask[i].tolist() == [j <= cut for j in range(c)]
+        assert batch.samples[i].completion == chars(row[:cut])
+    assert ends >= 2  # the <eos> bias ended some answers early, so the rule was exercised
+
+
+def test_same_seed_same_batch(make_run):
+    cfg, policy, task = make_run()
+    a, b, other = rollout(policy, task, cfg, 0), rollout(policy, task, cfg, 0), rollout(policy, task, cfg, 1)
+    assert torch.equal(a.old_logp, b.old_logp) and torch.equal(a.mask, b.mask)
+    for k in a.data:
+        assert torch.equal(a.data[k], b.data[k]), k
+    assert [s.completion for s in a.samples] == [s.completion for s in b.samples]
+    assert not torch.equal(a.data["completion"], other.data["completion"])
+
+
+# --------------------------------------------------------------------------- diffu-GRPO
+
+
+def test_diffu_grpo_ratio_is_exactly_one_on_policy_and_kl_zero(make_run):
+    cfg, policy, task = make_run("train.ppo_epochs=2", "method.kl.beta=0.04")
+    batch = rollout(policy, task, cfg)
+    old = batch.data["old_logp_mu"]  # [N, mu, C], under the rollout's weights
+    assert torch.equal(batch.old_logp, old[:, 0])
+    with torch.no_grad():
+        for k in range(2):
+            assert torch.allclose(policy.logprobs(batch, iteration=k), old[:, k], atol=1e-5)
+        assert not torch.allclose(old[:, 0], old[:, 1])  # two prompt masks, two estimates
+    method = DiffuGRPO(cfg.method, cfg, task.reward)
+    adv = torch.tensor([1.0, 1, 1, 1, 1, 1, 1, -1])
+    for epoch in range(2):  # each pass reads the old log-probs of its own mask
+        method.epoch = epoch
+        out = method.loss(policy, batch, adv)
+        m = out.metrics
+        assert m["loss/ratio_min"] == pytest.approx(1, abs=1e-5) and m["loss/ratio_max"] == pytest.approx(1, abs=1e-5)
+        assert m["loss/kl"] == pytest.approx(0, abs=1e-8) and m["loss/clip_frac"] == 0
+        # ratio 1: the surrogate is -A averaged over answer tokens: all 8 tokens of each row
+        # train here (no <eos>), so -(7 - 1) * 8 / 64 = -0.75
+        assert batch.mask.all()
+        assert float(out.loss.detach()) == pytest.approx(-0.75, abs=1e-5)
+
+
+def test_diffu_grpo_prompt_mask_per_row_seed(make_run):
+    cfg, policy, task = make_run("train.ppo_epochs=3", "method.p_mask_prompt=0.5")
+    batch = rollout(policy, task, cfg)
+    est, p = policy.estimator, policy.prompt_length
+    valid, prompt = batch.data["prompt_valid"], batch.data["prompt_ids"]
+    assert (~valid).any()  # some prompts are padded, so "never mask padding" is exercised
+    sub_rows = [5, 2, 7]
+    sub = batch.select(sub_rows)
+    xs = []
+    for k in range(3):
+        x = est.masked_input(policy, batch, k)  # [N, P + C]
+        assert torch.equal(est.masked_input(policy, sub, k), x[sub_rows])  # depends only on the row's seed
+        assert torch.equal(est.masked_input(policy, batch, k + 3), x)  # iteration k and k + mu share it
+        assert (x[:, p:] == MASK).all()  # the answer fully masked
+        assert torch.equal(x[:, :p][~valid], prompt[~valid])  # padding never masked
+        hidden = x[:, :p] == MASK
+        assert torch.equal(x[:, :p][~hidden], prompt[~hidden])  # the rest of the prompt is kept
+        assert hidden.any()
+        xs.append(x)
+    assert not torch.equal(xs[0], xs[1]) and not torch.equal(xs[1], xs[2])  # a new mask per iteration
+
+
+def test_mean_field_masks_prompt_tokens_at_rate_p():
+    """On a hand-made batch (no model): 500 rows x 6 valid prompt tokens, p = 0.15; the masked
+    share is within 4 sigma = 4 sqrt(0.15 * 0.85 / 3000) = 0.026 of p."""
+    run = SimpleNamespace(method=SimpleNamespace(p_mask_prompt=0.15), train=SimpleNamespace(ppo_epochs=1))
+    est = MeanField(run)
+    n = 500
+    prompt = torch.randint(3, 53, (n, 8), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(n, 8, dtype=torch.bool)
+    valid[:, :2] = False
+    batch = RolloutBatch(group_ids=torch.zeros(n, dtype=torch.long), samples=[None] * n,
+                         data={"prompt_ids": prompt, "prompt_valid": valid,
+                               "completion": torch.full((n, 4), 5),
+                               "mask_seed": torch.arange(n)[:, None] * 7919})
+    policy = SimpleNamespace(predictor=SimpleNamespace(mask_token_id=MASK))
+    x = est.masked_input(policy, batch, 0)
+    assert (x[:, :2] == prompt[:, :2]).all()
+    assert float((x[:, 2:8] == MASK).float().mean()) == pytest.approx(0.15, abs=0.026)
+
+
+# --------------------------------------------------------------------------- TraceRL
+
+
+def test_tracerl_ratio_is_exactly_one_on_policy_and_kl_zero(make_run):
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2", "method.kl.beta=0.01")
+    bias_eos(policy)
+    batch = rollout(policy, task, cfg)
+    with torch.no_grad():
+        assert torch.allclose(policy.logprobs(batch), batch.old_logp, atol=1e-5)
+    assert (batch.old_logp[~batch.mask] == 0).all()  # the <eos> filler gets no log-prob
+    method = TraceRL(cfg.method, cfg, task.reward)
+    adv = torch.linspace(-1, 1, 8)
+    for epoch in range(2):  # TraceRL's old log-probs do not depend on the pass
+        method.epoch = epoch
+        m = method.loss(policy, batch, adv).metrics
+        assert m["loss/ratio_min"] == pytest.approx(1, abs=1e-5) and m["loss/ratio_max"] == pytest.approx(1, abs=1e-5)
+        assert m["loss/kl"] == pytest.approx(0, abs=1e-8)
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_tracerl_rows_cover_each_answer_token_once(make_run, s):
+    # steps 4: 2 per block of 4, so low_confidence commits 2 tokens per step: K = 4 steps
+    cfg, policy, task = make_run("method.type=tracerl", f"method.merge_steps={s}", "rollout.steps=4")
+    bias_eos(policy)
+    batch = rollout(policy, task, cfg)
+    cs = batch.data["commit_step"]
+    rows = trace_rows(cs, s=s)
+    target = rows.target & batch.mask[rows.sample]  # what Trace.logprobs trains
+    hits = torch.zeros_like(cs).index_add_(0, rows.sample, target.long())  # [N, C]
+    assert torch.equal(hits, batch.mask.long())  # every answer token from exactly one row
+    assert (~batch.mask).any()  # and the filler after <eos> from none
+    for i in range(len(batch)):
+        k = len(set(cs[i].tolist()))
+        assert k == 4
+        assert int((rows.sample == i).sum()) <= math.ceil(k / s)  # s=1: 4 rows, s=3: 2 rows
+    # a row's input hides exactly the tokens committed at or after its first step
+    for r in range(len(rows.sample)):
+        i = int(rows.sample[r])
+        assert torch.equal(rows.input_masked[r], cs[i] >= rows.step[r])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_tracerl_s1_logprob_is_the_rollout_commit_logprob(make_run, temperature):
+    """With s = 1 a row's input is exactly the state at which its tokens were drawn, and both
+    the sampler and the estimator score them under log_softmax(logits / T)."""
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=1", "rollout.steps=4",
+                                 f"rollout.temperature={temperature}")
+    bias_eos(policy)
+    batch = rollout(policy, task, cfg)
+    commit = batch.data["commit_logp"]
+    assert (commit[batch.mask] < 0).all()
+    assert torch.allclose(batch.old_logp[batch.mask], commit[batch.mask], atol=1e-4)
+
+
+def test_tracerl_merged_rows_differ_from_commit_logprob(make_run):
+    """s = 2 conditions the second step of a group on less context than the sampler had, so
+    its estimate is not the commit log-prob (the check above is not vacuous)."""
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2")
+    batch = rollout(policy, task, cfg)
+    assert not torch.allclose(batch.old_logp[batch.mask], batch.data["commit_logp"][batch.mask], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+@pytest.fixture
+def reward_spread(monkeypatch):
+    """A random model's answers all score 0: give each group rewards 0, 1, 0, 1 so the
+    advantages (+-0.87 after the group std) are not zero."""
+    original = Reward.score
+
+    def spread(self, samples):
+        scores = original(self, samples)
+        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
+        return scores
+
+    monkeypatch.setattr(Reward, "score", spread)
+
+
+@pytest.mark.parametrize("method", ["diffu_grpo", "tracerl"])
+def test_one_trainer_step_changes_every_trainable_weight(make_run, tmp_path, reward_spread, method):
+    cfg, policy, task = make_run(f"method.type={method}", "train.max_steps=1", "train.ppo_epochs=2",
+                                 "optim.lr=1e-2", "method.dynamic_sampling.enabled=false")
+    before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    summary = Trainer(cfg, policy, task, output_dir=tmp_path / "out").train()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["train/updates"] == 2  # ppo_epochs x mini_batches
+    assert math.isfinite(rows[0]["loss/total"]) and rows[0]["reward/advantage_abs"] > 0.5
+    unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
+    assert not unchanged, unchanged
+    assert {"accuracy", "nfe", "reward"} <= set(summary["eval_after"]) and summary["steps"] == 1
+
+
+# --------------------------------------------------------------------------- pass@k
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # 1 - C(3,1)/C(4,1) = 1 - 3/4
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0  # n - c = 1 < k: every pair holds a correct one
+    assert pass_at_k(4, 4, 4) == 1.0
+    with pytest.raises(ValueError, match="pass@5 needs at least 5 samples, got 4"):
+        pass_at_k(4, 1, 5)
+
+
+# --------------------------------------------------------------------------- bad configs
+
+
+def _config(*overrides):
+    return load_config(DLLMTrainConfig, None, list(overrides), defaults=backend.DEFAULT_CONFIG)
+
+
+def test_blocks_must_divide_the_answer_and_the_steps():
+    with pytest.raises(ConfigError, match=r"gen_length \(10\) must be divisible by block_length \(4\)"):
+        _config("rollout.gen_length=10", "rollout.block_length=4", "rollout.steps=8")
+    # 8 / 2 = 4 blocks; 6 steps do not split into 4
+    with pytest.raises(ConfigError, match=r"steps \(6\) must be divisible by the number of blocks .*= 4\)"):
+        _config("rollout.gen_length=8", "rollout.block_length=2", "rollout.steps=6")
+
+
+def test_prompt_longer_than_the_context_fails_at_build(tmp_path, monkeypatch):
+    short = build_tiny_dllm(tmp_path / "short", kind="llada", seed=0, max_position_embeddings=16, **TINY)
+
+    def no_rollout(*a, **kw):
+        raise AssertionError("decoded before the config was checked")
+
+    monkeypatch.setattr("dllm_rl.policy.decode", no_rollout)
+    cfg = _config(f"model.path={short}", "task.type=sudoku", "task.num_train=4", "task.num_eval=2", *BLOCKS)
+    # a sudoku prompt "1204|0012|2100|4320=" is 20 tokens; + 8 answer tokens > 16 positions
+    with pytest.raises(ConfigError, match=r"rollout.gen_length / task: .*20 tokens plus gen_length 8 .*16 positions"):
+        backend.build(cfg)
+
+
+def test_mask_token_outside_the_vocabulary_is_a_config_error(tiny_dllm):
+    # 53 tokens: ids 0..52, so 53 is the first id outside
+    with pytest.raises(ConfigError, match=r"mask_token_id 53 is not in the model's vocabulary"):
+        backend.build(_config(f"model.path={tiny_dllm}", "model.mask_token_id=53", *BLOCKS))

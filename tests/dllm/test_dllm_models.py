@@ -1,0 +1,379 @@
+"""Mask-predictor loading (dllm_rl/models.py) on tiny real architectures (dllm_rl/tiny.py).
+
+Every model is built into tmp_path and read back through the real `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import textwrap
+
+import pytest
+import torch
+
+from dllm_rl.models import (
+    SIDECAR,
+    MaskPredictor,
+    build_attention_mask,
+    load_mask_predictor,
+    position_ids_from_valid,
+)
+from dllm_rl.tiny import CHARSET, build_tiny_dllm, build_tokenizer
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64}
+KINDS = ("llada", "dream", "sdar", "masked_lm")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_dllm")
+    return {kind: build_tiny_dllm(root / kind, kind=kind, seed=0, **TINY) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def predictors(tiny_dirs):
+    return {kind: load_mask_predictor(path) for kind, path in tiny_dirs.items()}
+
+
+def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 53, (batch, length), generator=g)  # characters, no specials
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_ids():
+    tok = build_tokenizer()
+    assert (tok.pad_token_id, tok.mask_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert len(tok) == 3 + len(CHARSET) == 53
+    for s in [CHARSET, "12 + 3 = ?\n  (a, b): x|y.", "  leading and trailing  ", "\n\n", ""]:
+        ids = tok.encode(s)
+        assert len(ids) == len(s)  # one token per character, nothing added
+        assert tok.decode(ids) == s
+    assert tok.convert_ids_to_tokens(tok.encode(" \n")) == [" ", "\n"]
+
+
+def test_tokenizer_round_trip_after_save(tmp_path):
+    build_tokenizer().save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    s = "7 * (8 - 2) = 42\nanswer: 42"
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.mask_token_id == 1
+
+
+# --------------------------------------------------------------------------- building / loading
+
+
+def test_build_is_deterministic(tmp_path):
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    a = build_tiny_dllm(tmp_path / "a", kind="llada", seed=3, **TINY)
+    b = build_tiny_dllm(tmp_path / "b", kind="llada", seed=3, **TINY)
+    c = build_tiny_dllm(tmp_path / "c", kind="llada", seed=4, **TINY)
+    assert digest(a) == digest(b)
+    assert digest(a) != digest(c)
+    assert json.loads((a / SIDECAR).read_text()) == json.loads((b / SIDECAR).read_text())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_each_kind_gives_finite_logits(kind, tiny_dirs, predictors):
+    mp = predictors[kind]
+    sidecar = json.loads((tiny_dirs[kind] / SIDECAR).read_text())
+    assert sidecar["kind"] == kind and sidecar["mask_token_id"] == 1
+    assert isinstance(mp, MaskPredictor) and mp.kind == kind
+    assert mp.mask_token_id == 1 and mp.pad_token_id == 0 and mp.eos_token_id == 2
+    assert mp.vocab_size == 53 and mp.max_length == 96
+    assert mp.attention == ("block_causal" if kind == "sdar" else "full")
+    assert mp.block_length == (4 if kind == "sdar" else None)
+    assert mp.shift_logits == (kind == "dream")
+    # the wrapper owns no parameters of its own
+    assert sum(p.numel() for p in mp.parameters()) == sum(p.numel() for p in mp.model.parameters())
+    x = _ids(2, 12)
+    x[:, 6:] = mp.mask_token_id
+    logits = mp(x, prompt_length=6)
+    assert logits.shape == (2, 12, 53) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_save_pretrained_round_trip(predictors, tmp_path):
+    mp = predictors["sdar"]
+    mp.save_pretrained(tmp_path / "copy")
+    back = load_mask_predictor(tmp_path / "copy")
+    assert (back.kind, back.attention, back.block_length) == ("sdar", "block_causal", 4)
+    x = _ids(1, 10)
+    torch.testing.assert_close(back(x, prompt_length=4), mp(x, prompt_length=4), rtol=0, atol=0)
+
+
+def test_arguments_override_sidecar(tiny_dirs):
+    mp = load_mask_predictor(tiny_dirs["llada"], attention="block_causal", block_length=2,
+                             shift_logits=True, mask_token_id=5)  # fmt: skip
+    assert (mp.kind, mp.attention, mp.block_length) == ("llada", "block_causal", 2)
+    assert mp.shift_logits is True
+    assert mp.mask_token_id == 5
+    # another kind: the sidecar's attention no longer applies, the kind's default does
+    sdar = load_mask_predictor(tiny_dirs["llada"], kind="sdar", block_length=3)
+    assert (sdar.attention, sdar.block_length, sdar.shift_logits) == ("block_causal", 3, False)
+
+
+def test_kind_guessed_without_sidecar(tiny_dirs, tmp_path):
+    import shutil
+
+    bert = shutil.copytree(tiny_dirs["masked_lm"], tmp_path / "bert")
+    (bert / SIDECAR).unlink()
+    mp = load_mask_predictor(bert)  # a masked LM, mask id from the tokenizer
+    assert (mp.kind, mp.attention, mp.mask_token_id) == ("masked_lm", "full", 1)
+    llama = shutil.copytree(tiny_dirs["llada"], tmp_path / "llama")
+    (llama / SIDECAR).unlink()
+    with pytest.raises(ValueError, match="kind"):
+        load_mask_predictor(llama)
+    assert load_mask_predictor(llama, kind="llada").kind == "llada"
+
+
+def test_mask_token_out_of_vocab_is_a_clear_error(tiny_dirs, tmp_path):
+    with pytest.raises(ValueError, match=r"mask_token_id 126336 .*vocab_size 53"):
+        load_mask_predictor(tiny_dirs["llada"], mask_token_id=126336)
+    with pytest.raises(ValueError, match="-1"):
+        load_mask_predictor(tiny_dirs["llada"], mask_token_id=-1)
+    import shutil
+
+    bad = shutil.copytree(tiny_dirs["dream"], tmp_path / "bad")
+    spec = json.loads((bad / SIDECAR).read_text())
+    (bad / SIDECAR).write_text(json.dumps({**spec, "mask_token_id": 53}))
+    with pytest.raises(ValueError, match="mask_token_id 53"):
+        load_mask_predictor(bad)
+
+
+def test_bad_paths_name_the_path(tmp_path, tiny_dirs):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match="nowhere"):
+        load_mask_predictor(missing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        load_mask_predictor(empty)
+    import shutil
+
+    broken = shutil.copytree(tiny_dirs["llada"], tmp_path / "broken")
+    (broken / SIDECAR).write_text('{"kind": "gpt"}')
+    with pytest.raises(ValueError, match="broken.*gpt"):
+        load_mask_predictor(broken)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def test_attention_mask_layout():
+    valid = torch.tensor([[False, True, True, True, True, True, True]])
+    m = build_attention_mask(valid, prompt_length=3, attention="block_causal", block_length=2)
+    # prompt = 0..2 (block -1; position 0 padding), response blocks {3, 4} and {5, 6}
+    expected = torch.tensor(
+        [
+            [1, 1, 1, 0, 0, 0, 0],  # padding query (prompt block): the valid prompt + itself
+            [0, 1, 1, 0, 0, 0, 0],  # prompt: the valid prompt
+            [0, 1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 1, 1, 0, 0],  # block 0: prompt + block 0
+            [0, 1, 1, 1, 1, 0, 0],
+            [0, 1, 1, 1, 1, 1, 1],  # block 1: prompt + blocks 0, 1
+            [0, 1, 1, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert m.shape == (1, 1, 7, 7) and torch.equal(m[0, 0], expected)
+    full = build_attention_mask(valid, prompt_length=3)
+    assert torch.equal(full[0, 0, 1:], valid.expand(6, 7))
+    assert full[0, 0, 0].all()  # the padding query: every valid key and itself
+    assert torch.equal(position_ids_from_valid(valid), torch.tensor([[0, 0, 1, 2, 3, 4, 5]]))
+
+
+@pytest.mark.parametrize("kind", ["llada", "dream", "masked_lm"])
+def test_full_attention_sees_later_tokens(kind, predictors):
+    mp = predictors[kind]
+    x = _ids(1, 12)
+    y = x.clone()
+    y[0, 10] = 3 if x[0, 10] != 3 else 4  # change a late response token
+    a, b = mp(x, prompt_length=4), mp(y, prompt_length=4)
+    first = 1 if mp.shift_logits else 0  # position 0 is a copy of 1 under shift_logits
+    assert (a[0, first:5] - b[0, first:5]).abs().amax() > 1e-6  # prompt logits moved too
+
+
+def test_block_causal_isolates_later_blocks(predictors):
+    mp = predictors["sdar"]  # block_length 4; prompt 0..3, block 0 = 4..7, block 1 = 8..11
+    x = _ids(2, 12, seed=1)
+    y = x.clone()
+    y[:, 9] = torch.where(x[:, 9] == 3, 4, 3)
+    a, b = mp(x, prompt_length=4), mp(y, prompt_length=4)
+    torch.testing.assert_close(a[:, :8], b[:, :8], rtol=0, atol=0)  # prompt + block 0: exact
+    assert (a[:, 8:] - b[:, 8:]).abs().amax(dim=(1, 2)).min() > 1e-6
+    # a change in block 0 reaches block 1 but not the prompt
+    z = x.clone()
+    z[:, 5] = torch.where(x[:, 5] == 3, 4, 3)
+    c = mp(z, prompt_length=4)
+    torch.testing.assert_close(a[:, :4], c[:, :4], rtol=0, atol=0)
+    assert (a[:, 8:] - c[:, 8:]).abs().amax() > 1e-6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_padding_matches_unpadded(kind, predictors):
+    mp = predictors[kind]
+    prompt, response, pad = _ids(1, 5, seed=2), _ids(1, 6, seed=3), 3
+    unpadded = torch.cat([prompt, response], 1)
+    ref = mp(unpadded, prompt_length=5)
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), unpadded], 1)
+    valid = torch.ones_like(padded, dtype=torch.bool)
+    valid[:, :pad] = False
+    out = mp(padded, prompt_length=5 + pad, valid=valid)
+    first = 1 if mp.shift_logits else 0  # shifted: the first real position reads a pad row
+    torch.testing.assert_close(out[:, pad + first :], ref[:, first:], rtol=0, atol=1e-5)
+    assert torch.isfinite(out).all()
+    # the same in a batch with an unpadded row
+    batch = torch.cat([padded, torch.cat([_ids(1, pad, seed=4), unpadded], 1)])
+    vb = torch.cat([valid, torch.ones_like(valid)])
+    out_b = mp(batch, prompt_length=5 + pad, valid=vb)
+    torch.testing.assert_close(out_b[:1, pad + first :], ref[:, first:], rtol=0, atol=1e-5)
+
+
+def test_shift_logits(tiny_dirs, predictors):
+    dream = predictors["dream"]
+    plain = load_mask_predictor(tiny_dirs["dream"], shift_logits=False)
+    x = _ids(2, 9)
+    shifted, raw = dream(x, prompt_length=3), plain(x, prompt_length=3)
+    torch.testing.assert_close(shifted[:, 1:], raw[:, :-1], rtol=0, atol=0)
+    torch.testing.assert_close(shifted[:, 0], raw[:, 0], rtol=0, atol=0)
+
+
+def test_eager_attention_matches_sdpa(tiny_dirs, predictors):
+    eager = load_mask_predictor(tiny_dirs["sdar"], attn_implementation="eager")
+    x = _ids(2, 12, seed=5)
+    valid = torch.ones_like(x, dtype=torch.bool)
+    valid[0, :2] = False
+    torch.testing.assert_close(
+        eager(x, prompt_length=4, valid=valid),
+        predictors["sdar"](x, prompt_length=4, valid=valid),
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+
+
+def test_forward_input_errors(predictors):
+    mp = predictors["llada"]
+    with pytest.raises(ValueError, match="prompt_length"):
+        mp(_ids(1, 5), prompt_length=6)
+    with pytest.raises(ValueError, match="context 96"):
+        mp(_ids(1, 97), prompt_length=2)
+
+
+# --------------------------------------------------------------------------- remote code
+
+_CONFIGURATION = """
+from transformers import PretrainedConfig
+
+
+class TinyMLMConfig(PretrainedConfig):
+    model_type = "tinymlm"
+
+    def __init__(self, vocab_size=53, hidden_size=16, max_position_embeddings=32, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(**kwargs)
+"""
+
+_MODELING = """
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import MaskedLMOutput
+
+from .configuration_tinymlm import TinyMLMConfig
+
+
+class TinyMLMForMaskedLM(PreTrainedModel):
+    # One bidirectional attention layer: enough to see a 4D mask at work.
+
+    config_class = TinyMLMConfig
+    base_model_prefix = "tinymlm"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None]
+        h = self.embed(input_ids) + self.pos(position_ids)
+        q, k, v = self.qkv(h)[:, None].chunk(3, dim=-1)
+        h = h + torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask
+        )[:, 0]
+        return MaskedLMOutput(logits=self.head(h))
+"""
+
+
+@pytest.fixture
+def remote_dir(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    import transformers.dynamic_module_utils as dmu
+
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    src = tmp_path / "src" / "tinymlm_src"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "configuration_tinymlm.py").write_text(textwrap.dedent(_CONFIGURATION))
+    (src / "modeling_tinymlm.py").write_text(textwrap.dedent(_MODELING))
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    spec = importlib.util.find_spec("tinymlm_src.modeling_tinymlm")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        torch.manual_seed(0)
+        model = module.TinyMLMForMaskedLM(module.TinyMLMConfig())
+    finally:
+        for name in [n for n in sys.modules if n.startswith("tinymlm_src")]:
+            del sys.modules[name]
+    out = tmp_path / "tinymlm"
+    model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    for name in ("configuration_tinymlm.py", "modeling_tinymlm.py"):
+        (out / name).write_text((src / name).read_text())
+    config = json.loads((out / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tinymlm.TinyMLMConfig",
+        "AutoModelForMaskedLM": "modeling_tinymlm.TinyMLMForMaskedLM",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_remote_code_needs_opt_in(remote_dir):
+    with pytest.raises(ValueError, match=r"model\.trust_remote_code=true"):
+        load_mask_predictor(remote_dir)
+    with pytest.warns(UserWarning, match="trust_remote_code"):
+        mp = load_mask_predictor(remote_dir, trust_remote_code=True)
+    assert type(mp.model).__name__ == "TinyMLMForMaskedLM"
+    assert (mp.kind, mp.mask_token_id, mp.vocab_size, mp.max_length) == ("masked_lm", 1, 53, 32)
+    x = _ids(2, 10)
+    valid = torch.ones_like(x, dtype=torch.bool)
+    valid[0, :2] = False
+    logits = mp(x, prompt_length=4, valid=valid)
+    assert logits.shape == (2, 10, 53) and torch.isfinite(logits).all()
+    # the mask reaches the custom forward: row 0's real tokens ignore its padding
+    ref = mp(x[:1, 2:], prompt_length=2)
+    torch.testing.assert_close(logits[:1, 2:], ref, rtol=0, atol=1e-5)

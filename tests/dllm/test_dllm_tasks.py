@@ -1,0 +1,266 @@
+"""The dLLM synthetic tasks (dllm_rl/tasks): arith and 4x4 sudoku generators, splits, atoms."""
+
+import operator
+import re
+
+import pytest
+
+from dllm_rl.tasks import CHARSET, MAX_CHARS, TASKS, Problem, arith, get_task, split_of, sudoku
+from mmrl.core.rewards import Sample
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def arith_score(completion, answer):
+    s = arith.arith_reward().score([Sample("x=", completion, {"answer": answer})])
+    return s.values[0].tolist(), float(s.total[0])
+
+
+# ---------------------------------------------------------------------------- arith generation
+
+
+def test_arith_deterministic_and_prefix_stable():
+    a = arith.sample_problems(40, seed=3)
+    assert a == arith.sample_problems(40, seed=3)
+    assert a[:10] == arith.sample_problems(10, seed=3)  # one stream: longer extends shorter
+    assert [p.prompt for p in a] != [p.prompt for p in arith.sample_problems(40, seed=4)]
+
+
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_arith_splits_disjoint(digits):
+    train = {
+        p.prompt for s in range(3) for p in arith.sample_problems(500, s, "train", digits=digits)
+    }
+    held = {
+        p.prompt for s in range(3) for p in arith.sample_problems(200, s, "eval", digits=digits)
+    }
+    assert train and held and not train & held
+    assert all(split_of("arith", q) == "eval" for q in held)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"digits": 1}, {"digits": 3, "mul_digits": 2}, {"digits": arith.MAX_DIGITS}]
+)
+def test_arith_answers_charset_and_length(kwargs):
+    digits = kwargs.get("digits", 2)
+    mul_digits = kwargs.get("mul_digits", digits)
+    seen_ops, negative = set(), False
+    for p in arith.sample_problems(300, 0, **kwargs):
+        m = re.fullmatch(r"(0|[1-9][0-9]*)([-+*])(0|[1-9][0-9]*)=", p.prompt)
+        assert m, p.prompt
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        width = mul_digits if op == "*" else digits
+        assert a < 10**width and b < 10**width
+        assert p.answer == p.reference == p.meta["answer"] == str(OPS[op](a, b))
+        assert (p.meta["a"], p.meta["op"], p.meta["b"]) == (a, op, b)
+        assert set(p.prompt + p.reference) <= set(CHARSET)
+        assert len(p.prompt) + len(p.reference) <= MAX_CHARS
+        seen_ops.add(op)
+        negative |= p.answer.startswith("-")
+    assert seen_ops == {"+", "-", "*"} and negative
+
+
+def test_arith_multiplication_sizes():
+    # digits=2: both 2x1 and 2x2-digit products occur
+    sizes = {
+        (len(str(p.meta["a"])), len(str(p.meta["b"])))
+        for p in arith.sample_problems(300, 0, ops=("*",))
+    }
+    assert {(2, 1), (2, 2), (1, 2), (1, 1)} <= sizes
+
+
+def test_arith_bad_arguments():
+    with pytest.raises(ValueError, match="digits"):
+        arith.sample_problems(3, 0, digits=0)
+    with pytest.raises(ValueError, match="ops"):
+        arith.sample_problems(3, 0, ops=("/",))
+    with pytest.raises(ValueError, match="split"):
+        arith.sample_problems(3, 0, split="test")
+
+
+# ---------------------------------------------------------------------------- arith atoms
+
+
+@pytest.mark.parametrize(
+    "completion, answer, values",
+    [
+        ("82", "82", [1.0, 1.0]),  # exact
+        (" 82\n", "82", [1.0, 1.0]),  # surrounding whitespace allowed
+        ("082", "82", [1.0, 1.0]),  # integer match: a leading zero is the same integer
+        ("83", "82", [1.0, 0.0]),  # wrong digit
+        ("12", "-12", [1.0, 0.0]),  # missing '-'
+        ("-12", "-12", [1.0, 1.0]),
+        ("-12", "12", [1.0, 0.0]),  # extra '-'
+        ("82 ok", "82", [0.0, 0.0]),  # extra text: format fails, answer gated to 0
+        ("82=82", "82", [0.0, 0.0]),
+        ("8 2", "82", [0.0, 0.0]),
+        ("+82", "82", [0.0, 0.0]),
+        ("--12", "12", [0.0, 0.0]),
+        ("", "82", [0.0, 0.0]),
+    ],
+)
+def test_arith_atoms(completion, answer, values):
+    got, total = arith_score(completion, answer)
+    assert got == values
+    assert total == pytest.approx(0.1 * values[0] + 1.0 * values[1])  # weights 0.1, 1.0
+
+
+def test_arith_reward_names_and_accuracy():
+    assert arith.arith_reward().names == ["format", "answer"]
+    probs = [
+        Problem("37+45=", "82", "82", {"answer": "82"}),
+        Problem("7-19=", "-12", "-12", {"answer": "-12"}),
+    ]
+    assert arith.accuracy(probs, ["82", "-12"]) == 1.0
+    assert arith.accuracy(probs, ["82", "12"]) == 0.5  # missing '-'
+    assert arith.accuracy(probs, ["82 ", "-12 is it"]) == 0.5  # bad format -> answer gated
+    with pytest.raises(ValueError):
+        arith.accuracy(probs, ["82"])
+
+
+# ---------------------------------------------------------------------------- sudoku solver
+
+SOLUTION = "1234|3412|2143|4321"
+PUZZLE = "1204|0012|2100|4320"  # blanks: (0,2) (1,0) (1,1) (2,2) (2,3) (3,3)
+
+
+def test_all_grids():
+    grids = sudoku.all_grids()
+    assert len(grids) == 288 == len(set(grids))  # the known count of 4x4 sudoku grids
+    assert all(sudoku.count_satisfied(g) == 12 for g in grids)
+    assert sudoku.from_rows(SOLUTION) in grids
+
+
+def test_solve_hand_puzzles():
+    # row 0 "12_4" -> 3, row 3 "432_" -> 1; row 1 "__12": column 0 holds 1,2,4 -> 3, then 4;
+    # row 2 "21__": column 2 holds 3,1,2 -> 4, then 3. Unique.
+    assert sudoku.solve(PUZZLE + "=") == [SOLUTION]
+    # rows 2-3 blank: columns need {2,4},{1,3},{2,4},{1,3}; row 2 picks column 0 and 1
+    # (2 x 2 ways), the rest follows: 4 solutions.
+    assert sudoku.solve("1234|3412|0000|0000") == [
+        "1234|3412|2143|4321",
+        "1234|3412|2341|4123",
+        "1234|3412|4123|2341",
+        "1234|3412|4321|2143",
+    ]
+    assert len(sudoku.solve("0" * 16)) == 288
+    assert sudoku.solve("1100|0000|0000|0000") == []  # two 1s in row 0
+    with pytest.raises(ValueError):
+        sudoku.solve("1234|5678")
+
+
+# ---------------------------------------------------------------------------- sudoku generation
+
+
+def test_sudoku_deterministic_and_prefix_stable():
+    a = sudoku.sample_problems(30, seed=1)
+    assert a == sudoku.sample_problems(30, seed=1)
+    assert a[:7] == sudoku.sample_problems(7, seed=1)
+    assert [p.prompt for p in a] != [p.prompt for p in sudoku.sample_problems(30, seed=2)]
+
+
+def test_sudoku_splits_disjoint():
+    train = {p.prompt for s in range(3) for p in sudoku.sample_problems(400, s, "train")}
+    held = {p.prompt for s in range(3) for p in sudoku.sample_problems(100, s, "eval")}
+    assert len(held) > 50 and not train & held
+    assert all(split_of("sudoku", q) == "eval" for q in held)
+
+
+@pytest.mark.parametrize("blanks", [(4, 10), 12, (0, 2)])
+def test_sudoku_puzzles_unique_and_well_formed(blanks):
+    lo, hi = (blanks, blanks) if isinstance(blanks, int) else blanks
+    seen = set()
+    for p in sudoku.sample_problems(200 if blanks == (4, 10) else 20, 0, blanks=blanks):
+        assert re.fullmatch(r"[0-4]{4}(\|[0-4]{4}){3}=", p.prompt)
+        assert p.prompt == p.meta["puzzle"] + "="
+        assert sudoku.solve(p.prompt) == [p.reference]  # exactly one solution, the reference
+        assert p.answer == p.reference == p.meta["answer"]
+        k = p.prompt.count("0")
+        assert k == p.meta["blanks"] and lo <= k <= hi
+        assert set(p.prompt + p.reference) <= set(CHARSET)
+        assert len(p.prompt) + len(p.reference) <= MAX_CHARS
+        seen.add(k)
+    if blanks == (4, 10):
+        assert seen == set(range(4, 11))
+
+
+def test_sudoku_bad_blanks():
+    for bad in (13, (5, 4), (-1, 3)):
+        with pytest.raises(ValueError, match="blanks"):
+            sudoku.sample_problems(2, 0, blanks=bad)
+
+
+# ---------------------------------------------------------------------------- sudoku atoms
+
+
+def sudoku_score(completion, puzzle=PUZZLE, answer=SOLUTION):
+    s = sudoku.sudoku_reward().score(
+        [Sample(puzzle + "=", completion, {"puzzle": puzzle, "answer": answer})]
+    )
+    return s.values[0].tolist(), float(s.total[0])
+
+
+@pytest.mark.parametrize(
+    "completion, values",
+    [
+        # [format, givens, constraints, solved]
+        (SOLUTION, [1, 1, 1, 1]),
+        (" 1234|3412|2143|4321\n", [1, 1, 1, 1]),
+        # wrong digit in blank (3,3): row 3, column 3 and box 3 broken -> 9/12
+        ("1234|3412|2143|4322", [1, 1, 9 / 12, 0]),
+        # swap blanks (1,0)<->(1,1), same row and box: columns 0 and 1 broken -> 10/12
+        ("1234|4312|2143|4321", [1, 1, 10 / 12, 0]),
+        # swap blanks (0,2)<->(2,2), same column, boxes 1 and 3: rows 0, 2 and boxes 1, 3
+        # broken -> 8/12
+        ("1244|3412|2133|4321", [1, 1, 8 / 12, 0]),
+        # digits 1<->2 relabelled: a valid grid (12/12) that changes the given 1 at (0,0)
+        ("2134|3421|1243|4312", [1, 0, 1, 0]),
+        # malformed: gated, children 0 (and never called: _grid would raise)
+        ("1234|3412|2143", [0, 0, 0, 0]),
+        ("1234|3412|2143|4325", [0, 0, 0, 0]),
+        ("1234|3412|2143|4320", [0, 0, 0, 0]),
+        ("1234 3412 2143 4321", [0, 0, 0, 0]),
+        ("1234|3412|2143|4321|", [0, 0, 0, 0]),
+        ("1234|3412|2143|4321 ok", [0, 0, 0, 0]),
+        ("12343412|2143|4321", [0, 0, 0, 0]),
+        ("", [0, 0, 0, 0]),
+    ],
+)
+def test_sudoku_atoms(completion, values):
+    got, total = sudoku_score(completion)
+    assert got == pytest.approx(values)
+    weights = [0.1, 0.2, 0.3, 1.0]
+    assert total == pytest.approx(sum(w * v for w, v in zip(weights, values)))
+
+
+def test_sudoku_swapped_pair_total_by_hand():
+    # 0.1 (format) + 0.2 (givens) + 0.3 * 8/12 (constraints) + 0 (solved) = 0.5
+    assert sudoku_score("1244|3412|2133|4321")[1] == pytest.approx(0.5)
+
+
+def test_sudoku_accuracy():
+    probs = sudoku.sample_problems(4, 0)
+    refs = [p.reference for p in probs]
+    assert sudoku.accuracy(probs, refs) == 1.0
+    assert sudoku.accuracy(probs, refs[:2] + ["1111|1111|1111|1111", "nope"]) == 0.5
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+@pytest.mark.parametrize("name", ["arith", "sudoku"])
+def test_registry(name):
+    task = get_task(name)
+    assert task is TASKS[name] and task.name == name
+    probs = task.sample_problems(6, 0, "eval")
+    samples = [task.to_sample(p, p.reference) for p in probs]
+    scores = task.reward().score(samples)
+    assert task.success_atom in scores.names
+    assert scores.values.min() == 1.0  # the reference earns every atom
+    assert task.accuracy(probs, [p.reference for p in probs]) == 1.0
+    assert task.accuracy(probs, ["?"] * len(probs)) == 0.0
+
+
+def test_unknown_task():
+    with pytest.raises(ValueError, match="arith, sudoku"):
+        get_task("gsm8k")

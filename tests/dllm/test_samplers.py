@@ -1,0 +1,296 @@
+"""dllm_rl.samplers: commit rules worked by hand, and the block decoding loop."""
+
+import math
+
+import pytest
+import torch
+
+from dllm_rl.samplers import (
+    DecodeResult,
+    decode,
+    num_transfer_tokens,
+    select_commits,
+    state_at,
+)
+
+T, F = True, False
+
+
+# ---------------------------------------------------------------- select_commits
+
+
+def test_low_confidence_takes_most_confident_masked():
+    conf = torch.tensor([[0.9, 0.1, 0.5, 0.7], [0.2, 0.3, 0.99, 0.4]])
+    masked = torch.tensor([[T, T, T, F], [T, T, F, T]])
+    c = select_commits(conf, masked, strategy="low_confidence", num_commit=2)
+    # row 0: masked confidences 0.9, 0.1, 0.5 -> positions 0 and 2 (0.7 is not masked)
+    # row 1: masked 0.2, 0.3, 0.4 -> positions 3 and 1 (0.99 is not masked)
+    assert c.mask.tolist() == [[T, F, T, F], [F, T, F, T]]
+    assert c.fallback.tolist() == [F, F]
+    # expected wrong: row 0 (1-0.9)+(1-0.5) = 0.6; row 1 (1-0.3)+(1-0.4) = 1.3
+    torch.testing.assert_close(c.expected_wrong, torch.tensor([0.6, 1.3]))
+
+
+def test_low_confidence_per_row_count_is_clamped():
+    conf = torch.tensor([[0.9, 0.1, 0.5, 0.7], [0.2, 0.3, 0.99, 0.4]])
+    masked = torch.tensor([[T, T, T, F], [T, T, F, T]])
+    c = select_commits(conf, masked, strategy="low_confidence", num_commit=torch.tensor([1, 5]))
+    # row 0: one -> position 0 (0.9); row 1: 5 clamped to its 3 masked positions
+    assert c.mask.tolist() == [[T, F, F, F], [T, T, F, T]]
+
+
+def test_unmasked_confidence_is_ignored_whatever_its_value():
+    masked = torch.tensor([[T, F, T]])
+    for junk in (float("-inf"), float("inf"), 5.0, -3.0):
+        conf = torch.tensor([[0.3, junk, 0.6]])
+        for strategy in ("low_confidence", "threshold", "fork", "tau_budget", "ar"):
+            c = select_commits(conf, masked, strategy=strategy, num_commit=1)
+            assert not c.mask[0, 1], (strategy, junk)
+            assert torch.isfinite(c.expected_wrong).all()
+
+
+def test_threshold_and_fork():
+    conf = torch.tensor([[0.85, 0.95, 0.3, 0.99], [0.5, 0.7, 0.6, 0.99]])
+    masked = torch.tensor([[T, T, T, F], [T, T, T, F]])
+    th = select_commits(conf, masked, strategy="threshold", threshold=0.8)
+    fk = select_commits(conf, masked, strategy="fork", threshold=0.8)
+    # row 0: 0.85 and 0.95 > 0.8 -> both rules commit positions 0, 1
+    # row 1: nothing masked > 0.8: threshold takes the most confident (0.7, pos 1),
+    #        fork the leftmost masked (pos 0) and flags the fallback
+    assert th.mask.tolist() == [[T, T, F, F], [F, T, F, F]]
+    assert fk.mask.tolist() == [[T, T, F, F], [T, F, F, F]]
+    assert th.fallback.tolist() == [F, F]
+    assert fk.fallback.tolist() == [F, T]
+    # fork row 1 expected wrong = 1 - 0.5 = 0.5
+    torch.testing.assert_close(fk.expected_wrong, torch.tensor([0.2, 0.5]))
+
+
+def test_fork_leftmost_skips_unmasked_prefix():
+    conf = torch.tensor([[0.1, 0.2, 0.7, 0.3]])
+    masked = torch.tensor([[F, F, T, T]])
+    fk = select_commits(conf, masked, strategy="fork")
+    assert fk.mask.tolist() == [[F, F, T, F]] and fk.fallback.tolist() == [T]
+
+
+def test_tau_budget_slim_example():
+    conf = torch.tensor([[0.97, 0.96, 0.95, 0.5]])
+    masked = torch.ones(1, 4, dtype=torch.bool)
+    c = select_commits(conf, masked, strategy="tau_budget", num_commit=1, tau=0.9, m=1.0)
+    # A = {0.97, 0.96, 0.95}; risks 0.03, 0.04, 0.05; budget 1 * (1 - 0.9) = 0.1
+    # 0.03 + 0.04 = 0.07 <= 0.1, + 0.05 = 0.12 > 0.1 -> k_budget = 2 = max(2, n_s=1)
+    assert c.mask.tolist() == [[T, T, F, F]]
+    torch.testing.assert_close(c.expected_wrong, torch.tensor([0.07]))
+    # n_s = 3 exceeds the budget's 2 -> the 3 most confident
+    c = select_commits(conf, masked, strategy="tau_budget", num_commit=3)
+    assert c.mask.tolist() == [[T, T, T, F]]
+    # m = 2 -> budget 0.2 >= 0.12 -> all of A (3), never 0.5 (not > tau)
+    c = select_commits(conf, masked, strategy="tau_budget", num_commit=1, m=2.0)
+    assert c.mask.tolist() == [[T, T, T, F]]
+
+
+def test_tau_budget_edge_cases():
+    # nothing above tau -> k_budget = 0 -> n_s = 1 most confident (0.6)
+    c = select_commits(torch.tensor([[0.5, 0.6]]), torch.ones(1, 2, dtype=torch.bool),
+                       strategy="tau_budget", num_commit=1)
+    assert c.mask.tolist() == [[F, T]]
+    # 0.95, 0.95: risks 0.05 + 0.05 = 0.1 == budget, but in float64 the sum is
+    # 0.10000000000000009 > 1 - 0.9 = 0.09999999999999998; the 1e-9 tolerance commits both
+    c = select_commits(torch.tensor([[0.95, 0.95, 0.2]], dtype=torch.float64),
+                       torch.ones(1, 3, dtype=torch.bool), strategy="tau_budget", num_commit=1)
+    assert c.mask.tolist() == [[T, T, F]]
+    # an unmasked 0.99 is neither in A nor committed: A = {0.97}
+    c = select_commits(torch.tensor([[0.99, 0.97, 0.96]]), torch.tensor([[F, T, T]]),
+                       strategy="tau_budget", num_commit=1, tau=0.95)
+    # tau 0.95: budget 0.05; risks 0.03 (+0.04 = 0.07 > 0.05) -> k = 1
+    assert c.mask.tolist() == [[F, T, F]]
+
+
+def test_ar_and_empty_rows():
+    conf = torch.tensor([[0.1, 0.9, 0.8], [0.9, 0.9, 0.9]])
+    masked = torch.tensor([[F, T, T], [F, F, F]])
+    c = select_commits(conf, masked, strategy="ar")
+    assert c.mask.tolist() == [[F, T, F], [F, F, F]]
+    for strategy in ("low_confidence", "threshold", "fork", "tau_budget"):
+        c = select_commits(conf, masked, strategy=strategy, num_commit=2)
+        assert not c.mask[1].any() and not c.fallback[1], strategy
+        assert c.expected_wrong[1] == 0
+
+
+def test_select_commits_errors():
+    conf, masked = torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="bogus"):
+        select_commits(conf, masked, strategy="bogus")
+    for strategy in ("low_confidence", "tau_budget"):
+        with pytest.raises(ValueError, match=f"{strategy}.*num_commit"):
+            select_commits(conf, masked, strategy=strategy)
+
+
+def test_num_transfer_tokens():
+    out = num_transfer_tokens(torch.tensor([10, 4, 3]), 4)
+    # 10 = 3+3+2+2 (remainder 2 to the first steps); 4 = 1 each; 3 = 1,1,1,0
+    assert out.tolist() == [[3, 3, 2, 2], [1, 1, 1, 1], [1, 1, 1, 0]]
+
+
+# ---------------------------------------------------------------- decode
+
+V, MASK = 6, 5
+
+
+def table_model(x):
+    """Position j of the answer (prompt length 2) predicts token j % 3 with logit j+1 over
+    zeros, so confidence grows to the right: e^(j+1) / (e^(j+1) + 5)."""
+    B, L = x.shape
+    logits = torch.zeros(B, L, V)
+    for j in range(L - 2):
+        logits[:, 2 + j, j % 3] = j + 1.0
+    return logits
+
+
+def seeded_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    emb, pos = torch.randn(V, V, generator=g) * 2, torch.randn(64, V, generator=g)
+
+    def fn(x):  # depends on the whole context through a running mean, deterministic
+        h = emb[x]
+        return h.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1) + pos[: x.shape[1]]
+    return fn
+
+
+PROMPT = torch.tensor([[1, 2], [3, 0], [4, 4]])
+
+
+def run(fn=None, **kw):
+    args = {"gen_length": 8, "block_length": 4, "steps": 4, "mask_id": MASK,
+            "record_states": True}
+    args.update(kw)
+    return decode(fn or seeded_model(), PROMPT, **args)
+
+
+def check_invariants(r: DecodeResult):
+    B, G = r.completion.shape
+    S = r.num_steps
+    assert torch.equal(r.tokens[:, :2], PROMPT)                      # prompt untouched
+    assert ((r.commit_step >= 0) & (r.commit_step < S)).all()        # each committed once
+    assert torch.equal(r.nfe, r.active.sum(1))
+    # a row commits at a step iff it is active (each active step commits >= 1)
+    per_step = torch.stack([(r.commit_step == s).sum(1) for s in range(S)], 1)  # [B, S]
+    assert torch.equal(per_step > 0, r.active)
+    # blocks are decoded left to right
+    cs = r.commit_step.view(B, G // r.block_length, r.block_length)
+    assert (cs[:, :-1].amax(-1) < cs[:, 1:].amin(-1)).all()
+    # the trajectory is recoverable from the final tokens
+    assert r.states.shape == (S, B, 2 + G)
+    for s in range(S):
+        assert torch.equal(r.state(s), r.states[s])
+        assert torch.equal(state_at(r.tokens, r.commit_step, s, mask_id=MASK), r.states[s])
+    assert torch.equal(r.state(S), r.tokens)
+    return per_step
+
+
+def test_decode_low_confidence_table_model():
+    r = run(table_model, steps=4)
+    # 2 blocks of 4, 2 steps each, 2 tokens a step; the right half of a block is more
+    # confident, so step 0 commits answer positions 2, 3, step 1 positions 0, 1, ...
+    assert r.commit_step.tolist() == [[1, 1, 0, 0, 3, 3, 2, 2]] * 3
+    assert r.completion.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]] * 3
+    assert r.nfe.tolist() == [4, 4, 4]
+    # confidence of position 0: e^1 / (e^1 + 5) = 2.71828 / 7.71828 = 0.35218
+    assert r.commit_confidence[0, 0].item() == pytest.approx(math.e / (math.e + 5), rel=1e-6)
+    # temperature 0: logp is log_softmax(logits) = log(confidence)
+    torch.testing.assert_close(r.commit_logp, r.commit_confidence.log())
+    # expected wrong of step 0: (1 - c2) + (1 - c3), c_j = e^(j+1) / (e^(j+1) + 5)
+    c = [math.exp(j + 1) / (math.exp(j + 1) + 5) for j in (2, 3)]
+    assert r.expected_wrong[0, 0].item() == pytest.approx(2 - sum(c), rel=1e-6)
+    check_invariants(r)
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork", "tau_budget", "ar"])
+def test_decode_invariants(strategy):
+    gen = torch.Generator().manual_seed(1)
+    r = run(strategy=strategy, temperature=1.0, generator=gen, threshold=0.5)
+    per_step = check_invariants(r)
+    if strategy == "low_confidence":
+        assert r.nfe.tolist() == [4, 4, 4]             # = steps
+        assert (per_step == 2).all()                     # 4 tokens / 2 steps per block
+    if strategy == "ar":
+        assert r.nfe.tolist() == [8, 8, 8]             # = gen_length
+        # one per step, left to right: commit_step = position
+        assert r.commit_step.tolist() == [list(range(8))] * 3
+    if strategy == "fork":
+        # a fallback step commits exactly the leftmost masked position of the block
+        for b, s in r.fallback.nonzero().tolist():
+            assert per_step[b, s] == 1
+            pos = (r.commit_step[b] == s).nonzero().item()
+            assert (r.commit_step[b, (pos // 4) * 4:pos] < s).all()
+    else:
+        assert not r.fallback.any()
+
+
+def test_threshold_confident_model_one_step_per_block():
+    def confident(x):
+        logits = torch.zeros(x.shape[0], x.shape[1], V)
+        logits[..., 3] = 50.0                            # p(3) ~ 1 - 5e-22 > 0.8
+        return logits
+    for strategy in ("threshold", "fork"):
+        r = run(confident, strategy=strategy)
+        assert r.nfe.tolist() == [2, 2, 2] and r.num_steps == 2     # 2 blocks
+        assert r.completion.tolist() == [[3] * 8] * 3
+        check_invariants(r)
+
+
+def test_rows_done_early_do_not_count_nfe():
+    def mixed(x):  # row 0 confident (all commit at once), rows 1-2 flat (one at a time)
+        logits = torch.zeros(x.shape[0], x.shape[1], V)
+        logits[0, :, 3] = 50.0
+        return logits
+    r = run(mixed, strategy="fork")
+    # row 0: 1 step per block = 2; rows 1, 2: all-equal confidences 1/6 < 0.8, every step
+    # is a fallback committing the leftmost -> 4 per block = 8; the batch runs 8 steps
+    assert r.nfe.tolist() == [2, 8, 8] and r.num_steps == 8
+    assert r.active[0].tolist() == [T, F, F, F, T, F, F, F]
+    assert r.fallback[1:].all() and not r.fallback[0].any()
+    check_invariants(r)
+
+
+def test_seeds():
+    def sample(seed):
+        return run(temperature=1.0, generator=torch.Generator().manual_seed(seed),
+                   gen_length=16, steps=8).completion
+    assert torch.equal(sample(0), sample(0))
+    assert not torch.equal(sample(0), sample(1))
+
+
+def test_gumbel_draws_match_tempered_softmax():
+    base = torch.tensor([1.0, 0.0, -1.0, -math.inf, -math.inf, -math.inf])
+
+    def fixed(x):
+        return base.expand(x.shape[0], x.shape[1], V).clone()
+    prompt = torch.zeros(500, 1, dtype=torch.long)
+    temp = 0.7
+    r = decode(fixed, prompt, gen_length=8, block_length=8, steps=8, mask_id=MASK,
+               strategy="ar", temperature=temp, generator=torch.Generator().manual_seed(0))
+    # "ar" commits whatever was drawn at the leftmost position: 4000 unbiased draws
+    p = torch.softmax(base[:3] / temp, 0)              # [0.8034, 0.1923, 0.0460] at T = 0.7
+    n = r.completion.numel()
+    counts = torch.bincount(r.completion.flatten(), minlength=3)[:3].double()
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum().item()
+    assert chi2 < 20                                    # 2 dof: P(chi2 > 20) ~ 5e-5
+    # logp under softmax(logits / T); confidence under softmax(logits)
+    torch.testing.assert_close(r.commit_logp, torch.log(p)[r.completion].float())
+    torch.testing.assert_close(r.commit_confidence,
+                               torch.softmax(base[:3], 0)[r.completion].float())
+
+
+def test_decode_argument_errors():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return torch.zeros(x.shape[0], x.shape[1], V)
+    with pytest.raises(ValueError, match=r"gen_length \(10\).*block_length \(4\)"):
+        decode(fn, PROMPT, gen_length=10, block_length=4, steps=4, mask_id=MASK)
+    with pytest.raises(ValueError, match=r"steps \(5\).*number of blocks"):
+        decode(fn, PROMPT, gen_length=8, block_length=4, steps=5, mask_id=MASK)
+    with pytest.raises(ValueError, match="bogus"):
+        decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, strategy="bogus")
+    assert not calls                                    # raised before any forward
