@@ -38,23 +38,33 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
 
     t = cfg.task
     base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
-    train = _prompt_file(t.train_path, base, "train_path") or sample_prompts(t.num_train, t.seed, split="train")
-    evaluation = _prompt_file(t.eval_path, base, "eval_path") or sample_prompts(t.num_eval, t.seed, split="eval")
-    atoms = list(reward_atoms())
+    shapes = reward_atoms(unparsed="zero" if t.unparsed == "whole_prompt" else "error")
+    image_atoms = []
     if t.image_atoms:
         from diffusion_rl.rewards import build_image_reward_atoms
 
         try:
-            atoms += build_image_reward_atoms(t.image_atoms)
+            image_atoms = build_image_reward_atoms(t.image_atoms)
         except ValueError as e:
             raise ConfigError(f"task.image_atoms: {e}") from e
-    return DiffusionTask(t.type, train, evaluation, Reward(atoms), eval_seeds=t.eval_seeds,
+    whole = None  # the whole-prompt reward: image atoms not gated by a shapes atom (those score 0)
+    if t.unparsed == "whole_prompt":
+        whole = [a.name for a in image_atoms if not {s.name for s in shapes} & set(a.parents)]
+        if not whole:
+            raise ConfigError("task.unparsed=whole_prompt: every image atom is gated by a shapes atom, which "
+                              "scores an undecomposable prompt 0; add an ungated one (e.g. type clip_score)")
+    train = _prompt_file(t.train_path, base, "train_path", whole) or sample_prompts(t.num_train, t.seed, split="train")
+    evaluation = _prompt_file(t.eval_path, base, "eval_path", whole) or sample_prompts(t.num_eval, t.seed, split="eval")
+    return DiffusionTask(t.type, train, evaluation, Reward([*shapes, *image_atoms]), eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts)
 
 
-def _prompt_file(path: str | None, base: Path, key: str) -> list[str] | None:
+def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str] | None = None
+                 ) -> list[str] | None:
     """Prompts from a text file, one per line (blank lines and # comments skipped), each
-    checked by the shapes-geneval parser."""
+    checked by the shapes-geneval parser. A line it cannot decompose is a ConfigError naming
+    the line and the unparsed words, or with `whole_prompt` (the names of the whole-prompt
+    reward atoms: task.unparsed=whole_prompt) it is kept, and one warning names every such line."""
     from diffusion_rl.tasks.shapes_geneval import parse_prompt
 
     if path is None:
@@ -64,7 +74,7 @@ def _prompt_file(path: str | None, base: Path, key: str) -> list[str] | None:
         lines = file.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ConfigError(f"task.{key}: cannot read {file}: {e.strerror or e}") from e
-    prompts = []
+    prompts, unparsed = [], []
     for n, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith("#"):
@@ -72,10 +82,18 @@ def _prompt_file(path: str | None, base: Path, key: str) -> list[str] | None:
         try:
             parse_prompt(text)
         except ValueError as e:
-            raise ConfigError(f"task.{key}: {file}, line {n} ({text!r}): {e}") from e
+            if whole_prompt is None:
+                raise ConfigError(f"task.{key}: {file}, line {n} ({text!r}): {e}; to score such prompts "
+                                  "with a whole-prompt reward instead, set task.unparsed=whole_prompt") from e
+            unparsed.append(f"line {n}: {e}")
         prompts.append(text)
     if not prompts:
         raise ConfigError(f"task.{key}: {file} holds no prompts")
+    if unparsed:
+        shown = "; ".join(unparsed[:10]) + (f"; and {len(unparsed) - 10} more" if len(unparsed) > 10 else "")
+        warnings.warn(f"task.{key}: {file}: {len(unparsed)} of {len(prompts)} prompts cannot be decomposed into "
+                      f"shapes atoms; they are scored by the whole-prompt reward ({', '.join(whole_prompt)}) "
+                      f"only, the shapes atoms giving them 0 (task.unparsed=whole_prompt): {shown}", stacklevel=2)
     return prompts
 
 

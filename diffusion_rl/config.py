@@ -38,12 +38,31 @@ class ShapesGenevalTaskConfig(Section):
     grid_prompts: int = Field(8, ge=0)
     """Held-out prompts drawn in the before/after sample grids."""
     train_path: str | None = None
-    """A text file of your own training prompts, one per line (None = generated ones).
-    Every line must parse under the shapes grammar; an error names the line and the words."""
+    """A text file of your own training prompts, one per line (None = generated ones; blank
+    lines and # comments are skipped). Each line must parse under the shapes grammar, or see
+    `unparsed`."""
     eval_path: str | None = None
     """The same for held-out prompts."""
     image_atoms: list[dict[str, Any]] = Field(default_factory=list)
-    """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs."""
+    """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs. They
+    score every sample, on top of the shapes atoms."""
+    unparsed: Literal["error", "whole_prompt"] = "error"
+    """A prompt-file line the shapes grammar cannot decompose into atoms. error: a ConfigError
+    naming the file, the line and the unparsed words. whole_prompt: the line is kept, one
+    warning per file names every such line, and it is scored by the whole-prompt reward only:
+    the image_atoms (which must not be gated by shapes atoms), while the shapes atoms score it
+    0 (constant within its group, so they add nothing to its advantages). Needs at least one
+    image atom (e.g. type clip_score). Evaluation reports the atom metrics over the prompts that
+    parse, and `unparsed_prompts` / `whole_prompt_reward` (the image atoms' weighted sum) over
+    the others."""
+
+    @model_validator(mode="after")
+    def _whole_prompt_needs_an_image_atom(self):
+        if self.unparsed == "whole_prompt" and not self.image_atoms:
+            raise ValueError("unparsed=whole_prompt scores the prompts the shapes grammar cannot decompose "
+                             "with a whole-prompt reward, and none is configured: add an image atom such as "
+                             "{type: clip_score, ...} to task.image_atoms")
+        return self
 
 
 TaskConfig = Annotated[ShapesGenevalTaskConfig, Field(discriminator="type")]
@@ -76,6 +95,23 @@ class DiffusionRolloutConfig(RolloutConfig):
         return self
 
 
+class EMAConfig(Section):
+    """Flow-GRPO's exponential moving average of the trainable weights (diffusion_rl.ema):
+    after optimizer step n, when n % update_every == 0, avg <- d avg + (1 - d) theta with
+    d = min(decay, (1 + n) / (10 + n)) (d = decay without warmup). Evaluation and its sample
+    grids use the average; a checkpoint's model/ holds it (what `evaluate` / `sample
+    --checkpoint` load), its trainer state the raw weights and the average (for --resume).
+    Rollouts and gradients use the raw weights."""
+
+    decay: float = Field(0.9, gt=0, lt=1)
+    """Flow-GRPO's 0.9: with update_every=8 the average spans roughly the last 80 steps."""
+    update_every: int = Field(8, ge=1)
+    """Optimizer steps per EMA update (Flow-GRPO's update_step_interval, 8)."""
+    warmup: bool = True
+    """Flow-GRPO's warm-up: the decay is at most (1 + n) / (10 + n) after step n, so the
+    starting weights fade quickly; false = the constant decay from the first update."""
+
+
 class FlowGRPOConfig(Section):
     """Flow-GRPO (METHODS.md section 4): group z-scored advantages, clipped; a PPO ratio
     clip per SDE step; KL to the reference on the step means."""
@@ -88,6 +124,9 @@ class FlowGRPOConfig(Section):
     """eps of the ratio clip (tiny: the log-prob is a mean over latent elements)."""
     kl: KLConfig = Field(default_factory=lambda: KLConfig(beta=0.0))
     """beta > 0: KL = mean((mean_theta - mean_ref)^2) / (2 std^2) per step (kind is ignored)."""
+    ema: EMAConfig | None = None
+    """An EMA of the trainable weights for evaluation and checkpoints (Flow-GRPO's train.ema),
+    e.g. `{decay: 0.9, update_every: 8}` as Flow-GRPO's scripts set it; None = off."""
 
 
 MethodConfig = Annotated[FlowGRPOConfig, Field(discriminator="type")]

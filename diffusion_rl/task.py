@@ -2,7 +2,10 @@
 
 Evaluation samples every held-out prompt with the ODE (no noise) from fixed seeds, the
 same before and after training, and checks each atom with the shapes-geneval detector:
-per-type atom accuracy (exist, count, colour, relation), all atoms, whole prompts.
+per-type atom accuracy (exist, count, colour, relation), all atoms, whole prompts. Held-out
+prompts the shapes grammar cannot decompose (task.unparsed=whole_prompt) are left out of
+those (nan if none is left) and scored by the task's reward instead, whose shapes atoms give
+them 0: `unparsed_prompts` (how many) and `whole_prompt_reward` (the mean total over their images).
 `save_samples` draws a grid of the first held-out prompts for before/after comparison.
 """
 
@@ -14,8 +17,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from diffusion_rl.tasks.shapes_geneval import atom_accuracy
-from mmrl.core.rewards import Reward
+from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse
+from mmrl.core.rewards import Reward, Sample
 
 
 class DiffusionTask:
@@ -43,9 +46,18 @@ class DiffusionTask:
         for start in range(0, len(prompts), batch_size):
             images += policy.sample_images(prompts[start: start + batch_size], seeds[start: start + batch_size],
                                            self.eval_steps)
-        acc = atom_accuracy(images, prompts)
-        return {("atom_accuracy" if k == "atoms" else "prompt_accuracy" if k == "all" else k): v
-                for k, v in acc.items() if k != "num_images"}
+        ok = [can_parse(p) for p in prompts]
+        if any(ok):
+            acc = atom_accuracy([i for i, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
+        else:
+            acc = dict.fromkeys((*ATOM_TYPES, "atoms", "all"), float("nan"))
+        out = {("atom_accuracy" if k == "atoms" else "prompt_accuracy" if k == "all" else k): v
+               for k, v in acc.items() if k != "num_images"}
+        if not all(ok):
+            rest = [Sample(p, i) for p, i, k in zip(prompts, images, ok) if not k]
+            out["unparsed_prompts"] = float(len({s.prompt for s in rest}))
+            out["whole_prompt_reward"] = float(self.reward.score(rest).total.mean())
+        return out
 
     def save_samples(self, policy, out_dir: str | Path, tag: str) -> Path | None:
         """A grid PNG (one row per prompt, one column per seed) and the prompts as JSON."""

@@ -9,9 +9,19 @@
               starting weights (or the base under LoRA, adapters disabled)
 
 The window (SDE noise on W consecutive steps, ODE elsewhere, train on the window: "Flow-GRPO-
-Fast") and step subsampling (rollout.train_fraction) are rollout settings. Departures: the
-trained steps of a batch are drawn once per rollout (with the rollout generator) instead of
-per epoch, so a resumed run replays them exactly; there is no EMA of the weights yet.
+Fast") and step subsampling (rollout.train_fraction) are rollout settings.
+
+EMA (method.ema, off by default; Flow-GRPO's train.ema with decay 0.9, an update every 8
+optimizer steps and a warm-up of the decay): an exponential moving average of the trainable
+weights (diffusion_rl.ema), which the core loop updates after every optimizer step and swaps
+in for evaluation, the sample grids and the checkpoint's model; rollouts and the loss use the
+raw weights.
+
+Departures: the trained steps of a batch are drawn once per rollout (with the rollout
+generator) instead of per epoch, so a resumed run replays them exactly; the EMA moves once
+per update_every optimizer steps (Flow-GRPO steps it per micro-batch, so gradient
+accumulation can move it several times in one optimizer step), and a checkpoint also keeps
+the raw weights and the average, so a resumed run goes on exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from diffusion_rl.ema import ParameterEMA
 from mmrl.core.advantages import group_advantages
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, loss_denominator, policy_loss
@@ -30,6 +41,11 @@ class FlowGRPO(Method):
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
         self.needs_reference = cfg.kl.beta > 0
+
+    def weight_average(self, params: list[Tensor]) -> ParameterEMA | None:
+        """The EMA the core loop keeps of the trainable weights (None when method.ema is off)."""
+        e = self.cfg.ema
+        return None if e is None else ParameterEMA(params, e.decay, e.update_every, e.warmup)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
         adv = group_advantages(batch.rewards, batch.group_ids, scale="group", eps=self.cfg.std_eps)

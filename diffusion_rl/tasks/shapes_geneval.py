@@ -91,9 +91,12 @@ with no atom in the prompt (only "relation" can be missing) scores 1, vacuously:
 constant within a prompt's group, it adds nothing to group advantages. The
 type-level parents mirror the per-prompt graph and never change a value for this
 grammar (a type mean below 0.5 implies its children's atoms already scored 0).
-The five atoms share one detection per (image content, prompt). Evaluation metrics
-without vacuous entries: `atom_accuracy`. Per-atom scores for one prompt (CAST's
-signed atom advantages within a group): `score_image`.
+The five atoms share one detection per (image content, prompt). A prompt the grammar
+cannot parse is an error, or with `reward_atoms(unparsed="zero")` scores 0 on all five
+atoms without a detection (a constant within its group: another atom, such as a CLIP
+score, must then carry its reward). Evaluation metrics without vacuous entries:
+`atom_accuracy`. Per-atom scores for one prompt (CAST's signed atom advantages
+within a group): `score_image`.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ __all__ = [
     "Scene",
     "Shape",
     "atom_accuracy",
+    "can_parse",
     "classify_pixels",
     "detect",
     "evaluate_atoms",
@@ -1115,14 +1119,18 @@ class _Verdicts:
     atoms of one Reward (each atom sees the same samples). Keyed by image content and
     prompt; the oldest entries go beyond max_entries."""
 
-    def __init__(self, max_entries: int = 4096):
+    def __init__(self, max_entries: int = 4096, unparsed: str = "error"):
         self.max_entries = max_entries
+        self.unparsed = unparsed
         self._cache: dict[tuple, dict[str, float]] = {}
 
     def __call__(self, samples: Sequence) -> list[dict[str, float]]:
         out = []
         for i, s in enumerate(samples):
             try:
+                if self.unparsed == "zero" and not can_parse(s.prompt):
+                    out.append(dict.fromkeys((*ATOM_TYPES, "all"), 0.0))  # no verdict: 0, no detection
+                    continue
                 image_key = _image_key(s.completion)
                 key = None if image_key is None else (image_key, s.prompt)
                 if key is None or key not in self._cache:
@@ -1140,17 +1148,31 @@ class _Verdicts:
         return out
 
 
-def reward_atoms(weights: Mapping[str, float] | None = None) -> list[RewardAtom]:
+def can_parse(prompt) -> bool:
+    """Whether parse_prompt accepts `prompt` (a string the grammar decomposes into atoms).
+    TypeError for a non-string."""
+    try:
+        parse_prompt(prompt)
+    except ValueError:
+        return False
+    return True
+
+
+def reward_atoms(weights: Mapping[str, float] | None = None, *, unparsed: str = "error") -> list[RewardAtom]:
     """The batched reward atoms "exist", "colour" (parent "exist"), "count" (parent
     "colour"), "relation" and "all" (parents: the four). Each scores a Sample whose
     prompt is the prompt text and whose completion is the generated image. weights:
-    {atom: weight}, default 1.0 each. The atoms of one call share a detection cache."""
+    {atom: weight}, default 1.0 each. The atoms of one call share a detection cache.
+    unparsed: a prompt the grammar cannot parse raises ("error", naming the unparsed
+    words) or scores 0 on every atom ("zero")."""
     weights = dict(weights or {})
     names = (*ATOM_TYPES, "all")
     unknown = sorted(set(weights) - set(names))
     if unknown:
         raise ValueError(f"unknown shapes-geneval reward atoms {unknown} (known: {list(names)})")
-    verdicts = _Verdicts()
+    if unparsed not in ("error", "zero"):
+        raise ValueError(f"unparsed must be 'error' or 'zero', got {unparsed!r}")
+    verdicts = _Verdicts(unparsed=unparsed)
     parents = {"colour": ("exist",), "count": ("colour",), "all": ATOM_TYPES}
 
     def make(name: str) -> RewardAtom:

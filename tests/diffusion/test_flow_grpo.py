@@ -6,6 +6,7 @@ reference, the whole loop through the core Trainer, and bad input."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -138,3 +139,105 @@ def test_prompt_files_are_checked_line_by_line(flux_dir, tmp_path):
     bad.write_text("a red circle\na purple circle next to a dog\n")
     with pytest.raises(ConfigError, match=r"line 2 .*unparsed words"):
         make(flux_dir, tmp_path, f"task.eval_path={bad}")
+
+
+# ---------------------------------------------------------------------- EMA (method.ema)
+
+EMA = ["method.ema.decay=0.5", "method.ema.update_every=1"]  # warm-up on: d_1 = 2/11, d_2 = 1/4
+
+
+def test_ema_weights_are_evaluated_and_saved_while_the_raw_weights_train(flux_dir, tmp_path, reward_spread):
+    cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=2", *EMA)
+    trainer = Trainer(cfg, policy, task)
+    start = [p.detach().clone() for p in trainer.params]
+    seen = []  # (what, the trainable weights it ran with)
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            seen.append((name, [p.detach().clone() for p in trainer.params]))
+            return fn(*a, **kw)
+        return wrapped
+
+    task.evaluate = spy("evaluate", task.evaluate)
+    task.save_samples = spy("grid", task.save_samples)
+    trainer.train()
+    assert [name for name, _ in seen] == ["evaluate", "grid", "evaluate", "grid"]  # before, after
+    assert all(torch.equal(a, b) for _, ws in seen[:2] for a, b in zip(ws, start))  # the average starts as theta_0
+    assert all(torch.equal(a, b) for _, ws in seen[2:] for a, b in zip(ws, trainer.ema.average))
+    assert trainer.ema.steps == 2
+    moved = [not torch.equal(p, a) for p, a in zip(trainer.params, trainer.ema.average)]
+    assert all(moved)  # the raw weights (restored after evaluation) are not the average
+    # The checkpoint's model is the average: what `evaluate` / `sample --checkpoint` load.
+    _, fresh, _ = make(flux_dir, tmp_path / "fresh")
+    fresh.load_weights(tmp_path / "run" / "checkpoints" / "step-00000002" / "model")
+    loaded = [p for p in fresh.model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, trainer.ema.average))
+
+
+def test_resume_with_ema_reproduces_the_uninterrupted_run(flux_dir, tmp_path, reward_spread):
+    def run(name, steps, *extra, resume=False):
+        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1", *extra)
+        trainer = Trainer(cfg, policy, task)
+        return trainer, trainer.train(resume=resume)
+
+    full, full_summary = run("full", 2, *EMA)
+    run("split", 1, *EMA)
+    resumed, summary = run("split", 2, *EMA, resume=True)
+    assert resumed.ema.steps == full.ema.steps == 2
+    for a, b in zip(full.params, resumed.params):  # the raw weights
+        assert torch.equal(a, b)
+    for a, b in zip(full.ema.average, resumed.ema.average):
+        assert torch.equal(a, b)
+    assert summary["eval_after"] == full_summary["eval_after"]  # evaluated with the average
+    run("plain", 1)  # a checkpoint without an average cannot resume with one
+    with pytest.raises(TrainingError, match="without averaged weights"):
+        run("plain", 2, *EMA, resume=True)
+
+
+# ---------------------------------------------------------------------- prompts the grammar cannot decompose
+
+UNPARSED = "three pink clouds over a hill"
+
+
+@pytest.fixture(scope="module")
+def clip_atom(tmp_path_factory):
+    """task.image_atoms override with a tiny random open_clip model as a CLIP-score atom."""
+    from diffusion_rl.rewards import build_tiny_open_clip
+
+    out = tmp_path_factory.mktemp("clip")
+    build_tiny_open_clip(out, seed=0)
+    return f'task.image_atoms=[{{type: clip_score, model: "local-dir:{out}"}}]'
+
+
+def test_an_unparsed_prompt_is_an_error_naming_the_words_by_default(flux_dir, tmp_path):
+    bad = tmp_path / "p.txt"
+    bad.write_text(f"a red circle\n{UNPARSED}\n")
+    with pytest.raises(ConfigError, match=r"line 2 .*unparsed words 'pink clouds over a hill'.*task.unparsed=whole"):
+        make(flux_dir, tmp_path, f"task.train_path={bad}")
+    with pytest.raises(ConfigError, match="none is configured.*clip_score"):  # no whole-prompt reward
+        make(flux_dir, tmp_path, f"task.train_path={bad}", "task.unparsed=whole_prompt")
+
+
+def test_whole_prompt_scores_an_unparsed_prompt_by_the_image_atom(flux_dir, clip_atom, tmp_path):
+    from PIL import Image
+
+    from mmrl.core.rewards import Sample
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"a red circle\n{UNPARSED}\n")
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts .*clip_score.*line 2: .*'pink clouds over a hill'"):
+        cfg, policy, task = make(flux_dir, tmp_path, f"task.train_path={prompts}", f"task.eval_path={prompts}",
+                                 clip_atom, "task.unparsed=whole_prompt", "train.max_steps=1")
+    assert task.train == ["a red circle", UNPARSED]
+    image = Image.new("RGB", (32, 32), "white")
+    scores = task.reward.score([Sample(UNPARSED, image), Sample("a red circle", image)])
+    unparsed, parsed = scores.per_sample()
+    assert {k: unparsed[k] for k in ("exist", "colour", "count", "relation", "all")} == dict.fromkeys(
+        ("exist", "colour", "count", "relation", "all"), 0.0)  # no verdict from the shapes atoms
+    assert unparsed["clip_score"] != 0.0
+    assert float(scores.total[0]) == pytest.approx(unparsed["clip_score"])  # the whole-prompt reward alone
+    assert parsed["relation"] == 1.0 and parsed["exist"] == 0.0  # a parsed prompt: the shapes verdicts
+    summary = Trainer(cfg, policy, task).train()  # both prompts roll out, score and train
+    after = summary["eval_after"]
+    assert after["unparsed_prompts"] == 1.0 and math.isfinite(after["whole_prompt_reward"])
+    assert 0.0 <= after["atom_accuracy"] <= 1.0  # over "a red circle" only
