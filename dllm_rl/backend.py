@@ -20,11 +20,11 @@ from mmrl.core.config import ConfigError
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
     "output_dir": "runs/dllm-default",
-    "method": {"type": "diffu_grpo"},
-    "rollout": {"num_generations": 8, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
-                "steps": 8, "temperature": 1.0},
-    "optim": {"lr": 1e-4, "max_grad_norm": 1.0},
-    "train": {"max_steps": 100, "ppo_epochs": 2, "log_samples_every": 25},
+    "method": {"type": "diffu_grpo", "dynamic_sampling": {"enabled": True}},
+    "rollout": {"num_generations": 16, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
+                "steps": 8, "temperature": 0.7},
+    "optim": {"lr": 3e-5, "max_grad_norm": 1.0},
+    "train": {"max_steps": 300, "ppo_epochs": 2, "log_samples_every": 50},
     "task": {"type": "arith", "num_train": 4000, "num_eval": 200},
 }
 

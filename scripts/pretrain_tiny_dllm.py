@@ -10,8 +10,10 @@ LLaDA's SFT. Batches alternate between the tasks (two arith batches per sudoku b
 
 Training stops after `--steps`; every `--eval-every` steps the held-out greedy accuracy
 (low_confidence decoding, the RL default sampler) is logged. The defaults made the bundled
-model, stopped early on purpose so that it answers a middling share of arith problems
-(assets/tiny-dllm/pretrain.json has the record): room for RL.
+model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 on arith
+(digits 2: +, - and * of 1-2 digit numbers; sampled pass@8 0.49) and 0.975 on sudoku with
+4-10 blanks (0.74 with 10-12 blanks): a middling arithmetic model, room for RL
+(assets/tiny-dllm/pretrain.json has the record).
 
     python scripts/pretrain_tiny_dllm.py                 # rebuilds assets/tiny-dllm
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --steps 4000
@@ -76,17 +78,21 @@ def evaluate(predictor, name: str, problems, prompt_length: int) -> dict[str, fl
     return {k: round(v, 4) for k, v in out.items() if k in ("accuracy", "format", "reward")}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "assets" / "tiny-dllm")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--num-eval", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
         sched.step()
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             model.eval()
-            row = {"step": step + 1, "loss": round(float(loss), 4),
+            row = {"step": step + 1, "loss": round(float(loss.detach()), 4),
                    "seconds": round(time.perf_counter() - started, 1)}
             for n in GEN_LENGTH:
                 row[n] = evaluate(predictor, n, held_out[n], prompt_length[n])
