@@ -23,7 +23,7 @@ from torch import Tensor
 from dllm_rl.models import MaskPredictor
 from dllm_rl.samplers import DecodeResult, decode
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.checkpoint import CheckpointError
+from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.rewards import Sample
 
 
@@ -155,11 +155,7 @@ class DLLMPolicy:
         self.predictor.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
-        fresh = type(self.model).from_pretrained(path, dtype=next(self.model.parameters()).dtype)
-        missing, unexpected = self.model.load_state_dict(fresh.state_dict(), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
-                                  f"unexpected {unexpected[:3]}")
+        load_weights_in_place(self.model, path)
 
     def reference(self) -> DLLMPolicy:
         ref = copy.copy(self)

@@ -254,3 +254,15 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def load_weights_in_place(model, path: str | Path) -> None:
+    """Copy the from_pretrained weights in `path` into `model` (a transformers model), in
+    place, so an optimizer holding its parameters keeps them. transformers renames keys
+    between a module and its file (e.g. Qwen-VL's "model.language_model.*" is saved as
+    "model.*"), so the file is read through from_pretrained, not as a raw state dict."""
+    fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype)
+    missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")

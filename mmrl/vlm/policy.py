@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.checkpoint import CheckpointError
+from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.rewards import Sample
 
 
@@ -338,14 +338,7 @@ class VLMPolicy:
 
             set_peft_model_state_dict(self.model, load_file(Path(path) / "adapter_model.safetensors"))
             return
-        # transformers renames keys between the module and the file (e.g. Qwen-VL's
-        # "model.language_model.*" is saved as "model.*"): load through from_pretrained,
-        # then copy in place so the optimizer keeps its parameters.
-        fresh = type(self.model).from_pretrained(path, dtype=next(self.model.parameters()).dtype)
-        missing, unexpected = self.model.load_state_dict(fresh.state_dict(), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
-                                  f"unexpected {unexpected[:3]}")
+        load_weights_in_place(self.model, path)
 
     def reference(self) -> VLMPolicy:
         ref = copy.copy(self)

@@ -15,7 +15,6 @@ from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.models import build_tiny
 from mmrl.core.config import ConfigError, load_config
-from mmrl.core.rewards import Reward
 from mmrl.core.trainer import Trainer, TrainingError
 
 FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
@@ -26,20 +25,6 @@ FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations
 @pytest.fixture(scope="module")
 def flux_dir(tmp_path_factory):
     return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
-
-
-@pytest.fixture
-def reward_spread(monkeypatch):
-    """Random weights draw noise that scores alike: give each group a reward spread (0, 1, 0,
-    1, ...) so that an update is not zero."""
-    original = Reward.score
-
-    def spread(self, samples):
-        scores = original(self, samples)
-        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
-        return scores
-
-    monkeypatch.setattr(Reward, "score", spread)
 
 
 def make(path, tmp_path, *overrides):

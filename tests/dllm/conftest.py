@@ -4,7 +4,6 @@ small run config built the way the CLI builds it."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dllm_rl import backend
 from dllm_rl.config import DLLMTrainConfig
@@ -22,13 +21,8 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "task.num_tr
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: threads only add contention on a shared CPU. The count is restored
-    after each test (later tests, e.g. bit-exact rebuilds, depend on it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from dllm_rl.task import pass_at_k
 from dllm_rl.tiny import CHARSET, build_tiny_dllm
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, load_config
-from mmrl.core.rewards import Reward
 from mmrl.core.trainer import Trainer
 
 PAD, MASK, EOS = 0, 1, 2  # the tiny tokenizer's special ids; CHARSET[i] has id i + 3
@@ -239,20 +238,6 @@ def test_tracerl_merged_rows_differ_from_commit_logprob(make_run):
 
 
 # --------------------------------------------------------------------------- one training step
-
-
-@pytest.fixture
-def reward_spread(monkeypatch):
-    """A random model's answers all score 0: give each group rewards 0, 1, 0, 1 so the
-    advantages (+-0.87 after the group std) are not zero."""
-    original = Reward.score
-
-    def spread(self, samples):
-        scores = original(self, samples)
-        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
-        return scores
-
-    monkeypatch.setattr(Reward, "score", spread)
 
 
 @pytest.mark.parametrize("method", ["diffu_grpo", "tracerl"])

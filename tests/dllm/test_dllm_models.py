@@ -25,14 +25,6 @@ TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size":
 KINDS = ("llada", "dream", "sdar", "masked_lm")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_dllm")

@@ -1,0 +1,30 @@
+"""Fixtures shared by the backends' tests."""
+
+import pytest
+import torch
+
+from mmrl.core.rewards import Reward
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: threads only add contention on a shared CPU. The count is restored
+    after the test (later tests, e.g. bit-exact rebuilds, depend on it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def reward_spread(monkeypatch):
+    """A random model's samples all score alike: give each group rewards 0, 1, 0, 1, ... so
+    the advantages (+-0.87 after the group std) are not zero and an update moves weights."""
+    original = Reward.score
+
+    def spread(self, samples):
+        scores = original(self, samples)
+        scores.total = torch.arange(len(samples), dtype=torch.float32) % 2
+        return scores
+
+    monkeypatch.setattr(Reward, "score", spread)
