@@ -70,6 +70,19 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(full_run, small_set
         assert a["loss/total"] == b["loss/total"] and a["reward/total"] == b["reward/total"]
 
 
+def test_pipelined_rollouts_train_on_the_shared_scheduler(small_sets, tmp_path):
+    """Complete-group pipelining with a background engine (its own copy of the weights): the
+    estimator's old log-probs are computed by the engine, and each round trains."""
+    out = tmp_path / "pipelined"
+    ok(invoke("train", "--max-steps", 2, "--output-dir", out, *small_sets,
+              "--set", "rollout.scheduler.mode=pipelined", "--set", "train.ppo_epochs=2"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/updates"] == 2 and r["rollout/groups"] == 2 for r in rows)
+    assert all(0 <= r["time/waiting_ratio"] <= 1 and r["rollout/staleness"] <= 1 for r in rows)
+    assert (out / STEP2).is_file()
+
+
 @pytest.mark.parametrize("strategy", ["low_confidence", "fork"])
 def test_eval_reports_pass_at_k_and_sampled_nfe(small_sets, tmp_path, strategy):
     r = ok(invoke("eval", *small_sets, "--set", "rollout.eval_samples=4", "--set", f"rollout.strategy={strategy}",
