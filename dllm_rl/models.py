@@ -123,10 +123,7 @@ def read_sidecar(directory: str | os.PathLike) -> dict | None:
     path = Path(directory) / SIDECAR
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file: {e}") from e
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004 -- a bad file
     known = set(DllmSpec.__dataclass_fields__)
@@ -367,10 +364,7 @@ def load_mask_predictor(
         raise ValueError(
             f"model path {str(root)!r} has no config.json; is it a from_pretrained directory?"
         )
-    try:
-        raw_config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_file}: not a readable JSON file: {e}") from e
+    raw_config = _read_json(config_file)
     auto_map = dict(raw_config.get("auto_map") or {})
     needs_code = bool(auto_map) or _tokenizer_needs_code(root)
     if needs_code and not trust_remote_code:
@@ -490,11 +484,16 @@ def _tokenizer_needs_code(root: Path) -> bool:
     path = root / "tokenizer_config.json"
     if not path.is_file():
         return False
+    data = _read_json(path)
+    return bool(isinstance(data, dict) and data.get("auto_map"))
+
+
+def _read_json(path: Path):
+    """The parsed file; ValueError naming it when it cannot be read or parsed."""
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable JSON file: {e}") from e
-    return bool(isinstance(data, dict) and data.get("auto_map"))
 
 
 def _first_int(config, *names: str) -> int | None:
