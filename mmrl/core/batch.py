@@ -32,6 +32,8 @@ class RolloutBatch:
     policy_version: int = 0  # the optimizer step whose weights produced these samples
     data: dict[str, Tensor] = field(default_factory=dict)  # backend tensors, [N, ...] each;
     # keys "stat/<name>" are per-sample rollout statistics, logged as rollout/<name> means
+    prompts: dict[int, Any] = field(default_factory=dict)  # group id -> its prompt object, set by
+    # the scheduler: what a method's extra requests (AXPO's resampling) are made of
 
     def __post_init__(self):
         self.validate()
@@ -145,6 +147,7 @@ class RolloutBatch:
             advantages=cat("advantages"),
             policy_version=min(b.policy_version for b in batches),
             data={k: _cat_padded([b.data[k] for b in batches]) for k in keys},
+            prompts={k: v for b in batches for k, v in b.prompts.items()},
         )
 
     def summary(self) -> dict[str, Any]:

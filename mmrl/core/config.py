@@ -140,6 +140,29 @@ class DynamicSamplingConfig(Section):
     """Extra rollout rounds allowed per step to refill; a batch still short after them trains as is."""
 
 
+class FastRLConfig(Section):
+    """FastRL (METHODS.md section 2): differential-aware advantage pruning (MDAP) drops
+    near-duplicate rollouts of equal advantage before training; adaptive rollout sampling
+    (ARS) sets the group size of each data epoch from how many were kept."""
+
+    enabled: bool = False
+    """Prune each group with MDAP (and, with `ars`, adapt G at epoch boundaries)."""
+    tau: float = Field(0.8, ge=0, le=1)
+    """A rollout is dropped when a kept one of equal advantage is closer than this
+    (1 - Jaccard similarity of their n-gram sets). 0 keeps everything."""
+    ngram: int = Field(2, ge=1)
+    """n of the n-grams compared (over trained token ids, else words)."""
+    adv_tol: float = Field(1e-4, gt=0)
+    """Two advantages closer than this count as equal (one advantage set)."""
+    pad_multiple: int | None = Field(None, ge=1)
+    """Pad each group's kept count up to a multiple of this with the dropped rollouts of
+    highest |A|; None = the data-parallel world size."""
+    ars: bool = True
+    """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts."""
+    min_group_size: int = Field(2, ge=1)
+    """ARS never shrinks the group below this."""
+
+
 class GRPOConfig(Section):
     """The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, RLOO) as one method with dials."""
 
@@ -148,6 +171,7 @@ class GRPOConfig(Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    fastrl: FastRLConfig = Field(default_factory=FastRLConfig)
 
 
 MethodConfig = Annotated[GRPOConfig, Field(discriminator="type")]

@@ -52,6 +52,16 @@ def sum_scalar(x: float) -> float:
     return float(t.item())
 
 
+def gather_scalar(x: float) -> list[float]:
+    """x of every rank, in rank order ([x] with one process)."""
+    if world_size() == 1:
+        return [x]
+    local = torch.tensor([float(x)], dtype=torch.float64)
+    out = [torch.zeros_like(local) for _ in range(world_size())]
+    dist.all_gather(out, local)
+    return [t.item() for t in out]
+
+
 def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     """Sum every parameter's gradient over the ranks (a rank without one contributes 0)."""
     if world_size() == 1:

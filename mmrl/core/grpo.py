@@ -5,6 +5,8 @@
     DAPO     clip_high=0.28, aggregation=token_mean, dynamic_sampling.enabled
     GSPO     loss.level=sequence, tiny clips (3e-4 / 4e-4)
     RLOO     advantage.type=rloo
+    FastRL   fastrl.enabled on any of them: prune near-duplicate rollouts of equal advantage
+             (MDAP) and adapt the group size per data epoch (ARS); see mmrl.core.fastrl
 
 "The std dial": dividing by the std (GRPO), not dividing (Dr.GRPO) and dropping
 std = 0 groups (DAPO) are one knob (`scale`) plus one filter (`keep_groups`),
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mmrl.core import distributed
 from mmrl.core.advantages import (
     group_advantages,
     multi_stream_advantages,
@@ -26,6 +29,7 @@ from mmrl.core.advantages import (
     zero_variance_groups,
 )
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.fastrl import AdaptiveGroupSize, mdap_keep, sample_advantages, sequences_of
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import Method, register_method
 
@@ -36,6 +40,10 @@ class GRPO(Method):
         super().__init__(cfg, run, reward)
         self.needs_reference = cfg.kl.beta > 0
         self.max_len = cfg.loss.max_len or run.rollout.max_new_tokens
+        fastrl = getattr(cfg, "fastrl", None)
+        self.fastrl = fastrl if fastrl is not None and fastrl.enabled else None
+        self.ars = (AdaptiveGroupSize(run.rollout.num_generations, fastrl.min_group_size)
+                    if self.fastrl is not None and fastrl.ars else None)
 
     def keep_groups(self, batch: RolloutBatch) -> Tensor | None:
         if not self.cfg.dynamic_sampling.enabled:
@@ -52,6 +60,33 @@ class GRPO(Method):
         return multi_stream_advantages(
             batch.scores.values, batch.group_ids, weights, mode=adv.mode, scale=adv.scale
         )
+
+    def prune(self, group: RolloutBatch) -> Tensor | None:  # bool [G]
+        """FastRL's MDAP; the kept count feeds the adaptive group size."""
+        fr = self.fastrl
+        if fr is None:
+            return None
+        keep = mdap_keep(
+            sample_advantages(group.advantages, group.mask), sequences_of(group),
+            tau=fr.tau, n=fr.ngram, tol=fr.adv_tol, multiple=fr.pad_multiple or distributed.world_size(),
+        )
+        if self.ars is not None:  # every rank records every rank's groups: one G for all, saved whole
+            for kept in distributed.gather_scalar(int(keep.sum())):
+                self.ars.record(int(kept))
+        return keep
+
+    def group_size(self, epoch: int, current: int) -> int:
+        """FastRL's ARS: G of the data epoch that starts now, from the kept counts so far."""
+        if self.ars is None:
+            return current
+        return self.ars.next_size(self.step, self.run.train.max_steps)
+
+    def state_dict(self) -> dict:
+        return {} if self.ars is None else {"ars": self.ars.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ars is not None and "ars" in state:
+            self.ars.load_state_dict(state["ars"])
 
     def loss_denominator(self, batch: RolloutBatch) -> float:
         return loss_denominator(batch.mask, self.cfg.loss.aggregation)

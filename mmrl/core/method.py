@@ -8,6 +8,7 @@ A method changes what the loop does at these points (DESIGN.md, "The loop"):
     advantages      [N], [N, T] or per region
     prune           drop samples of a complete group before training (FastRL's MDAP)
     group_size      the group size G of each data epoch (FastRL's adaptive rollout sampling)
+    state_dict      the method's running state, saved with checkpoints (FastRL's statistics)
     weight_average  a moving average of the weights for evaluation (Flow-GRPO's EMA)
     loss            the differentiable objective of a (micro-)batch
 The group hooks run in the scheduler for every modality and both scheduler modes;
@@ -38,6 +39,10 @@ class Method:
     """The pass over the current rollout batch (0 .. train.ppo_epochs - 1), set by the trainer
     before each pass: diffu-GRPO draws a different prompt mask for each."""
 
+    step: int = 0
+    """Rollout-and-update steps done so far (0 .. train.max_steps - 1 during a step), set by
+    the trainer as each step begins: FastRL's adaptive group size weighs by step / max_steps."""
+
     def __init__(self, cfg, run: TrainConfig, reward: Reward):
         self.cfg = cfg  # this method's section (run.method)
         self.run = run
@@ -53,7 +58,8 @@ class Method:
     def extra_requests(self, group: RolloutBatch) -> list[Request]:
         """Requests for more samples of this complete, scored group (same group id; a
         non-zero `tag` tells them apart in batch.data["request_tag"]). Asked once per
-        group; the group trains when they are back, scored like the rest."""
+        group; the group trains when they are back, scored like the rest. The group's
+        prompt object is group.prompts[group id]."""
         return []
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
@@ -73,6 +79,10 @@ class Method:
         (Flow-GRPO's EMA; see mmrl.core.trainer for its interface); None = none."""
         return None
 
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """The method's own metrics of a trained batch (e.g. AXPO's resamples), logged each step."""
+        return {}
+
     def loss_denominator(self, batch: RolloutBatch) -> float | None:
         """Normaliser of a whole mini-batch, so micro-batch losses sum to its loss. It must
         add over groups (a token or sample count): pipelined training sums it group by group."""
@@ -80,6 +90,14 @@ class Method:
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """The method's own running state (plain JSON), saved in the trainer state of every
+        checkpoint so that a resumed run continues exactly (FastRL's kept-count statistics)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned ({} for a checkpoint written without any)."""
 
 
 METHODS: dict[str, Callable[..., Method]] = {}

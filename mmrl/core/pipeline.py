@@ -311,6 +311,7 @@ class Round:
             new.scores = s.reward.score(new.samples)
             g.parts = [*scored, new]
         batch = RolloutBatch.concat(g.parts)
+        batch.prompts = {g.gid: g.prompt}
         if not g.extras_asked:
             self.first_pass.append(replace(batch))  # a copy: the group gets advantages later
             keep = s.method.keep_groups(batch)

@@ -83,7 +83,7 @@ class SyncScheduler:
         num_generations = num_generations or rc.num_generations
         want = rc.prompts_per_step
         kept: list[RolloutBatch] = []
-        have = dropped = rounds = 0
+        have = dropped = rounds = decoded = 0
         t_rollout = t_reward = 0.0
         max_rounds = 1 + (self.cfg.method.dynamic_sampling.max_rounds
                           if getattr(self.cfg.method, "dynamic_sampling", None)
@@ -103,12 +103,14 @@ class SyncScheduler:
             batch.data["request_tag"] = torch.zeros(len(batch), dtype=torch.long)
             # Relabel groups by draw index: unique across rounds and steps.
             batch.group_ids = torch.tensor(ids)[batch.group_ids]
+            batch.prompts = dict(zip(ids, prompts))
             batch.policy_version = version
             batch.scores = self.reward.score(batch.samples)
             t_reward += time.perf_counter() - t1
             if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
                 reward_metrics = round_metrics(batch)
             t_rollout += t1 - t0
+            decoded += _decoded(batch)
             keep = self.method.keep_groups(batch)
             if keep is not None and not bool(keep.all()):
                 n_groups = batch.num_groups
@@ -124,10 +126,12 @@ class SyncScheduler:
             "time/rollout": t_rollout,
             "time/reward": t_reward,
         }
+        self.decoded = decoded  # the extra samples add theirs
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept)
         batch = self._extra_samples(batch, version, metrics)
+        metrics["rollout/decoded_tokens"] = float(self.decoded)
         if self.reference is not None:
             with torch.no_grad():
                 annotate_reference(self.reference, batch)
@@ -146,6 +150,7 @@ class SyncScheduler:
         engine = PolicyEngine(self.policy, own_weights=False)
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         extra = engine.generate(requests, self.cfg.rollout, seed)
+        self.decoded += _decoded(extra)
         extra.policy_version = version
         extra.scores = self.reward.score(extra.samples)
         merged = RolloutBatch.concat([batch, extra])
@@ -162,6 +167,12 @@ class SyncScheduler:
                 keep[rows] = k
         metrics["rollout/samples_pruned"] = int((~keep).sum())
         return batch if bool(keep.all()) else batch.select(keep)
+
+
+def _decoded(batch: RolloutBatch) -> float:
+    """Tokens the engine decoded for a batch (its "stat/length", else 0): what rollouts cost."""
+    length = batch.data.get("stat/length")
+    return float(length.sum()) if length is not None else 0.0
 
 
 def annotate_reference(reference, batch: RolloutBatch) -> None:

@@ -17,8 +17,9 @@ optimizer steps once U groups are in (mmrl.core.pipeline).
 The backend supplies the policy and task (mmrl.core.protocols); the method
 supplies advantages and loss (mmrl.core.method); everything else is here.
 Resuming from a checkpoint reproduces the uninterrupted run exactly on a CPU:
-every RNG the loop draws from, the data position and the optimizer are saved,
-and evaluation runs with the training RNGs set aside.
+every RNG the loop draws from, the data position, the optimizer and the method's
+own state (Method.state_dict) are saved, and evaluation runs with the training RNGs
+set aside.
 
 Averaged weights: a method may keep a moving average of the trainable weights
 (Flow-GRPO's EMA) by having `weight_average(params)` return an object with
@@ -185,6 +186,7 @@ class Trainer:
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
         self.policy.model.eval()  # no dropout: the ratio is exactly 1 on-policy
+        self.method.step = self.step
         self._update_group_size()
         if getattr(self.scheduler, "pipelined", False):
             batch, metrics = self.streamed_step()
@@ -342,6 +344,7 @@ class Trainer:
         metrics["optim/lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["train/updates"] = updates
         metrics["reward/advantage_abs"] = float(batch.advantages.abs().mean())
+        metrics.update(self.method.batch_metrics(batch))
         if bad:
             self.bad_steps += 1
             metrics["train/bad_step"] = 1.0
@@ -408,6 +411,7 @@ class Trainer:
             "rng": rng_meta,
             "data": self.stream.state_dict(),
             "group_size": {"num_generations": self.num_generations, "epoch": self.group_epoch},
+            "method": self.method.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
         tensors = {**opt_tensors, **rng_tensors}
@@ -439,6 +443,7 @@ class Trainer:
         if "group_size" in state:
             self.num_generations = state["group_size"]["num_generations"]
             self.group_epoch = state["group_size"]["epoch"]
+        self.method.load_state_dict(state.get("method", {}))
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.eval_before = state["eval_before"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+import mmrl.vlm.methods  # noqa: F401  (registers the VLM methods: axpo)
 from mmrl.core.config import ConfigError
 from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.models import load_vlm
@@ -38,6 +39,15 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
                         min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
                         shape_size=tuple(t.shape_size))
         train, evaluation = data.train_items(), data.eval_items()
+    elif t.type == "shapes-zoom":
+        from mmrl.vlm.tasks.shapes_zoom import ShapesZoom
+
+        try:
+            data = ShapesZoom(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
+                              shape_size=tuple(t.shape_size), kinds=t.kinds)
+        except ValueError as e:
+            raise ConfigError(f"task (shapes-zoom): {e}") from e
+        train, evaluation = data.train_items(), data.eval_items()
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
 
@@ -53,10 +63,28 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
 
 
 def build(cfg: VLMTrainConfig):
+    tools = build_tools(cfg)
     model, processor = load_vlm(cfg.model)
     policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
-                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                       tools=tools, tools_cfg=cfg.rollout.tools)
     return policy, build_task(cfg)
+
+
+def build_tools(cfg: VLMTrainConfig):
+    """The tool registry of rollout.tools (None without tools); AXPO needs tools."""
+    tc = cfg.rollout.tools
+    if tc is None:
+        if cfg.method.type == "axpo":
+            raise ConfigError("method.type=axpo resamples tool-call prefixes: it needs multi-turn tool "
+                              "rollouts (set rollout.tools, e.g. --set rollout.tools.names=[zoom])")
+        return None
+    from mmrl.vlm.tools import build_registry
+
+    try:
+        return build_registry(tc.names, timeout=tc.timeout, base_dir=cfg.base_dir)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tools.names: {e}") from e
 
 
 def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | None = None):
@@ -64,6 +92,9 @@ def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | N
     trainer's GPU) and "vllm-server" (vLLM's OpenAI-compatible server at `url`)."""
     from mmrl.vlm.vllm_engine import build_engine as build_vllm
 
+    if cfg.rollout.tools is not None:
+        raise ConfigError(f"rollout.engine {kind}: multi-turn tool rollouts (rollout.tools) run on the hf "
+                          "engine only for now")
     return build_vllm(kind, cfg, policy, url=url)
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from mmrl.core.config import ModelConfig, RolloutConfig, Section, TrainConfig
+from mmrl.core.config import GRPOConfig, ModelConfig, RolloutConfig, Section, TrainConfig
 
 
 class LoRAConfig(Section):
@@ -57,7 +57,39 @@ class JSONLTaskConfig(Section):
     """A missing or corrupt image: stop with an error naming it, or skip the sample with a warning."""
 
 
-TaskConfig = Annotated[ShapesQATaskConfig | JSONLTaskConfig, Field(discriminator="type")]
+class ShapesZoomTaskConfig(Section):
+    """shapes-qa with details too small to read without the zoom tool: a large image, one
+    small shape per quadrant, questions about one quadrant (mmrl.vlm.tasks.shapes_zoom)."""
+
+    type: Literal["shapes-zoom"] = "shapes-zoom"
+    seed: int = 0
+    num_train: int = Field(2000, ge=1)
+    num_eval: int = Field(200, ge=1)
+    image_size: int = Field(448, ge=56)
+    """Side of the full-resolution image (the model sees it scaled to within model.max_pixels)."""
+    shape_size: tuple[int, int] = (48, 64)
+    """Smallest and largest shape side in full-resolution pixels."""
+    kinds: list[str] | None = None
+    """Question kinds (None = the task's default, shape_at)."""
+
+
+TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | JSONLTaskConfig, Field(discriminator="type")]
+
+
+class ToolsConfig(Section):
+    """Multi-turn tool rollouts (mmrl.vlm.agent): the model may call tools between turns."""
+
+    names: list[str] = Field(default_factory=lambda: ["zoom", "calculator"])
+    """Builtin tools (zoom, calculator) or your own, as "path/to/file.py:function" (sync or async def)."""
+    max_turns: int = Field(3, ge=1)
+    """Model turns per rollout (a turn ends at a tool call or at the end of the answer)."""
+    max_tool_calls: int = Field(2, ge=0)
+    """Tool calls run per rollout; later calls get an error observation."""
+    timeout: float = Field(10.0, gt=0)
+    """Seconds a tool may take; a slower call returns a timeout observation."""
+    schema_in_prompt: bool = True
+    """Render the tools' JSON schemas into the system prompt (Qwen's chat template). Off for
+    models that learned the tools from demonstrations (the bundled tiny tool VLM)."""
 
 
 class VLMRolloutConfig(RolloutConfig):
@@ -67,10 +99,30 @@ class VLMRolloutConfig(RolloutConfig):
     eval_batch_size: int = Field(64, ge=1)
     """Prompts per greedy decoding batch in held-out evaluation."""
     eval_samples: int = Field(4, ge=0)
-    """Completions sampled per held-out item for `sampled_accuracy` (0 = greedy only)."""
+    """Completions sampled per held-out item for `sampled_accuracy` and pass@k (0 = greedy only)."""
+    tools: ToolsConfig | None = None
+    """None = single-turn rollouts; a tools section turns on multi-turn tool rollouts."""
+
+
+class AXPOResampleConfig(Section):
+    k: int = Field(2, ge=2)
+    """K: continuations resampled from each selected prefix (z-scored among themselves)."""
+    budget: float = Field(0.25, ge=0)
+    """Extra decoding per group as a fraction of G: M = max(1, round(budget * G / K)) prefixes."""
+
+
+class AXPOConfig(GRPOConfig):
+    """AXPO (mmrl.vlm.methods.axpo): GRPO plus resampling from the least confident tool-call
+    prefixes of groups whose tool-using rollouts are all wrong."""
+
+    type: Literal["axpo"] = "axpo"
+    resample: AXPOResampleConfig = Field(default_factory=AXPOResampleConfig)
+    success: float = Field(0.5, ge=0)
+    """A rollout is right when its `answer` atom (else its total reward) is at least this."""
 
 
 class VLMTrainConfig(TrainConfig):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     task: TaskConfig = Field(default_factory=ShapesQATaskConfig)
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
+    method: Annotated[GRPOConfig | AXPOConfig, Field(discriminator="type")] = Field(default_factory=GRPOConfig)

@@ -31,12 +31,23 @@ def bundled_model_dir() -> Path:
     return repo_root() / "assets" / BUNDLED
 
 
+def resolve_model_path(path: str | None) -> Path:
+    """The bundled tiny model for None; a relative path from the working directory, else
+    from the repository (so configs can name "assets/..." from anywhere)."""
+    if not path:
+        return bundled_model_dir()
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (repo_root() / p).is_dir():
+        return repo_root() / p
+    return p
+
+
 def load_vlm(mcfg):
     """(model, processor) from mcfg.path, or the bundled tiny Qwen2.5-VL when path is None."""
     import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    path = Path(mcfg.path) if mcfg.path else bundled_model_dir()
+    path = resolve_model_path(mcfg.path)
     if not path.is_dir():
         hint = " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else ""
         raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ class PromptTooLong(ValueError):
 
 class VLMPolicy:
     def __init__(self, model, processor, *, temperature: float = 1.0, min_pixels: int | None = None,
-                 max_pixels: int | None = None):
+                 max_pixels: int | None = None, tools=None, tools_cfg=None):
+        """`tools` (a mmrl.vlm.tools.ToolRegistry) with `tools_cfg` (rollout.tools) makes every
+        rollout and greedy decode a multi-turn tool rollout (mmrl.vlm.agent)."""
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -55,6 +58,12 @@ class VLMPolicy:
         self.banned_ids = sorted({i for i in ids if isinstance(i, int) and i != tok.unk_token_id})
         text_cfg = getattr(model.config, "text_config", model.config)
         self.max_context = getattr(text_cfg, "max_position_embeddings", None)
+        self.tools_cfg = tools_cfg
+        self.agent = None
+        if tools is not None:
+            from mmrl.vlm.agent import ToolRollout
+
+            self.agent = ToolRollout(self, tools, tools_cfg)
 
     # ------------------------------------------------------------------ prompts
 
@@ -77,7 +86,8 @@ class VLMPolicy:
         texts, images = [], []
         for i, item in enumerate(items):
             msgs = self.messages(item)
-            texts.append(self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            texts.append(self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                                            **self._tool_schemas()))
             if item.images:
                 try:
                     found, _ = process_vision_info(msgs)
@@ -86,6 +96,21 @@ class VLMPolicy:
                 images.extend(found)
         self.tokenizer.padding_side = "left"
         return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+
+    def _tool_schemas(self) -> dict:
+        """The tools' JSON schemas for the chat template's system prompt, where configured."""
+        if self.agent is None or not self.tools_cfg.schema_in_prompt:
+            return {}
+        return {"tools": self.agent.registry.schemas()}
+
+    def resize_images(self, images: Sequence[Any]) -> list:
+        """Images as the prompt's are: resized by qwen-vl-utils within min/max pixels."""
+        from qwen_vl_utils import process_vision_info
+
+        parts = [{"type": "image", "image": im, **({"min_pixels": self.min_pixels} if self.min_pixels else {}),
+                  **({"max_pixels": self.max_pixels} if self.max_pixels else {})} for im in images]
+        found, _ = process_vision_info([{"role": "user", "content": parts}])
+        return found
 
     def _check_length(self, enc, items, max_new_tokens: int) -> None:
         if self.max_context is None:
@@ -106,8 +131,12 @@ class VLMPolicy:
         the completion (token ids or text) to continue from. A prefix is part of the
         sample's completion and its text, but carries no loss (mask False there)."""
         items = [item for item in prompts for _ in range(num_generations)]
-        enc = self.encode(items)
         fixed = self._prefix_ids(prefixes, len(items))
+        if self.agent is not None:  # multi-turn: generate, call tools, observe, continue
+            batch = self.agent.run(items, rollout, generator, fixed)
+            batch.group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+            return batch
+        enc = self.encode(items)
         self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
@@ -280,8 +309,9 @@ class VLMPolicy:
             )
             kwargs["image_grid_thw"] = grid[per_image > 0]
         for k, v in d.items():
-            if k.startswith("prompt/"):
-                kwargs[k[len("prompt/"):]] = torch.cat([v, v.new_zeros((len(batch), t))], dim=1)
+            if k.startswith("prompt/"):  # completion side: the rollout's values (tool images), else 0
+                side = d.get("completion/" + k[len("prompt/"):], v.new_zeros((len(batch), t)))
+                kwargs[k[len("prompt/"):]] = torch.cat([v, side.to(v.dtype)], dim=1)
         out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
         logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
@@ -307,18 +337,29 @@ class VLMPolicy:
 
     @torch.no_grad()
     def greedy(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64) -> list[str]:
-        texts: list[str] = []
+        return [s.completion for b in self.greedy_batches(items, max_new_tokens, batch_size) for s in b.samples]
+
+    @torch.no_grad()
+    def greedy_batches(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64) -> list[RolloutBatch]:
+        """Greedy decodes as batches (samples and rollout stats, e.g. tool calls), batch_size items each."""
+        out: list[RolloutBatch] = []
         for start in range(0, len(items), batch_size):
             chunk = items[start: start + batch_size]
+            if self.agent is not None:
+                settings = SimpleNamespace(max_new_tokens=max_new_tokens, stop=None)
+                out.append(self.agent.run(chunk, settings, None, greedy=True))
+                continue
             enc = self.encode(chunk)
             self._check_length(enc, chunk, max_new_tokens)
-            out = self.model.generate(
+            seqs = self.model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
             )
-            completion = out[:, enc["input_ids"].shape[1]:]
-            texts += self.decode(completion, self.completion_mask(completion))
-        return texts
+            completion = seqs[:, enc["input_ids"].shape[1]:]
+            texts = self.decode(completion, self.completion_mask(completion))
+            out.append(RolloutBatch(group_ids=torch.arange(len(chunk)),
+                                    samples=[to_sample(it, x) for it, x in zip(chunk, texts)]))
+        return out
 
     # ------------------------------------------------------------------ weights
 

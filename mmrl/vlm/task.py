@@ -40,21 +40,35 @@ class VLMTask:
         return self.train
 
     def evaluate(self, policy) -> dict[str, float]:
-        texts = policy.greedy(self.eval_items, self.max_new_tokens, self.batch_size)
+        batches = policy.greedy_batches(self.eval_items, self.max_new_tokens, self.batch_size)
+        texts = [s.completion for b in batches for s in b.samples]
         samples = [to_sample(it, t) for it, t in zip(self.eval_items, texts)]
         scores = self.reward.score(samples)
         out = {"reward": float(scores.total.mean())}
         for k, name in enumerate(scores.names):
             key = "accuracy" if name == "answer" else name
             out[key] = float(scores.values[:, k].mean())
+        if "stat/called" in batches[0].data:  # tool rollouts: how often the greedy answer used a tool
+            out["tool_call_rate"] = float(torch.cat([b.data["stat/called"] for b in batches]).mean())
         if self.rollout is not None and self.eval_samples > 0 and "answer" in scores.names:
-            gen = torch.Generator().manual_seed(1234)
-            per_batch = max(1, self.batch_size // self.eval_samples)
-            hits = []
-            for start in range(0, len(self.eval_items), per_batch):
-                batch = policy.generate(self.eval_items[start: start + per_batch], self.eval_samples,
-                                        self.rollout, gen)
-                sampled = self.reward.score(batch.samples)
-                hits.append(sampled.values[:, sampled.names.index("answer")])
-            out["sampled_accuracy"] = float(torch.cat(hits).mean())
+            out.update(self._sampled(policy))
+        return out
+
+    def _sampled(self, policy) -> dict[str, float]:
+        """eval_samples completions per item at the rollout temperature (a fixed seed):
+        sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate."""
+        k = self.eval_samples
+        gen = torch.Generator().manual_seed(1234)
+        per_batch = max(1, self.batch_size // k)
+        hits, called = [], []
+        for start in range(0, len(self.eval_items), per_batch):
+            batch = policy.generate(self.eval_items[start: start + per_batch], k, self.rollout, gen)
+            sampled = self.reward.score(batch.samples)
+            hits.append(sampled.values[:, sampled.names.index("answer")])
+            if "stat/called" in batch.data:
+                called.append(batch.data["stat/called"])
+        hits_t = torch.cat(hits).view(-1, k)  # [items, k]: rows of one item are contiguous
+        out = {"sampled_accuracy": float(hits_t.mean()), f"pass@{k}": float((hits_t > 0.5).any(-1).float().mean())}
+        if called:
+            out["sampled_tool_call_rate"] = float(torch.cat(called).mean())
         return out

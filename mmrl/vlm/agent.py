@@ -1,0 +1,363 @@
+"""Multi-turn tool rollouts: generate until a tool call or the end, run the tool, append its
+observation, continue (AXPO's environment loop; METHODS.md section 2).
+
+One rollout's completion is one token row in Qwen's chat format:
+
+    <model tokens ...><tool_call>{"name": ..., "arguments": {...}}</tool_call>        mask True
+    <|im_end|>\\n<|im_start|>user\\n<tool_response>\\n OBSERVATION \\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n                                              mask False
+    <model tokens ...><|im_end|>                                                     mask True
+
+OBSERVATION is the tool's text, or its image as <|vision_start|><|image_pad|>*k<|vision_end|>
+expanded by the processor. Observation tokens are attended (completion_attention) but carry
+no loss (mask False, old log-prob 0). Each turn's old log-probs come from that turn's
+generation logits, computed on the whole context so far, so they are exact. A turn ends at
+end-of-turn, at `</tool_call>` (a single token in Qwen vocabularies, so it is an extra stop
+id) or at rollout.max_new_tokens (the rollout is then truncated).
+
+Bad tool calls never stop a run: a malformed call, an unknown tool, wrong arguments, a tool
+that raises or outlasts its timeout all come back as an observation "error: ..." and the
+rollout goes on; they are counted (data["stat/tool_errors"]). Limits: tools.max_turns model
+turns and tools.max_tool_calls calls per rollout; a call past the limit gets an error
+observation instead of running.
+
+Extra data of a tool batch (beside VLMPolicy.generate's layout):
+    data["call_mask"]           [N, T] bool  tokens of the model's tool calls (<tool_call> .. </tool_call>)
+    data["first_call"]          [N] long     position of the first <tool_call> token, -1 if none
+    data["completion/<key>"]    [N, T]       per-token processor outputs on the completion side
+                                             (mm_token_type_ids: 1 on observation image tokens)
+    data["stat/tool_calls"], ["stat/tool_errors"], ["stat/turns"], ["stat/called"]   [N]
+Each sample's meta gets "tool_calls" and "tool_errors" (reward atoms may use them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
+
+_OBS_OPEN = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+_OBS_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+_TYPE_IDS = {"<|image_pad|>": 1, "<|video_pad|>": 2}  # mm_token_type_ids of vision placeholders
+
+
+@dataclass
+class _Row:
+    """One rollout in progress: its completion so far and its observation images."""
+
+    item: Any
+    ids: list[int] = field(default_factory=list)
+    train: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    pixels: list[Tensor] = field(default_factory=list)  # observation images' patch rows
+    grids: list[Tensor] = field(default_factory=list)  # their [1, 3] grids
+    call_spans: list[tuple[int, int]] = field(default_factory=list)
+    calls: int = 0
+    errors: Counter = field(default_factory=Counter)
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+
+
+class ToolRollout:
+    """The environment loop over a VLMPolicy and a ToolRegistry.
+
+    `cfg` is the rollout's tools section (max_turns, max_tool_calls)."""
+
+    def __init__(self, policy, registry: ToolRegistry, cfg):
+        self.policy = policy
+        self.registry = registry
+        self.cfg = cfg
+        tok = policy.tokenizer
+        self.open_id = _single_id(tok, TOOL_CALL_OPEN)
+        self.close_id = _single_id(tok, TOOL_CALL_CLOSE)
+        self.stop_ids = [policy.eos_id] + ([self.close_id] if self.close_id is not None else [])
+        self.type_ids = {i: v for t, v in _TYPE_IDS.items() if (i := _single_id(tok, t)) is not None}
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, items: Sequence[Any], rollout, generator: torch.Generator | None,
+            prefixes: list[list[int]] | None = None, greedy: bool = False) -> RolloutBatch:
+        """One rollout per item (repeat items for G per prompt); `prefixes`: fixed completion
+        starts (no loss). Sampling draws only from `generator` (None with greedy)."""
+        pol = self.policy
+        enc = pol.encode(items)
+        prefixes = prefixes or [[] for _ in items]
+        pol._check_length(enc, items, rollout.max_new_tokens + max(map(len, prefixes), default=0))
+        prompt = self._prompt_parts(enc, items)
+        rows = [_Row(item, ids=list(f), train=[False] * len(f), logp=[0.0] * len(f),
+                     entropy=[0.0] * len(f)) for item, f in zip(items, prefixes)]
+        room = pol.max_context or float("inf")
+        for _ in range(self.cfg.max_turns):
+            for i, r in enumerate(rows):  # a turn that could outgrow the context is not started
+                if not r.done and len(prompt[i]["ids"]) + len(r.ids) + rollout.max_new_tokens > room:
+                    r.done = r.truncated = True
+            active = [i for i, r in enumerate(rows) if not r.done]
+            if not active:
+                break
+            seed = None if greedy else int(torch.randint(0, 2**62, (1,), generator=generator))
+            new, logp, ent = self._generate(prompt, rows, active, rollout, seed, greedy)
+            for k, i in enumerate(active):
+                self._take_turn(rows[i], new[k], logp[k], ent[k], rollout)
+        for r in rows:
+            if not r.done:  # out of turns in the middle of a tool exchange
+                r.truncated = r.done = True
+        return self._batch(enc, items, rows)
+
+    def teacher(self, items: Sequence[Any], turns: Sequence[Sequence[str]]) -> RolloutBatch:
+        """Rollouts whose model turns are given as text (tool-use demonstrations for supervised
+        fine-tuning, or fixed transcripts to score): a turn that ends with a tool call gets the
+        tool's real observation; the last turn gets end-of-turn. Old log-probs are 0."""
+        if len(turns) != len(items):
+            raise ValueError(f"{len(turns)} transcripts for {len(items)} items")
+        tok = self.policy.tokenizer
+        enc = self.policy.encode(items)
+        rows = [_Row(item) for item in items]
+        unlimited = SimpleNamespace(max_new_tokens=float("inf"))
+        for row, texts in zip(rows, turns):
+            if len(texts) > self.cfg.max_turns:
+                raise ValueError(f"a transcript of {len(texts)} turns; tools.max_turns is {self.cfg.max_turns}")
+            for j, text in enumerate(texts):
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                ids += [self.policy.eos_id] if j == len(texts) - 1 else []
+                self._take_turn(row, ids, [0.0] * len(ids), [0.0] * len(ids), unlimited)
+        return self._batch(enc, items, rows)
+
+    def _take_turn(self, row: _Row, new: list[int], logp: list[float], ent: list[float], rollout) -> None:
+        row.turns += 1
+        start = len(row.ids)
+        row.ids += new
+        row.train += [True] * len(new)
+        row.logp += logp
+        row.entropy += ent
+        if not new or new[-1] not in self.stop_ids:  # a stop string or the token budget ended it
+            row.done, row.truncated = True, len(new) >= rollout.max_new_tokens
+            return
+        if new[-1] != self.close_id:
+            row.done = True
+            return
+        opened = [j for j, t in enumerate(new) if t == self.open_id]
+        row.call_spans.append((start + (opened[-1] if opened else 0), len(row.ids)))
+        text = self.policy.tokenizer.decode(new, skip_special_tokens=False)
+        if row.turns >= self.cfg.max_turns:  # no turn left to read an observation
+            row.done = row.truncated = True
+            return
+        if row.calls >= self.cfg.max_tool_calls:
+            content, kind = [f"error: at most {self.cfg.max_tool_calls} tool calls per answer"], "limit"
+        else:
+            result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
+            content, kind = result.content, result.kind
+        row.calls += 1
+        if kind != "ok":
+            row.errors[kind] += 1
+        self._observe(row, content)
+
+    def _observe(self, row: _Row, content: list) -> None:
+        """Append the observation tokens (and images) of one tool result."""
+        pol = self.policy
+        text, images = _OBS_OPEN, []
+        for part in content:
+            if isinstance(part, str):
+                text += part
+            else:
+                text += "<|vision_start|><|image_pad|><|vision_end|>"
+                images.append(part)
+        text += _OBS_CLOSE
+        if images:
+            resized = pol.resize_images(images)
+            out = pol.processor(text=[text], images=resized, return_tensors="pt")
+            row.pixels.append(out["pixel_values"])
+            row.grids.append(out["image_grid_thw"])
+            ids = out["input_ids"][0].tolist()
+        else:
+            ids = pol.tokenizer(text, add_special_tokens=False)["input_ids"]
+        row.ids += ids
+        row.train += [False] * len(ids)
+        row.logp += [0.0] * len(ids)
+        row.entropy += [0.0] * len(ids)
+
+    # ------------------------------------------------------------------ one turn for the active rows
+
+    def _prompt_parts(self, enc, items) -> list[dict]:
+        """Per item: its unpadded prompt ids, per-token processor outputs, image patches and grids."""
+        keep = enc["attention_mask"].bool()
+        per_token = [k for k, v in enc.items() if _per_token(k, v, enc)]
+        grid = enc.get("image_grid_thw")
+        counts = [len(it.images) for it in items]
+        patches = grid.prod(-1).tolist() if grid is not None else []
+        parts, start, img = [], 0, 0
+        for i, c in enumerate(counts):
+            n = sum(patches[img: img + c])
+            parts.append({
+                "ids": enc["input_ids"][i][keep[i]],
+                "tokens": {k: enc[k][i][keep[i]] for k in per_token},
+                "pixels": enc["pixel_values"][start: start + n] if n else None,
+                "grid": grid[img: img + c] if c else None,
+            })
+            start, img = start + n, img + c
+        return parts
+
+    def _generate(self, prompt, rows, active, rollout, seed, greedy):
+        pol = self.policy
+        seqs, token_keys = [], {}
+        pixels, grids = [], []
+        for i in active:
+            p, r = prompt[i], rows[i]
+            comp = torch.tensor(r.ids, dtype=torch.long)
+            seqs.append(torch.cat([p["ids"], comp]))
+            for k, v in p["tokens"].items():
+                token_keys.setdefault(k, []).append(torch.cat([v, self._completion_values(k, comp, v.dtype)]))
+            if p["pixels"] is not None:
+                pixels.append(p["pixels"])
+                grids.append(p["grid"])
+            pixels += r.pixels
+            grids += r.grids
+        width = max(len(s) for s in seqs)
+        inputs = {"input_ids": torch.full((len(seqs), width), pol.pad_id, dtype=torch.long),
+                  "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long)}
+        for k, vs in token_keys.items():
+            inputs[k] = torch.zeros((len(seqs), width), dtype=vs[0].dtype)
+        for j, s in enumerate(seqs):  # left padding
+            inputs["input_ids"][j, width - len(s):] = s
+            inputs["attention_mask"][j, width - len(s):] = 1
+            for k, vs in token_keys.items():
+                inputs[k][j, width - len(s):] = vs[j]
+        if pixels:
+            inputs["pixel_values"] = torch.cat(pixels)
+            inputs["image_grid_thw"] = torch.cat(grids)
+        sampling = ({"do_sample": False} if greedy else
+                    {"do_sample": True, "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": 0})
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = pol.model.generate(
+                **inputs, **sampling, max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True,
+                output_logits=True, eos_token_id=self.stop_ids, pad_token_id=pol.pad_id,
+                suppress_tokens=pol.banned_ids or None, **pol._stop_kwargs(getattr(rollout, "stop", None)),
+            )
+        new = out.sequences[:, width:]  # [A, t]
+        temperature = 1.0 if greedy else rollout.temperature
+        logp_all = (pol._ban(torch.stack(out.logits, dim=1).float()) / temperature).log_softmax(-1)
+        logp = logp_all.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
+        lengths = _turn_lengths(new, self.stop_ids, pol.pad_id)
+        return ([new[j, :n].tolist() for j, n in enumerate(lengths)],
+                [logp[j, :n].tolist() for j, n in enumerate(lengths)],
+                [ent[j, :n].tolist() for j, n in enumerate(lengths)])
+
+    def _completion_values(self, key: str, comp: Tensor, dtype) -> Tensor:
+        """A per-token processor output on completion tokens: vision placeholders typed, text 0."""
+        out = torch.zeros(len(comp), dtype=dtype)
+        if key == "mm_token_type_ids":
+            for tid, v in self.type_ids.items():
+                out[comp == tid] = v
+        return out
+
+    # ------------------------------------------------------------------ the batch
+
+    def _batch(self, enc, items, rows: list[_Row]) -> RolloutBatch:
+        from mmrl.vlm.policy import to_sample
+
+        pol = self.policy
+        n, t = len(rows), max(1, max(len(r.ids) for r in rows))
+        completion = torch.full((n, t), pol.pad_id, dtype=torch.long)
+        present = torch.zeros((n, t), dtype=torch.bool)
+        mask = torch.zeros((n, t), dtype=torch.bool)
+        old_logp = torch.zeros((n, t))
+        entropy = torch.zeros((n, t))
+        call_mask = torch.zeros((n, t), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            k = len(r.ids)
+            completion[i, :k] = torch.tensor(r.ids, dtype=torch.long)
+            present[i, :k] = True
+            mask[i, :k] = torch.tensor(r.train, dtype=torch.bool)
+            old_logp[i, :k] = torch.tensor(r.logp)
+            entropy[i, :k] = torch.tensor(r.entropy)
+            for a, b in r.call_spans:
+                call_mask[i, a:b] = True
+        first_call = torch.tensor([r.call_spans[0][0] if r.call_spans else -1 for r in rows])
+        texts = pol.decode(completion, present)
+        samples = []
+        for item, text, r in zip(items, texts, rows):
+            s = to_sample(item, text)
+            s.meta.update(tool_calls=r.calls, tool_errors=sum(r.errors.values()))
+            samples.append(s)
+        prompt_rows = pol._prompt_rows(enc, items)
+        prompt_rows.update(self._vision_rows(self._prompt_parts(enc, items), rows))
+        completion_keys = {f"completion/{k}": torch.stack([self._completion_values(k, c, v.dtype) for c in completion])
+                           for k, v in enc.items() if _per_token(k, v, enc)}
+        lengths = mask.sum(-1)
+        return RolloutBatch(
+            group_ids=torch.arange(n),
+            samples=samples,
+            mask=mask,
+            old_logp=old_logp.masked_fill(~mask, 0.0),
+            data={
+                **prompt_rows,
+                "completion_ids": completion,
+                "completion_attention": present,
+                **completion_keys,
+                "call_mask": call_mask,
+                "first_call": first_call,
+                "stat/length": lengths.float(),
+                "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
+                "stat/truncated": torch.tensor([float(r.truncated) for r in rows]),
+                "stat/tool_calls": torch.tensor([float(r.calls) for r in rows]),
+                "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
+                "stat/tool_errors": torch.tensor([float(sum(r.errors.values())) for r in rows]),
+                "stat/turns": torch.tensor([float(r.turns) for r in rows]),
+            },
+        )
+
+    @staticmethod
+    def _vision_rows(parts: list[dict], rows: list[_Row]) -> dict[str, Tensor]:
+        """Each sample's image patches and grids: its prompt images, then its observation images."""
+        pix = [[p["pixels"]] if p["pixels"] is not None else [] for p in parts]
+        grd = [[p["grid"]] if p["grid"] is not None else [] for p in parts]
+        for i, r in enumerate(rows):
+            pix[i] += r.pixels
+            grd[i] += r.grids
+        if not any(pix):
+            return {}
+        dim = next(x for ps in pix for x in ps).shape[-1]
+        pix = [torch.cat(ps) if ps else torch.zeros((0, dim)) for ps in pix]
+        grd = [torch.cat(gs) if gs else torch.zeros((0, 3), dtype=torch.long) for gs in grd]
+        pixel = torch.zeros((len(rows), max(len(p) for p in pix), dim), dtype=pix[0].dtype)
+        thw = torch.zeros((len(rows), max(1, max(len(g) for g in grd)), 3), dtype=grd[0].dtype)
+        for i, (p, g) in enumerate(zip(pix, grd)):
+            pixel[i, : len(p)] = p
+            thw[i, : len(g)] = g
+        return {"pixel_values": pixel, "image_grid_thw": thw}
+
+
+def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int) -> list[int]:
+    """Tokens of each row's turn: up to and including its first stop id, else up to the
+    last non-pad token (generate pads rows that ended early, e.g. on a stop string)."""
+    out = []
+    for row in new.tolist():
+        cut = next((j + 1 for j, tok in enumerate(row) if tok in stop_ids), None)
+        if cut is None:
+            cut = len(row)
+            while cut > 0 and row[cut - 1] == pad_id:
+                cut -= 1
+        out.append(cut)
+    return out
+
+
+def _single_id(tok, text: str) -> int | None:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else None
+
+
+def _per_token(key: str, value: Any, enc) -> bool:
+    return (key not in ("input_ids", "attention_mask") and torch.is_tensor(value)
+            and value.shape == enc["input_ids"].shape)

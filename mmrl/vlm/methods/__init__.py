@@ -1,0 +1,3 @@
+"""The vision-language methods; importing this package registers them with the core loop."""
+
+from mmrl.vlm.methods import axpo  # noqa: F401

@@ -1,0 +1,130 @@
+"""Rebuild the bundled tool-using tiny VLM (assets/tiny-qwen2.5-vl-tools) deterministically.
+
+Starts from the bundled tiny Qwen2.5-VL (assets/tiny-qwen2.5-vl) and briefly supervises it on
+shapes-zoom (one small shape per quadrant of a 448-px image; the model sees 112 px) with a mix
+of demonstrations:
+    with probability --p-tool:  <tool_call>{"name": "zoom", ...quadrant box...}</tool_call>
+                                [observation: the crop]  a red circle <answer>circle</answer>
+    otherwise:                  a red square <answer>square</answer>      (the colour, a guessed shape)
+Loss on the model's tokens only (the observation is masked), through the same multi-turn
+layout the rollouts use (ToolRollout.teacher). Brief on purpose: the result calls the tool
+sometimes but not reliably (AXPO's "thinking-acting gap"), which is what RL should fix.
+
+    python scripts/pretrain_tiny_tool_vlm.py --out assets/tiny-qwen2.5-vl-tools
+
+At the end it reports, on held-out items sampled at temperature 1: the tool-call rate, the
+accuracy of rollouts that called the tool and of those that did not (so the zoom's value is
+measured, not assumed), and greedy accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
+from mmrl.vlm.models import bundled_model_dir, load_vlm
+from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.task import VLMTask
+from mmrl.vlm.tasks.scenes import SHAPES, Scene
+from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, shape_in, shapes_zoom_reward, zoom_call
+from mmrl.vlm.tools import build_registry
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="assets/tiny-qwen2.5-vl-tools")
+    ap.add_argument("--base", default=None, help="starting model (default: the bundled tiny Qwen2.5-VL)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--p-tool", type=float, default=0.4, help="share of demonstrations that use the zoom tool")
+    ap.add_argument("--num-train", type=int, default=2000)
+    ap.add_argument("--num-val", type=int, default=64)
+    ap.add_argument("--eval-samples", type=int, default=4)
+    return ap
+
+
+def demonstration(item, rng: random.Random, p_tool: float) -> list[str]:
+    """A zoom call then the answer; or, without the tool, a guess: the colour (readable at
+    112 px) and a random shape. Training a no-tool answer on the true shape would teach the
+    model to recall training images instead of looking."""
+    shape = shape_in(Scene.from_dict(item.meta["scene"]), item.meta["params"]["quadrant"])
+    if rng.random() < p_tool:
+        return [zoom_call(item.meta["zoom_box"]), f"a {shape.colour} {shape.shape} <answer>{item.answer}</answer>"]
+    if item.meta["kind"] != "shape_at":
+        return [f"a {shape.colour} {shape.shape} <answer>{item.answer}</answer>"]
+    guess = rng.choice(SHAPES)
+    return [f"a {shape.colour} {guess} <answer>{guess}</answer>"]
+
+
+def split_accuracy(policy: VLMPolicy, task: VLMTask, items, rollout, k: int) -> dict[str, float]:
+    """Sampled rollouts on held-out items: tool-call rate, accuracy with and without a call."""
+    gen = torch.Generator().manual_seed(1234)
+    called, right = [], []
+    for start in range(0, len(items), 8):
+        batch = policy.generate(items[start: start + 8], k, rollout, gen)
+        scores = task.reward.score(batch.samples)
+        called.append(batch.data["stat/called"] > 0)
+        right.append(scores.values[:, scores.names.index("answer")] > 0.5)
+    c, r = torch.cat(called), torch.cat(right)
+    return {"tool_call_rate": float(c.float().mean()), "accuracy": float(r.float().mean()),
+            "accuracy_with_tool": float(r[c].float().mean()) if c.any() else float("nan"),
+            "accuracy_without_tool": float(r[~c].float().mean()) if (~c).any() else float("nan")}
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    data = ShapesZoom(seed=0, num_train=args.num_train, num_eval=1)
+    train = data.train_items()
+    val = ShapesZoom(seed=1, num_train=1, num_eval=args.num_val).eval_items()  # not the RL run's eval set
+    tools_cfg = ToolsConfig(names=["zoom"], schema_in_prompt=False)
+    mcfg = VLMModelConfig(path=args.base or str(bundled_model_dir()))
+    model, processor = load_vlm(mcfg)
+    policy = VLMPolicy(model, processor, min_pixels=mcfg.min_pixels, max_pixels=mcfg.max_pixels,
+                       tools=build_registry(tools_cfg.names), tools_cfg=tools_cfg)
+    rollout = VLMTrainConfig().rollout.model_copy(update={"max_new_tokens": 64, "tools": tools_cfg})
+    task = VLMTask("shapes-zoom", train, val, shapes_zoom_reward(), max_new_tokens=64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(args.seed)
+    started, history = time.perf_counter(), []
+    print(f"{sum(p.numel() for p in params):,} parameters; {len(train)} train items", file=sys.stderr)
+    for step in range(1, args.steps + 1):
+        model.train()
+        idx = torch.randint(len(train), (args.batch_size,), generator=g).tolist()
+        items = [train[i] for i in idx]
+        batch = policy.agent.teacher(items, [demonstration(it, rng, args.p_tool) for it in items])
+        logp = policy.logprobs(batch)
+        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 25 == 0:
+            history.append({"step": step, "loss": float(loss.detach())})
+            print(f"step {step}: loss {float(loss.detach()):.3f}", file=sys.stderr)
+    model.eval()
+    with torch.no_grad():
+        final = {**split_accuracy(policy, task, val, rollout, args.eval_samples),
+                 "greedy": task.evaluate(policy)}
+    print(json.dumps(final, indent=1), file=sys.stderr)
+    out = Path(args.out)
+    policy.save_pretrained(out)
+    record = {"command": "python " + " ".join(sys.argv), "args": vars(args), "steps": args.steps,
+              "seconds": time.perf_counter() - started, "final": final, "history": history}
+    (out / "pretrain.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,435 @@
+"""FastRL (mmrl/core/fastrl.py): MDAP's n-gram pruning and ARS's adaptive group size, with
+values worked out by hand, then the GRPO method's hooks and runs of the loop on the toy
+backend (tests/toy.py): pruning, a group size that changes at an epoch boundary, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import toy
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.checkpoint import list_checkpoints
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.fastrl import (
+    AdaptiveGroupSize,
+    advantage_sets,
+    jaccard_distance,
+    mdap_keep,
+    ngrams,
+    sample_advantages,
+    sequences_of,
+)
+from mmrl.core.logging import read_metrics
+from mmrl.core.method import build_method
+from mmrl.core.rewards import Sample
+from mmrl.core.trainer import Trainer
+
+T, F = True, False
+
+
+def keep_list(*args, **kwargs) -> list[bool]:
+    return mdap_keep(*args, **kwargs).tolist()
+
+
+# ---------------------------------------------------------------------------- n-grams, Jaccard
+
+
+def test_ngrams():
+    assert ngrams([1, 2, 3], 2) == {(1, 2), (2, 3)}
+    assert ngrams([1, 2, 3], 1) == {(1,), (2,), (3,)}
+    assert ngrams(["a", "b", "a", "b"], 2) == {("a", "b"), ("b", "a")}  # repeats count once
+    assert ngrams([7], 2) == {(7,)}  # shorter than n: the whole sequence
+    assert ngrams([4, 5], 3) == {(4, 5)}
+    assert ngrams([], 2) == set()
+
+
+def test_jaccard_distance():
+    a, b = ngrams([1, 2, 3], 2), ngrams([1, 2, 4], 2)  # {12, 23} vs {12, 24}
+    assert jaccard_distance(a, b) == pytest.approx(2 / 3)  # 1 - |{12}| / |{12, 23, 24}|
+    assert jaccard_distance(a, a) == 0.0
+    assert jaccard_distance(a, {(9, 9)}) == 1.0  # disjoint
+    assert jaccard_distance(set(), set()) == 0.0  # two empty completions are the same
+    assert jaccard_distance(set(), a) == 1.0
+    assert jaccard_distance(a, b) == jaccard_distance(b, a)
+
+
+# ---------------------------------------------------------------------------- advantage sets
+
+
+def test_advantage_sets_group_equal_advantages_in_index_order():
+    adv = torch.tensor([0.5, -0.5, 0.5, 0.50005, -0.5])  # 0.50005 is within 1e-4 of 0.5
+    assert advantage_sets(adv) == [[0, 2, 3], [1, 4]]
+    assert advantage_sets(torch.zeros(4)) == [[0, 1, 2, 3]]  # a zero-variance group: one set
+    assert advantage_sets(torch.tensor([1.0, 2.0, 3.0])) == [[0], [1], [2]]
+
+
+def test_advantage_sets_compare_with_the_first_member():
+    # 8e-5 is within 1e-4 of 0 (joins); 1.6e-4 is not within 1e-4 of the set's first, 0,
+    # though it is within 1e-4 of 8e-5: it starts a set of its own.
+    adv = torch.tensor([0.0, 8e-5, 1.6e-4], dtype=torch.float64)
+    assert advantage_sets(adv) == [[0, 1], [2]]
+    assert advantage_sets(adv, tol=1e-3) == [[0, 1, 2]]
+
+
+def test_sample_advantages_of_token_level_advantages():
+    adv = torch.tensor([[1.0, 3.0, 5.0], [2.0, 2.0, 0.0]])  # [N, T]
+    mask = torch.tensor([[T, T, F], [T, F, F]])
+    assert sample_advantages(adv, mask).tolist() == [2.0, 2.0]  # (1 + 3) / 2, 2 / 1
+    assert sample_advantages(adv).tolist() == pytest.approx([3.0, 4 / 3])  # no mask: every position
+    assert sample_advantages(torch.tensor([0.5, -0.5])).tolist() == [0.5, -0.5]
+
+
+# ---------------------------------------------------------------------------- MDAP
+
+
+def test_identical_completions_of_one_advantage_keep_one():
+    assert keep_list(torch.zeros(4), [[1, 2, 3]] * 4) == [T, F, F, F]
+
+
+def test_diverse_completions_are_all_kept():
+    # bigram sets {12}, {34}, {56}, {78}: pairwise disjoint, theta = 1 >= 0.8
+    assert keep_list(torch.zeros(4), [[1, 2], [3, 4], [5, 6], [7, 8]]) == [T, T, T, T]
+
+
+def test_advantage_sets_are_pruned_independently():
+    # two sets {0, 1} (A = 1) and {2, 3} (A = -1); a completion is only compared inside its set
+    assert keep_list(torch.tensor([1.0, 1.0, -1.0, -1.0]), [[1, 2, 3]] * 4) == [T, F, T, F]
+
+
+def test_tau_is_the_similarity_threshold():
+    # bigrams {12, 23, 34} vs {12, 23, 35}: theta = 1 - 2/4 = 0.5
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    assert keep_list(torch.zeros(2), seqs, tau=0.8) == [T, F]  # 0.5 < 0.8: too similar
+    assert keep_list(torch.zeros(2), seqs, tau=0.5) == [T, T]  # 0.5 < 0.5 is false: kept
+    # trigrams {123, 234} vs {123, 235}: theta = 1 - 1/3 = 2/3, more apart than with bigrams
+    assert keep_list(torch.zeros(2), seqs, tau=0.6, n=3) == [T, T]  # 2/3 >= 0.6
+    assert keep_list(torch.zeros(2), seqs, tau=0.6, n=2) == [T, F]  # 0.5 < 0.6
+    assert keep_list(torch.zeros(2), seqs, tau=0.7, n=3) == [T, F]  # 2/3 < 0.7
+
+
+def test_only_kept_samples_are_compared():
+    # o1 ({23, 34}) is close to o0 ({12, 23}): theta = 1 - 1/3 < 0.8, dropped. o2 ({34, 45})
+    # is as close to o1, but o1 was dropped; against the kept o0 it is disjoint: kept.
+    assert keep_list(torch.zeros(3), [[1, 2, 3], [2, 3, 4], [3, 4, 5]]) == [T, F, T]
+
+
+def test_tau_zero_keeps_everything():
+    assert keep_list(torch.zeros(4), [[1, 2, 3]] * 4, tau=0.0) == [T, T, T, T]
+
+
+def test_padding_re_adds_the_dropped_samples_of_highest_abs_advantage():
+    adv = torch.tensor([1.0, 1.0, -0.5, -0.5, -0.5, 0.0])  # sets {0, 1}, {2, 3, 4}, {5}
+    seqs = [[7, 7]] * 6  # all identical: each set keeps its first -> 0, 2, 5 (3 samples)
+    assert keep_list(adv, seqs) == [T, F, T, F, F, T]
+    # to 4: the dropped ones are 1 (|A| = 1), 3 and 4 (|A| = 0.5): 1 comes back
+    assert keep_list(adv, seqs, multiple=2) == [T, T, T, F, F, T]
+    assert keep_list(adv, seqs, multiple=4) == [T, T, T, F, F, T]
+    # to 5: 1, then 3 (ties in |A| go to the lower index)
+    assert keep_list(adv, seqs, multiple=5) == [T, T, T, T, F, T]
+    assert keep_list(adv, seqs, multiple=3) == [T, F, T, F, F, T]  # already a multiple
+
+
+def test_padding_never_exceeds_the_group():
+    seqs = [[1, 2], [1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]  # 5 kept
+    assert keep_list(torch.zeros(6), seqs) == [T, F, T, T, T, T]
+    assert keep_list(torch.zeros(6), seqs, multiple=4) == [T] * 6  # 8 > 6: all of them
+
+
+def test_mdap_invariants_on_random_groups():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        g = int(torch.randint(1, 10, (1,), generator=gen))
+        adv = torch.randint(-1, 2, (g,), generator=gen).float()
+        seqs = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(g)]
+        multiple = int(torch.randint(1, 4, (1,), generator=gen))
+        keep = mdap_keep(adv, seqs, multiple=multiple)
+        assert keep.dtype == torch.bool and keep.shape == (g,)
+        for members in advantage_sets(adv):
+            assert keep[members].any()  # every set keeps >= 1: its first
+            assert keep[members[0]]
+        k = int(keep.sum())
+        assert k % multiple == 0 or k == g
+        assert mdap_keep(adv, seqs, tau=0.0).all()
+
+
+def test_mdap_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="2 advantages but 3 sequences"):
+        mdap_keep(torch.zeros(2), [[1], [2], [3]])
+
+
+# ---------------------------------------------------------------------------- what is compared
+
+
+def test_sequences_of_uses_the_trained_token_ids():
+    batch = RolloutBatch(
+        group_ids=torch.zeros(2, dtype=torch.long),
+        samples=[Sample(0, "ignored"), Sample(0, "ignored")],
+        mask=torch.tensor([[T, T, T], [T, T, F]]),
+        data={"completion_ids": torch.tensor([[5, 6, 7], [8, 9, 0]])},
+    )
+    assert sequences_of(batch) == [[5, 6, 7], [8, 9]]  # the padding 0 is not trained
+
+
+def test_sequences_of_falls_back_to_the_completion():
+    batch = RolloutBatch(group_ids=torch.zeros(2, dtype=torch.long),
+                         samples=[Sample(0, "the cat  sat"), Sample(0, [3, 11])])
+    assert sequences_of(batch) == [["the", "cat", "sat"], [3, 11]]
+
+
+# ---------------------------------------------------------------------------- ARS
+
+
+def ars_after(*epochs: list[int], base: int = 8, min_size: int = 2) -> AdaptiveGroupSize:
+    ars = AdaptiveGroupSize(base, min_size)
+    for kept in epochs:
+        for k in kept:
+            ars.record(k)
+    return ars
+
+
+def test_first_boundary_compares_the_epoch_with_itself():
+    # |S(q)| = 4, 6, 8: mean 6, max 8; G'ref = (6 + 8) / 2 = 7 (no previous epoch yet)
+    # alpha = 9/10: G't = 0.9 * 6 + 0.1 * 8 = 6.2 < 7 -> n = round(8 - 0.8) = 7
+    assert ars_after([4, 6, 8]).next_size(9, 10) == 7
+    # alpha = 1/4: G't = 0.25 * 6 + 0.75 * 8 = 7.5 >= 7 -> G_1
+    assert ars_after([4, 6, 8]).next_size(1, 4) == 8
+    # alpha = 1/2: G't = 7 = G'ref, not smaller -> G_1
+    assert ars_after([4, 6, 8]).next_size(5, 10) == 8
+
+
+def test_later_boundary_uses_the_epoch_before():
+    ars = ars_after([4, 6, 8])
+    assert ars.next_size(1, 10) == 8  # alpha 0.1: G't = 7.8 >= 7
+    for k in (2, 3, 4):  # the next epoch: mean 3, max 4
+        ars.record(k)
+    # G'ref = (6 + 8) / 2 = 7 from the epoch before; alpha = 6/10: G't = 0.6 * 3 + 0.4 * 4 = 3.4
+    # n = round(8 - (7 - 3.4)) = round(4.4) = 4
+    assert ars.next_size(6, 10) == 4
+    for k in (3, 3):  # mean 3, max 3; G'ref = (3 + 4) / 2 = 3.5 of (2, 3, 4)
+        ars.record(k)
+    # alpha = 8/10: G't = 3 < 3.5 -> n = round(8 - 0.5) = round(7.5) = 8 (ties to even)
+    assert ars.next_size(8, 10) == 8
+    for k in (1, 1):
+        ars.record(k)
+    # G'ref = (3 + 3) / 2 = 3; G't = 1 -> round(8 - 2) = 6: the base is always G_1, not the last n
+    assert ars.next_size(9, 10) == 6
+
+
+def test_the_group_never_shrinks_below_the_minimum():
+    ars = ars_after([8, 8])
+    ars.next_size(5, 10)
+    ars.record(1)
+    # G'ref = 8, G't = 1: round(8 - 7) = 1 -> 2
+    assert ars.next_size(9, 10) == 2
+    ars = ars_after([8, 8], min_size=3)
+    ars.next_size(5, 10)
+    ars.record(1)
+    assert ars.next_size(9, 10) == 3
+
+
+def test_an_epoch_without_groups_keeps_g1_and_the_statistics():
+    ars = ars_after([4, 6, 8])
+    assert ars.next_size(3, 10) == 8  # alpha 0.3: G't = 7.4 >= 7
+    before = ars.state_dict()
+    assert ars.next_size(9, 10) == 8  # nothing recorded since
+    assert ars.state_dict() == before == {"current": {"groups": 0, "kept": 0, "max": 0},
+                                          "previous": {"groups": 3, "kept": 18, "max": 8}}
+
+
+def test_ars_state_round_trips_through_json():
+    a = ars_after([4, 6, 8])
+    a.next_size(1, 10)
+    a.record(2)
+    a.record(5)
+    b = AdaptiveGroupSize(8)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    assert b.next_size(7, 10) == a.next_size(7, 10)
+    assert b.state_dict() == a.state_dict()
+
+
+# ---------------------------------------------------------------------------- the method
+
+
+def toy_config(tmp_path, *overrides, name="run"):
+    return load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                       overrides=[f"output_dir={tmp_path / name}", *overrides])
+
+
+def test_grpo_without_fastrl_prunes_nothing(tmp_path):
+    cfg = toy_config(tmp_path)
+    method = build_method(cfg, toy.ToyTask().reward)
+    group = RolloutBatch(group_ids=torch.zeros(2, dtype=torch.long), samples=[Sample(0, [1]), Sample(0, [1])],
+                         advantages=torch.zeros(2))
+    assert method.prune(group) is None
+    assert method.group_size(1, 8) == 8
+    assert method.state_dict() == {}
+
+
+def test_grpo_with_fastrl_prunes_with_mdap_and_records_the_kept_count(tmp_path):
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=4", "train.max_steps=10")
+    method = build_method(cfg, toy.ToyTask().reward)
+    group = RolloutBatch(
+        group_ids=torch.zeros(4, dtype=torch.long),
+        samples=[Sample(0, c) for c in ([1, 2, 3], [1, 2, 3], [4, 5, 6], [1, 2, 3])],
+        mask=torch.ones(4, 2, dtype=torch.bool),
+        advantages=torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [-3.0, -3.0]]),  # [N, T]
+    )
+    # sets {0, 1, 2} (A = 1) and {3} (A = -3); 1 repeats 0: dropped
+    assert method.prune(group).tolist() == [T, F, T, T]
+    assert method.state_dict() == {"ars": {"current": {"groups": 1, "kept": 3, "max": 3}, "previous": None}}
+    method.step = 9  # alpha 0.9 of max_steps 10: G't = 3 = G'ref -> G_1
+    assert method.group_size(1, 4) == 4
+    assert method.state_dict()["ars"]["previous"] == {"groups": 1, "kept": 3, "max": 3}
+
+
+def _rank(rank, port, tmp, out):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = toy_config(tmp, "method.fastrl.enabled=true", "rollout.num_generations=4", "train.max_steps=10")
+        method = build_method(cfg, toy.ToyTask().reward)
+        seqs = [[1, 2]] * 4 if rank == 0 else [[1, 2], [3, 4], [5, 6], [7, 8]]  # keeps 1 (+1 pad) / 4
+        group = RolloutBatch(group_ids=torch.zeros(4, dtype=torch.long), samples=[Sample(0, c) for c in seqs],
+                             advantages=torch.zeros(4))
+        keep = method.prune(group).tolist()
+        method.step = 9
+        size = method.group_size(1, 4)
+        torch.save({"keep": keep, "size": size, "state": method.state_dict()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_share_the_kept_counts(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(port, tmp_path, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert ranks[0]["keep"] == [T, T, F, F]  # 1 kept, padded to a multiple of the 2 processes
+    assert ranks[1]["keep"] == [T, T, T, T]
+    # both ranks saw |S(q)| = 2 and 4: mean 3, max 4; alpha 0.9: G't = 3.1 < G'ref = 3.5
+    # -> n = round(4 - 0.4) = 4, and the same statistics on both
+    assert ranks[0]["size"] == ranks[1]["size"] == 4
+    assert ranks[0]["state"] == ranks[1]["state"] == {
+        "ars": {"current": {"groups": 0, "kept": 0, "max": 0}, "previous": {"groups": 2, "kept": 6, "max": 4}}}
+
+
+def test_fastrl_config_bounds(tmp_path):
+    with pytest.raises(ConfigError, match="method.fastrl.tau"):
+        toy_config(tmp_path, "method.fastrl.tau=1.5")
+    with pytest.raises(ConfigError, match="method.fastrl.ngram"):
+        toy_config(tmp_path, "method.fastrl.ngram=0")
+    with pytest.raises(ConfigError, match="did you mean 'method.fastrl.tau'"):
+        toy_config(tmp_path, "method.fastrl.taus=0.5")
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+class CollapsedToy(toy.ToyPolicy):
+    """The toy policy, collapsed on even digits: there every sample is the same wrong
+    answer ((d + 5) mod 10, repeated), so all its samples share one advantage and MDAP keeps
+    one of them. Odd digits sample as usual. Deterministic however rollouts are split."""
+
+    def generate(self, prompts, num_generations, rollout, generator):
+        batch = super().generate(prompts, num_generations, rollout, generator)
+        ids = batch.data["input_ids"].clone()  # [N, 2 + T]
+        for row, s in enumerate(batch.samples):
+            if s.prompt % 2 == 0:
+                ids[row, 2:] = (s.prompt + 5) % 10
+        batch.data["input_ids"] = ids
+        batch.samples = [Sample(s.prompt, ids[row, 2:].tolist()) for row, s in enumerate(batch.samples)]
+        with torch.no_grad():
+            batch.old_logp = self.logprobs(batch)
+        return batch
+
+    def reference(self):  # a background engine's frozen copy collapses too
+        return CollapsedToy(model=super().reference().model)
+
+
+# 10 prompts, 5 per step: a data epoch is 2 steps; steps 2, 4, 6 and 8 start epochs 1-4
+# (alpha = 0.2, 0.4, 0.6, 0.8 of 10 steps).
+FASTRL = ("method.fastrl.enabled=true", "rollout.prompts_per_step=5", "train.max_steps=10")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_fastrl_prunes_and_shrinks_the_group_at_an_epoch_boundary(tmp_path):
+    cfg = toy_config(tmp_path, *FASTRL)
+    trainer = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    sizes = [r["rollout/group_size"] for r in rows]
+    for r in rows:  # what was pruned plus what trained is the whole round
+        assert r["rollout/samples"] + r["rollout/samples_pruned"] == 5 * r["rollout/group_size"]
+    for a, b in zip(rows[0::2], rows[1::2]):  # an epoch: the 5 even digits lose all but one sample
+        assert a["rollout/samples_pruned"] + b["rollout/samples_pruned"] >= 5 * (a["rollout/group_size"] - 1)
+    assert sizes[0] == 8 and min(sizes) < 8  # ARS shrank G ...
+    changes = [s for s in range(1, 10) if sizes[s] != sizes[s - 1]]
+    assert changes and set(changes) <= {2, 4, 6, 8}  # ... and only where a data epoch begins
+    assert all(s >= 2 for s in sizes)
+    assert trainer.num_generations == sizes[-1]
+    assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in rows)
+
+
+def test_fastrl_crash_then_resume_equals_uninterrupted(tmp_path):
+    """The run dies in step 9, after the checkpoint at step 7, half-way through epoch 3: the
+    resumed run needs the saved kept counts (epoch 2, and step 6 of epoch 3) to pick the same
+    group size at step 8 and to end with the same statistics."""
+    args = (*FASTRL, "train.save_every=7")
+    cfg = toy_config(tmp_path, *args, name="full")
+    full = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    full.train()
+
+    cfg = toy_config(tmp_path, *args, name="crash")
+    crashing = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    calls = {"n": 0}
+    generate = crashing.policy.generate
+
+    def dying_generate(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt("simulated kill")
+        return generate(*a, **kw)
+
+    crashing.policy.generate = dying_generate
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    assert [s for s, _ in list_checkpoints(tmp_path / "crash" / "checkpoints")] == [7]
+
+    resumed = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    resumed.train(resume=True)
+    for k, v in full.policy.model.state_dict().items():
+        assert torch.equal(v, resumed.policy.model.state_dict()[k]), k
+    full_rows = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert comparable(full_rows) == comparable(read_metrics(tmp_path / "crash" / "metrics.jsonl"))
+    assert min(r["rollout/group_size"] for r in full_rows[7:]) < 8  # G changed after the checkpoint
+    assert resumed.method.state_dict() == full.method.state_dict()
+
+
+def test_fastrl_prunes_in_the_pipelined_scheduler(tmp_path):
+    cfg = toy_config(tmp_path, *FASTRL, "train.max_steps=2", "rollout.scheduler.mode=pipelined",
+                     "train.mini_batches=5")
+    trainer = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/updates"] for r in rows] == [5, 5]  # one optimizer step per group
+    assert all(r["rollout/samples"] + r["rollout/samples_pruned"] == 5 * 8 for r in rows)
+    assert sum(r["rollout/samples_pruned"] for r in rows) >= 5 * 7  # one epoch: 5 collapsed groups
+    assert trainer.method.ars.state_dict()["current"]["groups"] == 10

@@ -1,0 +1,214 @@
+"""Multi-turn tool rollouts (mmrl.vlm.agent) on a tiny real Qwen2.5-VL.
+
+The model's turns are scripted (a wrapper around the real model's forward picks the
+tokens, and reports the real logits), so a test decides when the model calls a tool
+and what it writes, while the log-probs, images and masks are the real thing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
+from mmrl.vlm.models import load_vlm
+from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, zoom_call
+from mmrl.vlm.tiny import FAMILIES, build_tiny_vlm
+from mmrl.vlm.tools import ToolRegistry, build_registry
+
+ITEMS = ShapesZoom(seed=0, num_train=4, num_eval=2).train_items()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    build_tiny_vlm(request.param, out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen25_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen2_5_vl")
+    build_tiny_vlm("qwen2_5_vl", out, seed=0)
+    return out
+
+
+def make_policy(path, registry=None, **tools) -> VLMPolicy:
+    mcfg = VLMModelConfig(path=str(path))
+    model, processor = load_vlm(mcfg)
+    cfg = ToolsConfig(schema_in_prompt=False, **tools)
+    registry = registry if registry is not None else build_registry(["zoom", "calculator"], timeout=2.0)
+    return VLMPolicy(model, processor, min_pixels=mcfg.min_pixels, max_pixels=mcfg.max_pixels,
+                     tools=registry, tools_cfg=cfg)
+
+
+def rollout_cfg(**kw):
+    return VLMTrainConfig().rollout.model_copy(update={"max_new_tokens": 48, **kw})
+
+
+class Scripted:
+    """Stands in for model.generate: each call, every row still going writes the next text
+    of its script (end-of-turn once the script is used up); the logits are the real
+    model's on those tokens. A row goes on after a turn that ends with </tool_call>."""
+
+    def __init__(self, policy, scripts: list[list[str]]):
+        self.policy = policy
+        tok = policy.tokenizer
+        self.turns = [[tok(t, add_special_tokens=False)["input_ids"] for t in s] for s in scripts]
+        self.going = list(range(len(scripts)))
+        self.close = tok.convert_tokens_to_ids("</tool_call>")
+
+    def install(self):
+        self.model = self.policy.model
+        self.model.generate = self
+
+    def __call__(self, *, input_ids, attention_mask, max_new_tokens, **kw):
+        pol = self.policy
+        assert len(self.going) == input_ids.shape[0]
+        new = [(self.turns[r].pop(0) if self.turns[r] else [pol.eos_id])[:max_new_tokens] for r in self.going]
+        self.going = [r for r, t in zip(self.going, new) if t[-1] == self.close]
+        seq = torch.full((len(new), max(map(len, new))), pol.pad_id, dtype=torch.long)
+        for j, t in enumerate(new):
+            seq[j, : len(t)] = torch.tensor(t)
+        extra = {k: kw[k] for k in ("pixel_values", "image_grid_thw") if k in kw}
+        if "mm_token_type_ids" in kw:
+            extra["mm_token_type_ids"] = torch.cat([kw["mm_token_type_ids"], torch.zeros_like(seq)], 1)
+        ids = torch.cat([input_ids, seq], 1)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, attention_mask=torch.cat([attention_mask, torch.ones_like(seq)], 1),
+                                **extra).logits
+        p = input_ids.shape[1]
+        return SimpleNamespace(sequences=ids, logits=tuple(logits[:, p - 1 + k] for k in range(seq.shape[1])))
+
+
+def test_a_tool_call_gets_an_image_observation_and_exact_logprobs(family_dir):
+    """Row 0 zooms, then answers; row 1 answers at once. The observation (a crop as
+    image tokens) is attended but carries no loss; the training forward reproduces
+    every turn's old log-probs; the crop's pixels reach the model."""
+    policy = make_policy(family_dir)
+    item = ITEMS[0]
+    call = zoom_call(item.meta["zoom_box"])
+    script = Scripted(policy, [[call, f"a red circle <answer>{item.answer}</answer><|im_end|>"],
+                               ["<answer>square</answer><|im_end|>"]])
+    script.install()
+    batch = policy.generate([item], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [1.0, 0.0] and data["stat/tool_errors"].tolist() == [0.0, 0.0]
+    assert data["stat/turns"].tolist() == [2.0, 1.0]
+    image_pad = policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids, mask, seen = data["completion_ids"], batch.mask, data["completion_attention"]
+    obs = seen[0] & ~mask[0]
+    assert obs.any() and (ids[0][obs] == image_pad).sum() > 0  # the crop is in the observation
+    assert not (mask & (ids == image_pad)).any()  # image tokens never carry loss
+    assert data["image_grid_thw"][0, 1].prod() > 0 and data["image_grid_thw"][1, 1].prod() == 0
+    # The call is the model's own: trained, and marked for AXPO's confidence.
+    first = int(data["first_call"][0])
+    assert first == 0 and data["first_call"][1].item() == -1
+    assert data["call_mask"][0].sum() == len(policy.tokenizer(call, add_special_tokens=False)["input_ids"])
+    assert mask[0, : int(data["call_mask"][0].sum())].all()
+    assert "tool_response" in batch.samples[0].completion and batch.samples[0].meta["tool_calls"] == 1
+    with torch.no_grad():
+        logp = policy.logprobs(batch)
+    torch.testing.assert_close(logp[mask], batch.old_logp[mask], atol=2e-4, rtol=1e-4)
+    assert (batch.old_logp[~mask] == 0).all()
+
+
+def test_training_forward_reads_the_observation_image(qwen25_dir):
+    """Changing the cropped pixels changes the log-probs of the answer after the call."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[1]
+    Scripted(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = policy.logprobs(batch)
+        n = int(batch.data["image_grid_thw"][0, 0].prod())  # the prompt image's patches come first
+        batch.data["pixel_values"][0, n:] = -batch.data["pixel_values"][0, n:]
+        b = policy.logprobs(batch)
+    after = batch.mask[0].clone()
+    after[: int(batch.data["call_mask"][0].sum())] = False
+    assert not torch.allclose(a[0][after], b[0][after])
+
+
+@pytest.mark.parametrize("text,kind", [
+    ('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0}\n</tool_call>', "malformed"),
+    ('<tool_call>\n{"name": "paint", "arguments": {}}\n</tool_call>', "unknown_tool"),
+    ('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0, "y0": 0}}\n</tool_call>', "bad_arguments"),
+    ('<tool_call>\n{"name": "boom", "arguments": {}}\n</tool_call>', "raised"),
+    ('<tool_call>\n{"name": "slow", "arguments": {}}\n</tool_call>', "timeout"),
+])
+def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
+    """Every failure comes back as an observation "error: ..."; the rollout goes on to answer."""
+    registry = build_registry(["zoom"], timeout=0.3)
+
+    @registry.register
+    def boom() -> str:
+        raise RuntimeError("exploded")
+
+    @registry.register
+    def slow() -> str:
+        import time
+        time.sleep(3)
+        return "late"
+
+    policy = make_policy(qwen25_dir, registry=registry)
+    Scripted(policy, [[text, "<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_errors"].tolist() == [1.0]
+    assert batch.data["stat/turns"].tolist() == [2.0]
+    text_out = batch.samples[0].completion
+    assert "error:" in text_out and text_out.rstrip().endswith("</answer>")
+
+
+def test_limits_on_turns_and_tool_calls(qwen25_dir):
+    """max_tool_calls: a second call gets an error observation; max_turns: a call in the
+    last turn ends the rollout (truncated)."""
+    policy = make_policy(qwen25_dir, max_turns=3, max_tool_calls=1)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    Scripted(policy, [[call, call, call]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    text = batch.samples[0].completion
+    assert "6" in text and "at most 1 tool calls" in text
+    assert batch.data["stat/turns"].tolist() == [3.0] and batch.data["stat/truncated"].tolist() == [1.0]
+    assert batch.data["stat/tool_calls"].tolist() == [2.0] and batch.data["stat/tool_errors"].tolist() == [1.0]
+
+
+def test_prefix_continues_before_the_tool_call_and_batches_concat(qwen25_dir):
+    """AXPO's resampling: a fixed prefix (no loss) and a continuation that calls the tool;
+    concatenated with a plain tool batch, the log-probs still match."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[2]
+    head = policy.tokenizer("I see", add_special_tokens=False)["input_ids"]
+    Scripted(policy, [[" a shape " + zoom_call(item.meta["zoom_box"]), "<answer>circle</answer><|im_end|>"],
+                      ["<answer>square</answer><|im_end|>"]]).install()
+    batch = policy.generate([item, item], 1, rollout_cfg(max_new_tokens=96), torch.Generator().manual_seed(0), prefixes=[head, None])
+    assert batch.data["completion_ids"][0, : len(head)].tolist() == head
+    assert not batch.mask[0, : len(head)].any() and batch.mask[0, len(head)]
+    assert int(batch.data["first_call"][0]) > len(head)
+    Scripted(policy, [["<answer>circle</answer><|im_end|>"]]).install()
+    plain = policy.generate([ITEMS[3]], 1, rollout_cfg(), torch.Generator().manual_seed(1))
+    both = RolloutBatch.concat([batch, plain])
+    with torch.no_grad():
+        logp = policy.logprobs(both)
+    torch.testing.assert_close(logp[both.mask], both.old_logp[both.mask], atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_evaluation_reports_the_tool_call_rate(qwen25_dir):
+    from mmrl.vlm.task import VLMTask
+    from mmrl.vlm.tasks.shapes_zoom import shapes_zoom_reward
+
+    policy = make_policy(qwen25_dir)
+    items = ITEMS[:2]
+    Scripted(policy, [[zoom_call(items[0].meta["zoom_box"]), f"<answer>{items[0].answer}</answer><|im_end|>"],
+                      ["<answer>none</answer><|im_end|>"]]).install()
+    task = VLMTask("shapes-zoom", ITEMS, items, shapes_zoom_reward(), max_new_tokens=48)
+    out = task.evaluate(policy)
+    assert out["tool_call_rate"] == 0.5 and out["accuracy"] == 0.5
+
+
+def test_registry_is_never_shared_state_between_policies():
+    a, b = ToolRegistry(), ToolRegistry()
+    a.register(lambda: "x", name="x")
+    assert a.names() == ["x"] and b.names() == []

@@ -1,0 +1,98 @@
+"""AXPO (mmrl.vlm.methods.axpo): which prefixes it resamples and the advantages it gives,
+on hand-built groups, then a short run of the bundled tool-using tiny VLM."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import load_config
+from mmrl.core.rewards import AtomScores, Sample
+from mmrl.vlm.config import VLMTrainConfig
+from mmrl.vlm.methods.axpo import AXPO, first_call_confidence
+
+
+def method(**resample):
+    cfg = load_config(VLMTrainConfig, overrides=["method.type=axpo", "rollout.tools.names=[zoom]",
+                                                  *[f"method.resample.{k}={v}" for k, v in resample.items()]])
+    reward = type("R", (), {"atoms": []})()
+    return AXPO(cfg.method, cfg, reward)
+
+
+def group(answers, first_calls, call_probs, gid=7, tags=None):
+    """One group: rollout i answered answers[i] (1 right, 0 wrong); its first tool call starts
+    at first_calls[i] (-1: none) and spans two tokens of old probability call_probs[i]."""
+    n, t = len(answers), 6
+    ids = torch.arange(n * t).view(n, t) + 100
+    call_mask = torch.zeros((n, t), dtype=torch.bool)
+    old_logp = torch.full((n, t), math.log(0.9))
+    for i, (f, p) in enumerate(zip(first_calls, call_probs)):
+        if f >= 0:
+            call_mask[i, f: f + 2] = True
+            old_logp[i, f: f + 2] = torch.tensor(p).log()
+    values = torch.tensor([[1.0, a] for a in answers])
+    scores = AtomScores(names=["format", "answer"], values=values, total=values @ torch.tensor([0.1, 1.0]))
+    data = {"completion_ids": ids, "call_mask": call_mask, "first_call": torch.tensor(first_calls),
+            "request_tag": torch.tensor(tags or [0] * n)}
+    return RolloutBatch(group_ids=torch.full((n,), gid), samples=[Sample("q", "c") for _ in range(n)],
+                        mask=torch.ones((n, t), dtype=torch.bool), old_logp=old_logp, scores=scores,
+                        data=data, prompts={gid: "the prompt"})
+
+
+def test_first_call_confidence_is_the_mean_probability_of_the_call_tokens():
+    g = group([0, 0], [1, -1], [[0.2, 0.6], [1.0, 1.0]])
+    assert first_call_confidence(g, 0).item() == pytest.approx(0.4)  # (0.2 + 0.6) / 2
+
+
+def test_all_wrong_tool_subgroup_resamples_the_least_confident_prefixes():
+    """G = 8, K = 2, budget 0.25: M = round(0.25 * 8 / 2) = 1 prefix, the lowest u_i among
+    the tool users (rows 1, 3, 4 with u = 0.5, 0.2, 0.7 -> row 3); prefix = its tokens before
+    the call (positions 0..1); K = 2 continuations with tag 1."""
+    m = method()
+    g = group([0, 0, 1, 0, 0, 1, 0, 0], [-1, 3, -1, 2, 1, -1, -1, -1],
+              [[1, 1], [0.5, 0.5], [1, 1], [0.1, 0.3], [0.7, 0.7], [1, 1], [1, 1], [1, 1]])
+    reqs = m.extra_requests(g)
+    assert len(reqs) == 1
+    r = reqs[0]
+    assert (r.group, r.prompt, r.n, r.tag) == (7, "the prompt", 2, 1)
+    assert r.prefix == g.data["completion_ids"][3, :2].tolist()
+
+
+def test_budget_sets_how_many_prefixes_and_never_more_than_the_tool_users():
+    m = method(k=2, budget=1.0)  # M = round(1.0 * 4 / 2) = 2
+    g = group([0, 0, 0, 1], [0, 1, -1, -1], [[0.3, 0.3], [0.6, 0.6], [1, 1], [1, 1]])
+    reqs = m.extra_requests(g)
+    assert [r.tag for r in reqs] == [1, 2] and reqs[0].prefix == [] and len(reqs[1].prefix) == 1
+    m = method(k=2, budget=2.0)  # M = 4, but only 2 rollouts called a tool
+    assert len(m.extra_requests(g)) == 2
+
+
+def test_no_resampling_when_a_tool_user_is_right_or_nobody_called():
+    m = method()
+    assert m.extra_requests(group([1, 0, 0, 0], [2, 1, -1, -1], [[.5, .5]] * 4)) == []  # a tool user is right
+    assert m.extra_requests(group([0, 0, 0, 0], [-1] * 4, [[1, 1]] * 4)) == []  # no tool user
+
+
+def test_advantages_of_originals_and_of_each_sibling_set():
+    """Originals [1, 0, 0, 0]: mean 0.25, unbiased std 0.5 -> [1.5, -0.5, -0.5, -0.5].
+    Tag 1 siblings [1, 0]: mean 0.5, std 0.7071 -> [+0.7071, -0.7071]; tag 2 siblings
+    [0, 0]: all equal -> 0. Rewards include the 0.1 format atom, which shifts nothing."""
+    m = method()
+    g = group([1, 0, 0, 0, 1, 0, 0, 0], [-1] * 8, [[1, 1]] * 8, tags=[0, 0, 0, 0, 1, 1, 2, 2])
+    adv = m.advantages(g)
+    want = torch.tensor([1.5, -0.5, -0.5, -0.5, 0.7071, -0.7071, 0.0, 0.0])
+    torch.testing.assert_close(adv, want, atol=1e-3, rtol=0)
+    metrics = m.batch_metrics(g)
+    assert metrics["axpo/resampled"] == 4 and metrics["axpo/resampled_accuracy"] == 0.25
+
+
+def test_axpo_needs_tool_rollouts():
+    from mmrl.core.config import ConfigError
+    from mmrl.vlm import backend
+
+    cfg = load_config(VLMTrainConfig, overrides=["method.type=axpo"])
+    with pytest.raises(ConfigError, match="rollout.tools"):
+        backend.build(cfg)

@@ -1,0 +1,579 @@
+"""Tools for multi-turn rollouts (mmrl/vlm/tools.py): parsing, the registry, zoom, calculator."""
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmrl.vlm.tools import (
+    BUILTIN_TOOLS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Tool,
+    ToolCallError,
+    ToolContext,
+    ToolRegistry,
+    ToolResult,
+    build_registry,
+    calculator,
+    parse_tool_call,
+    zoom,
+)
+
+NO_CTX = ToolContext(images=[])
+
+
+def call_text(name, arguments=None, close=True):
+    call = {"name": name} if arguments is None else {"name": name, "arguments": arguments}
+    return f"{TOOL_CALL_OPEN}\n{json.dumps(call)}\n{TOOL_CALL_CLOSE if close else ''}"
+
+
+def gradient_image(width=40, height=30):
+    """Pixel (x, y) = (x, y, x + y): every pixel tells where it came from."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    arr = np.stack([xs, ys, xs + ys], axis=-1).astype(np.uint8)
+    return Image.fromarray(arr, "RGB"), arr
+
+
+def assert_error(result, kind, *fragments, name=None):
+    assert isinstance(result, ToolResult)
+    assert result.kind == kind, result
+    assert result.error is not None
+    assert result.content == [f"error: {result.error}"]
+    assert result.name == name
+    for f in fragments:
+        assert f in result.error, (f, result.error)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def test_parse_valid_call():
+    text = (
+        'I will zoom.\n<tool_call>\n{"name": "zoom", "arguments": {"x0": 1, "y0": 2}}\n</tool_call>'
+    )
+    assert parse_tool_call(text) == ("zoom", {"x0": 1, "y0": 2})
+
+
+def test_parse_missing_close_tag_at_the_end():
+    assert parse_tool_call('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n') == (
+        "f",
+        {"a": [1, 2]},
+    )
+
+
+def test_parse_takes_the_last_of_several_calls():
+    text = call_text("first", {"a": 1}) + " then " + call_text("second", {"b": 2})
+    assert parse_tool_call(text) == ("second", {"b": 2})
+    # the last call counts even when it is unfinished and an earlier one is complete
+    assert parse_tool_call(call_text("first") + call_text("third", close=False)) == ("third", {})
+
+
+def test_parse_arguments_as_json_string_or_missing():
+    text = call_text("f", json.dumps({"x": 3}))
+    assert parse_tool_call(text) == ("f", {"x": 3})
+    assert parse_tool_call(call_text("f")) == ("f", {})
+    assert parse_tool_call(call_text("f", None)) == ("f", {})
+    assert parse_tool_call('<tool_call>{"name": "f", "arguments": null}</tool_call>') == ("f", {})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("no call here", "no tool call found"),
+        ("<tool_call>\n</tool_call>", "tool call is empty"),
+        ("<tool_call>{'name': 'zoom'}</tool_call>", "tool call is not valid JSON: "),
+        ('<tool_call>{"name": "zoom", </tool_call>', "tool call is not valid JSON: "),
+        ("<tool_call>[1, 2]</tool_call>", "must be a JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'tool call has no "name"'),
+        ('<tool_call>{"name": 3}</tool_call>', '"name" must be a non-empty string'),
+        ('<tool_call>{"name": ""}</tool_call>', '"name" must be a non-empty string'),
+        (
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            '"arguments" must be a JSON object, got an array',
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": "{x"}</tool_call>',
+            '"arguments" string is not valid JSON',
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>',
+            '"arguments" must be a JSON object',
+        ),
+    ],
+)
+def test_parse_errors(text, message):
+    with pytest.raises(ToolCallError, match=None) as err:
+        parse_tool_call(text)
+    assert message in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def add(a: int, b: float = 0.5) -> float:
+    """Add two numbers.
+
+    Second paragraph: not part of the description."""
+    return a + b
+
+
+async def async_echo(text: str) -> str:
+    """Echo text back, after awaiting."""
+    await asyncio.sleep(0)
+    return f"echo {text}"
+
+
+def image_size(*, ctx: ToolContext) -> str:
+    """The size of the prompt's first image."""
+    return f"{ctx.images[0].size} {ctx.meta.get('tag')}"
+
+
+def test_sync_tool_result_and_number_to_str():
+    reg = ToolRegistry([add])
+    res = reg.call(call_text("add", {"a": 2, "b": 1.5}), NO_CTX)
+    assert res == ToolResult(content=["3.5"], error=None, name="add", kind="ok")
+    assert res.ok
+    # default used; int accepted for a float parameter
+    assert reg.call(call_text("add", {"a": 2}), NO_CTX).content == ["2.5"]
+    assert reg.call(call_text("add", {"a": 2, "b": 1}), NO_CTX).content == ["3.0"]
+    # an integral float is accepted for an int parameter (and passed as an int)
+    assert reg.call(call_text("add", {"a": 2.0, "b": 1}), NO_CTX).content == ["3.0"]
+
+
+def test_async_tool():
+    reg = ToolRegistry([async_echo])
+    assert reg.get("async_echo").is_async
+    res = reg.call(call_text("async_echo", {"text": "hi"}), NO_CTX)
+    assert (res.kind, res.content) == ("ok", ["echo hi"])
+
+
+def test_async_tool_from_inside_a_running_event_loop():
+    reg = ToolRegistry([async_echo])
+
+    async def main():
+        return reg.call(call_text("async_echo", {"text": "x"}), NO_CTX)
+
+    assert asyncio.run(main()).content == ["echo x"]
+
+
+def test_context_is_injected_and_hidden_from_the_model():
+    reg = ToolRegistry([image_size])
+    tool = reg.get("image_size")
+    assert tool.wants_context and not tool.is_async
+    assert tool.parameters == {"type": "object", "properties": {}, "required": []}
+    img, _ = gradient_image(40, 30)
+    res = reg.call(call_text("image_size"), ToolContext(images=[img], meta={"tag": "t"}))
+    assert res.content == ["(40, 30) t"]
+    # the model cannot pass ctx itself
+    res = reg.call(call_text("image_size", {"ctx": 1}), ToolContext(images=[img]))
+    assert_error(res, "bad_arguments", 'unknown argument "ctx"', name="image_size")
+
+
+def test_unknown_tool():
+    reg = ToolRegistry([add, async_echo])
+    assert_error(
+        reg.call(call_text("mul", {"a": 1}), NO_CTX),
+        "unknown_tool",
+        'unknown tool "mul"',
+        "available: add, async_echo",
+    )
+
+
+def test_malformed_call_is_reported_not_raised():
+    reg = ToolRegistry([add])
+    assert_error(reg.call("<tool_call>{oops</tool_call>", NO_CTX), "malformed", "not valid JSON")
+    assert_error(reg.call("just text", NO_CTX), "malformed", "no tool call found")
+
+
+@pytest.mark.parametrize(
+    "arguments, fragments",
+    [
+        ({}, ['missing argument "a"']),
+        ({"b": 1}, ['missing argument "a"']),
+        ({"a": 1, "c": 2, "d": 3}, ['unknown arguments "c", "d"', "parameters: a, b"]),
+        ({"a": "two"}, ['argument "a" must be an integer, got "two"']),
+        ({"a": 1.5}, ['argument "a" must be an integer, got 1.5']),
+        ({"a": True}, ['argument "a" must be an integer, got true']),
+        ({"a": 1, "b": "x"}, ['argument "b" must be a number, got "x"']),
+        ({"a": [1]}, ['argument "a" must be an integer']),
+        (
+            {"c": 1, "b": None},
+            ['unknown argument "c"', 'missing argument "a"', '"b" must be a number'],
+        ),
+    ],
+)
+def test_bad_arguments(arguments, fragments):
+    res = ToolRegistry([add]).call(call_text("add", arguments), NO_CTX)
+    assert_error(res, "bad_arguments", "tool add: ", *fragments, name="add")
+
+
+def test_string_bool_list_checks():
+    def f(s: str, flag: bool, items: list[int], opt: str | None = None) -> str:
+        return f"{s} {flag} {items} {opt}"
+
+    reg = ToolRegistry([f])
+    ok = reg.call(call_text("f", {"s": "a", "flag": False, "items": [1], "opt": None}), NO_CTX)
+    assert ok.content == ["a False [1] None"]
+    for bad, word in [
+        ({"s": 1}, "a string"),
+        ({"flag": 1}, "true or false"),
+        ({"items": {}}, "an array"),
+    ]:
+        args = {"s": "a", "flag": True, "items": [], **bad}
+        assert_error(reg.call(call_text("f", args), NO_CTX), "bad_arguments", word, name="f")
+
+
+def test_tool_that_raises():
+    def explode(x: int) -> str:
+        raise ValueError(f"no good: {x}")
+
+    res = ToolRegistry([explode]).call(call_text("explode", {"x": 7}), NO_CTX)
+    assert_error(res, "raised", "tool explode raised ValueError: no good: 7", name="explode")
+
+
+def test_async_tool_that_raises():
+    async def boom() -> str:
+        raise KeyError("k")
+
+    res = ToolRegistry([boom]).call(call_text("boom"), NO_CTX)
+    assert_error(res, "raised", "tool boom raised KeyError: 'k'", name="boom")
+
+
+def test_sync_tool_timeout_returns_promptly():
+    finished = threading.Event()
+
+    def slow() -> str:
+        time.sleep(5)
+        finished.set()
+        return "late"
+
+    reg = ToolRegistry([slow], timeout=0.2)
+    start = time.monotonic()
+    res = reg.call(call_text("slow"), NO_CTX)
+    elapsed = time.monotonic() - start
+    assert_error(res, "timeout", "tool slow timed out after 0.2 s", name="slow")
+    assert 0.15 < elapsed < 2.0
+    assert not finished.is_set()  # abandoned, still running in its daemon thread
+
+
+def test_async_tool_that_hangs_times_out_and_is_cancelled():
+    cancelled = threading.Event()
+
+    async def hang() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    reg = ToolRegistry([hang], timeout=0.2)
+    start = time.monotonic()
+    res = reg.call(call_text("hang"), NO_CTX)
+    assert time.monotonic() - start < 2.0
+    assert_error(res, "timeout", "timed out after 0.2 s", name="hang")
+    assert cancelled.wait(2.0)  # the task was cancelled, its thread can finish
+
+
+def test_async_tool_blocking_its_loop_still_times_out():
+    async def blocking() -> str:
+        time.sleep(5)  # noqa: ASYNC251 -- never yields: only the outer wait can stop it
+        return "late"
+
+    start = time.monotonic()
+    res = ToolRegistry([blocking], timeout=0.2).call(call_text("blocking"), NO_CTX)
+    assert time.monotonic() - start < 2.0
+    assert res.kind == "timeout"
+
+
+@pytest.mark.parametrize(
+    "value, content",
+    [
+        ("text", ["text"]),
+        (3, ["3"]),
+        (2.5, ["2.5"]),
+        (["a", 1], ["a", "1"]),
+    ],
+)
+def test_result_conversion(value, content):
+    def f():
+        return value
+
+    assert ToolRegistry([f]).call(call_text("f"), NO_CTX).content == content
+
+
+def test_result_with_images_keeps_order():
+    img, _ = gradient_image()
+
+    def f():
+        return ["before", img, "after"]
+
+    res = ToolRegistry([f]).call(call_text("f"), NO_CTX)
+    assert res.kind == "ok" and res.content[0] == "before" and res.content[2] == "after"
+    assert res.content[1] is img
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ({"a": 1}, "dict, expected text, an image, a number or a list of those"),
+        (None, "NoneType"),
+        ([], "an empty list"),
+        (["ok", object()], "object, expected"),
+    ],
+)
+def test_bad_result(value, fragment):
+    def f():
+        return value
+
+    res = ToolRegistry([f]).call(call_text("f"), NO_CTX)
+    assert_error(res, "bad_result", "tool f returned ", fragment, name="f")
+
+
+def test_sync_tool_returning_a_coroutine_is_a_bad_result():
+    async def inner():
+        return "x"
+
+    def f():
+        return inner()
+
+    res = ToolRegistry([f]).call(call_text("f"), NO_CTX)
+    assert_error(res, "bad_result", "declare the function with async def", name="f")
+
+
+def test_schemas():
+    reg = ToolRegistry([add, async_echo])
+    assert reg.names() == ["add", "async_echo"]
+    assert reg.schemas()[0] == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "number", "default": 0.5}},
+                "required": ["a"],
+            },
+        },
+    }
+    assert reg.schemas()[1]["function"]["parameters"]["properties"] == {"text": {"type": "string"}}
+    json.dumps(reg.schemas())  # the chat template serialises them
+
+    def g(flag: bool, items: list, opt: int | None = None, anything=None):
+        pass
+
+    props = Tool(g).parameters["properties"]
+    assert props == {
+        "flag": {"type": "boolean"},
+        "items": {"type": "array"},
+        "opt": {"type": ["integer", "null"], "default": None},
+        "anything": {"default": None},
+    }
+
+
+def test_register_forms_and_duplicates():
+    reg = ToolRegistry(timeout=1.0)
+
+    @reg.register
+    def one() -> str:
+        return "1"
+
+    @reg.register(name="two_renamed", description="Returns 2.")
+    def two() -> str:
+        return "2"
+
+    assert one() == "1" and two() == "2"  # the decorators return the functions
+    reg.register(Tool(lambda: "3", name="three"))
+    assert reg.names() == ["one", "two_renamed", "three"]
+    assert reg.schemas()[1]["function"]["description"] == "Returns 2."
+    assert reg.call(call_text("three"), NO_CTX).content == ["3"]
+    assert "one" in reg and len(reg) == 3
+    with pytest.raises(ValueError, match="'one' is already registered"):
+        reg.register(one)
+    with pytest.raises(ValueError, match="tool name '<lambda>'"):
+        reg.register(lambda: "x")
+    with pytest.raises(ValueError, match="keyword arguments only"):
+        reg.register(lambda *a: "x", name="star")
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        ToolRegistry(timeout=0)
+
+
+# ---------------------------------------------------------------------------- zoom
+
+
+def test_zoom_exact_crop():
+    img, arr = gradient_image(40, 30)
+    crop = zoom(5, 7, 15, 12, ctx=ToolContext(images=[img]))
+    assert crop.size == (10, 5)
+    np.testing.assert_array_equal(np.asarray(crop), arr[7:12, 5:15])
+    # pixel (0, 0) of the crop is source pixel (5, 7): (x, y, x + y)
+    assert crop.getpixel((0, 0)) == (5, 7, 12)
+
+
+def test_zoom_uses_the_first_image_through_the_registry():
+    img, arr = gradient_image(40, 30)
+    other, _ = gradient_image(8, 8)
+    reg = build_registry(["zoom"])
+    res = reg.call(
+        call_text("zoom", {"x0": 0, "y0": 0, "x1": 20, "y1": 10}), ToolContext([img, other])
+    )
+    assert res.kind == "ok" and len(res.content) == 1
+    np.testing.assert_array_equal(np.asarray(res.content[0]), arr[0:10, 0:20])
+
+
+def test_zoom_clips_to_the_image():
+    img, arr = gradient_image(40, 30)
+    crop = zoom(-10, 20, 50, 100, ctx=ToolContext(images=[img]))
+    assert crop.size == (40, 10)
+    np.testing.assert_array_equal(np.asarray(crop), arr[20:30, 0:40])
+
+
+@pytest.mark.parametrize(
+    "box, message",
+    [
+        ((10, 0, 10, 5), "x1 must be greater than x0, got x0=10, x1=10"),
+        ((0, 8, 5, 3), "y1 must be greater than y0, got y0=8, y1=3"),
+        ((40, 0, 60, 10), "lies outside the image, which is 40x30 pixels"),
+        ((-20, -20, 0, 0), "lies outside the image"),
+        ((0, 30, 10, 40), "lies outside the image"),
+        ((0.5, 0, 10, 10), "x0 must be an integer"),
+    ],
+)
+def test_zoom_errors(box, message):
+    img, _ = gradient_image(40, 30)
+    with pytest.raises(ValueError, match=None) as err:
+        zoom(*box, ctx=ToolContext(images=[img]))
+    assert message in str(err.value)
+
+
+def test_zoom_without_image():
+    with pytest.raises(ValueError, match="no image in the prompt"):
+        zoom(0, 0, 1, 1, ctx=NO_CTX)
+    res = build_registry(["zoom"]).call(
+        call_text("zoom", {"x0": 0, "y0": 0, "x1": 1, "y1": 1}), NO_CTX
+    )
+    assert_error(res, "raised", "tool zoom raised ValueError: there is no image", name="zoom")
+
+
+# ---------------------------------------------------------------------------- calculator
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1 + 2", "3"),
+        ("(3 + 4) * 2 / 7", "2"),  # 14 / 7 = 2.0 -> integral -> "2"
+        ("1 / 2", "0.5"),
+        ("0.1 + 0.2", "0.3"),  # 0.30000000000000004 to 12 significant digits
+        ("1 / 3", "0.333333333333"),
+        ("7 // 2", "3"),
+        ("-7 // 2", "-4"),
+        ("7 % 3", "1"),
+        ("2 ** 10", "1024"),
+        ("2 ** -1", "0.5"),
+        ("-(3 - 5)", "2"),
+        ("+4", "4"),
+        ("10 ** 100", "1" + "0" * 100),  # exactly at the limits
+        ("1.5e3", "1500"),
+        ("  2*3  ", "6"),
+    ],
+)
+def test_calculator_values(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("x + 1", "names not allowed"),
+        ("abs(-1)", "function calls not allowed"),
+        ("(1).real", "attributes not allowed"),
+        ("__import__('os')", "function calls not allowed"),
+        ("1 < 2", "comparisons not allowed"),
+        ("'a' * 3", "only numbers are allowed"),
+        ("True + 1", "only numbers are allowed"),
+        ("1 & 2", "BitAnd not allowed"),
+        ("[1][0]", "not allowed"),
+        ("1 / 0", "division by zero"),
+        ("1 // 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("0 ** -1", "division by zero"),
+        ("2 ** 101", "exponent too large"),
+        ("2 ** -101", "exponent too large"),
+        ("10 ** 100 * 10", "result too large"),
+        ("1e101", "result too large"),
+        ("9.9e99 ** 2", "result too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "invalid syntax"),
+        ("", "expression is empty"),
+        ("1+" * 100 + "1", "at most 200"),
+    ],
+)
+def test_calculator_errors(expression, message):
+    with pytest.raises(ValueError, match=None) as err:
+        calculator(expression)
+    assert message in str(err.value)
+
+
+def test_calculator_through_the_registry():
+    reg = build_registry(["calculator"])
+    assert reg.call(call_text("calculator", {"expression": "6 * 7"}), NO_CTX).content == ["42"]
+    res = reg.call(call_text("calculator", {"expression": "1/0"}), NO_CTX)
+    assert_error(
+        res, "raised", "tool calculator raised ValueError: division by zero", name="calculator"
+    )
+
+
+# ---------------------------------------------------------------------------- build_registry
+
+
+def test_build_registry_builtins():
+    reg = build_registry(["zoom", "calculator"], timeout=3.0)
+    assert reg.names() == ["zoom", "calculator"] == list(BUILTIN_TOOLS)
+    assert reg.timeout == 3.0
+    assert [s["function"]["name"] for s in reg.schemas()] == ["zoom", "calculator"]
+    zoom_params = reg.schemas()[0]["function"]["parameters"]
+    assert zoom_params["required"] == ["x0", "y0", "x1", "y1"]
+    assert "ctx" not in zoom_params["properties"]
+
+
+def test_build_registry_user_tools(tmp_path):
+    (tmp_path / "my_tools.py").write_text(
+        "import asyncio\n"
+        "def double(n: int) -> int:\n"
+        '    """Twice n."""\n'
+        "    return 2 * n\n"
+        "async def shout(text: str, *, ctx) -> str:\n"
+        "    await asyncio.sleep(0)\n"
+        "    return text.upper() + str(len(ctx.images))\n"
+    )
+    reg = build_registry(
+        ["calculator", "my_tools.py:double", "my_tools.py:shout"], base_dir=tmp_path
+    )
+    assert reg.names() == ["calculator", "double", "shout"]
+    assert reg.schemas()[1]["function"]["description"] == "Twice n."
+    assert reg.call(call_text("double", {"n": 21}), NO_CTX).content == ["42"]
+    assert reg.call(call_text("shout", {"text": "hi"}), NO_CTX).content == ["HI0"]
+    # an absolute path needs no base_dir
+    reg = build_registry([f"{tmp_path / 'my_tools.py'}:double"])
+    assert reg.names() == ["double"]
+
+
+def test_build_registry_bad_names(tmp_path):
+    (tmp_path / "t.py").write_text("X = 3\ndef f():\n    return 'f'\n")
+    with pytest.raises(ValueError, match=r"unknown tool 'zooom'.*zoom, calculator"):
+        build_registry(["zooom"])
+    with pytest.raises(ValueError, match=r"file not found.*builtins: zoom, calculator"):
+        build_registry(["missing.py:f"], base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"t.py has no attribute 'g' \(callables defined: f\)"):
+        build_registry(["t.py:g"], base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"'X' is not callable \(it is int\)"):
+        build_registry(["t.py:X"], base_dir=tmp_path)
+    with pytest.raises(ValueError, match="'zoom' is already registered"):
+        build_registry(["zoom", "zoom"])
