@@ -53,14 +53,15 @@ def run(base: str, fastrl: bool, args, out: Path) -> dict:
 
 
 def time_to(curve, target: float) -> float | None:
-    return next((t for _, t, acc in curve if acc >= target - 1e-9), None)
+    """Training seconds until the first evaluation after step 0 at or above target."""
+    return next((t for step, t, acc in curve if step > 0 and acc >= target - 1e-9), None)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bases", nargs="+", default=["grpo", "dapo", "gspo"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--num-train", type=int, default=160, help="small, so ARS sees several data epochs")
     ap.add_argument("--num-eval", type=int, default=100)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     for base in args.bases:
         off = run(base, False, args, args.out / f"{base}-off")
         on = run(base, True, args, args.out / f"{base}-fastrl")
-        target = min(max(a for _, _, a in off["curve"]), max(a for _, _, a in on["curve"]))
+        target = min(max(a for step, _, a in arm["curve"] if step > 0) for arm in (off, on))
         t_off, t_on = time_to(off["curve"], target), time_to(on["curve"], target)
         speedup = t_off / t_on if t_off and t_on else float("nan")
         rows.append((base, off, on, target, t_off, t_on, speedup))

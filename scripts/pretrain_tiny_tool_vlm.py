@@ -1,13 +1,17 @@
 """Rebuild the bundled tool-using tiny VLM (assets/tiny-qwen2.5-vl-tools) deterministically.
 
-Starts from the bundled tiny Qwen2.5-VL (assets/tiny-qwen2.5-vl) and briefly supervises it on
-shapes-zoom (one small shape per quadrant of a 448-px image; the model sees 112 px) with a mix
-of demonstrations:
-    with probability --p-tool:  <tool_call>{"name": "zoom", ...quadrant box...}</tool_call>
-                                [observation: the crop]  a red circle <answer>circle</answer>
-    otherwise:                  a red square <answer>square</answer>      (the colour, a guessed shape)
-Loss on the model's tokens only (the observation is masked), through the same multi-turn
-layout the rollouts use (ToolRollout.teacher). Brief on purpose: the result calls the tool
+Starts from the bundled tiny Qwen2.5-VL (assets/tiny-qwen2.5-vl) and supervises it on
+shapes-zoom (one shape per quadrant of a 448-px image the model sees at 112 px; "What
+colour is the shape in the top left?") in two stages, loss on the model's tokens only
+(the observation is masked), through the same multi-turn layout the rollouts use
+(ToolRollout.teacher):
+    1. --read-steps steps of zoom demonstrations only: learn to read the crop;
+       <tool_call>{"name": "zoom", ...quadrant box...}</tool_call> [the crop]
+       a red circle <answer>red</answer>
+    2. --steps steps of a mix: with probability --p-tool the zoom demonstration, otherwise
+       a guess without the tool ("a blue shape <answer>blue</answer>", a random colour).
+The guesses keep the no-tool answers honest (a no-tool answer trained on the true colour
+would teach recalling training images), and the mix leaves a model that calls the tool
 sometimes but not reliably (AXPO's "thinking-acting gap"), which is what RL should fix.
 
     python scripts/pretrain_tiny_tool_vlm.py --out assets/tiny-qwen2.5-vl-tools
@@ -32,7 +36,7 @@ from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import bundled_model_dir, load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
-from mmrl.vlm.tasks.scenes import SHAPES, Scene
+from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene
 from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, shape_in, shapes_zoom_reward, zoom_call
 from mmrl.vlm.tools import build_registry
 
@@ -42,10 +46,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="assets/tiny-qwen2.5-vl-tools")
     ap.add_argument("--base", default=None, help="starting model (default: the bundled tiny Qwen2.5-VL)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--p-tool", type=float, default=0.4, help="share of demonstrations that use the zoom tool")
+    ap.add_argument("--kinds", nargs="+", default=None, help="shapes-zoom question kinds (default: the task's)")
+    ap.add_argument("--shape-size", type=int, nargs=2, default=None, help="default: the task's")
+    ap.add_argument("--image-max-pixels", type=int, default=None, help="tools.image_max_pixels (default: the model's)")
+    ap.add_argument("--read-steps", type=int, default=150,
+                    help="first stage: this many steps of zoom demonstrations only (learn to read the crop)")
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-val", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=4)
@@ -59,10 +68,11 @@ def demonstration(item, rng: random.Random, p_tool: float) -> list[str]:
     shape = shape_in(Scene.from_dict(item.meta["scene"]), item.meta["params"]["quadrant"])
     if rng.random() < p_tool:
         return [zoom_call(item.meta["zoom_box"]), f"a {shape.colour} {shape.shape} <answer>{item.answer}</answer>"]
-    if item.meta["kind"] != "shape_at":
-        return [f"a {shape.colour} {shape.shape} <answer>{item.answer}</answer>"]
-    guess = rng.choice(SHAPES)
-    return [f"a {shape.colour} {guess} <answer>{guess}</answer>"]
+    if item.meta["kind"] == "shape_at":
+        guess = rng.choice(SHAPES)
+        return [f"a {shape.colour} {guess} <answer>{guess}</answer>"]
+    guess = rng.choice(list(COLOURS))
+    return [f"a {guess} shape <answer>{guess}</answer>"]
 
 
 def split_accuracy(policy: VLMPolicy, task: VLMTask, items, rollout, k: int) -> dict[str, float]:
@@ -84,10 +94,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    data = ShapesZoom(seed=0, num_train=args.num_train, num_eval=1)
-    train = data.train_items()
-    val = ShapesZoom(seed=1, num_train=1, num_eval=args.num_val).eval_items()  # not the RL run's eval set
-    tools_cfg = ToolsConfig(names=["zoom"], schema_in_prompt=False)
+    task_args = {k: v for k, v in (("kinds", args.kinds), ("shape_size", args.shape_size and tuple(args.shape_size)))
+                 if v is not None}
+    train = ShapesZoom(seed=0, num_train=args.num_train, num_eval=1, **task_args).train_items()
+    val = ShapesZoom(seed=1, num_train=1, num_eval=args.num_val, **task_args).eval_items()  # not the RL eval set
+    tools_cfg = ToolsConfig(names=["zoom"], schema_in_prompt=False, image_max_pixels=args.image_max_pixels)
     mcfg = VLMModelConfig(path=args.base or str(bundled_model_dir()))
     model, processor = load_vlm(mcfg)
     policy = VLMPolicy(model, processor, min_pixels=mcfg.min_pixels, max_pixels=mcfg.max_pixels,
@@ -99,11 +110,12 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     started, history = time.perf_counter(), []
     print(f"{sum(p.numel() for p in params):,} parameters; {len(train)} train items", file=sys.stderr)
-    for step in range(1, args.steps + 1):
+    for step in range(1, args.read_steps + args.steps + 1):
         model.train()
         idx = torch.randint(len(train), (args.batch_size,), generator=g).tolist()
         items = [train[i] for i in idx]
-        batch = policy.agent.teacher(items, [demonstration(it, rng, args.p_tool) for it in items])
+        p_tool = 1.0 if step <= args.read_steps else args.p_tool
+        batch = policy.agent.teacher(items, [demonstration(it, rng, p_tool) for it in items])
         logp = policy.logprobs(batch)
         loss = -(logp * batch.mask).sum() / batch.mask.sum()
         opt.zero_grad(set_to_none=True)

@@ -173,7 +173,7 @@ class ToolRollout:
                 images.append(part)
         text += _OBS_CLOSE
         if images:
-            resized = pol.resize_images(images)
+            resized = pol.resize_images(images, getattr(self.cfg, "image_max_pixels", None))
             out = pol.processor(text=[text], images=resized, return_tensors="pt")
             row.pixels.append(out["pixel_values"])
             row.grids.append(out["image_grid_thw"])

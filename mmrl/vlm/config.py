@@ -67,10 +67,10 @@ class ShapesZoomTaskConfig(Section):
     num_eval: int = Field(200, ge=1)
     image_size: int = Field(448, ge=56)
     """Side of the full-resolution image (the model sees it scaled to within model.max_pixels)."""
-    shape_size: tuple[int, int] = (48, 64)
+    shape_size: tuple[int, int] = (150, 200)
     """Smallest and largest shape side in full-resolution pixels."""
     kinds: list[str] | None = None
-    """Question kinds (None = the task's default, shape_at)."""
+    """Question kinds (None = the task's default, colour_at)."""
 
 
 TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | JSONLTaskConfig, Field(discriminator="type")]
@@ -87,6 +87,9 @@ class ToolsConfig(Section):
     """Tool calls run per rollout; later calls get an error observation."""
     timeout: float = Field(10.0, gt=0)
     """Seconds a tool may take; a slower call returns a timeout observation."""
+    image_max_pixels: int | None = Field(None, ge=1)
+    """Largest area of an image a tool returns (e.g. a zoomed crop) as the model sees it;
+    None = model.max_pixels. A zoom's gain is its crop scale times this over max_pixels."""
     schema_in_prompt: bool = True
     """Render the tools' JSON schemas into the system prompt (Qwen's chat template). Off for
     models that learned the tools from demonstrations (the bundled tiny tool VLM)."""

@@ -103,12 +103,13 @@ class VLMPolicy:
             return {}
         return {"tools": self.agent.registry.schemas()}
 
-    def resize_images(self, images: Sequence[Any]) -> list:
+    def resize_images(self, images: Sequence[Any], max_pixels: int | None = None) -> list:
         """Images as the prompt's are: resized by qwen-vl-utils within min/max pixels."""
         from qwen_vl_utils import process_vision_info
 
+        most = max_pixels or self.max_pixels
         parts = [{"type": "image", "image": im, **({"min_pixels": self.min_pixels} if self.min_pixels else {}),
-                  **({"max_pixels": self.max_pixels} if self.max_pixels else {})} for im in images]
+                  **({"max_pixels": most} if most else {})} for im in images]
         found, _ = process_vision_info([{"role": "user", "content": parts}])
         return found
 

@@ -212,3 +212,16 @@ def test_registry_is_never_shared_state_between_policies():
     a, b = ToolRegistry(), ToolRegistry()
     a.register(lambda: "x", name="x")
     assert a.names() == ["x"] and b.names() == []
+
+
+def test_tool_rollouts_config_errors():
+    """Unknown tools and engines that cannot run tools are refused with the key named."""
+    from mmrl.core.config import ConfigError, load_config
+    from mmrl.vlm import backend
+
+    cfg = load_config(VLMTrainConfig, overrides=["rollout.tools.names=[zoom, paint]"])
+    with pytest.raises(ConfigError, match="rollout.tools.names.*paint"):
+        backend.build_tools(cfg)
+    cfg = load_config(VLMTrainConfig, overrides=["rollout.tools.names=[zoom]"])
+    with pytest.raises(ConfigError, match="hf engine only"):
+        backend.build_engine("vllm", cfg, policy=None)

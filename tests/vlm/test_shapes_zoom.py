@@ -83,7 +83,7 @@ def test_one_shape_per_quadrant_fully_inside_with_margin():
             assert len(inside) == 1
             (s,) = inside
             x0, y0, x1, y1 = s.box()
-            assert 48 <= s.size <= 64 and float(x0).is_integer() and float(y0).is_integer()
+            assert 150 <= s.size <= 200 and float(x0).is_integer() and float(y0).is_integer()
             assert qx0 + 4 <= x0 and x1 <= qx1 - 4 and qy0 + 4 <= y0 and y1 <= qy1 - 4
             assert s.shape in SHAPES and s.colour in COLOURS
 
@@ -115,14 +115,14 @@ def test_item_fields_and_answers_match_the_scene():
     assert quadrants_seen == set(QUADRANTS)
 
 
-def test_default_kind_is_shape_at():
+def test_default_kind_is_colour_at():
     items = generate_zoom_items(20, seed=0)
-    assert {i.meta["kind"] for i in items} == {"shape_at"}
-    assert ShapesZoom().kinds == ["shape_at"]
+    assert {i.meta["kind"] for i in items} == {"colour_at"}
+    assert ShapesZoom().kinds == ["colour_at"]
 
 
 def test_zoom_crop_shows_the_asked_shape_and_the_downscaled_image_hides_it():
-    for item in generate_zoom_items(12, seed=2, kinds=["shape_at", "colour_at"]):
+    for item in generate_zoom_items(12, seed=2, kinds=["shape_at", "colour_at"], shape_size=(48, 64)):
         s = shape_for(item)
         crop = zoom(*item.meta["zoom_box"], ctx=ToolContext(images=item.images))
         assert crop.size == (224, 224)
@@ -198,8 +198,8 @@ def test_reward_uses_the_shapes_qa_atoms():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"image_size": 100}, "image_size 100 is too small for shapes of up to 64 px"),
-        ({"image_size": 143}, "must be at least 72 px"),
+        ({"image_size": 100}, "image_size 100 is too small for shapes of up to 200 px"),
+        ({"image_size": 415}, "must be at least 208 px"),
         ({"image_size": 0}, "image_size must be a positive integer"),
         ({"image_size": 448.0}, "image_size must be a positive integer"),
         ({"shape_size": (64, 48)}, "1 <= lo <= hi"),
@@ -221,5 +221,5 @@ def test_bad_arguments_generate():
     with pytest.raises(ValueError, match="n must be >= 0"):
         generate_zoom_items(-1, seed=0)
     with pytest.raises(ValueError, match="too small"):
-        generate_zoom_items(1, seed=0, image_size=143)
-    assert len(generate_zoom_items(1, seed=0, image_size=144)) == 1  # 72 = 64 + 2 * 4: fits
+        generate_zoom_items(1, seed=0, image_size=415)
+    assert len(generate_zoom_items(1, seed=0, image_size=416)) == 1  # 208 = 200 + 2 * 4: fits

@@ -1,4 +1,4 @@
-"""Synthetic, verifiable vision-language tasks (shapes-qa) and users' own JSONL data."""
+"""Synthetic, verifiable vision-language tasks (shapes-qa, shapes-zoom) and users' own JSONL data."""
 
 from mmrl.vlm.tasks.jsonl import DatasetError, QADataset, load_jsonl, save_jsonl
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, describe, random_scene, render
@@ -15,6 +15,7 @@ from mmrl.vlm.tasks.shapes_qa import (
     shapes_qa_reward,
     to_sample,
 )
+from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, generate_zoom_items, shapes_zoom_reward, zoom_call
 
 __all__ = [
     "COLOURS",
@@ -26,17 +27,21 @@ __all__ = [
     "Scene",
     "Shape",
     "ShapesQA",
+    "ShapesZoom",
     "accuracy",
     "answer_atom",
     "describe",
     "extract_answer",
     "format_atom",
     "generate_items",
+    "generate_zoom_items",
     "load_jsonl",
     "normalize",
     "random_scene",
     "render",
     "save_jsonl",
     "shapes_qa_reward",
+    "shapes_zoom_reward",
     "to_sample",
+    "zoom_call",
 ]
