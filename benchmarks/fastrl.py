@@ -45,7 +45,7 @@ def run(base: str, fastrl: bool, args, out: Path) -> dict:
         if "eval/accuracy" in r:
             curve.append((r["step"], clock, r["eval/accuracy"]))
     curve.append((summary["steps"], clock, summary["eval_after"]["accuracy"]))
-    total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
+    total = lambda key: sum(r.get(key, 0.0) for r in rows)
     return {"curve": curve, "final": summary["eval_after"]["accuracy"], "train_seconds": clock,
             "rollout": total("time/rollout"), "reward": total("time/reward"), "update": total("time/update"),
             "samples": total("rollout/samples"), "pruned": total("rollout/samples_pruned"),

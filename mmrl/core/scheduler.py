@@ -132,12 +132,12 @@ class SyncScheduler:
         batch = RolloutBatch.concat(kept)
         batch = self._extra_samples(batch, version, metrics)
         metrics["rollout/decoded_tokens"] = float(self.decoded)
-        if self.reference is not None:
-            with torch.no_grad():
-                annotate_reference(self.reference, batch)
         batch = self.method.on_groups(batch)
         batch.advantages = self.method.advantages(batch)
         batch = self._prune(batch, metrics)
+        if self.reference is not None:  # after pruning: pruned samples need no reference pass
+            with torch.no_grad():
+                annotate_reference(self.reference, batch)
         metrics["rollout/groups"] = batch.num_groups
         metrics["rollout/samples"] = len(batch)
         return batch, metrics

@@ -157,9 +157,13 @@ class ToolRollout:
             result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
             content, kind = result.content, result.kind
         row.calls += 1
+        try:
+            self._observe(row, content)
+        except Exception as e:  # noqa: BLE001 -- e.g. a 224x1 crop the image processor refuses
+            content, kind = [f"error: the tool's image could not be shown: {e}"], "bad_image"
+            self._observe(row, content)
         if kind != "ok":
             row.errors[kind] += 1
-        self._observe(row, content)
 
     def _observe(self, row: _Row, content: list) -> None:
         """Append the observation tokens (and images) of one tool result."""
@@ -172,12 +176,12 @@ class ToolRollout:
                 text += "<|vision_start|><|image_pad|><|vision_end|>"
                 images.append(part)
         text += _OBS_CLOSE
-        if images:
+        if images:  # processed before anything is appended: a failure leaves the row as it was
             resized = pol.resize_images(images, getattr(self.cfg, "image_max_pixels", None))
             out = pol.processor(text=[text], images=resized, return_tensors="pt")
+            ids = out["input_ids"][0].tolist()
             row.pixels.append(out["pixel_values"])
             row.grids.append(out["image_grid_thw"])
-            ids = out["input_ids"][0].tolist()
         else:
             ids = pol.tokenizer(text, add_special_tokens=False)["input_ids"]
         row.ids += ids

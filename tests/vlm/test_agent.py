@@ -16,24 +16,9 @@ from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, zoom_call
-from mmrl.vlm.tiny import FAMILIES, build_tiny_vlm
 from mmrl.vlm.tools import ToolRegistry, build_registry
 
 ITEMS = ShapesZoom(seed=0, num_train=4, num_eval=2).train_items()
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    build_tiny_vlm(request.param, out, seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
-def qwen25_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen2_5_vl")
-    build_tiny_vlm("qwen2_5_vl", out, seed=0)
-    return out
 
 
 def make_policy(path, registry=None, **tools) -> VLMPolicy:
@@ -84,11 +69,11 @@ class Scripted:
         return SimpleNamespace(sequences=ids, logits=tuple(logits[:, p - 1 + k] for k in range(seq.shape[1])))
 
 
-def test_a_tool_call_gets_an_image_observation_and_exact_logprobs(family_dir):
+def test_a_tool_call_gets_an_image_observation_and_exact_logprobs(model_dir):
     """Row 0 zooms, then answers; row 1 answers at once. The observation (a crop as
     image tokens) is attended but carries no loss; the training forward reproduces
     every turn's old log-probs; the crop's pixels reach the model."""
-    policy = make_policy(family_dir)
+    policy = make_policy(model_dir)
     item = ITEMS[0]
     call = zoom_call(item.meta["zoom_box"])
     script = Scripted(policy, [[call, f"a red circle <answer>{item.answer}</answer><|im_end|>"],
@@ -138,6 +123,8 @@ def test_training_forward_reads_the_observation_image(qwen25_dir):
     ('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0, "y0": 0}}\n</tool_call>', "bad_arguments"),
     ('<tool_call>\n{"name": "boom", "arguments": {}}\n</tool_call>', "raised"),
     ('<tool_call>\n{"name": "slow", "arguments": {}}\n</tool_call>', "timeout"),
+    ('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0, "y0": 0, "x1": 224, "y1": 1}}\n</tool_call>',
+     "bad_image"),  # a 224x1 crop: no image processor takes it
 ])
 def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
     """Every failure comes back as an observation "error: ..."; the rollout goes on to answer."""

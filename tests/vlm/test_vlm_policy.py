@@ -18,23 +18,8 @@ from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import PromptTooLong, VLMPolicy
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.shapes_qa import QAItem, ShapesQA, shapes_qa_reward
-from mmrl.vlm.tiny import FAMILIES, build_tiny_vlm
 
 ITEMS = ShapesQA(seed=0, num_train=8, num_eval=4).train_items()
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    build_tiny_vlm(request.param, out, seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
-def qwen25_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen2_5_vl")
-    build_tiny_vlm("qwen2_5_vl", out, seed=0)
-    return out
 
 
 def make_policy(path, temperature=1.0) -> VLMPolicy:

@@ -15,7 +15,12 @@ from mmrl.vlm.tasks.shapes_qa import (
     shapes_qa_reward,
     to_sample,
 )
-from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, generate_zoom_items, shapes_zoom_reward, zoom_call
+from mmrl.vlm.tasks.shapes_zoom import (
+    ShapesZoom,
+    generate_zoom_items,
+    shapes_zoom_reward,
+    zoom_call,
+)
 
 __all__ = [
     "COLOURS",

@@ -285,20 +285,9 @@ class ShapesQA:
 
     def eval_items(self) -> list[QAItem]:
         if self._eval is None:
-            seen = {_key(scene, qa) for scene, _, qa in self._specs(self.num_train, "train")}
-            items: list[QAItem] = []
-            stream = self._specs(10 * self.num_eval + 1000, "eval")  # ample: collisions are rare
-            for scene, kind, qa in stream:
-                if len(items) == self.num_eval:
-                    break
-                if _key(scene, qa) not in seen:
-                    items.append(_make_item(scene, kind, qa))
-            if len(items) < self.num_eval:
-                raise ValueError(
-                    f"could only make {len(items)} of {self.num_eval} held-out eval items that "
-                    "differ from every train item; use more shapes or fewer items"
-                )
-            self._eval = items
+            key = lambda scene, kind, qa: _key(scene, qa)
+            self._eval = held_out(self._specs(self.num_train, "train"),
+                                  self._specs(10 * self.num_eval + 1000, "eval"), key, _make_item, self.num_eval)
         return self._eval
 
     def __repr__(self) -> str:
@@ -307,6 +296,23 @@ class ShapesQA:
             f"image_size={self.image_size}, min_shapes={self.min_shapes}, "
             f"max_shapes={self.max_shapes}, kinds={self.kinds}, shape_size={self.shape_size})"
         )
+
+
+def held_out(train_specs, eval_specs, key, make, n: int) -> list[QAItem]:
+    """The first n items of the eval spec stream whose key no train item shares (strictly
+    held out); ValueError if the stream runs out first. Specs are argument tuples of
+    `key` and `make`."""
+    seen = {key(*spec) for spec in train_specs}
+    items: list[QAItem] = []
+    for spec in eval_specs:
+        if len(items) == n:
+            break
+        if key(*spec) not in seen:
+            items.append(make(*spec))
+    if len(items) < n:
+        raise ValueError(f"could only make {len(items)} of {n} held-out eval items that differ from "
+                         "every train item; use more shapes or fewer items")
+    return items
 
 
 # ---------------------------------------------------------------------------- answer checking

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 from mmrl.core.rewards import Reward
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, render
-from mmrl.vlm.tasks.shapes_qa import QAItem, answer_atom, format_atom
+from mmrl.vlm.tasks.shapes_qa import QAItem, answer_atom, format_atom, held_out
 
 __all__ = [
     "KINDS",
@@ -250,20 +250,9 @@ class ShapesZoom:
         return self._train
 
     def eval_items(self) -> list[QAItem]:
-        if self._eval is None:
-            seen = {_key(*spec) for spec in self._specs(self.num_train, "train")}
-            items: list[QAItem] = []
-            for spec in self._specs(10 * self.num_eval + 1000, "eval"):  # collisions are rare
-                if len(items) == self.num_eval:
-                    break
-                if _key(*spec) not in seen:
-                    items.append(_make_item(*spec))
-            if len(items) < self.num_eval:
-                raise ValueError(
-                    f"could only make {len(items)} of {self.num_eval} held-out eval items that "
-                    "differ from every train item"
-                )
-            self._eval = items
+        if self._eval is None:  # collisions are rare: the stream is ample
+            self._eval = held_out(self._specs(self.num_train, "train"),
+                                  self._specs(10 * self.num_eval + 1000, "eval"), _key, _make_item, self.num_eval)
         return self._eval
 
     def __repr__(self) -> str:
