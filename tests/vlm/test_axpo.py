@@ -112,6 +112,7 @@ def test_axpo_config_trains_the_bundled_tool_vlm(tmp_path, one_thread):
     cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml", [
         f"output_dir={tmp_path}", "train.max_steps=3", "task.num_eval=4", "rollout.eval_samples=2",
         "rollout.prompts_per_step=4", "rollout.num_generations=4", "method.resample.budget=1.0",
+        "method.success=2.0",  # no rollout counts as right: every group with a tool user resamples
         "logging.progress=false", "logging.tensorboard=false"], defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
