@@ -53,7 +53,7 @@ from mmrl.core.engine import (
 )
 from mmrl.core.method import Method
 from mmrl.core.rewards import Reward
-from mmrl.core.scheduler import annotate_reference, round_metrics
+from mmrl.core.scheduler import annotate_reference, decoded_tokens, round_metrics
 
 
 def groups_per_update(cfg: TrainConfig) -> int:
@@ -293,6 +293,7 @@ class Round:
         del w.outstanding[job.id]
         batch = result.batch
         self.metrics["rollout/engine_calls"] = self.metrics.get("rollout/engine_calls", 0) + 1
+        self.metrics["rollout/decoded_tokens"] = self.metrics.get("rollout/decoded_tokens", 0.0) + decoded_tokens(batch)
         for r, rows in zip(job.requests, _split(batch, job.requests)):
             g = self.groups[r.group]
             g.parts.append(rows)

@@ -110,7 +110,7 @@ class SyncScheduler:
             if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
                 reward_metrics = round_metrics(batch)
             t_rollout += t1 - t0
-            decoded += _decoded(batch)
+            decoded += decoded_tokens(batch)
             keep = self.method.keep_groups(batch)
             if keep is not None and not bool(keep.all()):
                 n_groups = batch.num_groups
@@ -150,7 +150,7 @@ class SyncScheduler:
         engine = PolicyEngine(self.policy, own_weights=False)
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         extra = engine.generate(requests, self.cfg.rollout, seed)
-        self.decoded += _decoded(extra)
+        self.decoded += decoded_tokens(extra)
         extra.policy_version = version
         extra.scores = self.reward.score(extra.samples)
         merged = RolloutBatch.concat([batch, extra])
@@ -169,7 +169,7 @@ class SyncScheduler:
         return batch if bool(keep.all()) else batch.select(keep)
 
 
-def _decoded(batch: RolloutBatch) -> float:
+def decoded_tokens(batch: RolloutBatch) -> float:
     """Tokens the engine decoded for a batch (its "stat/length", else 0): what rollouts cost."""
     length = batch.data.get("stat/length")
     return float(length.sum()) if length is not None else 0.0

@@ -124,3 +124,27 @@ def test_axpo_config_trains_the_bundled_tool_vlm(tmp_path, one_thread):
     assert {"tool_call_rate", "sampled_tool_call_rate", "pass@2", "sampled_accuracy"} <= set(summary["eval_after"])
     moved = [k for k, v in policy.model.named_parameters() if not torch.equal(v, before[k])]
     assert moved
+
+
+def test_axpo_with_pipelined_tool_rollouts(tmp_path, one_thread):
+    """The pipelined scheduler (a background engine with its own weights) runs the tool
+    rollouts and AXPO's resampling from a prefix the same way."""
+    from pathlib import Path
+
+    from mmrl.core.logging import read_metrics
+    from mmrl.core.trainer import Trainer
+    from mmrl.vlm import backend
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml", [
+        f"output_dir={tmp_path}", "train.max_steps=2", "task.num_eval=2", "rollout.eval_samples=0",
+        "rollout.prompts_per_step=4", "rollout.num_generations=4", "train.mini_batches=2",
+        "rollout.scheduler.mode=pipelined", "method.success=2.0",
+        "logging.progress=false", "logging.tensorboard=false"], defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    Trainer(cfg, policy, task, backend=backend).train()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0, 0]
+    assert sum(r["axpo/resampled"] for r in rows) == sum(r["rollout/samples_extra"] for r in rows) > 0
+    assert all(r["rollout/samples"] == 16 + r["axpo/resampled"] for r in rows)
+    assert all(r["rollout/decoded_tokens"] > 0 for r in rows)
