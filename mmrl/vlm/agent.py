@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
+from mmrl.vlm.policy import _per_token, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
 _OBS_OPEN = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
@@ -111,7 +112,7 @@ class ToolRollout:
         for r in rows:
             if not r.done:  # out of turns in the middle of a tool exchange
                 r.truncated = r.done = True
-        return self._batch(enc, items, rows)
+        return self._batch(enc, items, rows, prompt)
 
     def teacher(self, items: Sequence[Any], turns: Sequence[Sequence[str]]) -> RolloutBatch:
         """Rollouts whose model turns are given as text (tool-use demonstrations for supervised
@@ -130,7 +131,7 @@ class ToolRollout:
                 ids = tok(text, add_special_tokens=False)["input_ids"]
                 ids += [self.policy.eos_id] if j == len(texts) - 1 else []
                 self._take_turn(row, ids, [0.0] * len(ids), [0.0] * len(ids), unlimited)
-        return self._batch(enc, items, rows)
+        return self._batch(enc, items, rows, self._prompt_parts(enc, items))
 
     def _take_turn(self, row: _Row, new: list[int], logp: list[float], ent: list[float], rollout) -> None:
         row.turns += 1
@@ -268,9 +269,7 @@ class ToolRollout:
 
     # ------------------------------------------------------------------ the batch
 
-    def _batch(self, enc, items, rows: list[_Row]) -> RolloutBatch:
-        from mmrl.vlm.policy import to_sample
-
+    def _batch(self, enc, items, rows: list[_Row], prompt: list[dict]) -> RolloutBatch:
         pol = self.policy
         n, t = len(rows), max(1, max(len(r.ids) for r in rows))
         completion = torch.full((n, t), pol.pad_id, dtype=torch.long)
@@ -296,7 +295,7 @@ class ToolRollout:
             s.meta.update(tool_calls=r.calls, tool_errors=sum(r.errors.values()))
             samples.append(s)
         prompt_rows = pol._prompt_rows(enc, items)
-        prompt_rows.update(self._vision_rows(self._prompt_parts(enc, items), rows))
+        prompt_rows.update(self._vision_rows(prompt, rows))
         completion_keys = {f"completion/{k}": torch.stack([self._completion_values(k, c, v.dtype) for c in completion])
                            for k, v in enc.items() if _per_token(k, v, enc)}
         lengths = mask.sum(-1)
@@ -360,8 +359,3 @@ def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int) -> list[int]:
 def _single_id(tok, text: str) -> int | None:
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return ids[0] if len(ids) == 1 else None
-
-
-def _per_token(key: str, value: Any, enc) -> bool:
-    return (key not in ("input_ids", "attention_mask") and torch.is_tensor(value)
-            and value.shape == enc["input_ids"].shape)
