@@ -144,17 +144,21 @@ _ITEM_TRIES = 1000  # scenes drawn for one item before its kind is declared impo
 # ---------------------------------------------------------------------------- generation
 
 
-def _check_kinds(kinds: Sequence[str] | None, max_shapes: int) -> list[str]:
-    if kinds is None:
-        kinds = list(KINDS)
-    if isinstance(kinds, str):
-        kinds = [kinds]
-    kinds = list(kinds)
+def kind_list(kinds: Sequence[str] | str | None, known, default: Sequence[str]) -> list[str]:
+    """Question kinds as a checked list: None -> default, one name -> [it]; an empty list or
+    a name not in `known` is a ValueError."""
+    kinds = list(default) if kinds is None else [kinds] if isinstance(kinds, str) else list(kinds)
     if not kinds:
         raise ValueError("kinds must name at least one question kind")
     for k in kinds:
-        if k not in KINDS:
-            raise ValueError(f"unknown question kind {k!r} (known: {', '.join(KINDS)})")
+        if k not in known:
+            raise ValueError(f"unknown question kind {k!r} (known: {', '.join(known)})")
+    return kinds
+
+
+def _check_kinds(kinds: Sequence[str] | None, max_shapes: int) -> list[str]:
+    kinds = kind_list(kinds, KINDS, KINDS)
+    for k in kinds:
         if max_shapes < _MIN_SHAPES_NEEDED.get(k, 0):
             raise ValueError(
                 f"question kind {k!r} needs scenes of at least {_MIN_SHAPES_NEEDED[k]} "

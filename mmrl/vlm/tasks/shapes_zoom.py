@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 from mmrl.core.rewards import Reward
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, render
-from mmrl.vlm.tasks.shapes_qa import QAItem, answer_atom, format_atom, held_out
+from mmrl.vlm.tasks.shapes_qa import QAItem, answer_atom, format_atom, held_out, kind_list
 
 __all__ = [
     "KINDS",
@@ -130,17 +130,7 @@ def _check(image_size, shape_size, kinds) -> tuple[int, tuple[int, int], list[st
             f"({half} px) must be at least {hi + 2 * MARGIN} px (the shape plus a {MARGIN} px "
             "margin on each side)"
         )
-    if kinds is None:
-        kinds = list(DEFAULT_KINDS)
-    if isinstance(kinds, str):
-        kinds = [kinds]
-    kinds = list(kinds)
-    if not kinds:
-        raise ValueError("kinds must name at least one question kind")
-    for k in kinds:
-        if k not in KINDS:
-            raise ValueError(f"unknown question kind {k!r} (known: {', '.join(KINDS)})")
-    return image_size, (lo, hi), kinds
+    return image_size, (lo, hi), kind_list(kinds, KINDS, DEFAULT_KINDS)
 
 
 def _random_scene(rng: random.Random, image_size: int, shape_size: tuple[int, int]) -> Scene:
