@@ -385,6 +385,10 @@ class VLMPolicy:
     def reference(self) -> VLMPolicy:
         ref = copy.copy(self)
         ref.model = copy.deepcopy(self.model).requires_grad_(False)
+        if self.agent is not None:  # the copy's tool rollouts must sample with the copy's weights
+            from mmrl.vlm.agent import ToolRollout
+
+            ref.agent = ToolRollout(ref, self.agent.registry, self.tools_cfg)
         return ref
 
 

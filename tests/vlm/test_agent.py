@@ -212,3 +212,12 @@ def test_tool_rollouts_config_errors():
     cfg = load_config(VLMTrainConfig, overrides=["rollout.tools.names=[zoom]"])
     with pytest.raises(ConfigError, match="hf engine only"):
         backend.build_engine("vllm", cfg, policy=None)
+
+
+def test_a_frozen_copy_rolls_out_with_its_own_weights(qwen25_dir):
+    """policy.reference() (the KL reference, a background engine's own weights): its tool
+    rollouts use the copy's model, so the trainer's updates do not leak into them."""
+    policy = make_policy(qwen25_dir)
+    ref = policy.reference()
+    assert ref.agent.policy is ref and ref.agent.policy.model is not policy.model
+    assert ref.agent.registry is policy.agent.registry
