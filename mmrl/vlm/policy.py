@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -317,6 +318,15 @@ class VLMPolicy:
         logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         return logp.masked_fill(~batch.mask, 0.0)
+
+    @torch.no_grad()
+    def rescore(self, batch: RolloutBatch, pixel_values: Tensor) -> Tensor:
+        """[N, T] log-probs of the batch's own completions with its images replaced by
+        `pixel_values` (an intervened copy, mmrl.vlm.interventions): teacher-forced, no grad,
+        one extra pass (VPPO's visual dependency, PACG's persistence)."""
+        data = dict(batch.data)
+        data["pixel_values"] = pixel_values
+        return self.logprobs(replace(batch, data=data))
 
     @staticmethod
     def _left_align(data: dict[str, Tensor]) -> dict[str, Tensor]:
