@@ -5,6 +5,7 @@ A method changes what the loop does at these points (DESIGN.md, "The loop"):
                     the scheduler refills)
     extra_requests  more samples for a complete group (AXPO: continuations of a fixed prefix)
     on_groups       reshape a synchronous round's batch before advantages
+    annotate        extra no-grad passes of the rollout policy before advantages (VPPO)
     advantages      [N], [N, T] or per region
     prune           drop samples of a complete group before training (FastRL's MDAP)
     group_size      the group size G of each data epoch (FastRL's adaptive rollout sampling)
@@ -61,6 +62,11 @@ class Method:
         group; the group trains when they are back, scored like the rest. The group's
         prompt object is group.prompts[group id]."""
         return []
+
+    def annotate(self, policy, batch: RolloutBatch) -> None:
+        """Extra no-grad passes of the policy that made the rollouts, before advantages, into
+        batch.data (VPPO re-scores each response under a masked image). Synchronous
+        scheduling only for now: the pipelined scheduler refuses a method that overrides it."""
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
         raise NotImplementedError

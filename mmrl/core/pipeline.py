@@ -358,6 +358,10 @@ class PipelinedScheduler:
 
     def __init__(self, cfg: TrainConfig, engines: list, stream, reward: Reward, method: Method,
                  generator: torch.Generator, model: torch.nn.Module, reference=None):
+        if type(method).annotate is not Method.annotate:
+            raise ConfigError(f"method {cfg.method.type!r} re-scores rollouts with the rollout policy "
+                              "(Method.annotate): engines beside the trainer (rollout.scheduler placement other than "
+                              "inline, or mode=pipelined) do not support that yet")
         sc = cfg.rollout.scheduler
         self.cfg = cfg
         self.model = model  # the trainer's: its trainable weights are what publish sends

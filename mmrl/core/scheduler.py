@@ -133,6 +133,8 @@ class SyncScheduler:
         batch = self._extra_samples(batch, version, metrics)
         metrics["rollout/decoded_tokens"] = float(self.decoded)
         batch = self.method.on_groups(batch)
+        with torch.no_grad():
+            self.method.annotate(self.policy, batch)
         batch.advantages = self.method.advantages(batch)
         batch = self._prune(batch, metrics)
         if self.reference is not None:  # after pruning: pruned samples need no reference pass

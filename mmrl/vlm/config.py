@@ -124,8 +124,23 @@ class AXPOConfig(GRPOConfig):
     """A rollout is right when its `answer` atom (else its total reward) is at least this."""
 
 
+class VPPOConfig(GRPOConfig):
+    """VPPO (mmrl.vlm.methods.vppo): visual-dependency advantage shaping and token filtering."""
+
+    type: Literal["vppo"] = "vppo"
+    mask_p: float = Field(0.5, ge=0, le=1)
+    """Chance that each image patch is blacked out in the re-scoring pass."""
+    beta_min: float = Field(0.9, ge=0, le=1)
+    """Smallest trajectory advantage scale."""
+    top_frac: float = Field(0.4, gt=0, le=1)
+    """Share of each response's tokens (highest visual dependency) that keep their gradient."""
+    cap: float = Field(10.0, gt=0)
+    """Clamp of the token visual dependency s_t."""
+
+
 class VLMTrainConfig(TrainConfig):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     task: TaskConfig = Field(default_factory=ShapesQATaskConfig)
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
-    method: Annotated[GRPOConfig | AXPOConfig, Field(discriminator="type")] = Field(default_factory=GRPOConfig)
+    method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig, Field(discriminator="type")] = Field(
+        default_factory=GRPOConfig)

@@ -1,0 +1,59 @@
+"""VLM methods side by side on one task: each `configs/vlm/<method>.yaml` from the same
+start, same seeds and steps; held-out greedy and sampled accuracy before and after.
+
+    python benchmarks/vlm_methods.py --methods dapo vppo --seeds 0 1 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from mmrl.core.config import load_config
+from mmrl.core.trainer import Trainer
+from mmrl.vlm import backend
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ("accuracy", "sampled_accuracy")
+
+
+def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
+    cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{method}.yaml",
+                      [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
+                       "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    return Trainer(cfg, policy, task, backend=backend).train()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", nargs="+", default=["dapo", "vppo"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-methods")
+    ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
+    args = ap.parse_args(argv)
+    results = {}
+    for seed in args.seeds:
+        for method in args.methods:
+            s = run(method, seed, args.steps, args.out / f"{method}-seed{seed}", args.extra)
+            results[(method, seed)] = s
+            print(json.dumps({"method": method, "seed": seed, "before": s["eval_before"], "after": s["eval_after"],
+                              "seconds": s.get("train_seconds")}), flush=True)
+    print("\n| method | seed | greedy accuracy | sampled accuracy | seconds |")
+    print("|---|---|---|---|---|")
+    for (method, seed), s in results.items():
+        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
+        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} |")
+    for method in args.methods:
+        runs = [s for (m, _), s in results.items() if m == method]
+        gains = [f"{c} {100 * statistics.mean(s['eval_after'][c] - s['eval_before'][c] for s in runs):+.1f}"
+                 for c in COLUMNS]
+        print(f"{method}: mean gain " + ", ".join(gains))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""VPPO, visually-perceptive policy optimization (arXiv 2510.09285; public code).
+
+On top of the GRPO family (here DAPO's settings, configs/vlm/vppo.yaml), one extra no-grad
+forward re-scores each sampled response with its image perturbed: random patches
+blacked out with probability p = 0.5 (mmrl.vlm.interventions.mask_patches; 14-px
+patches on Qwen2/2.5-VL, 16-px on Qwen3-VL). Per token,
+
+    d_t = logp_aug_t - logp_t,    s_t = clamp(exp(d_t) - d_t - 1, 0, 10)    (visual dependency)
+
+(1) trajectory advantage shaping: n_i = min-max normalised mean_t s_t over the batch;
+    A_i <- A_i * (beta_min + n_i * (1 - beta_min) / mean(n)),  beta_min = 0.9
+(2) token gradient filtering: only the top 40% tokens of each response by s_t keep their
+    policy-gradient term; the loss denominator still counts every response token
+    (advantages [N, T] with zeros, through the shared loss).
+
+logp_t is the rollout's own log-prob (old_logp: the same weights, exact). Departures:
+the min-max normalisation runs over the step's rollout batch (the paper: the
+mini-batch), so that advantages exist before the batch is split; the mask draw is
+seeded by the run's seed and the batch's first group id, so resuming reproduces it.
+A batch without images gets plain GRPO-family advantages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.grpo import GRPO
+from mmrl.core.method import register_method
+from mmrl.vlm.interventions import black_row, mask_patches
+
+
+def visual_dependency(logp_aug: Tensor, logp: Tensor, mask: Tensor, cap: float = 10.0) -> Tensor:
+    """[N, T]: s_t = clamp(exp(d) - d - 1, 0, cap), d = logp_aug - logp; 0 off the mask."""
+    d = (logp_aug - logp).masked_fill(~mask, 0.0)
+    return (d.exp() - d - 1).clamp(0.0, cap).masked_fill(~mask, 0.0)
+
+
+def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 0.9,
+                     top_frac: float = 0.4, eps: float = 1e-8) -> Tensor:
+    """[N] advantages and [N, T] dependencies -> [N, T]: trajectory shaping, then the
+    top-`top_frac` token filter of each response."""
+    lengths = mask.sum(-1)
+    mean_s = (s * mask).sum(-1) / lengths.clamp(min=1)  # [N]
+    n = (mean_s - mean_s.min()) / (mean_s.max() - mean_s.min() + eps)
+    scale = beta_min + n * (1 - beta_min) / (n.mean() + eps) if float(n.mean()) > 0 else torch.ones_like(n)
+    keep = torch.zeros_like(mask)
+    for i in range(len(adv)):
+        k = math.ceil(top_frac * int(lengths[i]))
+        if k:
+            ranked = s[i].masked_fill(~mask[i], float("-inf"))
+            keep[i, ranked.topk(k).indices] = True
+    return (adv * scale)[:, None] * keep
+
+
+@register_method("vppo")
+class VPPO(GRPO):
+    def annotate(self, policy, batch: RolloutBatch) -> None:
+        if "pixel_values" not in batch.data:
+            return
+        pixels, grid = batch.data["pixel_values"], batch.data["image_grid_thw"]
+        fill = black_row(policy.processor.image_processor, pixels.shape[-1])
+        gen = torch.Generator().manual_seed(self.run.seed * 1_000_003 + int(batch.group_ids.min()))
+        masked = mask_patches(pixels, grid, p=self.cfg.mask_p, fill=fill, generator=gen)
+        logp_aug = policy.rescore(batch, masked)
+        batch.data["visual_dependency"] = visual_dependency(logp_aug, batch.old_logp, batch.mask, self.cfg.cap)
+
+    def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
+        adv = super().advantages(batch)
+        s = batch.data.get("visual_dependency")
+        if s is None:
+            return adv
+        return shape_advantages(adv, s, batch.mask, beta_min=self.cfg.beta_min, top_frac=self.cfg.top_frac)
+
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        s = batch.data.get("visual_dependency")
+        if s is None:
+            return {}
+        return {"vppo/visual_dependency": float((s * batch.mask).sum() / batch.mask.sum().clamp(min=1))}
