@@ -116,8 +116,7 @@ def main(argv=None) -> int:
         items = [train[i] for i in idx]
         p_tool = 1.0 if step <= args.read_steps else args.p_tool
         batch = policy.agent.teacher(items, [demonstration(it, rng, p_tool) for it in items])
-        logp = policy.logprobs(batch)
-        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        loss = policy.sft_loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -70,8 +70,7 @@ def main(argv=None) -> int:
         idx = torch.randint(len(train), (args.batch_size,), generator=g).tolist()
         items = [train[i] for i in idx]
         batch = policy.teacher_batch(items, [it.reference for it in items])
-        logp = policy.logprobs(batch)
-        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        loss = policy.sft_loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -566,16 +566,22 @@ def load_atom(spec: str, base_dir: str | Path | None = None) -> RewardAtom:
     return _load_atom(spec, base_dir, {})
 
 
+def spec_file(file_part: str, base_dir) -> Path:
+    """The file of a "path/to/file.py:name" spec: absolute, or relative to base_dir (the
+    config's directory; the working directory when None)."""
+    path = Path(file_part).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir if base_dir is not None else Path.cwd()) / path
+    return path.resolve()
+
+
 def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"reward atom spec {spec!r} must look like 'path/to/file.py:function'")
     file_part, attr = spec.rsplit(":", 1)  # rsplit: a Windows drive letter has a ':' too
     if not file_part or not attr:
         raise ValueError(f"reward atom spec {spec!r} must look like 'path/to/file.py:function'")
-    path = Path(file_part).expanduser()
-    if not path.is_absolute():
-        path = Path(base_dir if base_dir is not None else Path.cwd()) / path
-    path = path.resolve()
+    path = spec_file(file_part, base_dir)
     if not path.is_file():
         raise ValueError(f"reward atom spec {spec!r}: file not found: {path}")
     if path not in modules:

@@ -319,6 +319,11 @@ class VLMPolicy:
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         return logp.masked_fill(~batch.mask, 0.0)
 
+    def sft_loss(self, batch: RolloutBatch) -> Tensor:
+        """Mean negative log-likelihood of the batch's trained tokens (supervised fine-tuning
+        on teacher batches; the scripts that build the bundled tiny VLMs)."""
+        return -(self.logprobs(batch) * batch.mask).sum() / batch.mask.sum()
+
     @torch.no_grad()
     def rescore(self, batch: RolloutBatch, pixel_values: Tensor) -> Tensor:
         """[N, T] log-probs of the batch's own completions with its images replaced by

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmrl.core.rewards import import_python_file, module_attribute
+from mmrl.core.rewards import import_python_file, module_attribute, spec_file
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -747,10 +747,7 @@ def build_registry(
                 "and not 'path/to/file.py:function'"
             )
         what = f"tool {spec!r}"
-        path = Path(file_part).expanduser()
-        if not path.is_absolute():
-            path = Path(base_dir if base_dir is not None else Path.cwd()) / path
-        path = path.resolve()
+        path = spec_file(file_part, base_dir)
         if not path.is_file():
             raise ValueError(f"{what}: file not found: {path} (builtins: {builtins})")
         if path not in modules:
