@@ -83,7 +83,8 @@ class SyncScheduler:
         num_generations = num_generations or rc.num_generations
         want = rc.prompts_per_step
         kept: list[RolloutBatch] = []
-        have = dropped = rounds = decoded = 0
+        have = dropped = rounds = 0
+        decoded = 0.0
         t_rollout = t_reward = 0.0
         max_rounds = 1 + (self.cfg.method.dynamic_sampling.max_rounds
                           if getattr(self.cfg.method, "dynamic_sampling", None)
@@ -125,13 +126,12 @@ class SyncScheduler:
             "rollout/groups_dropped": dropped,
             "time/rollout": t_rollout,
             "time/reward": t_reward,
+            "rollout/decoded_tokens": decoded,  # the extra samples add theirs
         }
-        self.decoded = decoded  # the extra samples add theirs
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept)
         batch = self._extra_samples(batch, version, metrics)
-        metrics["rollout/decoded_tokens"] = float(self.decoded)
         batch = self.method.on_groups(batch)
         with torch.no_grad():
             self.method.annotate(self.policy, batch)
@@ -152,7 +152,7 @@ class SyncScheduler:
         engine = PolicyEngine(self.policy, own_weights=False)
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         extra = engine.generate(requests, self.cfg.rollout, seed)
-        self.decoded += decoded_tokens(extra)
+        metrics["rollout/decoded_tokens"] += decoded_tokens(extra)
         extra.policy_version = version
         extra.scores = self.reward.score(extra.samples)
         merged = RolloutBatch.concat([batch, extra])
