@@ -2,6 +2,11 @@
 start, same seeds and steps; held-out greedy and sampled accuracy before and after.
 
     python benchmarks/vlm_methods.py --methods dapo vppo --seeds 0 1 --steps 100
+    python benchmarks/vlm_methods.py --methods dapo vppo pacg pacg_vppo --claims
+
+--claims adds PACG's measure (mmrl.vlm.methods.pacg.claim_report): how persistent the
+greedy reasoning's claims are when half the image patches are blacked out, for claims
+false of the scene and claims true of it.
 """
 
 from __future__ import annotations
@@ -14,17 +19,25 @@ from pathlib import Path
 from mmrl.core.config import load_config
 from mmrl.core.trainer import Trainer
 from mmrl.vlm import backend
+from mmrl.vlm.methods.pacg import claim_report
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("accuracy", "sampled_accuracy")
+CLAIM_COLUMNS = ("persistence_false", "persistence_true", "false_claim_rate")
 
 
-def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict:
+def run(method: str, seed: int, steps: int, out: Path, extra: list[str], claims: bool = False) -> dict:
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
-    return Trainer(cfg, policy, task, backend=backend).train()
+    measure = (lambda: claim_report(policy, task.eval_items, max_new_tokens=cfg.rollout.max_new_tokens,
+                                    seed=seed)) if claims else dict
+    before = measure()
+    summary = Trainer(cfg, policy, task, backend=backend).train()
+    summary["eval_before"].update(before)
+    summary["eval_after"].update(measure())
+    return summary
 
 
 def main(argv=None) -> int:
@@ -34,23 +47,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-methods")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
+    ap.add_argument("--claims", action="store_true", help="also measure claim persistence (PACG's check)")
     args = ap.parse_args(argv)
+    columns = COLUMNS + (CLAIM_COLUMNS if args.claims else ())
     results = {}
     for seed in args.seeds:
         for method in args.methods:
-            s = run(method, seed, args.steps, args.out / f"{method}-seed{seed}", args.extra)
+            s = run(method, seed, args.steps, args.out / f"{method}-seed{seed}", args.extra, args.claims)
             results[(method, seed)] = s
             print(json.dumps({"method": method, "seed": seed, "before": s["eval_before"], "after": s["eval_after"],
                               "seconds": s.get("train_seconds")}), flush=True)
-    print("\n| method | seed | greedy accuracy | sampled accuracy | seconds |")
-    print("|---|---|---|---|---|")
+    print("\n| method | seed | " + " | ".join(columns) + " | seconds |")
+    print("|---|---|" + "---|" * len(columns) + "---|")
     for (method, seed), s in results.items():
-        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
+        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in columns)
         print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} |")
     for method in args.methods:
         runs = [s for (m, _), s in results.items() if m == method]
         gains = [f"{c} {100 * statistics.mean(s['eval_after'][c] - s['eval_before'][c] for s in runs):+.1f}"
-                 for c in COLUMNS]
+                 for c in columns]
         print(f"{method}: mean gain " + ", ".join(gains))
     return 0
 

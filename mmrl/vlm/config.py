@@ -138,9 +138,46 @@ class VPPOConfig(GRPOConfig):
     """Clamp of the token visual dependency s_t."""
 
 
+class PACGConfig(VPPOConfig):
+    """PACG (mmrl.vlm.methods.pacg): positive credit of unusually persistent visual claims
+    attenuated, on DAPO or on VPPO; the intervention is VPPO's patch masking (mask_p)."""
+
+    type: Literal["pacg"] = "pacg"
+    base: Literal["dapo", "vppo"] = "dapo"
+    """The method PACG gates: "dapo" (plain group advantages) or "vppo" (VPPO's shaping and
+    token filter, then the gate)."""
+    z0: float = 1.0
+    """Claims whose batch z-scored persistence exceeds z0 are gated."""
+    eta: float = Field(0.5, ge=0)
+    """Gate slope: g = max(g_min, 1 - eta (z - z0))."""
+    g_min: float = Field(0.5, ge=0, le=1)
+    """Smallest gate: a persistent claim keeps at least this share of its positive credit."""
+    claim_words: list[str] | None = None
+    """Words that make a reasoning segment a visual claim (None = mmrl.vlm.claims.CLAIM_WORDS)."""
+    answer_tag: str = "<answer>"
+    """The reasoning is the response's text before this tag."""
+
+
+class CORAConfig(GRPOConfig):
+    """CORA (mmrl.vlm.methods.cora): a consistency reward model's stream beside the task's,
+    each normalised in its group (HRAS), the consistency weight warmed up."""
+
+    type: Literal["cora"] = "cora"
+    consistency_model: str = "assets/tiny-consistency-modernbert"
+    """The consistency classifier (a local sequence-classification model with a "consistent" label)."""
+    lam: float = Field(1.0, gt=0)
+    """lambda: r_cons = lambda * P(consistent), the consistency atom's weight in the reward."""
+    alpha: float = Field(1.0, ge=0)
+    """Weight of the task stream's group z-score."""
+    beta: float = Field(0.2, ge=0)
+    """Weight of the consistency stream's group z-score after warm-up."""
+    warmup_steps: int = Field(20, ge=0)
+    """Steps over which beta rises linearly from 0 (0 = no warm-up)."""
+
+
 class VLMTrainConfig(TrainConfig):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     task: TaskConfig = Field(default_factory=ShapesQATaskConfig)
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
-    method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig, Field(discriminator="type")] = Field(
+    method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig | PACGConfig | CORAConfig, Field(discriminator="type")] = Field(
         default_factory=GRPOConfig)

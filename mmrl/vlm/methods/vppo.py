@@ -59,14 +59,20 @@ def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 
 @register_method("vppo")
 class VPPO(GRPO):
     def annotate(self, policy, batch: RolloutBatch) -> None:
+        logp_aug = self.intervened_logp(policy, batch)
+        if logp_aug is not None:
+            batch.data["visual_dependency"] = visual_dependency(logp_aug, batch.old_logp, batch.mask, self.cfg.cap)
+
+    def intervened_logp(self, policy, batch: RolloutBatch) -> Tensor | None:
+        """[N, T] log-probs of the batch's responses re-scored with random patches blacked
+        out (None for a batch without images)."""
         if "pixel_values" not in batch.data:
-            return
+            return None
         pixels, grid = batch.data["pixel_values"], batch.data["image_grid_thw"]
         fill = black_row(policy.processor.image_processor, pixels.shape[-1])
         gen = torch.Generator().manual_seed(self.run.seed * 1_000_003 + int(batch.group_ids.min()))
         masked = mask_patches(pixels, grid, p=self.cfg.mask_p, fill=fill, generator=gen)
-        logp_aug = policy.rescore(batch, masked)
-        batch.data["visual_dependency"] = visual_dependency(logp_aug, batch.old_logp, batch.mask, self.cfg.cap)
+        return policy.rescore(batch, masked)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
         adv = super().advantages(batch)
