@@ -27,7 +27,13 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
-from mmrl.vlm.claims import CLAIM_WORDS, claim_persistence, claim_spans, shapes_claim_holds, token_claims
+from mmrl.vlm.claims import (
+    CLAIM_WORDS,
+    claim_persistence,
+    claim_spans,
+    shapes_claim_holds,
+    token_claims,
+)
 from mmrl.vlm.interventions import black_row, mask_patches
 from mmrl.vlm.methods.vppo import VPPO, shape_advantages, visual_dependency
 
@@ -128,7 +134,10 @@ def claim_report(policy, items, *, max_new_tokens: int, mask_p: float = 0.5, see
             if holds is not None:
                 found[holds].append(p)
     n_true, n_false = len(found[True]), len(found[False])
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"persistence_false": mean(found[False]), "persistence_true": mean(found[True]),
+    return {"persistence_false": _mean(found[False]), "persistence_true": _mean(found[True]),
             "claims_false": float(n_false), "claims_true": float(n_true),
             "false_claim_rate": n_false / max(1, n_true + n_false)}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
