@@ -34,6 +34,7 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
 
     t = cfg.task
+    reward = shapes_qa_reward()  # shapes-zoom and jsonl answers are checked like shapes-qa's
     if t.type == "shapes-qa":
         data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
                         min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
@@ -48,6 +49,14 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
         except ValueError as e:
             raise ConfigError(f"task (shapes-zoom): {e}") from e
         train, evaluation = data.train_items(), data.eval_items()
+    elif t.type == "shapes-mood":
+        from mmrl.vlm.tasks.shapes_mood import ShapesMood, shapes_mood_reward
+
+        try:  # the config's fields are ShapesMood's arguments (its OOD items: data.ood_items())
+            data = ShapesMood(**t.model_dump(exclude={"type"}))
+        except ValueError as e:
+            raise ConfigError(f"task (shapes-mood): {e}") from e
+        train, evaluation, reward = data.train_items(), data.eval_items(), shapes_mood_reward()
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
 
@@ -57,7 +66,7 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
             evaluation = load_jsonl(_resolve(t.eval_path, base), on_bad_image=t.on_bad_image)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
-    return VLMTask(t.type, train, evaluation, shapes_qa_reward(),
+    return VLMTask(t.type, train, evaluation, reward,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size,
                    rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples)
 

@@ -73,7 +73,28 @@ class ShapesZoomTaskConfig(Section):
     """Question kinds (None = the task's default, colour_at)."""
 
 
-TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | JSONLTaskConfig, Field(discriminator="type")]
+class ShapesMoodTaskConfig(Section):
+    """Subjective emotion labels for shapes scenes: a distribution over eight emotions, a
+    trigger box, K candidate emotions (mmrl.vlm.tasks.shapes_mood; DSPO's task)."""
+
+    type: Literal["shapes-mood"] = "shapes-mood"
+    seed: int = 0
+    num_train: int = Field(2000, ge=1)
+    num_eval: int = Field(200, ge=1)
+    num_ood: int = Field(200, ge=0)
+    """Items whose scenes hold an unseen colour-shape composition (ShapesMood.ood_items)."""
+    image_size: int = Field(112, ge=56)
+    min_shapes: int = Field(1, ge=1)
+    max_shapes: int = Field(3, ge=1)
+    shape_size: tuple[int, int] = (36, 48)
+    """Smallest and largest shape side in pixels (as shapes-qa: sizes the tiny model reads)."""
+    ood_compositions: list[tuple[str, str]] = Field(
+        default_factory=lambda: [("yellow", "triangle"), ("blue", "circle")])
+    """(colour, shape) pairs kept out of train and eval scenes; every OOD scene has one."""
+
+
+TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | ShapesMoodTaskConfig | JSONLTaskConfig,
+                       Field(discriminator="type")]
 
 
 class ToolsConfig(Section):

@@ -1,0 +1,291 @@
+"""The shapes-mood task (mmrl/vlm/tasks/shapes_mood.py), its VAD lexicon and DEDR (mmrl/vlm/dedr.py)."""
+
+import json
+import math
+import warnings
+
+import pytest
+
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import Sample
+from mmrl.vlm import backend
+from mmrl.vlm.config import ShapesMoodTaskConfig, VLMTrainConfig
+from mmrl.vlm.dedr import dedr
+from mmrl.vlm.tasks import shapes_mood as sm
+from mmrl.vlm.tasks.scenes import Scene, Shape, render
+from mmrl.vlm.tasks.shapes_mood import (
+    MOOD_WARNINGS,
+    QUESTION,
+    K,
+    ShapesMood,
+    box_area_fraction,
+    box_fraction,
+    coverage,
+    label_dist,
+    mood_metrics,
+    parse_mood,
+    prior,
+    shapes_mood_reward,
+    top_k,
+)
+from mmrl.vlm.vad import EMOTIONS, VAD, vad
+
+REF = ("<step1>[98,107,527,536]</step1> <step2>a red triangle</step2> "
+       "<step3>anger, excitement, fear, disgust, amusement</step3> <answer>anger</answer>")
+
+
+@pytest.fixture(scope="module")
+def task():
+    return ShapesMood(seed=0, num_train=200, num_eval=40, num_ood=40)
+
+
+def scene_key(item):
+    return json.dumps(item.meta["scene"], sort_keys=True)
+
+
+def compositions(item):
+    return {(s["colour"], s["shape"]) for s in item.meta["scene"]["shapes"]}
+
+
+def score(text, meta):
+    s = shapes_mood_reward().score([Sample(QUESTION, text, meta)])
+    return dict(zip(s.names, s.values[0].tolist())), float(s.total[0])
+
+
+# ---------------------------------------------------------------------------- lexicon
+
+
+def test_lexicon_covers_the_eight_mikels_emotions():
+    assert set(EMOTIONS) == set(VAD) and len(EMOTIONS) == 8
+    assert all(len(v) == 3 and all(0 <= x <= 1 for x in v) for v in VAD.values())
+    assert VAD["sadness"] == (0.052, 0.288, 0.164)  # NRC VAD v1.0, row "sadness"
+    assert vad("  Fear ") == VAD["fear"] and vad("boredom") is None and vad(None) is None
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def test_generation_is_deterministic_by_seed(task):
+    again = ShapesMood(seed=0, num_train=200, num_eval=40, num_ood=40)
+    other = ShapesMood(seed=1, num_train=200, num_eval=40, num_ood=40)
+    for split in ("train_items", "eval_items", "ood_items"):
+        a, b = getattr(task, split)(), getattr(again, split)()
+        assert [(x.reference, x.meta) for x in a] == [(x.reference, x.meta) for x in b]
+        assert all(x.images[0].tobytes() == y.images[0].tobytes() for x, y in zip(a, b))
+    assert [scene_key(x) for x in task.train_items()] != [scene_key(x) for x in other.train_items()]
+    # item i depends only on (split, seed, i)
+    short = ShapesMood(seed=0, num_train=20, num_eval=5, num_ood=5)
+    assert [scene_key(x) for x in short.train_items()] == [scene_key(x) for x in task.train_items()[:20]]
+    assert task.train_items() is task.train_items()  # cached
+
+
+def test_items_label_distribution_mode_prior_and_reference(task):
+    for item in task.train_items() + task.eval_items() + task.ood_items():
+        meta, scene = item.meta, Scene.from_dict(item.meta["scene"])
+        assert item.question == QUESTION and item.images[0].size == (112, 112)
+        assert item.images[0].tobytes() == render(scene).tobytes()
+        assert 1 <= len(scene.shapes) <= 3 and all(36 <= s.size <= 48 for s in scene.shapes)
+        dist = meta["label_dist"]
+        assert list(dist) == list(EMOTIONS) and math.isclose(sum(dist.values()), 1.0)
+        assert all(p > 0 for p in dist.values())  # the base weight: every emotion has mass
+        assert meta["answer"] == item.answer == max(dist, key=dist.get)
+        first, second = sorted(dist.values())[::-1][:2]
+        assert first - second >= sm.MIN_MODE_MARGIN
+        mu, sigma = prior(dist)
+        assert meta["mu"] == mu and meta["sigma"] == sigma and min(sigma) >= sm.SIGMA_FLOOR
+        assert meta["kind"] == "mood" and meta["split"] in ("train", "eval", "ood")
+        r = parse_mood(item.reference)
+        assert r.candidates == top_k(dist) and r.answer == item.answer
+        assert list(r.box) == meta["trigger_box"] and all(type(v) is int for v in r.box)
+        # the trigger box is one of the scene's shapes, named in step2
+        boxes = {tuple(sm.shape_box(s, 112)): f"a {s.colour} {s.shape}" for s in scene.shapes}
+        assert boxes[r.box] == r.reaction
+        json.dumps(meta)
+
+
+def test_label_distribution_by_hand():
+    # one red triangle: weights = 0.1 base + red + triangle, all scaled by the same area
+    # anger .1+.5+.1=.7, excitement .1+.25+.2=.55, fear .1+.1+.3=.5, disgust .1+.15=.25,
+    # the other four .1 each -> total 2.4
+    dist = label_dist(Scene([Shape("triangle", "red", 56, 56, 40)], 112))
+    assert dist["anger"] == pytest.approx(0.7 / 2.4) and dist["sadness"] == pytest.approx(0.1 / 2.4)
+    assert top_k(dist) == ["anger", "excitement", "fear", "disgust", "amusement"]
+    # a large square outweighs a small triangle of the same colour's mode: blue square (sadness)
+    big = Scene([Shape("triangle", "blue", 30, 30, 36), Shape("square", "blue", 80, 80, 48)], 112)
+    assert top_k(label_dist(big))[0] == "sadness"
+
+
+def test_ood_compositions_never_in_train_or_eval_and_in_every_ood_item(task):
+    held = {("yellow", "triangle"), ("blue", "circle")}
+    assert set(task.ood_compositions) == held
+    for item in task.train_items() + task.eval_items():
+        assert not compositions(item) & held
+    assert all(compositions(item) & held for item in task.ood_items())
+    assert {c for item in task.ood_items() for c in compositions(item) & held} == held
+
+
+def test_eval_is_held_out_from_train(task):
+    train = {scene_key(x) for x in task.train_items()}
+    assert len(task.eval_items()) == 40 and not train & {scene_key(x) for x in task.eval_items()}
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="unknown composition"):
+        ShapesMood(ood_compositions=[("purple", "circle")])
+    with pytest.raises(ValueError, match="every colour and every shape"):
+        ShapesMood(ood_compositions=[("red", s) for s in ("circle", "square", "triangle")])
+
+
+# ---------------------------------------------------------------------------- parsing, boxes
+
+
+def test_parse_is_tolerant_of_whitespace_and_case():
+    r = parse_mood("<STEP1> [ 98 , 107,527 ,536 ] </step1><step2> A  Red\ntriangle </step2>"
+                   "<step3>Anger ,excitement;  FEAR, disgust , amusement.</step3><answer> Anger. </answer>")
+    assert r == sm.MoodResponse((98, 107, 527, 536), "a red triangle",
+                                ["anger", "excitement", "fear", "disgust", "amusement"], "anger")
+    assert parse_mood("nothing here") == sm.MoodResponse(None, None, None, None)
+    assert parse_mood("<step1>[1.5,2,3,4]</step1><step3></step3>").box is None
+    assert parse_mood("<step3></step3>").candidates == []
+
+
+def test_box_fractions():
+    assert box_fraction([100, 200, 500, 600]) == (0.2, 0.1, 0.6, 0.5)  # (x0, y0, x1, y1)
+    assert box_area_fraction([100, 200, 500, 600]) == pytest.approx(0.4 * 0.4)
+    for bad in ([0, 0, 2000, 10], [5, 5, 5, 9], [1, 2, 3], (0, 0, 10.0, 10)):
+        with pytest.raises(ValueError, match="not a box"):
+            box_fraction(bad)
+
+
+# ---------------------------------------------------------------------------- rewards
+
+
+def test_reference_scores_answer_format_and_positive_diversity(task):
+    item = task.train_items()[0]
+    values, total = score(item.reference, item.meta)
+    assert values["format"] == 1 and values["answer"] == 1 and 0 < values["diversity"] <= 1
+    assert total == pytest.approx(1.0 + 0.1 + 0.3 * values["diversity"])
+    # DEDR is not bounded below (see dedr.py): the top-5 of p can hold a candidate that pulls the
+    # mean off mu*, so a few references score slightly below 0; none reaches 1.
+    items = task.train_items()
+    s = shapes_mood_reward().score([Sample(QUESTION, x.reference, x.meta) for x in items])
+    div = s.values[:, 2]
+    assert (s.values[:, :2] == 1).all() and (div < 1).all() and (div > -0.2).all()
+    assert (div > 0).float().mean() > 0.9
+
+
+def test_wrong_answer_and_answer_gated_by_format(task):
+    item = task.train_items()[0]
+    wrong = item.reference.replace(f"<answer>{item.answer}</answer>", "<answer>boredom</answer>")
+    values, _ = score(wrong, item.meta)
+    assert values["format"] == 1 and values["answer"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # missing_part; warning once per reason is tested below
+        values, total = score(item.reference + " extra", item.meta)  # text after </answer>
+    assert values == {"format": 0, "answer": 0, "diversity": 0} and total == 0
+
+
+def _bump(reason, text, meta):
+    before = MOOD_WARNINGS[reason]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values, _ = score(text, meta)
+    assert MOOD_WARNINGS[reason] == before + 1, reason
+    return values
+
+
+def test_bad_inputs_score_zero_on_their_atom_and_are_counted(task):
+    meta = task.train_items()[0].meta
+    meta = {**meta, "answer": "anger"}
+    cases = {
+        "bad_box": REF.replace("[98,107,527,536]", "the red one"),  # no parseable box
+        "wrong_count": REF.replace(", amusement", ""),  # 4 candidates
+        "no_candidates": REF.replace("anger, excitement, fear, disgust, amusement", " "),
+        "missing_part": REF.replace("<step2>a red triangle</step2> ", ""),
+    }
+    for reason, text in cases.items():
+        assert _bump(reason, text, meta) == {"format": 0, "answer": 0, "diversity": 0}
+    assert _bump("bad_box", REF.replace("[98,107,527,536]", "[0,0,2000,10]"), meta)["format"] == 0
+    # an emotion outside the lexicon: the format holds, the answer counts, diversity is 0
+    values = _bump("unknown_emotion", REF.replace("disgust", "boredom"), meta)
+    assert values == {"format": 1, "answer": 1, "diversity": 0}
+
+
+def test_each_reason_warns_once_per_process(task):
+    meta = task.train_items()[0].meta
+    sm._WARNED.discard("bad_box")
+    text = REF.replace("[98,107,527,536]", "[5,5,5,5]")
+    with pytest.warns(RuntimeWarning, match="bad_box"):
+        score(text, meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        score(text, meta)  # the second time: counted, not warned
+
+
+# ---------------------------------------------------------------------------- DEDR
+
+
+def test_dedr_by_hand():
+    # K=3, z = e0, e_x, e_y; mu = 0, sigma = 1: the mean (1/3, 1/3, 0) has D_all = sqrt(2)/3;
+    # without z0 the mean is (1/2, 1/2, 0): D = sqrt(1/2); without z1 or z2: D = 1/2.
+    d_all = math.sqrt(2) / 3
+    delta = [math.sqrt(0.5) - d_all, 0.5 - d_all, 0.5 - d_all]  # 0.2357, 0.0286, 0.0286
+    w = [0.2, 0.3, 0.5]
+    expected = math.exp(-d_all**2 / 2) * sum(wk * (1 - math.exp(-dk / 0.5)) for wk, dk in zip(w, delta))
+    assert expected == pytest.approx(0.1071, abs=1e-4)  # 0.8948 * (0.2*0.3759 + 0.8*0.0556)
+    z = [[0, 0, 0], [1, 0, 0], [0, 1, 0]]
+    assert dedr(z, [0, 0, 0], [1, 1, 1], w, tau_ctr=1.0, tau_div=0.5) == pytest.approx(expected)
+    # centred pair, diagonal sigma: D_all = 0, each leave-one-out mean is 1 sigma away: 1 - e^-2
+    pair = dedr([[0, 0, 0], [1, 0, 0]], [0.5, 0, 0], [0.5, 1, 1], [0.5, 0.5])
+    assert pair == pytest.approx(1 - math.exp(-2))
+    assert dedr([[0.3, 0.2, 0.1]], [0, 0, 0], [1, 1, 1], [1.0]) == 0.0  # K = 1
+    with pytest.raises(ValueError, match="sigma > 0"):
+        dedr(z, [0, 0, 0], [1, 0, 1], w)
+    with pytest.raises(ValueError, match="one weight per candidate"):
+        dedr(z, [0, 0, 0], [1, 1, 1], [0.5, 0.5])
+
+
+def test_spread_candidates_around_the_prior_beat_a_collapsed_set():
+    scene = Scene([Shape("circle", "green", 30, 30, 40), Shape("triangle", "red", 80, 80, 44)], 112)
+    dist = label_dist(scene)
+    mu, sigma = prior(dist)
+    w = [1 / K] * K
+    spread = dedr([VAD[e] for e in top_k(dist)], mu, sigma, w)
+    collapsed = dedr([VAD[top_k(dist)[0]]] * K, mu, sigma, w)  # Delta_k = 0 for every k
+    off = dedr([VAD[e] for e in ("sadness", "fear", "disgust", "anger", "awe")], mu, sigma, w)
+    assert collapsed == pytest.approx(0.0) and spread > 0.05 and spread > off
+
+
+# ---------------------------------------------------------------------------- metrics, config
+
+
+def test_coverage_and_metrics(task):
+    dist = {e: 0.0 for e in EMOTIONS} | {"anger": 0.5, "fear": 0.3, "awe": 0.2}
+    assert coverage(["anger", "Fear ", "anger", "boredom"], dist) == pytest.approx(0.8)
+    assert coverage(None, dist) == 0.0
+    items = task.eval_items()[:4]
+    texts = [items[0].reference, items[1].reference.replace("<answer>", "<answer>x"), "junk", ""]
+    m = mood_metrics(texts, items)
+    cov = [coverage(top_k(it.meta["label_dist"]), it.meta["label_dist"]) for it in items[:2]]
+    assert m == pytest.approx({"accuracy": 0.25, "coverage": sum(cov) / 4, "format": 0.5})
+    with pytest.raises(ValueError, match="as many completions"):
+        mood_metrics(texts[:2], items)
+
+
+def test_config_builds_the_task_with_its_reward():
+    cfg = load_config(VLMTrainConfig, overrides=["task.type=shapes-mood", "task.num_train=30",
+                                                 "task.num_eval=10", "task.num_ood=5"])
+    assert isinstance(cfg.task, ShapesMoodTaskConfig)
+    task = backend.build_task(cfg)
+    assert task.name == "shapes-mood" and len(task.train) == 30 and len(task.eval_items) == 10
+    assert list(task.reward.names) == ["format", "answer", "diversity"]
+    data = ShapesMood(**cfg.task.model_dump(exclude={"type"}))
+    assert [x.reference for x in data.train_items()] == [x.reference for x in task.train]
+    assert len(data.ood_items()) == 5
+    # the other tasks keep the shapes-qa atoms
+    qa = backend.build_task(load_config(VLMTrainConfig, overrides=["task.num_train=5", "task.num_eval=5"]))
+    assert list(qa.reward.names) == ["format", "answer"]
+    bad = load_config(VLMTrainConfig, overrides=["task.type=shapes-mood",
+                                                 "task.ood_compositions=[[red, mauve]]"])
+    with pytest.raises(ConfigError, match="shapes-mood"):
+        backend.build_task(bad)
