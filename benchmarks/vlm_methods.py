@@ -3,6 +3,8 @@ start, same seeds and steps; held-out greedy and sampled accuracy before and aft
 
     python benchmarks/vlm_methods.py --methods dapo vppo --seeds 0 1 --steps 100
     python benchmarks/vlm_methods.py --methods dapo vppo pacg pacg_vppo --claims
+    python benchmarks/vlm_methods.py --methods grpo_mood dspo --columns accuracy mode_accuracy coverage \
+        ood/mode_accuracy ood/coverage
 
 --claims adds PACG's measure (mmrl.vlm.methods.pacg.claim_report): how persistent the
 greedy reasoning's claims are when half the image patches are blacked out, for claims
@@ -48,8 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-methods")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     ap.add_argument("--claims", action="store_true", help="also measure claim persistence (PACG's check)")
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS),
+                    help="evaluation keys to tabulate (shapes-mood: mode_accuracy coverage ood/mode_accuracy ...)")
     args = ap.parse_args(argv)
-    columns = COLUMNS + (CLAIM_COLUMNS if args.claims else ())
+    columns = tuple(args.columns) + (CLAIM_COLUMNS if args.claims else ())
     results = {}
     for seed in args.seeds:
         for method in args.methods:

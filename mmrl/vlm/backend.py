@@ -35,6 +35,7 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
 
     t = cfg.task
     reward = shapes_qa_reward()  # shapes-zoom and jsonl answers are checked like shapes-qa's
+    extra: dict = {}
     if t.type == "shapes-qa":
         data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
                         min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
@@ -53,10 +54,12 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
         from mmrl.vlm.tasks.shapes_mood import ShapesMood, shapes_mood_reward
 
         try:  # the config's fields are ShapesMood's arguments (its OOD items: data.ood_items())
-            data = ShapesMood(**t.model_dump(exclude={"type"}))
+            data = ShapesMood(**t.model_dump(exclude={"type", "diversity_weight"}))
         except ValueError as e:
             raise ConfigError(f"task (shapes-mood): {e}") from e
-        train, evaluation, reward = data.train_items(), data.eval_items(), shapes_mood_reward()
+        train, evaluation = data.train_items(), data.eval_items()
+        reward = shapes_mood_reward(diversity_weight=t.diversity_weight)
+        extra["metrics"], extra["extra_eval"] = mood_coverage, {"ood": data.ood_items()}
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
 
@@ -68,7 +71,16 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
             raise ConfigError(f"task: {e}") from e
     return VLMTask(t.type, train, evaluation, reward,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size,
-                   rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples)
+                   rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples, **extra)
+
+
+def mood_coverage(texts, items) -> dict[str, float]:
+    """shapes-mood's own measures: how much of the label distribution the K candidates cover,
+    and the final choice's accuracy on the mode whatever the format ("accuracy" needs it)."""
+    from mmrl.vlm.tasks.shapes_mood import mood_metrics
+
+    m = mood_metrics(texts, items)
+    return {"coverage": m["coverage"], "mode_accuracy": m["accuracy"]}
 
 
 def build(cfg: VLMTrainConfig):

@@ -91,6 +91,9 @@ class ShapesMoodTaskConfig(Section):
     ood_compositions: list[tuple[str, str]] = Field(
         default_factory=lambda: [("yellow", "triangle"), ("blue", "circle")])
     """(colour, shape) pairs kept out of train and eval scenes; every OOD scene has one."""
+    diversity_weight: float = Field(0.3, ge=0)
+    """Weight of the task's DEDR atom (uniform candidate weights); 0 leaves it out (answer and
+    format only: GRPO's reward in the DSPO comparison)."""
 
 
 TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | ShapesMoodTaskConfig | JSONLTaskConfig,
@@ -196,9 +199,26 @@ class CORAConfig(GRPOConfig):
     """Steps over which beta rises linearly from 0 (0 = no warm-up)."""
 
 
+class DSPOConfig(GRPOConfig):
+    """DSPO (mmrl.vlm.methods.dspo): CVIG's counterfactual box re-scoring and DEDR's
+    distribution-aware diversity of the candidate emotions, on GRPO (shapes-mood)."""
+
+    type: Literal["dspo"] = "dspo"
+    div_weight: float = Field(0.3, ge=0)
+    """Weight of R_div (DEDR with CVIG's weights; it replaces the task's uniform-weight atom)."""
+    cf_weight: float = Field(0.1, ge=0)
+    """Weight of R_cf (CVIG's mean probability drop of the candidates with the box masked)."""
+    tau: float = Field(0.05, gt=0)
+    """Temperature of the candidate weights w_k = softmax_k(dP_k / tau) in DEDR."""
+    tau_ctr: float = Field(1.0, gt=0)
+    """DEDR's centring temperature (mmrl.vlm.dedr)."""
+    tau_div: float = Field(0.5, gt=0)
+    """DEDR's per-candidate contribution temperature."""
+
+
 class VLMTrainConfig(TrainConfig):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
     task: TaskConfig = Field(default_factory=ShapesQATaskConfig)
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
-    method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig | PACGConfig | CORAConfig, Field(discriminator="type")] = Field(
+    method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig | PACGConfig | CORAConfig | DSPOConfig, Field(discriminator="type")] = Field(
         default_factory=GRPOConfig)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,9 @@ class VLMTask:
     that is the quantity RL optimises, greedy accuracy the one a user decodes with."""
 
     def __init__(self, name: str, train: Sequence[Any], eval_items: Sequence[Any], reward: Reward,
-                 *, max_new_tokens: int, batch_size: int = 64, rollout=None, eval_samples: int = 0):
+                 *, max_new_tokens: int, batch_size: int = 64, rollout=None, eval_samples: int = 0,
+                 metrics: Callable[[list[str], list[Any]], dict[str, float]] | None = None,
+                 extra_eval: dict[str, Sequence[Any]] | None = None):
         if not train:
             raise ValueError(f"task {name!r} has no training items")
         if not eval_items:
@@ -35,23 +37,32 @@ class VLMTask:
         self.batch_size = batch_size
         self.rollout = rollout
         self.eval_samples = eval_samples
+        self.metrics = metrics  # task-specific measures of the greedy completions (coverage, ...)
+        self.extra_eval = {k: list(v) for k, v in (extra_eval or {}).items() if v}  # e.g. "ood" items
 
     def train_prompts(self) -> Sequence[Any]:
         return self.train
 
     def evaluate(self, policy) -> dict[str, float]:
-        batches = policy.greedy_batches(self.eval_items, self.max_new_tokens, self.batch_size)
+        out = self._greedy(policy, self.eval_items)
+        for name, items in self.extra_eval.items():
+            out.update({f"{name}/{k}": v for k, v in self._greedy(policy, items).items()})
+        if self.rollout is not None and self.eval_samples > 0 and "answer" in self.reward.names:
+            out.update(self._sampled(policy))
+        return out
+
+    def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
+        batches = policy.greedy_batches(items, self.max_new_tokens, self.batch_size)
         texts = [s.completion for b in batches for s in b.samples]
-        samples = [to_sample(it, t) for it, t in zip(self.eval_items, texts)]
-        scores = self.reward.score(samples)
+        scores = self.reward.score([to_sample(it, t) for it, t in zip(items, texts)])
         out = {"reward": float(scores.total.mean())}
         for k, name in enumerate(scores.names):
             key = "accuracy" if name == "answer" else name
             out[key] = float(scores.values[:, k].mean())
         if "stat/called" in batches[0].data:  # tool rollouts: how often the greedy answer used a tool
             out["tool_call_rate"] = float(torch.cat([b.data["stat/called"] for b in batches]).mean())
-        if self.rollout is not None and self.eval_samples > 0 and "answer" in scores.names:
-            out.update(self._sampled(policy))
+        if self.metrics is not None:
+            out.update(self.metrics(texts, items))
         return out
 
     def _sampled(self, policy) -> dict[str, float]:

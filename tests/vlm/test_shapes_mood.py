@@ -279,9 +279,15 @@ def test_config_builds_the_task_with_its_reward():
     task = backend.build_task(cfg)
     assert task.name == "shapes-mood" and len(task.train) == 30 and len(task.eval_items) == 10
     assert list(task.reward.names) == ["format", "answer", "diversity"]
-    data = ShapesMood(**cfg.task.model_dump(exclude={"type"}))
+    data = ShapesMood(**cfg.task.model_dump(exclude={"type", "diversity_weight"}))
     assert [x.reference for x in data.train_items()] == [x.reference for x in task.train]
     assert len(data.ood_items()) == 5
+    plain = backend.build_task(load_config(VLMTrainConfig, overrides=[
+        "task.type=shapes-mood", "task.num_train=5", "task.num_eval=5", "task.diversity_weight=0"]))
+    assert list(plain.reward.names) == ["format", "answer"]  # GRPO's reward in the DSPO comparison
+    half = backend.build_task(load_config(VLMTrainConfig, overrides=[
+        "task.type=shapes-mood", "task.num_train=5", "task.num_eval=5", "task.diversity_weight=0.5"]))
+    assert half.reward.atoms[-1].weight == 0.5 and half.reward.atoms[-1].parents == ("format",)
     # the other tasks keep the shapes-qa atoms
     qa = backend.build_task(load_config(VLMTrainConfig, overrides=["task.num_train=5", "task.num_eval=5"]))
     assert list(qa.reward.names) == ["format", "answer"]

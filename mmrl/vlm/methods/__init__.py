@@ -1,3 +1,3 @@
 """The vision-language methods; importing this package registers them with the core loop."""
 
-from mmrl.vlm.methods import axpo, cora, pacg, vppo  # noqa: F401
+from mmrl.vlm.methods import axpo, cora, dspo, pacg, vppo  # noqa: F401

@@ -36,7 +36,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from mmrl.core.rewards import Reward, Sample, reward_atom
+from mmrl.core.rewards import Reward, RewardAtom, Sample, reward_atom
 from mmrl.vlm.dedr import TAU_CTR, TAU_DIV, dedr
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, random_scene, render
 from mmrl.vlm.tasks.shapes_qa import QAItem, held_out
@@ -345,9 +345,13 @@ def mood_div_atom(sample: Sample) -> float:
     return diversity(parse_mood(_text(sample)), sample.meta)
 
 
-def shapes_mood_reward(**kwargs) -> Reward:
-    """Reward([format 0.1, answer 1.0, diversity 0.3]); kwargs (on_error, timeout) go to Reward."""
-    return Reward([mood_format_atom, mood_answer_atom, mood_div_atom], **kwargs)
+def shapes_mood_reward(diversity_weight: float = 0.3, **kwargs) -> Reward:
+    """Reward([format 0.1, answer 1.0, diversity `diversity_weight`]), without the diversity
+    atom when its weight is 0; kwargs (on_error, timeout) go to Reward."""
+    atoms = [mood_format_atom, mood_answer_atom]
+    if diversity_weight:
+        atoms.append(RewardAtom("diversity", mood_div_atom.fn, weight=diversity_weight, parents=("format",)))
+    return Reward(atoms, **kwargs)
 
 
 # ---------------------------------------------------------------------------- metrics
