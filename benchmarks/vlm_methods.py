@@ -25,7 +25,7 @@ from mmrl.vlm.methods.pacg import claim_report
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("accuracy", "sampled_accuracy")
-CLAIM_COLUMNS = ("persistence_false", "persistence_true", "false_claim_rate")
+CLAIM_COLUMNS = ("persistence_false", "persistence_true", "false_claim_rate", "claims_per_response")
 
 
 def run(method: str, seed: int, steps: int, out: Path, extra: list[str], claims: bool = False) -> dict:

@@ -110,7 +110,7 @@ def claim_report(policy, items, *, max_new_tokens: int, mask_p: float = 0.5, see
     whether they hold in the scene (items with meta["scene"]; claims naming no checkable
     object are left out of the split): the issue's measure of unsupported claims.
     Returns persistence_false / persistence_true (means), claims_false / claims_true
-    (counts) and false_claim_rate."""
+    (counts), false_claim_rate and claims_per_response (all claims, checkable or not)."""
     gen = torch.Generator().manual_seed(seed)
     found: dict[bool, list[float]] = {True: [], False: []}
     texts = policy.greedy(items, max_new_tokens, batch_size)
@@ -134,9 +134,10 @@ def claim_report(policy, items, *, max_new_tokens: int, mask_p: float = 0.5, see
             if holds is not None:
                 found[holds].append(p)
     n_true, n_false = len(found[True]), len(found[False])
+    n_claims = sum(len(claim_spans(t, words)) for t in texts)
     return {"persistence_false": _mean(found[False]), "persistence_true": _mean(found[True]),
             "claims_false": float(n_false), "claims_true": float(n_true),
-            "false_claim_rate": n_false / max(1, n_true + n_false)}
+            "false_claim_rate": n_false / max(1, n_true + n_false), "claims_per_response": n_claims / len(items)}
 
 
 def _mean(xs: list[float]) -> float:
