@@ -152,8 +152,12 @@ class VPPOConfig(GRPOConfig):
     """VPPO (mmrl.vlm.methods.vppo): visual-dependency advantage shaping and token filtering."""
 
     type: Literal["vppo"] = "vppo"
+    intervention: Literal["mask", "blur"] = "mask"
+    """The re-scoring pass's image: random patches blacked out (VPPO's) or a Gaussian blur."""
     mask_p: float = Field(0.5, ge=0, le=1)
     """Chance that each image patch is blacked out in the re-scoring pass."""
+    blur_sigma: float = Field(4.0, gt=0)
+    """intervention: blur -- the blur's std in pixels of the image the model sees."""
     beta_min: float = Field(0.9, ge=0, le=1)
     """Smallest trajectory advantage scale."""
     top_frac: float = Field(0.4, gt=0, le=1)

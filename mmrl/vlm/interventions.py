@@ -1,5 +1,6 @@
 """Interventions on a batch's images, for teacher-forced re-scoring of fixed responses
-(VPPO's random patch masking, a box masked out as in DSPO's CVIG; METHODS.md section 2).
+(VPPO's random patch masking, a box masked out as in DSPO's CVIG, a Gaussian blur;
+METHODS.md section 2).
 
 Qwen VL processors flatten each image into patch rows: an image of grid (t, h, w) patches
 gives t*h*w rows of channel x temporal_patch x patch x patch values, ordered by
@@ -75,6 +76,63 @@ def mask_box(pixel_values: Tensor, grid: Tensor, box: tuple[float, float, float,
         cy, cx = (pos[:, 1] + 0.5) / h, (pos[:, 2] + 0.5) / w
         inside = (pos[:, 0] == image) & (cx >= x0) & (cx < x1) & (cy >= y0) & (cy < y1)
         out[n, : len(pos)][inside] = fill.to(out.dtype)
+    return out
+
+
+def to_images(rows: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
+    """One image's patch rows [t*h*w, D] -> [t, D / patch^2, h*patch, w*patch] (planes are
+    channel x temporal, the row layout of Qwen VL processors)."""
+    t, h, w = (int(v) for v in grid_row)
+    pos = patch_positions(grid_row[None], merge)
+    tiles = rows.float().view(len(rows), -1, patch, patch)
+    out = torch.zeros((t, tiles.shape[1], h * patch, w * patch))
+    frame = torch.arange(len(rows)) // (h * w)
+    for r in range(len(rows)):
+        y0, x0 = int(pos[r, 1]) * patch, int(pos[r, 2]) * patch
+        out[frame[r], :, y0: y0 + patch, x0: x0 + patch] = tiles[r]
+    return out
+
+
+def to_rows(images: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
+    """The inverse of to_images."""
+    t, h, w = (int(v) for v in grid_row)
+    pos = patch_positions(grid_row[None], merge)
+    frame = torch.arange(len(pos)) // (h * w)
+    return torch.stack([images[frame[r], :, int(pos[r, 1]) * patch: (int(pos[r, 1]) + 1) * patch,
+                               int(pos[r, 2]) * patch: (int(pos[r, 2]) + 1) * patch].reshape(-1)
+                        for r in range(len(pos))])
+
+
+def gaussian_blur(images: Tensor, sigma: float) -> Tensor:
+    """[..., H, W] blurred with a separable Gaussian of std `sigma` pixels, reflect padding."""
+    if sigma <= 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    shape = images.shape
+    h, w = shape[-2:]
+    radius = max(1, min(int(3 * sigma + 0.5), h - 1, w - 1))
+    x = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    k = torch.exp(-(x**2) / (2 * sigma**2))
+    k = k / k.sum()
+    c = torch.nn.functional.pad(images.reshape(-1, 1, h, w), (radius,) * 4, mode="reflect")
+    c = torch.nn.functional.conv2d(c, k.view(1, 1, -1, 1))
+    return torch.nn.functional.conv2d(c, k.view(1, 1, 1, -1)).view(shape)
+
+
+def blur(pixel_values: Tensor, grid: Tensor, *, merge: int, patch: int, sigma: float) -> Tensor:
+    """Every image Gaussian-blurred (std `sigma` pixels of the resized image): reassembled
+    from its rows, blurred per channel and frame, cut back into rows. The processor's
+    normalisation is affine per channel, so blurring normalised values equals normalising
+    the blurred image. Padding rows stay as they are."""
+    out = pixel_values.clone()
+    for n in range(pixel_values.shape[0]):
+        start = 0
+        for g in grid[n]:
+            rows = int(g.prod())
+            if rows == 0:
+                continue
+            image = to_images(pixel_values[n, start: start + rows], g, merge, patch)
+            out[n, start: start + rows] = to_rows(gaussian_blur(image, sigma), g, merge, patch).to(out.dtype)
+            start += rows
     return out
 
 

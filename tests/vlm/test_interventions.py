@@ -3,12 +3,13 @@ teacher-forced re-scoring with them (VLMPolicy.rescore)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from mmrl.vlm.config import VLMModelConfig, VLMTrainConfig
-from mmrl.vlm.interventions import black_row, mask_box, mask_patches, patch_positions
+from mmrl.vlm.interventions import black_row, blur, mask_box, mask_patches, patch_positions, to_images, to_rows
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.tasks.shapes_qa import QAItem
@@ -94,3 +95,35 @@ def test_rescore_is_the_training_forward_under_the_new_image(qwen25_dir):
     masked = mask_patches(batch.data["pixel_values"], batch.data["image_grid_thw"], p=1.0, fill=fill)
     other = policy.rescore(batch, masked)
     assert not same.requires_grad and not torch.allclose(other[batch.mask], same[batch.mask])
+
+
+def test_rows_reassemble_the_image_and_blur_it(model_dir):
+    """to_images puts every patch row where the processor took it from (checked against the
+    image itself, normalised), to_rows inverts it; the blur keeps a flat image flat and
+    smooths the quadrant's edge, on every Qwen family (14- and 16-px patches)."""
+    policy = make_policy(model_dir)
+    ip = policy.processor.image_processor
+    side = ip.patch_size * ip.merge_size * 3  # no resize: on the grid, within max_pixels
+    enc = policy.encode(items(quadrant_image(side)))
+    rows, grid = enc["pixel_values"], enc["image_grid_thw"][0]
+    image = to_images(rows, grid, ip.merge_size, ip.patch_size)  # [t, C * tp, H, W]
+    assert image.shape[-2:] == (side, side)
+    mean = torch.tensor(ip.image_mean).repeat_interleave(ip.temporal_patch_size)[:, None, None]
+    std = torch.tensor(ip.image_std).repeat_interleave(ip.temporal_patch_size)[:, None, None]
+    pixels = torch.from_numpy(np.asarray(quadrant_image(side), dtype=np.float32))  # [H, W, 3]
+    expected = (pixels.permute(2, 0, 1).repeat_interleave(ip.temporal_patch_size, 0) / 255 - mean) / std
+    # away from the quadrant's edges exactly the image (Qwen3's processor smooths the edge itself)
+    far = torch.ones((side, side), dtype=torch.bool)
+    far[side // 2 - 2: side // 2 + 2] = False
+    far[:, side // 2 - 2: side // 2 + 2] = False
+    torch.testing.assert_close(image[0][:, far], expected[:, far], atol=1e-4, rtol=0)
+    torch.testing.assert_close(to_rows(image, grid, ip.merge_size, ip.patch_size), rows.float())
+    batch_rows, batch_grid = rows[None], grid[None, None]
+    blurred = blur(batch_rows, batch_grid, merge=ip.merge_size, patch=ip.patch_size, sigma=3.0)
+    smooth = to_images(blurred[0], grid, ip.merge_size, ip.patch_size)[0]
+    edge = side // 2
+    step = (expected[:, 5, edge - 1] - expected[:, 5, edge]).abs()  # the sharp edge, per plane
+    assert bool(((smooth[:, 5, edge - 1] - smooth[:, 5, edge]).abs() < 0.5 * step).all())
+    torch.testing.assert_close(smooth[:, -8:, -8:], expected[:, -8:, -8:], atol=1e-4, rtol=0)  # flat corner stays
+    with pytest.raises(ValueError, match="sigma"):
+        blur(batch_rows, batch_grid, merge=ip.merge_size, patch=ip.patch_size, sigma=0.0)

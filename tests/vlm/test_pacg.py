@@ -111,9 +111,10 @@ def test_annotate_marks_claim_tokens_and_rescores(tmp_path, one_thread):
     assert "visual_dependency" not in batch.data  # base: dapo
 
 
-@pytest.mark.parametrize("config", ["pacg.yaml", "pacg_vppo.yaml"])
-def test_pacg_configs_run_a_step(config, tmp_path, reward_spread, one_thread):
-    cfg = _pacg_cfg(tmp_path, BUNDLED, config)
+@pytest.mark.parametrize("config,extra", [("pacg.yaml", []), ("pacg_vppo.yaml", []),
+                                          ("pacg.yaml", ["method.intervention=blur"])])
+def test_pacg_configs_run_a_step(config, extra, tmp_path, reward_spread, one_thread):
+    cfg = _pacg_cfg(tmp_path, BUNDLED, config, extra)
     policy, task = backend.build(cfg)
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
     Trainer(cfg, policy, task, backend=backend).train()

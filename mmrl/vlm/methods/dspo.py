@@ -77,6 +77,10 @@ def _word_tokens(tokenizer, prefixes: list[str], texts: list[str], mask: Tensor)
 
 @register_method("dspo")
 class DSPO(GRPO):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._warned = MOOD_WARNINGS.copy()
+
     def annotate(self, policy, batch: RolloutBatch) -> None:
         """R_cf and the CVIG-weighted R_div of every response in the template (0 elsewhere)."""
         n = len(batch)
@@ -125,8 +129,10 @@ class DSPO(GRPO):
         if "dspo/r_cf" not in batch.data:
             return {}
         scored = batch.data["dspo/scored"]
+        new = MOOD_WARNINGS - self._warned  # the task's bad-output counts since the last step
+        self._warned = MOOD_WARNINGS.copy()
         out = {"dspo/cvig_scored": float(scored.float().mean()),
-               **{f"dspo/warnings/{k}": float(v) for k, v in MOOD_WARNINGS.items()}}  # run totals
+               **{f"dspo/warnings/{k}": float(new.get(k, 0)) for k in MOOD_WARNINGS}}
         if bool(scored.any()):
             out["dspo/r_cf"] = float(batch.data["dspo/r_cf"][scored].mean())
             out["dspo/r_div"] = float(batch.data["dspo/r_div"][scored].mean())

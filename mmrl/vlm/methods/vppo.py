@@ -17,7 +17,8 @@ logp_t is the rollout's own log-prob (old_logp: the same weights, exact). Depart
 the min-max normalisation runs over the step's rollout batch (the paper: the
 mini-batch), so that advantages exist before the batch is split; the mask draw is
 seeded by the run's seed and the batch's first group id, so resuming reproduces it.
-A batch without images gets plain GRPO-family advantages.
+A batch without images gets plain GRPO-family advantages. `intervention: blur` replaces
+the masking with a Gaussian blur of the whole image (an option of ours, for comparison).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import Tensor
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.grpo import GRPO
 from mmrl.core.method import register_method
-from mmrl.vlm.interventions import black_row, mask_patches
+from mmrl.vlm.interventions import black_row, blur, mask_patches
 
 
 def visual_dependency(logp_aug: Tensor, logp: Tensor, mask: Tensor, cap: float = 10.0) -> Tensor:
@@ -64,14 +65,17 @@ class VPPO(GRPO):
             batch.data["visual_dependency"] = visual_dependency(logp_aug, batch.old_logp, batch.mask, self.cfg.cap)
 
     def intervened_logp(self, policy, batch: RolloutBatch) -> Tensor | None:
-        """[N, T] log-probs of the batch's responses re-scored with random patches blacked
-        out (None for a batch without images)."""
+        """[N, T] log-probs of the batch's responses re-scored with the image intervened:
+        random patches blacked out, or blurred (None for a batch without images)."""
         if "pixel_values" not in batch.data:
             return None
         pixels, grid = batch.data["pixel_values"], batch.data["image_grid_thw"]
-        fill = black_row(policy.processor.image_processor, pixels.shape[-1])
+        ip = policy.processor.image_processor
+        if self.cfg.intervention == "blur":
+            return policy.rescore(batch, blur(pixels, grid, merge=ip.merge_size, patch=ip.patch_size,
+                                              sigma=self.cfg.blur_sigma))
         gen = torch.Generator().manual_seed(self.run.seed * 1_000_003 + int(batch.group_ids.min()))
-        masked = mask_patches(pixels, grid, p=self.cfg.mask_p, fill=fill, generator=gen)
+        masked = mask_patches(pixels, grid, p=self.cfg.mask_p, fill=black_row(ip, pixels.shape[-1]), generator=gen)
         return policy.rescore(batch, masked)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
