@@ -95,7 +95,7 @@ def to_images(rows: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
 
 def to_rows(images: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
     """The inverse of to_images."""
-    t, h, w = (int(v) for v in grid_row)
+    _, h, w = (int(v) for v in grid_row)
     pos = patch_positions(grid_row[None], merge)
     frame = torch.arange(len(pos)) // (h * w)
     return torch.stack([images[frame[r], :, int(pos[r, 1]) * patch: (int(pos[r, 1]) + 1) * patch,

@@ -9,7 +9,15 @@ import torch
 from PIL import Image
 
 from mmrl.vlm.config import VLMModelConfig, VLMTrainConfig
-from mmrl.vlm.interventions import black_row, blur, mask_box, mask_patches, patch_positions, to_images, to_rows
+from mmrl.vlm.interventions import (
+    black_row,
+    blur,
+    mask_box,
+    mask_patches,
+    patch_positions,
+    to_images,
+    to_rows,
+)
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.tasks.shapes_qa import QAItem
