@@ -41,6 +41,7 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
                         min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
                         shape_size=tuple(t.shape_size))
         train, evaluation = data.train_items(), data.eval_items()
+        extra["metrics"] = qa_consistency
     elif t.type == "shapes-zoom":
         from mmrl.vlm.tasks.shapes_zoom import ShapesZoom
 
@@ -69,9 +70,28 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
             evaluation = load_jsonl(_resolve(t.eval_path, base), on_bad_image=t.on_bad_image)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
+    if cfg.method.type == "cora":  # CORA's second reward stream: P(the reasoning supports the answer)
+        from mmrl.core.rewards import Reward
+        from mmrl.vlm.consistency import consistency_atom
+
+        try:
+            atom = consistency_atom(cfg.method.consistency_model, weight=cfg.method.lam)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"method.consistency_model: {e}") from e
+        reward = Reward([*reward.atoms, atom])
     return VLMTask(t.type, train, evaluation, reward,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size,
                    rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples, **extra)
+
+
+def qa_consistency(texts, items) -> dict[str, float]:
+    """shapes-qa's exact inconsistency rate: answers that the completion's own reasoning does
+    not imply, among completions whose reasoning and answer can be read (CORA's measure)."""
+    from mmrl.vlm.consistency import inconsistency_rate
+    from mmrl.vlm.tasks.shapes_qa import to_sample
+
+    rate, checked = inconsistency_rate([to_sample(it, t) for it, t in zip(items, texts)])
+    return {"inconsistency_rate": rate, "consistency_checked": checked / len(items)}
 
 
 def mood_coverage(texts, items) -> dict[str, float]:
