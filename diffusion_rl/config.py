@@ -1,5 +1,5 @@
 """Config of a flow / diffusion run: the core TrainConfig with the diffusion model,
-task, rollout (SDE sampling) and method (Flow-GRPO) sections."""
+task, rollout (SDE sampling) and method (Flow-GRPO, FTFC) sections."""
 
 from __future__ import annotations
 
@@ -129,7 +129,43 @@ class FlowGRPOConfig(Section):
     e.g. `{decay: 0.9, update_every: 8}` as Flow-GRPO's scripts set it; None = off."""
 
 
-MethodConfig = Annotated[FlowGRPOConfig, Field(discriminator="type")]
+class FTFCConfig(Section):
+    """FTFC, Fenchel Tilt Flow Control (METHODS.md section 4; a RECONSTRUCTION, see
+    diffusion_rl/methods/ftfc.py): per-prompt tilt weights w = (f*)'((r - lambda) / beta) from
+    the Fenchel dual of max E_p[r] - beta D_f(p || p0), frozen, then importance-weighted flow
+    matching on the pool's clean latents. No log-probs: rollouts may be ODE (noise_level 0)."""
+
+    type: Literal["ftfc"] = "ftfc"
+    divergence: Literal["kl", "pearson", "reverse_kl", "hellinger"] = "kl"
+    """f of D_f: kl (w log w: w = G softmax(r / beta) in the group), pearson ((w - 1)^2: w =
+    max(0, 1 + (r - lambda) / (2 beta))), reverse_kl (-log w: w = beta / (lambda - r)), hellinger
+    ((sqrt w - 1)^2: w = (1 - (r - lambda) / beta)^-2); diffusion_rl/ftfc.py derives each."""
+    beta: float = Field(0.5, gt=0)
+    """Strength of the divergence penalty, in reward units: smaller tilts harder."""
+    cap: float | None = Field(4.0, ge=1)
+    """Largest weight, as a multiple of the group's mean weight (1), after which the group is
+    renormalised to mean 1 (water-filling); None = no cap. cap >= G never binds."""
+    pool_refresh: int = Field(0, ge=0)
+    """Steps between samplings of the pool the weights are frozen on. 0: the pool is step 0's
+    rollout batch (the pretrained model) for the whole run, the paper's single stage; k >= 1:
+    re-sampled from the current model every k steps (1 = each step's own batch). The pool is
+    one rollout batch (prompts_per_step x num_generations samples); train.mini_batches and
+    train.ppo_epochs set the optimizer steps per training step. k != 1 needs the synchronous
+    inline scheduler (the pool replaces the batch in Method.on_groups)."""
+    t_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    """Distribution of the flow-matching time t (= sigma, 1 = noise): sigmoid(N(logit_mean,
+    logit_std^2)) (SD3's logit-normal, which the bundled tiny model was pre-trained with) or U(0, 1)."""
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    guided: bool = False
+    """With classifier-free guidance (model.guidance_scale > 1): false = fit the conditional
+    velocity alone (plain flow matching), true = the guided combination the sampler uses."""
+    effective_reward: Literal["observed"] = "observed"
+    """g in w = (f*)'(g): "observed" = the pool's own rewards, the dual fitted per prompt on the
+    samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""
+
+
+MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig, Field(discriminator="type")]
 
 
 class DiffusionTrainConfig(TrainConfig):

@@ -10,9 +10,11 @@ them, drawn with the rollout generator). A batch's positions are those trained s
     data["next_latents"]            [N, T, L, C]    the sample the SDE drew
     data["sigma"], ["sigma_next"]   [N, T]
     data["cond/<key>"]              the model's prompt conditioning, one row per sample
+    data["final_latents"]           [N, L, C]       the clean sample x1 (sigma = 0) the image decodes from
 
 `logprobs` re-scores next_latents under the current weights: on-policy the ratio is
-exactly 1. Samples are Sample(prompt text, PIL image, meta).
+exactly 1. Samples are Sample(prompt text, PIL image, meta). `flow_matching_error` is the
+plain flow-matching regression on clean latents (FTFC trains with it).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class DiffusionPolicy:
                 "next_latents": torch.stack(nexts, 1),
                 "sigma": torch.stack(sig, 1),
                 "sigma_next": torch.stack(sig_next, 1),
+                "final_latents": x,
                 **{f"cond/{k}": v for k, v in cond.items()},
             },
         )
@@ -109,6 +112,23 @@ class DiffusionPolicy:
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         return torch.stack([o.log_prob for o in self.sde_outputs(batch)], 1)
+
+    def flow_matching_error(self, x1: Tensor, t: Tensor, noise: Tensor, cond: dict[str, Tensor],
+                            guided: bool = False) -> Tensor:
+        """[N]: mean over latent elements of (v_theta(x_t, t, c) - (noise - x1))^2, with grad, where
+        x_t = (1 - t) x1 + t noise (t is sigma: 1 = noise). x1, noise [N, L, C]; t [N]. Under CFG
+        (guidance_scale > 1) guided=False fits the conditional velocity alone."""
+        tt = t.to(x1).reshape(-1, *([1] * (x1.dim() - 1)))
+        x_t = (1 - tt) * x1 + tt * noise
+        if guided or self.flow.guidance_scale <= 1.0:
+            v = self.flow.velocity(x_t, t, cond)
+        else:
+            scale, self.flow.guidance_scale = self.flow.guidance_scale, 1.0
+            try:
+                v = self.flow.velocity(x_t, t, {k: c for k, c in cond.items() if not k.startswith("neg/")})
+            finally:
+                self.flow.guidance_scale = scale
+        return ((v - (noise - x1).to(v)) ** 2).flatten(1).mean(1)
 
     @torch.no_grad()
     def sample_images(self, prompts: Sequence[str], seeds: Sequence[int], num_steps: int) -> list:

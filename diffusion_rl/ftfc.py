@@ -1,0 +1,209 @@
+"""FTFC's tilt weights: the f-divergence-regularised optimum and its Fenchel dual (pure tensors).
+
+RECONSTRUCTION: neither the FTFC paper's text nor its code was available; this follows
+METHODS.md section 4 and our own derivation. Target, for one prompt c with pretrained p0:
+
+    max_p  E_p[r] - beta D_f(p || p0),      D_f(p || p0) = E_p0[f(w)],  w = dp / dp0 >= 0.
+
+Pointwise stationarity of E_p0[w r - beta f(w) - lambda w] (lambda: the multiplier of
+E_p0[w] = 1) gives w* = (f')^{-1}(u) = (f*)'(u) with u = (r - lambda) / beta, and the dual
+
+    min_lambda  lambda + beta E_p0[f*((r - lambda) / beta)],
+
+whose derivative 1 - E_p0[(f*)'(u)] vanishes exactly where E_p0[w] = 1. Generators (each
+f(1) = 0, f convex, on w >= 0) and what follows from them:
+
+    kl          f = w log w        f*(u) = exp(u - 1)               w = exp(u - 1)
+                lambda = beta log mean exp(r / beta) - beta, so w = G softmax(r / beta) in the group
+                (the "- beta" is the convention of this generator; w log w - w + 1 drops it)
+    pearson     f = (w - 1)^2      f*(u) = u + u^2/4 (u >= -2), -1 (u < -2)
+                w = max(0, 1 + u / 2)                  [METHODS.md's form; (w-1)^2/2 gives 1 + u]
+    reverse_kl  f = -log w         f*(u) = -1 - log(-u) (u < 0), +inf otherwise
+                w = -1 / u = beta / (lambda - r)       needs lambda > max r
+    hellinger   f = (sqrt(w) - 1)^2   f*(u) = u / (1 - u) (u < 1), +inf otherwise
+                w = (1 - u)^-2                         needs (r - lambda) / beta < 1
+
+All four agree with METHODS.md's closed forms. lambda is solved per group so that the sample
+mean of w is 1 (the sample version of E_p0[w] = 1): in closed form for kl, by bisection on a
+bracket that provably holds the root for the others (comments in `solve_lambda`).
+
+Departure: the paper fits an effective reward g_phi(x, c) (a network) by the dual; here the
+dual is fitted per prompt on the pool's observed rewards (g = r, the sample-based fit). A
+learned g_phi is out of scope; `diffusion_rl.methods.ftfc.FTFC.effective_reward` is the hook.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DIVERGENCES = ("kl", "pearson", "reverse_kl", "hellinger")
+
+
+def _check(divergence: str, beta: float) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {divergence!r} (known: {', '.join(DIVERGENCES)})")
+    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
+        raise ValueError(f"beta must be a finite number > 0 (the strength of the divergence penalty); got {beta!r}")
+
+
+def generator(w: Tensor, divergence: str) -> Tensor:
+    """f(w), elementwise, w >= 0."""
+    _check(divergence, 1.0)
+    if divergence == "kl":
+        return torch.xlogy(w, w)
+    if divergence == "pearson":
+        return (w - 1) ** 2
+    if divergence == "reverse_kl":
+        return -torch.log(w)
+    return (w.sqrt() - 1) ** 2
+
+
+def conjugate(u: Tensor, divergence: str) -> Tensor:
+    """f*(u) = sup_{w >= 0} (u w - f(w)), elementwise; +inf outside its domain."""
+    _check(divergence, 1.0)
+    inf = torch.full_like(u, math.inf)
+    if divergence == "kl":
+        return torch.exp(u - 1)
+    if divergence == "pearson":
+        return torch.where(u >= -2, u + u**2 / 4, -torch.ones_like(u))
+    if divergence == "reverse_kl":
+        return torch.where(u < 0, -1 - torch.log((-u).clamp(min=1e-300)), inf)
+    return torch.where(u < 1, u / (1 - u).clamp(min=1e-300), inf)
+
+
+def tilt_weights(r: Tensor, lam: Tensor | float, beta: float, divergence: str) -> Tensor:
+    """w = (f*)'((r - lambda) / beta), elementwise. ValueError if some u leaves f*'s domain."""
+    _check(divergence, beta)
+    u = (r - lam) / beta
+    if divergence == "kl":
+        return torch.exp(u - 1)
+    if divergence == "pearson":
+        return (1 + u / 2).clamp(min=0)
+    if divergence == "reverse_kl":
+        if bool((u >= 0).any()):
+            raise ValueError("reverse_kl weights beta / (lambda - r) need lambda > max r")
+        return -1 / u
+    if bool((u >= 1).any()):
+        raise ValueError("hellinger weights (1 - (r - lambda) / beta)^-2 need (r - lambda) / beta < 1")
+    return (1 - u) ** -2
+
+
+def dual_objective(r: Tensor, lam: Tensor | float, beta: float, divergence: str) -> Tensor:
+    """lambda + beta mean f*((r - lambda) / beta) over the samples r [G] of one prompt (+inf off
+    the domain). Convex in lambda; its minimiser is `solve_lambda`'s root."""
+    _check(divergence, beta)
+    return lam + beta * conjugate((r - lam) / beta, divergence).mean()
+
+
+def _mean_weight(r: Tensor, lam: float, beta: float, divergence: str) -> float:
+    """mean w at lambda: decreasing in lambda; +inf where lambda is below the domain."""
+    try:
+        return float(tilt_weights(r, lam, beta, divergence).mean())
+    except ValueError:
+        return math.inf
+
+
+def solve_lambda(r: Tensor, beta: float, divergence: str, *, max_iter: int = 200) -> Tensor:
+    """The lambda of one group's rewards r [G] with mean_i w(r_i, lambda) = 1 (float64 scalar)."""
+    _check(divergence, beta)
+    r = r.double()
+    if divergence == "kl":
+        return beta * (torch.logsumexp(r / beta, 0) - math.log(len(r))) - beta
+    mean, top = float(r.mean()), float(r.max())
+    # Brackets [lo, hi] with mean w >= 1 at lo and <= 1 at hi. Jensen (each w convex in r) puts the
+    # root at or above lo; at hi every single weight is <= 1.
+    if divergence == "pearson":  # w = max(0, 1 + (r - lam) / 2beta) >= its linear part, mean 1 at lam = mean r
+        lo, hi = mean, top
+    elif divergence == "reverse_kl":  # 1/x convex: mean w >= beta / (lam - mean r); w <= 1 at lam = max r + beta
+        lo, hi = max(top, mean + beta), top + beta
+    else:  # hellinger, x^-2 convex: mean w >= (1 - (mean r - lam)/beta)^-2; domain lam > max r - beta
+        lo, hi = max(mean, top - beta), top
+    for _ in range(max_iter):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if _mean_weight(r, mid, beta, divergence) > 1:
+            lo = mid
+        else:
+            hi = mid
+    return torch.tensor(hi, dtype=torch.float64)  # hi: inside the domain even when lo is its edge
+
+
+def cap_weights(w: Tensor, cap: float) -> tuple[Tensor, int]:
+    """Cap one group's weights w [G] (mean 1) at `cap` and renormalise to mean 1, to the fixed
+    point of "clip, then rescale": capped samples get exactly `cap`, the others w * s with the
+    one s that restores mean 1 (water-filling; cap >= 1 makes it feasible). When the uncapped
+    samples weigh nothing the cap cannot hold and the group keeps its weights. Returns the
+    weights and the number capped."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1 (times the mean weight); got {cap}")
+    g = len(w)
+    capped = torch.zeros(g, dtype=torch.bool)
+    for _ in range(g):
+        mass = float(w[~capped].sum())
+        if mass <= 0:
+            return w, 0
+        out = torch.where(capped, torch.full_like(w, cap), w * (g - cap * int(capped.sum())) / mass)
+        over = out > cap * (1 + 1e-12)
+        if not bool(over.any()):
+            return out, int(capped.sum())
+        capped |= over
+    return w, 0
+
+
+def effective_sample_size(w: Tensor) -> float:
+    """(sum w)^2 / sum w^2: G for equal weights, 1 when one sample carries everything."""
+    return float(w.sum() ** 2 / (w**2).sum())
+
+
+@dataclass
+class FTFCStats:
+    lam: Tensor  # [groups] float64, the dual's lambda of each group (in order of first appearance)
+    ess: Tensor  # [groups] effective sample size of each group's final weights
+    ess_total: float  # over the whole batch
+    w_max: float
+    num_capped: int
+
+    def metrics(self) -> dict[str, float]:
+        return {"ftfc/ess": self.ess_total, "ftfc/ess_group_mean": float(self.ess.mean()),
+                "ftfc/lambda_mean": float(self.lam.mean()), "ftfc/w_max": self.w_max,
+                "ftfc/num_capped": float(self.num_capped)}
+
+
+def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: str,
+                 cap: float | None = None) -> tuple[Tensor, FTFCStats]:
+    """rewards [N], group_ids [N] -> weights [N] (float32) with mean 1 in every group, and stats.
+
+    Per group: lambda by `solve_lambda`, w = (f*)'((r - lambda) / beta), self-normalised to mean 1
+    (removes the solver's residual only), then `cap_weights` when cap is given."""
+    _check(divergence, beta)
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards and group_ids must both be [N]; got {tuple(rewards.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"FTFC weights need finite rewards; sample {bad[0]} has reward {float(rewards[bad[0]])}"
+                         + (f" (and {len(bad) - 1} more samples)" if len(bad) > 1 else ""))
+    w = torch.zeros(len(rewards), dtype=torch.float64)
+    lams, ess, capped = [], [], 0
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    order = dict.fromkeys(inverse.tolist())  # groups in order of first appearance
+    for g in order:
+        rows = (inverse == g).nonzero().flatten()
+        r = rewards[rows].double()
+        lam = solve_lambda(r, beta, divergence)
+        wg = tilt_weights(r, lam, beta, divergence)
+        wg = wg / wg.mean()
+        if cap is not None:
+            wg, k = cap_weights(wg, cap)
+            capped += k
+        w[rows] = wg
+        lams.append(lam)
+        ess.append(effective_sample_size(wg))
+    stats = FTFCStats(torch.stack(lams), torch.tensor(ess, dtype=torch.float64),
+                      effective_sample_size(w), float(w.max()), capped)
+    return w.float(), stats

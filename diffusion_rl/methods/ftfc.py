@@ -1,0 +1,184 @@
+"""FTFC, Fenchel Tilt Flow Control (METHODS.md section 4) -- a RECONSTRUCTION: neither the
+paper's text nor its code was available, so every design choice below is ours and is a
+config option (diffusion_rl.config.FTFCConfig).
+
+    target    max_p E_p[r] - beta D_f(p || p0) per prompt; its optimum is p0 tilted by
+              w = (f*)'((r - lambda) / beta), lambda the Fenchel dual's minimiser (E_p0[w] = 1)
+    pool      samples of the model, scored by the reward: a rollout batch (ODE rollouts with
+              rollout.noise_level = 0, or SDE ones); pool_refresh = 0 keeps step 0's batch (the
+              pretrained model) for the whole run, the paper's single stage
+    weights   per group (one prompt): lambda solved on the group's rewards, w self-normalised to
+              mean 1 and capped (diffusion_rl.ftfc.ftfc_weights); these are the `advantages`.
+              They depend on the pool's stored rewards only, so they stay frozen while theta trains
+    loss      importance-weighted flow matching on the pool's clean latents x1, with a fresh t and
+              eps per sample and step: L = sum_i w_i mean((v_theta(x_t, t, c) - (eps - x1))^2) / N,
+              x_t = (1 - t) x1 + t eps (sigma = t, the sampler's convention)
+    metrics   ftfc/ess ((sum w)^2 / sum w^2 over the trained batch), ftfc/lambda_mean, ftfc/w_max,
+              ftfc/ess_group_mean, ftfc/num_capped, ftfc/pool_age (steps since the pool was drawn)
+
+No log-probs, no reference model, no differentiation through sampling. With pool_refresh = k >= 1
+each pool is drawn from the current model, so the tilt is relative to that model (an iterated,
+proximal version of the single stage), not to the pretrained one.
+
+Departures and choices (the paper's details are unknown):
+- g_phi: the dual is fitted per prompt on the pool's observed rewards (g = r); no effective-reward
+  network is learned. `effective_reward` is the hook where one would go.
+- Pool: one rollout batch, drawn through the core loop at step 0 (or every k steps). The core
+  still rolls out and scores a fresh batch each step; with pool_refresh != 1 that batch only
+  feeds the reward/... metrics (the current model's reward) and is not trained on, which costs
+  a rollout per step. The pool lives in the method's state, so checkpoints carry it (the clean
+  latents, the conditioning, the rewards and the images, base64 in the trainer state: large for
+  big models and pools) and a resumed run goes on exactly.
+- Self-normalisation and the cap are per group (each group's lambda already gives mean 1, so per
+  batch is the same); the cap is applied to its fixed point (clip and rescale until no weight
+  exceeds it). The squared error is a mean over latent elements (diffusers' convention).
+- t, eps: drawn per sample from a generator seeded by (seed, step, epoch, sample), so micro-batching
+  does not change them and a resume replays them.
+- Scheduling: pool_refresh != 1 needs the synchronous inline scheduler (Method.on_groups); with
+  pool_refresh = 1 the weights are per group, so pipelined rollouts work too.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import replace
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from diffusion_rl.ftfc import ftfc_weights
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
+from mmrl.core.losses import LossOutput
+from mmrl.core.method import Method, register_method
+from mmrl.core.rewards import AtomScores, Sample
+
+SAMPLE_ID = "ftfc/sample"  # data key: a per-sample id (group id * 2^20 + rank), seeds its t and eps
+POOL_KEYS = ("final_latents", "request_tag", SAMPLE_ID)  # with "cond/*": what the pool keeps
+
+
+@register_method("ftfc")
+class FTFC(Method):
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        from mmrl.core.pipeline import placement
+
+        if cfg.pool_refresh != 1 and (placement(run) != "inline" or run.rollout.scheduler.mode != "sync"):
+            raise ConfigError(f"method.pool_refresh={cfg.pool_refresh} keeps a pool across steps, which needs "
+                              "the synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline); "
+                              "set method.pool_refresh=1 to train on each step's own rollouts")
+        self.pool: RolloutBatch | None = None
+        self.pool_step = -1
+
+    # ------------------------------------------------------------------ pool and weights
+
+    def on_groups(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch to train on: this step's rollouts (pool_refresh = 1) or the frozen pool."""
+        k = self.cfg.pool_refresh
+        if k == 1:
+            return batch
+        if self.pool is None or (k > 1 and self.step - self.pool_step >= k):
+            keep = {n: v for n, v in batch.data.items() if n in POOL_KEYS or n.startswith("cond/")}
+            self.pool = replace(batch, mask=None, old_logp=None, ref_logp=None, advantages=None, data=keep)
+            self.pool_step = self.step
+        return replace(self.pool, data=dict(self.pool.data))
+
+    def effective_reward(self, batch: RolloutBatch) -> Tensor:  # [N]
+        """g of w = (f*)'((g - lambda) / beta): the observed rewards (a learned g_phi would go here)."""
+        return batch.rewards
+
+    def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]: the FTFC weights, mean 1 per group
+        batch.data[SAMPLE_ID] = _sample_ids(batch.group_ids)
+        w, _ = self._weights(batch)
+        return w
+
+    def _weights(self, batch: RolloutBatch):
+        try:
+            return ftfc_weights(self.effective_reward(batch), batch.group_ids, self.cfg.beta,
+                                self.cfg.divergence, self.cfg.cap)
+        except ValueError as e:
+            raise ValueError(f"method ftfc: {e}") from e
+
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        _, stats = self._weights(batch)
+        out = stats.metrics()
+        out["ftfc/ess_fraction"] = stats.ess_total / len(batch)
+        if self.cfg.pool_refresh != 1:
+            out["ftfc/pool_age"] = float(self.step - self.pool_step)
+        return out
+
+    # ------------------------------------------------------------------ loss
+
+    def loss_denominator(self, batch: RolloutBatch) -> float:
+        return float(len(batch))  # samples: L = sum_i w_i err_i / N over the mini-batch
+
+    def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
+        d = batch.data
+        x1 = d["final_latents"]  # [n, L, C]
+        cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
+        t, eps = self._noise(d[SAMPLE_ID], x1)
+        err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided)  # [n]
+        w = advantages.to(err)
+        loss = (w * err).sum() / (denom if denom is not None else len(batch))
+        return LossOutput(loss, {"loss/flow_matching": float(err.detach().mean()),
+                                 "loss/weighted_flow_matching": float((w * err).detach().mean())})
+
+    def _noise(self, ids: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+        """t [n] and eps [n, L, C], each sample's from its own generator (seed, step, epoch, id)."""
+        ts, eps = [], []
+        for i in ids.tolist():
+            key = f"{self.run.seed}/{self.step}/{self.epoch}/{i}".encode()
+            g = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+            if self.cfg.t_sampling == "uniform":
+                ts.append(torch.rand((), generator=g))
+            else:
+                ts.append(torch.sigmoid(self.cfg.logit_mean + self.cfg.logit_std * torch.randn((), generator=g)))
+            eps.append(torch.randn(x1.shape[1:], generator=g))
+        return torch.stack(ts).to(x1.device), torch.stack(eps).to(x1)
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        if self.pool is None:
+            return {}
+        p = self.pool
+        tensors = {"group_ids": p.group_ids, "values": p.scores.values, "total": p.scores.total,
+                   **{f"data/{k}": v for k, v in p.data.items()}}
+        images = [s.completion for s in p.samples]
+        if all(isinstance(im, Image.Image) and im.size == images[0].size for im in images):
+            tensors["images"] = torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images]))
+        blob = st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        return {"pool_step": self.pool_step, "policy_version": p.policy_version, "names": list(p.scores.names),
+                "prompts": [s.prompt for s in p.samples], "metas": [s.meta for s in p.samples],
+                "group_prompts": {str(k): v for k, v in p.prompts.items()},
+                "tensors": base64.b64encode(blob).decode("ascii")}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            self.pool, self.pool_step = None, -1
+            return
+        t = st_load(base64.b64decode(state["tensors"]))
+        images = [Image.fromarray(a) for a in t["images"].numpy()] if "images" in t else [None] * len(t["group_ids"])
+        self.pool = RolloutBatch(
+            group_ids=t["group_ids"],
+            samples=[Sample(p, im, m) for p, im, m in zip(state["prompts"], images, state["metas"])],
+            scores=AtomScores(state["names"], t["values"], t["total"]),
+            policy_version=state["policy_version"],
+            data={k[len("data/"):]: v for k, v in t.items() if k.startswith("data/")},
+            prompts={int(k): v for k, v in state["group_prompts"].items()},
+        )
+        self.pool_step = state["pool_step"]
+
+
+def _sample_ids(group_ids: Tensor) -> Tensor:  # [N] long: group id * 2^20 + rank in the group
+    ids = torch.empty_like(group_ids, dtype=torch.long)
+    seen: dict[int, int] = {}
+    for row, g in enumerate(group_ids.tolist()):
+        ids[row] = g * 2**20 + seen.get(g, 0)
+        seen[g] = seen.get(g, 0) + 1
+    return ids

@@ -1,0 +1,320 @@
+"""FTFC (diffusion_rl/ftfc.py, diffusion_rl/methods/ftfc.py): the tilt weights of each
+f-divergence against closed forms worked out by hand, E_p0[w] = 1 per group, KL = the group
+softmax, the dual's minimum, the cap and the ESS, domains and bad input; the importance-
+weighted flow-matching loss; and real training steps of configs/diffusion/ftfc.yaml on the
+tiny flow model (weights move, the frozen pool, exact resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusion_rl import backend
+from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.ftfc import (
+    DIVERGENCES,
+    cap_weights,
+    dual_objective,
+    effective_sample_size,
+    ftfc_weights,
+    generator,
+    solve_lambda,
+    tilt_weights,
+)
+from diffusion_rl.models import build_tiny
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.trainer import Trainer
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "diffusion" / "ftfc.yaml"
+E = math.e
+
+
+def weights(r, beta, div, cap=None, groups=None):
+    r = torch.tensor(r, dtype=torch.float32)
+    g = torch.zeros(len(r), dtype=torch.long) if groups is None else torch.tensor(groups)
+    return ftfc_weights(r, g, beta, div, cap)
+
+
+# ---------------------------------------------------------------------- closed forms
+
+@pytest.mark.parametrize("div, r, beta, lam, w", [
+    # KL, f = w log w: w = exp((r - lam)/beta - 1); mean 1 -> lam = beta log mean e^{r/beta} - beta
+    # r = (0, 1), beta 1: lam = log((1 + e) / 2) - 1; w = 2 softmax(r) = (2/(1+e), 2e/(1+e)) = (0.5379, 1.4621)
+    ("kl", [0.0, 1.0], 1.0, math.log((1 + E) / 2) - 1, [2 / (1 + E), 2 * E / (1 + E)]),
+    # Pearson, f = (w-1)^2: w = max(0, 1 + (r - lam)/(2 beta)); nothing clipped -> lam = mean r = 1,
+    # w = 1 + (r - 1)/2 = (0.5, 1, 1.5)
+    ("pearson", [0.0, 1.0, 2.0], 1.0, 1.0, [0.5, 1.0, 1.5]),
+    # clipped: r = (0, 0, 4), beta 0.5; only the third is active: 1 + (4 - lam) = 3 (mean 1) -> lam = 2;
+    # the others 1 + (0 - 2) = -1 -> 0
+    ("pearson", [0.0, 0.0, 4.0], 0.5, 2.0, [0.0, 0.0, 3.0]),
+    # reverse KL, f = -log w: w = beta/(lam - r); 1/lam + 1/(lam - 1) = 2 -> 2 lam^2 - 4 lam + 1 = 0,
+    # lam > max r = 1: lam = 1 + sqrt(2)/2; w = (1/lam, 1/(lam - 1)) = (2 - sqrt 2, sqrt 2)
+    ("reverse_kl", [0.0, 1.0], 1.0, 1 + math.sqrt(2) / 2, [2 - math.sqrt(2), math.sqrt(2)]),
+    # squared Hellinger, f = (sqrt w - 1)^2: w = (1 - (r - lam)/beta)^-2; 1/(1+lam)^2 + 1/lam^2 = 2;
+    # y = lam(lam+1): 2y + 1 = 2y^2 -> y = (1 + sqrt 3)/2, lam = (sqrt(3 + 2 sqrt 3) - 1)/2 = 0.77123;
+    # w = ((1 + lam)^-2, lam^-2) = (0.31875, 1.68125)
+    ("hellinger", [0.0, 1.0], 1.0, (math.sqrt(3 + 2 * math.sqrt(3)) - 1) / 2,
+     [((math.sqrt(3 + 2 * math.sqrt(3)) + 1) / 2) ** -2, ((math.sqrt(3 + 2 * math.sqrt(3)) - 1) / 2) ** -2]),
+])
+def test_weights_match_the_closed_forms(div, r, beta, lam, w):
+    got = solve_lambda(torch.tensor(r), beta, div)
+    assert float(got) == pytest.approx(lam, abs=1e-9)
+    assert tilt_weights(torch.tensor(r, dtype=torch.float64), got, beta, div).tolist() == pytest.approx(w, abs=1e-9)
+    out, stats = weights(r, beta, div)
+    assert out.tolist() == pytest.approx(w, abs=1e-6)
+    assert float(stats.lam[0]) == pytest.approx(lam, abs=1e-9)
+
+
+def test_hellinger_numbers():  # the values quoted above
+    lam = (math.sqrt(3 + 2 * math.sqrt(3)) - 1) / 2
+    assert lam == pytest.approx(0.77123, abs=1e-5)
+    assert (1 + lam) ** -2 == pytest.approx(0.31875, abs=1e-5) and lam**-2 == pytest.approx(1.68125, abs=1e-5)
+
+
+# ---------------------------------------------------------------------- invariants
+
+REWARDS = [0.3, -1.2, 2.0, 0.7, 0.7, 5.0, -0.5, 1.1, 0.0, 3.3, 2.2]
+GROUPS = [7, 3, 7, 3, 9, 9, 7, 3, 9, 1, 7]  # interleaved, sizes 4, 3, 3 and 1
+
+
+@pytest.mark.parametrize("div", DIVERGENCES)
+@pytest.mark.parametrize("beta", [0.1, 1.0, 10.0])
+def test_mean_weight_is_one_in_every_group_and_lambda_minimises_the_dual(div, beta):
+    r, g = torch.tensor(REWARDS).double(), torch.tensor(GROUPS)  # the float32 rewards, in float64
+    w, stats = ftfc_weights(r.float(), g, beta, div)
+    assert (w >= 0).all()
+    for k, gid in enumerate([7, 3, 9, 1]):  # order of first appearance
+        rows = g == gid
+        rg = r[rows]
+        lam = solve_lambda(rg, beta, div)
+        assert float(stats.lam[k]) == float(lam)
+        raw = tilt_weights(rg, lam, beta, div)  # before self-normalisation: the solver's own answer
+        assert float(raw.mean()) == pytest.approx(1.0, abs=1e-9)
+        assert float(w[rows].mean()) == pytest.approx(1.0, abs=1e-6)
+        # the dual lam + beta mean f*((r - lam)/beta) is smallest at lam, and equals the primal value there
+        d = dual_objective(rg, lam, beta, div)
+        for step in (1e-3, -1e-3):
+            assert float(dual_objective(rg, lam + step * beta, beta, div)) >= float(d) - 1e-12
+        primal = (raw * rg).mean() - beta * generator(raw, div).mean()
+        assert float(d) == pytest.approx(float(primal), rel=1e-7, abs=1e-9)
+    assert w[torch.tensor(GROUPS) == 1].tolist() == [1.0]  # a group of one keeps p0
+
+
+@pytest.mark.parametrize("beta", [0.05, 0.5, 3.0])
+def test_kl_weights_are_the_group_softmax(beta):
+    r, g = torch.tensor(REWARDS), torch.tensor(GROUPS)
+    w, _ = ftfc_weights(r, g, beta, "kl")
+    for gid in set(GROUPS):
+        rows = g == gid
+        expected = torch.softmax(r[rows].double() / beta, 0) * int(rows.sum())
+        assert torch.allclose(w[rows].double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("div", DIVERGENCES)
+def test_equal_rewards_give_equal_weights(div):
+    w, stats = weights([0.4] * 5, 0.3, div)
+    assert w.tolist() == pytest.approx([1.0] * 5, abs=1e-9)
+    assert stats.ess_total == pytest.approx(5.0)
+
+
+def test_cap_and_effective_sample_size():
+    # Pearson, beta 0.5, nothing clipped: w = 1 + r - mean r; r = (0, 0, 0, 2) -> (0.5, 0.5, 0.5, 2.5)
+    w, stats = weights([0, 0, 0, 2], 0.5, "pearson")
+    assert w.tolist() == pytest.approx([0.5, 0.5, 0.5, 2.5])
+    assert stats.ess_total == pytest.approx(16 / 7)  # (sum w)^2 / sum w^2 = 16 / (0.75 + 6.25)
+    # cap 2: the last is capped at 2; the other three share 4 - 2 = 2 in proportion: 2/3 each
+    # (one clip-and-rescale pass would give (0.571, ..., 2.286), over the cap again)
+    w, stats = weights([0, 0, 0, 2], 0.5, "pearson", cap=2.0)
+    assert w.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0])
+    assert stats.ess_total == pytest.approx(3.0)  # 16 / (3 * 4/9 + 4)
+    assert stats.num_capped == 1 and stats.w_max == pytest.approx(2.0)
+    # a cap of G or more never binds; cap 1 makes every weight 1
+    assert cap_weights(torch.tensor([0.5, 0.5, 0.5, 2.5]), 4.0)[0].tolist() == [0.5, 0.5, 0.5, 2.5]
+    assert cap_weights(torch.tensor([0.5, 0.5, 0.5, 2.5]), 1.0)[0].tolist() == pytest.approx([1.0] * 4)
+    # one sample carries the whole group: the cap cannot hold, the weights stay
+    out, k = cap_weights(torch.tensor([0.0, 0.0, 0.0, 4.0]), 2.0)
+    assert out.tolist() == [0.0, 0.0, 0.0, 4.0] and k == 0
+    assert effective_sample_size(torch.tensor([0.0, 0.0, 4.0])) == 1.0
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        cap_weights(torch.ones(3), 0.5)
+
+
+def test_domains_of_reverse_kl_and_hellinger():
+    r = torch.tensor(REWARDS, dtype=torch.float64)
+    for beta in (0.01, 1.0, 100.0):
+        assert float(solve_lambda(r, beta, "reverse_kl")) > float(r.max())
+        assert bool((((r - solve_lambda(r, beta, "hellinger")) / beta) < 1).all())
+    top = float(r.max())
+    with pytest.raises(ValueError, match="lambda > max r"):
+        tilt_weights(r, top, 1.0, "reverse_kl")
+    with pytest.raises(ValueError, match=r"\(r - lambda\) / beta < 1"):
+        tilt_weights(r, top - 1.0, 1.0, "hellinger")
+    assert dual_objective(r, top, 1.0, "reverse_kl") == math.inf
+    assert dual_objective(r, top - 1.0, 1.0, "hellinger") == math.inf
+    assert torch.isfinite(dual_objective(r, top + 0.1, 1.0, "reverse_kl"))
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="beta must be a finite number > 0"):
+        weights([0.0, 1.0], 0.0, "kl")
+    with pytest.raises(ValueError, match="beta must be a finite number > 0"):
+        solve_lambda(torch.tensor([0.0, 1.0]), -1.0, "pearson")
+    with pytest.raises(ValueError, match=r"unknown divergence 'tv' \(known: kl, pearson, reverse_kl, hellinger\)"):
+        weights([0.0, 1.0], 1.0, "tv")
+    with pytest.raises(ValueError, match="sample 1 has reward nan"):
+        weights([0.0, float("nan"), 1.0], 1.0, "kl")
+    with pytest.raises(ValueError, match="sample 0 has reward inf"):
+        weights([float("inf"), 1.0], 1.0, "hellinger")
+    for key in ("method.beta=0", "method.divergence=tv", "method.cap=0.5"):
+        with pytest.raises(ConfigError, match=key.split("=")[0]):
+            load_config(DiffusionTrainConfig, CONFIG, defaults=backend.DEFAULT_CONFIG, overrides=[key])
+
+
+# ---------------------------------------------------------------------- the loss
+
+class _FakePolicy:
+    """flow_matching_error returns fixed per-sample errors (and records its inputs)."""
+
+    def __init__(self, err):
+        self.err, self.calls = torch.tensor(err), []
+
+    def flow_matching_error(self, x1, t, eps, cond, guided=False):
+        self.calls.append((t, eps))
+        return self.err[: len(x1)]
+
+
+def _method(*overrides):
+    from diffusion_rl.methods.ftfc import FTFC
+
+    cfg = load_config(DiffusionTrainConfig, CONFIG, defaults=backend.DEFAULT_CONFIG, overrides=list(overrides))
+    return FTFC(cfg.method, cfg, None)
+
+
+def _batch(n=4):
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+
+    return RolloutBatch(group_ids=torch.tensor([5, 5, 6, 6][:n]), samples=[Sample("a red circle", None)] * n,
+                        data={"final_latents": torch.randn(n, 3, 2), "cond/x": torch.zeros(n, 1)})
+
+
+def test_loss_is_the_weighted_mean_of_the_flow_matching_errors():
+    m, batch = _method(), _batch()
+    from diffusion_rl.methods.ftfc import SAMPLE_ID, _sample_ids
+
+    batch.data[SAMPLE_ID] = _sample_ids(batch.group_ids)
+    assert batch.data[SAMPLE_ID].tolist() == [5 * 2**20, 5 * 2**20 + 1, 6 * 2**20, 6 * 2**20 + 1]
+    out = m.loss(_FakePolicy([1.0, 2.0, 3.0, 4.0]), batch, torch.tensor([0.5, 1.5, 1.0, 1.0]))
+    assert float(out.loss) == pytest.approx(2.625)  # (0.5*1 + 1.5*2 + 1*3 + 1*4) / 4 = 10.5 / 4
+    assert out.metrics["loss/flow_matching"] == pytest.approx(2.5)
+
+
+def test_t_and_eps_are_fresh_per_sample_and_step_but_not_per_micro_batch():
+    m, batch = _method("method.t_sampling=uniform"), _batch()
+    from diffusion_rl.methods.ftfc import SAMPLE_ID, _sample_ids
+
+    batch.data[SAMPLE_ID] = _sample_ids(batch.group_ids)
+    whole = _FakePolicy([1.0] * 4)
+    m.loss(whole, batch, torch.ones(4))
+    (t, eps), = whole.calls
+    assert len(set(t.tolist())) == 4 and ((t > 0) & (t < 1)).all()
+    split = _FakePolicy([1.0] * 4)
+    for rows in ([0], [1, 2], [3]):
+        m.loss(split, batch.select(torch.tensor(rows)), torch.ones(len(rows)))
+    assert torch.equal(torch.cat([c[0] for c in split.calls]), t)
+    assert torch.equal(torch.cat([c[1] for c in split.calls]), eps)
+    m.step = 1  # the next step redraws them
+    later = _FakePolicy([1.0] * 4)
+    m.loss(later, batch, torch.ones(4))
+    assert not (later.calls[0][0] == t).any()
+
+
+def test_a_pool_kept_across_steps_needs_the_inline_sync_scheduler():
+    with pytest.raises(ConfigError, match="method.pool_refresh=0 keeps a pool"):
+        _method("rollout.scheduler.mode=pipelined")
+    assert _method("rollout.scheduler.mode=pipelined", "method.pool_refresh=1").cfg.pool_refresh == 1
+
+
+def test_nan_reward_in_the_method_names_ftfc_and_the_sample():
+    from mmrl.core.rewards import AtomScores
+
+    m, batch = _method(), _batch()
+    batch.scores = AtomScores(["x"], torch.zeros(4, 1), torch.tensor([0.0, 1.0, float("nan"), 0.0]))
+    with pytest.raises(ValueError, match="method ftfc: .*sample 2 has reward nan"):
+        m.advantages(batch)
+
+
+def test_flow_matching_error_interpolates_towards_the_noise(flux_dir):
+    cfg = load_config(DiffusionTrainConfig, CONFIG, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={flux_dir}"])
+    policy, _ = backend.build(cfg)
+    x1, eps = torch.randn(2, *policy.flow.noise(1).shape[1:]), torch.randn(2, *policy.flow.noise(1).shape[1:])
+    t = torch.tensor([0.25, 0.9])
+    seen = {}
+
+    def velocity(x, sigma, cond):
+        seen["x"], seen["sigma"] = x, sigma
+        return eps - x1 + 1.0  # off by exactly 1 everywhere
+
+    policy.flow.velocity = velocity
+    err = policy.flow_matching_error(x1, t, eps, {})
+    assert torch.allclose(seen["x"][0], 0.75 * x1[0] + 0.25 * eps[0]) and torch.equal(seen["sigma"], t)
+    assert err.tolist() == pytest.approx([1.0, 1.0])
+
+
+# ---------------------------------------------------------------------- training on the tiny model
+
+FAST = ["rollout.num_steps=4", "rollout.num_generations=2", "rollout.prompts_per_step=2", "task.num_train=16",
+        "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false", "logging.progress=false",
+        "optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
+
+
+def make(path, out, *overrides):
+    cfg = load_config(DiffusionTrainConfig, CONFIG, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={path}", f"output_dir={out}", *FAST, *overrides])
+    return cfg, *backend.build(cfg)
+
+
+def test_one_ftfc_step_of_the_config_changes_every_trainable_weight(flux_dir, tmp_path, reward_spread):
+    cfg, policy, task = make(flux_dir, tmp_path / "run", "train.max_steps=1")
+    assert cfg.method.type == "ftfc" and cfg.rollout.noise_level == 0.0  # ODE samples of the model
+    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    Trainer(cfg, policy, task).train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(row["loss/total"]) and row["train/updates"] == 4  # mini_batches 4
+    # rewards 0, 1 in each of the two groups, KL, beta 0.5: w = 2 softmax(0, 2) = (2/(1+e^2), 2e^2/(1+e^2))
+    # = (0.2384, 1.7616); ESS = 16 / (2 (0.2384^2 + 1.7616^2)) = 2.5316
+    w = [2 / (1 + E**2), 2 * E**2 / (1 + E**2)]
+    assert row["ftfc/w_max"] == pytest.approx(w[1], abs=1e-5)
+    assert row["ftfc/ess"] == pytest.approx(16 / (2 * (w[0] ** 2 + w[1] ** 2)), abs=1e-4)
+    assert row["ftfc/lambda_mean"] == pytest.approx(0.5 * math.log((1 + E**2) / 2) - 0.5, abs=1e-6)
+    unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
+    assert not unchanged, unchanged
+
+
+def test_the_pool_is_frozen_and_a_resume_continues_exactly(flux_dir, tmp_path, reward_spread):
+    def run(name, steps, resume=False):
+        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1",
+                                 "train.mini_batches=1")
+        trainer = Trainer(cfg, policy, task)
+        trainer.train(resume=resume)
+        return trainer
+
+    full = run("full", 2)
+    assert full.method.pool_step == 0  # pool_refresh 0: step 0's samples of the pretrained model
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ftfc/pool_age"] for r in rows] == [0.0, 1.0] and rows[1]["rollout/staleness"] == 1
+    run("split", 1)
+    resumed = run("split", 2, resume=True)
+    assert torch.equal(resumed.method.pool.data["final_latents"], full.method.pool.data["final_latents"])
+    for (k, a), b in zip(full.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
+        assert torch.equal(a, b), k
