@@ -64,6 +64,9 @@ ANSWERS = {  # every answer of a kind; negatives draw from these
 ROLES = 4
 PERTURBED_P = 0.5  # share of pairs whose reasoning is not the scene's description
 HARD_NEGATIVE_P = 0.5  # share of perturbed negatives answered with the scene's true answer
+OTHER_KIND_P = 0.25  # share of negatives answered with another kind's answer ("1" to "What shape ...?"):
+# without them the classifier never sees a type mismatch, and a policy trained on its score
+# learned to answer "1" to everything (CORA at beta 1.0, benchmarks/RESULTS.md)
 
 
 # ---------------------------------------------------------------------------- data
@@ -134,6 +137,8 @@ def make_pairs(n: int, seed: int, split: str = "train", per_item: int = 1) -> li
             answer = implied
         elif perturbed and item.answer != implied and rng.random() < HARD_NEGATIVE_P:
             answer = item.answer
+        elif rng.random() < OTHER_KIND_P:
+            answer = rng.choice(sorted({a for k, v in ANSWERS.items() if k != kind for a in v} - set(ANSWERS[kind])))
         else:
             answer = rng.choice([a for a in ANSWERS[kind] if a != implied])
         reasoning = text_of(objects)

@@ -244,3 +244,15 @@ def test_atom_reads_the_question_from_meta(model):
     assert from_meta == pytest.approx(atom([Sample(q, text, {})])[0]) and from_meta > 0.5
     with pytest.raises(TypeError, match="question text"):
         atom([Sample(["chat"], "a red circle <answer>1</answer>", {})])
+
+
+def test_answers_of_another_kind_are_inconsistent(model):
+    """A policy trained on the classifier's score found that "1" to a shape question scored
+    as consistent when the classifier had never seen an answer of the wrong kind; the
+    training pairs now hold such negatives."""
+    q = "What shape is the red object?"
+    p = model.prob([premise(q, "a red triangle")] * 4, [hypothesis(a) for a in ("triangle", "1", "square", "yes")])
+    assert float(p[0]) > 0.9 and bool((p[1:] < 0.1).all())
+    q = "How many red shapes are there?"
+    p = model.prob([premise(q, "a red triangle , a blue square")] * 3, [hypothesis(a) for a in ("1", "red", "no")])
+    assert float(p[0]) > 0.9 and bool((p[1:] < 0.1).all())
