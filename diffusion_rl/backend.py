@@ -4,6 +4,7 @@
     DEFAULT_CONFIG  the main job: the bundled tiny flow model, shapes-geneval, Flow-GRPO, on a CPU
     build(cfg)      -> (DiffusionPolicy, DiffusionTask)
     sample(...)     -> images written as PNG, scored by the task's atoms (`diffusion-rl sample`)
+    calibrate(...)  -> CAST's SDE window from ODE trajectories, window.json (`diffusion-rl calibrate-window`)
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str]
 
 def build(cfg: DiffusionTrainConfig):
     import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
+    from diffusion_rl.calibrate import apply_window_file
     from diffusion_rl.models import load_flow_model
+
+    if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
+        apply_window_file(cfg)
 
     m = cfg.model
     path = Path(m.path) if m.path else bundled_model_dir()
@@ -139,3 +144,24 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
         rows.append({"prompt": text, "seed": seed, "image": str(path), **atoms})
     return rows
 
+
+
+def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_prompts: int | None = None):
+    """CAST's window calibration (diffusion_rl.calibrate) on the first held-out prompts, written
+    as window.json into out_dir (default: the run's output_dir). method.window_from is not read
+    (the window is what is being made). -> (WindowCalibration, path)."""
+    from diffusion_rl.calibrate import calibrate_window, write_window
+
+    if cfg.rollout.window_size is None:
+        raise ConfigError("calibrate-window: rollout.window_size must be set (the size of the window to place)")
+    if cfg.rollout.window_size >= cfg.rollout.num_steps:
+        raise ConfigError("calibrate-window: rollout.window_size must be below rollout.num_steps")
+    method = cfg.method
+    if getattr(method, "window_from", None) is not None:
+        cfg = cfg.model_copy(update={"method": method.model_copy(update={"window_from": None})})
+    n = num_prompts or getattr(method, "calibration_prompts", 32)
+    seeds = getattr(method, "calibration_seeds", 1)
+    policy, task = build(cfg)
+    cal = calibrate_window(policy, task.eval_prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
+                           seeds=seeds, offset=getattr(method, "window_offset", 0))
+    return cal, write_window(cal, out_dir if out_dir is not None else cfg.output_dir)

@@ -1,11 +1,39 @@
-"""`diffusion-rl`: the flow / diffusion image CLI (train, eval, sample)."""
+"""`diffusion-rl`: the flow / diffusion image CLI (train, eval, sample, calibrate-window)."""
 
 from __future__ import annotations
 
-from mmrl.core.cli import BackendSpec, make_app, run
+import json
+from pathlib import Path
+
+import typer
+
+from mmrl.core.cli import USER_ERRORS, BackendSpec, console, fail, make_app, run
 
 SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend")
 app = make_app(SPEC)
+
+
+@app.command("calibrate-window")
+def calibrate_window(
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model, task, rollout)."),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+    out: Path | None = typer.Option(None, "--out", help="Directory for window.json; default: the run's output_dir."),
+    prompts: int | None = typer.Option(None, "--prompts", help="Held-out calibration prompts (method.calibration_prompts)."),
+):
+    """CAST: place the SDE window where the model's atom verdicts commit along ODE rollouts
+    (diffusion_rl.calibrate); writes window.json and prints it. Train with method.window_from set to it."""
+    from diffusion_rl import backend
+    from diffusion_rl.calibrate import summary_line
+    from mmrl.core.config import load_config
+
+    try:
+        cfg = load_config(backend.CONFIG_CLASS, config, list(set_), defaults=dict(backend.DEFAULT_CONFIG))
+        cal, path = backend.calibrate(cfg, out, prompts)
+    except USER_ERRORS as e:
+        fail(str(e))
+    print(json.dumps(cal.to_dict()))
+    console.print(summary_line(cal), highlight=False)
+    console.print(f"wrote {path}")
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Config of a flow / diffusion run: the core TrainConfig with the diffusion model,
-task, rollout (SDE sampling) and method (Flow-GRPO, FTFC) sections."""
+task, rollout (SDE sampling) and method (Flow-GRPO, FTFC, CAST) sections."""
 
 from __future__ import annotations
 
@@ -165,7 +165,29 @@ class FTFCConfig(Section):
     samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""
 
 
-MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig, Field(discriminator="type")]
+class CASTConfig(FlowGRPOConfig):
+    """CAST, Causal Advantage-Structured Training (METHODS.md section 4; a RECONSTRUCTION, see
+    diffusion_rl/methods/cast.py), part 1: signed per-atom group advantages
+    A_ik = (r_ik - mean_k) / (std_k + std_eps), summed with the reward's atom weights and clipped
+    to +-adv_clip; Flow-GRPO's loss on the SDE window calibrated from the model's own trajectory."""
+
+    type: Literal["cast"] = "cast"
+    window_from: str | None = None
+    """A window.json written by `diffusion-rl calibrate-window` (a path relative to the current
+    directory, or absolute): at build time it sets rollout.window_size and a fixed
+    rollout.window_start = (start, start), unless rollout.window_start is set explicitly (then the
+    file is not read). None = the rollout's own window. A missing or malformed file, or one
+    calibrated for another rollout.num_steps, is a ConfigError."""
+    calibration_prompts: int = Field(32, ge=1)
+    """Held-out prompts `calibrate-window` rolls out (its --prompts overrides)."""
+    calibration_seeds: int = Field(1, ge=1)
+    """ODE rollouts (noise seeds 0..n-1) per calibration prompt."""
+    window_offset: int = 0
+    """The calibrated window's last SDE step is the median commit step plus this (0 = the
+    commit step itself; -1 = the last step whose noise lands before it), then clamped."""
+
+
+MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig | CASTConfig, Field(discriminator="type")]
 
 
 class DiffusionTrainConfig(TrainConfig):

@@ -1,3 +1,3 @@
 """The flow / diffusion methods; importing this package registers them with the core loop."""
 
-from diffusion_rl.methods import flow_grpo, ftfc  # noqa: F401
+from diffusion_rl.methods import cast, flow_grpo, ftfc  # noqa: F401

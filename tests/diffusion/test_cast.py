@@ -1,0 +1,204 @@
+"""CAST part 1 (diffusion_rl/methods/cast.py, diffusion_rl/calibrate.py; a RECONSTRUCTION):
+per-atom signed group advantages by hand, the commit-step and window rules, calibration on a
+tiny real flow model, the calibrate-window CLI, one training step of configs/diffusion/cast.yaml
+with a calibrated window, and bad window files."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diffusion_rl import backend
+from diffusion_rl.calibrate import (
+    WINDOW_FILE,
+    calibrate_window,
+    commit_step,
+    load_window,
+    window_from_commits,
+)
+from diffusion_rl.config import CASTConfig, DiffusionTrainConfig
+from diffusion_rl.methods.cast import ATOM_ADVANTAGES, CAST, cast_advantages
+from diffusion_rl.models import build_tiny
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import AtomScores, Reward, Sample
+from mmrl.core.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
+        "task.num_train=16", "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false",
+        "logging.progress=false", "optim.lr=1e-3"]
+S3 = 1 / math.sqrt(3)  # 0.57735: |deviation| 1/3 over the unbiased std sqrt(1/3) of (1, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
+
+
+# ------------------------------------------------------------------ advantages
+
+
+def hand_batch():
+    # columns exist, colour (child of exist), count (child of colour), all
+    # group 0 (3 samples): exist 1 1 0; colour 1 0 0 (sample 2 gated: exist failed); count, all 0
+    # group 1 (2 samples): exist 0 1; colour gated / failed: 0 0 (constant); count, all 0
+    # group 2 (1 sample): a group of one
+    values = torch.tensor([[1., 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0],
+                           [0, 0, 0, 0], [1, 0, 0, 0],
+                           [1, 1, 1, 1]])
+    names = ["exist", "colour", "count", "all"]
+    w = torch.tensor([1., 2, 1, 1])
+    scores = AtomScores(names=names, values=values, total=values @ w)
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0, 0, 1, 1, 2]),
+                         samples=[Sample(prompt="a red circle", completion=None) for _ in range(6)], scores=scores)
+    return batch, w
+
+
+def test_per_atom_advantages_by_hand():
+    batch, w = hand_batch()
+    out = cast_advantages(batch.scores.values, batch.group_ids, w, eps=1e-4)
+    s2 = 1 / math.sqrt(2)  # group 1's exist: (0, 1) -> -+0.5 / sqrt(0.5)
+    expected = torch.tensor([
+        [S3, 2 * S3, 0, 0], [S3, -S3, 0, 0], [-2 * S3, -S3, 0, 0],  # exist mean 2/3, colour mean 1/3, std sqrt(1/3)
+        [-s2, 0, 0, 0], [s2, 0, 0, 0],  # colour constant (gated at 0) -> 0
+        [0, 0, 0, 0],  # a group of one -> 0
+    ])
+    torch.testing.assert_close(out.atom, expected, atol=1e-3, rtol=1e-3)
+    # A_i = sum_k w_k A_ik, w = (1, 2, 1, 1): 1/sqrt3 + 4/sqrt3 = 2.8868; 1/sqrt3 - 2/sqrt3 = -0.5774; -4/sqrt3 = -2.3094
+    torch.testing.assert_close(out.total, torch.tensor([5 * S3, -S3, -4 * S3, -s2, s2, 0.]), atol=1e-3, rtol=1e-3)
+    for g in range(3):  # each group's advantages sum to zero
+        assert abs(float(out.total[batch.group_ids == g].sum())) < 1e-5
+    assert (out.atom[:, 2:] == 0).all()  # constant columns are exactly 0
+    assert cast_advantages(batch.scores.values, batch.group_ids, w, clip=1.0).total.abs().max() <= 1.0
+
+
+def test_cast_method_stores_atom_advantages_and_logs_per_atom():
+    batch, w = hand_batch()
+    method = CAST(CASTConfig(adv_clip=5.0), None, SimpleNamespace(weights=w))
+    adv = method.advantages(batch)
+    assert adv.shape == (6,) and batch.data[ATOM_ADVANTAGES].shape == (6, 4)
+    torch.testing.assert_close(adv[0], torch.tensor(5 * S3), atol=1e-3, rtol=1e-3)
+    m = method.batch_metrics(batch)
+    assert m["cast/adv_nonzero/count"] == 0.0 and m["cast/adv_nonzero/exist"] == pytest.approx(5 / 6)
+
+
+# ------------------------------------------------------------------ commit step and window
+
+
+def test_commit_step_rule_by_hand():
+    a, b, c = (True, False), (True, True), (False, False)
+    assert commit_step([c, a, b, a, a]) == 3  # changes last between steps 2 and 3
+    assert commit_step([a, a, a]) == 0  # never changes
+    assert commit_step([a, b]) == 1  # only the final verdicts count as committed
+    assert commit_step([a, b, a, a]) == 2  # a return to an earlier verdict is still a change
+    with pytest.raises(ValueError):
+        commit_step([])
+
+
+def test_window_rule_by_hand():
+    # lower median of (1, 3, 4, 6) is 3: W=2 ends there -> steps 2..3 of 10
+    assert window_from_commits([6, 1, 4, 3], 10, 2) == (2, 2, 3)
+    assert window_from_commits([0, 0, 1], 10, 3) == (0, 3, 0)  # clamped to start at 0, keeps size 3
+    assert window_from_commits([9, 9], 10, 2) == (7, 2, 9)  # last SDE step 8: step 9 is never SDE
+    assert window_from_commits([5], 10, 2, offset=-1) == (3, 2, 5)
+    with pytest.raises(ValueError, match="window_size"):
+        window_from_commits([1], 4, 4)
+
+
+# ------------------------------------------------------------------ calibration on a tiny model
+
+
+def make(path, tmp_path, *overrides, config=None):
+    cfg = load_config(DiffusionTrainConfig, config, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={path}", f"output_dir={tmp_path / 'run'}", *FAST, *overrides])
+    return cfg
+
+
+def test_calibrate_on_tiny_model_returns_a_valid_window(flux_dir, tmp_path):
+    cfg = make(flux_dir, tmp_path, "method.type=cast")
+    policy, task = backend.build(cfg)
+    cal = calibrate_window(policy, task.eval_prompts[:2], num_steps=4, window_size=2)
+    assert cal.num_samples == 2 and sum(cal.commit_histogram) == 2 and len(cal.commit_histogram) == 4
+    assert len(cal.change_rate) == 3 and all(0 <= r <= 1 for r in cal.change_rate)
+    assert cal.window_size == 2 and 0 <= cal.window_start and cal.window_start + 2 <= 3  # step 3 never SDE
+    assert 0 <= cal.median_commit <= 3
+
+
+def test_cli_writes_window_json(flux_dir, tmp_path):
+    out = tmp_path / "cal"
+    r = subprocess.run([sys.executable, "-m", "diffusion_rl", "calibrate-window", "--config",
+                        str(REPO / "configs/diffusion/cast.yaml"), "--out", str(out), "--prompts", "2",
+                        *[x for o in [f"model.path={flux_dir}", *FAST] for x in ("--set", o)]],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / WINDOW_FILE).read_text())
+    assert data["num_steps"] == 4 and data["window_size"] == 2 and data["num_samples"] == 2
+    assert load_window(out / WINDOW_FILE, 4) == (data["window_start"], 2)
+    assert "window_start" in r.stdout
+
+
+# ------------------------------------------------------------------ training with a stored window
+
+
+@pytest.fixture
+def atom_spread(monkeypatch):
+    """A random model's samples all score alike: make the exist column 0, 1, 0, 1, ... (and
+    the total with it) so that CAST's advantages are not zero and an update moves weights."""
+    original = Reward.score
+
+    def spread(self, samples):
+        s = original(self, samples)
+        s.values[:, 0] = torch.arange(len(samples), dtype=torch.float32) % 2
+        s.total = s.values @ self.weights
+        return s
+
+    monkeypatch.setattr(Reward, "score", spread)
+
+
+def test_one_training_step_of_cast_yaml(flux_dir, tmp_path, atom_spread):
+    window = tmp_path / WINDOW_FILE
+    window.write_text(json.dumps({"num_steps": 4, "window_start": 1, "window_size": 2}))
+    cfg = make(flux_dir, tmp_path, "train.max_steps=1", f"method.window_from={window}",
+               config=REPO / "configs/diffusion/cast.yaml")
+    policy, task = backend.build(cfg)
+    assert cfg.method.type == "cast" and cfg.rollout.window_start == (1, 1) and cfg.rollout.window_size == 2
+    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    Trainer(cfg, policy, task).train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [v for k, v in rows[0].items() if k.startswith("loss/")]
+    assert losses and all(math.isfinite(v) for v in losses)
+    assert rows[0]["cast/adv_abs/exist"] > 0
+    unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
+    assert not unchanged, unchanged
+
+
+def test_explicit_window_start_wins_over_the_file(flux_dir, tmp_path):
+    cfg = make(flux_dir, tmp_path, "method.type=cast", f"method.window_from={tmp_path / 'absent.json'}",
+               "rollout.window_start=[0,1]")
+    backend.build(cfg)  # the file is not read
+    assert cfg.rollout.window_start == (0, 1)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "cannot read"),
+    ("{not json", "not valid JSON"),
+    ('{"num_steps": 4, "window_start": "a", "window_size": 2}', "window_start must be an integer"),
+    ('{"num_steps": 10, "window_start": 1, "window_size": 2}', "calibrated for 10"),
+    ('{"num_steps": 4, "window_start": 2, "window_size": 2}', "does not fit"),
+])
+def test_bad_window_file_is_a_clear_config_error(flux_dir, tmp_path, content, match):
+    path = tmp_path / "w.json"
+    if content is not None:
+        path.write_text(content)
+    cfg = make(flux_dir, tmp_path, "method.type=cast", f"method.window_from={path}")
+    with pytest.raises(ConfigError, match=match) as e:
+        backend.build(cfg)
+    assert str(path) in str(e.value)
