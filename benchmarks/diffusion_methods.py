@@ -1,0 +1,93 @@
+"""Flow-GRPO, CAST and FTFC side by side on the bundled tiny flow model (shapes-geneval):
+each `configs/diffusion/<method>.yaml` from the same start, same seeds, steps and prompts
+per step; held-out atom accuracy per atom type before and after, and how long each
+method took to reach Flow-GRPO's final training reward.
+
+    python benchmarks/diffusion_methods.py --methods flow_grpo cast ftfc --seeds 0 --steps 30
+    python benchmarks/diffusion_methods.py --methods flow_grpo cast --only cast:method.window_from=window.json
+
+"Reach" is the first step whose trailing mean training reward (--window steps) is at least
+Flow-GRPO's over its last --window steps of the same seed; its wall time is the sum of
+time/step up to it. Model evaluations are not counted yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from diffusion_rl import backend
+from mmrl.core.config import load_config
+from mmrl.core.logging import read_metrics
+from mmrl.core.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ("atom_accuracy", "exist", "colour", "count", "relation", "prompt_accuracy")
+
+
+def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> tuple[dict, list[dict]]:
+    cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
+                      [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
+                       "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    summary = Trainer(cfg, policy, task, backend=backend).train()
+    return summary, read_metrics(out / "metrics.jsonl")
+
+
+def trailing(rows: list[dict], window: int) -> list[float]:
+    r = [row["reward/total"] for row in rows]
+    return [statistics.mean(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
+
+
+def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None]:
+    """(step, wall seconds) where the trailing mean reward first reaches target; None if never."""
+    wall = 0.0
+    for i, (row, mean) in enumerate(zip(rows, trailing(rows, window))):
+        wall += row.get("time/step", 0.0)
+        if mean >= target:
+            return i + 1, wall
+    return None, None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", nargs="+", default=["flow_grpo", "cast", "ftfc"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--window", type=int, default=5, help="steps of the trailing mean reward")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "diffusion-methods")
+    ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
+    ap.add_argument("--only", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                    help="an override for one method only (repeatable), e.g. ftfc:method.divergence=pearson")
+    args = ap.parse_args(argv)
+    only: dict[str, list[str]] = {}
+    for item in args.only:
+        method, sep, override = item.partition(":")
+        if not sep or "=" not in override:
+            ap.error(f"--only takes METHOD:KEY=VALUE, got {item!r}")
+        only.setdefault(method, []).append(override)
+    if "flow_grpo" not in args.methods:
+        ap.error("the comparison is against flow_grpo: include it in --methods")
+    results = {}
+    for seed in args.seeds:
+        for method in args.methods:
+            summary, rows = run(method, seed, args.steps, args.out / f"{method}-seed{seed}",
+                                [*args.extra, *only.get(method, [])])
+            results[(method, seed)] = (summary, rows)
+            print(json.dumps({"method": method, "seed": seed, "before": summary["eval_before"],
+                              "after": summary["eval_after"], "seconds": summary.get("train_seconds")}), flush=True)
+    print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | steps (s) to Flow-GRPO's final reward |")
+    print("|---|---|" + "---|" * len(COLUMNS) + "---|---|")
+    for (method, seed), (s, rows) in results.items():
+        target = trailing(results[("flow_grpo", seed)][1], args.window)[-1]
+        step, wall = reach(rows, target, args.window)
+        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
+        got = f"{step} ({wall:.0f})" if step else "not reached"
+        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {got} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
