@@ -26,7 +26,7 @@ from torch import Tensor
 
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
 
-__all__ = ["CLAIM_WORDS", "claim_persistence", "claim_spans", "shapes_claim_holds", "token_claims"]
+__all__ = ["CLAIM_WORDS", "batch_claims", "claim_persistence", "claim_spans", "shapes_claim_holds", "token_claims"]
 
 _NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
             "single", "pair", "both", "several", "many", "none")
@@ -77,6 +77,16 @@ def token_claims(tokenizer, ids: Sequence[int], spans: Sequence[tuple[int, int]]
                 break
         out.append(claim)
         prev = end
+    return out
+
+
+def batch_claims(tokenizer, ids: Tensor, mask: Tensor, spans: Sequence[Sequence[tuple[int, int]]]) -> Tensor:
+    """[N, T] long: the claim index of every trained token of a batch (-1 elsewhere), from each
+    response's completion ids [N, T], mask [N, T] and the claim spans of its text."""
+    out = torch.full(ids.shape, -1, dtype=torch.long)
+    for i, sp in enumerate(spans):
+        if sp:
+            out[i, mask[i]] = torch.tensor(token_claims(tokenizer, ids[i][mask[i]].tolist(), sp))
     return out
 
 

@@ -29,10 +29,10 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
 from mmrl.vlm.claims import (
     CLAIM_WORDS,
+    batch_claims,
     claim_persistence,
     claim_spans,
     shapes_claim_holds,
-    token_claims,
 )
 from mmrl.vlm.interventions import black_row, mask_patches
 from mmrl.vlm.methods.vppo import VPPO, shape_advantages, visual_dependency
@@ -67,14 +67,8 @@ class PACG(VPPO):
         if self.cfg.base == "vppo":
             batch.data["visual_dependency"] = visual_dependency(logp_aug, batch.old_logp, batch.mask, self.cfg.cap)
         words = self.cfg.claim_words or CLAIM_WORDS
-        ids = batch.data["completion_ids"]
-        claim_ids = torch.full(ids.shape, -1, dtype=torch.long)
-        for i, sample in enumerate(batch.samples):
-            spans = claim_spans(sample.completion, words, self.cfg.answer_tag)
-            if spans:
-                row = ids[i][batch.mask[i]].tolist()
-                claim_ids[i, batch.mask[i]] = torch.tensor(token_claims(policy.tokenizer, row, spans))
-        batch.data["claim_ids"] = claim_ids
+        spans = [claim_spans(s.completion, words, self.cfg.answer_tag) for s in batch.samples]
+        batch.data["claim_ids"] = batch_claims(policy.tokenizer, batch.data["completion_ids"], batch.mask, spans)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
         adv = super(VPPO, self).advantages(batch)  # the GRPO family's [N], from the config
@@ -121,12 +115,8 @@ def claim_report(policy, items, *, max_new_tokens: int, mask_p: float = 0.5, see
         fill = black_row(policy.processor.image_processor, batch.data["pixel_values"].shape[-1])
         masked = mask_patches(batch.data["pixel_values"], batch.data["image_grid_thw"], p=mask_p, fill=fill,
                               generator=gen)
-        claim_ids = torch.full(batch.mask.shape, -1, dtype=torch.long)
         spans = [claim_spans(t, words) for t in done]
-        for i, sp in enumerate(spans):
-            if sp:
-                row = batch.data["completion_ids"][i][batch.mask[i]].tolist()
-                claim_ids[i, batch.mask[i]] = torch.tensor(token_claims(policy.tokenizer, row, sp))
+        claim_ids = batch_claims(policy.tokenizer, batch.data["completion_ids"], batch.mask, spans)
         persistence, index = claim_persistence(logp, policy.rescore(batch, masked), claim_ids)
         for p, (i, c) in zip(persistence.tolist(), index.tolist()):
             s, e = spans[i][c]
