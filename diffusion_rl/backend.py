@@ -115,6 +115,12 @@ def build(cfg: DiffusionTrainConfig):
                                guidance_scale=m.guidance_scale)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    if cfg.method.type == "cast" and cfg.method.projection == "attention":
+        from diffusion_rl.attention_maps import FAMILIES
+
+        if flow.family not in FAMILIES:
+            raise ConfigError(f"method.projection=attention: CAST's attention maps support the {' and '.join(FAMILIES)} "
+                              f"families; {path} is {flow.family!r}; set method.projection: none")
     if m.lora is not None:
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules)
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)

@@ -167,9 +167,10 @@ class FTFCConfig(Section):
 
 class CASTConfig(FlowGRPOConfig):
     """CAST, Causal Advantage-Structured Training (METHODS.md section 4; a RECONSTRUCTION, see
-    diffusion_rl/methods/cast.py), part 1: signed per-atom group advantages
-    A_ik = (r_ik - mean_k) / (std_k + std_eps), summed with the reward's atom weights and clipped
-    to +-adv_clip; Flow-GRPO's loss on the SDE window calibrated from the model's own trajectory."""
+    diffusion_rl/methods/cast.py): signed per-atom group advantages
+    A_ik = (r_ik - mean_k) / (std_k + std_eps); the SDE window calibrated from the model's own
+    trajectory; each atom's advantage projected to the image through the attention of image
+    tokens to the atom's words, and a per-patch clipped ratio objective weighted by that map."""
 
     type: Literal["cast"] = "cast"
     window_from: str | None = None
@@ -185,6 +186,22 @@ class CASTConfig(FlowGRPOConfig):
     window_offset: int = 0
     """The calibrated window's last SDE step is the median commit step plus this (0 = the
     commit step itself; -1 = the last step whose noise lands before it), then clamped."""
+    projection: Literal["attention", "none"] = "attention"
+    """attention: A_i(h, w) = (sum_k w_k A_ik M_ik(h, w) + global_weight A_i) / (1 + global_weight),
+    M_ik the attention map of atom k's words (diffusion_rl/attention_maps.py), trained through
+    per-latent-token ratios. none: the scalar A_i = sum_k w_k A_ik and Flow-GRPO's loss (part 1)."""
+    attention_layers: list[int] | None = None
+    """Joint-attention layers the maps average (indices over the double-, then single-stream
+    blocks; negative counts from the end). None = the middle half."""
+    map_norm: Literal["mean", "max"] = "mean"
+    """mean: each map averages 1 over the image (moves an advantage, keeps its size); max: peaks at 1."""
+    global_weight: float = Field(1.0, ge=0)
+    """lambda: the share of the sample's scalar advantage spread uniformly over the image."""
+    parser: str = "shapes-geneval"
+    """Which words each atom is about (diffusion_rl/scene_graph.py): a built-in parser's name, or
+    "path/to/file.py:function" returning {atom name: [(start, end) character spans]}."""
+    patch_clip_range: float | None = Field(None, gt=0)
+    """eps of the per-patch ratio clip; None = clip_range."""
 
 
 MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig | CASTConfig, Field(discriminator="type")]

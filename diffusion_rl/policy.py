@@ -11,6 +11,9 @@ them, drawn with the rollout generator). A batch's positions are those trained s
     data["sigma"], ["sigma_next"]   [N, T]
     data["cond/<key>"]              the model's prompt conditioning, one row per sample
     data["final_latents"]           [N, L, C]       the clean sample x1 (sigma = 0) the image decodes from
+    data["token_logp"]              [N, T, L]       each latent token's log-prob (the mean over its
+                                                    channels; old_logp is its mean over L): CAST's
+                                                    per-patch ratios
 
 `logprobs` re-scores next_latents under the current weights: on-policy the ratio is
 exactly 1. Samples are Sample(prompt text, PIL image, meta). `flow_matching_error` is the
@@ -60,7 +63,7 @@ class DiffusionPolicy:
         window = sampler.sde_steps(rollout.window_size, rollout.window_start, generator)
         trained = _subset(window, rollout.train_fraction, generator)
         x = self.flow.noise(n, generator)
-        xs, nexts, logps, sig, sig_next = [], [], [], [], []
+        xs, nexts, logps, tok_logps, sig, sig_next = [], [], [], [], [], []
         with torch.no_grad():
             for i in range(rollout.num_steps):
                 sigma = sampler.sigmas[i].expand(n)
@@ -74,6 +77,7 @@ class DiffusionPolicy:
                     xs.append(x)
                     nexts.append(out.prev_sample)
                     logps.append(out.log_prob)
+                    tok_logps.append(out.elem_log_prob.mean(-1).float())
                     sig.append(sigma)
                     sig_next.append(sampler.sigmas[i + 1].expand(n))
                 x = out.prev_sample
@@ -91,24 +95,34 @@ class DiffusionPolicy:
                 "sigma": torch.stack(sig, 1),
                 "sigma_next": torch.stack(sig_next, 1),
                 "final_latents": x,
+                "token_logp": torch.stack(tok_logps, 1),
                 **{f"cond/{k}": v for k, v in cond.items()},
             },
         )
 
     # ------------------------------------------------------------------ training forward
 
-    def sde_outputs(self, batch: RolloutBatch) -> list[SDEStep]:
-        """Each trained step re-scored under the current weights (with grad)."""
+    def sde_outputs(self, batch: RolloutBatch, attention: list[int] | None | bool = False
+                    ) -> list[SDEStep] | tuple[list[SDEStep], list[Tensor]]:
+        """Each trained step re-scored under the current weights (with grad). attention: False,
+        or the joint-attention layers (None = the middle ones) whose image-to-text attention
+        is recorded in the same forwards; then also returns one [N, L, S_txt] map per step
+        (CAST, diffusion_rl.attention_maps)."""
+        from diffusion_rl.attention_maps import TextAttention
+
         d = batch.data
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
-        outs = []
+        outs, maps = [], []
         for t in range(d["latents"].shape[1]):
             x = d["latents"][:, t]
-            v = self.flow.velocity(x, d["sigma"][:, t], cond)
+            with TextAttention(self.flow, attention) if attention is not False else contextlib.nullcontext() as rec:
+                v = self.flow.velocity(x, d["sigma"][:, t], cond)
+            if rec is not None:
+                maps.append(rec.result(len(x)))
             outs.append(sde_step_with_logprob(
                 v, x, d["sigma"][:, t], d["sigma_next"][:, t], noise_level=self.rollout.noise_level,
                 kind=self.rollout.kind, prev_sample=d["next_latents"][:, t]))
-        return outs
+        return outs if attention is False else (outs, maps)
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         return torch.stack([o.log_prob for o in self.sde_outputs(batch)], 1)

@@ -111,6 +111,8 @@ class SDEStep:
     log_prob: Tensor  # [B] float32: mean over the non-batch dims (0 for an ODE step)
     mean: Tensor  # [B, ...] float32: the Gaussian's mean (the Euler step for an ODE step)
     std: Tensor  # [B, 1, ..., 1] float32, broadcastable to the sample (0 for an ODE step)
+    elem_log_prob: Tensor | None = None  # [B, ...] float32: the per-element terms log_prob averages
+    # (0 for an ODE step); CAST's per-patch ratios average them over a latent token's channels only
 
 
 # --------------------------------------------------------------------------- helpers
@@ -246,7 +248,7 @@ def sde_step_with_logprob(
         mean = x + delta * v
         out = mean.to(out_dtype) if prev_sample is None else prev_sample
         zeros = torch.zeros(batch, dtype=dtype, device=device)
-        return SDEStep(out, zeros, mean, torch.zeros_like(sig))
+        return SDEStep(out, zeros, mean, torch.zeros_like(sig), torch.zeros_like(mean))
 
     if kind == "sde":
         denom = 1 - torch.where(sig == 1, sig_next, sig)  # sigma = 1 would divide by zero
@@ -272,7 +274,7 @@ def sde_step_with_logprob(
         elem = -((target - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     else:
         elem = -((target - mean) ** 2)
-    return SDEStep(out, elem.mean(dim=reduce_dims), mean, std)
+    return SDEStep(out, elem.mean(dim=reduce_dims), mean, std, elem)
 
 
 # --------------------------------------------------------------------------- time shifts

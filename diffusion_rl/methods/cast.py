@@ -1,4 +1,4 @@
-"""CAST, Causal Advantage-Structured Training (METHODS.md section 4) -- part 1.
+"""CAST, Causal Advantage-Structured Training (METHODS.md section 4).
 
 RECONSTRUCTION: no paper text or code was available. What is here follows the method's
 summary in METHODS.md section 4; every choice below that the summary leaves open is ours,
@@ -10,23 +10,36 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 count, relation and all, already causally gated -- a child whose parent failed
                 scores 0 -- plus any image atoms) a signed group advantage
                     A_ik = (r_ik - mean_group_k) / (std_group_k + std_eps)      [N, K]
-                (exactly 0 in a group whose column is constant), combined per sample as
-                    A_i = sum_k w_k A_ik                                         [N]
-                with the reward's atom weights w_k, clipped to +-adv_clip. A_ik is kept in
-                batch.data["cast/atom_advantages"] for the pixel projection (part 2).
+                (exactly 0 in a group whose column is constant); A_i = sum_k w_k A_ik with the
+                reward's atom weights w_k, clipped to +-adv_clip.
     window      the SDE window comes from the model's own trajectory (diffusion_rl.calibrate:
                 the median step at which the detector's atom verdicts on x0_hat commit), stored
                 in a window.json by `diffusion-rl calibrate-window` and read at build time
                 (method.window_from; diffusion_rl.calibrate.apply_window_file).
-    loss        Flow-GRPO's clipped ratio loss per trained step, unchanged (for now).
-
-Not implemented yet (CAST part 2): the projection of A_ik to pixels through the text-to-image
-attention maps of each atom's tokens, and the spatially weighted per-patch ratio objective.
+    projection  (method.projection: attention) the training forward on each stored x_t of the
+                window also records, in the middle joint-attention layers, the attention of
+                every image token to the text tokens (diffusion_rl.attention_maps); a prompt
+                parser (diffusion_rl.scene_graph) says which words each atom is about, and
+                M_ik(l) is the attention of image token l to those words, normalised to mean 1
+                over the image. The advantage map is
+                    A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda),  clipped,
+                so uniform maps give back A_i exactly.
+    loss        per latent token l (a patch) of each trained step, the log-prob is the mean of
+                the Gaussian's per-element terms over the token's channels only (not over the
+                whole image), rho_l = exp(logp_l - old_logp_l), and
+                    loss = -mean over samples, steps and tokens of min(rho_l A_i(l), clip(rho_l) A_i(l))
+                plus Flow-GRPO's KL term. On-policy its gradient is mean_l A_i(l) grad logp_l;
+                with uniform maps that is Flow-GRPO's A_i grad logp (tests check both).
 
 Departures / open choices: the group std is the unbiased one (as Flow-GRPO's and GRPO's); the
 atoms are the reward's atom TYPES (a type's score is the mean over the prompt's atoms of that
-type), not one column per scene-graph node, since that is what the batch carries; the sum over
-atoms is not normalised by the number of atoms, so adv_clip binds more often than in Flow-GRPO.
+type), not one column per scene-graph node, since that is what the batch carries, so a type's
+map covers the words of all its atoms in the prompt; the maps are taken at each trained step
+from the same forward that is trained (teacher-forced on the stored x_t) and treated as
+constants; the "all" atom and image atoms (CLIP score) are not projected (uniform maps); the
+sum over atoms is not normalised by the number of atoms, so adv_clip binds more often than in
+Flow-GRPO; attention maps exist for the FLUX- and SD3-style joint attention only (Qwen-Image and
+FLUX.2 need method.projection: none).
 """
 
 from __future__ import annotations
@@ -36,9 +49,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diffusion_rl.attention_maps import atom_maps, text_key_spans
 from diffusion_rl.methods.flow_grpo import FlowGRPO
+from diffusion_rl.scene_graph import BUILTIN, checked_spans, load_parser
 from mmrl.core.advantages import atom_advantages
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.losses import LossOutput, policy_loss
 from mmrl.core.method import register_method
 
 ATOM_ADVANTAGES = "cast/atom_advantages"
@@ -67,9 +83,65 @@ def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: 
     return CASTAdvantages(atom=atom, total=total)
 
 
+def advantage_map(atom: Tensor, weights: Tensor, maps: Tensor, total: Tensor, *, global_weight: float,
+                  clip: float | None = None) -> Tensor:
+    """[N, L]: A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda), clipped to +-clip.
+    atom [N, K], weights [K], maps [N, K, L], total [N] (A_i)."""
+    w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device)
+    projected = torch.einsum("nk,k,nkl->nl", atom.to(maps.dtype), w, maps)
+    out = (projected + global_weight * total.to(maps.dtype)[:, None]) / (1 + global_weight)
+    return out.clamp(-clip, clip) if clip is not None else out
+
+
 @register_method("cast")
 class CAST(FlowGRPO):
-    """Flow-GRPO with CAST's per-atom advantages (the window is set at build time)."""
+    """Flow-GRPO with CAST's per-atom advantages, projected to pixels through attention (the
+    window is set at build time)."""
+
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        self.parser = None
+        if cfg.projection == "attention":
+            self.parser = load_parser(cfg.parser, getattr(run, "base_dir", None))
+        self._spans: dict[str, dict] = {}
+
+    def atom_spans(self, prompt: str) -> dict:
+        """The parser's {atom: character spans} of a prompt, cached. A prompt the built-in
+        shapes-geneval grammar cannot parse (kept under task.unparsed=whole_prompt, warned about
+        when the prompts were read) gets none: uniform maps."""
+        if prompt not in self._spans:
+            try:
+                self._spans[prompt] = checked_spans(self.parser, prompt)
+            except ValueError:
+                if self.parser is not BUILTIN.get(self.cfg.parser):
+                    raise
+                self._spans[prompt] = {}
+        return self._spans[prompt]
+
+    def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
+        if self.cfg.projection == "none":
+            return super().loss(policy, batch, advantages, denom)
+        steps, attention = policy.sde_outputs(batch, attention=self.cfg.attention_layers)
+        prompts = [s.prompt for s in batch.samples]
+        keys = text_key_spans(policy.flow, prompts)
+        spans = [self.atom_spans(p) for p in prompts]
+        names = batch.scores.names if batch.scores is not None else self.reward.names
+        amaps = []
+        for att in attention:  # one map per trained step
+            maps = atom_maps(att, keys, spans, names, self.cfg.map_norm)  # [N, K, L]
+            amaps.append(advantage_map(batch.data[ATOM_ADVANTAGES], self.reward.weights, maps, advantages,
+                                       global_weight=self.cfg.global_weight, clip=self.cfg.adv_clip))
+        adv = torch.stack(amaps, 1)  # [N, T, L]
+        logp = torch.stack([s.elem_log_prob.mean(-1) for s in steps], 1)  # [N, T, L]
+        n, t, length = logp.shape
+        mask = batch.mask[:, :, None].expand(n, t, length).reshape(n, t * length)
+        eps = self.cfg.patch_clip_range or self.cfg.clip_range
+        out = policy_loss(logp.reshape(n, -1), batch.data["token_logp"].reshape(n, -1), adv.reshape(n, -1), mask,
+                          clip_low=eps, clip_high=eps, aggregation="token_mean",
+                          denom=None if denom is None else denom * length)
+        out.per_token = out.per_token.reshape(n, t, length).mean(-1)
+        out.metrics["cast/adv_map_spatial_std"] = float(adv.std(-1).mean())
+        return self.add_kl(out, steps, batch, denom)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
         if batch.scores is None:

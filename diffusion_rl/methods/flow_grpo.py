@@ -60,6 +60,10 @@ class FlowGRPO(Method):
         eps = self.cfg.clip_range
         out = policy_loss(logp, batch.old_logp, advantages, batch.mask, clip_low=eps, clip_high=eps,
                           aggregation="token_mean", denom=denom)
+        return self.add_kl(out, steps, batch, denom)
+
+    def add_kl(self, out: LossOutput, steps: list, batch: RolloutBatch, denom: float | None) -> LossOutput:
+        """out plus beta * the KL term to the reference (when beta > 0), logged as loss/kl."""
         if self.needs_reference:
             ref = batch.data["ref_mean"]  # [N, T, ...]
             kl = torch.stack([((s.mean - ref[:, t]) ** 2).flatten(1).mean(1) / (2 * s.std.flatten(1)[:, 0] ** 2)

@@ -1,0 +1,233 @@
+"""CAST part 2 (a RECONSTRUCTION): the prompt parsers, teacher-forced text attention maps on FLUX-
+and SD3-style joint attention, the advantage map, and the per-patch objective (ratio exactly 1
+on-policy; with uniform maps its gradient is Flow-GRPO's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_rl import backend
+from diffusion_rl.attention_maps import (
+    TextAttention,
+    atom_maps,
+    default_layers,
+    joint_attention_modules,
+    text_key_spans,
+)
+from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.methods.cast import CAST, advantage_map
+from diffusion_rl.methods.flow_grpo import FlowGRPO
+from diffusion_rl.models import build_tiny, load_flow_model, pack
+from diffusion_rl.scene_graph import checked_spans, load_parser, shapes_geneval_spans
+from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
+from mmrl.core.config import ConfigError, load_config
+
+PROMPT = "two blue triangles left of a red circle"
+FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
+        "task.num_train=16", "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false",
+        "logging.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    return build_tiny("sd3", tmp_path_factory.mktemp("sd3"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_flow_model(backend.bundled_model_dir())
+
+
+def words(prompt, spans):
+    return [prompt[a:b] for a, b in spans]
+
+
+# ------------------------------------------------------------------ parsers
+
+
+def test_shapes_geneval_spans_by_hand():
+    s = shapes_geneval_spans(PROMPT)
+    assert words(PROMPT, s["exist"]) == ["triangles", "circle"]
+    assert words(PROMPT, s["colour"]) == ["blue", "triangles", "red", "circle"]
+    assert words(PROMPT, s["count"]) == ["two", "triangles", "a", "circle"]
+    assert words(PROMPT, s["relation"]) == ["left", "of", "triangles", "circle"]
+    one = "Three green circles."
+    s = shapes_geneval_spans(one)
+    assert set(s) == {"exist", "colour", "count"} and words(one, s["exist"]) == ["circles"]  # no full stop
+    long = "a red square to the left of a blue circle"
+    assert words(long, shapes_geneval_spans(long)["relation"]) == ["to", "the", "left", "of", "square", "circle"]
+    with pytest.raises(ValueError, match="hexagon"):
+        shapes_geneval_spans("a red hexagon")
+
+
+def test_custom_parser_from_a_file_and_its_errors(tmp_path):
+    (tmp_path / "p.py").write_text(
+        "def parse(prompt):\n    i = prompt.index('cat')\n    return {'exist': [(i, i + 3)]}\n"
+        "def bad(prompt):\n    return {'exist': [(0, 999)]}\n")
+    parser = load_parser("p.py:parse", tmp_path)
+    assert checked_spans(parser, "a cat") == {"exist": [(2, 5)]}
+    with pytest.raises(ValueError, match="failed on 'a dog'"):
+        checked_spans(parser, "a dog")
+    with pytest.raises(ValueError, match="0 <= start < end <= 5"):
+        checked_spans(load_parser("p.py:bad", tmp_path), "a cat")
+    with pytest.raises(ConfigError, match="file not found"):
+        load_parser("missing.py:parse", tmp_path)
+    with pytest.raises(ConfigError, match="no attribute 'nope'"):
+        load_parser("p.py:nope", tmp_path)
+    with pytest.raises(ConfigError, match="shapes-geneval"):
+        load_parser("no-such-parser")
+
+
+# ------------------------------------------------------------------ maps
+
+
+def test_atom_maps_and_advantage_map_by_hand():
+    att = torch.tensor([[[0.1, 0.3, 0.0], [0.3, 0.1, 0.0]]])  # [N=1, L=2, S=3]
+    keys = [[(0, 3), (4, 7), None]]
+    spans = [{"a": [(0, 3)], "b": [(0, 7)], "c": [(10, 12)]}]  # c covers no key
+    m = atom_maps(att, keys, spans, ["a", "b", "c", "d"])
+    torch.testing.assert_close(m[0, 0], torch.tensor([0.5, 1.5]))  # [0.1, 0.3] / 0.2
+    torch.testing.assert_close(m[0, 1], torch.tensor([1.0, 1.0]))  # 0.4 and 0.4
+    assert torch.equal(m[0, 2], torch.ones(2)) and torch.equal(m[0, 3], torch.ones(2))
+    torch.testing.assert_close(atom_maps(att, keys, spans, ["a"], "max")[0, 0], torch.tensor([1 / 3, 1.0]))
+    # A(l) = (w_a A_a M_a(l) + lam A) / (1 + lam): A_a = 2, w_a = 1, A = 2, lam = 1
+    a = advantage_map(torch.tensor([[2.0, 0, 0, 0]]), torch.ones(4), m, torch.tensor([2.0]), global_weight=1.0)
+    torch.testing.assert_close(a, torch.tensor([[1.5, 2.5]]))
+    assert advantage_map(torch.tensor([[2.0, 0, 0, 0]]), torch.ones(4), m, torch.tensor([2.0]), global_weight=1.0,
+                         clip=2.0).max() == 2.0
+    # uniform maps give back the scalar advantage, whatever lambda
+    atom, w = torch.randn(3, 4), torch.rand(4)
+    for lam in (0.0, 0.5, 2.0):
+        out = advantage_map(atom, w, torch.ones(3, 4, 5), atom @ w, global_weight=lam)
+        torch.testing.assert_close(out, (atom @ w)[:, None].expand(3, 5))
+
+
+def test_text_attention_leaves_the_forward_alone_and_handles_cfg(flux_dir):
+    flow = load_flow_model(flux_dir)
+    cond = flow.encode_prompt([PROMPT, "a red circle"])
+    x = flow.noise(2, torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.7])
+    plain = flow.velocity(x, sigma, cond)
+    with TextAttention(flow) as rec:
+        v = flow.velocity(x, sigma, cond)
+    assert torch.equal(v, plain)
+    att = rec.result(2)
+    s = len(text_key_spans(flow, [PROMPT])[0])
+    assert att.shape == (2, flow.seq_len, s)
+    assert (att >= 0).all() and (att.sum(-1) <= 1 + 1e-5).all() and (att.sum(-1) > 0).all()
+    again = flow.velocity(x, sigma, cond)  # hooks and wrapped primitives are gone after the block
+    assert torch.equal(again, plain)
+    guided = load_flow_model(flux_dir, guidance_scale=3.0)
+    cond_g = guided.encode_prompt([PROMPT, "a red circle"])
+    with TextAttention(guided) as rec_g:
+        guided.velocity(x, sigma, cond_g)
+    torch.testing.assert_close(rec_g.result(2), att)  # the conditional rows of the 2N-row forward
+    with pytest.raises(ValueError, match="out of range"):
+        TextAttention(flow, [len(joint_attention_modules(flow))])
+
+
+def test_text_attention_on_sd3_joint_attention(sd3_dir):
+    flow = load_flow_model(sd3_dir)
+    assert default_layers(len(joint_attention_modules(flow)))
+    cond = flow.encode_prompt([PROMPT])
+    x = flow.noise(1, torch.Generator().manual_seed(0))
+    with TextAttention(flow, [0]) as rec:
+        flow.velocity(x, torch.tensor([0.5]), cond)
+    att = rec.result(1)
+    keys = text_key_spans(flow, [PROMPT])[0]
+    assert att.shape == (1, flow.seq_len, cond["prompt_embeds"].shape[1]) and len(keys) == att.shape[-1]
+    assert (att.sum(-1) > 0).all() and (att.sum(-1) <= 1 + 1e-5).all()
+    assert {"blue", "triangles", "circle"} <= {PROMPT[k[0]:k[1]] for k in keys if k is not None}
+
+
+def test_maps_of_the_bundled_model_find_the_objects(bundled):
+    """Teacher-forced on noised renderings of held-out scenes (sigma 0.7), the default layers'
+    map of the 'exist' words is higher inside the objects' boxes than outside, for most prompts."""
+    prompts = sample_prompts(16, 1, split="eval")
+    images, inside = [], []
+    for i, p in enumerate(prompts):
+        scene = make_scene(p, seed=i)
+        images.append(torch.tensor(np.asarray(render(scene)), dtype=torch.float32).permute(2, 0, 1) / 127.5 - 1)
+        box = torch.zeros(64, 64, dtype=torch.bool)
+        for s in scene.shapes:
+            left, top, right, bottom = (int(round(v)) for v in s.box())
+            box[max(top, 0):bottom, max(left, 0):right] = True
+        inside.append(box.float().view(16, 4, 16, 4).mean((1, 3)).flatten() > 0.5)  # per 4x4 patch
+    x0 = pack(torch.stack(images), 4)
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    with TextAttention(bundled) as rec:
+        bundled.velocity(0.3 * x0 + 0.7 * eps, torch.full((16,), 0.7), bundled.encode_prompt(prompts))
+    maps = atom_maps(rec.result(16), text_key_spans(bundled, prompts), [shapes_geneval_spans(p) for p in prompts],
+                     ["exist"])
+    ratio = torch.stack([maps[i, 0][inside[i]].mean() / maps[i, 0][~inside[i]].mean() for i in range(16)])
+    assert (ratio > 1).float().mean() >= 0.8 and ratio.median() > 1.5, ratio
+
+
+# ------------------------------------------------------------------ the objective
+
+
+def cast_setup(flux_dir, tmp_path, *overrides):
+    cfg = load_config(DiffusionTrainConfig, None, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={flux_dir}", f"output_dir={tmp_path / 'run'}", "method.type=cast",
+                                 *FAST, *overrides])
+    policy, task = backend.build(cfg)
+    batch = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
+    batch.scores = task.reward.score(batch.samples)
+    batch.scores.values[:, 0] = torch.tensor([1.0, 0, 0, 1])  # make "exist" separate both groups
+    batch.scores.total = batch.scores.values @ task.reward.weights
+    return cfg, policy, task, batch
+
+
+def grads(policy, out):
+    policy.model.zero_grad()
+    out.loss.backward()
+    return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+
+
+def test_per_patch_ratio_is_one_on_policy(flux_dir, tmp_path):
+    cfg, policy, task, batch = cast_setup(flux_dir, tmp_path)
+    steps = policy.sde_outputs(batch)
+    assert torch.equal(torch.stack([s.elem_log_prob.mean(-1) for s in steps], 1), batch.data["token_logp"])
+    torch.testing.assert_close(batch.data["token_logp"].mean(-1), batch.old_logp)
+    method = CAST(cfg.method, cfg, task.reward)
+    out = method.loss(policy, batch, method.advantages(batch))
+    assert out.metrics["loss/ratio_min"] == out.metrics["loss/ratio_max"] == 1.0
+    assert out.metrics["cast/adv_map_spatial_std"] > 0  # the maps do move the advantage around
+
+
+def test_with_uniform_maps_the_gradient_is_flow_grpos(flux_dir, tmp_path):
+    cfg, policy, task, batch = cast_setup(flux_dir, tmp_path)
+    method = CAST(cfg.method, cfg, task.reward)
+    method.parser = lambda prompt: {}  # no atom has words: every map is uniform
+    adv = method.advantages(batch)
+    g_cast = grads(policy, method.loss(policy, batch, adv))
+    g_flow = grads(policy, FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
+    assert g_flow.abs().max() > 0
+    torch.testing.assert_close(g_cast, g_flow, rtol=1e-4, atol=1e-9)
+    method.parser = load_parser("shapes-geneval")  # real maps: a different gradient
+    method._spans.clear()
+    assert not torch.allclose(grads(policy, method.loss(policy, batch, adv)), g_flow, rtol=1e-3, atol=1e-9)
+
+
+def test_projection_none_is_part_one(flux_dir, tmp_path):
+    cfg, policy, task, batch = cast_setup(flux_dir, tmp_path, "method.projection=none")
+    method = CAST(cfg.method, cfg, task.reward)
+    adv = method.advantages(batch)
+    a = method.loss(policy, batch, adv)
+    b = FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv)
+    assert torch.equal(a.loss, b.loss) and "cast/adv_map_spatial_std" not in a.metrics
+
+
+def test_attention_projection_needs_a_family_with_maps(tmp_path):
+    qwen = build_tiny("qwen_image", tmp_path / "qwen", seed=0)
+    cfg = load_config(DiffusionTrainConfig, None, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={qwen}", "method.type=cast", *FAST])
+    with pytest.raises(ConfigError, match="projection: none"):
+        backend.build(cfg)
