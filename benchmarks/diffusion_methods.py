@@ -8,7 +8,9 @@ method took to reach Flow-GRPO's final training reward.
 
 "Reach" is the first step whose trailing mean training reward (--window steps) is at least
 Flow-GRPO's over its last --window steps of the same seed; its wall time is the sum of
-time/step up to it. Model evaluations are not counted yet.
+time/step up to it, its model evaluations the sum of cost/model_evaluations (transformer rows:
+rollouts, re-scoring, reference passes). The hardest held-out prompts (hard/*: the relational
+ones, 7 atoms) are reported alone too, and each method's gain there over Flow-GRPO's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mmrl.core.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("atom_accuracy", "exist", "colour", "count", "relation", "prompt_accuracy")
+HARD = ("hard/atom_accuracy", "hard/exist", "hard/colour", "hard/count", "hard/relation", "hard/prompt_accuracy")
 
 
 def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> tuple[dict, list[dict]]:
@@ -41,14 +44,20 @@ def trailing(rows: list[dict], window: int) -> list[float]:
     return [statistics.mean(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
 
 
-def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None]:
-    """(step, wall seconds) where the trailing mean reward first reaches target; None if never."""
-    wall = 0.0
+def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None, float | None]:
+    """(step, wall seconds, model evaluations) where the trailing mean reward first reaches
+    target; Nones if never."""
+    wall = evals = 0.0
     for i, (row, mean) in enumerate(zip(rows, trailing(rows, window))):
         wall += row.get("time/step", 0.0)
+        evals += row.get("cost/model_evaluations", float("nan"))
         if mean >= target:
-            return i + 1, wall
-    return None, None
+            return i + 1, wall, evals
+    return None, None, None
+
+
+def gain(summary: dict, key: str) -> float:
+    return summary["eval_after"].get(key, float("nan")) - summary["eval_before"].get(key, float("nan"))
 
 
 def main(argv=None) -> int:
@@ -78,14 +87,28 @@ def main(argv=None) -> int:
             results[(method, seed)] = (summary, rows)
             print(json.dumps({"method": method, "seed": seed, "before": summary["eval_before"],
                               "after": summary["eval_after"], "seconds": summary.get("train_seconds")}), flush=True)
-    print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | steps (s) to Flow-GRPO's final reward |")
-    print("|---|---|" + "---|" * len(COLUMNS) + "---|---|")
+    print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | model evals | steps (s, evals) to "
+          "Flow-GRPO's final reward |")
+    print("|---|---|" + "---|" * len(COLUMNS) + "---|---|---|")
     for (method, seed), (s, rows) in results.items():
         target = trailing(results[("flow_grpo", seed)][1], args.window)[-1]
-        step, wall = reach(rows, target, args.window)
+        step, wall, evals = reach(rows, target, args.window)
         cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
-        got = f"{step} ({wall:.0f})" if step else "not reached"
-        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {got} |")
+        got = f"{step} ({wall:.0f} s, {evals:.0f})" if step else "not reached"
+        total = sum(r.get("cost/model_evaluations", float("nan")) for r in rows)
+        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {total:.0f} | {got} |")
+    print("\nHardest held-out prompts (hard/*), and the gain over the base model as a multiple of Flow-GRPO's:")
+    print("\n| method | seed | " + " | ".join(c[5:] for c in HARD) + " | atom gain / Flow-GRPO's | prompt gain / "
+          "Flow-GRPO's |")
+    print("|---|---|" + "---|" * len(HARD) + "---|---|")
+    for (method, seed), (s, _) in results.items():
+        base = results[("flow_grpo", seed)][0]
+        cells = " | ".join(f"{s['eval_before'].get(c, float('nan')):.3f} -> {s['eval_after'].get(c, float('nan')):.3f}"
+                           for c in HARD)
+        ratios = [gain(s, k) / gain(base, k) if gain(base, k) > 0 else float("nan")
+                  for k in ("hard/atom_accuracy", "hard/prompt_accuracy")]
+        text = [f"{r:.2f}x" if r == r else "n/a (Flow-GRPO did not gain)" for r in ratios]
+        print(f"| {method} | {seed} | {cells} | {text[0]} | {text[1]} |")
     return 0
 
 

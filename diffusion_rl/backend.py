@@ -57,7 +57,8 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
     train = _prompt_file(t.train_path, base, "train_path", whole) or sample_prompts(t.num_train, t.seed, split="train")
     evaluation = _prompt_file(t.eval_path, base, "eval_path", whole) or sample_prompts(t.num_eval, t.seed, split="eval")
     return DiffusionTask(t.type, train, evaluation, Reward([*shapes, *image_atoms]), eval_seeds=t.eval_seeds,
-                         eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts)
+                         eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
+                         hard_min_atoms=t.hard_min_atoms)
 
 
 def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str] | None = None

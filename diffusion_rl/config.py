@@ -37,6 +37,9 @@ class ShapesGenevalTaskConfig(Section):
     """Images per held-out prompt (fixed noise seeds, the same before and after)."""
     grid_prompts: int = Field(8, ge=0)
     """Held-out prompts drawn in the before/after sample grids."""
+    hard_min_atoms: int = Field(4, ge=1)
+    """Held-out prompts with at least this many atoms are also scored alone (hard/*); 4 = the
+    relational prompts (shapes-geneval prompts have 3 or 7 atoms)."""
     train_path: str | None = None
     """A text file of your own training prompts, one per line (None = generated ones; blank
     lines and # comments are skipped). Each line must parse under the shapes grammar, or see

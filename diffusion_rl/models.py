@@ -182,6 +182,7 @@ class FlowModel:
         self.pixel_space = pixel_space is not None
         self.pixel_patch = int(pixel_space["patch_size"]) if pixel_space else None
         self.prediction = (pixel_space or {}).get("prediction", "velocity")
+        self.evaluations = 0  # transformer rows run by `velocity` (2 per sample under CFG): compute spent
         if self.prediction not in ("velocity", "sample"):
             raise ConfigError(f"pixel_space.json: prediction must be 'velocity' or 'sample', not {self.prediction!r}")
         self.height, self.width = int(height), int(width)
@@ -273,6 +274,7 @@ class FlowModel:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         sigma = sigma.expand(n) if sigma.ndim == 0 else sigma.reshape(n)
         pos = {k: v for k, v in cond.items() if not k.startswith("neg/")}
+        self.evaluations += n if self.guidance_scale <= 1.0 else 2 * n
         if self.guidance_scale <= 1.0:
             return self._as_velocity(self._forward(x, sigma, self._rows(pos, n)).float(), x, sigma)
         neg = {k[4:]: v for k, v in cond.items() if k.startswith("neg/")}

@@ -155,6 +155,12 @@ class DiffusionPolicy:
             x = sampler.step(v, x, i, noise_level=0.0, sde=False).prev_sample
         return self.flow.decode(x)
 
+    def step_costs(self) -> dict[str, float]:
+        """Transformer rows run since the last call (rollouts, re-scoring, reference passes),
+        logged per training step as cost/model_evaluations (the core calls this)."""
+        n, self._counted = self.flow.evaluations - getattr(self, "_counted", 0), self.flow.evaluations
+        return {"cost/model_evaluations": float(n)}
+
     # ------------------------------------------------------------------ weights
 
     def save_pretrained(self, path: str | Path) -> None:

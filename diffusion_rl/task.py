@@ -6,6 +6,9 @@ per-type atom accuracy (exist, count, colour, relation), all atoms, whole prompt
 prompts the shapes grammar cannot decompose (task.unparsed=whole_prompt) are left out of
 those (nan if none is left) and scored by the task's reward instead, whose shapes atoms give
 them 0: `unparsed_prompts` (how many) and `whole_prompt_reward` (the mean total over their images).
+The hardest prompts, those with at least `hard_min_atoms` atoms, are also scored on their own
+under `hard/` (the same keys). In shapes-geneval a prompt has 3 atoms (one phrase) or 7 (two
+phrases and a relation), so the default 4 picks the relational prompts.
 `save_samples` draws a grid of the first held-out prompts for before/after comparison.
 """
 
@@ -17,13 +20,13 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse
+from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
 from mmrl.core.rewards import Reward, Sample
 
 
 class DiffusionTask:
     def __init__(self, name: str, train: Sequence[str], evaluation: Sequence[str], reward: Reward, *,
-                 eval_seeds: int = 1, eval_steps: int = 10, grid_prompts: int = 8):
+                 eval_seeds: int = 1, eval_steps: int = 10, grid_prompts: int = 8, hard_min_atoms: int = 4):
         self.name = name
         self.train = list(train)
         self.eval_prompts = list(evaluation)
@@ -31,6 +34,7 @@ class DiffusionTask:
         self.eval_seeds = eval_seeds
         self.eval_steps = eval_steps
         self.grid_prompts = grid_prompts
+        self.hard_min_atoms = hard_min_atoms
 
     def train_prompts(self) -> list[str]:
         return self.train
@@ -51,8 +55,12 @@ class DiffusionTask:
             acc = atom_accuracy([i for i, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
         else:
             acc = dict.fromkeys((*ATOM_TYPES, "atoms", "all"), float("nan"))
-        out = {("atom_accuracy" if k == "atoms" else "prompt_accuracy" if k == "all" else k): v
-               for k, v in acc.items() if k != "num_images"}
+        out = _named(acc)
+        hard = [k and len(parse_prompt(p)) >= self.hard_min_atoms for p, k in zip(prompts, ok)]
+        if any(hard):
+            sub = atom_accuracy([i for i, h in zip(images, hard) if h], [p for p, h in zip(prompts, hard) if h])
+            out.update({f"hard/{k}": v for k, v in _named(sub).items()})
+            out["hard/num_prompts"] = float(len({p for p, h in zip(prompts, hard) if h}))
         if not all(ok):
             rest = [Sample(p, i) for p, i, k in zip(prompts, images, ok) if not k]
             out["unparsed_prompts"] = float(len({s.prompt for s in rest}))
@@ -85,3 +93,8 @@ def grid(images: Sequence[Image.Image], rows: int, cols: int, pad: int = 2, labe
         if c == 0:
             draw.text((1, pad + r * (h + pad) + h // 2 - 5), str(r), fill="black")
     return sheet
+
+
+def _named(acc: dict[str, float]) -> dict[str, float]:
+    return {("atom_accuracy" if k == "atoms" else "prompt_accuracy" if k == "all" else k): v
+            for k, v in acc.items() if k != "num_images"}

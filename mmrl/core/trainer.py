@@ -185,6 +185,9 @@ class Trainer:
 
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
+        costs = getattr(self.policy, "step_costs", None)  # a backend's own compute counters
+        if costs is not None:
+            costs()  # drop what evaluations and earlier work ran
         self.policy.model.eval()  # no dropout: the ratio is exactly 1 on-policy
         self.method.step = self.step
         self._update_group_size()
@@ -201,6 +204,8 @@ class Trainer:
                 metrics["time/round"] = time.perf_counter() - t0  # rollout start to train end
                 metrics.setdefault("time/publish", 0.0)  # inline: the engine is the trainer's model
                 metrics["rollout/staleness"] = self.step - batch.policy_version
+        if costs is not None:
+            metrics.update(costs())
         if batch is None:
             warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
             metrics["train/skipped"] = 1.0
