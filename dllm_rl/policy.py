@@ -52,6 +52,7 @@ class DLLMPolicy:
         self.estimator = estimator
         banned = {predictor.mask_token_id, predictor.pad_token_id} - {predictor.eos_token_id, None}
         self.banned = torch.tensor(sorted(banned), dtype=torch.long)
+        self._costs = {"forward_tokens": 0, "train_rows": 0}
         limit = predictor.max_length
         if limit is not None and prompt_length + rollout.gen_length > limit:
             raise PromptTooLong(f"prompts of up to {prompt_length} tokens plus gen_length {rollout.gen_length} "
@@ -95,6 +96,9 @@ class DLLMPolicy:
     def logits(self, x: Tensor, prompt_valid: Tensor) -> Tensor:
         """[B, P + C, V] for prompt + answer ids x; the answer part is always valid."""
         valid = torch.cat([prompt_valid, torch.ones_like(x[:, self.prompt_length:], dtype=torch.bool)], 1)
+        self._costs["forward_tokens"] += x.numel()  # what every method pays: sampling, old log-probs, training
+        if torch.is_grad_enabled():
+            self._costs["train_rows"] += x.shape[0]
         logits = self.predictor(x, prompt_length=self.prompt_length, valid=valid)
         # <mask> and <pad> are never answer tokens: ban them in sampling and in every log-prob
         # alike (a committed <mask> would look undecoded to the model later).
@@ -148,6 +152,14 @@ class DLLMPolicy:
         if self.estimator is None:
             raise ValueError("this policy has no log-prob estimator (it is built by the run's method)")
         return self.estimator.logprobs(self, batch, iteration)
+
+    def step_costs(self) -> dict[str, float]:
+        """Compute since the last call, logged per training step (the core calls this):
+        cost/forward_tokens, the positions fed to the model in every forward (rollout steps,
+        old log-probs, training rows), and cost/train_rows, the rows run with gradients."""
+        out = {f"cost/{k}": float(v) for k, v in self._costs.items()}
+        self._costs = dict.fromkeys(self._costs, 0)
+        return out
 
     # ------------------------------------------------------------------ weights
 
