@@ -7,6 +7,10 @@ two batches would give the same direction (cosine 1); if all noise, cosine 0. Th
 pairwise cosine between batches estimates |E g|^2 / E|g|^2 at that batch size.
 
     python benchmarks/diffusion_gradient_agreement.py --prompts 8 --batches 6
+    python benchmarks/diffusion_gradient_agreement.py --set 'reward.atoms=[{path: dark.py:dark, weight: 5}]'
+
+The second line is a control: an extra atom any image model can move (dark.py:dark = 1 - mean
+brightness) shows what agreement looks like when the gradient does carry signal.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from diffusion_rl import backend
 from mmrl.core.config import load_config
 from mmrl.core.method import build_method
+from mmrl.core.trainer import combined_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> (config, overrides)
@@ -44,15 +49,16 @@ def main(argv=None) -> int:
                               [*o, *args.extra, f"rollout.num_generations={args.generations}"],
                               defaults=backend.DEFAULT_CONFIG) for name, (c, o) in VARIANTS.items()}
     policy, task = backend.build(cfgs["cast (attention maps)"])
+    reward = combined_reward(task.reward, cfgs["flow_grpo"])  # the task's atoms and any reward.atoms
     prompts = task.train[: args.prompts]
     params = [p for p in policy.model.parameters() if p.requires_grad]
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
     t0 = time.perf_counter()
     for seed in range(args.batches):
         batch = policy.generate(prompts, args.generations, cfgs["flow_grpo"].rollout, torch.Generator().manual_seed(seed))
-        batch.scores = task.reward.score(batch.samples)
+        batch.scores = reward.score(batch.samples)
         for name, cfg in cfgs.items():
-            method = build_method(cfg, task.reward)
+            method = build_method(cfg, reward)
             adv = method.advantages(batch)
             policy.model.zero_grad(set_to_none=True)
             method.loss(policy, batch, adv).loss.backward()

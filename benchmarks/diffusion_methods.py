@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
                            for c in HARD)
         ratios = [gain(s, k) / gain(base, k) if gain(base, k) > 0 else float("nan")
                   for k in ("hard/atom_accuracy", "hard/prompt_accuracy")]
-        text = [f"{r:.2f}x" if r == r else "n/a (Flow-GRPO did not gain)" for r in ratios]
+        text = [f"{r:.2f}x" if not math.isnan(r) else "n/a (Flow-GRPO did not gain)" for r in ratios]
         print(f"| {method} | {seed} | {cells} | {text[0]} | {text[1]} |")
     return 0
 

@@ -156,7 +156,7 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
     print("|---|---|---|---|---|---|---|")
     for (method, seed), pts in curves.items():
         trace = ", ".join(f"{s}: {a:.3f}" for s, a, *_ in pts)
-        s, a, wall, tok, rows_ = pts[-1]
+        _, a, wall, tok, rows_ = pts[-1]
         print(f"| {method} | {seed} | {trace} | {a:.3f} | {wall:.0f} | {tok / 1e6:.2f} | {rows_:.0f} |")
     print(f"\nCompute to reach {baseline}'s {what} held-out accuracy (same seed), as a fraction of {baseline}'s:\n")
     print("| method | seed | target | reached at step | wall | forward tokens | training rows |")

@@ -42,7 +42,7 @@ def shapes_geneval_spans(prompt: str) -> Spans:
     """The built-in parser (module docstring). ValueError names the words the grammar cannot parse."""
     from diffusion_rl.tasks.shapes_geneval import parse_objects
 
-    objects, relation = parse_objects(prompt)  # validates the grammar, with its own error message
+    _, relation = parse_objects(prompt)  # validates the grammar, with its own error message
     words = [(m.start(), m.end()) for m in re.finditer(r"\S+", prompt)]
     last = words[-1]
     if prompt[last[1] - 1] == ".":  # the parser drops a final full stop
@@ -93,8 +93,9 @@ def checked_spans(parser: PromptParser, prompt: str) -> Spans:
     except Exception as e:  # the parser is user code: name the prompt it failed on
         raise ValueError(f"the prompt parser failed on {prompt!r}: {type(e).__name__}: {e}") from e
     if not isinstance(out, dict):
-        raise ValueError(f"the prompt parser returned {type(out).__name__} for {prompt!r}; "
-                         "expected {atom name: [(start, end), ...]}")
+        raise ValueError(  # noqa: TRY004 -- user code returned the wrong thing: a config-level error
+            f"the prompt parser returned {type(out).__name__} for {prompt!r}; "
+            "expected {atom name: [(start, end), ...]}")
     for name, spans in out.items():
         ok = isinstance(spans, list | tuple) and all(
             isinstance(s, list | tuple) and len(s) == 2 and all(isinstance(i, int) for i in s)

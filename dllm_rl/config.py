@@ -110,7 +110,57 @@ class TraceRLConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 
 
-MethodConfig = Annotated[DiffuGRPOConfig | TraceRLConfig, Field(discriminator="type")]
+class SLIMRLConfig(Section):
+    """SLIM-RL (laolaorkkkkk/SLIM-RL; METHODS.md section 5): tau-budget rollouts, trace-free
+    training rows at Gauss-Legendre masking levels with a decreasing per-block mask schedule,
+    a clamped sequence-level ratio, Dr.GRPO advantages, an accuracy-band group filter."""
+
+    type: Literal["slim_rl"] = "slim_rl"
+    quadrature_points: int = Field(3, ge=1, le=8)
+    """Gauss-Legendre nodes over the masking level t in (0, 1): rows per rollout (3: t = 0.1127,
+    0.5, 0.8873 with weights 0.2778, 0.4444, 0.2778)."""
+    max_spread: float = Field(0.2, ge=0, lt=1)
+    """Cap of the per-block schedule's spread s = min(max_spread, 2 min(t, 1 - t) - 1e-6)."""
+    clip: float = Field(0.1, gt=0)
+    """eps of the sequence-ratio clip: clip(s, 1 - eps, 1 + eps) (0.9 / 1.1)."""
+    max_log_ratio: float = Field(10.0, gt=0)
+    """The mean log-ratio of a row is clamped to +-this before exp."""
+    scale: Literal["group", "none"] = "none"
+    """Dr.GRPO: A = r - group mean (none); group divides by the group std."""
+    kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
+    accuracy_band: tuple[float, float] = (0.2, 0.8)
+    """Groups whose accuracy (the task's answer atom) lies outside [lo, hi] are dropped (and refilled)."""
+    length_limit_wrong: bool = True
+    """An answer with no <eos> within gen_length counts as wrong (every atom scores 0)."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=lambda: DynamicSamplingConfig(enabled=True))
+    """Refill: up to max_rounds extra rollout rounds per step replace the groups the accuracy
+    band drops (the scheduler reads method.dynamic_sampling); disabled, the band still drops them."""
+
+
+class ForkGRPOConfig(Section):
+    """ForkGRPO (Fork-dLLM, arXiv 2609.39859; training rows a RECONSTRUCTION; METHODS.md section 5):
+    one training row per fallback state of a fork rollout, the exact single-token ratio at the
+    committed (leftmost) position, averaged per rollout over its fallback steps."""
+
+    type: Literal["fork_grpo"] = "fork_grpo"
+    rows: Literal["fallback", "all"] = "fallback"
+    """fallback: the steps where the fork sampler fell back to the leftmost token (ForkGRPO);
+    all: every step that committed exactly one token (AR-GRPO with rollout.strategy ar)."""
+    clip: float = Field(0.2, gt=0)
+    scale: Literal["group", "none"] = "group"
+    kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.0))
+
+
+class ARGRPOConfig(ForkGRPOConfig):
+    """AR-GRPO, ForkGRPO's baseline: rollouts decoded strictly left to right (rollout.strategy
+    ar), every token's exact ratio given the state it was decoded from."""
+
+    type: Literal["ar_grpo"] = "ar_grpo"
+    rows: Literal["fallback", "all"] = "all"
+
+
+MethodConfig = Annotated[DiffuGRPOConfig | TraceRLConfig | SLIMRLConfig | ForkGRPOConfig | ARGRPOConfig,
+                         Field(discriminator="type")]
 
 
 class DLLMTrainConfig(TrainConfig):

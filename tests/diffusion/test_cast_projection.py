@@ -157,7 +157,7 @@ def test_maps_of_the_bundled_model_find_the_objects(bundled):
         images.append(torch.tensor(np.asarray(render(scene)), dtype=torch.float32).permute(2, 0, 1) / 127.5 - 1)
         box = torch.zeros(64, 64, dtype=torch.bool)
         for s in scene.shapes:
-            left, top, right, bottom = (int(round(v)) for v in s.box())
+            left, top, right, bottom = (round(v) for v in s.box())
             box[max(top, 0):bottom, max(left, 0):right] = True
         inside.append(box.float().view(16, 4, 16, 4).mean((1, 3)).flatten() > 0.5)  # per 4x4 patch
     x0 = pack(torch.stack(images), 4)

@@ -12,7 +12,12 @@ from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.models import build_tiny
 from diffusion_rl.task import DiffusionTask
-from diffusion_rl.tasks.shapes_geneval import make_scene, parse_prompt, render, shapes_geneval_reward
+from diffusion_rl.tasks.shapes_geneval import (
+    make_scene,
+    parse_prompt,
+    render,
+    shapes_geneval_reward,
+)
 from mmrl.core.config import load_config
 from mmrl.core.trainer import Trainer
 

@@ -1,0 +1,270 @@
+"""SLIM-RL (code: laolaorkkkkk/SLIM-RL; only the paper's abstract was available), METHODS.md section 5.
+
+    rollout    G answers per prompt by the tau-budget decoder (rollout.strategy tau_budget,
+               tau 0.9, m 1): each step commits the confident tokens whose summed risk
+               sum(1 - c) fits the budget m (1 - tau); the policy logs that risk per rollout
+               as rollout/expected_wrong
+    rows       trace-free: Q-point Gauss-Legendre quadrature over the masking level t in
+               (0, 1) (Q = 3: t = 0.1127, 0.5, 0.8873, w = 0.2778, 0.4444, 0.2778), one
+               training row per node: Q rows per rollout, whatever path the decoder took
+    masks      row q masks each answer token of block j with Bernoulli(p_{q,j}),
+               p_{q,j} = t_q + (s/2) cos(pi j / (B - 1)), s = min(max_spread, 2 min(t, 1 - t) - 1e-6):
+               a schedule that decreases across the B decoding blocks and averages exactly t_q;
+               at least one masked token per row
+    log-prob   log pi(o_k) = the row's prediction of o_k at its masked positions, given the
+               prompt and the row's unmasked answer tokens
+    ratio      s = exp(clamp(mean over the row's masked tokens of (logp - old_logp), +-max_log_ratio))
+    advantage  A = r - group mean (Dr.GRPO; scale "group" also divides by the group std)
+    loss       -sum over rows of w_q min(s A, clip(s, 1 - eps, 1 + eps) A) / rows
+               + beta k3 KL to the pre-update policy (eps 0.1, beta 0.01)
+    groups     drop groups whose accuracy lies outside accuracy_band = [0.2, 0.8] (refilled
+               by extra rollout rounds, as DAPO's dynamic sampling); an answer with no <eos>
+               within gen_length scores 0 on every atom before that
+
+RECONSTRUCTED from the code and the method summary (the paper itself was not available):
+the exact normalisation and KL aggregation, the at-least-one-mask rule's choice of position,
+the accuracy definition and where the length rule applies. Choices made here:
+
+- Normalisation: rows = N * Q of the whole mini-batch (`loss_denominator`), so the loss is the
+  mean over rows of the w_q-weighted terms, i.e. (1 / Q) x the quadrature estimate of the
+  integral over t averaged over samples (a constant factor). The trainer passes this global
+  row count to every micro-batch, so micro-batch losses sum to the mini-batch's exactly.
+- KL: k3 per masked token, averaged within each row, then summed over rows / rows (the same
+  denominator, so it too is exact under micro-batching); not weighted by w_q.
+- A row whose Bernoulli draws mask nothing masks one uniformly chosen answer position.
+- Masks are drawn at rollout time from the rollout generator and stored (batch.data
+  "slim/mask" [N, Q, C]), so old and new log-probs see the same inputs for every PPO pass
+  and a sample's masks do not depend on micro-batching.
+- Accuracy of a group = the fraction of its answers whose task success atom
+  (dllm_rl.tasks.get_task(task.type).success_atom: arith "answer", sudoku "solved") is >= 0.5,
+  as the task's own accuracy counts it.
+- The length rule is applied in `keep_groups`, the first hook the scheduler calls after
+  scoring (before the filter and the advantages); reward/* metrics of the round are logged
+  before it, the rollout/truncated fraction shows how many answers it zeroes.
+- batch.old_logp keeps the sampler's commit log-probs (it must be [N, C]); the objective reads
+  the row-wise old log-probs from batch.data["slim/old_logp"] [N, Q, C].
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dllm_rl.logprob import masked_input, token_logprobs
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
+from mmrl.core.method import register_method
+from mmrl.core.rewards import AtomScores
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def quadrature(q: int) -> tuple[Tensor, Tensor]:
+    """Gauss-Legendre nodes t [Q] in (0, 1) and weights w [Q] (summing to 1), float64:
+    numpy's leggauss on [-1, 1] mapped by t = (x + 1) / 2, w = w / 2."""
+    if q < 1:
+        raise ValueError(f"quadrature needs at least one point; got {q}")
+    x, w = np.polynomial.legendre.leggauss(q)
+    return torch.from_numpy((x + 1) / 2), torch.from_numpy(w / 2)
+
+
+def block_mask_rates(t: float, num_blocks: int, max_spread: float) -> Tensor:  # [B] float64
+    """Per-block mask rates p_j = t + (s/2) cos(pi j / (B - 1)), j = 0..B-1, with
+    s = min(max_spread, 2 min(t, 1 - t) - 1e-6): non-increasing across blocks (early blocks,
+    decoded first, are masked more), mean exactly t (the cosines are symmetric about pi/2),
+    every rate strictly inside (0, 1). B = 1 gives [t]."""
+    if not 0 < t < 1:
+        raise ValueError(f"masking level t must lie in (0, 1); got {t}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
+    if not 0 <= max_spread < 1:
+        raise ValueError(f"max_spread must lie in [0, 1); got {max_spread}")
+    if num_blocks == 1:
+        return torch.tensor([t], dtype=torch.float64)
+    s = max(0.0, min(max_spread, 2 * min(t, 1 - t) - 1e-6))
+    j = torch.arange(num_blocks, dtype=torch.float64)
+    cos = torch.cos(math.pi * j / (num_blocks - 1))
+    cos = (cos - cos.flip(0)) / 2  # exactly antisymmetric: the mean is t up to rounding
+    return t + (s / 2) * cos
+
+
+def draw_masks(valid: Tensor, rates: Tensor, block_length: int, generator: torch.Generator) -> Tensor:
+    """[N, Q, C] bool: position c of row q masked with probability rates[q, c // block_length],
+    only where valid [N, C] (the answer up to its first <eos>); a row with no masked position
+    masks one valid position drawn uniformly. rates [Q, B]."""
+    n, c = valid.shape
+    q, b = rates.shape
+    if b * block_length != c:
+        raise ValueError(f"{b} blocks of {block_length} tokens do not cover the {c} answer positions")
+    if not valid.any(1).all():
+        raise ValueError("every answer needs at least one trainable position (its completion mask is empty)")
+    p = rates.float().repeat_interleave(block_length, 1)  # [Q, C]
+    u = torch.rand((n, q, c), generator=generator)  # [N, Q, C]
+    v = valid[:, None, :].expand(n, q, c)
+    mask = (u < p) & v
+    # Fallback: the valid position with the largest uniform key (a uniform choice among them).
+    key = torch.where(v, torch.rand((n, q, c), generator=generator), torch.full_like(u, -1.0))
+    one = torch.zeros_like(mask).scatter_(2, key.argmax(2, keepdim=True), True)
+    return torch.where(mask.any(2, keepdim=True), mask, one)
+
+
+def truncated(completion: Tensor, eos_id: int) -> Tensor:  # [N] bool
+    """Answers that hit the length limit: no <eos> in their gen_length tokens."""
+    return ~(completion == eos_id).any(1)
+
+
+def zero_truncated(scores: AtomScores, hit_limit: Tensor) -> AtomScores:
+    """The length-limit rule: every atom and the total of a truncated answer become 0."""
+    keep = (~hit_limit).to(scores.values.dtype)
+    return AtomScores(list(scores.names), scores.values * keep[:, None], scores.total * keep.to(scores.total.dtype),
+                      scores.errors, scores.failed)
+
+
+def group_accuracy(success: Tensor, group_ids: Tensor) -> Tensor:  # [N]
+    """Each sample's group accuracy: the mean of success [N] (0/1) over its group."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    total = torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, success.double())
+    count = torch.bincount(inv).double()
+    return (total / count)[inv]
+
+
+def in_band(accuracy: Tensor, band: tuple[float, float]) -> Tensor:  # [N] bool
+    """The accuracy-band filter: keep lo <= accuracy <= hi (drop > hi and < lo)."""
+    lo, hi = band
+    return (accuracy >= lo) & (accuracy <= hi)
+
+
+# --------------------------------------------------------------------------- estimator
+
+
+class QuadratureRows:
+    """SLIM-RL's trace-free estimator: Q masked copies of each answer.
+
+    batch.data: "slim/mask" [N, Q, C] bool, "slim/old_logp" [N, Q, C] (zero off the mask),
+    "slim/truncated" [N] bool, "stat/truncated" [N] (logged as rollout/truncated)."""
+
+    def __init__(self, run):
+        m, r = run.method, run.rollout
+        self.t, self.w = quadrature(m.quadrature_points)  # [Q], [Q]
+        self.block_length = r.block_length
+        blocks = r.gen_length // r.block_length
+        self.rates = torch.stack([block_mask_rates(float(t), blocks, m.max_spread) for t in self.t])  # [Q, B]
+
+    def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
+        completion = batch.data["completion"]
+        batch.data["slim/mask"] = draw_masks(batch.mask, self.rates, self.block_length, generator)
+        hit = truncated(completion, policy.predictor.eos_token_id)
+        batch.data["slim/truncated"] = hit
+        batch.data["stat/truncated"] = hit.float()
+        batch.data["slim/old_logp"] = self.logprobs(policy, batch, 0).float()
+
+    def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, Q, C]
+        """The answer tokens' log-probs at each row's masked positions (0 elsewhere)."""
+        mask = batch.data["slim/mask"]  # [N, Q, C]
+        n, q, c = mask.shape
+        completion = batch.data["completion"].repeat_interleave(q, 0)  # [N*Q, C]
+        noisy = masked_input(completion, mask.reshape(n * q, c), policy.predictor.mask_token_id)
+        x = torch.cat([batch.data["prompt_ids"].repeat_interleave(q, 0), noisy], 1)  # [N*Q, P + C]
+        valid = batch.data["prompt_valid"].repeat_interleave(q, 0)
+        logits = policy.logits(x, valid)[:, policy.prompt_length:]  # [N*Q, C, V]
+        logp = token_logprobs(logits, completion, policy.rollout.temperature).reshape(n, q, c)
+        return torch.where(mask, logp, torch.zeros_like(logp))
+
+
+ESTIMATORS["slim_rl"] = QuadratureRows
+
+
+# --------------------------------------------------------------------------- method
+
+
+@register_method("slim_rl")
+class SLIMRL(DLLMMethod):
+    """Sequence-ratio PPO over the quadrature rows, Dr.GRPO advantages (inherited), the
+    accuracy band and the length-limit rule."""
+
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        self.t, self.w = quadrature(cfg.quadrature_points)  # [Q], [Q]
+        lo, hi = cfg.accuracy_band
+        if not 0 <= lo <= hi <= 1:
+            raise ValueError(f"method.accuracy_band must be 0 <= lo <= hi <= 1; got {cfg.accuracy_band}")
+        self.success_atom = success_atom_of(run)
+        strategy = getattr(getattr(run, "rollout", None), "strategy", None)
+        if strategy is not None and strategy != "tau_budget":
+            warnings.warn(f"SLIM-RL rolls out with the tau_budget decoder; this run uses rollout.strategy="
+                          f"{strategy!r} (the objective is trace-free, so it still trains)", stacklevel=2)
+
+    # ------------------------------------------------------------------ groups
+
+    def keep_groups(self, batch: RolloutBatch) -> Tensor:  # [N] bool
+        """The length-limit rule (first: it changes the scores), then the accuracy band."""
+        if self.cfg.length_limit_wrong and "slim/truncated" in batch.data:
+            batch.scores = zero_truncated(batch.scores, batch.data["slim/truncated"])
+        names = batch.scores.names
+        if self.success_atom not in names:
+            raise ValueError(f"SLIM-RL's accuracy band counts the atom {self.success_atom!r}, which this "
+                             f"reward does not have (atoms: {', '.join(names)})")
+        success = batch.scores.values[:, names.index(self.success_atom)] >= 0.5  # [N]
+        return in_band(group_accuracy(success, batch.group_ids), self.cfg.accuracy_band)
+
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        out = {"slim/rows": float(len(batch) * len(self.w))}
+        if "slim/truncated" in batch.data:
+            out["slim/truncated"] = float(batch.data["slim/truncated"].sum())
+        return out
+
+    # ------------------------------------------------------------------ loss
+
+    def loss_denominator(self, batch: RolloutBatch) -> float:
+        """The mini-batch's training rows N * Q (adds over groups)."""
+        return float(len(batch) * len(self.w))
+
+    def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
+        logp = policy.logprobs(batch, iteration=self.epoch)  # [N, Q, C]
+        return slim_loss(logp, batch.data["slim/old_logp"], batch.data["slim/mask"], advantages, self.w,
+                         clip=self.cfg.clip, max_log_ratio=self.cfg.max_log_ratio, beta=self.cfg.kl.beta,
+                         denom=denom)
+
+
+def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, weights: Tensor, *,
+              clip: float, max_log_ratio: float, beta: float, denom: float | None = None) -> LossOutput:
+    """-sum over rows (i, q) of w_q min(s A_i, clip(s, 1 - clip, 1 + clip) A_i) / denom
+    + beta * sum over rows of (row's mean k3 KL) / denom; denom = rows N * Q when None.
+
+    logp, old_logp [N, Q, C]; mask [N, Q, C] bool (the rows' masked positions); advantages [N];
+    weights [Q] (> 0, so w_q min(s A, clip(s) A) = min(s w_q A, clip(s) w_q A): GSPO's
+    sequence-level policy_loss with advantages w_q A_i, aggregated per row)."""
+    if logp.dim() != 3 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"logp, old_logp and mask must share one [N, Q, C] shape; got {tuple(logp.shape)}, "
+                         f"{tuple(old_logp.shape)}, {tuple(mask.shape)}")
+    n, q, c = logp.shape
+    if advantages.shape != (n,) or weights.shape != (q,):
+        raise ValueError(f"advantages must be [N] = [{n}] and weights [Q] = [{q}]; got "
+                         f"{tuple(advantages.shape)}, {tuple(weights.shape)}")
+    rows_logp, rows_old, rows_mask = logp.reshape(n * q, c), old_logp.reshape(n * q, c), mask.reshape(n * q, c)
+    adv = (advantages.detach().double()[:, None] * weights.double()[None, :]).reshape(n * q)  # [N*Q]
+    out = policy_loss(rows_logp, rows_old, adv.to(torch.float32), rows_mask, clip_low=clip, clip_high=clip,
+                      level="sequence", aggregation="seq_mean_token_mean", denom=denom,
+                      max_log_ratio=max_log_ratio)
+    if beta > 0:
+        kl = kl_penalty(rows_logp, rows_old, kind="k3")  # [N*Q, C], 0 at the first pass
+        kl_term = aggregate(kl, rows_mask, "seq_mean_token_mean", denom=denom)
+        out.loss = out.loss + beta * kl_term
+        out.metrics["loss/kl"] = float(kl_term.detach())
+    return out
+
+
+def success_atom_of(run) -> str:
+    """The atom whose value says an answer is right: the task's success_atom (arith "answer",
+    sudoku "solved"); "answer" for a run without a known task."""
+    from dllm_rl.tasks import get_task
+
+    task = getattr(getattr(run, "task", None), "type", None)
+    if task is None:
+        return "answer"
+    return get_task(task).success_atom

@@ -1,0 +1,250 @@
+"""SLIM-RL (dllm_rl.methods.slim_rl): the Gauss-Legendre rows and the per-block mask schedule,
+the rollout-time masks, the sequence ratio (exactly 1 on-policy, clamped, clipped by hand),
+micro-batch losses that sum to the mini-batch's, the accuracy band and the length-limit rule
+by hand, and one real Trainer step of configs/dllm/slim_rl.yaml on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm_rl import backend
+from dllm_rl.config import DLLMTrainConfig, SLIMRLConfig
+from dllm_rl.methods.slim_rl import (
+    SLIMRL,
+    block_mask_rates,
+    draw_masks,
+    quadrature,
+    slim_loss,
+    truncated,
+)
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import load_config
+from mmrl.core.rewards import AtomScores, Sample
+from mmrl.core.trainer import Trainer
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "dllm" / "slim_rl.yaml"
+EOS = 2  # the tiny tokenizer's <eos>
+SLIM = ["method.type=slim_rl", "rollout.strategy=tau_budget"]
+
+
+def rollout(policy, task, cfg, seed: int = 0) -> RolloutBatch:
+    return policy.generate(task.train[:2], 4, cfg.rollout, torch.Generator().manual_seed(seed))
+
+
+def slim_method(**cfg) -> SLIMRL:
+    run = SimpleNamespace(task=SimpleNamespace(type="arith"), rollout=SimpleNamespace(strategy="tau_budget"))
+    return SLIMRL(SLIMRLConfig(**cfg), run, reward=None)
+
+
+# --------------------------------------------------------------------------- quadrature and schedule
+
+
+def test_quadrature_three_points():
+    t, w = quadrature(3)
+    # leggauss(3): x = -sqrt(3/5), 0, sqrt(3/5); w = 5/9, 8/9, 5/9 -> t = (x + 1)/2, w / 2
+    assert t.tolist() == pytest.approx([0.1127, 0.5, 0.8873], abs=1e-4)
+    assert w.tolist() == pytest.approx([0.2778, 0.4444, 0.2778], abs=1e-4)
+    assert float(w.sum()) == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(ValueError, match="at least one point"):
+        quadrature(0)
+
+
+@pytest.mark.parametrize("t", [0.01, 0.1127, 0.3, 0.5, 0.8873, 0.99])
+@pytest.mark.parametrize("blocks", [2, 3, 4, 7, 32])
+def test_block_mask_rates_mean_is_t_and_decreasing(t, blocks):
+    p = block_mask_rates(t, blocks, 0.2)
+    assert p.shape == (blocks,) and p.dtype == torch.float64
+    assert abs(float(p.mean()) - t) < 1e-12
+    assert (p[1:] <= p[:-1]).all()  # non-increasing across blocks
+    assert ((p > 0) & (p < 1)).all()
+    s = min(0.2, 2 * min(t, 1 - t) - 1e-6)
+    assert float(p[0] - p[-1]) == pytest.approx(s, abs=1e-12)  # the spread: t + s/2 down to t - s/2
+
+
+def test_block_mask_rates_by_hand_and_bad_input():
+    # t = 0.5, B = 3, s = 0.2: 0.5 + 0.1 cos(0, pi/2, pi) = 0.6, 0.5, 0.4
+    assert block_mask_rates(0.5, 3, 0.2).tolist() == pytest.approx([0.6, 0.5, 0.4], abs=1e-12)
+    assert block_mask_rates(0.3, 1, 0.2).tolist() == [0.3]  # one block: the rate is t
+    with pytest.raises(ValueError, match="masking level"):
+        block_mask_rates(1.0, 2, 0.2)
+    with pytest.raises(ValueError, match="num_blocks"):
+        block_mask_rates(0.5, 0, 0.2)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def test_masks_rate_per_block_and_validity():
+    t, _ = quadrature(3)
+    rates = torch.stack([block_mask_rates(float(x), 4, 0.2) for x in t])  # [Q, B]
+    n, c = 2000, 64  # 4 blocks of 16: P(no Bernoulli mask in a row) <= e^-7 for t = 0.11
+    valid = torch.ones((n, c), dtype=torch.bool)
+    valid[: n // 4, 40:] = False  # a quarter of the answers end at position 39
+    mask = draw_masks(valid, rates, 16, torch.Generator().manual_seed(0))
+    assert mask.shape == (n, 3, c) and mask.dtype == torch.bool
+    assert not (mask & ~valid[:, None]).any()  # never outside the completion mask
+    assert mask.any(2).all()  # at least one per row
+    full = mask[n // 4:]  # rows with every position valid
+    for q in range(3):
+        for j in range(4):
+            rate = float(full[:, q, 16 * j: 16 * (j + 1)].float().mean())
+            assert rate == pytest.approx(float(rates[q, j]), abs=0.01), (q, j)
+
+
+def test_masks_fallback_masks_one_valid_position():
+    valid = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    rates = torch.full((2, 2), 1e-12, dtype=torch.float64)  # Bernoulli never fires
+    mask = draw_masks(valid, rates, 2, torch.Generator().manual_seed(1))
+    assert (mask.sum(2) == 1).all() and not (mask & ~valid[:, None]).any()
+    assert mask[1, :, 0].all()  # the only valid position of answer 1
+    with pytest.raises(ValueError, match="blocks"):
+        draw_masks(valid, rates, 3, torch.Generator())
+
+
+# --------------------------------------------------------------------------- the sequence ratio
+
+
+def test_rollout_masks_and_on_policy_ratio_is_one(make_run):
+    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.01")
+    batch = rollout(policy, task, cfg)
+    mask, old = batch.data["slim/mask"], batch.data["slim/old_logp"]  # [N, Q, C]
+    assert mask.shape == old.shape == (8, 3, 8)
+    assert not (mask & ~batch.mask[:, None]).any() and mask.any(2).all()
+    assert (old[~mask] == 0).all() and (old[mask] < 0).all()
+    assert "stat/expected_wrong" in batch.data and "stat/truncated" in batch.data  # tau_budget's risk
+    with torch.no_grad():
+        assert torch.allclose(policy.logprobs(batch), old, atol=1e-5)
+    method = SLIMRL(cfg.method, cfg, task.reward)
+    adv = torch.tensor([1.0, 1, 1, 1, 1, 1, 1, -1])
+    out = method.loss(policy, batch, adv)
+    m = out.metrics
+    assert m["loss/ratio_min"] == pytest.approx(1, abs=1e-5) and m["loss/ratio_max"] == pytest.approx(1, abs=1e-5)
+    assert m["loss/kl"] == pytest.approx(0, abs=1e-8) and m["loss/clip_frac"] == 0
+    # ratio 1: -sum_i sum_q w_q A_i / (N Q) = -(7 - 1) * 1 / 24 = -0.25
+    assert float(out.loss.detach()) == pytest.approx(-0.25, abs=1e-5)
+
+
+def test_sequence_ratio_clipped_by_hand():
+    w = torch.tensor([0.25, 0.75])
+    mask = torch.tensor([[[1, 1, 0], [1, 0, 0]], [[0, 0, 1], [1, 1, 1]]], dtype=torch.bool)  # [N=2, Q=2, C=3]
+    old = torch.full((2, 2, 3), -1.0)
+    diff = torch.tensor([[[0.2, 0.0, 9.0], [-0.2, 9.0, 9.0]], [[9.0, 9.0, 0.3], [0.0, 0.0, -0.3]]])  # 9: unmasked
+    adv = torch.tensor([1.0, -2.0])
+    out = slim_loss(old + diff, old, mask, adv, w, clip=0.1, max_log_ratio=10.0, beta=0.0)
+    # row (0,0): l = 0.1, s = e^0.1 = 1.105 -> min(1.105, 1.1) = 1.1;        w 0.25 -> 0.275
+    # row (0,1): l = -0.2, s = 0.8187 -> min(0.8187, 0.9) = 0.8187;           w 0.75 -> 0.6140
+    # row (1,0): l = 0.3, s = 1.3499 -> min(-2.6997, -2.2) = -2.6997;         w 0.25 -> -0.6749
+    # row (1,1): l = -0.1, s = 0.9048 (inside the clip) -> -1.8097;           w 0.75 -> -1.3573
+    terms = [0.25 * 1.1, 0.75 * math.exp(-0.2), 0.25 * -2 * math.exp(0.3), 0.75 * -2 * math.exp(-0.1)]
+    assert float(out.loss) == pytest.approx(-sum(terms) / 4, abs=1e-6)  # 0.28578
+    assert out.metrics["loss/ratio_max"] == pytest.approx(math.exp(0.3), abs=1e-6)
+    assert out.metrics["loss/ratio_min"] == pytest.approx(math.exp(-0.2), abs=1e-6)
+
+
+def test_sequence_ratio_clamped_at_max_log_ratio():
+    mask = torch.ones((1, 1, 2), dtype=torch.bool)
+    old = torch.zeros((1, 1, 2))
+    w = torch.ones(1)
+    # mean log-ratio 20 -> clamped to 10: s = e^10; A = -1: min(-e^10, -1.1) = -e^10 -> loss e^10
+    out = slim_loss(old + 20, old, mask, torch.tensor([-1.0]), w, clip=0.1, max_log_ratio=10.0, beta=0.0)
+    assert float(out.loss) == pytest.approx(math.exp(10), rel=1e-5)
+    out = slim_loss(old - 20, old, mask, torch.tensor([1.0]), w, clip=0.1, max_log_ratio=10.0, beta=0.0)
+    assert out.metrics["loss/ratio_min"] == pytest.approx(math.exp(-10), rel=1e-5)
+    assert float(out.loss) == pytest.approx(-math.exp(-10), rel=1e-5)  # min(e^-10, 0.9) = e^-10
+    with pytest.raises(ValueError, match="shape"):
+        slim_loss(old[0], old[0], mask[0], torch.ones(1), w, clip=0.1, max_log_ratio=10.0, beta=0.0)
+
+
+def test_micro_batch_losses_sum_to_the_batch_loss(make_run):
+    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.5")
+    batch = rollout(policy, task, cfg)
+    noise = torch.randn(batch.data["slim/old_logp"].shape, generator=torch.Generator().manual_seed(3))
+    batch.data["slim/old_logp"] = batch.data["slim/old_logp"] + 0.3 * noise  # off-policy: clipping and KL
+    method = SLIMRL(cfg.method, cfg, task.reward)
+    adv = torch.linspace(-1, 1, 8)
+    denom = method.loss_denominator(batch)
+    assert denom == 8 * 3  # rows N * Q
+    whole = method.loss(policy, batch, adv, denom=denom)
+    parts = [method.loss(policy, batch.select(idx), adv[idx], denom=denom) for idx in torch.arange(8).split(3)]
+    assert whole.metrics["loss/kl"] > 0 and whole.metrics["loss/clip_frac"] > 0
+    assert float(whole.loss.detach()) == pytest.approx(sum(float(p.loss.detach()) for p in parts), abs=1e-5)
+    assert float(whole.loss.detach()) == pytest.approx(float(method.loss(policy, batch, adv).loss.detach()), abs=1e-6)  # default denom
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def scored_batch(answer: list[float], hit_limit: list[bool], group_size: int) -> RolloutBatch:
+    n = len(answer)
+    values = torch.tensor([[1.0, a] for a in answer])  # atoms: format (always 1), answer
+    scores = AtomScores(["format", "answer"], values, values.sum(1))
+    return RolloutBatch(group_ids=torch.arange(n) // group_size, samples=[Sample("p", "c")] * n, scores=scores,
+                        data={"slim/truncated": torch.tensor(hit_limit)})
+
+
+def test_accuracy_band_by_hand():
+    # groups of 10 with 9, 5, 1 right answers: accuracy 0.9 (dropped), 0.5 (kept), 0.1 (dropped)
+    answer = [1.0] * 9 + [0.0] + [1.0] * 5 + [0.0] * 5 + [1.0] + [0.0] * 9
+    batch = scored_batch(answer, [False] * 30, 10)
+    keep = slim_method().keep_groups(batch)
+    assert keep.tolist() == [False] * 10 + [True] * 10 + [False] * 10
+    assert slim_method(accuracy_band=(0.0, 1.0)).keep_groups(batch).all()
+    assert slim_method(accuracy_band=(0.9, 0.9)).keep_groups(batch).tolist() == [True] * 10 + [False] * 20
+    with pytest.raises(ValueError, match="accuracy_band"):
+        slim_method(accuracy_band=(0.8, 0.2))
+
+
+def test_length_limit_rule_by_hand():
+    # one group of 5, all right; answers 0 and 3 ran out of tokens: they score 0 on every atom,
+    # so the group's accuracy is 3/5 = 0.6 (kept) instead of 1.0 (dropped)
+    batch = scored_batch([1.0] * 5, [True, False, False, True, False], 5)
+    method = slim_method()
+    assert method.keep_groups(batch).all()
+    assert batch.scores.values.tolist() == [[0, 0], [1, 1], [1, 1], [0, 0], [1, 1]]
+    assert batch.rewards.tolist() == [0, 2, 2, 0, 2]
+    # Dr.GRPO: A = r - group mean (1.2), no std
+    assert method.advantages(batch).tolist() == pytest.approx([-1.2, 0.8, 0.8, -1.2, 0.8])
+    assert method.batch_metrics(batch) == {"slim/rows": 15.0, "slim/truncated": 2.0}
+    off = scored_batch([1.0] * 5, [True, False, False, True, False], 5)
+    assert not slim_method(length_limit_wrong=False).keep_groups(off).any()  # accuracy 1.0
+    assert truncated(torch.tensor([[5, 6, EOS], [5, 6, 7], [EOS, 4, 4]]), EOS).tolist() == [False, True, False]
+
+
+def test_other_strategy_warns_and_unknown_atom_fails():
+    run = SimpleNamespace(task=SimpleNamespace(type="arith"), rollout=SimpleNamespace(strategy="low_confidence"))
+    with pytest.warns(UserWarning, match="tau_budget"):
+        SLIMRL(SLIMRLConfig(), run, reward=None)
+    batch = scored_batch([1.0] * 2, [False] * 2, 2)
+    batch.scores.names = ["format", "correct"]
+    with pytest.raises(ValueError, match="'answer'"):
+        slim_method().keep_groups(batch)
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+def test_one_trainer_step_of_the_config(tiny_dllm, tmp_path, reward_spread):
+    # The random tiny model answers nothing right and rarely ends early: widen the band and
+    # switch the length rule off so that reward_spread's 0, 1, 0, 1 rewards reach the update.
+    overrides = [f"model.path={tiny_dllm}", f"output_dir={tmp_path / 'run'}", "rollout.prompts_per_step=2",
+                 "rollout.num_generations=4", "task.num_train=50", "task.num_eval=8", "rollout.eval_batch_size=32",
+                 "logging.tensorboard=false", "logging.progress=false", "train.max_steps=1", "optim.lr=1e-2",
+                 "method.accuracy_band=[0.0, 1.0]", "method.length_limit_wrong=false"]
+    cfg = load_config(DLLMTrainConfig, CONFIG, overrides, defaults=backend.DEFAULT_CONFIG)
+    assert cfg.method.type == "slim_rl" and cfg.rollout.strategy == "tau_budget" and cfg.train.ppo_epochs == 1
+    policy, task = backend.build(cfg)
+    before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    summary = Trainer(cfg, policy, task, output_dir=tmp_path / "out").train()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["train/updates"] == 1
+    assert math.isfinite(rows[0]["loss/total"]) and rows[0]["reward/advantage_abs"] == pytest.approx(0.5)
+    assert rows[0]["slim/rows"] == 8 * 3 and "rollout/expected_wrong" in rows[0] and "slim/truncated" in rows[0]
+    unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
+    assert not unchanged, unchanged
+    assert summary["steps"] == 1
