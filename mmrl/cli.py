@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from mmrl.core.cli import BackendSpec, fail, make_app, run
+from mmrl.core.cli import BackendSpec, err_console, fail, make_app, run
 
 SPEC = BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.backend")
 app = make_app(SPEC)
@@ -12,11 +14,32 @@ app = make_app(SPEC)
 
 @app.command()
 def demo(
+    run: list[Path] = typer.Option(None, "--run", help="A run directory whose final checkpoint is the 'after' "
+                                   "model of its modality (repeatable; the last one of a modality wins). "
+                                   "Without one, a modality uses its embedded default run."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default."),
     port: int = typer.Option(7860, "--port", help="Port to serve on."),
+    no_train: bool = typer.Option(False, "--no-train", help="Do not train a missing default run on first "
+                                  "use; show an error in its tab instead."),
 ):
-    """Gradio app of before/after samples for every modality (the `demo` extra)."""
-    fail("the demo app is not available yet in this version of mmrl.", code=3)
+    """Gradio app of before/after samples for every modality, and run curves (the `demo` extra).
+
+    Each tab samples the base model and the fine-tuned one with the same seeds and shows every
+    sample's reward atoms. Works offline; nothing is sent anywhere.
+    """
+    try:
+        import gradio  # noqa: F401
+    except ModuleNotFoundError:
+        fail('the demo needs Gradio: pip install -e ".[demo]"', code=3)
+    from mmrl.demo.app import launch
+    from mmrl.demo.runs import RunError
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(f"[yellow]warning:[/] binding to {host}: the demo is reachable from other machines")
+    try:
+        launch(run or [], host=host, port=port, train_missing=not no_train)
+    except RunError as e:
+        fail(str(e))
 
 
 def main() -> None:

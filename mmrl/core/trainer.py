@@ -494,6 +494,12 @@ class Trainer:
         tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
         tmp.replace(self.out / "summary.json")
         plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
+        try:  # the one-page report; a finished run must not fail on it
+            from mmrl.demo.report import write_report
+
+            write_report(self.out)
+        except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
+            warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary
 
 

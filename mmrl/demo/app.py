@@ -1,0 +1,250 @@
+"""`mmrl demo`: a Gradio app with a tab per modality (before / after samples) and a run tab.
+
+    mmrl demo                                   the embedded default runs (trained on first use)
+    mmrl demo --run runs/x --run runs/y         these runs' checkpoints as the "after" models
+    mmrl demo --host 0.0.0.0 --port 8080
+
+Each modality tab loads the base model and the fine-tuned one of its run (the last --run of
+that modality, else the modality's default run), samples both with the same seeds and shows
+every sample's reward atoms, passed or failed, and the total. The run tab plots the reward
+and held-out accuracy curves of any run directory's metrics.jsonl.
+
+Offline by construction: analytics off, system fonts (no font download), no share link, no
+server-side rendering process; it binds to 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from mmrl.demo.compare import (
+    ModelPair,
+    Shown,
+    compare_diffusion,
+    compare_dllm,
+    compare_vlm,
+    dllm_problem,
+    ensure_default_run,
+)
+from mmrl.demo.runs import MODALITIES, TITLES, RunError, RunInfo, default_run_dir, plot_curves
+
+BEFORE, AFTER = "### Before: the base model", "### After: the fine-tuned checkpoint"
+CSS = ".atom-ok{color:#070}.atom-bad{color:#b00}.atom-na{color:#888}.sample{margin:.4em 0;padding:.4em;border:1px solid #ddd}"
+
+
+def atoms_html(s: Shown) -> str:
+    marks = []
+    for name, v in s.atoms.items():
+        if v is None:
+            marks.append(f'<span class="atom-na" title="cannot be checked">{name}: n/a</span>')
+        else:
+            ok = v >= 0.5
+            marks.append(f'<span class="{"atom-ok" if ok else "atom-bad"}">{name}: {"&#10003;" if ok else "&#10007;"}'
+                         f"{'' if v in (0.0, 1.0) else f' ({v:.2f})'}</span>")
+    total = "n/a" if s.total is None else f"{s.total:.3f}"
+    return " &middot; ".join(marks) + f" &middot; <b>total {total}</b>"
+
+
+def samples_html(shown: list[Shown], kind: str) -> str:
+    import html
+
+    rows = []
+    for s in shown:
+        body = "" if kind == "image" else f"<pre style='margin:.2em 0'>{html.escape(str(s.output))}</pre>"
+        order = f"<div>denoising order: {s.order}</div>" if s.order else ""
+        extra = " ".join(f"{k} {v}" for k, v in s.extra.items())
+        rows.append(f"<div class='sample'><b>{html.escape(s.label)}</b> <small>{html.escape(extra)}</small>"
+                    f"{body}{order}<div>{atoms_html(s)}</div></div>")
+    return "".join(rows)
+
+
+class Demo:
+    """The app's state: one run per modality (its pair built on first use) and the run list."""
+
+    def __init__(self, runs: list[RunInfo], train_missing: bool = True):
+        self.runs = runs
+        self.train_missing = train_missing
+        self.chosen: dict[str, Path] = {m: default_run_dir(m) for m in MODALITIES}
+        for run in runs:  # the last run of each modality wins
+            self.chosen[run.modality] = run.path
+        self.pairs: dict[str, ModelPair] = {}
+        self.lock = threading.RLock()  # one model build / generation at a time (loaders are not thread-safe)
+
+    def pair(self, modality: str, progress=None) -> ModelPair:
+        with self.lock:
+            return self._pair(modality, progress)
+
+    def _pair(self, modality: str, progress=None) -> ModelPair:
+        if modality not in self.pairs:
+            path = self.chosen[modality]
+            try:
+                run = RunInfo.load(path)
+                ready = run.model_dir() is not None
+            except (ValueError, OSError):
+                ready = False
+            if not ready:
+                if not self.train_missing:
+                    raise FileNotFoundError(f"{path} has no checkpoint; pass --run DIR with a finished run")
+                track = (lambda i, n: progress((i, n), desc=f"training the default {modality} run")) if progress else None
+                run = ensure_default_run(modality, track, path)
+            self.pairs[modality] = ModelPair(run)
+        return self.pairs[modality]
+
+    def held_out(self, modality: str, index: int):
+        with self.lock:
+            _, task = self.pair(modality).get("before")
+        items = task.eval_items if modality == "vlm" else task.eval_prompts if modality == "diffusion" \
+            else task.eval_problems
+        return items[int(index) % len(items)]
+
+
+def build_app(demo: Demo):
+    import gradio as gr
+
+    def vlm_new(i):
+        item = demo.held_out("vlm", i)
+        return item.images[0], item.question, int(i) + 1, int(i)
+
+    def vlm_run(image, question, current, n, seed, progress=gr.Progress()):
+        from mmrl.vlm.tasks.shapes_qa import QAItem
+
+        pair = demo.pair("vlm", progress)
+        if image is None or not str(question).strip():
+            raise gr.Error("give an image and a question (or press 'New held-out question')")
+        item = demo.held_out("vlm", current) if current is not None and current >= 0 else None
+        if item is None or item.question != question:
+            item = QAItem([image.convert("RGB")], str(question), "")
+        with demo.lock:
+            out = compare_vlm(pair, item, int(n), int(seed))
+        return samples_html(out["before"], "text"), samples_html(out["after"], "text")
+
+    def diffusion_new(i):
+        return demo.held_out("diffusion", i), int(i) + 1
+
+    def diffusion_run(prompt, seeds, progress=gr.Progress()):
+        pair = demo.pair("diffusion", progress)
+        try:
+            seed_list = [int(s) for s in str(seeds).replace(",", " ").split()] or [0]
+        except ValueError:
+            raise gr.Error(f"seeds must be integers separated by commas; got {seeds!r}") from None
+        with demo.lock:
+            out = compare_diffusion(pair, str(prompt), seed_list)
+        gallery = {w: [(s.output, f"{s.label}: total {s.total if s.total is not None else 'n/a'}") for s in out[w]]
+                   for w in out}
+        return gallery["before"], gallery["after"], samples_html(out["before"], "image"), \
+            samples_html(out["after"], "image")
+
+    def dllm_new(i):
+        return demo.held_out("dllm", i).prompt, int(i) + 1
+
+    def dllm_run(text, n, seed, strategy, progress=gr.Progress()):
+        pair = demo.pair("dllm", progress)
+        with demo.lock:
+            held = {p.prompt: p for p in pair.get("before")[1].eval_problems}
+            problem = held.get(str(text).strip()) or dllm_problem(str(text), pair.run.config["task"]["type"])
+            out = compare_dllm(pair, problem, int(n), int(seed), strategy or None)
+        return samples_html(out["before"], "text"), samples_html(out["after"], "text")
+
+    def run_view(path):
+        if not path:
+            return None, ""
+        try:
+            run = RunInfo.load(path)
+        except (RunError, OSError) as e:
+            raise gr.Error(str(e)) from None
+        s = run.summary or {}
+        rows = "".join(f"<tr><td>{k}</td><td>{v:.4g}</td><td>{(s.get('eval_after') or {}).get(k, float('nan')):.4g}</td></tr>"
+                       for k, v in (s.get("eval_before") or {}).items() if isinstance(v, int | float))
+        table = (f"<p>{TITLES[run.modality]} run <code>{run.path}</code>, {len(run.metrics)} logged steps</p>"
+                 f"<table><tr><th>metric</th><th>before</th><th>after</th></tr>{rows}</table>")
+        return plot_curves(run), table
+
+    with gr.Blocks(title="mmrl: before / after", analytics_enabled=False) as app:
+        gr.Markdown("# mmrl: before / after RL fine-tuning\nThe base model and the fine-tuned one, "
+                    "the same seeds, every sample's reward atoms.")
+        with gr.Tab(TITLES["vlm"], elem_id="tab-vlm"):
+            vlm_idx, vlm_cur = gr.State(0), gr.State(-1)
+            with gr.Row():
+                image = gr.Image(type="pil", label="image (upload one, or draw a held-out question)", height=224)
+                with gr.Column():
+                    question = gr.Textbox(label="question", elem_id="vlm-question")
+                    with gr.Row():
+                        n = gr.Slider(0, 8, value=2, step=1, label="sampled answers")
+                        seed = gr.Number(0, precision=0, label="seed")
+                    with gr.Row():
+                        new = gr.Button("New held-out question", elem_id="vlm-new")
+                        go = gr.Button("Generate", variant="primary", elem_id="vlm-generate")
+            with gr.Row():
+                with gr.Column():
+                    gr.Markdown(BEFORE)
+                    before = gr.HTML(elem_id="vlm-before")
+                with gr.Column():
+                    gr.Markdown(AFTER)
+                    after = gr.HTML(elem_id="vlm-after")
+            new.click(vlm_new, [vlm_idx], [image, question, vlm_idx, vlm_cur])
+            image.upload(lambda: -1, None, vlm_cur)
+            go.click(vlm_run, [image, question, vlm_cur, n, seed], [before, after])
+        with gr.Tab(TITLES["diffusion"], elem_id="tab-diffusion"):
+            d_idx = gr.State(0)
+            prompt = gr.Textbox(label="prompt", value="two red circles left of a blue square", elem_id="diffusion-prompt")
+            with gr.Row():
+                seeds = gr.Textbox(label="seeds", value="0, 1, 2, 3")
+                d_new = gr.Button("New held-out prompt", elem_id="diffusion-new")
+                d_go = gr.Button("Generate", variant="primary", elem_id="diffusion-generate")
+            with gr.Row():
+                with gr.Column():
+                    gr.Markdown(BEFORE)
+                    g_before = gr.Gallery(label="before", columns=4, height=200, elem_id="diffusion-before-images")
+                    h_before = gr.HTML(elem_id="diffusion-before")
+                with gr.Column():
+                    gr.Markdown(AFTER)
+                    g_after = gr.Gallery(label="after", columns=4, height=200, elem_id="diffusion-after-images")
+                    h_after = gr.HTML(elem_id="diffusion-after")
+            d_new.click(diffusion_new, [d_idx], [prompt, d_idx])
+            d_go.click(diffusion_run, [prompt, seeds], [g_before, g_after, h_before, h_after])
+        with gr.Tab(TITLES["dllm"], elem_id="tab-dllm"):
+            l_idx = gr.State(0)
+            problem = gr.Textbox(label="problem (arith: e.g. 12+7=)", value="37+45=", elem_id="dllm-problem")
+            with gr.Row():
+                ln = gr.Slider(0, 8, value=3, step=1, label="sampled answers")
+                lseed = gr.Number(0, precision=0, label="seed")
+                strategy = gr.Dropdown(["", "low_confidence", "threshold", "fork", "tau_budget", "ar"], value="fork",
+                                       label="decoder (empty: the run's)")
+            with gr.Row():
+                l_new = gr.Button("New held-out problem", elem_id="dllm-new")
+                l_go = gr.Button("Generate", variant="primary", elem_id="dllm-generate")
+            with gr.Row():
+                with gr.Column():
+                    gr.Markdown(BEFORE)
+                    l_before = gr.HTML(elem_id="dllm-before")
+                with gr.Column():
+                    gr.Markdown(AFTER)
+                    l_after = gr.HTML(elem_id="dllm-after")
+            l_new.click(dllm_new, [l_idx], [problem, l_idx])
+            l_go.click(dllm_run, [problem, ln, lseed, strategy], [l_before, l_after])
+        with gr.Tab("Runs", elem_id="tab-runs"):
+            choices = [str(r.path) for r in demo.runs] + [str(p) for p in demo.chosen.values()
+                                                          if str(p) not in {str(r.path) for r in demo.runs}]
+            run_dir = gr.Dropdown(choices, label="run directory (any path with a metrics.jsonl)",
+                                  allow_custom_value=True, elem_id="run-dir")
+            plot = gr.Image(label="curves", elem_id="run-plot")
+            info = gr.HTML(elem_id="run-info")
+            run_dir.change(run_view, [run_dir], [plot, info])
+    return app
+
+
+def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860, train_missing: bool = True,
+           block: bool = True) -> Any:
+    """Build and serve the app; returns the Blocks (block=False leaves it serving in a thread)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    import gradio as gr
+
+    runs = [RunInfo.load(d) for d in run_dirs]
+    app = build_app(Demo(runs, train_missing))
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+    app.queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, share=False, prevent_thread_lock=not block,
+                       ssr_mode=False, theme=theme, css=CSS, footer_links=[], quiet=False)
+    return app

@@ -1,0 +1,135 @@
+"""report.html: one self-contained page per training run, next to its reward_curve.png.
+
+    config            the run's config.yaml
+    before / after    every held-out metric of summary.json, with the change
+    curves            training reward and held-out accuracies (mmrl.demo.runs.plot_curves)
+    samples           the before/after sample grids an image task writes (samples/grid_*.png),
+                      the before/after answers a text task writes (samples/samples_*.json), and
+                      the last logged training samples (samples/step_*.jsonl)
+
+Images are embedded as base64 and the page has no script and no external link, so it opens
+offline and can be mailed as one file. The trainer writes it at the end of every run
+(`write_report`); `python -m mmrl.demo.report RUN_DIR` rewrites it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mmrl.demo.runs import TITLES, RunInfo, plot_curves
+
+REPORT = "report.html"
+MAX_ROWS = 24  # rows of a sample table
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}
+th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow:auto;font-size:12px;max-height:420px}
+.up{color:#070}.down{color:#a00}img{max-width:100%}h2{border-bottom:1px solid #ddd}
+"""
+
+
+def _png(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _file_png(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{html.escape(str(k))}: {_cell(v)}" for k, v in value.items())
+    return html.escape(str(value))
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    if not rows:
+        return "<p>(none)</p>"
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in columns) + "</tr>"
+                   for r in rows[:MAX_ROWS])
+    more = f"<p>... and {len(rows) - MAX_ROWS} more</p>" if len(rows) > MAX_ROWS else ""
+    return f"<table><tr>{head}</tr>{body}</table>{more}"
+
+
+def _metrics_table(summary: dict[str, Any]) -> str:
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    rows = []
+    for key in dict.fromkeys([*before, *after]):
+        b, a = before.get(key), after.get(key)
+        change = ""
+        if isinstance(b, int | float) and isinstance(a, int | float):
+            d = a - b
+            change = f'<span class="{"up" if d > 0 else "down" if d < 0 else ""}">{d:+.4g}</span>'
+        rows.append(f"<tr><td>{html.escape(key)}</td><td>{_cell(b)}</td><td>{_cell(a)}</td><td>{change}</td></tr>")
+    return ("<table><tr><th>metric</th><th>before</th><th>after</th><th>change</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def _samples(run: RunInfo) -> str:
+    root, parts = run.path / "samples", []
+    for tag in ("before", "after"):
+        grid = root / f"grid_{tag}.png"
+        if grid.is_file():
+            parts.append(f"<h3>{tag}</h3><img alt='samples {tag}' src='{_file_png(grid)}'>")
+        answers = root / f"samples_{tag}.json"
+        if answers.is_file():
+            parts.append(f"<h3>{tag}</h3>" + _table(json.loads(answers.read_text(encoding="utf-8"))))
+    logged = sorted(root.glob("step_*.jsonl")) if root.is_dir() else []
+    if logged:
+        rows = [json.loads(x) for x in logged[-1].read_text(encoding="utf-8").splitlines() if x.strip()]
+        parts.append(f"<h3>training samples, {logged[-1].stem.replace('_', ' ')}</h3>"
+                     + _table(rows, ["group", "prompt", "completion", "reward", "atoms", "advantage"]))
+    return "".join(parts) or "<p>(this run saved no samples)</p>"
+
+
+def render(run: RunInfo) -> str:
+    """The report of a run as one HTML string."""
+    s = run.summary or {}
+    config = (run.path / "config.yaml").read_text(encoding="utf-8")
+    facts = [f"{TITLES[run.modality]} run, {s.get('steps', len(run.metrics))} steps"]
+    if s.get("train_seconds") is not None:
+        facts.append(f"{s['train_seconds']:.0f} s of training")
+    if s.get("checkpoint"):
+        facts.append(f"final model: <code>{html.escape(str(s['checkpoint']))}</code>")
+    metrics = _metrics_table(s) if s else "<p>(no summary.json yet: the run has not finished)</p>"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(run.name)}: mmrl run report</title>
+<style>{_STYLE}</style></head><body>
+<h1>{html.escape(run.name)}</h1><p>{"; ".join(facts)}</p>
+<h2>Held-out metrics, before and after</h2>{metrics}
+<h2>Curves</h2><img alt="curves" src="{_png(plot_curves(run))}">
+<h2>Samples</h2>{_samples(run)}
+<h2>Config</h2><pre>{html.escape(config)}</pre>
+</body></html>
+"""
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write <run_dir>/report.html (atomically: a reader never sees half a page)."""
+    run = RunInfo.load(run_dir)
+    out = run.path / REPORT
+    tmp = out.with_suffix(".html.tmp")
+    tmp.write_text(render(run), encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["-h"]:
+        if arg in ("-h", "--help"):
+            print("usage: python -m mmrl.demo.report RUN_DIR [RUN_DIR ...]  (rewrites RUN_DIR/report.html)")
+            continue
+        print(write_report(arg))

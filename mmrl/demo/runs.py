@@ -1,0 +1,164 @@
+"""Run directories as the demo and the run report see them.
+
+A training run writes into its output_dir: config.yaml, metrics.jsonl (one JSON row per step),
+summary.json (eval_before / eval_after, the final checkpoint), reward_curve.png,
+checkpoints/step-N/model (from_pretrained directories) and samples/. `RunInfo.load` reads
+what is there (a run still going has no summary yet) and tells its modality from the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmrl.core.checkpoint import latest_checkpoint
+from mmrl.core.logging import read_metrics
+
+MODALITIES = ("vlm", "diffusion", "dllm")
+BACKENDS = {"vlm": "mmrl.vlm.backend", "diffusion": "diffusion_rl.backend", "dllm": "dllm_rl.backend"}
+TITLES = {"vlm": "Vision-language", "diffusion": "Flow / diffusion", "dllm": "Diffusion LM"}
+
+
+class RunError(ValueError):
+    """A directory that is not a run (or not one the demo can use); the message names it."""
+
+
+def modality_of(config: dict[str, Any]) -> str:
+    """Which backend a run's config belongs to, from keys only that backend's configs have."""
+    rollout = config.get("rollout") or {}
+    if "noise_level" in rollout or "window_size" in rollout:
+        return "diffusion"
+    if "gen_length" in rollout or "block_length" in rollout:
+        return "dllm"
+    return "vlm"
+
+
+def backend(modality: str):
+    if modality not in BACKENDS:
+        raise ValueError(f"unknown modality {modality!r} (known: {', '.join(MODALITIES)})")
+    return importlib.import_module(BACKENDS[modality])
+
+
+def default_run_dir(modality: str) -> Path:
+    """Where `<cli> train` with no config writes: the backend's embedded default run."""
+    return Path(backend(modality).DEFAULT_CONFIG["output_dir"])
+
+
+@dataclass
+class RunInfo:
+    path: Path
+    config: dict[str, Any]
+    modality: str
+    summary: dict[str, Any] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunInfo:
+        path = Path(path)
+        cfg_file = path / "config.yaml"
+        if not cfg_file.is_file():
+            raise RunError(f"{path} is not a run directory: it has no config.yaml (a training run writes one)")
+        try:
+            config = yaml.safe_load(cfg_file.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise RunError(f"{cfg_file}: not a readable YAML file: {e}") from e
+        summary = None
+        if (path / "summary.json").is_file():
+            try:
+                summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RunError(f"{path / 'summary.json'}: not valid JSON: {e}") from e
+        metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+        return cls(path, config, modality_of(config), summary, metrics)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def model_dir(self) -> Path | None:
+        """The fine-tuned model: the summary's final checkpoint, else the newest complete one."""
+        if self.summary and self.summary.get("checkpoint"):
+            final = Path(self.summary["checkpoint"])
+            if not final.is_absolute():
+                final = self.path / final
+            if final.is_dir():
+                return final
+        step = latest_checkpoint(self.path / "checkpoints") if (self.path / "checkpoints").is_dir() else None
+        return step / "model" if step is not None and (step / "model").is_dir() else None
+
+    def base_model(self) -> str | None:
+        """The model the run started from (None: the backend's bundled tiny model)."""
+        return (self.config.get("model") or {}).get("path")
+
+    def curves(self) -> dict[str, tuple[list[int], list[float]]]:
+        """reward/total per step and every held-out eval/* accuracy logged during training,
+        with the before (step 0) and after (last step) evaluations when the summary has them."""
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for row in self.metrics:
+            for key, value in row.items():
+                if key == "reward/total" or (key.startswith("eval/") and "accuracy" in key):
+                    steps, values = out.setdefault(key, ([], []))
+                    steps.append(int(row["step"]))
+                    values.append(float(value))
+        if self.summary:
+            last = int(self.summary.get("steps") or (self.metrics[-1]["step"] if self.metrics else 0))
+            for key in _accuracy_keys(self.summary.get("eval_before") or {}):
+                steps, values = out.setdefault(f"eval/{key}", ([], []))
+                before, after = self.summary["eval_before"][key], (self.summary.get("eval_after") or {}).get(key)
+                steps.insert(0, 0)
+                values.insert(0, float(before))
+                if after is not None and (not steps or steps[-1] != last):
+                    steps.append(last)
+                    values.append(float(after))
+        return out
+
+
+def _accuracy_keys(metrics: dict[str, Any]) -> list[str]:
+    return [k for k, v in metrics.items() if "accuracy" in k and isinstance(v, int | float) and "/" not in k]
+
+
+def plot_curves(run: RunInfo, out: str | Path | None = None):
+    """A two-panel figure: training reward per step, held-out accuracies. Saved as PNG when
+    `out` is given; returned as a PIL image otherwise."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    curves = run.curves()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4), dpi=100)
+    if "reward/total" in curves:
+        steps, values = curves["reward/total"]
+        left.plot(steps, values, alpha=0.5, label="batch mean", marker="." if len(values) < 30 else None)
+        w = max(1, len(values) // 10)
+        left.plot(steps, [sum(values[max(0, i - w + 1): i + 1]) / len(values[max(0, i - w + 1): i + 1])
+                          for i in range(len(values))], label=f"running mean ({w})")
+        left.legend(fontsize=8)
+    left.set(title="training reward", xlabel="step")
+    for key, (steps, values) in sorted(curves.items()):
+        if key.startswith("eval/"):
+            right.plot(steps, values, marker="o", label=key[5:])
+    if any(k.startswith("eval/") for k in curves):
+        right.legend(fontsize=8)
+    right.set(title="held-out accuracy", xlabel="step")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{run.name} ({TITLES[run.modality]})", fontsize=10)
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out)
+        plt.close(fig)
+        return Path(out)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    buf.seek(0)
+    return Image.open(buf).convert("RGB")

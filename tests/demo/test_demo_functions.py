@@ -1,0 +1,134 @@
+"""The functions behind `mmrl demo` and report.html, without a browser: run directories, curves,
+the report page, the before/after comparisons of each modality, training a missing default run."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from mmrl.cli import app as mmrl_app
+from mmrl.demo.compare import (
+    ModelPair,
+    compare_diffusion,
+    compare_dllm,
+    compare_vlm,
+    denoising_order,
+    dllm_problem,
+    ensure_default_run,
+)
+from mmrl.demo.report import REPORT, render
+from mmrl.demo.runs import RunError, RunInfo, backend, modality_of, plot_curves
+
+
+@pytest.mark.parametrize("modality", ["vlm", "diffusion", "dllm"])
+def test_modality_of_each_backends_config(modality):
+    b = backend(modality)
+    cfg = b.CONFIG_CLASS.model_validate(b.DEFAULT_CONFIG).model_dump(mode="json")
+    assert modality_of(cfg) == modality
+
+
+def test_run_info_of_a_finished_run(tiny_runs):
+    for modality, path in tiny_runs.items():
+        run = RunInfo.load(path)
+        assert run.modality == modality and run.summary is not None and len(run.metrics) == 1
+        assert (run.model_dir() / "config.json").is_file() or (run.model_dir() / "model_index.json").is_file()
+        curves = run.curves()
+        assert curves["reward/total"][0] == [1]
+        before = run.summary["eval_before"]
+        key = "atom_accuracy" if modality == "diffusion" else "accuracy"
+        steps, values = curves[f"eval/{key}"]
+        assert steps == [0, 1] and values == [before[key], run.summary["eval_after"][key]]
+    image = plot_curves(RunInfo.load(tiny_runs["dllm"]))
+    assert image.size[0] > 500 and len(image.getcolors(1 << 20)) > 10  # drawn, not blank
+
+
+def test_run_info_errors_name_the_directory(tmp_path):
+    with pytest.raises(RunError, match=re.escape(str(tmp_path)) + ".*no config.yaml"):
+        RunInfo.load(tmp_path)
+    (tmp_path / "config.yaml").write_text("rollout: {gen_length: 8}\n")
+    (tmp_path / "summary.json").write_text("{not json")
+    with pytest.raises(RunError, match="summary.json: not valid JSON"):
+        RunInfo.load(tmp_path)
+    (tmp_path / "summary.json").unlink()
+    run = RunInfo.load(tmp_path)  # a run that has not finished: no summary, no checkpoint
+    assert run.modality == "dllm" and run.model_dir() is None
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+        ModelPair(run)
+
+
+def test_every_run_writes_a_self_contained_report(tiny_runs):
+    for path in tiny_runs.values():
+        page = (path / REPORT).read_text()  # written by the trainer at the end of the run
+        assert "Held-out metrics, before and after" in page and "data:image/png;base64," in page
+        assert "<script" not in page and not re.search(r'(src|href)="https?:', page)  # opens offline
+        summary = json.loads((path / "summary.json").read_text())
+        for key in summary["eval_before"]:
+            assert f"<td>{key}</td>" in page
+    assert page == render(RunInfo.load(tiny_runs["dllm"]))  # re-rendering gives the same page
+    assert "grid_before" not in page and "samples_before" not in page  # dLLM: answer tables, no grid
+    assert "<h3>before</h3><table>" in page
+    assert "alt='samples before'" in (tiny_runs["diffusion"] / REPORT).read_text()  # the image grids
+
+
+def test_compare_vlm_same_seed_same_samples_and_uploads(tiny_runs):
+    pair = ModelPair(RunInfo.load(tiny_runs["vlm"]))
+    _, task = pair.get("before")
+    item = task.eval_items[0]
+    first, again = compare_vlm(pair, item, 2, seed=3), compare_vlm(pair, item, 2, seed=3)
+    for side in ("before", "after"):
+        assert [s.label for s in first[side]] == ["greedy", "sample 1 (seed 3)", "sample 2 (seed 3)"]
+        assert [s.output for s in first[side]] == [s.output for s in again[side]]
+        assert all(set(s.atoms) == {"format", "answer"} and s.total is not None for s in first[side])
+    upload = SimpleNamespace(images=[Image.new("RGB", (64, 64), "white")], question="What colour is it?",
+                             answer="", reference="", meta={})
+    shown = compare_vlm(pair, upload, 0)["after"]
+    assert shown[0].atoms["answer"] is None and shown[0].total is None  # no reference answer to check
+
+
+def test_compare_diffusion_scores_every_atom_and_refuses_nothing(tiny_runs):
+    pair = ModelPair(RunInfo.load(tiny_runs["diffusion"]))
+    out = compare_diffusion(pair, "two red circles left of a blue square", [0, 1])
+    for side in ("before", "after"):
+        assert [s.label for s in out[side]] == ["seed 0", "seed 1"]
+        assert all(isinstance(s.output, Image.Image) and len(s.atoms) == 7 for s in out[side])
+    free = compare_diffusion(pair, "a cat on a mat", [0])["before"][0]  # outside the grammar: drawn, not scored
+    assert free.total is None and "cat" in free.extra["why"]
+
+
+def test_dllm_problems_and_the_denoising_order(tiny_runs):
+    assert dllm_problem("12+7=").answer == "19" and dllm_problem(" 3 * 4 ").prompt == "3*4="
+    assert dllm_problem("5-9").answer == "-4" and dllm_problem("hello").answer == ""
+    pair = ModelPair(RunInfo.load(tiny_runs["dllm"]))
+    out = compare_dllm(pair, dllm_problem("12+7="), n=2, seed=0, strategy="fork")
+    for side in ("before", "after"):
+        assert out[side][0].label == "greedy" and len(out[side]) == 3
+        assert all("tok" in s.order and s.extra["nfe"] >= 1 for s in out[side])
+    policy, _ = pair.get("before")
+    tok = policy.predictor.tokenizer
+    ids = tok("42", add_special_tokens=False)["input_ids"]
+    result = SimpleNamespace(completion=torch.tensor([ids + [policy.predictor.eos_token_id]]),
+                             commit_step=torch.tensor([[1, 0, 1]]), fallback=torch.tensor([[True, False]]))
+    html = denoising_order(policy, result, 0)
+    assert html.count('class="tok"') == 2 and html.count("(fallback)") == 1  # step 0 fell back; eos not shown
+
+
+def test_missing_default_run_is_trained_with_progress(tmp_path):
+    calls = []
+    run = ensure_default_run("dllm", lambda i, n: calls.append((i, n)), tmp_path / "dllm-default",
+                             overrides=["train.max_steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+                                        "task.num_eval=4", "logging.tensorboard=false"])
+    assert calls == [(1, 2), (2, 2)] and run.model_dir() is not None
+    again = ensure_default_run("dllm", lambda i, n: calls.append((i, n)), tmp_path / "dllm-default")
+    assert calls == [(1, 2), (2, 2)] and again.path == run.path  # finished: not trained again
+
+
+def test_demo_cli_rejects_a_directory_that_is_not_a_run(tmp_path):
+    pytest.importorskip("gradio")
+    result = CliRunner().invoke(mmrl_app, ["demo", "--run", str(tmp_path), "--port", "0"])
+    assert result.exit_code == 2 and "no config.yaml" in result.output and "Traceback" not in result.output
