@@ -7,10 +7,10 @@ two batches would give the same direction (cosine 1); if all noise, cosine 0. Th
 pairwise cosine between batches estimates |E g|^2 / E|g|^2 at that batch size.
 
     python benchmarks/diffusion_gradient_agreement.py --prompts 8 --batches 6
-    python benchmarks/diffusion_gradient_agreement.py --set 'reward.atoms=[{path: dark.py:dark, weight: 5}]'
+    python benchmarks/diffusion_gradient_agreement.py --set 'reward.atoms=[{path: dark.py:dark}]' --extra-atoms-only
 
-The second line is a control: an extra atom any image model can move (dark.py:dark = 1 - mean
-brightness) shows what agreement looks like when the gradient does carry signal.
+The second line is a control: a reward any image model can move (dark.py:dark = 1 - mean
+brightness, alone) shows what agreement looks like when the gradient does carry signal.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from diffusion_rl import backend
 from mmrl.core.config import load_config
 from mmrl.core.method import build_method
+from mmrl.core.rewards import Reward
 from mmrl.core.trainer import combined_reward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--set", dest="extra", action="append", default=[], help="override for every variant")
+    ap.add_argument("--extra-atoms-only", action="store_true",
+                    help="score with the config's reward.atoms alone (the control: drop the task's atoms)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     cfgs = {name: load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{c}.yaml",
@@ -50,6 +53,8 @@ def main(argv=None) -> int:
                               defaults=backend.DEFAULT_CONFIG) for name, (c, o) in VARIANTS.items()}
     policy, task = backend.build(cfgs["cast (attention maps)"])
     reward = combined_reward(task.reward, cfgs["flow_grpo"])  # the task's atoms and any reward.atoms
+    if args.extra_atoms_only:
+        reward = Reward([a for a in reward.atoms if a.name not in task.reward.names])
     prompts = task.train[: args.prompts]
     params = [p for p in policy.model.parameters() if p.requires_grad]
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}

@@ -158,6 +158,13 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         trace = ", ".join(f"{s}: {a:.3f}" for s, a, *_ in pts)
         _, a, wall, tok, rows_ = pts[-1]
         print(f"| {method} | {seed} | {trace} | {a:.3f} | {wall:.0f} | {tok / 1e6:.2f} | {rows_:.0f} |")
+    print("\nCompute per training step, as a multiple of the baseline's (same seed):\n")
+    print("| method | seed | wall | forward tokens | training rows |")
+    print("|---|---|---|---|---|")
+    for (method, seed), pts in curves.items():
+        base = curves[(baseline, seed)][-1]
+        ratios = [pts[-1][j] / pts[-1][0] / (base[j] / base[0]) if base[j] else math.nan for j in (2, 3, 4)]
+        print(f"| {method} | {seed} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print(f"\nCompute to reach {baseline}'s {what} held-out accuracy (same seed), as a fraction of {baseline}'s:\n")
     print("| method | seed | target | reached at step | wall | forward tokens | training rows |")
     print("|---|---|---|---|---|---|---|")
@@ -165,6 +172,10 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         base = curves[(baseline, seed)]
         target = base[-1][1] if what == "final" else max(a for _, a, *_ in base)
         first = next(p for p in base if p[1] >= target)
+        if first[0] == 0:
+            print(f"| all | {seed} | {target:.3f} | n/a: {baseline} never rose above its step-0 accuracy, "
+                  "so there is nothing to reach | - | - | - |")
+            continue
         for method in methods:
             hit = next((p for p in curves[(method, seed)] if p[1] >= target), None)
             if hit is None:

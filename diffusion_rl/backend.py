@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -73,9 +74,15 @@ def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str]
         return None
     file = Path(path) if Path(path).is_absolute() else base / path
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        raw = file.read_bytes()
     except OSError as e:
         raise ConfigError(f"task.{key}: cannot read {file}: {e.strerror or e}") from e
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:  # a user's file, not a bug: name the file and the line
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"task.{key}: {file}, line {line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
+                          "save the file as UTF-8") from None
     prompts, unparsed = [], []
     for n, line in enumerate(lines, 1):
         text = line.strip()
@@ -111,6 +118,9 @@ def build(cfg: DiffusionTrainConfig):
     path = Path(m.path) if m.path else bundled_model_dir()
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
+    if m.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
+        print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
+              f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
                                guidance_scale=m.guidance_scale)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from dllm_rl.config import DLLMTrainConfig
 from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
 from dllm_rl.task import DLLMTask
-from mmrl.core.config import ConfigError
+from mmrl.core.config import ConfigError, check_remote_code
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -57,10 +58,13 @@ def build(cfg: DLLMTrainConfig):
     path = Path(m.path) if m.path else bundled_model_dir()
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a from_pretrained model directory is expected)")
+    check_remote_code(path, m.trust_remote_code)  # refuse, or name the directory whose code runs
     try:
-        predictor = load_mask_predictor(path, kind=m.kind, mask_token_id=m.mask_token_id,
-                                        block_length=m.block_length, trust_remote_code=m.trust_remote_code,
-                                        dtype=m.dtype)
+        with warnings.catch_warnings():  # the loader's own warning repeats the notice just printed
+            warnings.filterwarnings("ignore", message="trust_remote_code is on", category=UserWarning)
+            predictor = load_mask_predictor(path, kind=m.kind, mask_token_id=m.mask_token_id,
+                                            block_length=m.block_length, trust_remote_code=m.trust_remote_code,
+                                            dtype=m.dtype)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
     task = build_task(cfg)

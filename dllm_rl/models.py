@@ -434,11 +434,22 @@ def load_mask_predictor(
     if attn_implementation is not None:
         load_kwargs["attn_implementation"] = attn_implementation
     try:
-        model = model_cls.from_pretrained(root, **load_kwargs)
+        model, info = model_cls.from_pretrained(root, output_loading_info=True, **load_kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(
             f"{root}: could not load the model as {kind!r} with {model_cls.__name__}: {e}"
         ) from e
+    except RuntimeError as e:  # transformers' shape check: config.json does not fit the weights
+        if "mismatch" not in str(e):
+            raise
+        raise ValueError(f"{root}: the weights do not fit config.json (tensor shapes differ; "
+                         f"the load report above lists them): {e}") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # config.json asks for weights the checkpoint lacks: they would be random
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{root}: the weights do not fit config.json: {len(missing)} weight(s) it needs "
+                         f"are missing from the checkpoint ({', '.join(missing[:5])}{more}); "
+                         "transformers would initialise them at random")
     model.eval()
     return MaskPredictor(
         model,

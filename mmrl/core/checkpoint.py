@@ -29,6 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -76,6 +78,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         write_model(tmp / "model")
+        crash_point("checkpoint-write", step)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
         # The JSON goes last: list_checkpoints counts a directory only once it exists.
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -92,6 +95,7 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+        crash_point("after-checkpoint", step)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(e, "strerror", None) or e

@@ -21,6 +21,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
@@ -58,7 +59,8 @@ def load_backend(spec: BackendSpec):
 
 
 def fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escape: a message quoting a key like "images[0]" or "[red]" must not be read as rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -177,21 +179,33 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model and rollout)."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
-        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default (the API has no authentication)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default. Any other address needs a token."),
         port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
+        token: str | None = typer.Option(None, "--token", help="Require 'Authorization: Bearer <token>' on every request "
+                                         "(default: $MMRL_SERVE_TOKEN, which unlike this flag stays out of the process list)."),
     ):
         """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
 
         def go():
-            from mmrl.core.serve import ServedPolicyEngine
+            from mmrl.core.serve import (
+                InsecureServeError,
+                ServedPolicyEngine,
+                check_bind,
+                resolve_token,
+            )
             from mmrl.core.serve import serve as serve_engine
 
+            secret = resolve_token(token)
+            try:
+                check_bind(host, secret)  # before building the model
+            except InsecureServeError as e:
+                fail(str(e))
             backend, cfg = get_backend(config, list(set_))
             policy, _ = backend.build(cfg)
             if checkpoint is not None:
                 policy.load_weights(resolve_checkpoint(checkpoint))
             try:
-                serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port,
+                serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")

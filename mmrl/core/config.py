@@ -45,6 +45,44 @@ class ModelConfig(Section):
     """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
 
 
+# Files of a from_pretrained directory whose "auto_map" makes transformers import the
+# directory's own Python code.
+_CODE_MAPS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def remote_code_maps(path: str | Path) -> list[str]:
+    """The files of model directory `path` with an "auto_map" (loading it runs its Python code)."""
+    import json
+
+    found = []
+    for name in _CODE_MAPS:
+        try:
+            data = json.loads((Path(path) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # absent or unreadable: the loader reports it
+        if isinstance(data, dict) and data.get("auto_map"):
+            found.append(name)
+    return found
+
+
+def check_remote_code(path: str | Path, trust_remote_code: bool) -> None:
+    """Before a model directory is loaded: a ConfigError when it ships code and
+    model.trust_remote_code is off; a notice on stderr naming the directory when it is on
+    (security: the user sees whose code is about to run). docs/errors.md."""
+    import sys
+
+    maps = remote_code_maps(path)
+    if maps and not trust_remote_code:
+        raise ConfigError(
+            f"model.path: the model in {path} ships its own Python code (auto_map in {', '.join(maps)}); "
+            "loading it runs that code. Set model.trust_remote_code=true if you trust it."
+        )
+    if trust_remote_code:
+        what = (f"about to run the Python code in {path} (auto_map in {', '.join(maps)})" if maps
+                else f"{path} ships no Python code (no auto_map), so none of it runs")
+        print(f"notice: model.trust_remote_code is on: {what}", file=sys.stderr, flush=True)
+
+
 class SchedulerConfig(Section):
     """How rollouts reach the trainer (METHODS.md section 3, RolloutPipe)."""
 

@@ -84,18 +84,35 @@ class RunLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    path = Path(path)
+    return _read_metrics(Path(path))[0]
+
+
+def _read_metrics(path: Path) -> tuple[list[dict], bool]:
+    """(rows, torn): a last line cut short by a kill (no newline, not JSON) is dropped and
+    reported as torn; a bad line anywhere else is a ValueError naming the file and line."""
     if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [], False
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # the unterminated last line: a write the process did not finish
+                return rows, True
+            raise ValueError(f"{path}, line {n}: not a JSON metrics row ({e})") from None
+    return rows, False
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep only the lines of steps <= `step` (a resume rewinds to its checkpoint)."""
-    rows = read_metrics(path)
+    """Keep only the lines of steps <= `step` (a resume rewinds to its checkpoint), and drop a
+    last line torn by a kill, so that new rows are not appended to half a line."""
+    rows, torn = _read_metrics(path)
     kept = [r for r in rows if r.get("step", 0) <= step]
-    if len(kept) != len(rows):
+    if torn or len(kept) != len(rows):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(path)

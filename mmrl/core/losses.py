@@ -269,13 +269,19 @@ def policy_loss(
     return LossOutput(loss=loss, metrics=dict(zip(keys, values)), per_token=per_token)
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+def kl_penalty(
+    logp: Tensor, ref_logp: Tensor, kind: str = "k3", *, max_log_ratio: float | None = 20.0
+) -> Tensor:
     """Per token. k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1.
 
     With d = logp - ref_logp: k1 = d (unbiased, can be negative), k2 = d^2 / 2,
     k3 = exp(-d) + d - 1 (unbiased, >= 0; computed as ``expm1(-d) + d`` so that it never
     rounds below 0). Shapes are whatever ``logp`` has (typically ``[N, T]``); aggregate the
     result with :func:`aggregate`. Computed in float32 at least; differentiable in both inputs.
+
+    max_log_ratio: for k3 only, d is clamped to ``[-max_log_ratio, max_log_ratio]`` first, so
+    that exp(-d) stays finite (float32 overflows past d = -88; verl clamps at 20 too). Tokens
+    beyond it get the penalty at the bound and no gradient; ``None`` disables it.
     """
     _check_choice(kind, KL_KINDS, "kind")
     if logp.shape != ref_logp.shape:
@@ -288,4 +294,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
         return d
     if kind == "k2":
         return 0.5 * d * d
+    if max_log_ratio is not None:  # found by tests/reliability/test_fuzz.py: k3 was inf at d < -88
+        d = d.clamp(-max_log_ratio, max_log_ratio)
     return torch.expm1(-d) + d

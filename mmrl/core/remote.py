@@ -37,7 +37,7 @@ from torch import Tensor
 from mmrl.core import wire
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label
-from mmrl.core.serve import READY, VERSION_HEADER
+from mmrl.core.serve import READY, TOKEN_ENV, VERSION_HEADER, resolve_token
 
 
 class RemoteEngine:
@@ -45,9 +45,12 @@ class RemoteEngine:
     the server: connecting, and each read of its reply (a generation must answer within it)."""
 
     def __init__(self, url: str, *, timeout: float, name: str | None = None,
-                 process: subprocess.Popen | None = None):
-        """`process`: a server this engine owns (from spawn_server); close() stops it."""
+                 process: subprocess.Popen | None = None, token: str | None = None):
+        """`process`: a server this engine owns (from spawn_server); close() stops it.
+        `token`: sent as `Authorization: Bearer <token>` (the server's --token); default
+        $MMRL_SERVE_TOKEN; none sends no header."""
         self.process = process
+        self._auth = {"Authorization": f"Bearer {t}"} if (t := resolve_token(token)) else {}
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.name = name or urllib.parse.urlsplit(self.url).netloc or self.url
@@ -84,7 +87,8 @@ class RemoteEngine:
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
               headers: dict[str, str] | None = None) -> bytes:
         return http_call(self._opener, self.url + path, engine=self.name, timeout=self.timeout, body=body,
-                         headers={**({"Content-Type": content_type} if content_type else {}), **(headers or {})})
+                         headers={**({"Content-Type": content_type} if content_type else {}), **(headers or {}),
+                                  **self._auth})
 
 
 class HTTPStatusError(EngineError):
@@ -136,12 +140,14 @@ def _error_text(e: urllib.error.HTTPError) -> str:
 
 def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | None = None,
                  timeout: float = 120.0, host: str = "127.0.0.1", name: str = "served",
-                 cwd: str | Path | None = None) -> tuple[subprocess.Popen, str]:
+                 cwd: str | Path | None = None, token: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start `python -m mmrl.core.serve` for a backend's policy as a child process; returns
     (process, url) once it listens. `config` is a run config dict, merged over the backend's
     defaults; the child runs in `cwd` (default: ours), which is on its import path.
     The caller owns the process: kill it when done. Raises EngineError, quoting the child's
-    stderr, if it exits or stays silent for `timeout` seconds during start-up."""
+    stderr, if it exits or stays silent for `timeout` seconds during start-up.
+    `token`: the server's token, passed in the child's environment (not its command line,
+    which any user of the machine can read); default: the child inherits $MMRL_SERVE_TOKEN."""
     fd, config_path = tempfile.mkstemp(prefix="mmrl-serve-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f, default=str)
@@ -149,8 +155,9 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
            "--host", host, "--port", "0", "--name", name]
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})}
     proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, text=True, env=env)
     # Both pipes are drained for the child's whole life, so it can never block on a full pipe;
     # the last lines of stderr stay on proc.stderr_tail for error messages.
     urls: queue.Queue = queue.Queue()

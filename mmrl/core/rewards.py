@@ -441,7 +441,12 @@ def _to_float(value) -> float:
         raise _BadValue("returned a number too large for a float")
     if not math.isfinite(x):
         raise _BadValue(f"returned {x}")  # "returned nan", "returned inf", "returned -inf"
+    if abs(x) > _FLOAT32_MAX:  # finite here, but inf once stored in the float32 scores
+        raise _BadValue(f"returned {x}, beyond the float32 range of the scores")
     return x
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _as_list(result, n: int) -> list:

@@ -8,7 +8,12 @@ An error inside the engine answers 500 with {"error": "..."}; input that cannot
 be decoded answers 400, an over-long body 413. Calls into the engine are
 serialized with one lock (an engine runs one job at a time; a publish never
 lands in the middle of a generation). Nothing a client sends is unpickled.
-It binds 127.0.0.1 unless told otherwise: the API has no authentication.
+
+Access: it binds 127.0.0.1 unless told otherwise. With a token (`--token`, or the
+MMRL_SERVE_TOKEN environment variable, which keeps it out of `ps`), every request
+must carry `Authorization: Bearer <token>` (else 401; compared in constant time).
+Bound to any address that is not loopback, it refuses to start without a token.
+The token travels in clear over HTTP: across machines, use a trusted network or a tunnel.
 
     python -m mmrl.core.serve --backend tests.toy --config-json cfg.json --port 0
 
@@ -19,8 +24,11 @@ run config, and `mmrl.core.remote.spawn_server` starts it as a child process.
 from __future__ import annotations
 
 import argparse
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -39,6 +47,28 @@ READY = "mmrl-serve listening on "  # the stdout line a parent process waits for
 VERSION_HEADER = "X-MMRL-Version"
 MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
 MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
+TOKEN_ENV = "MMRL_SERVE_TOKEN"  # the token, when --token / token= is not given
+_DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401) up to this
+
+
+class InsecureServeError(ValueError):
+    """Refusing to serve on a non-loopback address without a token."""
+
+
+def resolve_token(token: str | None) -> str | None:
+    """`token`, else $MMRL_SERVE_TOKEN, else None (an empty string counts as none)."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    return token or None
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class ServedPolicyEngine(PolicyEngine):
@@ -53,13 +83,31 @@ class ServedPolicyEngine(PolicyEngine):
         self.version = version
 
 
+def check_bind(host: str, token: str | None) -> None:
+    """InsecureServeError unless `host` is loopback or there is a token."""
+    # Security: the API runs the model on whatever it is sent and replaces its weights, so
+    # it is never reachable from other machines without a token.
+    if not token and not is_loopback(host):
+        raise InsecureServeError(
+            f"refusing to serve on {host or '0.0.0.0'} without a token: anyone who can reach it "
+            f"could run the model and replace its weights. Pass --token (or set {TOKEN_ENV}) and "
+            "give the same token to the clients (RemoteEngine(token=...) or that variable), "
+            "or bind 127.0.0.1"
+        )
+
+
 class EngineServer(ThreadingHTTPServer):
     """The HTTP server of one engine. `url` is where it listens; `close()` stops it."""
 
     daemon_threads = True  # a hung engine call must not keep the process alive
 
     def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES):
+                 max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES,
+                 token: str | None = None):
+        """`token`: required of every request (Authorization: Bearer); None or "" = no check,
+        allowed only on a loopback address. (The environment is read by the CLIs, not here.)"""
+        check_bind(host, token)  # before binding
+        self.token = token or None
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.rollout_cls = rollout_cls
@@ -118,13 +166,36 @@ class _BadInput(Exception):
 class _Handler(BaseHTTPRequestHandler):
     server: EngineServer
 
+    def _authorized(self) -> bool:
+        """With a server token: True if the request carries it, else answer 401 and say False."""
+        token = self.server.token
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
+            return True
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= _DRAIN_LIMIT:
+            self.rfile.read(int(length))  # unread bytes would reset the connection before our reply
+        else:
+            self.close_connection = True
+        message = "missing token" if not given else "wrong token"
+        self._reply(401, {"error": f"{message}: this server needs 'Authorization: Bearer <token>'"},
+                    {"WWW-Authenticate": "Bearer"})
+        return False
+
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path != "/health":
             return self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
         s = self.server
         self._reply(200, {"name": s.engine.name, "version": s.version, "busy": s.lock.locked()})
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         route = {"/generate": self._generate, "/weights": self._weights}.get(self.path)
         if route is None:
             return self._reply(404, {"error": f"no such endpoint: POST {self.path}"})
@@ -174,9 +245,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadInput(413, f"body of {int(length)} bytes is over this server's limit of {limit}")
         return self.rfile.read(int(length))
 
-    def _reply(self, status: int, obj: Any) -> None:
+    def _reply(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -215,7 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", required=True, help="backend module, e.g. mmrl.vlm.backend")
     parser.add_argument("--config-json", type=Path, help="JSON file of the run config (merged over the backend's defaults)")
     parser.add_argument("--checkpoint", help="checkpoint or run directory to load weights from")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: loopback only; any other address needs a token)")
+    parser.add_argument("--token", default=None,
+                        help=f"require 'Authorization: Bearer <token>' on every request (default: ${TOKEN_ENV}, "
+                        "which, unlike this flag, does not show in the process list)")
     parser.add_argument("--port", type=int, default=8400, help="port; 0 picks a free one (default: 8400)")
     parser.add_argument("--name", default="served", help="engine name in /health and error messages")
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="largest /generate body")
@@ -225,14 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     from mmrl.core.checkpoint import CheckpointError
     from mmrl.core.config import ConfigError
 
+    token = resolve_token(args.token)
     try:
+        check_bind(args.host, token)  # before building a model, not after
         config = json.loads(args.config_json.read_text()) if args.config_json else {}
         policy, cfg = build_policy(args.backend, config, args.checkpoint)
     except (ConfigError, CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
-          ready=lambda url: print(READY + url, flush=True),
+          ready=lambda url: print(READY + url, flush=True), token=token,
           max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes)
 
 

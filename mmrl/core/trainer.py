@@ -51,6 +51,7 @@ from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
+from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
@@ -196,6 +197,7 @@ class Trainer:
         else:
             batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
             wait = time.perf_counter() - t0
+            crash_point("rollout", self.step + 1)
             if batch is not None:
                 t1 = time.perf_counter()
                 metrics.update(self.update(batch))
@@ -267,6 +269,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.method.epoch = 0
         for group in rnd:
+            crash_point("rollout", self.step + 1)
             t = time.perf_counter()
             stale = max(stale, self.step - group.policy_version)
             if self.reference is not None:
@@ -333,6 +336,7 @@ class Trainer:
             tally["bad"] += 1
             return
         self.optimizer.step()
+        crash_point("update", self.step + 1)
         self.lr_scheduler.step()
         if self.ema is not None:
             self.ema.update(self.params)

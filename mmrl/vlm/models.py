@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.core.config import ConfigError
+from mmrl.core.config import ConfigError, check_remote_code
 
 SUPPORTED = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -53,12 +53,11 @@ def load_vlm(mcfg):
         raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {str(path)!r} has no config.json; is it a from_pretrained directory?")
-    if mcfg.trust_remote_code:
-        warnings.warn(f"trust_remote_code is on: running the Python code in {path}", stacklevel=2)
+    check_remote_code(path, mcfg.trust_remote_code)  # refuse, or name the directory whose code runs
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
-    except ValueError as e:
-        raise ConfigError(f"model.path: {path} could not be read as a model config: {e}") from e
+    except Exception as e:  # ValueError, or huggingface_hub's StrictDataclassError (an invalid config.json)
+        raise ConfigError(f"model.path: {path}/config.json could not be read as a model config: {e}") from e
     family = getattr(config, "model_type", "?")
     if family in SUPPORTED:
         cls = getattr(transformers, SUPPORTED[family])
@@ -70,16 +69,32 @@ def load_vlm(mcfg):
         )
         cls = AutoModelForImageTextToText
     try:
-        model = cls.from_pretrained(
+        model, info = cls.from_pretrained(
             path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
-            trust_remote_code=mcfg.trust_remote_code,
+            trust_remote_code=mcfg.trust_remote_code, output_loading_info=True,
         )
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: could not load the model in {path}: {e}") from e
+    except RuntimeError as e:  # transformers' shape check: config.json does not fit the weights
+        if "mismatch" not in str(e):
+            raise
+        raise ConfigError(f"model.path: the weights in {path} do not fit its config.json (tensor shapes "
+                          f"differ; the load report above lists them): {e}") from e
+    if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
+        raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
+                          f"{missing_weights(info['missing_keys'])}")
     if mcfg.lora is not None:
         model = add_lora(model, mcfg.lora)
     return model, processor
+
+
+def missing_weights(keys) -> str:
+    """The message for weights config.json needs but the checkpoint lacks (a few named)."""
+    keys = sorted(keys)
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return (f"{len(keys)} weight(s) it needs are missing from the checkpoint ({', '.join(keys[:5])}{more}); "
+            "transformers would initialise them at random")
 
 
 def add_lora(model, lcfg):

@@ -29,11 +29,14 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.checkpoint import load_weights_in_place
+from mmrl.core.config import ConfigError
 from mmrl.core.rewards import Sample
 
 
-class PromptTooLong(ValueError):
-    pass
+class PromptTooLong(ConfigError):
+    """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
+    ValueError) because it is the user's data or settings: the CLI prints it without a
+    traceback, naming the prompt (docs/errors.md)."""
 
 
 class VLMPolicy:

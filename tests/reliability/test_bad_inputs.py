@@ -1,0 +1,405 @@
+"""The bad-input catalogue (docs/errors.md): one parametrised case per row.
+
+Every row runs the real CLI of its modality in process (typer's CliRunner) with tiny
+settings and checks what a user sees: the exit code (2 for a user error, 0 for a row that is
+a documented counted skip or a resize), that the output names the key, file or sample at
+fault, and that no traceback is printed. Bad model directories are damaged copies of the
+bundled tiny models (assets/ is never touched).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import diffusers.utils.logging
+import pytest
+import transformers.utils.logging
+from PIL import Image
+from typer.testing import CliRunner
+
+from diffusion_rl.cli import app as diffusion_app
+from dllm_rl.cli import app as dllm_app
+from mmrl.cli import app as vlm_app
+
+# transformers binds its log handler to sys.stderr on first use; do that now, not inside a
+# CliRunner call whose stderr is closed afterwards ("--- Logging error ---" in later tests).
+transformers.utils.logging.get_logger("transformers")
+diffusers.utils.logging.get_logger("diffusers")
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+APPS = {"vlm": vlm_app, "diffusion": diffusion_app, "dllm": dllm_app}
+
+# Tiny settings that make a run (or a build) take seconds on one CPU thread.
+QUICK = ["logging.tensorboard=false", "logging.progress=false", "train.max_steps=1"]
+TINY = {
+    "vlm": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
+            "rollout.eval_samples=0", "task.num_train=4", "task.num_eval=2"],
+    "diffusion": ["rollout.prompts_per_step=1", "rollout.num_generations=2", "rollout.num_steps=2",
+                  "rollout.window_size=1", "task.num_train=4", "task.num_eval=2", "task.grid_prompts=2"],
+    "dllm": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "task.num_train=4", "task.num_eval=2"],
+    # a jsonl task has no num_train / num_eval: its files are small
+    "vlm-jsonl": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
+                  "rollout.eval_samples=0"],
+}
+
+
+@dataclass
+class Row:
+    modality: str
+    args: Callable[[Path], list[str]]
+    """The command line after the program name, given the test's tmp_path (which it may fill)."""
+    needles: Callable[[Path], list[str]]
+    """Strings the output must contain: the key, file or sample at fault."""
+    code: int = 2
+    warns: str | None = None
+    """A counted skip: a UserWarning matching this is expected (pytest captures warnings)."""
+    tiny: str | None = ""
+    """Which TINY settings to add: "" = the modality's, None = none (the row sets its own)."""
+    extra: Callable[[Path, str], None] | None = field(default=None)
+    """More checks on (tmp_path, output)."""
+
+
+def invoke(modality: str, args: list[str]):
+    return CliRunner().invoke(APPS[modality], [str(a) for a in args])
+
+
+def sets(*pairs: str) -> list[str]:
+    return [x for p in pairs for x in ("--set", p)]
+
+
+def train(tmp: Path, *pairs: str, verb: str = "train") -> list[str]:
+    out = ["--output-dir", str(tmp / "run")] if verb == "train" else sets(f"output_dir={tmp / 'run'}")
+    return [verb, *out, *sets(*pairs)]
+
+
+def check(row: Row, tmp_path: Path) -> str:
+    args = row.args(tmp_path)
+    if row.tiny is not None:  # right after the verb, so the row's own (bad) settings win
+        tiny = sets(*QUICK[:2], *(QUICK[2:] if args[0] == "train" else []), *TINY[row.tiny or row.modality])
+        args = [args[0], *tiny, *args[1:]]
+    if row.warns:
+        with pytest.warns(UserWarning, match=row.warns):
+            result = invoke(row.modality, args)
+    else:
+        result = invoke(row.modality, args)
+    text = result.output
+    assert result.exit_code == row.code, (text[-3000:], result.exception)
+    assert "Traceback" not in text
+    if row.code == 2:  # a user error: one paragraph, no exception escaped the CLI
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert "error:" in text
+    for needle in row.needles(tmp_path):
+        assert needle in text, (needle, text[-3000:])
+    if row.extra is not None:
+        row.extra(tmp_path, text)
+    return text
+
+
+# ============================================================================ configs
+
+
+def config_file(tmp: Path, text: str | bytes, name: str = "bad.yaml") -> Path:
+    p = tmp / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return p
+
+
+def atom_file(tmp: Path) -> Path:
+    p = tmp / "broken_atom.py"
+    p.write_text("raise RuntimeError('this reward file is broken')\n\ndef f(sample):\n    return 1.0\n")
+    return p
+
+
+CONFIG_ROWS = {
+    # unknown key: named, with a suggestion
+    "unknown-key-vlm": Row("vlm", lambda t: train(t, "optim.lrr=1"), lambda t: ["optim.lrr", "optim.lr"]),
+    "unknown-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.num_stepz=3"),
+                                 lambda t: ["rollout.num_stepz", "rollout.num_steps"]),
+    "unknown-key-dllm": Row("dllm", lambda t: train(t, "rollout.gen_lenght=8"),
+                            lambda t: ["rollout.gen_lenght", "rollout.gen_length"]),
+    "unknown-key-in-file": Row("vlm", lambda t: ["train", "--config", config_file(t, "optim:\n  lrr: 1\n")],
+                               lambda t: ["optim.lrr", "bad.yaml"]),
+    # wrong type
+    "wrong-type-vlm": Row("vlm", lambda t: train(t, "optim.lr=abc"), lambda t: ["optim.lr", "'abc'"]),
+    "wrong-type-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=many"),
+                           lambda t: ["rollout.num_generations", "'many'"]),
+    # out of range
+    "out-of-range-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=0"),
+                             lambda t: ["rollout.num_generations", "greater than or equal to 1"]),
+    "out-of-range-diffusion": Row("diffusion", lambda t: train(t, "optim.lr=-1"),
+                                  lambda t: ["optim.lr", "greater than 0"]),
+    # missing, unreadable config file
+    "missing-config-file": Row("vlm", lambda t: ["train", "--config", t / "nope.yaml"],
+                               lambda t: ["nope.yaml", "does not exist"]),
+    "config-not-yaml": Row("diffusion", lambda t: ["train", "--config", config_file(t, "optim: [1, 2\n")],
+                           lambda t: ["bad.yaml", "not valid YAML"]),
+    "config-not-utf8": Row("dllm", lambda t: ["train", "--config", config_file(t, b"seed: 1\n\xff\xfe\n")],
+                           lambda t: ["bad.yaml", "not valid YAML"]),
+    # a method of another modality
+    "method-of-another-modality-vlm": Row("vlm", lambda t: train(t, "method.type=flow_grpo"),
+                                          lambda t: ["method", "flow_grpo"]),
+    "method-of-another-modality-diffusion": Row("diffusion", lambda t: train(t, "method.type=diffu_grpo"),
+                                                lambda t: ["method", "diffu_grpo"]),
+    "method-of-another-modality-dllm": Row("dllm", lambda t: train(t, "method.type=flow_grpo"),
+                                           lambda t: ["method", "flow_grpo"]),
+    # reward atoms that do not import
+    "atom-file-missing": Row("dllm", lambda t: train(t, 'reward.atoms=["nope.py:f"]'),
+                             lambda t: ["reward.atoms", "nope.py", "file not found"]),
+    "atom-file-raises-on-import": Row("dllm", lambda t: train(t, f'reward.atoms=["{atom_file(t)}:f"]'),
+                                      lambda t: ["reward.atoms", "broken_atom.py", "this reward file is broken"]),
+    "atom-function-missing": Row("vlm", lambda t: train(t, f'reward.atoms=["{atom_file(t).with_name("ok.py")}:g"]'),
+                                 lambda t: ["reward.atoms", "ok.py", "'g'"]),
+}
+
+
+@pytest.fixture
+def ok_atom(tmp_path):
+    (tmp_path / "ok.py").write_text("def f(sample):\n    return 1.0\n")
+
+
+@pytest.mark.parametrize("name", list(CONFIG_ROWS))
+def test_config_rows(name, tmp_path, ok_atom, one_thread):
+    check(CONFIG_ROWS[name], tmp_path)
+
+
+# ============================================================================ data
+
+
+def png(path: Path, size=(32, 32), colour=(255, 0, 0)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def header_only_png(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header claims width x height (no pixel data): Pillow refuses it at open."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def vlm_data(tmp: Path, bad_line: dict | bytes | None, *, verb: str = "train", extra: tuple = ()) -> list[str]:
+    """A jsonl task whose train file's second line is `bad_line` (raw bytes for the whole file)."""
+    good = {"question": "What colour is the square?", "answer": "red", "image": "good.png"}
+    png(tmp / "good.png")
+    eval_path = jsonl(tmp / "eval.jsonl", [good, good])
+    train_path = tmp / "train.jsonl"
+    if isinstance(bad_line, bytes):
+        train_path.write_bytes(bad_line)
+    else:
+        jsonl(train_path, [good] + ([bad_line] if bad_line is not None else []))
+    return train(tmp, "task.type=jsonl", f"task.train_path={train_path}", f"task.eval_path={eval_path}",
+                 *extra, verb=verb)
+
+
+def corrupt_image_args(tmp: Path) -> list[str]:
+    (tmp / "junk.png").write_bytes(b"\x13\x37not a png at all" * 40)  # random bytes named .png
+    return vlm_data(tmp, {"question": "q?", "answer": "a", "image": str((tmp / "junk.png").absolute())})
+
+
+def _resized_to_max_pixels(tmp: Path, text: str) -> None:
+    """The CLI sampled the huge image; qwen-vl-utils resizes it to within model.max_pixels."""
+    from qwen_vl_utils import process_vision_info
+
+    row, _ = json.JSONDecoder().raw_decode(text[text.index('{"question"'):])  # stderr's progress bar may precede it
+    assert row["gold"] == "blue" and isinstance(row["completion"], str)
+    (found,), _ = process_vision_info([{"role": "user", "content": [
+        {"type": "image", "image": Image.open(tmp / "huge.png"), "max_pixels": 112 * 112}]}])
+    assert found.size[0] * found.size[1] <= 112 * 112
+
+
+def huge_image_args(tmp: Path) -> list[str]:
+    Image.new("RGB", (6000, 6000), (0, 0, 255)).save(tmp / "huge.png", compress_level=1)
+    big = {"question": "What colour is the square?", "answer": "blue", "image": "huge.png"}
+    eval_path = jsonl(tmp / "eval.jsonl", [big])
+    return ["sample", "--num", "1", *sets(f"output_dir={tmp / 'run'}", "task.type=jsonl",
+                                          f"task.train_path={eval_path}", f"task.eval_path={eval_path}",
+                                          "rollout.max_new_tokens=4")]
+
+
+def jrow(args, needles, **kw) -> Row:
+    """A VLM row on a jsonl task."""
+    return Row("vlm", args, needles, tiny="vlm-jsonl", **kw)
+
+
+DATA_ROWS = {
+    "missing-image": jrow(lambda t: vlm_data(t, {"question": "q?", "answer": "a", "image": "gone.png"}),
+                         lambda t: ["train.jsonl, line 2, field 'image'", "gone.png", "not found"]),
+    "missing-image-skipped": jrow(
+        lambda t: vlm_data(t, {"question": "q?", "answer": "a", "image": "gone.png"}, verb="sample",
+                                  extra=("task.on_bad_image=skip",)) + ["--num", "1"],
+        lambda t: ['"completion"'], code=0, warns=r"skipped 1 sample\(s\) .*line 2 \(image: image file not found"),
+    "corrupt-image": jrow(corrupt_image_args,
+        lambda t: ["train.jsonl, line 2, field 'image'", "junk.png", "cannot read image"]),
+    "empty-dataset": jrow(lambda t: vlm_data(t, b"\n\n"), lambda t: ["train.jsonl", "empty dataset"]),
+    "non-utf8-dataset": jrow(lambda t: vlm_data(t, b'{"question": "caf\xe9?", "answer": "a"}\n\xff\xfe\n'),
+                            lambda t: ["train.jsonl, line 1", "not valid UTF-8"]),
+    "prompt-over-context-vlm": jrow(lambda t: vlm_data(t, {"question": "two " * 2100, "answer": "2"}),
+                                   lambda t: ["two two two", "exceeds the model's context of 2048"]),
+    "image-far-above-max-pixels": Row("vlm", huge_image_args, lambda t: ['"completion"'], code=0,
+                                      extra=_resized_to_max_pixels, tiny=None),
+    "image-above-decompression-limit": jrow(
+        lambda t: vlm_data(t, {"question": "q?", "answer": "a",
+                                      "image": header_only_png(t / "bomb.png", 30000, 30000).name}),
+        lambda t: ["train.jsonl, line 2, field 'image'", "bomb.png", "DecompressionBombError"]),
+    "prompt-file-empty-diffusion": Row(
+        "diffusion", lambda t: train(t, "task.train_path=" + str(config_file(t, "# nothing\n\n", "prompts.txt"))),
+        lambda t: ["task.train_path", "prompts.txt", "holds no prompts"]),
+    "prompt-file-non-utf8-diffusion": Row(
+        "diffusion", lambda t: train(t, "task.train_path=" + str(config_file(t, b"a red circle\n\xff\xfe\n", "prompts.txt"))),
+        lambda t: ["task.train_path", "prompts.txt", "line 2", "UTF-8"]),
+    "prompt-file-missing-diffusion": Row(
+        "diffusion", lambda t: train(t, f"task.train_path={t / 'nope.txt'}"),
+        lambda t: ["task.train_path", "nope.txt"]),
+    "prompt-over-context-dllm": Row(
+        "dllm", lambda t: ["sample", "--num", "1", "--prompt", "1+" * 60 + "1=", *sets(f"output_dir={t / 'run'}")],
+        lambda t: ["--prompt", "1+1+1+1", "tokens", "at most"]),
+    "generation-over-context-dllm": Row(
+        "dllm", lambda t: train(t, "rollout.gen_length=96", "rollout.block_length=4", "rollout.steps=24"),
+        lambda t: ["rollout.gen_length", "exceed the model's context of 96"]),
+}
+
+
+@pytest.mark.parametrize("name", list(DATA_ROWS))
+def test_data_rows(name, tmp_path, one_thread):
+    check(DATA_ROWS[name], tmp_path)
+
+
+# ============================================================================ models
+
+CODE = "print('REMOTE CODE RAN')\nfrom transformers import {cls} as CustomConfig  # noqa: F401\n"
+
+
+def model_copy(tmp: Path, asset: str) -> Path:
+    out = tmp / "model"
+    shutil.copytree(ASSETS / asset, out)
+    return out
+
+
+def without(tmp: Path, asset: str, file: str) -> Path:
+    d = model_copy(tmp, asset)
+    (d / file).unlink()
+    return d
+
+
+def edit_json(tmp: Path, asset: str, file: str, edit: Callable[[dict], None]) -> Path:
+    d = model_copy(tmp, asset)
+    data = json.loads((d / file).read_text())
+    edit(data)
+    (d / file).write_text(json.dumps(data))
+    return d
+
+
+def remote_code(tmp: Path, asset: str, cls: str) -> Path:
+    d = edit_json(tmp, asset, "config.json", lambda c: c.update(auto_map={"AutoConfig": "custom_config.CustomConfig"}))
+    (d / "custom_config.py").write_text(CODE.format(cls=cls))
+    return d
+
+
+def _set(key: str, value):
+    def edit(c: dict) -> None:
+        node = c
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return edit
+
+
+def _more_layers(c: dict) -> None:
+    t = c["text_config"]
+    t["num_hidden_layers"] += 1
+    t["layer_types"] = [*t["layer_types"], t["layer_types"][-1]]
+
+
+def model_args(modality: str, make: Callable[[Path], Path], *more: str, verb: str = "train"):
+    return lambda t: train(t, f"model.path={make(t)}", *more, verb=verb)
+
+
+def _notice_before_code(tmp: Path, text: str) -> None:
+    """With model.trust_remote_code=true the CLI names the directory before its code runs."""
+    notice = text.index("trust_remote_code")
+    assert str(tmp / "model") in text[notice:notice + 400]
+    if "REMOTE CODE RAN" in text:
+        assert notice < text.index("REMOTE CODE RAN")
+
+
+MODEL_ROWS = {
+    "checkpoint-without-weights-vlm": Row(
+        "vlm", model_args("vlm", lambda t: without(t, "tiny-qwen2.5-vl", "model.safetensors")),
+        lambda t: ["model.path", str(t / "model")]),
+    "checkpoint-without-weights-dllm": Row(
+        "dllm", model_args("dllm", lambda t: without(t, "tiny-dllm", "model.safetensors")),
+        lambda t: ["model.path", str(t / "model")]),
+    "checkpoint-without-weights-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: without(
+            t, "tiny-flow", "transformer/diffusion_pytorch_model.safetensors")),
+        lambda t: ["model.path", str(t / "model"), "transformer"]),
+    "checkpoint-without-config-vlm": Row(
+        "vlm", model_args("vlm", lambda t: without(t, "tiny-qwen2.5-vl", "config.json")),
+        lambda t: ["model.path", str(t / "model"), "config.json"]),
+    "config-weights-mismatch-vlm": Row(
+        "vlm", model_args("vlm", lambda t: edit_json(t, "tiny-qwen2.5-vl", "config.json",
+                                                     _set("text_config.hidden_size", 96))),
+        lambda t: ["model.path", str(t / "model"), "do not fit", "config.json"]),
+    "config-weights-mismatch-dllm": Row(
+        "dllm", model_args("dllm", lambda t: edit_json(t, "tiny-dllm", "config.json", _set("hidden_size", 96))),
+        lambda t: ["model.path", str(t / "model"), "do not fit", "config.json"]),
+    "config-more-layers-than-weights-vlm": Row(
+        "vlm", model_args("vlm", lambda t: edit_json(t, "tiny-qwen2.5-vl", "config.json", _more_layers)),
+        lambda t: ["model.path", str(t / "model"), "do not fit", "missing from the checkpoint"]),
+    "config-more-layers-than-weights-dllm": Row(
+        "dllm", model_args("dllm", lambda t: edit_json(t, "tiny-dllm", "config.json", _set("num_hidden_layers", 5))),
+        lambda t: ["model.path", str(t / "model"), "do not fit", "model.layers.4"]),
+    "config-weights-mismatch-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: edit_json(
+            t, "tiny-flow", "transformer/config.json", _set("num_attention_heads", 3))),
+        lambda t: ["model.path", str(t / "model"), "transformer"]),
+    "remote-code-off-vlm": Row(
+        "vlm", model_args("vlm", lambda t: remote_code(t, "tiny-qwen2.5-vl", "Qwen2_5_VLConfig")),
+        lambda t: ["model.trust_remote_code=true", str(t / "model")],
+        extra=lambda t, text: ("REMOTE CODE RAN" not in text) or pytest.fail("remote code ran")),
+    "remote-code-off-dllm": Row(
+        "dllm", model_args("dllm", lambda t: remote_code(t, "tiny-dllm", "LlamaConfig")),
+        lambda t: ["model.trust_remote_code=true", str(t / "model")],
+        extra=lambda t, text: ("REMOTE CODE RAN" not in text) or pytest.fail("remote code ran")),
+    "remote-code-on-vlm": Row(
+        "vlm", model_args("vlm", lambda t: remote_code(t, "tiny-qwen2.5-vl", "Qwen2_5_VLConfig"),
+                          "model.trust_remote_code=true", verb="sample") ,
+        lambda t: ["notice:", str(t / "model")], code=0, extra=_notice_before_code),
+    "remote-code-on-dllm": Row(
+        "dllm", model_args("dllm", lambda t: remote_code(t, "tiny-dllm", "LlamaConfig"),
+                           "model.trust_remote_code=true", verb="sample"),
+        lambda t: ["notice:", str(t / "model")], code=0, extra=_notice_before_code),
+    "remote-code-on-diffusion": Row(  # diffusion pipelines never run a directory's code: the flag says so
+        "diffusion", lambda t: ["sample", "--prompt", "a red circle", *sets(
+            f"output_dir={t / 'run'}", "model.trust_remote_code=true")],
+        lambda t: ["notice:", "no effect", str(ASSETS / "tiny-flow")], code=0),
+    "custom-component-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: edit_json(
+            t, "tiny-flow", "model_index.json", _set("transformer", ["my_pipelines", "MyTransformer"]))),
+        lambda t: ["model.path", str(t / "model"), "'transformer'", "my_pipelines"]),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_ROWS))
+def test_model_rows(name, tmp_path, one_thread):
+    row = MODEL_ROWS[name]
+    if row.code == 0:  # sample: --num 1 and a couple of eval items
+        row = Row(**{**row.__dict__, "args": lambda t, a=row.args: a(t) + ["--num", "1"]})
+    check(row, tmp_path)

@@ -1,0 +1,40 @@
+"""A kill -9 in the middle of writing a metrics row leaves half a line at the end of
+metrics.jsonl: resuming drops it (and only it), and rows go on after whole lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrl.core.logging import RunLogger, read_metrics, truncate_metrics
+
+
+def write(path, rows, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail, encoding="utf-8")
+
+
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+    write(path, rows, tail='{"step": 3, "lo')  # the kill landed mid-write
+    assert read_metrics(path) == rows
+    logger = RunLogger(tmp_path, total_steps=4, start_step=2, tensorboard=False, progress=False)
+    logger.log(3, {"loss": 0.3})
+    logger.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert all(json.loads(line) for line in path.read_text().splitlines())  # every line whole
+
+
+def test_a_bad_line_in_the_middle_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2"):
+        read_metrics(path)
+
+
+def test_truncate_keeps_whole_rows_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write(path, [{"step": s} for s in (1, 2, 3)], tail='{"st')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
