@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -27,6 +28,7 @@ def demo(
     Each tab samples the base model and the fine-tuned one with the same seeds and shows every
     sample's reward atoms. Works offline; nothing is sent anywhere.
     """
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before Gradio is imported: no phoning home
     try:
         import gradio  # noqa: F401
     except ModuleNotFoundError:

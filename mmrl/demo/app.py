@@ -101,6 +101,20 @@ class Demo:
         return items[int(index) % len(items)]
 
 
+def before_after(gr, prefix: str, gallery: bool = False) -> list:
+    """Two columns, before and after: an HTML panel each (#<prefix>-before, #<prefix>-after),
+    under an image gallery each when `gallery` (#<prefix>-before-images, ...)."""
+    out = []
+    with gr.Row():
+        for side, title in (("before", BEFORE), ("after", AFTER)):
+            with gr.Column():
+                gr.Markdown(title)
+                if gallery:
+                    out.append(gr.Gallery(label=side, columns=4, height=200, elem_id=f"{prefix}-{side}-images"))
+                out.append(gr.HTML(elem_id=f"{prefix}-{side}"))
+    return out
+
+
 def build_app(demo: Demo):
     import gradio as gr
 
@@ -177,13 +191,7 @@ def build_app(demo: Demo):
                     with gr.Row():
                         new = gr.Button("New held-out question", elem_id="vlm-new")
                         go = gr.Button("Generate", variant="primary", elem_id="vlm-generate")
-            with gr.Row():
-                with gr.Column():
-                    gr.Markdown(BEFORE)
-                    before = gr.HTML(elem_id="vlm-before")
-                with gr.Column():
-                    gr.Markdown(AFTER)
-                    after = gr.HTML(elem_id="vlm-after")
+            before, after = before_after(gr, "vlm")
             new.click(vlm_new, [vlm_idx], [image, question, vlm_idx, vlm_cur])
             image.upload(lambda: -1, None, vlm_cur)
             go.click(vlm_run, [image, question, vlm_cur, n, seed], [before, after])
@@ -194,15 +202,7 @@ def build_app(demo: Demo):
                 seeds = gr.Textbox(label="seeds", value="0, 1, 2, 3")
                 d_new = gr.Button("New held-out prompt", elem_id="diffusion-new")
                 d_go = gr.Button("Generate", variant="primary", elem_id="diffusion-generate")
-            with gr.Row():
-                with gr.Column():
-                    gr.Markdown(BEFORE)
-                    g_before = gr.Gallery(label="before", columns=4, height=200, elem_id="diffusion-before-images")
-                    h_before = gr.HTML(elem_id="diffusion-before")
-                with gr.Column():
-                    gr.Markdown(AFTER)
-                    g_after = gr.Gallery(label="after", columns=4, height=200, elem_id="diffusion-after-images")
-                    h_after = gr.HTML(elem_id="diffusion-after")
+            g_before, h_before, g_after, h_after = before_after(gr, "diffusion", gallery=True)
             d_new.click(diffusion_new, [d_idx], [prompt, d_idx])
             d_go.click(diffusion_run, [prompt, seeds], [g_before, g_after, h_before, h_after])
         with gr.Tab(TITLES["dllm"], elem_id="tab-dllm"):
@@ -216,13 +216,7 @@ def build_app(demo: Demo):
             with gr.Row():
                 l_new = gr.Button("New held-out problem", elem_id="dllm-new")
                 l_go = gr.Button("Generate", variant="primary", elem_id="dllm-generate")
-            with gr.Row():
-                with gr.Column():
-                    gr.Markdown(BEFORE)
-                    l_before = gr.HTML(elem_id="dllm-before")
-                with gr.Column():
-                    gr.Markdown(AFTER)
-                    l_after = gr.HTML(elem_id="dllm-after")
+            l_before, l_after = before_after(gr, "dllm")
             l_new.click(dllm_new, [l_idx], [problem, l_idx])
             l_go.click(dllm_run, [problem, ln, lseed, strategy], [l_before, l_after])
         with gr.Tab("Runs", elem_id="tab-runs"):

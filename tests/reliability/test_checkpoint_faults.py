@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy
+from runcompare import assert_same_run
 from safetensors import SafetensorError
 from typer.testing import CliRunner
 
@@ -115,11 +116,7 @@ def test_failed_write_keeps_the_previous_checkpoint_and_resume_recovers(fault, t
     monkeypatch.undo()  # the disk has room again
     resumed = make(out)
     resumed.train(resume=True)
-    for k, v in full.policy.model.state_dict().items():
-        assert torch.equal(v, resumed.policy.model.state_dict()[k]), k
-    strip = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(out / "metrics.jsonl")]
-    assert strip == [{k: v for k, v in r.items() if not k.startswith("time/")}
-                     for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+    assert_same_run(full.policy, resumed.policy, tmp_path / "full", out)
 
 
 @pytest.mark.parametrize("fault", ["disk-full-model", "permission-denied-state"])

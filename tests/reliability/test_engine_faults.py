@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import toy
+from runcompare import assert_same_run
 from typer.testing import CliRunner
 
 from mmrl.core import checkpoint as ckpt
@@ -124,11 +124,7 @@ def test_engine_fault_stops_the_run_with_checkpoints_intact_then_resume(case, tm
     resumed = Trainer(config(out, *extra), toy.ToyPolicy(), toy.ToyTask(),
                       engines=[PolicyEngine(toy.ToyPolicy(), own_weights=True, name="thread")])
     resumed.train(resume=True)
-    for k, v in full.policy.model.state_dict().items():
-        assert torch.equal(v, resumed.policy.model.state_dict()[k]), k
-    strip = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(out / "metrics.jsonl")]
-    assert strip == [{k: v for k, v in r.items() if not k.startswith("time/")}
-                     for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+    assert_same_run(full.policy, resumed.policy, tmp_path / "full", out)
 
 
 def test_a_dying_engine_is_replaced_and_the_run_is_unchanged(tmp_path):
