@@ -217,7 +217,8 @@ def test_kill_at_a_random_moment_then_resume_is_bit_identical(full_run, tmp_path
             proc.kill()
             proc.wait()
         proc.stderr.close()
-    assert not (out / "summary.json").exists()
+    # The kill may also land after summary.json, while report.html is written or the process
+    # exits: resuming must end as the full run wherever it landed.
     assert_checkpoints_sound(modality, out, backend_policy(modality, out))
     finished(run(modality, out, resume=True))
     assert_same_run(full, out)
