@@ -46,6 +46,7 @@ class DiffusionPolicy:
         self.flow = flow
         self.model = flow.transformer
         self.rollout = rollout  # noise level and kind: the same in rollout and training
+        self._counted = 0  # flow.evaluations at the last step_costs()
 
     # ------------------------------------------------------------------ rollout
 
@@ -158,7 +159,7 @@ class DiffusionPolicy:
     def step_costs(self) -> dict[str, float]:
         """Transformer rows run since the last call (rollouts, re-scoring, reference passes),
         logged per training step as cost/model_evaluations (the core calls this)."""
-        n, self._counted = self.flow.evaluations - getattr(self, "_counted", 0), self.flow.evaluations
+        n, self._counted = self.flow.evaluations - self._counted, self.flow.evaluations
         return {"cost/model_evaluations": float(n)}
 
     # ------------------------------------------------------------------ weights

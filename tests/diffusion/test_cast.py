@@ -25,7 +25,6 @@ from diffusion_rl.calibrate import (
 )
 from diffusion_rl.config import CASTConfig, DiffusionTrainConfig
 from diffusion_rl.methods.cast import ATOM_ADVANTAGES, CAST, cast_advantages
-from diffusion_rl.models import build_tiny
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.rewards import AtomScores, Reward, Sample
@@ -36,11 +35,6 @@ FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations
         "task.num_train=16", "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false",
         "logging.progress=false", "optim.lr=1e-3"]
 S3 = 1 / math.sqrt(3)  # 0.57735: |deviation| 1/3 over the unbiased std sqrt(1/3) of (1, 1, 0)
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
 
 
 # ------------------------------------------------------------------ advantages

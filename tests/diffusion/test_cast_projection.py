@@ -31,11 +31,6 @@ FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations
 
 
 @pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
-
-
-@pytest.fixture(scope="module")
 def sd3_dir(tmp_path_factory):
     return build_tiny("sd3", tmp_path_factory.mktemp("sd3"), seed=0)
 

@@ -22,11 +22,6 @@ FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations
         "logging.progress=false", "optim.lr=1e-3"]
 
 
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
-
-
 def make(path, tmp_path, *overrides):
     cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
                       overrides=[f"model.path={path}", f"output_dir={tmp_path / 'run'}", *FAST, *overrides])

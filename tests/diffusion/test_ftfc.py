@@ -25,7 +25,6 @@ from diffusion_rl.ftfc import (
     solve_lambda,
     tilt_weights,
 )
-from diffusion_rl.models import build_tiny
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.trainer import Trainer
 
@@ -271,11 +270,6 @@ def test_flow_matching_error_interpolates_towards_the_noise(flux_dir):
 FAST = ["rollout.num_steps=4", "rollout.num_generations=2", "rollout.prompts_per_step=2", "task.num_train=16",
         "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false", "logging.progress=false",
         "optim.lr=1e-3"]
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
 
 
 def make(path, out, *overrides):
