@@ -10,6 +10,11 @@
     python scripts/pretrain_tiny_vlm.py --out assets/tiny-qwen2.5-vl
 
 Validation uses a separate item stream (seed 1) from the RL run's held-out set (seed 0).
+
+--counterfactual-frac F (off by default; an experiment recorded in benchmarks/RESULTS.md):
+a fraction F of the rows get one object of their description changed and the answer that
+changed description implies, with the loss on the answer only, to teach the answer to
+follow the reasoning.
 """
 
 from __future__ import annotations
@@ -28,7 +33,32 @@ from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
+from mmrl.vlm.consistency import implied_answer, parse_reasoning
+from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
 from mmrl.vlm.tiny import build_tiny_vlm
+
+
+def counterfactual(item, g: torch.Generator, tokenizer) -> tuple[str, int]:
+    """(completion, description tokens to leave untrained): the item's description with one
+    object's colour or shape changed, answered as that description implies."""
+    desc = item.reference.split("<answer>")[0].strip()
+    objects = parse_reasoning(desc)
+    if not objects:
+        return item.reference, 0
+    for _ in range(8):
+        new = list(objects)
+        i = int(torch.randint(len(new), (1,), generator=g))
+        c, s = new[i]
+        if torch.rand((), generator=g) < 0.5:
+            c = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=g))]
+        else:
+            s = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
+        new[i] = (c, s)
+        answer = implied_answer(item.meta["kind"], item.meta["params"], new)
+        if answer is not None and new != objects:
+            text = " , ".join(f"a {c} {s}" for c, s in new)
+            return f"{text} <answer>{answer}</answer>", len(tokenizer.tokenize(text))
+    return item.reference, 0
 
 
 def main(argv=None) -> int:
@@ -46,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--max-shapes", type=int, default=2)
     ap.add_argument("--shape-size", type=int, nargs=2, default=(36, 48))
+    ap.add_argument("--counterfactual-frac", type=float, default=0.0,
+                    help="fraction of SFT rows whose description is perturbed, answer trained only")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -69,7 +101,14 @@ def main(argv=None) -> int:
         model.train()
         idx = torch.randint(len(train), (args.batch_size,), generator=g).tolist()
         items = [train[i] for i in idx]
-        batch = policy.teacher_batch(items, [it.reference for it in items])
+        # (no draw at frac 0: the default rebuild stays bit-identical)
+        cf = args.counterfactual_frac
+        refs, masked = zip(*(counterfactual(it, g, processor.tokenizer)
+                             if cf > 0 and torch.rand((), generator=g) < cf else (it.reference, 0)
+                             for it in items))
+        batch = policy.teacher_batch(items, list(refs))
+        for i, n in enumerate(masked):  # counterfactual rows: train the answer, not the wrong description
+            batch.mask[i, :n] = False
         loss = policy.sft_loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
