@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 from mmrl.vlm.config import VLMModelConfig
+from mmrl.vlm.consistency import implied_answer, parse_reasoning
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
-from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
-from mmrl.vlm.consistency import implied_answer, parse_reasoning
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
+from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
 from mmrl.vlm.tiny import build_tiny_vlm
 
 
