@@ -16,7 +16,6 @@ Prints Markdown.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import Counter, defaultdict
 
@@ -46,7 +45,7 @@ def vlm(args) -> None:
     for it, text in zip(items, texts):
         reasoning = split_completion(text)[0]
         answer = normalize(extract_answer(text))
-        truth = it.reference.split("<answer>")[0].strip()
+        truth = split_completion(it.reference)[0].strip()
         rows[it.meta["kind"]].append((answer == normalize(it.answer), reasoning.strip() == truth, answer))
         implied = implied_answer(it.meta["kind"], it.meta["params"], parse_reasoning(reasoning))
         if implied is not None:
@@ -65,7 +64,7 @@ def vlm(args) -> None:
 
 def dllm(args) -> None:
     from dllm_rl import backend
-    from dllm_rl.tasks.arith import parse_integer
+    from dllm_rl.tasks.arith import answer_atom, to_sample
 
     cfg = _config(backend, args)
     if cfg.task.type != "arith":
@@ -81,10 +80,10 @@ def dllm(args) -> None:
         sampled, _ = task._answers(policy, many, cfg.rollout.temperature, torch.Generator().manual_seed(args.seed))
     rows: dict[str, list] = defaultdict(list)
     for i, p in enumerate(problems):
-        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", p.prompt).groups()
-        hits = [parse_integer(t) == int(p.answer) for t in sampled[i * n:(i + 1) * n]]
-        rows[f"{op} {len(a)}x{len(b)}"].append((parse_integer(greedy[i]) == int(p.answer),
-                                               sum(hits) / n if n else 0.0, any(hits)))
+        m = p.meta
+        hits = [answer_atom(to_sample(p, t)) for t in sampled[i * n:(i + 1) * n]]
+        rows[f"{m['op']} {len(str(m['a']))}x{len(str(m['b']))}"].append(
+            (answer_atom(to_sample(p, greedy[i])), sum(hits) / n if n else 0.0, any(hits)))
     head = "| class | n | greedy accuracy |" + (f" sampled accuracy (T {cfg.rollout.temperature}) | pass@{n} |" if n else "")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))

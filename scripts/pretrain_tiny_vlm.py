@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from mmrl.vlm.config import VLMModelConfig
-from mmrl.vlm.consistency import implied_answer, parse_reasoning
+from mmrl.vlm.consistency import implied_answer, parse_reasoning, split_completion
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
-from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
+from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, describe_objects
 from mmrl.vlm.tasks.shapes_qa import ShapesQA, shapes_qa_reward
 from mmrl.vlm.tiny import build_tiny_vlm
 
@@ -41,8 +41,7 @@ from mmrl.vlm.tiny import build_tiny_vlm
 def counterfactual(item, g: torch.Generator, tokenizer) -> tuple[str, int]:
     """(completion, description tokens to leave untrained): the item's description with one
     object's colour or shape changed, answered as that description implies."""
-    desc = item.reference.split("<answer>")[0].strip()
-    objects = parse_reasoning(desc)
+    objects = parse_reasoning(split_completion(item.reference)[0])
     if not objects:
         return item.reference, 0
     for _ in range(8):
@@ -56,7 +55,7 @@ def counterfactual(item, g: torch.Generator, tokenizer) -> tuple[str, int]:
         new[i] = (c, s)
         answer = implied_answer(item.meta["kind"], item.meta["params"], new)
         if answer is not None and new != objects:
-            text = " , ".join(f"a {c} {s}" for c, s in new)
+            text = describe_objects(new)
             return f"{text} <answer>{answer}</answer>", len(tokenizer.tokenize(text))
     return item.reference, 0
 

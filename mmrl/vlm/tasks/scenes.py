@@ -170,7 +170,13 @@ def render(scene: Scene) -> Image.Image:
 def describe(scene: Scene) -> str:
     """Canonical short description, objects left to right (ties: top to bottom),
     e.g. "a red circle , a blue square"; "nothing" for an empty scene."""
-    if not scene.shapes:
-        return "nothing"
     ordered = sorted(scene.shapes, key=lambda s: (s.x, s.y))
-    return " , ".join(f"a {s.colour} {s.shape}" for s in ordered)
+    return describe_objects([(s.colour, s.shape) for s in ordered])
+
+
+def describe_objects(objects: list[tuple[str, str]]) -> str:
+    """describe() of (colour, shape) pairs in the given order; "nothing" for none
+    (mmrl.vlm.consistency.parse_reasoning reads it back)."""
+    if not objects:
+        return "nothing"
+    return " , ".join(f"a {colour} {shape}" for colour, shape in objects)
