@@ -72,12 +72,12 @@ def dllm(args) -> None:
     policy, task = backend.build(cfg)
     policy.model.eval()
     problems = task.eval_problems
-    greedy, _ = task._answers(policy, problems, 0.0)
+    greedy, _ = task.answers(policy, problems, 0.0)
     n = args.samples
     sampled = []
     if n:
         many = [p for p in problems for _ in range(n)]
-        sampled, _ = task._answers(policy, many, cfg.rollout.temperature, torch.Generator().manual_seed(args.seed))
+        sampled, _ = task.answers(policy, many, cfg.rollout.temperature, torch.Generator().manual_seed(args.seed))
     rows: dict[str, list] = defaultdict(list)
     for i, p in enumerate(problems):
         m = p.meta

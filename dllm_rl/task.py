@@ -47,7 +47,9 @@ class DLLMTask:
     def train_prompts(self) -> list:
         return self.train
 
-    def _answers(self, policy, problems, temperature: float, generator=None):
+    def answers(self, policy, problems, temperature: float, generator=None):
+        """Decoded answer texts of `problems` and the NFE of each, in batches of batch_size
+        (temperature 0 = greedy)."""
         texts, nfe = [], []
         for start in range(0, len(problems), self.batch_size):
             chunk = problems[start: start + self.batch_size]
@@ -65,7 +67,7 @@ class DLLMTask:
             policy.model.train(was_training)
 
     def _evaluate(self, policy) -> dict[str, float]:
-        texts, nfe = self._answers(policy, self.eval_problems, 0.0)
+        texts, nfe = self.answers(policy, self.eval_problems, 0.0)
         scores = self.reward.score([to_sample(p, t) for p, t in zip(self.eval_problems, texts)])
         out = {"reward": float(scores.total.mean()), "nfe": float(nfe.mean())}
         for k, name in enumerate(scores.names):
@@ -74,7 +76,7 @@ class DLLMTask:
         if n:
             gen = torch.Generator().manual_seed(1234)
             problems = [p for p in self.eval_problems for _ in range(n)]
-            texts, nfe = self._answers(policy, problems, self.rollout.temperature, gen)
+            texts, nfe = self.answers(policy, problems, self.rollout.temperature, gen)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])
             hits = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n) >= 0.5
             for k in (1, 2, 4, 8, 16):
@@ -86,7 +88,7 @@ class DLLMTask:
     def save_samples(self, policy, out_dir: str | Path, tag: str, count: int = 16) -> Path:
         """The greedy answers to the first held-out problems, as JSON, for before/after comparison."""
         problems = self.eval_problems[:count]
-        texts, nfe = self._answers(policy, problems, 0.0)
+        texts, nfe = self.answers(policy, problems, 0.0)
         rows = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "nfe": float(f)}
                 for p, t, f in zip(problems, texts, nfe)]
         out = Path(out_dir)
