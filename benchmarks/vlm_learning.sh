@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The main job (`mmrl train`, embedded default: bundled tiny Qwen2.5-VL, shapes-qa, GRPO)
-# over three seeds; prints held-out accuracy (greedy and sampled) before and after.
-#   bash benchmarks/vlm_learning.sh [OUT_DIR]
+# over seeds 0, 1, 2 (or the ones given); prints held-out accuracy (greedy and sampled)
+# before and after.
+#   bash benchmarks/vlm_learning.sh [OUT_DIR [SEED ...]]
 set -euo pipefail
 out=${1:-runs/vlm-learning}
-for seed in 0 1 2; do
+seeds=("${@:2}")
+[ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+for seed in "${seeds[@]}"; do
   start=$(date +%s)
   mmrl train --seed "$seed" --output-dir "$out/seed$seed" > "$out.seed$seed.log" 2>&1 || { cat "$out.seed$seed.log"; exit 1; }
   python - "$out/seed$seed/summary.json" "$seed" "$(( $(date +%s) - start ))" <<'PY'
