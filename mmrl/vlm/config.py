@@ -27,6 +27,9 @@ class VLMModelConfig(ModelConfig):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     lora: LoRAConfig | None = None
     """None = full fine-tuning (the default for the tiny model)."""
+    freeze_vision: bool = False
+    """Keep the vision encoder and its patch merger fixed and train the rest (EasyR1's
+    freeze_vision_tower); with LoRA, the adapters train either way."""
 
 
 class ShapesQATaskConfig(Section):

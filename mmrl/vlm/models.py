@@ -86,7 +86,19 @@ def load_vlm(mcfg):
                           f"{missing_weights(info['missing_keys'])}")
     if mcfg.lora is not None:
         model = add_lora(model, mcfg.lora)
+    if mcfg.freeze_vision:
+        vision_tower(model).requires_grad_(False)
     return model, processor
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The model's vision encoder: the module named `visual` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
+    under PEFT's wrapper too), else ConfigError."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "visual":
+            return module
+    raise ConfigError(f"model.freeze_vision: {type(model).__name__} has no module named `visual` "
+                      "(the Qwen-VL families' vision encoder); unset freeze_vision for this model")
 
 
 def missing_weights(keys) -> str:

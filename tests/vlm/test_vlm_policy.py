@@ -14,7 +14,7 @@ from mmrl.core.config import ConfigError, load_config
 from mmrl.core.trainer import Trainer
 from mmrl.vlm import backend
 from mmrl.vlm.config import VLMModelConfig, VLMTrainConfig
-from mmrl.vlm.models import load_vlm
+from mmrl.vlm.models import load_vlm, vision_tower
 from mmrl.vlm.policy import PromptTooLong, VLMPolicy
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.shapes_qa import QAItem, ShapesQA, shapes_qa_reward
@@ -171,6 +171,20 @@ def test_lora_trains_only_adapters_and_resumes(qwen25_dir, tmp_path):
     policy2, task2 = backend.build(resumed_cfg)
     Trainer(resumed_cfg, policy2, task2).train(resume=True)
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+
+
+def test_freeze_vision_leaves_only_the_language_side_to_the_optimizer(qwen25_dir, tmp_path):
+    cfg = load_config(VLMTrainConfig, overrides=[
+        f"model.path={qwen25_dir}", f"output_dir={tmp_path}", "model.freeze_vision=true",
+        "task.num_train=4", "task.num_eval=2", "logging.tensorboard=false", "logging.progress=false"])
+    policy, task = backend.build(cfg)
+    names = {n for n, _ in policy.model.named_parameters()}
+    vision = {n for n in names if ".visual." in f".{n}"}
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert vision and trainable == names - vision
+    assert len(Trainer(cfg, policy, task).params) == len(trainable)
+    with pytest.raises(ConfigError, match="no module named `visual`"):
+        vision_tower(torch.nn.Linear(2, 2))
 
 
 def test_jsonl_task_through_the_backend(tmp_path, qwen25_dir):
