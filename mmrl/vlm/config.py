@@ -28,8 +28,8 @@ class VLMModelConfig(ModelConfig):
     lora: LoRAConfig | None = None
     """None = full fine-tuning (the default for the tiny model)."""
     freeze_vision: bool = False
-    """Keep the vision encoder and its patch merger fixed and train the rest (EasyR1's
-    freeze_vision_tower); with LoRA, the adapters train either way."""
+    """Keep the vision encoder and its patch merger fixed (under LoRA, adapters inside it too)
+    and train the rest (EasyR1's freeze_vision_tower)."""
 
 
 class ShapesQATaskConfig(Section):
