@@ -494,6 +494,30 @@ def test_from_config_overrides(atoms_file, tmp_path):
     assert reward.score([Sample("p", "a"), Sample("p", "")]).total.tolist() == [6.0, 0.0]
 
 
+def test_config_atoms_may_be_gated_by_task_atoms(atoms_file, tmp_path):
+    """reward.atoms of a config can name the task's atoms as parents (a partial-credit
+    atom gated by the task's format atom); an unknown parent is a ConfigError naming it."""
+    import toy
+
+    from mmrl.core.config import ConfigError, TrainConfig, load_config
+    from mmrl.core.trainer import combined_reward
+
+    def combined(parents):
+        spec = {"path": f"{atoms_file}:plain", "weight": 2.0, "parents": parents}
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"reward.atoms={[spec]}"])
+        return combined_reward(toy.ToyTask().reward, cfg)
+
+    reward = combined(["answer"])
+    assert reward.names == ["answer", "stop", "plain"]
+    assert reward.atoms[2].parents == ("answer",)
+    # prompt 3: completion [4, EOS] is right (answer 1, stop 1, plain 2); [5, EOS] is wrong,
+    # so "answer" 0 gates "stop" and "plain" to 0
+    scores = reward.score([Sample(3, [4, toy.EOS]), Sample(3, [5, toy.EOS])])
+    assert scores.total.tolist() == [1.0 + 0.5 + 2.0 * 2, 0.0]
+    with pytest.raises(ConfigError, match="parent 'anwser'"):
+        combined(["anwser"])
+
+
 def test_from_config_errors(atoms_file, tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
         Reward.from_config([{"path": "my_atoms.py:plain", "wieght": 2}], base_dir=tmp_path)

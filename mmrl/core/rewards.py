@@ -61,6 +61,7 @@ __all__ = [
     "RewardError",
     "Sample",
     "load_atom",
+    "load_atoms",
     "reward_atom",
 ]
 
@@ -246,38 +247,9 @@ class Reward:
     def from_config(
         cls, specs: Sequence[str | Mapping], base_dir: str | Path | None = None, **kwargs
     ) -> Reward:
-        """Build a Reward from atom specs. Each item is "file.py:fn" or a dict
-        {"path": "file.py:fn", "weight": w, "name": new_name, "parents": [names]}
-        (all but "path" optional; given fields override the loaded atom's).
-        Other keyword arguments (on_error, timeout) go to Reward()."""
-        if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
-            raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")  # noqa: TRY004
-        modules: dict[Path, Any] = {}  # import each file once, even for several atoms
-        atoms = []
-        for i, item in enumerate(specs):
-            if isinstance(item, str):
-                atoms.append(_load_atom(item, base_dir, modules))
-                continue
-            if not isinstance(item, Mapping) or "path" not in item:
-                raise ValueError(
-                    f"reward spec {i} must be 'file.py:fn' or a dict with a 'path', got {item!r}"
-                )
-            unknown = set(item) - {"path", "weight", "name", "parents"}
-            if unknown:
-                raise ValueError(
-                    f"reward spec {i} ({item['path']}): unknown keys {sorted(unknown)}"
-                )
-            atom = _load_atom(item["path"], base_dir, modules)
-            atoms.append(
-                RewardAtom(
-                    item.get("name", atom.name),
-                    atom.fn,
-                    weight=item.get("weight", atom.weight),
-                    parents=item.get("parents", atom.parents),
-                    batched=atom.batched,
-                )
-            )
-        return cls(atoms, **kwargs)
+        """Build a Reward from atom specs (see `load_atoms`). Other keyword arguments
+        (on_error, timeout) go to Reward()."""
+        return cls(load_atoms(specs, base_dir), **kwargs)
 
     def score(self, samples: Sequence[Sample]) -> AtomScores:
         """Score every sample with every atom (see the module docstring)."""
@@ -559,6 +531,41 @@ async def _gather(aws: list) -> list:
 # ---------------------------------------------------------------------------- loading from files
 
 _module_counter = itertools.count()
+
+
+def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = None) -> list[RewardAtom]:
+    """The atoms of a list of specs, each "file.py:fn" or a dict
+    {"path": "file.py:fn", "weight": w, "name": new_name, "parents": [names]}
+    (all but "path" optional; given fields override the loaded atom's). Parents are not
+    checked here: they may name atoms of the Reward these are added to (a task's)."""
+    if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
+        raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")  # noqa: TRY004
+    modules: dict[Path, Any] = {}  # import each file once, even for several atoms
+    atoms = []
+    for i, item in enumerate(specs):
+        if isinstance(item, str):
+            atoms.append(_load_atom(item, base_dir, modules))
+            continue
+        if not isinstance(item, Mapping) or "path" not in item:
+            raise ValueError(
+                f"reward spec {i} must be 'file.py:fn' or a dict with a 'path', got {item!r}"
+            )
+        unknown = set(item) - {"path", "weight", "name", "parents"}
+        if unknown:
+            raise ValueError(
+                f"reward spec {i} ({item['path']}): unknown keys {sorted(unknown)}"
+            )
+        atom = _load_atom(item["path"], base_dir, modules)
+        atoms.append(
+            RewardAtom(
+                item.get("name", atom.name),
+                atom.fn,
+                weight=item.get("weight", atom.weight),
+                parents=item.get("parents", atom.parents),
+                batched=atom.batched,
+            )
+        )
+    return atoms
 
 
 def load_atom(spec: str, base_dir: str | Path | None = None) -> RewardAtom:

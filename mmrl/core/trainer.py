@@ -55,7 +55,7 @@ from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unles
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
-from mmrl.core.rewards import Reward
+from mmrl.core.rewards import Reward, load_atoms
 from mmrl.core.scheduler import PromptStream, SyncScheduler, annotate_reference
 
 
@@ -532,7 +532,7 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
     atoms = list(task_reward.atoms)
     if rc.atoms:
         try:
-            atoms += Reward.from_config(rc.atoms, base_dir=cfg.base_dir).atoms
+            atoms += load_atoms(rc.atoms, base_dir=cfg.base_dir)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
     try:
