@@ -33,7 +33,8 @@ def run(base: str, fastrl: bool, args, out: Path) -> dict:
     sets = [f"seed={args.seed}", f"train.max_steps={args.steps}", f"output_dir={out}",
             f"train.eval_every={args.eval_every}", f"task.num_train={args.num_train}",
             f"task.num_eval={args.num_eval}", "rollout.eval_samples=0", "logging.progress=false",
-            "logging.tensorboard=false", f"method.fastrl.enabled={str(fastrl).lower()}", *args.extra]
+            "logging.tensorboard=false", f"method.fastrl.enabled={str(fastrl).lower()}",
+            "optim.lr=1e-3", *args.extra]  # the lr of RESULTS.md's tables (the default before 2026-11-30)
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{base}.yaml", sets,
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)

@@ -43,7 +43,7 @@ def run(mode: str, seed: int, steps: int, out: Path, args) -> list[dict]:
         f"rollout.prompts_per_step={args.prompts}", f"rollout.num_generations={args.group}",
         f"train.mini_batches={args.mini_batches}", f"rollout.max_new_tokens={args.max_new_tokens}",
         "task.num_eval=4", "rollout.eval_samples=0", "train.log_samples_every=0",
-        "logging.tensorboard=false", "logging.progress=false", *MODES[mode]])
+        "logging.tensorboard=false", "logging.progress=false", "optim.lr=1e-3", *MODES[mode]])
     policy, task = backend.build(cfg)
     Trainer(cfg, policy, task).train()
     return read_metrics(out / "metrics.jsonl")
