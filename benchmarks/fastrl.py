@@ -34,7 +34,7 @@ def run(base: str, fastrl: bool, args, out: Path) -> dict:
             f"train.eval_every={args.eval_every}", f"task.num_train={args.num_train}",
             f"task.num_eval={args.num_eval}", "rollout.eval_samples=0", "logging.progress=false",
             "logging.tensorboard=false", f"method.fastrl.enabled={str(fastrl).lower()}",
-            "optim.lr=1e-3", *args.extra]  # the lr of RESULTS.md's tables (the default before 2026-11-30)
+            "optim.lr=1e-3", *args.extra]  # RESULTS.md's tables ran at 1e-3 (the default until 2026-11-30)
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{base}.yaml", sets,
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)

@@ -24,8 +24,8 @@ CONFIG_CLASS = VLMTrainConfig
 DEFAULT_CONFIG = {
     "output_dir": "runs/vlm-default",
     "rollout": {"num_generations": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
-    # lr 5e-4 for 300 steps rather than 1e-3 for 200: over seeds 0-6 it gained +12.6 points
-    # held-out against +5.8, and no seed lost (benchmarks/RESULTS.md); about 4 minutes on 2 cores.
+    # lr 5e-4 for 300 steps rather than 1e-3 for 200: over seeds 0-7 it gained +12.6 points
+    # held-out against +5.1, and no seed lost (benchmarks/RESULTS.md); about 3-4 minutes on 2 cores.
     "optim": {"lr": 5e-4, "max_grad_norm": 1.0},
     "train": {"max_steps": 300, "log_samples_every": 25},
     # Colour and shape questions: the bundled model answers every count question "1" and every
