@@ -494,7 +494,7 @@ def test_from_config_overrides(atoms_file, tmp_path):
     assert reward.score([Sample("p", "a"), Sample("p", "")]).total.tolist() == [6.0, 0.0]
 
 
-def test_config_atoms_may_be_gated_by_task_atoms(atoms_file, tmp_path):
+def test_config_atoms_may_be_gated_by_task_atoms(atoms_file):
     """reward.atoms of a config can name the task's atoms as parents (a partial-credit
     atom gated by the task's format atom); an unknown parent is a ConfigError naming it."""
     import toy
