@@ -18,6 +18,7 @@ padding inside a prompt is masked out, and Qwen's rope index skips masked tokens
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -101,6 +102,28 @@ class VLMPolicy:
         self.tokenizer.padding_side = "left"
         return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
 
+    def _encode_repeated(self, prompts: Sequence[Any], g: int) -> dict[str, Tensor]:
+        """encode() of each prompt repeated g times, with every image resized and cut into
+        patches once rather than g times (the same tensors)."""
+        enc = self.encode(prompts)
+        n = len(prompts)
+        rows = torch.arange(n).repeat_interleave(g)
+        out: dict[str, Tensor] = {}
+        if "pixel_values" in enc:  # flat over images: repeat each prompt's slab of patches and grid rows
+            grid = enc["image_grid_thw"]
+            counts = [len(p.images) for p in prompts]
+            grids = torch.split(grid, counts)
+            slabs = torch.split(enc["pixel_values"], [int(x.prod(-1).sum()) for x in grids])
+            out["pixel_values"] = torch.cat([slabs[i] for i in rows.tolist()])
+            out["image_grid_thw"] = torch.cat([grids[i] for i in rows.tolist()])
+        for k, v in enc.items():
+            if k in out:
+                continue
+            if not (torch.is_tensor(v) and v.shape[:1] == (n,)):  # an output we do not know how to repeat
+                return self.encode([p for p in prompts for _ in range(g)])
+            out[k] = v[rows]
+        return out
+
     def _tool_schemas(self) -> dict:
         """The tools' JSON schemas for the chat template's system prompt, where configured."""
         if self.agent is None or not self.tools_cfg.schema_in_prompt:
@@ -141,7 +164,7 @@ class VLMPolicy:
             batch = self.agent.run(items, rollout, generator, fixed)
             batch.group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
             return batch
-        enc = self.encode(items)
+        enc = self._encode_repeated(prompts, num_generations)
         self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
@@ -305,14 +328,7 @@ class VLMPolicy:
         present = d.get("completion_attention", batch.mask)  # a fixed prefix is attended, not trained
         attn = torch.cat([d["prompt_mask"], present.to(d["prompt_mask"].dtype)], dim=1)
         ids = torch.cat([prompt, completion], dim=1).masked_fill(attn == 0, self.pad_id)
-        kwargs: dict[str, Any] = {}
-        if "pixel_values" in d:
-            grid = d["image_grid_thw"]
-            per_image = grid.prod(-1)  # [N, images]
-            kwargs["pixel_values"] = torch.cat(
-                [d["pixel_values"][i, : int(per_image[i].sum())] for i in range(len(batch))]
-            )
-            kwargs["image_grid_thw"] = grid[per_image > 0]
+        kwargs: dict[str, Any] = self._image_inputs(d, len(batch)) if "pixel_values" in d else {}
         for k, v in d.items():
             if k.startswith("prompt/"):  # completion side: the rollout's values (tool images), else 0
                 side = d.get("completion/" + k[len("prompt/"):], v.new_zeros((len(batch), t)))
@@ -321,6 +337,39 @@ class VLMPolicy:
         logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         return logp.masked_fill(~batch.mask, 0.0)
+
+    def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
+        """The model's image inputs for n rows. The G samples of a group carry the same images,
+        so where the model takes encoded images (`mm_encoder_outputs`: the Qwen-VL families)
+        each run of identical rows is encoded once and its features shared: the same forward
+        and gradient (the shared features sum their rows' gradients) with 1/G of the vision
+        tower's work."""
+        grid = d["image_grid_thw"]
+        per_image = grid.prod(-1)  # [N, images]; 0 = padding
+        rows = [d["pixel_values"][i, : int(per_image[i].sum())] for i in range(n)]
+        grids = [grid[i][per_image[i] > 0] for i in range(n)]
+        flat_grid = grid[per_image > 0]
+        first = _repeated_rows(rows, grids) if self._takes_encoded_images else list(range(n))
+        if len(set(first)) == n:  # nothing to share, or a model that only takes pixels
+            return {"pixel_values": torch.cat(rows), "image_grid_thw": flat_grid}
+        keep = sorted(set(first))
+        encoded = self.model.get_image_features(
+            torch.cat([rows[i] for i in keep]), torch.cat([grids[i] for i in keep]), return_dict=True
+        )
+        start, offset = {}, 0  # row kept -> index of its first image among the encoded ones
+        for i in keep:
+            start[i], offset = offset, offset + len(grids[i])
+        order = [start[first[i]] + j for i in range(n) for j in range(len(grids[i]))]
+        encoded.pooler_output = tuple(encoded.pooler_output[j] for j in order)
+        if getattr(encoded, "deepstack_features", None):  # Qwen3-VL: features for some LM layers too
+            encoded.deepstack_features = [tuple(f[j] for j in order) for f in encoded.deepstack_features]
+        return {"mm_encoder_outputs": {"image": encoded}, "image_grid_thw": flat_grid}
+
+    @property
+    def _takes_encoded_images(self) -> bool:
+        base = self.model.get_base_model() if self.is_lora else self.model
+        return (getattr(base.config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+                and "mm_encoder_outputs" in inspect.signature(base.forward).parameters)
 
     def sft_loss(self, batch: RolloutBatch) -> Tensor:
         """Mean negative log-likelihood of the batch's trained tokens (supervised fine-tuning
@@ -420,6 +469,18 @@ def _prepend(fixed: list[list[int]], t: Tensor, head, pad) -> Tensor:
             out[i, :k] = torch.tensor(head(f), dtype=t.dtype)
         out[i, k: k + t.shape[1]] = t[i]
     return out
+
+
+def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
+    """For each row, the first row of the run of consecutive rows with exactly its images
+    (a group's samples are consecutive)."""
+    first = []
+    for i in range(len(rows)):
+        j = first[-1] if i else None
+        same = (j is not None and grids[i].shape == grids[j].shape and torch.equal(grids[i], grids[j])
+                and rows[i].shape == rows[j].shape and torch.equal(rows[i], rows[j]))
+        first.append(j if same else i)
+    return first
 
 
 def to_sample(item, completion: str) -> Sample:

@@ -72,6 +72,32 @@ def test_one_rollout_and_one_update_per_family(model_dir, tmp_path):
     assert set(summary["eval_after"]) == {"accuracy", "format", "reward"}
 
 
+def test_a_group_encodes_its_images_once_with_the_same_logprobs_and_gradients(model_dir, monkeypatch):
+    """Each Qwen family: G samples of a prompt share its image, so the vision tower sees each
+    distinct image once; log-probs and gradients equal those of encoding every row."""
+    policy = make_policy(model_dir)
+    batch = policy.generate(ITEMS[:3], 4, rollout_cfg(), torch.Generator().manual_seed(0))
+    seen = []
+    hook = vision_tower(policy.model).register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+
+    def forward_backward():
+        policy.model.zero_grad()
+        logp = policy.logprobs(batch)
+        logp.sum().backward()
+        return logp.detach(), {k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None}
+
+    shared, shared_grads = forward_backward()
+    monkeypatch.setattr(VLMPolicy, "_takes_encoded_images", property(lambda self: False))
+    each, each_grads = forward_backward()
+    hook.remove()
+    patches = int(batch.data["image_grid_thw"][0].prod(-1).sum())
+    assert seen == [3 * patches, 12 * patches]  # 3 distinct images, then all 12 rows
+    torch.testing.assert_close(shared, each, atol=1e-5, rtol=1e-5)
+    assert shared_grads.keys() == each_grads.keys() and any("visual" in k for k in shared_grads)
+    for k, g in shared_grads.items():
+        torch.testing.assert_close(g, each_grads[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
 def test_mixed_batch_multi_image_and_text_only(qwen25_dir):
     policy = make_policy(qwen25_dir)
     two = QAItem(images=ITEMS[0].images + ITEMS[1].images, question="How many circles are there?",
@@ -84,6 +110,21 @@ def test_mixed_batch_multi_image_and_text_only(qwen25_dir):
     with torch.no_grad():
         logp = policy.logprobs(batch)
     torch.testing.assert_close(logp[batch.mask], batch.old_logp[batch.mask], atol=2e-4, rtol=1e-4)
+
+
+def test_a_rollout_encodes_each_prompt_once_as_if_repeated(qwen25_dir):
+    """generate's inputs for G samples per prompt are encode() of the repeated prompts,
+    multi-image and text-only prompts included."""
+    policy = make_policy(qwen25_dir)
+    two = QAItem(images=ITEMS[0].images + ITEMS[1].images, question="How many circles are there?",
+                 answer="1", reference="", meta={"answer": "1"})
+    text = QAItem(images=[], question="What colour is the square?", answer="red", reference="", meta={"answer": "red"})
+    prompts = [two, text, ITEMS[2]]
+    once = policy._encode_repeated(prompts, 3)
+    each = policy.encode([p for p in prompts for _ in range(3)])
+    assert set(once) == set(each) and {"pixel_values", "image_grid_thw"} <= set(once)
+    for k in each:
+        assert torch.equal(once[k], each[k]), k
 
 
 def test_concat_of_rounds_with_different_prompt_lengths_scores_the_same(qwen25_dir):
