@@ -167,6 +167,7 @@ class VLMPolicy:
         enc = self._encode_repeated(prompts, num_generations)
         self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
+        inputs = self._shared_image_inputs(inputs, items)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)  # generate draws from the global RNG: pin it to ours
@@ -364,6 +365,18 @@ class VLMPolicy:
         if getattr(encoded, "deepstack_features", None):  # Qwen3-VL: features for some LM layers too
             encoded.deepstack_features = [tuple(f[j] for j in order) for f in encoded.deepstack_features]
         return {"mm_encoder_outputs": {"image": encoded}, "image_grid_thw": flat_grid}
+
+    @torch.no_grad()
+    def _shared_image_inputs(self, inputs: dict[str, Tensor], items: Sequence[Any]) -> dict[str, Tensor]:
+        """generate's inputs with each group's images encoded once (as in `_image_inputs`), where
+        the model takes encoded images; generate then skips its own encoding of every row."""
+        if "pixel_values" not in inputs or not self._takes_encoded_images:
+            return inputs
+        shared = self._image_inputs(self._vision_rows(inputs, items), len(items))
+        if "mm_encoder_outputs" not in shared:
+            return inputs
+        return {**{k: v for k, v in inputs.items() if k != "pixel_values"},
+                "mm_encoder_outputs": shared["mm_encoder_outputs"]}
 
     @property
     def _takes_encoded_images(self) -> bool:

@@ -74,11 +74,12 @@ def test_one_rollout_and_one_update_per_family(model_dir, tmp_path):
 
 def test_a_group_encodes_its_images_once_with_the_same_logprobs_and_gradients(model_dir, monkeypatch):
     """Each Qwen family: G samples of a prompt share its image, so the vision tower sees each
-    distinct image once; log-probs and gradients equal those of encoding every row."""
+    distinct image once, in the rollout and in the training forward; log-probs and gradients
+    equal those of encoding every row."""
     policy = make_policy(model_dir)
-    batch = policy.generate(ITEMS[:3], 4, rollout_cfg(), torch.Generator().manual_seed(0))
     seen = []
     hook = vision_tower(policy.model).register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    batch = policy.generate(ITEMS[:3], 4, rollout_cfg(), torch.Generator().manual_seed(0))
 
     def forward_backward():
         policy.model.zero_grad()
@@ -91,7 +92,7 @@ def test_a_group_encodes_its_images_once_with_the_same_logprobs_and_gradients(mo
     each, each_grads = forward_backward()
     hook.remove()
     patches = int(batch.data["image_grid_thw"][0].prod(-1).sum())
-    assert seen == [3 * patches, 12 * patches]  # 3 distinct images, then all 12 rows
+    assert seen == [3 * patches, 3 * patches, 12 * patches]  # rollout, shared forward: 3 images; per row: 12
     torch.testing.assert_close(shared, each, atol=1e-5, rtol=1e-5)
     assert shared_grads.keys() == each_grads.keys() and any("visual" in k for k in shared_grads)
     for k, g in shared_grads.items():
