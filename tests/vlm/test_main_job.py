@@ -113,12 +113,10 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_pretrain_script_rebuilds_the_bundled_model(tmp_path):
-    """`python scripts/pretrain_tiny_vlm.py` (its defaults) reproduces the committed weights."""
+def _pretrain(args: list[str]) -> int:
     import importlib.util
 
     import torch
-    from safetensors.torch import load_file
 
     from mmrl.vlm.models import repo_root
 
@@ -126,13 +124,35 @@ def test_pretrain_script_rebuilds_the_bundled_model(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the bundled weights were made with 2 (float sums depend on it)
+    torch.set_num_threads(2)  # the bundled weights were made with 2
     try:
-        assert module.main(["--out", str(tmp_path)]) == 0
+        return module.main(args)
     finally:
         torch.set_num_threads(threads)
-    rebuilt = load_file(tmp_path / "model.safetensors")
-    bundled = load_file(bundled_model_dir() / "model.safetensors")
-    assert rebuilt.keys() == bundled.keys()
-    for k in bundled:
-        assert torch.equal(rebuilt[k], bundled[k]), k
+
+
+def test_pretrain_script_is_deterministic(tmp_path):
+    """Two runs of `scripts/pretrain_tiny_vlm.py` give the same weights to the bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    short = ["--max-steps", "6", "--eval-every", "3", "--num-val", "8", "--target", "2"]
+    for run in ("a", "b"):
+        assert _pretrain(["--out", str(tmp_path / run), *short]) == 0
+    a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pretrain_script_rebuilds_the_bundled_model(tmp_path):
+    """`python scripts/pretrain_tiny_vlm.py` (its defaults) retrains the committed model: it
+    stops at the same validation target within 50 steps of the recorded run, at a validation
+    accuracy within 0.1 of it. Not to the bit: 200 steps at lr 2e-3 carry the float rounding of
+    the CPU they ran on into every weight, and machines of the same kind differ there (one
+    reproduced the committed weights exactly, another ended 0.15 away in some weight)."""
+    assert _pretrain(["--out", str(tmp_path)]) == 0
+    rebuilt = json.loads((tmp_path / "pretrain.json").read_text())
+    bundled = json.loads((bundled_model_dir() / "pretrain.json").read_text())
+    assert all(rebuilt["args"][k] == v for k, v in bundled["args"].items() if k != "out")
+    assert abs(rebuilt["steps"] - bundled["steps"]) <= 50
+    assert rebuilt["final"]["accuracy"] >= rebuilt["args"]["target"]
+    assert abs(rebuilt["final"]["accuracy"] - bundled["final"]["accuracy"]) <= 0.1
