@@ -10,6 +10,7 @@ models are scored by the same held-out evaluation (greedy and sampled accuracy).
     pip install -e ".[bench]"
     python benchmarks/vs_trl.py            # 100 steps each
     python benchmarks/vs_trl.py --quick    # 10 steps each, for a smoke test
+    python benchmarks/vs_trl.py --steps 500 --lr 5e-4   # the main job's length and learning rate
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from mmrl.vlm import backend
 from mmrl.vlm.models import bundled_model_dir
 from mmrl.vlm.policy import VLMPolicy
 
-G, PROMPTS, MAX_NEW, LR = 8, 8, 32, 1e-3
+G, PROMPTS, MAX_NEW = 8, 8, 32
 
 
-def mmrl_run(steps: int, seed: int, out: Path):
+def mmrl_run(steps: int, seed: int, out: Path, lr: float):
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
-        f"output_dir={out}", f"train.max_steps={steps}", f"seed={seed}", f"optim.lr={LR}",
+        f"output_dir={out}", f"train.max_steps={steps}", f"seed={seed}", f"optim.lr={lr}",
         f"rollout.num_generations={G}", f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.max_new_tokens={MAX_NEW}", "optim.max_grad_norm=1.0", "task.num_eval=8",
         "rollout.eval_samples=0", "logging.tensorboard=false", "logging.progress=false",
@@ -47,7 +48,7 @@ def mmrl_run(steps: int, seed: int, out: Path):
     return policy, seconds
 
 
-def trl_run(steps: int, seed: int, out: Path, train_items):
+def trl_run(steps: int, seed: int, out: Path, train_items, lr: float):
     from datasets import Dataset
     from transformers import AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
@@ -70,7 +71,7 @@ def trl_run(steps: int, seed: int, out: Path, train_items):
     processor = AutoProcessor.from_pretrained(path)
     args = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=G * PROMPTS, num_generations=G,
-        max_completion_length=MAX_NEW, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
+        max_completion_length=MAX_NEW, learning_rate=lr, lr_scheduler_type="constant", max_steps=steps,
         temperature=1.0, top_k=0, top_p=1.0, beta=0.0, loss_type="grpo", num_iterations=1,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
         seed=seed, disable_tqdm=True, gradient_checkpointing=False,  # mmrl does not recompute activations
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-3, help="constant, both sides (the main job's: 5e-4)")
     ap.add_argument("--quick", action="store_true", help="10 steps each")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
@@ -98,9 +100,9 @@ def main(argv=None) -> int:
         for name in ("mmrl", "trl"):  # alternate: one then the other, same process
             t0 = time.perf_counter()
             if name == "mmrl":
-                policy, seconds = mmrl_run(steps, args.seed, Path(tmp) / name)
+                policy, seconds = mmrl_run(steps, args.seed, Path(tmp) / name, args.lr)
             else:
-                policy, seconds = trl_run(steps, args.seed, Path(tmp) / name, task.train)
+                policy, seconds = trl_run(steps, args.seed, Path(tmp) / name, task.train, args.lr)
             wall = time.perf_counter() - t0
             policy.model.eval()
             with torch.no_grad():
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
     ratio = results["mmrl"]["samples_per_s"] / results["trl"]["samples_per_s"]
     results["ratio"] = ratio
     results["steps"] = steps
+    results["lr"] = args.lr
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(f"start: accuracy {results['start']['accuracy']:.3f}")
