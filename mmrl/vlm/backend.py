@@ -25,8 +25,8 @@ DEFAULT_CONFIG = {
     "output_dir": "runs/vlm-default",
     "rollout": {"num_generations": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
     # lr 5e-4 for 500 steps: over seeds 0-7 it gained +18.8 points held-out, against +12.1 at
-    # 300 steps and +5.1 for lr 1e-3 at 200 (benchmarks/RESULTS.md). Sharing each group's
-    # image encoding made a step 1.5x cheaper, so 500 steps take what 300 did: 2-4 minutes on 2 cores.
+    # 300 steps and +5.1 for lr 1e-3 at 200 (benchmarks/RESULTS.md). Encoding each group's image
+    # once made a step 1.6-2x cheaper, so 500 steps take what 300 did: 2-4 minutes on 2 cores.
     "optim": {"lr": 5e-4, "max_grad_norm": 1.0},
     "train": {"max_steps": 500, "log_samples_every": 25},
     # Colour and shape questions: the bundled model answers every count question "1" and every
