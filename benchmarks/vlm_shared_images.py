@@ -30,7 +30,7 @@ def per_row():
     """Encode every row's images, as before sharing."""
     saved = {k: VLMPolicy.__dict__[k] for k in ("_encode_repeated", "_shared_image_inputs", "_takes_encoded_images")}
     VLMPolicy._encode_repeated = lambda self, prompts, g: self.encode([p for p in prompts for _ in range(g)])
-    VLMPolicy._shared_image_inputs = lambda self, inputs, items: inputs
+    VLMPolicy._shared_image_inputs = lambda self, inputs, rows: inputs
     VLMPolicy._takes_encoded_images = property(lambda self: False)
     try:
         yield

@@ -166,8 +166,9 @@ class VLMPolicy:
             return batch
         enc = self._encode_repeated(prompts, num_generations)
         self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
+        prompt_rows = self._prompt_rows(enc, items)
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
-        inputs = self._shared_image_inputs(inputs, items)
+        inputs = self._shared_image_inputs(inputs, prompt_rows)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)  # generate draws from the global RNG: pin it to ours
@@ -201,7 +202,7 @@ class VLMPolicy:
             mask=mask,
             old_logp=old_logp.masked_fill(~mask, 0.0),
             data={
-                **self._prompt_rows(enc, items),
+                **prompt_rows,
                 "completion_ids": completion,
                 "completion_attention": present,
                 "stat/length": lengths.float(),
@@ -367,12 +368,13 @@ class VLMPolicy:
         return {"mm_encoder_outputs": {"image": encoded}, "image_grid_thw": flat_grid}
 
     @torch.no_grad()
-    def _shared_image_inputs(self, inputs: dict[str, Tensor], items: Sequence[Any]) -> dict[str, Tensor]:
-        """generate's inputs with each group's images encoded once (as in `_image_inputs`), where
-        the model takes encoded images; generate then skips its own encoding of every row."""
+    def _shared_image_inputs(self, inputs: dict[str, Tensor], rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        """generate's inputs with each group's images encoded once (as in `_image_inputs`; `rows`:
+        the batch's per-row vision data, `_prompt_rows`), where the model takes encoded images;
+        generate then skips its own encoding of every row."""
         if "pixel_values" not in inputs or not self._takes_encoded_images:
             return inputs
-        shared = self._image_inputs(self._vision_rows(inputs, items), len(items))
+        shared = self._image_inputs(rows, len(rows["pixel_values"]))
         if "mm_encoder_outputs" not in shared:
             return inputs
         return {**{k: v for k, v in inputs.items() if k != "pixel_values"},
