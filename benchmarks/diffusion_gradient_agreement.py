@@ -44,20 +44,24 @@ def main(argv=None) -> int:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--set", dest="extra", action="append", default=[], help="override for every variant")
+    ap.add_argument("--methods", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="which losses to take gradients of (Flow-GRPO always)")
     ap.add_argument("--extra-atoms-only", action="store_true",
                     help="score with the config's reward.atoms alone (the control: drop the task's atoms)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    cfgs = {name: load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{c}.yaml",
-                              [*o, *args.extra, f"rollout.num_generations={args.generations}"],
-                              defaults=backend.DEFAULT_CONFIG) for name, (c, o) in VARIANTS.items()}
-    policy, task = backend.build(cfgs["cast (attention maps)"])
+    names = ["flow_grpo", *[m for m in args.methods if m != "flow_grpo"]]
+    cfgs = {name: load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{VARIANTS[name][0]}.yaml",
+                              [*VARIANTS[name][1], *args.extra, f"rollout.num_generations={args.generations}"],
+                              defaults=backend.DEFAULT_CONFIG) for name in names}
+    policy, task = backend.build(cfgs["flow_grpo"])
     reward = combined_reward(task.reward, cfgs["flow_grpo"])  # the task's atoms and any reward.atoms
     if args.extra_atoms_only:
         reward = Reward([a for a in reward.atoms if a.name not in task.reward.names])
     prompts = task.train[: args.prompts]
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    grads: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
+    named = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     t0 = time.perf_counter()
     for seed in range(args.batches):
         batch = policy.generate(prompts, args.generations, cfgs["flow_grpo"].rollout, torch.Generator().manual_seed(seed))
@@ -81,6 +85,23 @@ def main(argv=None) -> int:
         out[name] = {"mean": statistics.mean(cos), "sem": statistics.stdev(cos) / len(cos) ** 0.5}
         print(f"| {name} | {statistics.mean(cos):+.4f} (+-{out[name]['sem']:.4f}) | {min(cos):+.3f} | {max(cos):+.3f} "
               f"| {statistics.mean(same):.3f} |")
+    # Where in the transformer the agreement lives: the same cosines, Flow-GRPO's gradient cut
+    # by module (the block index kept: each block is one unit of the architecture).
+    groups: dict[str, list[slice]] = {}
+    at = 0
+    for n, p in named:
+        key = ".".join(n.split(".")[:2]) if n.split(".")[1:2] and n.split(".")[1].isdigit() else n.split(".")[0]
+        groups.setdefault(key, []).append(slice(at, at + p.numel()))
+        at += p.numel()
+    print("\n| module (Flow-GRPO's gradient) | parameters | mean pairwise cosine | share of the gradient's squared norm |")
+    print("|---|---|---|---|")
+    total = statistics.mean(float(g.square().sum()) for g in grads["flow_grpo"])
+    for key, slices in groups.items():
+        part = [torch.cat([g[s] for s in slices]) for g in grads["flow_grpo"]]
+        cos = [float(torch.nn.functional.cosine_similarity(a, b, 0)) for a, b in itertools.combinations(part, 2)]
+        share = statistics.mean(float(g.square().sum()) for g in part) / total
+        out.setdefault("modules", {})[key] = statistics.mean(cos)
+        print(f"| {key} | {sum(s.stop - s.start for s in slices)} | {statistics.mean(cos):+.4f} | {share:.3f} |")
     print(json.dumps(out))
     return 0
 

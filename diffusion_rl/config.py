@@ -86,6 +86,10 @@ class DiffusionRolloutConfig(RolloutConfig):
     step but the last."""
     window_start: tuple[int, int] | None = None
     """Range of the window's first step (inclusive); None = anywhere it fits."""
+    shared_noise: bool = False
+    """The G samples of a prompt start from the same initial noise (DanceGRPO; Flow-GRPO's
+    same_latent), so they differ only by the SDE window's noise and the group's reward spread is
+    the window's doing."""
     train_fraction: float = Field(1.0, gt=0, le=1)
     """Fraction of the SDE steps each update trains on (Flow-GRPO's timestep_fraction), drawn per batch."""
     max_new_tokens: int = 1  # unused by images; kept for the core's defaults

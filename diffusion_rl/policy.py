@@ -63,7 +63,10 @@ class DiffusionPolicy:
         sampler = self.sampler(rollout.num_steps)
         window = sampler.sde_steps(rollout.window_size, rollout.window_start, generator)
         trained = _subset(window, rollout.train_fraction, generator)
-        x = self.flow.noise(n, generator)
+        if getattr(rollout, "shared_noise", False):
+            x = self.flow.noise(len(prompts), generator).repeat_interleave(num_generations, 0)
+        else:
+            x = self.flow.noise(n, generator)
         xs, nexts, logps, tok_logps, sig, sig_next = [], [], [], [], [], []
         with torch.no_grad():
             for i in range(rollout.num_steps):

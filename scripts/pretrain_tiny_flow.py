@@ -70,16 +70,26 @@ def main(argv=None) -> int:
     p.add_argument("--eval-steps", type=int, default=10)
     p.add_argument("--target", type=float, default=0.9, help="stop early at this held-out atom accuracy")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prediction", choices=["sample", "velocity"], default="sample",
-                   help="what the transformer outputs: the clean image (x-prediction) or v")
+    p.add_argument("--prediction", choices=["sample", "velocity"], default=None,
+                   help="what the transformer outputs: the clean image (x-prediction; pixel space's default) "
+                        "or v (latent space's default and only choice)")
     p.add_argument("--patch", type=int, default=4, help="pixels per token side (64 px / 4 = 16 x 16 tokens)")
+    p.add_argument("--vae", default=None,
+                   help="a trained AutoencoderKL directory (scripts/train_tiny_vae.py): pre-train in its latent "
+                        "space (2 x 2-packed latents, FLUX's layout) instead of pixel space")
     args = p.parse_args(argv)
+    args.prediction = args.prediction or ("velocity" if args.vae else "sample")
+    if args.vae and args.prediction != "velocity":
+        p.error("--vae: latent models predict the velocity (x-prediction is a pixel-space option)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     work = Path(tempfile.mkdtemp(prefix="tiny-flow-"))
-    build_tiny("flux", work, seed=args.seed, pixel_space=True, patch_size=args.patch, transformer=TRANSFORMER,
+    build_tiny("flux", work, seed=args.seed, pixel_space=not args.vae, patch_size=args.patch, transformer=TRANSFORMER,
                text_width=64, prediction=args.prediction)
+    if args.vae:  # the trained VAE replaces build_tiny's random one
+        shutil.rmtree(work / "vae")
+        shutil.copytree(args.vae, work / "vae")
     flow = load_flow_model(work)
     n_params = sum(x.numel() for x in flow.transformer.parameters())
     print(f"transformer: {n_params / 1e6:.2f} M parameters; {flow.seq_len} image tokens of {flow.channels}")
@@ -87,7 +97,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # Pre-training prompts come from their own seed: the RL task's train/eval streams stay unseen.
     prompts = sample_prompts(args.data, args.seed + 1000, split="train")
-    x0 = pack(images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)]), flow.pixel_patch)
+    x0 = images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
+    if args.vae:  # FluxPipeline's latent convention: (z - shift) * scale, then 2 x 2 packing
+        c = flow.vae.config
+        with torch.no_grad():
+            z = torch.cat([flow.vae.encode(x0[i: i + 256]).latent_dist.mean for i in range(0, len(x0), 256)])
+        x0 = pack((z - c.shift_factor) * c.scaling_factor, 2)
+    else:
+        x0 = pack(x0, flow.pixel_patch)
     cond = {}
     for start in range(0, len(prompts), 256):
         part = flow.encode_prompt(prompts[start: start + 256])
@@ -137,10 +154,13 @@ def main(argv=None) -> int:
         shutil.rmtree(out)
     flow.save_pretrained(out)
     record = {"seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr, "data": args.data,
-              "patch": args.patch, "prediction": args.prediction, "eval_prompts": args.eval_prompts,
+              "patch": None if args.vae else args.patch, "prediction": args.prediction,
+              "space": "latent (vae/vae_record.json)" if args.vae else "pixel", "eval_prompts": args.eval_prompts,
               "eval_every": args.eval_every,
               "target": args.target, "threads": args.threads, "transformer": TRANSFORMER,
               "final": acc, "history": history, "seconds": round(time.perf_counter() - t0)}
+    if args.vae and (Path(args.vae) / "vae_record.json").is_file():  # how the VAE was made travels with it
+        shutil.copy(Path(args.vae) / "vae_record.json", out / "vae" / "vae_record.json")
     (out / "pretrain.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(work)
     print(f"saved {out} after {step} steps: atom accuracy {acc.get('atom_accuracy', float('nan')):.3f}")

@@ -41,6 +41,20 @@ def test_rollout_layout_and_ratio_exactly_one_on_policy(flux_dir, tmp_path):
     assert torch.equal(logp, batch.old_logp)  # exactly: the same weights score the same transition
 
 
+def test_shared_noise_gives_a_group_one_start_and_its_window_the_only_difference(flux_dir, tmp_path):
+    cfg, policy, task = make(flux_dir, tmp_path, "rollout.shared_noise=true", "rollout.window_start=[1,1]",
+                             "rollout.window_size=1")
+    batch = policy.generate(task.train[:2], 3, cfg.rollout, torch.Generator().manual_seed(0))
+    x = batch.data["latents"][:, 0]  # the latents entering the window (step 1): ODE from the shared start
+    assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2]) and torch.equal(x[3], x[5])
+    assert not torch.equal(x[2], x[3])  # another prompt, another start
+    nxt = batch.data["next_latents"][:, 0]
+    assert not torch.equal(nxt[0], nxt[1])  # the window's noise is each sample's own
+    cfg.rollout.shared_noise = False
+    x = policy.generate(task.train[:2], 3, cfg.rollout, torch.Generator().manual_seed(0)).data["latents"][:, 0]
+    assert not torch.equal(x[0], x[1])
+
+
 def test_one_update_changes_every_trainable_weight_and_kl_starts_at_zero(flux_dir, tmp_path, reward_spread):
     cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=1", "method.kl.beta=0.04")
     before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
