@@ -311,6 +311,16 @@ class FlowModel:
         arr = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype("uint8")
         return [Image.fromarray(a) for a in arr]
 
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Images [N, 3, H, W] in [-1, 1] -> packed clean latents, the inverse of `decode` (the
+        VAE posterior's mean under the pipeline's scale and shift; pixel space: the patches).
+        What flow-matching data and teacher-forced probes start from. FLUX family only."""
+        return self._from_image(images.to(self.device, self.dtype if self.vae is None else self.vae.dtype))
+
+    def _from_image(self, images: Tensor) -> Tensor:
+        raise NotImplementedError(f"encode_images is implemented for the FLUX family, not {self.family!r}")
+
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()
 
@@ -609,6 +619,13 @@ class FluxFlowModel(FlowModel):
             img_ids=self._img_ids,
             return_dict=False,
         )[0]
+
+    def _from_image(self, images):
+        if self.pixel_space:
+            return pack(images.float(), self.pixel_patch)
+        c = self.vae.config
+        z = self.vae.encode(images).latent_dist.mean
+        return pack((z.float() - c.shift_factor) * c.scaling_factor, 2)
 
     def _to_image(self, latents):
         if self.pixel_space:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusion_rl.models import load_flow_model, pack
+from diffusion_rl.models import load_flow_model
 from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from diffusion_rl.tasks.shapes_geneval import render, sample_prompts, shapes_geneval_reward
@@ -97,14 +97,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # Pre-training prompts come from their own seed: the RL task's train/eval streams stay unseen.
     prompts = sample_prompts(args.data, args.seed + 1000, split="train")
-    x0 = images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
-    if args.vae:  # FluxPipeline's latent convention: (z - shift) * scale, then 2 x 2 packing
-        c = flow.vae.config
-        with torch.no_grad():
-            z = torch.cat([flow.vae.encode(x0[i: i + 256]).latent_dist.mean for i in range(0, len(x0), 256)])
-        x0 = pack((z - c.shift_factor) * c.scaling_factor, 2)
-    else:
-        x0 = pack(x0, flow.pixel_patch)
+    images = images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
+    x0 = torch.cat([flow.encode_images(images[i: i + 256]) for i in range(0, len(images), 256)])
     cond = {}
     for start in range(0, len(prompts), 256):
         part = flow.encode_prompt(prompts[start: start + 256])

@@ -19,7 +19,7 @@ from diffusion_rl.attention_maps import (
 from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.methods.cast import CAST, advantage_map
 from diffusion_rl.methods.flow_grpo import FlowGRPO
-from diffusion_rl.models import build_tiny, load_flow_model, pack
+from diffusion_rl.models import build_tiny, load_flow_model
 from diffusion_rl.scene_graph import checked_spans, load_parser, shapes_geneval_spans
 from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
 from mmrl.core.config import ConfigError, load_config
@@ -154,8 +154,9 @@ def test_maps_of_the_bundled_model_find_the_objects(bundled):
         for s in scene.shapes:
             left, top, right, bottom = (round(v) for v in s.box())
             box[max(top, 0):bottom, max(left, 0):right] = True
-        inside.append(box.float().view(16, 4, 16, 4).mean((1, 3)).flatten() > 0.5)  # per 4x4 patch
-    x0 = pack(torch.stack(images), 4)
+        g = bundled.grid[0]  # per image token: the share of its pixels inside a box
+        inside.append(box.float().view(g, 64 // g, g, 64 // g).mean((1, 3)).flatten() > 0.5)
+    x0 = bundled.encode_images(torch.stack(images))
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     with TextAttention(bundled) as rec:
         bundled.velocity(0.3 * x0 + 0.7 * eps, torch.full((16,), 0.7), bundled.encode_prompt(prompts))

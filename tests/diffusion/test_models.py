@@ -420,6 +420,22 @@ def test_pixel_space_model(built):
     assert pil.getpixel((10, 10)) == (255, 128, 0) and pil.getpixel((50, 50)) == (128, 128, 0)
 
 
+def test_encode_images_inverts_decode(built):
+    """Pixel space: the patches themselves. FLUX with a VAE: the posterior mean under the
+    pipeline's (z - shift) * scale, 2 x 2-packed -- what decode undoes."""
+    images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    pixel = load_flow_model(built["flux_pixel"])
+    torch.testing.assert_close(pixel.decode(pixel.encode_images(images), output_type="pt"), images / 2 + 0.5)
+    flux = load_flow_model(built["flux"])
+    z = flux.encode_images(images)
+    assert z.shape == (2, flux.seq_len, flux.channels)
+    c = flux.vae.config
+    want = flux.vae.encode(images).latent_dist.mean
+    torch.testing.assert_close(unpack(z, 16, 16, 2) / c.scaling_factor + c.shift_factor, want)
+    with pytest.raises(NotImplementedError, match="FLUX"):
+        load_flow_model(built["sd3"]).encode_images(images)
+
+
 def test_pixel_space_x_prediction_returns_the_implied_velocity(tmp_path):
     """prediction "sample": the transformer's output is x0_hat and velocity() gives
     (x - x0_hat) / max(sigma, 0.05); the setting survives save_pretrained."""
