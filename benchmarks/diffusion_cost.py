@@ -1,7 +1,7 @@
 """What Flow-GRPO's log-probs cost: SDE rollout and rollout + update vs plain ODE sampling
 of the same model, same batch, same steps, measured side by side (alternating, repeated).
 
-    python benchmarks/diffusion_cost.py            # bundled tiny flow model, 32 images, 10 steps
+    python benchmarks/diffusion_cost.py            # bundled tiny flow model, 64 images, 10 steps, window 2
     python benchmarks/diffusion_cost.py --repeats 3 --batch 16
 
 Reported: seconds per batch (median over repeats) and the ratios to ODE sampling.
@@ -23,10 +23,10 @@ from mmrl.core.trainer import Trainer
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=32, help="images per batch (prompts x G)")
+    p.add_argument("--batch", type=int, default=64, help="images per batch (prompts x G; the default run: 8 x 8)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--window", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[

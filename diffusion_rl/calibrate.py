@@ -32,6 +32,7 @@ rollout.window_size = W and a fixed rollout.window_start = (start, start).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -169,7 +170,12 @@ def apply_window_file(cfg) -> bool:
     """CAST at build time: set cfg.rollout's window from method.window_from unless
     rollout.window_start is set explicitly. True when the file's window was applied."""
     path = getattr(cfg.method, "window_from", None)
-    if path is None or cfg.rollout.window_start is not None:
+    if path is None:
+        return False
+    if cfg.rollout.window_start is not None:  # the default run's (0, 1) too: say so, the file is not read
+        warnings.warn(f"method.window_from={path} is not used: rollout.window_start={tuple(cfg.rollout.window_start)} "
+                      "is set (configs/diffusion/cast.yaml sets it to null; or --set rollout.window_start=null)",
+                      stacklevel=2)
         return False
     start, size = load_window(path, cfg.rollout.num_steps)
     cfg.rollout.window_size = size

@@ -1,19 +1,26 @@
 """Pre-train the bundled tiny flow model (assets/tiny-flow) on shapes-geneval scenes.
 
-A FLUX-style pipeline in pixel space (diffusion_rl.tiny.build_tiny: FluxTransformer2DModel
-on 4x4 patches of 64x64 images, tiny CLIP + T5 text encoders, no VAE) is trained by plain
-flow matching on rendered scenes of generated prompts: x_sigma = (1 - sigma) x0 + sigma eps,
-target v = eps - x0, sigma logit-normal; the transformer predicts the clean image and the
-loss is on the velocity it implies (x-prediction, v-loss: see diffusion_rl/models.py). Only the transformer trains; the random text
-encoders are frozen, as RL keeps them. Every `--eval-every` steps the held-out atom accuracy
-(ODE sampling, the shapes-geneval detector) is measured; training stops after `--steps`, or
-earlier at the first evaluation at or above `--target`. The defaults made the bundled model:
-2500 steps (about 30 min on 2 cores), held-out atom accuracy 0.46 -- recognisable shapes in
-mostly the right colours, counts and relations often wrong: room for RL
-(assets/tiny-flow/pretrain.json has the whole record).
+A FLUX-style pipeline (diffusion_rl.tiny.build_tiny: FluxTransformer2DModel, tiny CLIP + T5 text
+encoders) is trained by plain flow matching on rendered scenes of generated prompts:
+x_sigma = (1 - sigma) x0 + sigma eps, target v = eps - x0, sigma logit-normal. Two spaces:
 
-    python scripts/pretrain_tiny_flow.py                  # rebuilds assets/tiny-flow
-    python scripts/pretrain_tiny_flow.py --out /tmp/f --target 0.6
+- latent (`--vae DIR`, the bundled model): x0 is the scene through the tiny VAE that
+  scripts/train_tiny_vae.py trains (64 x 64 pixels -> 16 x 16 x 4 latents, 2 x 2-packed: 64
+  tokens of 16), FLUX's own layout; the transformer predicts v.
+- pixel (no --vae; assets/tiny-flow-pixel, the bundled model until 2026-11-30): 4 x 4-pixel
+  patches (256 tokens of 48), the transformer predicts the clean image and the loss is on the
+  velocity it implies (x-prediction, v-loss: see diffusion_rl/models.py).
+
+Only the transformer trains; the random text encoders are frozen, as RL keeps them. Every
+`--eval-every` steps the held-out atom accuracy (ODE sampling, the shapes-geneval detector) is
+measured; training stops after `--steps`, or earlier at the first evaluation at or above
+`--target`. The defaults made both models: 2500 steps (latent: about 9 min on 2 cores, held-out
+atom accuracy 0.38; pixel: about 30 min, 0.46) -- recognisable shapes in mostly the right
+colours, counts and relations often wrong: room for RL (pretrain.json has the whole record).
+
+    python scripts/train_tiny_vae.py --out /tmp/tiny-vae        # rebuilds assets/tiny-flow:
+    python scripts/pretrain_tiny_flow.py --vae /tmp/tiny-vae    #   the VAE, then the flow model
+    python scripts/pretrain_tiny_flow.py                         # rebuilds assets/tiny-flow-pixel
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
@@ -59,7 +66,7 @@ def evaluate(flow, prompts, steps: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "assets" / "tiny-flow"))
+    p.add_argument("--out", default=None, help="default: assets/tiny-flow with --vae, else assets/tiny-flow-pixel")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=int, default=6000, help="rendered training scenes")
     p.add_argument("--steps", type=int, default=2500, help="most training steps")
@@ -78,6 +85,7 @@ def main(argv=None) -> int:
                    help="a trained AutoencoderKL directory (scripts/train_tiny_vae.py): pre-train in its latent "
                         "space (2 x 2-packed latents, FLUX's layout) instead of pixel space")
     args = p.parse_args(argv)
+    args.out = args.out or str(ROOT / "assets" / ("tiny-flow" if args.vae else "tiny-flow-pixel"))
     args.prediction = args.prediction or ("velocity" if args.vae else "sample")
     if args.vae and args.prediction != "velocity":
         p.error("--vae: latent models predict the velocity (x-prediction is a pixel-space option)")

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory the VAE is saved to (save_pretrained)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=int, default=6000, help="rendered training scenes")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--kl", type=float, default=1e-6, help="weight of the KL term")

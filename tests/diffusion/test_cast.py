@@ -33,7 +33,7 @@ from mmrl.core.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
         "task.num_train=16", "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false",
-        "logging.progress=false", "optim.lr=1e-3"]
+        "logging.progress=false", "optim.lr=1e-3", "rollout.window_start=null"]
 S3 = 1 / math.sqrt(3)  # 0.57735: |deviation| 1/3 over the unbiased std sqrt(1/3) of (1, 1, 0)
 
 
@@ -177,7 +177,8 @@ def test_one_training_step_of_cast_yaml(flux_dir, tmp_path, atom_spread):
 def test_explicit_window_start_wins_over_the_file(flux_dir, tmp_path):
     cfg = make(flux_dir, tmp_path, "method.type=cast", f"method.window_from={tmp_path / 'absent.json'}",
                "rollout.window_start=[0,1]")
-    backend.build(cfg)  # the file is not read
+    with pytest.warns(UserWarning, match="window_from=.* is not used: rollout.window_start=\\(0, 1\\)"):
+        backend.build(cfg)  # the file is not read
     assert cfg.rollout.window_start == (0, 1)
 
 
