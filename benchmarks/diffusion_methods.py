@@ -9,8 +9,15 @@ method took to reach Flow-GRPO's final training reward.
 "Reach" is the first step whose trailing mean training reward (--window steps) is at least
 Flow-GRPO's over its last --window steps of the same seed; its wall time is the sum of
 time/step up to it, its model evaluations the sum of cost/model_evaluations (transformer rows:
-rollouts, re-scoring, reference passes). The hardest held-out prompts (hard/*: the relational
-ones, 7 atoms) are reported alone too, and each method's gain there over Flow-GRPO's.
+rollouts, re-scoring, reference passes). Training rewards are not alike across methods (an SDE
+window, or FTFC's ODE pool), so "reach" is also read on the held-out evaluations (with
+--set train.eval_every=N): the first evaluation whose atom accuracy is at least Flow-GRPO's
+final one. The hardest held-out prompts (hard/*: the relational ones, 7 atoms) are reported
+alone too, and each method's gain there over Flow-GRPO's.
+
+--reuse reads a run that already finished in --out (its summary.json and metrics.jsonl)
+instead of training it again, so the methods can run as parallel processes and be tabled
+together afterwards.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ COLUMNS = ("atom_accuracy", "exist", "colour", "count", "relation", "prompt_accu
 HARD = ("hard/atom_accuracy", "hard/exist", "hard/colour", "hard/count", "hard/relation", "hard/prompt_accuracy")
 
 
-def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> tuple[dict, list[dict]]:
+def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
+        reuse: bool = False) -> tuple[dict, list[dict]]:
+    if reuse and (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+    if reuse and (out / "metrics.jsonl").exists():
+        # training again here would start over in the directory of a run that may still be going
+        raise SystemExit(f"--reuse: {out} has metrics but no summary.json: a run still going or stopped; "
+                         "wait for it, or remove the directory to train it again")
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
@@ -57,6 +71,18 @@ def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, flo
     return None, None, None
 
 
+def reach_eval(rows: list[dict], target: float) -> tuple[int | None, float | None, float | None]:
+    """(step, wall seconds, model evaluations) of the first held-out evaluation whose atom
+    accuracy is at least target; Nones if none."""
+    wall = evals = 0.0
+    for row in rows:
+        wall += row.get("time/step", 0.0)
+        evals += row.get("cost/model_evaluations", float("nan"))
+        if row.get("eval/atom_accuracy", -1.0) >= target:
+            return row["step"], wall, evals
+    return None, None, None
+
+
 def gain(summary: dict, key: str) -> float:
     return summary["eval_after"].get(key, float("nan")) - summary["eval_before"].get(key, float("nan"))
 
@@ -69,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=5, help="steps of the trailing mean reward")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "diffusion-methods")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
+    ap.add_argument("--reuse", action="store_true", help="table runs already finished in --out, train the rest")
     ap.add_argument("--only", action="append", default=[], metavar="METHOD:KEY=VALUE",
                     help="an override for one method only (repeatable), e.g. ftfc:method.divergence=pearson")
     args = ap.parse_args(argv)
@@ -84,20 +111,23 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         for method in args.methods:
             summary, rows = run(method, seed, args.steps, args.out / f"{method}-seed{seed}",
-                                [*args.extra, *only.get(method, [])])
+                                [*args.extra, *only.get(method, [])], reuse=args.reuse)
             results[(method, seed)] = (summary, rows)
             print(json.dumps({"method": method, "seed": seed, "before": summary["eval_before"],
                               "after": summary["eval_after"], "seconds": summary.get("train_seconds")}), flush=True)
     print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | model evals | steps (s, evals) to "
-          "Flow-GRPO's final reward |")
-    print("|---|---|" + "---|" * len(COLUMNS) + "---|---|---|")
+          "Flow-GRPO's final reward | to its final held-out atom accuracy |")
+    print("|---|---|" + "---|" * len(COLUMNS) + "---|---|---|---|")
     for (method, seed), (s, rows) in results.items():
         target = trailing(results[("flow_grpo", seed)][1], args.window)[-1]
         step, wall, evals = reach(rows, target, args.window)
         cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
         got = f"{step} ({wall:.0f} s, {evals:.0f})" if step else "not reached"
+        e_step, e_wall, e_evals = reach_eval(rows, results[("flow_grpo", seed)][0]["eval_after"]["atom_accuracy"])
+        got_eval = f"{e_step} ({e_wall:.0f} s, {e_evals:.0f})" if e_step else "not reached"
         total = sum(r.get("cost/model_evaluations", float("nan")) for r in rows)
-        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {total:.0f} | {got} |")
+        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {total:.0f} | {got} "
+              f"| {got_eval} |")
     print("\nHardest held-out prompts (hard/*), and the gain over the base model as a multiple of Flow-GRPO's:")
     print("\n| method | seed | " + " | ".join(c[5:] for c in HARD) + " | atom gain / Flow-GRPO's | prompt gain / "
           "Flow-GRPO's |")

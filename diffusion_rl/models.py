@@ -97,6 +97,7 @@ __all__ = [
     "build_tiny",
     "load_flow_model",
     "pack",
+    "pil_to_tensor",
     "unpack",
 ]
 
@@ -119,6 +120,15 @@ DEFAULT_LORA_TARGETS = (
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
 )  # fmt: skip
 _ADAPTER = "default"
+
+
+def pil_to_tensor(images) -> Tensor:
+    """RGB (or convertible) PIL images of one size -> float [N, 3, H, W] in [-1, 1]: what
+    `FlowModel.encode_images` takes, the inverse of `decode`'s PIL output."""
+    import numpy as np
+
+    a = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])  # [N, H, W, 3]
+    return torch.from_numpy(a).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
 def pack(x: Tensor, p: int) -> Tensor:

@@ -35,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from diffusion_rl.models import load_flow_model
+from diffusion_rl.models import load_flow_model, pil_to_tensor
 from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from diffusion_rl.tasks.shapes_geneval import render, sample_prompts, shapes_geneval_reward
@@ -47,11 +46,6 @@ from diffusion_rl.tiny import build_tiny
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMER = {"num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 4,
                "axes_dims_rope": (8, 12, 12)}
-
-
-def images_to_tensor(images) -> torch.Tensor:
-    a = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])  # [N, H, W, 3]
-    return torch.from_numpy(a).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
 class _Rollout:  # what DiffusionPolicy reads for evaluation (ODE: no noise)
@@ -105,7 +99,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # Pre-training prompts come from their own seed: the RL task's train/eval streams stay unseen.
     prompts = sample_prompts(args.data, args.seed + 1000, split="train")
-    images = images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
+    images = pil_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
     x0 = torch.cat([flow.encode_images(images[i: i + 256]) for i in range(0, len(images), 256)])
     cond = {}
     for start in range(0, len(prompts), 256):

@@ -24,12 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from diffusion_rl.models import pil_to_tensor
 from diffusion_rl.tasks.shapes_geneval import atom_accuracy, render, sample_prompts
-
-
-def images_to_tensor(images) -> torch.Tensor:
-    a = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])  # [N, H, W, 3]
-    return torch.from_numpy(a).permute(0, 3, 1, 2) / 127.5 - 1.0
 
 
 def tensor_to_images(x: torch.Tensor):
@@ -74,7 +70,7 @@ def main(argv=None) -> int:
 
     # Scenes from their own prompt seed (as the flow model's pre-training): RL's streams stay unseen.
     prompts = sample_prompts(args.data, args.seed + 2000, split="train")
-    x = images_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
+    x = pil_to_tensor([render(q, seed=i) for i, q in enumerate(prompts)])
     vae = build_vae(x.shape[-1], tuple(args.channels))
     opt = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0)
     warm = max(1, args.steps // 20)  # linear warm-up, then cosine to zero
@@ -101,7 +97,7 @@ def main(argv=None) -> int:
         vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
         held = sample_prompts(args.eval_scenes, args.seed + 3000, split="eval")
         clean = [render(q, seed=10_000 + i) for i, q in enumerate(held)]
-        rec = vae.decode(vae.encode(images_to_tensor(clean)).latent_dist.mean).sample
+        rec = vae.decode(vae.encode(pil_to_tensor(clean)).latent_dist.mean).sample
     before, after = atom_accuracy(clean, held), atom_accuracy(tensor_to_images(rec), held)
     out = Path(args.out)
     vae.save_pretrained(out)

@@ -4,7 +4,6 @@ on-policy; with uniform maps its gradient is Flow-GRPO's)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from diffusion_rl.attention_maps import (
 from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.methods.cast import CAST, advantage_map
 from diffusion_rl.methods.flow_grpo import FlowGRPO
-from diffusion_rl.models import build_tiny, load_flow_model
+from diffusion_rl.models import build_tiny, load_flow_model, pil_to_tensor
 from diffusion_rl.scene_graph import checked_spans, load_parser, shapes_geneval_spans
 from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
 from mmrl.core.config import ConfigError, load_config
@@ -151,14 +150,14 @@ def test_maps_of_the_pixel_space_model_find_the_objects(bundled):
     images, inside = [], []
     for i, p in enumerate(prompts):
         scene = make_scene(p, seed=i)
-        images.append(torch.tensor(np.asarray(render(scene)), dtype=torch.float32).permute(2, 0, 1) / 127.5 - 1)
+        images.append(render(scene))
         box = torch.zeros(64, 64, dtype=torch.bool)
         for s in scene.shapes:
             left, top, right, bottom = (round(v) for v in s.box())
             box[max(top, 0):bottom, max(left, 0):right] = True
         g = bundled.grid[0]  # per image token: the share of its pixels inside a box
         inside.append(box.float().view(g, 64 // g, g, 64 // g).mean((1, 3)).flatten() > 0.5)
-    x0 = bundled.encode_images(torch.stack(images))
+    x0 = bundled.encode_images(pil_to_tensor(images))
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     with TextAttention(bundled) as rec:
         bundled.velocity(0.3 * x0 + 0.7 * eps, torch.full((16,), 0.7), bundled.encode_prompt(prompts))

@@ -10,14 +10,17 @@ import shutil
 import socket
 
 import huggingface_hub.constants
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from diffusion_rl.models import (
     FlowModel,
     load_flow_model,
     pack,
+    pil_to_tensor,
     unpack,
 )
 from diffusion_rl.tiny import (
@@ -434,6 +437,18 @@ def test_encode_images_inverts_decode(built):
     torch.testing.assert_close(unpack(z, 16, 16, 2) / c.scaling_factor + c.shift_factor, want)
     with pytest.raises(NotImplementedError, match="FLUX"):
         load_flow_model(built["sd3"]).encode_images(images)
+
+
+def test_pil_to_tensor_is_the_inverse_of_decodes_pil_output(built):
+    """PIL -> [-1, 1] tensor -> (through the pixel-space model) PIL gives the same pixels back."""
+    pixel = load_flow_model(built["flux_pixel"])
+    images = pixel.decode(pixel.noise(2, torch.Generator().manual_seed(3)))
+    x = pil_to_tensor(images)
+    assert x.shape == (2, 3, 64, 64) and x.min() >= -1 and x.max() <= 1
+    again = pixel.decode(pixel.encode_images(x))
+    assert all((np.asarray(a) == np.asarray(b)).all() for a, b in zip(images, again))
+    gray = Image.new("L", (64, 64), 255)  # converted to RGB: white is +1 in every channel
+    assert (pil_to_tensor([gray]) == 1).all()
 
 
 def test_pixel_space_x_prediction_returns_the_implied_velocity(tmp_path):
