@@ -27,13 +27,10 @@ from diffusion_rl.scene_graph import shapes_geneval_spans
 from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
 
 
-def inside_tokens(scene, grid: int, size: int = 64) -> torch.Tensor:
+def inside_tokens(scene, grid: int) -> torch.Tensor:
     """[grid * grid] bool: the image tokens at least half inside an object's box."""
-    box = torch.zeros(size, size, dtype=torch.bool)
-    for s in scene.shapes:
-        left, top, right, bottom = (round(v) for v in s.box())
-        box[max(top, 0):bottom, max(left, 0):right] = True
-    return box.float().view(grid, size // grid, grid, size // grid).mean((1, 3)).flatten() > 0.5
+    box, size = torch.from_numpy(scene.box_mask()).float(), scene.size
+    return box.view(grid, size // grid, grid, size // grid).mean((1, 3)).flatten() > 0.5
 
 
 def main(argv=None) -> int:

@@ -446,6 +446,14 @@ class Scene:
     size: int = IMAGE_SIZE
     prompt: str | None = None
 
+    def box_mask(self) -> np.ndarray:
+        """[size, size] bool: the pixels inside any shape's bounding box (clipped to the image)."""
+        mask = np.zeros((self.size, self.size), dtype=bool)
+        for s in self.shapes:
+            left, top, right, bottom = (round(v) for v in s.box())
+            mask[max(top, 0):bottom, max(left, 0):right] = True
+        return mask
+
 
 def _apart(a: tuple, b: tuple, gap: float) -> bool:
     return a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]

@@ -151,12 +151,9 @@ def test_maps_of_the_pixel_space_model_find_the_objects(bundled):
     for i, p in enumerate(prompts):
         scene = make_scene(p, seed=i)
         images.append(render(scene))
-        box = torch.zeros(64, 64, dtype=torch.bool)
-        for s in scene.shapes:
-            left, top, right, bottom = (round(v) for v in s.box())
-            box[max(top, 0):bottom, max(left, 0):right] = True
+        box = torch.from_numpy(scene.box_mask()).float()
         g = bundled.grid[0]  # per image token: the share of its pixels inside a box
-        inside.append(box.float().view(g, 64 // g, g, 64 // g).mean((1, 3)).flatten() > 0.5)
+        inside.append(box.view(g, 64 // g, g, 64 // g).mean((1, 3)).flatten() > 0.5)
     x0 = bundled.encode_images(pil_to_tensor(images))
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     with TextAttention(bundled) as rec:

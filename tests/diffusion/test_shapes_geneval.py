@@ -274,6 +274,16 @@ def test_renders_at_other_sizes_and_without_antialiasing(size):
             assert min(score_image(img, prompt).values()) == 1.0, (prompt, antialias)
 
 
+def test_box_mask_covers_exactly_the_non_white_pixels_and_their_boxes():
+    scene = make_scene("two red circles left of a blue square", seed=3)
+    mask = scene.box_mask()
+    assert mask.shape == (scene.size, scene.size) and mask.dtype == bool
+    ink = (np.asarray(render(scene, antialias=False)) != 255).any(-1)
+    assert ink.any() and not (ink & ~mask).any()  # every drawn pixel lies in a box
+    area = sum((s.box()[2] - s.box()[0]) * (s.box()[3] - s.box()[1]) for s in scene.shapes)
+    assert mask.sum() == round(area)  # the boxes are apart, so their areas add up
+
+
 def test_make_scene_matches_the_prompt_and_is_deterministic():
     prompt = "three yellow triangles below two green squares"
     scene = make_scene(prompt, seed=5)
