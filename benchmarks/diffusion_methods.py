@@ -59,28 +59,26 @@ def trailing(rows: list[dict], window: int) -> list[float]:
     return [statistics.mean(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
 
 
-def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None, float | None]:
-    """(step, wall seconds, model evaluations) where the trailing mean reward first reaches
-    target; Nones if never."""
+def first_hit(rows: list[dict], hits) -> tuple[int | None, float | None, float | None]:
+    """(step, wall seconds, model evaluations) up to the first row whose hit is true; Nones if
+    none. The wall time sums time/step, the evaluations cost/model_evaluations."""
     wall = evals = 0.0
-    for i, (row, mean) in enumerate(zip(rows, trailing(rows, window))):
+    for row, hit in zip(rows, hits):
         wall += row.get("time/step", 0.0)
         evals += row.get("cost/model_evaluations", float("nan"))
-        if mean >= target:
-            return i + 1, wall, evals
+        if hit:
+            return row["step"], wall, evals
     return None, None, None
+
+
+def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None, float | None]:
+    """Where the trailing mean training reward first reaches target."""
+    return first_hit(rows, (mean >= target for mean in trailing(rows, window)))
 
 
 def reach_eval(rows: list[dict], target: float) -> tuple[int | None, float | None, float | None]:
-    """(step, wall seconds, model evaluations) of the first held-out evaluation whose atom
-    accuracy is at least target; Nones if none."""
-    wall = evals = 0.0
-    for row in rows:
-        wall += row.get("time/step", 0.0)
-        evals += row.get("cost/model_evaluations", float("nan"))
-        if row.get("eval/atom_accuracy", -1.0) >= target:
-            return row["step"], wall, evals
-    return None, None, None
+    """Where a held-out evaluation's atom accuracy first reaches target."""
+    return first_hit(rows, (row.get("eval/atom_accuracy", -1.0) >= target for row in rows))
 
 
 def gain(summary: dict, key: str) -> float:
