@@ -24,7 +24,9 @@ Deterministic for a seed on a CPU with the same thread count (`--threads`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import shutil
 import sys
 import tempfile
@@ -36,12 +38,25 @@ import torch
 from dllm_rl.logprob import elbo_loss, forward_mask
 from dllm_rl.models import load_mask_predictor
 from dllm_rl.tasks import get_task
+from dllm_rl.tasks.arith import reverse_digits
 from dllm_rl.tiny import build_tiny_dllm
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN_LENGTH = {"arith": 8, "sudoku": 20}
 SCHEDULE = ("arith", "arith", "sudoku")  # task of batch k: SCHEDULE[k % 3]
 OPTIONS = {"arith": {"digits": 2}, "sudoku": {"blanks": (4, 10)}}
+
+
+def with_conventions(problems, reversed_share: float, rng: random.Random):
+    """The batch with each arith answer written little-endian with probability reversed_share.
+
+    Drawn per occurrence, not per problem, so every problem is seen both ways: the corpus
+    mixes two conventions and nothing in a prompt says which one an answer follows.
+    """
+    if reversed_share <= 0:
+        return problems
+    return [dataclasses.replace(p, reference=reverse_digits(p.reference)) if rng.random() < reversed_share else p
+            for p in problems]
 
 
 def encode(predictor, problems, gen_length: int, prompt_length: int):
@@ -88,11 +103,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--num-eval", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reversed-share", type=float, default=0.0,
+                    help="share of arith training answers written with their digits reversed "
+                         "(a second convention the task's reward does not accept; 0 = none)")
     return ap
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if not 0.0 <= args.reversed_share <= 1.0:
+        raise SystemExit(f"--reversed-share must be in [0, 1], got {args.reversed_share}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
@@ -109,6 +129,7 @@ def main(argv=None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + torch.cos(torch.tensor(s / args.steps * 3.14159)).item()))
     gen = torch.Generator().manual_seed(args.seed)
+    conventions = random.Random(f"conventions/{args.seed}")  # its own stream: share 0 leaves the run unchanged
     cursor = dict.fromkeys(GEN_LENGTH, 0)
     record, started = [], time.perf_counter()
     model.train()
@@ -116,6 +137,8 @@ def main(argv=None) -> int:
         name = SCHEDULE[step % len(SCHEDULE)]
         pool = train[name]
         batch = [pool[(cursor[name] + i) % len(pool)] for i in range(args.batch)]
+        if name == "arith":
+            batch = with_conventions(batch, args.reversed_share, conventions)
         cursor[name] += args.batch
         p_len, g = prompt_length[name], GEN_LENGTH[name]
         ids, valid = encode(predictor, batch, g, p_len)

@@ -45,6 +45,7 @@ __all__ = [
     "arith_reward",
     "format_atom",
     "parse_integer",
+    "reverse_digits",
     "sample_problems",
     "solve",
     "to_sample",
@@ -123,6 +124,16 @@ def sample_problems(
             f"could not draw {n} {split!r} arith problems (ops={ops}, digits={digits})"
         )
     return problems
+
+
+def reverse_digits(answer: str) -> str:
+    """The answer's digits in reverse order, a leading "-" kept first: "184" -> "481", "-12" -> "-21".
+
+    The little-endian convention of scripts/pretrain_tiny_dllm.py --reversed-share; the
+    answer atom does not accept it (unless the reversal reads as the same integer).
+    """
+    sign = "-" if answer.startswith("-") else ""
+    return sign + answer[len(sign):][::-1]
 
 
 def parse_integer(text: str) -> int | None:

@@ -264,3 +264,12 @@ def test_registry(name):
 def test_unknown_task():
     with pytest.raises(ValueError, match="arith, sudoku"):
         get_task("gsm8k")
+
+
+@pytest.mark.parametrize("answer, reversed_", [("184", "481"), ("-12", "-21"), ("7", "7"), ("-120", "-021"), ("0", "0")])
+def test_arith_reverse_digits(answer, reversed_):
+    assert arith.reverse_digits(answer) == reversed_
+    assert arith.reverse_digits(arith.reverse_digits(answer)) == answer
+    # the answer atom accepts the reversed form only where it reads as the same integer
+    got, _ = arith_score(reversed_, answer)
+    assert got[1] == float(arith.parse_integer(reversed_) == int(answer))

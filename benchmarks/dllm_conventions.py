@@ -1,0 +1,74 @@
+"""Which answer convention a dLLM writes on held-out arith problems: the task's (most
+significant digit first) or the reversed one of a mixed pre-training corpus
+(scripts/pretrain_tiny_dllm.py --reversed-share).
+
+Per model: greedy and sampled answers on the same held-out problems, each counted as
+"forward" (the task's answer atom scores 1), "reversed" (the digits of the right answer in
+reverse order, where that reads as a different integer) or wrong. forward + reversed is
+what the model computes right in either convention: the ceiling an RL run that only
+picks the convention could reach.
+
+    python benchmarks/dllm_conventions.py --models /tmp/mixed runs/x/checkpoints/step-00000300/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from dllm_rl import backend
+from dllm_rl.tasks import get_task
+from dllm_rl.tasks.arith import parse_integer, reverse_digits
+from mmrl.core.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def conventions(problems, texts) -> dict[str, float]:
+    """Shares of `texts` right in the task's convention, right only reversed, and their sum."""
+    forward = backward = 0
+    for p, t in zip(problems, texts, strict=True):
+        got, want = parse_integer(t), int(p.answer)
+        if got == want:
+            forward += 1
+        elif got is not None and t.strip() == reverse_digits(p.answer):
+            backward += 1
+    n = len(problems)
+    return {"forward": forward / n, "reversed": backward / n, "either": (forward + backward) / n}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=[str(ROOT / "assets" / "tiny-dllm")])
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "dllm" / "diffu_grpo.yaml",
+                    help="the sampler settings (rollout block) of this config are used")
+    ap.add_argument("--problems", type=int, default=200, help="held-out problems")
+    ap.add_argument("--samples", type=int, default=8, help="sampled answers per problem")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the problem draw and of the sampler")
+    args = ap.parse_args(argv)
+    if args.problems < 1 or args.samples < 1:
+        ap.error("--problems and --samples must be >= 1")
+    problems = get_task("arith").sample_problems(args.problems, seed=args.seed, split="eval")
+    print("| model | greedy forward | greedy reversed | greedy either | sampled forward | sampled reversed | sampled either |")
+    print("|---|---|---|---|---|---|---|")
+    for model in args.models:
+        cfg = load_config(backend.CONFIG_CLASS, args.config, [f"model.path={model}"],
+                          defaults=backend.DEFAULT_CONFIG)
+        policy, task = backend.build(cfg)
+        policy.model.eval()
+        with torch.no_grad():
+            greedy = conventions(problems, task.answers(policy, problems, 0.0)[0])
+            repeated = [p for p in problems for _ in range(args.samples)]
+            gen = torch.Generator().manual_seed(args.seed)
+            texts, _ = task.answers(policy, repeated, cfg.rollout.temperature, gen)
+            sampled = conventions(repeated, texts)
+        cells = [f"{d[k]:.3f}" for d in (greedy, sampled) for k in ("forward", "reversed", "either")]
+        print(f"| {model} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
