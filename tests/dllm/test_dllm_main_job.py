@@ -56,3 +56,22 @@ def test_bundled_model_is_middling_on_arith(bundled):
         m = task.evaluate(policy)
     assert 0.1 <= m["accuracy"] <= 0.6, m
     assert m["format"] > 0.9 and m["nfe"] == 8.0
+
+
+def test_pretrain_conventions_mix():
+    """--reversed-share writes that share of arith answers reversed, drawn per occurrence;
+    share 0 returns the batch untouched (so the bundled model's recipe is unchanged)."""
+    import random
+
+    from dllm_rl.tasks import get_task
+
+    module = _script()
+    batch = get_task("arith").sample_problems(400, 0, "train")
+    assert module.with_conventions(batch, 0.0, random.Random(0)) is batch
+    flipped = module.with_conventions(batch, 1.0, random.Random(0))
+    assert [p.reference for p in flipped] == [p.reference[::-1] if p.reference[0] != "-" else "-" + p.reference[:0:-1]
+                                              for p in batch]
+    assert all(p.answer == q.answer for p, q in zip(batch, flipped))  # what the reward checks is unchanged
+    mixed = module.with_conventions(batch, 0.5, random.Random(0))
+    pairs = [(p, q) for p, q, f in zip(batch, mixed, flipped) if f.reference != p.reference]  # not palindromes
+    assert 0.4 < sum(p.reference != q.reference for p, q in pairs) / len(pairs) < 0.6
