@@ -17,6 +17,11 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
 
     python scripts/pretrain_tiny_dllm.py                 # rebuilds assets/tiny-dllm
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --steps 4000
+    python scripts/pretrain_tiny_dllm.py --out /tmp/d --reversed-share 0.7   # two answer conventions
+
+--reversed-share writes that share of the arith answers with their digits reversed (a
+probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
+what it found; benchmarks/dllm_conventions.py counts which convention a model writes).
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
