@@ -108,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--num-eval", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hidden-size", type=int, default=128, help="model width (the MLP is twice as wide)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers")
     ap.add_argument("--reversed-share", type=float, default=0.0,
                     help="share of arith training answers written with their digits reversed "
                          "(a second convention the task's reward does not accept; 0 = none)")
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_dllm(Path(tmp) / "init", kind="llada", seed=args.seed)
+        build_tiny_dllm(Path(tmp) / "init", kind="llada", seed=args.seed, hidden_size=args.hidden_size,
+                        num_layers=args.layers, intermediate_size=2 * args.hidden_size)
         predictor = load_mask_predictor(Path(tmp) / "init")
     model = predictor.model
     train = {n: get_task(n).sample_problems(20000, args.seed, "train", **OPTIONS[n]) for n in GEN_LENGTH}
