@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if not 0.0 <= args.reversed_share <= 1.0:
         raise SystemExit(f"--reversed-share must be in [0, 1], got {args.reversed_share}")
+    if args.hidden_size < 4 or args.hidden_size % 4 or args.layers < 1:
+        raise SystemExit(f"--hidden-size must be a positive multiple of 4 (the model has 4 heads) and "
+                         f"--layers >= 1, got {args.hidden_size} and {args.layers}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 

@@ -75,3 +75,10 @@ def test_pretrain_conventions_mix():
     mixed = module.with_conventions(batch, 0.5, random.Random(0))
     pairs = [(p, q) for p, q, f in zip(batch, mixed, flipped) if f.reference != p.reference]  # not palindromes
     assert 0.4 < sum(p.reference != q.reference for p, q in pairs) / len(pairs) < 0.6
+
+
+@pytest.mark.parametrize("args", [["--reversed-share", "1.5"], ["--hidden-size", "30"], ["--layers", "0"]])
+def test_pretrain_script_bad_arguments(args, tmp_path):
+    with pytest.raises(SystemExit, match="must be"):
+        _script().main(["--out", str(tmp_path / "m"), *args])
+    assert not (tmp_path / "m").exists()
