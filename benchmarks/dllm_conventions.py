@@ -21,7 +21,7 @@ import torch
 
 from dllm_rl import backend
 from dllm_rl.tasks import get_task
-from dllm_rl.tasks.arith import parse_integer, reverse_digits
+from dllm_rl.tasks.arith import answer_atom, parse_integer, reverse_digits, to_sample
 from mmrl.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +31,9 @@ def conventions(problems, texts) -> dict[str, float]:
     """Shares of `texts` right in the task's convention, right only reversed, and their sum."""
     forward = backward = 0
     for p, t in zip(problems, texts, strict=True):
-        got, want = parse_integer(t), int(p.answer)
-        if got == want:
+        if answer_atom(to_sample(p, t)):
             forward += 1
-        elif got is not None and t.strip() == reverse_digits(p.answer):
+        elif parse_integer(t) is not None and t.strip() == reverse_digits(p.answer):
             backward += 1
     n = len(problems)
     return {"forward": forward / n, "reversed": backward / n, "either": (forward + backward) / n}
