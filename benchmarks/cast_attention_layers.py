@@ -19,18 +19,13 @@ from diffusion_rl import backend
 from diffusion_rl.attention_maps import (
     TextAttention,
     atom_maps,
+    image_tokens_inside,
     joint_attention_modules,
     text_key_spans,
 )
 from diffusion_rl.models import load_flow_model, pil_to_tensor
 from diffusion_rl.scene_graph import shapes_geneval_spans
 from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
-
-
-def inside_tokens(scene, grid: int) -> torch.Tensor:
-    """[grid * grid] bool: the image tokens at least half inside an object's box."""
-    box, size = torch.from_numpy(scene.box_mask()).float(), scene.size
-    return box.view(grid, size // grid, grid, size // grid).mean((1, 3)).flatten() > 0.5
 
 
 def main(argv=None) -> int:
@@ -44,7 +39,7 @@ def main(argv=None) -> int:
     n = args.prompts
     prompts = sample_prompts(n, 1, split="eval")
     scenes = [make_scene(p, seed=i) for i, p in enumerate(prompts)]
-    inside = [inside_tokens(s, flow.grid[0]) for s in scenes]
+    inside = [image_tokens_inside(s.box_mask(), flow.grid[0]) for s in scenes]
     x0 = flow.encode_images(pil_to_tensor([render(s) for s in scenes]))
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(args.seed))
     cond = flow.encode_prompt(prompts)

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 FAMILIES = ("flux", "sd3")  # joint attention whose layout this module knows
 TEXT_FIRST = {"flux": True, "sd3": False}
 
-__all__ = ["FAMILIES", "TextAttention", "atom_maps", "default_layers", "joint_attention_modules",
-           "text_key_spans"]
+__all__ = ["FAMILIES", "TextAttention", "atom_maps", "default_layers", "image_tokens_inside",
+           "joint_attention_modules", "text_key_spans"]
 
 
 def joint_attention_modules(flow) -> list[nn.Module]:
@@ -204,3 +204,14 @@ def atom_maps(att: Tensor, key_spans: Sequence[Sequence[tuple[int, int] | None]]
             if d > 0:
                 out[i, k] = m / d
     return out
+
+
+def image_tokens_inside(mask, grid: int) -> Tensor:
+    """[grid * grid] bool, in the maps' token order: the image tokens whose pixels lie at least
+    half inside a [size, size] pixel mask (size a multiple of grid), e.g. Scene.box_mask()."""
+    m = torch.as_tensor(mask).float()
+    size = m.shape[0]
+    if m.shape != (size, size) or size % grid:
+        raise ValueError(f"image_tokens_inside: a square mask with a side that is a multiple of {grid} "
+                         f"is expected, got shape {tuple(m.shape)}")
+    return m.view(grid, size // grid, grid, size // grid).mean((1, 3)).flatten() > 0.5

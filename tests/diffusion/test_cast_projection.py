@@ -12,6 +12,7 @@ from diffusion_rl.attention_maps import (
     TextAttention,
     atom_maps,
     default_layers,
+    image_tokens_inside,
     joint_attention_modules,
     text_key_spans,
 )
@@ -105,6 +106,17 @@ def test_atom_maps_and_advantage_map_by_hand():
         torch.testing.assert_close(out, (atom @ w)[:, None].expand(3, 5))
 
 
+def test_image_tokens_inside_by_hand():
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[0:4, 4:8] = True  # the top-right quarter: token (0, 1) of a 2 x 2 grid
+    mask[4:6, 0:4] = True  # half of token (1, 0): not more than half, so outside
+    mask[6:7, 4:8] = True  # a quarter of token (1, 1): outside
+    assert image_tokens_inside(mask, 2).tolist() == [False, True, False, False]
+    assert image_tokens_inside(mask.numpy(), 4).sum() == 4 + 2  # 2 x 2-pixel tokens: the quarter, and rows 4-5 fill 2
+    with pytest.raises(ValueError, match="multiple of 3"):
+        image_tokens_inside(mask, 3)
+
+
 def test_text_attention_leaves_the_forward_alone_and_handles_cfg(flux_dir):
     flow = load_flow_model(flux_dir)
     cond = flow.encode_prompt([PROMPT, "a red circle"])
@@ -151,9 +163,7 @@ def test_maps_of_the_pixel_space_model_find_the_objects(bundled):
     for i, p in enumerate(prompts):
         scene = make_scene(p, seed=i)
         images.append(render(scene))
-        box = torch.from_numpy(scene.box_mask()).float()
-        g = bundled.grid[0]  # per image token: the share of its pixels inside a box
-        inside.append(box.view(g, 64 // g, g, 64 // g).mean((1, 3)).flatten() > 0.5)
+        inside.append(image_tokens_inside(scene.box_mask(), bundled.grid[0]))
     x0 = bundled.encode_images(pil_to_tensor(images))
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     with TextAttention(bundled) as rec:
