@@ -18,10 +18,14 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
     python scripts/pretrain_tiny_dllm.py                 # rebuilds assets/tiny-dllm
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --steps 4000
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --reversed-share 0.7   # two answer conventions
+    python scripts/pretrain_tiny_dllm.py --out /tmp/d --marked-share 0.6     # a marked convention
 
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
 what it found; benchmarks/dllm_conventions.py counts which convention a model writes).
+--marked-share writes that share of the arith answers behind a "?" ("?82"): the same
+computation in a form the task's format atom rejects, a behaviour RL can unlearn on every
+problem at once (a probe of whether the loop's gains carry over to held-out problems).
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
@@ -61,6 +65,18 @@ def with_conventions(problems, reversed_share: float, rng: random.Random):
     if reversed_share <= 0:
         return problems
     return [dataclasses.replace(p, reference=reverse_digits(p.reference)) if rng.random() < reversed_share else p
+            for p in problems]
+
+
+MARK = "?"  # the marked convention's prefix: in the tokenizer's CHARSET, not an integer
+
+
+def with_marker(problems, marked_share: float, rng: random.Random):
+    """The batch with each arith answer written as MARK + answer with probability marked_share
+    (drawn per occurrence, like with_conventions)."""
+    if marked_share <= 0:
+        return problems
+    return [dataclasses.replace(p, reference=MARK + p.reference) if rng.random() < marked_share else p
             for p in problems]
 
 
@@ -113,13 +129,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reversed-share", type=float, default=0.0,
                     help="share of arith training answers written with their digits reversed "
                          "(a second convention the task's reward does not accept; 0 = none)")
+    ap.add_argument("--marked-share", type=float, default=0.0,
+                    help=f"share of arith training answers written behind a {MARK!r} (the same "
+                         "answer in a form the task's format atom rejects; 0 = none)")
     return ap
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if not 0.0 <= args.reversed_share <= 1.0:
-        raise SystemExit(f"--reversed-share must be in [0, 1], got {args.reversed_share}")
+    for name in ("reversed_share", "marked_share"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.hidden_size < 4 or args.hidden_size % 4 or args.layers < 1:
         raise SystemExit(f"--hidden-size must be a positive multiple of 4 (the model has 4 heads) and "
                          f"--layers >= 1, got {args.hidden_size} and {args.layers}")
@@ -141,6 +161,7 @@ def main(argv=None) -> int:
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + torch.cos(torch.tensor(s / args.steps * 3.14159)).item()))
     gen = torch.Generator().manual_seed(args.seed)
     conventions = random.Random(f"conventions/{args.seed}")  # its own stream: share 0 leaves the run unchanged
+    marker = random.Random(f"marker/{args.seed}")  # likewise
     cursor = dict.fromkeys(GEN_LENGTH, 0)
     record, started = [], time.perf_counter()
     model.train()
@@ -149,7 +170,7 @@ def main(argv=None) -> int:
         pool = train[name]
         batch = [pool[(cursor[name] + i) % len(pool)] for i in range(args.batch)]
         if name == "arith":
-            batch = with_conventions(batch, args.reversed_share, conventions)
+            batch = with_marker(with_conventions(batch, args.reversed_share, conventions), args.marked_share, marker)
         cursor[name] += args.batch
         p_len, g = prompt_length[name], GEN_LENGTH[name]
         ids, valid = encode(predictor, batch, g, p_len)

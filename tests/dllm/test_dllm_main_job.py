@@ -77,8 +77,67 @@ def test_pretrain_conventions_mix():
     assert 0.4 < sum(p.reference != q.reference for p, q in pairs) / len(pairs) < 0.6
 
 
-@pytest.mark.parametrize("args", [["--reversed-share", "1.5"], ["--hidden-size", "30"], ["--layers", "0"]])
+def test_pretrain_marker_mix():
+    """--marked-share puts "?" before that share of arith answers, per occurrence; the task's
+    atoms reject a marked answer even when its number is right."""
+    import random
+
+    from dllm_rl.tasks import get_task
+    from dllm_rl.tasks.arith import to_sample
+
+    module = _script()
+    arith = get_task("arith")
+    batch = arith.sample_problems(400, 0, "train")
+    assert module.with_marker(batch, 0.0, random.Random(0)) is batch
+    marked = module.with_marker(batch, 0.6, random.Random(0))
+    hit = [q.reference == "?" + p.reference for p, q in zip(batch, marked)]
+    assert all(h or q.reference == p.reference for h, p, q in zip(hit, batch, marked))
+    assert 0.5 < sum(hit) / len(hit) < 0.7
+    scores = arith.reward().score([to_sample(p, q.reference) for p, q, h in zip(batch, marked, hit) if h])
+    assert scores.total.max() == 0.0  # neither format nor answer credits the marked form
+
+
+@pytest.mark.parametrize("args", [["--reversed-share", "1.5"], ["--marked-share", "-0.1"], ["--hidden-size", "30"],
+                                  ["--layers", "0"]])
 def test_pretrain_script_bad_arguments(args, tmp_path):
     with pytest.raises(SystemExit, match="must be"):
         _script().main(["--out", str(tmp_path / "m"), *args])
     assert not (tmp_path / "m").exists()
+
+
+def _benchmark(name: str):
+    path = backend.bundled_model_dir().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_ceiling_trains_on_the_exact_answers():
+    """benchmarks/dllm_sft_ceiling.py: answers laid out like RL completions (<eos>-padded),
+    and at a high lr a few steps on the exact answers of 4 problems raise their likelihood."""
+    bench = _benchmark("dllm_sft_ceiling")
+    cfg = load_config(backend.CONFIG_CLASS, None, ["task.num_eval=4", "task.num_train=4"],
+                      defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    ids = bench.answer_ids(policy, ["82", "-12"])
+    eos = policy.predictor.eos_token_id
+    assert ids.shape == (2, cfg.rollout.gen_length) and (ids[0, 2:] == eos).all() and (ids[1, 3:] == eos).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        bench.answer_ids(policy, ["1" * cfg.rollout.gen_length])
+
+    def likelihood(policy):
+        problems = task.train
+        prompt_ids, valid = policy.encode_prompts([p.prompt for p in problems])
+        target = bench.answer_ids(policy, [p.reference for p in problems])
+        masked = torch.full_like(target, policy.predictor.mask_token_id)  # every answer token masked
+        with torch.no_grad():
+            logits = policy.logits(torch.cat([prompt_ids, masked], 1), valid)[:, policy.prompt_length:]
+        return logits.log_softmax(-1).gather(-1, target[..., None]).sum()
+
+    out = bench.run(None, 1e-3, "reference", 4, 4, 0, ["task.num_eval=4", "task.num_train=4",
+                                                          "rollout.prompts_per_step=4", "rollout.num_generations=2"],
+                    keep_policy=True)
+    assert [row["step"] for row in out["curve"]] == [0, 4]
+    assert all(0.0 <= row["accuracy"] <= 1.0 for row in out["curve"])
+    assert likelihood(out["policy"]) > likelihood(policy) + 1.0
