@@ -1,14 +1,15 @@
 """Which answer convention a dLLM writes on held-out arith problems: the task's (most
-significant digit first) or the reversed one of a mixed pre-training corpus
-(scripts/pretrain_tiny_dllm.py --reversed-share).
+significant digit first) or the other one of a mixed pre-training corpus
+(scripts/pretrain_tiny_dllm.py --reversed-share or --marked-share).
 
 Per model: greedy and sampled answers on the same held-out problems, each counted as
-"forward" (the task's answer atom scores 1), "reversed" (the digits of the right answer in
-reverse order, where that reads as a different integer) or wrong. forward + reversed is
-what the model computes right in either convention: the ceiling an RL run that only
-picks the convention could reach.
+"forward" (the task's answer atom scores 1), "other" (the right answer in the other
+convention: its digits reversed, where that reads as a different integer, or behind the
+"?" mark) or wrong. forward + other is what the model computes right in either convention:
+the ceiling an RL run that only picks the convention could reach.
 
     python benchmarks/dllm_conventions.py --models /tmp/mixed runs/x/checkpoints/step-00000300/model
+    python benchmarks/dllm_conventions.py --other marked --models /tmp/marked
 """
 
 from __future__ import annotations
@@ -21,22 +22,29 @@ import torch
 
 from dllm_rl import backend
 from dllm_rl.tasks import get_task
-from dllm_rl.tasks.arith import answer_atom, parse_integer, reverse_digits, to_sample
+from dllm_rl.tasks.arith import MARK, answer_atom, parse_integer, reverse_digits, to_sample
 from mmrl.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def conventions(problems, texts) -> dict[str, float]:
-    """Shares of `texts` right in the task's convention, right only reversed, and their sum."""
+def in_other(text: str, answer: str, other: str) -> bool:
+    """Whether `text` is the right `answer` written in the `other` convention."""
+    if other == "marked":
+        return text.strip() == MARK + answer
+    return parse_integer(text) is not None and text.strip() == reverse_digits(answer) != answer
+
+
+def conventions(problems, texts, other: str = "reversed") -> dict[str, float]:
+    """Shares of `texts` right in the task's convention, right only in the other one, and their sum."""
     forward = backward = 0
     for p, t in zip(problems, texts, strict=True):
         if answer_atom(to_sample(p, t)):
             forward += 1
-        elif parse_integer(t) is not None and t.strip() == reverse_digits(p.answer):
+        elif in_other(t, p.answer, other):
             backward += 1
     n = len(problems)
-    return {"forward": forward / n, "reversed": backward / n, "either": (forward + backward) / n}
+    return {"forward": forward / n, "other": backward / n, "either": (forward + backward) / n}
 
 
 def main(argv=None) -> int:
@@ -47,11 +55,14 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", type=int, default=200, help="held-out problems")
     ap.add_argument("--samples", type=int, default=8, help="sampled answers per problem")
     ap.add_argument("--seed", type=int, default=0, help="seed of the problem draw and of the sampler")
+    ap.add_argument("--other", choices=("reversed", "marked"), default="reversed",
+                    help="the corpus's second convention")
     args = ap.parse_args(argv)
     if args.problems < 1 or args.samples < 1:
         ap.error("--problems and --samples must be >= 1")
     problems = get_task("arith").sample_problems(args.problems, seed=args.seed, split="eval")
-    print("| model | greedy forward | greedy reversed | greedy either | sampled forward | sampled reversed | sampled either |")
+    print(f"| model | greedy forward | greedy {args.other} | greedy either | sampled forward | sampled {args.other} "
+          "| sampled either |")
     print("|---|---|---|---|---|---|---|")
     for model in args.models:
         cfg = load_config(backend.CONFIG_CLASS, args.config, [f"model.path={model}"],
@@ -59,12 +70,12 @@ def main(argv=None) -> int:
         policy, task = backend.build(cfg)
         policy.model.eval()
         with torch.no_grad():
-            greedy = conventions(problems, task.answers(policy, problems, 0.0)[0])
+            greedy = conventions(problems, task.answers(policy, problems, 0.0)[0], args.other)
             repeated = [p for p in problems for _ in range(args.samples)]
             gen = torch.Generator().manual_seed(args.seed)
             texts, _ = task.answers(policy, repeated, cfg.rollout.temperature, gen)
-            sampled = conventions(repeated, texts)
-        cells = [f"{d[k]:.3f}" for d in (greedy, sampled) for k in ("forward", "reversed", "either")]
+            sampled = conventions(repeated, texts, args.other)
+        cells = [f"{d[k]:.3f}" for d in (greedy, sampled) for k in ("forward", "other", "either")]
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

@@ -47,7 +47,7 @@ import torch
 from dllm_rl.logprob import elbo_loss, forward_mask
 from dllm_rl.models import load_mask_predictor
 from dllm_rl.tasks import get_task
-from dllm_rl.tasks.arith import reverse_digits
+from dllm_rl.tasks.arith import MARK, reverse_digits
 from dllm_rl.tiny import build_tiny_dllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,9 +66,6 @@ def with_conventions(problems, reversed_share: float, rng: random.Random):
         return problems
     return [dataclasses.replace(p, reference=reverse_digits(p.reference)) if rng.random() < reversed_share else p
             for p in problems]
-
-
-MARK = "?"  # the marked convention's prefix: in the tokenizer's CHARSET, not an integer
 
 
 def with_marker(problems, marked_share: float, rng: random.Random):

@@ -38,6 +38,7 @@ from dllm_rl.tasks import (
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
 __all__ = [
+    "MARK",
     "MAX_DIGITS",
     "OPS",
     "accuracy",
@@ -134,6 +135,11 @@ def reverse_digits(answer: str) -> str:
     """
     sign = "-" if answer.startswith("-") else ""
     return sign + answer[len(sign):][::-1]
+
+
+MARK = "?"
+"""Prefix of the marked convention of scripts/pretrain_tiny_dllm.py --marked-share ("?82"):
+the right number in a form the format atom, and so the answer atom, rejects."""
 
 
 def parse_integer(text: str) -> int | None:

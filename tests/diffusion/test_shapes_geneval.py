@@ -274,7 +274,7 @@ def test_renders_at_other_sizes_and_without_antialiasing(size):
             assert min(score_image(img, prompt).values()) == 1.0, (prompt, antialias)
 
 
-def test_box_mask_covers_exactly_the_non_white_pixels_and_their_boxes():
+def test_box_mask_is_the_union_of_the_boxes_and_covers_every_drawn_pixel():
     scene = make_scene("two red circles left of a blue square", seed=3)
     mask = scene.box_mask()
     assert mask.shape == (scene.size, scene.size) and mask.dtype == bool
