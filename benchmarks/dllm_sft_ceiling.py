@@ -50,8 +50,8 @@ def answer_ids(policy, answers: list[str]) -> torch.Tensor:
 
 def own_correct(policy, task, problems, g: int, temperature: float, gen) -> tuple[list, list[str], float]:
     """The problems and answers among g samples per problem that the answer atom accepts."""
-    texts, _ = task.answers(policy, [p for p in problems for _ in range(g)], temperature, gen)
     reps = [p for p in problems for _ in range(g)]
+    texts, _ = task.answers(policy, reps, temperature, gen)
     scores = task.reward.score([to_sample(p, t) for p, t in zip(reps, texts)])
     ok = scores.values[:, scores.names.index(task.answer_atom)] >= 0.5
     keep = [i for i in range(len(reps)) if ok[i]]

@@ -11,12 +11,17 @@ from dllm_rl import backend
 from mmrl.core.config import load_config
 
 
-def _script():
-    path = backend.bundled_model_dir().parents[1] / "scripts" / "pretrain_tiny_dllm.py"
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_dllm", path)
+def _load(folder: str, name: str):
+    """A module of the repository's scripts/ or benchmarks/ folder (not a package)."""
+    path = backend.bundled_model_dir().parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _script():
+    return _load("scripts", "pretrain_tiny_dllm")
 
 
 def test_bundled_model_was_made_by_the_script_defaults():
@@ -105,18 +110,10 @@ def test_pretrain_script_bad_arguments(args, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-def _benchmark(name: str):
-    path = backend.bundled_model_dir().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sft_ceiling_trains_on_the_exact_answers():
     """benchmarks/dllm_sft_ceiling.py: answers laid out like RL completions (<eos>-padded),
     and at a high lr a few steps on the exact answers of 4 problems raise their likelihood."""
-    bench = _benchmark("dllm_sft_ceiling")
+    bench = _load("benchmarks", "dllm_sft_ceiling")
     cfg = load_config(backend.CONFIG_CLASS, None, ["task.num_eval=4", "task.num_train=4"],
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
