@@ -5,7 +5,7 @@ significant digit first) or the other one of a mixed pre-training corpus
 Per model: greedy and sampled answers on the same held-out problems, each counted as
 "forward" (the task's answer atom scores 1), "other" (the right answer in the other
 convention: its digits reversed, where that reads as a different integer, or behind the
-"?" mark) or wrong. forward + other is what the model computes right in either convention:
+"?" mark, before or after it) or wrong. forward + other is what the model computes right in either convention:
 the ceiling an RL run that only picks the convention could reach.
 
     python benchmarks/dllm_conventions.py --models /tmp/mixed runs/x/checkpoints/step-00000300/model
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def in_other(text: str, answer: str, other: str) -> bool:
     """Whether `text` is the right `answer` written in the `other` convention."""
     if other == "marked":
-        return text.strip() == MARK + answer
+        return text.strip() in (MARK + answer, answer + MARK)
     return parse_integer(text) is not None and text.strip() == reverse_digits(answer) != answer
 
 

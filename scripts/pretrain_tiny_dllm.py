@@ -23,8 +23,8 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
 what it found; benchmarks/dllm_conventions.py counts which convention a model writes).
---marked-share writes that share of the arith answers behind a "?" ("?82"): the same
-computation in a form the task's format atom rejects, a behaviour RL can unlearn on every
+--marked-share writes that share of the arith answers behind a "?" ("?82"; "82?" with
+--mark-at suffix): the same computation in a form the task's format atom rejects, a behaviour RL can unlearn on every
 problem at once (a probe of whether the loop's gains carry over to held-out problems).
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
@@ -68,12 +68,15 @@ def with_conventions(problems, reversed_share: float, rng: random.Random):
             for p in problems]
 
 
-def with_marker(problems, marked_share: float, rng: random.Random):
-    """The batch with each arith answer written as MARK + answer with probability marked_share
-    (drawn per occurrence, like with_conventions)."""
+def with_marker(problems, marked_share: float, rng: random.Random, at: str = "prefix"):
+    """The batch with each arith answer written as MARK + answer (at="prefix") or answer + MARK
+    (at="suffix") with probability marked_share (drawn per occurrence, like with_conventions)."""
+    if at not in ("prefix", "suffix"):
+        raise ValueError(f"mark position must be 'prefix' or 'suffix', got {at!r}")
     if marked_share <= 0:
         return problems
-    return [dataclasses.replace(p, reference=MARK + p.reference) if rng.random() < marked_share else p
+    mark = (lambda a: MARK + a) if at == "prefix" else (lambda a: a + MARK)
+    return [dataclasses.replace(p, reference=mark(p.reference)) if rng.random() < marked_share else p
             for p in problems]
 
 
@@ -129,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--marked-share", type=float, default=0.0,
                     help=f"share of arith training answers written behind a {MARK!r} (the same "
                          "answer in a form the task's format atom rejects; 0 = none)")
+    ap.add_argument("--mark-at", choices=("prefix", "suffix"), default="prefix",
+                    help='where --marked-share puts the mark: "?82" (prefix, which shifts the digits '
+                         'one place) or "82?" (suffix, digits where the task writes them)')
     return ap
 
 
@@ -167,7 +173,8 @@ def main(argv=None) -> int:
         pool = train[name]
         batch = [pool[(cursor[name] + i) % len(pool)] for i in range(args.batch)]
         if name == "arith":
-            batch = with_marker(with_conventions(batch, args.reversed_share, conventions), args.marked_share, marker)
+            batch = with_conventions(batch, args.reversed_share, conventions)
+            batch = with_marker(batch, args.marked_share, marker, args.mark_at)
         cursor[name] += args.batch
         p_len, g = prompt_length[name], GEN_LENGTH[name]
         ids, valid = encode(predictor, batch, g, p_len)

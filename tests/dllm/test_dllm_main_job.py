@@ -82,24 +82,31 @@ def test_pretrain_conventions_mix():
     assert 0.4 < sum(p.reference != q.reference for p, q in pairs) / len(pairs) < 0.6
 
 
-def test_pretrain_marker_mix():
-    """--marked-share puts "?" before that share of arith answers, per occurrence; the task's
-    atoms reject a marked answer even when its number is right."""
+@pytest.mark.parametrize("at", ["prefix", "suffix"])
+def test_pretrain_marker_mix(at):
+    """--marked-share puts "?" before (or, --mark-at suffix, after) that share of arith answers,
+    per occurrence; the task's atoms reject a marked answer even when its number is right, and
+    benchmarks/dllm_conventions.py counts it as the other convention."""
     import random
 
     from dllm_rl.tasks import get_task
     from dllm_rl.tasks.arith import to_sample
 
-    module = _script()
+    module, conventions = _script(), _load("benchmarks", "dllm_conventions")
     arith = get_task("arith")
     batch = arith.sample_problems(400, 0, "train")
-    assert module.with_marker(batch, 0.0, random.Random(0)) is batch
-    marked = module.with_marker(batch, 0.6, random.Random(0))
-    hit = [q.reference == "?" + p.reference for p, q in zip(batch, marked)]
+    assert module.with_marker(batch, 0.0, random.Random(0), at) is batch
+    marked = module.with_marker(batch, 0.6, random.Random(0), at)
+    want = {"prefix": lambda a: "?" + a, "suffix": lambda a: a + "?"}[at]
+    hit = [q.reference == want(p.reference) for p, q in zip(batch, marked)]
     assert all(h or q.reference == p.reference for h, p, q in zip(hit, batch, marked))
     assert 0.5 < sum(hit) / len(hit) < 0.7
     scores = arith.reward().score([to_sample(p, q.reference) for p, q, h in zip(batch, marked, hit) if h])
     assert scores.total.max() == 0.0  # neither format nor answer credits the marked form
+    shares = conventions.conventions(batch, [q.reference for q in marked], "marked")
+    assert shares["other"] == pytest.approx(sum(hit) / len(hit)) and shares["either"] == 1.0
+    with pytest.raises(ValueError, match="prefix"):
+        module.with_marker(batch, 0.5, random.Random(0), "middle")
 
 
 @pytest.mark.parametrize("args", [["--reversed-share", "1.5"], ["--marked-share", "-0.1"], ["--hidden-size", "30"],
