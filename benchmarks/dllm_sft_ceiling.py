@@ -36,18 +36,6 @@ from mmrl.core.scheduler import PromptStream
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def answer_ids(policy, answers: list[str]) -> torch.Tensor:
-    """[B, C] answer tokens padded with <eos> to gen_length (the RL completions' layout)."""
-    tok, c = policy.predictor.tokenizer, policy.rollout.gen_length
-    out = torch.full((len(answers), c), policy.predictor.eos_token_id, dtype=torch.long)
-    for i, a in enumerate(answers):
-        row = tok(a, add_special_tokens=False)["input_ids"]
-        if len(row) >= c:
-            raise ValueError(f"answer {a!r} does not fit gen_length {c} with its <eos>")
-        out[i, : len(row)] = torch.tensor(row)
-    return out
-
-
 def own_correct(policy, task, problems, g: int, temperature: float, gen) -> tuple[list, list[str], float]:
     """The problems and answers among g samples per problem that the answer atom accepts."""
     reps = [p for p in problems for _ in range(g)]
@@ -87,7 +75,7 @@ def run(cfg_path: Path | None, lr: float, targets: str, steps: int, eval_every: 
             model.train()
         if batch:
             prompt_ids, prompt_valid = policy.encode_prompts([p.prompt for p in batch])
-            target = answer_ids(policy, answers)
+            target = policy.predictor.answer_ids(answers, policy.rollout.gen_length)
             valid = policy.completion_mask(target)
             for _ in range(cfg.train.ppo_epochs):
                 masked, p = forward_mask(valid, generator=gen)

@@ -43,6 +43,7 @@ import inspect
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -272,6 +273,20 @@ class MaskPredictor(nn.Module):
             shift_logits=self.shift_logits,
             trust_remote_code=self.trust_remote_code,
         )
+
+    def answer_ids(self, answers: Sequence[str], gen_length: int) -> Tensor:
+        """[B, gen_length] tokens of each answer followed by <eos> to the end: the layout of an
+        RL completion, and of the targets of supervised training (as in LLaDA's SFT, the <eos>
+        filler is an answer token like any other)."""
+        if self.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id to pad answers with")
+        out = torch.full((len(answers), gen_length), self.eos_token_id, dtype=torch.long)
+        for i, answer in enumerate(answers):
+            row = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+            if len(row) >= gen_length:
+                raise ValueError(f"answer {answer!r} does not fit gen_length {gen_length} with its <eos>")
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out
 
     def attention_mask(self, valid: Tensor, prompt_length: int) -> Tensor:
         """Bool [B, 1, L, L] for this model's attention (see `build_attention_mask`)."""

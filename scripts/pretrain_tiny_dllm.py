@@ -88,13 +88,11 @@ def encode(predictor, problems, gen_length: int, prompt_length: int):
     valid = torch.zeros_like(ids, dtype=torch.bool)
     for i, p in enumerate(problems):
         prompt = tok(p.prompt, add_special_tokens=False)["input_ids"]
-        answer = tok(p.reference, add_special_tokens=False)["input_ids"]
-        if len(prompt) > prompt_length or len(answer) >= gen_length:
-            raise ValueError(f"{p.prompt!r} -> {p.reference!r} does not fit {prompt_length} + {gen_length}")
+        if len(prompt) > prompt_length:
+            raise ValueError(f"prompt {p.prompt!r} does not fit prompt_length {prompt_length}")
         ids[i, prompt_length - len(prompt): prompt_length] = torch.tensor(prompt)
-        ids[i, prompt_length:] = predictor.eos_token_id
-        ids[i, prompt_length: prompt_length + len(answer)] = torch.tensor(answer)
         valid[i, prompt_length - len(prompt):] = True
+    ids[:, prompt_length:] = predictor.answer_ids([p.reference for p in problems], gen_length)
     return ids, valid
 
 

@@ -124,16 +124,16 @@ def test_sft_ceiling_trains_on_the_exact_answers():
     cfg = load_config(backend.CONFIG_CLASS, None, ["task.num_eval=4", "task.num_train=4"],
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
-    ids = bench.answer_ids(policy, ["82", "-12"])
+    ids = policy.predictor.answer_ids(["82", "-12"], cfg.rollout.gen_length)
     eos = policy.predictor.eos_token_id
     assert ids.shape == (2, cfg.rollout.gen_length) and (ids[0, 2:] == eos).all() and (ids[1, 3:] == eos).all()
     with pytest.raises(ValueError, match="does not fit"):
-        bench.answer_ids(policy, ["1" * cfg.rollout.gen_length])
+        policy.predictor.answer_ids(["1" * cfg.rollout.gen_length], cfg.rollout.gen_length)
 
     def likelihood(policy):
         problems = task.train
         prompt_ids, valid = policy.encode_prompts([p.prompt for p in problems])
-        target = bench.answer_ids(policy, [p.reference for p in problems])
+        target = policy.predictor.answer_ids([p.reference for p in problems], cfg.rollout.gen_length)
         masked = torch.full_like(target, policy.predictor.mask_token_id)  # every answer token masked
         with torch.no_grad():
             logits = policy.logits(torch.cat([prompt_ids, masked], 1), valid)[:, policy.prompt_length:]
