@@ -18,14 +18,17 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
     python scripts/pretrain_tiny_dllm.py                 # rebuilds assets/tiny-dllm
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --steps 4000
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --reversed-share 0.7   # two answer conventions
-    python scripts/pretrain_tiny_dllm.py --out /tmp/d --marked-share 0.6     # a marked convention
+    python scripts/pretrain_tiny_dllm.py --out /tmp/d --marked-share 0.5 --mark-at suffix  # a marked one
 
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
 what it found; benchmarks/dllm_conventions.py counts which convention a model writes).
 --marked-share writes that share of the arith answers behind a "?" ("?82"; "82?" with
---mark-at suffix): the same computation in a form the task's format atom rejects, a behaviour RL can unlearn on every
-problem at once (a probe of whether the loop's gains carry over to held-out problems).
+--mark-at suffix): the same computation in a form the task's format atom rejects, a
+behaviour RL can unlearn on every problem at once (a probe of whether the loop's gains carry
+over to held-out problems). At --marked-share 0.5 --mark-at suffix the model marks about a
+third of its greedy answers, and diffu-GRPO and TraceRL gain on held-out problems by
+dropping the mark (benchmarks/RESULTS.md, "A positive control").
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
