@@ -4,9 +4,9 @@ significant digit first) or the other one of a mixed pre-training corpus
 
 Per model: greedy and sampled answers on the same held-out problems, each counted as
 "forward" (the task's answer atom scores 1), "other" (the right answer in the other
-convention: its digits reversed, where that reads as a different integer, or behind the
-"?" mark, before or after it) or wrong. forward + other is what the model computes right in either convention:
-the ceiling an RL run that only picks the convention could reach.
+convention: its digits reversed, where that reads as a different integer, or with the "?"
+mark before or after it) or wrong. forward + other is what the model computes right in
+either convention: the ceiling an RL run that only picks the convention could reach.
 
     python benchmarks/dllm_conventions.py --models /tmp/mixed runs/x/checkpoints/step-00000300/model
     python benchmarks/dllm_conventions.py --other marked --models /tmp/marked

@@ -284,7 +284,9 @@ class MaskPredictor(nn.Module):
         for i, answer in enumerate(answers):
             row = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
             if len(row) >= gen_length:
-                raise ValueError(f"answer {answer!r} does not fit gen_length {gen_length} with its <eos>")
+                raise ValueError(
+                    f"answer {answer!r} does not fit gen_length {gen_length} with its <eos>"
+                )
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return out
 

@@ -23,7 +23,7 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
 what it found; benchmarks/dllm_conventions.py counts which convention a model writes).
---marked-share writes that share of the arith answers behind a "?" ("?82"; "82?" with
+--marked-share writes that share of the arith answers with a "?" mark ("?82", or "82?" with
 --mark-at suffix): the same computation in a form the task's format atom rejects, a
 behaviour RL can unlearn on every problem at once (a probe of whether the loop's gains carry
 over to held-out problems). At --marked-share 0.5 --mark-at suffix the model marks about a
@@ -131,8 +131,8 @@ def parser() -> argparse.ArgumentParser:
                     help="share of arith training answers written with their digits reversed "
                          "(a second convention the task's reward does not accept; 0 = none)")
     ap.add_argument("--marked-share", type=float, default=0.0,
-                    help=f"share of arith training answers written behind a {MARK!r} (the same "
-                         "answer in a form the task's format atom rejects; 0 = none)")
+                    help=f"share of arith training answers written with a {MARK!r} mark (see "
+                         "--mark-at): the same answer in a form the task's format atom rejects; 0 = none")
     ap.add_argument("--mark-at", choices=("prefix", "suffix"), default="prefix",
                     help='where --marked-share puts the mark: "?82" (prefix, which shifts the digits '
                          'one place) or "82?" (suffix, digits where the task writes them)')

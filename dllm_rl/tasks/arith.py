@@ -138,8 +138,8 @@ def reverse_digits(answer: str) -> str:
 
 
 MARK = "?"
-"""Prefix of the marked convention of scripts/pretrain_tiny_dllm.py --marked-share ("?82"):
-the right number in a form the format atom, and so the answer atom, rejects."""
+"""The mark of scripts/pretrain_tiny_dllm.py --marked-share, before ("?82") or after ("82?")
+the answer: the right number in a form the format atom, and so the answer atom, rejects."""
 
 
 def parse_integer(text: str) -> int | None:
