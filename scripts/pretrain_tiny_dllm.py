@@ -47,8 +47,11 @@ from pathlib import Path
 
 import torch
 
+from dllm_rl.config import DLLMRolloutConfig
 from dllm_rl.logprob import elbo_loss, forward_mask
 from dllm_rl.models import load_mask_predictor
+from dllm_rl.policy import DLLMPolicy
+from dllm_rl.task import DLLMTask
 from dllm_rl.tasks import get_task
 from dllm_rl.tasks.arith import MARK, reverse_digits
 from dllm_rl.tiny import build_tiny_dllm
@@ -83,33 +86,23 @@ def with_marker(problems, marked_share: float, rng: random.Random, at: str = "pr
             for p in problems]
 
 
-def encode(predictor, problems, gen_length: int, prompt_length: int):
-    """Left-padded prompts and <eos>-padded reference answers: ids [B, P + C], valid [B, P + C]."""
-    tok = predictor.tokenizer
-    b = len(problems)
-    ids = torch.full((b, prompt_length + gen_length), predictor.pad_token_id, dtype=torch.long)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for i, p in enumerate(problems):
-        prompt = tok(p.prompt, add_special_tokens=False)["input_ids"]
-        if len(prompt) > prompt_length:
-            raise ValueError(f"prompt {p.prompt!r} does not fit prompt_length {prompt_length}")
-        ids[i, prompt_length - len(prompt): prompt_length] = torch.tensor(prompt)
-        valid[i, prompt_length - len(prompt):] = True
-    ids[:, prompt_length:] = predictor.answer_ids([p.reference for p in problems], gen_length)
-    return ids, valid
-
-
-def evaluate(predictor, name: str, problems, prompt_length: int) -> dict[str, float]:
-    """Greedy held-out accuracy and format share with the RL run's default sampler."""
-    from dllm_rl.config import DLLMRolloutConfig
-    from dllm_rl.policy import DLLMPolicy
-    from dllm_rl.task import DLLMTask
-
+def rl_policy(predictor, name: str, prompt_length: int) -> DLLMPolicy:
+    """The predictor as an RL run of task `name` sees it: its prompt layout and default sampler."""
     g = GEN_LENGTH[name]
-    rollout = DLLMRolloutConfig(gen_length=g, block_length=4, steps=g)
+    return DLLMPolicy(predictor, DLLMRolloutConfig(gen_length=g, block_length=4, steps=g), prompt_length)
+
+
+def encode(policy: DLLMPolicy, problems):
+    """Left-padded prompts and <eos>-padded reference answers: ids [B, P + C], valid [B, P + C]."""
+    prompt_ids, prompt_valid = policy.encode_prompts([p.prompt for p in problems])
+    answer = policy.predictor.answer_ids([p.reference for p in problems], policy.rollout.gen_length)
+    return torch.cat([prompt_ids, answer], 1), torch.cat([prompt_valid, torch.ones_like(answer, dtype=torch.bool)], 1)
+
+
+def evaluate(policy: DLLMPolicy, name: str, problems) -> dict[str, float]:
+    """Greedy held-out accuracy and format share with the RL run's default sampler."""
     spec = get_task(name)
-    policy = DLLMPolicy(predictor, rollout, prompt_length)
-    task = DLLMTask(name, problems, problems, spec.reward(), answer_atom=spec.success_atom, rollout=rollout)
+    task = DLLMTask(name, problems, problems, spec.reward(), answer_atom=spec.success_atom, rollout=policy.rollout)
     with torch.no_grad():
         out = task.evaluate(policy)
     return {k: round(v, 4) for k, v in out.items() if k in ("accuracy", "format", "reward")}
@@ -158,6 +151,7 @@ def main(argv=None) -> int:
     train = {n: get_task(n).sample_problems(20000, args.seed, "train", **OPTIONS[n]) for n in GEN_LENGTH}
     held_out = {n: get_task(n).sample_problems(args.num_eval, args.seed, "eval", **OPTIONS[n]) for n in GEN_LENGTH}
     prompt_length = {n: max(len(p.prompt) for p in train[n] + held_out[n]) for n in GEN_LENGTH}
+    policies = {n: rl_policy(predictor, n, prompt_length[n]) for n in GEN_LENGTH}
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 20)
@@ -177,8 +171,8 @@ def main(argv=None) -> int:
             batch = with_conventions(batch, args.reversed_share, conventions)
             batch = with_marker(batch, args.marked_share, marker, args.mark_at)
         cursor[name] += args.batch
-        p_len, g = prompt_length[name], GEN_LENGTH[name]
-        ids, valid = encode(predictor, batch, g, p_len)
+        p_len = prompt_length[name]
+        ids, valid = encode(policies[name], batch)
         answer = ids[:, p_len:]
         masked, p = forward_mask(torch.ones_like(answer, dtype=torch.bool), generator=gen)
         noisy = torch.cat([ids[:, :p_len], torch.where(masked, predictor.mask_token_id, answer)], 1)
@@ -194,7 +188,7 @@ def main(argv=None) -> int:
             row = {"step": step + 1, "loss": round(float(loss.detach()), 4),
                    "seconds": round(time.perf_counter() - started, 1)}
             for n in GEN_LENGTH:
-                row[n] = evaluate(predictor, n, held_out[n], prompt_length[n])
+                row[n] = evaluate(policies[n], n, held_out[n])
             record.append(row)
             print(json.dumps(row), flush=True)
             model.train()
