@@ -167,6 +167,19 @@ class FTFCConfig(Section):
     guided: bool = False
     """With classifier-free guidance (model.guidance_scale > 1): false = fit the conditional
     velocity alone (plain flow matching), true = the guided combination the sampler uses."""
+    monitor: bool = True
+    """With a frozen pool (pool_refresh != 1): true = each step still rolls out and scores a
+    fresh batch of the current model, only for the reward/* metrics (it is not trained on, and
+    it costs a rollout per step); false = steps that do not draw the pool run no rollout, so
+    a step costs its flow-matching updates alone (judge progress by train.eval_every)."""
+    anchor: Literal["none", "base"] = "none"
+    """none: importance-weighted flow matching, L = sum_i w_i |v_theta(x_t) - u_i|^2, u_i =
+    eps - x1 (the tilt's optimum, and the drift toward the pool's own samples that comes with
+    fitting them). base (ours, not the paper's): a control variate from the pretrained
+    velocity v0, L = sum_i |v_theta(x_t) - v0(x_t) - (w_i - 1)(u_i - v0(x_t))|^2, whose optimum
+    where E[w | x_t] = 1 is v0 + E_q[u | x_t] - E_p[u | x_t]: the tilt's correction added to the
+    pretrained field, so uniform weights leave the model where it is. Costs one no-grad
+    pass of a frozen copy of the pretrained model per trained sample."""
     effective_reward: Literal["observed"] = "observed"
     """g in w = (f*)'(g): "observed" = the pool's own rewards, the dual fitted per prompt on the
     samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""

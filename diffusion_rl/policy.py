@@ -131,22 +131,28 @@ class DiffusionPolicy:
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         return torch.stack([o.log_prob for o in self.sde_outputs(batch)], 1)
 
-    def flow_matching_error(self, x1: Tensor, t: Tensor, noise: Tensor, cond: dict[str, Tensor],
-                            guided: bool = False) -> Tensor:
-        """[N]: mean over latent elements of (v_theta(x_t, t, c) - (noise - x1))^2, with grad, where
-        x_t = (1 - t) x1 + t noise (t is sigma: 1 = noise). x1, noise [N, L, C]; t [N]. Under CFG
-        (guidance_scale > 1) guided=False fits the conditional velocity alone."""
+    def flow_velocity(self, x1: Tensor, t: Tensor, noise: Tensor, cond: dict[str, Tensor],
+                      guided: bool = False) -> Tensor:
+        """v_theta(x_t, t, c) [N, L, C] at x_t = (1 - t) x1 + t noise (t is sigma: 1 = noise).
+        x1, noise [N, L, C]; t [N]. Under CFG (guidance_scale > 1) guided=False gives the
+        conditional velocity alone."""
         tt = t.to(x1).reshape(-1, *([1] * (x1.dim() - 1)))
         x_t = (1 - tt) * x1 + tt * noise
         if guided or self.flow.guidance_scale <= 1.0:
-            v = self.flow.velocity(x_t, t, cond)
-        else:
-            scale, self.flow.guidance_scale = self.flow.guidance_scale, 1.0
-            try:
-                v = self.flow.velocity(x_t, t, {k: c for k, c in cond.items() if not k.startswith("neg/")})
-            finally:
-                self.flow.guidance_scale = scale
-        return ((v - (noise - x1).to(v)) ** 2).flatten(1).mean(1)
+            return self.flow.velocity(x_t, t, cond)
+        scale, self.flow.guidance_scale = self.flow.guidance_scale, 1.0
+        try:
+            return self.flow.velocity(x_t, t, {k: c for k, c in cond.items() if not k.startswith("neg/")})
+        finally:
+            self.flow.guidance_scale = scale
+
+    def flow_matching_error(self, x1: Tensor, t: Tensor, noise: Tensor, cond: dict[str, Tensor],
+                            guided: bool = False, target: Tensor | None = None) -> Tensor:
+        """[N]: mean over latent elements of (v_theta(x_t, t, c) - target)^2, with grad; the
+        target is flow matching's noise - x1 unless given ([N, L, C]). See flow_velocity."""
+        v = self.flow_velocity(x1, t, noise, cond, guided)
+        target = noise - x1 if target is None else target
+        return ((v - target.to(v)) ** 2).flatten(1).mean(1)
 
     @torch.no_grad()
     def sample_images(self, prompts: Sequence[str], seeds: Sequence[int], num_steps: int) -> list:
@@ -184,8 +190,12 @@ class DiffusionPolicy:
 
 
 class _Reference:
+    """The starting weights, frozen. Its transformer rows count in the policy's
+    cost/model_evaluations like the policy's own."""
+
     def __init__(self, policy: DiffusionPolicy):
         self.lora = hasattr(policy.model, "peft_config")
+        self.owner = policy.flow  # whose evaluations counter the rows are charged to
         if self.lora:
             self.policy = policy
         else:
@@ -195,13 +205,28 @@ class _Reference:
             self.policy.flow.transformer = self.policy.model = frozen
         self.model = self.policy.model
 
+    @contextlib.contextmanager
     def _off(self):
-        return self.policy.flow.disable_adapter() if self.lora else contextlib.nullcontext()
+        """Base weights inside; a copy's rows are charged to the policy's counter on the way out."""
+        before = self.policy.flow.evaluations
+        try:
+            with self.policy.flow.disable_adapter() if self.lora else contextlib.nullcontext():
+                yield
+        finally:
+            if not self.lora:
+                self.owner.evaluations += self.policy.flow.evaluations - before
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         with self._off():
             return self.policy.logprobs(batch)
+
+    @torch.no_grad()
+    def flow_velocity(self, x1: Tensor, t: Tensor, noise: Tensor, cond: dict[str, Tensor],
+                      guided: bool = False) -> Tensor:
+        """The starting weights' velocity (DiffusionPolicy.flow_velocity)."""
+        with self._off():
+            return self.policy.flow_velocity(x1, t, noise, cond, guided)
 
     @torch.no_grad()
     def reference_data(self, batch: RolloutBatch) -> dict[str, Tensor]:

@@ -13,6 +13,10 @@ config option (diffusion_rl.config.FTFCConfig).
     loss      importance-weighted flow matching on the pool's clean latents x1, with a fresh t and
               eps per sample and step: L = sum_i w_i mean((v_theta(x_t, t, c) - (eps - x1))^2) / N,
               x_t = (1 - t) x1 + t eps (sigma = t, the sampler's convention)
+    anchor    (ours, method.anchor = base) a control variate from the pretrained velocity v0:
+              L = sum_i |v_theta(x_t) - v0(x_t) - (w_i - 1)(u_i - v0(x_t))|^2 / N, u_i = eps - x1_i;
+              where E[w | x_t] = 1 its optimum is v0 + E_q[u | x_t] - E_p[u | x_t], the tilt's
+              correction on the pretrained field, and w = 1 leaves the model where it is
     metrics   ftfc/ess ((sum w)^2 / sum w^2 over the trained batch), ftfc/lambda_mean, ftfc/w_max,
               ftfc/ess_group_mean, ftfc/num_capped, ftfc/pool_age (steps since the pool was drawn)
 
@@ -23,15 +27,21 @@ proximal version of the single stage), not to the pretrained one.
 Departures and choices (the paper's details are unknown):
 - g_phi: the dual is fitted per prompt on the pool's observed rewards (g = r); no effective-reward
   network is learned. `effective_reward` is the hook where one would go.
-- Pool: one rollout batch, drawn through the core loop at step 0 (or every k steps). The core
-  still rolls out and scores a fresh batch each step; with pool_refresh != 1 that batch only
-  feeds the reward/... metrics (the current model's reward) and is not trained on, which costs
-  a rollout per step. The pool lives in the method's state, so checkpoints carry it (the clean
+- Pool: one rollout batch, drawn through the core loop at step 0 (or every k steps). With
+  method.monitor (the default) the core still rolls out and scores a fresh batch each step;
+  with pool_refresh != 1 that batch only feeds the reward/... metrics (the current model's
+  reward) and is not trained on, which costs a rollout per step. monitor = false skips it
+  (Method.stored_batch): such a step costs its flow-matching passes alone. The pool lives in the method's state, so checkpoints carry it (the clean
   latents, the conditioning, the rewards and the images, base64 in the trainer state: large for
   big models and pools) and a resumed run goes on exactly.
 - Self-normalisation and the cap are per group (each group's lambda already gives mean 1, so per
   batch is the same); the cap is applied to its fixed point (clip and rescale until no weight
   exceeds it). The squared error is a mean over latent elements (diffusers' convention).
+- The anchor is not in the paper's description. Plain importance-weighted flow matching also
+  fits the pool's samples themselves: on the tiny model that lowers held-out accuracy even with
+  uniform weights (benchmarks/RESULTS.md). The anchor removes that part and keeps the tilt's.
+  Its v0 comes from the trainer's frozen reference (needs_reference), run inside the loss at
+  each pass's own t and eps, one no-grad row per trained sample.
 - t, eps: drawn per sample from a generator seeded by (seed, step, epoch, sample), so micro-batching
   does not change them and a resume replays them.
 - Scheduling: pool_refresh != 1 needs the synchronous inline scheduler (Method.on_groups); with
@@ -74,15 +84,26 @@ class FTFC(Method):
                               "set method.pool_refresh=1 to train on each step's own rollouts")
         self.pool: RolloutBatch | None = None
         self.pool_step = -1
+        self.needs_reference = cfg.anchor == "base"  # the anchor's v0: the trainer's frozen copy
 
     # ------------------------------------------------------------------ pool and weights
 
+    def _redraw(self) -> bool:
+        """Whether this step draws a new pool (the first step, then every pool_refresh steps)."""
+        k = self.cfg.pool_refresh
+        return self.pool is None or k == 1 or (k > 1 and self.step - self.pool_step >= k)
+
+    def stored_batch(self) -> RolloutBatch | None:
+        """Without monitoring, a step that does not redraw the pool trains on it unrolled."""
+        if self.cfg.monitor or self._redraw():
+            return None
+        return replace(self.pool, data=dict(self.pool.data))
+
     def on_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """The batch to train on: this step's rollouts (pool_refresh = 1) or the frozen pool."""
-        k = self.cfg.pool_refresh
-        if k == 1:
+        if self.cfg.pool_refresh == 1:
             return batch
-        if self.pool is None or (k > 1 and self.step - self.pool_step >= k):
+        if self._redraw():
             keep = {n: v for n, v in batch.data.items() if n in POOL_KEYS or n.startswith("cond/")}
             self.pool = replace(batch, mask=None, old_logp=None, ref_logp=None, advantages=None, data=keep)
             self.pool_step = self.step
@@ -122,11 +143,21 @@ class FTFC(Method):
         x1 = d["final_latents"]  # [n, L, C]
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
         t, eps = self._noise(d[SAMPLE_ID], x1)
+        denom = denom if denom is not None else len(batch)
+        if self.cfg.anchor == "base":  # v0 + (w - 1)(u - v0): the tilt's correction on v0
+            v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
+            w = advantages.to(v0).reshape(-1, *([1] * (v0.dim() - 1)))
+            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided,
+                                             target=v0 + (w - 1) * (eps - x1 - v0))
+            return LossOutput(err.sum() / denom, {"loss/anchored_flow_matching": float(err.detach().mean())})
         err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided)  # [n]
         w = advantages.to(err)
-        loss = (w * err).sum() / (denom if denom is not None else len(batch))
+        loss = (w * err).sum() / denom
         return LossOutput(loss, {"loss/flow_matching": float(err.detach().mean()),
                                  "loss/weighted_flow_matching": float((w * err).detach().mean())})
+
+    def annotate_reference(self, reference, batch: RolloutBatch) -> None:
+        """Nothing ahead: the anchor runs the reference in the loss, at each pass's own t and eps."""
 
     def _noise(self, ids: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
         """t [n] and eps [n, L, C], each sample's from its own generator (seed, step, epoch, id)."""

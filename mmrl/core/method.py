@@ -5,7 +5,9 @@ A method changes what the loop does at these points (DESIGN.md, "The loop"):
                     the scheduler refills)
     extra_requests  more samples for a complete group (AXPO: continuations of a fixed prefix)
     on_groups       reshape a synchronous round's batch before advantages
+    stored_batch    a batch to train on without rolling out this step (FTFC's frozen pool)
     annotate        extra no-grad passes of the rollout policy before advantages (VPPO)
+    annotate_reference  the reference pass after pruning (the KL's log-probs by default)
     advantages      [N], [N, T] or per region
     prune           drop samples of a complete group before training (FastRL's MDAP)
     group_size      the group size G of each data epoch (FastRL's adaptive rollout sampling)
@@ -36,6 +38,10 @@ class Method:
     needs_reference: bool = False
     """True when loss() reads batch.ref_logp (the loop then builds a frozen reference)."""
 
+    reference = None
+    """That frozen reference (the starting weights), set by the trainer when needs_reference:
+    for a method whose loss runs it itself (FTFC's anchor)."""
+
     epoch: int = 0
     """The pass over the current rollout batch (0 .. train.ppo_epochs - 1), set by the trainer
     before each pass: diffu-GRPO draws a different prompt mask for each."""
@@ -56,6 +62,13 @@ class Method:
     def on_groups(self, batch: RolloutBatch) -> RolloutBatch:
         return batch
 
+    def stored_batch(self) -> RolloutBatch | None:
+        """A batch to train on this step in place of a rollout (FTFC's frozen pool when it
+        does not monitor the current model): the synchronous scheduler then draws no prompts
+        and runs no rollout, only annotate, advantages, prune and the reference pass. None
+        (the default) rolls out as usual. Synchronous inline scheduling only."""
+        return None
+
     def extra_requests(self, group: RolloutBatch) -> list[Request]:
         """Requests for more samples of this complete, scored group (same group id; a
         non-zero `tag` tells them apart in batch.data["request_tag"]). Asked once per
@@ -70,6 +83,13 @@ class Method:
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
         raise NotImplementedError
+
+    def annotate_reference(self, reference, batch: RolloutBatch) -> None:
+        """The no-grad reference pass over a batch about to train (needs_reference only): by
+        default what the KL needs (mmrl.core.scheduler.annotate_reference)."""
+        from mmrl.core.scheduler import annotate_reference
+
+        annotate_reference(reference, batch)
 
     def prune(self, group: RolloutBatch) -> Tensor | None:
         """Bool [N] over one complete group with advantages: the samples that train. None keeps all."""

@@ -53,7 +53,7 @@ from mmrl.core.engine import (
 )
 from mmrl.core.method import Method
 from mmrl.core.rewards import Reward
-from mmrl.core.scheduler import annotate_reference, decoded_tokens, round_metrics
+from mmrl.core.scheduler import decoded_tokens, round_metrics
 
 
 def groups_per_update(cfg: TrainConfig) -> int:
@@ -412,7 +412,7 @@ class PipelinedScheduler:
         batch = batch.select(torch.argsort(batch.group_ids, stable=True))  # independent of timing
         if self.reference is not None:
             with torch.no_grad():
-                annotate_reference(self.reference, batch)
+                self.method.annotate_reference(self.reference, batch)
         metrics["rollout/groups"] = batch.num_groups
         metrics["rollout/samples"] = len(batch)
         return batch, metrics

@@ -79,6 +79,10 @@ class SyncScheduler:
                     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """prompts_per_step complete, scored groups with advantages (fewer if dynamic sampling
         ran out of rounds; None if every group was dropped). `version` is recorded on the batch."""
+        stored = self.method.stored_batch()
+        if stored is not None:  # no rollout this step: the method trains on a batch it keeps
+            return self._prepare(stored, {"rollout/rounds": 0, "rollout/groups_dropped": 0, "time/rollout": 0.0,
+                                          "time/reward": 0.0, "rollout/decoded_tokens": 0.0})
         rc = self.cfg.rollout
         num_generations = num_generations or rc.num_generations
         want = rc.prompts_per_step
@@ -132,14 +136,17 @@ class SyncScheduler:
             return None, metrics
         batch = RolloutBatch.concat(kept)
         batch = self._extra_samples(batch, version, metrics)
-        batch = self.method.on_groups(batch)
+        return self._prepare(self.method.on_groups(batch), metrics)
+
+    def _prepare(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict[str, float]]:
+        """A round's batch, ready to train: annotations, advantages, pruning, reference pass."""
         with torch.no_grad():
             self.method.annotate(self.policy, batch)
         batch.advantages = self.method.advantages(batch)
         batch = self._prune(batch, metrics)
         if self.reference is not None:  # after pruning: pruned samples need no reference pass
             with torch.no_grad():
-                annotate_reference(self.reference, batch)
+                self.method.annotate_reference(self.reference, batch)
         metrics["rollout/groups"] = batch.num_groups
         metrics["rollout/samples"] = len(batch)
         return batch, metrics

@@ -56,7 +56,7 @@ from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
-from mmrl.core.scheduler import PromptStream, SyncScheduler, annotate_reference
+from mmrl.core.scheduler import PromptStream, SyncScheduler
 
 
 class TrainingError(RuntimeError):
@@ -115,6 +115,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
         self.stream = PromptStream(task.train_prompts(), cfg.seed)
         self.reference = policy.reference() if self.method.needs_reference else None
+        self.method.reference = self.reference
         if placement(cfg) == "inline" and engines is None:
             self.scheduler = SyncScheduler(
                 cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
@@ -274,7 +275,7 @@ class Trainer:
             stale = max(stale, self.step - group.policy_version)
             if self.reference is not None:
                 with torch.no_grad():
-                    annotate_reference(self.reference, group)
+                    self.method.annotate_reference(self.reference, group)
             self._accumulate(group, acc, sums)
             groups.append(group)
             if acc["groups"] == self.scheduler.u:

@@ -312,3 +312,62 @@ def test_the_pool_is_frozen_and_a_resume_continues_exactly(flux_dir, tmp_path, r
     assert torch.equal(resumed.method.pool.data["final_latents"], full.method.pool.data["final_latents"])
     for (k, a), b in zip(full.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_without_monitoring_only_the_pool_step_rolls_out(flux_dir, tmp_path, reward_spread):
+    """monitor=false: steps after the pool's run no rollout and draw no prompts; with one
+    mini-batch (no shuffle) the weights are those of the monitored run, whose rollouts train nothing."""
+    def run(name, *overrides):
+        cfg, policy, task = make(flux_dir, tmp_path / name, "train.max_steps=3", "train.mini_batches=1", *overrides)
+        trainer = Trainer(cfg, policy, task)
+        trainer.train()
+        return trainer, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    watched, rows_w = run("monitored")
+    quiet, rows_q = run("quiet", "method.monitor=false")
+    assert [r["rollout/rounds"] for r in rows_w] == [1, 1, 1] and [r["rollout/rounds"] for r in rows_q] == [1, 0, 0]
+    assert "reward/total" in rows_q[0] and "reward/total" not in rows_q[1]
+    assert quiet.stream.position == 2 and watched.stream.position == 6  # prompts_per_step 2
+    # 4 samples x 4 sampler steps for the pool, then one training row per sample and step
+    assert [r["cost/model_evaluations"] for r in rows_q] == [16 + 4, 4, 4]
+    assert [r["cost/model_evaluations"] for r in rows_w] == [16 + 4] * 3
+    assert [r["rollout/samples"] for r in rows_q] == [4, 4, 4]
+    for (k, a), b in zip(watched.policy.model.state_dict().items(), quiet.policy.model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_the_anchor_targets_the_pretrained_velocity_plus_the_weighted_correction(flux_dir, tmp_path, reward_spread):
+    """anchor=base at the pretrained weights (v_theta = v0): err_i = (w_i - 1)^2 |u_i - v0|^2, i.e.
+    (w_i - 1)^2 times plain flow matching's error; w = 1 gives a zero loss and zero gradients (the
+    model stays where it is); the reference's rows are counted in the step's model evaluations."""
+    from diffusion_rl.methods.ftfc import SAMPLE_ID
+
+    cfg, policy, task = make(flux_dir, tmp_path / "a", "train.max_steps=1", "method.anchor=base")
+    trainer = Trainer(cfg, policy, task)
+    assert trainer.method.needs_reference and trainer.method.reference is not None
+    batch, _ = trainer.scheduler.next_groups(0)
+    assert "ref_mean" not in batch.data  # no KL pass ahead of the loss: the loss runs the reference
+    w = batch.advantages
+    assert not torch.allclose(w, torch.ones_like(w))
+    policy.step_costs()
+    anchored = trainer.method.loss(policy, batch, w)
+    assert policy.step_costs()["cost/model_evaluations"] == 2 * len(batch)  # policy + reference rows
+    x1 = batch.data["final_latents"]
+    cond = {k[len("cond/"):]: v for k, v in batch.data.items() if k.startswith("cond/")}
+    t, eps = trainer.method._noise(batch.data[SAMPLE_ID], x1)
+    with torch.no_grad():
+        plain_err = policy.flow_matching_error(x1, t, eps, cond)
+    anchored_loss = float(anchored.loss.detach())
+    assert anchored_loss > 0
+    assert anchored_loss == pytest.approx(float(((w - 1) ** 2 * plain_err).mean()), rel=1e-4)
+    uniform = trainer.method.loss(policy, batch, torch.ones_like(w))
+    uniform.loss.backward()
+    assert float(uniform.loss.detach()) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in policy.model.parameters())
+
+    cfg, policy, task = make(flux_dir, tmp_path / "b", "train.max_steps=2", "method.anchor=base",
+                             "method.monitor=false")
+    Trainer(cfg, policy, task).train()
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss/total"]) for r in rows)
+    assert [r["cost/model_evaluations"] for r in rows] == [16 + 8, 8]  # the pool, then 2 x 4 rows
