@@ -114,13 +114,16 @@ def build(cfg: DiffusionTrainConfig):
     from diffusion_rl.calibrate import apply_window_file
     from diffusion_rl.models import load_flow_model
 
-    if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
-        apply_window_file(cfg)
-
     m = cfg.model
     path = Path(m.path) if m.path else bundled_model_dir()
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
+    if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
+        used = apply_window_file(cfg, path)
+        if used is not None:
+            start, size = cfg.rollout.window_start[0], cfg.rollout.window_size
+            print(f"CAST: SDE window steps {start}..{start + size - 1} of {cfg.rollout.num_steps}, calibrated "
+                  f"({used})", file=sys.stderr, flush=True)
     if m.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
         print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
               f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
@@ -166,11 +169,14 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
 
 
 
-def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_prompts: int | None = None):
+def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_prompts: int | None = None,
+              into_model: bool = True):
     """CAST's window calibration (diffusion_rl.calibrate) on the first held-out prompts, written
-    as window.json into out_dir (default: the run's output_dir). method.window_from is not read
-    (the window is what is being made). -> (WindowCalibration, path)."""
-    from diffusion_rl.calibrate import calibrate_window, write_window
+    as window.json into out_dir (default: the run's output_dir) and, with into_model, stored in
+    the model's directory as cast_window.json (where CAST finds it by default). Neither
+    method.window_from nor a stored window is read (the window is what is being made).
+    -> (WindowCalibration, [paths written])."""
+    from diffusion_rl.calibrate import calibrate_window, store_in_model, write_window
 
     if cfg.rollout.window_size is None:
         raise ConfigError("calibrate-window: rollout.window_size must be set (the size of the window to place)")
@@ -184,4 +190,7 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     policy, task = build(cfg)
     cal = calibrate_window(policy, task.eval_prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
                            seeds=seeds, offset=getattr(method, "window_offset", 0))
-    return cal, write_window(cal, out_dir if out_dir is not None else cfg.output_dir)
+    written = [write_window(cal, out_dir if out_dir is not None else cfg.output_dir)]
+    if into_model:
+        written.append(store_in_model(cal, cfg.model.path or bundled_model_dir()))
+    return cal, written

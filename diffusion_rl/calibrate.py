@@ -24,9 +24,13 @@ denoising step (N-1) is never an SDE step:
     end   = min(max(m, W - 1), N - 2)
     start = end - W + 1
 
-(W must be <= N - 1). `diffusion-rl calibrate-window` writes the result as window.json; CAST
-reads it at build time (`apply_window_file`, method.window_from), setting
-rollout.window_size = W and a fixed rollout.window_start = (start, start).
+(W must be <= N - 1). `diffusion-rl calibrate-window` writes the result as window.json in the
+run's directory and stores a copy in the model's directory (cast_window.json, next to its
+model_index.json), so the window travels with the checkpoint it was calibrated on. CAST reads
+it at build time (`apply_window_file`), setting rollout.window_size = W and a fixed
+rollout.window_start = (start, start): from method.window_from when that is a path, else
+(method.window_from = "model", the default) from the model's cast_window.json when there is
+one. An explicit rollout.window_start always wins.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 from mmrl.core.config import ConfigError
 
 WINDOW_FILE = "window.json"
+MODEL_WINDOW_FILE = "cast_window.json"  # the calibrated window stored in a model directory
 
 
 @dataclass
@@ -136,11 +141,26 @@ def write_window(cal: WindowCalibration, out_dir: str | Path) -> Path:
     return path
 
 
-def load_window(path: str | Path, num_steps: int) -> tuple[int, int]:
+def store_in_model(cal: WindowCalibration, model_dir: str | Path) -> Path:
+    """The calibration as cast_window.json in the model's directory; ConfigError when the
+    directory cannot be written (nothing is half-written: a temporary file is renamed)."""
+    path = Path(model_dir) / MODEL_WINDOW_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"calibrate-window: cannot store the window in the model directory {model_dir} "
+                          f"({e.strerror or e}); pass --no-into-model to write only window.json") from e
+    return path
+
+
+def load_window(path: str | Path, num_steps: int, where: str | None = None) -> tuple[int, int]:
     """(start, size) from a window.json, checked against the run's num_steps; ConfigError
     naming the file when it is missing, unreadable or inconsistent."""
     path = Path(path)
-    where = f"method.window_from: {path}"
+    where = where or f"method.window_from: {path}"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -166,21 +186,40 @@ def load_window(path: str | Path, num_steps: int) -> tuple[int, int]:
     return start, size
 
 
-def apply_window_file(cfg) -> bool:
-    """CAST at build time: set cfg.rollout's window from method.window_from unless
-    rollout.window_start is set explicitly. True when the file's window was applied."""
-    path = getattr(cfg.method, "window_from", None)
-    if path is None:
-        return False
-    if cfg.rollout.window_start is not None:  # the default run's (0, 1) too: say so, the file is not read
-        warnings.warn(f"method.window_from={path} is not used: rollout.window_start={tuple(cfg.rollout.window_start)} "
-                      "is set (configs/diffusion/cast.yaml sets it to null; or --set rollout.window_start=null)",
-                      stacklevel=2)
-        return False
-    start, size = load_window(path, cfg.rollout.num_steps)
+def apply_window_file(cfg, model_dir: str | Path) -> Path | None:
+    """CAST at build time: set cfg.rollout's window from method.window_from (a path, or "model":
+    the model directory's cast_window.json if it has one) unless rollout.window_start is set
+    explicitly. -> the file whose window was applied, or None."""
+    source = getattr(cfg.method, "window_from", None)
+    if source is None:
+        return None
+    from_model = source == "model"
+    path = Path(model_dir) / MODEL_WINDOW_FILE if from_model else Path(source)
+    if from_model and not path.is_file():
+        return None
+    if cfg.rollout.window_start is not None:  # the explicit window wins; a named file is worth a word
+        if not from_model:
+            warnings.warn(f"method.window_from={source} is not used: rollout.window_start="
+                          f"{tuple(cfg.rollout.window_start)} is set (configs/diffusion/cast.yaml sets it to "
+                          "null; or --set rollout.window_start=null)", stacklevel=2)
+        return None
+    where = f"{path} (the window stored with the model)" if from_model else None
+    if from_model and _calibrated_steps(path) not in (None, cfg.rollout.num_steps):
+        warnings.warn(f"{path} was calibrated for {_calibrated_steps(path)} denoising steps, not rollout.num_steps="
+                      f"{cfg.rollout.num_steps}: the rollout's own window is used (re-run calibrate-window with "
+                      "this config, or set method.window_from=null to silence this)", stacklevel=2)
+        return None
+    start, size = load_window(path, cfg.rollout.num_steps, where)
     cfg.rollout.window_size = size
     cfg.rollout.window_start = (start, start)
-    return True
+    return path
+
+
+def _calibrated_steps(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("num_steps")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_window then names what is wrong with the file
 
 
 def summary_line(cal: WindowCalibration) -> str:
@@ -190,5 +229,5 @@ def summary_line(cal: WindowCalibration) -> str:
             f"[{rates}]; commit histogram: {cal.commit_histogram}")
 
 
-__all__ = ["WINDOW_FILE", "WindowCalibration", "apply_window_file", "calibrate_window", "commit_step",
-           "load_window", "summary_line", "window_from_commits", "write_window"]
+__all__ = ["MODEL_WINDOW_FILE", "WINDOW_FILE", "WindowCalibration", "apply_window_file", "calibrate_window",
+           "commit_step", "load_window", "store_in_model", "summary_line", "window_from_commits", "write_window"]

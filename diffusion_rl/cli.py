@@ -19,21 +19,27 @@ def calibrate_window(
     set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Directory for window.json; default: the run's output_dir."),
     prompts: int | None = typer.Option(None, "--prompts", help="Held-out calibration prompts (method.calibration_prompts)."),
+    into_model: bool = typer.Option(True, "--into-model/--no-into-model",
+                                    help="Also store the window in the model's directory (cast_window.json)."),
 ):
     """CAST: place the SDE window where the model's atom verdicts commit along ODE rollouts
-    (diffusion_rl.calibrate); writes window.json and prints it. Train with method.window_from set to it."""
+    (diffusion_rl.calibrate); writes window.json and prints it. With --into-model (the default)
+    the window is also stored with the model (cast_window.json in model.path), and CAST uses it
+    whenever it trains from that model, unless method.window_from names another file (or null:
+    the rollout's own window) or rollout.window_start is set."""
     from diffusion_rl import backend
     from diffusion_rl.calibrate import summary_line
     from mmrl.core.config import load_config
 
     try:
         cfg = load_config(backend.CONFIG_CLASS, config, list(set_), defaults=dict(backend.DEFAULT_CONFIG))
-        cal, path = backend.calibrate(cfg, out, prompts)
+        cal, paths = backend.calibrate(cfg, out, prompts, into_model=into_model)
     except USER_ERRORS as e:
         fail(str(e))
     print(json.dumps(cal.to_dict()))
     console.print(summary_line(cal), highlight=False)
-    console.print(f"wrote {path}")
+    for path in paths:
+        console.print(f"wrote {path}", highlight=False)
 
 
 def main() -> None:

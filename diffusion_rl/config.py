@@ -193,12 +193,14 @@ class CASTConfig(FlowGRPOConfig):
     tokens to the atom's words, and a per-patch clipped ratio objective weighted by that map."""
 
     type: Literal["cast"] = "cast"
-    window_from: str | None = None
-    """A window.json written by `diffusion-rl calibrate-window` (a path relative to the current
-    directory, or absolute): at build time it sets rollout.window_size and a fixed
-    rollout.window_start = (start, start), unless rollout.window_start is set explicitly (then the
-    file is not read). None = the rollout's own window. A missing or malformed file, or one
-    calibrated for another rollout.num_steps, is a ConfigError."""
+    window_from: str | None = "model"
+    """Where the calibrated SDE window comes from; at build time it sets rollout.window_size and
+    a fixed rollout.window_start = (start, start), unless rollout.window_start is set explicitly
+    (which always wins). "model": the cast_window.json that `diffusion-rl calibrate-window` stored
+    in the model's directory, if there is one (one calibrated for another rollout.num_steps is
+    skipped with a warning); a path: a window.json written by calibrate-window (relative to the
+    current directory, or absolute; a missing or malformed file, or one calibrated for another
+    rollout.num_steps, is a ConfigError); None: the rollout's own window."""
     calibration_prompts: int = Field(32, ge=1)
     """Held-out prompts `calibrate-window` rolls out (its --prompts overrides)."""
     calibration_seeds: int = Field(1, ge=1)

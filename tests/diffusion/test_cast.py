@@ -1,14 +1,16 @@
 """CAST part 1 (diffusion_rl/methods/cast.py, diffusion_rl/calibrate.py; a RECONSTRUCTION):
 per-atom signed group advantages by hand, the commit-step and window rules, calibration on a
-tiny real flow model, the calibrate-window CLI, one training step of configs/diffusion/cast.yaml
-with a calibrated window, and bad window files."""
+tiny real flow model, the calibrate-window CLI and the window it stores with the model, one
+training step of configs/diffusion/cast.yaml with a calibrated window, and bad window files."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +19,12 @@ import torch
 
 from diffusion_rl import backend
 from diffusion_rl.calibrate import (
+    MODEL_WINDOW_FILE,
     WINDOW_FILE,
     calibrate_window,
     commit_step,
     load_window,
+    store_in_model,
     window_from_commits,
 )
 from diffusion_rl.config import CASTConfig, DiffusionTrainConfig
@@ -126,17 +130,76 @@ def test_calibrate_on_tiny_model_returns_a_valid_window(flux_dir, tmp_path):
     assert 0 <= cal.median_commit <= 3
 
 
-def test_cli_writes_window_json(flux_dir, tmp_path):
+def test_cli_writes_window_json_and_stores_it_with_the_model(flux_dir, tmp_path):
+    """calibrate-window writes window.json to --out and cast_window.json into the model's
+    directory (a copy here: flux_dir is shared); CAST then trains from that model with it."""
+    model = tmp_path / "model"
+    shutil.copytree(flux_dir, model)
     out = tmp_path / "cal"
     r = subprocess.run([sys.executable, "-m", "diffusion_rl", "calibrate-window", "--config",
                         str(REPO / "configs/diffusion/cast.yaml"), "--out", str(out), "--prompts", "2",
-                        *[x for o in [f"model.path={flux_dir}", *FAST] for x in ("--set", o)]],
+                        *[x for o in [f"model.path={model}", *FAST] for x in ("--set", o)]],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / WINDOW_FILE).read_text())
     assert data["num_steps"] == 4 and data["window_size"] == 2 and data["num_samples"] == 2
     assert load_window(out / WINDOW_FILE, 4) == (data["window_start"], 2)
-    assert "window_start" in r.stdout
+    assert "window_start" in r.stdout and str(model / MODEL_WINDOW_FILE) in r.stdout.replace("\n", "")
+    assert json.loads((model / MODEL_WINDOW_FILE).read_text()) == data
+    cfg = make(model, tmp_path, config=REPO / "configs/diffusion/cast.yaml")
+    assert cfg.method.window_from == "model" and cfg.rollout.window_start is None
+    backend.build(cfg)
+    assert cfg.rollout.window_start == (data["window_start"],) * 2 and cfg.rollout.window_size == 2
+    assert not (flux_dir / MODEL_WINDOW_FILE).exists()
+
+
+def test_no_into_model_leaves_the_model_directory_alone(flux_dir, tmp_path):
+    cfg = make(flux_dir, tmp_path, "method.type=cast")
+    cal, written = backend.calibrate(cfg, tmp_path / "cal", 1, into_model=False)
+    assert written == [tmp_path / "cal" / WINDOW_FILE] and not (flux_dir / MODEL_WINDOW_FILE).exists()
+    assert cal.num_samples == 1
+
+
+def test_the_window_stored_with_the_model_and_what_overrides_it(flux_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(flux_dir, model)
+    (model / MODEL_WINDOW_FILE).write_text(json.dumps({"num_steps": 4, "window_start": 1, "window_size": 2}))
+    cast = ["method.type=cast"]
+
+    cfg = make(model, tmp_path, *cast)  # window_from defaults to "model"
+    backend.build(cfg)
+    assert cfg.rollout.window_start == (1, 1) and cfg.rollout.window_size == 2
+    cfg = make(model, tmp_path, *cast, "method.window_from=null")  # the rollout's own window
+    backend.build(cfg)
+    assert cfg.rollout.window_start is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit window wins without a warning
+        cfg = make(model, tmp_path, *cast, "rollout.window_start=[0,1]")
+        backend.build(cfg)
+    assert cfg.rollout.window_start == (0, 1)
+    other = tmp_path / "w.json"
+    other.write_text(json.dumps({"num_steps": 4, "window_start": 0, "window_size": 2}))
+    cfg = make(model, tmp_path, *cast, f"method.window_from={other}")  # a named file beats the model's
+    backend.build(cfg)
+    assert cfg.rollout.window_start == (0, 0)
+    cfg = make(model, tmp_path, *cast, "rollout.num_steps=6")  # calibrated for 4 steps: skipped, said
+    with pytest.warns(UserWarning, match="calibrated for 4 denoising steps, not rollout.num_steps=6"):
+        backend.build(cfg)
+    assert cfg.rollout.window_start is None
+    (model / MODEL_WINDOW_FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match="the window stored with the model.*not valid JSON"):
+        backend.build(make(model, tmp_path, *cast))
+    cfg = make(flux_dir, tmp_path, *cast)  # a model without a stored window: the rollout's own
+    backend.build(cfg)
+    assert cfg.rollout.window_start is None
+
+
+def test_a_model_directory_that_cannot_be_written_is_a_clear_error(flux_dir, tmp_path):
+    cal = calibrate_window(backend.build(make(flux_dir, tmp_path, "method.type=cast"))[0],
+                           ["a red circle"], num_steps=4, window_size=2)
+    with pytest.raises(ConfigError, match="cannot store the window in the model directory .*--no-into-model"):
+        store_in_model(cal, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
 
 
 # ------------------------------------------------------------------ training with a stored window
