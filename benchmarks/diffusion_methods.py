@@ -5,6 +5,8 @@ method took to reach Flow-GRPO's final training reward.
 
     python benchmarks/diffusion_methods.py --methods flow_grpo cast ftfc --seeds 0 --steps 30
     python benchmarks/diffusion_methods.py --methods flow_grpo cast --only cast:method.window_from=window.json
+    python benchmarks/diffusion_methods.py --methods flow_grpo ftfc --divergences kl pearson reverse_kl hellinger \
+        --steps 300 --only ftfc:train.max_steps=100 --set train.eval_every=25
 
 "Reach" is the first step whose trailing mean training reward (--window steps) is at least
 Flow-GRPO's over its last --window steps of the same seed; its wall time is the sum of
@@ -29,6 +31,7 @@ import statistics
 from pathlib import Path
 
 from diffusion_rl import backend
+from diffusion_rl.ftfc import DIVERGENCES
 from mmrl.core.config import load_config
 from mmrl.core.logging import read_metrics
 from mmrl.core.trainer import Trainer
@@ -55,7 +58,9 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
 
 
 def trailing(rows: list[dict], window: int) -> list[float]:
-    r = [row["reward/total"] for row in rows]
+    """The trailing mean training reward per row; nan where a row logged none (FTFC with
+    method.monitor=false rolls out only when it draws its pool), so those rows never "reach"."""
+    r = [row.get("reward/total", math.nan) for row in rows]
     return [statistics.mean(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
 
 
@@ -95,7 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     ap.add_argument("--reuse", action="store_true", help="table runs already finished in --out, train the rest")
     ap.add_argument("--only", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                    help="an override for one method only (repeatable), e.g. ftfc:method.divergence=pearson")
+                    help="an override for one method only (repeatable), e.g. ftfc:train.max_steps=100")
+    ap.add_argument("--divergences", nargs="+", default=None, choices=DIVERGENCES,
+                    help="run FTFC once per divergence, as ftfc-<divergence> (default: the config's alone, as ftfc)")
     args = ap.parse_args(argv)
     only: dict[str, list[str]] = {}
     for item in args.only:
@@ -105,13 +112,19 @@ def main(argv=None) -> int:
         only.setdefault(method, []).append(override)
     if "flow_grpo" not in args.methods:
         ap.error("the comparison is against flow_grpo: include it in --methods")
+    arms = []  # (label, config name, its own overrides)
+    for method in args.methods:
+        if method == "ftfc" and args.divergences:
+            arms += [(f"ftfc-{d}", "ftfc", [f"method.divergence={d}"]) for d in args.divergences]
+        else:
+            arms.append((method, method, []))
     results = {}
     for seed in args.seeds:
-        for method in args.methods:
-            summary, rows = run(method, seed, args.steps, args.out / f"{method}-seed{seed}",
-                                [*args.extra, *only.get(method, [])], reuse=args.reuse)
-            results[(method, seed)] = (summary, rows)
-            print(json.dumps({"method": method, "seed": seed, "before": summary["eval_before"],
+        for label, method, own in arms:
+            summary, rows = run(method, seed, args.steps, args.out / f"{label}-seed{seed}",
+                                [*args.extra, *only.get(method, []), *own], reuse=args.reuse)
+            results[(label, seed)] = (summary, rows)
+            print(json.dumps({"method": label, "seed": seed, "before": summary["eval_before"],
                               "after": summary["eval_after"], "seconds": summary.get("train_seconds")}), flush=True)
     print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | model evals | steps (s, evals) to "
           "Flow-GRPO's final reward | to its final held-out atom accuracy |")

@@ -323,7 +323,7 @@ def test_without_monitoring_only_the_pool_step_rolls_out(flux_dir, tmp_path, rew
         trainer.train()
         return trainer, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    watched, rows_w = run("monitored")
+    watched, rows_w = run("monitored", "method.monitor=true")
     quiet, rows_q = run("quiet", "method.monitor=false")
     assert [r["rollout/rounds"] for r in rows_w] == [1, 1, 1] and [r["rollout/rounds"] for r in rows_q] == [1, 0, 0]
     assert "reward/total" in rows_q[0] and "reward/total" not in rows_q[1]
