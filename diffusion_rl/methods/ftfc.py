@@ -28,12 +28,13 @@ Departures and choices (the paper's details are unknown):
 - g_phi: the dual is fitted per prompt on the pool's observed rewards (g = r); no effective-reward
   network is learned. `effective_reward` is the hook where one would go.
 - Pool: one rollout batch, drawn through the core loop at step 0 (or every k steps). With
-  method.monitor (the default) the core still rolls out and scores a fresh batch each step;
-  with pool_refresh != 1 that batch only feeds the reward/... metrics (the current model's
-  reward) and is not trained on, which costs a rollout per step. monitor = false skips it
-  (Method.stored_batch): such a step costs its flow-matching passes alone. The pool lives in the method's state, so checkpoints carry it (the clean
-  latents, the conditioning, the rewards and the images, base64 in the trainer state: large for
-  big models and pools) and a resumed run goes on exactly.
+  method.monitor = true the core still rolls out and scores a fresh batch each step; with
+  pool_refresh != 1 that batch only feeds the reward/... metrics (the current model's reward)
+  and is not trained on, which costs a rollout per step. monitor = false (the config's) skips
+  it (Method.stored_batch): such a step costs its flow-matching passes alone. The pool lives
+  in the method's state, so checkpoints carry it (the clean latents, the conditioning, the
+  rewards and the images, base64 in the trainer state: large for big models and pools) and a
+  resumed run goes on exactly.
 - Self-normalisation and the cap are per group (each group's lambda already gives mean 1, so per
   batch is the same); the cap is applied to its fixed point (clip and rescale until no weight
   exceeds it). The squared error is a mean over latent elements (diffusers' convention).
