@@ -10,7 +10,9 @@ embedded DEFAULT_CONFIG on its bundled tiny model in assets/, shrunk to 4 steps 
 checkpoint after every step.
 
 Cost (one thread): a run is ~10 s, mostly imports and evaluation, so all four crash points
-run on the dLLM run (the fastest) and one point each on the VLM and diffusion runs.
+run on the dLLM run (the fastest) and one point each on the VLM and diffusion runs. The full
+runs and the killed runs of the selected cases are made up front, two at a time (one thread
+each); the resumes and the random-moment kill run alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,6 +132,16 @@ def assert_checkpoints_sound(modality: str, out: Path, policy) -> int:
 
 _FULL: dict[str, Path] = {}
 _POLICY: dict[str, object] = {}
+_CRASHED: dict[tuple[str, str], tuple[subprocess.CompletedProcess, Path]] = {}
+
+
+def _check_full(modality: str, out: Path) -> None:
+    # the comparison means something only if training moved the weights
+    start = weight_files(ROOT / "assets" / ASSETS[modality])
+    final = weight_files(out / f"checkpoints/step-{STEPS:08d}/model")
+    moved = [f"{n}:{k}" for n in set(start) & set(final) for k in set(start[n]) & set(final[n])
+             if not torch.equal(start[n][k], final[n][k])]
+    assert moved, f"{modality}: {STEPS} steps left every weight as it was"
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +152,43 @@ def full_run(tmp_path_factory):
         if modality not in _FULL:
             out = tmp_path_factory.mktemp(f"full_{modality}") / "run"
             finished(run(modality, out))
+            _check_full(modality, out)
             _FULL[modality] = out
-            # the comparison means something only if training moved the weights
-            start = weight_files(ROOT / "assets" / ASSETS[modality])
-            final = weight_files(out / f"checkpoints/step-{STEPS:08d}/model")
-            moved = [f"{n}:{k}" for n in set(start) & set(final) for k in set(start[n]) & set(final[n])
-                     if not torch.equal(start[n][k], final[n][k])]
-            assert moved, f"{modality}: {STEPS} steps left every weight as it was"
         return _FULL[modality]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def crashed_runs(request, tmp_path_factory):
+    """The killed runs of the selected CASES and the full runs they compare with, made up front
+    two at a time: each is a one-thread subprocess, so two share the two cores (about half the
+    wall time of running them one by one). Only the resumes run inside the tests."""
+    wanted = []
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if item.fspath == request.fspath and spec and "point" in spec.params:
+            wanted.append((spec.params["modality"], spec.params["point"]))
+    jobs = {("full", m): tmp_path_factory.mktemp(f"full_{m}") / "run"
+            for m in dict.fromkeys(m for m, _ in wanted) if m not in _FULL}
+    jobs.update({case: tmp_path_factory.mktemp(f"crash_{case[0]}_{case[1]}") / "run"
+                 for case in wanted if case not in _CRASHED})
+
+    def launch(key):
+        if key[0] == "full":
+            return run(key[1], jobs[key])
+        return run(key[0], jobs[key], crash_at=f"{key[1]}:{CRASH_STEP}")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(jobs, pool.map(launch, jobs)))
+    for key, proc in done.items():
+        if key[0] == "full":
+            finished(proc)
+            _check_full(key[1], jobs[key])
+            _FULL[key[1]] = jobs[key]
+        else:
+            _CRASHED[key] = (proc, jobs[key])
+    return _CRASHED
 
 
 def backend_policy(modality: str, out: Path):
@@ -172,10 +212,9 @@ CASES = [("dllm", p) for p in NEWEST_AFTER] + [("vlm", "checkpoint-write"), ("di
 
 
 @pytest.mark.parametrize(("modality", "point"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
-def test_kill_at_a_point_then_resume_is_bit_identical(modality, point, full_run, tmp_path):
+def test_kill_at_a_point_then_resume_is_bit_identical(modality, point, crashed_runs, full_run):
     full = full_run(modality)
-    out = tmp_path / "run"
-    crashed = run(modality, out, crash_at=f"{point}:{CRASH_STEP}")
+    crashed, out = crashed_runs[(modality, point)]
     assert crashed.returncode == -signal.SIGKILL, (crashed.returncode, crashed.stderr[-2000:])
     assert not (out / "summary.json").exists()  # it really died mid-run
     newest = assert_checkpoints_sound(modality, out, backend_policy(modality, out))
