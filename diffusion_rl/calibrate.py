@@ -204,8 +204,9 @@ def apply_window_file(cfg, model_dir: str | Path) -> Path | None:
                           "null; or --set rollout.window_start=null)", stacklevel=2)
         return None
     where = f"{path} (the window stored with the model)" if from_model else None
-    if from_model and _calibrated_steps(path) not in (None, cfg.rollout.num_steps):
-        warnings.warn(f"{path} was calibrated for {_calibrated_steps(path)} denoising steps, not rollout.num_steps="
+    steps = _calibrated_steps(path) if from_model else None
+    if steps not in (None, cfg.rollout.num_steps):
+        warnings.warn(f"{path} was calibrated for {steps} denoising steps, not rollout.num_steps="
                       f"{cfg.rollout.num_steps}: the rollout's own window is used (re-run calibrate-window with "
                       "this config, or set method.window_from=null to silence this)", stacklevel=2)
         return None

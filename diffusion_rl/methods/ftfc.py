@@ -98,7 +98,7 @@ class FTFC(Method):
         """Without monitoring, a step that does not redraw the pool trains on it unrolled."""
         if self.cfg.monitor or self._redraw():
             return None
-        return replace(self.pool, data=dict(self.pool.data))
+        return self._pool_copy()
 
     def on_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """The batch to train on: this step's rollouts (pool_refresh = 1) or the frozen pool."""
@@ -108,6 +108,10 @@ class FTFC(Method):
             keep = {n: v for n, v in batch.data.items() if n in POOL_KEYS or n.startswith("cond/")}
             self.pool = replace(batch, mask=None, old_logp=None, ref_logp=None, advantages=None, data=keep)
             self.pool_step = self.step
+        return self._pool_copy()
+
+    def _pool_copy(self) -> RolloutBatch:
+        """The pool as a batch of its own (the loop writes advantages and data into it)."""
         return replace(self.pool, data=dict(self.pool.data))
 
     def effective_reward(self, batch: RolloutBatch) -> Tensor:  # [N]
