@@ -37,8 +37,8 @@ from mmrl.vlm.models import bundled_model_dir, load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene
-from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, shape_in, shapes_zoom_reward, zoom_call
-from mmrl.vlm.tools import build_registry
+from mmrl.vlm.tasks.shapes_zoom import QUADRANTS, ShapesZoom, quadrant_box, shape_in, shapes_zoom_reward, zoom_call
+from mmrl.vlm.tools import TOOL_CALL_CLOSE, ToolCallError, build_registry, parse_tool_call
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kinds", nargs="+", default=None, help="shapes-zoom question kinds (default: the task's)")
     ap.add_argument("--shape-size", type=int, nargs=2, default=None, help="default: the task's")
     ap.add_argument("--image-max-pixels", type=int, default=None, help="tools.image_max_pixels (default: the model's)")
+    ap.add_argument("--p-wrong-box", type=float, default=0.0,
+                    help="share of zoom demonstrations (second stage) that zoom into another quadrant and "
+                         "answer what that crop shows: a model that acts on the tool unreliably")
+    ap.add_argument("--think", action="store_true",
+                    help="zoom demonstrations open with a sentence naming the quadrant before the call, "
+                         "so that a rollout's prefix before its first tool call is not empty")
     ap.add_argument("--read-steps", type=int, default=150,
                     help="first stage: this many steps of zoom demonstrations only (learn to read the crop)")
     ap.add_argument("--num-train", type=int, default=2000)
@@ -61,13 +67,30 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def demonstration(item, rng: random.Random, p_tool: float) -> list[str]:
+def demonstration(item, rng: random.Random, p_tool: float, p_wrong_box: float = 0.0,
+                  think: bool = False) -> list[str]:
     """A zoom call then the answer; or, without the tool, a guess: the colour (readable at
     112 px) and a random shape. Training a no-tool answer on the true shape would teach the
-    model to recall training images instead of looking."""
-    shape = shape_in(Scene.from_dict(item.meta["scene"]), item.meta["params"]["quadrant"])
+    model to recall training images instead of looking.
+
+    With p_wrong_box, a zoom demonstration zooms into another (uniformly drawn) quadrant with
+    that probability and answers what its crop shows, so the model learns to read the crop
+    and to pick the box unreliably. With think, the call is preceded by "Let me look at the
+    {quadrant}." (the asked quadrant, even when the box is wrong: thinking right, acting
+    wrong)."""
+    scene, asked = Scene.from_dict(item.meta["scene"]), item.meta["params"]["quadrant"]
+    shape = shape_in(scene, asked)
     if rng.random() < p_tool:
-        return [zoom_call(item.meta["zoom_box"]), f"a {shape.colour} {shape.shape} <answer>{item.answer}</answer>"]
+        quadrant, box = asked, item.meta["zoom_box"]
+        if p_wrong_box > 0 and rng.random() < p_wrong_box:  # no draw at 0: the bundled rebuild's stream
+            quadrant = rng.choice([q for q in QUADRANTS if q != asked])
+            box = quadrant_box(quadrant, scene.size)
+        seen = shape_in(scene, quadrant)
+        answer = seen.shape if item.meta["kind"] == "shape_at" else seen.colour
+        call = zoom_call(box)
+        if think:
+            call = f"Let me look at the {asked}. {call}"
+        return [call, f"a {seen.colour} {seen.shape} <answer>{answer}</answer>"]
     if item.meta["kind"] == "shape_at":
         guess = rng.choice(SHAPES)
         return [f"a {shape.colour} {guess} <answer>{guess}</answer>"]
@@ -75,17 +98,38 @@ def demonstration(item, rng: random.Random, p_tool: float) -> list[str]:
     return [f"a {guess} shape <answer>{guess}</answer>"]
 
 
+def first_box_right(text: str, item) -> bool | None:
+    """Whether the first tool call in `text` zooms into the asked quadrant's box; None when
+    there is no call or it cannot be read as a zoom."""
+    end = text.find(TOOL_CALL_CLOSE)
+    try:
+        name, args = parse_tool_call(text if end < 0 else text[:end])
+    except ToolCallError:
+        return None
+    if name != "zoom":
+        return None
+    return [args.get(k) for k in ("x0", "y0", "x1", "y1")] == list(item.meta["zoom_box"])
+
+
 def split_accuracy(policy: VLMPolicy, task: VLMTask, items, rollout, k: int) -> dict[str, float]:
-    """Sampled rollouts on held-out items: tool-call rate, accuracy with and without a call."""
+    """Sampled rollouts on held-out items: tool-call rate, accuracy with and without a call,
+    AXPO's case (the share of items with a tool-using rollout whose tool users are all wrong),
+    and how often a first zoom call names the asked quadrant's box."""
     gen = torch.Generator().manual_seed(1234)
-    called, right = [], []
+    called, right, boxes = [], [], []
     for start in range(0, len(items), 8):
-        batch = policy.generate(items[start: start + 8], k, rollout, gen)
+        chunk = items[start: start + 8]
+        batch = policy.generate(chunk, k, rollout, gen)
         scores = task.reward.score(batch.samples)
         called.append(batch.data["stat/called"] > 0)
         right.append(scores.values[:, scores.names.index("answer")] > 0.5)
+        boxes += [first_box_right(s.completion, chunk[i // k]) for i, s in enumerate(batch.samples)]
     c, r = torch.cat(called), torch.cat(right)
+    named = [b for b in boxes if b is not None]
+    used, wrong = c.view(-1, k).any(1), ~(c & r).view(-1, k).any(1)  # items (k samples in a row)
     return {"tool_call_rate": float(c.float().mean()), "accuracy": float(r.float().mean()),
+            "tool_groups_all_wrong": float((used & wrong).sum() / used.sum()) if used.any() else float("nan"),
+            "right_box_rate": sum(named) / len(named) if named else float("nan"),
             "accuracy_with_tool": float(r[c].float().mean()) if c.any() else float("nan"),
             "accuracy_without_tool": float(r[~c].float().mean()) if (~c).any() else float("nan")}
 
@@ -114,8 +158,9 @@ def main(argv=None) -> int:
         model.train()
         idx = torch.randint(len(train), (args.batch_size,), generator=g).tolist()
         items = [train[i] for i in idx]
-        p_tool = 1.0 if step <= args.read_steps else args.p_tool
-        batch = policy.agent.teacher(items, [demonstration(it, rng, p_tool) for it in items])
+        reading = step <= args.read_steps  # the first stage: the right box, always the tool
+        p_tool, p_wrong = (1.0, 0.0) if reading else (args.p_tool, args.p_wrong_box)
+        batch = policy.agent.teacher(items, [demonstration(it, rng, p_tool, p_wrong, args.think) for it in items])
         loss = policy.sft_loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
