@@ -65,6 +65,7 @@ class _Row:
     calls: int = 0
     errors: Counter = field(default_factory=Counter)
     turns: int = 0
+    turn_start: int = 0  # where the model's current turn began (a fixed prefix is part of the first)
     done: bool = False
     truncated: bool = False
 
@@ -146,9 +147,11 @@ class ToolRollout:
         if new[-1] != self.close_id:
             row.done = True
             return
-        opened = [j for j, t in enumerate(new) if t == self.open_id]
-        row.call_spans.append((start + (opened[-1] if opened else 0), len(row.ids)))
-        text = self.policy.tokenizer.decode(new, skip_special_tokens=False)
+        # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
+        turn = row.ids[row.turn_start:]
+        opened = [j for j, t in enumerate(turn) if t == self.open_id]
+        row.call_spans.append((row.turn_start + opened[-1] if opened else start, len(row.ids)))
+        text = self.policy.tokenizer.decode(turn, skip_special_tokens=False)
         if row.turns >= self.cfg.max_turns:  # no turn left to read an observation
             row.done = row.truncated = True
             return
@@ -189,6 +192,7 @@ class ToolRollout:
         row.train += [False] * len(ids)
         row.logp += [0.0] * len(ids)
         row.entropy += [0.0] * len(ids)
+        row.turn_start = len(row.ids)
 
     # ------------------------------------------------------------------ one turn for the active rows
 

@@ -139,6 +139,11 @@ class AXPOResampleConfig(Section):
     """K: continuations resampled from each selected prefix (z-scored among themselves)."""
     budget: float = Field(0.25, ge=0)
     """Extra decoding per group as a fraction of G: M = max(1, round(budget * G / K)) prefixes."""
+    force_call: bool = False
+    """False: the kept prefix ends before the first call's opening tag, so a continuation may
+    not call the tool at all. True: the prefix keeps that tag, so every continuation is a call
+    whose arguments (and what follows) are re-drawn. METHODS.md's "resample K continuations
+    starting at the tool call" reads either way."""
 
 
 class AXPOConfig(GRPOConfig):

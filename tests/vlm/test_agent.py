@@ -182,6 +182,21 @@ def test_prefix_continues_before_the_tool_call_and_batches_concat(qwen25_dir):
     torch.testing.assert_close(logp[both.mask], both.old_logp[both.mask], atol=2e-4, rtol=1e-4)
 
 
+def test_a_call_whose_opening_tag_is_in_the_prefix_runs_the_tool(qwen25_dir):
+    """AXPO's force_call: the prefix ends with <tool_call>; the continuation writes the rest
+    of the call, and the tool runs on the whole turn's text."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[2]
+    call = zoom_call(item.meta["zoom_box"])
+    head = policy.tokenizer("I see <tool_call>", add_special_tokens=False)["input_ids"]
+    assert head[-1] == policy.agent.open_id
+    Scripted(policy, [[call[len("<tool_call>"):], "<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(max_new_tokens=96), torch.Generator().manual_seed(0), prefixes=[head])
+    assert batch.data["stat/tool_errors"].sum() == 0 and batch.data["stat/called"][0] == 1
+    assert int(batch.data["first_call"][0]) == len(head) - 1  # the call starts at the prefix's tag
+    assert batch.data["call_mask"][0, len(head) - 1] and not batch.mask[0, len(head) - 1]
+
+
 def test_greedy_evaluation_reports_the_tool_call_rate(qwen25_dir):
     from mmrl.vlm.task import VLMTask
     from mmrl.vlm.tasks.shapes_zoom import shapes_zoom_reward

@@ -61,6 +61,13 @@ def test_all_wrong_tool_subgroup_resamples_the_least_confident_prefixes():
     assert r.prefix == g.data["completion_ids"][3, :2].tolist()
 
 
+def test_force_call_keeps_the_calls_opening_tag_in_the_prefix():
+    g = group([0, 0, 1, 0, 0, 1, 0, 0], [-1, 3, -1, 2, 1, -1, -1, -1],
+              [[1, 1], [0.5, 0.5], [1, 1], [0.1, 0.3], [0.7, 0.7], [1, 1], [1, 1], [1, 1]])
+    (r,) = method(force_call="true").extra_requests(g)
+    assert r.prefix == g.data["completion_ids"][3, :3].tolist()  # positions 0..1 and the call's first token
+
+
 def test_budget_sets_how_many_prefixes_and_never_more_than_the_tool_users():
     m = method(k=2, budget=1.0)  # M = round(1.0 * 4 / 2) = 2
     g = group([0, 0, 0, 1], [0, 1, -1, -1], [[0.3, 0.3], [0.6, 0.6], [1, 1], [1, 1]])

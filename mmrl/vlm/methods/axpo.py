@@ -9,7 +9,8 @@ learning is needed. AXPO changes which rollouts exist (METHODS.md section 2):
         u_i = mean pi_old(token) over the tokens of rollout i's first tool call   (confidence)
         take the M rollouts of T with the lowest u_i; M = max(1, round(budget * G / K))
         for each: keep p_i (the tokens before its first tool call) fixed and resample K
-                  continuations that start at the tool call
+                  continuations that start at the tool call (resample.force_call: p_i keeps
+                  the call's opening tag, so that every continuation is a call)
     advantages: original rollouts, the usual group advantage (GRPO's settings);
                 each K-sibling set of continuations, the same advantage among its siblings;
                 applied only after the prefix (prefix tokens carry no loss)
@@ -54,8 +55,8 @@ class AXPO(GRPO):
         gid = int(group.group_ids[0])
         if gid not in group.prompts:
             raise ValueError(f"AXPO needs the prompt of group {gid} to resample it (batch.prompts, set by the scheduler)")
-        ids = group.data["completion_ids"]
-        return [Request(gid, group.prompts[gid], rc.k, prefix=ids[int(i), : int(first[i])].tolist(), tag=j + 1)
+        ids, keep = group.data["completion_ids"], int(rc.force_call)  # force_call: keep the opening tag
+        return [Request(gid, group.prompts[gid], rc.k, prefix=ids[int(i), : int(first[i]) + keep].tolist(), tag=j + 1)
                 for j, i in enumerate(picked.tolist())]
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
