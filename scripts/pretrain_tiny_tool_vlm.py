@@ -14,6 +14,11 @@ The guesses keep the no-tool answers honest (a no-tool answer trained on the tru
 would teach recalling training images), and the mix leaves a model that calls the tool
 sometimes but not reliably (AXPO's "thinking-acting gap"), which is what RL should fix.
 
+--think opens each zoom demonstration with a sentence naming the asked quadrant, and
+--p-wrong-box zooms a share of them into another quadrant (see demonstration()); with
+--read-steps they set how reliably the model acts on the tool (AXPO's regime in
+benchmarks/RESULTS.md: --think --read-steps 200, at 1 thread).
+
     python scripts/pretrain_tiny_tool_vlm.py --out assets/tiny-qwen2.5-vl-tools
 
 At the end it reports, on held-out items sampled at temperature 1: the tool-call rate, the
@@ -135,7 +140,11 @@ def split_accuracy(policy: VLMPolicy, task: VLMTask, items, rollout, k: int) -> 
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    for name in ("p_tool", "p_wrong_box"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            ap.error(f"--{name.replace('_', '-')} is a probability, got {getattr(args, name)}")
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     task_args = {k: v for k, v in (("kinds", args.kinds), ("shape_size", args.shape_size and tuple(args.shape_size)))

@@ -75,3 +75,10 @@ def test_first_box_right_reads_the_first_zoom_call():
     assert first_box_right("a red shape <answer>red</answer>", item) is None  # no call
     assert first_box_right('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0', item) is None  # unreadable
     assert first_box_right('<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call>', item) is None
+
+
+def test_probabilities_out_of_range_are_refused_before_any_work(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        _script().main(["--p-wrong-box", "1.5", "--out", "/nonexistent/never-written"])
+    assert "--p-wrong-box is a probability" in capsys.readouterr().err
