@@ -180,6 +180,13 @@ class FTFCConfig(Section):
     where E[w | x_t] = 1 is v0 + E_q[u | x_t] - E_p[u | x_t]: the tilt's correction added to the
     pretrained field, so uniform weights leave the model where it is. Costs one no-grad
     pass of a frozen copy of the pretrained model per trained sample."""
+    target: Literal["sample", "posterior"] = "sample"
+    """The regression target of each flow-matching row (ours; diffusion_rl.ftfc.posterior_moments).
+    sample: u_i = eps - x1_i of the sample x_t was drawn from. posterior: its expectation given
+    x_t over which of the prompt's pool samples made x_t (a Gaussian-kernel posterior), with w_i
+    replaced by E[w | x_t] likewise: the same optimum, with the noise of that guess integrated
+    out. It matters at high t (noise), where the samples' kernels overlap and where their
+    layout is decided; at low t the posterior is one-hot and the two agree."""
     effective_reward: Literal["observed"] = "observed"
     """g in w = (f*)'(g): "observed" = the pool's own rewards, the dual fitted per prompt on the
     samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""

@@ -207,3 +207,41 @@ def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: st
     stats = FTFCStats(torch.stack(lams), torch.tensor(ess, dtype=torch.float64),
                       effective_sample_size(w), float(w.max()), capped)
     return w.float(), stats
+
+
+@dataclass
+class PosteriorMoments:
+    """Moments over the pool given a noisy latent x_t (one row per x_t): which pool sample made
+    it is uncertain, pi_j = softmax_j(-|x_t - (1 - t) x1_j|^2 / (2 t^2)) over the group's pool."""
+
+    rho: Tensor  # [n]         E[w | x_t]
+    mean_u: Tensor  # [n, ...]  E[u | x_t],    u_j = (x_t - x1_j) / t = eps_j - x1_j
+    mean_wu: Tensor  # [n, ...] E[w u | x_t]
+    ess: Tensor  # [n]         1 / sum_j pi_j^2: how many pool samples x_t could have come from
+
+
+def posterior_moments(x_t: Tensor, t: Tensor, pools: list[Tensor], weights: list[Tensor]) -> PosteriorMoments:
+    """The Rao-Blackwellised flow-matching target of a pool (ours; not in METHODS.md).
+
+    Flow matching on a pool draws x_t = (1 - t) x1_i + t eps from one sample i and regresses
+    on u_i = eps - x1_i. Given x_t, though, i is only known up to the posterior pi above (the
+    Gaussian kernel of each pool sample), so E_i,eps[w_i |v - u_i|^2] = E_x_t[sum_j pi_j w_j
+    |v - u_j|^2], whose per-x_t minimiser is E[w u | x_t] / E[w | x_t]: the same optimum as the
+    sampled target, with the noise of guessing i integrated out. Where the pool's samples are
+    far apart at this t (low noise) pi is one-hot and nothing changes; at high noise, where a
+    sample's layout is decided, pi spreads over the group and the target averages its samples.
+
+    x_t [n, ...], t [n] in (0, 1]; pools[r] [G_r, ...] the clean latents of row r's group (row r's
+    own sample among them), weights[r] [G_r] their tilt weights. Computed in float64."""
+    rho, mean_u, mean_wu, ess = [], [], [], []
+    for x, tt, pool, w in zip(x_t.double(), t.double().tolist(), pools, weights):
+        pool, w, tt = pool.to(x), w.to(x), max(tt, 1e-6)  # U(0, 1) can draw t = 0 exactly
+        u = (x - pool) / tt  # [G, ...]
+        log_k = -((x - (1 - tt) * pool) ** 2).flatten(1).sum(1) / (2 * tt * tt)
+        pi = torch.softmax(log_k, 0)
+        shape = (-1,) + (1,) * (u.dim() - 1)
+        rho.append((pi * w).sum())
+        mean_u.append((pi.reshape(shape) * u).sum(0))
+        mean_wu.append(((pi * w).reshape(shape) * u).sum(0))
+        ess.append(1.0 / (pi**2).sum())
+    return PosteriorMoments(torch.stack(rho), torch.stack(mean_u), torch.stack(mean_wu), torch.stack(ess))

@@ -17,8 +17,13 @@ config option (diffusion_rl.config.FTFCConfig).
               L = sum_i |v_theta(x_t) - v0(x_t) - (w_i - 1)(u_i - v0(x_t))|^2 / N, u_i = eps - x1_i;
               where E[w | x_t] = 1 its optimum is v0 + E_q[u | x_t] - E_p[u | x_t], the tilt's
               correction on the pretrained field, and w = 1 leaves the model where it is
+    target    (ours, method.target = posterior) each row's target and weight replaced by their
+              expectation given x_t over which of the group's pool samples made x_t (a Gaussian-
+              kernel posterior; diffusion_rl.ftfc.posterior_moments): the same optimum, less noise
+              where the samples' kernels overlap (high t, where the layout is decided)
     metrics   ftfc/ess ((sum w)^2 / sum w^2 over the trained batch), ftfc/lambda_mean, ftfc/w_max,
-              ftfc/ess_group_mean, ftfc/num_capped, ftfc/pool_age (steps since the pool was drawn)
+              ftfc/ess_group_mean, ftfc/num_capped, ftfc/pool_age (steps since the pool was drawn);
+              with the posterior target ftfc/posterior_ess (pool samples per x_t) and ftfc/posterior_rho
 
 No log-probs, no reference model, no differentiation through sampling. With pool_refresh = k >= 1
 each pool is drawn from the current model, so the tilt is relative to that model (an iterated,
@@ -62,7 +67,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from diffusion_rl.ftfc import ftfc_weights
+from diffusion_rl.ftfc import ftfc_weights, posterior_moments
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.losses import LossOutput
@@ -86,6 +91,7 @@ class FTFC(Method):
         self.pool: RolloutBatch | None = None
         self.pool_step = -1
         self.needs_reference = cfg.anchor == "base"  # the anchor's v0: the trainer's frozen copy
+        self._groups: dict[int, tuple[Tensor, Tensor]] = {}  # group id -> (pool latents, weights)
 
     # ------------------------------------------------------------------ pool and weights
 
@@ -121,6 +127,10 @@ class FTFC(Method):
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]: the FTFC weights, mean 1 per group
         batch.data[SAMPLE_ID] = _sample_ids(batch.group_ids)
         w, _ = self._weights(batch)
+        if self.cfg.target == "posterior":  # each group's pool and weights, for the loss's mini-batches
+            x1 = batch.data["final_latents"]
+            self._groups = {g: (x1[batch.group_ids == g], w[batch.group_ids == g])
+                            for g in batch.group_ids.unique().tolist()}
         return w
 
     def _weights(self, batch: RolloutBatch):
@@ -149,6 +159,8 @@ class FTFC(Method):
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
         t, eps = self._noise(d[SAMPLE_ID], x1)
         denom = denom if denom is not None else len(batch)
+        if self.cfg.target == "posterior":
+            return self._posterior_loss(policy, x1, t, eps, cond, d[SAMPLE_ID], denom)
         if self.cfg.anchor == "base":  # v0 + (w - 1)(u - v0): the tilt's correction on v0
             v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
             w = advantages.to(v0).reshape(-1, *([1] * (v0.dim() - 1)))
@@ -160,6 +172,27 @@ class FTFC(Method):
         loss = (w * err).sum() / denom
         return LossOutput(loss, {"loss/flow_matching": float(err.detach().mean()),
                                  "loss/weighted_flow_matching": float((w * err).detach().mean())})
+
+    def _posterior_loss(self, policy, x1, t, eps, cond, ids, denom) -> LossOutput:
+        """The two losses above with each row's target (and weight) replaced by its expectation
+        given x_t over the group's pool (diffusion_rl.ftfc.posterior_moments): plain, rho |v -
+        E[w u | x_t] / rho|^2 with rho = E[w | x_t]; anchored, |v - T|^2 with T = E[v0 + (w - 1)(u -
+        v0) | x_t] = v0 + E[w u | x_t] - E[u | x_t] - (rho - 1) v0. The pool's weights are those
+        advantages() gave the whole batch (a mini-batch holds only part of each group)."""
+        groups = [self._groups[int(i) >> 20] for i in ids.tolist()]
+        tt = t.to(x1).reshape(-1, *([1] * (x1.dim() - 1)))
+        m = posterior_moments((1 - tt) * x1 + tt * eps, t, [g[0] for g in groups], [g[1] for g in groups])
+        rho = m.rho.to(x1)
+        metrics = {"ftfc/posterior_ess": float(m.ess.mean()), "ftfc/posterior_rho": float(rho.mean())}
+        if self.cfg.anchor == "base":
+            v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
+            r = rho.reshape(tt.shape)
+            target = v0 + m.mean_wu.to(v0) - m.mean_u.to(v0) - (r - 1) * v0
+            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
+            return LossOutput(err.sum() / denom, {"loss/anchored_flow_matching": float(err.detach().mean()), **metrics})
+        target = m.mean_wu.to(x1) / rho.clamp_min(1e-12).reshape(tt.shape)  # rho = 0: no weight on this row
+        err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
+        return LossOutput((rho * err).sum() / denom, {"loss/flow_matching": float(err.detach().mean()), **metrics})
 
     def annotate_reference(self, reference, batch: RolloutBatch) -> None:
         """Nothing ahead: the anchor runs the reference in the loss, at each pass's own t and eps."""

@@ -265,6 +265,84 @@ def test_flow_matching_error_interpolates_towards_the_noise(flux_dir):
     assert err.tolist() == pytest.approx([1.0, 1.0])
 
 
+# ---------------------------------------------------------------------- the posterior target
+
+def test_posterior_moments_in_the_limits():
+    from diffusion_rl.ftfc import posterior_moments
+
+    g = torch.Generator().manual_seed(0)
+    pool, w = torch.randn(3, 4, 2, generator=g), torch.tensor([0.5, 2.0, 0.5])
+    eps = torch.randn(4, 2, generator=g)
+    # a group of one sample: exactly the sampled target u = eps - x1 and its weight
+    t = torch.tensor([0.6])
+    m = posterior_moments((1 - 0.6) * pool[1:2] + 0.6 * eps, t, [pool[1:2]], [w[1:2]])
+    assert torch.allclose(m.mean_u[0], (eps - pool[1]).double(), atol=1e-6)
+    assert float(m.rho[0]) == pytest.approx(2.0) and float(m.ess[0]) == pytest.approx(1.0)
+    # little noise: x_t is known to come from sample 0; the pool's other samples do not count
+    far = torch.stack([pool[0], pool[0] + 50, pool[0] - 50])
+    m = posterior_moments((1 - 0.05) * far[:1] + 0.05 * eps, torch.tensor([0.05]), [far], [w])
+    assert torch.allclose(m.mean_wu[0], 0.5 * (eps - far[0]).double(), atol=1e-5)
+    assert float(m.ess[0]) == pytest.approx(1.0)
+    # pure noise (t = 1): every sample is as likely; E[u | x_t] = x_t - mean x1, E[w | x_t] = mean w
+    m = posterior_moments(eps[None], torch.tensor([1.0]), [pool], [w])
+    assert torch.allclose(m.mean_u[0], (eps - pool.mean(0)).double(), atol=1e-6)
+    assert float(m.rho[0]) == pytest.approx(1.0) and float(m.ess[0]) == pytest.approx(3.0)
+
+
+def test_the_posterior_target_is_the_conditional_mean_of_the_sampled_one():
+    """Monte Carlo in one dimension: draw (i, eps), keep the x_t that land near x*, and average
+    w_i and w_i u_i there; they match E[w | x*] and E[w u | x*] (the kernel's centre (1 - t) x1_j
+    and width t are right)."""
+    from diffusion_rl.ftfc import posterior_moments
+
+    pool, w, t, x_star = torch.tensor([[-1.0], [0.2], [1.5]]), torch.tensor([0.4, 1.0, 1.6]), 0.7, 0.3
+    g = torch.Generator().manual_seed(1)
+    i = torch.randint(0, 3, (2_000_000,), generator=g)
+    eps = torch.randn(2_000_000, generator=g)
+    x_t = (1 - t) * pool[i, 0] + t * eps
+    near = (x_t - x_star).abs() < 0.01
+    u, wi = eps[near] - pool[i[near], 0], w[i[near]]
+    m = posterior_moments(torch.tensor([[x_star]]), torch.tensor([t]), [pool], [w])
+    assert int(near.sum()) > 10_000
+    assert float(wi.mean()) == pytest.approx(float(m.rho[0]), abs=0.01)
+    assert float((wi * u).mean()) == pytest.approx(float(m.mean_wu[0, 0]), abs=0.02)
+    assert float(u.mean()) == pytest.approx(float(m.mean_u[0, 0]), abs=0.02)
+
+
+class _TargetPolicy:
+    """flow_matching_error against a given target with v = 0; a reference returning v0 = 0."""
+
+    def flow_velocity(self, x1, t, eps, cond, guided=False):
+        return torch.zeros_like(x1)
+
+    def flow_matching_error(self, x1, t, eps, cond, guided=False, target=None):
+        target = eps - x1 if target is None else target
+        return (target**2).flatten(1).mean(1)
+
+
+@pytest.mark.parametrize("anchor", ["none", "base"])
+def test_the_posterior_loss_equals_the_sampled_one_where_x_t_identifies_its_sample(anchor):
+    """Groups of one sample: the posterior is one-hot, so both targets and both losses agree."""
+    from diffusion_rl.methods.ftfc import SAMPLE_ID
+    from mmrl.core.rewards import AtomScores
+
+    batch = _batch()
+    batch.group_ids = torch.tensor([1, 2, 3, 4])
+    batch.scores = AtomScores(["x"], torch.zeros(4, 1), torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    sampled, posterior = _method(f"method.anchor={anchor}"), _method(f"method.anchor={anchor}", "method.target=posterior")
+    for m in (sampled, posterior):
+        m.reference = _TargetPolicy()
+    w = sampled.advantages(batch)
+    assert torch.equal(w, posterior.advantages(batch)) and SAMPLE_ID in batch.data
+    w = torch.tensor([0.5, 1.5, 1.0, 2.0])  # any weights: with one sample per group they pass through
+    for k, (x, ww) in enumerate(zip(batch.data["final_latents"], w)):
+        posterior._groups[k + 1] = (x[None], ww[None])
+    a = sampled.loss(_TargetPolicy(), batch, w)
+    b = posterior.loss(_TargetPolicy(), batch, w)
+    assert float(b.loss) == pytest.approx(float(a.loss), rel=1e-5)
+    assert b.metrics["ftfc/posterior_ess"] == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------------- training on the tiny model
 
 FAST = ["rollout.num_steps=4", "rollout.num_generations=2", "rollout.prompts_per_step=2", "task.num_train=16",
@@ -371,3 +449,24 @@ def test_the_anchor_targets_the_pretrained_velocity_plus_the_weighted_correction
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss/total"]) for r in rows)
     assert [r["cost/model_evaluations"] for r in rows] == [16 + 8, 8]  # the pool, then 2 x 4 rows
+
+
+def test_a_posterior_target_step_trains_and_logs_the_posterior(flux_dir, tmp_path, reward_spread):
+    """target=posterior with the anchor on the tiny model: at the pretrained weights uniform weights
+    give a zero loss (the target is v0 itself); the config's weights train, and the metrics say how
+    many pool samples each x_t could have come from (1 to G = 2)."""
+    cfg, policy, task = make(flux_dir, tmp_path / "p", "train.max_steps=1", "method.anchor=base",
+                             "method.target=posterior")
+    trainer = Trainer(cfg, policy, task)
+    batch, _ = trainer.scheduler.next_groups(0)
+    groups = trainer.method._groups  # each group's pool and weights, from advantages()
+    trainer.method._groups = {g: (x, torch.ones_like(w)) for g, (x, w) in groups.items()}
+    uniform = trainer.method.loss(policy, batch, torch.ones(len(batch)))
+    assert float(uniform.loss.detach()) == pytest.approx(0.0, abs=1e-10)
+    trainer.method._groups = groups
+    trained = trainer.method.loss(policy, batch, batch.advantages)
+    assert float(trained.loss.detach()) > 0
+    assert 1.0 <= trained.metrics["ftfc/posterior_ess"] <= 2.0
+    trainer.train()
+    row = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(row["loss/total"]) and 1.0 <= row["ftfc/posterior_ess"] <= 2.0
