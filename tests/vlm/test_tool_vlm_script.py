@@ -6,6 +6,8 @@ import importlib.util
 import random
 from pathlib import Path
 
+import pytest
+
 from mmrl.vlm.tasks.scenes import COLOURS, Scene
 from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, quadrant_box, shape_in, zoom_call
 
@@ -78,7 +80,6 @@ def test_first_box_right_reads_the_first_zoom_call():
 
 
 def test_probabilities_out_of_range_are_refused_before_any_work(capsys):
-    import pytest
     with pytest.raises(SystemExit):
         _script().main(["--p-wrong-box", "1.5", "--out", "/nonexistent/never-written"])
     assert "--p-wrong-box is a probability" in capsys.readouterr().err
