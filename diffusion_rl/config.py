@@ -186,7 +186,8 @@ class FTFCConfig(Section):
     x_t over which of the prompt's pool samples made x_t (a Gaussian-kernel posterior), with w_i
     replaced by E[w | x_t] likewise: the same optimum, with the noise of that guess integrated
     out. It matters at high t (noise), where the samples' kernels overlap and where their
-    layout is decided; at low t the posterior is one-hot and the two agree."""
+    layout is decided; at low t the posterior is one-hot and the two agree. posterior needs the
+    synchronous inline scheduler (the loss reads each group's whole pool)."""
     effective_reward: Literal["observed"] = "observed"
     """g in w = (f*)'(g): "observed" = the pool's own rewards, the dual fitted per prompt on the
     samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""

@@ -88,6 +88,10 @@ class FTFC(Method):
             raise ConfigError(f"method.pool_refresh={cfg.pool_refresh} keeps a pool across steps, which needs "
                               "the synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline); "
                               "set method.pool_refresh=1 to train on each step's own rollouts")
+        if cfg.target == "posterior" and (placement(run) != "inline" or run.rollout.scheduler.mode != "sync"):
+            raise ConfigError("method.target=posterior reads each group's whole pool in the loss, which needs the "
+                              "synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline): a "
+                              "pipelined scheduler scores groups while the trainer runs; or set method.target=sample")
         self.pool: RolloutBatch | None = None
         self.pool_step = -1
         self.needs_reference = cfg.anchor == "base"  # the anchor's v0: the trainer's frozen copy

@@ -236,6 +236,8 @@ def test_a_pool_kept_across_steps_needs_the_inline_sync_scheduler():
     with pytest.raises(ConfigError, match="method.pool_refresh=0 keeps a pool"):
         _method("rollout.scheduler.mode=pipelined")
     assert _method("rollout.scheduler.mode=pipelined", "method.pool_refresh=1").cfg.pool_refresh == 1
+    with pytest.raises(ConfigError, match="method.target=posterior reads each group's whole pool"):
+        _method("rollout.scheduler.mode=pipelined", "method.pool_refresh=1", "method.target=posterior")
 
 
 def test_nan_reward_in_the_method_names_ftfc_and_the_sample():
