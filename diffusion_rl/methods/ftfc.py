@@ -163,40 +163,40 @@ class FTFC(Method):
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
         t, eps = self._noise(d[SAMPLE_ID], x1)
         denom = denom if denom is not None else len(batch)
+        shape = (-1,) + (1,) * (x1.dim() - 1)
+        post, metrics = None, {}
         if self.cfg.target == "posterior":
-            return self._posterior_loss(policy, x1, t, eps, cond, d[SAMPLE_ID], denom)
+            post = self._posterior(x1, t, eps, batch.group_ids)
+            metrics = {"ftfc/posterior_ess": float(post.ess.mean()), "ftfc/posterior_rho": float(post.rho.mean())}
         if self.cfg.anchor == "base":  # v0 + (w - 1)(u - v0): the tilt's correction on v0
             v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
-            w = advantages.to(v0).reshape(-1, *([1] * (v0.dim() - 1)))
-            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided,
-                                             target=v0 + (w - 1) * (eps - x1 - v0))
-            return LossOutput(err.sum() / denom, {"loss/anchored_flow_matching": float(err.detach().mean())})
+            if post is None:
+                w = advantages.to(v0).reshape(shape)
+                target = v0 + (w - 1) * (eps - x1 - v0)
+            else:  # its expectation given x_t: v0 + E[w u | x_t] - E[u | x_t] - (E[w | x_t] - 1) v0
+                rho = post.rho.to(v0).reshape(shape)
+                target = v0 + post.mean_wu.to(v0) - post.mean_u.to(v0) - (rho - 1) * v0
+            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
+            return LossOutput(err.sum() / denom, {"loss/anchored_flow_matching": float(err.detach().mean()), **metrics})
+        if post is not None:  # rho |v - E[w u | x_t] / rho|^2, rho = E[w | x_t]
+            rho = post.rho.to(x1)
+            target = post.mean_wu.to(x1) / rho.clamp_min(1e-12).reshape(shape)  # rho = 0: no weight on this row
+            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
+            return LossOutput((rho * err).sum() / denom, {"loss/flow_matching": float(err.detach().mean()), **metrics})
         err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided)  # [n]
         w = advantages.to(err)
         loss = (w * err).sum() / denom
         return LossOutput(loss, {"loss/flow_matching": float(err.detach().mean()),
                                  "loss/weighted_flow_matching": float((w * err).detach().mean())})
 
-    def _posterior_loss(self, policy, x1, t, eps, cond, ids, denom) -> LossOutput:
-        """The two losses above with each row's target (and weight) replaced by its expectation
-        given x_t over the group's pool (diffusion_rl.ftfc.posterior_moments): plain, rho |v -
-        E[w u | x_t] / rho|^2 with rho = E[w | x_t]; anchored, |v - T|^2 with T = E[v0 + (w - 1)(u -
-        v0) | x_t] = v0 + E[w u | x_t] - E[u | x_t] - (rho - 1) v0. The pool's weights are those
+    def _posterior(self, x1: Tensor, t: Tensor, eps: Tensor, group_ids: Tensor):
+        """target=posterior: the moments of each row's x_t over its group's pool
+        (diffusion_rl.ftfc.posterior_moments), which replace the row's target and weight in
+        the losses above by their expectations given x_t. The pool's weights are those
         advantages() gave the whole batch (a mini-batch holds only part of each group)."""
-        groups = [self._groups[int(i) >> 20] for i in ids.tolist()]
+        groups = [self._groups[g] for g in group_ids.tolist()]
         tt = t.to(x1).reshape(-1, *([1] * (x1.dim() - 1)))
-        m = posterior_moments((1 - tt) * x1 + tt * eps, t, [g[0] for g in groups], [g[1] for g in groups])
-        rho = m.rho.to(x1)
-        metrics = {"ftfc/posterior_ess": float(m.ess.mean()), "ftfc/posterior_rho": float(rho.mean())}
-        if self.cfg.anchor == "base":
-            v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
-            r = rho.reshape(tt.shape)
-            target = v0 + m.mean_wu.to(v0) - m.mean_u.to(v0) - (r - 1) * v0
-            err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
-            return LossOutput(err.sum() / denom, {"loss/anchored_flow_matching": float(err.detach().mean()), **metrics})
-        target = m.mean_wu.to(x1) / rho.clamp_min(1e-12).reshape(tt.shape)  # rho = 0: no weight on this row
-        err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
-        return LossOutput((rho * err).sum() / denom, {"loss/flow_matching": float(err.detach().mean()), **metrics})
+        return posterior_moments((1 - tt) * x1 + tt * eps, t, [g[0] for g in groups], [g[1] for g in groups])
 
     def annotate_reference(self, reference, batch: RolloutBatch) -> None:
         """Nothing ahead: the anchor runs the reference in the loss, at each pass's own t and eps."""
