@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,15 +35,19 @@ def make(tmp, aggregation, micro):
     return Trainer(cfg, *toy.build(cfg))
 
 
-def _rank(rank, port, tmp, aggregation, out):
+def _rank(rank, port, tmp, out):
+    """One rank: for each aggregation, a fresh trainer updates on this rank's half of the
+    groups. All three in one launch: a process start costs more than the updates."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        trainer = make(tmp, aggregation, micro=4)
-        batch = global_batch(trainer)
-        mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
-        trainer.update(batch.select(mine))
-        torch.save({k: v.clone() for k, v in trainer.policy.model.state_dict().items()}, f"{out}.{rank}")
+        for aggregation in AGGREGATIONS:
+            trainer = make(f"{tmp}/{aggregation}", aggregation, micro=4)
+            batch = global_batch(trainer)
+            mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
+            trainer.update(batch.select(mine))
+            torch.save({k: v.clone() for k, v in trainer.policy.model.state_dict().items()},
+                       f"{out}.{aggregation}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -55,19 +58,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_two_processes_update_like_one(tmp_path, aggregation):
-    one = make(tmp_path / "one", aggregation, micro=None)
-    start = {k: v.clone() for k, v in one.policy.model.state_dict().items()}
-    batch = global_batch(one)
-    assert batch.advantages.abs().sum() > 0  # a real update, not a no-op
-    one.update(batch)
-    expected = one.policy.model.state_dict()
-    assert any(not torch.equal(v, start[k]) for k, v in expected.items())
+def test_two_processes_update_like_one(tmp_path):
+    expected = {}
+    for aggregation in AGGREGATIONS:
+        one = make(tmp_path / "one" / aggregation, aggregation, micro=None)
+        start = {k: v.clone() for k, v in one.policy.model.state_dict().items()}
+        batch = global_batch(one)
+        assert batch.advantages.abs().sum() > 0  # a real update, not a no-op
+        one.update(batch)
+        expected[aggregation] = one.policy.model.state_dict()
+        assert any(not torch.equal(v, start[k]) for k, v in expected[aggregation].items()), aggregation
 
     out = str(tmp_path / "weights")
-    mp.spawn(_rank, args=(free_port(), str(tmp_path / "two"), aggregation, out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
-    for k, v in expected.items():
-        assert torch.equal(ranks[0][k], ranks[1][k]), f"ranks disagree on {k}"
-        torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path / "two"), out), nprocs=2, join=True)
+    for aggregation in AGGREGATIONS:
+        ranks = [torch.load(f"{out}.{aggregation}.{r}", weights_only=True) for r in range(2)]
+        for k, v in expected[aggregation].items():
+            assert torch.equal(ranks[0][k], ranks[1][k]), f"{aggregation}: ranks disagree on {k}"
+            torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, a=aggregation: f"{a}: {m}")
