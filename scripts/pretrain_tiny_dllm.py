@@ -18,7 +18,8 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
     python scripts/pretrain_tiny_dllm.py                 # rebuilds assets/tiny-dllm
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --steps 4000
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --reversed-share 0.7   # two answer conventions
-    python scripts/pretrain_tiny_dllm.py --out /tmp/d --marked-share 0.5 --mark-at suffix  # a marked one
+    python scripts/pretrain_tiny_dllm.py --out assets/tiny-dllm-marked --marked-share 0.5 \
+        --mark-at suffix --threads 1    # rebuilds the marked model (about 25 minutes)
 
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
@@ -28,7 +29,9 @@ what it found; benchmarks/dllm_conventions.py counts which convention a model wr
 behaviour RL can unlearn on every problem at once (a probe of whether the loop's gains carry
 over to held-out problems). At --marked-share 0.5 --mark-at suffix the model marks about a
 third of its greedy answers, and diffu-GRPO and TraceRL gain on held-out problems by
-dropping the mark (benchmarks/RESULTS.md, "A positive control").
+dropping the mark (benchmarks/RESULTS.md, "A positive control"). That model is bundled too,
+as assets/tiny-dllm-marked (the command above, at one thread: the thread count is part of
+the recipe).
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
