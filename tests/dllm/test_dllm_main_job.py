@@ -63,22 +63,23 @@ def test_bundled_model_is_middling_on_arith(bundled):
     assert m["format"] > 0.9 and m["nfe"] == 8.0
 
 
-MARKED = ["--marked-share", "0.5", "--mark-at", "suffix", "--threads", "1"]  # assets/tiny-dllm-marked's recipe
+MARKED_DIR = backend.bundled_model_dir().parent / "tiny-dllm-marked"
+MARKED_ARGS = ["--marked-share", "0.5", "--mark-at", "suffix", "--threads", "1"]  # its recipe's options
 
 
 def test_marked_model_was_made_by_the_script_with_the_suffix_mark():
     """assets/tiny-dllm-marked (issue 6's positive control) is the bundled recipe with half the
     arith answers written "82?", at one thread: the command in the script's docstring rebuilds it."""
-    recorded = json.loads((backend.bundled_model_dir().parent / "tiny-dllm-marked" / "pretrain.json").read_text())
-    expected = {k: str(v) for k, v in vars(_script().parser().parse_args(MARKED)).items()}
+    recorded = json.loads((MARKED_DIR / "pretrain.json").read_text())
+    expected = {k: str(v) for k, v in vars(_script().parser().parse_args(MARKED_ARGS)).items()}
     assert {k: v for k, v in recorded["args"].items() if k != "out"} == {k: v for k, v in expected.items() if k != "out"}
 
 
 def test_marked_model_writes_the_mark_on_some_answers():
     """What RL can learn from it: greedy answers right only with the mark make up a real share,
     so the strict accuracy sits well below what the model computes in either form."""
-    cfg = load_config(backend.CONFIG_CLASS, None, [f"model.path={backend.bundled_model_dir().parent / 'tiny-dllm-marked'}",
-                                                   "task.num_eval=100"], defaults=backend.DEFAULT_CONFIG)
+    cfg = load_config(backend.CONFIG_CLASS, None, [f"model.path={MARKED_DIR}", "task.num_eval=100"],
+                      defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
     with torch.no_grad():
         texts = task.answers(policy, task.eval_problems, 0.0)[0]
