@@ -24,12 +24,19 @@ def _script():
     return _load("scripts", "pretrain_tiny_dllm")
 
 
+def recipe_args(argv: list[str]) -> dict[str, str]:
+    """The script's arguments for `argv` as pretrain.json records them, all but --out."""
+    return {k: str(v) for k, v in vars(_script().parser().parse_args(argv)).items() if k != "out"}
+
+
+def recorded_args(model_dir) -> dict[str, str]:
+    return {k: v for k, v in json.loads((model_dir / "pretrain.json").read_text())["args"].items() if k != "out"}
+
+
 def test_bundled_model_was_made_by_the_script_defaults():
     """pretrain.json records the arguments; all but --out are the script's defaults, so
     `python scripts/pretrain_tiny_dllm.py` rebuilds it (a full rebuild takes ~10 minutes)."""
-    recorded = json.loads((backend.bundled_model_dir() / "pretrain.json").read_text())["args"]
-    defaults = {k: str(v) for k, v in vars(_script().parser().parse_args([])).items()}
-    assert {k: v for k, v in recorded.items() if k != "out"} == {k: v for k, v in defaults.items() if k != "out"}
+    assert recorded_args(backend.bundled_model_dir()) == recipe_args([])
 
 
 def test_pretrain_script_is_deterministic(tmp_path):
@@ -70,9 +77,7 @@ MARKED_ARGS = ["--marked-share", "0.5", "--mark-at", "suffix", "--threads", "1"]
 def test_marked_model_was_made_by_the_script_with_the_suffix_mark():
     """assets/tiny-dllm-marked (issue 6's positive control) is the bundled recipe with half the
     arith answers written "82?", at one thread: the command in the script's docstring rebuilds it."""
-    recorded = json.loads((MARKED_DIR / "pretrain.json").read_text())
-    expected = {k: str(v) for k, v in vars(_script().parser().parse_args(MARKED_ARGS)).items()}
-    assert {k: v for k, v in recorded["args"].items() if k != "out"} == {k: v for k, v in expected.items() if k != "out"}
+    assert recorded_args(MARKED_DIR) == recipe_args(MARKED_ARGS)
 
 
 def test_marked_model_writes_the_mark_on_some_answers():
