@@ -33,7 +33,7 @@ from pathlib import Path
 from diffusion_rl import backend
 from diffusion_rl.ftfc import DIVERGENCES
 from mmrl.core.config import load_config
-from mmrl.core.logging import read_metrics
+from mmrl.core.logging import read_finished_run, read_metrics
 from mmrl.core.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +43,13 @@ HARD = ("hard/atom_accuracy", "hard/exist", "hard/colour", "hard/count", "hard/r
 
 def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
         reuse: bool = False) -> tuple[dict, list[dict]]:
-    if reuse and (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
-    if reuse and (out / "metrics.jsonl").exists():
-        # training again here would start over in the directory of a run that may still be going
-        raise SystemExit(f"--reuse: {out} has metrics but no summary.json: a run still going or stopped; "
-                         "wait for it, or remove the directory to train it again")
+    if reuse:
+        try:
+            done = read_finished_run(out)
+        except ValueError as e:
+            raise SystemExit(f"--reuse: {e}") from None
+        if done:
+            return done
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)

@@ -16,7 +16,13 @@
 
 The training comparisons run `configs/dllm/<method>.yaml` from the bundled model with the
 same seeds and prompts per step; compute is what each step logs (cost/forward_tokens,
-cost/train_rows, time/step), summed up to each held-out evaluation.
+cost/train_rows, time/step), summed up to each held-out evaluation. --methods trains a subset
+and --reuse reads a run already finished in --out (its summary.json and metrics.jsonl) instead
+of training it again, so the methods can run as parallel processes and be tabled together:
+
+    python benchmarks/dllm_methods.py fork --methods ar_grpo --out OUT ...      # one process
+    python benchmarks/dllm_methods.py fork --methods fork_grpo --out OUT ...    # beside it
+    python benchmarks/dllm_methods.py fork --methods ar_grpo fork_grpo --reuse --out OUT ...
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dllm_rl import backend
 from dllm_rl.policy import to_sample
 from dllm_rl.task import pass_at_k
 from mmrl.core.config import load_config
-from mmrl.core.logging import read_metrics
+from mmrl.core.logging import read_finished_run, read_metrics
 from mmrl.core.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +125,13 @@ def budget(args) -> None:
 
 def train_run(method: str, seed: int, args) -> tuple[dict, list[dict]]:
     out = args.out / f"{method}-seed{seed}"
+    if args.reuse:
+        try:
+            done = read_finished_run(out)
+        except ValueError as e:
+            raise SystemExit(f"--reuse: {e}") from None
+        if done:
+            return done
     overrides = [f"seed={seed}", f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false", *args.extra]
     if args.steps:
         overrides.append(f"train.max_steps={args.steps}")
@@ -145,6 +158,11 @@ def curve(summary: dict, rows: list[dict]) -> list[tuple[int, float, float, floa
 
 
 def compare(args, methods: list[str], baseline: str, what: str) -> None:
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            raise SystemExit(f"--methods: {', '.join(unknown)} not in this comparison ({', '.join(methods)})")
+        methods = [m for m in methods if m in args.methods]
     curves = {}
     for seed in args.seeds:
         for method in methods:
@@ -158,6 +176,8 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         trace = ", ".join(f"{s}: {a:.3f}" for s, a, *_ in pts)
         _, a, wall, tok, rows_ = pts[-1]
         print(f"| {method} | {seed} | {trace} | {a:.3f} | {wall:.0f} | {tok / 1e6:.2f} | {rows_:.0f} |")
+    if baseline not in methods:
+        return  # the ratios need the baseline: table the runs with --reuse once it has run too
     print("\nCompute per training step, as a multiple of the baseline's (same seed):\n")
     print("| method | seed | wall | forward tokens | training rows |")
     print("|---|---|---|---|---|")
@@ -198,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: each config's)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "dllm-methods")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="train (or, with --reuse, table) only these of the comparison's methods")
+    ap.add_argument("--reuse", action="store_true", help="table runs already finished in --out, train the rest")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.part == "samplers":

@@ -87,6 +87,19 @@ def read_metrics(path: str | Path) -> list[dict]:
     return _read_metrics(Path(path))[0]
 
 
+def read_finished_run(out: str | Path) -> tuple[dict, list[dict]] | None:
+    """(summary.json, metrics.jsonl rows) of a run that finished in `out`; None where no run
+    started there. A run with metrics but no summary (still going, or stopped) is a
+    ValueError: whoever would train there again would overwrite it."""
+    out = Path(out)
+    if (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+    if (out / "metrics.jsonl").exists():
+        raise ValueError(f"{out} has metrics but no summary.json: a run still going or stopped; "
+                         "wait for it, or remove the directory to train it again")
+    return None
+
+
 def _read_metrics(path: Path) -> tuple[list[dict], bool]:
     """(rows, torn): a last line cut short by a kill (no newline, not JSON) is dropped and
     reported as torn; a bad line anywhere else is a ValueError naming the file and line."""

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mmrl.core.logging import RunLogger, read_metrics, truncate_metrics
+from mmrl.core.logging import RunLogger, read_finished_run, read_metrics, truncate_metrics
 
 
 def write(path, rows, tail=""):
@@ -38,3 +38,14 @@ def test_truncate_keeps_whole_rows_up_to_the_checkpoint(tmp_path):
     write(path, [{"step": s} for s in (1, 2, 3)], tail='{"st')
     truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_finished_run_is_read_and_an_unfinished_one_refused(tmp_path):
+    """What the benchmarks' --reuse tables: a run with its summary; none where nothing ran; a
+    run with metrics but no summary (going, or killed) is an error, never trained over."""
+    assert read_finished_run(tmp_path / "none") is None
+    write(tmp_path / "metrics.jsonl", [{"step": 1}], tail='{"st')
+    with pytest.raises(ValueError, match="no summary.json"):
+        read_finished_run(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"eval_after": {"accuracy": 0.5}}))
+    assert read_finished_run(tmp_path) == ({"eval_after": {"accuracy": 0.5}}, [{"step": 1}])
