@@ -20,6 +20,8 @@ model: 3000 steps, about 10 minutes on 2 cores; held-out greedy accuracy 0.275 o
     python scripts/pretrain_tiny_dllm.py --out /tmp/d --reversed-share 0.7   # two answer conventions
     python scripts/pretrain_tiny_dllm.py --out assets/tiny-dllm-marked --marked-share 0.5 \
         --mark-at suffix --threads 1    # rebuilds the marked model (about 25 minutes)
+    python scripts/pretrain_tiny_dllm.py --out assets/tiny-dllm-marked-sudoku --marked-share 0.5 \
+        --mark-tasks sudoku --threads 1 --eval-every 1000   # the sudoku-marked model (about 27 minutes)
 
 --reversed-share writes that share of the arith answers with their digits reversed (a
 probe: can RL pick the task's convention out of a mixed corpus? benchmarks/RESULTS.md says
@@ -32,6 +34,11 @@ third of its greedy answers, and diffu-GRPO and TraceRL gain on held-out problem
 dropping the mark (benchmarks/RESULTS.md, "A positive control"). That model is bundled too,
 as assets/tiny-dllm-marked (the command above, at one thread: the thread count is part of
 the recipe).
+--mark-tasks sudoku marks sudoku grids instead ("1234|3412|2143|4321?"; the model then learns
+sudoku at generation length 24, so RL runs from it set rollout.gen_length=24): a task whose
+answers are long enough for Fork-dLLM's parallel commits to matter (issue 10's ForkGRPO vs
+AR-GRPO on sudoku in benchmarks/RESULTS.md). That model is bundled as
+assets/tiny-dllm-marked-sudoku (the command above; its rebuild was not repeated).
 
 Deterministic for a seed on a CPU with the same thread count (`--threads`).
 """
@@ -61,6 +68,7 @@ from dllm_rl.tiny import build_tiny_dllm
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN_LENGTH = {"arith": 8, "sudoku": 20}
+MARKED_GEN_LENGTH = {"arith": 8, "sudoku": 24}  # a marked grid (20 chars) and its <eos>, in blocks of 4
 SCHEDULE = ("arith", "arith", "sudoku")  # task of batch k: SCHEDULE[k % 3]
 OPTIONS = {"arith": {"digits": 2}, "sudoku": {"blanks": (4, 10)}}
 
@@ -78,7 +86,7 @@ def with_conventions(problems, reversed_share: float, rng: random.Random):
 
 
 def with_marker(problems, marked_share: float, rng: random.Random, at: str = "prefix"):
-    """The batch with each arith answer written as MARK + answer (at="prefix") or answer + MARK
+    """The batch with each answer written as MARK + answer (at="prefix") or answer + MARK
     (at="suffix") with probability marked_share (drawn per occurrence, like with_conventions)."""
     if at not in ("prefix", "suffix"):
         raise ValueError(f"mark position must be 'prefix' or 'suffix', got {at!r}")
@@ -89,9 +97,9 @@ def with_marker(problems, marked_share: float, rng: random.Random, at: str = "pr
             for p in problems]
 
 
-def rl_policy(predictor, name: str, prompt_length: int) -> DLLMPolicy:
+def rl_policy(predictor, name: str, prompt_length: int, gen_length: dict[str, int] = GEN_LENGTH) -> DLLMPolicy:
     """The predictor as an RL run of task `name` sees it: its prompt layout and default sampler."""
-    g = GEN_LENGTH[name]
+    g = gen_length[name]
     return DLLMPolicy(predictor, DLLMRolloutConfig(gen_length=g, block_length=4, steps=g), prompt_length)
 
 
@@ -132,6 +140,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mark-at", choices=("prefix", "suffix"), default="prefix",
                     help='where --marked-share puts the mark: "?82" (prefix, which shifts the digits '
                          'one place) or "82?" (suffix, digits where the task writes them)')
+    # SUPPRESS: absent from pretrain.json unless given, so the records of the models built before
+    # it existed still match their commands
+    ap.add_argument("--mark-tasks", nargs="+", choices=tuple(GEN_LENGTH), default=argparse.SUPPRESS,
+                    help="the tasks whose answers --marked-share marks (default: arith); a sudoku "
+                         'answer is marked at its end ("1234|3412|2143|4321?", whatever --mark-at says) '
+                         "and the model learns sudoku at generation length 24 (RL runs: "
+                         "rollout.gen_length=24), to leave room for the mark and its <eos>")
     return ap
 
 
@@ -143,6 +158,7 @@ def main(argv=None) -> int:
     if args.hidden_size < 4 or args.hidden_size % 4 or args.layers < 1:
         raise SystemExit(f"--hidden-size must be a positive multiple of 4 (the model has 4 heads) and "
                          f"--layers >= 1, got {args.hidden_size} and {args.layers}")
+    mark_tasks = getattr(args, "mark_tasks", ["arith"])
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
@@ -154,7 +170,8 @@ def main(argv=None) -> int:
     train = {n: get_task(n).sample_problems(20000, args.seed, "train", **OPTIONS[n]) for n in GEN_LENGTH}
     held_out = {n: get_task(n).sample_problems(args.num_eval, args.seed, "eval", **OPTIONS[n]) for n in GEN_LENGTH}
     prompt_length = {n: max(len(p.prompt) for p in train[n] + held_out[n]) for n in GEN_LENGTH}
-    policies = {n: rl_policy(predictor, n, prompt_length[n]) for n in GEN_LENGTH}
+    gen_length = {n: (MARKED_GEN_LENGTH if n in mark_tasks else GEN_LENGTH)[n] for n in GEN_LENGTH}
+    policies = {n: rl_policy(predictor, n, prompt_length[n], gen_length) for n in GEN_LENGTH}
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 20)
@@ -172,7 +189,8 @@ def main(argv=None) -> int:
         batch = [pool[(cursor[name] + i) % len(pool)] for i in range(args.batch)]
         if name == "arith":
             batch = with_conventions(batch, args.reversed_share, conventions)
-            batch = with_marker(batch, args.marked_share, marker, args.mark_at)
+        if name in mark_tasks:  # sudoku: at the end, a prefix would shift every cell
+            batch = with_marker(batch, args.marked_share, marker, args.mark_at if name == "arith" else "suffix")
         cursor[name] += args.batch
         p_len = prompt_length[name]
         ids, valid = encode(policies[name], batch)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import random
 
 import pytest
 import torch
@@ -55,6 +56,30 @@ def test_pretrain_script_is_deterministic(tmp_path):
     assert record[-1]["step"] == 3 and 0 <= record[-1]["arith"]["accuracy"] <= 1
 
 
+def test_pretrain_script_marks_sudoku_answers_at_their_end(tmp_path):
+    """--mark-tasks sudoku: the marked grid is one the task's format atom rejects, and the
+    model learns sudoku at a generation length with room for the mark and its <eos>; without
+    the option the recorded recipe has no trace of it (the bundled models' records hold)."""
+    module = _script()
+    from dllm_rl.tasks.sudoku import format_atom
+    from mmrl.core.rewards import Sample
+
+    problems = module.get_task("sudoku").sample_problems(8, 0, "train", blanks=(4, 10))
+    marked = module.with_marker(problems, 1.0, random.Random(0), "suffix")
+    assert all(m.reference == p.reference + "?" for p, m in zip(problems, marked))
+    assert format_atom(Sample("", problems[0].reference, {})) == 1.0
+    assert format_atom(Sample("", marked[0].reference, {})) == 0.0
+    assert "mark_tasks" not in vars(module.parser().parse_args([]))
+    threads = torch.get_num_threads()
+    try:  # step 3 is a sudoku batch, every answer marked: it must fit the model's answer length
+        assert module.main(["--out", str(tmp_path / "m"), "--steps", "3", "--eval-every", "3", "--num-eval", "4",
+                            "--batch", "8", "--threads", "1", "--marked-share", "1", "--mark-tasks", "sudoku"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    args = json.loads((tmp_path / "m" / "pretrain.json").read_text())["args"]
+    assert args["mark_tasks"] == "['sudoku']"
+
+
 @pytest.fixture(scope="module")
 def bundled():
     cfg = load_config(backend.CONFIG_CLASS, None, ["task.num_eval=100"], defaults=backend.DEFAULT_CONFIG)
@@ -70,27 +95,40 @@ def test_bundled_model_is_middling_on_arith(bundled):
     assert m["format"] > 0.9 and m["nfe"] == 8.0
 
 
-MARKED_DIR = backend.bundled_model_dir().parent / "tiny-dllm-marked"
-MARKED_ARGS = ["--marked-share", "0.5", "--mark-at", "suffix", "--threads", "1"]  # its recipe's options
+# The marked models: each one's recipe options (the script's docstring has the commands), task,
+# RL settings, and the greedy shares the mark test expects (what they were when bundled).
+MARKED = {
+    # issue 6's positive control: half the arith answers written "82?"; 0.11 marked of 100
+    "tiny-dllm-marked": (["--marked-share", "0.5", "--mark-at", "suffix", "--threads", "1"], "arith", [],
+                         (0.1, 0.4), 0.05),
+    # issue 10's long answers: half the sudoku grids written "...|4321?"; 0.48 right, 0.08 marked of 100
+    "tiny-dllm-marked-sudoku": (["--marked-share", "0.5", "--mark-tasks", "sudoku", "--threads", "1",
+                                 "--eval-every", "1000"], "sudoku", ["rollout.gen_length=24", "rollout.steps=24"],
+                                (0.3, 0.7), 0.04),
+}
 
 
-def test_marked_model_was_made_by_the_script_with_the_suffix_mark():
-    """assets/tiny-dllm-marked (issue 6's positive control) is the bundled recipe with half the
-    arith answers written "82?", at one thread: the command in the script's docstring rebuilds it."""
-    assert recorded_args(MARKED_DIR) == recipe_args(MARKED_ARGS)
+@pytest.mark.parametrize("name", MARKED)
+def test_marked_model_was_made_by_the_script_with_its_mark(name):
+    """Each marked model is the bundled recipe with half of one task's answers marked, at one
+    thread: the command in the script's docstring rebuilds it."""
+    assert recorded_args(backend.bundled_model_dir().parent / name) == recipe_args(MARKED[name][0])
 
 
-def test_marked_model_writes_the_mark_on_some_answers():
+@pytest.mark.parametrize("name", MARKED)
+def test_marked_model_writes_the_mark_on_some_answers(name):
     """What RL can learn from it: greedy answers right only with the mark make up a real share,
     so the strict accuracy sits well below what the model computes in either form."""
-    cfg = load_config(backend.CONFIG_CLASS, None, [f"model.path={MARKED_DIR}", "task.num_eval=100"],
+    _, task_type, sets, (lo, hi), marked = MARKED[name]
+    cfg = load_config(backend.CONFIG_CLASS, None, [f"model.path={backend.bundled_model_dir().parent / name}",
+                                                   "task.num_eval=100", f"task.type={task_type}", *sets],
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
     with torch.no_grad():
         texts = task.answers(policy, task.eval_problems, 0.0)[0]
-    shares = _load("benchmarks", "dllm_conventions").conventions(task.eval_problems, texts, "marked")
-    assert 0.1 <= shares["forward"] <= 0.4, shares
-    assert shares["other"] >= 0.05, shares  # 0.11 of these 100 problems when it was bundled
+    shares = _load("benchmarks", "dllm_conventions").conventions(task.eval_problems, texts, "marked", task_type)
+    assert lo <= shares["forward"] <= hi, shares
+    assert shares["other"] >= marked, shares
 
 
 def test_pretrain_conventions_mix():
