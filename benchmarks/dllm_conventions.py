@@ -32,13 +32,6 @@ from mmrl.core.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def in_other(text: str, answer: str, other: str) -> bool:
-    """Whether `text` is the right arith `answer` written in the `other` convention."""
-    if other == "marked":
-        return text.strip() in (MARK + answer, answer + MARK)
-    return parse_integer(text) is not None and text.strip() == reverse_digits(answer) != answer
-
-
 def right(task: str, problem, text: str) -> bool:
     """The task's success atom on `text` (arith: answer; sudoku: solved, under its format parent)."""
     if task == "arith":
@@ -47,14 +40,23 @@ def right(task: str, problem, text: str) -> bool:
     return bool(sudoku.format_atom(sample)) and bool(sudoku.solved_atom(sample))
 
 
+def in_other(task: str, problem, text: str, other: str) -> bool:
+    """Whether `text` is the right answer to `problem` written in the `other` convention."""
+    text, answer = text.strip(), problem.answer
+    if task == "sudoku":  # marked: the grid, then the mark
+        return text.endswith(MARK) and right(task, problem, text[: -len(MARK)])
+    if other == "marked":
+        return text in (MARK + answer, answer + MARK)
+    return parse_integer(text) is not None and text == reverse_digits(answer) != answer
+
+
 def conventions(problems, texts, other: str = "reversed", task: str = "arith") -> dict[str, float]:
     """Shares of `texts` right in the task's convention, right only in the other one, and their sum."""
     forward = backward = 0
     for p, t in zip(problems, texts, strict=True):
         if right(task, p, t):
             forward += 1
-        elif in_other(t, p.answer, other) if task == "arith" else (
-                t.strip().endswith(MARK) and right(task, p, t.strip()[: -len(MARK)])):
+        elif in_other(task, p, t, other):
             backward += 1
     n = len(problems)
     return {"forward": forward / n, "other": backward / n, "either": (forward + backward) / n}
