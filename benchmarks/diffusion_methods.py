@@ -43,13 +43,9 @@ HARD = ("hard/atom_accuracy", "hard/exist", "hard/colour", "hard/count", "hard/r
 
 def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
         reuse: bool = False) -> tuple[dict, list[dict]]:
-    if reuse:
-        try:
-            done = read_finished_run(out)
-        except ValueError as e:
-            raise SystemExit(f"--reuse: {e}") from None
-        if done:
-            return done
+    done = read_finished_run(out) if reuse else None  # ValueError for a run still going or stopped
+    if done:
+        return done
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)

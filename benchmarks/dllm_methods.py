@@ -125,13 +125,9 @@ def budget(args) -> None:
 
 def train_run(method: str, seed: int, args) -> tuple[dict, list[dict]]:
     out = args.out / f"{method}-seed{seed}"
-    if args.reuse:
-        try:
-            done = read_finished_run(out)
-        except ValueError as e:
-            raise SystemExit(f"--reuse: {e}") from None
-        if done:
-            return done
+    done = read_finished_run(out) if args.reuse else None  # ValueError for a run still going or stopped
+    if done:
+        return done
     overrides = [f"seed={seed}", f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false", *args.extra]
     if args.steps:
         overrides.append(f"train.max_steps={args.steps}")
