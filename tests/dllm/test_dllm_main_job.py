@@ -121,7 +121,7 @@ def test_marked_model_writes_the_mark_on_some_answers(name):
     so the strict accuracy sits well below what the model computes in either form."""
     _, task_type, sets, (lo, hi), marked = MARKED[name]
     cfg = load_config(backend.CONFIG_CLASS, None, [f"model.path={backend.bundled_model_dir().parent / name}",
-                                                   "task.num_eval=100", f"task.type={task_type}", *sets],
+                                                   "task.num_eval=100", "task.num_train=8", f"task.type={task_type}", *sets],
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
     with torch.no_grad():
