@@ -33,11 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def right(task: str, problem, text: str) -> bool:
-    """The task's success atom on `text` (arith: answer; sudoku: solved, under its format parent)."""
+    """The task's success atom on `text` (arith: answer; sudoku: solved, gated by its format atom)."""
     if task == "arith":
         return bool(answer_atom(to_sample(problem, text)))
-    sample = sudoku.to_sample(problem, text)
-    return bool(sudoku.format_atom(sample)) and bool(sudoku.solved_atom(sample))
+    return sudoku.accuracy([problem], [text]) == 1.0
 
 
 def in_other(task: str, problem, text: str, other: str) -> bool:
