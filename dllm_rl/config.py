@@ -41,6 +41,10 @@ class DLLMRolloutConfig(RolloutConfig):
     threshold, fork and tau_budget, which stop a block once it is filled)."""
     strategy: Strategy = "low_confidence"
     """Which masked positions a step commits (dllm_rl.samplers.select_commits)."""
+    eval_strategy: Strategy | None = None
+    """The strategy of held-out evaluation (greedy and sampled); None = `strategy`. Set it to
+    compare methods whose rollouts decode differently (ForkGRPO's fork, AR-GRPO's ar) on one
+    held-out decoder, so that the comparison measures their training, not their samplers."""
     threshold: float = Field(0.8, gt=0, lt=1)
     """lambda of threshold (Fast-dLLM) and fork (Fork-dLLM)."""
     tau: float = Field(0.9, gt=0, lt=1)

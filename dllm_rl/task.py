@@ -1,11 +1,12 @@
 """The dLLM task for the loop: training problems, the reward, and held-out evaluation.
 
 Held-out evaluation decodes every problem greedily (temperature 0) with the run's sampler
-strategy and scores it with the task's atoms: `accuracy` (the answer atom), every other atom,
-`reward`, and `nfe` (mean function evaluations per answer). With rollout.eval_samples = n > 0
-it also samples n answers per problem at the rollout temperature (fixed seed, so before and
-after are comparable) and reports pass@k for k = 1, 2, 4, 8, 16 up to n (the unbiased
-estimator of Chen et al. 2021) and their mean NFE (`sampled_nfe`).
+strategy (rollout.eval_strategy where it is set) and scores it with the task's atoms:
+`accuracy` (the answer atom), every other atom, `reward`, and `nfe` (mean function
+evaluations per answer). With rollout.eval_samples = n > 0 it also samples n answers per
+problem at the rollout temperature (fixed seed, so before and after are comparable) and
+reports pass@k for k = 1, 2, 4, 8, 16 up to n (the unbiased estimator of Chen et al. 2021)
+and their mean NFE (`sampled_nfe`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class DLLMTask:
         texts, nfe = [], []
         for start in range(0, len(problems), self.batch_size):
             chunk = problems[start: start + self.batch_size]
-            result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature)
+            result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature,
+                                      strategy=self.rollout.eval_strategy)
             texts += policy.answer_text(result.completion)
             nfe.append(result.nfe.float())
         return texts, torch.cat(nfe)

@@ -97,6 +97,21 @@ def test_eval_reports_pass_at_k_and_sampled_nfe(small_sets, tmp_path, strategy):
         assert 2 <= m["nfe"] <= 8 and 2 <= m["sampled_nfe"] <= 8
 
 
+def test_eval_strategy_scores_a_fork_run_with_the_ar_decoder(small_sets, tmp_path):
+    """rollout.eval_strategy: ForkGRPO's config (fork rollouts) evaluated with `ar` scores
+    exactly as AR-GRPO's config does, greedy and sampled; without it, fork decodes."""
+    sets = [arg for kv in zip(small_sets[::2], small_sets[1::2]) if "dynamic_sampling" not in kv[1]
+            for arg in kv]  # (diffu-GRPO's option; the fork methods skip zero-std groups anyway)
+    # lambda low enough that fork commits in parallel even on the random model
+    sets += ["--set", "rollout.eval_samples=4", "--set", "rollout.threshold=0.02", "--set", f"output_dir={tmp_path}"]
+    fork_as_ar = ok(invoke("eval", "-c", "configs/dllm/fork_grpo.yaml", *sets, "--set", "rollout.eval_strategy=ar"))
+    ar = ok(invoke("eval", "-c", "configs/dllm/ar_grpo.yaml", *sets))
+    fork = ok(invoke("eval", "-c", "configs/dllm/fork_grpo.yaml", *sets))
+    (a,), (b,), (f,) = (json_lines(r.stdout) for r in (fork_as_ar, ar, fork))
+    assert a == b and a["nfe"] == a["sampled_nfe"] == 8  # ar: one token per step
+    assert f["nfe"] < 8
+
+
 def test_sample_prints_json_lines(small_sets, tmp_path):
     r = ok(invoke("sample", *small_sets, "--prompt", "12+3=", "--num", 3, "--set", f"output_dir={tmp_path}"))
     rows = json_lines(r.stdout)
