@@ -5,6 +5,7 @@ run bit for bit, pass@k from eval, and user errors as one clean paragraph."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from dllm_rl.cli import app
 from dllm_rl.tiny import CHARSET
 
 STEP2 = "checkpoints/step-00000002/model/model.safetensors"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "dllm"
 
 
 def invoke(*args):
@@ -104,9 +106,9 @@ def test_eval_strategy_scores_a_fork_run_with_the_ar_decoder(small_sets, tmp_pat
             for arg in kv]  # (diffu-GRPO's option; the fork methods skip zero-std groups anyway)
     # lambda low enough that fork commits in parallel even on the random model
     sets += ["--set", "rollout.eval_samples=4", "--set", "rollout.threshold=0.02", "--set", f"output_dir={tmp_path}"]
-    fork_as_ar = ok(invoke("eval", "-c", "configs/dllm/fork_grpo.yaml", *sets, "--set", "rollout.eval_strategy=ar"))
-    ar = ok(invoke("eval", "-c", "configs/dllm/ar_grpo.yaml", *sets))
-    fork = ok(invoke("eval", "-c", "configs/dllm/fork_grpo.yaml", *sets))
+    fork_as_ar = ok(invoke("eval", "-c", CONFIGS / "fork_grpo.yaml", *sets, "--set", "rollout.eval_strategy=ar"))
+    ar = ok(invoke("eval", "-c", CONFIGS / "ar_grpo.yaml", *sets))
+    fork = ok(invoke("eval", "-c", CONFIGS / "fork_grpo.yaml", *sets))
     (a,), (b,), (f,) = (json_lines(r.stdout) for r in (fork_as_ar, ar, fork))
     assert a == b and a["nfe"] == a["sampled_nfe"] == 8  # ar: one token per step
     assert f["nfe"] < 8
