@@ -42,7 +42,14 @@ from mmrl.vlm.models import bundled_model_dir, load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene
-from mmrl.vlm.tasks.shapes_zoom import QUADRANTS, ShapesZoom, quadrant_box, shape_in, shapes_zoom_reward, zoom_call
+from mmrl.vlm.tasks.shapes_zoom import (
+    QUADRANTS,
+    ShapesZoom,
+    quadrant_box,
+    shape_in,
+    shapes_zoom_reward,
+    zoom_call,
+)
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, ToolCallError, build_registry, parse_tool_call
 
 
