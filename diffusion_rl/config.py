@@ -188,9 +188,23 @@ class FTFCConfig(Section):
     out. It matters at high t (noise), where the samples' kernels overlap and where their
     layout is decided; at low t the posterior is one-hot and the two agree. posterior needs the
     synchronous inline scheduler (the loss reads each group's whole pool)."""
-    effective_reward: Literal["observed"] = "observed"
-    """g in w = (f*)'(g): "observed" = the pool's own rewards, the dual fitted per prompt on the
-    samples (a learned g_phi(x, c) network is not implemented; FTFC.effective_reward is the hook)."""
+    effective_reward: Literal["observed", "learned"] = "observed"
+    """g in w = (f*)'((g - lambda) / beta): "observed" = the pool's own rewards, the dual fitted
+    per prompt on the samples; "learned" = a network g_phi(x, c) on the clean latents and the
+    prompt conditioning, fitted once per pool by the dual's value (diffusion_rl.effective_reward;
+    ours, a reconstruction). Needs the synchronous inline scheduler (it fits on the whole pool)."""
+    g_hidden: int = Field(64, ge=1)
+    """Width of g_phi's two hidden layers (effective_reward=learned)."""
+    g_steps: int = Field(300, ge=1)
+    """Full-batch AdamW steps of g_phi's fit on each pool: fewer leave the weights nearer uniform."""
+    g_lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of g_phi's fit."""
+    g_weight_decay: float = Field(1e-2, ge=0)
+    """AdamW weight decay of g_phi's fit."""
+    g_heldout: float = Field(0.0, ge=0, lt=1)
+    """A diagnostic of whether g_phi generalises: > 0 fits a second g_phi on the pool less this
+    fraction of its prompts and reports how well it tilts the held-out ones (ftfc/g_heldout_*).
+    The weights always come from the fit on the whole pool. 0 = no check."""
 
 
 class CASTConfig(FlowGRPOConfig):

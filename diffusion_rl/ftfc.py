@@ -27,9 +27,12 @@ All four agree with METHODS.md's closed forms. lambda is solved per group so tha
 mean of w is 1 (the sample version of E_p0[w] = 1): in closed form for kl, by bisection on a
 bracket that provably holds the root for the others (comments in `solve_lambda`).
 
-Departure: the paper fits an effective reward g_phi(x, c) (a network) by the dual; here the
-dual is fitted per prompt on the pool's observed rewards (g = r, the sample-based fit). A
-learned g_phi is out of scope; `diffusion_rl.methods.ftfc.FTFC.effective_reward` is the hook.
+The weights may come from an effective reward g in place of r: w = (f*)'((g - lambda) / beta),
+lambda again solved on g. `primal_value` scores such weights on the observed rewards,
+J(g) = mean_i [w_i r_i - beta f(w_i)] with mean w = 1: the objective the tilt maximises. By
+Fenchel's equality f(w) = u w - f*(u) at w = (f*)'(u), J(r) equals the dual's minimum (no
+duality gap), and J(g) <= J(r) for every g; so J is what a learned g_phi(x, c) is fitted by
+(diffusion_rl.effective_reward), and J(r) - J(g) is how far its tilt is from the observed one.
 """
 
 from __future__ import annotations
@@ -97,6 +100,23 @@ def dual_objective(r: Tensor, lam: Tensor | float, beta: float, divergence: str)
     the domain). Convex in lambda; its minimiser is `solve_lambda`'s root."""
     _check(divergence, beta)
     return lam + beta * conjugate((r - lam) / beta, divergence).mean()
+
+
+def primal_value(g: Tensor, r: Tensor, group_ids: Tensor, beta: float, divergence: str,
+                 *, max_iter: int = 200) -> Tensor:
+    """mean over groups of J = mean_i [w_i r_i - beta f(w_i)], w = (f*)'((g - lambda) / beta)
+    self-normalised to mean 1 in the group, lambda solved on g (held fixed: the normalisation
+    carries the constraint to first order). Differentiable in g; J(r) is the dual's minimum."""
+    _check(divergence, beta)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    values = []
+    for k in range(int(inverse.max()) + 1):
+        rows = inverse == k
+        gk = g[rows].double()
+        w = tilt_weights(gk, solve_lambda(gk.detach(), beta, divergence, max_iter=max_iter), beta, divergence)
+        w = w / w.mean()
+        values.append((w * r[rows].double()).mean() - beta * generator(w, divergence).mean())
+    return torch.stack(values).mean()
 
 
 def _mean_weight(r: Tensor, lam: float, beta: float, divergence: str) -> float:

@@ -30,8 +30,13 @@ each pool is drawn from the current model, so the tilt is relative to that model
 proximal version of the single stage), not to the pretrained one.
 
 Departures and choices (the paper's details are unknown):
-- g_phi: the dual is fitted per prompt on the pool's observed rewards (g = r); no effective-reward
-  network is learned. `effective_reward` is the hook where one would go.
+- g_phi: by default (effective_reward = observed) the dual is fitted per prompt on the pool's
+  observed rewards (g = r). effective_reward = learned fits a network g_phi(x, c) on the pool
+  (diffusion_rl.effective_reward: an MLP on the clean latents and the prompt conditioning, fitted
+  by the value of the weights it implies, once per pool) and tilts by it; the network and its fit
+  are ours. It is refitted, not checkpointed: a resumed run refits it from the restored pool with
+  the same seed. Metrics: ftfc/g_gap, ftfc/g_gap_uniform, ftfc/g_recovered, ftfc/g_corr, ftfc/g_fit_s;
+  with method.g_heldout > 0 also ftfc/g_heldout_* (a second fit that leaves some prompts out).
 - Pool: one rollout batch, drawn through the core loop at step 0 (or every k steps). With
   method.monitor = true the core still rolls out and scores a fresh batch each step; with
   pool_refresh != 1 that batch only feeds the reward/... metrics (the current model's reward)
@@ -67,6 +72,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from diffusion_rl.effective_reward import fit_effective_reward, heldout_metrics
 from diffusion_rl.ftfc import ftfc_weights, posterior_moments
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
@@ -92,7 +98,12 @@ class FTFC(Method):
             raise ConfigError("method.target=posterior reads each group's whole pool in the loss, which needs the "
                               "synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline): a "
                               "pipelined scheduler scores groups while the trainer runs; or set method.target=sample")
+        if cfg.effective_reward == "learned" and (placement(run) != "inline" or run.rollout.scheduler.mode != "sync"):
+            raise ConfigError("method.effective_reward=learned fits g_phi on each whole pool, which needs the "
+                              "synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline); "
+                              "or set method.effective_reward=observed")
         self.pool: RolloutBatch | None = None
+        self._fit = None  # (pool key, EffectiveRewardFit, {sample id: row}) of the learned g_phi
         self.pool_step = -1
         self.needs_reference = cfg.anchor == "base"  # the anchor's v0: the trainer's frozen copy
         self._groups: dict[int, tuple[Tensor, Tensor]] = {}  # group id -> (pool latents, weights)
@@ -125,8 +136,28 @@ class FTFC(Method):
         return replace(self.pool, data=dict(self.pool.data))
 
     def effective_reward(self, batch: RolloutBatch) -> Tensor:  # [N]
-        """g of w = (f*)'((g - lambda) / beta): the observed rewards (a learned g_phi would go here)."""
-        return batch.rewards
+        """g of w = (f*)'((g - lambda) / beta): the observed rewards, or g_phi fitted on this pool."""
+        if self.cfg.effective_reward == "observed":
+            return batch.rewards
+        key = self.step if self.cfg.pool_refresh == 1 else self.pool_step
+        ids = batch.data.get(SAMPLE_ID, _sample_ids(batch.group_ids)).tolist()
+        if self._fit is None or self._fit[0] != key or not set(ids) <= self._fit[2].keys():
+            bad = (~torch.isfinite(batch.rewards)).nonzero().flatten().tolist()
+            if bad:  # the same words as ftfc_weights', before a network is fitted to them
+                raise ValueError(f"FTFC weights need finite rewards; sample {bad[0]} has reward "
+                                 f"{float(batch.rewards[bad[0]])}")
+            d, c = self.cfg, {k[len("cond/"):]: v for k, v in batch.data.items() if k.startswith("cond/")}
+            fit = fit_effective_reward(batch.data["final_latents"], c, batch.rewards, batch.group_ids, beta=d.beta,
+                                       divergence=d.divergence, hidden=d.g_hidden, steps=d.g_steps, lr=d.g_lr,
+                                       weight_decay=d.g_weight_decay, seed=self.run.seed * 100003 + max(key, 0))
+            if d.g_heldout > 0:
+                fit.heldout = heldout_metrics(batch.data["final_latents"], c, batch.rewards, batch.group_ids,
+                                              d.g_heldout, beta=d.beta, divergence=d.divergence, hidden=d.g_hidden,
+                                              steps=d.g_steps, lr=d.g_lr, weight_decay=d.g_weight_decay,
+                                              seed=self.run.seed * 100003 + max(key, 0))
+            self._fit = (key, fit, {i: row for row, i in enumerate(ids)})
+        rows = torch.tensor([self._fit[2][i] for i in ids], dtype=torch.long)  # a pruned batch: its samples'
+        return self._fit[1].g[rows].to(batch.rewards)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]: the FTFC weights, mean 1 per group
         batch.data[SAMPLE_ID] = _sample_ids(batch.group_ids)
@@ -150,6 +181,8 @@ class FTFC(Method):
         out["ftfc/ess_fraction"] = stats.ess_total / len(batch)
         if self.cfg.pool_refresh != 1:
             out["ftfc/pool_age"] = float(self.step - self.pool_step)
+        if self._fit is not None:
+            out.update(self._fit[1].metrics())
         return out
 
     # ------------------------------------------------------------------ loss

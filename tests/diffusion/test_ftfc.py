@@ -2,7 +2,9 @@
 f-divergence against closed forms worked out by hand, E_p0[w] = 1 per group, KL = the group
 softmax, the dual's minimum, the cap and the ESS, domains and bad input; the importance-
 weighted flow-matching loss; and real training steps of configs/diffusion/ftfc.yaml on the
-tiny flow model (weights move, the frozen pool, exact resume)."""
+tiny flow model (weights move, the frozen pool, exact resume); the learned effective reward
+g_phi (diffusion_rl/effective_reward.py): the primal value it is fitted by (no duality gap at
+g = r, a bound elsewhere), the fit recovering the observed tilt, and the method using it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.effective_reward import fit_effective_reward, heldout_metrics, prompt_features
 from diffusion_rl.ftfc import (
     DIVERGENCES,
     cap_weights,
@@ -22,6 +25,7 @@ from diffusion_rl.ftfc import (
     effective_sample_size,
     ftfc_weights,
     generator,
+    primal_value,
     solve_lambda,
     tilt_weights,
 )
@@ -472,3 +476,131 @@ def test_a_posterior_target_step_trains_and_logs_the_posterior(flux_dir, tmp_pat
     trainer.train()
     row = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(row["loss/total"]) and 1.0 <= row["ftfc/posterior_ess"] <= 2.0
+
+
+# ---------------------------------------------------------------------- learned effective reward g_phi
+
+
+def _pool(n_groups=4, g=8, seed=0):
+    """Clean latents [N, 6, 3], a prompt conditioning, and a reward that is a function of x."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_groups * g, 6, 3, generator=gen)
+    cond = {"prompt_embeds": torch.randn(n_groups, 5, 4, generator=gen).repeat_interleave(g, 0),
+            "text_ids": torch.zeros(n_groups * g, 5, 3)}
+    r = (x[:, 0, 0] > 0).float() + (x[:, 2, 1] > 0.5).float()
+    return x, cond, r, torch.arange(n_groups).repeat_interleave(g)
+
+
+@pytest.mark.parametrize("div", DIVERGENCES)
+def test_the_primal_value_at_the_rewards_is_the_dual_minimum_and_bounds_every_other_g(div):
+    gen = torch.Generator().manual_seed(1)
+    r, groups = torch.rand(12, generator=gen) * 3, torch.tensor([0] * 6 + [1] * 6)
+    best = float(primal_value(r, r, groups, 0.5, div))
+    duals = [float(dual_objective(r[groups == k].double(), solve_lambda(r[groups == k], 0.5, div), 0.5, div))
+             for k in (0, 1)]
+    assert best == pytest.approx(sum(duals) / 2, abs=1e-9)  # Fenchel: no duality gap
+    assert float(primal_value(r + torch.where(groups == 0, 2.0, -1.0), r, groups, 0.5, div)) == pytest.approx(best)
+    for _ in range(5):  # any other effective reward tilts worse
+        assert float(primal_value(r + torch.randn(12, generator=gen), r, groups, 0.5, div)) < best
+    assert float(primal_value(torch.zeros(12), r, groups, 0.5, div)) == pytest.approx(float(r.mean()))  # no tilt
+
+
+def test_the_fit_recovers_the_observed_tilt_and_starts_from_none():
+    x, cond, r, groups = _pool()
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 32, "lr": 3e-3, "weight_decay": 0.0, "seed": 0}
+    early = fit_effective_reward(x, cond, r, groups, steps=1, **kw)
+    assert early.metrics()["ftfc/g_recovered"] < 0.5  # g starts at 0: the uniform weights
+    fit = fit_effective_reward(x, cond, r, groups, steps=150, **kw)
+    m = fit.metrics()
+    assert m["ftfc/g_gap_uniform"] > 0.1 and m["ftfc/g_recovered"] > 0.98 and m["ftfc/g_corr"] > 0.95
+    w_learned, _ = ftfc_weights(fit.g, groups, 0.5, "kl")
+    w_observed, _ = ftfc_weights(r, groups, 0.5, "kl")
+    assert torch.allclose(w_learned, w_observed, atol=0.1)
+
+
+def test_the_fit_is_a_function_of_its_seed_and_leaves_the_global_rng_alone():
+    x, cond, r, groups = _pool()
+    kw = {"beta": 0.5, "divergence": "hellinger", "hidden": 16, "steps": 5, "lr": 1e-3, "weight_decay": 1e-2}
+    state = torch.get_rng_state()
+    a = fit_effective_reward(x, cond, r, groups, seed=3, **kw)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a.g, fit_effective_reward(x, cond, r, groups, seed=3, **kw).g)
+    assert not torch.equal(a.g, fit_effective_reward(x, cond, r, groups, seed=4, **kw).g)
+
+
+def test_the_held_out_check_predicts_a_smooth_reward_and_not_noise():
+    x, cond, r, groups = _pool(n_groups=16)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 32, "steps": 150, "lr": 3e-3, "weight_decay": 0.0, "seed": 0}
+    smooth = heldout_metrics(x, cond, x[:, 0, 0], groups, 0.25, **kw)  # a reward linear in one coordinate
+    assert smooth["ftfc/g_heldout_prompts"] == 4 and smooth["ftfc/g_heldout_corr"] > 0.8
+    assert smooth["ftfc/g_heldout_recovered"] > 0.5
+    noise = heldout_metrics(x, cond, torch.randn(len(x), generator=torch.Generator().manual_seed(9)), groups, 0.25, **kw)
+    assert noise["ftfc/g_heldout_recovered"] < smooth["ftfc/g_heldout_recovered"] - 0.5
+    with pytest.raises(ValueError, match="at least two prompts"):
+        heldout_metrics(x[:8], cond, r[:8], groups[:8], 0.5, **kw)
+
+
+def test_prompt_features_average_the_tokens_under_the_mask_and_skip_ids():
+    embeds = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    feats = prompt_features({"prompt_embeds": embeds, "prompt_embeds_mask": torch.tensor([[1, 1, 0]]),
+                             "pooled": torch.tensor([[7.0]]), "text_ids": torch.ones(1, 3, 3)})
+    assert feats.tolist() == [[7.0, 2.0, 3.0]]  # sorted names: pooled, then prompt_embeds' masked mean
+    with pytest.raises(ValueError, match="needs a float prompt conditioning; got only"):
+        prompt_features({"text_ids": torch.ones(1, 3, 3)})
+
+
+def test_the_method_fits_once_per_pool_and_a_pruned_batch_reads_its_rows(monkeypatch):
+    import diffusion_rl.methods.ftfc as mod
+
+    calls = []
+    real = mod.fit_effective_reward
+    monkeypatch.setattr(mod, "fit_effective_reward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = _method("method.effective_reward=learned", "method.g_steps=30", "method.g_lr=1e-2", "method.g_heldout=0.5")
+    m.pool_step = 0
+    batch = _batch()
+    batch.data["cond/prompt_embeds"] = torch.randn(4, 2, 3)
+    from mmrl.core.rewards import AtomScores
+
+    batch.scores = AtomScores(["x"], torch.zeros(4, 1), torch.tensor([0.0, 2.0, 1.0, 0.0]))
+    w = m.advantages(batch)
+    assert w[:2].mean() == pytest.approx(1.0) and w[2:].mean() == pytest.approx(1.0)
+    assert w[1] > w[0] and w[2] > w[3]  # the tilt follows the rewards
+    metrics = m.batch_metrics(batch)
+    assert metrics["ftfc/g_gap"] < metrics["ftfc/g_gap_uniform"] and metrics["ftfc/g_heldout_prompts"] == 1
+    part = batch.select(torch.tensor([1, 3]))
+    assert torch.equal(m.effective_reward(part), m.effective_reward(batch)[[1, 3]])
+    assert len(calls) == 1
+    m.pool_step = 5  # a new pool: a new fit
+    m.advantages(batch)
+    assert len(calls) == 2
+
+
+def test_a_learned_effective_reward_needs_the_inline_sync_scheduler():
+    with pytest.raises(ConfigError, match="method.effective_reward=learned fits g_phi on each whole pool"):
+        _method("rollout.scheduler.mode=pipelined", "method.pool_refresh=1", "method.effective_reward=learned")
+
+
+def test_nan_reward_stops_the_fit_with_the_sample_named():
+    from mmrl.core.rewards import AtomScores
+
+    m, batch = _method("method.effective_reward=learned"), _batch()
+    batch.scores = AtomScores(["x"], torch.zeros(4, 1), torch.tensor([0.0, 1.0, float("nan"), 0.0]))
+    with pytest.raises(ValueError, match="method ftfc: .*sample 2 has reward nan"):
+        m.advantages(batch)
+
+
+def test_a_learned_run_on_the_tiny_model_logs_its_fit_and_resumes_exactly(flux_dir, tmp_path, reward_spread):
+    def run(name, steps, resume=False):
+        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1",
+                                 "train.mini_batches=1", "method.effective_reward=learned", "method.g_steps=20")
+        trainer = Trainer(cfg, policy, task)
+        trainer.train(resume=resume)
+        return trainer
+
+    full = run("full", 2)
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["ftfc/g_recovered"]) and r["ftfc/g_gap"] >= -1e-9 for r in rows)
+    run("split", 1)
+    resumed = run("split", 2, resume=True)  # refits g_phi from the restored pool, same seed
+    for (k, a), b in zip(full.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
+        assert torch.equal(a, b), k
