@@ -10,7 +10,7 @@ network and fitting recipe are unknown; ours:
               standardised on the pool. The last layer starts at zero: g = 0 is the uniform
               weighting (no tilt), and fitting moves away from it.
     lambda(c) solved per prompt on g (diffusion_rl.ftfc.solve_lambda), as for observed rewards.
-    fit       full-batch Adam on -J(g_phi), J of diffusion_rl.ftfc.primal_value: the primal value
+    fit       full-batch AdamW on -J(g_phi), J of diffusion_rl.ftfc.primal_value: the primal value
               of the weights g implies, which equals the Fenchel dual's minimum at g = r and is
               below it elsewhere. Unconstrained, the fit would reproduce the observed rewards (up
               to a constant per prompt, which lambda absorbs); the network's capacity, its
@@ -88,8 +88,8 @@ class EffectiveRewardFit:
 
     def metrics(self) -> dict[str, float]:
         recovered = 1.0 - self.gap / self.gap_uniform if self.gap_uniform > 0 else 1.0
-        return {**self.heldout, "ftfc/g_gap": self.gap, "ftfc/g_gap_uniform": self.gap_uniform, "ftfc/g_recovered": recovered,
-                "ftfc/g_corr": self.corr, "ftfc/g_fit_s": self.seconds}
+        return {**self.heldout, "ftfc/g_gap": self.gap, "ftfc/g_gap_uniform": self.gap_uniform,
+                "ftfc/g_recovered": recovered, "ftfc/g_corr": self.corr, "ftfc/g_fit_s": self.seconds}
 
 
 def fit_effective_reward(x1: Tensor, cond: dict[str, Tensor], rewards: Tensor, group_ids: Tensor, *, beta: float,
@@ -99,7 +99,7 @@ def fit_effective_reward(x1: Tensor, cond: dict[str, Tensor], rewards: Tensor, g
     rewards [N], group_ids [N]) by maximising J (module docstring); returns g on the pool."""
     start = time.perf_counter()
     features = sample_features(x1, cond)
-    r = rewards.detach().double()
+    r, group_ids = rewards.detach().to(features.device).double(), group_ids.to(features.device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = EffectiveReward(features.shape[1], hidden).to(features.device)
@@ -130,7 +130,8 @@ def within_group_corr(g: Tensor, r: Tensor, group_ids: Tensor) -> float:
     n = int(inverse.max()) + 1
 
     def centred(v):
-        means = torch.zeros(n, dtype=v.dtype).index_add_(0, inverse, v) / torch.bincount(inverse, minlength=n)
+        sums = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, inverse, v)
+        means = sums / torch.bincount(inverse, minlength=n)
         return v - means[inverse]
 
     a, b = centred(g.double()), centred(r.double())
@@ -150,13 +151,14 @@ def heldout_metrics(x1: Tensor, cond: dict[str, Tensor], rewards: Tensor, group_
         raise ValueError("a held-out check of g_phi needs a pool of at least two prompts")
     gen = torch.Generator().manual_seed(int(fit["seed"]))
     k = min(max(1, round(fraction * len(groups))), len(groups) - 1)
-    held = groups[torch.randperm(len(groups), generator=gen)[:k]]
+    held = groups[torch.randperm(len(groups), generator=gen)[:k].to(groups.device)]
     out = torch.isin(group_ids, held)
     sub = {n: v[~out] for n, v in cond.items()}
     f = fit_effective_reward(x1[~out], sub, rewards[~out], group_ids[~out], **fit)
     with torch.no_grad():
         g = f.net(sample_features(x1[out], {n: v[out] for n, v in cond.items()})).double()
-    r, ids, beta, div = rewards[out].double(), group_ids[out], float(fit["beta"]), str(fit["divergence"])
+    r, ids = rewards[out].to(g).double(), group_ids[out].to(g.device)
+    beta, div = float(fit["beta"]), str(fit["divergence"])
     best = float(primal_value(r, r, ids, beta, div))
     gap, gap_uniform = best - float(primal_value(g, r, ids, beta, div)), best - float(
         primal_value(torch.zeros_like(r), r, ids, beta, div))
