@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from diffusion_rl.ftfc import primal_value
+from mmrl.core.advantages import group_stats
 
 
 def prompt_features(cond: dict[str, Tensor]) -> Tensor:
@@ -113,11 +114,18 @@ def fit_effective_reward(x1: Tensor, cond: dict[str, Tensor], rewards: Tensor, g
             opt.step()
     with torch.no_grad():
         g = net(features).double()
-        best = float(primal_value(r, r, group_ids, beta, divergence))
-        gap = best - float(primal_value(g, r, group_ids, beta, divergence))
-        gap_uniform = best - float(primal_value(torch.zeros_like(r), r, group_ids, beta, divergence))
+    gap, gap_uniform = value_gaps(g, r, group_ids, beta, divergence)
     return EffectiveRewardFit(g.float(), gap, gap_uniform, within_group_corr(g, r, group_ids),
                               time.perf_counter() - start, net.eval())
+
+
+def value_gaps(g: Tensor, r: Tensor, group_ids: Tensor, beta: float, divergence: str) -> tuple[float, float]:
+    """(J(r) - J(g), J(r) - J(0)): what g's tilt leaves of the observed tilt's value, and what
+    uniform weights leave."""
+    with torch.no_grad():
+        best = float(primal_value(r, r, group_ids, beta, divergence))
+        return (best - float(primal_value(g, r, group_ids, beta, divergence)),
+                best - float(primal_value(torch.zeros_like(r), r, group_ids, beta, divergence)))
 
 
 def sample_features(x1: Tensor, cond: dict[str, Tensor]) -> Tensor:
@@ -126,15 +134,8 @@ def sample_features(x1: Tensor, cond: dict[str, Tensor]) -> Tensor:
 
 
 def within_group_corr(g: Tensor, r: Tensor, group_ids: Tensor) -> float:
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n = int(inverse.max()) + 1
-
-    def centred(v):
-        sums = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, inverse, v)
-        means = sums / torch.bincount(inverse, minlength=n)
-        return v - means[inverse]
-
-    a, b = centred(g.double()), centred(r.double())
+    """Pearson correlation of g and r, each centred on its group's mean."""
+    a, b = (v.double() - group_stats(v.double(), group_ids)[0] for v in (g, r))
     denom = float(a.norm() * b.norm())
     return float((a * b).sum()) / denom if denom > 0 else 0.0
 
@@ -158,9 +159,6 @@ def heldout_metrics(x1: Tensor, cond: dict[str, Tensor], rewards: Tensor, group_
     with torch.no_grad():
         g = f.net(sample_features(x1[out], {n: v[out] for n, v in cond.items()})).double()
     r, ids = rewards[out].to(g).double(), group_ids[out].to(g.device)
-    beta, div = float(fit["beta"]), str(fit["divergence"])
-    best = float(primal_value(r, r, ids, beta, div))
-    gap, gap_uniform = best - float(primal_value(g, r, ids, beta, div)), best - float(
-        primal_value(torch.zeros_like(r), r, ids, beta, div))
+    gap, gap_uniform = value_gaps(g, r, ids, float(fit["beta"]), str(fit["divergence"]))
     return {"ftfc/g_heldout_recovered": 1.0 - gap / gap_uniform if gap_uniform > 0 else 1.0,
             "ftfc/g_heldout_corr": within_group_corr(g, r, ids), "ftfc/g_heldout_prompts": float(k)}

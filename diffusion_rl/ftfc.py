@@ -194,6 +194,14 @@ class FTFCStats:
                 "ftfc/num_capped": float(self.num_capped)}
 
 
+def check_finite(rewards: Tensor) -> None:
+    """ValueError naming the first sample whose reward is NaN or infinite."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"FTFC weights need finite rewards; sample {bad[0]} has reward {float(rewards[bad[0]])}"
+                         + (f" (and {len(bad) - 1} more samples)" if len(bad) > 1 else ""))
+
+
 def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: str,
                  cap: float | None = None) -> tuple[Tensor, FTFCStats]:
     """rewards [N], group_ids [N] -> weights [N] (float32) with mean 1 in every group, and stats.
@@ -204,10 +212,7 @@ def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: st
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards and group_ids must both be [N]; got {tuple(rewards.shape)} and "
                          f"{tuple(group_ids.shape)}")
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"FTFC weights need finite rewards; sample {bad[0]} has reward {float(rewards[bad[0]])}"
-                         + (f" (and {len(bad) - 1} more samples)" if len(bad) > 1 else ""))
+    check_finite(rewards)
     w = torch.zeros(len(rewards), dtype=torch.float64)
     lams, ess, capped = [], [], 0
     _, inverse = torch.unique(group_ids, return_inverse=True)

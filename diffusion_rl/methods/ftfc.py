@@ -73,7 +73,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from diffusion_rl.effective_reward import fit_effective_reward, heldout_metrics
-from diffusion_rl.ftfc import ftfc_weights, posterior_moments
+from diffusion_rl.ftfc import check_finite, ftfc_weights, posterior_moments
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.losses import LossOutput
@@ -142,10 +142,7 @@ class FTFC(Method):
         key = self.step if self.cfg.pool_refresh == 1 else self.pool_step
         ids = batch.data.get(SAMPLE_ID, _sample_ids(batch.group_ids)).tolist()
         if self._fit is None or self._fit[0] != key or not set(ids) <= self._fit[2].keys():
-            bad = (~torch.isfinite(batch.rewards)).nonzero().flatten().tolist()
-            if bad:  # the same words as ftfc_weights', before a network is fitted to them
-                raise ValueError(f"FTFC weights need finite rewards; sample {bad[0]} has reward "
-                                 f"{float(batch.rewards[bad[0]])}")
+            check_finite(batch.rewards)  # before a network is fitted to them
             d, c = self.cfg, {k[len("cond/"):]: v for k, v in batch.data.items() if k.startswith("cond/")}
             fit = fit_effective_reward(batch.data["final_latents"], c, batch.rewards, batch.group_ids, beta=d.beta,
                                        divergence=d.divergence, hidden=d.g_hidden, steps=d.g_steps, lr=d.g_lr,
