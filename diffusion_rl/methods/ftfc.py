@@ -144,14 +144,12 @@ class FTFC(Method):
         if self._fit is None or self._fit[0] != key or not set(ids) <= self._fit[2].keys():
             check_finite(batch.rewards)  # before a network is fitted to them
             d, c = self.cfg, {k[len("cond/"):]: v for k, v in batch.data.items() if k.startswith("cond/")}
-            fit = fit_effective_reward(batch.data["final_latents"], c, batch.rewards, batch.group_ids, beta=d.beta,
-                                       divergence=d.divergence, hidden=d.g_hidden, steps=d.g_steps, lr=d.g_lr,
-                                       weight_decay=d.g_weight_decay, seed=self.run.seed * 100003 + max(key, 0))
+            pool = (batch.data["final_latents"], c, batch.rewards, batch.group_ids)
+            settings = {"beta": d.beta, "divergence": d.divergence, "hidden": d.g_hidden, "steps": d.g_steps,
+                        "lr": d.g_lr, "weight_decay": d.g_weight_decay, "seed": self.run.seed * 100003 + max(key, 0)}
+            fit = fit_effective_reward(*pool, **settings)
             if d.g_heldout > 0:
-                fit.heldout = heldout_metrics(batch.data["final_latents"], c, batch.rewards, batch.group_ids,
-                                              d.g_heldout, beta=d.beta, divergence=d.divergence, hidden=d.g_hidden,
-                                              steps=d.g_steps, lr=d.g_lr, weight_decay=d.g_weight_decay,
-                                              seed=self.run.seed * 100003 + max(key, 0))
+                fit.heldout = heldout_metrics(*pool, d.g_heldout, **settings)
             self._fit = (key, fit, {i: row for row, i in enumerate(ids)})
         rows = torch.tensor([self._fit[2][i] for i in ids], dtype=torch.long)  # a pruned batch: its samples'
         return self._fit[1].g[rows].to(batch.rewards)
