@@ -23,6 +23,9 @@ of training it again, so the methods can run as parallel processes and be tabled
     python benchmarks/dllm_methods.py fork --methods ar_grpo --out OUT ...      # one process
     python benchmarks/dllm_methods.py fork --methods fork_grpo --out OUT ...    # beside it
     python benchmarks/dllm_methods.py fork --methods ar_grpo fork_grpo --reuse --out OUT ...
+
+--smooth K compares trailing means of K held-out evaluations in the compute-to-target table:
+on a plateau, the first step at the baseline's best single evaluation is decided by noise.
 """
 
 from __future__ import annotations
@@ -153,6 +156,20 @@ def curve(summary: dict, rows: list[dict]) -> list[tuple[int, float, float, floa
     return points
 
 
+def smooth(points: list[tuple], k: int) -> list[tuple]:
+    """The curve with each evaluation's accuracy replaced by the mean of the last k evaluations
+    (step 0 excluded, and kept as it is), from the k-th evaluation on. On a plateau, "first step
+    at the baseline's best" otherwise rewards whichever single evaluation was noisiest."""
+    if k <= 1:
+        return points
+    evals = points[1:]
+    out = [points[0]]
+    for i in range(k - 1, len(evals)):
+        mean = sum(p[1] for p in evals[i - k + 1:i + 1]) / k
+        out.append((evals[i][0], mean, *evals[i][2:]))
+    return out
+
+
 def compare(args, methods: list[str], baseline: str, what: str) -> None:
     if args.methods:
         unknown = sorted(set(args.methods) - set(methods))
@@ -181,12 +198,15 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         base = curves[(baseline, seed)][-1]
         ratios = [pts[-1][j] / pts[-1][0] / (base[j] / base[0]) if base[j] else math.nan for j in (2, 3, 4)]
         print(f"| {method} | {seed} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    if args.smooth > 1:
+        curves = {key: smooth(pts, args.smooth) for key, pts in curves.items()}
+        what = f"{what} (mean of {args.smooth} consecutive evaluations)"
     print(f"\nCompute to reach {baseline}'s {what} held-out accuracy (same seed), as a fraction of {baseline}'s:\n")
     print("| method | seed | target | reached at step | wall | forward tokens | training rows |")
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         base = curves[(baseline, seed)]
-        target = base[-1][1] if what == "final" else max(a for _, a, *_ in base)
+        target = base[-1][1] if what.startswith("final") else max(a for _, a, *_ in base)
         first = next(p for p in base if p[1] >= target)
         if first[0] == 0:
             print(f"| all | {seed} | {target:.3f} | n/a: {baseline} never rose above its step-0 accuracy, "
@@ -217,7 +237,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=None,
                     help="train (or, with --reuse, table) only these of the comparison's methods")
     ap.add_argument("--reuse", action="store_true", help="table runs already finished in --out, train the rest")
+    ap.add_argument("--smooth", type=int, default=1, metavar="K",
+                    help="compare trailing means of K held-out evaluations in the compute-to-target table "
+                         "(training parts; default 1: each evaluation alone)")
     args = ap.parse_args(argv)
+    if args.smooth < 1:
+        ap.error("--smooth must be >= 1")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.part == "samplers":
         samplers(args)

@@ -3,8 +3,11 @@ comparisons (benchmarks/dllm_methods.py) put accuracy against."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from mmrl.core.trainer import Trainer
@@ -25,3 +28,23 @@ def test_step_costs_count_every_forward_and_the_training_rows(make_run, tmp_path
     with torch.no_grad():
         policy.logits(torch.zeros(3, width, dtype=torch.long), torch.ones(3, policy.prompt_length, dtype=torch.bool))
     assert policy.step_costs() == {"cost/forward_tokens": 3.0 * width, "cost/train_rows": 0.0}
+
+
+def test_smoothed_curve_averages_the_last_k_evaluations_and_keeps_their_compute():
+    """benchmarks/dllm_methods.py --smooth: the compute-to-target table on trailing means."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "dllm_methods.py"
+    spec = importlib.util.spec_from_file_location("dllm_methods", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # (step, accuracy, wall, tokens, rows)
+    points = [(0, 0.1, 0.0, 0.0, 0.0), (5, 0.3, 1.0, 10.0, 2.0), (10, 0.6, 2.0, 20.0, 4.0),
+              (15, 0.0, 3.0, 30.0, 6.0), (20, 0.3, 4.0, 40.0, 8.0)]
+    assert bench.smooth(points, 1) == points
+    out = bench.smooth(points, 3)
+    assert out[0] == points[0]  # step 0 is the start, not averaged into anything
+    assert [p[0] for p in out] == [0, 15, 20]
+    assert [round(p[1], 6) for p in out[1:]] == [0.3, 0.3]
+    assert out[1][2:] == points[3][2:] and out[2][2:] == points[4][2:]
+    assert bench.smooth(points, 5) == [points[0]]  # fewer evaluations than K: nothing to compare
+    with pytest.raises(SystemExit):
+        bench.main(["slim", "--smooth", "0"])
