@@ -198,15 +198,16 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         base = curves[(baseline, seed)][-1]
         ratios = [pts[-1][j] / pts[-1][0] / (base[j] / base[0]) if base[j] else math.nan for j in (2, 3, 4)]
         print(f"| {method} | {seed} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    label = what
     if args.smooth > 1:
         curves = {key: smooth(pts, args.smooth) for key, pts in curves.items()}
-        what = f"{what} (mean of {args.smooth} consecutive evaluations)"
-    print(f"\nCompute to reach {baseline}'s {what} held-out accuracy (same seed), as a fraction of {baseline}'s:\n")
+        label = f"{what} (mean of {args.smooth} consecutive evaluations)"
+    print(f"\nCompute to reach {baseline}'s {label} held-out accuracy (same seed), as a fraction of {baseline}'s:\n")
     print("| method | seed | target | reached at step | wall | forward tokens | training rows |")
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         base = curves[(baseline, seed)]
-        target = base[-1][1] if what.startswith("final") else max(a for _, a, *_ in base)
+        target = base[-1][1] if what == "final" else max(a for _, a, *_ in base)
         first = next(p for p in base if p[1] >= target)
         if first[0] == 0:
             print(f"| all | {seed} | {target:.3f} | n/a: {baseline} never rose above its step-0 accuracy, "
