@@ -54,12 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         rows = [heldout_metrics(x1, cond, rewards, groups, args.heldout, beta=cfg["beta"], divergence=cfg["divergence"],
                                 hidden=cfg["g_hidden"], steps=steps, lr=cfg["g_lr"],
                                 weight_decay=cfg["g_weight_decay"], seed=s) for s in args.split_seeds]
+        print(f"| {steps} | {_cell(rows, 'ftfc/g_heldout_recovered')} | {_cell(rows, 'ftfc/g_heldout_corr')} |",
+              flush=True)
 
-        def cell(key: str) -> str:
-            v = [r[key] for r in rows]
-            return f"{sum(v) / len(v):.3f} ({min(v):.3f}..{max(v):.3f})"
 
-        print(f"| {steps} | {cell('ftfc/g_heldout_recovered')} | {cell('ftfc/g_heldout_corr')} |", flush=True)
+def _cell(rows: list[dict], key: str) -> str:
+    """Mean and range of one metric over the split seeds."""
+    v = [r[key] for r in rows]
+    return f"{sum(v) / len(v):.3f} ({min(v):.3f}..{max(v):.3f})"
 
 
 if __name__ == "__main__":
