@@ -3,13 +3,13 @@ comparisons (benchmarks/dllm_methods.py) put accuracy against."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from mmrl.core.rewards import import_python_file
 from mmrl.core.trainer import Trainer
 
 
@@ -32,10 +32,7 @@ def test_step_costs_count_every_forward_and_the_training_rows(make_run, tmp_path
 
 def test_smoothed_curve_averages_the_last_k_evaluations_and_keeps_their_compute():
     """benchmarks/dllm_methods.py --smooth: the compute-to-target table on trailing means."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "dllm_methods.py"
-    spec = importlib.util.spec_from_file_location("dllm_methods", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = import_python_file(Path(__file__).resolve().parents[2] / "benchmarks" / "dllm_methods.py", "benchmark")
     # (step, accuracy, wall, tokens, rows)
     points = [(0, 0.1, 0.0, 0.0, 0.0), (5, 0.3, 1.0, 10.0, 2.0), (10, 0.6, 2.0, 20.0, 4.0),
               (15, 0.0, 3.0, 30.0, 6.0), (20, 0.3, 4.0, 40.0, 8.0)]
