@@ -112,6 +112,10 @@ class TraceRLConfig(Section):
     scale: Literal["group", "none"] = "group"
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    accuracy_band: tuple[float, float] | None = None
+    """None: drop the groups whose rewards are all equal (with dynamic_sampling on). [lo, hi]:
+    drop the groups whose accuracy lies outside it, as dLLM-RL's code does with [0.2, 0.8]
+    (refilled only with dynamic_sampling on; that code does not refill)."""
 
 
 class SLIMRLConfig(Section):

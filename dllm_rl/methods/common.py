@@ -24,10 +24,33 @@ class DLLMMethod(Method):
     -min(rho A, clip(rho, 1 - clip, 1 + clip) A) per answer token, averaged over the
     mini-batch's tokens, plus beta * k3(logp, old_logp)."""
 
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        self.band = getattr(cfg, "accuracy_band", None)
+        if self.band is not None:
+            lo, hi = self.band
+            if not 0 <= lo <= hi <= 1:
+                raise ValueError(f"method.accuracy_band must be 0 <= lo <= hi <= 1; got {self.band}")
+            self.success_atom = success_atom_of(run)
+
     def keep_groups(self, batch: RolloutBatch) -> Tensor | None:
+        """The accuracy band where the method has one (dropped groups are refilled only with
+        dynamic_sampling on), else dynamic sampling's zero-variance filter."""
+        if self.band is not None:
+            return self.band_filter(batch)
         if not self.cfg.dynamic_sampling.enabled:
             return None
         return ~zero_variance_groups(batch.rewards, batch.group_ids)
+
+    def band_filter(self, batch: RolloutBatch) -> Tensor:  # [N] bool
+        """Keep the groups whose accuracy (the share of answers scoring >= 0.5 on the task's
+        success atom) lies within accuracy_band."""
+        names = batch.scores.names
+        if self.success_atom not in names:
+            raise ValueError(f"method.accuracy_band counts the atom {self.success_atom!r}, which this "
+                             f"reward does not have (atoms: {', '.join(names)})")
+        success = batch.scores.values[:, names.index(self.success_atom)] >= 0.5  # [N]
+        return in_band(group_accuracy(success, batch.group_ids), self.band)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
         return group_advantages(batch.rewards, batch.group_ids, scale=self.cfg.scale)
@@ -50,6 +73,31 @@ class DLLMMethod(Method):
             out.loss = out.loss + self.cfg.kl.beta * kl_term
             out.metrics["loss/kl"] = float(kl_term.detach())
         return out
+
+
+def group_accuracy(success: Tensor, group_ids: Tensor) -> Tensor:  # [N]
+    """Each sample's group accuracy: the mean of success [N] (0/1) over its group."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    total = torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, success.double())
+    count = torch.bincount(inv).double()
+    return (total / count)[inv]
+
+
+def in_band(accuracy: Tensor, band: tuple[float, float]) -> Tensor:  # [N] bool
+    """The accuracy-band filter: keep lo <= accuracy <= hi (drop > hi and < lo)."""
+    lo, hi = band
+    return (accuracy >= lo) & (accuracy <= hi)
+
+
+def success_atom_of(run) -> str:
+    """The atom whose value says an answer is right: the task's success_atom (arith "answer",
+    sudoku "solved"); "answer" for a run without a known task."""
+    from dllm_rl.tasks import get_task
+
+    task = getattr(getattr(run, "task", None), "type", None)
+    if task is None:
+        return "answer"
+    return get_task(task).success_atom
 
 
 def scatter_rows(values: Tensor, sample: Tensor, target: Tensor, n: int) -> Tensor:

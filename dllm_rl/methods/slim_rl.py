@@ -125,20 +125,6 @@ def zero_truncated(scores: AtomScores, hit_limit: Tensor) -> AtomScores:
                       scores.errors, scores.failed)
 
 
-def group_accuracy(success: Tensor, group_ids: Tensor) -> Tensor:  # [N]
-    """Each sample's group accuracy: the mean of success [N] (0/1) over its group."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    total = torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, success.double())
-    count = torch.bincount(inv).double()
-    return (total / count)[inv]
-
-
-def in_band(accuracy: Tensor, band: tuple[float, float]) -> Tensor:  # [N] bool
-    """The accuracy-band filter: keep lo <= accuracy <= hi (drop > hi and < lo)."""
-    lo, hi = band
-    return (accuracy >= lo) & (accuracy <= hi)
-
-
 # --------------------------------------------------------------------------- estimator
 
 
@@ -190,10 +176,6 @@ class SLIMRL(DLLMMethod):
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
         self.t, self.w = quadrature(cfg.quadrature_points)  # [Q], [Q]
-        lo, hi = cfg.accuracy_band
-        if not 0 <= lo <= hi <= 1:
-            raise ValueError(f"method.accuracy_band must be 0 <= lo <= hi <= 1; got {cfg.accuracy_band}")
-        self.success_atom = success_atom_of(run)
         strategy = getattr(getattr(run, "rollout", None), "strategy", None)
         if strategy is not None and strategy != "tau_budget":
             warnings.warn(f"SLIM-RL rolls out with the tau_budget decoder; this run uses rollout.strategy="
@@ -205,12 +187,7 @@ class SLIMRL(DLLMMethod):
         """The length-limit rule (first: it changes the scores), then the accuracy band."""
         if self.cfg.length_limit_wrong and "slim/truncated" in batch.data:
             batch.scores = zero_truncated(batch.scores, batch.data["slim/truncated"])
-        names = batch.scores.names
-        if self.success_atom not in names:
-            raise ValueError(f"SLIM-RL's accuracy band counts the atom {self.success_atom!r}, which this "
-                             f"reward does not have (atoms: {', '.join(names)})")
-        success = batch.scores.values[:, names.index(self.success_atom)] >= 0.5  # [N]
-        return in_band(group_accuracy(success, batch.group_ids), self.cfg.accuracy_band)
+        return self.band_filter(batch)
 
     def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         out = {"slim/rows": float(len(batch) * len(self.w))}
@@ -257,14 +234,3 @@ def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, 
         out.loss = out.loss + beta * kl_term
         out.metrics["loss/kl"] = float(kl_term.detach())
     return out
-
-
-def success_atom_of(run) -> str:
-    """The atom whose value says an answer is right: the task's success_atom (arith "answer",
-    sudoku "solved"); "answer" for a run without a known task."""
-    from dllm_rl.tasks import get_task
-
-    task = getattr(getattr(run, "task", None), "type", None)
-    if task is None:
-        return "answer"
-    return get_task(task).success_atom

@@ -18,7 +18,10 @@ block-causal (SDAR) models TraceRL merges steps within each block and packs the 
 of every block into one sequence [prompt | clean answer | noisy answer] with a block mask;
 here every model gets the full-attention rule (merge across blocks, one row per group, the
 row's input the decoding state at the group's first step) under its own attention mask,
-which is exact for s = 1 and costs more forward passes than the packing.
+which is exact for s = 1 and costs more forward passes than the packing. Groups: the config
+drops (and refills) groups whose rewards are all equal; dLLM-RL's code instead drops groups
+whose accuracy lies outside [0.2, 0.8] and does not refill (method.accuracy_band=[0.2,0.8],
+method.dynamic_sampling.enabled=false).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dllm_rl import backend
-from dllm_rl.config import DLLMTrainConfig
+from dllm_rl.config import DLLMTrainConfig, TraceRLConfig
 from dllm_rl.logprob import trace_rows
 from dllm_rl.methods.diffu_grpo import DiffuGRPO, MeanField
 from dllm_rl.methods.tracerl import TraceRL
@@ -21,6 +21,7 @@ from dllm_rl.task import pass_at_k
 from dllm_rl.tiny import CHARSET, build_tiny_dllm
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import AtomScores, Sample
 from mmrl.core.trainer import Trainer
 
 PAD, MASK, EOS = 0, 1, 2  # the tiny tokenizer's special ids; CHARSET[i] has id i + 3
@@ -235,6 +236,29 @@ def test_tracerl_merged_rows_differ_from_commit_logprob(make_run):
     cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2")
     batch = rollout(policy, task, cfg)
     assert not torch.allclose(batch.old_logp[batch.mask], batch.data["commit_logp"][batch.mask], atol=1e-4)
+
+
+def test_tracerl_accuracy_band_as_dllm_rl_code():
+    """dLLM-RL's code drops groups whose accuracy lies outside [0.2, 0.8]; without a band
+    TraceRL drops only the groups whose rewards are all equal."""
+    # groups of 5 with 5, 3, 1, 0 right answers (accuracy 1.0, 0.6, 0.2, 0.0)
+    answer = [1.0] * 5 + [1.0] * 3 + [0.0] * 2 + [1.0] + [0.0] * 4 + [0.0] * 5
+    values = torch.tensor([[1.0, a] for a in answer])  # atoms: format, answer
+    batch = RolloutBatch(group_ids=torch.arange(20) // 5, samples=[Sample("p", "c")] * 20,
+                         scores=AtomScores(["format", "answer"], values, values.sum(1)))
+    run = SimpleNamespace(task=SimpleNamespace(type="arith"))
+    banded = TraceRL(TraceRLConfig(accuracy_band=(0.2, 0.8)), run, reward=None)
+    assert banded.keep_groups(batch).tolist() == [False] * 5 + [True] * 10 + [False] * 5
+    default = TraceRL(TraceRLConfig(dynamic_sampling={"enabled": True}), run, reward=None)  # zero variance
+    assert default.keep_groups(batch).tolist() == [False] * 5 + [True] * 10 + [False] * 5
+    values[15:, 0] = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0])  # all wrong, rewards differ
+    batch.scores = AtomScores(["format", "answer"], values, values.sum(1))
+    assert default.keep_groups(batch)[15:].all() and not banded.keep_groups(batch)[15:].any()
+    with pytest.raises(ValueError, match="accuracy_band"):
+        TraceRL(TraceRLConfig(accuracy_band=(0.8, 0.2)), run, reward=None)
+    sudoku = SimpleNamespace(task=SimpleNamespace(type="sudoku"))  # counts "solved", absent here
+    with pytest.raises(ValueError, match="'solved'"):
+        TraceRL(TraceRLConfig(accuracy_band=(0.2, 0.8)), sudoku, reward=None).keep_groups(batch)
 
 
 # --------------------------------------------------------------------------- one training step
