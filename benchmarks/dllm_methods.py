@@ -26,6 +26,8 @@ of training it again, so the methods can run as parallel processes and be tabled
 
 --smooth K compares trailing means of K held-out evaluations in the compute-to-target table:
 on a plateau, the first step at the baseline's best single evaluation is decided by noise.
+With several seeds the table ends with a "mean" row: the same reading on each method's curve
+averaged over the seeds (accuracy and compute, evaluation by evaluation).
 """
 
 from __future__ import annotations
@@ -206,20 +208,40 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
     print("| method | seed | target | reached at step | wall | forward tokens | training rows |")
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:
-        base = curves[(baseline, seed)]
-        target = base[-1][1] if what == "final" else max(a for _, a, *_ in base)
-        first = next(p for p in base if p[1] >= target)
-        if first[0] == 0:
-            print(f"| all | {seed} | {target:.3f} | n/a: {baseline} never rose above its step-0 accuracy, "
-                  "so there is nothing to reach | - | - | - |")
+        reach_rows(str(seed), {m: curves[(m, seed)] for m in methods}, baseline, what)
+    if len(args.seeds) > 1:
+        means = {m: mean_curve([curves[(m, s)] for s in args.seeds]) for m in methods}
+        if all(c is not None for c in means.values()):
+            reach_rows("mean", means, baseline, what)
+        else:
+            print("| all | mean | - | n/a: the seeds' runs were not evaluated at the same steps | - | - | - |")
+
+
+def mean_curve(curves: list[list[tuple]]) -> list[tuple] | None:
+    """The seeds' curves averaged point by point (accuracy and compute alike): one seed's noisy
+    evaluation moves the target less. None when the runs were not evaluated at the same steps."""
+    steps = [p[0] for p in curves[0]]
+    if any([p[0] for p in c] != steps for c in curves):
+        return None
+    return [(s, *(sum(c[i][j] for c in curves) / len(curves) for j in range(1, 5))) for i, s in enumerate(steps)]
+
+
+def reach_rows(seed: str, curves: dict[str, list[tuple]], baseline: str, what: str) -> None:
+    """One compute-to-target row per method: the first evaluation at the baseline's target."""
+    base = curves[baseline]
+    target = base[-1][1] if what == "final" else max(a for _, a, *_ in base)
+    first = next(p for p in base if p[1] >= target)
+    if first[0] == 0:
+        print(f"| all | {seed} | {target:.3f} | n/a: {baseline} never rose above its step-0 accuracy, "
+              "so there is nothing to reach | - | - | - |")
+        return
+    for method, pts in curves.items():
+        hit = next((p for p in pts if p[1] >= target), None)
+        if hit is None:
+            print(f"| {method} | {seed} | {target:.3f} | not reached | - | - | - |")
             continue
-        for method in methods:
-            hit = next((p for p in curves[(method, seed)] if p[1] >= target), None)
-            if hit is None:
-                print(f"| {method} | {seed} | {target:.3f} | not reached | - | - | - |")
-                continue
-            frac = [hit[j] / first[j] if first[j] else math.nan for j in (2, 3, 4)]
-            print(f"| {method} | {seed} | {target:.3f} | {hit[0]} | {frac[0]:.2f}x | {frac[1]:.2f}x | {frac[2]:.2f}x |")
+        frac = [hit[j] / first[j] if first[j] else math.nan for j in (2, 3, 4)]
+        print(f"| {method} | {seed} | {target:.3f} | {hit[0]} | {frac[0]:.2f}x | {frac[1]:.2f}x | {frac[2]:.2f}x |")
 
 
 def main(argv=None) -> int:

@@ -153,6 +153,18 @@ def test_dynamic_sampling_drops_and_refills(tmp_path):
     assert dropped > 0
 
 
+def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=1")
+    trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
+    before = weights(trainer)
+    with pytest.warns(UserWarning, match="every group was dropped"):
+        metrics = trainer.train_step()
+    assert metrics["train/skipped"] == 1.0 and metrics["rollout/groups_dropped"] > 0
+    assert metrics["time/step"] >= metrics["time/rollout"] > 0
+    for k, v in weights(trainer).items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_kl_reference_is_frozen_and_logged(tmp_path):
     trainer = make(tmp_path, "train.max_steps=3", "method.kl.beta=0.1", "method.kl.kind=k3")
     assert trainer.reference is not None

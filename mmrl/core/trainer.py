@@ -212,6 +212,7 @@ class Trainer:
         if batch is None:
             warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
             metrics["train/skipped"] = 1.0
+            metrics["time/step"] = time.perf_counter() - t0  # its rollouts cost time too
             return metrics
         metrics["rollout/group_size"] = self.num_generations
         metrics["time/step"] = time.perf_counter() - t0

@@ -45,3 +45,20 @@ def test_smoothed_curve_averages_the_last_k_evaluations_and_keeps_their_compute(
     assert bench.smooth(points, 5) == [points[0]]  # fewer evaluations than K: nothing to compare
     with pytest.raises(SystemExit):
         bench.main(["slim", "--smooth", "0"])
+
+
+def test_mean_curve_averages_the_seeds_point_by_point(capsys):
+    """benchmarks/dllm_methods.py's "mean" row: the compute-to-target reading on seed-mean curves."""
+    bench = import_python_file(Path(__file__).resolve().parents[2] / "benchmarks" / "dllm_methods.py", "benchmark")
+    a = [(0, 0.1, 0.0, 0.0, 0.0), (5, 0.4, 2.0, 10.0, 4.0), (10, 0.2, 4.0, 20.0, 8.0)]
+    b = [(0, 0.1, 0.0, 0.0, 0.0), (5, 0.2, 4.0, 30.0, 2.0), (10, 0.2, 8.0, 60.0, 4.0)]
+    mean = bench.mean_curve([a, b])
+    assert [p[0] for p in mean] == [0, 5, 10]
+    assert mean[1] == pytest.approx((5, 0.3, 3.0, 20.0, 3.0)) and mean[2] == pytest.approx((10, 0.2, 6.0, 40.0, 6.0))
+    assert bench.mean_curve([a, a[:2]]) is None  # evaluated at different steps: no mean
+    # the baseline's mean curve peaks at 0.3 (step 5); the other reaches it at its step 10
+    other = bench.mean_curve([[(0, 0.1, 0, 0, 0), (5, 0.25, 1.0, 5.0, 1.0), (10, 0.35, 2.0, 10.0, 2.0)]] * 2)
+    bench.reach_rows("mean", {"base": mean, "other": other}, "base", "best")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| base | mean | 0.300 | 5 | 1.00x | 1.00x | 1.00x |"
+    assert lines[1] == "| other | mean | 0.300 | 10 | 0.67x | 0.50x | 0.67x |"
