@@ -137,12 +137,12 @@ class SLIMRLConfig(Section):
     """Dr.GRPO: A = r - group mean (none); group divides by the group std."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
     accuracy_band: tuple[float, float] = (0.2, 0.8)
-    """Groups whose accuracy (the task's answer atom) lies outside [lo, hi] are dropped (and refilled)."""
+    """Groups whose accuracy (the task's success atom) lies outside [lo, hi] are dropped."""
     length_limit_wrong: bool = True
     """An answer with no <eos> within gen_length counts as wrong (every atom scores 0)."""
-    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=lambda: DynamicSamplingConfig(enabled=True))
-    """Refill: up to max_rounds extra rollout rounds per step replace the groups the accuracy
-    band drops (the scheduler reads method.dynamic_sampling); disabled, the band still drops them."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """Off (SLIM-RL's code): a step trains on the groups the band keeps. On: up to max_rounds
+    extra rollout rounds per step replace the dropped groups (the scheduler reads it)."""
 
 
 class ForkGRPOConfig(Section):

@@ -17,9 +17,10 @@
     advantage  A = r - group mean (Dr.GRPO; scale "group" also divides by the group std)
     loss       -sum over rows of w_q min(s A, clip(s, 1 - eps, 1 + eps) A) / rows
                + beta k3 KL to the pre-update policy (eps 0.1, beta 0.01)
-    groups     drop groups whose accuracy lies outside accuracy_band = [0.2, 0.8] (refilled
-               by extra rollout rounds, as DAPO's dynamic sampling); an answer with no <eos>
-               within gen_length scores 0 on every atom before that
+    groups     drop groups whose accuracy lies outside accuracy_band = [0.2, 0.8]; the step
+               trains on the rest, as the code does (dynamic_sampling.enabled refills them
+               with extra rollout rounds, as DAPO); an answer with no <eos> within gen_length
+               scores 0 on every atom before that
 
 RECONSTRUCTED from the code and the method summary (the paper itself was not available):
 the exact normalisation and KL aggregation, the at-least-one-mask rule's choice of position,
