@@ -4,6 +4,7 @@ gradient-accumulation equivalence, dynamic sampling, non-finite steps, outputs."
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -163,6 +164,18 @@ def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_
     assert metrics["time/step"] >= metrics["time/rollout"] > 0
     for k, v in weights(trainer).items():
         assert torch.equal(v, before[k]), k
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per run, not once per step
+        assert trainer.train_step()["train/skipped"] == 1.0
+
+
+def test_summary_counts_the_steps_without_update(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=3")
+    trainer.method.keep_groups = lambda batch: (None if trainer.step == 1 else  # step 2 trains
+                                                torch.zeros(len(batch), dtype=torch.bool))
+    with pytest.warns(UserWarning, match="every group was dropped"):
+        summary = trainer.train()
+    assert summary["steps"] == 3 and summary["steps_without_update"] == 2
 
 
 def test_kl_reference_is_frozen_and_logged(tmp_path):

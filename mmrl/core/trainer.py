@@ -129,6 +129,7 @@ class Trainer:
         self.group_epoch = 0
         self.step = 0
         self.bad_steps = 0
+        self.warned_empty = False  # "every group was dropped" is warned once; the summary counts them
         self.eval_before: dict[str, float] | None = None
         self.saved_step: int | None = None
 
@@ -210,7 +211,10 @@ class Trainer:
         if costs is not None:
             metrics.update(costs())
         if batch is None:
-            warnings.warn(f"step {self.step + 1}: every group was dropped; no update", stacklevel=2)
+            if not self.warned_empty:  # a filter can empty many steps: say it once, count them all
+                warnings.warn(f"step {self.step + 1}: every group was dropped; no update (later such steps "
+                              "are logged as train/skipped and counted in summary.json)", stacklevel=2)
+                self.warned_empty = True
             metrics["train/skipped"] = 1.0
             metrics["time/step"] = time.perf_counter() - t0  # its rollouts cost time too
             return metrics
@@ -489,6 +493,7 @@ class Trainer:
             "eval_before": self.eval_before,
             "eval_after": eval_after,
             "steps": self.step,
+            "steps_without_update": sum(1 for r in rows if r.get("train/skipped")),
             "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
             "final_metrics": rows[-1] if rows else {},
             "train_seconds": seconds,
