@@ -128,6 +128,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
             if distributed.is_main():
                 print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
+                if summary.get("steps_without_update"):
+                    console.print(f"{summary['steps_without_update']} of {summary['steps']} steps did not update: "
+                                  "their groups were all dropped (method's group filter)")
                 console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
 
         run_verb(go)

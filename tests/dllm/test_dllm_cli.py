@@ -138,3 +138,15 @@ def test_bad_config_is_one_paragraph_naming_gen_length(small_sets, tmp_path):
     assert "\n" not in message and message.startswith("error:")
     assert "gen_length (7) must be divisible by block_length (4)" in message
     assert not (tmp_path / "x").exists()  # nothing was built or written
+
+
+def test_train_says_how_many_steps_did_not_update(small_sets, tmp_path):
+    """SLIM-RL's band with no room ([1, 1]: only all-right groups) on the random tiny model drops
+    every group: the run finishes, says so once per run, and counts the steps."""
+    sets = [arg for kv in zip(small_sets[::2], small_sets[1::2]) if "dynamic_sampling" not in kv[1]
+            for arg in kv]
+    r = ok(invoke("train", "-c", CONFIGS / "slim_rl.yaml", "--max-steps", 2, "--output-dir", tmp_path, *sets,
+                  "--set", "method.accuracy_band=[1.0,1.0]", "--set", "rollout.strategy=tau_budget"))
+    assert "2 of 2 steps did not update" in " ".join(r.output.split())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_without_update"] == 2
