@@ -116,6 +116,22 @@ def test_only_kept_samples_are_compared():
     assert keep_list(torch.zeros(3), [[1, 2, 3], [2, 3, 4], [3, 4, 5]]) == [T, F, T]
 
 
+def test_against_seed_compares_only_with_the_highest_abs_advantage_member():
+    # the same three as above: o2 is disjoint from o0 but close to o1. Against the seed o0
+    # alone, o1 is dropped and o2 kept, as with "kept"; with o1 as the seed (highest |A|),
+    # o0 ({12, 23}) and o2 ({34, 45}) are both within theta 2/3 < 0.8 of it: only o1 stays.
+    seqs = [[1, 2, 3], [2, 3, 4], [3, 4, 5]]
+    assert keep_list(torch.zeros(3), seqs, against="seed") == [T, F, T]
+    assert keep_list(torch.tensor([0.5, 0.6, 0.5]), seqs, tol=0.2, against="seed") == [F, T, F]
+    assert keep_list(torch.tensor([0.5, 0.6, 0.5]), seqs, tol=0.2) == [T, F, T]  # greedy: o0 first
+    # o2 near o1 but not the seed: "kept" drops it (o1 kept), "seed" keeps it (far from o0)
+    seqs = [[1, 2, 9], [5, 6, 7], [5, 6, 8]]
+    assert keep_list(torch.zeros(3), seqs) == [T, T, F]
+    assert keep_list(torch.zeros(3), seqs, against="seed") == [T, T, T]
+    with pytest.raises(ValueError, match="against"):
+        mdap_keep(torch.zeros(2), [[1], [2]], against="all")
+
+
 def test_tau_zero_keeps_everything():
     assert keep_list(torch.zeros(4), [[1, 2, 3]] * 4, tau=0.0) == [T, T, T, T]
 

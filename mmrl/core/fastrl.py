@@ -128,25 +128,34 @@ def mdap_keep(
     n: int = 2,
     tol: float = 1e-4,
     multiple: int = 1,
+    against: str = "kept",
 ) -> Tensor:  # bool [G]
     """MDAP on one question's G rollouts. advantages: [G]; sequences: G token (or word) lists.
 
     Inside each set of equal advantage, keep rollouts in index order unless an already-kept
     one of the same set is too similar (theta = Jaccard distance of n-gram sets < tau); the
-    first of every set is kept. Then re-add dropped rollouts of highest |A| (ties: lower
-    index) until the kept count is a multiple of `multiple`, never beyond G."""
+    first of every set is kept. against="seed" (the released code) compares each rollout
+    only with its set's seed, the member of highest |A| (ties: lower index), which is kept.
+    Then re-add dropped rollouts of highest |A| (ties: lower index) until the kept count is
+    a multiple of `multiple`, never beyond G."""
     g = advantages.shape[0]
     if len(sequences) != g:
         raise ValueError(f"mdap_keep: {g} advantages but {len(sequences)} sequences")
     if multiple < 1:
         raise ValueError(f"mdap_keep: multiple must be >= 1, got {multiple}")
+    if against not in ("kept", "seed"):
+        raise ValueError(f"mdap_keep: against must be 'kept' or 'seed', got {against!r}")
     grams = [ngrams(s, n) for s in sequences]
     keep = torch.zeros(g, dtype=torch.bool)
     for members in advantage_sets(advantages, tol):
-        kept: list[int] = []
-        for i in members:
-            if all(jaccard_distance(grams[i], grams[j]) >= tau for j in kept):
-                kept.append(i)
+        if against == "seed":
+            seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
+            kept = [i for i in members if i == seed or jaccard_distance(grams[i], grams[seed]) >= tau]
+        else:
+            kept = []
+            for i in members:
+                if all(jaccard_distance(grams[i], grams[j]) >= tau for j in kept):
+                    kept.append(i)
         keep[kept] = True
     dropped = sorted((i for i in range(g) if not keep[i]), key=lambda i: (-abs(float(advantages[i])), i))
     count = int(keep.sum())

@@ -69,6 +69,7 @@ class GRPO(Method):
         keep = mdap_keep(
             sample_advantages(group.advantages, group.mask), sequences_of(group),
             tau=fr.tau, n=fr.ngram, tol=fr.adv_tol, multiple=fr.pad_multiple or distributed.world_size(),
+            against=fr.against,
         )
         if self.ars is not None:  # every rank records every rank's groups: one G for all, saved whole
             for kept in distributed.gather_scalar(int(keep.sum())):
