@@ -287,7 +287,8 @@ def test_grpo_without_fastrl_prunes_nothing(tmp_path):
 
 
 def test_grpo_with_fastrl_prunes_with_mdap_and_records_the_kept_count(tmp_path):
-    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=4", "train.max_steps=10")
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true",
+                     "rollout.num_generations=4", "train.max_steps=10")
     method = build_method(cfg, toy.ToyTask().reward)
     group = RolloutBatch(
         group_ids=torch.zeros(4, dtype=torch.long),
@@ -311,7 +312,8 @@ def _rank(rank, port, tmp, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        cfg = toy_config(tmp, "method.fastrl.enabled=true", "rollout.num_generations=4", "train.max_steps=10")
+        cfg = toy_config(tmp, "method.fastrl.enabled=true", "method.fastrl.ars=true",
+                         "rollout.num_generations=4", "train.max_steps=10")
         method = build_method(cfg, toy.ToyTask().reward)
         seqs = [[1, 2]] * 4 if rank == 0 else [[1, 2], [3, 4], [5, 6], [7, 8]]  # keeps 1 (+1 pad) / 4
         group = RolloutBatch(group_ids=torch.zeros(4, dtype=torch.long), samples=[Sample(0, c) for c in seqs],
@@ -379,7 +381,8 @@ class CollapsedToy(toy.ToyPolicy):
 
 # 10 prompts, 5 per step: a data epoch is 2 steps; steps 2, 4, 6 and 8 start epochs 1-4
 # (alpha = 0.2, 0.4, 0.6, 0.8 of 10 steps).
-FASTRL = ("method.fastrl.enabled=true", "rollout.prompts_per_step=5", "train.max_steps=10")
+FASTRL = ("method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.ngram=2",
+          "method.fastrl.against=kept", "rollout.prompts_per_step=5", "train.max_steps=10")
 
 
 def comparable(rows):

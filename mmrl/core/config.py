@@ -188,19 +188,19 @@ class FastRLConfig(Section):
     tau: float = Field(0.8, ge=0, le=1)
     """A rollout is dropped when a kept one of equal advantage is closer than this
     (1 - Jaccard similarity of their n-gram sets). 0 keeps everything."""
-    ngram: int = Field(2, ge=1)
-    """n of the n-grams compared (over trained token ids, else words); the released code: 1."""
-    against: Literal["kept", "seed"] = "kept"
-    """Compare each rollout with every kept one of its advantage set (the paper's greedy
-    rule) or only with the set's seed, its highest-|A| member (the released code)."""
+    ngram: int = Field(1, ge=1)
+    """n of the n-grams compared (over trained token ids, else words); 1 as the released code."""
+    against: Literal["kept", "seed"] = "seed"
+    """Compare each rollout only with its advantage set's seed, its highest-|A| member (the
+    released code), or with every kept one of the set ("kept": the paper's greedy rule)."""
     adv_tol: float = Field(1e-4, gt=0)
     """Two advantages closer than this count as equal (one advantage set)."""
     pad_multiple: int | None = Field(None, ge=1)
     """Pad each group's kept count up to a multiple of this with the dropped rollouts of
     highest |A|; None = the data-parallel world size."""
-    ars: bool = True
+    ars: bool = False
     """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts
-    (the released code's FastRL launch script turns it off)."""
+    (off, as the released code's FastRL launch script runs)."""
     min_group_size: int = Field(2, ge=1)
     """ARS never shrinks the group below this."""
 
