@@ -41,8 +41,10 @@ Departures and interpretations (ours):
 - The KL reference pass of the synchronous scheduler runs before pruning (on all
   rollouts); old log-probs come with the rollout, so only the actor passes are saved.
 
-Where the released code (Nicozwy/FastRL, verl/trainer/ray_trainer.py, read 2026-12-02)
-differs from the above, which follows the paper: it buckets advantages by rounding the
+The config's defaults follow the released code (`ngram: 1`, `against: seed`, `ars: false`;
+benchmarks/RESULTS.md compares them with the paper's reading). Where the released code
+(Nicozwy/FastRL, verl/trainer/ray_trainer.py, read 2026-12-02) differs from the above, which
+follows the paper: it buckets advantages by rounding the
 per-sample mean to 4 decimals; it compares token-id sets (1-grams: `ngram: 1` here) and
 compares each rollout only with its set's seed (the highest |A|), not with every kept
 one (`against: seed` here); it pads the whole batch to a multiple of (mini-batch x G) round-robin over
