@@ -210,6 +210,14 @@ def test_invalid_yaml_raises_config_error_naming_the_file(tmp_path):
     assert str(path) in str(info.value) and "not valid YAML" in str(info.value)
 
 
+def test_duplicate_key_raises_config_error_naming_both_lines(tmp_path):
+    path = write(tmp_path, "method:\n  type: grpo\noptim: {lr: 0.1}\nmethod: {type: grpo}\n")
+    msg = config_error(path=path)
+    assert str(path) in msg and "duplicate key 'method' (lines 1 and 4)" in msg
+    with pytest.raises(ConfigError, match="duplicate key 'lr'"):
+        load_config(TrainConfig, overrides=["optim={lr: 1, lr: 2}"])
+
+
 def test_non_utf8_file_raises_config_error(tmp_path):
     path = tmp_path / "bin.yaml"
     path.write_bytes(b"\xff\xfe\x00x")

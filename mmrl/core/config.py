@@ -319,7 +319,22 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 
 class _Loader(yaml.SafeLoader):
-    """safe_load with YAML 1.2 floats: `1e-5` is a float, not the string '1e-5'."""
+    """safe_load with YAML 1.2 floats (`1e-5` is a float, not the string '1e-5') and no
+    duplicate keys: plain YAML keeps the last silently, and a config would lose a section."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (lines {seen[key]} and {line})", key_node.start_mark)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(

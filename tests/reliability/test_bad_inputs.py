@@ -153,6 +153,8 @@ CONFIG_ROWS = {
                                lambda t: ["nope.yaml", "does not exist"]),
     "config-not-yaml": Row("diffusion", lambda t: ["train", "--config", config_file(t, "optim: [1, 2\n")],
                            lambda t: ["bad.yaml", "not valid YAML"]),
+    "config-duplicate-key": Row("vlm", lambda t: ["train", "--config", config_file(t, "seed: 1\noptim: {lr: 0.1}\nseed: 2\n")],
+                                lambda t: ["bad.yaml", "duplicate key 'seed' (lines 1 and 3)"]),
     "config-not-utf8": Row("dllm", lambda t: ["train", "--config", config_file(t, b"seed: 1\n\xff\xfe\n")],
                            lambda t: ["bad.yaml", "not valid YAML"]),
     # a method of another modality
