@@ -43,14 +43,14 @@ Departures and interpretations (ours):
 
 The config's defaults follow the released code (`ngram: 1`, `against: seed`, `ars: false`;
 benchmarks/RESULTS.md compares them with the paper's reading). Where the released code
-(Nicozwy/FastRL, verl/trainer/ray_trainer.py, read 2026-12-02) differs from the above, which
-follows the paper: it buckets advantages by rounding the
-per-sample mean to 4 decimals; it compares token-id sets (1-grams: `ngram: 1` here) and
-compares each rollout only with its set's seed (the highest |A|), not with every kept
-one (`against: seed` here); it pads the whole batch to a multiple of (mini-batch x G) round-robin over
-questions; its reference G'_ref is fixed at the first boundary; and its FastRL launch
-script turns ARS off (RolloutSA=false; here `ars: false`), shrinking the mini-batch
-instead so the number of optimizer updates per step stays about the baseline's.
+(Nicozwy/FastRL, verl/trainer/ray_trainer.py, read 2026-12-02) differs from the above,
+which follows the paper: it buckets advantages by rounding the per-sample mean to 4
+decimals; it compares token-id sets (1-grams: `ngram: 1` here), and each rollout only
+with its set's seed, the highest |A| (`against: seed` here), not with every kept one; it
+pads the whole batch to a multiple of (mini-batch x G), round-robin over questions; its
+reference G'_ref is fixed at the first boundary; and its FastRL launch script turns ARS
+off (RolloutSA=false; here `ars: false`), shrinking the mini-batch instead so the number
+of optimizer updates per step stays about the baseline's.
 """
 
 from __future__ import annotations
