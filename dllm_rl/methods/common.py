@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmrl.core.advantages import group_advantages, zero_variance_groups
+from mmrl.core.advantages import group_advantages, group_stats, zero_variance_groups
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import Method
@@ -50,7 +50,8 @@ class DLLMMethod(Method):
             raise ValueError(f"method.accuracy_band counts the atom {self.success_atom!r}, which this "
                              f"reward does not have (atoms: {', '.join(names)})")
         success = batch.scores.values[:, names.index(self.success_atom)] >= 0.5  # [N]
-        return in_band(group_accuracy(success, batch.group_ids), self.band)
+        accuracy, _, _ = group_stats(success.double(), batch.group_ids)  # [N]: its group's share right
+        return in_band(accuracy, self.band)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
         return group_advantages(batch.rewards, batch.group_ids, scale=self.cfg.scale)
@@ -73,14 +74,6 @@ class DLLMMethod(Method):
             out.loss = out.loss + self.cfg.kl.beta * kl_term
             out.metrics["loss/kl"] = float(kl_term.detach())
         return out
-
-
-def group_accuracy(success: Tensor, group_ids: Tensor) -> Tensor:  # [N]
-    """Each sample's group accuracy: the mean of success [N] (0/1) over its group."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    total = torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, success.double())
-    count = torch.bincount(inv).double()
-    return (total / count)[inv]
 
 
 def in_band(accuracy: Tensor, band: tuple[float, float]) -> Tensor:  # [N] bool
