@@ -21,7 +21,7 @@ from mmrl.core.config import ConfigError, check_remote_code
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
     "output_dir": "runs/dllm-default",
-    "method": {"type": "diffu_grpo", "dynamic_sampling": {"enabled": True}},
+    "method": {"type": "diffu_grpo"},  # d1's code: A = r - group mean, every group trains
     "rollout": {"num_generations": 16, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
                 "steps": 8, "temperature": 0.7},
     "optim": {"lr": 3e-5, "max_grad_norm": 1.0},

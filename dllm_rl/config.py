@@ -95,11 +95,11 @@ class DiffuGRPOConfig(Section):
     """Probability of masking each prompt token in the log-prob pass."""
     clip: float = Field(0.5, gt=0)
     """eps of the PPO clip (d1 uses 0.5)."""
-    scale: Literal["group", "none"] = "group"
-    """Advantage: r - group mean, divided by the group std ("group") or not ("none")."""
+    scale: Literal["group", "none"] = "none"
+    """Advantage: r - group mean, divided by the group std ("group") or not ("none", as d1's code)."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.04))
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
-    """Drop groups whose rewards are all equal (and refill)."""
+    """Drop groups whose rewards are all equal (and refill); off in d1's code."""
 
 
 class TraceRLConfig(Section):

@@ -5,7 +5,7 @@
                log pi(o_k) ~ log p(o_k | masked prompt, fully masked answer) (mean-field)
     inner      mu = train.ppo_epochs passes per rollout, each with its own prompt-mask seed,
                shared by the old and the new log-probs of that pass (d1: mu = 12)
-    advantage  A = (r - group mean) / group std (scale: none drops the std)
+    advantage  A = r - group mean (d1's code; scale: group divides by the group std)
     loss       token-level PPO clip 0.5, averaged over the batch's answer tokens; + beta k3 KL
 
 Departures: d1's KL (beta 0.04) is to a frozen reference model; here it is to the pre-update
@@ -13,6 +13,17 @@ policy (the rollout's weights), as the issue asks, so no reference copy is kept.
 log-probs of all mu masks are computed right after the rollout, under the rollout's weights.
 Prompt-mask seeds are drawn per sample (from the rollout generator), so a sample's mask does
 not depend on how the batch is split into micro-batches.
+
+d1's released code (``diffu-grpo/diffu_grpo_trainer.py`` and ``slurm_scripts/train.yaml``, read
+2026-12-02) differs from the summary above in ways the config can follow or not. The defaults
+follow the first two (since 2026-12-02; before: z-scores, dynamic sampling on):
+- A = r - group mean: the group std is computed for logging only (``scale: none``).
+- Every group trains, zero-std ones included (no filter, no refill: ``dynamic_sampling`` off).
+- Rollouts at temperature 0.9, and the log-probs from the unscaled logits; here both use
+  rollout.temperature, so the ratio is 1 at the first pass.
+- One prompt-mask seed per inner iteration, shared by the whole batch; max_grad_norm 0.2,
+  weight decay 0.1, AdamW betas (0.9, 0.99), LoRA on the 8B model with the adapter-free
+  base as the KL reference.
 """
 
 from __future__ import annotations

@@ -267,7 +267,8 @@ def test_tracerl_accuracy_band_as_dllm_rl_code():
 @pytest.mark.parametrize("method", ["diffu_grpo", "tracerl"])
 def test_one_trainer_step_changes_every_trainable_weight(make_run, tmp_path, reward_spread, method):
     cfg, policy, task = make_run(f"method.type={method}", "train.max_steps=1", "train.ppo_epochs=2",
-                                 "optim.lr=1e-2", "method.dynamic_sampling.enabled=false")
+                                 "optim.lr=1e-2", "method.dynamic_sampling.enabled=false",
+                                 "method.scale=group")  # z-scores: mean |A| near 0.8 when rewards differ
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
     summary = Trainer(cfg, policy, task, output_dir=tmp_path / "out").train()
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
