@@ -95,6 +95,9 @@ class DiffuGRPOConfig(Section):
     """Probability of masking each prompt token in the log-prob pass."""
     clip: float = Field(0.5, gt=0)
     """eps of the PPO clip (d1 uses 0.5)."""
+    logprob_temperature: float | None = Field(None, gt=0)
+    """Temperature of the log-probs; None: rollout.temperature (the sampling policy's). d1's code
+    samples at 0.9 and scores the unscaled logits (1.0)."""
     scale: Literal["group", "none"] = "none"
     """Advantage: r - group mean, divided by the group std ("group") or not ("none", as d1's code)."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.04))

@@ -20,7 +20,8 @@ follow the first two (since 2026-12-02; before: z-scores, dynamic sampling on):
 - A = r - group mean: the group std is computed for logging only (``scale: none``).
 - Every group trains, zero-std ones included (no filter, no refill: ``dynamic_sampling`` off).
 - Rollouts at temperature 0.9, and the log-probs from the unscaled logits; here both use
-  rollout.temperature, so the ratio is 1 at the first pass.
+  rollout.temperature unless ``logprob_temperature`` is set (1.0 for d1's). The ratio is 1 at
+  the first pass either way: old and new log-probs share the temperature.
 - One prompt-mask seed per inner iteration, shared by the whole batch; max_grad_norm 0.2,
   weight decay 0.1, AdamW betas (0.9, 0.99), LoRA on the 8B model with the adapter-free
   base as the KL reference.
@@ -43,6 +44,7 @@ class MeanField:
     def __init__(self, run):
         self.p = run.method.p_mask_prompt
         self.mu = run.train.ppo_epochs
+        self.temperature = run.method.logprob_temperature  # None: the rollout's
 
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         n = len(batch)
@@ -63,7 +65,7 @@ class MeanField:
     def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, C]
         x = self.masked_input(policy, batch, iteration)
         logits = policy.logits(x, batch.data["prompt_valid"])[:, policy.prompt_length:]
-        return token_logprobs(logits, batch.data["completion"], policy.rollout.temperature)
+        return token_logprobs(logits, batch.data["completion"], self.temperature or policy.rollout.temperature)
 
 
 ESTIMATORS["diffu_grpo"] = MeanField

@@ -14,7 +14,7 @@ import torch
 
 from dllm_rl import backend
 from dllm_rl.config import DLLMTrainConfig, TraceRLConfig
-from dllm_rl.logprob import trace_rows
+from dllm_rl.logprob import token_logprobs, trace_rows
 from dllm_rl.methods.diffu_grpo import DiffuGRPO, MeanField
 from dllm_rl.methods.tracerl import TraceRL
 from dllm_rl.task import pass_at_k
@@ -157,10 +157,28 @@ def test_diffu_grpo_prompt_mask_per_row_seed(make_run):
     assert not torch.equal(xs[0], xs[1]) and not torch.equal(xs[1], xs[2])  # a new mask per iteration
 
 
+@pytest.mark.parametrize("logprob_temperature", [None, 1.0])
+def test_diffu_grpo_logprob_temperature(make_run, logprob_temperature):
+    """The log-probs score the mean-field logits at logprob_temperature, or at the rollout's
+    temperature when it is unset (d1's code samples at 0.9 and scores at 1.0)."""
+    sets = ["rollout.temperature=0.5"] + ([f"method.logprob_temperature={logprob_temperature}"]
+                                          if logprob_temperature else [])
+    cfg, policy, task = make_run(*sets)
+    batch = rollout(policy, task, cfg)
+    with torch.no_grad():
+        x = policy.estimator.masked_input(policy, batch, 0)
+        logits = policy.logits(x, batch.data["prompt_valid"])[:, policy.prompt_length:]
+    by_t = {t: token_logprobs(logits, batch.data["completion"], t) for t in (0.5, 1.0)}
+    expected, other = (by_t[1.0], by_t[0.5]) if logprob_temperature else (by_t[0.5], by_t[1.0])
+    assert torch.allclose(batch.data["old_logp_mu"][:, 0], expected, atol=1e-5)
+    assert not torch.allclose(expected, other, atol=1e-3)
+
+
 def test_mean_field_masks_prompt_tokens_at_rate_p():
     """On a hand-made batch (no model): 500 rows x 6 valid prompt tokens, p = 0.15; the masked
     share is within 4 sigma = 4 sqrt(0.15 * 0.85 / 3000) = 0.026 of p."""
-    run = SimpleNamespace(method=SimpleNamespace(p_mask_prompt=0.15), train=SimpleNamespace(ppo_epochs=1))
+    run = SimpleNamespace(method=SimpleNamespace(p_mask_prompt=0.15, logprob_temperature=None),
+                          train=SimpleNamespace(ppo_epochs=1))
     est = MeanField(run)
     n = 500
     prompt = torch.randint(3, 53, (n, 8), generator=torch.Generator().manual_seed(0))
