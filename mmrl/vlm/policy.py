@@ -10,6 +10,7 @@ Rows of a batch are laid out as [prompt (left-padded) | completion (right-padded
     data["completion_ids"], batch.mask          [N, T]  (mask: tokens up to and including end-of-turn)
     data["pixel_values"]                        [N, patches, D]  each sample's own patches, zero-padded
     data["image_grid_thw"]                      [N, images, 3]   zero rows are padding
+                                                (both of width 0 in a round without images)
     data["prompt/<key>"]                        any other per-token processor output ([N, P])
 Batches of different rounds concatenate with zero padding (RolloutBatch.concat);
 padding inside a prompt is masked out, and Qwen's rope index skips masked tokens.
@@ -301,7 +302,7 @@ class VLMPolicy:
     def _vision_rows(self, enc, items) -> dict[str, Tensor]:
         """Split the processor's flat pixel_values / image_grid_thw into per-sample rows."""
         if "pixel_values" not in enc:
-            return {}
+            return self._no_vision_rows(len(items))
         grid = enc["image_grid_thw"]  # [images, 3]
         patches = grid.prod(-1).tolist()
         counts = [len(item.images) for item in items]
@@ -319,6 +320,17 @@ class VLMPolicy:
             pixel[i, :n] = pv[s: s + n]
             thw[i, : len(g)] = g
         return {"pixel_values": pixel, "image_grid_thw": thw}
+
+    def _no_vision_rows(self, n: int) -> dict[str, Tensor]:
+        """Vision rows of width 0 for a round without images, where the processor cuts images
+        into patches (the Qwen-VL families): all padding, so that the round concatenates with
+        rounds that have images (a JSONL dataset mixing text-only and image questions)."""
+        ip = getattr(self.processor, "image_processor", None)
+        size, frames = getattr(ip, "patch_size", None), getattr(ip, "temporal_patch_size", None)
+        if not (isinstance(size, int) and isinstance(frames, int)):
+            return {}
+        return {"pixel_values": torch.zeros((n, 0, 3 * frames * size * size)),
+                "image_grid_thw": torch.zeros((n, 0, 3), dtype=torch.long)}
 
     # ------------------------------------------------------------------ training forward
 
@@ -351,6 +363,8 @@ class VLMPolicy:
         rows = [d["pixel_values"][i, : int(per_image[i].sum())] for i in range(n)]
         grids = [grid[i][per_image[i] > 0] for i in range(n)]
         flat_grid = grid[per_image > 0]
+        if not len(flat_grid):  # no row has an image: a text-only part of a mixed batch
+            return {}
         first = _repeated_rows(rows, grids) if self._takes_encoded_images else list(range(n))
         if len(set(first)) == n:  # nothing to share, or a model that only takes pixels
             return {"pixel_values": torch.cat(rows), "image_grid_thw": flat_grid}
@@ -496,6 +510,12 @@ def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
                 and rows[i].shape == rows[j].shape and torch.equal(rows[i], rows[j]))
         first.append(j if same else i)
     return first
+
+
+def has_images(data: dict[str, Tensor]) -> bool:
+    """Whether any row of a batch's data (the layout above) carries an image."""
+    grid = data.get("image_grid_thw")
+    return grid is not None and bool(grid.prod(-1).any())
 
 
 def to_sample(item, completion: str) -> Sample:

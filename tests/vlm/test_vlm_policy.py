@@ -144,6 +144,26 @@ def test_concat_of_rounds_with_different_prompt_lengths_scores_the_same(qwen25_d
     torch.testing.assert_close(lboth[2:, : lb.shape[1]], lb, atol=2e-4, rtol=1e-4)
 
 
+def test_text_only_rounds_and_slices_of_a_mixed_dataset_score_the_same(qwen25_dir):
+    """A JSONL dataset may mix text-only and image questions: a text-only round concatenates
+    with an image round (a DAPO refill), and the text-only rows of a mixed batch score alone
+    (a micro-batch, or a pipelined group) with the log-probs they have in the whole batch."""
+    policy = make_policy(qwen25_dir)
+    g = torch.Generator().manual_seed(4)
+    text = QAItem(images=[], question="What colour is the square?", answer="red", reference="", meta={"answer": "red"})
+    words = policy.generate([text], 2, rollout_cfg(), g)
+    assert not words.data["image_grid_thw"].numel()  # width 0: all padding
+    image = policy.generate([ITEMS[0]], 2, rollout_cfg(), g)
+    both = RolloutBatch.concat([image, words])
+    with torch.no_grad():
+        lw, li, lboth = policy.logprobs(words), policy.logprobs(image), policy.logprobs(both)
+        alone = policy.logprobs(both.select(torch.tensor([2, 3])))
+    torch.testing.assert_close(lw[words.mask], words.old_logp[words.mask], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(lboth[:2, : li.shape[1]], li, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(lboth[2:, : lw.shape[1]], lw, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(alone, lboth[2:], atol=2e-4, rtol=1e-4)
+
+
 def test_completion_mask_and_vision_tokens_never_generated(qwen25_dir):
     policy = make_policy(qwen25_dir)
     eos, pad, x = policy.eos_id, policy.pad_id, 5

@@ -32,6 +32,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.grpo import GRPO
 from mmrl.core.method import register_method
 from mmrl.vlm.interventions import black_row, blur, mask_patches
+from mmrl.vlm.policy import has_images
 
 
 def visual_dependency(logp_aug: Tensor, logp: Tensor, mask: Tensor, cap: float = 10.0) -> Tensor:
@@ -67,7 +68,7 @@ class VPPO(GRPO):
     def intervened_logp(self, policy, batch: RolloutBatch) -> Tensor | None:
         """[N, T] log-probs of the batch's responses re-scored with the image intervened:
         random patches blacked out, or blurred (None for a batch without images)."""
-        if "pixel_values" not in batch.data:
+        if not has_images(batch.data):
             return None
         pixels, grid = batch.data["pixel_values"], batch.data["image_grid_thw"]
         ip = policy.processor.image_processor
