@@ -188,13 +188,21 @@ class DiffusionPolicy:
         """The KL reference: the starting weights (under LoRA, the base with adapters disabled)."""
         return _Reference(self)
 
+    def rollout_copy(self) -> _Reference:
+        """A pipelined engine's own weights (mmrl.core.engine.PolicyEngine): a frozen copy of
+        the current ones, adapters included, that samples; publish loads new weights into it."""
+        return _Reference(self, share_base=False)
+
 
 class _Reference:
-    """The starting weights, frozen. Its transformer rows count in the policy's
+    """A frozen copy of the policy's weights: the KL reference (the starting weights) or an
+    engine's (`rollout_copy`). Its transformer rows count in the policy's
     cost/model_evaluations like the policy's own."""
 
-    def __init__(self, policy: DiffusionPolicy):
-        self.lora = hasattr(policy.model, "peft_config")
+    def __init__(self, policy: DiffusionPolicy, *, share_base: bool = True):
+        # Under LoRA the KL reference is the policy's own model with its adapters disabled,
+        # so no second copy is kept; a rollout copy always holds weights of its own.
+        self.lora = share_base and hasattr(policy.model, "peft_config")
         self.owner = policy.flow  # whose evaluations counter the rows are charged to
         if self.lora:
             self.policy = policy
@@ -215,6 +223,12 @@ class _Reference:
         finally:
             if not self.lora:
                 self.owner.evaluations += self.policy.flow.evaluations - before
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator
+                 ) -> RolloutBatch:
+        with self._off():
+            return self.policy.generate(prompts, num_generations, rollout, generator)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Tensor:

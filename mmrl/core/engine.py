@@ -83,12 +83,13 @@ def load_named(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
 
 class PolicyEngine:
     """A backend policy as an engine. `own_weights=True` keeps a frozen copy
-    (policy.reference()) that changes only on publish, so the trainer may step
-    while the engine samples; False samples with the trainer's own weights."""
+    (policy.rollout_copy() where the backend has one, else policy.reference()) that changes
+    only on publish, so the trainer may step while the engine samples; False samples with
+    the trainer's own weights."""
 
     def __init__(self, policy, *, own_weights: bool, name: str = "local"):
         self.name = name
-        self.policy = policy.reference() if own_weights else policy
+        self.policy = getattr(policy, "rollout_copy", policy.reference)() if own_weights else policy
         self.own_weights = own_weights
         self.version = 0
         self._prefixes = "prefixes" in inspect.signature(self.policy.generate).parameters

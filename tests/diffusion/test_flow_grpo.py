@@ -109,6 +109,38 @@ def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path):
 
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_pipelined_engine_samples_with_its_own_copy_of_the_weights(flux_dir, tmp_path, lora):
+    """rollout.scheduler.mode=pipelined runs a background engine on a frozen copy of the
+    weights (adapters included under LoRA, where the KL reference is the adapter-free base):
+    it samples as the policy does, keeps its weights while the trainer's move, takes them on
+    publish, and charges its rows to the policy's cost/model_evaluations."""
+    from mmrl.core.engine import PolicyEngine, trainable_weights
+
+    extra = ["model.lora.r=4"] if lora else []
+    cfg, policy, task = make(flux_dir, tmp_path, *extra)
+    engine = PolicyEngine(policy, own_weights=True)
+
+    def final(p):
+        return p.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0)).data["final_latents"]
+
+    policy.step_costs()
+    start = final(engine.policy)
+    assert policy.step_costs()["cost/model_evaluations"] > 0  # the copy's rows, on the policy's counter
+    assert torch.equal(start, final(policy))
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    moved = final(policy)
+    assert not torch.equal(moved, start) and torch.equal(final(engine.policy), start)
+    engine.publish(trainable_weights(policy.model), 1)
+    assert torch.equal(final(engine.policy), moved)
+    cfg, policy, task = make(flux_dir, tmp_path, "train.max_steps=2", "rollout.scheduler.mode=pipelined",
+                             "task.grid_prompts=0", *extra)
+    assert Trainer(cfg, policy, task).train()["steps"] == 2
+
+
 @pytest.mark.parametrize("family", ["flux", "flux2", "sd3", "qwen_image"])
 def test_one_flow_grpo_step_per_family(family, tmp_path, reward_spread):
     """Each supported diffusers family (tiny random configs with latent VAEs): one SDE rollout
