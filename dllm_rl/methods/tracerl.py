@@ -5,7 +5,8 @@ language models"; code: Gen-Verse/dLLM-RL), METHODS.md section 5.
                committed (its trajectory)
     rows       every s = merge_steps consecutive decoding steps of a rollout make one training
                row: its input masks every token committed at or after the row's first step, its
-               targets are the tokens committed within those steps (<= ceil(K / s) rows)
+               targets are the tokens committed within those steps (<= ceil(K / s) rows; a row
+               whose steps committed only the filler after <eos> is not run)
     log-prob   log pi(o_k) = the row's prediction of o_k given that partially decoded state:
                the policy is trained on the states it actually decoded through
     advantage  A = (r - group mean) / group std
@@ -47,13 +48,17 @@ class Trace:
         # merged group, its input the state at the group's first step.
         rows = trace_rows(batch.data["commit_step"], s=self.s)
         target = rows.target & batch.mask[rows.sample]  # answer tokens only (not the eos filler)
-        completion = batch.data["completion"][rows.sample]
-        noisy = torch.where(rows.input_masked, torch.full_like(completion, policy.predictor.mask_token_id),
+        # A row whose steps committed only the filler after <eos> has nothing to train: it gets
+        # no forward pass (with short answers that is 40% of the rows).
+        keep = target.any(-1)
+        sample, target = rows.sample[keep], target[keep]
+        completion = batch.data["completion"][sample]
+        noisy = torch.where(rows.input_masked[keep], torch.full_like(completion, policy.predictor.mask_token_id),
                             completion)
-        x = torch.cat([batch.data["prompt_ids"][rows.sample], noisy], 1)
-        logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]
+        x = torch.cat([batch.data["prompt_ids"][sample], noisy], 1)
+        logits = policy.logits(x, batch.data["prompt_valid"][sample])[:, policy.prompt_length:]
         logp = token_logprobs(logits, completion, policy.rollout.temperature)  # [R, C]
-        return scatter_rows(logp, rows.sample, target, len(batch))
+        return scatter_rows(logp, sample, target, len(batch))
 
 
 ESTIMATORS["tracerl"] = Trace

@@ -15,6 +15,7 @@ import torch
 from dllm_rl import backend
 from dllm_rl.config import DLLMTrainConfig, TraceRLConfig
 from dllm_rl.logprob import token_logprobs, trace_rows
+from dllm_rl.methods.common import ESTIMATORS, scatter_rows
 from dllm_rl.methods.diffu_grpo import DiffuGRPO, MeanField
 from dllm_rl.methods.tracerl import TraceRL
 from dllm_rl.task import pass_at_k
@@ -233,6 +234,30 @@ def test_tracerl_rows_cover_each_answer_token_once(make_run, s):
     for r in range(len(rows.sample)):
         i = int(rows.sample[r])
         assert torch.equal(rows.input_masked[r], cs[i] >= rows.step[r])
+
+
+def test_tracerl_runs_no_row_that_commits_only_filler(make_run):
+    """A row whose steps committed only the filler after <eos> has no target: the estimator
+    runs no forward pass for it, and every answer token gets the log-prob it has when all the
+    rows run."""
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=1", *BLOCKS)
+    bias_eos(policy, 2.0)
+    batch = rollout(policy, task, cfg)
+    rows = trace_rows(batch.data["commit_step"], s=1)
+    target = rows.target & batch.mask[rows.sample]
+    trained = int(target.any(-1).sum())
+    assert 0 < trained < len(rows.sample)  # some rows commit filler alone: the check is not vacuous
+    completion = batch.data["completion"][rows.sample]
+    x = torch.cat([batch.data["prompt_ids"][rows.sample],
+                   completion.masked_fill(rows.input_masked, policy.predictor.mask_token_id)], 1)
+    with torch.no_grad():
+        logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]
+    every_row = scatter_rows(token_logprobs(logits, completion, cfg.rollout.temperature), rows.sample, target,
+                             len(batch))
+    policy.step_costs()
+    got = ESTIMATORS["tracerl"](cfg).logprobs(policy, batch, 0)
+    assert policy.step_costs()["cost/train_rows"] == trained
+    torch.testing.assert_close(got.detach(), every_row, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
