@@ -51,6 +51,10 @@ class DLLMRolloutConfig(RolloutConfig):
     """tau of SLIM-RL's tau_budget."""
     m: float = Field(1.0, gt=0)
     """Risk budget scale of tau_budget: b = m (1 - tau)."""
+    stop_at_eos: bool = False
+    """Stop decoding an answer once its <eos> is committed with every position before it
+    filled (LLaDA2's eos_early_stop): the same answers, fewer NFE. Off: the whole gen_length
+    is decoded, as LLaDA does."""
     eval_samples: int = Field(0, ge=0)
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only."""

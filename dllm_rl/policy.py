@@ -113,7 +113,8 @@ class DLLMPolicy:
         result = decode(lambda x: self.logits(x, valid), ids, gen_length=r.gen_length,
                         block_length=r.block_length, steps=r.steps, mask_id=self.predictor.mask_token_id,
                         strategy=strategy or r.strategy, temperature=temperature, threshold=r.threshold,
-                        tau=r.tau, m=r.m, generator=generator, record_states=record_states)
+                        tau=r.tau, m=r.m, generator=generator, record_states=record_states,
+                        stop_id=self.predictor.eos_token_id if r.stop_at_eos else None)
         return result, valid
 
     def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator,

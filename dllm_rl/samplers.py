@@ -34,6 +34,10 @@ Departures from the reference code:
   at least 1. "ar" takes block_length steps per block whatever `steps` says.
 - Rows that finish a block early wait (commit nothing) until the batch finishes it; those
   steps are not counted in their NFE (`active`).
+- `stop_id` (ours; LLaDA2's `eos_early_stop`): a row stops once it has committed that token
+  (<eos>) with every position before it filled. Its answer is then final, since tokens are
+  never re-masked; the positions after it stay masked (commit_step -1) and its later steps
+  cost no NFE. Off (None) by default, as LLaDA decodes the whole gen_length.
 """
 
 from __future__ import annotations
@@ -195,7 +199,7 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
            block_length: int, steps: int, mask_id: int, strategy: str = "low_confidence",
            temperature: float = 0.0, threshold: float = 0.8, tau: float = 0.9, m: float = 1.0,
            generator: torch.Generator | None = None,
-           record_states: bool = False) -> DecodeResult:
+           record_states: bool = False, stop_id: int | None = None) -> DecodeResult:
     """Block-wise masked-diffusion decoding; see the module docstring.
 
     logits_fn: x [B, P+gen_length] -> logits [B, P+gen_length, V] (one call per step).
@@ -226,13 +230,15 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
     commit_conf = torch.zeros(B, gen_length, dtype=torch.float32, device=device)
     fallbacks, actives, wrongs, states = [], [], [], []
     s = 0  # global step index
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # stopped at stop_id
+    before = torch.arange(gen_length, device=device)
 
     for b in range(num_blocks):
         lo, hi = b * block_length, (b + 1) * block_length                     # in completion
         schedule = num_transfer_tokens(is_masked[:, lo:hi].sum(1), steps_per_block)
         i = 0
         while True:
-            masked = is_masked[:, lo:hi]                                      # [B, bl]
+            masked = is_masked[:, lo:hi] & ~done[:, None]                     # [B, bl]
             active = masked.any(1)                                            # [B]
             if not active.any() or (strategy == "low_confidence" and i >= steps_per_block):
                 break
@@ -246,7 +252,7 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
             c = select_commits(conf, masked, strategy=strategy, num_commit=n,
                                threshold=threshold, tau=tau, m=m)
             x[:, P + lo:P + hi] = torch.where(c.mask, x0, x[:, P + lo:P + hi])
-            is_masked[:, lo:hi] = masked & ~c.mask
+            is_masked[:, lo:hi] &= ~c.mask
             commit_step[:, lo:hi][c.mask] = s
             commit_logp[:, lo:hi][c.mask] = logp[c.mask].float()
             commit_conf[:, lo:hi][c.mask] = conf[c.mask].float()
@@ -255,7 +261,11 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
             wrongs.append(c.expected_wrong.float())
             i += 1
             s += 1
-        if is_masked[:, lo:hi].any():  # unreachable: the schedule sums to the masked count
+            if stop_id is not None:  # a stop token committed with nothing masked before it
+                stop = ~is_masked & (x[:, P:] == stop_id)
+                first = torch.where(stop.any(1), stop.int().argmax(1), gen_length)
+                done |= stop.any(1) & ~(is_masked & (before[None] < first[:, None])).any(1)
+        if (is_masked[:, lo:hi] & ~done[:, None]).any():  # unreachable: the schedule sums to the masked count
             raise RuntimeError(f"block {b} left masked positions after {i} steps")
 
     def stack(xs, dtype):

@@ -66,6 +66,21 @@ def test_completion_mask_and_answer_text_by_hand(make_run):
     assert policy.answer_text(completion) == ["2", "2345", ""]
 
 
+def test_stop_at_eos_gives_the_same_greedy_answers_with_fewer_nfe(make_run):
+    """rollout.stop_at_eos: an answer stops at its <eos>; greedy decoding draws nothing at
+    random, so every answer is the one the whole decode gives, for fewer NFE."""
+    _, policy, task = make_run(*BLOCKS)
+    bias_eos(policy, 2.0)
+    texts = [p.prompt for p in task.eval_problems[:8]]
+    for strategy in ("low_confidence", "ar"):
+        full, _ = policy.decode(texts, None, temperature=0.0, strategy=strategy)
+        policy.rollout.stop_at_eos = True
+        cut, _ = policy.decode(texts, None, temperature=0.0, strategy=strategy)
+        policy.rollout.stop_at_eos = False
+        assert policy.answer_text(cut.completion) == policy.answer_text(full.completion)
+        assert (cut.nfe <= full.nfe).all() and (cut.nfe < full.nfe).any()
+
+
 def test_generate_batch_layout(make_run):
     cfg, policy, task = make_run()
     bias_eos(policy)

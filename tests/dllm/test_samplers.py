@@ -252,6 +252,33 @@ def test_rows_done_early_do_not_count_nfe():
     check_invariants(r)
 
 
+@pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork", "tau_budget", "ar"])
+def test_stop_id_ends_an_answer_at_its_first_stop_token(strategy):
+    """stop_id: a row stops once the token is committed with nothing masked before it. What it
+    committed is what the whole decode commits there (one row per decode, so the random draws
+    agree up to the stop), the rest stays masked, and later steps cost no NFE."""
+    kw = {"gen_length": 16, "block_length": 4, "steps": 8, "mask_id": MASK, "strategy": strategy,
+          "temperature": 1.0, "threshold": 0.5}
+    stopped = 0
+    for seed in range(6):
+        for b in range(len(PROMPT)):
+            full = decode(seeded_model(), PROMPT[b:b + 1], generator=torch.Generator().manual_seed(seed), **kw)
+            row = full.completion[0].tolist()
+            stop = row[5]  # a token the answer holds, so the stop is reached
+            k = row.index(stop)
+            cut = decode(seeded_model(), PROMPT[b:b + 1], generator=torch.Generator().manual_seed(seed),
+                         stop_id=stop, **kw)
+            committed = cut.commit_step[0] >= 0  # through the stop, and whatever the same steps filled after it
+            assert committed[: k + 1].all()
+            assert torch.equal(cut.completion[0][committed], full.completion[0][committed])
+            assert (cut.completion[0][~committed] == MASK).all()
+            assert cut.nfe[0] <= full.nfe[0]
+            stopped += int(cut.nfe[0] < full.nfe[0])
+            if strategy == "ar":
+                assert int(cut.nfe[0]) == k + 1 and int(committed.sum()) == k + 1
+    assert stopped > 0
+
+
 def test_seeds():
     def sample(seed):
         return run(temperature=1.0, generator=torch.Generator().manual_seed(seed),
