@@ -76,7 +76,23 @@ def build(cfg: DLLMTrainConfig):
         policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg))
     except PromptTooLong as e:
         raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {longest.prompt!r})") from e
+    check_answer_room(task, tok, cfg.rollout)
     return policy, task
+
+
+def check_answer_room(task: DLLMTask, tok, rollout) -> None:
+    """A ConfigError where the longest reference answer and its <eos> do not fit gen_length:
+    no rollout could then be right on it (sudoku's 19-character grids at the default 8)."""
+    lengths = {p.reference: len(tok(p.reference, add_special_tokens=False)["input_ids"])
+               for p in task.train + task.eval_problems}
+    answer = max(lengths, key=lengths.get)
+    need = lengths[answer] + 1
+    if need > rollout.gen_length:
+        raise ConfigError(
+            f"rollout.gen_length ({rollout.gen_length}) cannot hold the task's answers: {answer!r} is "
+            f"{need - 1} tokens, {need} with its <eos>. Set rollout.gen_length to at least {need} (a multiple "
+            f"of rollout.block_length {rollout.block_length}, with rollout.steps to match)"
+        )
 
 
 def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int) -> list[dict]:

@@ -379,6 +379,17 @@ def test_prompt_longer_than_the_context_fails_at_build(tmp_path, monkeypatch):
         backend.build(cfg)
 
 
+def test_answers_longer_than_gen_length_fail_at_build(tiny_dllm):
+    """sudoku's grids (19 characters and an <eos>) at arith's 8 positions: no rollout could be
+    right, so the config is refused before any decoding, naming the answer and the length needed."""
+    cfg = _config(f"model.path={tiny_dllm}", "task.type=sudoku", "task.num_train=4", "task.num_eval=2", *BLOCKS)
+    with pytest.raises(ConfigError, match=r"rollout.gen_length \(8\) cannot hold the task's answers: '[1-4|]{19}' "
+                                          r"is 19 tokens, 20 with its <eos>. Set rollout.gen_length to at least 20"):
+        backend.build(cfg)
+    backend.build(_config(f"model.path={tiny_dllm}", "task.type=sudoku", "task.num_train=4", "task.num_eval=2",
+                          "rollout.gen_length=20", "rollout.block_length=4", "rollout.steps=20"))
+
+
 def test_mask_token_outside_the_vocabulary_is_a_config_error(tiny_dllm):
     # 53 tokens: ids 0..52, so 53 is the first id outside
     with pytest.raises(ConfigError, match=r"mask_token_id 53 is not in the model's vocabulary"):
