@@ -278,3 +278,14 @@ def test_bad_config_atom_is_a_config_error(tmp_path):
                       overrides=[f"output_dir={tmp_path}", "reward.atoms=[missing.py:fn]"])
     with pytest.raises(ConfigError, match="reward.atoms.*missing.py"):
         Trainer(cfg, *toy.build(cfg))
+
+
+def test_one_sample_per_group_is_a_config_error_before_any_rollout(tmp_path):
+    """With G = 1 every advantage is 0 (each sample is its group's mean): a run would spend its
+    compute learning nothing from the reward, so it is refused at the start."""
+    from mmrl.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.num_generations must be at least 2 to train"):
+        make(tmp_path, "rollout.num_generations=1")
+    assert not (tmp_path / "run").exists()
+    make(tmp_path, "rollout.num_generations=2")

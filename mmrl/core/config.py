@@ -201,8 +201,8 @@ class FastRLConfig(Section):
     ars: bool = False
     """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts
     (off, as the released code's FastRL launch script runs)."""
-    min_group_size: int = Field(2, ge=1)
-    """ARS never shrinks the group below this."""
+    min_group_size: int = Field(2, ge=2)
+    """ARS never shrinks the group below this (a group of one sample has no advantage)."""
 
 
 class GRPOConfig(Section):

@@ -63,6 +63,10 @@ def groups_per_update(cfg: TrainConfig) -> int:
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     sc, tc = cfg.rollout.scheduler, cfg.train
+    if cfg.rollout.num_generations < 2:  # a valid rollout setting (SFT and sampling use it), not a training one
+        raise ConfigError("rollout.num_generations must be at least 2 to train: every method compares a sample "
+                          "with the others of its group (advantages, FTFC's tilt), so with one sample per group "
+                          "every advantage is 0 and nothing is learnt from the reward")
     if cfg.rollout.engine != "hf" and placement(cfg) == "inline":
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} runs as a worker: "
                           "rollout.scheduler.placement cannot be inline")
