@@ -289,3 +289,20 @@ def test_one_sample_per_group_is_a_config_error_before_any_rollout(tmp_path):
         make(tmp_path, "rollout.num_generations=1")
     assert not (tmp_path / "run").exists()
     make(tmp_path, "rollout.num_generations=2")
+
+
+def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_changed(tmp_path):
+    """--resume rewrites config.yaml with the settings it runs under. Where they differ from the
+    run's in more than its length, the earlier record is kept beside it and a warning names the
+    changes; a resume that only extends the run warns nothing."""
+    make(tmp_path, "train.max_steps=1").train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(tmp_path, "train.max_steps=2").train(resume=True)
+    assert not list((tmp_path / "run").glob("config.before-*"))
+    with pytest.warns(UserWarning, match=r"--resume at step 2 with settings that differ from the run's: "
+                                         r"optim.lr: 0.003 -> 0.005\. The earlier config.yaml is kept as "
+                                         r"config.before-step-2.yaml"):
+        make(tmp_path, "train.max_steps=3", "optim.lr=0.005").train(resume=True)
+    kept = (tmp_path / "run" / "config.before-step-2.yaml").read_text()
+    assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()

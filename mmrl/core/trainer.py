@@ -139,6 +139,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
+    def _keep_changed_config(self, config: dict[str, Any]) -> None:
+        """On --resume: where the config differs from the run's config.yaml in more than its
+        length, keep that record as config.before-step-N.yaml and say what changed."""
+        path = self.out / "config.yaml"
+        if not path.is_file():
+            return
+        before = yaml.safe_load(path.read_text()) or {}
+        changed = [c for c in config_changes(before, config) if not c.startswith("train.max_steps:")]
+        if changed:
+            kept = self.out / f"config.before-step-{self.step}.yaml"
+            kept.write_text(path.read_text())
+            warnings.warn(f"--resume at step {self.step} with settings that differ from the run's: "
+                          f"{'; '.join(changed)}. The earlier config.yaml is kept as {kept.name}", stacklevel=3)
+
     def train(self, resume: bool = False) -> dict[str, Any]:
         tc = self.cfg.train
         if resume:
@@ -155,7 +169,10 @@ class Trainer:
         if main:
             ckpt.clean_partial(self.checkpoint_dir)
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            config = self.cfg.model_dump(mode="json")
+            if resume:
+                self._keep_changed_config(config)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         started = time.perf_counter()
         logger = RunLogger(
             self.out, total_steps=tc.max_steps, start_step=self.step,
@@ -512,6 +529,18 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
             warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dumps, "key: old -> new"."""
+    out = []
+    for k in sorted(set(before) | set(after)):
+        a, b = before.get(k), after.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
 
 
 def _waiting(wait: float, busy: float) -> dict[str, float]:
