@@ -145,11 +145,12 @@ class Trainer:
         path = self.out / "config.yaml"
         if not path.is_file():
             return
-        before = yaml.safe_load(path.read_text()) or {}
-        changed = [c for c in config_changes(before, config) if not c.startswith("train.max_steps:")]
+        text = path.read_text()
+        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config)
+                   if not c.startswith("train.max_steps:")]
         if changed:
             kept = self.out / f"config.before-step-{self.step}.yaml"
-            kept.write_text(path.read_text())
+            kept.write_text(text)
             warnings.warn(f"--resume at step {self.step} with settings that differ from the run's: "
                           f"{'; '.join(changed)}. The earlier config.yaml is kept as {kept.name}", stacklevel=3)
 
