@@ -110,11 +110,12 @@ class DLLMPolicy:
                strategy: str | None = None, record_states: bool = False) -> tuple[DecodeResult, Tensor]:
         r = self.rollout
         ids, valid = self.encode_prompts(texts)
-        result = decode(lambda x: self.logits(x, valid), ids, gen_length=r.gen_length,
+        # rows_arg: rows that finished the block (or stopped at <eos>) are not run
+        result = decode(lambda x, rows: self.logits(x, valid[rows]), ids, gen_length=r.gen_length,
                         block_length=r.block_length, steps=r.steps, mask_id=self.predictor.mask_token_id,
                         strategy=strategy or r.strategy, temperature=temperature, threshold=r.threshold,
                         tau=r.tau, m=r.m, generator=generator, record_states=record_states,
-                        stop_id=self.predictor.eos_token_id if r.stop_at_eos else None)
+                        stop_id=self.predictor.eos_token_id if r.stop_at_eos else None, rows_arg=True)
         return result, valid
 
     def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator,

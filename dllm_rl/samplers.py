@@ -33,7 +33,10 @@ Departures from the reference code:
   (used only by tau_budget) is the LLaDA schedule at step min(i, steps_per_block - 1),
   at least 1. "ar" takes block_length steps per block whatever `steps` says.
 - Rows that finish a block early wait (commit nothing) until the batch finishes it; those
-  steps are not counted in their NFE (`active`).
+  steps are not counted in their NFE (`active`). With `rows_arg=True` the model is not run
+  on them either: `logits_fn(x[rows], rows)` gets only the rows still decoding, so their
+  NFE saving is a compute saving. The random draws are still made for the whole batch, so
+  a seed samples the same answers either way.
 - `stop_id` (ours; LLaDA2's `eos_early_stop`): a row stops once it has committed that token
   (<eos>) with every position before it filled. Its answer is then final, since tokens are
   never re-masked; the positions after it stay masked (commit_step -1) and its later steps
@@ -176,6 +179,20 @@ def state_at(tokens: Tensor, commit_step: Tensor, step: int | Tensor, *,
     return out
 
 
+def _block_logits(logits_fn, x: Tensor, active: Tensor | None, lo: int, hi: int) -> Tensor:
+    """float64 [B, hi - lo, V] logits of the block. With `active`, only those rows are run; the
+    others get zeros, which nothing reads (they have no masked position to commit) but which
+    keep the Gumbel draws the batch's."""
+    if active is None or bool(active.all()):
+        return (logits_fn(x, torch.arange(x.shape[0], device=x.device)) if active is not None
+                else logits_fn(x))[:, lo:hi].double()
+    rows = active.nonzero().squeeze(1)
+    part = logits_fn(x[rows], rows)[:, lo:hi].double()
+    out = part.new_zeros(x.shape[0], *part.shape[1:])
+    out[rows] = part
+    return out
+
+
 def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None):
     """logits [B, L, V] float64 -> (x0 [B, L], confidence [B, L], logp [B, L]).
     Gumbel-max: argmax(logits / T + g), g = -log(-log(u)), u ~ U(0, 1) in float64."""
@@ -199,10 +216,13 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
            block_length: int, steps: int, mask_id: int, strategy: str = "low_confidence",
            temperature: float = 0.0, threshold: float = 0.8, tau: float = 0.9, m: float = 1.0,
            generator: torch.Generator | None = None,
-           record_states: bool = False, stop_id: int | None = None) -> DecodeResult:
+           record_states: bool = False, stop_id: int | None = None,
+           rows_arg: bool = False) -> DecodeResult:
     """Block-wise masked-diffusion decoding; see the module docstring.
 
-    logits_fn: x [B, P+gen_length] -> logits [B, P+gen_length, V] (one call per step).
+    logits_fn: x [B, P+gen_length] -> logits [B, P+gen_length, V] (one call per step);
+      with rows_arg, (x[rows] [b, P+gen_length], rows LongTensor [b]) -> [b, P+gen_length, V]
+      for the b rows still decoding (a row's logits must not depend on the other rows).
     prompt_ids [B, P]: left-padded by the caller, never modified.
     """
     if strategy not in STRATEGIES:
@@ -244,7 +264,7 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
                 break
             if record_states:
                 states.append(x.clone())
-            logits = logits_fn(x)[:, P + lo:P + hi].double()                  # [B, bl, V]
+            logits = _block_logits(logits_fn, x, active if rows_arg else None, P + lo, P + hi)
             x0, conf, logp = _draw(logits, temperature, generator)
             n = schedule[:, min(i, steps_per_block - 1)]
             if strategy == "tau_budget":

@@ -279,6 +279,30 @@ def test_stop_id_ends_an_answer_at_its_first_stop_token(strategy):
     assert stopped > 0
 
 
+@pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork", "tau_budget", "ar"])
+@pytest.mark.parametrize("stop", [None, 2])
+def test_rows_arg_runs_only_decoding_rows_and_samples_the_same(strategy, stop):
+    """rows_arg: the model sees only the rows still decoding, and the result is the whole-batch
+    decode's, field by field (the draws stay the batch's)."""
+    model, seen = seeded_model(), []
+
+    def by_rows(x, rows):
+        seen.append(rows.tolist())
+        return model(x)
+    prompt = torch.tensor([[1, 2], [3, 0], [4, 4], [0, 1], [2, 2], [3, 3]])
+    kw = {"gen_length": 16, "block_length": 4, "steps": 8, "mask_id": MASK, "strategy": strategy,
+          "temperature": 1.0, "threshold": 0.5, "stop_id": stop, "record_states": True}
+    whole = decode(model, prompt, generator=torch.Generator().manual_seed(3), **kw)
+    part = decode(by_rows, prompt, generator=torch.Generator().manual_seed(3), rows_arg=True, **kw)
+    for field in ("tokens", "commit_step", "commit_logp", "commit_confidence", "fallback", "active",
+                  "nfe", "expected_wrong", "states"):
+        assert torch.equal(getattr(whole, field), getattr(part, field)), field
+    assert [sorted(r) for r in seen] == [a.nonzero().squeeze(1).tolist() for a in whole.active.T]
+    assert sum(map(len, seen)) == int(whole.nfe.sum())
+    if strategy in ("threshold", "fork"):  # this model makes some row wait, so rows were saved
+        assert int(whole.nfe.sum()) < whole.num_steps * len(prompt)
+
+
 def test_seeds():
     def sample(seed):
         return run(temperature=1.0, generator=torch.Generator().manual_seed(seed),
