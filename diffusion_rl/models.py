@@ -83,6 +83,7 @@ import contextlib
 import importlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -193,6 +194,7 @@ class FlowModel:
         self.pixel_patch = int(pixel_space["patch_size"]) if pixel_space else None
         self.prediction = (pixel_space or {}).get("prediction", "velocity")
         self.evaluations = 0  # transformer rows run by `velocity` (2 per sample under CFG): compute spent
+        self._evaluations_lock = threading.Lock()  # a pipelined engine's copy charges rows from its thread
         if self.prediction not in ("velocity", "sample"):
             raise ConfigError(f"pixel_space.json: prediction must be 'velocity' or 'sample', not {self.prediction!r}")
         self.height, self.width = int(height), int(width)
@@ -276,6 +278,11 @@ class FlowModel:
         generator's device in the pipeline's own latent shape, then packed."""
         return self._draw(n, generator).float().to(self.device)
 
+    def charge(self, rows: int) -> None:
+        """Add transformer rows to `evaluations` (thread-safe: copies share the lock)."""
+        with self._evaluations_lock:
+            self.evaluations += rows
+
     def velocity(self, latents: Tensor, sigma: Tensor | float, cond: dict[str, Tensor]) -> Tensor:
         """One transformer forward (two rows per sample with CFG) -> v [N, L, C] float32.
         Differentiable w.r.t. the transformer's parameters; computed in its dtype."""
@@ -284,7 +291,7 @@ class FlowModel:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         sigma = sigma.expand(n) if sigma.ndim == 0 else sigma.reshape(n)
         pos = {k: v for k, v in cond.items() if not k.startswith("neg/")}
-        self.evaluations += n if self.guidance_scale <= 1.0 else 2 * n
+        self.charge(n if self.guidance_scale <= 1.0 else 2 * n)
         if self.guidance_scale <= 1.0:
             return self._as_velocity(self._forward(x, sigma, self._rows(pos, n)).float(), x, sigma)
         neg = {k[4:]: v for k, v in cond.items() if k.startswith("neg/")}

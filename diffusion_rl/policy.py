@@ -222,7 +222,7 @@ class _Reference:
                 yield
         finally:
             if not self.lora:
-                self.owner.evaluations += self.policy.flow.evaluations - before
+                self.owner.charge(self.policy.flow.evaluations - before)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator

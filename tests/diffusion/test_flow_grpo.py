@@ -141,6 +141,35 @@ def test_a_pipelined_engine_samples_with_its_own_copy_of_the_weights(flux_dir, t
     assert Trainer(cfg, policy, task).train()["steps"] == 2
 
 
+def test_rows_charged_by_an_engine_thread_and_the_trainer_are_all_counted(flux_dir, tmp_path):
+    """A pipelined engine's copy charges its rows to the policy's counter from its own thread
+    while the trainer charges its own: none may be lost (the counter takes a lock)."""
+    import sys
+    import threading
+
+    _, policy, _ = make(flux_dir, tmp_path)
+    copy = policy.rollout_copy()
+    policy.step_costs()
+
+    def engine():
+        for _ in range(2000):
+            with copy._off():
+                copy.policy.flow.charge(3)
+
+    def trainer():
+        for _ in range(2000):
+            policy.flow.charge(1)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=f) for f in (engine, trainer)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    finally:
+        sys.setswitchinterval(interval)
+    assert policy.step_costs()["cost/model_evaluations"] == 2000 * 3 + 2000
+
+
 @pytest.mark.parametrize("family", ["flux", "flux2", "sd3", "qwen_image"])
 def test_one_flow_grpo_step_per_family(family, tmp_path, reward_spread):
     """Each supported diffusers family (tiny random configs with latent VAEs): one SDE rollout
