@@ -139,7 +139,7 @@ def build(cfg: DiffusionTrainConfig):
             raise ConfigError(f"method.projection=attention: CAST's attention maps support the {' and '.join(FAMILIES)} "
                               f"families; {path} is {flow.family!r}; set method.projection: none")
     if m.lora is not None:
-        flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules)
+        flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)
 
 

@@ -353,11 +353,15 @@ class FlowModel:
         alpha: float = 32,
         target_modules: list[str] | tuple[str, ...] | None = None,
         dropout: float = 0.0,
+        seed: int = 0,
     ) -> None:
         """PEFT LoRA adapters on the transformer (diffusers' `add_adapter`); afterwards only the
-        adapters are trainable. B starts at zero, so the model is unchanged until trained.
-        target_modules: module-name suffixes, default DEFAULT_LORA_TARGETS."""
+        adapters are trainable. B starts at zero, so the model is unchanged until trained; A is
+        drawn from `seed` (the run's). target_modules: module-name suffixes, default
+        DEFAULT_LORA_TARGETS."""
         from peft import LoraConfig
+
+        from mmrl.core.lora import seeded
 
         if self.has_lora:
             raise RuntimeError("this model already has a LoRA adapter")
@@ -369,7 +373,8 @@ class FlowModel:
             init_lora_weights=True,
         )
         try:
-            self.transformer.add_adapter(config, adapter_name=_ADAPTER)
+            with seeded(seed):
+                self.transformer.add_adapter(config, adapter_name=_ADAPTER)
         except ValueError as e:
             raise ConfigError(f"LoRA target_modules {config.target_modules}: {e}") from e
         for name, param in self.transformer.named_parameters():

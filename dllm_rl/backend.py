@@ -17,6 +17,7 @@ from dllm_rl.config import DLLMTrainConfig
 from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
 from dllm_rl.task import DLLMTask
 from mmrl.core.config import ConfigError, check_remote_code
+from mmrl.core.lora import add_lora
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -67,6 +68,8 @@ def build(cfg: DLLMTrainConfig):
                                             dtype=m.dtype)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    if m.lora is not None:  # before the policy, which keeps predictor.model
+        predictor.model = add_lora(predictor.model, m.lora, seed=cfg.seed)
     task = build_task(cfg)
     tok = predictor.tokenizer
     longest = max(task.train + task.eval_problems,

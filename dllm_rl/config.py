@@ -14,6 +14,7 @@ from mmrl.core.config import (
     Section,
     TrainConfig,
 )
+from mmrl.core.lora import LoRAConfig
 
 Strategy = Literal["low_confidence", "threshold", "fork", "tau_budget", "ar"]
 
@@ -27,6 +28,9 @@ class DLLMModelConfig(ModelConfig):
     """The [MASK] id; None = dllm.json, else the tokenizer's mask token. Checked against the vocabulary."""
     block_length: int | None = Field(None, ge=1)
     """Attention block of an sdar (block-causal) model; None = dllm.json."""
+    lora: LoRAConfig | None = None
+    """None = train every weight (the default for the tiny model); else PEFT LoRA adapters
+    on `target_modules` (d1 trains LLaDA-8B so, on q_proj, k_proj, v_proj)."""
 
 
 class DLLMRolloutConfig(RolloutConfig):

@@ -24,6 +24,7 @@ from dllm_rl.models import MaskPredictor
 from dllm_rl.samplers import DecodeResult, decode
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.checkpoint import load_weights_in_place
+from mmrl.core.lora import check_not_adapter, is_lora, load_adapter
 from mmrl.core.rewards import Sample
 
 
@@ -166,9 +167,14 @@ class DLLMPolicy:
     # ------------------------------------------------------------------ weights
 
     def save_pretrained(self, path: str | Path) -> None:
+        """from_pretrained layout with tokenizer and dllm.json; under LoRA the adapter only."""
         self.predictor.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
+        if is_lora(self.model):
+            load_adapter(self.model, path)
+            return
+        check_not_adapter(path)
         load_weights_in_place(self.model, path)
 
     def reference(self) -> DLLMPolicy:

@@ -111,7 +111,7 @@ def mood_coverage(texts, items) -> dict[str, float]:
 
 def build(cfg: VLMTrainConfig):
     tools = build_tools(cfg)
-    model, processor = load_vlm(cfg.model)
+    model, processor = load_vlm(cfg.model, seed=cfg.seed)
     policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
                        tools=tools, tools_cfg=cfg.rollout.tools)

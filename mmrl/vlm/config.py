@@ -7,16 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from mmrl.core.config import GRPOConfig, ModelConfig, RolloutConfig, Section, TrainConfig
-
-
-class LoRAConfig(Section):
-    """Train low-rank adapters (PEFT) instead of every weight."""
-
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names (of the language model) that get adapters."""
+from mmrl.core.lora import LoRAConfig
 
 
 class VLMModelConfig(ModelConfig):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mmrl.core.config import ConfigError, check_remote_code
+from mmrl.core.lora import add_lora
 
 SUPPORTED = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -42,8 +43,9 @@ def resolve_model_path(path: str | None) -> Path:
     return p
 
 
-def load_vlm(mcfg):
-    """(model, processor) from mcfg.path, or the bundled tiny Qwen2.5-VL when path is None."""
+def load_vlm(mcfg, seed: int = 0):
+    """(model, processor) from mcfg.path, or the bundled tiny Qwen2.5-VL when path is None;
+    `seed` draws LoRA's initial adapters (model.lora)."""
     import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -85,7 +87,7 @@ def load_vlm(mcfg):
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
                           f"{missing_weights(info['missing_keys'])}")
     if mcfg.lora is not None:
-        model = add_lora(model, mcfg.lora)
+        model = add_lora(model, mcfg.lora, seed=seed)
     if mcfg.freeze_vision:
         vision_tower(model).requires_grad_(False)
     return model, processor
@@ -107,16 +109,3 @@ def missing_weights(keys) -> str:
     more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
     return (f"{len(keys)} weight(s) it needs are missing from the checkpoint ({', '.join(keys[:5])}{more}); "
             "transformers would initialise them at random")
-
-
-def add_lora(model, lcfg):
-    """Wrap the model's language layers with PEFT LoRA adapters; only adapters train."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ConfigError("model.lora needs the `peft` package (pip install 'mmrl[lora]')") from e
-    config = LoraConfig(
-        r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-        target_modules=list(lcfg.target_modules), bias="none",
-    )
-    return get_peft_model(model, config)

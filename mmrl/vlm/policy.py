@@ -32,6 +32,7 @@ from torch import Tensor
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.config import ConfigError
+from mmrl.core.lora import check_not_adapter, is_lora, load_adapter
 from mmrl.core.rewards import Sample
 
 
@@ -462,7 +463,7 @@ class VLMPolicy:
 
     @property
     def is_lora(self) -> bool:
-        return hasattr(self.model, "peft_config")
+        return is_lora(self.model)
 
     def save_pretrained(self, path: str | Path) -> None:
         """from_pretrained layout; with LoRA, the adapter (adapter_model.safetensors) only."""
@@ -471,11 +472,9 @@ class VLMPolicy:
 
     def load_weights(self, path: str | Path) -> None:
         if self.is_lora:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(self.model, load_file(Path(path) / "adapter_model.safetensors"))
+            load_adapter(self.model, path)
             return
+        check_not_adapter(path)
         load_weights_in_place(self.model, path)
 
     def reference(self) -> VLMPolicy:

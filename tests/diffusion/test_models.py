@@ -301,6 +301,18 @@ def test_save_pretrained_round_trip(built, key, tmp_path):
         )
 
 
+def test_lora_init_follows_the_seed(built):
+    def initial(seed, draws=0):
+        model = load_flow_model(built["flux"])
+        torch.rand(draws)  # wherever the global RNG is
+        model.add_lora(r=4, alpha=8, seed=seed)
+        return {n: p.detach().clone() for n, p in model.transformer.named_parameters() if ".lora_A." in n}
+
+    a, b, c = initial(0), initial(0, draws=7), initial(1)
+    assert a and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(torch.equal(a[k], c[k]) for k in a)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora(built, family, tmp_path):
     model = load_flow_model(built[family])

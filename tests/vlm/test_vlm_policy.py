@@ -233,6 +233,9 @@ def test_lora_trains_only_adapters_and_resumes(qwen25_dir, tmp_path):
     policy2, task2 = backend.build(resumed_cfg)
     Trainer(resumed_cfg, policy2, task2).train(resume=True)
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    full, _ = backend.build(load_config(VLMTrainConfig, overrides=[o for o in overrides if "lora" not in o]))
+    with pytest.raises(ConfigError, match="holds a LoRA adapter, not full weights"):
+        full.load_weights(saved)
 
 
 def test_freeze_vision_leaves_only_the_language_side_to_the_optimizer(qwen25_dir, tmp_path):

@@ -1,0 +1,96 @@
+"""LoRA adapters (PEFT) for the backends whose models are transformers models (VLM, dLLM).
+
+    model = add_lora(model, cfg.model.lora)   # only the adapters train from here on
+    is_lora(model)                            # True for a PEFT-wrapped model
+    load_adapter(model, directory)            # what model.save_pretrained wrote, in place
+
+A LoRA model's save_pretrained writes the adapter alone (adapter_model.safetensors and
+adapter_config.json); loading it needs a model built with the same `model.lora`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from mmrl.core.config import ConfigError, Section
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class LoRAConfig(Section):
+    """Train low-rank adapters (PEFT) instead of every weight."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers (of the language model) that get adapters."""
+
+
+def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.nn.Module:
+    """Wrap the model's `target_modules` with PEFT LoRA adapters; only adapters train.
+    A's random init is drawn from `seed` (the run's), so a run's seed fixes its adapters."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ConfigError("model.lora needs the `peft` package (pip install peft)") from e
+    config = LoraConfig(
+        r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+        target_modules=list(lcfg.target_modules), bias="none",
+    )
+    try:
+        with warnings.catch_warnings(), seeded(seed):
+            # PEFT reads a property transformers has deprecated: not the user's to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules {list(lcfg.target_modules)} do not name layers "
+                          f"of {type(model).__name__} (its linear layers: {', '.join(linear)}): {e}") from e
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """The global RNG (which PEFT's init draws from) at `seed` inside, as it was outside."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load the adapter a LoRA model's save_pretrained wrote to `directory`, in place."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = Path(directory) / ADAPTER_FILE
+    if not file.is_file():
+        raise ConfigError(f"{directory} holds no LoRA adapter ({ADAPTER_FILE}), but this run's model has "
+                          "model.lora set: point at a checkpoint of a LoRA run, or unset model.lora")
+    try:
+        result = set_peft_model_state_dict(model, load_file(file))
+    except RuntimeError as e:  # another rank: one "size mismatch for <weight>: ..." line per weight
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = lines[1] if len(lines) > 1 else lines[0]
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
+        raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora: {first}{more}") from e
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:  # adapters on other layers
+        raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora "
+                          f"(weights it has no place for: {', '.join(sorted(unexpected)[:3])})")
+
+
+def check_not_adapter(directory: str | Path) -> None:
+    """A full-weights model cannot load an adapter: say so, instead of a missing-file error."""
+    if (Path(directory) / "adapter_config.json").is_file():
+        raise ConfigError(f"{directory} holds a LoRA adapter, not full weights: set model.lora as the run "
+                          "did (its config.yaml has it; pass --config <run>/config.yaml)")
