@@ -60,8 +60,12 @@ class ModelPair:
     def get(self, which: str):
         """(policy, task) of "before" or "after", built once."""
         if which not in self._built:
-            path = self.base_path if which == "before" else self.tuned_path
+            # A LoRA run's VLM / dLLM checkpoint holds the adapter alone: build the base, load it.
+            adapter = which == "after" and (Path(self.tuned_path) / "adapter_config.json").is_file()
+            path = self.base_path if which == "before" or adapter else self.tuned_path
             policy, task = self.backend.build(self.config(path))
+            if adapter:
+                policy.load_weights(self.tuned_path)
             policy.model.eval()
             self._built[which] = (policy, task)
         return self._built[which]

@@ -19,9 +19,9 @@ SETTINGS = {
 }
 
 
-def train_tiny(modality: str, out) -> None:
+def train_tiny(modality: str, out, *extra: str) -> None:
     b = backend(modality)
-    cfg = load_config(b.CONFIG_CLASS, None, [f"output_dir={out}", *QUICK, *SETTINGS[modality]],
+    cfg = load_config(b.CONFIG_CLASS, None, [f"output_dir={out}", *QUICK, *SETTINGS[modality], *extra],
                       defaults=b.DEFAULT_CONFIG)
     policy, task = b.build(cfg)
     Trainer(cfg, policy, task, backend=b).train()

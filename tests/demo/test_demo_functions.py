@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from mmrl.cli import app as mmrl_app
@@ -116,6 +117,23 @@ def test_dllm_problems_and_the_denoising_order(tiny_runs):
                              commit_step=torch.tensor([[1, 0, 1]]), fallback=torch.tensor([[True, False]]))
     html = denoising_order(policy, result, 0)
     assert html.count('class="tok"') == 2 and html.count("(fallback)") == 1  # step 0 fell back; eos not shown
+
+
+@pytest.mark.parametrize("modality", ["vlm", "dllm"])
+def test_a_lora_runs_after_model_is_the_base_with_its_trained_adapter(modality, tmp_path, reward_spread):
+    """A LoRA run's checkpoint holds the adapter alone (no config.json): "after" is the base
+    model with that adapter loaded, "before" the base as it was."""
+    from conftest import train_tiny
+
+    train_tiny(modality, tmp_path / "run", "model.lora.r=4", "optim.lr=1e-2")
+    pair = ModelPair(RunInfo.load(tmp_path / "run"))
+    assert (pair.tuned_path / "adapter_config.json").is_file()
+    after, _ = pair.get("after")
+    saved = load_file(pair.tuned_path / "adapter_model.safetensors")
+    lora = {k: v for k, v in after.model.state_dict().items() if ".lora_" in k}
+    assert len(lora) == len(saved) and all(torch.equal(lora[k.replace(".weight", ".default.weight")], v)
+                                           for k, v in saved.items())
+    assert any(v.abs().sum() > 0 for k, v in lora.items() if ".lora_B." in k)  # trained: B moved off 0
 
 
 def test_missing_default_run_is_trained_with_progress(tmp_path):
