@@ -54,6 +54,9 @@ def test_adapter_and_full_weight_directories_are_told_apart(tmp_path):
     other = add_lora(Tiny(), LoRAConfig(r=2, target_modules=["v_proj"]))
     with pytest.raises(ConfigError, match="does not fit this run's model.lora"):
         load_adapter(other, tmp_path / "adapter")
+    more = add_lora(Tiny(), LoRAConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ConfigError, match="adapters it lacks, left as initialised: .*v_proj"):
+        load_adapter(more, tmp_path / "adapter")
     wider = add_lora(Tiny(), LoRAConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match="does not fit this run's model.lora"):
         load_adapter(wider, tmp_path / "adapter")

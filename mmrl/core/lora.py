@@ -83,10 +83,12 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
         first = lines[1] if len(lines) > 1 else lines[0]
         more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
         raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora: {first}{more}") from e
-    unexpected = getattr(result, "unexpected_keys", None)
-    if unexpected:  # adapters on other layers
-        raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora "
-                          f"(weights it has no place for: {', '.join(sorted(unexpected)[:3])})")
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])  # adapters on other layers
+    missing = [k for k in getattr(result, "missing_keys", None) or [] if ".lora_" in k]  # on fewer layers
+    if unexpected or missing:
+        what = (f"weights it has no place for: {', '.join(sorted(unexpected)[:3])}" if unexpected
+                else f"adapters it lacks, left as initialised: {', '.join(sorted(missing)[:3])}")
+        raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora ({what})")
 
 
 def check_not_adapter(directory: str | Path) -> None:

@@ -35,3 +35,9 @@ def tiny_runs(tmp_path_factory):
         runs[modality] = root / modality
         train_tiny(modality, runs[modality])
     return runs
+
+
+@pytest.fixture
+def train_run():
+    """train_run(modality, out, *overrides): one more tiny finished run, with its own settings."""
+    return train_tiny

@@ -120,12 +120,10 @@ def test_dllm_problems_and_the_denoising_order(tiny_runs):
 
 
 @pytest.mark.parametrize("modality", ["vlm", "dllm"])
-def test_a_lora_runs_after_model_is_the_base_with_its_trained_adapter(modality, tmp_path, reward_spread):
+def test_a_lora_runs_after_model_is_the_base_with_its_trained_adapter(modality, tmp_path, reward_spread, train_run):
     """A LoRA run's checkpoint holds the adapter alone (no config.json): "after" is the base
     model with that adapter loaded, "before" the base as it was."""
-    from conftest import train_tiny
-
-    train_tiny(modality, tmp_path / "run", "model.lora.r=4", "optim.lr=1e-2")
+    train_run(modality, tmp_path / "run", "model.lora.r=4", "optim.lr=1e-2")
     pair = ModelPair(RunInfo.load(tmp_path / "run"))
     assert (pair.tuned_path / "adapter_config.json").is_file()
     after, _ = pair.get("after")
