@@ -90,6 +90,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.config import ConfigError
+from mmrl.core.lora import seeded
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -360,8 +361,6 @@ class FlowModel:
         drawn from `seed` (the run's). target_modules: module-name suffixes, default
         DEFAULT_LORA_TARGETS."""
         from peft import LoraConfig
-
-        from mmrl.core.lora import seeded
 
         if self.has_lora:
             raise RuntimeError("this model already has a LoRA adapter")

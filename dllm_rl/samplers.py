@@ -183,10 +183,11 @@ def _block_logits(logits_fn, x: Tensor, active: Tensor | None, lo: int, hi: int)
     """float64 [B, hi - lo, V] logits of the block. With `active`, only those rows are run; the
     others get zeros, which nothing reads (they have no masked position to commit) but which
     keep the Gumbel draws the batch's."""
-    if active is None or bool(active.all()):
-        return (logits_fn(x, torch.arange(x.shape[0], device=x.device)) if active is not None
-                else logits_fn(x))[:, lo:hi].double()
+    if active is None:
+        return logits_fn(x)[:, lo:hi].double()
     rows = active.nonzero().squeeze(1)
+    if len(rows) == len(x):  # every row decodes: no copies
+        return logits_fn(x, rows)[:, lo:hi].double()
     part = logits_fn(x[rows], rows)[:, lo:hi].double()
     out = part.new_zeros(x.shape[0], *part.shape[1:])
     out[rows] = part
