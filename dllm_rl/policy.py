@@ -23,8 +23,7 @@ from torch import Tensor
 from dllm_rl.models import MaskPredictor
 from dllm_rl.samplers import DecodeResult, decode
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.checkpoint import load_weights_in_place
-from mmrl.core.lora import check_not_adapter, is_lora, load_adapter
+from mmrl.core.lora import load_model_weights
 from mmrl.core.rewards import Sample
 
 
@@ -171,11 +170,7 @@ class DLLMPolicy:
         self.predictor.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
-        if is_lora(self.model):
-            load_adapter(self.model, path)
-            return
-        check_not_adapter(path)
-        load_weights_in_place(self.model, path)
+        load_model_weights(self.model, path)
 
     def reference(self) -> DLLMPolicy:
         ref = copy.copy(self)

@@ -3,6 +3,7 @@
     model = add_lora(model, cfg.model.lora)   # only the adapters train from here on
     is_lora(model)                            # True for a PEFT-wrapped model
     load_adapter(model, directory)            # what model.save_pretrained wrote, in place
+    load_model_weights(model, directory)      # the same, or every weight for a model without LoRA
 
 A LoRA model's save_pretrained writes the adapter alone (adapter_model.safetensors and
 adapter_config.json); loading it needs a model built with the same `model.lora`.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.config import ConfigError, Section
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -91,8 +93,22 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
         raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora ({what})")
 
 
+def is_adapter_dir(directory: str | Path) -> bool:
+    """Whether a LoRA model's save_pretrained wrote this directory (the adapter alone)."""
+    return (Path(directory) / "adapter_config.json").is_file()
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """What the model's save_pretrained wrote, in place: the adapter under LoRA, else every weight."""
+    if is_lora(model):
+        load_adapter(model, directory)
+        return
+    check_not_adapter(directory)
+    load_weights_in_place(model, directory)
+
+
 def check_not_adapter(directory: str | Path) -> None:
     """A full-weights model cannot load an adapter: say so, instead of a missing-file error."""
-    if (Path(directory) / "adapter_config.json").is_file():
+    if is_adapter_dir(directory):
         raise ConfigError(f"{directory} holds a LoRA adapter, not full weights: set model.lora as the run "
                           "did (its config.yaml has it; pass --config <run>/config.yaml)")

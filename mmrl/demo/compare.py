@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mmrl.core.lora import is_adapter_dir
 from mmrl.demo.runs import RunInfo, backend, default_run_dir
 
 
@@ -61,7 +62,7 @@ class ModelPair:
         """(policy, task) of "before" or "after", built once."""
         if which not in self._built:
             # A LoRA run's VLM / dLLM checkpoint holds the adapter alone: build the base, load it.
-            adapter = which == "after" and (Path(self.tuned_path) / "adapter_config.json").is_file()
+            adapter = which == "after" and is_adapter_dir(self.tuned_path)
             path = self.base_path if which == "before" or adapter else self.tuned_path
             policy, task = self.backend.build(self.config(path))
             if adapter:

@@ -30,9 +30,8 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.config import ConfigError
-from mmrl.core.lora import check_not_adapter, is_lora, load_adapter
+from mmrl.core.lora import is_lora, load_model_weights
 from mmrl.core.rewards import Sample
 
 
@@ -471,11 +470,7 @@ class VLMPolicy:
         self.processor.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
-        if self.is_lora:
-            load_adapter(self.model, path)
-            return
-        check_not_adapter(path)
-        load_weights_in_place(self.model, path)
+        load_model_weights(self.model, path)
 
     def reference(self) -> VLMPolicy:
         ref = copy.copy(self)
