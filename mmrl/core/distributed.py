@@ -12,6 +12,7 @@ One process (the default) touches none of this: every function is a no-op.
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -24,6 +25,15 @@ def init() -> None:
         from accelerate import PartialState
 
         PartialState(cpu=not torch.cuda.is_available())  # sets up gloo / nccl from the env
+        # A process that exits with its group alive can abort at interpreter teardown
+        # (gloo's worker threads still hold tensors): leave the group while Python is whole.
+        atexit.register(close)
+
+
+def close() -> None:
+    """Leave the process group (a no-op when there is none or it is gone)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_size() -> int:
