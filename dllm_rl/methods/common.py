@@ -10,13 +10,42 @@ from mmrl.core.advantages import group_advantages, group_stats, zero_variance_gr
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import Method
+from mmrl.core.pipeline import exactly_on_policy
 
 ESTIMATORS: dict = {}
 
 
 def estimator_for(run):
     """The log-prob estimator of the run's method (the policy calls it)."""
-    return ESTIMATORS[run.method.type](run)
+    estimator = ESTIMATORS[run.method.type](run)
+    estimator.on_policy = exactly_on_policy(run)
+    return estimator
+
+
+# batch.data key, [N] bool: the estimator scored no old log-probs for these rows, because the
+# run trains exactly on-policy (mmrl.core.pipeline.exactly_on_policy); the loss uses the new
+# ones, detached. The batch carries it, so a loss never mistakes unscored rows for scored ones.
+OLD_IS_NEW = "old_logp/is_new"
+
+
+class Estimator:
+    """What the estimators share. `on_policy` (set by estimator_for): `prepare` draws what the
+    rows need (masks, seeds, targets: the generator's draws are the same either way) but
+    scores no old log-probs, a forward pass over every row saved; it marks the batch instead."""
+
+    on_policy = False
+
+    def skip_old(self, batch: RolloutBatch) -> bool:
+        """True (and the batch marked) when the old log-probs need no pass of their own."""
+        if self.on_policy:
+            batch.data[OLD_IS_NEW] = torch.ones(len(batch), dtype=torch.bool)
+        return self.on_policy
+
+
+def old_or_new(batch: RolloutBatch, logp: Tensor, stored) -> Tensor:
+    """The old log-probs to compare logp with: logp detached for a batch marked OLD_IS_NEW
+    (the ratio is then exactly 1 and the KL to the pre-update policy 0), else `stored()`."""
+    return logp.detach() if OLD_IS_NEW in batch.data else stored()
 
 
 class DLLMMethod(Method):
@@ -64,7 +93,7 @@ class DLLMMethod(Method):
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, C]
-        old = self.old_logp(batch)
+        old = old_or_new(batch, logp, lambda: self.old_logp(batch))
         c = self.cfg.clip
         out = policy_loss(logp, old, advantages, batch.mask, clip_low=c, clip_high=c,
                           aggregation="token_mean", denom=denom)

@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
 
 
-class MeanField:
+class MeanField(Estimator):
     """d1's estimator; batch.data["old_logp_mu"] [N, mu, C] and ["mask_seed"] [N, mu]."""
 
     def __init__(self, run):
@@ -49,6 +49,8 @@ class MeanField:
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         n = len(batch)
         batch.data["mask_seed"] = torch.randint(0, 2**62, (n, self.mu), generator=generator)
+        if self.skip_old(batch):
+            return
         old = torch.stack([self.logprobs(policy, batch, k) for k in range(self.mu)], 1)
         batch.data["old_logp_mu"] = old.float()
         batch.old_logp = old[:, 0].float()

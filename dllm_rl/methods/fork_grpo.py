@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, scatter_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, old_or_new, scatter_rows
 from dllm_rl.samplers import state_at
 from mmrl.core.advantages import zero_variance_groups
 from mmrl.core.batch import RolloutBatch
@@ -119,7 +119,7 @@ def row_states(completion: Tensor, commit_step: Tensor, rows: ForkRows, mask_id:
     return state_at(completion[rows.sample], commit_step[rows.sample], rows.step, mask_id=mask_id)
 
 
-class ForkEstimator:
+class ForkEstimator(Estimator):
     """Exact single-token log-probs at the rows' targets; batch.data["fork_row"] [N, C]."""
 
     def __init__(self, run):
@@ -135,7 +135,8 @@ class ForkEstimator:
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         target = row_targets(batch.data["commit_step"], batch.data["fallback"], self.rows)
         batch.data["fork_row"] = target & batch.mask  # the <eos> filler never trains
-        batch.old_logp = self.logprobs(policy, batch, 0).detach().float()
+        if not self.skip_old(batch):
+            batch.old_logp = self.logprobs(policy, batch, 0).detach().float()
 
     def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, C]
         completion, cs = batch.data["completion"], batch.data["commit_step"]
@@ -172,7 +173,7 @@ class ForkGRPO(DLLMMethod):
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         rows = batch.data["fork_row"]  # [N, C]
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, C], 0 off the rows
-        old = batch.old_logp
+        old = old_or_new(batch, logp, lambda: batch.old_logp)
         d = denom if denom else float(max(int(rows.any(1).sum()), 1))  # 0 -> no rows anywhere
         c = self.cfg.clip
         out = policy_loss(logp, old, advantages, rows, clip_low=c, clip_high=c,

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import masked_input, token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, old_or_new
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
 from mmrl.core.method import register_method
@@ -129,7 +129,7 @@ def zero_truncated(scores: AtomScores, hit_limit: Tensor) -> AtomScores:
 # --------------------------------------------------------------------------- estimator
 
 
-class QuadratureRows:
+class QuadratureRows(Estimator):
     """SLIM-RL's trace-free estimator: Q masked copies of each answer.
 
     batch.data: "slim/mask" [N, Q, C] bool, "slim/old_logp" [N, Q, C] (zero off the mask),
@@ -148,7 +148,8 @@ class QuadratureRows:
         hit = truncated(completion, policy.predictor.eos_token_id)
         batch.data["slim/truncated"] = hit
         batch.data["stat/truncated"] = hit.float()
-        batch.data["slim/old_logp"] = self.logprobs(policy, batch, 0).float()
+        if not self.skip_old(batch):
+            batch.data["slim/old_logp"] = self.logprobs(policy, batch, 0).float()
 
     def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, Q, C]
         """The answer tokens' log-probs at each row's masked positions (0 elsewhere)."""
@@ -204,7 +205,8 @@ class SLIMRL(DLLMMethod):
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, Q, C]
-        return slim_loss(logp, batch.data["slim/old_logp"], batch.data["slim/mask"], advantages, self.w,
+        old = old_or_new(batch, logp, lambda: batch.data["slim/old_logp"])
+        return slim_loss(logp, old, batch.data["slim/mask"], advantages, self.w,
                          clip=self.cfg.clip, max_log_ratio=self.cfg.max_log_ratio, beta=self.cfg.kl.beta,
                          denom=denom)
 

@@ -31,17 +31,18 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs, trace_rows
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, scatter_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, scatter_rows
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
 
 
-class Trace:
+class Trace(Estimator):
     def __init__(self, run):
         self.s = run.method.merge_steps
 
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
-        batch.old_logp = self.logprobs(policy, batch, 0).float()
+        if not self.skip_old(batch):
+            batch.old_logp = self.logprobs(policy, batch, 0).float()
 
     def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, C]
         # Steps are merged across block boundaries (TraceRL's full-attention rule): one row per

@@ -32,12 +32,17 @@ def _one_thread(one_thread):
     yield
 
 
-def make_run(name: str, *overrides: str, tmp_path=None):
-    """(cfg, policy, task) of configs/dllm/<name>.yaml on the bundled model, made small."""
+def make_run(name: str, *overrides: str, tmp_path=None, score_old: bool = True):
+    """(cfg, policy, task) of configs/dllm/<name>.yaml on the bundled model, made small.
+    score_old: the rollouts get scored old log-probs, as off-policy runs do (these configs
+    train exactly on-policy, which skips that pass)."""
     out = [f"output_dir={tmp_path / 'out'}"] if tmp_path is not None else []
     cfg = load_config(backend.CONFIG_CLASS, CONFIGS / f"{name}.yaml", [*SMALL, *out, *overrides],
                       defaults=backend.DEFAULT_CONFIG)
-    return (cfg, *backend.build(cfg))
+    policy, task = backend.build(cfg)
+    if score_old:
+        policy.estimator.on_policy = False
+    return cfg, policy, task
 
 
 def rollout(policy, task, cfg, seed=0, prompts=4, g=4) -> RolloutBatch:
@@ -281,7 +286,7 @@ def test_one_trainer_step_of_the_preset(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(Reward, "score", spread)
     cfg, policy, task = make_run(name, "rollout.prompts_per_step=3", "rollout.num_generations=4",
-                                 "train.max_steps=1", "optim.lr=1e-2", tmp_path=tmp_path)
+                                 "train.max_steps=1", "optim.lr=1e-2", tmp_path=tmp_path, score_old=False)
     assert cfg.train.ppo_epochs == 1
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
     Trainer(cfg, policy, task, output_dir=tmp_path / "out").train()
