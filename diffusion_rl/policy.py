@@ -33,6 +33,7 @@ from torch import Tensor
 
 from diffusion_rl.sde import FlowSDESampler, SDEStep, sde_step_with_logprob
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.lora import is_lora
 from mmrl.core.rewards import Sample
 from mmrl.core.trainer import TrainingError
 
@@ -202,7 +203,7 @@ class _Reference:
     def __init__(self, policy: DiffusionPolicy, *, share_base: bool = True):
         # Under LoRA the KL reference is the policy's own model with its adapters disabled,
         # so no second copy is kept; a rollout copy always holds weights of its own.
-        self.lora = share_base and hasattr(policy.model, "peft_config")
+        self.lora = share_base and is_lora(policy.model)
         self.owner = policy.flow  # whose evaluations counter the rows are charged to
         if self.lora:
             self.policy = policy

@@ -66,6 +66,7 @@ def seeded(seed: int):
 
 
 def is_lora(model: torch.nn.Module) -> bool:
+    """Whether a PEFT adapter is attached (a peft model, or diffusers' own PEFT integration)."""
     return hasattr(model, "peft_config")
 
 

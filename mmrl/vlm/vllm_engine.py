@@ -111,6 +111,7 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label, load_named
+from mmrl.core.lora import is_lora
 from mmrl.core.remote import HTTPStatusError, http_call
 from mmrl.vlm.policy import to_sample
 
@@ -159,7 +160,7 @@ def vllm_weights(model: torch.nn.Module, weights: dict[str, Tensor]) -> dict[str
     the base taken from `weights` if there, else from `model`). `model` is the trainer's
     (a PEFT model or not); `weights` maps its parameter names to tensors. To get the whole
     merged model pass {**dict(model.named_parameters()), **weights}."""
-    peft = hasattr(model, "peft_config")
+    peft = is_lora(model)
     base = model.get_base_model() if peft else model
     model_type = getattr(base.config, "model_type", "")
     prefix = "base_model.model." if peft else ""
@@ -701,7 +702,7 @@ class VLLMServerEngine(_VLLMBase):
         full = vllm_weights(model, {**{k: p.detach() for k, p in model.named_parameters()}, **weights})
         save_file({k: v.detach().to("cpu").contiguous() for k, v in full.items()},
                   str(path / "model.safetensors"), metadata={"format": "pt"})
-        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        base = model.get_base_model() if is_lora(model) else model
         base.config.save_pretrained(path)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(path)
