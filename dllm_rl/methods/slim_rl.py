@@ -43,7 +43,9 @@ the accuracy definition and where the length rule applies. Choices made here:
   scoring (before the filter and the advantages); reward/* metrics of the round are logged
   before it, the rollout/truncated fraction shows how many answers it zeroes.
 - batch.old_logp keeps the sampler's commit log-probs (it must be [N, C]); the objective reads
-  the row-wise old log-probs from batch.data["slim/old_logp"] [N, Q, C].
+  the row-wise old log-probs from batch.data["slim/old_logp"] [N, Q, C]. The config trains
+  exactly on-policy (one pass, one mini-batch), so that pass is skipped and the loss takes the
+  new log-probs, detached (dllm_rl.methods.common.Estimator; bit for bit the same loss).
 """
 
 from __future__ import annotations
