@@ -10,7 +10,7 @@ from mmrl.core.advantages import group_advantages, group_stats, zero_variance_gr
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import Method
-from mmrl.core.pipeline import exactly_on_policy
+from mmrl.core.pipeline import exactly_on_policy, first_pass_on_policy
 
 ESTIMATORS: dict = {}
 
@@ -18,34 +18,35 @@ ESTIMATORS: dict = {}
 def estimator_for(run):
     """The log-prob estimator of the run's method (the policy calls it)."""
     estimator = ESTIMATORS[run.method.type](run)
-    estimator.on_policy = exactly_on_policy(run)
+    on_policy = exactly_on_policy if estimator.per_pass_inputs else first_pass_on_policy
+    estimator.on_policy = on_policy(run)
     return estimator
 
 
-# batch.data key, [N] bool: the estimator scored no old log-probs for these rows, because the
-# run trains exactly on-policy (mmrl.core.pipeline.exactly_on_policy); the loss uses the new
-# ones, detached. The batch carries it, so a loss never mistakes unscored rows for scored ones.
-OLD_IS_NEW = "old_logp/is_new"
+# batch.data key, [N] int64 row ids: the estimator scored no old log-probs for these rows,
+# because the first pass over them runs under the rollout's weights
+# (mmrl.core.pipeline.first_pass_on_policy); the loss takes that pass's. The batch carries
+# it, so a loss never mistakes unscored rows for scored ones.
+FIRST_PASS = "old_logp/first_pass"
 
 
 class Estimator:
     """What the estimators share. `on_policy` (set by estimator_for): `prepare` draws what the
     rows need (masks, seeds, targets: the generator's draws are the same either way) but
-    scores no old log-probs, a forward pass over every row saved; it marks the batch instead."""
+    scores no old log-probs, a forward pass over every row saved; it numbers the rows instead.
+    per_pass_inputs: each pass scores other inputs (d1's masks per iteration), so only a
+    run with a single pass may skip."""
 
     on_policy = False
+    per_pass_inputs = False
+    issued = 0  # row ids handed out so far
 
     def skip_old(self, batch: RolloutBatch) -> bool:
-        """True (and the batch marked) when the old log-probs need no pass of their own."""
+        """True (and the rows numbered) when the old log-probs need no pass of their own."""
         if self.on_policy:
-            batch.data[OLD_IS_NEW] = torch.ones(len(batch), dtype=torch.bool)
+            batch.data[FIRST_PASS] = torch.arange(self.issued, self.issued + len(batch))
+            self.issued += len(batch)
         return self.on_policy
-
-
-def old_or_new(batch: RolloutBatch, logp: Tensor, stored) -> Tensor:
-    """The old log-probs to compare logp with: logp detached for a batch marked OLD_IS_NEW
-    (the ratio is then exactly 1 and the KL to the pre-update policy 0), else `stored()`."""
-    return logp.detach() if OLD_IS_NEW in batch.data else stored()
 
 
 class DLLMMethod(Method):
@@ -61,6 +62,28 @@ class DLLMMethod(Method):
             if not 0 <= lo <= hi <= 1:
                 raise ValueError(f"method.accuracy_band must be 0 <= lo <= hi <= 1; got {self.band}")
             self.success_atom = success_atom_of(run)
+        self.first_pass: dict[int, Tensor] = {}  # row id -> its log-probs in pass 0 of this step
+        self.first_pass_step = -1
+
+    def old_or_first_pass(self, batch: RolloutBatch, logp: Tensor, stored) -> Tensor:
+        """The old log-probs to compare logp with: `stored()`, or for rows whose estimator
+        scored none (FIRST_PASS), those of the first pass over them, which ran under the
+        rollout's weights: logp itself, detached, in pass 0 (ratio exactly 1, KL 0), kept by
+        row id for the later passes."""
+        ids = batch.data.get(FIRST_PASS)
+        if ids is None:
+            return stored()
+        if self.epoch == 0:
+            if self.first_pass_step != self.step:  # a new batch: drop the last one's
+                self.first_pass, self.first_pass_step = {}, self.step
+            old = logp.detach()
+            self.first_pass.update(zip(ids.tolist(), old))
+            return old
+        missing = [i for i in ids.tolist() if i not in self.first_pass]
+        if missing:
+            raise RuntimeError(f"pass {self.epoch} over rows whose first pass this method did not run "
+                               f"(row ids {missing[:5]}): their old log-probs are unknown")
+        return torch.stack([self.first_pass[i] for i in ids.tolist()])
 
     def keep_groups(self, batch: RolloutBatch) -> Tensor | None:
         """The accuracy band where the method has one (dropped groups are refilled only with
@@ -93,7 +116,7 @@ class DLLMMethod(Method):
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, C]
-        old = old_or_new(batch, logp, lambda: self.old_logp(batch))
+        old = self.old_or_first_pass(batch, logp, lambda: self.old_logp(batch))
         c = self.cfg.clip
         out = policy_loss(logp, old, advantages, batch.mask, clip_low=c, clip_high=c,
                           aggregation="token_mean", denom=denom)

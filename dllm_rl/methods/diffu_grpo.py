@@ -41,6 +41,8 @@ from mmrl.core.method import register_method
 class MeanField(Estimator):
     """d1's estimator; batch.data["old_logp_mu"] [N, mu, C] and ["mask_seed"] [N, mu]."""
 
+    per_pass_inputs = True  # pass k masks the prompt with seed k
+
     def __init__(self, run):
         self.p = run.method.p_mask_prompt
         self.mu = run.train.ppo_epochs

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, old_or_new, scatter_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, scatter_rows
 from dllm_rl.samplers import state_at
 from mmrl.core.advantages import zero_variance_groups
 from mmrl.core.batch import RolloutBatch
@@ -173,7 +173,7 @@ class ForkGRPO(DLLMMethod):
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         rows = batch.data["fork_row"]  # [N, C]
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, C], 0 off the rows
-        old = old_or_new(batch, logp, lambda: batch.old_logp)
+        old = self.old_or_first_pass(batch, logp, lambda: batch.old_logp)
         d = denom if denom else float(max(int(rows.any(1).sum()), 1))  # 0 -> no rows anywhere
         c = self.cfg.clip
         out = policy_loss(logp, old, advantages, rows, clip_low=c, clip_high=c,

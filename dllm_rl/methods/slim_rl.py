@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import masked_input, token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, old_or_new
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
 from mmrl.core.method import register_method
@@ -207,7 +207,7 @@ class SLIMRL(DLLMMethod):
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         logp = policy.logprobs(batch, iteration=self.epoch)  # [N, Q, C]
-        old = old_or_new(batch, logp, lambda: batch.data["slim/old_logp"])
+        old = self.old_or_first_pass(batch, logp, lambda: batch.data["slim/old_logp"])
         return slim_loss(logp, old, batch.data["slim/mask"], advantages, self.w,
                          clip=self.cfg.clip, max_log_ratio=self.cfg.max_log_ratio, beta=self.cfg.kl.beta,
                          denom=denom)

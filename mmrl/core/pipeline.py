@@ -96,14 +96,18 @@ def placement(cfg: TrainConfig) -> str:
     return "thread" if sc.mode == "pipelined" or cfg.rollout.engine != "hf" else "inline"
 
 
-def exactly_on_policy(cfg: TrainConfig) -> bool:
-    """Whether each update's forward runs under the very weights that made its rollouts: one
-    pass (ppo_epochs 1) over one mini-batch, rolled out by the trainer's own model in sync
-    mode. The old log-probs are then the new ones, detached, and a method may skip the pass
-    that scores them (TRL skips it alike when num_iterations is 1)."""
+def first_pass_on_policy(cfg: TrainConfig) -> bool:
+    """Whether each update's first pass runs under the very weights that made its rollouts:
+    one mini-batch, rolled out by the trainer's own model in sync mode. The first pass's
+    log-probs, detached, are then the old ones, and a method may skip the pass that scores
+    them (TRL skips it alike when num_iterations is 1)."""
     sc = cfg.rollout.scheduler
-    return (cfg.train.ppo_epochs == 1 and cfg.train.mini_batches == 1 and sc.mode == "sync"
-            and placement(cfg) == "inline")
+    return cfg.train.mini_batches == 1 and sc.mode == "sync" and placement(cfg) == "inline"
+
+
+def exactly_on_policy(cfg: TrainConfig) -> bool:
+    """first_pass_on_policy with a single pass (ppo_epochs 1): every forward is on-policy."""
+    return cfg.train.ppo_epochs == 1 and first_pass_on_policy(cfg)
 
 
 def build_engines(cfg: TrainConfig, policy, backend=None) -> list:

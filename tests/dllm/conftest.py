@@ -33,13 +33,18 @@ def tiny_dllm(tmp_path_factory):
 
 @pytest.fixture
 def make_run(tiny_dllm, tmp_path):
-    """make_run(*overrides) -> (cfg, policy, task) of the tiny model with the SMALL settings."""
+    """make_run(*overrides, score_old=False) -> (cfg, policy, task) of the tiny model with the
+    SMALL settings. score_old: rollouts get scored old log-probs, as off-policy runs do (runs
+    whose first pass is on-policy skip that pass)."""
 
-    def make(*overrides: str):
+    def make(*overrides: str, score_old: bool = False):
         cfg = load_config(DLLMTrainConfig, None,
                           [f"model.path={tiny_dllm}", f"output_dir={tmp_path / 'run'}", *SMALL, *overrides],
                           defaults=backend.DEFAULT_CONFIG)
-        return (cfg, *backend.build(cfg))
+        policy, task = backend.build(cfg)
+        if score_old:
+            policy.estimator.on_policy = False
+        return cfg, policy, task
 
     return make
 

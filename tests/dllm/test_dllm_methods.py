@@ -214,7 +214,8 @@ def test_mean_field_masks_prompt_tokens_at_rate_p():
 
 
 def test_tracerl_ratio_is_exactly_one_on_policy_and_kl_zero(make_run):
-    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2", "method.kl.beta=0.01")
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2", "method.kl.beta=0.01",
+                                 score_old=True)
     bias_eos(policy)
     batch = rollout(policy, task, cfg)
     with torch.no_grad():
@@ -280,7 +281,7 @@ def test_tracerl_s1_logprob_is_the_rollout_commit_logprob(make_run, temperature)
     """With s = 1 a row's input is exactly the state at which its tokens were drawn, and both
     the sampler and the estimator score them under log_softmax(logits / T)."""
     cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=1", "rollout.steps=4",
-                                 f"rollout.temperature={temperature}")
+                                 f"rollout.temperature={temperature}", score_old=True)
     bias_eos(policy)
     batch = rollout(policy, task, cfg)
     commit = batch.data["commit_logp"]
@@ -291,7 +292,7 @@ def test_tracerl_s1_logprob_is_the_rollout_commit_logprob(make_run, temperature)
 def test_tracerl_merged_rows_differ_from_commit_logprob(make_run):
     """s = 2 conditions the second step of a group on less context than the sampler had, so
     its estimate is not the commit log-prob (the check above is not vacuous)."""
-    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2")
+    cfg, policy, task = make_run("method.type=tracerl", "method.merge_steps=2", score_old=True)
     batch = rollout(policy, task, cfg)
     assert not torch.allclose(batch.old_logp[batch.mask], batch.data["commit_logp"][batch.mask], atol=1e-4)
 

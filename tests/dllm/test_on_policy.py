@@ -1,20 +1,23 @@
-"""Exactly on-policy runs skip the old-log-prob pass (mmrl.core.pipeline.exactly_on_policy):
-when it applies, that the rollouts and the generator's draws are unchanged, that the batch is
-marked, that the rollout costs fewer forward tokens, and that the loss and its gradient equal
-those computed from scored old log-probs, for every dLLM estimator."""
+"""Runs whose first pass is on-policy skip the old-log-prob pass (mmrl.core.pipeline.
+first_pass_on_policy): when it applies, that the rollouts and the generator's draws are
+unchanged, that the rows are numbered, that the rollout costs fewer forward tokens, that the
+loss and its gradient equal those computed from scored old log-probs, for every dLLM
+estimator, and that two-pass training ends with the same weights either way."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from dllm_rl import backend
-from dllm_rl.methods.common import OLD_IS_NEW
+from dllm_rl.methods.common import FIRST_PASS
 from mmrl.core.config import load_config
 from mmrl.core.method import build_method
-from mmrl.core.pipeline import exactly_on_policy
+from mmrl.core.pipeline import exactly_on_policy, first_pass_on_policy
+from mmrl.core.trainer import Trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "dllm"
 SMALL = ["task.num_train=50", "task.num_eval=4", "logging.tensorboard=false", "logging.progress=false",
@@ -28,15 +31,22 @@ def config(name: str, *overrides: str):
                        defaults=backend.DEFAULT_CONFIG)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ((), True),
-    (("train.ppo_epochs=2",), False),
-    (("train.mini_batches=2",), False),
-    (("rollout.scheduler.mode=pipelined",), False),
-    (("rollout.scheduler.placement=thread",), False),
+@pytest.mark.parametrize("overrides, exactly, first_pass", [
+    ((), True, True),
+    (("train.ppo_epochs=2",), False, True),
+    (("train.mini_batches=2",), False, False),
+    (("rollout.scheduler.mode=pipelined",), False, False),
+    (("rollout.scheduler.placement=thread",), False, False),
 ])
-def test_which_runs_are_exactly_on_policy(overrides, expected):
-    assert exactly_on_policy(config("slim_rl", *overrides)) is expected
+def test_which_runs_are_on_policy(overrides, exactly, first_pass):
+    cfg = config("slim_rl", *overrides)
+    assert exactly_on_policy(cfg) is exactly and first_pass_on_policy(cfg) is first_pass
+
+
+def test_two_passes_skip_unless_each_pass_scores_other_inputs():
+    assert backend.build(config("tracerl", "train.ppo_epochs=2"))[0].estimator.on_policy
+    # d1's pass k masks the prompt with seed k: pass 1's inputs were never scored on-policy
+    assert not backend.build(config("diffu_grpo", "train.ppo_epochs=2"))[0].estimator.on_policy
 
 
 @pytest.mark.parametrize("name", ["slim_rl", "fork_grpo", "ar_grpo", "diffu_grpo", "tracerl"])
@@ -55,10 +65,10 @@ def test_skipping_the_old_pass_changes_no_rollout_and_no_gradient(name):
     skipped, tokens_skipped, state_skipped = rollout(True)
     scored, tokens_scored, state_scored = rollout(False)
     assert torch.equal(state_skipped, state_scored)  # the estimator drew the same numbers
-    assert OLD_IS_NEW in skipped.data and OLD_IS_NEW not in scored.data
-    assert set(scored.data) - set(skipped.data) - {OLD_IS_NEW} == ({SCORED[name]} if name in SCORED else set())
+    assert skipped.data[FIRST_PASS].tolist() == list(range(8)) and FIRST_PASS not in scored.data
+    assert set(scored.data) - set(skipped.data) == ({SCORED[name]} if name in SCORED else set())
     for key, value in skipped.data.items():
-        if key != OLD_IS_NEW:
+        if key != FIRST_PASS:
             assert torch.equal(value, scored.data[key]), key
     assert tokens_skipped < tokens_scored
 
@@ -79,3 +89,32 @@ def test_skipping_the_old_pass_changes_no_rollout_and_no_gradient(name):
     for a, b in zip(grads_skipped, grads_scored):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert out_skipped.metrics["loss/clip_frac"] == 0
+
+
+@pytest.mark.parametrize("name", ["tracerl", "slim_rl"])
+def test_two_pass_training_takes_the_first_pass_as_old(name, tmp_path):
+    """Two passes with micro-batches: the weights after two steps equal those of the run that
+    scored its old log-probs, and the second pass still sees a ratio other than 1."""
+    overrides = ["train.ppo_epochs=2", "train.micro_batch_size=8", "rollout.prompts_per_step=2",
+                 "rollout.num_generations=8", "train.max_steps=2", "optim.lr=1e-3",
+                 "method.dynamic_sampling.enabled=false"]
+    if name == "slim_rl":
+        overrides.append("method.accuracy_band=[0,1]")  # keep every group: something to train
+    runs = []
+    for skip in (True, False):
+        cfg = config(name, *overrides, f"output_dir={tmp_path / str(skip)}")
+        policy, task = backend.build(cfg)
+        assert policy.estimator.on_policy
+        policy.estimator.on_policy = skip
+        summary = Trainer(cfg, policy, task).train()
+        assert summary["steps"] == 2
+        rows = [json.loads(x) for x in (tmp_path / str(skip) / "metrics.jsonl").read_text().splitlines()]
+        runs.append((rows, [p.detach().clone() for p in policy.model.parameters()]))
+    (skipped, w_skipped), (scored, w_scored) = runs
+    for a, b in zip(w_skipped, w_scored):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    for a, b in zip(skipped, scored):
+        assert a["loss/ratio_max"] == pytest.approx(b["loss/ratio_max"], abs=1e-6)
+    assert max(a["loss/ratio_max"] for a in skipped) > 1  # averaged over the passes: pass 1's moved off 1
+    changed = sum(not torch.equal(a, b) for a, b in zip(w_skipped, backend.build(cfg)[0].model.parameters()))
+    assert changed > 0

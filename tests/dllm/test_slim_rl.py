@@ -111,7 +111,7 @@ def test_masks_fallback_masks_one_valid_position():
 
 
 def test_rollout_masks_and_on_policy_ratio_is_one(make_run):
-    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.01")
+    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.01", score_old=True)
     batch = rollout(policy, task, cfg)
     mask, old = batch.data["slim/mask"], batch.data["slim/old_logp"]  # [N, Q, C]
     assert mask.shape == old.shape == (8, 3, 8)
@@ -162,7 +162,7 @@ def test_sequence_ratio_clamped_at_max_log_ratio():
 
 
 def test_micro_batch_losses_sum_to_the_batch_loss(make_run):
-    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.5")
+    cfg, policy, task = make_run(*SLIM, "method.kl.beta=0.5", score_old=True)
     batch = rollout(policy, task, cfg)
     noise = torch.randn(batch.data["slim/old_logp"].shape, generator=torch.Generator().manual_seed(3))
     batch.data["slim/old_logp"] = batch.data["slim/old_logp"] + 0.3 * noise  # off-policy: clipping and KL
