@@ -252,8 +252,9 @@ class TrainLoopConfig(Section):
     max_steps: int = Field(20, ge=0)
     """Rollout-and-update steps."""
     ppo_epochs: int = Field(1, ge=1)
-    """mu: passes over each rollout batch. With 1 and mini_batches 1 (sync, inline rollouts)
-    training is exactly on-policy, and the dLLM methods skip the old-log-prob pass."""
+    """mu: passes over each rollout batch. With 1 and mini_batches 1 training is exactly
+    on-policy. With mini_batches 1 and sync, inline rollouts the first pass is: the dLLM
+    methods take its log-probs as the old ones instead of scoring them in a pass of their own."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass: the batch is split into this many mini-batches."""
     micro_batch_size: int | None = Field(None, ge=1)
