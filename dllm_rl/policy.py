@@ -38,8 +38,8 @@ class PromptTooLong(PromptError):
 class Estimator(Protocol):
     def prepare(self, policy: DLLMPolicy, batch: RolloutBatch, generator: torch.Generator) -> None:
         """Fill batch.old_logp (and whatever logprobs needs in batch.data) under the rollout's
-        weights; with `on_policy` set (an exactly on-policy run) mark the batch instead of
-        scoring them (dllm_rl.methods.common.Estimator)."""
+        weights; with `on_policy` set (the first pass is on-policy) number the rows instead of
+        scoring them (dllm_rl.methods.common.EstimatorBase)."""
 
     def logprobs(self, policy: DLLMPolicy, batch: RolloutBatch, iteration: int) -> Tensor:
         """[N, C] log-probs of the answer tokens under the current weights, with grad."""

@@ -27,13 +27,14 @@ def estimator_for(run):
 # because the first pass over them runs under the rollout's weights
 # (mmrl.core.pipeline.first_pass_on_policy); the loss takes that pass's. The batch carries
 # it, so a loss never mistakes unscored rows for scored ones.
-FIRST_PASS = "old_logp/first_pass"
+FIRST_PASS = "old_logp/first_pass_row"
 
 
-class Estimator:
-    """What the estimators share. `on_policy` (set by estimator_for): `prepare` draws what the
-    rows need (masks, seeds, targets: the generator's draws are the same either way) but
-    scores no old log-probs, a forward pass over every row saved; it numbers the rows instead.
+class EstimatorBase:
+    """What the estimators (dllm_rl.policy.Estimator) share. `on_policy` (set by
+    estimator_for): `prepare` draws what the rows need (masks, seeds, targets: the
+    generator's draws are the same either way) but scores no old log-probs, a forward pass
+    over every row saved; it numbers the rows instead.
     per_pass_inputs: each pass scores other inputs (d1's masks per iteration), so only a
     run with a single pass may skip."""
 

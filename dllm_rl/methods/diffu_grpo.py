@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
 
 
-class MeanField(Estimator):
+class MeanField(EstimatorBase):
     """d1's estimator; batch.data["old_logp_mu"] [N, mu, C] and ["mask_seed"] [N, mu]."""
 
     per_pass_inputs = True  # pass k masks the prompt with seed k

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, scatter_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase, scatter_rows
 from dllm_rl.samplers import state_at
 from mmrl.core.advantages import zero_variance_groups
 from mmrl.core.batch import RolloutBatch
@@ -119,7 +119,7 @@ def row_states(completion: Tensor, commit_step: Tensor, rows: ForkRows, mask_id:
     return state_at(completion[rows.sample], commit_step[rows.sample], rows.step, mask_id=mask_id)
 
 
-class ForkEstimator(Estimator):
+class ForkEstimator(EstimatorBase):
     """Exact single-token log-probs at the rows' targets; batch.data["fork_row"] [N, C]."""
 
     def __init__(self, run):

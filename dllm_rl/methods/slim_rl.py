@@ -45,7 +45,7 @@ the accuracy definition and where the length rule applies. Choices made here:
 - batch.old_logp keeps the sampler's commit log-probs (it must be [N, C]); the objective reads
   the row-wise old log-probs from batch.data["slim/old_logp"] [N, Q, C]. The config trains
   exactly on-policy (one pass, one mini-batch), so that pass is skipped and the loss takes the
-  new log-probs, detached (dllm_rl.methods.common.Estimator; bit for bit the same loss).
+  new log-probs, detached (dllm_rl.methods.common.EstimatorBase; bit for bit the same loss).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import masked_input, token_logprobs
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
 from mmrl.core.method import register_method
@@ -131,7 +131,7 @@ def zero_truncated(scores: AtomScores, hit_limit: Tensor) -> AtomScores:
 # --------------------------------------------------------------------------- estimator
 
 
-class QuadratureRows(Estimator):
+class QuadratureRows(EstimatorBase):
     """SLIM-RL's trace-free estimator: Q masked copies of each answer.
 
     batch.data: "slim/mask" [N, Q, C] bool, "slim/old_logp" [N, Q, C] (zero off the mask),

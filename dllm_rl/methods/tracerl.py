@@ -31,12 +31,12 @@ import torch
 from torch import Tensor
 
 from dllm_rl.logprob import token_logprobs, trace_rows
-from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, Estimator, scatter_rows
+from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase, scatter_rows
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.method import register_method
 
 
-class Trace(Estimator):
+class Trace(EstimatorBase):
     def __init__(self, run):
         self.s = run.method.merge_steps
 
