@@ -77,3 +77,35 @@ def test_two_processes_update_like_one(tmp_path):
             assert torch.equal(ranks[0][k], ranks[1][k]), f"{aggregation}: ranks disagree on {k}"
             torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, a=aggregation: f"{a}: {m}")
+
+
+def test_close_leaves_the_group_and_init_registers_it_for_exit(monkeypatch):
+    """A rank that exits with its gloo group alive can abort at interpreter teardown, so
+    init() registers close() with atexit; close() leaves the group and is safe to repeat."""
+    import atexit
+
+    from mmrl.core import distributed
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    distributed.close()  # no group: a no-op
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        assert distributed.world_size() == 1 and dist.is_initialized()
+    finally:
+        distributed.close()
+    assert not dist.is_initialized()
+    distributed.close()  # again: still a no-op
+    # init() joins only for WORLD_SIZE > 1 (accelerate's launcher sets it); it registers close
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    joined = []
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "PartialState", lambda **kw: joined.append(kw))
+    distributed.init()
+    assert joined == [{"cpu": not torch.cuda.is_available()}] and registered == [distributed.close]
