@@ -38,8 +38,8 @@ Departures and interpretations (ours):
 - round() is Python's (ties to even); the lower bound (2 in the paper) is configurable.
 - With several data-parallel processes every rank records the kept counts of every rank's
   groups (mmrl.core.grpo), so all ranks choose the same G and a checkpoint holds them all.
-- The KL reference pass of the synchronous scheduler runs before pruning (on all
-  rollouts); old log-probs come with the rollout, so only the actor passes are saved.
+- The KL reference pass runs after pruning, on the kept samples only (as in the paper);
+  old log-probs come with the rollout, so the reference and actor passes are what is saved.
 
 The config's defaults follow the released code (`ngram: 1`, `against: seed`, `ars: false`;
 benchmarks/RESULTS.md compares them with the paper's reading). Where the released code

@@ -15,9 +15,9 @@ generation logits, computed on the whole context so far, so they are exact. A tu
 end-of-turn, at `</tool_call>` (a single token in Qwen vocabularies, so it is an extra stop
 id) or at rollout.max_new_tokens (the rollout is then truncated).
 
-Bad tool calls never stop a run: a malformed call, an unknown tool, wrong arguments, a tool
-that raises or outlasts its timeout all come back as an observation "error: ..." and the
-rollout goes on; they are counted (data["stat/tool_errors"]). Limits: tools.max_turns model
+Bad tool calls never stop a run: a malformed call (a turn that ends inside an unclosed
+<tool_call> is one), an unknown tool, wrong arguments, a tool that raises or outlasts its
+timeout all come back as an observation "error: ..." and the rollout goes on; they are counted (data["stat/tool_errors"]). Limits: tools.max_turns model
 turns and tools.max_tool_calls calls per rollout; a call past the limit gets an error
 observation instead of running.
 
@@ -45,7 +45,8 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.vlm.policy import _per_token, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
-_OBS_OPEN = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+_END = "<|im_end|>"
+_OBS_OPEN = _END + "\n<|im_start|>user\n<tool_response>\n"
 _OBS_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 _TYPE_IDS = {"<|image_pad|>": 1, "<|video_pad|>": 2}  # mm_token_type_ids of vision placeholders
 
@@ -144,35 +145,41 @@ class ToolRollout:
         if not new or new[-1] not in self.stop_ids:  # a stop string or the token budget ended it
             row.done, row.truncated = True, len(new) >= rollout.max_new_tokens
             return
-        if new[-1] != self.close_id:
-            row.done = True
-            return
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]
         opened = [j for j, t in enumerate(turn) if t == self.open_id]
-        row.call_spans.append((row.turn_start + opened[-1] if opened else start, len(row.ids)))
+        unclosed = (self.close_id is not None and new[-1] != self.close_id and bool(opened)
+                    and self.close_id not in turn[opened[-1]:])
+        if new[-1] != self.close_id and not unclosed:
+            row.done = True
+            return
+        end = len(row.ids) - 1 if unclosed else len(row.ids)  # an unclosed call's span stops before <|im_end|>
+        row.call_spans.append((row.turn_start + opened[-1] if opened else start, end))
         text = self.policy.tokenizer.decode(turn, skip_special_tokens=False)
         if row.turns >= self.cfg.max_turns:  # no turn left to read an observation
             row.done = row.truncated = True
             return
-        if row.calls >= self.cfg.max_tool_calls:
+        if unclosed:  # ended its turn inside a call: malformed, and the model is told so
+            content, kind = [f"error: the tool call was not closed with {TOOL_CALL_CLOSE}"], "malformed"
+        elif row.calls >= self.cfg.max_tool_calls:
             content, kind = [f"error: at most {self.cfg.max_tool_calls} tool calls per answer"], "limit"
         else:
             result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
             content, kind = result.content, result.kind
         row.calls += 1
         try:
-            self._observe(row, content)
+            self._observe(row, content, ended=unclosed)
         except Exception as e:  # noqa: BLE001 -- e.g. a 224x1 crop the image processor refuses
             content, kind = [f"error: the tool's image could not be shown: {e}"], "bad_image"
             self._observe(row, content)
         if kind != "ok":
             row.errors[kind] += 1
 
-    def _observe(self, row: _Row, content: list) -> None:
-        """Append the observation tokens (and images) of one tool result."""
+    def _observe(self, row: _Row, content: list, ended: bool = False) -> None:
+        """Append the observation tokens (and images) of one tool result; `ended`: the model's
+        turn already ends with end-of-turn, so the observation does not repeat it."""
         pol = self.policy
-        text, images = _OBS_OPEN, []
+        text, images = _OBS_OPEN.removeprefix(_END) if ended else _OBS_OPEN, []
         for part in content:
             if isinstance(part, str):
                 text += part

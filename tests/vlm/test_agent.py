@@ -6,6 +6,7 @@ and what it writes, while the log-probs, images and masks are the real thing."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -37,7 +38,8 @@ def rollout_cfg(**kw):
 class Scripted:
     """Stands in for model.generate: each call, every row still going writes the next text
     of its script (end-of-turn once the script is used up); the logits are the real
-    model's on those tokens. A row goes on after a turn that ends with </tool_call>."""
+    model's on those tokens. A row goes on after a turn that ends with </tool_call>, or while
+its script has turns left (an unclosed call ends its turn with end-of-turn and goes on)."""
 
     def __init__(self, policy, scripts: list[list[str]]):
         self.policy = policy
@@ -54,7 +56,7 @@ class Scripted:
         pol = self.policy
         assert len(self.going) == input_ids.shape[0]
         new = [(self.turns[r].pop(0) if self.turns[r] else [pol.eos_id])[:max_new_tokens] for r in self.going]
-        self.going = [r for r, t in zip(self.going, new) if t[-1] == self.close]
+        self.going = [r for r, t in zip(self.going, new) if t[-1] == self.close or self.turns[r]]
         seq = torch.full((len(new), max(map(len, new))), pol.pad_id, dtype=torch.long)
         for j, t in enumerate(new):
             seq[j, : len(t)] = torch.tensor(t)
@@ -147,6 +149,28 @@ def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
     assert batch.data["stat/turns"].tolist() == [2.0]
     text_out = batch.samples[0].completion
     assert "error:" in text_out and text_out.rstrip().endswith("</answer>")
+
+
+def test_an_unclosed_call_is_a_malformed_call(qwen25_dir):
+    """A turn that ends with end-of-turn inside <tool_call>: the call is counted as an error,
+    the model is told, and the rollout goes on; end-of-turn is written once, and the call's
+    span stops before it."""
+    policy = make_policy(qwen25_dir)
+    Scripted(policy, [['<tool_call>\n{"name": "zoom", "arguments": {"x0": 0}}<|im_end|>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [1.0] and data["stat/tool_errors"].tolist() == [1.0]
+    assert data["stat/turns"].tolist() == [2.0] and data["stat/truncated"].tolist() == [0.0]
+    text = batch.samples[0].completion
+    assert "not closed with </tool_call>" in text and text.rstrip().endswith("</answer>")
+    ids = data["completion_ids"][0][data["completion_attention"][0]].tolist()
+    eos = [j for j, t in enumerate(ids) if t == policy.eos_id]
+    assert all(b - a > 1 for a, b in pairwise(eos))  # never <|im_end|><|im_end|>
+    calls = data["call_mask"][0].nonzero().flatten().tolist()
+    assert calls[0] == int(data["first_call"][0]) and ids[calls[-1] + 1] == policy.eos_id
+    assert batch.mask[0, calls[-1] + 1]  # the model's end-of-turn is its own token: trained
+    assert not batch.mask[0, calls[-1] + 2]  # the observation is not
 
 
 def test_limits_on_turns_and_tool_calls(qwen25_dir):
