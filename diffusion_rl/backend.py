@@ -133,11 +133,15 @@ def build(cfg: DiffusionTrainConfig):
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
     if cfg.method.type == "cast" and cfg.method.projection == "attention":
-        from diffusion_rl.attention_maps import FAMILIES
+        from diffusion_rl.attention_maps import FAMILIES, TextAttention
 
         if flow.family not in FAMILIES:
             raise ConfigError(f"method.projection=attention: CAST's attention maps support the {' and '.join(FAMILIES)} "
                               f"families; {path} is {flow.family!r}; set method.projection: none")
+        try:  # checked here, not at the first update after a whole rollout
+            TextAttention(flow, cfg.method.attention_layers)
+        except ValueError as e:
+            raise ConfigError(f"method.attention_layers: {e}") from e
     if m.lora is not None:
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)

@@ -260,3 +260,10 @@ def test_bad_window_file_is_a_clear_config_error(flux_dir, tmp_path, content, ma
     with pytest.raises(ConfigError, match=match) as e:
         backend.build(cfg)
     assert str(path) in str(e.value)
+
+
+def test_attention_layers_out_of_range_fail_at_build(flux_dir, tmp_path):
+    """Checked when the model is built, not at the first update after a whole rollout."""
+    cfg = make(flux_dir, tmp_path, "method.type=cast", "method.projection=attention", "method.attention_layers=[99]")
+    with pytest.raises(ConfigError, match=r"method.attention_layers: attention layers \[99\] out of range"):
+        backend.build(cfg)
