@@ -5,7 +5,7 @@ strategy (rollout.eval_strategy where it is set) and scores it with the task's a
 `accuracy` (the answer atom), every other atom, `reward`, and `nfe` (mean function
 evaluations per answer). With rollout.eval_samples = n > 0 it also samples n answers per
 problem at the rollout temperature (fixed seed, so before and after are comparable) and
-reports pass@k for k = 1, 2, 4, 8, 16 up to n (the unbiased estimator of Chen et al. 2021)
+reports pass@k for k = 1..min(16, n) (the unbiased estimator of Chen et al. 2021)
 and their mean NFE (`sampled_nfe`).
 """
 
@@ -81,9 +81,8 @@ class DLLMTask:
             texts, nfe = self.answers(policy, problems, self.rollout.temperature, gen)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])
             hits = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n) >= 0.5
-            for k in (1, 2, 4, 8, 16):
-                if k <= n:
-                    out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in hits.sum(1)) / len(hits)
+            for k in range(1, min(16, n) + 1):
+                out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in hits.sum(1)) / len(hits)
             out["sampled_nfe"] = float(nfe.mean())
         return out
 
