@@ -246,6 +246,20 @@ class CASTConfig(FlowGRPOConfig):
     "path/to/file.py:function" returning {atom name: [(start, end) character spans]}."""
     patch_clip_range: float | None = Field(None, gt=0)
     """eps of the per-patch ratio clip; None = clip_range."""
+    atoms: Literal["types", "nodes"] = "types"
+    """The columns A_ik are taken over. types: the reward's atoms, shapes-geneval's per TYPE (a
+    type's score is the mean over the prompt's atoms of that type, its map covers the words of
+    all of them). nodes (ours; shapes-geneval and its parser only): one column per atom of the
+    prompt's scene graph (colour[red circle], count[blue square]=2, ...), each with its own
+    verdict, signed group advantage and map of its own words, weighted w_type / (the prompt's
+    atoms of that type); the reward's other columns ("all", image atoms) as with types."""
+
+    @model_validator(mode="after")
+    def _nodes_need_the_shapes_parser(self):
+        if self.atoms == "nodes" and self.parser != "shapes-geneval":
+            raise ValueError(f"atoms=nodes takes each atom's verdict and words from the shapes-geneval scene "
+                             f"graph; parser {self.parser!r} cannot name them (use atoms: types)")
+        return self
 
 
 MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig | CASTConfig, Field(discriminator="type")]

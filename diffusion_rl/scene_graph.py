@@ -35,7 +35,7 @@ from mmrl.core.config import ConfigError
 Spans = dict[str, list[tuple[int, int]]]
 PromptParser = Callable[[str], Spans]
 
-__all__ = ["PromptParser", "Spans", "load_parser", "shapes_geneval_spans"]
+__all__ = ["PromptParser", "Spans", "load_parser", "shapes_geneval_atom_spans", "shapes_geneval_spans"]
 
 
 def shapes_geneval_spans(prompt: str) -> Spans:
@@ -43,10 +43,7 @@ def shapes_geneval_spans(prompt: str) -> Spans:
     from diffusion_rl.tasks.shapes_geneval import parse_objects
 
     _, relation = parse_objects(prompt)  # validates the grammar, with its own error message
-    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", prompt)]
-    last = words[-1]
-    if prompt[last[1] - 1] == ".":  # the parser drops a final full stop
-        words[-1] = (last[0], last[1] - 1)
+    words = _words(prompt)
     phrases = [words[:3]] if relation is None else [words[:3], words[-3:]]
     rel_words = words[3:-3] if relation is not None else []
     spans: Spans = {"exist": [], "colour": [], "count": [], "relation": []}
@@ -57,6 +54,37 @@ def shapes_geneval_spans(prompt: str) -> Spans:
     if relation is not None:
         spans["relation"] = rel_words + [phrases[0][2], phrases[1][2]]
     return {k: v for k, v in spans.items() if v}
+
+
+def shapes_geneval_atom_spans(prompt: str) -> Spans:
+    """{atom name (shapes_geneval.parse_prompt's, in its order): character spans}, for CAST's
+    per-atom columns (method.atoms: nodes). exist[s]: the shape words of the phrases of shape s;
+    colour[c s] and count[c s]=n: the colour (count) and shape words of the phrases of that
+    kind; the relation: its words and both shape words. ValueError as shapes_geneval_spans."""
+    from diffusion_rl.tasks.shapes_geneval import parse_objects, parse_prompt
+
+    objects, relation = parse_objects(prompt)
+    words = _words(prompt)
+    phrases = [words[:3]] if relation is None else [words[:3], words[-3:]]
+    spans: Spans = {}
+    for atom in parse_prompt(prompt):
+        if atom.kind == "relation":
+            spans[atom.name] = words[3:-3] + [phrases[0][2], phrases[1][2]]
+            continue
+        slot = {"exist": None, "colour": 1, "count": 0}[atom.kind]  # which word of the phrase, besides the shape
+        same = [p for p, o in zip(phrases, objects)
+                if (o.shape == atom.objects[0].shape if slot is None else o.kind == atom.objects[0].kind)]
+        spans[atom.name] = [w for p in same for w in ([p[2]] if slot is None else [p[slot], p[2]])]
+    return spans
+
+
+def _words(prompt: str) -> list[tuple[int, int]]:
+    """Character spans of the prompt's words, a final full stop left out (the grammar drops it)."""
+    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", prompt)]
+    last = words[-1]
+    if prompt[last[1] - 1] == ".":
+        words[-1] = (last[0], last[1] - 1)
+    return words
 
 
 BUILTIN: dict[str, PromptParser] = {"shapes-geneval": shapes_geneval_spans}

@@ -31,10 +31,11 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 plus Flow-GRPO's KL term. On-policy its gradient is mean_l A_i(l) grad logp_l;
                 with uniform maps that is Flow-GRPO's A_i grad logp (tests check both).
 
-Departures / open choices: the group std is the unbiased one (as Flow-GRPO's and GRPO's); the
-atoms are the reward's atom TYPES (a type's score is the mean over the prompt's atoms of that
-type), not one column per scene-graph node, since that is what the batch carries, so a type's
-map covers the words of all its atoms in the prompt; the maps are taken at each trained step
+Departures / open choices: the group std is the unbiased one (as Flow-GRPO's and GRPO's); by
+default (method.atoms: types) the atoms are the reward's atom TYPES (a type's score is the mean
+over the prompt's atoms of that type), since that is what the batch carries, so a type's map
+covers the words of all its atoms in the prompt; method.atoms: nodes takes one column per
+scene-graph atom instead (its own verdict, advantage and words; shapes-geneval only); the maps are taken at each trained step
 from the same forward that is trained (teacher-forced on the stored x_t) and treated as
 constants; the "all" atom and image atoms (CLIP score) are not projected (uniform maps); the
 sum over atoms is not normalised by the number of atoms, so adv_clip binds more often than in
@@ -51,13 +52,21 @@ from torch import Tensor
 
 from diffusion_rl.attention_maps import atom_maps, text_key_spans
 from diffusion_rl.methods.flow_grpo import FlowGRPO
-from diffusion_rl.scene_graph import BUILTIN, checked_spans, load_parser
+from diffusion_rl.scene_graph import BUILTIN, checked_spans, load_parser, shapes_geneval_atom_spans
+from diffusion_rl.tasks.shapes_geneval import (
+    ATOM_TYPES,
+    MAX_ATOMS,
+    cached_score_image,
+    can_parse,
+    parse_prompt,
+)
 from mmrl.core.advantages import atom_advantages
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, policy_loss
 from mmrl.core.method import register_method
 
 ATOM_ADVANTAGES = "cast/atom_advantages"
+ATOM_WEIGHTS = "cast/atom_weights"  # [N, K] per-sample column weights (method.atoms: nodes)
 
 
 @dataclass
@@ -70,14 +79,15 @@ def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: 
                     clip: float | None = None) -> CASTAdvantages:
     """Per-atom signed group advantages and their weighted sum, a pure tensor function.
 
-    scores [N, K] atom scores (already gated), group_ids [N], weights [K]. A column that is
-    constant within a group (a gated child at 0 for every sample, a vacuous atom at 1, a group
-    of one) gives exactly 0 there."""
+    scores [N, K] atom scores (already gated), group_ids [N], weights [K] or per sample [N, K].
+    A column that is constant within a group (a gated child at 0 for every sample, a vacuous
+    atom at 1, a padding column, a group of one) gives exactly 0 there."""
     atom = atom_advantages(scores.float(), group_ids, scale="group", eps=eps)  # [N, K]
     w = torch.as_tensor(weights, dtype=atom.dtype, device=atom.device)
-    if w.shape != (atom.shape[1],):
-        raise ValueError(f"weights must have shape [{atom.shape[1]}] (one per atom); got {tuple(w.shape)}")
-    total = atom @ w  # [N]
+    if w.shape not in ((atom.shape[1],), tuple(atom.shape)):
+        raise ValueError(f"weights must have shape [{atom.shape[1]}] (one per atom) or {list(atom.shape)} "
+                         f"(per sample); got {list(w.shape)}")
+    total = (atom * w).sum(-1)  # [N]
     if clip is not None:
         total = total.clamp(-clip, clip)
     return CASTAdvantages(atom=atom, total=total)
@@ -86,9 +96,9 @@ def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: 
 def advantage_map(atom: Tensor, weights: Tensor, maps: Tensor, total: Tensor, *, global_weight: float,
                   clip: float | None = None) -> Tensor:
     """[N, L]: A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda), clipped to +-clip.
-    atom [N, K], weights [K], maps [N, K, L], total [N] (A_i)."""
-    w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device)
-    projected = torch.einsum("nk,k,nkl->nl", atom.to(maps.dtype), w, maps)
+    atom [N, K], weights [K] or [N, K], maps [N, K, L], total [N] (A_i)."""
+    w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device).expand(atom.shape)
+    projected = torch.einsum("nk,nk,nkl->nl", atom.to(maps.dtype), w, maps)
     out = (projected + global_weight * total.to(maps.dtype)[:, None]) / (1 + global_weight)
     return out.clamp(-clip, clip) if clip is not None else out
 
@@ -124,12 +134,17 @@ class CAST(FlowGRPO):
         steps, attention = policy.sde_outputs(batch, attention=self.cfg.attention_layers)
         prompts = [s.prompt for s in batch.samples]
         keys = text_key_spans(policy.flow, prompts)
-        spans = [self.atom_spans(p) for p in prompts]
         names = batch.scores.names if batch.scores is not None else self.reward.names
+        if self.cfg.atoms == "nodes":
+            columns, weights = self.node_names(names), batch.data[ATOM_WEIGHTS]
+            spans = [self.node_spans(p) for p in prompts]
+        else:
+            columns, weights = names, self.reward.weights
+            spans = [self.atom_spans(p) for p in prompts]
         amaps = []
         for att in attention:  # one map per trained step
-            maps = atom_maps(att, keys, spans, names, self.cfg.map_norm)  # [N, K, L]
-            amaps.append(advantage_map(batch.data[ATOM_ADVANTAGES], self.reward.weights, maps, advantages,
+            maps = atom_maps(att, keys, spans, columns, self.cfg.map_norm)  # [N, K, L]
+            amaps.append(advantage_map(batch.data[ATOM_ADVANTAGES], weights, maps, advantages,
                                        global_weight=self.cfg.global_weight, clip=self.cfg.adv_clip))
         adv = torch.stack(amaps, 1)  # [N, T, L]
         logp = torch.stack([s.elem_log_prob.mean(-1) for s in steps], 1)  # [N, T, L]
@@ -146,20 +161,71 @@ class CAST(FlowGRPO):
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
         if batch.scores is None:
             raise ValueError("CAST needs the per-atom scores of the batch (batch.scores is None)")
-        out = cast_advantages(batch.scores.values, batch.group_ids, self.reward.weights,
-                              eps=self.cfg.std_eps, clip=self.cfg.adv_clip)
+        values, weights = batch.scores.values, self.reward.weights
+        if self.cfg.atoms == "nodes":
+            values, weights = self.node_columns(batch)
+            batch.data[ATOM_WEIGHTS] = weights
+        out = cast_advantages(values, batch.group_ids, weights, eps=self.cfg.std_eps, clip=self.cfg.adv_clip)
         batch.data[ATOM_ADVANTAGES] = out.atom
         return out.total
 
+    # ------------------------------------------------------------ method.atoms: nodes
+
+    @staticmethod
+    def node_names(names) -> list[str]:
+        """The columns with atoms=nodes: MAX_ATOMS scene-graph slots (a prompt's atoms in
+        parse order, the rest padding), then the reward's columns that are not atom types."""
+        return [f"atom{j}" for j in range(MAX_ATOMS)] + [n for n in names if n not in ATOM_TYPES]
+
+    def node_columns(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """[N, K] verdicts and weights of node_names' columns. A scene-graph atom of type t
+        weighs w_t / (the prompt's atoms of type t), so each type keeps its weight in total;
+        padding and prompts the grammar cannot parse weigh 0. Shares the reward's detection."""
+        names = list(batch.scores.names)
+        w = dict(zip(names, self.reward.weights.tolist()))
+        extra = [k for k, n in enumerate(names) if n not in ATOM_TYPES]
+        values = torch.zeros(len(batch), MAX_ATOMS + len(extra))
+        weights = torch.zeros_like(values)
+        for i, s in enumerate(batch.samples):
+            if not can_parse(s.prompt):
+                continue
+            atoms = parse_prompt(s.prompt)
+            verdicts = cached_score_image(s.completion, s.prompt)
+            for j, a in enumerate(atoms):
+                values[i, j] = verdicts[a.name]
+                weights[i, j] = w[a.kind] / sum(b.kind == a.kind for b in atoms)
+        values[:, MAX_ATOMS:] = batch.scores.values[:, extra].float()
+        weights[:, MAX_ATOMS:] = torch.tensor([w[names[k]] for k in extra])
+        return values, weights
+
+    def node_spans(self, prompt: str) -> dict:
+        """{"atom<j>": the words of the prompt's j-th scene-graph atom}, cached; {} (uniform
+        maps) for a prompt the grammar cannot parse."""
+        key = ("nodes", prompt)
+        if key not in self._spans:
+            spans = shapes_geneval_atom_spans(prompt) if can_parse(prompt) else {}
+            self._spans[key] = {f"atom{j}": v for j, v in enumerate(spans.values())}
+        return self._spans[key]
+
     def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         """Per atom: the mean |A_ik| and the fraction of samples with a non-zero A_ik (how
-        often that atom separates the samples of a group)."""
+        often that atom separates the samples of a group). With atoms=nodes, per atom type over
+        the scene-graph atoms of that type."""
         atom = batch.data.get(ATOM_ADVANTAGES)
         if atom is None or batch.scores is None:
             return {}
+        cols: dict[str, list[Tensor]] = {}
+        if self.cfg.atoms == "nodes":
+            for i, s in enumerate(batch.samples):
+                for j, a in enumerate(parse_prompt(s.prompt) if can_parse(s.prompt) else []):
+                    cols.setdefault(a.kind, []).append(atom[i, j : j + 1])
+            names = self.node_names(batch.scores.names)
+            cols.update({n: [atom[:, k]] for k, n in enumerate(names) if k >= MAX_ATOMS})
+        else:
+            cols = {n: [atom[:, k]] for k, n in enumerate(batch.scores.names)}
         out = {}
-        for k, name in enumerate(batch.scores.names):
-            col = atom[:, k].float()
+        for name, parts in cols.items():
+            col = torch.cat(parts).float()
             out[f"cast/adv_abs/{name}"] = float(col.abs().mean())
             out[f"cast/adv_nonzero/{name}"] = float((col != 0).float().mean())
         return out

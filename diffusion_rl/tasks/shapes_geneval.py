@@ -96,7 +96,7 @@ cannot parse is an error, or with `reward_atoms(unparsed="zero")` scores 0 on al
 atoms without a detection (a constant within its group: another atom, such as a CLIP
 score, must then carry its reward). Evaluation metrics without vacuous entries:
 `atom_accuracy`. Per-atom scores for one prompt (CAST's signed atom advantages
-within a group): `score_image`.
+within a group): `score_image` (`cached_score_image` shares the reward's detection).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ __all__ = [
     "Scene",
     "Shape",
     "atom_accuracy",
+    "cached_score_image",
     "can_parse",
     "classify_pixels",
     "detect",
@@ -1097,6 +1098,25 @@ def score_image(image, prompt: str) -> dict[str, float]:
     return evaluate_atoms(atoms, detect(image))
 
 
+MAX_ATOMS = 7  # a relational prompt's: exist, colour and count of each phrase, and the relation
+_ATOM_CACHE: dict[tuple, dict[str, float]] = {}
+_ATOM_CACHE_SIZE = 4096
+
+
+def cached_score_image(image, prompt: str) -> dict[str, float]:
+    """`score_image`, remembered by (image content, prompt): the reward's type atoms and CAST's
+    per-atom advantages (method.atoms: nodes) then share one detection per image."""
+    image_key = _image_key(image)
+    if image_key is None:
+        return score_image(image, prompt)
+    key = (image_key, prompt)
+    if key not in _ATOM_CACHE:
+        while len(_ATOM_CACHE) >= _ATOM_CACHE_SIZE:
+            del _ATOM_CACHE[next(iter(_ATOM_CACHE))]
+        _ATOM_CACHE[key] = score_image(image, prompt)
+    return _ATOM_CACHE[key]
+
+
 # ============================================================================ rewards and metrics
 
 
@@ -1142,8 +1162,7 @@ class _Verdicts:
                 image_key = _image_key(s.completion)
                 key = None if image_key is None else (image_key, s.prompt)
                 if key is None or key not in self._cache:
-                    atoms = parse_prompt(s.prompt)
-                    means = _type_means(atoms, evaluate_atoms(atoms, detect(s.completion)))
+                    means = _type_means(parse_prompt(s.prompt), cached_score_image(s.completion, s.prompt))
                     if key is None:
                         out.append(means)
                         continue
