@@ -87,7 +87,7 @@ def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: 
     if w.shape not in ((atom.shape[1],), tuple(atom.shape)):
         raise ValueError(f"weights must have shape [{atom.shape[1]}] (one per atom) or {list(atom.shape)} "
                          f"(per sample); got {list(w.shape)}")
-    total = (atom * w).sum(-1)  # [N]
+    total = atom @ w if w.dim() == 1 else (atom * w).sum(-1)  # [N]
     if clip is not None:
         total = total.clamp(-clip, clip)
     return CASTAdvantages(atom=atom, total=total)
@@ -97,8 +97,8 @@ def advantage_map(atom: Tensor, weights: Tensor, maps: Tensor, total: Tensor, *,
                   clip: float | None = None) -> Tensor:
     """[N, L]: A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda), clipped to +-clip.
     atom [N, K], weights [K] or [N, K], maps [N, K, L], total [N] (A_i)."""
-    w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device).expand(atom.shape)
-    projected = torch.einsum("nk,nk,nkl->nl", atom.to(maps.dtype), w, maps)
+    w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device)
+    projected = torch.einsum("nk,k,nkl->nl" if w.dim() == 1 else "nk,nk,nkl->nl", atom.to(maps.dtype), w, maps)
     out = (projected + global_weight * total.to(maps.dtype)[:, None]) / (1 + global_weight)
     return out.clamp(-clip, clip) if clip is not None else out
 
