@@ -206,6 +206,19 @@ def test_per_patch_ratio_is_one_on_policy(flux_dir, tmp_path):
     assert out.metrics["cast/adv_map_spatial_std"] > 0  # the maps do move the advantage around
 
 
+def test_the_per_patch_objective_on_sd3(sd3_dir, tmp_path):
+    """The whole CAST loss through SD3-style joint attention: ratio 1 on-policy, maps that move
+    the advantage, and a finite gradient."""
+    cfg, policy, task, batch = cast_setup(sd3_dir, tmp_path)
+    assert policy.flow.family == "sd3"
+    method = CAST(cfg.method, cfg, task.reward)
+    out = method.loss(policy, batch, method.advantages(batch))
+    assert out.metrics["loss/ratio_min"] == out.metrics["loss/ratio_max"] == 1.0
+    assert out.metrics["cast/adv_map_spatial_std"] > 0
+    g = grads(policy, out)
+    assert torch.isfinite(g).all() and g.abs().max() > 0
+
+
 def test_with_uniform_maps_the_gradient_is_flow_grpos(flux_dir, tmp_path):
     cfg, policy, task, batch = cast_setup(flux_dir, tmp_path)
     method = CAST(cfg.method, cfg, task.reward)
