@@ -32,7 +32,7 @@ def _one_thread(one_thread):
     yield
 
 
-def make_run(name: str, *overrides: str, tmp_path=None, score_old: bool = True):
+def config_run(name: str, *overrides: str, tmp_path=None, score_old: bool = True):
     """(cfg, policy, task) of configs/dllm/<name>.yaml on the bundled model, made small.
     score_old: the rollouts get scored old log-probs, as off-policy runs do (these configs
     train exactly on-policy, which skips that pass)."""
@@ -105,7 +105,7 @@ def test_rows_reject_bad_input():
 
 @pytest.fixture(scope="module")
 def fork_batch():
-    cfg, policy, task = make_run("fork_grpo")
+    cfg, policy, task = config_run("fork_grpo")
     return cfg, policy, task, rollout(policy, task, cfg)
 
 
@@ -234,7 +234,7 @@ def test_zero_std_groups_are_skipped():
 
 
 def test_ar_grpo_rows_are_every_answer_step():
-    cfg, policy, task = make_run("ar_grpo")
+    cfg, policy, task = config_run("ar_grpo")
     batch = rollout(policy, task, cfg, prompts=2)
     cs, active = batch.data["commit_step"], batch.data["active"]
     C = cs.shape[1]
@@ -251,14 +251,14 @@ def test_ar_grpo_rows_are_every_answer_step():
 
 def test_rows_all_skips_steps_that_commit_several_tokens():
     # low_confidence with 4 steps for 8 tokens commits 2 per step: no step has an exact ratio
-    cfg, policy, task = make_run("fork_grpo", "method.rows=all", "rollout.strategy=low_confidence",
+    cfg, policy, task = config_run("fork_grpo", "method.rows=all", "rollout.strategy=low_confidence",
                                  "rollout.steps=4")
     batch = rollout(policy, task, cfg, prompts=1)
     counts = commits_per_step(batch.data["commit_step"], batch.data["active"].shape[1])  # [N, S]
     assert counts.shape[1] == 4 and (counts == 2).all()
     assert batch.data["fork_row"].sum() == 0 and (batch.old_logp == 0).all()
     # with a fork rollout, rows: all adds the single-token threshold steps to the fallback rows
-    cfg, policy, task = make_run("fork_grpo", "method.rows=all")
+    cfg, policy, task = config_run("fork_grpo", "method.rows=all")
     batch = rollout(policy, task, cfg)
     fallback_rows = row_targets(batch.data["commit_step"], batch.data["fallback"], "fallback") & batch.mask
     assert (batch.data["fork_row"] | fallback_rows).equal(batch.data["fork_row"])
@@ -267,9 +267,9 @@ def test_rows_all_skips_steps_that_commit_several_tokens():
 
 def test_bad_configs_are_errors():
     with pytest.raises(ConfigError, match="rows: fallback trains on the fork sampler's fallback steps"):
-        make_run("fork_grpo", "rollout.strategy=threshold")
+        config_run("fork_grpo", "rollout.strategy=threshold")
     with pytest.raises(ConfigError, match="ar_grpo decodes left to right: rollout.strategy must be ar"):
-        make_run("ar_grpo", "rollout.strategy=fork")
+        config_run("ar_grpo", "rollout.strategy=fork")
 
 
 # --------------------------------------------------------------------------- one training step
@@ -285,7 +285,7 @@ def test_one_trainer_step_of_the_preset(tmp_path, monkeypatch, name):
         return AtomScores(names=["r"], values=total[:, None], total=total)
 
     monkeypatch.setattr(Reward, "score", spread)
-    cfg, policy, task = make_run(name, "rollout.prompts_per_step=3", "rollout.num_generations=4",
+    cfg, policy, task = config_run(name, "rollout.prompts_per_step=3", "rollout.num_generations=4",
                                  "train.max_steps=1", "optim.lr=1e-2", tmp_path=tmp_path, score_old=False)
     assert cfg.train.ppo_epochs == 1
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
