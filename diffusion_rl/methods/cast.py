@@ -35,12 +35,12 @@ Departures / open choices: the group std is the unbiased one (as Flow-GRPO's and
 default (method.atoms: types) the atoms are the reward's atom TYPES (a type's score is the mean
 over the prompt's atoms of that type), since that is what the batch carries, so a type's map
 covers the words of all its atoms in the prompt; method.atoms: nodes takes one column per
-scene-graph atom instead (its own verdict, advantage and words; shapes-geneval only); the maps are taken at each trained step
-from the same forward that is trained (teacher-forced on the stored x_t) and treated as
-constants; the "all" atom and image atoms (CLIP score) are not projected (uniform maps); the
-sum over atoms is not normalised by the number of atoms, so adv_clip binds more often than in
-Flow-GRPO; attention maps exist for the FLUX- and SD3-style joint attention only (Qwen-Image and
-FLUX.2 need method.projection: none).
+scene-graph atom instead (its own verdict, advantage and words; shapes-geneval only); the maps
+are taken at each trained step from the same forward that is trained (teacher-forced on the
+stored x_t) and treated as constants; the "all" atom and image atoms (CLIP score) are not
+projected (uniform maps); the sum over atoms is not normalised by the number of atoms, so
+adv_clip binds more often than in Flow-GRPO; attention maps exist for the FLUX- and SD3-style
+joint attention only (Qwen-Image and FLUX.2 need method.projection: none).
 """
 
 from __future__ import annotations

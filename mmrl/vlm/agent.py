@@ -17,9 +17,10 @@ id) or at rollout.max_new_tokens (the rollout is then truncated).
 
 Bad tool calls never stop a run: a malformed call (a turn that ends inside an unclosed
 <tool_call> is one), an unknown tool, wrong arguments, a tool that raises or outlasts its
-timeout all come back as an observation "error: ..." and the rollout goes on; they are counted (data["stat/tool_errors"]). Limits: tools.max_turns model
-turns and tools.max_tool_calls calls per rollout; a call past the limit gets an error
-observation instead of running.
+timeout all come back as an observation "error: ..." and the rollout goes on; they are
+counted (data["stat/tool_errors"]). Limits: tools.max_turns model turns and
+tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
+instead of running.
 
 Extra data of a tool batch (beside VLMPolicy.generate's layout):
     data["call_mask"]           [N, T] bool  tokens of the model's tool calls (<tool_call> .. </tool_call>)
