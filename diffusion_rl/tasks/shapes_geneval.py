@@ -1143,14 +1143,12 @@ def _image_key(image) -> tuple | None:
 
 
 class _Verdicts:
-    """Per-type scores of (image, prompt) pairs, computed once and shared by the type
-    atoms of one Reward (each atom sees the same samples). Keyed by image content and
-    prompt; the oldest entries go beyond max_entries."""
+    """Per-type scores of (image, prompt) pairs for the type atoms of one Reward (each atom
+    sees the same samples); the detection is done once per image content and prompt
+    (`cached_score_image`)."""
 
-    def __init__(self, max_entries: int = 4096, unparsed: str = "error"):
-        self.max_entries = max_entries
+    def __init__(self, unparsed: str = "error"):
         self.unparsed = unparsed
-        self._cache: dict[tuple, dict[str, float]] = {}
 
     def __call__(self, samples: Sequence) -> list[dict[str, float]]:
         out = []
@@ -1159,19 +1157,9 @@ class _Verdicts:
                 if self.unparsed == "zero" and not can_parse(s.prompt):
                     out.append(dict.fromkeys((*ATOM_TYPES, "all"), 0.0))  # no verdict: 0, no detection
                     continue
-                image_key = _image_key(s.completion)
-                key = None if image_key is None else (image_key, s.prompt)
-                if key is None or key not in self._cache:
-                    means = _type_means(parse_prompt(s.prompt), cached_score_image(s.completion, s.prompt))
-                    if key is None:
-                        out.append(means)
-                        continue
-                    while len(self._cache) >= self.max_entries:
-                        del self._cache[next(iter(self._cache))]
-                    self._cache[key] = means
+                out.append(_type_means(parse_prompt(s.prompt), cached_score_image(s.completion, s.prompt)))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"sample {i} of the batch (prompt {s.prompt!r}): {e}") from e
-            out.append(self._cache[key])
         return out
 
 
