@@ -20,7 +20,7 @@ from diffusion_rl.scene_graph import shapes_geneval_atom_spans
 from diffusion_rl.tasks.shapes_geneval import MAX_ATOMS, make_scene, render, shapes_geneval_reward
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, load_config
-from mmrl.core.rewards import Sample
+from mmrl.core.rewards import AtomScores, Sample
 from mmrl.core.trainer import Trainer
 
 S2 = 1 / math.sqrt(2)  # a group of two that differs in a column: -+0.5 over the unbiased std sqrt(0.5)
@@ -152,8 +152,6 @@ def test_nodes_with_another_parser_is_a_config_error(tmp_path):
 def test_unparsed_prompts_get_no_node_columns():
     reward = SimpleNamespace(weights=torch.tensor([1.0, 1, 1, 1, 1]))
     names = ["exist", "colour", "count", "relation", "all"]
-    from mmrl.core.rewards import AtomScores
-
     batch = RolloutBatch(group_ids=torch.tensor([0, 0]),
                          samples=[Sample(prompt="a photo of a cat", completion=None) for _ in range(2)],
                          scores=AtomScores(names=names, values=torch.tensor([[0., 0, 0, 0, 1], [0, 0, 0, 0, 0]]),
