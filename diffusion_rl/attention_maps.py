@@ -21,14 +21,15 @@ first in the joint sequence, SD3 last.
 
 `atom_maps` then turns the attention into one normalised map per reward atom from the atom's
 text tokens: the character spans a prompt parser (diffusion_rl/scene_graph.py) gives, matched to
-the text keys' character offsets (`text_key_spans`).
+the text keys' character offsets (`text_key_spans`). `region_maps` makes the same maps from
+pixel masks instead (method.projection: detector, the detected objects' boxes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -200,6 +201,27 @@ def atom_maps(att: Tensor, key_spans: Sequence[Sequence[tuple[int, int] | None]]
             if not keys:
                 continue
             m = att[i, :, keys].float().sum(-1)  # [L]
+            d = m.mean() if norm == "mean" else m.max()
+            if d > 0:
+                out[i, k] = m / d
+    return out
+
+
+def region_maps(regions: Sequence[Mapping[str, object]], columns: Sequence[str], grid: tuple[int, int],
+                norm: str = "mean") -> Tensor:
+    """[N, K, L] maps M_k from pixel masks: for sample n and column k, the share of each image
+    token's pixels inside regions[n][k] (an [H, W] bool mask; the grid's tokens in the maps'
+    row-major order), divided by its mean or maximum as in atom_maps. A column without a mask
+    (None or missing), or whose mask is empty, gets the uniform map 1."""
+    if norm not in ("mean", "max"):
+        raise ValueError(f"map norm must be 'mean' or 'max'; got {norm!r}")
+    out = torch.ones(len(regions), len(columns), grid[0] * grid[1])
+    for i, masks in enumerate(regions):
+        for k, col in enumerate(columns):
+            mask = masks.get(col)
+            if mask is None:
+                continue
+            m = torch.nn.functional.adaptive_avg_pool2d(torch.as_tensor(mask).float()[None], grid).flatten()
             d = m.mean() if norm == "mean" else m.max()
             if d > 0:
                 out[i, k] = m / d

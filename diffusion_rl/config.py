@@ -230,10 +230,13 @@ class CASTConfig(FlowGRPOConfig):
     window_offset: int = 0
     """The calibrated window's last SDE step is the median commit step plus this (0 = the
     commit step itself; -1 = the last step whose noise lands before it), then clamped."""
-    projection: Literal["attention", "none"] = "attention"
+    projection: Literal["attention", "detector", "none"] = "attention"
     """attention: A_i(h, w) = (sum_k w_k A_ik M_ik(h, w) + global_weight A_i) / (1 + global_weight),
     M_ik the attention map of atom k's words (diffusion_rl/attention_maps.py), trained through
-    per-latent-token ratios. none: the scalar A_i = sum_k w_k A_ik and Flow-GRPO's loss (part 1)."""
+    per-latent-token ratios. detector (ours, a diagnostic): the same with M_ik the boxes of the
+    objects the reward's detector found for atom k in sample i's image (uniform where it found
+    none), pooled onto the latent tokens: what CAST does when its maps are right. none: the
+    scalar A_i = sum_k w_k A_ik and Flow-GRPO's loss (part 1)."""
     attention_layers: list[int] | None = None
     """Joint-attention layers the maps average (indices over the double-, then single-stream
     blocks; negative counts from the end). None = the middle half."""

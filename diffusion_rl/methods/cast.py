@@ -23,7 +23,9 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 M_ik(l) is the attention of image token l to those words, normalised to mean 1
                 over the image. The advantage map is
                     A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda),  clipped,
-                so uniform maps give back A_i exactly.
+                so uniform maps give back A_i exactly. (method.projection: detector, ours, a
+                diagnostic: M_ik from the boxes of the objects the reward's detector found for
+                atom k in the sample's final image instead, the same map at every trained step.)
     loss        per latent token l (a patch) of each trained step, the log-prob is the mean of
                 the Gaussian's per-element terms over the token's channels only (not over the
                 whole image), rho_l = exp(logp_l - old_logp_l), and
@@ -50,12 +52,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diffusion_rl.attention_maps import atom_maps, text_key_spans
+from diffusion_rl.attention_maps import atom_maps, region_maps, text_key_spans
 from diffusion_rl.methods.flow_grpo import FlowGRPO
 from diffusion_rl.scene_graph import BUILTIN, checked_spans, load_parser, shapes_geneval_atom_spans
 from diffusion_rl.tasks.shapes_geneval import (
     ATOM_TYPES,
     MAX_ATOMS,
+    atom_regions,
     cached_score_image,
     can_parse,
     parse_prompt,
@@ -131,22 +134,23 @@ class CAST(FlowGRPO):
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         if self.cfg.projection == "none":
             return super().loss(policy, batch, advantages, denom)
-        steps, attention = policy.sde_outputs(batch, attention=self.cfg.attention_layers)
         prompts = [s.prompt for s in batch.samples]
-        keys = text_key_spans(policy.flow, prompts)
         names = batch.scores.names if batch.scores is not None else self.reward.names
-        if self.cfg.atoms == "nodes":
-            columns, weights = self.node_names(names), batch.data[ATOM_WEIGHTS]
-            spans = [self.node_spans(p) for p in prompts]
+        nodes = self.cfg.atoms == "nodes"
+        columns = self.node_names(names) if nodes else names
+        weights = batch.data[ATOM_WEIGHTS] if nodes else self.reward.weights
+        if self.cfg.projection == "detector":  # one map per sample, the same at every trained step
+            steps = policy.sde_outputs(batch)
+            regions = [self.detector_regions(s.completion, s.prompt, nodes) for s in batch.samples]
+            all_maps = [region_maps(regions, columns, policy.flow.grid, self.cfg.map_norm)] * len(steps)
         else:
-            columns, weights = names, self.reward.weights
-            spans = [self.atom_spans(p) for p in prompts]
-        amaps = []
-        for att in attention:  # one map per trained step
-            maps = atom_maps(att, keys, spans, columns, self.cfg.map_norm)  # [N, K, L]
-            amaps.append(advantage_map(batch.data[ATOM_ADVANTAGES], weights, maps, advantages,
-                                       global_weight=self.cfg.global_weight, clip=self.cfg.adv_clip))
-        adv = torch.stack(amaps, 1)  # [N, T, L]
+            steps, attention = policy.sde_outputs(batch, attention=self.cfg.attention_layers)
+            keys = text_key_spans(policy.flow, prompts)
+            spans = [self.node_spans(p) if nodes else self.atom_spans(p) for p in prompts]
+            all_maps = [atom_maps(att, keys, spans, columns, self.cfg.map_norm) for att in attention]  # [N, K, L]
+        adv = torch.stack([advantage_map(batch.data[ATOM_ADVANTAGES], weights, maps, advantages,
+                                         global_weight=self.cfg.global_weight, clip=self.cfg.adv_clip)
+                           for maps in all_maps], 1)  # [N, T, L]
         logp = torch.stack([s.elem_log_prob.mean(-1) for s in steps], 1)  # [N, T, L]
         n, t, length = logp.shape
         mask = batch.mask[:, :, None].expand(n, t, length).reshape(n, t * length)
@@ -168,6 +172,22 @@ class CAST(FlowGRPO):
         out = cast_advantages(values, batch.group_ids, weights, eps=self.cfg.std_eps, clip=self.cfg.adv_clip)
         batch.data[ATOM_ADVANTAGES] = out.atom
         return out.total
+
+    @staticmethod
+    def detector_regions(image, prompt: str, nodes: bool) -> dict:
+        """{column: [H, W] mask or None} from the detected objects (atom_regions): per
+        scene-graph atom ("atom<j>") with atoms=nodes, else per atom type (the union of its
+        atoms' masks); {} (uniform maps) for a prompt the grammar cannot parse."""
+        if not can_parse(prompt):
+            return {}
+        regions = atom_regions(image, prompt)
+        if nodes:
+            return {f"atom{j}": m for j, m in enumerate(regions.values())}
+        out: dict = {}
+        for atom, mask in zip(parse_prompt(prompt), regions.values()):
+            if mask is not None:
+                out[atom.kind] = mask if out.get(atom.kind) is None else out[atom.kind] | mask
+        return out
 
     # ------------------------------------------------------------ method.atoms: nodes
 

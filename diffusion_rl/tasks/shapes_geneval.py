@@ -1111,10 +1111,49 @@ def cached_score_image(image, prompt: str) -> dict[str, float]:
         return score_image(image, prompt)
     key = (image_key, prompt)
     if key not in _ATOM_CACHE:
-        while len(_ATOM_CACHE) >= _ATOM_CACHE_SIZE:
-            del _ATOM_CACHE[next(iter(_ATOM_CACHE))]
-        _ATOM_CACHE[key] = score_image(image, prompt)
+        atoms = parse_prompt(prompt)  # the prompt is checked before the image is looked at
+        _remember(_ATOM_CACHE, key, evaluate_atoms(atoms, cached_detect(image)))
     return _ATOM_CACHE[key]
+
+
+_OBJECT_CACHE: dict[tuple, list[Object]] = {}
+
+
+def cached_detect(image) -> list[Object]:
+    """`detect`, remembered by image content (the verdicts and CAST's detector maps share it)."""
+    key = _image_key(image)
+    if key is None:
+        return detect(image)
+    if key not in _OBJECT_CACHE:
+        _remember(_OBJECT_CACHE, key, detect(image))
+    return _OBJECT_CACHE[key]
+
+
+def _remember(cache: dict, key, value) -> None:
+    while len(cache) >= _ATOM_CACHE_SIZE:  # oldest first
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def atom_regions(image, prompt: str) -> dict[str, np.ndarray | None]:
+    """{atom name (parse order): [H, W] bool mask of the boxes of the detected objects the atom
+    is about, or None when the image has none}. exist[s]: the objects of shape s; colour and
+    count of "c s": the objects of shape s, of any colour (where a wrong colour or a missing or
+    extra instance shows); the relation: the objects of either phrase's shape. CAST's detector
+    maps (method.projection: detector) are these, pooled onto the latent token grid."""
+    atoms = parse_prompt(prompt)
+    objects = cached_detect(image)
+    w, h = to_rgb(image).size
+    out: dict[str, np.ndarray | None] = {}
+    for atom in atoms:
+        shapes = {o.shape for o in atom.objects}
+        mask = np.zeros((h, w), dtype=bool)
+        for obj in objects:
+            if obj.shape in shapes:
+                x0, y0, x1, y1 = obj.bbox
+                mask[y0:y1, x0:x1] = True
+        out[atom.name] = mask if mask.any() else None
+    return out
 
 
 # ============================================================================ rewards and metrics

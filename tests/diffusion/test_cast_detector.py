@@ -1,0 +1,124 @@
+"""CAST's detector maps (method.projection: detector; ours, a diagnostic): each atom's region is
+the boxes of the detected objects it is about, pooled onto the latent tokens; checked by hand on
+rendered scenes, and through a training step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_rl import backend
+from diffusion_rl.attention_maps import region_maps
+from diffusion_rl.methods import cast as cast_module
+from diffusion_rl.methods.cast import CAST
+from diffusion_rl.methods.flow_grpo import FlowGRPO
+from diffusion_rl.tasks.shapes_geneval import atom_regions, cached_detect, make_scene, render
+from mmrl.core.config import load_config
+from mmrl.core.trainer import Trainer
+
+PROMPT = "a red circle left of a blue square"
+
+
+def box(mask):
+    ys, xs = np.nonzero(mask)
+    return xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
+
+
+def test_each_atom_covers_the_objects_it_is_about():
+    image = render(make_scene(PROMPT, seed=1))
+    circle, square = sorted(cached_detect(image), key=lambda o: o.shape)  # circle < square
+    assert (circle.shape, square.shape) == ("circle", "square")
+    regions = atom_regions(image, PROMPT)
+    assert list(regions) == ["exist[circle]", "colour[red circle]", "count[red circle]=1", "exist[square]",
+                             "colour[blue square]", "count[blue square]=1", "relation[red circle left of blue square]"]
+    for name in ("exist[circle]", "colour[red circle]", "count[red circle]=1"):
+        assert box(regions[name]) == circle.bbox and regions[name].sum() == np.prod(np.subtract(circle.bbox[2:], circle.bbox[:2]))
+    for name in ("exist[square]", "colour[blue square]", "count[blue square]=1"):
+        assert box(regions[name]) == square.bbox
+    rel = regions["relation[red circle left of blue square]"]
+    assert rel.sum() == regions["exist[circle]"].sum() + regions["exist[square]"].sum()  # apart: no overlap
+
+
+def test_a_wrong_colour_keeps_its_region_and_a_missing_shape_has_none():
+    image = render(make_scene("a green circle left of a blue triangle", seed=1))
+    regions = atom_regions(image, PROMPT)
+    assert regions["colour[red circle]"] is not None  # where the colour is wrong
+    assert regions["exist[square]"] is None and regions["colour[blue square]"] is None
+    rel = regions["relation[red circle left of blue square]"]
+    assert rel.sum() == regions["exist[circle]"].sum()  # only the circle is there
+
+
+def test_region_maps_pool_onto_the_token_grid():
+    mask = np.zeros((8, 8), dtype=bool)
+    mask[0:4, 0:2] = True  # the top-left token of a 2 x 2 grid, half covered
+    maps = region_maps([{"a": mask, "b": None}, {}], ["a", "b"], (2, 2))
+    torch.testing.assert_close(maps[0, 0], torch.tensor([4.0, 0, 0, 0]))  # mean 1
+    assert (maps[0, 1] == 1).all() and (maps[1] == 1).all()  # no mask: uniform
+    torch.testing.assert_close(region_maps([{"a": mask}], ["a"], (2, 2), "max")[0, 0], torch.tensor([1.0, 0, 0, 0]))
+    assert (region_maps([{"a": np.zeros((8, 8), bool)}], ["a"], (2, 2)) == 1).all()
+    with pytest.raises(ValueError, match="map norm"):
+        region_maps([{}], ["a"], (2, 2), "sum")
+
+
+def test_type_columns_take_the_union_of_their_atoms():
+    image = render(make_scene(PROMPT, seed=1))
+    nodes = CAST.detector_regions(image, PROMPT, nodes=True)
+    types = CAST.detector_regions(image, PROMPT, nodes=False)
+    assert list(nodes) == [f"atom{j}" for j in range(7)]
+    assert np.array_equal(types["colour"], nodes["atom1"] | nodes["atom4"])
+    assert np.array_equal(types["relation"], nodes["atom6"])
+    assert CAST.detector_regions(image, "a photo of a cat", nodes=True) == {}  # unparsed: uniform maps
+
+
+@pytest.fixture
+def varied_verdicts(monkeypatch):
+    """The tiny random model draws no shapes: alternate the verdict of each prompt's first atom
+    so that the groups have advantages to train."""
+    from diffusion_rl.tasks.shapes_geneval import parse_prompt
+
+    calls = iter(range(10**6))
+
+    def verdicts(image, prompt):
+        return {a.name: float(j == 0 and next(calls) % 2 == 0) for j, a in enumerate(parse_prompt(prompt))}
+
+    monkeypatch.setattr(cast_module, "cached_score_image", verdicts)
+
+
+def test_detector_maps_train_and_uniform_ones_give_flow_grpos_gradient(flux_dir, tmp_path, varied_verdicts):
+    cfg = load_config(backend.CONFIG_CLASS, None, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"model.path={flux_dir}", f"output_dir={tmp_path / 'run'}", "method.type=cast",
+                                 "method.projection=detector", "method.atoms=nodes", "rollout.num_steps=4",
+                                 "rollout.window_size=2", "rollout.window_start=[0,1]", "rollout.num_generations=2",
+                                 "rollout.prompts_per_step=2", "task.num_train=16", "task.num_eval=2",
+                                 "task.grid_prompts=0", "logging.tensorboard=false", "logging.progress=false",
+                                 "optim.lr=1e-3", "train.max_steps=1"])
+    policy, task = backend.build(cfg)
+    batch = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
+    batch.scores = task.reward.score(batch.samples)
+    method = CAST(cfg.method, cfg, task.reward)
+    adv = method.advantages(batch)
+    assert adv.abs().max() > 0
+
+    def grads(out):
+        policy.model.zero_grad()
+        out.loss.backward()
+        return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+
+    g_flow = grads(FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
+    method.detector_regions = lambda image, prompt, nodes: {}  # the tiny model's images: nothing detected
+    torch.testing.assert_close(grads(method.loss(policy, batch, adv)), g_flow, rtol=1e-4, atol=1e-9)
+    corner = np.zeros((16, 16), dtype=bool)
+    corner[:8, :8] = True  # the first atom's object in the top-left quarter
+    method.detector_regions = lambda image, prompt, nodes: {"atom0": corner}
+    out = method.loss(policy, batch, adv)
+    assert out.metrics["cast/adv_map_spatial_std"] > 0
+    assert not torch.allclose(grads(out), g_flow, rtol=1e-3, atol=1e-9)
+    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    Trainer(cfg, policy, task).train()  # the whole step, with the real (empty) detections
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(row["loss/policy"])
+    assert any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters() if v.requires_grad)
