@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from diffusion_rl import backend
 from diffusion_rl.attention_maps import region_maps
-from diffusion_rl.methods import cast as cast_module
 from diffusion_rl.methods.cast import CAST
-from diffusion_rl.methods.flow_grpo import FlowGRPO
 from diffusion_rl.tasks.shapes_geneval import atom_regions, cached_detect, make_scene, render
-from mmrl.core.config import load_config
 from mmrl.core.trainer import Trainer
 
 PROMPT = "a red circle left of a blue square"
@@ -74,51 +71,22 @@ def test_type_columns_take_the_union_of_their_atoms():
     assert CAST.detector_regions(image, "a photo of a cat", nodes=True) == {}  # unparsed: uniform maps
 
 
-@pytest.fixture
-def varied_verdicts(monkeypatch):
-    """The tiny random model draws no shapes: alternate the verdict of each prompt's first atom
-    so that the groups have advantages to train."""
-    from diffusion_rl.tasks.shapes_geneval import parse_prompt
-
-    calls = iter(range(10**6))
-
-    def verdicts(image, prompt):
-        return {a.name: float(j == 0 and next(calls) % 2 == 0) for j, a in enumerate(parse_prompt(prompt))}
-
-    monkeypatch.setattr(cast_module, "cached_score_image", verdicts)
-
-
-def test_detector_maps_train_and_uniform_ones_give_flow_grpos_gradient(flux_dir, tmp_path, varied_verdicts):
-    cfg = load_config(backend.CONFIG_CLASS, None, defaults=backend.DEFAULT_CONFIG,
-                      overrides=[f"model.path={flux_dir}", f"output_dir={tmp_path / 'run'}", "method.type=cast",
-                                 "method.projection=detector", "method.atoms=nodes", "rollout.num_steps=4",
-                                 "rollout.window_size=2", "rollout.window_start=[0,1]", "rollout.num_generations=2",
-                                 "rollout.prompts_per_step=2", "task.num_train=16", "task.num_eval=2",
-                                 "task.grid_prompts=0", "logging.tensorboard=false", "logging.progress=false",
-                                 "optim.lr=1e-3", "train.max_steps=1"])
-    policy, task = backend.build(cfg)
-    batch = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
-    batch.scores = task.reward.score(batch.samples)
-    method = CAST(cfg.method, cfg, task.reward)
-    adv = method.advantages(batch)
-    assert adv.abs().max() > 0
-
-    def grads(out):
-        policy.model.zero_grad()
-        out.loss.backward()
-        return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
-
-    g_flow = grads(FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
-    method.detector_regions = lambda image, prompt, nodes: {}  # the tiny model's images: nothing detected
-    torch.testing.assert_close(grads(method.loss(policy, batch, adv)), g_flow, rtol=1e-4, atol=1e-9)
+def test_detector_maps_train_and_uniform_ones_give_flow_grpos_gradient(node_cast):
+    run = node_cast("method.projection=detector", "rollout.num_generations=2", "rollout.prompts_per_step=2",
+                    "task.grid_prompts=0", "logging.tensorboard=false", "logging.progress=false", "optim.lr=1e-3",
+                    "train.max_steps=1")
+    assert run.adv.abs().max() > 0
+    run.method.detector_regions = lambda image, prompt, nodes: {}  # the tiny model's images: nothing detected
+    torch.testing.assert_close(run.grads(run.method.loss(run.policy, run.batch, run.adv)), run.flow_grpo,
+                               rtol=1e-4, atol=1e-9)
     corner = np.zeros((16, 16), dtype=bool)
     corner[:8, :8] = True  # the first atom's object in the top-left quarter
-    method.detector_regions = lambda image, prompt, nodes: {"atom0": corner}
-    out = method.loss(policy, batch, adv)
+    run.method.detector_regions = lambda image, prompt, nodes: {"atom0": corner}
+    out = run.method.loss(run.policy, run.batch, run.adv)
     assert out.metrics["cast/adv_map_spatial_std"] > 0
-    assert not torch.allclose(grads(out), g_flow, rtol=1e-3, atol=1e-9)
-    before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
-    Trainer(cfg, policy, task).train()  # the whole step, with the real (empty) detections
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert not torch.allclose(run.grads(out), run.flow_grpo, rtol=1e-3, atol=1e-9)
+    before = {k: v.clone() for k, v in run.policy.model.named_parameters() if v.requires_grad}
+    Trainer(run.cfg, run.policy, run.task).train()  # the whole step, with the real (empty) detections
+    row = json.loads((Path(run.cfg.output_dir) / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(row["loss/policy"])
-    assert any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters() if v.requires_grad)
+    assert any(not torch.equal(v, before[k]) for k, v in run.policy.model.named_parameters() if v.requires_grad)

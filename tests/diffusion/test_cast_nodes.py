@@ -13,9 +13,7 @@ import torch
 
 from diffusion_rl import backend
 from diffusion_rl.config import CASTConfig
-from diffusion_rl.methods import cast as cast_module
 from diffusion_rl.methods.cast import ATOM_ADVANTAGES, ATOM_WEIGHTS, CAST
-from diffusion_rl.methods.flow_grpo import FlowGRPO
 from diffusion_rl.scene_graph import shapes_geneval_atom_spans
 from diffusion_rl.tasks.shapes_geneval import MAX_ATOMS, make_scene, render, shapes_geneval_reward
 from mmrl.core.batch import RolloutBatch
@@ -89,21 +87,6 @@ def test_nodes_need_the_shapes_parser():
         CASTConfig(atoms="nodes", parser="my_parser.py:spans")
 
 
-@pytest.fixture
-def varied_verdicts(monkeypatch):
-    """The tiny random model draws no shapes: give its images alternating verdicts on the
-    prompt's first atom, so that the groups have node advantages to train."""
-    from diffusion_rl.tasks.shapes_geneval import parse_prompt
-
-    calls = iter(range(10**6))
-
-    def verdicts(image, prompt):
-        names = [a.name for a in parse_prompt(prompt)]
-        return {n: float(j == 0 and next(calls) % 2 == 0) for j, n in enumerate(names)}
-
-    monkeypatch.setattr(cast_module, "cached_score_image", verdicts)
-
-
 def test_a_training_step_with_node_columns(flux_dir, tmp_path, varied_verdicts):
     fast = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
             "task.num_train=16", "task.num_eval=2", "task.grid_prompts=0", "logging.tensorboard=false",
@@ -119,28 +102,14 @@ def test_a_training_step_with_node_columns(flux_dir, tmp_path, varied_verdicts):
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters() if v.requires_grad)
 
 
-def test_uniform_node_maps_give_flow_grpos_gradient(flux_dir, tmp_path, varied_verdicts):
-    cfg = load_config(backend.CONFIG_CLASS, None, defaults=backend.DEFAULT_CONFIG,
-                      overrides=[f"model.path={flux_dir}", f"output_dir={tmp_path / 'run'}", "method.type=cast",
-                                 "method.atoms=nodes", "rollout.num_steps=4", "rollout.window_size=2",
-                                 "rollout.window_start=[0,1]", "task.num_train=16", "task.num_eval=2"])
-    policy, task = backend.build(cfg)
-    batch = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
-    batch.scores = task.reward.score(batch.samples)
-    method = CAST(cfg.method, cfg, task.reward)
-    adv = method.advantages(batch)
-    assert adv.abs().max() > 0
-
-    def grads(out):
-        policy.model.zero_grad()
-        out.loss.backward()
-        return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
-
-    g_flow = grads(FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
-    real = grads(method.loss(policy, batch, adv))
-    method.node_spans = lambda prompt: {}  # no atom has words: every map is uniform
-    torch.testing.assert_close(grads(method.loss(policy, batch, adv)), g_flow, rtol=1e-4, atol=1e-9)
-    assert not torch.allclose(real, g_flow, rtol=1e-3, atol=1e-9)
+def test_uniform_node_maps_give_flow_grpos_gradient(node_cast):
+    run = node_cast()
+    assert run.adv.abs().max() > 0
+    real = run.grads(run.method.loss(run.policy, run.batch, run.adv))
+    run.method.node_spans = lambda prompt: {}  # no atom has words: every map is uniform
+    torch.testing.assert_close(run.grads(run.method.loss(run.policy, run.batch, run.adv)), run.flow_grpo,
+                               rtol=1e-4, atol=1e-9)
+    assert not torch.allclose(real, run.flow_grpo, rtol=1e-3, atol=1e-9)
 
 
 def test_nodes_with_another_parser_is_a_config_error(tmp_path):
