@@ -90,3 +90,11 @@ def test_detector_maps_train_and_uniform_ones_give_flow_grpos_gradient(node_cast
     row = json.loads((Path(run.cfg.output_dir) / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(row["loss/policy"])
     assert any(not torch.equal(v, before[k]) for k, v in run.policy.model.named_parameters() if v.requires_grad)
+
+
+def test_the_share_of_clipped_patches_is_logged(node_cast):
+    run = node_cast("method.projection=detector", "method.adv_clip=0.3")
+    run.method.detector_regions = lambda image, prompt, nodes: {}  # uniform maps: a sample's patches share A_i
+    out = run.method.loss(run.policy, run.batch, run.adv)
+    clipped = float((run.adv.abs() >= 0.3 * (1 - 1e-6)).float().mean())
+    assert 0 < clipped and out.metrics["cast/adv_map_clipped"] == pytest.approx(clipped)
