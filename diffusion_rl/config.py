@@ -234,8 +234,9 @@ class CASTConfig(FlowGRPOConfig):
     """attention: A_i(h, w) = (sum_k w_k A_ik M_ik(h, w) + global_weight A_i) / (1 + global_weight),
     M_ik the attention map of atom k's words (diffusion_rl/attention_maps.py), trained through
     per-latent-token ratios. detector (ours, a diagnostic): the same with M_ik the boxes of the
-    objects the reward's detector found for atom k in sample i's image (uniform where it found
-    none), pooled onto the latent tokens: what CAST does when its maps are right. none: the
+    objects the reward's detector found for atom k in sample i's image (shapes_geneval.atom_regions;
+    uniform where there is no place to point at: nothing found, a wrong count), pooled onto the
+    latent tokens: what CAST does when its maps are right. none: the
     scalar A_i = sum_k w_k A_ik and Flow-GRPO's loss (part 1)."""
     attention_layers: list[int] | None = None
     """Joint-attention layers the maps average (indices over the double-, then single-stream

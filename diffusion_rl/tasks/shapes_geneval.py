@@ -1137,21 +1137,30 @@ def _remember(cache: dict, key, value) -> None:
 
 def atom_regions(image, prompt: str) -> dict[str, np.ndarray | None]:
     """{atom name (parse order): [H, W] bool mask of the boxes of the detected objects the atom
-    is about, or None when the image has none}. exist[s]: the objects of shape s; colour and
-    count of "c s": the objects of shape s, of any colour (where a wrong colour or a missing or
-    extra instance shows); the relation: the objects of either phrase's shape. CAST's detector
-    maps (method.projection: detector) are these, pooled onto the latent token grid."""
+    is about, or None when there is no place to point at}. exist[s]: the objects of shape s;
+    colour[c s]: the objects of shape s, of any colour (a wrong colour shows there); the
+    relation: the objects of either phrase's shape; count[c s]=n: the objects of kind c s when
+    there are n of them, else None (a missing instance has no place, and an extra one is not
+    told apart from the rest). CAST's detector maps (method.projection: detector) are these,
+    pooled onto the latent token grid; None gives a uniform map."""
     atoms = parse_prompt(prompt)
     objects = cached_detect(image)
+    verdicts = evaluate_atoms(atoms, objects)
     w, h = to_rgb(image).size
     out: dict[str, np.ndarray | None] = {}
     for atom in atoms:
-        shapes = {o.shape for o in atom.objects}
+        if atom.kind == "count":
+            if verdicts[atom.name] < 0.5:
+                out[atom.name] = None
+                continue
+            about = [o for o in objects if o.kind == atom.objects[0].kind]
+        else:
+            shapes = {o.shape for o in atom.objects}
+            about = [o for o in objects if o.shape in shapes]
         mask = np.zeros((h, w), dtype=bool)
-        for obj in objects:
-            if obj.shape in shapes:
-                x0, y0, x1, y1 = obj.bbox
-                mask[y0:y1, x0:x1] = True
+        for obj in about:
+            x0, y0, x1, y1 = obj.bbox
+            mask[y0:y1, x0:x1] = True
         out[atom.name] = mask if mask.any() else None
     return out
 

@@ -49,6 +49,16 @@ def test_a_wrong_colour_keeps_its_region_and_a_missing_shape_has_none():
     assert rel.sum() == regions["exist[circle]"].sum()  # only the circle is there
 
 
+def test_a_wrong_count_has_no_region():
+    image = render(make_scene("a red circle", seed=0))
+    (circle,) = cached_detect(image)
+    regions = atom_regions(image, "a red circle")
+    assert box(regions["count[red circle]=1"]) == circle.bbox  # right: where the circle is
+    regions = atom_regions(image, "two red circles")
+    assert regions["count[red circle]=2"] is None  # the missing one has no place
+    assert box(regions["exist[circle]"]) == circle.bbox
+
+
 def test_region_maps_pool_onto_the_token_grid():
     mask = np.zeros((8, 8), dtype=bool)
     mask[0:4, 0:2] = True  # the top-left token of a 2 x 2 grid, half covered
