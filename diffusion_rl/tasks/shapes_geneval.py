@@ -1145,7 +1145,7 @@ def atom_regions(image, prompt: str) -> dict[str, np.ndarray | None]:
     pooled onto the latent token grid; None gives a uniform map."""
     atoms = parse_prompt(prompt)
     objects = cached_detect(image)
-    verdicts = evaluate_atoms(atoms, objects)
+    verdicts = cached_score_image(image, prompt)  # the reward's, from the same detection
     w, h = to_rgb(image).size
     out: dict[str, np.ndarray | None] = {}
     for atom in atoms:
