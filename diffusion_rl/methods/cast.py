@@ -160,7 +160,8 @@ class CAST(FlowGRPO):
                           denom=None if denom is None else denom * length)
         out.per_token = out.per_token.reshape(n, t, length).mean(-1)
         out.metrics["cast/adv_map_spatial_std"] = float(adv.std(-1).mean())
-        if self.cfg.adv_clip is not None:  # the share of patches whose advantage the clip cut
+        if self.cfg.adv_clip is not None:  # the share of patch advantages at the clip (a sample's own
+            # A_i at the clip counts too: with uniform maps that is all this counts)
             out.metrics["cast/adv_map_clipped"] = float((adv.abs() >= self.cfg.adv_clip * (1 - 1e-6)).float().mean())
         return self.add_kl(out, steps, batch, denom)
 
