@@ -252,7 +252,7 @@ def test_ar_grpo_rows_are_every_answer_step():
 def test_rows_all_skips_steps_that_commit_several_tokens():
     # low_confidence with 4 steps for 8 tokens commits 2 per step: no step has an exact ratio
     cfg, policy, task = config_run("fork_grpo", "method.rows=all", "rollout.strategy=low_confidence",
-                                 "rollout.steps=4")
+                                   "rollout.steps=4")
     batch = rollout(policy, task, cfg, prompts=1)
     counts = commits_per_step(batch.data["commit_step"], batch.data["active"].shape[1])  # [N, S]
     assert counts.shape[1] == 4 and (counts == 2).all()
@@ -286,7 +286,7 @@ def test_one_trainer_step_of_the_preset(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(Reward, "score", spread)
     cfg, policy, task = config_run(name, "rollout.prompts_per_step=3", "rollout.num_generations=4",
-                                 "train.max_steps=1", "optim.lr=1e-2", tmp_path=tmp_path, score_old=False)
+                                   "train.max_steps=1", "optim.lr=1e-2", tmp_path=tmp_path, score_old=False)
     assert cfg.train.ppo_epochs == 1
     before = {k: v.detach().clone() for k, v in policy.model.named_parameters() if v.requires_grad}
     Trainer(cfg, policy, task, output_dir=tmp_path / "out").train()
