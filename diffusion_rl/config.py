@@ -3,6 +3,7 @@ task, rollout (SDE sampling) and method (Flow-GRPO, FTFC, CAST) sections."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -49,6 +50,11 @@ class ShapesGenevalTaskConfig(Section):
     image_atoms: list[dict[str, Any]] = Field(default_factory=list)
     """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs. They
     score every sample, on top of the shapes atoms."""
+    atom_weights: dict[str, float] = Field(default_factory=dict)
+    """The shapes atoms' weights (exist, colour, count, relation, all) in the reward's total,
+    which Flow-GRPO and FTFC normalise, and in the sum of CAST's per-atom advantages; an atom
+    not named weighs 1.0. A 0 keeps the atom's verdicts (its children's gating, evaluation)
+    and drops it from the training signal."""
     unparsed: Literal["error", "whole_prompt"] = "error"
     """A prompt-file line the shapes grammar cannot decompose into atoms. error: a ConfigError
     naming the file, the line and the unparsed words. whole_prompt: the line is kept, one
@@ -58,6 +64,21 @@ class ShapesGenevalTaskConfig(Section):
     image atom (e.g. type clip_score). Evaluation reports the atom metrics over the prompts that
     parse, and `unparsed_prompts` / `whole_prompt_reward` (the image atoms' weighted sum) over
     the others."""
+
+    @model_validator(mode="after")
+    def _known_finite_atom_weights(self):
+        if not self.atom_weights:
+            return self
+        from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES
+
+        names = (*ATOM_TYPES, "all")
+        unknown = sorted(set(self.atom_weights) - set(names))
+        if unknown:
+            raise ValueError(f"atom_weights names unknown atoms {unknown}; the shapes atoms are {list(names)}")
+        bad = {k: w for k, w in self.atom_weights.items() if not math.isfinite(w)}
+        if bad:
+            raise ValueError(f"atom_weights must be finite numbers, got {bad}")
+        return self
 
     @model_validator(mode="after")
     def _whole_prompt_needs_an_image_atom(self):

@@ -196,6 +196,25 @@ def test_prompt_files_are_checked_line_by_line(flux_dir, tmp_path):
         make(flux_dir, tmp_path, f"task.eval_path={bad}")
 
 
+def test_atom_weights_set_the_reward_total_and_bad_ones_are_config_errors(flux_dir, tmp_path):
+    from PIL import Image
+
+    from diffusion_rl.tasks.shapes_geneval import render
+    from mmrl.core.rewards import Sample
+
+    _, _, task = make(flux_dir, tmp_path, "task.atom_weights.all=0", "task.atom_weights.count=2.5")
+    assert [a.name for a in task.reward.atoms] == ["exist", "colour", "count", "relation", "all"]
+    assert task.reward.weights.tolist() == [1.0, 1.0, 2.5, 1.0, 0.0]
+    prompt = "two red circles left of a blue square"
+    scores = task.reward.score([Sample(prompt, render(prompt)), Sample(prompt, Image.new("RGB", (64, 64), "white"))])
+    assert scores.values[0].tolist() == [1.0] * 5  # a right image: every verdict, "all" included, is kept
+    assert float(scores.total[0]) == 5.5 and float(scores.total[1]) == 0.0
+    for bad, match in (("task.atom_weights.colours=1", r"unknown atoms \['colours'\]"),
+                       ("task.atom_weights.all=nan", "finite")):
+        with pytest.raises(ConfigError, match=match):
+            make(flux_dir, tmp_path, bad)
+
+
 # ---------------------------------------------------------------------- EMA (method.ema)
 
 EMA = ["method.ema.decay=0.5", "method.ema.update_every=1"]  # warm-up on: d_1 = 2/11, d_2 = 1/4
