@@ -22,6 +22,19 @@ def flux_dir(tmp_path_factory):
     return build_tiny("flux", tmp_path_factory.mktemp("flux"), seed=0, pixel_space=True)
 
 
+def _flat_grads(model, out):
+    """The flat gradient of a loss output over the model's parameters that get one."""
+    model.zero_grad()
+    out.loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.fixture
+def flat_grads():
+    """flat_grads(model, loss output) -> the flat gradient (the model's grads zeroed first)."""
+    return _flat_grads
+
+
 @pytest.fixture
 def varied_verdicts(monkeypatch):
     """The tiny random model draws no shapes: alternate the verdict of each prompt's first atom
@@ -54,9 +67,7 @@ def node_cast(flux_dir, tmp_path, varied_verdicts):
         adv = method.advantages(batch)
 
         def grads(out):
-            policy.model.zero_grad()
-            out.loss.backward()
-            return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+            return _flat_grads(policy.model, out)
 
         flow_grpo = grads(FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
         return SimpleNamespace(cfg=cfg, policy=policy, task=task, batch=batch, method=method, adv=adv,

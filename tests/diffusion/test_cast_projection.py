@@ -189,12 +189,6 @@ def cast_setup(flux_dir, tmp_path, *overrides):
     return cfg, policy, task, batch
 
 
-def grads(policy, out):
-    policy.model.zero_grad()
-    out.loss.backward()
-    return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
-
-
 def test_per_patch_ratio_is_one_on_policy(flux_dir, tmp_path):
     cfg, policy, task, batch = cast_setup(flux_dir, tmp_path)
     steps = policy.sde_outputs(batch)
@@ -206,7 +200,7 @@ def test_per_patch_ratio_is_one_on_policy(flux_dir, tmp_path):
     assert out.metrics["cast/adv_map_spatial_std"] > 0  # the maps do move the advantage around
 
 
-def test_the_per_patch_objective_on_sd3(sd3_dir, tmp_path):
+def test_the_per_patch_objective_on_sd3(sd3_dir, tmp_path, flat_grads):
     """The whole CAST loss through SD3-style joint attention: ratio 1 on-policy, maps that move
     the advantage, and a finite gradient."""
     cfg, policy, task, batch = cast_setup(sd3_dir, tmp_path)
@@ -215,22 +209,22 @@ def test_the_per_patch_objective_on_sd3(sd3_dir, tmp_path):
     out = method.loss(policy, batch, method.advantages(batch))
     assert out.metrics["loss/ratio_min"] == out.metrics["loss/ratio_max"] == 1.0
     assert out.metrics["cast/adv_map_spatial_std"] > 0
-    g = grads(policy, out)
+    g = flat_grads(policy.model, out)
     assert torch.isfinite(g).all() and g.abs().max() > 0
 
 
-def test_with_uniform_maps_the_gradient_is_flow_grpos(flux_dir, tmp_path):
+def test_with_uniform_maps_the_gradient_is_flow_grpos(flux_dir, tmp_path, flat_grads):
     cfg, policy, task, batch = cast_setup(flux_dir, tmp_path)
     method = CAST(cfg.method, cfg, task.reward)
     method.parser = lambda prompt: {}  # no atom has words: every map is uniform
     adv = method.advantages(batch)
-    g_cast = grads(policy, method.loss(policy, batch, adv))
-    g_flow = grads(policy, FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
+    g_cast = flat_grads(policy.model, method.loss(policy, batch, adv))
+    g_flow = flat_grads(policy.model, FlowGRPO(cfg.method, cfg, task.reward).loss(policy, batch, adv))
     assert g_flow.abs().max() > 0
     torch.testing.assert_close(g_cast, g_flow, rtol=1e-4, atol=1e-9)
     method.parser = load_parser("shapes-geneval")  # real maps: a different gradient
     method._spans.clear()
-    assert not torch.allclose(grads(policy, method.loss(policy, batch, adv)), g_flow, rtol=1e-3, atol=1e-9)
+    assert not torch.allclose(flat_grads(policy.model, method.loss(policy, batch, adv)), g_flow, rtol=1e-3, atol=1e-9)
 
 
 def test_projection_none_is_part_one(flux_dir, tmp_path):
