@@ -43,7 +43,10 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
 
     t = cfg.task
     base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
-    shapes = reward_atoms(t.atom_weights, unparsed="zero" if t.unparsed == "whole_prompt" else "error")
+    try:  # reward_atoms names an unknown atom, RewardAtom a non-finite weight
+        shapes = reward_atoms(t.atom_weights, unparsed="zero" if t.unparsed == "whole_prompt" else "error")
+    except ValueError as e:
+        raise ConfigError(f"task.atom_weights: {e}") from e
     image_atoms = []
     if t.image_atoms:
         from diffusion_rl.rewards import build_image_reward_atoms
