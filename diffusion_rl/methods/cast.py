@@ -17,7 +17,8 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 in a window.json by `diffusion-rl calibrate-window` and read at build time
                 (method.window_from; diffusion_rl.calibrate.apply_window_file).
     projection  (method.projection: attention) the training forward on each stored x_t of the
-                window also records, in the middle joint-attention layers, the attention of
+                window also records, in the joint-attention layers of method.attention_layers
+                (null: the middle half; the config reads layer 0), the attention of
                 every image token to the text tokens (diffusion_rl.attention_maps); a prompt
                 parser (diffusion_rl.scene_graph) says which words each atom is about, and
                 M_ik(l) is the attention of image token l to those words, normalised to mean 1
