@@ -5,6 +5,7 @@ backend (tests/toy.py): pruning, a group size that changes at an epoch boundary,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from mmrl.core.fastrl import (
 )
 from mmrl.core.logging import read_metrics
 from mmrl.core.method import build_method
-from mmrl.core.rewards import Sample
+from mmrl.core.rewards import Sample, import_python_file
 from mmrl.core.trainer import Trainer
 
 T, F = True, False
@@ -452,3 +453,15 @@ def test_fastrl_prunes_in_the_pipelined_scheduler(tmp_path):
     assert all(r["rollout/samples"] + r["rollout/samples_pruned"] == 5 * 8 for r in rows)
     assert sum(r["rollout/samples_pruned"] for r in rows) >= 5 * 7  # one epoch: 5 collapsed groups
     assert trainer.method.ars.state_dict()["current"]["groups"] == 10
+
+
+def test_benchmark_time_to_counts_an_evaluation_exactly_at_the_target():
+    """benchmarks/fastrl.py: held-out accuracies are float32 means, so 105 of 200 logs as
+    0.52499998; it reaches a --target of 0.525, and 104 of 200 does not."""
+    bench = import_python_file(Path(__file__).resolve().parents[1] / "benchmarks" / "fastrl.py", "fastrl_bench")
+    at = float(torch.tensor([1.0] * 105 + [0.0] * 95).mean())
+    below = float(torch.tensor([1.0] * 104 + [0.0] * 96).mean())
+    assert at < 0.525  # the rounding the comparison has to allow for
+    curve = [(0, 0.0, 0.6), (50, 10.0, below), (100, 20.0, at), (150, 30.0, 0.6)]
+    assert bench.time_to(curve, 0.525) == 20.0  # step 0 never counts, even above the target
+    assert bench.time_to(curve[:3], 0.53) is None
