@@ -18,13 +18,14 @@ from mmrl.core.fastrl import (
     AdaptiveGroupSize,
     advantage_sets,
     jaccard_distance,
+    mdap_counts,
     mdap_keep,
     ngrams,
     sample_advantages,
     sequences_of,
 )
 from mmrl.core.logging import read_metrics
-from mmrl.core.method import build_method
+from mmrl.core.method import apply_prune, build_method
 from mmrl.core.rewards import Sample, import_python_file
 from mmrl.core.trainer import Trainer
 
@@ -173,6 +174,56 @@ def test_mdap_invariants_on_random_groups():
         assert mdap_keep(adv, seqs, tau=0.0).all()
 
 
+def test_counts_give_each_kept_rollout_the_near_copies_dropped_for_it():
+    assert mdap_counts(torch.zeros(4), [[1, 2, 3]] * 4).tolist() == [4, 0, 0, 0]
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    assert mdap_counts(adv, [[1, 2, 3]] * 4).tolist() == [2, 0, 2, 0]  # one per advantage set
+    # bigrams {12, 29}, {56, 67}, {56, 68}, {12, 27}: o2 is 2/3 from o1, o3 2/3 from o0, the
+    # rest disjoint. "kept": o0 and o1 stay; a dropped rollout counts toward the kept one
+    # it is too close to
+    seqs = [[1, 2, 9], [5, 6, 7], [5, 6, 8], [1, 2, 7]]
+    assert mdap_counts(torch.zeros(4), seqs).tolist() == [2, 2, 0, 0]
+    # "seed": only o0 drops others; o1 and o2 are far from it and stand for themselves
+    assert mdap_counts(torch.zeros(4), seqs, against="seed").tolist() == [2, 1, 1, 0]
+
+
+def test_a_rollout_re_added_by_padding_stands_for_itself():
+    adv = torch.tensor([1.0, 1.0, -0.5, -0.5, -0.5, 0.0])  # sets {0, 1}, {2, 3, 4}, {5}
+    seqs = [[7, 7]] * 6
+    assert mdap_counts(adv, seqs).tolist() == [2, 0, 3, 0, 0, 1]
+    assert mdap_counts(adv, seqs, multiple=2).tolist() == [1, 1, 3, 0, 0, 1]  # 1 comes back
+    assert mdap_counts(adv, seqs, multiple=5).tolist() == [1, 1, 2, 1, 0, 1]  # then 3
+
+
+def test_counts_sum_to_the_group_and_agree_with_the_kept_set():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        g = int(torch.randint(1, 10, (1,), generator=gen))
+        adv = torch.randint(-1, 2, (g,), generator=gen).float()
+        seqs = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(g)]
+        for against in ("kept", "seed"):
+            kw = {"multiple": int(torch.randint(1, 4, (1,), generator=gen)), "against": against}
+            counts = mdap_counts(adv, seqs, **kw)
+            assert counts.sum() == g
+            assert torch.equal(counts > 0, mdap_keep(adv, seqs, **kw))
+            for members in advantage_sets(adv):  # a rollout stands only for its own set
+                assert counts[members].sum() == len(members)
+
+
+def test_apply_prune_selects_and_scales_the_advantages():
+    batch = RolloutBatch(group_ids=torch.zeros(3, dtype=torch.long),
+                         samples=[Sample(0, [i]) for i in range(3)],
+                         mask=torch.ones(3, 2, dtype=torch.bool), advantages=torch.tensor([1.0, -2.0, 3.0]))
+    out = apply_prune(batch, torch.tensor([T, F, T]))
+    assert [s.completion for s in out.samples] == [[0], [2]] and out.advantages.tolist() == [1.0, 3.0]
+    out = apply_prune(batch, torch.tensor([2.0, 0.0, 1.0]))
+    assert [s.completion for s in out.samples] == [[0], [2]] and out.advantages.tolist() == [2.0, 3.0]
+    batch.advantages = torch.tensor([[1.0, 2.0], [0.0, 0.0], [-1.0, 1.0]])  # token-level
+    assert apply_prune(batch, torch.tensor([3.0, 1.0, 0.0])).advantages.tolist() == [[3.0, 6.0], [0.0, 0.0]]
+    assert apply_prune(batch, torch.ones(3, dtype=torch.bool)) is batch
+
+
 def test_mdap_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="2 advantages but 3 sequences"):
         mdap_keep(torch.zeros(2), [[1], [2], [3]])
@@ -303,6 +354,41 @@ def test_grpo_with_fastrl_prunes_with_mdap_and_records_the_kept_count(tmp_path):
     method.step = 9  # alpha 0.9 of max_steps 10: G't = 3 = G'ref -> G_1
     assert method.group_size(1, 4) == 4
     assert method.state_dict()["ars"]["previous"] == {"groups": 1, "kept": 3, "max": 3}
+
+
+def test_count_weights_keep_the_update_direction_of_the_whole_group(tmp_path):
+    """Three copies of a right answer and one wrong one: the kept copy, weighted 3, gives the
+    whole group's gradient (times G / kept, the loss being a mean over the kept samples);
+    unweighted, the right answer's pull is a third of what it was."""
+    policy = toy.ToyPolicy(seed=0)
+    ids = torch.tensor([[toy.BOS, 3, 4, toy.EOS]] * 3 + [[toy.BOS, 3, 5, 5]])
+    group = RolloutBatch(group_ids=torch.zeros(4, dtype=torch.long),
+                         samples=[Sample(3, row[2:].tolist()) for row in ids],
+                         mask=torch.ones(4, 2, dtype=torch.bool), data={"input_ids": ids})
+    with torch.no_grad():
+        group.old_logp = policy.logprobs(group)
+    group.advantages = torch.tensor([1.0, 1.0, 1.0, -3.0]) / 3**0.5
+
+    def grad(method, batch):
+        policy.model.zero_grad()
+        method.loss(policy, batch, batch.advantages).loss.backward()
+        return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+
+    base = build_method(toy_config(tmp_path, "rollout.num_generations=4"), toy.ToyTask().reward)
+    full = grad(base, group)
+    for weight, same in (("count", True), ("none", False)):
+        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", f"method.fastrl.weight={weight}",
+                         "rollout.num_generations=4")
+        method = build_method(cfg, toy.ToyTask().reward)
+        keep = method.prune(group)
+        assert (keep > 0).tolist() == [T, F, F, T]
+        pruned = grad(method, apply_prune(group, keep))
+        cosine = float(torch.nn.functional.cosine_similarity(full, pruned, dim=0))
+        if same:
+            assert keep.tolist() == [3.0, 0.0, 0.0, 1.0]
+            torch.testing.assert_close(pruned, full * 2)  # G / kept = 4 / 2
+        else:
+            assert keep.dtype == torch.bool and cosine < 0.99, cosine
 
 
 def _rank(rank, port, tmp, out):
@@ -453,6 +539,18 @@ def test_fastrl_prunes_in_the_pipelined_scheduler(tmp_path):
     assert all(r["rollout/samples"] + r["rollout/samples_pruned"] == 5 * 8 for r in rows)
     assert sum(r["rollout/samples_pruned"] for r in rows) >= 5 * 7  # one epoch: 5 collapsed groups
     assert trainer.method.ars.state_dict()["current"]["groups"] == 10
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+def test_count_weights_train_in_both_schedulers(tmp_path, mode):
+    cfg = toy_config(tmp_path, *FASTRL, "method.fastrl.weight=count", "method.fastrl.ars=false",
+                     "train.max_steps=2", f"rollout.scheduler.mode={mode}")
+    trainer = Trainer(cfg, CollapsedToy(seed=cfg.seed), toy.ToyTask())
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["rollout/samples"] + r["rollout/samples_pruned"] == 5 * 8 for r in rows)
+    assert all(r["rollout/samples_pruned"] > 0 for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["loss/total"])) for r in rows)
 
 
 def test_benchmark_time_to_counts_an_evaluation_exactly_at_the_target():

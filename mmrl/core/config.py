@@ -198,6 +198,11 @@ class FastRLConfig(Section):
     pad_multiple: int | None = Field(None, ge=1)
     """Pad each group's kept count up to a multiple of this with the dropped rollouts of
     highest |A|; None = the data-parallel world size."""
+    weight: Literal["none", "count"] = "none"
+    """"count" (ours, not in the paper or the released code): a kept rollout's advantage is
+    multiplied by the number of rollouts it stands for (itself and the near-copies dropped
+    for it), so the update weighs each outcome of the group as the unpruned update does;
+    "none": each kept rollout counts once, as in the paper."""
     ars: bool = False
     """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts
     (off, as the released code's FastRL launch script runs)."""

@@ -41,6 +41,15 @@ Departures and interpretations (ours):
 - The KL reference pass runs after pruning, on the kept samples only (as in the paper);
   old log-probs come with the rollout, so the reference and actor passes are what is saved.
 
+An option of ours (`weight: count`; off by default, as in the paper and the released code):
+MDAP keeps one rollout for several near-copies, so without weights a set's pull on the update
+shrinks to that of one rollout and the group's advantages no longer sum to zero (of three
+right copies and one wrong answer, the right answer pulls a third as hard as before).
+`mdap_counts` gives each kept rollout the number it stands for; the method multiplies its
+advantage by it (mmrl.core.method.apply_prune), so for exact copies the update has the
+unpruned group's direction. The loss still averages over the kept samples: the step's scale
+grows by G / kept, which the gradient clip and Adam's normalisation absorb.
+
 The config's defaults follow the released code (`ngram: 1`, `against: seed`, `ars: false`;
 benchmarks/RESULTS.md compares them with the paper's reading). Where the released code
 (Nicozwy/FastRL, verl/trainer/ray_trainer.py, read 2026-12-02) differs from the above,
@@ -66,6 +75,7 @@ __all__ = [
     "AdaptiveGroupSize",
     "advantage_sets",
     "jaccard_distance",
+    "mdap_counts",
     "mdap_keep",
     "ngrams",
     "sample_advantages",
@@ -122,7 +132,7 @@ def advantage_sets(advantages: Tensor, tol: float = 1e-4) -> list[list[int]]:
     return sets
 
 
-def mdap_keep(
+def mdap_counts(
     advantages: Tensor,
     sequences: list[Sequence],
     *,
@@ -131,42 +141,58 @@ def mdap_keep(
     tol: float = 1e-4,
     multiple: int = 1,
     against: str = "kept",
-) -> Tensor:  # bool [G]
-    """MDAP on one question's G rollouts. advantages: [G]; sequences: G token (or word) lists.
+) -> Tensor:  # float [G]
+    """MDAP on one question's G rollouts, with how many rollouts each kept one stands for.
+    advantages: [G]; sequences: G token (or word) lists. Returns [G]: 0 for a dropped
+    rollout; for a kept one, 1 + the near-copies dropped because of it (the counts sum to G).
 
     Inside each set of equal advantage, keep rollouts in index order unless an already-kept
-    one of the same set is too similar (theta = Jaccard distance of n-gram sets < tau); the
-    first of every set is kept. against="seed" (the released code) compares each rollout
-    only with its set's seed, the member of highest |A| (ties: lower index), which is kept.
-    Then re-add dropped rollouts of highest |A| (ties: lower index) until the kept count is
-    a multiple of `multiple`, never beyond G."""
+    one of the same set is too similar (theta = Jaccard distance of n-gram sets < tau; the
+    first such kept one is the one it is dropped for); the first of every set is kept.
+    against="seed" (the released code) compares each rollout only with its set's seed, the
+    member of highest |A| (ties: lower index), which is kept. Then re-add dropped rollouts
+    of highest |A| (ties: lower index) until the kept count is a multiple of `multiple`,
+    never beyond G; a re-added rollout stands for itself only."""
     g = advantages.shape[0]
     if len(sequences) != g:
-        raise ValueError(f"mdap_keep: {g} advantages but {len(sequences)} sequences")
+        raise ValueError(f"mdap: {g} advantages but {len(sequences)} sequences")
     if multiple < 1:
-        raise ValueError(f"mdap_keep: multiple must be >= 1, got {multiple}")
+        raise ValueError(f"mdap: multiple must be >= 1, got {multiple}")
     if against not in ("kept", "seed"):
-        raise ValueError(f"mdap_keep: against must be 'kept' or 'seed', got {against!r}")
+        raise ValueError(f"mdap: against must be 'kept' or 'seed', got {against!r}")
     grams = [ngrams(s, n) for s in sequences]
-    keep = torch.zeros(g, dtype=torch.bool)
+    dropped_for: dict[int, int] = {}  # dropped rollout -> the kept one it is a near-copy of
     for members in advantage_sets(advantages, tol):
         if against == "seed":
             seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
-            kept = [i for i in members if i == seed or jaccard_distance(grams[i], grams[seed]) >= tau]
-        else:
-            kept = []
             for i in members:
-                if all(jaccard_distance(grams[i], grams[j]) >= tau for j in kept):
+                if i != seed and jaccard_distance(grams[i], grams[seed]) < tau:
+                    dropped_for[i] = seed
+        else:
+            kept: list[int] = []
+            for i in members:
+                close = next((j for j in kept if jaccard_distance(grams[i], grams[j]) < tau), None)
+                if close is None:
                     kept.append(i)
-        keep[kept] = True
-    dropped = sorted((i for i in range(g) if not keep[i]), key=lambda i: (-abs(float(advantages[i])), i))
-    count = int(keep.sum())
-    for i in dropped:
+                else:
+                    dropped_for[i] = close
+    order = sorted(dropped_for, key=lambda i: (-abs(float(advantages[i])), i))
+    count = g - len(dropped_for)
+    for i in order:
         if count % multiple == 0:
             break
-        keep[i] = True
+        del dropped_for[i]
         count += 1
-    return keep
+    counts = torch.ones(g)
+    for i, j in dropped_for.items():
+        counts[i] -= 1
+        counts[j] += 1
+    return counts
+
+
+def mdap_keep(advantages: Tensor, sequences: list[Sequence], **kwargs) -> Tensor:  # bool [G]
+    """MDAP's kept rollouts of one question (bool [G]); arguments as `mdap_counts`."""
+    return mdap_counts(advantages, sequences, **kwargs) > 0
 
 
 def sequences_of(batch: RolloutBatch) -> list[list]:

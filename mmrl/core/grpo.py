@@ -29,7 +29,7 @@ from mmrl.core.advantages import (
     zero_variance_groups,
 )
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.fastrl import AdaptiveGroupSize, mdap_keep, sample_advantages, sequences_of
+from mmrl.core.fastrl import AdaptiveGroupSize, mdap_counts, sample_advantages, sequences_of
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import Method, register_method
 
@@ -61,20 +61,22 @@ class GRPO(Method):
             batch.scores.values, batch.group_ids, weights, mode=adv.mode, scale=adv.scale
         )
 
-    def prune(self, group: RolloutBatch) -> Tensor | None:  # bool [G]
-        """FastRL's MDAP; the kept count feeds the adaptive group size."""
+    def prune(self, group: RolloutBatch) -> Tensor | None:  # bool [G], or float [G] weights
+        """FastRL's MDAP; the kept count feeds the adaptive group size. With `weight: count`
+        the kept rollouts come with the number of rollouts each stands for."""
         fr = self.fastrl
         if fr is None:
             return None
-        keep = mdap_keep(
+        counts = mdap_counts(
             sample_advantages(group.advantages, group.mask), sequences_of(group),
             tau=fr.tau, n=fr.ngram, tol=fr.adv_tol, multiple=fr.pad_multiple or distributed.world_size(),
             against=fr.against,
         )
+        keep = counts > 0
         if self.ars is not None:  # every rank records every rank's groups: one G for all, saved whole
             for kept in distributed.gather_scalar(int(keep.sum())):
                 self.ars.record(int(kept))
-        return keep
+        return counts if fr.weight == "count" else keep
 
     def group_size(self, epoch: int, current: int) -> int:
         """FastRL's ARS: G of the data epoch that starts now, from the kept counts so far."""

@@ -22,7 +22,9 @@ Everything else (rollout, reward, optimizer, checkpoints, logging) is the core's
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
+import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
@@ -30,6 +32,19 @@ from mmrl.core.config import TrainConfig
 from mmrl.core.engine import Request
 from mmrl.core.losses import LossOutput
 from mmrl.core.rewards import Reward
+
+
+def apply_prune(batch: RolloutBatch, keep: Tensor) -> RolloutBatch:
+    """The batch after `Method.prune`'s answer for its rows: bool [N] selects; float [N]
+    weights select the rows with w > 0 and scale their advantages ([N] or [N, T]) by w."""
+    if keep.dtype != torch.bool:
+        if batch.advantages is None:
+            raise ValueError("prune returned weights for a batch without advantages")
+        w = keep.to(batch.advantages.dtype)
+        shape = (-1,) + (1,) * (batch.advantages.dim() - 1)
+        batch = replace(batch, advantages=batch.advantages * w.view(shape))
+        keep = keep > 0
+    return batch if bool(keep.all()) else batch.select(keep)
 
 
 class Method:
@@ -92,7 +107,9 @@ class Method:
         annotate_reference(reference, batch)
 
     def prune(self, group: RolloutBatch) -> Tensor | None:
-        """Bool [N] over one complete group with advantages: the samples that train. None keeps all."""
+        """Over one complete group with advantages: bool [N], the samples that train; or
+        float [N] weights, 0 dropping a sample and w > 0 keeping it with its advantage
+        multiplied by w (see `apply_prune`). None keeps all."""
         return None
 
     def group_size(self, epoch: int, current: int) -> int:

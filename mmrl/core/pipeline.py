@@ -51,7 +51,7 @@ from mmrl.core.engine import (
     Worker,
     trainable_weights,
 )
-from mmrl.core.method import Method
+from mmrl.core.method import Method, apply_prune
 from mmrl.core.rewards import Reward
 from mmrl.core.scheduler import decoded_tokens, round_metrics
 
@@ -356,9 +356,9 @@ class Round:
         g.done = True
         batch.advantages = s.method.advantages(batch)
         keep = s.method.prune(batch)
-        if keep is not None and not bool(keep.all()):
-            self.metrics["rollout/samples_pruned"] += int((~keep).sum())
-            batch = batch.select(keep)
+        if keep is not None:
+            self.metrics["rollout/samples_pruned"] += int((keep <= 0).sum())  # bool or weights
+            batch = apply_prune(batch, keep)
         self.handed += 1
         self.ready.put(batch)
 

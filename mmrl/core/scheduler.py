@@ -20,7 +20,7 @@ from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import TrainConfig
 from mmrl.core.engine import PolicyEngine
-from mmrl.core.method import Method
+from mmrl.core.method import Method, apply_prune
 from mmrl.core.rewards import Reward
 
 
@@ -169,13 +169,14 @@ class SyncScheduler:
     def _prune(self, batch: RolloutBatch, metrics: dict) -> RolloutBatch:
         if type(self.method).prune is Method.prune:
             return batch
-        keep = torch.ones(len(batch), dtype=torch.bool)
-        for rows in batch.groups():
-            k = self.method.prune(batch.select(rows))
+        answers = [(rows, self.method.prune(batch.select(rows))) for rows in batch.groups()]
+        weighted = any(k is not None and k.dtype != torch.bool for _, k in answers)
+        keep = torch.ones(len(batch), dtype=torch.float32 if weighted else torch.bool)
+        for rows, k in answers:
             if k is not None:
-                keep[rows] = k
-        metrics["rollout/samples_pruned"] = int((~keep).sum())
-        return batch if bool(keep.all()) else batch.select(keep)
+                keep[rows] = k.to(keep.dtype)
+        metrics["rollout/samples_pruned"] = int((keep <= 0).sum())
+        return apply_prune(batch, keep)
 
 
 def decoded_tokens(batch: RolloutBatch) -> float:
