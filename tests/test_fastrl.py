@@ -25,11 +25,12 @@ from mmrl.core.fastrl import (
     sequences_of,
 )
 from mmrl.core.logging import read_metrics
-from mmrl.core.method import apply_prune, build_method
+from mmrl.core.method import SAMPLE_WEIGHT, apply_prune, build_method
 from mmrl.core.rewards import Sample, import_python_file
 from mmrl.core.trainer import Trainer
 
 T, F = True, False
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def keep_list(*args, **kwargs) -> list[bool]:
@@ -211,16 +212,27 @@ def test_counts_sum_to_the_group_and_agree_with_the_kept_set():
                 assert counts[members].sum() == len(members)
 
 
-def test_apply_prune_selects_and_scales_the_advantages():
+def test_zero_advantage_sets_can_keep_one_rollout():
+    adv = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0])
+    seqs = [[1, 2], [3, 4], [5, 6], [1, 2], [3, 4]]  # all diverse: "prune" keeps every one
+    assert mdap_counts(adv, seqs).tolist() == [1, 1, 1, 1, 1]
+    assert mdap_counts(adv, seqs, zero_sets="one").tolist() == [3, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="zero_sets"):
+        mdap_counts(adv, seqs, zero_sets="all")
+
+
+def test_apply_prune_selects_and_sets_the_sample_weights():
     batch = RolloutBatch(group_ids=torch.zeros(3, dtype=torch.long),
                          samples=[Sample(0, [i]) for i in range(3)],
                          mask=torch.ones(3, 2, dtype=torch.bool), advantages=torch.tensor([1.0, -2.0, 3.0]))
     out = apply_prune(batch, torch.tensor([T, F, T]))
-    assert [s.completion for s in out.samples] == [[0], [2]] and out.advantages.tolist() == [1.0, 3.0]
+    assert [s.completion for s in out.samples] == [[0], [2]] and SAMPLE_WEIGHT not in out.data
     out = apply_prune(batch, torch.tensor([2.0, 0.0, 1.0]))
-    assert [s.completion for s in out.samples] == [[0], [2]] and out.advantages.tolist() == [2.0, 3.0]
-    batch.advantages = torch.tensor([[1.0, 2.0], [0.0, 0.0], [-1.0, 1.0]])  # token-level
-    assert apply_prune(batch, torch.tensor([3.0, 1.0, 0.0])).advantages.tolist() == [[3.0, 6.0], [0.0, 0.0]]
+    assert [s.completion for s in out.samples] == [[0], [2]]
+    assert out.advantages.tolist() == [1.0, 3.0] and out.data[SAMPLE_WEIGHT].tolist() == [2.0, 1.0]
+    assert SAMPLE_WEIGHT not in batch.data  # the input is left as it was
+    again = apply_prune(out, torch.tensor([3.0, 1.0]))  # weights multiply
+    assert again.data[SAMPLE_WEIGHT].tolist() == [6.0, 1.0]
     assert apply_prune(batch, torch.ones(3, dtype=torch.bool)) is batch
 
 
@@ -356,10 +368,11 @@ def test_grpo_with_fastrl_prunes_with_mdap_and_records_the_kept_count(tmp_path):
     assert method.state_dict()["ars"]["previous"] == {"groups": 1, "kept": 3, "max": 3}
 
 
-def test_count_weights_keep_the_update_direction_of_the_whole_group(tmp_path):
-    """Three copies of a right answer and one wrong one: the kept copy, weighted 3, gives the
-    whole group's gradient (times G / kept, the loss being a mean over the kept samples);
-    unweighted, the right answer's pull is a third of what it was."""
+@pytest.mark.parametrize("base", ["grpo", "dapo"])
+def test_count_weights_give_the_unpruned_update_for_exact_copies(tmp_path, base):
+    """Three copies of a right answer and one wrong one: the kept copy, counted 3 times in
+    the loss and in its normaliser, gives the whole group's gradient exactly (GRPO's mean
+    over samples, DAPO's over tokens); unweighted, the right answer pulls a third as hard."""
     policy = toy.ToyPolicy(seed=0)
     ids = torch.tensor([[toy.BOS, 3, 4, toy.EOS]] * 3 + [[toy.BOS, 3, 5, 5]])
     group = RolloutBatch(group_ids=torch.zeros(4, dtype=torch.long),
@@ -368,27 +381,28 @@ def test_count_weights_keep_the_update_direction_of_the_whole_group(tmp_path):
     with torch.no_grad():
         group.old_logp = policy.logprobs(group)
     group.advantages = torch.tensor([1.0, 1.0, 1.0, -3.0]) / 3**0.5
+    preset = ROOT / "configs" / "vlm" / f"{base}.yaml"
+
+    def build(*sets):
+        cfg = load_config(TrainConfig, preset, [f"output_dir={tmp_path}", "rollout.num_generations=4", *sets],
+                          defaults=toy.DEFAULT_CONFIG)
+        return build_method(cfg, toy.ToyTask().reward)
 
     def grad(method, batch):
         policy.model.zero_grad()
-        method.loss(policy, batch, batch.advantages).loss.backward()
+        method.loss(policy, batch, batch.advantages, denom=method.loss_denominator(batch)).loss.backward()
         return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
 
-    base = build_method(toy_config(tmp_path, "rollout.num_generations=4"), toy.ToyTask().reward)
-    full = grad(base, group)
-    for weight, same in (("count", True), ("none", False)):
-        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", f"method.fastrl.weight={weight}",
-                         "rollout.num_generations=4")
-        method = build_method(cfg, toy.ToyTask().reward)
-        keep = method.prune(group)
-        assert (keep > 0).tolist() == [T, F, F, T]
-        pruned = grad(method, apply_prune(group, keep))
-        cosine = float(torch.nn.functional.cosine_similarity(full, pruned, dim=0))
-        if same:
-            assert keep.tolist() == [3.0, 0.0, 0.0, 1.0]
-            torch.testing.assert_close(pruned, full * 2)  # G / kept = 4 / 2
-        else:
-            assert keep.dtype == torch.bool and cosine < 0.99, cosine
+    full = grad(build(), group)
+    counted = build("method.fastrl.enabled=true", "method.fastrl.weight=count")
+    keep = counted.prune(group)
+    assert keep.tolist() == [3.0, 0.0, 0.0, 1.0]
+    torch.testing.assert_close(grad(counted, apply_prune(group, keep)), full)
+    plain = build("method.fastrl.enabled=true")
+    keep = plain.prune(group)
+    assert keep.tolist() == [T, F, F, T]
+    cosine = torch.nn.functional.cosine_similarity(full, grad(plain, apply_prune(group, keep)), dim=0)
+    assert cosine < 0.99
 
 
 def _rank(rank, port, tmp, out):

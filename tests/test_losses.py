@@ -331,6 +331,36 @@ def test_property_micro_batches_with_denom_sum_to_full_batch(batch, level, aggre
 
 
 @settings(max_examples=50, deadline=None)
+@given(rollout_batch(max_n=6), st.sampled_from(LEVELS), st.sampled_from(AGGREGATIONS), st.data())
+def test_property_integer_weights_equal_repeated_rows(batch, level, aggregation, data):
+    """A sample of weight w counts as w copies of it, in the loss and in loss_denominator;
+    weight 0 removes it."""
+    logp, old, adv, mask = batch
+    n = logp.shape[0]
+    w = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)), dtype=torch.float32)
+    rows = torch.arange(n).repeat_interleave(w.long())
+    kwargs = {"level": level, "aggregation": aggregation, "max_len": 7}
+    weighted = policy_loss(logp, old, adv, mask, weights=w, **kwargs).loss
+    if len(rows):
+        repeated = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kwargs).loss
+        torch.testing.assert_close(weighted, repeated, atol=1e-10, rtol=1e-10)
+        assert loss_denominator(mask, aggregation, w) == loss_denominator(mask[rows], aggregation)
+    with_denom = policy_loss(logp, old, adv, mask, weights=w, denom=loss_denominator(mask, aggregation, w),
+                             **kwargs).loss
+    assert bool(torch.isfinite(with_denom))
+    if len(rows):
+        torch.testing.assert_close(with_denom, weighted, atol=1e-10, rtol=1e-10)
+
+
+def test_weights_errors():
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="weights"):
+        aggregate(x, x, weights=torch.ones(3))
+    with pytest.raises(ValueError, match="weights"):
+        loss_denominator(x, "token_mean", torch.ones(2, 1))
+
+
+@settings(max_examples=50, deadline=None)
 @given(
     st.floats(0.0, 0.5),  # clip
     st.floats(0.01, 2.0),  # |A|

@@ -199,10 +199,13 @@ class FastRLConfig(Section):
     """Pad each group's kept count up to a multiple of this with the dropped rollouts of
     highest |A|; None = the data-parallel world size."""
     weight: Literal["none", "count"] = "none"
-    """"count" (ours, not in the paper or the released code): a kept rollout's advantage is
-    multiplied by the number of rollouts it stands for (itself and the near-copies dropped
-    for it), so the update weighs each outcome of the group as the unpruned update does;
+    """"count" (ours, not in the paper or the released code): a kept rollout counts in the
+    loss, and in its normaliser, as many times as the rollouts it stands for (itself and the
+    near-copies dropped for it), so each outcome of a group weighs as in the unpruned update;
     "none": each kept rollout counts once, as in the paper."""
+    zero_sets: Literal["prune", "one"] = "prune"
+    """"one" (ours): an advantage set of advantage 0 (no policy gradient) keeps only its seed,
+    whatever its diversity; "prune": it is pruned like any other set."""
     ars: bool = False
     """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts
     (off, as the released code's FastRL launch script runs)."""

@@ -45,10 +45,13 @@ An option of ours (`weight: count`; off by default, as in the paper and the rele
 MDAP keeps one rollout for several near-copies, so without weights a set's pull on the update
 shrinks to that of one rollout and the group's advantages no longer sum to zero (of three
 right copies and one wrong answer, the right answer pulls a third as hard as before).
-`mdap_counts` gives each kept rollout the number it stands for; the method multiplies its
-advantage by it (mmrl.core.method.apply_prune), so for exact copies the update has the
-unpruned group's direction. The loss still averages over the kept samples: the step's scale
-grows by G / kept, which the gradient clip and Adam's normalisation absorb.
+`mdap_counts` gives each kept rollout the number it stands for, and the loss counts it that
+many times, in its sum and in its normaliser (mmrl.core.method.apply_prune, SAMPLE_WEIGHT):
+where the dropped rollouts are exact copies, the update is the unpruned one. `zero_sets: one`
+(also ours) keeps a single rollout of a set whose advantage is 0: such rollouts carry no
+policy gradient, and with counts the kept one still holds their place in the normaliser.
+Exact copies only: `ngram` at least the longest completion (a shorter sequence is one
+n-gram) and any tau in (0, 1].
 
 The config's defaults follow the released code (`ngram: 1`, `against: seed`, `ars: false`;
 benchmarks/RESULTS.md compares them with the paper's reading). Where the released code
@@ -141,6 +144,7 @@ def mdap_counts(
     tol: float = 1e-4,
     multiple: int = 1,
     against: str = "kept",
+    zero_sets: str = "prune",
 ) -> Tensor:  # float [G]
     """MDAP on one question's G rollouts, with how many rollouts each kept one stands for.
     advantages: [G]; sequences: G token (or word) lists. Returns [G]: 0 for a dropped
@@ -152,7 +156,8 @@ def mdap_counts(
     against="seed" (the released code) compares each rollout only with its set's seed, the
     member of highest |A| (ties: lower index), which is kept. Then re-add dropped rollouts
     of highest |A| (ties: lower index) until the kept count is a multiple of `multiple`,
-    never beyond G; a re-added rollout stands for itself only."""
+    never beyond G; a re-added rollout stands for itself only. zero_sets="one": a set whose
+    advantage is within `tol` of 0 keeps only its seed, which stands for the whole set."""
     g = advantages.shape[0]
     if len(sequences) != g:
         raise ValueError(f"mdap: {g} advantages but {len(sequences)} sequences")
@@ -160,10 +165,15 @@ def mdap_counts(
         raise ValueError(f"mdap: multiple must be >= 1, got {multiple}")
     if against not in ("kept", "seed"):
         raise ValueError(f"mdap: against must be 'kept' or 'seed', got {against!r}")
+    if zero_sets not in ("prune", "one"):
+        raise ValueError(f"mdap: zero_sets must be 'prune' or 'one', got {zero_sets!r}")
     grams = [ngrams(s, n) for s in sequences]
     dropped_for: dict[int, int] = {}  # dropped rollout -> the kept one it is a near-copy of
     for members in advantage_sets(advantages, tol):
-        if against == "seed":
+        if zero_sets == "one" and abs(float(advantages[members[0]])) < tol:
+            seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
+            dropped_for.update((i, seed) for i in members if i != seed)
+        elif against == "seed":
             seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
             for i in members:
                 if i != seed and jaccard_distance(grams[i], grams[seed]) < tau:

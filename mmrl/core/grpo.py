@@ -31,7 +31,7 @@ from mmrl.core.advantages import (
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.fastrl import AdaptiveGroupSize, mdap_counts, sample_advantages, sequences_of
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
-from mmrl.core.method import Method, register_method
+from mmrl.core.method import SAMPLE_WEIGHT, Method, register_method
 
 
 @register_method("grpo")
@@ -70,7 +70,7 @@ class GRPO(Method):
         counts = mdap_counts(
             sample_advantages(group.advantages, group.mask), sequences_of(group),
             tau=fr.tau, n=fr.ngram, tol=fr.adv_tol, multiple=fr.pad_multiple or distributed.world_size(),
-            against=fr.against,
+            against=fr.against, zero_sets=fr.zero_sets,
         )
         keep = counts > 0
         if self.ars is not None:  # every rank records every rank's groups: one G for all, saved whole
@@ -92,19 +92,21 @@ class GRPO(Method):
             self.ars.load_state_dict(state["ars"])
 
     def loss_denominator(self, batch: RolloutBatch) -> float:
-        return loss_denominator(batch.mask, self.cfg.loss.aggregation)
+        return loss_denominator(batch.mask, self.cfg.loss.aggregation, batch.data.get(SAMPLE_WEIGHT))
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         lc = self.cfg.loss
         logp = policy.logprobs(batch)  # [N, T]
+        weights = batch.data.get(SAMPLE_WEIGHT)  # [N] or None: FastRL's counts
         out = policy_loss(
             logp, batch.old_logp, advantages, batch.mask,
             clip_low=lc.clip_low, clip_high=lc.clip_high, level=lc.level,
-            aggregation=lc.aggregation, max_len=self.max_len, denom=denom,
+            aggregation=lc.aggregation, max_len=self.max_len, denom=denom, weights=weights,
         )
         if self.needs_reference:
             kl = kl_penalty(logp, batch.ref_logp, kind=self.cfg.kl.kind)  # [N, T]
-            kl_term = aggregate(kl, batch.mask, lc.aggregation, max_len=self.max_len, denom=denom)
+            kl_term = aggregate(kl, batch.mask, lc.aggregation, max_len=self.max_len, denom=denom,
+                                weights=weights)
             out.loss = out.loss + self.cfg.kl.beta * kl_term
             out.metrics["loss/kl"] = float(kl_term.detach())
         return out

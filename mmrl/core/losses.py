@@ -85,6 +85,7 @@ def aggregate(
     *,
     max_len: int | None = None,
     denom: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Reduce a per-token loss to a scalar, the way :func:`policy_loss` does.
 
@@ -99,6 +100,8 @@ def aggregate(
         denom: the final normaliser, for gradient accumulation: the masked-token count of
             the whole mini-batch for ``"token_mean"``, its number of samples for the
             ``seq_*`` aggregations (see :func:`loss_denominator`). ``None``: this call's own.
+        weights: ``[N]`` sample weights >= 0 (a sample standing for w of them, as FastRL's
+            MDAP with counts): its tokens count w times, in the loss and in the normaliser.
 
     Returns:
         ``[]`` scalar. A sample without masked tokens contributes 0, never NaN.
@@ -109,9 +112,12 @@ def aggregate(
     m = _bool_mask(mask, per_token.shape)  # [N, T]
     _check_denom(denom)
     x = torch.where(m, per_token, per_token.new_zeros(()))  # [N, T], masked-out -> exactly 0
+    w = _check_weights(weights, x.shape[0], x.device)
+    if w is not None:
+        x = x * w.to(x.dtype)[:, None]
 
     if aggregation == "token_mean":
-        d = m.sum().clamp(min=1) if denom is None else denom
+        d = (m.sum().clamp(min=1) if w is None else _weighted_tokens(m, w)) if denom is None else denom
         return x.sum() / d
 
     if aggregation == "seq_mean_token_mean":
@@ -125,23 +131,44 @@ def aggregate(
         if not max_len > 0:
             raise ValueError(f"max_len must be > 0; got {max_len}")
         per_sample = x.sum(dim=-1) / max_len  # [N]
-    d = max(x.shape[0], 1) if denom is None else denom
+    if denom is None:
+        d = max(x.shape[0], 1) if w is None else w.sum().clamp(min=1e-12)
+    else:
+        d = denom
     return per_sample.sum() / d
 
 
-def loss_denominator(mask: Tensor, aggregation: str) -> float:
+def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = None) -> float:
     """The ``denom`` to pass to every micro-batch of a mini-batch whose mask is ``mask``.
 
     ``"token_mean"``: the number of masked tokens (at least 1); the ``seq_*`` aggregations:
-    the number of samples (rows, at least 1). With it, the micro-batch losses sum to the
-    mini-batch loss exactly, and so do their gradients.
+    the number of samples (rows, at least 1). With sample ``weights`` ([N]), a sample counts
+    w times in either. With it, the micro-batch losses sum to the mini-batch loss exactly,
+    and so do their gradients.
     """
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape [N, T]; got {tuple(mask.shape)}")
+    w = _check_weights(weights, mask.shape[0], mask.device)
     if aggregation == "token_mean":
+        if w is not None:
+            return float(_weighted_tokens(mask != 0, w))
         return float(max(int((mask != 0).sum().item()), 1))
+    if w is not None:
+        return float(max(float(w.sum()), 1e-12))
     return float(max(mask.shape[0], 1))
+
+
+def _check_weights(weights: Tensor | None, n: int, device) -> Tensor | None:
+    if weights is None:
+        return None
+    if tuple(weights.shape) != (n,):
+        raise ValueError(f"weights must have shape [N] = [{n}]; got {tuple(weights.shape)}")
+    return weights.detach().to(device=device, dtype=torch.float32)
+
+
+def _weighted_tokens(m: Tensor, w: Tensor) -> Tensor:
+    return (m.float().sum(dim=-1) * w).sum().clamp(min=1)
 
 
 # --------------------------------------------------------------------------- losses
@@ -160,6 +187,7 @@ def policy_loss(
     max_len: int | None = None,
     denom: float | Tensor | None = None,
     max_log_ratio: float | None = 20.0,
+    weights: Tensor | None = None,
 ) -> LossOutput:
     """PPO-clip surrogate: -min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A).
 
@@ -176,7 +204,7 @@ def policy_loss(
         clip_low, clip_high: the clip range ``[1 - clip_low, 1 + clip_high]`` (DAPO's
             clip-higher: 0.2 / 0.28; GSPO: ~3e-4 / 4e-4).
         level: ``"token"`` or ``"sequence"``.
-        aggregation, max_len, denom: see :func:`aggregate`.
+        aggregation, max_len, denom, weights: see :func:`aggregate`.
         max_log_ratio: ``logp - old_logp`` is clamped to ``[-max_log_ratio, max_log_ratio]``
             before the exponential so that the ratio stays finite (verl does the same with 20);
             ``None`` disables it. On-policy and near-policy values are unaffected.
@@ -226,7 +254,7 @@ def policy_loss(
     unclipped = ratio * adv  # [N, T]
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [N, T]
     per_token = torch.where(m, -torch.minimum(unclipped, clipped), zero)  # [N, T]
-    loss = aggregate(per_token, m, aggregation, max_len=max_len, denom=denom)
+    loss = aggregate(per_token, m, aggregation, max_len=max_len, denom=denom, weights=weights)
 
     with torch.no_grad():
         mf = m.to(dtype)

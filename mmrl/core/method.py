@@ -33,16 +33,18 @@ from mmrl.core.engine import Request
 from mmrl.core.losses import LossOutput
 from mmrl.core.rewards import Reward
 
+SAMPLE_WEIGHT = "sample_weight"
+"""batch.data key of per-sample loss weights [N] (FastRL's MDAP with counts): a sample with
+weight w counts w times in the loss and its normaliser (mmrl.core.losses.aggregate)."""
+
 
 def apply_prune(batch: RolloutBatch, keep: Tensor) -> RolloutBatch:
     """The batch after `Method.prune`'s answer for its rows: bool [N] selects; float [N]
-    weights select the rows with w > 0 and scale their advantages ([N] or [N, T]) by w."""
+    weights select the rows with w > 0 and multiply their loss weight
+    (batch.data[SAMPLE_WEIGHT], 1 where unset) by w."""
     if keep.dtype != torch.bool:
-        if batch.advantages is None:
-            raise ValueError("prune returned weights for a batch without advantages")
-        w = keep.to(batch.advantages.dtype)
-        shape = (-1,) + (1,) * (batch.advantages.dim() - 1)
-        batch = replace(batch, advantages=batch.advantages * w.view(shape))
+        weight = batch.data.get(SAMPLE_WEIGHT, torch.ones(len(batch)))
+        batch = replace(batch, data={**batch.data, SAMPLE_WEIGHT: weight * keep.float()})
         keep = keep > 0
     return batch if bool(keep.all()) else batch.select(keep)
 
@@ -108,8 +110,8 @@ class Method:
 
     def prune(self, group: RolloutBatch) -> Tensor | None:
         """Over one complete group with advantages: bool [N], the samples that train; or
-        float [N] weights, 0 dropping a sample and w > 0 keeping it with its advantage
-        multiplied by w (see `apply_prune`). None keeps all."""
+        float [N] weights, 0 dropping a sample and w > 0 keeping it to count w times in the
+        loss (`apply_prune`; the method's loss reads batch.data[SAMPLE_WEIGHT]). None keeps all."""
         return None
 
     def group_size(self, epoch: int, current: int) -> int:
