@@ -205,7 +205,8 @@ class FastRLConfig(Section):
     "none": each kept rollout counts once, as in the paper."""
     zero_sets: Literal["prune", "one"] = "prune"
     """"one" (ours): an advantage set of advantage 0 (no policy gradient) keeps only its seed,
-    whatever its diversity; "prune": it is pruned like any other set."""
+    whatever its diversity; "prune": it is pruned like any other set. With `weight: count`
+    and no KL term the update is unchanged by it (a KL term sees only the seed's tokens)."""
     ars: bool = False
     """Adaptive rollout sampling: set num_generations of each data epoch from the kept counts
     (off, as the released code's FastRL launch script runs)."""

@@ -47,7 +47,9 @@ shrinks to that of one rollout and the group's advantages no longer sum to zero 
 right copies and one wrong answer, the right answer pulls a third as hard as before).
 `mdap_counts` gives each kept rollout the number it stands for, and the loss counts it that
 many times, in its sum and in its normaliser (mmrl.core.method.apply_prune, SAMPLE_WEIGHT):
-where the dropped rollouts are exact copies, the update is the unpruned one. `zero_sets: one`
+where the dropped rollouts are exact copies and a round is one optimizer step, the update is the
+unpruned one. (With several mini-batches it is not: the copies would have been spread over
+them, and the kept one brings their whole weight into one.) `zero_sets: one`
 (also ours) keeps a single rollout of a set whose advantage is 0: such rollouts carry no
 policy gradient, and with counts the kept one still holds their place in the normaliser.
 Exact copies only: `ngram` at least the longest completion (a shorter sequence is one
