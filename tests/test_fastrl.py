@@ -157,14 +157,20 @@ def test_padding_never_exceeds_the_group():
     assert keep_list(torch.zeros(6), seqs, multiple=4) == [T] * 6  # 8 > 6: all of them
 
 
-def test_mdap_invariants_on_random_groups():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
+def random_groups(seed: int, count: int = 200):
+    """(advantages [G], G token lists, a padding multiple) of random small groups."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
         g = int(torch.randint(1, 10, (1,), generator=gen))
         adv = torch.randint(-1, 2, (g,), generator=gen).float()
         seqs = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
                 for _ in range(g)]
-        multiple = int(torch.randint(1, 4, (1,), generator=gen))
+        yield adv, seqs, int(torch.randint(1, 4, (1,), generator=gen))
+
+
+def test_mdap_invariants_on_random_groups():
+    for adv, seqs, multiple in random_groups(0):
+        g = len(seqs)
         keep = mdap_keep(adv, seqs, multiple=multiple)
         assert keep.dtype == torch.bool and keep.shape == (g,)
         for members in advantage_sets(adv):
@@ -197,16 +203,11 @@ def test_a_rollout_re_added_by_padding_stands_for_itself():
 
 
 def test_counts_sum_to_the_group_and_agree_with_the_kept_set():
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(200):
-        g = int(torch.randint(1, 10, (1,), generator=gen))
-        adv = torch.randint(-1, 2, (g,), generator=gen).float()
-        seqs = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
-                for _ in range(g)]
-        for against in ("kept", "seed"):
-            kw = {"multiple": int(torch.randint(1, 4, (1,), generator=gen)), "against": against}
+    for adv, seqs, multiple in random_groups(1):
+        for against, zero_sets in (("kept", "prune"), ("seed", "prune"), ("seed", "one")):
+            kw = {"multiple": multiple, "against": against, "zero_sets": zero_sets}
             counts = mdap_counts(adv, seqs, **kw)
-            assert counts.sum() == g
+            assert counts.sum() == len(seqs)
             assert torch.equal(counts > 0, mdap_keep(adv, seqs, **kw))
             for members in advantage_sets(adv):  # a rollout stands only for its own set
                 assert counts[members].sum() == len(members)
