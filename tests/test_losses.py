@@ -358,6 +358,10 @@ def test_weights_errors():
         aggregate(x, x, weights=torch.ones(3))
     with pytest.raises(ValueError, match="weights"):
         loss_denominator(x, "token_mean", torch.ones(2, 1))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        aggregate(x, x, weights=torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        loss_denominator(x, "seq_mean_token_mean", torch.tensor([1.0, float("nan")]))
 
 
 @settings(max_examples=50, deadline=None)
