@@ -571,7 +571,7 @@ def test_count_weights_train_in_both_schedulers(tmp_path, mode):
 def test_benchmark_time_to_counts_an_evaluation_exactly_at_the_target():
     """benchmarks/fastrl.py: held-out accuracies are float32 means, so 105 of 200 logs as
     0.52499998; it reaches a --target of 0.525, and 104 of 200 does not."""
-    bench = import_python_file(Path(__file__).resolve().parents[1] / "benchmarks" / "fastrl.py", "fastrl_bench")
+    bench = import_python_file(ROOT / "benchmarks" / "fastrl.py", "fastrl_bench")
     at = float(torch.tensor([1.0] * 105 + [0.0] * 95).mean())
     below = float(torch.tensor([1.0] * 104 + [0.0] * 96).mean())
     assert at < 0.525  # the rounding the comparison has to allow for

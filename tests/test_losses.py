@@ -341,15 +341,14 @@ def test_property_integer_weights_equal_repeated_rows(batch, level, aggregation,
     rows = torch.arange(n).repeat_interleave(w.long())
     kwargs = {"level": level, "aggregation": aggregation, "max_len": 7}
     weighted = policy_loss(logp, old, adv, mask, weights=w, **kwargs).loss
-    if len(rows):
-        repeated = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kwargs).loss
-        torch.testing.assert_close(weighted, repeated, atol=1e-10, rtol=1e-10)
-        assert loss_denominator(mask, aggregation, w) == loss_denominator(mask[rows], aggregation)
     with_denom = policy_loss(logp, old, adv, mask, weights=w, denom=loss_denominator(mask, aggregation, w),
                              **kwargs).loss
     assert bool(torch.isfinite(with_denom))
     if len(rows):
+        repeated = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], **kwargs).loss
+        torch.testing.assert_close(weighted, repeated, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(with_denom, weighted, atol=1e-10, rtol=1e-10)
+        assert loss_denominator(mask, aggregation, w) == loss_denominator(mask[rows], aggregation)
 
 
 def test_weights_errors():

@@ -170,13 +170,17 @@ def mdap_counts(
     if zero_sets not in ("prune", "one"):
         raise ValueError(f"mdap: zero_sets must be 'prune' or 'one', got {zero_sets!r}")
     grams = [ngrams(s, n) for s in sequences]
+
+    def rank(i: int) -> tuple[float, int]:  # highest |A| first, ties to the lower index
+        return -abs(float(advantages[i])), i
+
     dropped_for: dict[int, int] = {}  # dropped rollout -> the kept one it is a near-copy of
     for members in advantage_sets(advantages, tol):
         if zero_sets == "one" and abs(float(advantages[members[0]])) < tol:
-            seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
+            seed = min(members, key=rank)
             dropped_for.update((i, seed) for i in members if i != seed)
         elif against == "seed":
-            seed = min(members, key=lambda i: (-abs(float(advantages[i])), i))
+            seed = min(members, key=rank)
             for i in members:
                 if i != seed and jaccard_distance(grams[i], grams[seed]) < tau:
                     dropped_for[i] = seed
@@ -188,7 +192,7 @@ def mdap_counts(
                     kept.append(i)
                 else:
                     dropped_for[i] = close
-    order = sorted(dropped_for, key=lambda i: (-abs(float(advantages[i])), i))
+    order = sorted(dropped_for, key=rank)
     count = g - len(dropped_for)
     for i in order:
         if count % multiple == 0:
