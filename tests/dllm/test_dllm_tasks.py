@@ -4,6 +4,7 @@ import operator
 import re
 
 import pytest
+import torch
 
 from dllm_rl.tasks import CHARSET, MAX_CHARS, TASKS, Problem, arith, get_task, split_of, sudoku
 from mmrl.core.rewards import Sample
@@ -273,3 +274,16 @@ def test_arith_reverse_digits(answer, reversed_):
     # the answer atom accepts the reversed form only where it reads as the same integer
     got, _ = arith_score(reversed_, answer)
     assert got[1] == float(arith.parse_integer(reversed_) == int(answer))
+
+
+def test_heldout_accuracy_is_exact_share():
+    """105 right of 200 is 0.525, not float32's 0.52499998 (which misses a 0.525 target)."""
+    from dllm_rl.task import DLLMTask
+
+    problems = arith.sample_problems(200, seed=0, split="eval")
+    task = DLLMTask("arith", problems, problems, arith.arith_reward(), answer_atom="answer",
+                    rollout=None)
+    texts = [p.reference if i < 105 else "x" for i, p in enumerate(problems)]
+    task.answers = lambda policy, probs, temperature, generator=None: (texts, torch.full((200,), 8))
+    m = task._evaluate(policy=None)
+    assert m["accuracy"] == 0.525 and float(torch.tensor([1.0] * 105 + [0.0] * 95).mean()) != 0.525

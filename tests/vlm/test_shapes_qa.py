@@ -279,3 +279,17 @@ def test_vocabulary_is_small():
     }
     assert words <= expected
     assert len(np.unique(sorted(words))) < 40
+
+
+def test_heldout_accuracy_is_exact_share():
+    """105 right of 200 is 0.525, not float32's 0.52499998 (which misses a 0.525 target)."""
+    from types import SimpleNamespace
+
+    from mmrl.vlm.task import VLMTask
+
+    items = [QAItem([], "What colour is the square?", "blue")] * 200
+    texts = ["<answer>blue</answer>"] * 105 + ["<answer>red</answer>"] * 95
+    policy = SimpleNamespace(greedy_batches=lambda its, n, bs: [
+        SimpleNamespace(samples=[SimpleNamespace(completion=t) for t in texts], data={})])
+    task = VLMTask("qa", items, items, shapes_qa_reward(), max_new_tokens=8)
+    assert task.evaluate(policy)["accuracy"] == 0.525
