@@ -61,7 +61,7 @@ class DLLMRolloutConfig(RolloutConfig):
     is decoded, as LLaDA does."""
     eval_samples: int = Field(0, ge=0)
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
-    the unbiased estimator); 0 = greedy accuracy only."""
+    the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set."""
     eval_batch_size: int = Field(128, ge=1)
     max_new_tokens: int = 16  # the core's Dr.GRPO length constant; set to gen_length
 

@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
-from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
 
@@ -76,10 +76,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
     )
 
-    def build_config(config: Path | None, overrides: list[str], backend) -> TrainConfig:
+    def build_config(config: Path | None, overrides: list[str], backend, verb: str = "train") -> TrainConfig:
         cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
         defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
         defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
+        if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
+            defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
         return load_config(cls, config, overrides, defaults=defaults)
 
     def run_verb(fn):
@@ -92,14 +94,14 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except _runtime_errors() as e:
             fail(str(e), code=1)
 
-    def get_backend(config, overrides):
+    def get_backend(config, overrides, verb: str = "train"):
         """Validate the config even before the backend exists, so config errors show first."""
         try:
             backend = load_backend(spec)
         except BackendUnavailable:
             build_config(config, overrides, None)
             raise
-        return backend, build_config(config, overrides, backend)
+        return backend, build_config(config, overrides, backend, verb)
 
     @app.command()
     def train(
@@ -144,7 +146,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""
 
         def go():
-            backend, cfg = get_backend(config, list(set_))
+            backend, cfg = get_backend(config, list(set_), "eval")
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 policy.load_weights(resolve_checkpoint(checkpoint))

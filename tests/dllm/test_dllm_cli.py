@@ -56,8 +56,13 @@ def test_train_writes_summary_metrics_curve_and_a_loadable_checkpoint(full_run, 
     assert (full_run / STEP2).is_file()
     r = ok(invoke("eval", "--checkpoint", full_run, *small_sets, "--set", f"output_dir={tmp_path / 'e'}"))
     (metrics,) = json_lines(r.stdout)
-    # the checkpoint's weights evaluate as the trained model did at the end of the run
-    assert metrics == pytest.approx(summary["eval_after"])
+    # the checkpoint's weights evaluate as the trained model did at the end of the run (greedy);
+    # eval adds pass@1..16 from 16 samples per problem, which the run's evaluations leave out
+    assert {k: metrics[k] for k in summary["eval_after"]} == pytest.approx(summary["eval_after"])
+    assert set(metrics) - set(summary["eval_after"]) == {f"pass@{k}" for k in range(1, 17)} | {"sampled_nfe"}
+    r = ok(invoke("eval", "--checkpoint", full_run, *small_sets, "--set", "rollout.eval_samples=0",
+                  "--set", f"output_dir={tmp_path / 'e'}"))
+    assert json_lines(r.stdout) == [pytest.approx(summary["eval_after"])]  # 0: greedy only
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(full_run, small_sets, tmp_path):
@@ -98,6 +103,15 @@ def test_eval_reports_pass_at_k_and_sampled_nfe(small_sets, tmp_path, strategy):
         assert m["nfe"] == m["sampled_nfe"] == 8
     else:  # fork commits at least one token per step and stops a block once it is filled
         assert 2 <= m["nfe"] <= 8 and 2 <= m["sampled_nfe"] <= 8
+
+
+def test_a_config_files_eval_samples_overrides_evals_default(small_sets, tmp_path):
+    """`eval` samples 16 answers unless told otherwise; a config file telling it wins."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout:\n  eval_samples: 2\n")
+    r = ok(invoke("eval", "-c", cfg, *small_sets, "--set", f"output_dir={tmp_path}"))
+    (m,) = json_lines(r.stdout)
+    assert {k for k in m if k.startswith("pass@")} == {"pass@1", "pass@2"}
 
 
 def test_eval_strategy_scores_a_fork_run_with_the_ar_decoder(small_sets, tmp_path):
