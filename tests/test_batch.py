@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mmrl.core.batch import RolloutBatch
+from mmrl.core.batch import SAMPLE_WEIGHT, RolloutBatch
 from mmrl.core.rewards import AtomScores, Sample
 
 
@@ -201,6 +201,17 @@ def test_concat_3d_data_pads_dim_1():
     x = RolloutBatch.concat([a, b]).data["x"]
     assert x.shape == (4, 3, 2)
     assert x.sum().item() == 2 * 1 * 2 + 2 * 3 * 2  # padding is zeros
+
+
+def test_concat_gives_unweighted_batches_weight_one():
+    """Groups pruned with weights (FastRL's counts) and groups left whole concat: a row of a
+    batch without SAMPLE_WEIGHT weighs 1. Other missing data keys still raise."""
+    a = make_batch(2, 2, data={"x": torch.zeros(2), SAMPLE_WEIGHT: torch.tensor([3.0, 1.0])})
+    b = make_batch(2, 2, data={"x": torch.zeros(2)})
+    assert RolloutBatch.concat([b, a]).data[SAMPLE_WEIGHT].tolist() == [1.0, 1.0, 3.0, 1.0]
+    assert SAMPLE_WEIGHT not in b.data  # the input is left as it was
+    with pytest.raises(ValueError, match="different data keys"):
+        RolloutBatch.concat([a, make_batch(2, 2, data={"y": torch.zeros(2)})])
 
 
 def test_concat_single_and_empty():

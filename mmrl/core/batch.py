@@ -19,6 +19,10 @@ from torch import Tensor
 
 from mmrl.core.rewards import AtomScores, Sample
 
+SAMPLE_WEIGHT = "sample_weight"
+"""batch.data key of per-sample loss weights [N] (FastRL's MDAP with counts): a sample with
+weight w counts w times in the loss and its normaliser (mmrl.core.losses.aggregate)."""
+
 
 @dataclass
 class RolloutBatch:
@@ -134,6 +138,9 @@ class RolloutBatch:
                 failed=None if any(b.scores.failed is None for b in batches)
                 else torch.cat([b.scores.failed for b in batches]),
             )
+        if any(SAMPLE_WEIGHT in b.data for b in batches):  # a batch without weights weighs 1 a row
+            batches = [b if SAMPLE_WEIGHT in b.data else
+                       replace(b, data={**b.data, SAMPLE_WEIGHT: torch.ones(len(b))}) for b in batches]
         keys = batches[0].data.keys()
         if any(b.data.keys() != keys for b in batches):
             raise ValueError("cannot concat batches with different data keys")

@@ -27,15 +27,11 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from mmrl.core.batch import RolloutBatch
+from mmrl.core.batch import SAMPLE_WEIGHT, RolloutBatch
 from mmrl.core.config import TrainConfig
 from mmrl.core.engine import Request
 from mmrl.core.losses import LossOutput
 from mmrl.core.rewards import Reward
-
-SAMPLE_WEIGHT = "sample_weight"
-"""batch.data key of per-sample loss weights [N] (FastRL's MDAP with counts): a sample with
-weight w counts w times in the loss and its normaliser (mmrl.core.losses.aggregate)."""
 
 
 def apply_prune(batch: RolloutBatch, keep: Tensor) -> RolloutBatch:
