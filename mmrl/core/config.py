@@ -453,7 +453,8 @@ def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[
             elif known:
                 msg += f" (allowed here: {', '.join(sorted(known))})"
         else:
-            msg = f"{key}: {err['msg']}"
+            text = err["msg"].removeprefix("Value error, ")  # pydantic's prefix to a validator's message
+            msg = f"{key}: {text}"
             if err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], dict):
                 msg += f" (got {err['input']!r})"
         lines.append(msg)

@@ -151,7 +151,7 @@ def test_bad_config_is_one_paragraph_naming_gen_length(small_sets, tmp_path):
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
     message = r.stderr.strip()
     assert "\n" not in message and message.startswith("error:")
-    assert "gen_length (7) must be divisible by block_length (4)" in message
+    assert "rollout: gen_length (7) must be divisible by block_length (4)" in message  # no "Value error, "
     assert not (tmp_path / "x").exists()  # nothing was built or written
 
 
