@@ -72,6 +72,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         "embedded default (the bundled tiny model on its synthetic task, on a CPU, in minutes).",
         add_completion=False,
         no_args_is_help=True,
+        rich_markup_mode="markdown",  # docstrings reflow: a single newline is not a line break
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
