@@ -57,8 +57,9 @@ def run(base: str, fastrl: bool, args, out: Path) -> dict:
 
 def time_to(curve, target: float) -> float | None:
     """Training seconds until the first evaluation after step 0 at or above target.
-    Accuracies are float32 means (105 of 200 logs as 0.52499998), so an evaluation exactly at
-    the target would fall short of it by rounding; 1e-6 is far below one held-out item."""
+    Accuracies logged before 2026-12-04 (evening) are float32 means (105 of 200 reads 0.52499998),
+    so an evaluation exactly at the target fell short of it by rounding; 1e-6 is far below
+    one held-out item."""
     return next((t for step, t, acc in curve if step > 0 and acc >= target - 1e-6), None)
 
 
