@@ -569,8 +569,8 @@ def test_count_weights_train_in_both_schedulers(tmp_path, mode):
 
 
 def test_benchmark_time_to_counts_an_evaluation_exactly_at_the_target():
-    """benchmarks/fastrl.py: held-out accuracies are float32 means, so 105 of 200 logs as
-    0.52499998; it reaches a --target of 0.525, and 104 of 200 does not."""
+    """benchmarks/fastrl.py: held-out accuracies logged before 2026-12-04 are float32 means, so
+    105 of 200 logs as 0.52499998; it reaches a --target of 0.525, and 104 of 200 does not."""
     bench = import_python_file(ROOT / "benchmarks" / "fastrl.py", "fastrl_bench")
     at = float(torch.tensor([1.0] * 105 + [0.0] * 95).mean())
     below = float(torch.tensor([1.0] * 104 + [0.0] * 96).mean())
@@ -578,3 +578,19 @@ def test_benchmark_time_to_counts_an_evaluation_exactly_at_the_target():
     curve = [(0, 0.0, 0.6), (50, 10.0, below), (100, 20.0, at), (150, 30.0, 0.6)]
     assert bench.time_to(curve, 0.525) == 20.0  # step 0 never counts, even above the target
     assert bench.time_to(curve[:3], 0.53) is None
+
+
+def test_update_cost_subsets_and_fit():
+    """benchmarks/update_cost.py: MDAP-like subsets keep every group, the others whole groups;
+    the fit recovers a + b rows + c images from exact points."""
+    from types import SimpleNamespace
+
+    bench = import_python_file(ROOT / "benchmarks" / "update_cost.py", "update_cost_bench")
+    batch = SimpleNamespace(group_ids=torch.arange(8).repeat_interleave(8))
+    cases = bench.subsets(batch)
+    assert [(kind[0], rows, images) for kind, rows, images, _ in cases] == [
+        ("k", 64, 8), ("k", 32, 8), ("k", 16, 8), ("k", 8, 8), ("w", 32, 4), ("w", 16, 2), ("w", 8, 1)]
+    for _, rows, images, idx in cases:
+        assert len(idx) == rows == len(set(idx.tolist())) and len(batch.group_ids[idx].unique()) == images
+    points = [(r, i, 0.01 + 0.002 * r + 0.005 * i) for _, r, i, _ in cases]
+    assert bench.fit(points) == pytest.approx((0.01, 0.002, 0.005))
