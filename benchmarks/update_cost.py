@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def subsets(batch) -> list[tuple[str, int, int, torch.Tensor]]:
     """(kind, rows, images, row index) for k rows of every group and for whole groups."""
-    groups = [torch.nonzero(batch.group_ids == g).flatten() for g in batch.group_ids.unique(sorted=True)]
+    groups = batch.groups()
     size = min(len(g) for g in groups)
     out = []
     for k in (size, size // 2, size // 4, 1):

@@ -587,6 +587,7 @@ def test_update_cost_subsets_and_fit():
 
     bench = import_python_file(ROOT / "benchmarks" / "update_cost.py", "update_cost_bench")
     batch = SimpleNamespace(group_ids=torch.arange(8).repeat_interleave(8))
+    batch.groups = lambda: RolloutBatch.groups(batch)  # the one field it reads
     cases = bench.subsets(batch)
     assert [(kind[0], rows, images) for kind, rows, images, _ in cases] == [
         ("k", 64, 8), ("k", 32, 8), ("k", 16, 8), ("k", 8, 8), ("w", 32, 4), ("w", 16, 2), ("w", 8, 1)]
