@@ -361,6 +361,8 @@ def test_weights_errors():
         aggregate(x, x, weights=torch.tensor([1.0, -1.0]))
     with pytest.raises(ValueError, match="finite and >= 0"):
         loss_denominator(x, "seq_mean_token_mean", torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="finite and >= 0; got inf"):  # the bad value, not the least
+        aggregate(x, x, weights=torch.tensor([1.0, float("inf")]))
 
 
 @settings(max_examples=50, deadline=None)

@@ -164,8 +164,9 @@ def _check_weights(weights: Tensor | None, n: int, device) -> Tensor | None:
         return None
     if tuple(weights.shape) != (n,):
         raise ValueError(f"weights must have shape [N] = [{n}]; got {tuple(weights.shape)}")
-    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
-        raise ValueError(f"weights must be finite and >= 0; got one of {float(weights.min())}")
+    bad = ~torch.isfinite(weights) | (weights < 0)
+    if bool(bad.any()):
+        raise ValueError(f"weights must be finite and >= 0; got {float(weights[bad][0])}")
     return weights.detach().to(device=device, dtype=torch.float32)
 
 
