@@ -52,6 +52,8 @@ unpruned one. (With several mini-batches it is not: the copies would have been s
 them, and the kept one brings their whole weight into one.) `zero_sets: one`
 (also ours) keeps a single rollout of a set whose advantage is 0: such rollouts carry no
 policy gradient, and with counts the kept one still holds their place in the normaliser.
+With a KL term it is not exact: each dropped rollout had a KL gradient of its own, and the
+kept one stands in for them with its own.
 Exact copies only: `ngram` at least the longest completion (a shorter sequence is one
 n-gram) and any tau in (0, 1].
 

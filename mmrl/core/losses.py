@@ -116,8 +116,8 @@ def aggregate(
     if w is not None:
         x = x * w.to(x.dtype)[:, None]
 
+    d = loss_denominator(m, aggregation, w) if denom is None else denom
     if aggregation == "token_mean":
-        d = (m.sum().clamp(min=1) if w is None else _weighted_tokens(m, w)) if denom is None else denom
         return x.sum() / d
 
     if aggregation == "seq_mean_token_mean":
@@ -131,10 +131,6 @@ def aggregate(
         if not max_len > 0:
             raise ValueError(f"max_len must be > 0; got {max_len}")
         per_sample = x.sum(dim=-1) / max_len  # [N]
-    if denom is None:
-        d = max(x.shape[0], 1) if w is None else w.sum().clamp(min=1e-12)
-    else:
-        d = denom
     return per_sample.sum() / d
 
 
@@ -152,7 +148,7 @@ def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = No
     w = _check_weights(weights, mask.shape[0], mask.device)
     if aggregation == "token_mean":
         if w is not None:
-            return float(_weighted_tokens(mask != 0, w))
+            return float(max(float(((mask != 0).float().sum(dim=-1) * w).sum()), 1.0))
         return float(max(int((mask != 0).sum().item()), 1))
     if w is not None:
         return float(max(float(w.sum()), 1e-12))
@@ -169,9 +165,6 @@ def _check_weights(weights: Tensor | None, n: int, device) -> Tensor | None:
         raise ValueError(f"weights must be finite and >= 0; got {float(weights[bad][0])}")
     return weights.detach().to(device=device, dtype=torch.float32)
 
-
-def _weighted_tokens(m: Tensor, w: Tensor) -> Tensor:
-    return (m.float().sum(dim=-1) * w).sum().clamp(min=1)
 
 
 # --------------------------------------------------------------------------- losses
