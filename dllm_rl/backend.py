@@ -101,12 +101,31 @@ def check_answer_room(task: DLLMTask, tok, rollout) -> None:
         )
 
 
+def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
+    """The policy, its prompt width raised to the longest of `prompts` where that is longer
+    than the task's prompts (a --prompt may be any length the model's context holds). Wider
+    left padding leaves the answers as they were: positions follow the valid tokens."""
+    tok, width = policy.predictor.tokenizer, policy.prompt_length
+    for text in prompts:
+        try:
+            width = max(width, len(tok(text, add_special_tokens=False)["input_ids"]))
+        except Exception:  # noqa: BLE001, S112  (encode_prompts names the prompt and the character)
+            continue
+    if width == policy.prompt_length:
+        return policy
+    try:
+        return DLLMPolicy(policy.predictor, policy.rollout, width, policy.estimator)
+    except PromptTooLong as e:
+        raise ConfigError(f"--prompt: {e}") from e
+
+
 def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int) -> list[dict]:
     """n answers (rollout temperature and strategy, seeded) to each --prompt or held-out problem;
     held-out problems are scored by the task's atoms."""
     from dllm_rl.tasks import Problem
 
     problems = [Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
+    policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
     gen = torch.Generator().manual_seed(cfg.seed)
     try:

@@ -146,13 +146,15 @@ def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | N
 
 
 def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int) -> list[dict]:
-    """n samples for each of the first held-out items (or text-only --prompt questions)."""
+    """n samples for each of the first held-out items, scored by the task's atoms, or for each
+    text-only --prompt question (no gold answer, so not scored)."""
     from mmrl.vlm.tasks.shapes_qa import QAItem
 
     items = [QAItem(images=[], question=p, answer="", reference="", meta={}) for p in prompts]
-    items = items or task.eval_items[:2]
     gen = torch.Generator().manual_seed(cfg.seed)
-    batch = policy.generate(items, n, cfg.rollout, gen)
+    batch = policy.generate(items or task.eval_items[:2], n, cfg.rollout, gen)
+    if items:
+        return [{"question": s.prompt, "completion": s.completion} for s in batch.samples]
     scores = task.reward.score(batch.samples)
     return [{"question": s.prompt, "gold": s.meta.get("answer"), "completion": s.completion,
              "reward": float(total), "atoms": atoms}

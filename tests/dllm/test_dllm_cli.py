@@ -140,6 +140,26 @@ def test_sample_prints_json_lines(small_sets, tmp_path):
     assert set(rows[0]["atoms"]) == {"format", "answer"}
 
 
+def test_sample_takes_prompts_longer_than_the_tasks(small_sets, make_run, tmp_path):
+    """A --prompt may be as long as the model's context allows, not only as the task's prompts;
+    the wider left padding leaves another prompt's answers exactly as they were."""
+    from dllm_rl.backend import fit_prompts
+
+    long = "123456789+987654321="  # 20 tokens; the task's prompts have at most 6
+    rows = json_lines(ok(invoke("sample", *small_sets, "--prompt", long, "--prompt", "12+3=", "--num", 1,
+                                "--set", f"output_dir={tmp_path}")).stdout)
+    assert [row["prompt"] for row in rows] == [long, "12+3="]
+    _, policy, _ = make_run()
+    wide = fit_prompts(policy, [long])
+    assert (policy.prompt_length, wide.prompt_length) == (6, 20)
+    assert fit_prompts(policy, ["12+3="]) is policy
+    runs = [p.decode(["12+3=", "7*8="], torch.Generator().manual_seed(0), temperature=0.7)[0].completion
+            for p in (policy, wide)]
+    assert torch.equal(*runs)
+    r = invoke("sample", *small_sets, "--prompt", "1" * 95 + "=", "--set", f"output_dir={tmp_path}")
+    assert r.exit_code == 2 and "exceed the model's context of 96 positions" in r.stderr
+
+
 def test_sample_with_a_character_outside_the_vocabulary_is_a_clean_error(small_sets, tmp_path):
     r = invoke("sample", *small_sets, "--prompt", "Hello=", "--set", f"output_dir={tmp_path}")
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)  # not a traceback

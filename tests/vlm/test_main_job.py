@@ -65,6 +65,15 @@ def test_mmrl_sample_prints_scored_json_lines():
         assert abs(row["reward"] - (0.1 * row["atoms"]["format"] + row["atoms"]["answer"])) < 1e-6
 
 
+def test_mmrl_sample_of_a_free_question_is_not_scored():
+    """A --prompt question has no gold answer: its samples carry no reward rather than a 0."""
+    result = CliRunner().invoke(app, ["sample", "--prompt", "What colour is the circle?", "--num", "2"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(rows) == 2 and all(set(row) == {"question", "completion"} for row in rows)
+    assert all(row["question"] == "What colour is the circle?" for row in rows)
+
+
 def test_stop_strings_end_the_completion_and_its_mask():
     import torch
 
