@@ -166,7 +166,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: held-out task prompts."),
         num: int = typer.Option(4, "--num", "-n", min=1, help="Samples per prompt."),
     ):
-        """Sample a model and score the samples with the task's reward atoms."""
+        """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
 
         def go():
             backend, cfg = get_backend(config, list(set_))
