@@ -105,18 +105,20 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
     """The policy, its prompt width raised to the longest of `prompts` where that is longer
     than the task's prompts (a --prompt may be any length the model's context holds). Wider
     left padding leaves the answers as they were: positions follow the valid tokens."""
-    tok, width = policy.predictor.tokenizer, policy.prompt_length
+    tok, width, longest = policy.predictor.tokenizer, policy.prompt_length, None
     for text in prompts:
         try:
-            width = max(width, len(tok(text, add_special_tokens=False)["input_ids"]))
+            n = len(tok(text, add_special_tokens=False)["input_ids"])
         except Exception:  # noqa: BLE001, S112  (encode_prompts names the prompt and the character)
             continue
-    if width == policy.prompt_length:
+        if n > width:
+            width, longest = n, text
+    if longest is None:
         return policy
     try:
         return DLLMPolicy(policy.predictor, policy.rollout, width, policy.estimator)
     except PromptTooLong as e:
-        raise ConfigError(f"--prompt: {e}") from e
+        raise ConfigError(f"--prompt: {e} (longest prompt: {longest!r})") from e
 
 
 def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int) -> list[dict]:

@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from mmrl.core.checkpoint import STATE_JSON
 from mmrl.core.cli import BackendSpec, make_app, resolve_checkpoint
 
 runner = CliRunner()
@@ -28,7 +29,7 @@ def test_train_resume_eval_sample(tmp_path):
     assert "accuracy" in text  # the before/after table
 
     code, text = invoke(app, "train", "--max-steps", "2", "--output-dir", str(out))
-    assert code == 1 and "--resume" in text and "Traceback" not in text
+    assert code == 2 and "--resume" in text and "Traceback" not in text  # a user error
 
     code, text = invoke(app, "train", "--max-steps", "3", "--output-dir", str(out), "--seed", "3", "--resume")
     assert code == 0, text
@@ -74,3 +75,23 @@ def test_resolve_checkpoint(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(Exception, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path)
+    step = tmp_path / "checkpoints" / "step-00000003"
+    (step / "model").mkdir(parents=True)
+    (step / STATE_JSON).write_text("{}")  # what makes it complete
+    # the run, its checkpoints/ directory and the checkpoint all lead to the model
+    for path in (tmp_path, tmp_path / "checkpoints", step):
+        assert resolve_checkpoint(path) == step / "model"
+
+
+def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
+    """Click's own handler would exit 130 without a word; the CLI names the checkpoint to resume."""
+    import toy
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toy, "build", interrupted)
+    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "run"))
+    assert code == 130 and "interrupted; the newest complete checkpoint is kept (resume with --resume)" in text
+    code, text = invoke(app, "eval")
+    assert code == 130 and text.strip() == "interrupted"

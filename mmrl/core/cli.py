@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +84,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
         return load_config(cls, config, overrides, defaults=defaults)
 
-    def run_verb(fn):
+    def run_verb(fn, interrupted: str = "interrupted"):
         try:
             return fn()
+        except KeyboardInterrupt:  # here: click's own handler would exit 130 without a word
+            err_console.print(interrupted, highlight=False)
+            raise typer.Exit(130) from None
         except BackendUnavailable as e:
             fail(str(e) + ".", code=3)
         except USER_ERRORS as e:
@@ -121,9 +123,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         )
 
         def go():
-            from mmrl.core.trainer import Trainer
+            from mmrl.core.trainer import Trainer, check_output_dir
 
             backend, cfg = get_backend(config, overrides)
+            check_output_dir(cfg.output_dir, resume)  # before the model is built
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
             policy, task = backend.build(cfg)
             summary = Trainer(cfg, policy, task, backend=backend).train(resume=resume)
@@ -136,7 +139,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                                   "their groups were all dropped (method's group filter)")
                 console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
 
-        run_verb(go)
+        run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
 
     @app.command("eval")
     def evaluate(
@@ -150,7 +153,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, list(set_), "eval")
             policy, task = backend.build(cfg)
             if checkpoint is not None:
-                policy.load_weights(resolve_checkpoint(checkpoint))
+                load_checkpoint(policy, checkpoint)
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir).evaluate()
@@ -174,7 +177,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
             policy, task = backend.build(cfg)
             if checkpoint is not None:
-                policy.load_weights(resolve_checkpoint(checkpoint))
+                load_checkpoint(policy, checkpoint)
             for row in backend.sample(cfg, policy, task, list(prompt), num):
                 typer.echo(json.dumps(row, default=str))  # JSON lines
 
@@ -187,7 +190,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default. Any other address needs a token."),
         port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
-        token: str | None = typer.Option(None, "--token", help="Require 'Authorization: Bearer <token>' on every request "
+        token: str | None = typer.Option(None, "--token", help="Require the header `Authorization: Bearer TOKEN` on every request "
                                          "(default: $MMRL_SERVE_TOKEN, which unlike this flag stays out of the process list)."),
     ):
         """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
@@ -209,7 +212,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, list(set_))
             policy, _ = backend.build(cfg)
             if checkpoint is not None:
-                policy.load_weights(resolve_checkpoint(checkpoint))
+                load_checkpoint(policy, checkpoint)
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
@@ -222,18 +225,35 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A run directory -> its newest checkpoint's model; a checkpoint -> its model; else as is."""
+    """A run directory, or its checkpoints/ directory -> the newest checkpoint's model; a
+    checkpoint -> its model; else as is."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and any(root.glob("step-*")):
+            found = latest_checkpoint(root)
+            if found is None:
+                raise CheckpointError(f"{path} holds no complete checkpoint")
+            return found / "model"
     if (path / "checkpoints").is_dir():
-        found = latest_checkpoint(path / "checkpoints")
-        if found is None:
-            raise CheckpointError(f"{path} holds no complete checkpoint")
-        return found / "model"
+        raise CheckpointError(f"{path} holds no complete checkpoint")
     if (path / "model").is_dir():
         return path / "model"
     return path
+
+
+def load_checkpoint(policy, path: Path) -> None:
+    """--checkpoint: the weights of `path` (see resolve_checkpoint) into the policy, or a
+    CheckpointError naming the directory where they cannot be read or do not fit."""
+    model = resolve_checkpoint(path)
+    try:
+        policy.load_weights(model)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:  # from_pretrained's, on a wrong directory
+        raise CheckpointError(f"--checkpoint {path}: cannot load this model's weights from {model} "
+                              f"({type(e).__name__}: {e})") from e
 
 
 def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
@@ -261,9 +281,5 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
 
 
 def run(app: typer.Typer) -> None:
-    """Entry point: run the app; Ctrl-C exits 130 without a traceback."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted; the newest complete checkpoint is kept (resume with --resume)")
-        sys.exit(130)
+    """Entry point: run the app (a verb interrupted by Ctrl-C says so and exits 130)."""
+    app()

@@ -273,9 +273,9 @@ def build_policy(backend_module: str, config: dict, checkpoint: str | None = Non
     cfg = load_config(cls, defaults=deep_merge(dict(getattr(backend, "DEFAULT_CONFIG", {})), config))
     policy = backend.build(cfg)[0]
     if checkpoint is not None:
-        from mmrl.core.cli import resolve_checkpoint
+        from mmrl.core.cli import load_checkpoint
 
-        policy.load_weights(resolve_checkpoint(checkpoint))
+        load_checkpoint(policy, checkpoint)
     return policy, cfg
 
 

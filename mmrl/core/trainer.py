@@ -63,6 +63,26 @@ class TrainingError(RuntimeError):
     """The run cannot go on (non-finite training, nothing to resume); the message says why."""
 
 
+class OutputDirError(TrainingError, ckpt.CheckpointError):
+    """The output directory does not fit the request: nothing to --resume, or a finished
+    run's checkpoints that a fresh run would mix with its own. A user error (CLI exit 2)."""
+
+
+def check_output_dir(out: str | Path, resume: bool) -> Path | None:
+    """The checkpoint --resume starts from (None for a fresh run); an OutputDirError where
+    there is none to resume, or where a fresh run would write beside an earlier run's."""
+    checkpoints = Path(out) / "checkpoints"
+    if resume:
+        path = ckpt.latest_checkpoint(checkpoints)
+        if path is None:
+            raise OutputDirError(f"--resume: no complete checkpoint in {checkpoints}")
+        return path
+    if ckpt.list_checkpoints(checkpoints):
+        raise OutputDirError(f"{out} already holds checkpoints of a run; pass --resume to continue it "
+                             "or choose another --output-dir")
+    return None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -156,16 +176,9 @@ class Trainer:
 
     def train(self, resume: bool = False) -> dict[str, Any]:
         tc = self.cfg.train
-        if resume:
-            path = ckpt.latest_checkpoint(self.checkpoint_dir)
-            if path is None:
-                raise TrainingError(f"--resume: no complete checkpoint in {self.checkpoint_dir}")
+        path = check_output_dir(self.out, resume)
+        if path is not None:
             self.load(path)
-        elif ckpt.list_checkpoints(self.checkpoint_dir):
-            raise TrainingError(
-                f"{self.out} already holds checkpoints of a run; pass --resume to continue it "
-                "or choose another --output-dir"
-            )
         main = distributed.is_main()
         if main:
             ckpt.clean_partial(self.checkpoint_dir)

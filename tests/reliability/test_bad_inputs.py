@@ -284,7 +284,7 @@ DATA_ROWS = {
         lambda t: ["task.train_path", "nope.txt"]),
     "prompt-over-context-dllm": Row(
         "dllm", lambda t: ["sample", "--num", "1", "--prompt", "1+" * 60 + "1=", *sets(f"output_dir={t / 'run'}")],
-        lambda t: ["--prompt", "1+1+1+1", "tokens", "at most"]),
+        lambda t: ["--prompt", "1+1+1+1", "122 tokens", "exceed the model's context of 96"]),
     "generation-over-context-dllm": Row(
         "dllm", lambda t: train(t, "rollout.gen_length=96", "rollout.block_length=4", "rollout.steps=24"),
         lambda t: ["rollout.gen_length", "exceed the model's context of 96"]),
@@ -410,7 +410,43 @@ MODEL_ROWS = {
         "diffusion", model_args("diffusion", lambda t: edit_json(
             t, "tiny-flow", "model_index.json", _set("transformer", ["my_pipelines", "MyTransformer"]))),
         lambda t: ["model.path", str(t / "model"), "'transformer'", "my_pipelines"]),
+    "checkpoint-not-a-model-dllm": Row(
+        "dllm", lambda t: ["eval", "--checkpoint", _empty(t), *sets(f"output_dir={t / 'run'}")],
+        lambda t: ["--checkpoint", str(t / "empty"), "cannot load", "model.safetensors"]),
+    "checkpoint-of-another-model-dllm": Row(
+        "dllm", lambda t: ["eval", "--checkpoint", ASSETS / "tiny-qwen2.5-vl", *sets(f"output_dir={t / 'run'}")],
+        lambda t: ["--checkpoint", str(ASSETS / "tiny-qwen2.5-vl"), "cannot load"]),
 }
+
+
+def _empty(tmp: Path) -> Path:
+    (tmp / "empty").mkdir()
+    return tmp / "empty"
+
+
+def _finished_run(tmp: Path) -> Path:
+    """An output directory holding a complete checkpoint (what list_checkpoints counts)."""
+    from mmrl.core.checkpoint import STATE_JSON
+
+    step = tmp / "run" / "checkpoints" / "step-00000001"
+    step.mkdir(parents=True)
+    (step / STATE_JSON).write_text("{}")
+    return tmp / "run"
+
+
+RUN_ROWS = {
+    "output-dir-holds-a-run": Row(
+        "dllm", lambda t: ["train", "--output-dir", _finished_run(t)],
+        lambda t: [str(t / "run"), "already holds checkpoints", "--resume"]),
+    "resume-with-nothing-to-resume": Row(
+        "vlm", lambda t: ["train", "--resume", "--output-dir", t / "fresh"],
+        lambda t: ["--resume: no complete checkpoint in", str(t / "fresh")]),
+}
+
+
+@pytest.mark.parametrize("name", list(RUN_ROWS))
+def test_run_rows(name, tmp_path, one_thread):
+    check(RUN_ROWS[name], tmp_path)
 
 
 @pytest.mark.parametrize("name", list(MODEL_ROWS))
