@@ -42,7 +42,7 @@ def test_train_resume_eval_sample(tmp_path):
 
     code, text = invoke(app, "sample", "--checkpoint", str(out), "--prompt", "4", "--num", "2")
     assert code == 0, text
-    rows = [json.loads(line) for line in text.strip().splitlines()]
+    rows = [json.loads(line) for line in text.strip().splitlines() if line.startswith("{")]  # not the settings line
     assert len(rows) == 2 and all(r["prompt"] == 4 and len(r["completion"]) == 2 for r in rows)
     assert all(set(r) >= {"answer", "stop"} for r in rows)
 
@@ -95,3 +95,39 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
     assert code == 130 and "interrupted; the newest complete checkpoint is kept (resume with --resume)" in text
     code, text = invoke(app, "eval")
     assert code == 130 and text.strip() == "interrupted"
+
+
+def test_resume_and_eval_take_the_runs_own_settings(tmp_path, recwarn):
+    """`train --resume -o RUN` continues the run as configured, and `eval --checkpoint RUN` uses
+    the run's config.yaml, without repeating a flag; --set still overrides it."""
+    out = tmp_path / "run"
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(out), "--seed", "3", "--set", "optim.lr=0.005",
+                        "--set", "rollout.num_generations=4")
+    assert code == 0, text
+    code, text = invoke(app, "train", "--max-steps", "3", "-o", str(out), "--resume")
+    assert code == 0, text
+    assert not [w for w in recwarn if "differ from the run's" in str(w.message)]  # nothing changed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["config"]["seed"] == 3 and summary["config"]["optim"]["lr"] == 0.005
+    code, text = invoke(app, "eval", "--checkpoint", str(out / "checkpoints"))
+    assert code == 0 and f"the run's {out / 'config.yaml'}" in text
+    assert json.loads(text.strip().splitlines()[-1]) == summary["eval_after"]
+    (out / "config.yaml").write_text((out / "config.yaml").read_text() + "bogus: 1\n")  # e.g. an older version's key
+    code, text = invoke(app, "train", "--max-steps", "4", "-o", str(out), "--resume")
+    assert code == 2 and "'bogus'" in text and f"come from {out / 'config.yaml'}" in text
+
+
+def test_a_runs_config_yaml_holds_absolute_paths(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import absolute_paths
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "atoms.py").write_text("")
+    (tmp_path / "data.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    data = {"reward": {"atoms": ["atoms.py:short", {"path": "atoms.py:long", "weight": 2}]},
+            "task": {"train_path": "data.jsonl", "type": "shapes-qa"}, "tools": ["zoom", "nope.py:f"], "lr": 0.1}
+    fixed = absolute_paths(data, tmp_path / "cfg")  # the config file's directory first, then the working one
+    atom = str((tmp_path / "cfg" / "atoms.py").resolve())
+    assert fixed["reward"]["atoms"] == [atom + ":short", {"path": atom + ":long", "weight": 2}]
+    assert fixed["task"] == {"train_path": str((tmp_path / "data.jsonl").resolve()), "type": "shapes-qa"}
+    assert fixed["tools"] == ["zoom", "nope.py:f"] and fixed["lr"] == 0.1  # names and missing files stay

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
+from mmrl.core.runconfig import RUN_CONFIG, read_run_config, run_dir_of
 
 err_console = Console(stderr=True)
 console = Console()
@@ -76,13 +78,22 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
     )
 
-    def build_config(config: Path | None, overrides: list[str], backend, verb: str = "train") -> TrainConfig:
+    def build_config(config: Path | None, overrides: list[str], backend, verb: str = "train",
+                     run: Path | None = None) -> TrainConfig:
+        """defaults <- the run's config.yaml (mmrl.core.runconfig) <- the verb's defaults <- --config <- --set."""
         cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
         defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
         defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
+        if run is not None:
+            defaults = deep_merge(defaults, {**read_run_config(run), "output_dir": str(run)})  # where it is now
         if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
             defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
-        return load_config(cls, config, overrides, defaults=defaults)
+        try:
+            return load_config(cls, config, overrides, defaults=defaults)
+        except ConfigError as e:
+            if run is None:
+                raise
+            raise ConfigError(f"{e} (the run's settings come from {run / RUN_CONFIG})") from None
 
     def run_verb(fn, interrupted: str = "interrupted"):
         try:
@@ -97,14 +108,26 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except _runtime_errors() as e:
             fail(str(e), code=1)
 
-    def get_backend(config, overrides, verb: str = "train"):
-        """Validate the config even before the backend exists, so config errors show first."""
+    def get_backend(config, overrides, verb: str = "train", checkpoint: Path | None = None, resume: bool = False):
+        """Validate the config even before the backend exists, so config errors show first.
+        With --resume, or a --checkpoint inside a run, the run's config.yaml is the base."""
         try:
             backend = load_backend(spec)
         except BackendUnavailable:
             build_config(config, overrides, None)
             raise
-        return backend, build_config(config, overrides, backend, verb)
+        cfg = build_config(config, overrides, backend, verb)
+        run = None
+        if resume and (Path(cfg.output_dir) / RUN_CONFIG).is_file():
+            run = Path(cfg.output_dir)
+        elif checkpoint is not None and Path(checkpoint).exists():
+            run = run_dir_of(checkpoint)
+        if run is None:
+            return backend, cfg
+        if checkpoint is not None:
+            err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
+                              highlight=False, soft_wrap=True)
+        return backend, build_config(config, overrides, backend, verb, run)
 
     @app.command()
     def train(
@@ -125,7 +148,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         def go():
             from mmrl.core.trainer import Trainer, check_output_dir
 
-            backend, cfg = get_backend(config, overrides)
+            backend, cfg = get_backend(config, overrides, resume=resume)
             check_output_dir(cfg.output_dir, resume)  # before the model is built
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
             policy, task = backend.build(cfg)
@@ -150,7 +173,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""
 
         def go():
-            backend, cfg = get_backend(config, list(set_), "eval")
+            backend, cfg = get_backend(config, list(set_), "eval", checkpoint)
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
@@ -172,7 +195,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
 
         def go():
-            backend, cfg = get_backend(config, list(set_))
+            backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
             policy, task = backend.build(cfg)
@@ -209,7 +232,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 check_bind(host, secret)  # before building the model
             except InsecureServeError as e:
                 fail(str(e))
-            backend, cfg = get_backend(config, list(set_))
+            backend, cfg = get_backend(config, list(set_), "serve", checkpoint)
             policy, _ = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
@@ -281,5 +304,12 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
 
 
 def run(app: typer.Typer) -> None:
-    """Entry point: run the app (a verb interrupted by Ctrl-C says so and exits 130)."""
+    """Entry point: run the app (a verb interrupted by Ctrl-C says so and exits 130).
+    Warnings print as one "warning:" line: the source line they were raised from says
+    nothing to a user."""
+    warnings.formatwarning = _warning_line
     app()
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"

@@ -56,6 +56,7 @@ from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
+from mmrl.core.runconfig import absolute_paths
 from mmrl.core.scheduler import PromptStream, SyncScheduler
 
 
@@ -179,11 +180,14 @@ class Trainer:
         path = check_output_dir(self.out, resume)
         if path is not None:
             self.load(path)
+            if self.step >= tc.max_steps:
+                warnings.warn(f"--resume: the run is at step {self.step} and train.max_steps is {tc.max_steps}: "
+                              "nothing to train (raise --max-steps to go on)", stacklevel=2)
         main = distributed.is_main()
         if main:
             ckpt.clean_partial(self.checkpoint_dir)
             self.out.mkdir(parents=True, exist_ok=True)
-            config = self.cfg.model_dump(mode="json")
+            config = absolute_paths(self.cfg.model_dump(mode="json"), self.cfg.base_dir)  # readable from anywhere
             if resume:
                 self._keep_changed_config(config)
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

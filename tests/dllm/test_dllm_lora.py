@@ -5,6 +5,7 @@ a pipelined engine samples with published adapters, and mismatches are clear err
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -62,17 +63,20 @@ def test_eval_checkpoint_loads_the_adapter_and_refuses_a_mismatch(make_run, tmp_
     trained = Trainer(cfg, policy, task, output_dir=tmp_path / "eval").evaluate()
     runner = CliRunner()
 
-    def cli_eval(*extra):
-        return runner.invoke(app, ["eval", "--checkpoint", str(tmp_path / "out"), *small_sets,
-                                   "--set", f"output_dir={tmp_path / 'e'}", *extra])
+    def cli_eval(*extra, checkpoint=tmp_path / "out"):
+        return runner.invoke(app, ["eval", "--checkpoint", str(checkpoint), *small_sets,
+                                   "--set", f"output_dir={tmp_path / 'e'}", "--set", "rollout.eval_samples=0", *extra])
 
-    result = cli_eval("--set", "model.lora.r=4", "--set", "model.lora.alpha=8", "--set", "rollout.eval_samples=0")
-    assert result.exit_code == 0, result.output
-    (line,) = [x for x in result.stdout.splitlines() if x.startswith("{")]
-    assert json.loads(line) == pytest.approx(trained)
-    for extra, words in [((), "holds a LoRA adapter, not full weights"),
-                         (("--set", "model.lora.r=8"), "does not fit this run's model.lora")]:
-        result = cli_eval(*extra)
+    # the run's config.yaml brings its model.lora; so do the flags, for a model outside its run
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path / "out" / "checkpoints" / "step-00000001" / "model", alone)
+    for result in (cli_eval(), cli_eval("--set", "model.lora.r=4", "--set", "model.lora.alpha=8", checkpoint=alone)):
+        assert result.exit_code == 0, result.output
+        (line,) = [x for x in result.stdout.splitlines() if x.startswith("{")]
+        assert json.loads(line) == pytest.approx(trained)
+    for extra, checkpoint, words in [((), alone, "holds a LoRA adapter, not full weights"),
+                                     (("--set", "model.lora.r=8"), tmp_path / "out", "does not fit this run's model.lora")]:
+        result = cli_eval(*extra, checkpoint=checkpoint)
         assert result.exit_code == 2 and words in result.output, result.output
 
 

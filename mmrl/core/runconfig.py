@@ -1,0 +1,72 @@
+"""A run's config.yaml: written with its file paths absolute, and read back as the base
+config of `train --resume` and of `eval`, `sample` and `serve` on the run's checkpoints.
+
+Precedence, lowest first: the embedded default, the run's config.yaml, a verb's defaults
+(EVAL_DEFAULTS), --config, --set. So `train --resume -o RUN` continues the run as it was
+configured, and `eval --checkpoint RUN` evaluates the run's model on the run's task, without
+repeating a flag.
+
+Relative paths in a config (task files, reward-atom and tool files "file.py:name", model
+directories) resolve against the config file's directory or the working directory. The
+record is read from elsewhere (the run directory, another working directory), so it holds
+every such path that exists, made absolute (`absolute_paths`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmrl.core.config import ConfigError
+
+RUN_CONFIG = "config.yaml"
+_FILE_SUFFIXES = (".py", ".json", ".jsonl", ".txt", ".yaml", ".yml")
+
+
+def absolute_paths(data: Any, base_dir: str | Path | None) -> Any:
+    """`data` (a config dump) with each relative path that names an existing file or directory
+    (under base_dir first, else the working directory) made absolute. A path is a string with
+    a "/" or a file suffix; in "file.py:name" the file part. Nothing else changes."""
+    roots = [Path(base_dir)] if base_dir else []
+    roots.append(Path.cwd())
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if not isinstance(value, str):
+            return value
+        file, sep, name = value.partition(":") if ".py:" in value else (value, "", "")
+        if Path(file).is_absolute() or not ("/" in file or file.endswith(_FILE_SUFFIXES)):
+            return value
+        for root in roots:
+            if (root / file).exists():
+                return str((root / file).resolve()) + sep + name
+        return value
+
+    return fix(data)
+
+
+def run_dir_of(path: str | Path) -> Path | None:
+    """The run directory `path` lies in: a run, its checkpoints/, a step-*/ or its model/;
+    the nearest of them and their parents that holds config.yaml and checkpoints/."""
+    path = Path(path).resolve()
+    for d in (path, *path.parents):
+        if (d / RUN_CONFIG).is_file() and (d / "checkpoints").is_dir():
+            return d
+    return None
+
+
+def read_run_config(run_dir: str | Path) -> dict:
+    """The run's config.yaml as a dict, or a ConfigError naming it."""
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read the run's config ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the run's config is not a mapping")
+    return data
