@@ -195,6 +195,9 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     n = num_prompts or getattr(method, "calibration_prompts", 32)
     seeds = getattr(method, "calibration_seeds", 1)
     policy, task = build(cfg)
+    if n > len(task.eval_prompts):
+        raise ConfigError(f"calibrate-window: {n} calibration prompts asked, but the task holds "
+                          f"{len(task.eval_prompts)} held-out prompts (task.num_eval, or task.eval_path)")
     cal = calibrate_window(policy, task.eval_prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
                            seeds=seeds, offset=getattr(method, "window_offset", 0))
     written = [write_window(cal, out_dir if out_dir is not None else cfg.output_dir)]

@@ -18,7 +18,7 @@ def calibrate_window(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model, task, rollout)."),
     set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Directory for window.json; default: the run's output_dir."),
-    prompts: int | None = typer.Option(None, "--prompts", help="Held-out calibration prompts (method.calibration_prompts)."),
+    prompts: int | None = typer.Option(None, "--prompts", min=1, help="Held-out calibration prompts (method.calibration_prompts)."),
     into_model: bool = typer.Option(True, "--into-model/--no-into-model",
                                     help="Also store the window in the model's directory (cast_window.json)."),
 ):

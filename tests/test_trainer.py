@@ -306,3 +306,17 @@ def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_chang
         make(tmp_path, "train.max_steps=3", "optim.lr=0.005").train(resume=True)
     kept = (tmp_path / "run" / "config.before-step-2.yaml").read_text()
     assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_progress_without_a_terminal_is_a_plain_line_every_five_percent(tmp_path, capsys):
+    from mmrl.core.logging import RunLogger
+
+    logger = RunLogger(tmp_path, total_steps=40, tensorboard=False, progress=True)  # pytest's stderr: no tty
+    for step in range(1, 41):
+        logger.log(step, {"reward/total": step / 40})
+    logger.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in lines] == [f"{s}/40" for s in range(2, 41, 2)]
+    assert lines[-1].startswith("train step 40/40  reward 1.000  ") and lines[-1].endswith(" s/step")
+    RunLogger(tmp_path / "quiet", total_steps=40, tensorboard=False, progress=False).log(2, {})
+    assert capsys.readouterr().err == ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
             backend, cfg = get_backend(config, overrides, resume=resume)
             check_output_dir(cfg.output_dir, resume)  # before the model is built
-            console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}, output {cfg.output_dir}")
+            source = f" ({config})" if config is not None else ""
+            console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}{source}, output {cfg.output_dir}",
+                          highlight=False)
             policy, task = backend.build(cfg)
             summary = Trainer(cfg, policy, task, backend=backend).train(resume=resume)
             from mmrl.core import distributed
@@ -180,7 +183,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir).evaluate()
-            typer.echo(json.dumps(metrics))
+            typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
 
         run_verb(go)
 
@@ -189,7 +192,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
-        prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: held-out task prompts."),
+        prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: the first two held-out items."),
         num: int = typer.Option(4, "--num", "-n", min=1, help="Samples per prompt."),
     ):
         """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
@@ -280,7 +283,7 @@ def load_checkpoint(policy, path: Path) -> None:
 
 
 def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
-    table = Table(title=f"held-out evaluation ({steps} steps)")
+    table = Table(title=f"held-out evaluation ({steps} step{'' if steps == 1 else 's'})")
     table.add_column("metric")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
@@ -293,8 +296,13 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
+def _finite_or_null(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
 def _flag_overrides(flags: dict[str, Any]) -> list[str]:
-    return [f"{k}={v}" for k, v in flags.items() if v is not None]
+    # a path is a string even where YAML would read it otherwise (-o 2024, -o true, -o '#1')
+    return [f"{k}={json.dumps(str(v)) if isinstance(v, Path) else v}" for k, v in flags.items() if v is not None]
 
 
 def _runtime_errors() -> tuple[type[BaseException], ...]:

@@ -46,7 +46,11 @@ class RunLogger:
                 description, total=total_steps, completed=start_step, reward="-", step_time="-"
             )
             self._progress.start()
-        self._last = time.perf_counter()
+        # without a terminal (nohup, CI, a pipe) a bar cannot redraw: a plain line every 5% instead
+        self._plain = progress and self._progress is None
+        self._every, self._total, self._description = max(1, total_steps // 20), total_steps, description
+        self._last = self._since = time.perf_counter()
+        self._since_step = start_step
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One line of metrics.jsonl per step; the same scalars to TensorBoard and the bar."""
@@ -64,6 +68,13 @@ class RunLogger:
                 self._task, completed=step,
                 reward="-" if reward is None else f"{reward:.3f}", step_time=f"{now - self._last:.2f}",
             )
+        if self._plain and (step % self._every == 0 or step == self._total):
+            reward = metrics.get("reward/total")
+            per_step = (now - self._since) / max(step - self._since_step, 1)
+            print(f"{self._description} step {step}/{self._total}"
+                  + ("" if reward is None else f"  reward {reward:.3f}") + f"  {per_step:.2f} s/step",
+                  file=sys.stderr, flush=True)
+            self._since, self._since_step = now, step
         self._last = now
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> Path:

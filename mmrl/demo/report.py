@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mmrl.demo.runs import TITLES, RunInfo, plot_curves
+from mmrl.demo.runs import TITLES, RunError, RunInfo, plot_curves
 
 REPORT = "report.html"
 MAX_ROWS = 24  # rows of a sample table
@@ -132,4 +132,8 @@ if __name__ == "__main__":
         if arg in ("-h", "--help"):
             print("usage: python -m mmrl.demo.report RUN_DIR [RUN_DIR ...]  (rewrites RUN_DIR/report.html)")
             continue
-        print(write_report(arg))
+        try:
+            print(write_report(arg))
+        except RunError as e:  # not a run directory: one line, not a traceback
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)

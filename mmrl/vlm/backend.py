@@ -43,10 +43,13 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     reward = shapes_qa_reward()  # shapes-zoom and jsonl answers are checked like shapes-qa's
     extra: dict = {}
     if t.type == "shapes-qa":
-        data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
-                        min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
-                        shape_size=tuple(t.shape_size))
-        train, evaluation = data.train_items(), data.eval_items()
+        try:
+            data = ShapesQA(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval, image_size=t.image_size,
+                            min_shapes=t.min_shapes, max_shapes=t.max_shapes, kinds=t.kinds,
+                            shape_size=tuple(t.shape_size))
+            train, evaluation = data.train_items(), data.eval_items()
+        except ValueError as e:
+            raise ConfigError(f"task (shapes-qa): {e}") from e
         extra["metrics"] = qa_consistency
     elif t.type == "shapes-zoom":
         from mmrl.vlm.tasks.shapes_zoom import ShapesZoom

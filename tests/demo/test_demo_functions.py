@@ -148,3 +148,13 @@ def test_demo_cli_rejects_a_directory_that_is_not_a_run(tmp_path):
     pytest.importorskip("gradio")
     result = CliRunner().invoke(mmrl_app, ["demo", "--run", str(tmp_path), "--port", "0"])
     assert result.exit_code == 2 and "no config.yaml" in result.output and "Traceback" not in result.output
+
+
+def test_report_of_a_directory_that_is_no_run_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mmrl.demo.report", str(tmp_path)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {tmp_path} is not a run directory")
+    assert "Traceback" not in proc.stderr
