@@ -171,6 +171,14 @@ CONFIG_ROWS = {
                                       lambda t: ["reward.atoms", "broken_atom.py", "this reward file is broken"]),
     "atom-function-missing": Row("vlm", lambda t: train(t, f'reward.atoms=["{atom_file(t).with_name("ok.py")}:g"]'),
                                  lambda t: ["reward.atoms", "ok.py", "'g'"]),
+    # a bad --set value beside a good config file: the message blames the value, not the file
+    "set-value-beside-a-config-file": Row(
+        "vlm", lambda t: ["train", "--config", config_file(t, "seed: 1\n"), *sets("rollout.tools.names=zoom")],
+        lambda t: ["error: invalid config: rollout.tools.names: Input should be a valid list (got 'zoom')"],
+        extra=lambda t, text: ("bad.yaml" not in text) or pytest.fail("blamed the config file")),
+    # task options the task's generator rejects
+    "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
+                                  lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
 }
 
 
