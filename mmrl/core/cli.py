@@ -201,7 +201,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
+            from mmrl.core.trainer import with_config_atoms
+
             policy, task = backend.build(cfg)
+            if hasattr(task, "reward"):
+                with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
             for row in backend.sample(cfg, policy, task, list(prompt), num):

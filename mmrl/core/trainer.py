@@ -121,7 +121,7 @@ class Trainer:
             _check_data_parallel(cfg, self.world)
         check_config(cfg, self.world)
         seed_everything(cfg.seed)
-        self.reward = combined_reward(task.reward, cfg)
+        self.reward = with_config_atoms(task, cfg)
         self.method = build_method(cfg, self.reward)
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         if not self.params:
@@ -593,6 +593,16 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
         return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout)
     except ValueError as e:  # e.g. a config atom named like a task atom
         raise ConfigError(f"reward.atoms: {e}") from e
+
+
+def with_config_atoms(task, cfg: TrainConfig) -> Reward:
+    """The run's reward (combined_reward), made the task's too, so that held-out evaluation and
+    `sample` score what training scores. The task's own reward is kept as `task.base_reward`,
+    so a second trainer on the same task adds the config's atoms once."""
+    base = getattr(task, "base_reward", task.reward)
+    reward = combined_reward(base, cfg)
+    task.base_reward, task.reward = base, reward
+    return reward
 
 
 def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:

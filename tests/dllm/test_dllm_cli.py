@@ -185,3 +185,13 @@ def test_train_says_how_many_steps_did_not_update(small_sets, tmp_path):
     assert "2 of 2 steps did not update" in " ".join(r.output.split())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps_without_update"] == 2
+
+
+def test_eval_and_sample_score_the_configs_own_atoms(small_sets, tmp_path):
+    """An atom added by reward.atoms is scored in held-out evaluation and by `sample`, as in training."""
+    (tmp_path / "atoms.py").write_text("def short(sample):\n    return float(len(sample.completion) < 3)\n")
+    atom = ["--set", f'reward.atoms=["{tmp_path / "atoms.py"}:short"]', "--set", f"output_dir={tmp_path / 'run'}"]
+    (metrics,) = json_lines(ok(invoke("eval", *small_sets, *atom, "--set", "rollout.eval_samples=0")).stdout)
+    assert 0.0 <= metrics["short"] <= 1.0 and {"format", "accuracy"} <= set(metrics)
+    rows = json_lines(ok(invoke("sample", *small_sets, *atom, "--num", 1)).stdout)
+    assert rows and all(set(row["atoms"]) == {"format", "answer", "short"} for row in rows)
