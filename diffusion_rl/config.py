@@ -104,6 +104,13 @@ class DiffusionRolloutConfig(RolloutConfig):
         if self.window_size is not None and self.window_size >= self.num_steps:
             raise ValueError(f"window_size ({self.window_size}) must be below num_steps ({self.num_steps}): "
                              "the last step is never stochastic")
+        if self.window_start is not None and self.window_size is not None:  # without a size it is unused
+            latest = self.num_steps - 1 - self.window_size  # the window stays off the last step
+            lo, hi = self.window_start
+            if not 0 <= lo <= hi <= latest:
+                raise ValueError(
+                    f"window_start {list(self.window_start)} must be a range lo <= hi within 0..{latest} "
+                    f"(num_steps {self.num_steps} - 1 - window_size {self.window_size})")
         return self
 
 

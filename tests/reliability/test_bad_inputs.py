@@ -176,6 +176,9 @@ CONFIG_ROWS = {
         "vlm", lambda t: ["train", "--config", config_file(t, "seed: 1\n"), *sets("rollout.tools.names=zoom")],
         lambda t: ["error: invalid config: rollout.tools.names: Input should be a valid list (got 'zoom')"],
         extra=lambda t, text: ("bad.yaml" not in text) or pytest.fail("blamed the config file")),
+    "sde-window-start-out-of-range-diffusion": Row(
+        "diffusion", lambda t: train(t, "rollout.num_steps=3", "rollout.window_size=2"),  # start 0-1 no longer fits
+        lambda t: ["rollout: window_start [0, 1] must be a range lo <= hi within 0..0"]),
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
                                   lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
