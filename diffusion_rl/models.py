@@ -943,14 +943,29 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
             f"model_index.json: {library} has no class {class_name!r} (component {name!r})"
         )
     kwargs: dict = {"subfolder": name, "local_files_only": True}
-    if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+    module = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+    if module:
         kwargs["torch_dtype" if library == "diffusers" else "dtype"] = dtype
+        kwargs["output_loading_info"] = True
     try:
-        return cls.from_pretrained(str(root), **kwargs)
+        loaded = cls.from_pretrained(str(root), **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(
             f"could not load component {name!r} ({class_name}) from {root / name}: {e}"
         ) from e
+    if not module:
+        return loaded
+    comp, info = loaded
+    # diffusers would leave missing weights uninitialised (on the meta device) and drop extra ones
+    # silently: a config.json that does not fit its weights is refused, as for the other backends
+    for kind, what in (("missing_keys", "it needs are missing from the checkpoint"),
+                       ("unexpected_keys", "in the checkpoint are not in the model its config.json describes")):
+        keys = sorted(info.get(kind) or [])
+        if keys:
+            more = f", ... and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise ConfigError(f"component {name!r} ({class_name}) in {root / name} does not fit its config.json: "
+                              f"{len(keys)} weight(s) {what} ({', '.join(keys[:3])}{more})")
+    return comp
 
 
 def load_flow_model(

@@ -45,7 +45,7 @@ TINY = {
     "vlm": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
             "rollout.eval_samples=0", "task.num_train=4", "task.num_eval=2"],
     "diffusion": ["rollout.prompts_per_step=1", "rollout.num_generations=2", "rollout.num_steps=2",
-                  "rollout.window_size=1", "task.num_train=4", "task.num_eval=2", "task.grid_prompts=2"],
+                  "rollout.window_size=1", "rollout.window_start=[0,0]", "task.num_train=4", "task.num_eval=2", "task.grid_prompts=2"],
     "dllm": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "task.num_train=4", "task.num_eval=2"],
     # a jsonl task has no num_train / num_eval: its files are small
     "vlm-jsonl": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
@@ -177,7 +177,7 @@ CONFIG_ROWS = {
         lambda t: ["error: invalid config: rollout.tools.names: Input should be a valid list (got 'zoom')"],
         extra=lambda t, text: ("bad.yaml" not in text) or pytest.fail("blamed the config file")),
     "sde-window-start-out-of-range-diffusion": Row(
-        "diffusion", lambda t: train(t, "rollout.num_steps=3", "rollout.window_size=2"),  # start 0-1 no longer fits
+        "diffusion", lambda t: train(t, "rollout.num_steps=3", "rollout.window_size=2", "rollout.window_start=[0,1]"),  # the default's
         lambda t: ["rollout: window_start [0, 1] must be a range lo <= hi within 0..0"]),
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
@@ -393,6 +393,15 @@ MODEL_ROWS = {
     "config-more-layers-than-weights-dllm": Row(
         "dllm", model_args("dllm", lambda t: edit_json(t, "tiny-dllm", "config.json", _set("num_hidden_layers", 5))),
         lambda t: ["model.path", str(t / "model"), "do not fit", "model.layers.4"]),
+    "config-more-layers-than-weights-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: edit_json(t, "tiny-flow", "transformer/config.json",
+                                                                 _set("num_layers", 3))),
+        lambda t: ["model.path", str(t / "model" / "transformer"), "does not fit its config.json",
+                   "missing from the checkpoint", "transformer_blocks.2."]),
+    "config-fewer-layers-than-weights-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: edit_json(t, "tiny-flow", "transformer/config.json",
+                                                                 _set("num_layers", 1))),
+        lambda t: ["model.path", "not in the model its config.json describes", "transformer_blocks.1."]),
     "config-weights-mismatch-diffusion": Row(
         "diffusion", model_args("diffusion", lambda t: edit_json(
             t, "tiny-flow", "transformer/config.json", _set("num_attention_heads", 3))),
