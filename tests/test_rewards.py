@@ -186,6 +186,32 @@ def test_async_timeout_raises_and_zeroes():
     assert scores.errors == 1
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_sync_timeout_raises_and_zeroes(batched):
+    """A sync atom that hangs is timed out too (it was waited on forever): it runs in a thread."""
+    release = threading.Event()
+
+    def hang(s):
+        if s.completion:
+            release.wait(5)  # a hang the test can end
+        return 1.0
+
+    slow = reward_atom("slow", batched=batched)(lambda batch: [hang(s) for s in batch] if batched else hang(batch))
+    samples = make_samples([0, 1])
+    try:
+        with pytest.raises(RewardError, match="timed out after 0.05 s") as info:
+            Reward([slow], timeout=0.05).score(samples)
+        assert info.value.atom == "slow"
+        start = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="slow"):
+            scores = Reward([slow], timeout=0.05, on_error="zero").score(samples)
+        assert time.perf_counter() - start < 1.0 and scores.errors >= 1
+        assert scores.values[1, 0] == 0.0
+        assert Reward([slow], timeout=5).score(make_samples([0])).values.tolist() == [[1.0]]  # in time: its value
+    finally:
+        release.set()
+
+
 # ---------------------------------------------------------------------------- gating
 
 

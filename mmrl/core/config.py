@@ -237,7 +237,8 @@ class RewardConfig(Section):
     """An atom that raises or returns NaN: stop with an error naming it ("raise"), or
     score it 0 and count it in reward/errors ("zero")."""
     timeout: float | None = Field(None, gt=0)
-    """Seconds allowed for each call of an async atom; None = no limit."""
+    """Seconds allowed for each call of an atom (a sync one runs in a thread to be timed, and one
+    that hangs is left running there); None = no limit."""
 
 
 class OptimConfig(Section):

@@ -44,6 +44,7 @@ import math
 import numbers
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -191,7 +192,9 @@ class Reward:
 
     on_error: "raise" (RewardError at the first failed evaluation) or "zero"
         (score it 0, count it in AtomScores.errors, warn once per score call).
-    timeout: seconds allowed for each call of an async atom; None = no limit.
+    timeout: seconds allowed for each call of an atom; None = no limit. A sync atom then runs
+        in a thread of its own so that it can be timed; one that hangs is reported as timed
+        out and its thread is left behind (Python cannot stop a thread).
     """
 
     def __init__(
@@ -265,10 +268,10 @@ class Reward:
                     if atom.is_async:
                         async_jobs.append((atom, idx))
                     elif atom.batched:
-                        run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx]))
+                        run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx], self.timeout))
                     else:
                         for i in idx:
-                            run.settle(atom, [i], _call(atom.fn, run.samples[i]))
+                            run.settle(atom, [i], _call(atom.fn, run.samples[i], self.timeout))
                 if async_jobs:
                     self._run_async(run, loop, async_jobs)
         finally:
@@ -299,8 +302,16 @@ class _AtomTimeout(TimeoutError):
     pass
 
 
-def _call(fn: Callable, arg) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, the exception fn raised)."""
+def _call(fn: Callable, arg, timeout: float | None = None) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, the exception fn raised, or an _AtomTimeout after `timeout` s)."""
+    if timeout is not None:
+        box: list = []
+        worker = threading.Thread(target=lambda: box.append(_call(fn, arg)), daemon=True, name="reward-atom")
+        worker.start()
+        worker.join(timeout)
+        if not box:  # still running: left behind, as a thread cannot be stopped
+            return None, _AtomTimeout(f"timed out after {timeout} s")
+        return box[0]
     try:
         return fn(arg), None
     except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
