@@ -18,7 +18,9 @@ id) or at rollout.max_new_tokens (the rollout is then truncated).
 Bad tool calls never stop a run: a malformed call (a turn that ends inside an unclosed
 <tool_call> is one), an unknown tool, wrong arguments, a tool that raises or outlasts its
 timeout all come back as an observation "error: ..." and the rollout goes on; they are
-counted (data["stat/tool_errors"]). Limits: tools.max_turns model turns and
+counted (data["stat/tool_errors"]). Where the tool itself fails (it raises, outlasts its
+timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
+warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
 instead of running.
 
@@ -27,12 +29,14 @@ Extra data of a tool batch (beside VLMPolicy.generate's layout):
     data["first_call"]          [N] long     position of the first <tool_call> token, -1 if none
     data["completion/<key>"]    [N, T]       per-token processor outputs on the completion side
                                              (mm_token_type_ids: 1 on observation image tokens)
-    data["stat/tool_calls"], ["stat/tool_errors"], ["stat/turns"], ["stat/called"]   [N]
+    data["stat/tool_calls"], ["stat/tool_errors"], ["stat/tool_failures"], ["stat/turns"],
+        ["stat/called"]   [N]
 Each sample's meta gets "tool_calls" and "tool_errors" (reward atoms may use them).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +49,8 @@ from torch import Tensor
 from mmrl.core.batch import RolloutBatch
 from mmrl.vlm.policy import _per_token, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
+
+TOOL_FAILURES = ("raised", "timeout", "bad_result", "bad_image")  # the tool failed, not the model's call
 
 _END = "<|im_end|>"
 _OBS_OPEN = _END + "\n<|im_start|>user\n<tool_response>\n"
@@ -80,6 +86,7 @@ class ToolRollout:
     def __init__(self, policy, registry: ToolRegistry, cfg):
         self.policy = policy
         self.registry = registry
+        self.warned: set[tuple[str | None, str]] = set()  # (tool, kind) failures already warned about
         self.cfg = cfg
         tok = policy.tokenizer
         self.open_id = _single_id(tok, TOOL_CALL_OPEN)
@@ -167,14 +174,24 @@ class ToolRollout:
         else:
             result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
             content, kind = result.content, result.kind
+            self._warn_failure(result.name, kind, result.error)
         row.calls += 1
         try:
             self._observe(row, content, ended=unclosed)
         except Exception as e:  # noqa: BLE001 -- e.g. a 224x1 crop the image processor refuses
             content, kind = [f"error: the tool's image could not be shown: {e}"], "bad_image"
+            self._warn_failure(None, kind, content[0].removeprefix("error: "))
             self._observe(row, content)
         if kind != "ok":
             row.errors[kind] += 1
+
+    def _warn_failure(self, name: str | None, kind: str, error: str | None) -> None:
+        """A tool's own failure is said once per tool and kind (the model's mistakes are not:
+        they are what RL trains away); every one is counted in stat/tool_failures."""
+        if kind in TOOL_FAILURES and (name, kind) not in self.warned:
+            self.warned.add((name, kind))
+            warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout reads it as an error observation; "
+                          "counted in rollout/tool_failures; said once per tool and kind)", stacklevel=2)
 
     def _observe(self, row: _Row, content: list, ended: bool = False) -> None:
         """Append the observation tokens (and images) of one tool result; `ended`: the model's
@@ -329,6 +346,7 @@ class ToolRollout:
                 "stat/tool_calls": torch.tensor([float(r.calls) for r in rows]),
                 "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
                 "stat/tool_errors": torch.tensor([float(sum(r.errors.values())) for r in rows]),
+                "stat/tool_failures": torch.tensor([float(sum(r.errors[k] for k in TOOL_FAILURES)) for r in rows]),
                 "stat/turns": torch.tensor([float(r.turns) for r in rows]),
             },
         )

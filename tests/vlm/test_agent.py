@@ -6,6 +6,7 @@ and what it writes, while the log-probs, images and masks are the real thing."""
 
 from __future__ import annotations
 
+import warnings
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -144,8 +145,14 @@ def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
 
     policy = make_policy(qwen25_dir, registry=registry)
     Scripted(policy, [[text, "<answer>circle</answer><|im_end|>"]]).install()
-    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    failed = kind in ("raised", "timeout", "bad_image")  # the tool's fault: said once, counted apart
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert [str(w.message).split(":")[0] for w in said if "tool_failures" in str(w.message)] == (
+        [f"tool {'(observation)' if kind == 'bad_image' else text.split(chr(34))[3]}"] if failed else [])
     assert batch.data["stat/tool_errors"].tolist() == [1.0]
+    assert batch.data["stat/tool_failures"].tolist() == [float(failed)]
     assert batch.data["stat/turns"].tolist() == [2.0]
     text_out = batch.samples[0].completion
     assert "error:" in text_out and text_out.rstrip().endswith("</answer>")
