@@ -135,6 +135,9 @@ def build(cfg: DiffusionTrainConfig):
                                guidance_scale=m.guidance_scale)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    from diffusion_rl.calibrate import MODEL_WINDOW_FILE
+
+    flow.carried_files.append(path / MODEL_WINDOW_FILE)  # checkpoints keep the model's calibrated window
     if cfg.method.type == "cast" and cfg.method.projection == "attention":
         from diffusion_rl.attention_maps import FAMILIES, TextAttention
 
@@ -177,10 +180,11 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
 
 
 def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_prompts: int | None = None,
-              into_model: bool = True):
+              into_model: bool | None = True):
     """CAST's window calibration (diffusion_rl.calibrate) on the first held-out prompts, written
-    as window.json into out_dir (default: the run's output_dir) and, with into_model, stored in
-    the model's directory as cast_window.json (where CAST finds it by default). Neither
+    as window.json into out_dir (default: the run's output_dir) and, with into_model (None: for a
+    model.path, not for the bundled model), stored in the model's directory as cast_window.json
+    (where CAST finds it by default). Neither
     method.window_from nor a stored window is read (the window is what is being made).
     -> (WindowCalibration, [paths written])."""
     from diffusion_rl.calibrate import calibrate_window, store_in_model, write_window
@@ -201,6 +205,8 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     cal = calibrate_window(policy, task.eval_prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
                            seeds=seeds, offset=getattr(method, "window_offset", 0))
     written = [write_window(cal, out_dir if out_dir is not None else cfg.output_dir)]
+    if into_model is None:  # the bundled model's files belong to the package: rewritten only on request
+        into_model = cfg.model.path is not None
     if into_model:
         written.append(store_in_model(cal, cfg.model.path or bundled_model_dir()))
     return cal, written

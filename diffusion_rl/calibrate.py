@@ -196,6 +196,10 @@ def apply_window_file(cfg, model_dir: str | Path) -> Path | None:
     from_model = source == "model"
     path = Path(model_dir) / MODEL_WINDOW_FILE if from_model else Path(source)
     if from_model and not path.is_file():
+        if cfg.rollout.window_start is None:
+            warnings.warn(f"CAST: {model_dir} holds no calibrated window ({MODEL_WINDOW_FILE}): the rollout's own "
+                          "window is used (`diffusion-rl calibrate-window` stores one; method.window_from=null "
+                          "silences this)", stacklevel=2)
         return None
     if cfg.rollout.window_start is not None:  # the explicit window wins; a named file is worth a word
         if not from_model:

@@ -19,12 +19,14 @@ def calibrate_window(
     set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Directory for window.json; default: the run's output_dir."),
     prompts: int | None = typer.Option(None, "--prompts", min=1, help="Held-out calibration prompts (method.calibration_prompts)."),
-    into_model: bool = typer.Option(True, "--into-model/--no-into-model",
-                                    help="Also store the window in the model's directory (cast_window.json)."),
+    into_model: bool | None = typer.Option(
+        None, "--into-model/--no-into-model",
+        help="Also store the window in the model's directory (cast_window.json); default: yes for a "
+             "model.path, no for the bundled model (its files belong to the package)."),
 ):
     """CAST: place the SDE window where the model's atom verdicts commit along ODE rollouts
-    (diffusion_rl.calibrate); writes window.json and prints it. With --into-model (the default)
-    the window is also stored with the model (cast_window.json in model.path), and CAST uses it
+    (diffusion_rl.calibrate); writes window.json and prints it. With --into-model (the default
+    for a model.path) the window is also stored with the model (cast_window.json), and CAST uses it
     whenever it trains from that model, unless method.window_from names another file (or null:
     the rollout's own window) or rollout.window_start is set."""
     from diffusion_rl import backend

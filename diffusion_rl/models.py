@@ -83,6 +83,7 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -188,6 +189,7 @@ class FlowModel:
         device: str | torch.device = "cpu",
     ):
         self.components = components  # name -> loaded object, None for [null, null] entries
+        self.carried_files: list[Path] = []  # files of the source directory that save_pretrained copies
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         self.vae = components.get("vae")
@@ -421,6 +423,9 @@ class FlowModel:
             spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": self.height,
                     "prediction": self.prediction}
             (out / "pixel_space.json").write_text(json.dumps(spec, indent=2) + "\n")
+        for extra in self.carried_files:  # e.g. CAST's calibrated window, which describes these weights' sampler
+            if Path(extra).is_file():
+                shutil.copyfile(extra, out / Path(extra).name)
         return out
 
     def save_transformer_weights(self, path: str | os.PathLike) -> Path:

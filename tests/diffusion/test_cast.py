@@ -160,6 +160,18 @@ def test_no_into_model_leaves_the_model_directory_alone(flux_dir, tmp_path):
     assert cal.num_samples == 1
 
 
+def test_the_bundled_model_is_calibrated_without_rewriting_its_files(tmp_path, monkeypatch):
+    """calibrate-window's default stores the window with a model.path, not in the package's bundled model."""
+    from diffusion_rl import calibrate
+
+    monkeypatch.setattr(calibrate, "store_in_model", lambda *a: pytest.fail("wrote into the bundled model"))
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'run'}", *FAST, "method.type=cast"])
+    assert cfg.model.path is None  # the bundled model
+    _, written = backend.calibrate(cfg, tmp_path / "cal", 1, into_model=None)
+    assert written == [tmp_path / "cal" / WINDOW_FILE]
+
+
 def test_the_window_stored_with_the_model_and_what_overrides_it(flux_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(flux_dir, model)
@@ -189,9 +201,14 @@ def test_the_window_stored_with_the_model_and_what_overrides_it(flux_dir, tmp_pa
     (model / MODEL_WINDOW_FILE).write_text("{not json")
     with pytest.raises(ConfigError, match="the window stored with the model.*not valid JSON"):
         backend.build(make(model, tmp_path, *cast))
-    cfg = make(flux_dir, tmp_path, *cast)  # a model without a stored window: the rollout's own
-    backend.build(cfg)
+    cfg = make(flux_dir, tmp_path, *cast)  # a model without a stored window: the rollout's own, said
+    with pytest.warns(UserWarning, match=f"CAST: {flux_dir} holds no calibrated window"):
+        backend.build(cfg)
     assert cfg.rollout.window_start is None
+    (model / MODEL_WINDOW_FILE).write_text(json.dumps({"num_steps": 4, "window_start": 1, "window_size": 2}))
+    policy, _ = backend.build(make(model, tmp_path, *cast))
+    policy.save_pretrained(tmp_path / "checkpoint")  # a checkpoint carries the window of its base model
+    assert (tmp_path / "checkpoint" / MODEL_WINDOW_FILE).read_text() == (model / MODEL_WINDOW_FILE).read_text()
 
 
 def test_a_model_directory_that_cannot_be_written_is_a_clear_error(flux_dir, tmp_path):
