@@ -155,16 +155,20 @@ def build(cfg: DiffusionTrainConfig):
 
 def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTask, prompts: list[str],
            n: int) -> list[dict]:
-    """n images for each prompt (default: the first held-out prompts), ODE from seeds 0..n-1,
-    written to <output_dir>/cli_samples/ and scored."""
+    """n images for each prompt (default: the first two held-out prompts), ODE from seeds 0..n-1,
+    written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
+    another's images) and scored."""
     from diffusion_rl.tasks.shapes_geneval import score_image
 
     prompts = prompts or task.eval_prompts[:2]
     texts = [p for p in prompts for _ in range(n)]
     seeds = [j for _ in prompts for j in range(n)]
     images = policy.sample_images(texts, seeds, cfg.rollout.eval_steps or cfg.rollout.num_steps)
-    out = Path(cfg.output_dir) / "cli_samples"
-    out.mkdir(parents=True, exist_ok=True)
+    root = Path(cfg.output_dir) / "cli_samples"
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit()]
+    out = root / f"{max(taken, default=-1) + 1:03d}"
+    out.mkdir()
     rows = []
     for k, (text, seed, image) in enumerate(zip(texts, seeds, images)):
         path = out / f"{k:03d}_seed{seed}.png"
@@ -172,7 +176,8 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
         try:
             atoms = score_image(image, text)
         except ValueError as e:  # a free-form prompt the shapes grammar does not cover
-            warnings.warn(f"{text!r}: not scored ({e})", stacklevel=2)
+            shown = text if len(text) <= 120 else text[:117] + "..."
+            warnings.warn(f"{shown!r}: not scored ({e})", stacklevel=2)
             atoms = {}
         rows.append({"prompt": text, "seed": seed, "image": str(path), **atoms})
     return rows

@@ -85,6 +85,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -226,6 +227,19 @@ class FlowModel:
             )
         self.grid = (self.height // unit, self.width // unit)  # image-token grid
         self.seq_len = self.grid[0] * self.grid[1]
+
+    def _warn_cut(self, tokenizer, texts: list[str], max_length: int, what: str) -> None:
+        """Say once per model where a prompt is longer than an encoder reads (it is cut there,
+        as the diffusers pipelines cut it); each prompt is measured once. (FLUX.2's chat
+        template is not measured.)"""
+        seen = self.__dict__.setdefault("_measured", set())
+        fresh = [t for t in dict.fromkeys(texts) if (what, t) not in seen]
+        seen.update((what, t) for t in fresh)
+        long = [t for t in fresh if len(tokenizer(t, truncation=False).input_ids) > max_length]
+        if long and not self.__dict__.get("_warned_cut"):
+            self._warned_cut = True
+            warnings.warn(f"a prompt is longer than the {what}'s {max_length} tokens and is cut there "
+                          f"(said once per model): {long[0][:120]!r}", stacklevel=3)
 
     # ------------------------------------------------------------------ family hooks
 
@@ -610,6 +624,8 @@ class FluxFlowModel(FlowModel):
 
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         dev = self.device
+        self._warn_cut(self.tokenizer, prompts, self.clip_length, "CLIP text encoder")
+        self._warn_cut(self.tokenizer_2, prompts, self.max_sequence_length, "T5 text encoder")
         ids = self.tokenizer(
             prompts,
             padding="max_length",
@@ -689,6 +705,7 @@ class SD3FlowModel(FlowModel):
         dev = self.device
         hidden, pooled = [], []
         for tokenizer, encoder in self.clip:
+            self._warn_cut(tokenizer, prompts, self.clip_length, "CLIP text encoder")
             ids = tokenizer(
                 prompts,
                 padding="max_length",
@@ -706,6 +723,7 @@ class SD3FlowModel(FlowModel):
                 device=dev, dtype=clip_embeds.dtype,
             )  # fmt: skip
         else:
+            self._warn_cut(self.tokenizer_3, prompts, self.max_sequence_length, "T5 text encoder")
             ids = self.tokenizer_3(
                 prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
                 add_special_tokens=True, return_tensors="pt",
@@ -773,8 +791,10 @@ class QwenImageFlowModel(FlowModel):
 
     def _encode(self, prompts):
         dev = self.device
+        texts = [self.template.format(p) for p in prompts]
+        self._warn_cut(self.tokenizer, texts, self.tokenizer_max_length + self.drop_idx, "text encoder")
         tok = self.tokenizer(
-            [self.template.format(p) for p in prompts],
+            texts,
             max_length=self.tokenizer_max_length + self.drop_idx,
             padding=True,
             truncation=True,

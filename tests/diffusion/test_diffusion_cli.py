@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 SHORT = ["--set", "rollout.num_steps=4", "--set", "rollout.window_size=2", "--set", "rollout.num_generations=2",
          "--set", "rollout.prompts_per_step=2", "--set", "task.num_eval=4", "--set", "task.grid_prompts=2",
@@ -30,8 +31,13 @@ def test_train_writes_summary_grids_and_a_loadable_checkpoint(tmp_path):
             "--set", f"output_dir={tmp_path / 'sampled'}", *SHORT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 and all((tmp_path / "sampled" / "cli_samples").glob("*.png"))
+    assert len(rows) == 2 and all(Path(row["image"]).stat().st_size > 100 for row in rows)
+    assert {Path(row["image"]).parent for row in rows} == {tmp_path / "sampled" / "cli_samples" / "000"}
     assert {"exist[circle]", "colour[red circle]", "count[red circle]=1"} <= set(rows[0])
+    again = run("sample", "--checkpoint", str(out), "--prompt", "a red circle", "--num", "1",
+                "--set", f"output_dir={tmp_path / 'sampled'}", *SHORT)
+    (row,) = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]
+    assert Path(row["image"]).parent.name == "001" and Path(rows[0]["image"]).is_file()  # nothing overwritten
 
 
 def test_bad_prompt_file_exits_2_naming_the_line(tmp_path):

@@ -557,3 +557,20 @@ def test_other_sizes_and_dtypes(built):
     v = model.velocity(x, sigma, cond)
     assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
     assert [im.size for im in model.decode(x)] == [(48, 32)] * 2
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen_image"])  # FLUX.2's chat template is not measured
+def test_a_prompt_cut_by_a_text_encoder_is_said_once(built, family):
+    """The pipelines cut a long prompt at the encoder's length; that is said, once per model."""
+    import warnings
+
+    model = load_flow_model(built[family])
+    long = " ".join(["a red circle left of a blue square"] * (150 if family == "qwen_image" else 40))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.encode_prompt(["a red circle"])
+        assert not said
+        model.encode_prompt([long, long])
+        model.encode_prompt([long + " and a green triangle"])
+    cut = [w for w in said if "is cut there" in str(w.message)]
+    assert len(cut) == 1 and "tokens and is cut there (said once per model)" in str(cut[0].message)
