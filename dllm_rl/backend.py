@@ -69,8 +69,8 @@ def build(cfg: DLLMTrainConfig):
             predictor = load_mask_predictor(path, kind=m.kind, mask_token_id=m.mask_token_id,
                                             block_length=m.block_length, trust_remote_code=m.trust_remote_code,
                                             dtype=m.dtype)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    except (OSError, ValueError) as e:  # the loader's messages mostly start with the directory: not twice
+        raise ConfigError(f"model.path: cannot load {path}: {str(e).removeprefix(f'{path}: ')}") from e
     if m.lora is not None:  # before the policy, which keeps predictor.model
         predictor.model = add_lora(predictor.model, m.lora, seed=cfg.seed)
     task = build_task(cfg)

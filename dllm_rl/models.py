@@ -419,7 +419,7 @@ def load_mask_predictor(
         )
         if block_length is None:
             raise ValueError(
-                f"{root}: block_causal attention needs block_length (pass it, or put it in {SIDECAR})"
+                f"{root}: block_causal attention needs block_length (config: model.block_length; or put it in {SIDECAR})"
             )
 
     try:
@@ -436,7 +436,7 @@ def load_mask_predictor(
     if mask_token_id is None:
         raise ValueError(
             f"{root}: no mask token id: the tokenizer has no mask token and neither {SIDECAR} "
-            "nor the arguments give mask_token_id"
+            "nor the config (model.mask_token_id) gives one"
         )
     mask_token_id = int(mask_token_id)
     vocab = getattr(config, "vocab_size", None)
@@ -493,8 +493,8 @@ def _guess_kind(config, auto_map: dict, root: Path) -> str:
         return "masked_lm"
     raise ValueError(
         f"{root}: cannot tell how to run model_type {model_type!r} as a mask predictor: it is "
-        f"not a masked LM (AutoModelForMaskedLM) and has no {SIDECAR}. Pass kind= one of "
-        f"{KINDS} (config: model.kind) or write {SIDECAR} into the directory."
+        f"not a masked LM (AutoModelForMaskedLM) and has no {SIDECAR}. Set model.kind to one of "
+        f"{KINDS} (or write {SIDECAR} into the directory)."
     )
 
 
