@@ -37,6 +37,7 @@ import contextlib
 import json
 import math
 import random
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -180,6 +181,8 @@ class Trainer:
         path = check_output_dir(self.out, resume)
         if path is not None:
             self.load(path)
+            if distributed.is_main():
+                print(f"resuming at step {self.step} from {path}", file=sys.stderr, flush=True)
             if self.step >= tc.max_steps:
                 warnings.warn(f"--resume: the run is at step {self.step} and train.max_steps is {tc.max_steps}: "
                               "nothing to train (raise --max-steps to go on)", stacklevel=2)
