@@ -100,6 +100,15 @@ class DiffusionRolloutConfig(RolloutConfig):
     max_new_tokens: int = 1  # unused by images; kept for the core's defaults
 
     @model_validator(mode="after")
+    def _no_token_sampling(self):
+        """The image sampler's noise is noise_level's; a language model's sampling keys would be ignored."""
+        for key, default in (("temperature", 1.0), ("top_p", 1.0)):
+            if getattr(self, key) != default:
+                raise ValueError(f"{key} is a language model's sampling setting, unused by image rollouts "
+                                 "(their stochasticity is rollout.noise_level)")
+        return self
+
+    @model_validator(mode="after")
     def _window_fits(self):
         if self.window_size is not None and self.window_size >= self.num_steps:
             raise ValueError(f"window_size ({self.window_size}) must be below num_steps ({self.num_steps}): "

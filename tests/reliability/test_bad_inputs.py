@@ -179,6 +179,8 @@ CONFIG_ROWS = {
     "sde-window-start-out-of-range-diffusion": Row(
         "diffusion", lambda t: train(t, "rollout.num_steps=3", "rollout.window_size=2", "rollout.window_start=[0,1]"),  # the default's
         lambda t: ["rollout: window_start [0, 1] must be a range lo <= hi within 0..0"]),
+    "token-sampling-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.temperature=0.5"),
+                                        lambda t: ["rollout: temperature is a language model's sampling setting"]),
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
                                   lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
