@@ -116,7 +116,7 @@ def aggregate(
     if w is not None:
         x = x * w.to(x.dtype)[:, None]
 
-    d = loss_denominator(m, aggregation, w) if denom is None else denom
+    d = _normaliser(m, aggregation, w) if denom is None else denom
     if aggregation == "token_mean":
         return x.sum() / d
 
@@ -146,13 +146,19 @@ def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = No
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape [N, T]; got {tuple(mask.shape)}")
     w = _check_weights(weights, mask.shape[0], mask.device)
+    return float(_normaliser(mask != 0, aggregation, w))
+
+
+def _normaliser(m: Tensor, aggregation: str, w: Tensor | None) -> Tensor:
+    """What loss_denominator returns, as a tensor (no host sync in `aggregate`), for a bool mask
+    [N, T] and weights already checked: masked tokens (at least 1) for "token_mean", samples
+    (at least one) for the seq_* aggregations, a sample counting w times in either."""
     if aggregation == "token_mean":
-        if w is not None:
-            return float(max(float(((mask != 0).float().sum(dim=-1) * w).sum()), 1.0))
-        return float(max(int((mask != 0).sum().item()), 1))
-    if w is not None:
-        return float(max(float(w.sum()), 1e-12))
-    return float(max(mask.shape[0], 1))
+        tokens = m.sum() if w is None else (m.float().sum(dim=-1) * w).sum()
+        return tokens.clamp(min=1)
+    if w is None:
+        return torch.tensor(float(max(m.shape[0], 1)))
+    return w.sum().clamp(min=1e-12)
 
 
 def _check_weights(weights: Tensor | None, n: int, device) -> Tensor | None:
