@@ -204,8 +204,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             from mmrl.core.trainer import with_config_atoms
 
             policy, task = backend.build(cfg)
-            if hasattr(task, "reward"):
-                with_config_atoms(task, cfg)  # samples are scored as training scores them
+            with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
             for row in backend.sample(cfg, policy, task, list(prompt), num):
@@ -260,14 +259,17 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    for root in (path / "checkpoints", path):
-        if root.is_dir() and any(root.glob("step-*")):
-            found = latest_checkpoint(root)
-            if found is None:
-                raise CheckpointError(f"{path} holds no complete checkpoint")
-            return found / "model"
-    if (path / "checkpoints").is_dir():
-        raise CheckpointError(f"{path} holds no complete checkpoint")
+    if (path / "checkpoints").is_dir():  # a run
+        root = path / "checkpoints"
+    elif any(path.glob("step-*")):  # a run's checkpoints/ itself
+        root = path
+    else:
+        root = None
+    if root is not None:
+        found = latest_checkpoint(root)
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint")
+        return found / "model"
     if (path / "model").is_dir():
         return path / "model"
     return path
@@ -279,8 +281,6 @@ def load_checkpoint(policy, path: Path) -> None:
     model = resolve_checkpoint(path)
     try:
         policy.load_weights(model)
-    except CheckpointError:
-        raise
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:  # from_pretrained's, on a wrong directory
         raise CheckpointError(f"--checkpoint {path}: cannot load this model's weights from {model} "
                               f"({type(e).__name__}: {e})") from e
