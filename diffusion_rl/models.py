@@ -191,6 +191,8 @@ class FlowModel:
     ):
         self.components = components  # name -> loaded object, None for [null, null] entries
         self.carried_files: list[Path] = []  # files of the source directory that save_pretrained copies
+        self._measured: set[tuple[str, str]] = set()  # (encoder, prompt) lengths _warn_cut has checked
+        self._warned_cut = False
         self.transformer = components["transformer"]
         self.scheduler = components["scheduler"]
         self.vae = components.get("vae")
@@ -232,11 +234,10 @@ class FlowModel:
         """Say once per model where a prompt is longer than an encoder reads (it is cut there,
         as the diffusers pipelines cut it); each prompt is measured once. (FLUX.2's chat
         template is not measured.)"""
-        seen = self.__dict__.setdefault("_measured", set())
-        fresh = [t for t in dict.fromkeys(texts) if (what, t) not in seen]
-        seen.update((what, t) for t in fresh)
+        fresh = [t for t in dict.fromkeys(texts) if (what, t) not in self._measured]
+        self._measured.update((what, t) for t in fresh)
         long = [t for t in fresh if len(tokenizer(t, truncation=False).input_ids) > max_length]
-        if long and not self.__dict__.get("_warned_cut"):
+        if long and not self._warned_cut:
             self._warned_cut = True
             warnings.warn(f"a prompt is longer than the {what}'s {max_length} tokens and is cut there "
                           f"(said once per model): {long[0][:120]!r}", stacklevel=3)
