@@ -438,10 +438,15 @@ class FlowModel:
             spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": self.height,
                     "prediction": self.prediction}
             (out / "pixel_space.json").write_text(json.dumps(spec, indent=2) + "\n")
-        for extra in self.carried_files:  # e.g. CAST's calibrated window, which describes these weights' sampler
-            if Path(extra).is_file():
-                shutil.copyfile(extra, out / Path(extra).name)
+        self.copy_carried_files(out)
         return out
+
+    def copy_carried_files(self, out: str | os.PathLike) -> None:
+        """Copy `carried_files` (e.g. CAST's calibrated window, which describes these weights'
+        sampler) into `out`."""
+        for extra in self.carried_files:
+            if Path(extra).is_file():
+                shutil.copyfile(extra, Path(out) / Path(extra).name)
 
     def save_transformer_weights(self, path: str | os.PathLike) -> Path:
         """Just the trained part: the LoRA adapter (PEFT format) when there is one, else the
@@ -1018,6 +1023,12 @@ def load_flow_model(
     if not root.is_dir():
         raise ConfigError(f"model path {str(root)!r} is not a directory")
     index_path = root / "model_index.json"
+    if not index_path.is_file() and (root / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"model path {str(root)!r} holds a LoRA adapter (a LoRA run's checkpoint), not a pipeline: "
+            "set model.path to the base model and model.lora as the run did, and load the adapter "
+            "with --checkpoint (the run's config.yaml has both)"
+        )
     if not index_path.is_file():
         raise ConfigError(
             f"model path {str(root)!r} has no model_index.json; is it a diffusers pipeline directory "

@@ -175,15 +175,24 @@ class DiffusionPolicy:
     # ------------------------------------------------------------------ weights
 
     def save_pretrained(self, path: str | Path) -> None:
-        """The whole pipeline directory (LoRA merged in: from_pretrained loads it as is);
-        under LoRA also the adapter alone in lora/, which is what resuming loads."""
-        self.flow.save_pretrained(path)
-        if self.flow.has_lora:
-            self.flow.save_transformer_weights(Path(path) / "lora")
+        """The whole pipeline directory (from_pretrained loads it as is); under LoRA the adapter
+        alone (adapter_config.json, adapter_model.safetensors), as the VLM and dLLM backends save
+        theirs: the text encoders and VAE are frozen and the base model's, and for a FLUX-size
+        model a whole pipeline costs tens of GB a checkpoint. Loading it needs the base
+        (model.path) built with the same model.lora, as `--checkpoint` and resuming do."""
+        if not self.flow.has_lora:
+            self.flow.save_pretrained(path)
+            return
+        self.flow.save_transformer_weights(path)
+        self.flow.copy_carried_files(path)  # the record of the window the base was calibrated to
 
     def load_weights(self, path: str | Path) -> None:
+        """What save_pretrained wrote, in place. Checkpoints written before 2026-12-05 under
+        LoRA hold a merged pipeline with the adapter in lora/: that adapter is what loads."""
         path = Path(path)
-        self.flow.load_transformer_weights(path / "lora" if self.flow.has_lora else path)
+        if self.flow.has_lora and (path / "lora" / "adapter_config.json").is_file():
+            path = path / "lora"
+        self.flow.load_transformer_weights(path)
 
     def reference(self) -> _Reference:
         """The KL reference: the starting weights (under LoRA, the base with adapters disabled)."""

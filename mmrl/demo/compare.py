@@ -53,7 +53,7 @@ class ModelPair:
         cfg = dict(self.run.config)
         cfg["model"] = {**(cfg.get("model") or {}), "path": None if model_path is None else str(model_path)}
         if self.modality == "diffusion" and cfg["model"].get("lora") and model_path == self.tuned_path:
-            cfg["model"]["lora"] = None  # the checkpoint's pipeline has the adapter merged in
+            cfg["model"]["lora"] = None  # an old (before 2026-12-05) LoRA checkpoint: a pipeline, adapter merged in
         if (cfg.get("method") or {}).get("window_from"):
             cfg["method"] = {**cfg["method"], "window_from": None}  # sampling needs no SDE window
         return self.backend.CONFIG_CLASS.model_validate({k: v for k, v in cfg.items() if v is not None})

@@ -119,9 +119,9 @@ def test_dllm_problems_and_the_denoising_order(tiny_runs):
     assert html.count('class="tok"') == 2 and html.count("(fallback)") == 1  # step 0 fell back; eos not shown
 
 
-@pytest.mark.parametrize("modality", ["vlm", "dllm"])
+@pytest.mark.parametrize("modality", ["vlm", "diffusion", "dllm"])
 def test_a_lora_runs_after_model_is_the_base_with_its_trained_adapter(modality, tmp_path, reward_spread, train_run):
-    """A LoRA run's checkpoint holds the adapter alone (no config.json): "after" is the base
+    """A LoRA run's checkpoint holds the adapter alone (no weights of the base): "after" is the base
     model with that adapter loaded, "before" the base as it was."""
     train_run(modality, tmp_path / "run", "model.lora.r=4", "optim.lr=1e-2")
     pair = ModelPair(RunInfo.load(tmp_path / "run"))

@@ -95,17 +95,50 @@ def test_window_must_leave_the_last_step_deterministic():
                     overrides=["rollout.num_steps=4", "rollout.window_size=4"])
 
 
-def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path, lora):
+    """Also under LoRA, whose checkpoints hold the adapter alone (as the VLM's and dLLM's do):
+    no pipeline, no frozen text encoder or VAE."""
+    extra = ["model.lora.r=4"] if lora else []
+
     def run(name, steps, resume=False):
-        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1")
+        cfg, policy, task = make(flux_dir, tmp_path / name, f"train.max_steps={steps}", "train.save_every=1", *extra)
         Trainer(cfg, policy, task).train(resume=resume)
         return policy
 
     full = run("full", 2)
     run("split", 1)
+    (model_dir,) = (tmp_path / "split" / "run" / "checkpoints").glob("step-*/model")
+    saved = sorted(p.name for p in model_dir.iterdir())
+    if lora:
+        assert saved == ["adapter_config.json", "adapter_model.safetensors"]
+    else:
+        assert {"model_index.json", "transformer", "text_encoder"} <= set(saved)
     resumed = run("split", 2, resume=True)
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_an_old_lora_checkpoint_a_pipeline_with_its_adapter_in_lora_still_loads(flux_dir, tmp_path):
+    """Before 2026-12-05 a LoRA run saved the merged pipeline plus the adapter in lora/."""
+    _, policy, _ = make(flux_dir, tmp_path, "model.lora.r=4")
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    policy.flow.save_pretrained(tmp_path / "old")
+    policy.flow.save_transformer_weights(tmp_path / "old" / "lora")
+    _, other, _ = make(flux_dir, tmp_path, "model.lora.r=4")
+    other.load_weights(tmp_path / "old")
+    for (k, a), b in zip(policy.model.state_dict().items(), other.model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_lora_checkpoint_as_model_path_is_refused_with_what_to_do(flux_dir, tmp_path):
+    _, policy, _ = make(flux_dir, tmp_path, "model.lora.r=4")
+    policy.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="holds a LoRA adapter.*--checkpoint"):
+        make(tmp_path / "adapter", tmp_path)
 
 
 
