@@ -153,6 +153,10 @@ def build(cfg: DiffusionTrainConfig):
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)
 
 
+# `sample --greedy` (the language backends' greedy decode) is refused before the model is built, with this reason
+NO_GREEDY = "an image model has no greedy decode; its samples are deterministic ODE draws from seeds 0..n-1 (--num 1: seed 0)"
+
+
 def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTask, prompts: list[str],
            n: int) -> list[dict]:
     """n images for each prompt (default: the first two held-out prompts), ODE from seeds 0..n-1,

@@ -121,9 +121,11 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
         raise ConfigError(f"--prompt: {e} (longest prompt: {longest!r})") from e
 
 
-def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int) -> list[dict]:
+def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int,
+           greedy: bool = False) -> list[dict]:
     """n answers (rollout temperature and strategy, seeded) to each --prompt or held-out problem;
-    held-out problems are scored by the task's atoms."""
+    greedy: the one answer held-out evaluation decodes (temperature 0, rollout.eval_strategy
+    where set). Held-out problems are scored by the task's atoms."""
     from dllm_rl.tasks import Problem
 
     problems = [Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
@@ -131,7 +133,10 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     texts = [p.prompt for p in problems for _ in range(n)]
     gen = torch.Generator().manual_seed(cfg.seed)
     try:
-        result, _ = policy.decode(texts, gen, temperature=cfg.rollout.temperature)
+        if greedy:
+            result, _ = policy.decode(texts, None, temperature=0.0, strategy=cfg.rollout.eval_strategy)
+        else:
+            result, _ = policy.decode(texts, gen, temperature=cfg.rollout.temperature)
     except PromptError as e:  # too long, or a character the tokenizer has no token for
         raise ConfigError(f"--prompt: {e}") from e
     answers = policy.answer_text(result.completion)

@@ -13,6 +13,7 @@ non-zero; only bugs show a traceback.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import warnings
@@ -193,21 +194,29 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
         prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: the first two held-out items."),
-        num: int = typer.Option(4, "--num", "-n", min=1, help="Samples per prompt."),
+        num: int | None = typer.Option(None, "--num", "-n", min=1, help="Samples per prompt (default 4)."),
+        greedy: bool = typer.Option(False, "--greedy", help="Decode greedily: one answer per prompt, as held-out "
+                                    "evaluation decodes (language backends; diffusion samples are ODE draws already)."),
     ):
         """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
 
         def go():
+            if greedy and (num or 1) > 1:
+                raise ConfigError(f"--greedy decodes one answer per prompt, --num {num} draws {num} samples: give one or the other")
             backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
+            extra = {"greedy": True} if greedy else {}
+            if greedy and "greedy" not in inspect.signature(backend.sample).parameters:
+                why = getattr(backend, "NO_GREEDY", "not available for this backend")
+                raise BackendUnavailable(f"`{spec.command} sample --greedy`: {why}")
             from mmrl.core.trainer import with_config_atoms
 
             policy, task = backend.build(cfg)
             with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
-            for row in backend.sample(cfg, policy, task, list(prompt), num):
+            for row in backend.sample(cfg, policy, task, list(prompt), 1 if greedy else num or 4, **extra):
                 typer.echo(json.dumps(row, default=str))  # JSON lines
 
         run_verb(go)

@@ -148,14 +148,18 @@ def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | N
     return build_vllm(kind, cfg, policy, url=url)
 
 
-def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int) -> list[dict]:
-    """n samples for each of the first held-out items, scored by the task's atoms, or for each
-    text-only --prompt question (no gold answer, so not scored)."""
+def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int,
+           greedy: bool = False) -> list[dict]:
+    """n samples (greedy: the one greedy answer, as held-out evaluation decodes) for each of
+    the first held-out items, scored by the task's atoms, or for each text-only --prompt
+    question (no gold answer, so not scored)."""
     from mmrl.vlm.tasks.shapes_qa import QAItem
 
     items = [QAItem(images=[], question=p, answer="", reference="", meta={}) for p in prompts]
-    gen = torch.Generator().manual_seed(cfg.seed)
-    batch = policy.generate(items or task.eval_items[:2], n, cfg.rollout, gen)
+    if greedy:
+        batch = policy.greedy_batches(items or task.eval_items[:2], task.max_new_tokens)[0]
+    else:
+        batch = policy.generate(items or task.eval_items[:2], n, cfg.rollout, torch.Generator().manual_seed(cfg.seed))
     if items:
         return [{"question": s.prompt, "completion": s.completion} for s in batch.samples]
     scores = task.reward.score(batch.samples)

@@ -40,6 +40,11 @@ def test_train_writes_summary_grids_and_a_loadable_checkpoint(tmp_path):
     assert Path(row["image"]).parent.name == "001" and Path(rows[0]["image"]).is_file()  # nothing overwritten
 
 
+def test_sample_greedy_is_refused_before_the_model_is_built(tmp_path):
+    r = run("sample", "--greedy", "--set", f"model.path={tmp_path / 'not-built'}")
+    assert r.returncode == 3 and "no greedy decode" in r.stderr and "seed 0" in r.stderr
+
+
 def test_bad_prompt_file_exits_2_naming_the_line(tmp_path):
     bad = tmp_path / "p.txt"
     bad.write_text("a red circle\nthree pink clouds\n")

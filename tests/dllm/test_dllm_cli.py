@@ -140,6 +140,20 @@ def test_sample_prints_json_lines(small_sets, tmp_path):
     assert set(rows[0]["atoms"]) == {"format", "answer"}
 
 
+def test_sample_greedy_is_evals_greedy_answer(small_sets, make_run, tmp_path):
+    """--greedy: one answer per prompt, the one held-out evaluation decodes (temperature 0)."""
+    rows = json_lines(ok(invoke("sample", *small_sets, "--greedy", "--set", f"output_dir={tmp_path}")).stdout)
+    assert len(rows) == 2 and all({"gold", "reward", "atoms"} <= set(row) for row in rows)
+    _, policy, task = make_run()
+    result, _ = policy.decode([p.prompt for p in task.eval_problems[:2]], None, temperature=0.0)
+    assert [row["completion"] for row in rows] == policy.answer_text(result.completion)
+    again = json_lines(ok(invoke("sample", *small_sets, "--greedy", "--set", f"output_dir={tmp_path}",
+                                 "--set", "seed=7")).stdout)
+    assert again == rows  # no draw: the seed changes nothing
+    r = invoke("sample", *small_sets, "--greedy", "--num", 3, "--set", f"output_dir={tmp_path}")
+    assert r.exit_code == 2 and "--greedy decodes one answer per prompt" in r.stderr
+
+
 def test_sample_takes_prompts_longer_than_the_tasks(small_sets, make_run, tmp_path):
     """A --prompt may be as long as the model's context allows, not only as the task's prompts;
     the wider left padding leaves another prompt's answers exactly as they were."""

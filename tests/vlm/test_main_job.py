@@ -65,6 +65,16 @@ def test_mmrl_sample_prints_scored_json_lines():
         assert abs(row["reward"] - (0.1 * row["atoms"]["format"] + row["atoms"]["answer"])) < 1e-6
 
 
+def test_mmrl_sample_greedy_is_evals_greedy_answer():
+    result = CliRunner().invoke(app, ["sample", "--greedy", "--set", "task.num_eval=4"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=["task.num_eval=4"])
+    policy, task = backend.build(cfg)
+    assert [row["completion"] for row in rows] == policy.greedy(task.eval_items[:2], task.max_new_tokens)
+    assert all({"gold", "reward", "atoms"} <= set(row) for row in rows)
+
+
 def test_mmrl_sample_of_a_free_question_is_not_scored():
     """A --prompt question has no gold answer: its samples carry no reward rather than a 0."""
     result = CliRunner().invoke(app, ["sample", "--prompt", "What colour is the circle?", "--num", "2"])
