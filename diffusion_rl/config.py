@@ -101,11 +101,12 @@ class DiffusionRolloutConfig(RolloutConfig):
 
     @model_validator(mode="after")
     def _no_token_sampling(self):
-        """The image sampler's noise is noise_level's; a language model's sampling keys would be ignored."""
-        for key, default in (("temperature", 1.0), ("top_p", 1.0)):
+        """A language model's sampling keys would be ignored by the image sampler: refused."""
+        for key, default, instead in (("temperature", 1.0, "their stochasticity is rollout.noise_level"),
+                                      ("top_p", 1.0, "their stochasticity is rollout.noise_level"),
+                                      ("max_new_tokens", 1, "their length is rollout.num_steps")):
             if getattr(self, key) != default:
-                raise ValueError(f"{key} is a language model's sampling setting, unused by image rollouts "
-                                 "(their stochasticity is rollout.noise_level)")
+                raise ValueError(f"{key} is a language model's sampling setting, unused by image rollouts ({instead})")
         return self
 
     @model_validator(mode="after")

@@ -181,6 +181,9 @@ CONFIG_ROWS = {
         lambda t: ["rollout: window_start [0, 1] must be a range lo <= hi within 0..0"]),
     "token-sampling-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.temperature=0.5"),
                                         lambda t: ["rollout: temperature is a language model's sampling setting"]),
+    "token-length-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.max_new_tokens=64"),
+                                      lambda t: ["rollout: max_new_tokens is a language model's sampling setting",
+                                                 "rollout.num_steps"]),
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
                                   lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
