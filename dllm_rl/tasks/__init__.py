@@ -117,6 +117,7 @@ class Task:
     to_sample: Callable[[Problem, str], Sample]
     accuracy: Callable[[Sequence[Problem], Sequence[str]], float]
     success_atom: str
+    parse_problem: Callable[[str], Problem | None]  # a free prompt in the task's format, with its answer
 
 
 # The task modules import Problem and the helpers above, so they come after them.
@@ -130,6 +131,7 @@ TASKS: dict[str, Task] = {
         arith.to_sample,
         arith.accuracy,
         "answer",
+        arith.parse_problem,
     ),
     "sudoku": Task(
         "sudoku",
@@ -138,6 +140,7 @@ TASKS: dict[str, Task] = {
         sudoku.to_sample,
         sudoku.accuracy,
         "solved",
+        sudoku.parse_problem,
     ),
 }
 

@@ -46,6 +46,7 @@ __all__ = [
     "arith_reward",
     "format_atom",
     "parse_integer",
+    "parse_problem",
     "reverse_digits",
     "sample_problems",
     "solve",
@@ -125,6 +126,20 @@ def sample_problems(
             f"could not draw {n} {split!r} arith problems (ops={ops}, digits={digits})"
         )
     return problems
+
+
+_PROBLEM_RE = re.compile(r"(0|[1-9][0-9]*)([-+*])(0|[1-9][0-9]*)=")
+
+
+def parse_problem(prompt: str) -> Problem | None:
+    """The problem a free prompt states in this task's format ("37+45=": operands without
+    leading zeros, at most MAX_DIGITS digits), with its exact answer; None for any other text."""
+    m = _PROBLEM_RE.fullmatch(prompt)
+    if m is None or max(len(m[1]), len(m[3])) > MAX_DIGITS:
+        return None
+    a, op, b = int(m[1]), m[2], int(m[3])
+    answer = str(solve(a, op, b))
+    return Problem(prompt, answer, answer, {"answer": answer, "a": a, "op": op, "b": b, "task": "arith"})
 
 
 def reverse_digits(answer: str) -> str:

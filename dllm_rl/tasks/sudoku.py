@@ -52,6 +52,7 @@ __all__ = [
     "from_rows",
     "givens_atom",
     "parse_grid",
+    "parse_problem",
     "sample_problems",
     "solve",
     "solved_atom",
@@ -217,6 +218,24 @@ def sample_problems(
 
 
 # ---------------------------------------------------------------------------- rewards
+
+
+_PUZZLE_RE = re.compile(r"[0-4]{4}\|[0-4]{4}\|[0-4]{4}\|[0-4]{4}=")
+
+
+def parse_problem(prompt: str) -> Problem | None:
+    """The puzzle a free prompt states in this task's format ("1204|0012|2100|4320="), with its
+    solution; None for any other text, and for a puzzle without exactly one solution (the
+    "solved" atom needs the one answer)."""
+    if _PUZZLE_RE.fullmatch(prompt) is None:
+        return None
+    solutions = solve(prompt)
+    if len(solutions) != 1:
+        return None
+    puzzle = prompt[:-1]
+    blanks = puzzle.count("0")
+    return Problem(prompt, solutions[0], solutions[0],
+                   {"answer": solutions[0], "puzzle": puzzle, "blanks": blanks, "task": "sudoku"})
 
 
 def parse_grid(text: str) -> str | None:

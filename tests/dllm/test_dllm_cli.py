@@ -140,6 +140,17 @@ def test_sample_prints_json_lines(small_sets, tmp_path):
     assert set(rows[0]["atoms"]) == {"format", "answer"}
 
 
+def test_sample_scores_a_prompt_in_the_tasks_format(small_sets, tmp_path):
+    """A --prompt that states an arith problem gets its exact answer and the task's atoms;
+    other text is sampled unscored."""
+    rows = json_lines(ok(invoke("sample", *small_sets, "--prompt", "12+3=", "--prompt", "1+2+3=", "--num", 2,
+                                "--set", f"output_dir={tmp_path}")).stdout)
+    assert [row["prompt"] for row in rows] == ["12+3="] * 2 + ["1+2+3="] * 2
+    assert all(row["gold"] == "15" and set(row["atoms"]) == {"format", "answer"} for row in rows[:2])
+    assert all(row["atoms"]["answer"] == float(row["completion"].strip() == "15") for row in rows[:2])
+    assert all("gold" not in row and "reward" not in row for row in rows[2:])
+
+
 def test_sample_greedy_is_evals_greedy_answer(small_sets, make_run, tmp_path):
     """--greedy: one answer per prompt, the one held-out evaluation decodes (temperature 0)."""
     rows = json_lines(ok(invoke("sample", *small_sets, "--greedy", "--set", f"output_dir={tmp_path}")).stdout)

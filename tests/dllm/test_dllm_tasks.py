@@ -262,6 +262,23 @@ def test_registry(name):
     assert task.accuracy(probs, ["?"] * len(probs)) == 0.0
 
 
+@pytest.mark.parametrize("name", ["arith", "sudoku"])
+def test_parse_problem_recovers_every_generated_problem(name):
+    task = get_task(name)
+    for p in task.sample_problems(30, 0, "eval"):
+        assert task.parse_problem(p.prompt) == p
+
+
+@pytest.mark.parametrize("name, prompt", [
+    ("arith", "12+3"), ("arith", "012+3="), ("arith", "1+2+3="), ("arith", " 12+3="), ("arith", "1" * 10 + "+1="),
+    ("sudoku", "1204|0012|2100|4320"), ("sudoku", "1205|0012|2100|4320="),
+    ("sudoku", "0000|0000|0000|0000="),  # 288 solutions: "solved" has no one answer
+    ("sudoku", "1100|0000|0000|0000="),  # none
+])
+def test_parse_problem_refuses_other_text(name, prompt):
+    assert get_task(name).parse_problem(prompt) is None
+
+
 def test_unknown_task():
     with pytest.raises(ValueError, match="arith, sudoku"):
         get_task("gsm8k")
