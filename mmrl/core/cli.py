@@ -197,6 +197,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         num: int | None = typer.Option(None, "--num", "-n", min=1, help="Samples per prompt (default 4)."),
         greedy: bool = typer.Option(False, "--greedy", help="Decode greedily: one answer per prompt, as held-out "
                                     "evaluation decodes (language backends; diffusion samples are ODE draws already)."),
+        image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False, help=(
+            "An image the --prompt questions ask about (vision-language; one for every question, or one per question).")),
     ):
         """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
 
@@ -206,10 +208,16 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
-            extra = {"greedy": True} if greedy else {}
-            if greedy and "greedy" not in inspect.signature(backend.sample).parameters:
+            if image and len(image) not in (1, len(prompt)):
+                raise ConfigError(f"--image: {len(image)} images for {len(prompt)} --prompt questions (give one "
+                                  "image for them all, or one per question)")
+            extra = {k: v for k, v in (("greedy", greedy), ("images", list(image))) if v}
+            accepted = inspect.signature(backend.sample).parameters
+            if greedy and "greedy" not in accepted:
                 why = getattr(backend, "NO_GREEDY", "not available for this backend")
                 raise BackendUnavailable(f"`{spec.command} sample --greedy`: {why}")
+            if image and "images" not in accepted:
+                raise BackendUnavailable(f"`{spec.command} sample --image`: this backend's prompts are text only")
             from mmrl.core.trainer import with_config_atoms
 
             policy, task = backend.build(cfg)

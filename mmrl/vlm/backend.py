@@ -149,23 +149,44 @@ def build_engine(kind: str, cfg: VLMTrainConfig, policy: VLMPolicy, url: str | N
 
 
 def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[str], n: int,
-           greedy: bool = False) -> list[dict]:
+           greedy: bool = False, images: list[Path] | None = None) -> list[dict]:
     """n samples (greedy: the one greedy answer, as held-out evaluation decodes) for each of
-    the first held-out items, scored by the task's atoms, or for each text-only --prompt
-    question (no gold answer, so not scored)."""
+    the first held-out items, scored by the task's atoms, or for each --prompt question (no
+    gold answer, so not scored), asked of `images` (one image for every question, or one
+    per question; none: text only)."""
     from mmrl.vlm.tasks.shapes_qa import QAItem
 
-    items = [QAItem(images=[], question=p, answer="", reference="", meta={}) for p in prompts]
+    pictures = [_read_image(p) for p in images or []]
+    if pictures and len(pictures) not in (1, len(prompts)):
+        raise ConfigError(f"--image: {len(pictures)} images for {len(prompts)} --prompt questions "
+                          "(give one image for them all, or one per question)")
+    items = [QAItem(images=[pictures[min(k, len(pictures) - 1)]] if pictures else [], question=p, answer="",
+                    reference="", meta={}) for k, p in enumerate(prompts)]
     if greedy:
-        batch = policy.greedy_batches(items or task.eval_items[:2], task.max_new_tokens)[0]
+        samples = [s for b in policy.greedy_batches(items or task.eval_items[:2], task.max_new_tokens) for s in b.samples]
     else:
-        batch = policy.generate(items or task.eval_items[:2], n, cfg.rollout, torch.Generator().manual_seed(cfg.seed))
+        gen = torch.Generator().manual_seed(cfg.seed)
+        samples = policy.generate(items or task.eval_items[:2], n, cfg.rollout, gen).samples
     if items:
-        return [{"question": s.prompt, "completion": s.completion} for s in batch.samples]
-    scores = task.reward.score(batch.samples)
+        return [{"question": s.prompt, "completion": s.completion,
+                 **({"image": str(images[min(k // n, len(images) - 1)])} if images else {})}
+                for k, s in enumerate(samples)]
+    scores = task.reward.score(samples)
     return [{"question": s.prompt, "gold": s.meta.get("answer"), "completion": s.completion,
              "reward": float(total), "atoms": atoms}
-            for s, atoms, total in zip(batch.samples, scores.per_sample(), scores.total.tolist())]
+            for s, atoms, total in zip(samples, scores.per_sample(), scores.total.tolist())]
+
+
+def _read_image(path: Path):
+    from PIL import Image
+
+    from mmrl.vlm.tasks.jsonl import to_rgb
+
+    try:
+        with Image.open(path) as img:
+            return to_rgb(img)
+    except Exception as e:  # decoders raise many kinds of errors
+        raise ConfigError(f"--image: cannot read {path}: {type(e).__name__}: {e}") from e
 
 
 def _resolve(path: str, base: Path) -> Path:

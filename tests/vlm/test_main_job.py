@@ -75,6 +75,30 @@ def test_mmrl_sample_greedy_is_evals_greedy_answer():
     assert all({"gold", "reward", "atoms"} <= set(row) for row in rows)
 
 
+def test_mmrl_sample_asks_free_questions_of_given_images(tmp_path):
+    """--image: the --prompt questions are asked of that image (one for all, or one each),
+    as a held-out item is; unreadable or miscounted images are errors before sampling."""
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=["task.num_eval=4"])
+    policy, task = backend.build(cfg)
+    items = task.eval_items[:2]
+    for k, item in enumerate(items):
+        item.images[0].save(tmp_path / f"{k}.png")
+    args = ["sample", "--greedy", "-p", items[0].question, "-p", items[1].question,
+            "-i", str(tmp_path / "0.png"), "-i", str(tmp_path / "1.png")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert [row["completion"] for row in rows] == policy.greedy(items, task.max_new_tokens)
+    assert [row["image"] for row in rows] == [str(tmp_path / "0.png"), str(tmp_path / "1.png")]
+    result = CliRunner().invoke(app, [*args[:6], "-i", str(tmp_path / "0.png")])  # one image for both
+    assert [json.loads(line)["image"] for line in result.stdout.strip().splitlines()] == [str(tmp_path / "0.png")] * 2
+    result = CliRunner().invoke(app, [*args, "-p", "third?"])
+    assert result.exit_code == 2 and "2 images for 3 --prompt questions" in result.output
+    (tmp_path / "bad.png").write_text("not an image")
+    result = CliRunner().invoke(app, ["sample", "-p", "q?", "-i", str(tmp_path / "bad.png")])
+    assert result.exit_code == 2 and "--image: cannot read" in result.output and "Traceback" not in result.output
+
+
 def test_mmrl_sample_of_a_free_question_is_not_scored():
     """A --prompt question has no gold answer: its samples carry no reward rather than a 0."""
     result = CliRunner().invoke(app, ["sample", "--prompt", "What colour is the circle?", "--num", "2"])
