@@ -308,6 +308,20 @@ def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_chang
     assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()
 
 
+def test_resume_with_another_lr_weight_decay_or_group_size_trains_with_them(tmp_path):
+    """The optimizer and schedule state carry the earlier lr and weight decay, and the trainer
+    state the earlier G: the values a resume says it changed are the ones it trains with."""
+    make(tmp_path, "train.max_steps=2", "optim.lr=0.003", "rollout.num_generations=2").train()
+    trainer = make(tmp_path, "train.max_steps=3", "optim.lr=0.005", "optim.weight_decay=0.5",
+                   "optim.betas=[0.8,0.99]", "rollout.num_generations=4")
+    with pytest.warns(UserWarning, match="optim.lr: 0.003 -> 0.005"):
+        trainer.train(resume=True)
+    (group,) = trainer.optimizer.param_groups
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (0.005, 0.5, (0.8, 0.99))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["optim/lr"], r["rollout/group_size"]) for r in rows] == [(0.003, 2), (0.003, 2), (0.005, 4)]
+
+
 def test_progress_without_a_terminal_is_a_plain_line_every_five_percent(tmp_path, capsys):
     from mmrl.core.logging import RunLogger
 

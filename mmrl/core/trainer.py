@@ -463,7 +463,8 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": rng_meta,
             "data": self.stream.state_dict(),
-            "group_size": {"num_generations": self.num_generations, "epoch": self.group_epoch},
+            "group_size": {"num_generations": self.num_generations, "epoch": self.group_epoch,
+                           "configured": self.cfg.rollout.num_generations},
             "method": self.method.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
@@ -491,16 +492,34 @@ class Trainer:
         self._load_averaged(path, tensors, state)
         ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._apply_optim_config()
         ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
         self.stream.load_state_dict(state["data"])
         if "group_size" in state:
-            self.num_generations = state["group_size"]["num_generations"]
-            self.group_epoch = state["group_size"]["epoch"]
+            g = state["group_size"]
+            # the saved G is the method's (FastRL's ARS) where it set one; else the config's, now this one's
+            method_set = g["num_generations"] != g.get("configured", g["num_generations"])
+            self.num_generations = g["num_generations"] if method_set or "configured" not in g else self.num_generations
+            self.group_epoch = g["epoch"]
         self.method.load_state_dict(state.get("method", {}))
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.eval_before = state["eval_before"]
         self.saved_step = self.step
+
+    def _apply_optim_config(self) -> None:
+        """The loaded optimizer and schedule state carry the run's earlier lr, weight decay,
+        betas and eps: a resume with other values (which --resume warns of, and records in
+        config.yaml) trains with the new ones, at the schedule's current step. With the same
+        values this changes nothing."""
+        oc, groups = self.cfg.optim, self.optimizer.param_groups
+        for group in groups:
+            group.update(weight_decay=oc.weight_decay, betas=tuple(oc.betas), eps=oc.eps, initial_lr=oc.lr)
+        self.lr_scheduler.base_lrs = [oc.lr] * len(groups)
+        factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+        for group in groups:
+            group["lr"] = oc.lr * factor
+        self.lr_scheduler._last_lr = [group["lr"] for group in groups]
 
     def _load_averaged(self, path: Path, tensors: dict, state: dict) -> None:
         """After an averaged run's model/ (the average) is loaded: the raw weights and the average."""
