@@ -186,6 +186,25 @@ def test_async_timeout_raises_and_zeroes():
     assert scores.errors == 1
 
 
+def test_async_atom_that_blocks_the_loop_past_the_timeout_fails_and_says_why():
+    """time.sleep in an async atom holds the event loop, so no asyncio timeout can fire: the
+    call's own busy time catches it afterwards, and its late value is not taken as a pass."""
+    @reward_atom("blocking")
+    async def blocking(s):
+        time.sleep(0.2 if s.completion else 0)  # noqa: ASYNC251 -- the mistake under test
+        await asyncio.sleep(0)
+        return 1.0
+
+    samples = make_samples([0, 1])
+    with pytest.raises(RewardError, match=r"blocked the event loop for 0\.2\d* s, past the timeout of 0\.1 s") as info:
+        Reward([blocking], timeout=0.1).score(samples)
+    assert (info.value.atom, info.value.sample_index) == ("blocking", 1)
+    with pytest.warns(RuntimeWarning, match="blocking"):
+        scores = Reward([blocking], timeout=0.1, on_error="zero").score(samples)
+    assert scores.values[:, 0].tolist() == [1.0, 0.0] and scores.errors == 1
+    assert Reward([blocking], timeout=1.0).score(samples).values[:, 0].tolist() == [1.0, 1.0]  # within it: its value
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_sync_timeout_raises_and_zeroes(batched):
     """A sync atom that hangs is timed out too (it was waited on forever): it runs in a thread."""

@@ -45,6 +45,7 @@ import numbers
 import re
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -194,7 +195,9 @@ class Reward:
         (score it 0, count it in AtomScores.errors, warn once per score call).
     timeout: seconds allowed for each call of an atom; None = no limit. A sync atom then runs
         in a thread of its own so that it can be timed; one that hangs is reported as timed
-        out and its thread is left behind (Python cannot stop a thread).
+        out and its thread is left behind (Python cannot stop a thread). An async atom is
+        timed on the event loop; one that blocks the loop (time.sleep, a blocking client)
+        cannot be interrupted, and fails as timed out once its own running time is past it.
     """
 
     def __init__(
@@ -320,16 +323,45 @@ def _call(fn: Callable, arg, timeout: float | None = None) -> tuple[Any, BaseExc
 
 async def _call_async(fn: Callable, arg, timeout: float | None) -> tuple[Any, BaseException | None]:
     try:
-        task = asyncio.ensure_future(fn(arg))
+        timed = _Busy(fn(arg))
+        task = asyncio.ensure_future(timed)
         if timeout is None:
             return await task, None
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             task.cancel()  # drained when the loop closes
             return None, _AtomTimeout(f"timed out after {timeout} s")
+        if timed.busy > timeout:  # it blocked the loop, so the wait above could not fire in time
+            return None, _AtomTimeout(f"blocked the event loop for {timed.busy:.3g} s, past the timeout of {timeout} s "
+                                      "(an async atom must await; blocking work belongs in a sync atom, which "
+                                      "runs in a thread of its own)")
         return task.result(), None
     except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
         return None, e
+
+
+class _Busy:
+    """Awaits a coroutine and adds up the time spent running its own code between its awaits:
+    a call that blocks (time.sleep, a blocking client) holds the event loop, which no
+    asyncio timeout can interrupt, so its busy time is how it is caught afterwards."""
+
+    def __init__(self, coro):
+        self.coro, self.busy = coro, 0.0
+
+    def __await__(self):
+        steps, value, error = self.coro.__await__(), None, None
+        while True:
+            start = time.perf_counter()
+            try:
+                out = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as stop:
+                self.busy += time.perf_counter() - start
+                return stop.value
+            self.busy += time.perf_counter() - start
+            try:
+                value, error = (yield out), None
+            except BaseException as e:  # noqa: BLE001 -- e.g. a cancellation, passed on to the coroutine
+                value, error = None, e
 
 
 class _ScoreRun:
