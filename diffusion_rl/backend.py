@@ -161,8 +161,10 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
            n: int) -> list[dict]:
     """n images for each prompt (default: the first two held-out prompts), ODE from seeds 0..n-1,
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
-    another's images) and scored."""
-    from diffusion_rl.tasks.shapes_geneval import score_image
+    another's images) and scored: the scene-graph verdicts, and where the task has other atoms
+    (task.image_atoms, reward.atoms) each of those and the reward's total."""
+    from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image
+    from mmrl.core.rewards import Sample
 
     prompts = prompts or task.eval_prompts[:2]
     texts = [p for p in prompts for _ in range(n)]
@@ -173,6 +175,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     taken = [int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit()]
     out = root / f"{max(taken, default=-1) + 1:03d}"
     out.mkdir()
+    extra = [name for name in task.reward.names if name not in (*ATOM_TYPES, "all")]  # image atoms, reward.atoms
     rows = []
     for k, (text, seed, image) in enumerate(zip(texts, seeds, images)):
         path = out / f"{k:03d}_seed{seed}.png"
@@ -183,6 +186,10 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
             shown = text if len(text) <= 120 else text[:117] + "..."
             warnings.warn(f"{shown!r}: not scored ({e})", stacklevel=2)
             atoms = {}
+        if atoms and extra:
+            scores = task.reward.score([Sample(text, image)])
+            atoms.update({name: float(scores.values[0, scores.names.index(name)]) for name in extra})
+            atoms["reward"] = float(scores.total[0])
         rows.append({"prompt": text, "seed": seed, "image": str(path), **atoms})
     return rows
 

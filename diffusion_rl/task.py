@@ -7,7 +7,8 @@ prompts the shapes grammar cannot decompose (task.unparsed=whole_prompt) are lef
 those (nan if none is left) and scored by the task's reward instead, whose shapes atoms give
 them 0: `unparsed_prompts` (how many) and `whole_prompt_reward` (the mean total over their images).
 The hardest prompts, those with at least `hard_min_atoms` atoms, are also scored on their own
-under `hard/` (the same keys). In shapes-geneval a prompt has 3 atoms (one phrase) or 7 (two
+under `hard/` (the same keys). A run with other atoms (task.image_atoms, such as a CLIP score,
+or reward.atoms) also gets `reward` (the mean total over every image) and each such atom's mean. In shapes-geneval a prompt has 3 atoms (one phrase) or 7 (two
 phrases and a relation), so the default 4 picks the relational prompts.
 `save_samples` draws a grid of the first held-out prompts for before/after comparison.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from diffusion_rl.policy import to_sample
 from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
 from mmrl.core.rewards import Reward, Sample
 
@@ -65,6 +67,11 @@ class DiffusionTask:
             rest = [Sample(p, i) for p, i, k in zip(prompts, images, ok) if not k]
             out["unparsed_prompts"] = float(len({s.prompt for s in rest}))
             out["whole_prompt_reward"] = float(self.reward.score(rest).total.mean())
+        extra = [name for name in self.reward.names if name not in (*ATOM_TYPES, "all")]
+        if extra:  # task.image_atoms and the run's reward.atoms: scored as training scores them
+            scores = self.reward.score([to_sample(p, i) for p, i in zip(prompts, images)])
+            out["reward"] = float(scores.total.double().mean())
+            out.update({name: float(scores.values[:, scores.names.index(name)].double().mean()) for name in extra})
         return out
 
     def save_samples(self, policy, out_dir: str | Path, tag: str) -> Path | None:

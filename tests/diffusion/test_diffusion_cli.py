@@ -40,6 +40,22 @@ def test_train_writes_summary_grids_and_a_loadable_checkpoint(tmp_path):
     assert Path(row["image"]).parent.name == "001" and Path(rows[0]["image"]).is_file()  # nothing overwritten
 
 
+def test_eval_and_sample_score_the_configs_own_atoms(tmp_path):
+    """An atom added by reward.atoms is scored in held-out evaluation and by `sample`, as in training."""
+    (tmp_path / "atoms.py").write_text(
+        "def bright(sample):\n    return sum(sample.completion.convert('L').getdata()) / 255 / "
+        "(sample.completion.width * sample.completion.height)\n")
+    atom = ["--set", f'reward.atoms=["{tmp_path / "atoms.py"}:bright"]', "--set", f"output_dir={tmp_path / 'run'}"]
+    r = run("eval", *SHORT, *atom)
+    assert r.returncode == 0, r.stderr[-2000:]
+    metrics = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0.0 < metrics["bright"] <= 1.0 and metrics["reward"] > metrics["bright"] and "atom_accuracy" in metrics
+    r = run("sample", *SHORT, *atom, "--num", "1", "--prompt", "a red circle")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert 0.0 < row["bright"] <= 1.0 and "colour[red circle]" in row and row["reward"] >= row["bright"]
+
+
 def test_sample_greedy_is_refused_before_the_model_is_built(tmp_path):
     r = run("sample", "--greedy", "--set", f"model.path={tmp_path / 'not-built'}")
     assert r.returncode == 3 and "no greedy decode" in r.stderr and "seed 0" in r.stderr
