@@ -16,7 +16,6 @@ embedded default run when its checkpoint is missing (the demo's first use).
 from __future__ import annotations
 
 import html
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,10 +60,14 @@ class ModelPair:
     def get(self, which: str):
         """(policy, task) of "before" or "after", built once."""
         if which not in self._built:
-            # A LoRA run's VLM / dLLM checkpoint holds the adapter alone: build the base, load it.
+            from mmrl.core.trainer import with_config_atoms
+
+            # A LoRA run's checkpoint holds the adapter alone: build the base, load it.
             adapter = which == "after" and is_adapter_dir(self.tuned_path)
             path = self.base_path if which == "before" or adapter else self.tuned_path
-            policy, task = self.backend.build(self.config(path))
+            cfg = self.config(path)
+            policy, task = self.backend.build(cfg)
+            with_config_atoms(task, cfg)  # the run's reward.atoms: totals are the training reward
             if adapter:
                 policy.load_weights(self.tuned_path)
             policy.model.eval()
@@ -110,7 +113,7 @@ def pair_rollout(pair: ModelPair, which: str):
 def compare_diffusion(pair: ModelPair, prompt: str, seeds: list[int]) -> dict[str, list[Shown]]:
     """One ODE image per seed per model, each scored by the shapes-geneval detector (a prompt
     its grammar cannot parse is drawn but not scored)."""
-    from diffusion_rl.tasks.shapes_geneval import score_image
+    from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image
     from mmrl.core.rewards import Sample
 
     out = {}
@@ -121,7 +124,10 @@ def compare_diffusion(pair: ModelPair, prompt: str, seeds: list[int]) -> dict[st
         for s, image in zip(seeds, images):
             try:
                 atoms: dict[str, float | None] = score_image(image, prompt)  # every atom of the scene graph
-                total = float(task.reward.score([Sample(prompt, image)]).total[0])  # the training reward
+                scores = task.reward.score([Sample(prompt, image)])  # the training reward
+                atoms.update({n: float(v) for n, v in zip(scores.names, scores.values[0].tolist())
+                              if n not in (*ATOM_TYPES, "all")})  # its image atoms and reward.atoms
+                total = float(scores.total[0])
             except ValueError as e:
                 atoms, total = {"(not scored)": None}, None
                 shown.append(Shown(f"seed {s}", image, atoms, total, extra={"why": str(e)}))
@@ -133,21 +139,16 @@ def compare_diffusion(pair: ModelPair, prompt: str, seeds: list[int]) -> dict[st
 
 # ------------------------------------------------------------------ diffusion LMs
 
-_ARITH = re.compile(r"^\s*(\d+)\s*([-+*])\s*(\d+)\s*=?\s*$")
-
-
 def dllm_problem(text: str, task_type: str = "arith"):
-    """A typed prompt as a Problem: arith prompts ("12+7=") get their exact answer; anything
-    else an empty answer (the answer atom is then shown as unknown)."""
-    from dllm_rl.tasks import Problem
-    from dllm_rl.tasks.arith import solve
+    """A typed prompt as a Problem: one in the task's format (spaces and the final "=" may be
+    left out: " 12 + 7") gets its exact answer; anything else an empty answer (the answer atom
+    is then shown as unknown)."""
+    from dllm_rl.tasks import TASKS, Problem
 
-    m = _ARITH.match(text) if task_type == "arith" else None
-    if m:
-        a, op, b = int(m[1]), m[2], int(m[3])
-        prompt, answer = f"{a}{op}{b}=", str(solve(a, op, b))
-        return Problem(prompt, answer, answer, {"answer": answer})
-    return Problem(text, "", "", {"answer": ""})
+    prompt = "".join(text.split())
+    prompt += "" if prompt.endswith("=") else "="
+    spec = TASKS.get(task_type)
+    return (spec and spec.parse_problem(prompt)) or Problem(text, "", "", {"answer": ""})
 
 
 def denoising_order(policy, result, row: int) -> str:

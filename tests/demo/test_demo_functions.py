@@ -105,6 +105,7 @@ def test_compare_diffusion_scores_every_atom_and_refuses_nothing(tiny_runs):
 def test_dllm_problems_and_the_denoising_order(tiny_runs):
     assert dllm_problem("12+7=").answer == "19" and dllm_problem(" 3 * 4 ").prompt == "3*4="
     assert dllm_problem("5-9").answer == "-4" and dllm_problem("hello").answer == ""
+    assert dllm_problem("1204|0012|2100|4320=", "sudoku").answer == "1234|3412|2143|4321"
     pair = ModelPair(RunInfo.load(tiny_runs["dllm"]))
     out = compare_dllm(pair, dllm_problem("12+7="), n=2, seed=0, strategy="fork")
     for side in ("before", "after"):
@@ -117,6 +118,18 @@ def test_dllm_problems_and_the_denoising_order(tiny_runs):
                              commit_step=torch.tensor([[1, 0, 1]]), fallback=torch.tensor([[True, False]]))
     html = denoising_order(policy, result, 0)
     assert html.count('class="tok"') == 2 and html.count("(fallback)") == 1  # step 0 fell back; eos not shown
+
+
+def test_the_runs_own_atoms_are_shown_and_counted_in_the_total(tmp_path, train_run):
+    """A run trained with reward.atoms: the demo scores with them, so its totals are the training reward."""
+    (tmp_path / "atoms.py").write_text("def two(sample):\n    return 1.0\n")
+    spec = json.dumps([{"path": str(tmp_path / "atoms.py") + ":two", "weight": 2.0}])
+    train_run("dllm", tmp_path / "run", f"reward.atoms={spec}")
+    pair = ModelPair(RunInfo.load(tmp_path / "run"))
+    for shown in compare_dllm(pair, dllm_problem("12+7="), n=1).values():
+        for s in shown:
+            assert s.atoms["two"] == 1.0
+            assert s.total == pytest.approx(0.1 * s.atoms["format"] + s.atoms["answer"] + 2.0)
 
 
 @pytest.mark.parametrize("modality", ["vlm", "diffusion", "dllm"])
