@@ -77,6 +77,14 @@ class DLLMRolloutConfig(RolloutConfig):
         self.__dict__["max_new_tokens"] = self.gen_length  # not setattr: that re-validates
         return self
 
+    @model_validator(mode="after")
+    def _no_nucleus(self):
+        """The block sampler draws from the whole softmax at `temperature`: a top_p would be ignored."""
+        if self.top_p != 1.0:
+            raise ValueError(f"top_p ({self.top_p}) is not used by the dLLM sampler, which draws from the whole "
+                             "softmax at rollout.temperature; leave it at 1")
+        return self
+
 
 class DLLMTaskConfig(Section):
     """Verifiable problems: `arith` (addition, subtraction, multiplication) or `sudoku` (4x4)."""

@@ -181,6 +181,8 @@ CONFIG_ROWS = {
         lambda t: ["rollout: window_start [0, 1] must be a range lo <= hi within 0..0"]),
     "token-sampling-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.temperature=0.5"),
                                         lambda t: ["rollout: temperature is a language model's sampling setting"]),
+    "top-p-dllm": Row("dllm", lambda t: train(t, "rollout.top_p=0.9"),
+                      lambda t: ["rollout: top_p (0.9) is not used by the dLLM sampler"]),
     "token-length-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.max_new_tokens=64"),
                                       lambda t: ["rollout: max_new_tokens is a language model's sampling setting",
                                                  "rollout.num_steps"]),
