@@ -15,6 +15,7 @@ server-side rendering process; it binds to 127.0.0.1 unless --host says otherwis
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -115,6 +116,41 @@ def before_after(gr, prefix: str, gallery: bool = False) -> list:
     return out
 
 
+def shown_errors(gr, fn):
+    """fn, whose user errors (a missing run, a bad prompt or setting: ValueError and its kin,
+    FileNotFoundError) reach the page as their message: Gradio shows any other exception as a
+    bare "Error"."""
+
+    @functools.wraps(fn)  # Gradio reads the signature (its progress argument) through __wrapped__
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except (ValueError, FileNotFoundError) as e:
+            raise gr.Error(str(e)) from e
+
+    return wrapper
+
+
+def _number(gr, value, name: str, least: int = 0) -> int:
+    """A Number or Slider's value as an int; a cleared field (None) is an error that names it."""
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise gr.Error(f"{name} must be a whole number; got {value!r}") from None
+    if out < least:
+        raise gr.Error(f"{name} must be at least {least}; got {out}")
+    return out
+
+
+def _text(gr, value, what: str) -> str:
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise gr.Error(f"give {what}")
+    return text
+
+
 def build_app(demo: Demo):
     import gradio as gr
 
@@ -125,27 +161,29 @@ def build_app(demo: Demo):
     def vlm_run(image, question, current, n, seed, progress=gr.Progress()):
         from mmrl.vlm.tasks.shapes_qa import QAItem
 
-        pair = demo.pair("vlm", progress)
-        if image is None or not str(question).strip():
+        if image is None or not str(question or "").strip():
             raise gr.Error("give an image and a question (or press 'New held-out question')")
+        n, seed = _number(gr, n, "samples"), _number(gr, seed, "seed")
+        pair = demo.pair("vlm", progress)
         item = demo.held_out("vlm", current) if current is not None and current >= 0 else None
         if item is None or item.question != question:
             item = QAItem([image.convert("RGB")], str(question), "")
         with demo.lock:
-            out = compare_vlm(pair, item, int(n), int(seed))
+            out = compare_vlm(pair, item, n, seed)
         return samples_html(out["before"], "text"), samples_html(out["after"], "text")
 
     def diffusion_new(i):
         return demo.held_out("diffusion", i), int(i) + 1
 
     def diffusion_run(prompt, seeds, progress=gr.Progress()):
-        pair = demo.pair("diffusion", progress)
+        prompt = _text(gr, prompt, "a prompt (or press 'New held-out prompt')")
         try:
-            seed_list = [int(s) for s in str(seeds).replace(",", " ").split()] or [0]
+            seed_list = [int(s) for s in str(seeds or "").replace(",", " ").split()] or [0]
         except ValueError:
             raise gr.Error(f"seeds must be integers separated by commas; got {seeds!r}") from None
+        pair = demo.pair("diffusion", progress)
         with demo.lock:
-            out = compare_diffusion(pair, str(prompt), seed_list)
+            out = compare_diffusion(pair, prompt, seed_list)
         gallery = {w: [(s.output, f"{s.label}: total {s.total if s.total is not None else 'n/a'}") for s in out[w]]
                    for w in out}
         return gallery["before"], gallery["after"], samples_html(out["before"], "image"), \
@@ -155,11 +193,13 @@ def build_app(demo: Demo):
         return demo.held_out("dllm", i).prompt, int(i) + 1
 
     def dllm_run(text, n, seed, strategy, progress=gr.Progress()):
+        text = _text(gr, text, "a problem (or press 'New held-out problem')")
+        n, seed = _number(gr, n, "samples"), _number(gr, seed, "seed")
         pair = demo.pair("dllm", progress)
         with demo.lock:
             held = {p.prompt: p for p in pair.get("before")[1].eval_problems}
-            problem = held.get(str(text).strip()) or dllm_problem(str(text), pair.run.config["task"]["type"])
-            out = compare_dllm(pair, problem, int(n), int(seed), strategy or None)
+            problem = held.get(text.strip()) or dllm_problem(text, pair.run.config["task"]["type"])
+            out = compare_dllm(pair, problem, n, seed, strategy or None)
         return samples_html(out["before"], "text"), samples_html(out["after"], "text")
 
     def run_view(path):
@@ -176,6 +216,8 @@ def build_app(demo: Demo):
                  f"<table><tr><th>metric</th><th>before</th><th>after</th></tr>{rows}</table>")
         return plot_curves(run), table
 
+    vlm_new, vlm_run, diffusion_new, diffusion_run, dllm_new, dllm_run = (
+        shown_errors(gr, fn) for fn in (vlm_new, vlm_run, diffusion_new, diffusion_run, dllm_new, dllm_run))
     with gr.Blocks(title="mmrl: before / after", analytics_enabled=False) as app:
         gr.Markdown("# mmrl: before / after RL fine-tuning\nThe base model and the fine-tuned one, "
                     "the same seeds, every sample's reward atoms.")

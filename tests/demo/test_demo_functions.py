@@ -171,3 +171,29 @@ def test_report_of_a_directory_that_is_no_run_is_one_line(tmp_path):
                           check=False)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {tmp_path} is not a run directory")
     assert "Traceback" not in proc.stderr
+
+
+def test_handlers_show_user_errors_as_their_message(tiny_runs, tmp_path):
+    """Gradio shows any exception but gr.Error as a bare "Error": every tab's handlers turn
+    empty input, cleared numbers, a missing run and bad settings into their message."""
+    gr = pytest.importorskip("gradio")
+    from mmrl.demo.app import Demo, build_app
+
+    demo = Demo([RunInfo.load(tiny_runs[m]) for m in ("vlm", "diffusion", "dllm")], train_missing=False)
+    fns = {bf.fn.__name__: bf.fn for bf in build_app(demo).fns.values() if bf.fn is not None}
+    image = Image.new("RGB", (32, 32), "white")
+    cases = [
+        (lambda: fns["diffusion_run"]("  ", "0"), "give a prompt"),
+        (lambda: fns["dllm_run"]("", 1, 0, "fork"), "give a problem"),
+        (lambda: fns["vlm_run"](image, "q?", -1, None, 0), "samples must be a whole number; got None"),
+        (lambda: fns["dllm_run"]("12+7=", 1, -3, "fork"), "seed must be at least 0"),
+        (lambda: fns["dllm_run"]("12+7=", 1, 0, "bogus"), "bogus"),
+        (lambda: fns["dllm_run"]("1" * 500 + "+2=", 1, 0, "fork"), "context"),
+    ]
+    for call, message in cases:
+        with pytest.raises(gr.Error, match=message):
+            call()
+    demo.chosen["vlm"] = tmp_path / "missing"
+    demo.pairs.pop("vlm", None)
+    with pytest.raises(gr.Error, match="has no checkpoint"):
+        fns["vlm_run"](image, "q?", -1, 1, 0)
