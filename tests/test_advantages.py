@@ -372,3 +372,27 @@ def test_grpo_advantage_unit_variance_in_group():
     )
     std = torch.tensor([2.0, 4.0, 9.0], dtype=torch.float64).std().item()
     assert math.isclose(adv.std().item(), std / (std + EPS), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_rewards_are_refused_naming_the_entry(bad):
+    """One NaN would spread through its group (under batch scale, through every group)."""
+    from mmrl.core.advantages import (
+        atom_advantages,
+        group_advantages,
+        multi_stream_advantages,
+        rloo_advantages,
+        zero_variance_groups,
+    )
+
+    r, g = torch.tensor([1.0, bad, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    for fn in (group_advantages, rloo_advantages, zero_variance_groups):
+        with pytest.raises(ValueError, match=r"rewards must be finite; entry 1 is"):
+            fn(r, g)
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, bad], [0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"scores must be finite; entry \(2, 1\) is"):
+        atom_advantages(scores, g)
+    with pytest.raises(ValueError, match="weights must be finite"):
+        multi_stream_advantages(torch.zeros(4, 2), g, torch.tensor([1.0, bad]))
+    with pytest.raises(ValueError, match="eps must be >= 0; got nan"):
+        group_advantages(torch.ones(4), g, eps=float("nan"))

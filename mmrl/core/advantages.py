@@ -70,6 +70,11 @@ def _as_values(values, name: str, ndim: int) -> Tensor:
         raise ValueError(f"{name} must have shape {shape}; got shape {tuple(values.shape)}")
     if values.is_complex():
         raise ValueError(f"{name} must be real-valued; got dtype {values.dtype}")
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        # one NaN would spread through its group's mean (under batch scale, through every group)
+        bad = (~torch.isfinite(values)).nonzero()[0].tolist()
+        raise ValueError(f"{name} must be finite; entry {bad[0] if ndim == 1 else tuple(bad)} is "
+                         f"{values[tuple(bad)].item()}")
     return values
 
 
@@ -131,7 +136,7 @@ def _batch_std(values: Tensor) -> Tensor:
 def _normalised(values: Tensor, group_ids, scale: str, eps: float) -> Tensor:
     """Shared body of group_advantages / atom_advantages; ``values`` [N] or [N, K]."""
     _check_choice(scale, SCALES, "scale")
-    if eps < 0:
+    if not eps >= 0:  # also refuses NaN
         raise ValueError(f"eps must be >= 0; got {eps}")
     v = values.to(_compute_dtype(values))
     stats = _moments(v, group_ids)
@@ -255,6 +260,8 @@ def multi_stream_advantages(
             f"weights must have shape [K] = [{scores.shape[1]}] (one per score column); "
             f"got shape {tuple(w.shape)}"
         )
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"weights must be finite; got {w.tolist()}")
     s = scores.to(dtype)
     if mode == "normalize_then_sum":
         adv = (_normalised(s, group_ids, scale, eps) * w).sum(dim=-1)  # [N]
