@@ -202,8 +202,13 @@ def test_policy_loss_errors():
         policy_loss(logp, OLD[:, :2], ADV, MASK)
     with pytest.raises(ValueError, match="mask"):
         policy_loss(logp, OLD, ADV, MASK[:, :2])
-    with pytest.raises(ValueError, match="clip"):
-        policy_loss(logp, OLD, ADV, MASK, clip_low=-0.1)
+    for clip_low in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="clip_low must lie in"):
+            policy_loss(logp, OLD, ADV, MASK, clip_low=clip_low)
+    for bound in (-1.0, 0.0):  # a negative bound clamped every log-ratio to it
+        with pytest.raises(ValueError, match="max_log_ratio must be > 0"):
+            policy_loss(logp, OLD, ADV, MASK, max_log_ratio=bound)
+    assert torch.equal(policy_loss(logp, OLD, ADV.tolist(), MASK).loss, policy_loss(logp, OLD, ADV, MASK).loss)
     with pytest.raises(ValueError, match="denom"):
         policy_loss(logp, OLD, ADV, MASK, denom=0)
 

@@ -223,8 +223,10 @@ def policy_loss(
     """
     _check_choice(level, LEVELS, "level")
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}")
+    if not (0 <= clip_low <= 1 and clip_high >= 0):  # also refuses NaN; 1 - clip_low is a ratio, >= 0
+        raise ValueError(f"clip_low must lie in [0, 1] and clip_high be >= 0; got {clip_low}, {clip_high}")
+    if max_log_ratio is not None and not max_log_ratio > 0:
+        raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp); got {max_log_ratio}")
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [N, T]; got {tuple(logp.shape)}")
     if old_logp.shape != logp.shape:
@@ -233,7 +235,7 @@ def policy_loss(
         )
     m = _bool_mask(mask, logp.shape)  # [N, T]
     n, t = logp.shape
-    adv = advantages.detach()
+    adv = torch.as_tensor(advantages, device=logp.device).detach()
     if adv.dim() == 1 and adv.shape[0] == n:
         adv = adv[:, None].expand(n, t)  # [N, T]
     elif tuple(adv.shape) != (n, t):
