@@ -354,6 +354,16 @@ def test_bad_values_raise(returned, expected):
     assert info.value.sample_index == 1
 
 
+def test_fraction_and_decimal_values_are_numbers():
+    from decimal import Decimal
+    from fractions import Fraction
+
+    scores = Reward([value_atom("v")]).score(make_samples([Fraction(1, 4), Decimal("0.5"), True]))
+    assert scores.values[:, 0].tolist() == [0.25, 0.5, 1.0]
+    with pytest.raises(RewardError, match="returned nan"):
+        Reward([value_atom("v")]).score(make_samples([Decimal("NaN")]))
+
+
 def test_batched_wrong_count_and_bad_element():
     three = RewardAtom("three", lambda samples: [1.0, 1.0, 1.0], batched=True)
     with pytest.raises(RewardError, match="returned 3 values for 4 samples") as info:

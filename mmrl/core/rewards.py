@@ -37,6 +37,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import decimal
 import importlib.util
 import inspect
 import itertools
@@ -435,7 +436,7 @@ class _ScoreRun:
 
 
 def _to_float(value) -> float:
-    """bool, int, float, 0-d tensor or numpy scalar -> finite float, else _BadValue."""
+    """bool, int, float, Fraction, Decimal, 0-d tensor or numpy scalar -> finite float, else _BadValue."""
     if inspect.isawaitable(value):
         if inspect.iscoroutine(value):
             value.close()  # no "never awaited" warning
@@ -447,7 +448,7 @@ def _to_float(value) -> float:
                 "expected a number"
             )
         value = value.item()
-    if not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real | decimal.Decimal):  # Decimal is no numbers.Real, but a real number
         got = "None" if value is None else _a(type(value).__name__)
         raise _BadValue(f"returned {got}, expected a number")
     try:
