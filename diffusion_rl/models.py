@@ -91,6 +91,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError
 from mmrl.core.lora import seeded
 
@@ -978,6 +979,9 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
     if module:
         kwargs["torch_dtype" if library == "diffusers" else "dtype"] = dtype
         kwargs["output_loading_info"] = True
+        kwargs["use_safetensors"] = True  # never unpickle: a .bin-only component is refused
+    if module:
+        refuse_pickled_weights(root / name, f"component {name!r}")
     try:
         loaded = cls.from_pretrained(str(root), **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:

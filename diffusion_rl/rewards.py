@@ -531,6 +531,7 @@ class _HFClipScorer:
                 self.model_dir,
                 local_files_only=True,
                 dtype=getattr(torch, self.dtype) if self.dtype else torch.float32,
+                use_safetensors=True,  # never unpickle
             )
         except Exception as e:
             raise RuntimeError(

@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from mmrl.core.checkpoint import refuse_pickled_weights
+
 __all__ = [
     "ATTENTIONS",
     "KINDS",
@@ -447,9 +449,10 @@ def load_mask_predictor(
         )
 
     model_cls = _model_class(kind, auto_map)
-    load_kwargs = {"dtype": _DTYPES[dtype], **remote}
+    load_kwargs = {"dtype": _DTYPES[dtype], "use_safetensors": True, **remote}  # never unpickle
     if attn_implementation is not None:
         load_kwargs["attn_implementation"] = attn_implementation
+    refuse_pickled_weights(root)  # the caller names model.path
     try:
         model, info = model_cls.from_pretrained(root, output_loading_info=True, **load_kwargs)
     except (OSError, ValueError, KeyError) as e:

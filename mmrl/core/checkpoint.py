@@ -260,12 +260,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # torch.save files: loading one unpickles, which can run code
+
+
+def refuse_pickled_weights(directory: str | Path, what: str = "") -> None:
+    """A model directory whose weights are pickled only (pytorch_model.bin and kin, no
+    safetensors) is refused with what to do: every loader here reads safetensors alone
+    (from_pretrained(use_safetensors=True)), since unpickling a file can run its code."""
+    root = Path(directory)
+    if not root.is_dir() or any(root.glob("*.safetensors")):
+        return
+    pickled = sorted(f.name for pattern in PICKLED for f in root.glob(pattern))
+    if pickled:
+        from mmrl.core.config import ConfigError
+
+        raise ConfigError(f"{what}{': ' if what else ''}{root} holds pickled weights only ({', '.join(pickled[:3])}); mmrl loads "
+                          "safetensors alone, since unpickling a file can run code. Convert them where you trust "
+                          "them: from_pretrained(...) then save_pretrained(..., safe_serialization=True)")
+
+
 def load_weights_in_place(model, path: str | Path) -> None:
     """Copy the from_pretrained weights in `path` into `model` (a transformers model), in
     place, so an optimizer holding its parameters keeps them. transformers renames keys
     between a module and its file (e.g. Qwen-VL's "model.language_model.*" is saved as
     "model.*"), so the file is read through from_pretrained, not as a raw state dict."""
-    fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype)
+    refuse_pickled_weights(path, "--checkpoint")
+    fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype, use_safetensors=True)
     missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
     if missing or unexpected:
         raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "

@@ -172,7 +172,7 @@ class ConsistencyModel:
         if not any(a.endswith("ForSequenceClassification") for a in archs):
             raise ValueError(f"consistency model {str(path)!r} is not a sequence classifier (architectures: {archs})")
         _consistent_index(config, f"consistency model {str(path)!r}")  # before loading anything
-        model = AutoModelForSequenceClassification.from_pretrained(where, config=config)
+        model = AutoModelForSequenceClassification.from_pretrained(where, config=config, use_safetensors=True)
         return cls(model, AutoTokenizer.from_pretrained(where), device)
 
     @torch.no_grad()

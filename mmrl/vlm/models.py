@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
 
@@ -70,10 +71,12 @@ def load_vlm(mcfg, seed: int = 0):
             stacklevel=2,
         )
         cls = AutoModelForImageTextToText
+    refuse_pickled_weights(path, "model.path")
     try:
         model, info = cls.from_pretrained(
             path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
             trust_remote_code=mcfg.trust_remote_code, output_loading_info=True,
+            use_safetensors=True,  # never unpickle: a .bin-only directory is refused
         )
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
     except (OSError, ValueError) as e:

@@ -361,6 +361,19 @@ def _more_layers(c: dict) -> None:
     t["layer_types"] = [*t["layer_types"], t["layer_types"][-1]]
 
 
+def pickled(tmp: Path, asset: str, weights: str, name: str = "pytorch_model.bin") -> Path:
+    """The asset with `weights` (a safetensors file) saved by torch.save as `name` instead: a
+    file that would unpickle, and must never be loaded."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = model_copy(tmp, asset)
+    f = d / weights
+    torch.save(load_file(f), f.with_name(name))
+    f.unlink()
+    return d
+
+
 def model_args(modality: str, make: Callable[[Path], Path], *more: str, verb: str = "train"):
     return lambda t: train(t, f"model.path={make(t)}", *more, verb=verb)
 
@@ -413,6 +426,16 @@ MODEL_ROWS = {
         "diffusion", model_args("diffusion", lambda t: edit_json(
             t, "tiny-flow", "transformer/config.json", _set("num_attention_heads", 3))),
         lambda t: ["model.path", str(t / "model"), "transformer"]),
+    "pickled-weights-vlm": Row(
+        "vlm", model_args("vlm", lambda t: pickled(t, "tiny-qwen2.5-vl", "model.safetensors")),
+        lambda t: ["model.path", str(t / "model"), "pickled weights only (pytorch_model.bin)", "safe_serialization=True"]),
+    "pickled-weights-dllm": Row(
+        "dllm", model_args("dllm", lambda t: pickled(t, "tiny-dllm", "model.safetensors")),
+        lambda t: ["model.path", str(t / "model"), "pickled weights only (pytorch_model.bin)"]),
+    "pickled-weights-diffusion": Row(
+        "diffusion", model_args("diffusion", lambda t: pickled(t, "tiny-flow", "transformer/diffusion_pytorch_model"
+                                                               ".safetensors", "diffusion_pytorch_model.bin")),
+        lambda t: ["component 'transformer'", "pickled weights only (diffusion_pytorch_model.bin)"]),
     "remote-code-off-vlm": Row(
         "vlm", model_args("vlm", lambda t: remote_code(t, "tiny-qwen2.5-vl", "Qwen2_5_VLConfig")),
         lambda t: ["model.trust_remote_code=true", str(t / "model")],
