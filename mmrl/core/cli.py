@@ -298,6 +298,8 @@ def load_checkpoint(policy, path: Path) -> None:
     model = resolve_checkpoint(path)
     try:
         policy.load_weights(model)
+    except ConfigError as e:  # ours: already says what is wrong with the directory
+        raise CheckpointError(f"--checkpoint {path}: {e}") from e
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:  # from_pretrained's, on a wrong directory
         raise CheckpointError(f"--checkpoint {path}: cannot load this model's weights from {model} "
                               f"({type(e).__name__}: {e})") from e
