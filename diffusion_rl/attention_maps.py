@@ -1,6 +1,6 @@
 """CAST's pixel-space projection: teacher-forced attention of image queries to text keys.
 
-CAST (METHODS.md section 4, step 5; a RECONSTRUCTION, see diffusion_rl/methods/cast.py) re-runs
+CAST (docs/methods.md section 4, step 5; a RECONSTRUCTION, see diffusion_rl/methods/cast.py) re-runs
 the model on the stored x_t of the window and reads, in the joint attention of FLUX-style and
 SD3-style transformers, how much each image token attends to each text token:
 
@@ -50,7 +50,7 @@ def joint_attention_modules(flow) -> list[nn.Module]:
 
 
 def default_layers(n: int) -> list[int]:
-    """The middle half of n layers (at least one): METHODS.md's "middle layers"."""
+    """The middle half of n layers (at least one): CAST's "middle layers"."""
     lo, hi = n // 4, n - n // 4
     return list(range(lo, hi)) if hi > lo else [n // 2]
 

@@ -1,4 +1,4 @@
-"""CAST's SDE window from the model's own trajectory (METHODS.md section 4, CAST item 4).
+"""CAST's SDE window from the model's own trajectory (docs/methods.md section 4, CAST item 3).
 
 RECONSTRUCTION: no paper text or code was available; the rules below are ours.
 

@@ -82,7 +82,7 @@ class DiffusionRolloutConfig(RolloutConfig):
     eval_steps: int | None = Field(None, ge=1)
     """Denoising steps of evaluation (ODE); None = num_steps."""
     shift: Literal["sd3", "flux", "none"] = "flux"
-    """Time shift of the sigma schedule (METHODS.md section 4)."""
+    """Time shift of the sigma schedule (docs/methods.md section 4)."""
     kind: Literal["sde", "cps"] = "sde"
     noise_level: float = Field(0.7, ge=0)
     """a: the SDE's noise scale."""
@@ -142,7 +142,7 @@ class EMAConfig(Section):
 
 
 class FlowGRPOConfig(Section):
-    """Flow-GRPO (METHODS.md section 4): group z-scored advantages, clipped; a PPO ratio
+    """Flow-GRPO (docs/methods.md section 4): group z-scored advantages, clipped; a PPO ratio
     clip per SDE step; KL to the reference on the step means."""
 
     type: Literal["flow_grpo"] = "flow_grpo"
@@ -159,7 +159,7 @@ class FlowGRPOConfig(Section):
 
 
 class FTFCConfig(Section):
-    """FTFC, Fenchel Tilt Flow Control (METHODS.md section 4; a RECONSTRUCTION, see
+    """FTFC, Fenchel Tilt Flow Control (docs/methods.md section 4; a RECONSTRUCTION, see
     diffusion_rl/methods/ftfc.py): per-prompt tilt weights w = (f*)'((r - lambda) / beta) from
     the Fenchel dual of max E_p[r] - beta D_f(p || p0), frozen, then importance-weighted flow
     matching on the pool's clean latents. No log-probs: rollouts may be ODE (noise_level 0)."""
@@ -230,7 +230,7 @@ class FTFCConfig(Section):
 
 
 class CASTConfig(FlowGRPOConfig):
-    """CAST, Causal Advantage-Structured Training (METHODS.md section 4; a RECONSTRUCTION, see
+    """CAST, Causal Advantage-Structured Training (docs/methods.md section 4; a RECONSTRUCTION, see
     diffusion_rl/methods/cast.py): signed per-atom group advantages
     A_ik = (r_ik - mean_k) / (std_k + std_eps); the SDE window calibrated from the model's own
     trajectory; each atom's advantage projected to the image through the attention of image

@@ -1,7 +1,7 @@
-"""FTFC's learned effective reward g_phi(x, c) (METHODS.md section 4) -- a RECONSTRUCTION.
+"""FTFC's learned effective reward g_phi(x, c) (docs/methods.md section 4) -- a RECONSTRUCTION.
 
-METHODS.md: "fit an effective reward g_phi(x, c) (and lambda(c) per prompt) by minimising that
-dual on samples of the pretrained model; freeze the weights w = (f*)'(g_phi)". The paper's
+The method fits an effective reward g_phi(x, c) (and lambda(c) per prompt) by minimising that
+dual on samples of the pretrained model, and freezes the weights w = (f*)'(g_phi). The paper's
 network and fitting recipe are unknown; ours:
 
     network   g_phi(x, c) = MLP([flatten(x1), prompt features of c]) -> a scalar, on the pool's

@@ -1,7 +1,7 @@
 """FTFC's tilt weights: the f-divergence-regularised optimum and its Fenchel dual (pure tensors).
 
 RECONSTRUCTION: neither the FTFC paper's text nor its code was available; this follows
-METHODS.md section 4 and our own derivation. Target, for one prompt c with pretrained p0:
+docs/methods.md section 4 and our own derivation. Target, for one prompt c with pretrained p0:
 
     max_p  E_p[r] - beta D_f(p || p0),      D_f(p || p0) = E_p0[f(w)],  w = dp / dp0 >= 0.
 
@@ -17,13 +17,13 @@ f(1) = 0, f convex, on w >= 0) and what follows from them:
                 lambda = beta log mean exp(r / beta) - beta, so w = G softmax(r / beta) in the group
                 (the "- beta" is the convention of this generator; w log w - w + 1 drops it)
     pearson     f = (w - 1)^2      f*(u) = u + u^2/4 (u >= -2), -1 (u < -2)
-                w = max(0, 1 + u / 2)                  [METHODS.md's form; (w-1)^2/2 gives 1 + u]
+                w = max(0, 1 + u / 2)                  [the method's form; (w-1)^2/2 gives 1 + u]
     reverse_kl  f = -log w         f*(u) = -1 - log(-u) (u < 0), +inf otherwise
                 w = -1 / u = beta / (lambda - r)       needs lambda > max r
     hellinger   f = (sqrt(w) - 1)^2   f*(u) = u / (1 - u) (u < 1), +inf otherwise
                 w = (1 - u)^-2                         needs (r - lambda) / beta < 1
 
-All four agree with METHODS.md's closed forms. lambda is solved per group so that the sample
+All four agree with the closed forms of docs/methods.md section 4. lambda is solved per group so that the sample
 mean of w is 1 (the sample version of E_p0[w] = 1): in closed form for kl, by bisection on a
 bracket that provably holds the root for the others (comments in `solve_lambda`).
 
@@ -246,7 +246,7 @@ class PosteriorMoments:
 
 
 def posterior_moments(x_t: Tensor, t: Tensor, pools: list[Tensor], weights: list[Tensor]) -> PosteriorMoments:
-    """The Rao-Blackwellised flow-matching target of a pool (ours; not in METHODS.md).
+    """The Rao-Blackwellised flow-matching target of a pool (ours; not part of the published method).
 
     Flow matching on a pool draws x_t = (1 - t) x1_i + t eps from one sample i and regresses
     on u_i = eps - x1_i. Given x_t, though, i is only known up to the posterior pi above (the

@@ -10,7 +10,7 @@ classes rather than on `pipeline.__call__` (CONVENTIONS.md item 6):
     v = model.velocity(x, sigma, cond)                             # [N, L, C] float32, v ~ eps - x0
     images = model.decode(x)                                       # list of RGB PIL images
 
-Convention (diffusers', METHODS.md section 4): sigma in [0, 1], 1 = noise,
+Convention (diffusers', docs/methods.md section 4): sigma in [0, 1], 1 = noise,
 x_sigma = (1 - sigma) x0 + sigma eps; the transformer predicts v ~ eps - x0; an Euler step is
 x' = x + (sigma' - sigma) v. Latents always travel in the *packed token layout* the family's
 transformer consumes, [N, L, C] with L = `seq_len` image tokens:

@@ -1,4 +1,4 @@
-"""Which words of a prompt each reward atom is about: CAST's prompt parsers (METHODS.md section 4).
+"""Which words of a prompt each reward atom is about: CAST's prompt parsers (docs/methods.md section 4).
 
 CAST projects each atom's advantage to pixels through the attention of image queries to the
 atom's text tokens (diffusion_rl/attention_maps.py). A prompt parser says which characters of

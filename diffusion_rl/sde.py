@@ -8,7 +8,7 @@ and the model predicts the velocity ``v ~ eps - x0``. A deterministic (ODE, Eule
 ``sigma`` to ``sigma_next < sigma`` is ``x' = x + Delta v`` with ``Delta = sigma_next - sigma < 0``.
 For RL the step must be stochastic, with a density: :func:`sde_step_with_logprob` makes one
 Gaussian step ``x' = mean + std * eps`` and returns the log-probability of the sample it drew
-(or of a ``prev_sample`` it is given), as Flow-GRPO does (METHODS.md section 4). ``a`` below
+(or of a ``prev_sample`` it is given), as Flow-GRPO does (docs/methods.md section 4). ``a`` below
 is ``noise_level``.
 
 ``kind="sde"`` -- Flow-GRPO's reverse-time SDE, discretised by Euler-Maruyama::

@@ -34,7 +34,7 @@ class DLLMModelConfig(ModelConfig):
 
 
 class DLLMRolloutConfig(RolloutConfig):
-    """Semi-autoregressive block decoding (METHODS.md section 5)."""
+    """Semi-autoregressive block decoding (docs/methods.md section 5)."""
 
     gen_length: int = Field(16, ge=1)
     """Tokens generated per answer (the rest of an answer is <eos> filler)."""
@@ -138,7 +138,7 @@ class TraceRLConfig(Section):
 
 
 class SLIMRLConfig(Section):
-    """SLIM-RL (laolaorkkkkk/SLIM-RL; METHODS.md section 5): tau-budget rollouts, trace-free
+    """SLIM-RL (laolaorkkkkk/SLIM-RL; docs/methods.md section 5): tau-budget rollouts, trace-free
     training rows at Gauss-Legendre masking levels with a decreasing per-block mask schedule,
     a clamped sequence-level ratio, Dr.GRPO advantages, an accuracy-band group filter."""
 
@@ -165,7 +165,7 @@ class SLIMRLConfig(Section):
 
 
 class ForkGRPOConfig(Section):
-    """ForkGRPO (Fork-dLLM, arXiv 2609.39859; training rows a RECONSTRUCTION; METHODS.md section 5):
+    """ForkGRPO (Fork-dLLM, arXiv 2609.39859; training rows a RECONSTRUCTION; docs/methods.md section 5):
     one training row per fallback state of a fork rollout, the exact single-token ratio at the
     committed (leftmost) position, averaged per rollout over its fallback steps."""
 

@@ -2,7 +2,7 @@
 
 A LLaDA-style mask predictor (dllm_rl.tiny.build_tiny_dllm: a small Llama run with full
 bidirectional attention, a character tokenizer) is trained with LLaDA's masked-diffusion
-objective (METHODS.md section 5, dllm_rl.logprob.elbo_loss): t ~ U(0, 1), each answer token
+objective (docs/methods.md section 5, dllm_rl.logprob.elbo_loss): t ~ U(0, 1), each answer token
 masked with p = (1 - 1e-3) t + 1e-3, loss = sum over masked tokens of CE / p per answer
 token; the prompt is never masked. Answers are padded with <eos> to the task's generation
 length (arith 8, sudoku 20), and the <eos> filler is trained like any answer token, as in

@@ -1,7 +1,7 @@
-"""CAST, Causal Advantage-Structured Training (METHODS.md section 4).
+"""CAST, Causal Advantage-Structured Training (docs/methods.md section 4).
 
 RECONSTRUCTION: no paper text or code was available. What is here follows the method's
-summary in METHODS.md section 4; every choice below that the summary leaves open is ours,
+summary in docs/methods.md section 4; every choice below that the summary leaves open is ours,
 and where it matters it is a config option (diffusion_rl.config.CASTConfig).
 
 What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):

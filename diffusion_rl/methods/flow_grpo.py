@@ -1,4 +1,4 @@
-"""Flow-GRPO (Liu et al., arXiv 2505.05470; code: yifan123/flow_grpo), METHODS.md section 4.
+"""Flow-GRPO (Liu et al., arXiv 2505.05470; code: yifan123/flow_grpo), docs/methods.md section 4.
 
     rollout   G images per prompt by the SDE sampler; each SDE step is a Gaussian transition
               whose log-prob (mean over latent elements) is kept (diffusion_rl.policy)

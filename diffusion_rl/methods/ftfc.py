@@ -1,4 +1,4 @@
-"""FTFC, Fenchel Tilt Flow Control (METHODS.md section 4) -- a RECONSTRUCTION: neither the
+"""FTFC, Fenchel Tilt Flow Control (docs/methods.md section 4) -- a RECONSTRUCTION: neither the
 paper's text nor its code was available, so every design choice below is ours and is a
 config option (diffusion_rl.config.FTFCConfig).
 

@@ -15,7 +15,7 @@ Prompt grammar (case-insensitive, extra spaces and one trailing period tolerated
 
 Anything else raises ValueError naming the words that could not be parsed.
 
-Atoms (CAST's causal scene graph, METHODS.md section 4), for
+Atoms (CAST's causal scene graph, docs/methods.md section 4), for
 "two red circles left of a blue square", in this order (parents before children):
 
     exist[circle]                              a circle of any palette colour

@@ -1,4 +1,4 @@
-"""diffu-GRPO (d1: Zhao et al., arXiv 2504.12216; code: dllm-reasoning/d1), METHODS.md section 5.
+"""diffu-GRPO (d1: Zhao et al., arXiv 2504.12216; code: dllm-reasoning/d1), docs/methods.md section 5.
 
     rollout    G answers per prompt by the block sampler (rollout.strategy, low_confidence in d1)
     log-prob   one forward: every answer token masked, each prompt token masked with p = 0.15;

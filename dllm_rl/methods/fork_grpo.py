@@ -1,5 +1,5 @@
 """ForkGRPO and its baseline AR-GRPO (Fork-dLLM, arXiv 2609.39859; paper read, no code),
-METHODS.md section 5.
+docs/methods.md section 5.
 
     rollout    G answers per prompt by the Fork-dLLM sampler (rollout.strategy fork,
                lambda = 0.8, T = 0.8): a step commits every masked position of the block with

@@ -1,4 +1,4 @@
-"""SLIM-RL (code: laolaorkkkkk/SLIM-RL; only the paper's abstract was available), METHODS.md section 5.
+"""SLIM-RL (code: laolaorkkkkk/SLIM-RL; only the paper's abstract was available), docs/methods.md section 5.
 
     rollout    G answers per prompt by the tau-budget decoder (rollout.strategy tau_budget,
                tau 0.9, m 1): each step commits the confident tokens whose summed risk

@@ -1,5 +1,5 @@
 """TraceRL (Wang et al., "Revolutionizing reinforcement learning framework for diffusion large
-language models"; code: Gen-Verse/dLLM-RL), METHODS.md section 5.
+language models"; code: Gen-Verse/dLLM-RL), docs/methods.md section 5.
 
     rollout    G answers per prompt; the sampler records the step at which each token was
                committed (its trajectory)

@@ -4,7 +4,7 @@ Notation: a batch holds N samples; ``group_ids`` ([N], integer labels, any value
 order) says which prompt's group each sample belongs to. K = reward atoms (streams).
 
 - :func:`group_advantages`  GRPO (``scale="group"``), batch-std variants (``"batch"``) and
-  Dr.GRPO (``"none"``): one knob for "the std dial" (METHODS.md section 1).
+  Dr.GRPO (``"none"``): one knob for "the std dial" (docs/methods.md section 1).
 - :func:`rloo_advantages`   RLOO: reward minus the mean of the *other* samples of the group.
 - :func:`atom_advantages`   the group advantage of every reward atom, column by column.
 - :func:`multi_stream_advantages`  combining K reward streams: "normalize_then_sum"

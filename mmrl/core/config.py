@@ -84,7 +84,7 @@ def check_remote_code(path: str | Path, trust_remote_code: bool) -> None:
 
 
 class SchedulerConfig(Section):
-    """How rollouts reach the trainer (METHODS.md section 3, RolloutPipe)."""
+    """How rollouts reach the trainer (docs/methods.md section 3, RolloutPipe)."""
 
     mode: Literal["sync", "pipelined"] = "sync"
     """sync: roll out the whole round, then train. pipelined: complete-group pipelining
@@ -179,7 +179,7 @@ class DynamicSamplingConfig(Section):
 
 
 class FastRLConfig(Section):
-    """FastRL (METHODS.md section 2): differential-aware advantage pruning (MDAP) drops
+    """FastRL (docs/methods.md section 2): differential-aware advantage pruning (MDAP) drops
     near-duplicate rollouts of equal advantage before training; adaptive rollout sampling
     (ARS) sets the group size of each data epoch from how many were kept."""
 

@@ -1,6 +1,6 @@
 """FastRL: differential-aware advantage pruning (MDAP) + adaptive rollout sampling (ARS).
 
-FastRL (code announced at github.com/Nicozwy/FastRL; METHODS.md section 2) speeds up the
+FastRL (code announced at github.com/Nicozwy/FastRL; docs/methods.md section 2) speeds up the
 GRPO family by training on fewer, more informative samples:
 
 MDAP, per question, after advantages. Split the G rollouts into sets S_k whose

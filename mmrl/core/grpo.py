@@ -1,4 +1,4 @@
-"""The GRPO family as one method with dials (METHODS.md section 1).
+"""The GRPO family as one method with dials (docs/methods.md section 1).
 
     GRPO     advantage.scale=group, aggregation=seq_mean_token_mean, clip 0.2/0.2
     Dr.GRPO  advantage.scale=none, aggregation=seq_mean_token_sum_norm

@@ -1,5 +1,5 @@
 """Rollouts beside the trainer: RolloutPipe's complete-group pipelining (CGP) and
-frontier-group dispatch (FGD), METHODS.md section 3.
+frontier-group dispatch (FGD), docs/methods.md section 3.
 
 A round is one training step's prompts. A dispatcher thread hands engine calls to
 workers (mmrl.core.engine), gathers the samples of each group, and once a group is

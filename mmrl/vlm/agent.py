@@ -1,5 +1,5 @@
 """Multi-turn tool rollouts: generate until a tool call or the end, run the tool, append its
-observation, continue (AXPO's environment loop; METHODS.md section 2).
+observation, continue (AXPO's environment loop; docs/methods.md section 2).
 
 One rollout's completion is one token row in Qwen's chat format:
 

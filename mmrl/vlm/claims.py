@@ -1,5 +1,5 @@
 """Visual claims in a response's reasoning, their tokens, and how persistent they are
-(PACG, METHODS.md section 2; the claim rule is our RECONSTRUCTION from the abstract).
+(PACG, docs/methods.md section 2; the claim rule is our RECONSTRUCTION from the abstract).
 
 A claim span is a sentence-like segment of the reasoning (the text before the answer tag,
 split at . , ; ! ? and newlines) that names image content: a number, a colour, a position

@@ -133,8 +133,8 @@ class AXPOResampleConfig(Section):
     force_call: bool = False
     """False: the kept prefix ends before the first call's opening tag, so a continuation may
     not call the tool at all. True: the prefix keeps that tag, so every continuation is a call
-    whose arguments (and what follows) are re-drawn. METHODS.md's "resample K continuations
-    starting at the tool call" reads either way."""
+    whose arguments (and what follows) are re-drawn. AXPO's "resample K continuations starting
+    at the tool call" (docs/methods.md section 2) reads either way."""
 
 
 class AXPOConfig(GRPOConfig):

@@ -1,6 +1,6 @@
 """Interventions on a batch's images, for teacher-forced re-scoring of fixed responses
 (VPPO's random patch masking, a box masked out as in DSPO's CVIG, a Gaussian blur;
-METHODS.md section 2).
+docs/methods.md section 2).
 
 Qwen VL processors flatten each image into patch rows: an image of grid (t, h, w) patches
 gives t*h*w rows of channel x temporal_patch x patch x patch values, ordered by

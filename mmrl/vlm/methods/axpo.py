@@ -2,7 +2,7 @@
 
 The problem it fixes: under GRPO few rollouts call a tool, and on many questions every
 tool-using rollout is wrong, so tool-call tokens get zero or negative credit exactly where
-learning is needed. AXPO changes which rollouts exist (METHODS.md section 2):
+learning is needed. AXPO changes which rollouts exist (docs/methods.md section 2):
 
     T = rollouts of the group that made >= 1 tool call
     if T is non-empty and every rollout in T is wrong:
@@ -20,7 +20,7 @@ The loss is GRPO's (mmrl.core.grpo), with its clip, aggregation and KL settings.
 continuations are requested through the core's `extra_requests` hook, so they are sampled
 by whichever engine rolled out the group, in both scheduler modes, and scored like the rest.
 
-RECONSTRUCTED (METHODS.md marks AXPO partly reconstructed): the choice of M from a budget
+RECONSTRUCTED (docs/methods.md section 2 marks AXPO partly reconstructed): the choice of M from a budget
 ("extra decoding ~ 25% of G"), u_i over the first call's tokens only (the call the prefix
 ends before), and "wrong" as the `answer` atom (else the total reward) below `success`.
 Departures: a rollout counts as tool-using when it emitted a complete tool call, whether

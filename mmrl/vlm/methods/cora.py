@@ -1,5 +1,5 @@
 """CORA, Consistency-Oriented Reasoning Alignment (arXiv 2606.14691) -- partly RECONSTRUCTION
-(METHODS.md section 2).
+(docs/methods.md section 2).
 
 The reasoning trace often fails to support, or contradicts, the final answer, and GRPO
 does not fix it. A consistency reward model, an NLI classifier with premise = question +

@@ -1,4 +1,4 @@
-"""DSPO, Diversity-Aware Subjective Policy Optimization (arXiv 2609.36775; METHODS.md section 2).
+"""DSPO, Diversity-Aware Subjective Policy Optimization (arXiv 2609.36775; docs/methods.md section 2).
 
 Emotion reasoning with a trigger box, a reaction and K candidate emotions, then the choice
 (the shapes-mood template, mmrl.vlm.tasks.shapes_mood). On GRPO (eps 0.2, KL beta 0.01):

@@ -1,5 +1,5 @@
 """PACG, Persistence-Aware Credit Gating (arXiv 2609.36572) -- RECONSTRUCTION from the
-abstract (METHODS.md section 2), on DAPO or on VPPO (`base`).
+abstract (docs/methods.md section 2), on DAPO or on VPPO (`base`).
 
 The paper's finding: under DAPO and VPPO, sensitivity to the image rises, but unsupported
 visual claims become more persistent, i.e. they survive an image intervention. PACG
