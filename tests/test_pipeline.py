@@ -297,6 +297,12 @@ def test_pipelined_config_errors(tmp_path):
         check_config(config(tmp_path, "rollout.scheduler.placement=inline"), 1)
     with pytest.raises(ConfigError, match="needs the whole round"):
         check_config(config(tmp_path, "method.advantage.scale=batch"), 1)
+    # sync mode on an engine beside the trainer completes groups one at a time, too
+    with pytest.raises(ConfigError, match="needs the whole round.*placement is 'thread'"):
+        check_config(config(tmp_path, "method.advantage.scale=batch", "rollout.scheduler.mode=sync",
+                            "rollout.scheduler.placement=thread"), 1)
+    check_config(config(tmp_path, "method.advantage.scale=batch", "rollout.scheduler.mode=sync",
+                        "rollout.scheduler.placement=inline"), 1)
     with pytest.raises(ConfigError, match="needs rollout.scheduler.servers"):
         check_config(config(tmp_path, "rollout.scheduler.placement=remote"), 1)
 

@@ -432,7 +432,9 @@ def load_config(
     except ValidationError as e:
         set_keys = {".".join(parse_override(o)[0]) for o in overrides}
         keys = [".".join(map(str, _clean_loc(err["loc"], data))) for err in e.errors()]
-        from_file = any(not any(k == s or k.startswith(s + ".") for s in set_keys) for k in keys)
+        # an error of a whole section (a validator's) may come from a --set inside it: blame no one then
+        from_file = any(not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in set_keys)
+                        for k in keys)
         where = f" in {path}" if path is not None and from_file else ""  # a --set value is not the file's fault
         raise ConfigError(f"invalid config{where}: " + "; ".join(_describe(e, cls, data))) from None
     if path is not None:

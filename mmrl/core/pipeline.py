@@ -77,10 +77,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if cfg.rollout.prompts_per_step % tc.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of "
                               f"train.mini_batches ({tc.mini_batches}) in pipelined mode (whole groups per step)")
-        adv = getattr(cfg.method, "advantage", None)
-        if getattr(adv, "scale", None) == "batch":
-            raise ConfigError("method.advantage.scale=batch needs the whole round; it cannot be pipelined "
-                              "(use rollout.scheduler.mode=sync)")
+    adv = getattr(cfg.method, "advantage", None)
+    if getattr(adv, "scale", None) == "batch" and placement(cfg) != "inline":
+        # engines beside the trainer complete groups one at a time, so each is normalised alone
+        raise ConfigError("method.advantage.scale=batch needs the whole round at once: it runs with the inline "
+                          f"scheduler only (here rollout.scheduler.placement is {placement(cfg)!r}; use "
+                          "rollout.scheduler.mode=sync with placement inline and engine hf)")
     if placement(cfg) == "remote" and not sc.servers:
         raise ConfigError("rollout.scheduler.placement=remote needs rollout.scheduler.servers (a list of URLs)")
     if placement(cfg) != "inline" and world > 1:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from mmrl.core.config import GRPOConfig, ModelConfig, RolloutConfig, Section, TrainConfig
+from mmrl.core.config import (
+    GroupAdvantageConfig,
+    GRPOConfig,
+    ModelConfig,
+    RolloutConfig,
+    Section,
+    TrainConfig,
+)
 from mmrl.core.lora import LoRAConfig
 
 
@@ -201,6 +208,13 @@ class CORAConfig(GRPOConfig):
     warmup_steps: int = Field(20, ge=0)
     """Steps over which beta rises linearly from 0 (0 = no warm-up)."""
 
+    @model_validator(mode="after")
+    def _hras_advantages(self):
+        if self.advantage != GroupAdvantageConfig():  # it would be ignored
+            raise ValueError("CORA's advantages are HRAS's (each stream z-scored in its group, weighted by alpha "
+                             "and beta): method.advantage is not used; leave it unset")
+        return self
+
 
 class DSPOConfig(GRPOConfig):
     """DSPO (mmrl.vlm.methods.dspo): CVIG's counterfactual box re-scoring and DEDR's
@@ -217,6 +231,13 @@ class DSPOConfig(GRPOConfig):
     """DEDR's centring temperature (mmrl.vlm.dedr)."""
     tau_div: float = Field(0.5, gt=0)
     """DEDR's per-candidate contribution temperature."""
+
+    @model_validator(mode="after")
+    def _group_advantages(self):
+        if self.advantage.type != "group":
+            raise ValueError(f"DSPO normalises its rewards in each group (advantage.type group, with its scale and "
+                             f"eps); advantage.type {self.advantage.type!r} is not supported")
+        return self
 
 
 class VLMTrainConfig(TrainConfig):

@@ -88,3 +88,12 @@ def test_missing_consistency_model_is_a_config_error(tmp_path):
     cfg = _cfg(tmp_path, [f"method.consistency_model={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match="consistency_model.*nowhere"):
         backend.build_task(cfg)
+
+
+def test_advantage_settings_cora_would_ignore_are_refused(tmp_path):
+    """CORA's advantages are HRAS's: a method.advantage it would not read is an error, not a no-op."""
+    from mmrl.core.config import ConfigError
+
+    for extra in ("method.advantage.scale=none", "method.advantage.type=rloo"):
+        with pytest.raises(ConfigError, match=r"invalid config: method: CORA's advantages are HRAS's"):
+            _cfg(tmp_path, [extra])

@@ -97,3 +97,13 @@ def test_dspo_config_runs_a_step(tmp_path, reward_spread, one_thread):
     assert "dspo/cvig_scored" in row and math.isfinite(row["loss/total"])
     assert {"coverage", "mode_accuracy", "ood/accuracy", "ood/coverage"} <= set(summary["eval_after"])
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters())
+
+
+def test_advantage_types_dspo_cannot_use_are_refused(tmp_path):
+    """DSPO z-scores in each group (scale and eps of type group): other types stopped at step 1."""
+    from mmrl.core.config import ConfigError
+
+    assert _cfg(tmp_path, ["method.advantage.scale=none"]).method.advantage.scale == "none"
+    for kind in ("rloo", "multi_stream"):
+        with pytest.raises(ConfigError, match=f"invalid config: method: DSPO .*advantage.type '{kind}'"):
+            _cfg(tmp_path, [f"method.advantage.type={kind}"])
