@@ -1,6 +1,6 @@
 """CAST's pixel-space projection: teacher-forced attention of image queries to text keys.
 
-CAST (docs/methods.md section 4, step 5; a RECONSTRUCTION, see diffusion_rl/methods/cast.py) re-runs
+CAST (docs/methods.md section 4, step 4; a RECONSTRUCTION, see diffusion_rl/methods/cast.py) re-runs
 the model on the stored x_t of the window and reads, in the joint attention of FLUX-style and
 SD3-style transformers, how much each image token attends to each text token:
 
