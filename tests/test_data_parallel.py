@@ -109,3 +109,31 @@ def test_close_leaves_the_group_and_init_registers_it_for_exit(monkeypatch):
     monkeypatch.setattr(accelerate, "PartialState", lambda **kw: joined.append(kw))
     distributed.init()
     assert joined == [{"cpu": not torch.cuda.is_available()}] and registered == [distributed.close]
+
+
+def _train_rank(rank, port, tmp):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                          overrides=[f"output_dir={tmp}", "train.max_steps=2", "logging.tensorboard=false"])
+        Trainer(cfg, *toy.build(cfg)).train()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
+    """Only the main rank writes metrics.jsonl; its counts are the whole step's, not its share."""
+    from mmrl.core.logging import read_metrics
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'one'}", "train.max_steps=2", "logging.tensorboard=false"])
+    Trainer(cfg, *toy.build(cfg)).train()
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    mp.spawn(_train_rank, args=(free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert len(two) == 2 and set(two[0]) == set(one[0])
+    for a, b in zip(one, two):
+        assert b["rollout/samples"] == a["rollout/samples"] == cfg.rollout.prompts_per_step * cfg.rollout.num_generations
+        assert b["rollout/groups"] == a["rollout/groups"] == cfg.rollout.prompts_per_step
+        assert 0 <= b["reward/total"] <= 1 and b["time/step"] > 0

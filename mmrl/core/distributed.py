@@ -5,7 +5,8 @@ prompts from the stream and rolls out its share (every world-th prompt), so
 groups stay complete on one rank and advantages need no communication. After
 backward, gradients are summed across ranks; the loss normaliser of a
 mini-batch is summed first, so the update equals that of one process holding
-the whole global batch. The main rank alone writes logs and checkpoints.
+the whole global batch. The main rank alone writes logs and checkpoints; each step's
+metrics are combined over the ranks first (combine_metrics).
 
 One process (the default) touches none of this: every function is a no-op.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -70,6 +73,50 @@ def gather_scalar(x: float) -> list[float]:
     out = [torch.zeros_like(local) for _ in range(world_size())]
     dist.all_gather(out, local)
     return [t.item() for t in out]
+
+
+# Metrics that count what a rank did: the step's value is their sum over ranks.
+COUNTS = ("rollout/samples", "rollout/samples_extra", "rollout/samples_pruned", "rollout/groups",
+          "rollout/groups_dropped", "rollout/decoded_tokens", "reward/errors")
+
+
+def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics over every rank, for the main rank's logs: counts (COUNTS, cost/*)
+    summed; wall times, maxima and train/* flags the largest; minima the smallest; the rest
+    (means of equal shares of the batch) averaged. A rank's std is averaged too, which is
+    not the batch's std. Ranks that logged different keys keep their own share (said once)."""
+    if world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    try:
+        local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    except (TypeError, ValueError):
+        local = None
+    signature = zlib.crc32("\n".join(keys).encode()) if local is not None else -1.0
+    if len(set(gather_scalar(float(signature)))) != 1 or local is None:
+        if is_main() and not _said["keys"]:
+            _said["keys"] = True
+            warnings.warn("ranks logged different metrics this step: the logs hold the main rank's share", stacklevel=2)
+        return metrics
+    table = [torch.zeros_like(local) for _ in range(world_size())]
+    dist.all_gather(table, local)
+    values = torch.stack(table)  # [world, K]
+    out = {}
+    for j, k in enumerate(keys):
+        col = values[:, j]
+        if k in COUNTS or k.startswith("cost/"):
+            v = col.sum()
+        elif k.endswith(("_max", "/max")) or k.startswith("train/") or (k.startswith("time/") and "ratio" not in k):
+            v = col.max()
+        elif k.endswith(("_min", "/min")):
+            v = col.min()
+        else:
+            v = col.mean()
+        out[k] = float(v)
+    return out
+
+
+_said = {"keys": False}
 
 
 def sum_gradients(params: list[torch.nn.Parameter]) -> None:

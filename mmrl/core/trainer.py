@@ -207,6 +207,7 @@ class Trainer:
                 self.step += 1
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                metrics = distributed.combine_metrics(metrics)  # every rank: a collective
                 if logger is not None:
                     logger.log(self.step, metrics)
                 if tc.save_every and self.step % tc.save_every == 0 and not metrics.get("train/bad_step"):
