@@ -7,10 +7,11 @@ two batches would give the same direction (cosine 1); if all noise, cosine 0. Th
 pairwise cosine between batches estimates |E g|^2 / E|g|^2 at that batch size.
 
     python benchmarks/diffusion_gradient_agreement.py --prompts 8 --batches 6
-    python benchmarks/diffusion_gradient_agreement.py --set 'reward.atoms=[{path: dark.py:dark}]' --extra-atoms-only
+    python benchmarks/diffusion_gradient_agreement.py \
+        --set 'reward.atoms=[{path: ../../benchmarks/atoms/dark.py:dark}]' --extra-atoms-only
 
-The second line is a control: a reward any image model can move (dark.py:dark = 1 - mean
-brightness, alone) shows what agreement looks like when the gradient does carry signal.
+The second line is a control: a reward any image model can move (benchmarks/atoms/dark.py:
+1 - mean brightness, alone) shows what agreement looks like when the gradient does carry signal.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-atoms-only", action="store_true",
                     help="score with the config's reward.atoms alone (the control: drop the task's atoms)")
     args = ap.parse_args(argv)
+    if args.batches < 3:
+        ap.error("--batches must be at least 3 (pairwise cosines, and their standard error)")
     torch.manual_seed(0)
     names = ["flow_grpo", *[m for m in args.methods if m != "flow_grpo"]]
     cfgs = {name: load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{VARIANTS[name][0]}.yaml",

@@ -61,6 +61,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.steps = [0], 4
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (the first step warms up and is left out of the means)")
     print(f"tiny Qwen2.5-VL, shapes-qa: {args.prompts} prompts x G {args.group}, {args.mini_batches} "
           f"updates per round, {args.max_new_tokens} new tokens, {args.steps} steps, seeds {args.seeds}")
     totals = {m: {"round": 0.0, "wait": 0.0, "busy": 0.0, "n": 0, "stale": 0} for m in MODES}

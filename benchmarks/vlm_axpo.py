@@ -50,7 +50,7 @@ def run(arm: str, seed: int, steps: int, g: int, out: Path, extra: list[str]) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arms", nargs="+", default=list(ARMS))
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--g", type=int, default=8, help="num_generations of grpo and axpo (grpo_2x: twice)")

@@ -5,6 +5,7 @@
 #   bash benchmarks/vlm_learning.sh [OUT_DIR [SEED ...]]
 set -euo pipefail
 out=${1:-runs/vlm-learning}
+mkdir -p "$(dirname "$out")"  # each seed's log is written beside OUT_DIR
 seeds=("${@:2}")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
 for seed in "${seeds[@]}"; do

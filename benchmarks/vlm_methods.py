@@ -65,12 +65,13 @@ def main(argv=None) -> int:
     print("\n| method | seed | " + " | ".join(columns) + " | seconds |")
     print("|---|---|" + "---|" * len(columns) + "---|")
     for (method, seed), s in results.items():
-        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in columns)
+        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" if c in s["eval_after"] else "-"
+                           for c in columns)  # a metric of one method only (CORA's consistency) is "-" for the rest
         print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} |")
     for method in args.methods:
         runs = [s for (m, _), s in results.items() if m == method]
         gains = [f"{c} {100 * statistics.mean(s['eval_after'][c] - s['eval_before'][c] for s in runs):+.1f}"
-                 for c in columns]
+                 for c in columns if all(c in s["eval_after"] for s in runs)]
         print(f"{method}: mean gain " + ", ".join(gains))
     return 0
 
