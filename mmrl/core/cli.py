@@ -208,6 +208,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
+            if image and not prompt:
+                raise ConfigError("--image needs the --prompt questions to ask about it")
             if image and len(image) not in (1, len(prompt)):
                 raise ConfigError(f"--image: {len(image)} images for {len(prompt)} --prompt questions (give one "
                                   "image for them all, or one per question)")

@@ -94,6 +94,8 @@ def test_mmrl_sample_asks_free_questions_of_given_images(tmp_path):
     assert [json.loads(line)["image"] for line in result.stdout.strip().splitlines()] == [str(tmp_path / "0.png")] * 2
     result = CliRunner().invoke(app, [*args, "-p", "third?"])
     assert result.exit_code == 2 and "2 images for 3 --prompt questions" in result.output
+    result = CliRunner().invoke(app, ["sample", "-i", str(tmp_path / "0.png")])  # not silently the held-out items
+    assert result.exit_code == 2 and "--image needs the --prompt questions" in result.output
     (tmp_path / "bad.png").write_text("not an image")
     result = CliRunner().invoke(app, ["sample", "-p", "q?", "-i", str(tmp_path / "bad.png")])
     assert result.exit_code == 2 and "--image: cannot read" in result.output and "Traceback" not in result.output
