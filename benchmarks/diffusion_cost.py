@@ -28,11 +28,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--window", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="/tmp/mmrl-diffusion-cost", help="the trainer's output directory (nothing is saved)")
     args = p.parse_args(argv)
+    # the default run's window starts in steps 0-1; with fewer steps it starts anywhere that fits
+    start = [] if args.steps >= args.window + 2 else ["rollout.window_start=null"]
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
         f"rollout.num_generations={args.group}", f"rollout.prompts_per_step={args.batch // args.group}",
-        f"rollout.num_steps={args.steps}", f"rollout.window_size={args.window}", "task.num_eval=1",
-        "logging.tensorboard=false", "logging.progress=false", "output_dir=/tmp/mmrl-diffusion-cost"])
+        f"rollout.num_steps={args.steps}", f"rollout.window_size={args.window}", *start, "task.num_eval=1",
+        "logging.tensorboard=false", "logging.progress=false", f"output_dir={args.out}"])
     policy, task = backend.build(cfg)
     trainer = Trainer(cfg, policy, task)
     prompts = task.train[: args.batch // args.group]
