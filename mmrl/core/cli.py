@@ -200,7 +200,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False, help=(
             "An image the --prompt questions ask about (vision-language; one for every question, or one per question).")),
     ):
-        """Sample a model and print one JSON line per sample; those the task can check (held-out prompts, and any shapes-geneval prompt) carry their reward atoms."""
+        """Sample a model and print one JSON line per sample; those the task can check carry their reward atoms (held-out items, and a --prompt in the task's own format: a shapes-geneval prompt, an arith problem, a sudoku)."""
 
         def go():
             if greedy and (num or 1) > 1:
