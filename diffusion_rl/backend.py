@@ -164,7 +164,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
     (task.image_atoms, reward.atoms) each of those and the reward's total."""
     from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image
-    from mmrl.core.rewards import Sample
+    from mmrl.core.rewards import RewardError, Sample
 
     prompts = prompts or task.eval_prompts[:2]
     texts = [p for p in prompts for _ in range(n)]
@@ -186,10 +186,14 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
             shown = text if len(text) <= 120 else text[:117] + "..."
             warnings.warn(f"{shown!r}: not scored ({e})", stacklevel=2)
             atoms = {}
-        if atoms and extra:
-            scores = task.reward.score([Sample(text, image)])
-            atoms.update({name: float(scores.values[0, scores.names.index(name)]) for name in extra})
-            atoms["reward"] = float(scores.total[0])
+        if extra:
+            try:  # an unparsed prompt scores where task.unparsed=whole_prompt, as in evaluation
+                scores = task.reward.score([Sample(text, image)])
+            except RewardError:  # its shapes atoms refuse it: the warning above said so
+                scores = None
+            if scores is not None:
+                atoms.update({name: float(scores.values[0, scores.names.index(name)]) for name in extra})
+                atoms["reward"] = float(scores.total[0])
         rows.append({"prompt": text, "seed": seed, "image": str(path), **atoms})
     return rows
 

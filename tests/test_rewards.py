@@ -362,6 +362,8 @@ def test_fraction_and_decimal_values_are_numbers():
     assert scores.values[:, 0].tolist() == [0.25, 0.5, 1.0]
     with pytest.raises(RewardError, match="returned nan"):
         Reward([value_atom("v")]).score(make_samples([Decimal("NaN")]))
+    with pytest.raises(RewardError, match="not a finite number"):
+        Reward([value_atom("v")]).score(make_samples([Decimal("sNaN")]))
 
 
 def test_batched_wrong_count_and_bad_element():

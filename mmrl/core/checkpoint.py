@@ -284,7 +284,7 @@ def load_weights_in_place(model, path: str | Path) -> None:
     place, so an optimizer holding its parameters keeps them. transformers renames keys
     between a module and its file (e.g. Qwen-VL's "model.language_model.*" is saved as
     "model.*"), so the file is read through from_pretrained, not as a raw state dict."""
-    refuse_pickled_weights(path, "--checkpoint")
+    refuse_pickled_weights(path)
     fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype, use_safetensors=True)
     missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
     if missing or unexpected:

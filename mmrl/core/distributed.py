@@ -77,7 +77,8 @@ def gather_scalar(x: float) -> list[float]:
 
 # Metrics that count what a rank did: the step's value is their sum over ranks.
 COUNTS = ("rollout/samples", "rollout/samples_extra", "rollout/samples_pruned", "rollout/groups",
-          "rollout/groups_dropped", "rollout/decoded_tokens", "reward/errors")
+          "rollout/groups_dropped", "rollout/groups_refilled", "rollout/groups_extra", "rollout/decoded_tokens",
+          "rollout/engine_calls", "rollout/redispatched", "reward/errors")
 
 
 def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:

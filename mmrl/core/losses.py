@@ -223,8 +223,8 @@ def policy_loss(
     """
     _check_choice(level, LEVELS, "level")
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
-    if not (0 <= clip_low <= 1 and clip_high >= 0):  # also refuses NaN; 1 - clip_low is a ratio, >= 0
-        raise ValueError(f"clip_low must lie in [0, 1] and clip_high be >= 0; got {clip_low}, {clip_high}")
+    if not (clip_low >= 0 and clip_high >= 0):  # also refuses NaN (a lower bound 1 - clip_low < 0 never binds)
+        raise ValueError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}")
     if max_log_ratio is not None and not max_log_ratio > 0:
         raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp); got {max_log_ratio}")
     if logp.dim() != 2:

@@ -455,6 +455,8 @@ def _to_float(value) -> float:
         x = float(value)
     except OverflowError:
         raise _BadValue("returned a number too large for a float")
+    except ValueError:  # Decimal("sNaN"), which float() refuses
+        raise _BadValue(f"returned {value!r}, not a finite number")
     if not math.isfinite(x):
         raise _BadValue(f"returned {x}")  # "returned nan", "returned inf", "returned -inf"
     if abs(x) > _FLOAT32_MAX:  # finite here, but inf once stored in the float32 scores

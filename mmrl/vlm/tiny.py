@@ -601,7 +601,7 @@ def build_tiny_vlm(
 def load_tiny(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
     """(model, processor) from a directory written by `build_tiny_vlm` (or any local
     Qwen VL checkpoint), through the Auto classes' `from_pretrained`."""
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, use_safetensors=True)
     processor = AutoProcessor.from_pretrained(path)
     return model, processor
 
