@@ -163,7 +163,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
     (task.image_atoms, reward.atoms) each of those and the reward's total."""
-    from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image
+    from diffusion_rl.tasks.shapes_geneval import score_image
     from mmrl.core.rewards import RewardError, Sample
 
     prompts = prompts or task.eval_prompts[:2]
@@ -175,7 +175,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     taken = [int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit()]
     out = root / f"{max(taken, default=-1) + 1:03d}"
     out.mkdir()
-    extra = [name for name in task.reward.names if name not in (*ATOM_TYPES, "all")]  # image atoms, reward.atoms
+    extra = task.other_atoms()
     rows = []
     for k, (text, seed, image) in enumerate(zip(texts, seeds, images)):
         path = out / f"{k:03d}_seed{seed}.png"

@@ -41,6 +41,11 @@ class DiffusionTask:
     def train_prompts(self) -> list[str]:
         return self.train
 
+    def other_atoms(self) -> list[str]:
+        """The reward's atoms beside the scene-graph types: task.image_atoms (a CLIP score...)
+        and the run's reward.atoms, which evaluation and sampling report one by one."""
+        return [name for name in self.reward.names if name not in (*ATOM_TYPES, "all")]
+
     def _jobs(self, prompts: Sequence[str]) -> tuple[list[str], list[int]]:
         """(prompt, seed) pairs: seed j of prompt i is 1000 j + i, fixed for the run's life."""
         pairs = [(p, 1000 * j + i) for i, p in enumerate(prompts) for j in range(self.eval_seeds)]
@@ -67,8 +72,8 @@ class DiffusionTask:
             rest = [Sample(p, i) for p, i, k in zip(prompts, images, ok) if not k]
             out["unparsed_prompts"] = float(len({s.prompt for s in rest}))
             out["whole_prompt_reward"] = float(self.reward.score(rest).total.mean())
-        extra = [name for name in self.reward.names if name not in (*ATOM_TYPES, "all")]
-        if extra:  # task.image_atoms and the run's reward.atoms: scored as training scores them
+        extra = self.other_atoms()
+        if extra:  # scored as training scores them
             scores = self.reward.score([to_sample(p, i) for p, i in zip(prompts, images)])
             out["reward"] = float(scores.total.double().mean())
             out.update({name: float(scores.values[:, scores.names.index(name)].double().mean()) for name in extra})

@@ -113,7 +113,7 @@ def pair_rollout(pair: ModelPair, which: str):
 def compare_diffusion(pair: ModelPair, prompt: str, seeds: list[int]) -> dict[str, list[Shown]]:
     """One ODE image per seed per model, each scored by the shapes-geneval detector (a prompt
     its grammar cannot parse is drawn but not scored)."""
-    from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image
+    from diffusion_rl.tasks.shapes_geneval import score_image
     from mmrl.core.rewards import Sample
 
     out = {}
@@ -125,8 +125,7 @@ def compare_diffusion(pair: ModelPair, prompt: str, seeds: list[int]) -> dict[st
             try:
                 atoms: dict[str, float | None] = score_image(image, prompt)  # every atom of the scene graph
                 scores = task.reward.score([Sample(prompt, image)])  # the training reward
-                atoms.update({n: float(v) for n, v in zip(scores.names, scores.values[0].tolist())
-                              if n not in (*ATOM_TYPES, "all")})  # its image atoms and reward.atoms
+                atoms.update({n: float(scores.values[0, scores.names.index(n)]) for n in task.other_atoms()})
                 total = float(scores.total[0])
             except ValueError as e:
                 atoms, total = {"(not scored)": None}, None
