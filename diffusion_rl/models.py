@@ -980,7 +980,6 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
         kwargs["torch_dtype" if library == "diffusers" else "dtype"] = dtype
         kwargs["output_loading_info"] = True
         kwargs["use_safetensors"] = True  # never unpickle: a .bin-only component is refused
-    if module:
         refuse_pickled_weights(root / name, f"component {name!r}")
     try:
         loaded = cls.from_pretrained(str(root), **kwargs)
