@@ -499,8 +499,8 @@ class Trainer:
         if "group_size" in state:
             g = state["group_size"]
             # the saved G is the method's (FastRL's ARS) where it set one; else the config's, now this one's
-            method_set = g["num_generations"] != g.get("configured", g["num_generations"])
-            self.num_generations = g["num_generations"] if method_set or "configured" not in g else self.num_generations
+            if g["num_generations"] != g.get("configured"):  # set by the method, or saved before "configured"
+                self.num_generations = g["num_generations"]
             self.group_epoch = g["epoch"]
         self.method.load_state_dict(state.get("method", {}))
         self.step = state["step"]
@@ -514,13 +514,11 @@ class Trainer:
         config.yaml) trains with the new ones, at the schedule's current step. With the same
         values this changes nothing."""
         oc, groups = self.cfg.optim, self.optimizer.param_groups
+        lr = oc.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)  # as LambdaLR computes it
         for group in groups:
-            group.update(weight_decay=oc.weight_decay, betas=tuple(oc.betas), eps=oc.eps, initial_lr=oc.lr)
+            group.update(lr=lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas), eps=oc.eps, initial_lr=oc.lr)
         self.lr_scheduler.base_lrs = [oc.lr] * len(groups)
-        factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
-        for group in groups:
-            group["lr"] = oc.lr * factor
-        self.lr_scheduler._last_lr = [group["lr"] for group in groups]
+        self.lr_scheduler._last_lr = [lr] * len(groups)
 
     def _load_averaged(self, path: Path, tensors: dict, state: dict) -> None:
         """After an averaged run's model/ (the average) is loaded: the raw weights and the average."""
