@@ -156,20 +156,21 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
     per question; none: text only)."""
     from mmrl.vlm.tasks.shapes_qa import QAItem
 
-    pictures = [_read_image(p) for p in images or []]
-    if pictures and len(pictures) not in (1, len(prompts)):
-        raise ConfigError(f"--image: {len(pictures)} images for {len(prompts)} --prompt questions "
+    images = images or []
+    if images and len(images) not in (1, len(prompts)):
+        raise ConfigError(f"--image: {len(images)} images for {len(prompts)} --prompt questions "
                           "(give one image for them all, or one per question)")
-    items = [QAItem(images=[pictures[min(k, len(pictures) - 1)]] if pictures else [], question=p, answer="",
-                    reference="", meta={}) for k, p in enumerate(prompts)]
+    asks = [images[min(k, len(images) - 1)] for k in range(len(prompts))] if images else []  # each question's image
+    pictures = {path: _read_image(path) for path in asks}  # each file read once
+    items = [QAItem(images=[pictures[asks[k]]] if asks else [], question=p, answer="", reference="", meta={})
+             for k, p in enumerate(prompts)]
+    asked = items or task.eval_items[:2]
     if greedy:
-        samples = [s for b in policy.greedy_batches(items or task.eval_items[:2], task.max_new_tokens) for s in b.samples]
+        samples = [s for b in policy.greedy_batches(asked, task.max_new_tokens) for s in b.samples]
     else:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        samples = policy.generate(items or task.eval_items[:2], n, cfg.rollout, gen).samples
+        samples = policy.generate(asked, n, cfg.rollout, torch.Generator().manual_seed(cfg.seed)).samples
     if items:
-        return [{"question": s.prompt, "completion": s.completion,
-                 **({"image": str(images[min(k // n, len(images) - 1)])} if images else {})}
+        return [{"question": s.prompt, "completion": s.completion, **({"image": str(asks[k // n])} if asks else {})}
                 for k, s in enumerate(samples)]
     scores = task.reward.score(samples)
     return [{"question": s.prompt, "gold": s.meta.get("answer"), "completion": s.completion,
