@@ -127,10 +127,9 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     greedy: the one answer held-out evaluation decodes (temperature 0, rollout.eval_strategy
     where set). Held-out problems, and --prompt problems in the task's format ("12+3=", a
     sudoku with one solution), are scored by the task's atoms."""
-    from dllm_rl.tasks import TASKS, Problem
+    from dllm_rl.tasks import Problem, parse_problem
 
-    spec = TASKS.get(task.name)
-    problems = [(spec and spec.parse_problem(p)) or Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
+    problems = [parse_problem(task.name, p) or Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
     policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
     gen = torch.Generator().manual_seed(cfg.seed)

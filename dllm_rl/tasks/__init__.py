@@ -44,6 +44,7 @@ __all__ = [
     "Problem",
     "Task",
     "get_task",
+    "parse_problem",
     "split_of",
 ]
 
@@ -143,6 +144,13 @@ TASKS: dict[str, Task] = {
         sudoku.parse_problem,
     ),
 }
+
+
+def parse_problem(task: str, text: str) -> Problem | None:
+    """`text` as a problem of the task named `task`, with its exact answer, where it is in the
+    task's format (Task.parse_problem); None for other text or an unknown task."""
+    spec = TASKS.get(task)
+    return spec.parse_problem(text) if spec is not None else None
 
 
 def get_task(name: str) -> Task:

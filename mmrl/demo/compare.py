@@ -142,12 +142,11 @@ def dllm_problem(text: str, task_type: str = "arith"):
     """A typed prompt as a Problem: one in the task's format (spaces and the final "=" may be
     left out: " 12 + 7") gets its exact answer; anything else an empty answer (the answer atom
     is then shown as unknown)."""
-    from dllm_rl.tasks import TASKS, Problem
+    from dllm_rl.tasks import Problem, parse_problem
 
     prompt = "".join(text.split())
     prompt += "" if prompt.endswith("=") else "="
-    spec = TASKS.get(task_type)
-    return (spec and spec.parse_problem(prompt)) or Problem(text, "", "", {"answer": ""})
+    return parse_problem(task_type, prompt) or Problem(text, "", "", {"answer": ""})
 
 
 def denoising_order(policy, result, row: int) -> str:
