@@ -280,6 +280,25 @@ def test_bad_config_atom_is_a_config_error(tmp_path):
         Trainer(cfg, *toy.build(cfg))
 
 
+@pytest.mark.parametrize("name", ["accuracy", "reward", "nfe", "pass@4", "hard/count"])
+def test_config_atom_named_like_an_eval_metric_is_a_config_error(tmp_path, name):
+    """Evaluation logs each atom's mean under its bare name: an atom called "accuracy" would
+    overwrite the held-out accuracy, so the name is refused before the run starts."""
+    from mmrl.core.config import ConfigError
+
+    (tmp_path / "atoms.py").write_text(
+        "from mmrl.core.rewards import reward_atom\n"
+        f"@reward_atom({name!r})\n"
+        "def clash(sample):\n"
+        "    return 1.0\n"
+    )
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'out'}", f"reward.atoms=[{tmp_path / 'atoms.py'}:clash]"])
+    with pytest.raises(ConfigError, match=f"{name!r} is taken by an evaluation metric"):
+        Trainer(cfg, *toy.build(cfg))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.safetensors"))
+
+
 def test_one_sample_per_group_is_a_config_error_before_any_rollout(tmp_path):
     """With G = 1 every advantage is 0 (each sample is its group's mean): a run would spend its
     compute learning nothing from the reward, so it is refused at the start."""

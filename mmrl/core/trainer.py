@@ -601,15 +601,28 @@ def _check_data_parallel(cfg: TrainConfig, world: int) -> None:
                           "(the batch std would be per process)")
 
 
+# Held-out evaluation logs each atom's mean under the atom's bare name, beside these metrics of
+# its own: a config atom named like one of them would overwrite it in the eval log.
+EVAL_METRIC_NAMES = ("reward", "accuracy", "sampled_accuracy", "nfe", "sampled_nfe", "tool_call_rate",
+                     "sampled_tool_call_rate", "atom_accuracy", "prompt_accuracy", "unparsed_prompts",
+                     "whole_prompt_reward", "coverage", "mode_accuracy")
+EVAL_METRIC_PREFIXES = ("pass@", "hard/", "ood/")
+
+
 def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
     """The task's atoms plus the config's extra atoms, under the config's error policy."""
     rc = cfg.reward
     atoms = list(task_reward.atoms)
     if rc.atoms:
         try:
-            atoms += load_atoms(rc.atoms, base_dir=cfg.base_dir)
+            extra = load_atoms(rc.atoms, base_dir=cfg.base_dir)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
+        for a in extra:
+            if a.name in EVAL_METRIC_NAMES or a.name.startswith(EVAL_METRIC_PREFIXES):
+                raise ConfigError(f"reward.atoms: atom name {a.name!r} is taken by an evaluation metric "
+                                  f"(held-out evaluation logs each atom's mean under its name); rename the atom")
+        atoms += extra
     try:
         return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout)
     except ValueError as e:  # e.g. a config atom named like a task atom
