@@ -132,8 +132,70 @@ def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     mp.spawn(_train_rank, args=(free_port(), str(tmp_path / "two")), nprocs=2, join=True)
     two = read_metrics(tmp_path / "two" / "metrics.jsonl")
-    assert len(two) == 2 and set(two[0]) == set(one[0])
+    assert len(two) == 2 and set(two[0]) == set(one[0]) | {"rollout/groups_trimmed"}
     for a, b in zip(one, two):
         assert b["rollout/samples"] == a["rollout/samples"] == cfg.rollout.prompts_per_step * cfg.rollout.num_generations
         assert b["rollout/groups"] == a["rollout/groups"] == cfg.rollout.prompts_per_step
         assert 0 <= b["reward/total"] <= 1 and b["time/step"] > 0
+
+
+def _refill_rank(rank, port, tmp, out):
+    """A group filter that treats two ranks unequally: rank 1 drops every group drawn before
+    `cut` (every group it sees, in "starved"), with dynamic sampling's refills or without."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        record = {}
+        for name, cut, refill in (("refill", 4, True), ("starved", 10**9, True), ("filter", 2, False)):
+            cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+                f"output_dir={tmp}/{name}", f"method.dynamic_sampling.enabled={refill}",
+                "method.dynamic_sampling.max_rounds=3"])
+            trainer = Trainer(cfg, *toy.build(cfg))
+            trainer.method.keep_groups = lambda b, c=cut: (b.group_ids >= c) if rank == 1 else None
+            batch, metrics = trainer.scheduler.next_groups(version=0)
+            record[name] = {"groups": [] if batch is None else batch.group_ids.unique().tolist(),
+                            "position": trainer.stream.position, **metrics}
+        # a whole run with the real filter: no rank waits on a collective the other skipped
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+            f"output_dir={tmp}/train", "train.max_steps=3", "rollout.num_generations=2",
+            "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2"])
+        trainer = Trainer(cfg, *toy.build(cfg))
+        trainer.train()
+        record["checksum"] = distributed_checksum(trainer)
+        torch.save(record, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def distributed_checksum(trainer) -> float:
+    return sum(float(p.detach().double().abs().sum()) for p in trainer.params)
+
+
+def test_dynamic_sampling_refills_every_rank_to_an_equal_share(tmp_path):
+    """Each refill round draws for the rank short of the most groups, so both ranks take the
+    same prompts; a rank's surplus goes to a rank short of its share, the rest is cut, and
+    both train on equal shares."""
+    from mmrl.core.logging import read_metrics
+
+    out = str(tmp_path / "record")
+    mp.spawn(_refill_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(2))
+    # round 1 draws 0-3 (rank 0: 0, 2; rank 1: 1, 3, dropped); round 2 draws 4-7 for rank 1's
+    # two missing groups, so rank 0 holds 0, 2, 4, 6 and trims 4 and 6
+    assert r0["refill"]["groups"] == [0, 2] and r1["refill"]["groups"] == [5, 7]
+    assert r0["refill"]["rollout/groups_trimmed"] == 2 and r1["refill"]["rollout/groups_trimmed"] == 0
+    assert r0["refill"]["rollout/rounds"] == r1["refill"]["rollout/rounds"] == 2
+    assert r0["refill"]["position"] == r1["refill"]["position"] == 8
+    assert r1["refill"]["rollout/groups_dropped"] == 2 and r0["refill"]["rollout/groups_dropped"] == 0
+    # rank 1 never keeps a group: after max_rounds rank 0 holds 8 (2 a round) and hands it 4, 6
+    assert r0["starved"]["groups"] == [0, 2] and r1["starved"]["groups"] == [4, 6]
+    assert r0["starved"]["rollout/rounds"] == r1["starved"]["rollout/rounds"] == 4
+    assert r0["starved"]["rollout/groups_trimmed"] == 4 and r1["starved"]["rollout/groups_trimmed"] == 0
+    # a filter without refills (as the dLLM methods' own): rank 1 keeps 3 of 1, 3; rank 0 is cut to one
+    assert r0["filter"]["groups"] == [0] and r1["filter"]["groups"] == [3]
+    assert r0["filter"]["rollout/groups_trimmed"] == 1 and r0["filter"]["rollout/rounds"] == 1
+    assert r0["checksum"] == r1["checksum"]  # the ranks hold the same weights after training
+    rows = read_metrics(tmp_path / "train" / "metrics.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row.get("train/skipped") or row["rollout/groups"] % 2 == 0  # equal shares

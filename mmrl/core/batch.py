@@ -98,6 +98,18 @@ class RolloutBatch:
             data={k: v[idx] for k, v in self.data.items()},
         )
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The batch with every tensor on `device` (what crosses between processes goes by CPU)."""
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        scores = self.scores
+        if scores is not None:
+            scores = replace(scores, values=move(scores.values), total=move(scores.total), failed=move(scores.failed))
+        return replace(self, group_ids=move(self.group_ids), mask=move(self.mask), old_logp=move(self.old_logp),
+                       ref_logp=move(self.ref_logp), advantages=move(self.advantages), scores=scores,
+                       data={k: move(v) for k, v in self.data.items()})
+
     def groups(self) -> list[Tensor]:
         """Row indices of each group, in order of first appearance."""
         _, inverse = torch.unique(self.group_ids, return_inverse=True)

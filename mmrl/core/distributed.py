@@ -2,7 +2,9 @@
 
 The design keeps algorithm code single-process. Every rank draws the same
 prompts from the stream and rolls out its share (every world-th prompt), so
-groups stay complete on one rank and advantages need no communication. After
+groups stay complete on one rank and advantages need no communication; where a
+group filter keeps more on one rank, the scheduler deals the kept groups out equally
+(moving the surplus), so all ranks make the same optimizer steps (and collectives). After
 backward, gradients are summed across ranks; the loss normaliser of a
 mini-batch is summed first, so the update equals that of one process holding
 the whole global batch. The main rank alone writes logs and checkpoints; each step's
@@ -75,9 +77,18 @@ def gather_scalar(x: float) -> list[float]:
     return [t.item() for t in out]
 
 
+def gather_objects(obj) -> list:
+    """obj of every rank (picklable; tensors on the CPU), in rank order ([obj] with one process)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 # Metrics that count what a rank did: the step's value is their sum over ranks.
 COUNTS = ("rollout/samples", "rollout/samples_extra", "rollout/samples_pruned", "rollout/groups",
-          "rollout/groups_dropped", "rollout/groups_refilled", "rollout/groups_extra", "rollout/decoded_tokens",
+          "rollout/groups_dropped", "rollout/groups_refilled", "rollout/groups_extra", "rollout/groups_trimmed", "rollout/decoded_tokens",
           "rollout/engine_calls", "rollout/redispatched", "reward/errors")
 
 

@@ -85,7 +85,8 @@ class SyncScheduler:
                                           "time/reward": 0.0, "rollout/decoded_tokens": 0.0})
         rc = self.cfg.rollout
         num_generations = num_generations or rc.num_generations
-        want = rc.prompts_per_step
+        world = distributed.world_size()
+        want = rc.prompts_per_step // world  # this rank's groups (prompts_per_step is a multiple of world)
         kept: list[RolloutBatch] = []
         have = dropped = rounds = 0
         decoded = 0.0
@@ -93,9 +94,14 @@ class SyncScheduler:
         max_rounds = 1 + (self.cfg.method.dynamic_sampling.max_rounds
                           if getattr(self.cfg.method, "dynamic_sampling", None)
                           and self.cfg.method.dynamic_sampling.enabled else 0)
-        while have < want and rounds < max_rounds:
+        while rounds < max_rounds:
+            # With several processes a refill round draws for the rank short of the most groups,
+            # so every rank takes the same prompts and rounds; a rank's surplus is trimmed below.
+            need = int(max(distributed.gather_scalar(want - have)))
+            if need <= 0:
+                break
             rounds += 1
-            prompts, ids = distributed.shard(*self.stream.take(want - have))  # this rank's share
+            prompts, ids = distributed.shard(*self.stream.take(need * world))  # this rank's share
             t0 = time.perf_counter()
             with torch.no_grad():
                 batch = self.policy.generate(prompts, num_generations, rc, self.generator)
@@ -132,6 +138,8 @@ class SyncScheduler:
             "time/reward": t_reward,
             "rollout/decoded_tokens": decoded,  # the extra samples add theirs
         }
+        if world > 1:  # equal shares (a filter may keep more on one rank): the ranks' steps match
+            kept, metrics["rollout/groups_trimmed"] = _balance(kept, want)
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept)
@@ -177,6 +185,32 @@ class SyncScheduler:
                 keep[rows] = k.to(keep.dtype)
         metrics["rollout/samples_pruned"] = int((keep <= 0).sum())
         return apply_prune(batch, keep)
+
+
+def _balance(kept: list[RolloutBatch], want: int) -> tuple[list[RolloutBatch], int]:
+    """Deal the ranks' kept groups out equally: share = min(total // world, want) each. A rank
+    keeps its first `share` groups and gives the rest to a pool, from which the ranks short of
+    a share take theirs, in rank order and draw order (only the surplus crosses processes).
+    Returns this rank's batches and the groups no rank trains on (counted on the main rank)."""
+    world, rank = distributed.world_size(), distributed.rank()
+    mine = RolloutBatch.concat(kept) if kept else None
+    ids = mine.group_ids.unique() if mine is not None else torch.empty(0, dtype=torch.long)
+    counts = [int(c) for c in distributed.gather_scalar(len(ids))]
+    share = min(sum(counts) // world, want)
+    trimmed = sum(counts) - share * world if rank == 0 else 0
+    if all(c == share for c in counts):
+        return kept, trimmed
+    device = mine.group_ids.device if mine is not None else None
+    surplus = mine.select(torch.isin(mine.group_ids, ids[share:])).to("cpu") if len(ids) > share else None
+    pool = [b for b in distributed.gather_objects(surplus) if b is not None]
+    out = [mine.select(torch.isin(mine.group_ids, ids[:share]))] if share and len(ids) else []
+    need = max(0, share - counts[rank])
+    if need:
+        pooled = RolloutBatch.concat(pool)
+        start = sum(max(0, share - c) for c in counts[:rank])
+        got = pooled.select(torch.isin(pooled.group_ids, pooled.group_ids.unique()[start: start + need]))
+        out.append(got if device is None else got.to(device))
+    return out, trimmed
 
 
 def decoded_tokens(batch: RolloutBatch) -> float:

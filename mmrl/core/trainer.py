@@ -592,9 +592,6 @@ def _check_data_parallel(cfg: TrainConfig, world: int) -> None:
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple "
                           f"of the number of processes ({world})")
-    ds = getattr(cfg.method, "dynamic_sampling", None)
-    if ds is not None and ds.enabled:
-        raise ConfigError("method.dynamic_sampling with several processes is not supported yet")
     adv = getattr(cfg.method, "advantage", None)
     if adv is not None and getattr(adv, "scale", None) == "batch":
         raise ConfigError("method.advantage.scale=batch with several processes is not supported yet "
