@@ -52,6 +52,31 @@ def _rank(rank, port, tmp, out):
         dist.destroy_process_group()
 
 
+def _uneven_rank(rank, port, tmp, out):
+    """Rank 0 holds one row, rank 1 seven: with 2 mini-batches rank 0 has an empty one."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+            f"output_dir={tmp}", "train.mini_batches=2", "train.ppo_epochs=2"])
+        trainer = Trainer(cfg, *toy.build(cfg))
+        batch = global_batch(trainer).select(torch.arange(8))
+        metrics = trainer.update(batch.select(torch.arange(1) if rank == 0 else torch.arange(1, 8)))
+        torch.save({"checksum": distributed_checksum(trainer), "updates": metrics["train/updates"]}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_with_an_empty_mini_batch_still_steps_with_the_others(tmp_path):
+    """Uneven rows per rank (FastRL's pruning, AXPO's extra samples) can leave a rank a mini-batch
+    with no rows: it still takes part in the step, or the other rank would wait forever."""
+    out = str(tmp_path / "record")
+    mp.spawn(_uneven_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
+    assert r0["updates"] == r1["updates"] == 4  # 2 epochs x 2 mini-batches on both ranks
+    assert r0["checksum"] == r1["checksum"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

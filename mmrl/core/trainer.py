@@ -276,15 +276,16 @@ class Trainer:
             self.method.epoch = first_epoch + e
             order = torch.randperm(n, generator=self.generator) if tc.mini_batches > 1 else torch.arange(n)
             for mini_idx in order.tensor_split(tc.mini_batches):
-                if len(mini_idx) == 0:
-                    continue
+                if len(mini_idx) == 0 and self.world == 1:
+                    continue  # with several processes an empty share still joins the step's collectives
                 mini = batch.select(mini_idx)
                 denom = self.method.loss_denominator(mini)
                 if denom is not None:
                     denom = distributed.sum_scalar(denom)  # the global mini-batch's normaliser
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_value = 0.0
-                for micro_idx in torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)):
+                micros = torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)) if len(mini) else ()
+                for micro_idx in micros:
                     micro = mini.select(micro_idx)
                     out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
                     share = len(micro) / len(mini)
