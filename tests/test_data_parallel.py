@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import toy
 
+from mmrl.core import distributed
+from mmrl.core.advantages import atom_advantages, batch_across, group_advantages
 from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.trainer import Trainer
 
@@ -62,19 +64,36 @@ def _uneven_rank(rank, port, tmp, out):
         trainer = Trainer(cfg, *toy.build(cfg))
         batch = global_batch(trainer).select(torch.arange(8))
         metrics = trainer.update(batch.select(torch.arange(1) if rank == 0 else torch.arange(1, 8)))
-        torch.save({"checksum": distributed_checksum(trainer), "updates": metrics["train/updates"]}, f"{out}.{rank}")
+        # scale=batch: each rank holds half of the 4 groups; the std is the whole batch's
+        full = global_batch(trainer)
+        mine = torch.isin(full.group_ids, full.group_ids.unique()[rank::2])
+        with batch_across(distributed.sum_tensor):
+            adv = group_advantages(full.rewards[mine], full.group_ids[mine], scale="batch")
+            atoms = atom_advantages(full.scores.values[mine], full.group_ids[mine], scale="batch")
+        torch.save({"checksum": distributed_checksum(trainer), "updates": metrics["train/updates"],
+                    "mine": mine, "adv": adv, "atoms": atoms, "rewards": full.rewards,
+                    "values": full.scores.values, "ids": full.group_ids}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_with_an_empty_mini_batch_still_steps_with_the_others(tmp_path):
+def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(tmp_path):
     """Uneven rows per rank (FastRL's pruning, AXPO's extra samples) can leave a rank a mini-batch
-    with no rows: it still takes part in the step, or the other rank would wait forever."""
+    with no rows: it still takes part in the step, or the other rank would wait forever. And
+    advantage.scale=batch divides by the std of every rank's rows, as one process would."""
     out = str(tmp_path / "record")
     mp.spawn(_uneven_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
     r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
     assert r0["updates"] == r1["updates"] == 4  # 2 epochs x 2 mini-batches on both ranks
     assert r0["checksum"] == r1["checksum"]
+    assert torch.equal(r0["rewards"], r1["rewards"])  # both ranks drew the same global batch
+    whole = group_advantages(r0["rewards"], r0["ids"], scale="batch")
+    whole_atoms = atom_advantages(r0["values"], r0["ids"], scale="batch")
+    own = group_advantages(r0["rewards"][r0["mine"]], r0["ids"][r0["mine"]], scale="batch")
+    assert not torch.allclose(own, whole[r0["mine"]])  # a per-rank std would differ
+    for r in (r0, r1):
+        torch.testing.assert_close(r["adv"], whole[r["mine"]])
+        torch.testing.assert_close(r["atoms"], whole_atoms[r["mine"]])
 
 
 def free_port() -> int:
@@ -180,10 +199,11 @@ def _refill_rank(rank, port, tmp, out):
             batch, metrics = trainer.scheduler.next_groups(version=0)
             record[name] = {"groups": [] if batch is None else batch.group_ids.unique().tolist(),
                             "position": trainer.stream.position, **metrics}
-        # a whole run with the real filter: no rank waits on a collective the other skipped
+        # a whole run with the real filter and the batch std: no rank waits on a collective the other skipped
         cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
             f"output_dir={tmp}/train", "train.max_steps=3", "rollout.num_generations=2",
-            "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2"])
+            "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2",
+            "method.advantage.scale=batch"])
         trainer = Trainer(cfg, *toy.build(cfg))
         trainer.train()
         record["checksum"] = distributed_checksum(trainer)

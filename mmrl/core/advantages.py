@@ -26,6 +26,8 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "MULTI_STREAM_MODES",
     "SCALES",
     "atom_advantages",
+    "batch_across",
     "group_advantages",
     "group_stats",
     "multi_stream_advantages",
@@ -126,8 +129,30 @@ def _moments(values: Tensor, group_ids) -> _Moments:
     )
 
 
+_ACROSS: list[Callable[[Tensor], Tensor]] = []  # the sum over processes, inside batch_across()
+
+
+@contextlib.contextmanager
+def batch_across(sum_over_processes: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Within this context ``scale="batch"`` divides by the std of the whole data-parallel
+    batch, every process's share: ``sum_over_processes(t)`` returns ``t`` summed over them
+    (an all-reduce). Every process must compute its advantages inside it at the same time."""
+    _ACROSS.append(sum_over_processes)
+    try:
+        yield
+    finally:
+        _ACROSS.pop()
+
+
 def _batch_std(values: Tensor) -> Tensor:
     """Unbiased std over the whole batch (per column for [N, K]); 0 for fewer than 2 samples."""
+    if _ACROSS:  # the same two passes over every process's rows
+        total = _ACROSS[-1]
+        n = float(total(values.new_tensor([values.shape[0]])))
+        if n < 2:
+            return values.new_zeros(values.shape[1:])
+        mean = total(values.sum(dim=0)) / n
+        return (total(((values - mean) ** 2).sum(dim=0)) / (n - 1)).sqrt()
     if values.shape[0] < 2:
         return values.new_zeros(values.shape[1:])
     return values.std(dim=0)  # [] or [K]

@@ -67,6 +67,15 @@ def sum_scalar(x: float) -> float:
     return float(t.item())
 
 
+def sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """t summed over the ranks (through float64 on the CPU), back in t's dtype and device."""
+    if world_size() == 1:
+        return t
+    out = t.detach().to("cpu", torch.float64).clone()
+    dist.all_reduce(out)
+    return out.to(t.device, t.dtype)
+
+
 def gather_scalar(x: float) -> list[float]:
     """x of every rank, in rank order ([x] with one process)."""
     if world_size() == 1:

@@ -10,6 +10,7 @@ with the same hooks and the same contract: only complete groups reach the traine
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from mmrl.core import distributed
+from mmrl.core.advantages import batch_across
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import TrainConfig
 from mmrl.core.engine import PolicyEngine
@@ -150,7 +152,8 @@ class SyncScheduler:
         """A round's batch, ready to train: annotations, advantages, pruning, reference pass."""
         with torch.no_grad():
             self.method.annotate(self.policy, batch)
-        batch.advantages = self.method.advantages(batch)
+        with batch_across(distributed.sum_tensor) if distributed.world_size() > 1 else contextlib.nullcontext():
+            batch.advantages = self.method.advantages(batch)  # scale=batch: the std of every rank's rows
         batch = self._prune(batch, metrics)
         if self.reference is not None:  # after pruning: pruned samples need no reference pass
             with torch.no_grad():

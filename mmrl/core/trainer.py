@@ -593,10 +593,6 @@ def _check_data_parallel(cfg: TrainConfig, world: int) -> None:
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple "
                           f"of the number of processes ({world})")
-    adv = getattr(cfg.method, "advantage", None)
-    if adv is not None and getattr(adv, "scale", None) == "batch":
-        raise ConfigError("method.advantage.scale=batch with several processes is not supported yet "
-                          "(the batch std would be per process)")
 
 
 # Held-out evaluation logs each atom's mean under the atom's bare name, beside these metrics of

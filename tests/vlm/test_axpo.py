@@ -155,3 +155,18 @@ def test_axpo_with_pipelined_tool_rollouts(tmp_path, one_thread):
     assert sum(r["axpo/resampled"] for r in rows) == sum(r["rollout/samples_extra"] for r in rows) > 0
     assert all(r["rollout/samples"] == 16 + r["axpo/resampled"] for r in rows)
     assert all(r["rollout/decoded_tokens"] > 0 for r in rows)
+
+
+def test_batch_scale_with_several_processes_is_a_config_error(monkeypatch):
+    """The resampled sibling sets get a batch std of their own, computed only by the ranks that
+    resampled: with several processes that would leave the others waiting, so it is refused."""
+    from mmrl.core import distributed
+    from mmrl.core.config import ConfigError
+
+    cfg = load_config(VLMTrainConfig, overrides=["method.type=axpo", "rollout.tools.names=[zoom]",
+                                                  "method.advantage.type=group", "method.advantage.scale=batch"])
+    reward = type("R", (), {"atoms": []})()
+    AXPO(cfg.method, cfg, reward)  # one process: allowed
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ConfigError, match="scale=batch with AXPO"):
+        AXPO(cfg.method, cfg, reward)

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.engine import Request
 from mmrl.core.grpo import GRPO
 from mmrl.core.method import register_method
@@ -40,6 +42,13 @@ from mmrl.core.method import register_method
 
 @register_method("axpo")
 class AXPO(GRPO):
+    def __init__(self, cfg, run, reward):
+        super().__init__(cfg, run, reward)
+        if cfg.advantage.scale == "batch" and distributed.world_size() > 1:
+            # the sibling sets get a batch std of their own, which only ranks with resamples compute
+            raise ConfigError("method.advantage.scale=batch with AXPO is not supported with several processes "
+                              "(use scale group or none)")
+
     def extra_requests(self, group: RolloutBatch) -> list[Request]:
         own = _tags(group) == 0
         first = group.data["first_call"]
