@@ -306,8 +306,9 @@ def test_construction_errors():
         Reward([value_atom("b")], on_error="ignore")
     with pytest.raises(ValueError, match="timeout"):
         Reward([value_atom("b")], timeout=0)
-    with pytest.raises(ValueError, match="reserved"):
-        Reward([value_atom("total")])
+    for name in ("total", "total_std", "errors", "advantage_abs"):  # the reward/<name> metrics
+        with pytest.raises(ValueError, match="reserved"):
+            Reward([value_atom(name)])
     with pytest.raises(TypeError, match="reward_atom"):
         Reward([lambda s: 1.0])
 

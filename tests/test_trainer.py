@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import toy
+import yaml
 from transformers import LlamaForCausalLM
 
 from mmrl.core.checkpoint import list_checkpoints
@@ -325,6 +326,24 @@ def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_chang
         make(tmp_path, "train.max_steps=3", "optim.lr=0.005").train(resume=True)
     kept = (tmp_path / "run" / "config.before-step-2.yaml").read_text()
     assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_resume_by_a_relative_path_is_the_same_run(tmp_path, monkeypatch):
+    """config.yaml records the output folder's absolute path: a run started as -o run and
+    resumed as -o /abs/run (or the reverse) has not changed its settings."""
+    monkeypatch.chdir(tmp_path)
+    Trainer(*_toy_run("run", "train.max_steps=1")).train()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["output_dir"] == str(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(tmp_path, "train.max_steps=2").train(resume=True)
+        Trainer(*_toy_run("run", "train.max_steps=3")).train(resume=True)
+    assert not list((tmp_path / "run").glob("config.before-*"))
+
+
+def _toy_run(output_dir, *overrides):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={output_dir}", *overrides])
+    return (cfg, *toy.build(cfg))
 
 
 def test_resume_with_another_lr_weight_decay_or_group_size_trains_with_them(tmp_path):

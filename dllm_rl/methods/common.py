@@ -9,15 +9,25 @@ from torch import Tensor
 from mmrl.core.advantages import group_advantages, group_stats, zero_variance_groups
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
-from mmrl.core.method import Method
+from mmrl.core.method import METHODS, Method
 from mmrl.core.pipeline import exactly_on_policy, first_pass_on_policy
 
 ESTIMATORS: dict = {}
 
 
 def estimator_for(run):
-    """The log-prob estimator of the run's method (the policy calls it)."""
-    estimator = ESTIMATORS[run.method.type](run)
+    """The log-prob estimator of the run's method (the policy calls it). A method registered
+    without one of its own (a subclass of diffu-GRPO, say) takes its nearest registered base's."""
+    name = run.method.type
+    if name not in ESTIMATORS:
+        bases = METHODS[name].__mro__[1:] if name in METHODS else ()
+        inherited = [n for base in bases for n, cls in METHODS.items() if cls is base and n in ESTIMATORS]
+        if not inherited:
+            raise ValueError(f"dLLM method {name!r} has no log-prob estimator: register one with "
+                             f"dllm_rl.methods.common.ESTIMATORS[{name!r}] = <estimator class> "
+                             "(diffu-GRPO's mean-field one is ESTIMATORS['diffu_grpo'])")
+        name = inherited[0]
+    estimator = ESTIMATORS[name](run)
     on_policy = exactly_on_policy if estimator.per_pass_inputs else first_pass_on_policy
     estimator.on_policy = on_policy(run)
     return estimator

@@ -68,7 +68,7 @@ __all__ = [
     "reward_atom",
 ]
 
-_RESERVED_NAMES = ("total", "total_std", "errors")  # would clash with reward/<name> metrics
+_RESERVED_NAMES = ("total", "total_std", "errors", "advantage_abs")  # would clash with reward/<name> metrics
 
 
 @dataclass

@@ -191,6 +191,7 @@ class Trainer:
             ckpt.clean_partial(self.checkpoint_dir)
             self.out.mkdir(parents=True, exist_ok=True)
             config = absolute_paths(self.cfg.model_dump(mode="json"), self.cfg.base_dir)  # readable from anywhere
+            config["output_dir"] = str(self.out.resolve())  # "-o run" and "-o /abs/run" are one run
             if resume:
                 self._keep_changed_config(config)
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

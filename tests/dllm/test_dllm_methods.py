@@ -395,3 +395,25 @@ def test_mask_token_outside_the_vocabulary_is_a_config_error(tiny_dllm):
     # 53 tokens: ids 0..52, so 53 is the first id outside
     with pytest.raises(ConfigError, match=r"mask_token_id 53 is not in the model's vocabulary"):
         backend.build(_config(f"model.path={tiny_dllm}", "model.mask_token_id=53", *BLOCKS))
+
+
+def test_a_registered_subclass_takes_its_base_methods_estimator(monkeypatch):
+    """A researcher's method built on diffu-GRPO needs no estimator of its own; a method with
+    no registered base is told how to register one (it was a bare KeyError)."""
+    from dllm_rl.methods.common import estimator_for
+    from mmrl.core.method import METHODS, Method
+
+    class DiffuPos(DiffuGRPO):
+        pass
+
+    class Fresh(Method):
+        pass
+
+    monkeypatch.setitem(METHODS, "diffu_pos", DiffuPos)
+    monkeypatch.setitem(METHODS, "fresh", Fresh)
+    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo"])
+    run = SimpleNamespace(**{**dict(cfg), "method": SimpleNamespace(**{**dict(cfg.method), "type": "diffu_pos"})})
+    assert isinstance(estimator_for(run), MeanField)
+    run.method.type = "fresh"
+    with pytest.raises(ValueError, match=r"'fresh' has no log-prob estimator: register one with .*ESTIMATORS\['fresh'\]"):
+        estimator_for(run)
