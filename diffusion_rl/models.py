@@ -2,7 +2,7 @@
 SD3.5 and Qwen-Image, loaded from a local diffusers pipeline directory.
 
 RL needs four things from a model, and `FlowModel` gives exactly those, built on the model
-classes rather than on `pipeline.__call__` (CONVENTIONS.md item 6):
+classes rather than on `pipeline.__call__` (whose loop hides the per-step log-probs RL needs):
 
     model = load_flow_model("path/to/pipeline_dir", dtype="bfloat16", guidance_scale=1.0)
     cond = model.encode_prompt(["two red circles left of a blue square"] * 4)  # rows = samples

@@ -6,7 +6,7 @@ every component saved with its own `save_pretrained`, safetensors) of randomly i
 `diffusion_rl.models.load_flow_model` (or diffusers' own `DiffusionPipeline.from_pretrained`)
 reads back through `from_pretrained`. Nothing touches a model hub: the tokenizers are trained
 here with the `tokenizers` library on the shapes-geneval vocabulary and wrapped in the real
-tokenizer classes (CONVENTIONS.md item 8; DESIGN.md "Models without a network").
+tokenizer classes.
 
     family       pipeline                   text side                                     VAE
     flux         FluxPipeline               CLIPTextModel (pooled) + T5EncoderModel       AutoencoderKL

@@ -4,7 +4,7 @@
 model.safetensors, the tokenizer files and `dllm.json`) of a randomly initialised small
 instance of the architecture each dLLM family is built on, which
 `dllm_rl.models.load_mask_predictor` reads back through the real `from_pretrained`.
-Nothing touches a model hub (CONVENTIONS.md item 8; DESIGN.md "Models without a network").
+Nothing touches a model hub.
 
     kind        class              like                                   run as
     llada       LlamaForCausalLM   LLaDA (RoPE, RMSNorm, SwiGLU, no bias)  full attention

@@ -1,6 +1,6 @@
 """The method hooks of the one loop, and the registry that builds a method from its config.
 
-A method changes what the loop does at these points (DESIGN.md, "The loop"):
+A method changes what the loop does at these points (the loop: mmrl/core/trainer.py):
     keep_groups     which complete groups train (DAPO's dynamic sampling drops some;
                     the scheduler refills)
     extra_requests  more samples for a complete group (AXPO: continuations of a fixed prefix)

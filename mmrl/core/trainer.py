@@ -1,4 +1,4 @@
-"""The one RL loop, shared by every modality (DESIGN.md, "The loop").
+"""The one RL loop, shared by every modality.
 
     for step:
         batch = scheduler.next_groups()       # complete groups, scored, with advantages; the

@@ -7,7 +7,7 @@ with the Qwen special tokens and a Qwen-style chat template. The processors are 
 processor classes with their real image / video processors, and the models are the real
 `*ForConditionalGeneration` classes with 1-2 layer, 64-wide configs. Everything is written
 with `save_pretrained` and loads back through `AutoModelForImageTextToText` /
-`AutoProcessor.from_pretrained` from the local directory (CONVENTIONS.md item 8).
+`AutoProcessor.from_pretrained` from the local directory (no model hub is touched).
 
     path = build_tiny_vlm("qwen2_5_vl", "assets/tiny-qwen2_5_vl", seed=0)
     model, processor = load_tiny(path)
