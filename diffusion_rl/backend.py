@@ -18,6 +18,7 @@ from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from mmrl.core.config import ConfigError
 from mmrl.core.rewards import Reward
+from mmrl.core.runconfig import resolve_dir
 
 CONFIG_CLASS = DiffusionTrainConfig
 DEFAULT_CONFIG = {
@@ -118,7 +119,7 @@ def build(cfg: DiffusionTrainConfig):
     from diffusion_rl.models import load_flow_model
 
     m = cfg.model
-    path = Path(m.path) if m.path else bundled_model_dir()
+    path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
     if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
@@ -228,5 +229,6 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     if into_model is None:  # the bundled model's files belong to the package: rewritten only on request
         into_model = cfg.model.path is not None
     if into_model:
-        written.append(store_in_model(cal, cfg.model.path or bundled_model_dir()))
+        model_dir = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
+        written.append(store_in_model(cal, model_dir))
     return cal, written

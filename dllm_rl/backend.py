@@ -18,6 +18,7 @@ from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
 from dllm_rl.task import DLLMTask
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
+from mmrl.core.runconfig import resolve_dir
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -59,7 +60,7 @@ def build(cfg: DLLMTrainConfig):
     from dllm_rl.models import load_mask_predictor
 
     m = cfg.model
-    path = Path(m.path) if m.path else bundled_model_dir()
+    path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a from_pretrained model directory is expected)")
     check_remote_code(path, m.trust_remote_code)  # refuse, or name the directory whose code runs

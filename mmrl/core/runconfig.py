@@ -50,6 +50,18 @@ def absolute_paths(data: Any, base_dir: str | Path | None) -> Any:
     return fix(data)
 
 
+def resolve_dir(path: str | Path, base_dir: str | Path | None = None) -> Path:
+    """A directory named in a config (model.path): absolute as given; a relative one from the
+    config file's directory, else the working directory, else the repository (so configs can
+    name "assets/..." from anywhere). As given where none holds it (the caller says so)."""
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    roots = [Path(base_dir)] if base_dir else []
+    roots += [Path.cwd(), Path(__file__).resolve().parents[2]]
+    return next((root / p for root in roots if (root / p).is_dir()), p)
+
+
 def run_dir_of(path: str | Path) -> Path | None:
     """The run directory `path` lies in: a run, its checkpoints/, a step-*/ or its model/;
     the nearest of them and their parents that holds config.yaml and checkpoints/."""

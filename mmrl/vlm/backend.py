@@ -114,7 +114,7 @@ def mood_coverage(texts, items) -> dict[str, float]:
 
 def build(cfg: VLMTrainConfig):
     tools = build_tools(cfg)
-    model, processor = load_vlm(cfg.model, seed=cfg.seed)
+    model, processor = load_vlm(cfg.model, seed=cfg.seed, base_dir=cfg.base_dir)
     policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
                        tools=tools, tools_cfg=cfg.rollout.tools)

@@ -16,6 +16,7 @@ import torch
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
+from mmrl.core.runconfig import resolve_dir
 
 SUPPORTED = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -33,24 +34,20 @@ def bundled_model_dir() -> Path:
     return repo_root() / "assets" / BUNDLED
 
 
-def resolve_model_path(path: str | None) -> Path:
-    """The bundled tiny model for None; a relative path from the working directory, else
-    from the repository (so configs can name "assets/..." from anywhere)."""
-    if not path:
-        return bundled_model_dir()
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (repo_root() / p).is_dir():
-        return repo_root() / p
-    return p
+def resolve_model_path(path: str | None, base_dir: str | None = None) -> Path:
+    """The bundled tiny model for None; else as runconfig.resolve_dir: a relative path from
+    the config file's directory, the working directory, then the repository."""
+    return resolve_dir(path, base_dir) if path else bundled_model_dir()
 
 
-def load_vlm(mcfg, seed: int = 0):
-    """(model, processor) from mcfg.path, or the bundled tiny Qwen2.5-VL when path is None;
-    `seed` draws LoRA's initial adapters (model.lora)."""
+def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
+    """(model, processor) from mcfg.path (a relative one from base_dir, the config file's
+    directory, first), or the bundled tiny Qwen2.5-VL when path is None; `seed` draws LoRA's
+    initial adapters (model.lora)."""
     import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    path = resolve_model_path(mcfg.path)
+    path = resolve_model_path(mcfg.path, base_dir)
     if not path.is_dir():
         hint = " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else ""
         raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")

@@ -769,12 +769,13 @@ def build_engine(kind: str, cfg, policy, url: str | None = None):
     VLLMServerEngine at url. The copy for old log-probs is kept only where the trainer
     steps while engines sample (rollout.scheduler.mode=pipelined)."""
     from mmrl.core.config import ConfigError
-    from mmrl.vlm.models import bundled_model_dir
+    from mmrl.vlm.models import resolve_model_path
 
     scheduler = getattr(cfg.rollout, "scheduler", None)
     own = getattr(scheduler, "mode", "sync") == "pipelined"
     if kind == "vllm":
-        return VLLMEngine(policy, cfg.model.path or bundled_model_dir(), seed=cfg.seed, own_weights=own)
+        model_dir = resolve_model_path(cfg.model.path, cfg.base_dir)
+        return VLLMEngine(policy, model_dir, seed=cfg.seed, own_weights=own)
     if kind == "vllm-server":
         if not url:
             raise ConfigError("a vLLM server engine needs a URL (rollout.scheduler.servers: vllm+http://...)")

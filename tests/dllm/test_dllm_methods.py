@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -417,3 +418,24 @@ def test_a_registered_subclass_takes_its_base_methods_estimator(monkeypatch):
     run.method.type = "fresh"
     with pytest.raises(ValueError, match=r"'fresh' has no log-prob estimator: register one with .*ESTIMATORS\['fresh'\]"):
         estimator_for(run)
+
+
+def test_a_relative_model_path_in_a_config_file_is_read_from_the_files_folder(tmp_path, monkeypatch):
+    """As every other path a config names: the config file's folder, else the working
+    directory, else the repository ("assets/..." from anywhere)."""
+    from mmrl.core.runconfig import resolve_dir
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "models").mkdir()
+    (conf / "models" / "mine").symlink_to(backend.bundled_model_dir(), target_is_directory=True)
+    (conf / "run.yaml").write_text("model: {path: models/mine}\n")
+    monkeypatch.chdir(tmp_path)  # the path does not exist from here
+    cfg = load_config(DLLMTrainConfig, conf / "run.yaml", overrides=["method.type=diffu_grpo"])
+    policy, _task = backend.build(cfg)
+    assert policy.model is not None
+    assert resolve_dir("models/mine", conf) == conf / "models" / "mine"
+    assert resolve_dir("assets/tiny-dllm") == backend.bundled_model_dir()  # from the repository
+    assert resolve_dir("nowhere/model", conf) == Path("nowhere/model")  # the caller names it
+    with pytest.raises(ConfigError, match="model.path: nowhere/model is not a directory"):
+        backend.build(load_config(DLLMTrainConfig, overrides=["model.path=nowhere/model"]))
