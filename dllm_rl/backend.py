@@ -16,9 +16,10 @@ import torch
 from dllm_rl.config import DLLMTrainConfig
 from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
 from dllm_rl.task import DLLMTask
+from dllm_rl.tasks import CHARSET
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
-from mmrl.core.runconfig import resolve_dir
+from mmrl.core.runconfig import resolve_dir, resolve_file
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -44,6 +45,18 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
 
     t = cfg.task
     spec = get_task(t.type)
+    if t.type == "jsonl":
+        from dllm_rl.tasks.jsonl import load_problems
+        from mmrl.core.jsonl import DatasetError
+
+        try:
+            train = load_problems(resolve_file(t.train_path, cfg.base_dir))
+            evaluation = load_problems(resolve_file(t.eval_path, cfg.base_dir))
+        except DatasetError as e:
+            raise ConfigError(f"task: {e}") from e
+        return DLLMTask(t.type, train, evaluation, spec.reward(on_error=cfg.reward.on_error),
+                        answer_atom=spec.success_atom, rollout=cfg.rollout,
+                        batch_size=cfg.rollout.eval_batch_size, eval_samples=cfg.rollout.eval_samples)
     try:
         train = spec.sample_problems(t.num_train, t.seed, "train", **t.options)
         evaluation = spec.sample_problems(t.num_eval, t.seed, "eval", **t.options)
@@ -76,9 +89,18 @@ def build(cfg: DLLMTrainConfig):
         predictor.model = add_lora(predictor.model, m.lora, seed=cfg.seed)
     task = build_task(cfg)
     tok = predictor.tokenizer
-    longest = max(task.train + task.eval_problems,
-                  key=lambda p: len(tok(p.prompt, add_special_tokens=False)["input_ids"]))
-    prompt_length = len(tok(longest.prompt, add_special_tokens=False)["input_ids"])
+    lengths = {}
+    for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout
+        for text in (p.prompt, p.reference):
+            if text not in lengths:
+                try:
+                    lengths[text] = len(tok(text, add_special_tokens=False)["input_ids"])
+                except Exception as e:  # a fast tokenizer raises a bare Exception
+                    what = f"prompt {text!r}" if text == p.prompt else f"answer {text!r} of {p.prompt!r}"
+                    raise ConfigError(f"task: the model's tokenizer cannot encode the {what}: {e} (the tiny "
+                                      f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
+    longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])
+    prompt_length = lengths[longest.prompt]
     try:
         policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg))
     except PromptTooLong as e:

@@ -87,14 +87,34 @@ class DLLMRolloutConfig(RolloutConfig):
 
 
 class DLLMTaskConfig(Section):
-    """Verifiable problems: `arith` (addition, subtraction, multiplication) or `sudoku` (4x4)."""
+    """Verifiable problems: `arith` (addition, subtraction, multiplication), `sudoku` (4x4),
+    or `jsonl`, your own from train_path and eval_path (dllm_rl.tasks.jsonl)."""
 
-    type: Literal["arith", "sudoku"] = "arith"
+    type: Literal["arith", "sudoku", "jsonl"] = "arith"
     seed: int = 0
     num_train: int = Field(4000, ge=1)
+    """Problems generated for training (arith, sudoku; jsonl uses every line of its file)."""
     num_eval: int = Field(200, ge=1)
+    """Held-out problems generated (arith, sudoku; jsonl uses every line of its file)."""
     options: dict = Field(default_factory=dict)
     """Extra arguments of the task's generator (arith: digits; sudoku: blanks)."""
+    train_path: str | None = None
+    """jsonl: the training problems, one {"prompt", "answer"} object per line."""
+    eval_path: str | None = None
+    """jsonl: the held-out problems, in the same format."""
+
+    @model_validator(mode="after")
+    def _paths(self):
+        given = [k for k in ("train_path", "eval_path") if getattr(self, k)]
+        if self.type == "jsonl" and len(given) < 2:
+            raise ValueError("task.type jsonl needs task.train_path and task.eval_path (JSONL files of "
+                             '{"prompt": ..., "answer": ...} objects)')
+        if self.type != "jsonl" and given:
+            raise ValueError(f"task.{given[0]} is read by task.type jsonl only; the {self.type} task "
+                             "generates its problems")
+        if self.type == "jsonl" and self.options:
+            raise ValueError("task.options are the arith and sudoku generators' arguments; jsonl takes none")
+        return self
 
 
 class KLOldConfig(Section):

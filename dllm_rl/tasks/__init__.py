@@ -1,4 +1,5 @@
-"""Synthetic verifiable tasks for the tiny masked-diffusion LM: `arith` and `sudoku`.
+"""Synthetic verifiable tasks for the tiny masked-diffusion LM: `arith` and `sudoku` (and
+`jsonl`, users' own problems from files: dllm_rl.tasks.jsonl).
 
 Both tasks are written for a character-level model whose vocabulary is exactly CHARSET
 (digits, ``+-*/=()., :|?``, newline, lowercase a-z) plus the special tokens <pad>,
@@ -122,7 +123,7 @@ class Task:
 
 
 # The task modules import Problem and the helpers above, so they come after them.
-from dllm_rl.tasks import arith, sudoku
+from dllm_rl.tasks import arith, jsonl, sudoku
 
 TASKS: dict[str, Task] = {
     "arith": Task(
@@ -143,6 +144,9 @@ TASKS: dict[str, Task] = {
         "solved",
         sudoku.parse_problem,
     ),
+    # users' own problems (task.train_path, task.eval_path): dllm_rl.tasks.jsonl
+    "jsonl": Task("jsonl", jsonl.sample_problems, jsonl.jsonl_reward, jsonl.to_sample, jsonl.accuracy,
+                  "answer", jsonl.parse_problem),
 }
 
 

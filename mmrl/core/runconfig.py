@@ -50,6 +50,16 @@ def absolute_paths(data: Any, base_dir: str | Path | None) -> Any:
     return fix(data)
 
 
+def resolve_file(path: str | Path, base_dir: str | Path | None = None) -> Path:
+    """A data file named in a config: absolute as given; a relative one from the config file's
+    directory, else the working directory; where neither holds it, the first (for the error)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    roots = ([Path(base_dir)] if base_dir else []) + [Path.cwd()]
+    return next((root / p for root in roots if (root / p).exists()), roots[0] / p)
+
+
 def resolve_dir(path: str | Path, base_dir: str | Path | None = None) -> Path:
     """A directory named in a config (model.path): absolute as given; a relative one from the
     config file's directory, else the working directory, else the repository (so configs can

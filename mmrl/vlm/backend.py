@@ -15,6 +15,7 @@ import torch
 
 import mmrl.vlm.methods  # noqa: F401  (registers the VLM methods: axpo)
 from mmrl.core.config import ConfigError
+from mmrl.core.runconfig import resolve_file
 from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
@@ -73,10 +74,9 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
 
-        base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
         try:
-            train = load_jsonl(_resolve(t.train_path, base), on_bad_image=t.on_bad_image)
-            evaluation = load_jsonl(_resolve(t.eval_path, base), on_bad_image=t.on_bad_image)
+            train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), on_bad_image=t.on_bad_image)
+            evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), on_bad_image=t.on_bad_image)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
     if cfg.method.type == "cora":  # CORA's second reward stream: P(the reasoning supports the answer)
@@ -188,8 +188,3 @@ def _read_image(path: Path):
             return to_rgb(img)
     except Exception as e:  # decoders raise many kinds of errors
         raise ConfigError(f"--image: cannot read {path}: {type(e).__name__}: {e}") from e
-
-
-def _resolve(path: str, base: Path) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() else base / p

@@ -439,3 +439,20 @@ def test_a_relative_model_path_in_a_config_file_is_read_from_the_files_folder(tm
     assert resolve_dir("nowhere/model", conf) == Path("nowhere/model")  # the caller names it
     with pytest.raises(ConfigError, match="model.path: nowhere/model is not a directory"):
         backend.build(load_config(DLLMTrainConfig, overrides=["model.path=nowhere/model"]))
+
+
+def test_a_jsonl_task_trains_and_evaluates_on_the_files_problems(tmp_path, monkeypatch):
+    """Your own problems: every line of each file, the files named relative to the config."""
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": {a + b}}}\n'
+                                                  for a in range(3) for b in range(3)))
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "4+4=", "answer": 8}\n{"prompt": "5+1=", "answer": "6"}\n')
+    (tmp_path / "run.yaml").write_text("task: {type: jsonl, train_path: train.jsonl, eval_path: eval.jsonl}\n")
+    monkeypatch.chdir(tmp_path.parent)
+    cfg = load_config(DLLMTrainConfig, tmp_path / "run.yaml", defaults=backend.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "rollout.prompts_per_step=2",
+        "rollout.num_generations=2", *BLOCKS])
+    policy, task = backend.build(cfg)
+    assert len(task.train) == 9 and [p.answer for p in task.eval_problems] == ["8", "6"]
+    summary = Trainer(cfg, policy, task).train()
+    assert summary["steps"] == 1 and 0.0 <= summary["eval_after"]["accuracy"] <= 1.0
+    assert set(summary["eval_after"]) >= {"accuracy", "reward", "nfe"}

@@ -304,3 +304,56 @@ def test_heldout_accuracy_is_exact_share():
     task.answers = lambda policy, probs, temperature, generator=None: (texts, torch.full((200,), 8))
     m = task._evaluate(policy=None)
     assert m["accuracy"] == 0.525 and float(torch.tensor([1.0] * 105 + [0.0] * 95).mean()) != 0.525
+
+
+# ---------------------------------------------------------------------------- jsonl (users' own problems)
+
+
+def test_jsonl_problems_their_fields_and_the_answer_atom(tmp_path):
+    from dllm_rl.tasks import jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "12+7=", "answer": 19}\n\n'
+                    '{"prompt": "opposite of up:", "answer": "down", "reference": "down", "source": "quiz"}\n')
+    a, b = jsonl.load_problems(path)
+    assert (a.prompt, a.answer, a.reference, a.meta) == ("12+7=", "19", "19", {"answer": "19"})
+    assert b.meta == {"source": "quiz", "answer": "down"}
+    scores = jsonl.jsonl_reward().score([jsonl.to_sample(a, " 19\n"), jsonl.to_sample(a, "190"),
+                                         jsonl.to_sample(b, "Down")])
+    assert scores.names == ["answer"] and scores.total.tolist() == [1.0, 0.0, 0.0]  # case counts
+    assert jsonl.accuracy([a, b], ["19", "down"]) == 1.0
+    assert get_task("jsonl").success_atom == "answer" and jsonl.parse_problem("12+7=") is None
+
+
+@pytest.mark.parametrize("line, where", [
+    ('{"answer": 1}', "line 1, field 'prompt': missing"),
+    ('{"prompt": 5, "answer": 1}', "field 'prompt': must be a string, got a number"),
+    ('{"prompt": "  ", "answer": 1}', "field 'prompt': is empty"),
+    ('{"prompt": "1=", "answer": true}', "field 'answer': must be a string or a number, got a boolean"),
+    ('{"prompt": "1=", "answer": ""}', "field 'answer': is empty"),
+    ('{"prompt": "1=", "answer": 1, "reference": ""}', "field 'reference': must be a non-empty string"),
+    ('["1=", 1]', "line 1: expected a JSON object, got a list"),
+    ('{"prompt": "1=", "answer": 1', "line 1: invalid JSON"),
+    ("", "empty dataset"),
+])
+def test_jsonl_bad_lines_name_the_file_line_and_field(tmp_path, line, where):
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import DatasetError
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DatasetError, match=re.escape(where)) as e:
+        jsonl.load_problems(path)
+    assert str(path) in str(e.value)
+
+
+def test_jsonl_task_config_needs_both_files_and_only_jsonl_reads_them():
+    from dllm_rl.config import DLLMTaskConfig
+
+    assert DLLMTaskConfig(type="jsonl", train_path="a.jsonl", eval_path="b.jsonl").train_path == "a.jsonl"
+    with pytest.raises(ValueError, match="jsonl needs task.train_path and task.eval_path"):
+        DLLMTaskConfig(type="jsonl", train_path="a.jsonl")
+    with pytest.raises(ValueError, match="task.eval_path is read by task.type jsonl only"):
+        DLLMTaskConfig(type="sudoku", eval_path="b.jsonl")
+    with pytest.raises(ValueError, match="jsonl takes none"):
+        DLLMTaskConfig(type="jsonl", train_path="a", eval_path="b", options={"digits": 2})

@@ -50,6 +50,7 @@ TINY = {
     # a jsonl task has no num_train / num_eval: its files are small
     "vlm-jsonl": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
                   "rollout.eval_samples=0"],
+    "dllm-jsonl": ["rollout.prompts_per_step=2", "rollout.num_generations=2"],
 }
 
 
@@ -268,6 +269,14 @@ def huge_image_args(tmp: Path) -> list[str]:
                                           "rollout.max_new_tokens=4")]
 
 
+def dllm_data(tmp: Path, bad_line: dict) -> list[str]:
+    """A dLLM jsonl task whose train file's second line is `bad_line`."""
+    good = {"prompt": "1+2=", "answer": 3}
+    eval_path = jsonl(tmp / "eval.jsonl", [good])
+    train_path = jsonl(tmp / "train.jsonl", [good, bad_line])
+    return train(tmp, "task.type=jsonl", f"task.train_path={train_path}", f"task.eval_path={eval_path}")
+
+
 def jrow(args, needles, **kw) -> Row:
     """A VLM row on a jsonl task."""
     return Row("vlm", args, needles, tiny="vlm-jsonl", **kw)
@@ -305,6 +314,11 @@ DATA_ROWS = {
     "prompt-over-context-dllm": Row(
         "dllm", lambda t: ["sample", "--num", "1", "--prompt", "1+" * 60 + "1=", *sets(f"output_dir={t / 'run'}")],
         lambda t: ["--prompt", "1+1+1+1", "122 tokens", "exceed the model's context of 96"]),
+    "missing-answer-dllm": Row("dllm", lambda t: dllm_data(t, {"prompt": "2+2="}), tiny="dllm-jsonl",
+                               needles=lambda t: ["train.jsonl, line 2, field 'answer'", "missing"]),
+    "prompt-out-of-vocabulary-dllm": Row(
+        "dllm", lambda t: dllm_data(t, {"prompt": "What is 2+2?", "answer": 4}), tiny="dllm-jsonl",
+        needles=lambda t: ["task: the model's tokenizer cannot encode the prompt 'What is 2+2?'", "CHARSET"]),
     "generation-over-context-dllm": Row(
         "dllm", lambda t: train(t, "rollout.gen_length=96", "rollout.block_length=4", "rollout.steps=24"),
         lambda t: ["rollout.gen_length", "exceed the model's context of 96"]),

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from mmrl.core.jsonl import DatasetError, json_type, read_objects
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
 __all__ = ["DatasetError", "QADataset", "load_jsonl", "save_jsonl", "to_rgb"]
@@ -48,23 +49,6 @@ __all__ = ["DatasetError", "QADataset", "load_jsonl", "save_jsonl", "to_rgb"]
 IMAGE_FIELDS = ("image", "images", "image_b64")
 RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
 _SKIP_NAMED = 5  # skipped samples named in the warning
-
-
-class DatasetError(ValueError):
-    """A problem with a dataset file. `.path`, `.line` (1-based, None for the whole
-    file) and `.field` (None if no single field) say where."""
-
-    def __init__(self, path, line: int | None, field: str | None, problem: str):
-        where = str(path)
-        if line is not None:
-            where += f", line {line}"
-        if field is not None:
-            where += f", field {field!r}"
-        super().__init__(f"{where}: {problem}")
-        self.path = str(path)
-        self.line = line
-        self.field = field
-        self.problem = problem
 
 
 class _BadImage(Exception):
@@ -95,28 +79,12 @@ def load_jsonl(
     if on_bad_image not in ("raise", "skip"):
         raise ValueError(f'on_bad_image must be "raise" or "skip", got {on_bad_image!r}')
     path = Path(path).expanduser()
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DatasetError(path, None, None, f"cannot read the file: {e.strerror or e}") from e
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DatasetError(
-            path, line, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
-        ) from e
-    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark
     root = Path(base_dir).expanduser() if base_dir is not None else path.parent
 
     items, skipped = [], []
-    # split on "\n" only: str.splitlines() would also split at U+2028 etc., which JSON
-    # strings may hold unescaped, and the line numbers would drift from an editor's
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for lineno, obj in read_objects(path):
         try:
-            items.append(_parse_line(line, path, lineno, root))
+            items.append(_parse_object(obj, path, lineno, root))
         except _BadImage as e:
             if on_bad_image == "raise":
                 raise DatasetError(path, lineno, e.field, e.problem) from e.__cause__
@@ -136,27 +104,20 @@ def load_jsonl(
     return QADataset(items, skipped)
 
 
-def _parse_line(line: str, path: Path, lineno: int, root: Path) -> QAItem:
+def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
-
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise error(None, f"invalid JSON: {e.msg} at column {e.colno}") from e
-    if not isinstance(obj, dict):
-        raise error(None, f"expected a JSON object, got {_json_type(obj)}")
 
     for name in ("question", "answer"):
         if name not in obj:
             raise error(name, "missing (each line needs a question and an answer)")
     question, answer = obj["question"], obj["answer"]
     if not isinstance(question, str):
-        raise error("question", f"must be a string, got {_json_type(question)}")
+        raise error("question", f"must be a string, got {json_type(question)}")
     if not question.strip():
         raise error("question", "is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise error("answer", f"must be a string or a number, got {_json_type(answer)}")
+        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise error("answer", f"must be a finite number, got {answer}")
     answer = str(answer)
@@ -164,7 +125,7 @@ def _parse_line(line: str, path: Path, lineno: int, root: Path) -> QAItem:
         raise error("answer", "is empty")
     reference = obj.get("reference", "")
     if not isinstance(reference, str):
-        raise error("reference", f"must be a string, got {_json_type(reference)}")
+        raise error("reference", f"must be a string, got {json_type(reference)}")
 
     given = [f for f in IMAGE_FIELDS if f in obj]
     if len(given) > 1:
@@ -175,13 +136,13 @@ def _parse_line(line: str, path: Path, lineno: int, root: Path) -> QAItem:
         value = obj[name]
         if name == "images" or (name == "image_b64" and isinstance(value, list)):
             if not isinstance(value, list):
-                raise error(name, f"must be a list of strings, got {_json_type(value)}")
+                raise error(name, f"must be a list of strings, got {json_type(value)}")
             entries = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
         else:
             entries = [(name, value)]
         for field, v in entries:
             if not isinstance(v, str):
-                raise error(field, f"must be a string, got {_json_type(v)}")
+                raise error(field, f"must be a string, got {json_type(v)}")
             if not v.strip():
                 raise error(field, "is empty")
         for field, v in entries:
@@ -190,20 +151,6 @@ def _parse_line(line: str, path: Path, lineno: int, root: Path) -> QAItem:
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
     return QAItem(images=images, question=question, answer=answer, reference=reference, meta=meta)
-
-
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "a list"
-    return "an object" if isinstance(v, dict) else type(v).__name__
 
 
 def _open(field: str, value: str, root: Path) -> Image.Image:

@@ -1,0 +1,90 @@
+"""Users' own problems for the dLLM, as JSON lines (blank lines are ignored):
+
+    {"prompt": "12+7=", "answer": 19}
+    {"prompt": "opposite of up:", "answer": "down", "source": "quiz"}
+
+- "prompt": a non-empty string (required), in characters the model's tokenizer can encode
+  (the bundled tiny model's are `dllm_rl.tasks.CHARSET`; the backend checks every prompt).
+- "answer": a non-empty string or a number (required); meta["answer"] = str(answer).
+- "reference": the SFT target completion (optional; default: the answer).
+- every other field is copied into meta, where reward atoms read it.
+
+One atom scores: `answer` (weight 1), 1 where the decoded completion equals the answer,
+surrounding whitespace aside (case counts). Atoms of your own join it through
+reward.atoms. Every error is a DatasetError naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field
+from mmrl.core.jsonl import DatasetError, json_type, read_objects
+from mmrl.core.rewards import Reward, Sample, reward_atom
+
+RESERVED_FIELDS = ("prompt", "answer", "reference")
+
+
+def load_problems(path: str | os.PathLike) -> list[Problem]:
+    """The problems of a JSONL file (see the module docstring)."""
+    problems = [_problem(obj, path, lineno) for lineno, obj in read_objects(path)]
+    if not problems:
+        raise DatasetError(path, None, None, "empty dataset: no problems")
+    return problems
+
+
+def _problem(obj: dict, path, lineno: int) -> Problem:
+    def error(field, problem):
+        return DatasetError(path, lineno, field, problem)
+
+    for name in ("prompt", "answer"):
+        if name not in obj:
+            raise error(name, "missing (each line needs a prompt and an answer)")
+    prompt, answer = obj["prompt"], obj["answer"]
+    if not isinstance(prompt, str):
+        raise error("prompt", f"must be a string, got {json_type(prompt)}")
+    if not prompt.strip():
+        raise error("prompt", "is empty")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise error("answer", f"must be a finite number, got {answer}")
+    answer = str(answer)
+    if not answer.strip():
+        raise error("answer", "is empty")
+    reference = obj.get("reference", answer)
+    if not isinstance(reference, str) or not reference.strip():
+        raise error("reference", f"must be a non-empty string, got {json_type(reference)}")
+    meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
+    meta["answer"] = answer
+    return Problem(prompt, answer, reference, meta)
+
+
+@reward_atom("answer", weight=1.0)
+def answer_atom(sample: Sample) -> bool:
+    """1 if the completion, stripped, equals meta["answer"], stripped."""
+    return completion_text(sample, "jsonl").strip() == str(meta_field(sample, "answer", "jsonl")).strip()
+
+
+def jsonl_reward(**kwargs) -> Reward:
+    """Reward([answer]); kwargs (on_error, timeout) go to Reward."""
+    return Reward([answer_atom], **kwargs)
+
+
+def to_sample(problem: Problem, completion: str) -> Sample:
+    return Sample(prompt=problem.prompt, completion=completion, meta=problem.meta)
+
+
+def accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:
+    return atom_accuracy(jsonl_reward(), "answer", problems, completions)
+
+
+def sample_problems(n: int, seed: int, split: str = "train", **kwargs) -> list[Problem]:
+    raise ValueError("jsonl problems are read from task.train_path and task.eval_path, not generated")
+
+
+def parse_problem(prompt: str) -> Problem | None:
+    """None: a free prompt has no known answer (sample reports it unscored)."""
+    return None

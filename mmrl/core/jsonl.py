@@ -1,0 +1,73 @@
+"""Reading users' JSON-lines data files, with errors that say where: the backends' own
+loaders (VLM questions, dLLM problems) check the fields of each object they get here."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DatasetError", "json_type", "read_objects"]
+
+
+class DatasetError(ValueError):
+    """A problem with a dataset file. `.path`, `.line` (1-based, None for the whole
+    file) and `.field` (None if no single field) say where."""
+
+    def __init__(self, path, line: int | None, field: str | None, problem: str):
+        where = str(path)
+        if line is not None:
+            where += f", line {line}"
+        if field is not None:
+            where += f", field {field!r}"
+        super().__init__(f"{where}: {problem}")
+        self.path = str(path)
+        self.line = line
+        self.field = field
+        self.problem = problem
+
+
+def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a UTF-8 JSONL file (a byte-order mark
+    allowed); a DatasetError naming the line for text that is not one JSON object."""
+    path = Path(path).expanduser()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DatasetError(path, None, None, f"cannot read the file: {e.strerror or e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DatasetError(
+            path, line, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
+        ) from e
+    # split on "\n" only: str.splitlines() would also split at U+2028 etc., which JSON
+    # strings may hold unescaped, and the line numbers would drift from an editor's
+    for lineno, line in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}") from e
+        if not isinstance(obj, dict):
+            raise DatasetError(path, lineno, None, f"expected a JSON object, got {json_type(obj)}")
+        yield lineno, obj
+
+
+def json_type(v: Any) -> str:
+    """How an error names a JSON value's type ("a string", "null", ...)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    return "an object" if isinstance(v, dict) else type(v).__name__
