@@ -396,3 +396,10 @@ def test_non_finite_rewards_are_refused_naming_the_entry(bad):
         multi_stream_advantages(torch.zeros(4, 2), g, torch.tensor([1.0, bad]))
     with pytest.raises(ValueError, match="eps must be >= 0; got nan"):
         group_advantages(torch.ones(4), g, eps=float("nan"))
+
+
+def test_a_tiny_difference_is_not_an_all_equal_group():
+    """Only exactly equal rewards make a zero-variance group: 1e-4 apart still teaches."""
+    adv = group_advantages(torch.tensor([0.0, 1e-4]), torch.tensor([0, 0]))
+    assert adv[1] > 0 > adv[0]
+    assert not zero_variance_groups(torch.tensor([0.0, 1e-4]), torch.tensor([0, 0])).any()

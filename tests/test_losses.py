@@ -470,3 +470,14 @@ def test_property_kl_penalty(a, b):
     for kind in KL_KINDS:
         assert (kl_penalty(logp, logp.clone(), kind) == 0).all()
         assert (kl_penalty(ref, ref.clone(), kind) == 0).all()
+
+
+def test_clip_fractions_count_only_the_side_their_advantage_clips():
+    """rho below 1 - clip_low counts as clipped low only where A < 0, above 1 + clip_high
+    as clipped high only where A > 0: the other sign's tokens are not clipped."""
+    ratios = torch.tensor([[0.7, 1.5], [1.5, 0.7]])
+    old = torch.zeros(2, 2)
+    out = policy_loss(ratios.log(), old, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    assert math.isclose(out.metrics["loss/clip_frac_high"], 1 / 4, abs_tol=1e-6)  # s0 t1
+    assert math.isclose(out.metrics["loss/clip_frac_low"], 1 / 4, abs_tol=1e-6)  # s1 t1
+    assert math.isclose(out.metrics["loss/clip_frac"], 2 / 4, abs_tol=1e-6)

@@ -372,3 +372,84 @@ def test_progress_without_a_terminal_is_a_plain_line_every_five_percent(tmp_path
     assert lines[-1].startswith("train step 40/40  reward 1.000  ") and lines[-1].endswith(" s/step")
     RunLogger(tmp_path / "quiet", total_steps=40, tensorboard=False, progress=False).log(2, {})
     assert capsys.readouterr().err == ""
+
+
+def _grads_at_step(trainer):
+    """Record each optimizer step's gradient (after clipping), flattened."""
+    seen, step = [], trainer.optimizer.step
+
+    def recording(*a, **kw):
+        seen.append(torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None]).clone())
+        return step(*a, **kw)
+
+    trainer.optimizer.step = recording
+    return seen
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_gradients_are_clipped_to_max_grad_norm(tmp_path):
+    """The step's gradient norm is at most optim.max_grad_norm; the logged norm is the one
+    before clipping (Adam would hide a missing clip in the weights: the gradient shows it)."""
+    clipped, free = make(tmp_path, "optim.max_grad_norm=0.001", name="a"), make(tmp_path, "optim.max_grad_norm=null", name="b")
+    batch, _ = clipped.scheduler.next_groups(version=0)
+    grads = [_grads_at_step(t) for t in (clipped, free)]
+    metrics = [t.update(batch) for t in (clipped, free)]
+    assert metrics[0]["loss/grad_norm"] == pytest.approx(metrics[1]["loss/grad_norm"])
+    assert metrics[1]["loss/grad_norm"] > 0.01
+    assert float(grads[0][0].norm()) == pytest.approx(0.001, rel=1e-4)
+    assert float(grads[1][0].norm()) == pytest.approx(metrics[1]["loss/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_micro_batches_of_a_method_without_a_denominator_weigh_by_their_share(tmp_path):
+    """A method whose loss has no mini-batch normaliser returns each micro-batch's mean: the
+    trainer weighs them by their share, so accumulation gives the unsplit gradient."""
+    one, acc = make(tmp_path, name="one"), make(tmp_path, "train.micro_batch_size=8", name="acc")
+    batch, _ = one.scheduler.next_groups(version=0)
+    grads = []
+    for t in (one, acc):
+        t.method.loss_denominator = lambda b: None
+        grads.append(_grads_at_step(t))
+        t.update(batch)
+    assert len(batch) == 32 and grads[0][0].abs().sum() > 0
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-7)
+
+
+def test_the_kl_term_adds_beta_times_the_kl_to_the_loss(tmp_path):
+    trainer = make(tmp_path, "method.kl.beta=0.1", "method.kl.kind=k3")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    with torch.no_grad():  # a reference apart from the policy, so the KL is not 0
+        for p in trainer.reference.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        batch.ref_logp = trainer.reference.logprobs(batch)
+    with_kl = trainer.method.loss(trainer.policy, batch, batch.advantages)
+    trainer.method.needs_reference = False
+    without = trainer.method.loss(trainer.policy, batch, batch.advantages)
+    assert with_kl.metrics["loss/kl"] > 1e-4
+    assert float(with_kl.loss) == pytest.approx(float(without.loss) + 0.1 * with_kl.metrics["loss/kl"], rel=1e-5)
+
+
+def test_lr_warms_up_linearly_then_follows_the_schedule():
+    from mmrl.core.config import OptimConfig
+    from mmrl.core.trainer import lr_factor
+
+    warm = [lr_factor(OptimConfig(warmup_steps=4, schedule="constant"), 10)(n) for n in range(6)]
+    assert warm == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = lr_factor(OptimConfig(warmup_steps=2, schedule="linear"), 12)
+    assert [linear(n) for n in (2, 7, 12)] == [1.0, 0.5, 0.0]
+    cosine = lr_factor(OptimConfig(warmup_steps=0, schedule="cosine"), 10)
+    assert [cosine(n) for n in (0, 5)] == [1.0, pytest.approx(0.5)] and cosine(10) == pytest.approx(0.0)
+
+
+def test_prompts_come_in_a_new_order_each_epoch_and_a_group_is_one_prompt(tmp_path):
+    from mmrl.core.scheduler import PromptStream
+
+    first, second = PromptStream(list(range(10)), seed=0).take(20)[0][:10], PromptStream(list(range(10)), seed=0).take(20)[0][10:]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    trainer = make(tmp_path, "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=5",
+                   "rollout.num_generations=2")
+    for _ in range(3):  # refill rounds relabel their groups by draw index: no two prompts share one
+        batch, _ = trainer.scheduler.next_groups(version=0)
+        if batch is not None:
+            assert all(len(rows) == 2 for rows in batch.groups())
+            assert set(batch.group_ids.tolist()) <= set(batch.prompts)  # each group's own prompt

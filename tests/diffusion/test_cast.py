@@ -284,3 +284,15 @@ def test_attention_layers_out_of_range_fail_at_build(flux_dir, tmp_path):
     cfg = make(flux_dir, tmp_path, "method.type=cast", "method.projection=attention", "method.attention_layers=[99]")
     with pytest.raises(ConfigError, match=r"method.attention_layers: attention layers \[99\] out of range"):
         backend.build(cfg)
+
+
+def test_clip_bounds_the_total_only_never_the_atom_advantages():
+    """cast_advantages(clip=c): atom is the unclipped A_ik; total is the unclipped sum clamped to +-c."""
+    batch, w = hand_batch()
+    free = cast_advantages(batch.scores.values, batch.group_ids, w, eps=1e-4)
+    clipped = cast_advantages(batch.scores.values, batch.group_ids, w, eps=1e-4, clip=1.0)
+    assert free.atom.abs().max() > 1.0  # colour's 2/sqrt3 would be clipped were the atoms clipped
+    assert torch.equal(clipped.atom, free.atom)
+    assert torch.equal(clipped.total, free.total.clamp(-1.0, 1.0))
+    torch.testing.assert_close(clipped.total, torch.tensor([1.0, -S3, -1.0, -1 / math.sqrt(2), 1 / math.sqrt(2), 0.]),
+                               atol=1e-3, rtol=1e-3)

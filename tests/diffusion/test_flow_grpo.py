@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -348,3 +349,48 @@ def test_whole_prompt_scores_an_unparsed_prompt_by_the_image_atom(flux_dir, clip
     after = summary["eval_after"]
     assert after["unparsed_prompts"] == 1.0 and math.isfinite(after["whole_prompt_reward"])
     assert 0.0 <= after["atom_accuracy"] <= 1.0  # over "a red circle" only
+
+
+# ---------------------------------------------------------------------- advantages and KL by hand
+
+
+def flow_grpo_batch(rewards, group_ids, **data):
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores, Sample
+
+    r = torch.tensor(rewards)
+    return RolloutBatch(group_ids=torch.tensor(group_ids), samples=[Sample("p", None) for _ in rewards],
+                        scores=AtomScores(names=["r"], values=r[:, None], total=r), data=data,
+                        mask=torch.ones(len(rewards), 2, dtype=torch.bool))
+
+
+def test_flow_grpo_advantages_are_clipped_to_adv_clip():
+    """method.adv_clip bounds the group z-scores (the default 5 never binds on small groups)."""
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+
+    # group 0 (0, 1): +-0.5 / 0.7071 -> +-0.7071; group 1 (0, 0, 0, 1): mean 1/4, std 1/2 -> -1/2, 3/2 (/ 0.5001)
+    batch = flow_grpo_batch([0., 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1])
+    low = -0.25 / 0.5001
+    adv = FlowGRPO(FlowGRPOConfig(adv_clip=0.5), None, None).advantages(batch)
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, low, low, low, 0.5]))
+    unclipped = FlowGRPO(FlowGRPOConfig(), None, None).advantages(batch)
+    torch.testing.assert_close(unclipped[-1], torch.tensor(0.75 / 0.5001))
+
+
+def test_flow_grpo_kl_is_the_squared_mean_gap_over_two_sigma_squared():
+    """add_kl: KL = mean_elements((mean - ref_mean)^2) / (2 sigma^2) per step, token-mean, loss += beta KL."""
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+    from mmrl.core.config import KLConfig
+    from mmrl.core.losses import LossOutput
+
+    ref = torch.zeros(2, 2, 4)  # [N, T, latent]
+    std = torch.full((2, 4), 0.5)  # sigma 0.5: 2 sigma^2 = 0.5
+    steps = [SimpleNamespace(mean=torch.ones(2, 4), std=std),  # gap^2 mean 1 -> KL 2, 2
+             SimpleNamespace(mean=torch.tensor([[2., 0, 0, 0], [0, 0, 0, 0]]), std=std)]  # 4/4 = 1 -> 2; 0 -> 0
+    batch = flow_grpo_batch([0., 1], [0, 0], ref_mean=ref)
+    method = FlowGRPO(FlowGRPOConfig(kl=KLConfig(beta=0.1)), None, None)
+    out = method.add_kl(LossOutput(loss=torch.tensor(1.0)), steps, batch, None)
+    assert out.metrics["loss/kl"] == pytest.approx((2 + 2 + 2 + 0) / 4)
+    assert float(out.loss) == pytest.approx(1.0 + 0.1 * 1.5)

@@ -456,3 +456,10 @@ def test_a_jsonl_task_trains_and_evaluates_on_the_files_problems(tmp_path, monke
     summary = Trainer(cfg, policy, task).train()
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"]["accuracy"] <= 1.0
     assert set(summary["eval_after"]) >= {"accuracy", "reward", "nfe"}
+
+
+def test_pass_at_k_when_the_wrong_samples_exactly_fill_k():
+    """n - c == k is not the shortcut 1.0: one k-subset of all-wrong samples remains."""
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+    assert pass_at_k(3, 2, 1) == pytest.approx(2 / 3)  # 1 - C(1,1)/C(3,1)
+    assert pass_at_k(4, 0, 4) == 0.0  # all wrong, k = n: 1 - C(4,4)/C(4,4)

@@ -345,3 +345,15 @@ def test_decode_argument_errors():
     with pytest.raises(ValueError, match="bogus"):
         decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, strategy="bogus")
     assert not calls                                    # raised before any forward
+
+
+def test_threshold_is_strict_a_confidence_equal_to_it_is_not_committed():
+    """threshold/fork commit conf > threshold: a masked 0.5 at threshold 0.5 waits."""
+    conf = torch.tensor([[0.9, 0.5, 0.5], [0.5, 0.5, 0.25]])
+    masked = torch.ones(2, 3, dtype=torch.bool)
+    for strategy in ("threshold", "fork"):
+        c = select_commits(conf, masked, strategy=strategy, threshold=0.5)
+        # row 0: only 0.9 is above; row 1: nothing above, so one fallback commit (most confident / leftmost: pos 0)
+        assert c.mask.tolist() == [[T, F, F], [T, F, F]], strategy
+        assert c.fallback.tolist() == [F, strategy == "fork"], strategy
+        torch.testing.assert_close(c.expected_wrong, torch.tensor([0.1, 0.5]))

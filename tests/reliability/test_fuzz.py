@@ -129,7 +129,7 @@ def test_fuzz_overrides_only_raise_config_error(module):
             cfg = load_config(cls, overrides=items, defaults=defaults)
         except ConfigError as e:
             msg = str(e)
-            assert msg and "\n" not in msg.strip() or "override" in msg or "invalid config" in msg
+            assert msg and ("\n" not in msg.strip() or "override" in msg or "invalid config" in msg)
             return
         assert isinstance(cfg, cls)
         cls.model_validate(cfg.model_dump())  # what loaded is a valid config

@@ -141,7 +141,10 @@ def test_a_skipped_last_step_saves_the_last_good_weights(tmp_path):
     loaded.load_weights(listed[-1][1] / "model")
     assert same(loaded.model.state_dict(), after[1])
     _, state = ckpt.load_checkpoint(listed[-1][1])
-    assert state["bad_steps"] == 1  # a resume would still count it
+    assert state["bad_steps"] == 1  # a resume still counts it:
+    resumed = make(tmp_path / "run", "train.max_steps=4")
+    resumed.load(listed[-1][1])
+    assert resumed.bad_steps == 1
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")

@@ -94,6 +94,7 @@ PER_SAMPLE = [
     ("huge_int", per_sample(lambda: 10**400), "returned a number too large for a float"),
     # finite as a Python float but inf in the float32 scores: was a silent inf reward
     ("beyond_float32", per_sample(lambda: 1e39), "returned 1e+39, beyond the float32 range of the scores"),
+    ("beyond_float32_negative", per_sample(lambda: -1e39), "returned -1e+39, beyond the float32 range of the scores"),
     ("string", per_sample(lambda: "0.5"), "returned a str, expected a number"),
     ("none", per_sample(lambda: None), "returned None, expected a number"),
     ("vector", per_sample(lambda: torch.ones(2)), "returned a Tensor of shape (2,), expected a number"),

@@ -107,3 +107,35 @@ def test_advantage_types_dspo_cannot_use_are_refused(tmp_path):
     for kind in ("rloo", "multi_stream"):
         with pytest.raises(ConfigError, match=f"invalid config: method: DSPO .*advantage.type '{kind}'"):
             _cfg(tmp_path, [f"method.advantage.type={kind}"])
+
+
+def test_annotate_r_cf_and_r_div_from_hand_set_probabilities(tmp_path, monkeypatch):
+    """R_cf = mean_k (p - p_cf)(1 - box area); R_div = DEDR weighted by softmax_k(dP / tau), not softmax(-dP / tau)."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import dspo
+
+    item = ShapesMood(seed=2, num_train=3, num_eval=1, num_ood=1).train_items()[0]
+    resp = parse_mood(item.reference)
+    assert resp.box == (134, 536, 545, 946) and len(resp.candidates) == 5  # area 0.41 * 0.411 = 0.16851
+    p, p_cf = torch.tensor([0.6, 0.3, 0.2, 0.1, 0.05]), torch.tensor([0.2, 0.3, 0.25, 0.1, 0.05])
+    seen = {}
+
+    def fake(policy, prompts, prefixes, words, boxes):
+        seen["words"] = words
+        return p, p_cf
+
+    monkeypatch.setattr(dspo, "emotion_probs", fake)
+    cfg = _cfg(tmp_path)
+    batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample(item.question, item.reference, item.meta)],
+                         prompts={0: item})
+    dspo.DSPO(cfg.method, cfg, None).annotate(None, batch)
+    assert seen["words"] == resp.candidates
+    keep = 1 - 0.41 * 0.411
+    dp = [0.4 * keep, 0.0, -0.05 * keep, 0.0, 0.0]
+    assert float(batch.data["dspo/r_cf"][0]) == pytest.approx(0.35 / 5 * keep, rel=1e-5)
+    e = [math.exp(d / 0.05) for d in dp]  # tau 0.05
+    w = [x / sum(e) for x in e]
+    expected = diversity(resp, item.meta, w=w, tau_ctr=cfg.method.tau_ctr, tau_div=cfg.method.tau_div)
+    assert float(batch.data["dspo/r_div"][0]) == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(diversity(resp, item.meta), rel=1e-3)  # the weights matter here
