@@ -293,3 +293,17 @@ def test_concat_keeps_failed_entries():
     assert c.scores.failed.tolist() == [[True], [False], [False], [False]]
     assert c.select(torch.tensor([2, 3])).scores.errors == 0  # recounted from `failed`
     assert c.select(torch.tensor([0, 3])).scores.errors == 1
+
+
+def test_to_a_device_or_to_the_devices_of_another_batch():
+    """A batch that crossed processes (by the CPU) goes back field by field to where the rank's
+    own rollouts live: ids stay on the CPU, model inputs go to the accelerator ("meta" here)."""
+    local = make_batch(2)
+    local = RolloutBatch(**{**local.__dict__, "mask": local.mask.to("meta"),
+                            "data": {"input_ids": local.data["input_ids"].to("meta"), "pixels": local.data["pixels"]}})
+    moved = make_batch(4).to(local)
+    assert moved.group_ids.device.type == "cpu" and moved.old_logp.device.type == "cpu"
+    assert moved.mask.device.type == "meta" and moved.data["input_ids"].device.type == "meta"
+    assert moved.data["pixels"].device.type == "cpu" and moved.scores.total.device.type == "cpu"
+    everything = make_batch(4).to("meta")
+    assert {t.device.type for t in (everything.group_ids, everything.scores.values, *everything.data.values())} == {"meta"}

@@ -244,3 +244,15 @@ def test_dynamic_sampling_refills_every_rank_to_an_equal_share(tmp_path):
     assert len(rows) == 3
     for row in rows:
         assert row.get("train/skipped") or row["rollout/groups"] % 2 == 0  # equal shares
+
+
+def test_collectives_of_a_nccl_group_run_on_the_ranks_gpu(monkeypatch):
+    """accelerate's --multi_gpu starts NCCL alone, which reduces CUDA tensors only: the small
+    tensors of the counting collectives go to the rank's GPU there, and stay on the CPU on gloo."""
+    from mmrl.core import distributed
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    assert distributed._device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert distributed._device() == torch.device("cuda", 3)

@@ -453,3 +453,21 @@ def test_prompts_come_in_a_new_order_each_epoch_and_a_group_is_one_prompt(tmp_pa
         if batch is not None:
             assert all(len(rows) == 2 for rows in batch.groups())
             assert set(batch.group_ids.tolist()) <= set(batch.prompts)  # each group's own prompt
+
+
+def test_an_empty_share_of_a_mini_batch_adds_nothing_to_the_global_normaliser(tmp_path, monkeypatch):
+    """With several processes a rank whose mini-batch is empty still joins the step, and its
+    share of the loss normaliser is 0 (a method's denominator of no rows is not 0 for every
+    aggregation): one row split over 2 mini-batches sums 1 row's normaliser, then 0."""
+    from mmrl.core import distributed
+
+    trainer = make(tmp_path, "train.mini_batches=2", "method.loss.aggregation=seq_mean_token_mean")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    summed = []
+    monkeypatch.setattr(distributed, "sum_scalar", lambda x: summed.append(x) or x)
+    monkeypatch.setattr(distributed, "sum_gradients", lambda params: None)
+    trainer.world = 2  # as a rank of two
+    metrics = trainer.update(batch.select(torch.arange(1)))
+    one_row = trainer.method.loss_denominator(batch.select(torch.arange(1)))
+    assert metrics["train/updates"] == 2  # both mini-batches stepped, the empty one too
+    assert summed[0::2] == [one_row, 0.0]  # denominators (the loss values are summed between)

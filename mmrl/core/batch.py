@@ -98,17 +98,29 @@ class RolloutBatch:
             data={k: v[idx] for k, v in self.data.items()},
         )
 
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        """The batch with every tensor on `device` (what crosses between processes goes by CPU)."""
-        def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device)
+    def to(self, device: torch.device | str | RolloutBatch) -> RolloutBatch:
+        """The batch with every tensor on `device`, or, given a batch, each tensor on the device
+        of that batch's same field (a backend keeps ids on the CPU and model inputs on its GPU;
+        what crosses between processes goes by the CPU and comes back so)."""
+        like = device if isinstance(device, RolloutBatch) else None
 
-        scores = self.scores
+        def move(t: Tensor | None, there: Tensor | None = None) -> Tensor | None:
+            if t is None:
+                return None
+            if like is None:
+                return t.to(device)
+            return t if there is None else t.to(there.device)
+
+        scores, ref = self.scores, like.scores if like is not None else None
         if scores is not None:
-            scores = replace(scores, values=move(scores.values), total=move(scores.total), failed=move(scores.failed))
-        return replace(self, group_ids=move(self.group_ids), mask=move(self.mask), old_logp=move(self.old_logp),
-                       ref_logp=move(self.ref_logp), advantages=move(self.advantages), scores=scores,
-                       data={k: move(v) for k, v in self.data.items()})
+            field_of = (lambda name: None) if ref is None else (lambda name: getattr(ref, name))
+            scores = replace(scores, values=move(scores.values, field_of("values")),
+                             total=move(scores.total, field_of("total")), failed=move(scores.failed, field_of("failed")))
+        other = like if like is not None else self
+        return replace(self, group_ids=move(self.group_ids, other.group_ids), mask=move(self.mask, other.mask),
+                       old_logp=move(self.old_logp, other.old_logp), ref_logp=move(self.ref_logp, other.ref_logp),
+                       advantages=move(self.advantages, other.advantages), scores=scores,
+                       data={k: move(v, other.data.get(k)) for k, v in self.data.items()})
 
     def groups(self) -> list[Tensor]:
         """Row indices of each group, in order of first appearance."""

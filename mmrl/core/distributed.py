@@ -53,6 +53,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def _device() -> torch.device:
+    """Where collectives run: a process group on NCCL alone reduces CUDA tensors only (accelerate's
+    --multi_gpu starts one), so the small tensors of these helpers go to this rank's GPU there."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shard(items: list, ids: list[int]) -> tuple[list, list[int]]:
     """This rank's share of a global list of prompts (and their draw indices)."""
     n, r = world_size(), rank()
@@ -62,16 +70,16 @@ def shard(items: list, ids: list[int]) -> tuple[list, list[int]]:
 def sum_scalar(x: float) -> float:
     if world_size() == 1:
         return x
-    t = torch.tensor([float(x)], dtype=torch.float64)
+    t = torch.tensor([float(x)], dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return float(t.item())
 
 
 def sum_tensor(t: torch.Tensor) -> torch.Tensor:
-    """t summed over the ranks (through float64 on the CPU), back in t's dtype and device."""
+    """t summed over the ranks (in float64, on the collective device), back in t's dtype and device."""
     if world_size() == 1:
         return t
-    out = t.detach().to("cpu", torch.float64).clone()
+    out = t.detach().to(_device(), torch.float64, copy=True)
     dist.all_reduce(out)
     return out.to(t.device, t.dtype)
 
@@ -80,7 +88,7 @@ def gather_scalar(x: float) -> list[float]:
     """x of every rank, in rank order ([x] with one process)."""
     if world_size() == 1:
         return [x]
-    local = torch.tensor([float(x)], dtype=torch.float64)
+    local = torch.tensor([float(x)], dtype=torch.float64, device=_device())
     out = [torch.zeros_like(local) for _ in range(world_size())]
     dist.all_gather(out, local)
     return [t.item() for t in out]
@@ -119,9 +127,10 @@ def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:
             _said["keys"] = True
             warnings.warn("ranks logged different metrics this step: the logs hold the main rank's share", stacklevel=2)
         return metrics
+    local = local.to(_device())
     table = [torch.zeros_like(local) for _ in range(world_size())]
     dist.all_gather(table, local)
-    values = torch.stack(table)  # [world, K]
+    values = torch.stack(table).cpu()  # [world, K]
     out = {}
     for j, k in enumerate(keys):
         col = values[:, j]
@@ -155,6 +164,7 @@ def weights_checksum(params: list[torch.nn.Parameter]) -> list[float]:
     local = torch.tensor([sum(float(p.detach().double().abs().sum()) for p in params)], dtype=torch.float64)
     if world_size() == 1:
         return [local.item()]
+    local = local.to(_device())
     out = [torch.zeros_like(local) for _ in range(world_size())]
     dist.all_gather(out, local)
     return [t.item() for t in out]

@@ -119,6 +119,7 @@ class SyncScheduler:
             batch.prompts = dict(zip(ids, prompts))
             batch.policy_version = version
             batch.scores = self.reward.score(batch.samples)
+            rolled = batch  # where this rank's rollouts live (for groups from other ranks)
             t_reward += time.perf_counter() - t1
             if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
                 reward_metrics = round_metrics(batch)
@@ -141,7 +142,7 @@ class SyncScheduler:
             "rollout/decoded_tokens": decoded,  # the extra samples add theirs
         }
         if world > 1:  # equal shares (a filter may keep more on one rank): the ranks' steps match
-            kept, metrics["rollout/groups_trimmed"] = _balance(kept, want)
+            kept, metrics["rollout/groups_trimmed"] = _balance(kept, want, local=rolled)
         if not kept:
             return None, metrics
         batch = RolloutBatch.concat(kept)
@@ -190,11 +191,13 @@ class SyncScheduler:
         return apply_prune(batch, keep)
 
 
-def _balance(kept: list[RolloutBatch], want: int) -> tuple[list[RolloutBatch], int]:
+def _balance(kept: list[RolloutBatch], want: int, local: RolloutBatch) -> tuple[list[RolloutBatch], int]:
     """Deal the ranks' kept groups out equally: share = min(total // world, want) each. A rank
     keeps its first `share` groups and gives the rest to a pool, from which the ranks short of
-    a share take theirs, in rank order and draw order (only the surplus crosses processes).
-    Returns this rank's batches and the groups no rank trains on (counted on the main rank)."""
+    a share take theirs, in rank order and draw order (only the surplus groups and their
+    prompts cross processes, by the CPU; they land on the devices of `local`, a batch this
+    rank rolled out). Returns this rank's batches and the groups no rank trains on (counted
+    on the main rank)."""
     world, rank = distributed.world_size(), distributed.rank()
     mine = RolloutBatch.concat(kept) if kept else None
     ids = mine.group_ids.unique() if mine is not None else torch.empty(0, dtype=torch.long)
@@ -203,8 +206,10 @@ def _balance(kept: list[RolloutBatch], want: int) -> tuple[list[RolloutBatch], i
     trimmed = sum(counts) - share * world if rank == 0 else 0
     if all(c == share for c in counts):
         return kept, trimmed
-    device = mine.group_ids.device if mine is not None else None
-    surplus = mine.select(torch.isin(mine.group_ids, ids[share:])).to("cpu") if len(ids) > share else None
+    surplus = None
+    if len(ids) > share:
+        surplus = mine.select(torch.isin(mine.group_ids, ids[share:])).to("cpu")
+        surplus.prompts = {g: surplus.prompts[g] for g in ids[share:].tolist() if g in surplus.prompts}
     pool = [b for b in distributed.gather_objects(surplus) if b is not None]
     out = [mine.select(torch.isin(mine.group_ids, ids[:share]))] if share and len(ids) else []
     need = max(0, share - counts[rank])
@@ -212,7 +217,7 @@ def _balance(kept: list[RolloutBatch], want: int) -> tuple[list[RolloutBatch], i
         pooled = RolloutBatch.concat(pool)
         start = sum(max(0, share - c) for c in counts[:rank])
         got = pooled.select(torch.isin(pooled.group_ids, pooled.group_ids.unique()[start: start + need]))
-        out.append(got if device is None else got.to(device))
+        out.append(got.to(local))
     return out, trimmed
 
 

@@ -281,8 +281,8 @@ class Trainer:
                     continue  # with several processes an empty share still joins the step's collectives
                 mini = batch.select(mini_idx)
                 denom = self.method.loss_denominator(mini)
-                if denom is not None:
-                    denom = distributed.sum_scalar(denom)  # the global mini-batch's normaliser
+                if denom is not None:  # the global mini-batch's normaliser (an empty share adds nothing)
+                    denom = distributed.sum_scalar(denom if len(mini) else 0.0)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_value = 0.0
                 micros = torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)) if len(mini) else ()
