@@ -18,7 +18,7 @@ from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from mmrl.core.config import ConfigError
 from mmrl.core.rewards import Reward
-from mmrl.core.runconfig import resolve_dir
+from mmrl.core.runconfig import resolve_dir, resolve_file
 
 CONFIG_CLASS = DiffusionTrainConfig
 DEFAULT_CONFIG = {
@@ -43,7 +43,6 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
     from diffusion_rl.tasks.shapes_geneval import reward_atoms, sample_prompts
 
     t = cfg.task
-    base = Path(cfg.base_dir) if cfg.base_dir else Path.cwd()
     try:  # reward_atoms names an unknown atom, RewardAtom a non-finite weight
         shapes = reward_atoms(t.atom_weights, unparsed="zero" if t.unparsed == "whole_prompt" else "error")
     except ValueError as e:
@@ -62,14 +61,14 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
         if not whole:
             raise ConfigError("task.unparsed=whole_prompt: every image atom is gated by a shapes atom, which "
                               "scores an undecomposable prompt 0; add an ungated one (e.g. type clip_score)")
-    train = _prompt_file(t.train_path, base, "train_path", whole) or sample_prompts(t.num_train, t.seed, split="train")
-    evaluation = _prompt_file(t.eval_path, base, "eval_path", whole) or sample_prompts(t.num_eval, t.seed, split="eval")
+    train = _prompt_file(t.train_path, cfg.base_dir, "train_path", whole) or sample_prompts(t.num_train, t.seed, split="train")
+    evaluation = _prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole) or sample_prompts(t.num_eval, t.seed, split="eval")
     return DiffusionTask(t.type, train, evaluation, Reward([*shapes, *image_atoms]), eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
                          hard_min_atoms=t.hard_min_atoms)
 
 
-def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str] | None = None
+def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: list[str] | None = None
                  ) -> list[str] | None:
     """Prompts from a text file, one per line (blank lines and # comments skipped), each
     checked by the shapes-geneval parser. A line it cannot decompose is a ConfigError naming
@@ -79,7 +78,7 @@ def _prompt_file(path: str | None, base: Path, key: str, whole_prompt: list[str]
 
     if path is None:
         return None
-    file = Path(path) if Path(path).is_absolute() else base / path
+    file = resolve_file(path, base)  # the config's directory, else the working directory
     try:
         raw = file.read_bytes()
     except OSError as e:

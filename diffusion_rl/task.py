@@ -38,6 +38,10 @@ class DiffusionTask:
         self.grid_prompts = grid_prompts
         self.hard_min_atoms = hard_min_atoms
 
+    # what evaluate() logs beside each atom's mean (a config atom may not take these names)
+    metric_names = ("reward", "atom_accuracy", "prompt_accuracy", "unparsed_prompts", "whole_prompt_reward")
+    metric_prefixes = ("hard/",)
+
     def train_prompts(self) -> list[str]:
         return self.train
 

@@ -91,12 +91,12 @@ def build(cfg: DLLMTrainConfig):
     tok = predictor.tokenizer
     lengths = {}
     for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout
-        for text in (p.prompt, p.reference):
+        for text, what in ((p.prompt, "prompt"), (p.reference, "reference answer"), (p.answer, "answer")):
             if text not in lengths:
                 try:
                     lengths[text] = len(tok(text, add_special_tokens=False)["input_ids"])
                 except Exception as e:  # a fast tokenizer raises a bare Exception
-                    what = f"prompt {text!r}" if text == p.prompt else f"answer {text!r} of {p.prompt!r}"
+                    what = f"prompt {text!r}" if what == "prompt" else f"{what} {text!r} of {p.prompt!r}"
                     raise ConfigError(f"task: the model's tokenizer cannot encode the {what}: {e} (the tiny "
                                       f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
     longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])

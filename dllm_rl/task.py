@@ -45,6 +45,10 @@ class DLLMTask:
         self.batch_size = batch_size
         self.eval_samples = eval_samples
 
+    # what evaluate() logs beside each atom's mean (a config atom may not take these names)
+    metric_names = ("reward", "accuracy", "nfe", "sampled_nfe")
+    metric_prefixes = ("pass@",)
+
     def train_prompts(self) -> list:
         return self.train
 

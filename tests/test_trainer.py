@@ -281,10 +281,12 @@ def test_bad_config_atom_is_a_config_error(tmp_path):
         Trainer(cfg, *toy.build(cfg))
 
 
-@pytest.mark.parametrize("name", ["accuracy", "reward", "nfe", "pass@4", "hard/count"])
-def test_config_atom_named_like_an_eval_metric_is_a_config_error(tmp_path, name):
-    """Evaluation logs each atom's mean under its bare name: an atom called "accuracy" would
-    overwrite the held-out accuracy, so the name is refused before the run starts."""
+@pytest.mark.parametrize("name, refused", [("accuracy", True), ("reward", True), ("nfe", True), ("pass@4", True),
+                                           ("hard/count", False), ("atom_accuracy", False)])
+def test_config_atom_named_like_one_of_the_tasks_eval_metrics_is_a_config_error(tmp_path, name, refused):
+    """Evaluation logs each atom's mean under its bare name: an atom called like one of the
+    task's own metrics (its metric_names, metric_prefixes) would overwrite it, so the name is
+    refused before the run starts; another task's metric names are free."""
     from mmrl.core.config import ConfigError
 
     (tmp_path / "atoms.py").write_text(
@@ -295,9 +297,26 @@ def test_config_atom_named_like_an_eval_metric_is_a_config_error(tmp_path, name)
     )
     cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
                       overrides=[f"output_dir={tmp_path / 'out'}", f"reward.atoms=[{tmp_path / 'atoms.py'}:clash]"])
+    policy, task = toy.build(cfg)
+    task.metric_names, task.metric_prefixes = ("reward", "accuracy", "nfe"), ("pass@",)  # as the dLLM task's
+    if not refused:
+        assert name in Trainer(cfg, policy, task).reward.names
+        return
     with pytest.raises(ConfigError, match=f"{name!r} is taken by an evaluation metric"):
-        Trainer(cfg, *toy.build(cfg))
+        Trainer(cfg, policy, task)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_each_tasks_metric_names_cover_what_its_evaluation_logs():
+    """The names a config atom may not take are those the task's evaluate() writes."""
+    from diffusion_rl.task import DiffusionTask
+    from dllm_rl.task import DLLMTask
+    from mmrl.vlm.task import VLMTask
+
+    assert {"reward", "accuracy", "tool_call_rate", "coverage", "inconsistency_rate"} <= set(VLMTask.metric_names)
+    assert {"reward", "accuracy", "nfe", "sampled_nfe"} == set(DLLMTask.metric_names)
+    assert {"reward", "atom_accuracy", "prompt_accuracy", "unparsed_prompts"} <= set(DiffusionTask.metric_names)
+    assert "accuracy" not in DiffusionTask.metric_names  # diffusion logs atom_accuracy: the name is free there
 
 
 def test_one_sample_per_group_is_a_config_error_before_any_rollout(tmp_path):

@@ -64,7 +64,7 @@ def resolve_dir(path: str | Path, base_dir: str | Path | None = None) -> Path:
     """A directory named in a config (model.path): absolute as given; a relative one from the
     config file's directory, else the working directory, else the repository (so configs can
     name "assets/..." from anywhere). As given where none holds it (the caller says so)."""
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.is_absolute():
         return p
     roots = [Path(base_dir)] if base_dir else []

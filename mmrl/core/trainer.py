@@ -41,6 +41,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,8 @@ class Trainer:
         if not path.is_file():
             return
         text = path.read_text()
-        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config)
-                   if not c.startswith("train.max_steps:")]
+        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config)  # a run's folder is itself
+                   if not c.startswith(("train.max_steps:", "output_dir:"))]
         if changed:
             kept = self.out / f"config.before-step-{self.step}.yaml"
             kept.write_text(text)
@@ -596,16 +597,17 @@ def _check_data_parallel(cfg: TrainConfig, world: int) -> None:
                           f"of the number of processes ({world})")
 
 
-# Held-out evaluation logs each atom's mean under the atom's bare name, beside these metrics of
-# its own: a config atom named like one of them would overwrite it in the eval log.
-EVAL_METRIC_NAMES = ("reward", "accuracy", "sampled_accuracy", "nfe", "sampled_nfe", "tool_call_rate",
-                     "sampled_tool_call_rate", "atom_accuracy", "prompt_accuracy", "unparsed_prompts",
-                     "whole_prompt_reward", "coverage", "mode_accuracy")
-EVAL_METRIC_PREFIXES = ("pass@", "hard/", "ood/")
+# Held-out evaluation logs each atom's mean under the atom's bare name, beside metrics of its
+# own: a config atom named like one of them would overwrite it in the eval log. A task names
+# its metrics (`metric_names`, `metric_prefixes`); these are for a task that does not.
+EVAL_METRIC_NAMES = ("reward", "accuracy")
+EVAL_METRIC_PREFIXES = ()
 
 
-def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
-    """The task's atoms plus the config's extra atoms, under the config's error policy."""
+def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequence[str] = EVAL_METRIC_NAMES,
+                    metric_prefixes: Sequence[str] = EVAL_METRIC_PREFIXES) -> Reward:
+    """The task's atoms plus the config's extra atoms, under the config's error policy. A config
+    atom may not take the name of one of the task's evaluation metrics."""
     rc = cfg.reward
     atoms = list(task_reward.atoms)
     if rc.atoms:
@@ -614,7 +616,7 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig) -> Reward:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
         for a in extra:
-            if a.name in EVAL_METRIC_NAMES or a.name.startswith(EVAL_METRIC_PREFIXES):
+            if a.name in metric_names or a.name.startswith(tuple(metric_prefixes)):
                 raise ConfigError(f"reward.atoms: atom name {a.name!r} is taken by an evaluation metric "
                                   f"(held-out evaluation logs each atom's mean under its name); rename the atom")
         atoms += extra
@@ -629,7 +631,8 @@ def with_config_atoms(task, cfg: TrainConfig) -> Reward:
     `sample` score what training scores. The task's own reward is kept as `task.base_reward`,
     so a second trainer on the same task adds the config's atoms once."""
     base = getattr(task, "base_reward", task.reward)
-    reward = combined_reward(base, cfg)
+    reward = combined_reward(base, cfg, getattr(task, "metric_names", EVAL_METRIC_NAMES),
+                             getattr(task, "metric_prefixes", EVAL_METRIC_PREFIXES))
     task.base_reward, task.reward = base, reward
     return reward
 

@@ -40,6 +40,11 @@ class VLMTask:
         self.metrics = metrics  # task-specific measures of the greedy completions (coverage, ...)
         self.extra_eval = {k: list(v) for k, v in (extra_eval or {}).items() if v}  # e.g. "ood" items
 
+    # what evaluate() logs beside each atom's mean (a config atom may not take these names)
+    metric_names = ("reward", "accuracy", "tool_call_rate", "sampled_accuracy", "sampled_tool_call_rate",
+                    "coverage", "mode_accuracy", "inconsistency_rate", "consistency_checked")
+    metric_prefixes = ("pass@", "ood/")
+
     def train_prompts(self) -> Sequence[Any]:
         return self.train
 

@@ -456,6 +456,7 @@ def test_a_jsonl_task_trains_and_evaluates_on_the_files_problems(tmp_path, monke
     summary = Trainer(cfg, policy, task).train()
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"]["accuracy"] <= 1.0
     assert set(summary["eval_after"]) >= {"accuracy", "reward", "nfe"}
+    assert set(summary["eval_after"]) - set(task.reward.names) <= set(task.metric_names)  # what atoms may not be named
 
 
 def test_pass_at_k_when_the_wrong_samples_exactly_fill_k():

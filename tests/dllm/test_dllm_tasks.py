@@ -357,3 +357,17 @@ def test_jsonl_task_config_needs_both_files_and_only_jsonl_reads_them():
         DLLMTaskConfig(type="sudoku", eval_path="b.jsonl")
     with pytest.raises(ValueError, match="jsonl takes none"):
         DLLMTaskConfig(type="jsonl", train_path="a", eval_path="b", options={"digits": 2})
+
+
+def test_jsonl_answer_outside_the_models_characters_is_refused_before_training(tmp_path):
+    """With a reference of its own, a line's answer is checked too: an answer the model cannot
+    write would score 0 on every sample."""
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "opposite of up:", "answer": "Down", "reference": "down"}\n')
+    cfg = load_config(DLLMTrainConfig, overrides=["task.type=jsonl", f"task.train_path={tmp_path / 't.jsonl'}",
+                                                  f"task.eval_path={tmp_path / 't.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"cannot encode the answer 'Down' of 'opposite of up:'"):
+        backend.build(cfg)

@@ -172,8 +172,8 @@ CONFIG_ROWS = {
                                       lambda t: ["reward.atoms", "broken_atom.py", "this reward file is broken"]),
     "atom-function-missing": Row("vlm", lambda t: train(t, f'reward.atoms=["{atom_file(t).with_name("ok.py")}:g"]'),
                                  lambda t: ["reward.atoms", "ok.py", "'g'"]),
-    "atom-named-like-a-metric": Row("diffusion", lambda t: train(t, f'reward.atoms=["{t / "ok.py"}:accuracy"]'),
-                                    lambda t: ["reward.atoms", "'accuracy' is taken by an evaluation metric"]),
+    "atom-named-like-a-metric": Row("diffusion", lambda t: train(t, f'reward.atoms=["{t / "ok.py"}:atom_accuracy"]'),
+                                    lambda t: ["reward.atoms", "'atom_accuracy' is taken by an evaluation metric"]),
     # a bad --set value beside a good config file: the message blames the value, not the file
     "set-value-beside-a-config-file": Row(
         "vlm", lambda t: ["train", "--config", config_file(t, "seed: 1\n"), *sets("rollout.tools.names=zoom")],
@@ -197,7 +197,7 @@ CONFIG_ROWS = {
 
 @pytest.fixture
 def ok_atom(tmp_path):
-    (tmp_path / "ok.py").write_text("def f(sample):\n    return 1.0\n\n\ndef accuracy(sample):\n    return 1.0\n")
+    (tmp_path / "ok.py").write_text("def f(sample):\n    return 1.0\n\n\ndef atom_accuracy(sample):\n    return 1.0\n")
 
 
 @pytest.mark.parametrize("name", list(CONFIG_ROWS))
