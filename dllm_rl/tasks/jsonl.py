@@ -16,12 +16,11 @@ reward.atoms. Every error is a DatasetError naming the file, the line and the fi
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 
 from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field
-from mmrl.core.jsonl import DatasetError, json_type, read_objects
+from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
 RESERVED_FIELDS = ("prompt", "answer", "reference")
@@ -39,21 +38,7 @@ def _problem(obj: dict, path, lineno: int) -> Problem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
-    for name in ("prompt", "answer"):
-        if name not in obj:
-            raise error(name, "missing (each line needs a prompt and an answer)")
-    prompt, answer = obj["prompt"], obj["answer"]
-    if not isinstance(prompt, str):
-        raise error("prompt", f"must be a string, got {json_type(prompt)}")
-    if not prompt.strip():
-        raise error("prompt", "is empty")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise error("answer", f"must be a finite number, got {answer}")
-    answer = str(answer)
-    if not answer.strip():
-        raise error("answer", "is empty")
+    prompt, answer = text_and_answer(obj, "prompt", error)
     reference = obj.get("reference", answer)
     if not isinstance(reference, str) or not reference.strip():
         raise error("reference", f"must be a non-empty string, got {json_type(reference)}")

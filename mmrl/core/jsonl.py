@@ -4,12 +4,13 @@ loaders (VLM questions, dLLM problems) check the fields of each object they get 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatasetError", "json_type", "read_objects"]
+__all__ = ["DatasetError", "json_type", "read_objects", "text_and_answer"]
 
 
 class DatasetError(ValueError):
@@ -56,6 +57,27 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         if not isinstance(obj, dict):
             raise DatasetError(path, lineno, None, f"expected a JSON object, got {json_type(obj)}")
         yield lineno, obj
+
+
+def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, str], Exception]) -> tuple[str, str]:
+    """A line's `text_field` (a non-empty string: the question or prompt) and its "answer" (a
+    non-empty string or a finite number, as a string); `error(field, problem)` makes the error."""
+    for name in (text_field, "answer"):
+        if name not in obj:
+            raise error(name, f"missing (each line needs a {text_field} and an answer)")
+    text, answer = obj[text_field], obj["answer"]
+    if not isinstance(text, str):
+        raise error(text_field, f"must be a string, got {json_type(text)}")
+    if not text.strip():
+        raise error(text_field, "is empty")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise error("answer", f"must be a finite number, got {answer}")
+    answer = str(answer)
+    if not answer.strip():
+        raise error("answer", "is empty")
+    return text, answer
 
 
 def json_type(v: Any) -> str:

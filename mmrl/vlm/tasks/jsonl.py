@@ -32,7 +32,6 @@ import base64
 import binascii
 import io
 import json
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from mmrl.core.jsonl import DatasetError, json_type, read_objects
+from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
 __all__ = ["DatasetError", "QADataset", "load_jsonl", "save_jsonl", "to_rgb"]
@@ -108,21 +107,7 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
-    for name in ("question", "answer"):
-        if name not in obj:
-            raise error(name, "missing (each line needs a question and an answer)")
-    question, answer = obj["question"], obj["answer"]
-    if not isinstance(question, str):
-        raise error("question", f"must be a string, got {json_type(question)}")
-    if not question.strip():
-        raise error("question", "is empty")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise error("answer", f"must be a finite number, got {answer}")
-    answer = str(answer)
-    if not answer.strip():
-        raise error("answer", "is empty")
+    question, answer = text_and_answer(obj, "question", error)
     reference = obj.get("reference", "")
     if not isinstance(reference, str):
         raise error("reference", f"must be a string, got {json_type(reference)}")
