@@ -490,3 +490,21 @@ def test_an_empty_share_of_a_mini_batch_adds_nothing_to_the_global_normaliser(tm
     one_row = trainer.method.loss_denominator(batch.select(torch.arange(1)))
     assert metrics["train/updates"] == 2  # both mini-batches stepped, the empty one too
     assert summed[0::2] == [one_row, 0.0]  # denominators (the loss values are summed between)
+
+
+def test_float16_weights_are_refused_for_training(tmp_path):
+    """Plain AdamW on float16 weights (no loss scaling) underflows and turns them inf."""
+    from mmrl.core.config import ConfigError
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}"])
+    policy, task = toy.build(cfg)
+    policy.model.half()
+    with pytest.raises(ConfigError, match="model.dtype float16 cannot train here"):
+        Trainer(cfg, policy, task)
+
+
+def test_a_run_on_the_cpu_beside_a_gpu_says_so(tmp_path, monkeypatch):
+    """The backends do not place models on a GPU yet: where one is present, the run says it trains on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="a GPU is present but the model is on the CPU"):
+        make(tmp_path)

@@ -40,7 +40,8 @@ class ModelConfig(Section):
     path: str | None = None
     """Local directory of a from_pretrained checkpoint; None = the backend's bundled tiny model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for training. The CPU default is float32."""
+    """Parameter dtype. The CPU default is float32; float16 is for eval and sample only (training
+    refuses it: plain AdamW without loss scaling underflows in float16)."""
     trust_remote_code: bool = False
     """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
 

@@ -156,7 +156,13 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
+    # one collective for all of them, on the collective device, in each gradient's dtype
+    for dtype in sorted({p.grad.dtype for p in params}, key=str):  # the same order on every rank
+        grads = [p.grad for p in params if p.grad.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(_device())
+        dist.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def weights_checksum(params: list[torch.nn.Parameter]) -> list[float]:
