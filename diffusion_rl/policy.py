@@ -92,7 +92,7 @@ class DiffusionPolicy:
             group_ids=torch.arange(len(prompts)).repeat_interleave(num_generations),
             samples=[to_sample(p, img) for p, img in zip([p for p in prompts for _ in range(num_generations)],
                                                          images)],
-            mask=torch.ones((n, t), dtype=torch.bool),
+            mask=torch.ones((n, t), dtype=torch.bool, device=x.device),
             old_logp=torch.stack(logps, 1).float(),
             data={
                 "latents": torch.stack(xs, 1),

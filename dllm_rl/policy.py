@@ -104,7 +104,7 @@ class DLLMPolicy:
         logits = self.predictor(x, prompt_length=self.prompt_length, valid=valid)
         # <mask> and <pad> are never answer tokens: ban them in sampling and in every log-prob
         # alike (a committed <mask> would look undecoded to the model later).
-        return logits.index_fill(-1, self.banned, float("-inf"))
+        return logits.index_fill(-1, self.banned.to(logits.device), float("-inf"))
 
     # ------------------------------------------------------------------ sampling
 

@@ -102,8 +102,8 @@ def advantage_map(atom: Tensor, weights: Tensor, maps: Tensor, total: Tensor, *,
     """[N, L]: A_i(l) = (sum_k w_k A_ik M_ik(l) + lambda A_i) / (1 + lambda), clipped to +-clip.
     atom [N, K], weights [K] or [N, K], maps [N, K, L], total [N] (A_i)."""
     w = torch.as_tensor(weights, dtype=maps.dtype, device=maps.device)
-    projected = torch.einsum("nk,k,nkl->nl" if w.dim() == 1 else "nk,nk,nkl->nl", atom.to(maps.dtype), w, maps)
-    out = (projected + global_weight * total.to(maps.dtype)[:, None]) / (1 + global_weight)
+    projected = torch.einsum("nk,k,nkl->nl" if w.dim() == 1 else "nk,nk,nkl->nl", atom.to(maps), w, maps)
+    out = (projected + global_weight * total.to(maps)[:, None]) / (1 + global_weight)
     return out.clamp(-clip, clip) if clip is not None else out
 
 

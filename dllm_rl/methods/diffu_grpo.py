@@ -61,7 +61,7 @@ class MeanField(EstimatorBase):
         prompt, valid = batch.data["prompt_ids"], batch.data["prompt_valid"]
         seeds = batch.data["mask_seed"][:, iteration % self.mu].tolist()
         hide = torch.stack([torch.rand(prompt.shape[1], generator=torch.Generator().manual_seed(s))
-                            for s in seeds]) < self.p
+                            for s in seeds]).to(valid.device) < self.p  # seeded on the CPU, used where valid is
         mask_id = policy.predictor.mask_token_id
         prompt = torch.where(hide & valid, torch.full_like(prompt, mask_id), prompt)
         return torch.cat([prompt, torch.full_like(batch.data["completion"], mask_id)], 1)

@@ -143,7 +143,8 @@ class ForkEstimator(EstimatorBase):
         target = batch.data["fork_row"]  # [N, C]
         rows = fork_rows(target, cs)
         if rows.sample.numel() == 0:  # nothing to score; a leaf keeps loss.backward() legal
-            return torch.zeros(completion.shape, dtype=torch.float32).requires_grad_(torch.is_grad_enabled())
+            return torch.zeros(completion.shape, dtype=torch.float32,
+                               device=completion.device).requires_grad_(torch.is_grad_enabled())
         noisy = row_states(completion, cs, rows, policy.predictor.mask_token_id)  # [R, C]
         x = torch.cat([batch.data["prompt_ids"][rows.sample], noisy], 1)  # [R, P + C]
         logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]

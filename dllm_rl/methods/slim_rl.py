@@ -107,11 +107,11 @@ def draw_masks(valid: Tensor, rates: Tensor, block_length: int, generator: torch
     if not valid.any(1).all():
         raise ValueError("every answer needs at least one trainable position (its completion mask is empty)")
     p = rates.float().repeat_interleave(block_length, 1)  # [Q, C]
-    u = torch.rand((n, q, c), generator=generator)  # [N, Q, C]
+    u = torch.rand((n, q, c), generator=generator).to(valid.device)  # [N, Q, C]; drawn on the generator's CPU
     v = valid[:, None, :].expand(n, q, c)
-    mask = (u < p) & v
+    mask = (u < p.to(valid.device)) & v
     # Fallback: the valid position with the largest uniform key (a uniform choice among them).
-    key = torch.where(v, torch.rand((n, q, c), generator=generator), torch.full_like(u, -1.0))
+    key = torch.where(v, torch.rand((n, q, c), generator=generator).to(valid.device), torch.full_like(u, -1.0))
     one = torch.zeros_like(mask).scatter_(2, key.argmax(2, keepdim=True), True)
     return torch.where(mask.any(2, keepdim=True), mask, one)
 

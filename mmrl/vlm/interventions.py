@@ -55,8 +55,8 @@ def mask_patches(pixel_values: Tensor, grid: Tensor, *, p: float, fill: Tensor,
         raise ValueError(f"p must be in [0, 1], got {p}")
     out = pixel_values.clone()
     real = _real_rows(grid, pixel_values.shape[1])  # [N, P]
-    hit = (torch.rand(real.shape, generator=generator) < p) & real
-    out[hit] = fill.to(out.dtype)
+    hit = (torch.rand(real.shape, generator=generator) < p).to(real.device) & real  # the generator's draws
+    out[hit] = fill.to(out)
     return out
 
 
@@ -139,4 +139,4 @@ def blur(pixel_values: Tensor, grid: Tensor, *, merge: int, patch: int, sigma: f
 def _real_rows(grid: Tensor, width: int) -> Tensor:
     """[N, P] bool: the rows of each sample that hold patches (the rest is padding)."""
     counts = grid.prod(-1).sum(-1)  # [N]
-    return torch.arange(width)[None] < counts[:, None]
+    return torch.arange(width, device=counts.device)[None] < counts[:, None]

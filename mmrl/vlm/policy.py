@@ -280,7 +280,7 @@ class VLMPolicy:
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
         not_pad = completion != self.pad_id
         # last non-pad position + 1 (generate pads finished rows, e.g. after a stop string)
-        idx = torch.arange(completion.shape[1])
+        idx = torch.arange(completion.shape[1], device=completion.device)
         last = torch.where(not_pad, idx, torch.full_like(idx, -1)).max(-1).values  # [N]
         return ~after_eos & (idx[None] <= last[:, None])
 
@@ -424,7 +424,7 @@ class VLMPolicy:
         trailing = (mask.flip(-1).cumsum(-1) == 0).sum(-1)  # [N] padding after the prompt
         if not bool(trailing.any()):
             return data
-        idx = (torch.arange(p)[None] - trailing[:, None]) % p  # roll each row right
+        idx = (torch.arange(p, device=mask.device)[None] - trailing[:, None]) % p  # roll each row right
         out = dict(data)
         for k in ("prompt_ids", "prompt_mask", *[k for k in data if k.startswith("prompt/")]):
             out[k] = data[k].gather(1, idx)
@@ -485,11 +485,11 @@ class VLMPolicy:
 def _prepend(fixed: list[list[int]], t: Tensor, head, pad) -> Tensor:
     """Row i becomes head(fixed[i]) + t[i], right-padded with `pad` to a common width."""
     width = max(len(f) for f in fixed) + t.shape[1]
-    out = torch.full((t.shape[0], width), pad, dtype=t.dtype)
+    out = torch.full((t.shape[0], width), pad, dtype=t.dtype, device=t.device)
     for i, f in enumerate(fixed):
         k = len(f)
         if k:
-            out[i, :k] = torch.tensor(head(f), dtype=t.dtype)
+            out[i, :k] = torch.tensor(head(f), dtype=t.dtype, device=t.device)
         out[i, k: k + t.shape[1]] = t[i]
     return out
 

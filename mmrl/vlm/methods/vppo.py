@@ -55,7 +55,7 @@ def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 
         if k:
             ranked = s[i].masked_fill(~mask[i], float("-inf"))
             keep[i, ranked.topk(k).indices] = True
-    return (adv * scale)[:, None] * keep
+    return (adv.to(scale) * scale)[:, None] * keep
 
 
 @register_method("vppo")
