@@ -59,6 +59,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from mmrl.core.jsonl import json_type
 from mmrl.core.rewards import import_python_file, module_attribute, spec_file
 
 __all__ = [
@@ -170,19 +171,8 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
 
 
 def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+    """As the data loaders name types, but in JSON's words for the model: a list is "an array"."""
+    return "an array" if isinstance(value, list) else json_type(value)
 
 
 def _show(value) -> str:
