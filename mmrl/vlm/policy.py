@@ -472,7 +472,14 @@ class VLMPolicy:
     def load_weights(self, path: str | Path) -> None:
         load_model_weights(self.model, path)
 
-    def reference(self) -> VLMPolicy:
+    def reference(self) -> VLMPolicy | _AdaptersOff:
+        """The KL reference, the starting weights. Under LoRA that is this policy with its
+        adapters off (they start at zero), so no second copy of the base model is kept."""
+        return _AdaptersOff(self) if self.is_lora else self.rollout_copy()
+
+    def rollout_copy(self) -> VLMPolicy:
+        """A frozen copy of the current weights, adapters included: a pipelined engine's own
+        (mmrl.core.engine.PolicyEngine) or a scorer of old log-probs; publish loads new ones."""
         ref = copy.copy(self)
         ref.model = copy.deepcopy(self.model).requires_grad_(False)
         if self.agent is not None:  # the copy's tool rollouts must sample with the copy's weights
@@ -480,6 +487,17 @@ class VLMPolicy:
 
             ref.agent = ToolRollout(ref, self.agent.registry, self.tools_cfg)
         return ref
+
+
+class _AdaptersOff:
+    """The KL reference under LoRA: the policy's own model with its adapters disabled."""
+
+    def __init__(self, policy: VLMPolicy):
+        self.policy, self.model = policy, policy.model
+
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        with torch.no_grad(), self.model.disable_adapter():
+            return self.policy.logprobs(batch)
 
 
 def _prepend(fixed: list[list[int]], t: Tensor, head, pad) -> Tensor:

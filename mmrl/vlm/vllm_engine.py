@@ -288,7 +288,7 @@ class _VLLMBase:
         self.version = 0
         self.logprob_batch_size = logprob_batch_size
         # the model the trainer-side old log-probs come from (None with old_logp="engine")
-        self.scorer = None if old_logp == "engine" else (policy.reference() if own_weights else policy)
+        self.scorer = None if old_logp == "engine" else (policy.rollout_copy() if own_weights else policy)
         self._own_scorer = old_logp == "trainer" and own_weights
         tok = policy.tokenizer
         pads = [tok.convert_tokens_to_ids(t) for t in _VISION_PADS]

@@ -261,9 +261,9 @@ def test_tool_rollouts_config_errors():
 
 
 def test_a_frozen_copy_rolls_out_with_its_own_weights(qwen25_dir):
-    """policy.reference() (the KL reference, a background engine's own weights): its tool
-    rollouts use the copy's model, so the trainer's updates do not leak into them."""
+    """policy.rollout_copy() (a background engine's own weights; also the KL reference without
+    LoRA): its tool rollouts use the copy's model, so the trainer's updates do not leak into them."""
     policy = make_policy(qwen25_dir)
-    ref = policy.reference()
+    ref = policy.rollout_copy()
     assert ref.agent.policy is ref and ref.agent.policy.model is not policy.model
     assert ref.agent.registry is policy.agent.registry

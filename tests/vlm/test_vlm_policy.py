@@ -395,3 +395,28 @@ def test_lora_adapters_are_what_a_served_engine_receives(qwen25_dir, tmp_path):
     assert all(torch.equal(served[n], w) for n, w in weights.items())
     assert torch.equal(got.data["completion_ids"], want.data["completion_ids"])
     torch.testing.assert_close(got.old_logp, want.old_logp)
+
+
+def test_lora_kl_reference_is_the_policy_with_adapters_off(qwen25_dir):
+    """Under LoRA the KL reference keeps no second copy of the base model: it is the policy's
+    own model with the adapters disabled (the starting weights, adapters starting at zero),
+    while a rollout copy holds the current weights, adapters included."""
+    from mmrl.core.lora import LoRAConfig, add_lora
+
+    policy = make_policy(qwen25_dir)
+    policy.model = add_lora(policy.model, LoRAConfig(r=4), seed=0)
+    batch = policy.generate(ITEMS[:2], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    ref = policy.reference()
+    assert ref.model is policy.model
+    with torch.no_grad():
+        start = policy.logprobs(batch)
+        torch.testing.assert_close(ref.logprobs(batch), start)
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+        copy_now = policy.rollout_copy()
+        assert copy_now.model is not policy.model
+        moved = policy.logprobs(batch)
+        assert not torch.allclose(moved[batch.mask], start[batch.mask])
+        torch.testing.assert_close(ref.logprobs(batch), start)  # still the starting weights
+        torch.testing.assert_close(copy_now.logprobs(batch), moved)  # the adapters came along
