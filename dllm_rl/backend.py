@@ -54,14 +54,12 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
             evaluation = load_problems(resolve_file(t.eval_path, cfg.base_dir))
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
-        return DLLMTask(t.type, train, evaluation, spec.reward(on_error=cfg.reward.on_error),
-                        answer_atom=spec.success_atom, rollout=cfg.rollout,
-                        batch_size=cfg.rollout.eval_batch_size, eval_samples=cfg.rollout.eval_samples)
-    try:
-        train = spec.sample_problems(t.num_train, t.seed, "train", **t.options)
-        evaluation = spec.sample_problems(t.num_eval, t.seed, "eval", **t.options)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"task.options: {t.type} cannot use {t.options}: {e}") from e
+    else:
+        try:
+            train = spec.sample_problems(t.num_train, t.seed, "train", **t.options)
+            evaluation = spec.sample_problems(t.num_eval, t.seed, "eval", **t.options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"task.options: {t.type} cannot use {t.options}: {e}") from e
     return DLLMTask(t.type, train, evaluation, spec.reward(on_error=cfg.reward.on_error),
                     answer_atom=spec.success_atom, rollout=cfg.rollout,
                     batch_size=cfg.rollout.eval_batch_size, eval_samples=cfg.rollout.eval_samples)
@@ -91,12 +89,12 @@ def build(cfg: DLLMTrainConfig):
     tok = predictor.tokenizer
     lengths = {}
     for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout
-        for text, what in ((p.prompt, "prompt"), (p.reference, "reference answer"), (p.answer, "answer")):
+        for text, kind in ((p.prompt, "prompt"), (p.reference, "reference answer"), (p.answer, "answer")):
             if text not in lengths:
                 try:
                     lengths[text] = len(tok(text, add_special_tokens=False)["input_ids"])
                 except Exception as e:  # a fast tokenizer raises a bare Exception
-                    what = f"prompt {text!r}" if what == "prompt" else f"{what} {text!r} of {p.prompt!r}"
+                    what = f"prompt {text!r}" if kind == "prompt" else f"{kind} {text!r} of {p.prompt!r}"
                     raise ConfigError(f"task: the model's tokenizer cannot encode the {what}: {e} (the tiny "
                                       f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
     longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])

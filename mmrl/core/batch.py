@@ -104,23 +104,21 @@ class RolloutBatch:
         what crosses between processes goes by the CPU and comes back so)."""
         like = device if isinstance(device, RolloutBatch) else None
 
-        def move(t: Tensor | None, there: Tensor | None = None) -> Tensor | None:
-            if t is None:
-                return None
-            if like is None:
-                return t.to(device)
-            return t if there is None else t.to(there.device)
+        def move(t: Tensor | None, there: Tensor | None) -> Tensor | None:
+            """t on `device`; given a batch, on the device of its field `there` (kept where it has none)."""
+            if t is None or (like is not None and there is None):
+                return t
+            return t.to(device if like is None else there.device)
 
-        scores, ref = self.scores, like.scores if like is not None else None
+        def fields(obj, other, names: tuple[str, ...]) -> dict:
+            return {n: move(getattr(obj, n), getattr(other, n, None)) for n in names}
+
+        scores = self.scores
         if scores is not None:
-            field_of = (lambda name: None) if ref is None else (lambda name: getattr(ref, name))
-            scores = replace(scores, values=move(scores.values, field_of("values")),
-                             total=move(scores.total, field_of("total")), failed=move(scores.failed, field_of("failed")))
-        other = like if like is not None else self
-        return replace(self, group_ids=move(self.group_ids, other.group_ids), mask=move(self.mask, other.mask),
-                       old_logp=move(self.old_logp, other.old_logp), ref_logp=move(self.ref_logp, other.ref_logp),
-                       advantages=move(self.advantages, other.advantages), scores=scores,
-                       data={k: move(v, other.data.get(k)) for k, v in self.data.items()})
+            scores = replace(scores, **fields(scores, getattr(like, "scores", None), ("values", "total", "failed")))
+        data = {k: move(v, getattr(like, "data", {}).get(k)) for k, v in self.data.items()}
+        return replace(self, **fields(self, like, ("group_ids", "mask", "old_logp", "ref_logp", "advantages")),
+                       scores=scores, data=data)
 
     def groups(self) -> list[Tensor]:
         """Row indices of each group, in order of first appearance."""

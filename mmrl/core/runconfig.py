@@ -25,12 +25,17 @@ RUN_CONFIG = "config.yaml"
 _FILE_SUFFIXES = (".py", ".json", ".jsonl", ".txt", ".yaml", ".yml")
 
 
+def _roots(base_dir: str | Path | None) -> list[Path]:
+    """Where a relative path in a config is looked for: the config file's directory, then the
+    working directory."""
+    return ([Path(base_dir)] if base_dir else []) + [Path.cwd()]
+
+
 def absolute_paths(data: Any, base_dir: str | Path | None) -> Any:
     """`data` (a config dump) with each relative path that names an existing file or directory
     (under base_dir first, else the working directory) made absolute. A path is a string with
     a "/" or a file suffix; in "file.py:name" the file part. Nothing else changes."""
-    roots = [Path(base_dir)] if base_dir else []
-    roots.append(Path.cwd())
+    roots = _roots(base_dir)
 
     def fix(value: Any) -> Any:
         if isinstance(value, dict):
@@ -56,7 +61,7 @@ def resolve_file(path: str | Path, base_dir: str | Path | None = None) -> Path:
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
-    roots = ([Path(base_dir)] if base_dir else []) + [Path.cwd()]
+    roots = _roots(base_dir)
     return next((root / p for root in roots if (root / p).exists()), roots[0] / p)
 
 
@@ -67,8 +72,7 @@ def resolve_dir(path: str | Path, base_dir: str | Path | None = None) -> Path:
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
-    roots = [Path(base_dir)] if base_dir else []
-    roots += [Path.cwd(), Path(__file__).resolve().parents[2]]
+    roots = [*_roots(base_dir), Path(__file__).resolve().parents[2]]
     return next((root / p for root in roots if (root / p).is_dir()), p)
 
 

@@ -98,7 +98,7 @@ class SyncScheduler:
                           and self.cfg.method.dynamic_sampling.enabled else 0)
         while rounds < max_rounds:
             # With several processes a refill round draws for the rank short of the most groups,
-            # so every rank takes the same prompts and rounds; a rank's surplus is trimmed below.
+            # so every rank takes the same prompts and rounds; _balance deals out the surplus below.
             need = int(max(distributed.gather_scalar(want - have)))
             if need <= 0:
                 break
