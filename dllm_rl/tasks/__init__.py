@@ -47,6 +47,7 @@ __all__ = [
     "get_task",
     "parse_problem",
     "split_of",
+    "to_sample",
 ]
 
 CHARSET = "0123456789+-*/=()., :|?\n" + "abcdefghijklmnopqrstuvwxyz"  # the tokenizer's characters
@@ -87,6 +88,11 @@ def completion_text(sample: Sample, task: str) -> str:
             f"{type(sample.completion).__name__}"
         )
     return sample.completion
+
+
+def to_sample(problem: Problem, completion: str) -> Sample:
+    """What a task's atoms see: the prompt, the decoded completion and the problem's meta."""
+    return Sample(prompt=problem.prompt, completion=completion, meta=problem.meta)
 
 
 def meta_field(sample: Sample, key: str, task: str):

@@ -34,6 +34,7 @@ from dllm_rl.tasks import (
     completion_text,
     meta_field,
     split_of,
+    to_sample,
 )
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
@@ -179,10 +180,6 @@ def answer_atom(sample: Sample) -> bool:
 def arith_reward(**kwargs) -> Reward:
     """Reward([format (0.1), answer (1.0, gated by format)]); kwargs (on_error, timeout) go to Reward."""
     return Reward([format_atom, answer_atom], **kwargs)
-
-
-def to_sample(problem: Problem, completion: str) -> Sample:
-    return Sample(prompt=problem.prompt, completion=completion, meta=problem.meta)
 
 
 def accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field
+from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field, to_sample  # noqa: F401  (exposed)
 from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
@@ -56,10 +56,6 @@ def answer_atom(sample: Sample) -> bool:
 def jsonl_reward(**kwargs) -> Reward:
     """Reward([answer]); kwargs (on_error, timeout) go to Reward."""
     return Reward([answer_atom], **kwargs)
-
-
-def to_sample(problem: Problem, completion: str) -> Sample:
-    return Sample(prompt=problem.prompt, completion=completion, meta=problem.meta)
 
 
 def accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:

@@ -38,6 +38,7 @@ from dllm_rl.tasks import (
     completion_text,
     meta_field,
     split_of,
+    to_sample,
 )
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
@@ -283,10 +284,6 @@ def sudoku_reward(**kwargs) -> Reward:
     """Reward([format (0.1), givens (0.2), constraints (0.3), solved (1.0)]), the last three
     gated by format; kwargs (on_error, timeout) go to Reward."""
     return Reward([format_atom, givens_atom, constraints_atom, solved_atom], **kwargs)
-
-
-def to_sample(problem: Problem, completion: str) -> Sample:
-    return Sample(prompt=problem.prompt, completion=completion, meta=problem.meta)
 
 
 def accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:
