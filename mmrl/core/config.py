@@ -44,6 +44,16 @@ class ModelConfig(Section):
     refuses it: plain AdamW without loss scaling underflows in float16)."""
     trust_remote_code: bool = False
     """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
+    device: str = "cpu"
+    """Where the model samples and trains: "cpu", "cuda", "cuda:N", or "auto" (this process's GPU
+    when one is visible, else the CPU). Under data parallel, "cuda" and "auto" mean the rank's own
+    GPU (LOCAL_RANK). mmrl.core.device.model_device resolves it."""
+
+    @model_validator(mode="after")
+    def _device_spelling(self):
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not one of cpu, cuda, cuda:N, auto")
+        return self
 
 
 # Files of a from_pretrained directory whose "auto_map" makes transformers import the

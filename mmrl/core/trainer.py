@@ -127,9 +127,8 @@ class Trainer:
         self.method = build_method(cfg, self.reward)
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         if torch.cuda.is_available() and all(p.device.type == "cpu" for p in policy.model.parameters()):
-            warnings.warn("a GPU is present but the model is on the CPU: the backends do not place models on "
-                          "a GPU yet, so this run trains on the CPU (rollout.engine vllm samples on the GPU)",
-                          stacklevel=2)
+            warnings.warn("a GPU is present but the model is on the CPU (model.device cpu, the default): "
+                          "set model.device=auto or cuda to train on the GPU", stacklevel=2)
         if any(p.dtype == torch.float16 for p in self.params):
             raise ConfigError("model.dtype float16 cannot train here: AdamW on float16 weights without loss "
                               "scaling underflows its second moments and the weights turn inf after a step "

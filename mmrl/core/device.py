@@ -1,0 +1,42 @@
+"""Where a backend puts its model: `model.device` resolved to a torch.device.
+
+Every backend calls `model_device(cfg.model.device)` once, moves the policy there, and makes
+the tensors of a rollout and an update on the device of the policy's parameters (ids and
+bookkeeping may stay on the CPU; RolloutBatch.to moves what a model reads)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError
+
+
+def model_device(spec: str = "cpu") -> torch.device:
+    """The torch.device for model.device `spec` ("cpu", "cuda", "cuda:N", "auto"). "cuda" and
+    "auto" pick this process's GPU: LOCAL_RANK's under a data-parallel launcher, else GPU 0.
+    A ConfigError when a GPU is asked for and none is visible."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if spec == "auto":
+            return torch.device("cpu")
+        raise ConfigError(f"model.device {spec}: no CUDA device is visible to this process "
+                          "(torch.cuda.is_available() is False); use model.device=cpu or auto")
+    if spec in ("auto", "cuda"):
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        index = int(spec.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device {spec}: GPU {index} does not exist (this process sees "
+                          f"{torch.cuda.device_count()}; LOCAL_RANK={os.environ.get('LOCAL_RANK', 'unset')})")
+    torch.cuda.set_device(index)  # NCCL collectives and torch.cuda.current_device() follow it
+    return torch.device("cuda", index)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's parameters (the CPU for a module without any)."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
