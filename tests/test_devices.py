@@ -22,3 +22,35 @@ def test_the_real_patch_rows_follow_the_grids_device():
 
     out = _real_rows(torch.tensor([[[1, 2, 2]], [[1, 2, 1]]], device=META), 6)
     assert out.device == META and out.shape == (2, 6)
+
+
+def test_model_device_spellings():
+    import pytest
+    from pydantic import ValidationError
+
+    from mmrl.core.config import ConfigError, ModelConfig
+    from mmrl.core.device import model_device
+
+    assert ModelConfig().device == "cpu" and ModelConfig(device="cuda:1").device == "cuda:1"
+    for bad in ("gpu", "cuda:", "CPU", "cuda:x", "mps"):
+        with pytest.raises(ValidationError, match="not one of cpu, cuda, cuda:N, auto"):
+            ModelConfig(device=bad)
+    assert model_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():  # this machine: auto falls back, an explicit GPU is refused by name
+        assert model_device("auto") == torch.device("cpu")
+        for spec in ("cuda", "cuda:0"):
+            with pytest.raises(ConfigError, match=f"model.device {spec}: no CUDA device"):
+                model_device(spec)
+
+
+def test_fork_rng_restores_the_cpu_draws_of_a_cpu_model():
+    from mmrl.core.device import fork_rng, module_device
+
+    model = torch.nn.Linear(2, 2)
+    assert module_device(model) == torch.device("cpu") and module_device(torch.nn.ReLU()) == torch.device("cpu")
+    torch.manual_seed(0)
+    with fork_rng(model):
+        torch.rand(3)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(3))

@@ -40,3 +40,10 @@ def module_device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def fork_rng(module: torch.nn.Module):
+    """torch.random.fork_rng over the CPU RNG and, for a module on a GPU, that GPU's RNG: what
+    the block draws (evaluation, a seeded rollout) leaves the training draws unchanged."""
+    dev = module_device(module)
+    return torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])

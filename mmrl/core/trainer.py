@@ -53,6 +53,7 @@ from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
+from mmrl.core.device import fork_rng
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
@@ -442,7 +443,7 @@ class Trainer:
         fixed-seed sample grid into <output>/samples/ under that tag (before / after)."""
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), self.averaged_weights():
+            with fork_rng(self.policy.model), torch.no_grad(), self.averaged_weights():
                 self.policy.model.eval()
                 result = self.task.evaluate(self.policy)
                 if samples_tag and distributed.is_main() and hasattr(self.task, "save_samples"):
