@@ -18,6 +18,7 @@ from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
 from dllm_rl.task import DLLMTask
 from dllm_rl.tasks import CHARSET
 from mmrl.core.config import ConfigError, check_remote_code
+from mmrl.core.device import model_device
 from mmrl.core.lora import add_lora
 from mmrl.core.runconfig import resolve_dir, resolve_file
 
@@ -75,6 +76,7 @@ def build(cfg: DLLMTrainConfig):
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a from_pretrained model directory is expected)")
     check_remote_code(path, m.trust_remote_code)  # refuse, or name the directory whose code runs
+    device = model_device(m.device)  # a GPU that is not there is a ConfigError before any loading
     try:
         with warnings.catch_warnings():  # the loader's own warning repeats the notice just printed
             warnings.filterwarnings("ignore", message="trust_remote_code is on", category=UserWarning)
@@ -85,6 +87,9 @@ def build(cfg: DLLMTrainConfig):
         raise ConfigError(f"model.path: cannot load {path}: {str(e).removeprefix(f'{path}: ')}") from e
     if m.lora is not None:  # before the policy, which keeps predictor.model
         predictor.model = add_lora(predictor.model, m.lora, seed=cfg.seed)
+    # After LoRA, whose adapters are drawn on the CPU: a seed makes the same ones on any device.
+    # Every copy of the policy (the reference, a pipelined engine's) is a deepcopy: it stays here.
+    predictor.to(device)
     task = build_task(cfg)
     tok = predictor.tokenizer
     lengths = {}
@@ -153,6 +158,8 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     problems = [parse_problem(task.name, p) or Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
     policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
+    # A CPU generator on any model.device: the sampler draws its noise on the CPU and moves it,
+    # so a seed samples the same answers wherever the model runs (up to the logits' rounding).
     gen = torch.Generator().manual_seed(cfg.seed)
     try:
         if greedy:
@@ -162,10 +169,11 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     except PromptError as e:  # too long, or a character the tokenizer has no token for
         raise ConfigError(f"--prompt: {e}") from e
     answers = policy.answer_text(result.completion)
+    nfe = result.nfe.tolist()  # one copy from the model's device, not one per row
     rows = []
     for k, (text, answer) in enumerate(zip(texts, answers)):
         problem = problems[k // n]
-        row = {"prompt": text, "completion": answer, "nfe": int(result.nfe[k])}
+        row = {"prompt": text, "completion": answer, "nfe": int(nfe[k])}
         if problem.answer:
             from dllm_rl.policy import to_sample
 

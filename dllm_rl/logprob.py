@@ -42,6 +42,15 @@ import torch
 import torch.nn.functional as F
 
 
+def uniform(shape, *, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
+    """U(0, 1) draws of ``shape`` on ``device``, made on the generator's device and moved there.
+    The callers' generators are CPU ones (the trainer's, seeded per rollout): the draws, and so
+    the masks, of a seed are then the same whichever device the model is on. No generator:
+    the global RNG of ``device``."""
+    where = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=where, dtype=dtype).to(device)
+
+
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -76,8 +85,8 @@ def d1_masked_input(
     inner iteration must see the same input). Then
     ``token_logprobs(logits[:, P:], completion_ids)`` is the per-token estimate.
     """
-    gen = torch.Generator(device=prompt_ids.device).manual_seed(int(seed))
-    u = torch.rand(prompt_ids.shape, generator=gen, device=prompt_ids.device)  # [B, P]
+    gen = torch.Generator().manual_seed(int(seed))  # on the CPU: one seed, one mask on any device
+    u = uniform(prompt_ids.shape, generator=gen, device=prompt_ids.device)  # [B, P]
     mask_prompt = u < p_mask  # [B, P]
     if prompt_valid is not None:
         mask_prompt &= prompt_valid.bool()
@@ -97,8 +106,8 @@ def coupled_masks(
     lo, hi = t_range
     B, C = valid.shape
     dev = valid.device
-    t = lo + (hi - lo) * torch.rand(B, 1, generator=generator, device=dev)  # [B, 1]
-    m1 = valid & (torch.rand(B, C, generator=generator, device=dev) < t)  # [B, C]
+    t = lo + (hi - lo) * uniform((B, 1), generator=generator, device=dev)  # [B, 1]
+    m1 = valid & (uniform((B, C), generator=generator, device=dev) < t)  # [B, C]
     m2 = valid & ~m1  # [B, C]
     return m1, m2
 
@@ -192,9 +201,9 @@ def forward_mask(
     """
     B, C = valid.shape
     dev = valid.device
-    t = torch.rand(B, generator=generator, device=dev)  # [B]
+    t = uniform((B,), generator=generator, device=dev)  # [B]
     p = (1 - eps) * t + eps  # [B]
-    masked = valid & (torch.rand(B, C, generator=generator, device=dev) < p[:, None])  # [B, C]
+    masked = valid & (uniform((B, C), generator=generator, device=dev) < p[:, None])  # [B, C]
     return masked, p
 
 

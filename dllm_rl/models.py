@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.checkpoint import refuse_pickled_weights
+from mmrl.core.device import module_device
 
 __all__ = [
     "ATTENTIONS",
@@ -279,10 +280,10 @@ class MaskPredictor(nn.Module):
     def answer_ids(self, answers: Sequence[str], gen_length: int) -> Tensor:
         """[B, gen_length] tokens of each answer followed by <eos> to the end: the layout of an
         RL completion, and of the targets of supervised training (as in LLaDA's SFT, the <eos>
-        filler is an answer token like any other)."""
+        filler is an answer token like any other). On the model's device."""
         if self.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id to pad answers with")
-        out = torch.full((len(answers), gen_length), self.eos_token_id, dtype=torch.long)
+        out = torch.full((len(answers), gen_length), self.eos_token_id, dtype=torch.long)  # filled on the CPU
         for i, answer in enumerate(answers):
             row = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
             if len(row) >= gen_length:
@@ -290,7 +291,7 @@ class MaskPredictor(nn.Module):
                     f"answer {answer!r} does not fit gen_length {gen_length} with its <eos>"
                 )
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return out
+        return out.to(module_device(self.model))
 
     def attention_mask(self, valid: Tensor, prompt_length: int) -> Tensor:
         """Bool [B, 1, L, L] for this model's attention (see `build_attention_mask`)."""

@@ -23,6 +23,7 @@ from torch import Tensor
 from dllm_rl.models import MaskPredictor
 from dllm_rl.samplers import DecodeResult, decode
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.device import module_device
 from mmrl.core.lora import load_model_weights
 from mmrl.core.rewards import Sample
 
@@ -63,8 +64,9 @@ class DLLMPolicy:
     # ------------------------------------------------------------------ tokens
 
     def encode_prompts(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
-        """Left-padded prompt ids [B, P] and their validity [B, P]."""
+        """Left-padded prompt ids [B, P] and their validity [B, P], on the model's device."""
         tok, p = self.predictor.tokenizer, self.prompt_length
+        # Filled row by row on the CPU, then moved in one copy.
         ids = torch.full((len(texts), p), self.predictor.pad_token_id, dtype=torch.long)
         valid = torch.zeros((len(texts), p), dtype=torch.bool)
         for i, text in enumerate(texts):
@@ -78,7 +80,8 @@ class DLLMPolicy:
             if row:
                 ids[i, p - len(row):] = torch.tensor(row)
                 valid[i, p - len(row):] = True
-        return ids, valid
+        device = module_device(self.model)
+        return ids.to(device), valid.to(device)
 
     def answer_text(self, completion: Tensor) -> list[str]:
         """The text of each answer up to its first <eos>."""
@@ -104,7 +107,9 @@ class DLLMPolicy:
         logits = self.predictor(x, prompt_length=self.prompt_length, valid=valid)
         # <mask> and <pad> are never answer tokens: ban them in sampling and in every log-prob
         # alike (a committed <mask> would look undecoded to the model later).
-        return logits.index_fill(-1, self.banned.to(logits.device), float("-inf"))
+        if self.banned.device != logits.device:  # made on the CPU; moved once, on the first forward
+            self.banned = self.banned.to(logits.device)
+        return logits.index_fill(-1, self.banned, float("-inf"))
 
     # ------------------------------------------------------------------ sampling
 
@@ -135,6 +140,7 @@ class DLLMPolicy:
         completion = result.completion
         texts = self.answer_text(completion)
         samples = [to_sample(p, t) for p, t in zip(problems, texts)]
+        # ids on the CPU (bookkeeping: the scores and advantages they group are the CPU's too)
         group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
         mask = self.completion_mask(completion)
         data = {

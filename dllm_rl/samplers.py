@@ -199,6 +199,9 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None)
     Gumbel-max: argmax(logits / T + g), g = -log(-log(u)), u ~ U(0, 1) in float64."""
     if temperature > 0:
         scaled = logits / temperature
+        # The noise is drawn on the generator's device, then moved to the logits'. The trainer's
+        # and the CLI's generators are CPU ones, so a seed gives the same float64 noise whichever
+        # device the model is on (the cost: one [B, L, V] copy to the GPU per step).
         dev = generator.device if generator is not None else logits.device
         u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=dev)
         u = u.to(logits.device).clamp_min(torch.finfo(torch.float64).tiny)

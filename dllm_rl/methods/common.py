@@ -54,7 +54,7 @@ class EstimatorBase:
 
     def skip_old(self, batch: RolloutBatch) -> bool:
         """True (and the rows numbered) when the old log-probs need no pass of their own."""
-        if self.on_policy:
+        if self.on_policy:  # row ids stay on the CPU: only read as Python ints (tolist)
             batch.data[FIRST_PASS] = torch.arange(self.issued, self.issued + len(batch))
             self.issued += len(batch)
         return self.on_policy

@@ -50,6 +50,7 @@ class MeanField(EstimatorBase):
 
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         n = len(batch)
+        # seeds on the CPU, where the generator is: masked_input reads them as Python ints
         batch.data["mask_seed"] = torch.randint(0, 2**62, (n, self.mu), generator=generator)
         if self.skip_old(batch):
             return

@@ -150,7 +150,8 @@ class ForkEstimator(EstimatorBase):
         logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]
         logp = token_logprobs(logits, completion[rows.sample], policy.rollout.temperature)  # [R, C]
         one_hot = torch.zeros_like(noisy, dtype=torch.bool)
-        one_hot[torch.arange(len(rows.sample)), rows.position] = True  # [R, C]: each row's target
+        row = torch.arange(len(rows.sample), device=noisy.device)
+        one_hot[row, rows.position] = True  # [R, C]: each row's target
         return scatter_rows(logp, rows.sample, one_hot, len(batch))
 
 

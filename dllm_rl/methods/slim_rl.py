@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dllm_rl.logprob import masked_input, token_logprobs
+from dllm_rl.logprob import masked_input, token_logprobs, uniform
 from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
@@ -107,11 +107,11 @@ def draw_masks(valid: Tensor, rates: Tensor, block_length: int, generator: torch
     if not valid.any(1).all():
         raise ValueError("every answer needs at least one trainable position (its completion mask is empty)")
     p = rates.float().repeat_interleave(block_length, 1)  # [Q, C]
-    u = torch.rand((n, q, c), generator=generator).to(valid.device)  # [N, Q, C]; drawn on the generator's CPU
+    u = uniform((n, q, c), generator=generator, device=valid.device)  # [N, Q, C]
     v = valid[:, None, :].expand(n, q, c)
     mask = (u < p.to(valid.device)) & v
     # Fallback: the valid position with the largest uniform key (a uniform choice among them).
-    key = torch.where(v, torch.rand((n, q, c), generator=generator).to(valid.device), torch.full_like(u, -1.0))
+    key = torch.where(v, uniform((n, q, c), generator=generator, device=valid.device), torch.full_like(u, -1.0))
     one = torch.zeros_like(mask).scatter_(2, key.argmax(2, keepdim=True), True)
     return torch.where(mask.any(2, keepdim=True), mask, one)
 
@@ -123,7 +123,7 @@ def truncated(completion: Tensor, eos_id: int) -> Tensor:  # [N] bool
 
 def zero_truncated(scores: AtomScores, hit_limit: Tensor) -> AtomScores:
     """The length-limit rule: every atom and the total of a truncated answer become 0."""
-    keep = (~hit_limit).to(scores.values.dtype)
+    keep = (~hit_limit).to(scores.values.device, scores.values.dtype)  # the rollout's device -> the scores
     return AtomScores(list(scores.names), scores.values * keep[:, None], scores.total * keep.to(scores.total.dtype),
                       scores.errors, scores.failed)
 
@@ -229,6 +229,7 @@ def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, 
         raise ValueError(f"advantages must be [N] = [{n}] and weights [Q] = [{q}]; got "
                          f"{tuple(advantages.shape)}, {tuple(weights.shape)}")
     rows_logp, rows_old, rows_mask = logp.reshape(n * q, c), old_logp.reshape(n * q, c), mask.reshape(n * q, c)
+    weights = weights.to(advantages.device)  # the quadrature weights are made on the CPU
     adv = (advantages.detach().double()[:, None] * weights.double()[None, :]).reshape(n * q)  # [N*Q]
     out = policy_loss(rows_logp, rows_old, adv.to(torch.float32), rows_mask, clip_low=clip, clip_high=clip,
                       level="sequence", aggregation="seq_mean_token_mean", denom=denom,
