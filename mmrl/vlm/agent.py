@@ -32,6 +32,8 @@ Extra data of a tool batch (beside VLMPolicy.generate's layout):
     data["stat/tool_calls"], ["stat/tool_errors"], ["stat/tool_failures"], ["stat/turns"],
         ["stat/called"]   [N]
 Each sample's meta gets "tool_calls" and "tool_errors" (reward atoms may use them).
+As VLMPolicy.generate's, the batch's tensors are on the model's device and group_ids on the CPU;
+a turn's tokens, log-probs and entropies come back to Python lists (the rows grow there).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.device import fork_rng
 from mmrl.vlm.policy import _per_token, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
@@ -115,7 +118,7 @@ class ToolRollout:
             active = [i for i, r in enumerate(rows) if not r.done]
             if not active:
                 break
-            seed = None if greedy else int(torch.randint(0, 2**62, (1,), generator=generator))
+            seed = None if greedy else int(torch.randint(0, 2**62, (1,), generator=generator))  # CPU generator
             new, logp, ent = self._generate(prompt, rows, active, rollout, seed, greedy)
             for k, i in enumerate(active):
                 self._take_turn(rows[i], new[k], logp[k], ent[k], rollout)
@@ -209,8 +212,8 @@ class ToolRollout:
             resized = pol.resize_images(images, getattr(self.cfg, "image_max_pixels", None))
             out = pol.processor(text=[text], images=resized, return_tensors="pt")
             ids = out["input_ids"][0].tolist()
-            row.pixels.append(out["pixel_values"])
-            row.grids.append(out["image_grid_thw"])
+            row.pixels.append(out["pixel_values"].to(pol.device))  # generate and the batch read them there
+            row.grids.append(out["image_grid_thw"].to(pol.device))
         else:
             ids = pol.tokenizer(text, add_special_tokens=False)["input_ids"]
         row.ids += ids
@@ -242,11 +245,12 @@ class ToolRollout:
 
     def _generate(self, prompt, rows, active, rollout, seed, greedy):
         pol = self.policy
+        device = pol.device
         seqs, token_keys = [], {}
         pixels, grids = [], []
         for i in active:
             p, r = prompt[i], rows[i]
-            comp = torch.tensor(r.ids, dtype=torch.long)
+            comp = torch.tensor(r.ids, dtype=torch.long, device=device)
             seqs.append(torch.cat([p["ids"], comp]))
             for k, v in p["tokens"].items():
                 token_keys.setdefault(k, []).append(torch.cat([v, self._completion_values(k, comp, v.dtype)]))
@@ -256,10 +260,10 @@ class ToolRollout:
             pixels += r.pixels
             grids += r.grids
         width = max(len(s) for s in seqs)
-        inputs = {"input_ids": torch.full((len(seqs), width), pol.pad_id, dtype=torch.long),
-                  "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long)}
+        inputs = {"input_ids": torch.full((len(seqs), width), pol.pad_id, dtype=torch.long, device=device),
+                  "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long, device=device)}
         for k, vs in token_keys.items():
-            inputs[k] = torch.zeros((len(seqs), width), dtype=vs[0].dtype)
+            inputs[k] = torch.zeros((len(seqs), width), dtype=vs[0].dtype, device=device)
         for j, s in enumerate(seqs):  # left padding
             inputs["input_ids"][j, width - len(s):] = s
             inputs["attention_mask"][j, width - len(s):] = 1
@@ -270,7 +274,7 @@ class ToolRollout:
             inputs["image_grid_thw"] = torch.cat(grids)
         sampling = ({"do_sample": False} if greedy else
                     {"do_sample": True, "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": 0})
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with fork_rng(pol.model), torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
             out = pol.model.generate(
@@ -283,6 +287,7 @@ class ToolRollout:
         logp_all = (pol._ban(torch.stack(out.logits, dim=1).float()) / temperature).log_softmax(-1)
         logp = logp_all.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         ent = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
+        new, logp, ent = new.cpu(), logp.cpu(), ent.cpu()  # to the rows' Python lists: one copy each
         lengths = _turn_lengths(new, self.stop_ids, pol.pad_id)
         return ([new[j, :n].tolist() for j, n in enumerate(lengths)],
                 [logp[j, :n].tolist() for j, n in enumerate(lengths)],
@@ -290,7 +295,7 @@ class ToolRollout:
 
     def _completion_values(self, key: str, comp: Tensor, dtype) -> Tensor:
         """A per-token processor output on completion tokens: vision placeholders typed, text 0."""
-        out = torch.zeros(len(comp), dtype=dtype)
+        out = torch.zeros(len(comp), dtype=dtype, device=comp.device)
         if key == "mm_token_type_ids":
             for tid, v in self.type_ids.items():
                 out[comp == tid] = v
@@ -301,6 +306,8 @@ class ToolRollout:
     def _batch(self, enc, items, rows: list[_Row], prompt: list[dict]) -> RolloutBatch:
         pol = self.policy
         n, t = len(rows), max(1, max(len(r.ids) for r in rows))
+        # Filled from the rows' Python lists on the CPU, then moved to the model's device at once
+        # (below); the texts are decoded from the CPU copy.
         completion = torch.full((n, t), pol.pad_id, dtype=torch.long)
         present = torch.zeros((n, t), dtype=torch.bool)
         mask = torch.zeros((n, t), dtype=torch.bool)
@@ -328,27 +335,28 @@ class ToolRollout:
         completion_keys = {f"completion/{k}": torch.stack([self._completion_values(k, c, v.dtype) for c in completion])
                            for k, v in enc.items() if _per_token(k, v, enc)}
         lengths = mask.sum(-1)
+        data = pol.on_device({
+            "completion_ids": completion,
+            "completion_attention": present,
+            **completion_keys,
+            "call_mask": call_mask,
+            "first_call": first_call,
+            "stat/length": lengths.float(),
+            "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
+            "stat/truncated": torch.tensor([float(r.truncated) for r in rows]),
+            "stat/tool_calls": torch.tensor([float(r.calls) for r in rows]),
+            "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
+            "stat/tool_errors": torch.tensor([float(sum(r.errors.values())) for r in rows]),
+            "stat/tool_failures": torch.tensor([float(sum(r.errors[k] for k in TOOL_FAILURES)) for r in rows]),
+            "stat/turns": torch.tensor([float(r.turns) for r in rows]),
+        })
+        mask = mask.to(pol.device)
         return RolloutBatch(
-            group_ids=torch.arange(n),
+            group_ids=torch.arange(n),  # bookkeeping: on the CPU
             samples=samples,
             mask=mask,
-            old_logp=old_logp.masked_fill(~mask, 0.0),
-            data={
-                **prompt_rows,
-                "completion_ids": completion,
-                "completion_attention": present,
-                **completion_keys,
-                "call_mask": call_mask,
-                "first_call": first_call,
-                "stat/length": lengths.float(),
-                "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
-                "stat/truncated": torch.tensor([float(r.truncated) for r in rows]),
-                "stat/tool_calls": torch.tensor([float(r.calls) for r in rows]),
-                "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
-                "stat/tool_errors": torch.tensor([float(sum(r.errors.values())) for r in rows]),
-                "stat/tool_failures": torch.tensor([float(sum(r.errors[k] for k in TOOL_FAILURES)) for r in rows]),
-                "stat/turns": torch.tensor([float(r.turns) for r in rows]),
-            },
+            old_logp=old_logp.to(pol.device).masked_fill(~mask, 0.0),
+            data={**prompt_rows, **data},
         )
 
     @staticmethod
@@ -361,11 +369,12 @@ class ToolRollout:
             grd[i] += r.grids
         if not any(pix):
             return {}
-        dim = next(x for ps in pix for x in ps).shape[-1]
-        pix = [torch.cat(ps) if ps else torch.zeros((0, dim)) for ps in pix]
-        grd = [torch.cat(gs) if gs else torch.zeros((0, 3), dtype=torch.long) for gs in grd]
-        pixel = torch.zeros((len(rows), max(len(p) for p in pix), dim), dtype=pix[0].dtype)
-        thw = torch.zeros((len(rows), max(1, max(len(g) for g in grd)), 3), dtype=grd[0].dtype)
+        first = next(x for ps in pix for x in ps)  # on the model's device, as all of them
+        dim, device = first.shape[-1], first.device
+        pix = [torch.cat(ps) if ps else torch.zeros((0, dim), device=device) for ps in pix]
+        grd = [torch.cat(gs) if gs else torch.zeros((0, 3), dtype=torch.long, device=device) for gs in grd]
+        pixel = torch.zeros((len(rows), max(len(p) for p in pix), dim), dtype=pix[0].dtype, device=device)
+        thw = torch.zeros((len(rows), max(1, max(len(g) for g in grd)), 3), dtype=grd[0].dtype, device=device)
         for i, (p, g) in enumerate(zip(pix, grd)):
             pixel[i, : len(p)] = p
             thw[i, : len(g)] = g

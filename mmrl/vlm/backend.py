@@ -15,6 +15,7 @@ import torch
 
 import mmrl.vlm.methods  # noqa: F401  (registers the VLM methods: axpo)
 from mmrl.core.config import ConfigError
+from mmrl.core.device import model_device
 from mmrl.core.runconfig import resolve_file
 from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.models import load_vlm
@@ -81,10 +82,12 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
             raise ConfigError(f"task: {e}") from e
     if cfg.method.type == "cora":  # CORA's second reward stream: P(the reasoning supports the answer)
         from mmrl.core.rewards import Reward
-        from mmrl.vlm.consistency import consistency_atom
+        from mmrl.vlm.consistency import ConsistencyModel, consistency_atom
 
+        device = model_device(cfg.model.device)  # the classifier runs where the policy does; scores come back on the CPU
         try:
-            atom = consistency_atom(cfg.method.consistency_model, weight=cfg.method.lam)
+            judge = ConsistencyModel.from_pretrained(cfg.method.consistency_model, device=device)
+            atom = consistency_atom(judge, weight=cfg.method.lam)
         except (OSError, ValueError) as e:
             raise ConfigError(f"method.consistency_model: {e}") from e
         reward = Reward([*reward.atoms, atom])
@@ -113,9 +116,12 @@ def mood_coverage(texts, items) -> dict[str, float]:
 
 
 def build(cfg: VLMTrainConfig):
+    device = model_device(cfg.model.device)  # a ConfigError for a GPU this machine lacks, before any loading
     tools = build_tools(cfg)
     model, processor = load_vlm(cfg.model, seed=cfg.seed, base_dir=cfg.base_dir)
-    policy = VLMPolicy(model, processor, temperature=cfg.rollout.temperature,
+    # LoRA's adapters are drawn on the CPU (load_vlm), then moved: the same start on any device.
+    # The KL reference (adapters off, or a copy) and rollout copies follow the policy's device.
+    policy = VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
                        tools=tools, tools_cfg=cfg.rollout.tools)
     return policy, build_task(cfg)
@@ -168,6 +174,7 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
     if greedy:
         samples = [s for b in policy.greedy_batches(asked, task.max_new_tokens) for s in b.samples]
     else:
+        # a CPU generator: it draws the sampling seeds only, the same on any model.device
         samples = policy.generate(asked, n, cfg.rollout, torch.Generator().manual_seed(cfg.seed)).samples
     if items:
         return [{"question": s.prompt, "completion": s.completion, **({"image": str(asks[k // n])} if asks else {})}

@@ -83,16 +83,18 @@ def token_claims(tokenizer, ids: Sequence[int], spans: Sequence[tuple[int, int]]
 def batch_claims(tokenizer, ids: Tensor, mask: Tensor, spans: Sequence[Sequence[tuple[int, int]]]) -> Tensor:
     """[N, T] long: the claim index of every trained token of a batch (-1 elsewhere), from each
     response's completion ids [N, T], mask [N, T] and the claim spans of its text."""
-    out = torch.full(ids.shape, -1, dtype=torch.long)
+    out = torch.full(ids.shape, -1, dtype=torch.long)  # filled from Python lists on the CPU, then moved
+    ids_cpu, mask_cpu = ids.cpu(), mask.cpu()
     for i, sp in enumerate(spans):
         if sp:
-            out[i, mask[i]] = torch.tensor(token_claims(tokenizer, ids[i][mask[i]].tolist(), sp))
-    return out
+            out[i, mask_cpu[i]] = torch.tensor(token_claims(tokenizer, ids_cpu[i][mask_cpu[i]].tolist(), sp))
+    return out.to(ids.device)
 
 
 def claim_persistence(logp: Tensor, logp_intervened: Tensor, claim_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Persistence of every claim of a batch: logp, logp_intervened [N, T]; claim_ids [N, T]
-    long (-1 outside claims). Returns (persistence [C], (sample, claim) index [C, 2])."""
+    long (-1 outside claims). Returns (persistence [C] on logp's device, (sample, claim) index
+    [C, 2] on the CPU: bookkeeping, read as Python ints)."""
     ratio = (logp_intervened - logp).clamp(max=0.0).exp()  # min(1, exp(l' - l))
     values, index = [], []
     for i in range(claim_ids.shape[0]):
@@ -103,7 +105,7 @@ def claim_persistence(logp: Tensor, logp_intervened: Tensor, claim_ids: Tensor) 
             values.append(ratio[i][at].mean())
             index.append((i, c))
     if not values:
-        return torch.zeros(0), torch.zeros((0, 2), dtype=torch.long)
+        return torch.zeros(0, device=logp.device), torch.zeros((0, 2), dtype=torch.long)
     return torch.stack(values), torch.tensor(index, dtype=torch.long)
 
 

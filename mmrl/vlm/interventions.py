@@ -23,22 +23,25 @@ from torch import Tensor
 
 
 def patch_positions(grid: Tensor, merge: int) -> Tensor:
-    """[rows, 3] long: (image, h, w) of each patch row of one sample, in the processor's order.
-    grid: [images, 3] (t, h, w) rows of that sample; zero rows are skipped."""
+    """[rows, 3] long: (image, h, w) of each patch row of one sample, in the processor's order,
+    on grid's device. grid: [images, 3] (t, h, w) rows of that sample; zero rows are skipped."""
     out = []
+    dev = grid.device
     for i, (t, h, w) in enumerate(grid.tolist()):
         if t * h * w == 0:
             continue
-        bh, bw, mh, mw = torch.meshgrid(torch.arange(h // merge), torch.arange(w // merge),
-                                        torch.arange(merge), torch.arange(merge), indexing="ij")
+        bh, bw, mh, mw = torch.meshgrid(torch.arange(h // merge, device=dev), torch.arange(w // merge, device=dev),
+                                        torch.arange(merge, device=dev), torch.arange(merge, device=dev),
+                                        indexing="ij")
         hh = (bh * merge + mh).reshape(-1).repeat(t)
         ww = (bw * merge + mw).reshape(-1).repeat(t)
         out.append(torch.stack([torch.full_like(hh, i), hh, ww], 1))
-    return torch.cat(out) if out else torch.zeros((0, 3), dtype=torch.long)
+    return torch.cat(out) if out else torch.zeros((0, 3), dtype=torch.long, device=dev)
 
 
 def black_row(image_processor, dim: int) -> Tensor:
-    """[D]: a black patch row after the processor's normalisation ((0 - mean) / std per channel)."""
+    """[D]: a black patch row after the processor's normalisation ((0 - mean) / std per channel).
+    On the CPU: the interventions move it to the pixels' device and dtype."""
     mean = torch.tensor(image_processor.image_mean, dtype=torch.float32)
     std = torch.tensor(image_processor.image_std, dtype=torch.float32)
     channels = len(mean)
@@ -55,7 +58,8 @@ def mask_patches(pixel_values: Tensor, grid: Tensor, *, p: float, fill: Tensor,
         raise ValueError(f"p must be in [0, 1], got {p}")
     out = pixel_values.clone()
     real = _real_rows(grid, pixel_values.shape[1])  # [N, P]
-    hit = (torch.rand(real.shape, generator=generator) < p).to(real.device) & real  # the generator's draws
+    # drawn on the CPU from the (CPU) generator, then moved: the same draws on any device
+    hit = (torch.rand(real.shape, generator=generator) < p).to(real.device) & real
     out[hit] = fill.to(out)
     return out
 
@@ -75,7 +79,7 @@ def mask_box(pixel_values: Tensor, grid: Tensor, box: tuple[float, float, float,
         h, w = (int(v) for v in grid[n][grid[n].prod(-1) > 0][image, 1:])
         cy, cx = (pos[:, 1] + 0.5) / h, (pos[:, 2] + 0.5) / w
         inside = (pos[:, 0] == image) & (cx >= x0) & (cx < x1) & (cy >= y0) & (cy < y1)
-        out[n, : len(pos)][inside] = fill.to(out.dtype)
+        out[n, : len(pos)][inside] = fill.to(out)
     return out
 
 
@@ -85,21 +89,20 @@ def to_images(rows: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
     t, h, w = (int(v) for v in grid_row)
     pos = patch_positions(grid_row[None], merge)
     tiles = rows.float().view(len(rows), -1, patch, patch)
-    out = torch.zeros((t, tiles.shape[1], h * patch, w * patch))
-    frame = torch.arange(len(rows)) // (h * w)
+    out = torch.zeros((t, tiles.shape[1], h * patch, w * patch), device=rows.device)
+    pos = pos.tolist()  # Python ints for the slices: one copy, not two per row
     for r in range(len(rows)):
-        y0, x0 = int(pos[r, 1]) * patch, int(pos[r, 2]) * patch
-        out[frame[r], :, y0: y0 + patch, x0: x0 + patch] = tiles[r]
+        y0, x0 = pos[r][1] * patch, pos[r][2] * patch
+        out[r // (h * w), :, y0: y0 + patch, x0: x0 + patch] = tiles[r]
     return out
 
 
 def to_rows(images: Tensor, grid_row: Tensor, merge: int, patch: int) -> Tensor:
     """The inverse of to_images."""
     _, h, w = (int(v) for v in grid_row)
-    pos = patch_positions(grid_row[None], merge)
-    frame = torch.arange(len(pos)) // (h * w)
-    return torch.stack([images[frame[r], :, int(pos[r, 1]) * patch: (int(pos[r, 1]) + 1) * patch,
-                               int(pos[r, 2]) * patch: (int(pos[r, 2]) + 1) * patch].reshape(-1)
+    pos = patch_positions(grid_row[None], merge).tolist()  # Python ints for the slices
+    return torch.stack([images[r // (h * w), :, pos[r][1] * patch: (pos[r][1] + 1) * patch,
+                               pos[r][2] * patch: (pos[r][2] + 1) * patch].reshape(-1)
                         for r in range(len(pos))])
 
 
@@ -110,7 +113,7 @@ def gaussian_blur(images: Tensor, sigma: float) -> Tensor:
     shape = images.shape
     h, w = shape[-2:]
     radius = max(1, min(int(3 * sigma + 0.5), h - 1, w - 1))
-    x = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    x = torch.arange(-radius, radius + 1, dtype=torch.float32, device=images.device)
     k = torch.exp(-(x**2) / (2 * sigma**2))
     k = k / k.sum()
     c = torch.nn.functional.pad(images.reshape(-1, 1, h, w), (radius,) * 4, mode="reflect")

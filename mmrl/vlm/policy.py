@@ -14,6 +14,10 @@ Rows of a batch are laid out as [prompt (left-padded) | completion (right-padded
     data["prompt/<key>"]                        any other per-token processor output ([N, P])
 Batches of different rounds concatenate with zero padding (RolloutBatch.concat);
 padding inside a prompt is masked out, and Qwen's rope index skips masked tokens.
+
+Devices: every tensor above, batch.mask and batch.old_logp live on the model's device
+(model.device, `VLMPolicy.device`); group_ids stay on the CPU (bookkeeping, as the shared
+loop's). Texts are decoded from a CPU copy of the completion ids.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
+from mmrl.core.device import fork_rng, module_device
 from mmrl.core.lora import is_lora, load_model_weights
 from mmrl.core.rewards import Sample
 
@@ -71,6 +76,16 @@ class VLMPolicy:
 
             self.agent = ToolRollout(self, tools, tools_cfg)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters: where rollouts and updates run."""
+        return module_device(self.model)
+
+    def on_device(self, data: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`data` with every tensor on the model's device (no copy where one is there already)."""
+        device = self.device
+        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in data.items()}
+
     # ------------------------------------------------------------------ prompts
 
     def messages(self, item) -> list[dict[str, Any]]:
@@ -86,7 +101,8 @@ class VLMPolicy:
         return [{"role": "user", "content": content}]
 
     def encode(self, items: Sequence[Any]):
-        """Processor inputs for a batch of prompts (left-padded), images resized by qwen-vl-utils."""
+        """Processor inputs for a batch of prompts (left-padded), images resized by qwen-vl-utils,
+        on the model's device."""
         from qwen_vl_utils import process_vision_info
 
         texts, images = [], []
@@ -101,14 +117,14 @@ class VLMPolicy:
                     raise ValueError(f"prompt {i} ({item.question[:60]!r}): its image could not be read: {e}") from e
                 images.extend(found)
         self.tokenizer.padding_side = "left"
-        return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt").to(self.device)
 
     def _encode_repeated(self, prompts: Sequence[Any], g: int) -> dict[str, Tensor]:
         """encode() of each prompt repeated g times, with every image resized and cut into
         patches once rather than g times (the same tensors)."""
         enc = self.encode(prompts)
         n = len(prompts)
-        rows = torch.arange(n).repeat_interleave(g)
+        rows = torch.arange(n).repeat_interleave(g)  # indices: a CPU index reads a tensor on any device
         out: dict[str, Tensor] = {}
         if "pixel_values" in enc:  # flat over images: repeat each prompt's slab of patches and grid rows
             grid = enc["image_grid_thw"]
@@ -170,9 +186,9 @@ class VLMPolicy:
         prompt_rows = self._prompt_rows(enc, items)
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         inputs = self._shared_image_inputs(inputs, prompt_rows)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)  # generate draws from the global RNG: pin it to ours
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # the CPU generator: same draws anywhere
+        with fork_rng(self.model), torch.no_grad():
+            torch.manual_seed(seed)  # generate draws from the global RNG (the model's GPU's too): pin it to ours
             out = self.model.generate(
                 **inputs, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=True,
@@ -198,7 +214,7 @@ class VLMPolicy:
         texts = self.decode(completion, present)
         n = len(prompts)
         batch = RolloutBatch(
-            group_ids=torch.arange(n).repeat_interleave(num_generations),
+            group_ids=torch.arange(n).repeat_interleave(num_generations),  # bookkeeping: on the CPU
             samples=[to_sample(item, text) for item, text in zip(items, texts)],
             mask=mask,
             old_logp=old_logp.masked_fill(~mask, 0.0),
@@ -219,11 +235,13 @@ class VLMPolicy:
         enc = self.encode(items)
         rows = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [self.eos_id] for c in completions]
         t = max(len(r) for r in rows)
+        # filled row by row from Python lists on the CPU, then moved to the model's device at once
         completion = torch.full((len(rows), t), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), t), dtype=torch.bool)
         for i, r in enumerate(rows):
             completion[i, : len(r)] = torch.tensor(r)
             mask[i, : len(r)] = True
+        completion, mask = completion.to(self.device), mask.to(self.device)
         return RolloutBatch(
             group_ids=torch.arange(len(items)),
             samples=[to_sample(it, c) for it, c in zip(items, completions)],
@@ -249,15 +267,16 @@ class VLMPolicy:
     def _with_prefixes(self, enc, fixed: list[list[int]]) -> dict[str, Tensor]:
         """The processor's inputs with each row's prefix appended after its prompt (re-left-padded)."""
         keep = enc["attention_mask"].bool()
-        rows = [torch.cat([enc["input_ids"][i][keep[i]], torch.tensor(f, dtype=torch.long)])
+        device = enc["input_ids"].device
+        rows = [torch.cat([enc["input_ids"][i][keep[i]], torch.tensor(f, dtype=torch.long, device=device)])
                 for i, f in enumerate(fixed)]
         width = max(len(r) for r in rows)
         out = dict(enc)
-        out["input_ids"] = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        out["attention_mask"] = torch.zeros((len(rows), width), dtype=enc["attention_mask"].dtype)
+        out["input_ids"] = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=device)
+        out["attention_mask"] = torch.zeros((len(rows), width), dtype=enc["attention_mask"].dtype, device=device)
         others = [k for k, v in enc.items() if _per_token(k, v, enc)]
         for k in others:  # e.g. token types: the prefix is text (0)
-            out[k] = torch.zeros((len(rows), width), dtype=enc[k].dtype)
+            out[k] = torch.zeros((len(rows), width), dtype=enc[k].dtype, device=device)
         for i, r in enumerate(rows):
             out["input_ids"][i, width - len(r):] = r
             out["attention_mask"][i, width - len(r):] = 1
@@ -285,6 +304,7 @@ class VLMPolicy:
         return ~after_eos & (idx[None] <= last[:, None])
 
     def decode(self, completion: Tensor, mask: Tensor) -> list[str]:
+        completion, mask = completion.cpu(), mask.cpu()  # one copy for the tokenizer, not one per row
         return [
             self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
             for row, m in zip(completion, mask)
@@ -314,8 +334,8 @@ class VLMPolicy:
             most_patches = max(most_patches, n)
             start, img = start + n, img + c
         pv = enc["pixel_values"]
-        pixel = torch.zeros((len(items), most_patches, pv.shape[-1]), dtype=pv.dtype)
-        thw = torch.zeros((len(items), most_images, 3), dtype=grid.dtype)
+        pixel = torch.zeros((len(items), most_patches, pv.shape[-1]), dtype=pv.dtype, device=pv.device)
+        thw = torch.zeros((len(items), most_images, 3), dtype=grid.dtype, device=grid.device)
         for i, (s, n, g) in enumerate(rows):
             pixel[i, :n] = pv[s: s + n]
             thw[i, : len(g)] = g
@@ -329,17 +349,19 @@ class VLMPolicy:
         size, frames = getattr(ip, "patch_size", None), getattr(ip, "temporal_patch_size", None)
         if not (isinstance(size, int) and isinstance(frames, int)):
             return {}
-        return {"pixel_values": torch.zeros((n, 0, 3 * frames * size * size)),
-                "image_grid_thw": torch.zeros((n, 0, 3), dtype=torch.long)}
+        return {"pixel_values": torch.zeros((n, 0, 3 * frames * size * size), device=self.device),
+                "image_grid_thw": torch.zeros((n, 0, 3), dtype=torch.long, device=self.device)}
 
     # ------------------------------------------------------------------ training forward
 
     def logprobs(self, batch: RolloutBatch) -> Tensor:
-        """[N, T] log-probs of the completion tokens under the current weights (with grad)."""
-        d = self._left_align(batch.data)
+        """[N, T] log-probs of the completion tokens under the current weights (with grad), on
+        the model's device (a batch from elsewhere, e.g. over the wire, is moved there)."""
+        d = self._left_align(self.on_device(batch.data))
+        mask = batch.mask.to(self.device)
         prompt, completion = d["prompt_ids"], d["completion_ids"]
         _p, t = prompt.shape[1], completion.shape[1]
-        present = d.get("completion_attention", batch.mask)  # a fixed prefix is attended, not trained
+        present = d.get("completion_attention", mask)  # a fixed prefix is attended, not trained
         attn = torch.cat([d["prompt_mask"], present.to(d["prompt_mask"].dtype)], dim=1)
         ids = torch.cat([prompt, completion], dim=1).masked_fill(attn == 0, self.pad_id)
         kwargs: dict[str, Any] = self._image_inputs(d, len(batch)) if "pixel_values" in d else {}
@@ -350,7 +372,7 @@ class VLMPolicy:
         out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
         logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
         logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        return logp.masked_fill(~batch.mask, 0.0)
+        return logp.masked_fill(~mask, 0.0)
 
     def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
         """The model's image inputs for n rows. The G samples of a group carry the same images,
@@ -360,7 +382,8 @@ class VLMPolicy:
         tower's work."""
         grid = d["image_grid_thw"]
         per_image = grid.prod(-1)  # [N, images]; 0 = padding
-        rows = [d["pixel_values"][i, : int(per_image[i].sum())] for i in range(n)]
+        counts = per_image.sum(-1).tolist()  # one device sync for every row's patch count
+        rows = [d["pixel_values"][i, : int(counts[i])] for i in range(n)]
         grids = [grid[i][per_image[i] > 0] for i in range(n)]
         flat_grid = grid[per_image > 0]
         if not len(flat_grid):  # no row has an image: a text-only part of a mixed batch
@@ -403,7 +426,9 @@ class VLMPolicy:
     def sft_loss(self, batch: RolloutBatch) -> Tensor:
         """Mean negative log-likelihood of the batch's trained tokens (supervised fine-tuning
         on teacher batches; the scripts that build the bundled tiny VLMs)."""
-        return -(self.logprobs(batch) * batch.mask).sum() / batch.mask.sum()
+        logp = self.logprobs(batch)
+        mask = batch.mask.to(logp.device)
+        return -(logp * mask).sum() / mask.sum()
 
     @torch.no_grad()
     def rescore(self, batch: RolloutBatch, pixel_values: Tensor) -> Tensor:

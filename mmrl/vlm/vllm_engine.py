@@ -228,11 +228,13 @@ def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Se
                    ) -> RolloutBatch:
     """A batch in VLMPolicy.generate's layout: `enc` = policy.encode(prompts) (one row per
     prompt), completions[i] = the samples of prompt i. Rows are prompt-major. old_logp is
-    the engine's (see the module docstring for the trainer-side recompute)."""
+    the engine's (see the module docstring for the trainer-side recompute). As the policy's
+    own batches: tensors on the policy's device, group ids on the CPU."""
     counts = [len(c) for c in completions]
     rows = torch.arange(len(prompts)).repeat_interleave(torch.tensor(counts))
     flat = [c for group in completions for c in group]
     t = max([1] + [len(c.token_ids) for c in flat])
+    # filled row by row from the engine's Python lists on the CPU; moved to the policy's device below
     completion = torch.full((len(flat), t), policy.pad_id, dtype=torch.long)  # [N, T]
     engine_logp = torch.zeros((len(flat), t))  # [N, T]
     for i, c in enumerate(flat):
@@ -240,6 +242,7 @@ def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Se
             raise EngineError(f"sample {i}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
         completion[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         engine_logp[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    completion, engine_logp = completion.to(policy.device), engine_logp.to(policy.device)
     mask = policy.completion_mask(completion)
     engine_logp = engine_logp.masked_fill(~mask, 0.0)
     lengths = mask.sum(-1)
@@ -346,7 +349,7 @@ class _VLLMBase:
         mask = batch.mask
         lengths = mask.sum(-1).clamp(min=1)
         if self.old_logp == "trainer":
-            logp = self._score(batch)
+            logp = self._score(batch).to(mask.device)
             batch.old_logp = logp
             diff = (logp - batch.data["engine_logp"]).abs() * mask
             batch.data["stat/engine_logp_diff"] = diff.sum(-1) / lengths

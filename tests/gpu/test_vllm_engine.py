@@ -42,18 +42,6 @@ DTYPE = os.environ.get("MMRL_VLLM_TEST_DTYPE", "float32")
 TOLERANCE = 0.02 if DTYPE == "float32" else 0.15
 
 
-class CudaPolicy(VLMPolicy):
-    """VLMPolicy.generate on the GPU for the throughput baseline: VLMPolicy has no device
-    handling yet, so its processor outputs go to the model's device here and its mask
-    helper runs on the CPU."""
-
-    def encode(self, items):
-        return super().encode(items).to(self.model.device)
-
-    def completion_mask(self, completion):
-        return super().completion_mask(completion.cpu()).to(completion.device)
-
-
 def rollout(**kw):
     return VLMTrainConfig().rollout.model_copy(update={"max_new_tokens": 24, "temperature": 1.0, **kw})
 
@@ -139,7 +127,7 @@ def test_rollout_throughput_vs_policy_engine(engine, policy):
     """Samples per second for 8 prompts x 8 samples, 24 new tokens: vLLM (with the trainer-side
     old log-prob recompute included) vs transformers' generate (PolicyEngine)."""
     reqs, cfg = requests(8, 8), rollout()
-    hf = PolicyEngine(CudaPolicy(policy.model, policy.processor, min_pixels=policy.min_pixels,
+    hf = PolicyEngine(VLMPolicy(policy.model, policy.processor, min_pixels=policy.min_pixels,
                                  max_pixels=policy.max_pixels), own_weights=False, name="hf")
     figures = {}
     for name, e in (("vllm", engine), ("hf", hf)):

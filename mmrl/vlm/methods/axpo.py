@@ -51,7 +51,7 @@ class AXPO(GRPO):
 
     def extra_requests(self, group: RolloutBatch) -> list[Request]:
         own = _tags(group) == 0
-        first = group.data["first_call"]
+        first = group.data["first_call"].cpu()  # positions: bookkeeping, with the tags on the CPU
         used = own & (first >= 0)  # T
         if not bool(used.any()) or bool(self.right(group)[used].any()):
             return []
@@ -59,7 +59,7 @@ class AXPO(GRPO):
         size = int(own.sum())
         m = min(int(used.sum()), max(1, round(rc.budget * size / rc.k)))
         rows = used.nonzero(as_tuple=True)[0]
-        u = torch.stack([first_call_confidence(group, int(i)) for i in rows])
+        u = torch.stack([first_call_confidence(group, int(i)) for i in rows]).cpu()  # ranks CPU row ids
         picked = rows[torch.argsort(u, stable=True)[:m]]
         gid = int(group.group_ids[0])
         if gid not in group.prompts:
@@ -89,7 +89,7 @@ class AXPO(GRPO):
     def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         tags = _tags(batch)
         own = tags == 0
-        used = batch.data["first_call"] >= 0
+        used = (batch.data["first_call"] >= 0).cpu()  # with the tags and the rewards on the CPU
         right = self.right(batch)
         all_wrong = 0
         for rows in batch.groups():
@@ -109,13 +109,14 @@ class AXPO(GRPO):
 def first_call_confidence(batch: RolloutBatch, i: int) -> Tensor:
     """u_i: the mean old probability of the tokens of rollout i's first tool call."""
     start = int(batch.data["first_call"][i])
-    calls = batch.data["call_mask"][i]
+    calls = batch.data["call_mask"][i].tolist()  # one copy, not a device sync per token
     end = start
-    while end < calls.shape[0] and bool(calls[end]):
+    while end < len(calls) and calls[end]:
         end += 1
     return batch.old_logp[i, start:end].exp().mean()
 
 
 def _tags(batch: RolloutBatch) -> Tensor:
     tags = batch.data.get("request_tag")
+    # bookkeeping on the CPU, as the scheduler's and the engines' request tags
     return torch.zeros(len(batch), dtype=torch.long) if tags is None else tags

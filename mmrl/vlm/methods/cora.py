@@ -50,7 +50,8 @@ class CORA(GRPO):
         names = batch.scores.names
         if CONSISTENCY not in names:
             raise ValueError(f"CORA needs the {CONSISTENCY!r} reward atom; the reward has {names}")
-        weights = torch.tensor([a.weight for a in self.reward.atoms], dtype=torch.float32)
+        weights = torch.tensor([a.weight for a in self.reward.atoms], dtype=torch.float32,
+                               device=batch.scores.values.device)
         weighted = batch.scores.values * weights
         k = names.index(CONSISTENCY)
         return weighted.sum(-1) - weighted[:, k], weighted[:, k]

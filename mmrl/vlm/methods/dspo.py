@@ -67,12 +67,12 @@ def emotion_probs(policy, prompts, prefixes: list[str], words: list[str], boxes:
 def _word_tokens(tokenizer, prefixes: list[str], texts: list[str], mask: Tensor) -> Tensor:
     """[M, T] bool: the tokens of each text that reach past its prefix (the word's tokens; a
     token that merges the prefix's last character with the word counts, the same under both images)."""
-    out = torch.zeros_like(mask)
+    out = torch.zeros(mask.shape, dtype=torch.bool)  # filled element by element on the CPU, then moved
     for j, (pre, text) in enumerate(zip(prefixes, texts)):
         offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         for t, (_, end) in enumerate(offsets):
             out[j, t] = end > len(pre)
-    return out & mask
+    return out.to(mask.device) & mask
 
 
 @register_method("dspo")
@@ -100,6 +100,7 @@ class DSPO(GRPO):
                 boxes.append(box_fraction(resp.box))
         if rows:
             p, p_cf = emotion_probs(policy, prompts, prefixes, words, boxes)
+            p, p_cf = p.cpu(), p_cf.cpu()  # rewards: on the CPU, with the task's scores they add to
             idx = torch.tensor(rows)
             for i in torch.unique(idx).tolist():
                 dp = (p[idx == i] - p_cf[idx == i]) * (1 - box_area_fraction(responses[i].box))

@@ -71,7 +71,8 @@ class PACG(VPPO):
         batch.data["claim_ids"] = batch_claims(policy.tokenizer, batch.data["completion_ids"], batch.mask, spans)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
-        adv = super(VPPO, self).advantages(batch)  # the GRPO family's [N], from the config
+        # the GRPO family's [N], from the config (the rewards' device: the CPU), to the tokens' device
+        adv = super(VPPO, self).advantages(batch).to(batch.mask.device)
         s = batch.data.get("visual_dependency")
         if s is not None:
             adv = shape_advantages(adv, s, batch.mask, beta_min=self.cfg.beta_min, top_frac=self.cfg.top_frac)
