@@ -307,3 +307,20 @@ def test_to_a_device_or_to_the_devices_of_another_batch():
     assert moved.data["pixels"].device.type == "cpu" and moved.scores.total.device.type == "cpu"
     everything = make_batch(4).to("meta")
     assert {t.device.type for t in (everything.group_ids, everything.scores.values, *everything.data.values())} == {"meta"}
+
+
+def test_onto_moves_what_models_read_and_keeps_the_bookkeeping():
+    """A batch from an engine elsewhere comes onto the policy's device: mask, log-probs,
+    advantages and data move; group ids and scores (read as Python numbers) stay."""
+    import torch
+
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores
+
+    meta = torch.device("meta")
+    b = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[None, None], mask=torch.ones(2, 3, dtype=torch.bool),
+                     old_logp=torch.zeros(2, 3), advantages=torch.zeros(2), data={"x": torch.zeros(2, 4)},
+                     scores=AtomScores(names=["a"], values=torch.zeros(2, 1), total=torch.zeros(2)))
+    out = b.onto(meta)
+    assert {out.mask.device, out.old_logp.device, out.advantages.device, out.data["x"].device} == {meta}
+    assert out.ref_logp is None and out.group_ids.device.type == "cpu" and out.scores.total.device.type == "cpu"

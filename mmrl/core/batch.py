@@ -120,6 +120,16 @@ class RolloutBatch:
         return replace(self, **fields(self, like, ("group_ids", "mask", "old_logp", "ref_logp", "advantages")),
                        scores=scores, data=data)
 
+    def onto(self, device: torch.device | str) -> RolloutBatch:
+        """The batch with what a model or a loss reads on `device` (mask, log-probs, advantages,
+        data); group ids and scores stay where they are: bookkeeping, read as Python numbers.
+        For batches from an engine elsewhere (a server, a worker on the CPU)."""
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, mask=move(self.mask), old_logp=move(self.old_logp), ref_logp=move(self.ref_logp),
+                       advantages=move(self.advantages), data={k: v.to(device) for k, v in self.data.items()})
+
     def groups(self) -> list[Tensor]:
         """Row indices of each group, in order of first appearance."""
         _, inverse = torch.unique(self.group_ids, return_inverse=True)

@@ -53,7 +53,7 @@ from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
-from mmrl.core.device import fork_rng
+from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
 from mmrl.core.method import build_method
@@ -127,6 +127,7 @@ class Trainer:
         self.reward = with_config_atoms(task, cfg)
         self.method = build_method(cfg, self.reward)
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
+        self.device = module_device(policy.model)
         if torch.cuda.is_available() and all(p.device.type == "cpu" for p in policy.model.parameters()):
             warnings.warn("a GPU is present but the model is on the CPU (model.device cpu, the default): "
                           "set model.device=auto or cuda to train on the GPU", stacklevel=2)
@@ -250,6 +251,7 @@ class Trainer:
             wait = time.perf_counter() - t0
             crash_point("rollout", self.step + 1)
             if batch is not None:
+                batch = batch.onto(self.device)  # from a remote engine it is on the CPU
                 t1 = time.perf_counter()
                 metrics.update(self.update(batch))
                 metrics["time/update"] = time.perf_counter() - t1
@@ -326,6 +328,7 @@ class Trainer:
         self.method.epoch = 0
         for group in rnd:
             crash_point("rollout", self.step + 1)
+            group = group.onto(self.device)
             t = time.perf_counter()
             stale = max(stale, self.step - group.policy_version)
             if self.reference is not None:

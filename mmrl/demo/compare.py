@@ -50,7 +50,8 @@ class ModelPair:
 
     def config(self, model_path: str | Path | None):
         cfg = dict(self.run.config)
-        cfg["model"] = {**(cfg.get("model") or {}), "path": None if model_path is None else str(model_path)}
+        cfg["model"] = {**(cfg.get("model") or {}), "path": None if model_path is None else str(model_path),
+                        "device": "auto"}  # a run trained on a GPU is shown on a laptop too
         if self.modality == "diffusion" and cfg["model"].get("lora") and model_path == self.tuned_path:
             cfg["model"]["lora"] = None  # an old (before 2026-12-05) LoRA checkpoint: a pipeline, adapter merged in
         if (cfg.get("method") or {}).get("window_from"):
