@@ -150,6 +150,9 @@ class DLLMPolicy:
             "stat/nfe": result.nfe.float(), "stat/fallback_steps": result.fallback.sum(1).float(),
             "stat/expected_wrong": result.expected_wrong.sum(1).float(),
             "stat/answer_tokens": mask.sum(1).float(),
+            # positions decoded (the <eos> filler too, unless rollout.stop_at_eos): the core's
+            # rollout/decoded_tokens, what a rollout costs in tokens
+            "stat/length": (result.commit_step >= 0).sum(1).float(),
         }
         batch = RolloutBatch(group_ids=group_ids, samples=samples, mask=mask,
                              old_logp=result.commit_logp.float(), data=data)

@@ -82,6 +82,20 @@ def test_stop_at_eos_gives_the_same_greedy_answers_with_fewer_nfe(make_run):
         assert (cut.nfe <= full.nfe).all() and (cut.nfe < full.nfe).any()
 
 
+def test_decoded_tokens_count_the_positions_decoded(make_run):
+    """rollout/decoded_tokens (the core reads stat/length): every position of every answer,
+    fewer where answers stop at their <eos>."""
+    from mmrl.core.scheduler import decoded_tokens
+
+    cfg, policy, task = make_run()
+    bias_eos(policy, 2.0)
+    full = decoded_tokens(rollout(policy, task, cfg))
+    policy.rollout.stop_at_eos = True
+    cut = decoded_tokens(rollout(policy, task, cfg))
+    policy.rollout.stop_at_eos = False
+    assert full == 8 * 8 and 0 < cut < full
+
+
 def test_generate_batch_layout(make_run):
     cfg, policy, task = make_run()
     bias_eos(policy)
@@ -99,6 +113,7 @@ def test_generate_batch_layout(make_run):
     cs = d["commit_step"]
     assert ((cs >= 0) & (cs < 8)).all() and (cs[:, :4].amax(1) < cs[:, 4:].amin(1)).all()
     assert (d["stat/nfe"] == 8).all()  # low_confidence: 4 steps per block, one token each
+    assert (d["stat/length"] == c).all()  # every position decoded: rollout/decoded_tokens counts them
     # prompts: left padded, padding invalid, the valid tail is the prompt's characters
     for i, s in enumerate(batch.samples):
         problem = task.train[i // 4]
