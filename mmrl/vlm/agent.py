@@ -284,9 +284,7 @@ class ToolRollout:
             )
         new = out.sequences[:, width:]  # [A, t]
         temperature = 1.0 if greedy else rollout.temperature
-        logp_all = (pol._ban(torch.stack(out.logits, dim=1).float()) / temperature).log_softmax(-1)
-        logp = logp_all.gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
+        logp, ent = pol.token_stats(out.logits, new, temperature)
         new, logp, ent = new.cpu(), logp.cpu(), ent.cpu()  # to the rows' Python lists: one copy each
         lengths = _turn_lengths(new, self.stop_ids, pol.pad_id)
         return ([new[j, :n].tolist() for j, n in enumerate(lengths)],

@@ -39,6 +39,8 @@ from mmrl.core.device import fork_rng, module_device
 from mmrl.core.lora import is_lora, load_model_weights
 from mmrl.core.rewards import Sample
 
+STATS_CHUNK = 2**26  # logits per chunk of VLMPolicy.token_stats: 256 MiB in float32
+
 
 class PromptTooLong(ConfigError):
     """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
@@ -197,11 +199,8 @@ class VLMPolicy:
             )
         p = inputs["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
-        logits = self._ban(torch.stack(out.logits, dim=1).float()) / rollout.temperature  # [N, T, V]
-        logp_all = logits.log_softmax(-1)
-        old_logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)  # [N, T]
+        old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
         mask = self.completion_mask(completion)
-        entropy = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)  # [N, T]; 0 * -inf -> 0
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
         entropy = (entropy * mask).sum(-1) / lengths.clamp(min=1)
@@ -283,6 +282,25 @@ class VLMPolicy:
             for k in others:
                 out[k][i, width - len(r): width - len(fixed[i])] = enc[k][i][keep[i]]
         return out
+
+    def token_stats(self, step_logits: Sequence[Tensor], tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        """The log-prob of each sampled token and the entropy at each step ([N, T] float32 each)
+        from generate's logits (T tensors [N, V]), under log_softmax(logits / temperature) with
+        the banned tokens at -inf. A few rows at a time: a float32 [N, T, V] and its log-softmax
+        at once would be several times the logits generate holds (a 150k vocabulary: GBs)."""
+        n, t = tokens.shape
+        vocab = step_logits[0].shape[-1] if t else 1
+        rows = max(1, STATS_CHUNK // max(1, t * vocab))
+        logps, entropies = [], []
+        for r in range(0, n, rows):
+            logits = self._ban(torch.stack([s[r:r + rows] for s in step_logits], dim=1).float()) / temperature
+            logp_all = logits.log_softmax(-1)  # [rows, T, V]
+            logps.append(logp_all.gather(-1, tokens[r:r + rows].unsqueeze(-1)).squeeze(-1))
+            entropies.append(-(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1))  # 0 * -inf -> 0
+        if not logps:
+            empty = torch.zeros((0, t), device=tokens.device)
+            return empty, empty
+        return torch.cat(logps), torch.cat(entropies)
 
     def _ban(self, logits: Tensor) -> Tensor:
         if self.banned_ids:

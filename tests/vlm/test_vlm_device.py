@@ -173,3 +173,24 @@ def test_the_cli_says_model_device_cuda_needs_a_gpu(tmp_path):
     assert not (out / "metrics.jsonl").exists()
     auto = _tiny_run(tmp_path / "auto", "model.device=auto")  # auto falls back to the CPU
     assert backend.build(auto)[0].device == torch.device("cpu")
+
+
+def test_token_stats_in_chunks_equal_the_whole_batch(monkeypatch):
+    """Rollout log-probs and entropies computed a few rows at a time (memory) are the same
+    numbers as over the whole [N, T, V] at once, banned tokens and temperature included."""
+    import mmrl.vlm.policy as vp
+
+    torch.manual_seed(0)
+    pol = vp.VLMPolicy.__new__(vp.VLMPolicy)
+    pol.banned_ids = [3, 5]
+    steps = [torch.randn(7, 11) for _ in range(4)]  # generate's logits: T tensors [N, V]
+    tokens = torch.randint(0, 11, (7, 4))
+    tokens[0, 1] = 3  # a banned token: log-prob -inf, as over the whole batch
+    whole = (pol._ban(torch.stack(steps, 1)) / 0.7).log_softmax(-1)
+    want_logp = whole.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    want_ent = -(whole.exp() * whole.clamp(min=-1e30)).sum(-1)
+    for chunk in (1, 2 * 4 * 11, 10**9):  # one row, two rows, all rows per chunk
+        monkeypatch.setattr(vp, "STATS_CHUNK", chunk)
+        logp, ent = pol.token_stats(steps, tokens, 0.7)
+        assert torch.equal(logp, want_logp) and torch.equal(ent, want_ent)
+    assert logp[0, 1] == float("-inf")
