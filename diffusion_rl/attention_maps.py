@@ -202,8 +202,7 @@ def atom_maps(att: Tensor, key_spans: Sequence[Sequence[tuple[int, int] | None]]
                 continue
             m = att[i, :, keys].float().sum(-1)  # [L]
             d = m.mean() if norm == "mean" else m.max()
-            if d > 0:
-                out[i, k] = m / d
+            out[i, k] = torch.where(d > 0, m / d, out[i, k])  # d = 0: uniform; no device sync per map
     return out
 
 
@@ -212,7 +211,8 @@ def region_maps(regions: Sequence[Mapping[str, object]], columns: Sequence[str],
     """[N, K, L] maps M_k from pixel masks: for sample n and column k, the share of each image
     token's pixels inside regions[n][k] (an [H, W] bool mask; the grid's tokens in the maps'
     row-major order), divided by its mean or maximum as in atom_maps. A column without a mask
-    (None or missing), or whose mask is empty, gets the uniform map 1."""
+    (None or missing), or whose mask is empty, gets the uniform map 1. On the CPU, where the
+    detector's NumPy masks are; the caller moves the maps to the model's device."""
     if norm not in ("mean", "max"):
         raise ValueError(f"map norm must be 'mean' or 'max'; got {norm!r}")
     out = torch.ones(len(regions), len(columns), grid[0] * grid[1])

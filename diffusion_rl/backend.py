@@ -17,6 +17,7 @@ from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from mmrl.core.config import ConfigError
+from mmrl.core.device import model_device
 from mmrl.core.rewards import Reward
 from mmrl.core.runconfig import resolve_dir, resolve_file
 
@@ -43,6 +44,10 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
     from diffusion_rl.tasks.shapes_geneval import reward_atoms, sample_prompts
 
     t = cfg.task
+    # The image atoms (CLIP score, preference models) are neural and heavy (a ViT-H-14 scores
+    # every rollout image): one whose spec names no device runs on the model's. The
+    # shapes-geneval detector is NumPy on PIL images and stays on the CPU.
+    device = str(model_device(cfg.model.device))
     try:  # reward_atoms names an unknown atom, RewardAtom a non-finite weight
         shapes = reward_atoms(t.atom_weights, unparsed="zero" if t.unparsed == "whole_prompt" else "error")
     except ValueError as e:
@@ -52,7 +57,7 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
         from diffusion_rl.rewards import build_image_reward_atoms
 
         try:
-            image_atoms = build_image_reward_atoms(t.image_atoms)
+            image_atoms = build_image_reward_atoms([{"device": device, **spec} for spec in t.image_atoms])
         except ValueError as e:
             raise ConfigError(f"task.image_atoms: {e}") from e
     whole = None  # the whole-prompt reward: image atoms not gated by a shapes atom (those score 0)
@@ -118,6 +123,7 @@ def build(cfg: DiffusionTrainConfig):
     from diffusion_rl.models import load_flow_model
 
     m = cfg.model
+    device = model_device(m.device)  # before any loading: a GPU asked for and absent is a ConfigError now
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
@@ -132,7 +138,7 @@ def build(cfg: DiffusionTrainConfig):
               f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
-                               guidance_scale=m.guidance_scale)
+                               guidance_scale=m.guidance_scale, device=device)  # transformer, VAE, text encoders
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
     from diffusion_rl.calibrate import MODEL_WINDOW_FILE
@@ -148,7 +154,7 @@ def build(cfg: DiffusionTrainConfig):
             TextAttention(flow, cfg.method.attention_layers)
         except ValueError as e:
             raise ConfigError(f"method.attention_layers: {e}") from e
-    if m.lora is not None:
+    if m.lora is not None:  # PEFT draws A on the CPU (seeded) and puts it on its base layer's device
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)
 

@@ -48,7 +48,8 @@ class ShapesGenevalTaskConfig(Section):
     """The same for held-out prompts."""
     image_atoms: list[dict[str, Any]] = Field(default_factory=list)
     """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs. They
-    score every sample, on top of the shapes atoms."""
+    score every sample, on top of the shapes atoms. A spec without a "device" runs on
+    model.device's."""
     atom_weights: dict[str, float] = Field(default_factory=dict)
     """The shapes atoms' weights (exist, colour, count, relation, all) in the reward's total,
     which Flow-GRPO and FTFC normalise, and in the sum of CAST's per-atom advantages; an atom

@@ -150,7 +150,7 @@ def solve_lambda(r: Tensor, beta: float, divergence: str, *, max_iter: int = 200
             lo = mid
         else:
             hi = mid
-    return torch.tensor(hi, dtype=torch.float64)  # hi: inside the domain even when lo is its edge
+    return torch.tensor(hi, dtype=torch.float64, device=r.device)  # hi: inside the domain even when lo is its edge
 
 
 def cap_weights(w: Tensor, cap: float) -> tuple[Tensor, int]:
@@ -162,7 +162,7 @@ def cap_weights(w: Tensor, cap: float) -> tuple[Tensor, int]:
     if cap < 1:
         raise ValueError(f"cap must be >= 1 (times the mean weight); got {cap}")
     g = len(w)
-    capped = torch.zeros(g, dtype=torch.bool)
+    capped = torch.zeros(g, dtype=torch.bool, device=w.device)
     for _ in range(g):
         mass = float(w[~capped].sum())
         if mass <= 0:
@@ -213,7 +213,7 @@ def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: st
         raise ValueError(f"rewards and group_ids must both be [N]; got {tuple(rewards.shape)} and "
                          f"{tuple(group_ids.shape)}")
     check_finite(rewards)
-    w = torch.zeros(len(rewards), dtype=torch.float64)
+    w = torch.zeros(len(rewards), dtype=torch.float64, device=rewards.device)
     lams, ess, capped = [], [], 0
     _, inverse = torch.unique(group_ids, return_inverse=True)
     order = dict.fromkeys(inverse.tolist())  # groups in order of first appearance

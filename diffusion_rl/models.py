@@ -294,7 +294,8 @@ class FlowModel:
 
     def noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         """Initial latents (sigma = 1), [n, seq_len, channels] float32 on `device`, drawn on the
-        generator's device in the pipeline's own latent shape, then packed."""
+        generator's device in the pipeline's own latent shape, then packed. (A CPU generator, the
+        trainer's and evaluation's, draws the same latents whatever `device` is.)"""
         return self._draw(n, generator).float().to(self.device)
 
     def charge(self, rows: int) -> None:
@@ -597,10 +598,10 @@ class FlowModel:
 
 def _flux_img_ids(h: int, w: int, device) -> Tensor:
     """FLUX's latent image ids on an h x w token grid: (0, row, col) per token, [h w, 3]."""
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3).to(device)
+    ids = torch.zeros(h, w, 3, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None]
+    ids[..., 2] = torch.arange(w, device=device)[None, :]
+    return ids.reshape(h * w, 3)
 
 
 class FluxFlowModel(FlowModel):
@@ -906,8 +907,8 @@ class Flux2FlowModel(FlowModel):
         stacked = torch.stack([out.hidden_states[k] for k in self.text_encoder_out_layers], dim=1)
         n, k, s, d = stacked.shape
         embeds = stacked.permute(0, 2, 1, 3).reshape(n, s, k * d)
-        zero = torch.arange(1)
-        text_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(s)).to(dev)  # (t, h, w, l)
+        zero = torch.arange(1, device=dev)
+        text_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(s, device=dev))  # (t, h, w, l)
         return {"prompt_embeds": embeds, "text_ids": text_ids.expand(n, s, 4).clone()}
 
     def _draw(self, n, generator):
@@ -916,10 +917,10 @@ class Flux2FlowModel(FlowModel):
 
     def _forward(self, x, sigma, cond):
         if self._img_ids is None:
-            zero = torch.arange(1)
+            zero = torch.arange(1, device=self.device)
             h, w = self.grid
-            self._img_ids = torch.cartesian_prod(zero, torch.arange(h), torch.arange(w), zero).to(
-                self.device
+            self._img_ids = torch.cartesian_prod(
+                zero, torch.arange(h, device=self.device), torch.arange(w, device=self.device), zero
             )
         out = self.transformer(
             hidden_states=x,

@@ -52,6 +52,8 @@ class DiffusionPolicy:
     # ------------------------------------------------------------------ rollout
 
     def sampler(self, num_steps: int) -> FlowSDESampler:
+        """The sampler of `num_steps` steps. Its sigmas stay on the CPU (so do a batch's "sigma",
+        "sigma_next"): the step checks them there without a device sync and moves them itself."""
         s = FlowSDESampler()
         s.set_timesteps(num_steps, shift=self.rollout.shift, image_seq_len=self.flow.seq_len)
         return s
@@ -64,6 +66,8 @@ class DiffusionPolicy:
         sampler = self.sampler(rollout.num_steps)
         window = sampler.sde_steps(rollout.window_size, rollout.window_start, generator)
         trained = _subset(window, rollout.train_fraction, generator)
+        # the trainer's CPU generator draws the noise (flow.noise moves it to the model's device),
+        # so a seed gives the same rollout on every device
         if getattr(rollout, "shared_noise", False):
             x = self.flow.noise(len(prompts), generator).repeat_interleave(num_generations, 0)
         else:
@@ -89,7 +93,7 @@ class DiffusionPolicy:
             images = self.flow.decode(x)
         t = len(xs)
         return RolloutBatch(
-            group_ids=torch.arange(len(prompts)).repeat_interleave(num_generations),
+            group_ids=torch.arange(len(prompts)).repeat_interleave(num_generations),  # ids: CPU
             samples=[to_sample(p, img) for p, img in zip([p for p in prompts for _ in range(num_generations)],
                                                          images)],
             mask=torch.ones((n, t), dtype=torch.bool, device=x.device),
@@ -160,6 +164,7 @@ class DiffusionPolicy:
         """ODE sampling (evaluation): one image per (prompt, seed), the noise fixed by the seed."""
         sampler = self.sampler(num_steps)
         cond = self.flow.encode_prompt(list(prompts))
+        # CPU generators: a seed's image does not depend on model.device; noise() moves it there
         x = torch.cat([self.flow.noise(1, torch.Generator().manual_seed(int(s))) for s in seeds])
         for i in range(num_steps):
             v = self.flow.velocity(x, sampler.sigmas[i].expand(len(x)), cond)
@@ -275,5 +280,6 @@ def _subset(window: list[int], fraction: float, generator: torch.Generator) -> l
     if fraction >= 1.0:
         return list(window)
     k = max(1, round(len(window) * fraction))
-    pick = torch.randperm(len(window), generator=generator)[:k].sort().values
+    pick = torch.randperm(len(window), generator=generator,
+                          device=None if generator is None else generator.device)[:k].sort().values
     return [window[i] for i in pick.tolist()]

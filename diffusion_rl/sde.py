@@ -123,8 +123,9 @@ def _check_choice(value: str, allowed: tuple[str, ...], what: str) -> None:
         raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def _as_sigma(value, name: str, batch: int, ndim: int, dtype: torch.dtype, device) -> Tensor:
-    """A float, a 0-d tensor or a [B] tensor -> [B, 1, ..., 1] (``ndim`` dims) in ``dtype``."""
+def _as_sigma(value, name: str, batch: int, ndim: int, dtype: torch.dtype) -> Tensor:
+    """A float, a 0-d tensor or a [B] tensor -> [B, 1, ..., 1] (``ndim`` dims) in ``dtype``, on
+    the tensor's own device (the CPU for a float): the caller checks it there, then moves it."""
     if isinstance(value, Tensor):
         if value.dim() == 0:
             value = value.reshape(1).expand(batch)
@@ -133,16 +134,18 @@ def _as_sigma(value, name: str, batch: int, ndim: int, dtype: torch.dtype, devic
                 f"{name} must be a float, a 0-d tensor or a tensor of shape [B] = [{batch}]; "
                 f"got shape {tuple(value.shape)}"
             )
-        sig = value.detach().to(device=device, dtype=dtype)
-    else:
-        sig = torch.full((batch,), float(value), dtype=dtype, device=device)
+        sig = value.detach().to(dtype=dtype)
+    else:  # on the CPU: the checks below read it without a device sync
+        sig = torch.full((batch,), float(value), dtype=dtype)
     if not torch.isfinite(sig).all():
         raise ValueError(f"{name} must be finite; got {sig.tolist()}")
     return sig.view(batch, *([1] * (ndim - 1)))
 
 
 def _randn(shape: torch.Size, generator: Generators, dtype: torch.dtype, device) -> Tensor:
-    """Standard normal noise, drawn only from ``generator`` when one (or one per sample) is given."""
+    """Standard normal noise, drawn only from ``generator`` when one (or one per sample) is given,
+    on the generator's own device, then moved to ``device``: a CPU generator (the trainer's) draws
+    the same numbers whatever device the model is on, so a seeded run does not depend on it."""
     if generator is None:
         return torch.randn(shape, dtype=dtype, device=device)
     if isinstance(generator, torch.Generator):
@@ -227,8 +230,10 @@ def sde_step_with_logprob(
     dtype = torch.float64 if sample.dtype == torch.float64 else torch.float32
     out_dtype, device = sample.dtype, sample.device
     batch, ndim = sample.shape[0], sample.dim()
-    sig = _as_sigma(sigma, "sigma", batch, ndim, dtype, device)  # [B, 1, ...]
-    sig_next = _as_sigma(sigma_next, "sigma_next", batch, ndim, dtype, device)  # [B, 1, ...]
+    # Checked where they are (the sampler's and a batch's sigmas stay on the CPU: no device
+    # sync per step), then moved to the sample's device.
+    sig = _as_sigma(sigma, "sigma", batch, ndim, dtype)  # [B, 1, ...]
+    sig_next = _as_sigma(sigma_next, "sigma_next", batch, ndim, dtype).to(sig.device)  # [B, 1, ...]
     if ((sig <= 0) | (sig > 1)).any():
         raise ValueError(f"sigma must lie in (0, 1]; got {sig.flatten().tolist()}")
     if (sig_next < 0).any():
@@ -238,6 +243,7 @@ def sde_step_with_logprob(
             f"sigma_next must be < sigma (steps go from noise, sigma = 1, to data, sigma = 0); "
             f"got sigma {sig.flatten().tolist()} and sigma_next {sig_next.flatten().tolist()}"
         )
+    sig, sig_next = sig.to(device), sig_next.to(device)
 
     x = sample.to(dtype)
     v = velocity.to(dtype)

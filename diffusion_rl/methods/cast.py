@@ -143,7 +143,8 @@ class CAST(FlowGRPO):
         if self.cfg.projection == "detector":  # one map per sample, the same at every trained step
             steps = policy.sde_outputs(batch)
             regions = [self.detector_regions(s.completion, s.prompt, nodes) for s in batch.samples]
-            all_maps = [region_maps(regions, columns, policy.flow.grid, self.cfg.map_norm)] * len(steps)
+            maps = region_maps(regions, columns, policy.flow.grid, self.cfg.map_norm).to(policy.flow.device)
+            all_maps = [maps] * len(steps)
         else:
             steps, attention = policy.sde_outputs(batch, attention=self.cfg.attention_layers)
             keys = text_key_spans(policy.flow, prompts)
@@ -205,7 +206,7 @@ class CAST(FlowGRPO):
         """[N, K] verdicts and weights of node_names' columns. A scene-graph atom of type t
         weighs w_t / (the prompt's atoms of type t), so each type keeps its weight in total;
         padding and prompts the grammar cannot parse weigh 0. Shares the reward's detection."""
-        names = list(batch.scores.names)
+        names = list(batch.scores.names)  # on the CPU, as the scores are: advantage_map moves them
         w = dict(zip(names, self.reward.weights.tolist()))
         extra = [k for k, n in enumerate(names) if n not in ATOM_TYPES]
         values = torch.zeros(len(batch), MAX_ATOMS + len(extra))

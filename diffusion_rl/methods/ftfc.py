@@ -187,6 +187,8 @@ class FTFC(Method):
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:
         d = batch.data
+        # x1 and cond are on the model's device, or on the CPU in a pool restored from a checkpoint
+        # (load_state_dict): the model moves its inputs, and the terms below follow its output
         x1 = d["final_latents"]  # [n, L, C]
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
         t, eps = self._noise(d[SAMPLE_ID], x1)
@@ -200,7 +202,7 @@ class FTFC(Method):
             v0 = self.reference.flow_velocity(x1, t, eps, cond, guided=self.cfg.guided)
             if post is None:
                 w = advantages.to(v0).reshape(shape)
-                target = v0 + (w - 1) * (eps - x1 - v0)
+                target = v0 + (w - 1) * ((eps - x1).to(v0) - v0)
             else:  # its expectation given x_t: v0 + E[w u | x_t] - E[u | x_t] - (E[w | x_t] - 1) v0
                 rho = post.rho.to(v0).reshape(shape)
                 target = v0 + post.mean_wu.to(v0) - post.mean_u.to(v0) - (rho - 1) * v0
@@ -210,7 +212,7 @@ class FTFC(Method):
             rho = post.rho.to(x1)
             target = post.mean_wu.to(x1) / rho.clamp_min(1e-12).reshape(shape)  # rho = 0: no weight on this row
             err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided, target=target)
-            return LossOutput((rho * err).sum() / denom, {"loss/flow_matching": float(err.detach().mean()), **metrics})
+            return LossOutput((rho.to(err) * err).sum() / denom, {"loss/flow_matching": float(err.detach().mean()), **metrics})
         err = policy.flow_matching_error(x1, t, eps, cond, guided=self.cfg.guided)  # [n]
         w = advantages.to(err)
         loss = (w * err).sum() / denom
@@ -230,7 +232,8 @@ class FTFC(Method):
         """Nothing ahead: the anchor runs the reference in the loss, at each pass's own t and eps."""
 
     def _noise(self, ids: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
-        """t [n] and eps [n, L, C], each sample's from its own generator (seed, step, epoch, id)."""
+        """t [n] and eps [n, L, C], each sample's from its own generator (seed, step, epoch, id):
+        CPU generators, so the draws do not depend on the device; moved to x1's."""
         ts, eps = [], []
         for i in ids.tolist():
             key = f"{self.run.seed}/{self.step}/{self.epoch}/{i}".encode()
