@@ -476,6 +476,13 @@ MODEL_ROWS = {
         "diffusion", model_args("diffusion", lambda t: edit_json(
             t, "tiny-flow", "model_index.json", _set("transformer", ["my_pipelines", "MyTransformer"]))),
         lambda t: ["model.path", str(t / "model"), "'transformer'", "my_pipelines"]),
+    **{f"gpu-without-a-gpu-{m}": Row(  # model.device names a GPU this machine lacks: refused before loading
+        m, lambda t: ["train", *sets(f"output_dir={t / 'run'}", "model.device=cuda")],
+        lambda t: ["model.device cuda: no CUDA device is visible", "model.device=cpu or auto"])
+       for m in ("vlm", "dllm", "diffusion")},
+    "device-misspelt-dllm": Row(
+        "dllm", lambda t: ["train", *sets(f"output_dir={t / 'run'}", "model.device=gpu")],
+        lambda t: ["model", "device 'gpu' is not one of cpu, cuda, cuda:N, auto"]),
     "checkpoint-not-a-model-dllm": Row(
         "dllm", lambda t: ["eval", "--checkpoint", _empty(t), *sets(f"output_dir={t / 'run'}")],
         lambda t: ["--checkpoint", str(t / "empty"), "cannot load", "model.safetensors"]),
@@ -518,6 +525,11 @@ def test_run_rows(name, tmp_path, one_thread):
 @pytest.mark.parametrize("name", list(MODEL_ROWS))
 def test_model_rows(name, tmp_path, one_thread):
     row = MODEL_ROWS[name]
+    if name.startswith("gpu-without-a-gpu"):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU (tests/gpu/ trains on it)")
     if row.code == 0:  # sample: --num 1 and a couple of eval items
         row = Row(**{**row.__dict__, "args": lambda t, a=row.args: a(t) + ["--num", "1"]})
     check(row, tmp_path)
