@@ -5,12 +5,9 @@ No GPU here, so two stand-ins show a tensor made on the wrong device:
 - FakeTensorMode fakes CUDA tensors (shapes and devices, no values): the pure tensor functions
   (CAST's advantage map and atom maps, an EMA swap, one transformer forward) run on fake cuda
   and raise FakeTensorDeviceMismatchError where a CPU tensor meets a cuda one.
-- `SimulatedDevice`, for whole runs that read values (checks, .item(), PIL images): tensors that
-  say they are on the "meta" device but hold real CPU values. Every op computes on the CPU; one
-  that mixes such a tensor with a CPU tensor of one or more dims raises as CUDA would (a 0-d CPU
-  tensor is a scalar there, as on CUDA; copies and indexing with CPU indices are allowed, as on
-  CUDA). A full `Trainer.train()` of each method with the model on the simulated device is the
-  check that every rollout, loss, evaluation and checkpoint tensor follows the model.
+- the simulated device of tests/simdevice.py, for whole runs that read values (checks, .item(),
+  PIL images): a full `Trainer.train()` of each method with the model on it is the check that
+  every rollout, loss, evaluation and checkpoint tensor follows the model.
 """
 
 from __future__ import annotations
@@ -21,73 +18,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from simdevice import SIM, _OnDevice, outside, simulated_device
 
 from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.trainer import Trainer
 
-SIM = torch.device("meta")
 FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
         "rollout.window_start=[0,1]", "task.num_train=16", "task.num_eval=2", "task.grid_prompts=2",
         "task.eval_seeds=1", "logging.tensorboard=false", "logging.progress=false", "optim.lr=1e-3",
         "train.max_steps=2"]
-# ops that may take tensors of two devices on CUDA too (a transfer, CPU indices, a scalar read)
-_MIXED_OK = {"aten._to_copy.default", "aten.copy_.default", "aten.index.Tensor", "aten.index_put_.default",
-             "aten.index_put.default", "aten._index_put_impl_.default", "aten._local_scalar_dense.default"}
-
-
-class _OnDevice(torch.Tensor):
-    """A CPU tensor `elem` that reports the simulated device."""
-
-    @staticmethod
-    def __new__(cls, elem):
-        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype,
-                                                   device=SIM, requires_grad=elem.requires_grad,
-                                                   storage_offset=elem.storage_offset())
-
-    def __init__(self, elem):
-        self.elem = elem
-
-    def tolist(self):  # a device tensor's .tolist() syncs and works; a subclass's is refused by torch
-        return self.elem.tolist()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        with SimulatedDevice():
-            return func(*args, **(kwargs or {}))
-
-
-class SimulatedDevice(TorchDispatchMode):
-    """Within the block, tensors made or moved to `SIM` compute on the CPU and keep reporting SIM."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        on = any(isinstance(a, _OnDevice) for a in tensors)
-        cpu = [tuple(a.shape) for a in tensors if not isinstance(a, _OnDevice) and a.dim() > 0]
-        name = str(func)
-        if on and cpu and name not in _MIXED_OK:
-            raise RuntimeError(f"{name}: Expected all tensors to be on the same device, but found at least two "
-                               f"devices, {SIM} (simulated) and cpu (CPU shapes {cpu})")
-        target = kwargs.get("device")
-        to_sim = target is not None and torch.device(target) == SIM
-        if to_sim:
-            kwargs["device"] = torch.device("cpu")
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        if name.split(".")[1].endswith("_") and args and isinstance(args[0], _OnDevice):
-            return args[0]  # in place: the wrapper itself (its elem was written)
-        if name == "aten._local_scalar_dense.default" or (target is not None and not to_sim):
-            return out
-        if to_sim or on:
-            return tree_map(lambda o: _OnDevice(o) if type(o) is torch.Tensor else o, out)
-        return out
-
-
-def _unwrap(a):
-    return a.elem if isinstance(a, _OnDevice) else a
 
 
 @pytest.fixture
@@ -96,21 +37,10 @@ def simulated(monkeypatch):
     and the CPU) outside the simulation; modules move by swapping their parameters."""
     from diffusion_rl import models
 
-    load = models._load_component
-
-    def load_outside(*a, **kw):
-        with _disable_current_modes():
-            return load(*a, **kw)
-
-    monkeypatch.setattr(models, "_load_component", load_outside)
+    monkeypatch.setattr(models, "_load_component", outside(models._load_component))
     monkeypatch.setattr(backend, "model_device", lambda spec: SIM)
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        with SimulatedDevice():
-            yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with simulated_device():
+        yield
 
 
 def _cfg(tmp_path, *overrides):
@@ -171,29 +101,17 @@ def test_a_seeded_rollout_on_the_device_draws_the_cpu_rollouts_numbers(tmp_path,
     policy, task = backend.build(cfg)
     cpu = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
     images = policy.sample_images(task.eval_prompts[:1], [3], 4)
-    with monkeypatch.context() as m:
-        from diffusion_rl import models
+    from diffusion_rl import models
 
-        load = models._load_component
-
-        def load_outside(*a, **kw):
-            with _disable_current_modes():
-                return load(*a, **kw)
-
-        m.setattr(models, "_load_component", load_outside)
-        m.setattr(backend, "model_device", lambda spec: SIM)
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            with SimulatedDevice():
-                policy, task = backend.build(cfg)
-                dev = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
-                dev_images = policy.sample_images(task.eval_prompts[:1], [3], 4)
-                assert dev.old_logp.device == SIM and dev.data["final_latents"].device == SIM
-                got = {k: dev.data[k].cpu() for k in ("latents", "next_latents", "final_latents")}
-                logp = dev.old_logp.cpu()
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(swap)
+    monkeypatch.setattr(models, "_load_component", outside(models._load_component))
+    monkeypatch.setattr(backend, "model_device", lambda spec: SIM)
+    with simulated_device():
+        policy, task = backend.build(cfg)
+        dev = policy.generate(task.train[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
+        dev_images = policy.sample_images(task.eval_prompts[:1], [3], 4)
+        assert dev.old_logp.device == SIM and dev.data["final_latents"].device == SIM
+        got = {k: dev.data[k].cpu() for k in ("latents", "next_latents", "final_latents")}
+        logp = dev.old_logp.cpu()
     torch.testing.assert_close(logp, cpu.old_logp, rtol=0, atol=1e-5)
     for k, v in got.items():
         torch.testing.assert_close(v, cpu.data[k], rtol=0, atol=1e-4)
