@@ -150,10 +150,16 @@ class FlowGRPOConfig(Section):
     adv_clip: float = Field(5.0, gt=0)
     std_eps: float = Field(1e-4, gt=0)
     """A = (R - group mean) / (group std + std_eps)."""
+    adv_std: Literal["population", "unbiased"] = "population"
+    """The group std: population (np.std, divides by G), as Flow-GRPO's stat tracker; unbiased
+    (G - 1), as GRPO's and as this backend used before 2026-12-05 (RESULTS.md's earlier runs)."""
     clip_range: float = Field(1e-4, gt=0)
-    """eps of the ratio clip (tiny: the log-prob is a mean over latent elements)."""
+    """eps of the ratio clip (tiny: the log-prob is a mean over latent elements). Flow-GRPO's
+    fast configs use 1e-5; 1e-4 learns faster at this model's small batches."""
     kl: KLConfig = Field(default_factory=lambda: KLConfig(beta=0.0))
-    """beta > 0: KL = mean((mean_theta - mean_ref)^2) / (2 std^2) per step (kind is ignored)."""
+    """beta > 0: KL = mean((mean_theta - mean_ref)^2) / (2 std_t^2) per step, std_t = a sqrt(sigma /
+    (1 - sigma)) as in Flow-GRPO's code (kind is ignored). Off by default (METHODS.md gives
+    0.01-0.04): no reference pass, the larger share of a step's time on a CPU."""
     ema: EMAConfig | None = None
     """An EMA of the trainable weights for evaluation and checkpoints (Flow-GRPO's train.ema),
     e.g. `{decay: 0.9, update_every: 8}` as Flow-GRPO's scripts set it; None = off."""

@@ -113,6 +113,9 @@ class SDEStep:
     std: Tensor  # [B, 1, ..., 1] float32, broadcastable to the sample (0 for an ODE step)
     elem_log_prob: Tensor | None = None  # [B, ...] float32: the per-element terms log_prob averages
     # (0 for an ODE step); CAST's per-patch ratios average them over a latent token's channels only
+    kl_std: Tensor | None = None  # [B, 1, ..., 1] float32: the std of Flow-GRPO's KL to the reference,
+    # std_t = a sqrt(sigma / (1 - sigma)) for "sde" (without sqrt(-Delta), as Flow-GRPO's code divides
+    # by 2 std_t^2), the transition std for "cps"; 0 for an ODE step
 
 
 # --------------------------------------------------------------------------- helpers
@@ -254,7 +257,7 @@ def sde_step_with_logprob(
         mean = x + delta * v
         out = mean.to(out_dtype) if prev_sample is None else prev_sample
         zeros = torch.zeros(batch, dtype=dtype, device=device)
-        return SDEStep(out, zeros, mean, torch.zeros_like(sig), torch.zeros_like(mean))
+        return SDEStep(out, zeros, mean, torch.zeros_like(sig), torch.zeros_like(mean), torch.zeros_like(sig))
 
     if kind == "sde":
         denom = 1 - torch.where(sig == 1, sig_next, sig)  # sigma = 1 would divide by zero
@@ -262,12 +265,14 @@ def sde_step_with_logprob(
         var_t = std_t**2
         mean = x * (1 + var_t / (2 * sig) * delta) + v * (1 + var_t * (1 - sig) / (2 * sig)) * delta
         std = std_t * torch.sqrt(-delta)
+        kl_std = std_t
     else:  # "cps"
         std = sig_next * math.sin(a * math.pi / 2)
         x0_hat = x - sig * v
         x1_hat = x + (1 - sig) * v
         keep = torch.sqrt((sig_next**2 - std**2).clamp_min(0))  # clamp: rounding at a = 1
         mean = (1 - sig_next) * x0_hat + keep * x1_hat
+        kl_std = std
 
     if prev_sample is None:
         noise = _randn(sample.shape, generator, dtype, device)
@@ -280,7 +285,7 @@ def sde_step_with_logprob(
         elem = -((target - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     else:
         elem = -((target - mean) ** 2)
-    return SDEStep(out, elem.mean(dim=reduce_dims), mean, std, elem)
+    return SDEStep(out, elem.mean(dim=reduce_dims), mean, std, elem, kl_std)
 
 
 # --------------------------------------------------------------------------- time shifts

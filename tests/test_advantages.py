@@ -403,3 +403,22 @@ def test_a_tiny_difference_is_not_an_all_equal_group():
     adv = group_advantages(torch.tensor([0.0, 1e-4]), torch.tensor([0, 0]))
     assert adv[1] > 0 > adv[0]
     assert not zero_variance_groups(torch.tensor([0.0, 1e-4]), torch.tensor([0, 0])).any()
+
+
+def test_population_std_divides_by_g_as_numpy():
+    """population=True: the group std of np.std (ddof 0), for group and per-atom advantages;
+    all-equal groups and groups of one stay exactly 0."""
+    import numpy as np
+
+    from mmrl.core.advantages import atom_advantages, group_advantages
+
+    r = torch.tensor([0.1, 0.7, 0.3, 0.9, 0.5, 0.5, 2.0], dtype=torch.float64)
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    got = group_advantages(r, g, eps=1e-4, population=True)
+    x = r[:4].numpy()
+    np.testing.assert_allclose(got[:4].numpy(), (x - x.mean()) / (np.std(x) + 1e-4), rtol=1e-12)
+    assert got[4:].tolist() == [0.0, 0.0, 0.0]
+    scores = torch.stack([r, 2 * r], 1)
+    both = atom_advantages(scores, g, eps=1e-4, population=True)
+    torch.testing.assert_close(both[:, 0], got)
+    assert not torch.allclose(group_advantages(r, g, eps=1e-4), got)  # the default stays unbiased

@@ -34,7 +34,7 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 plus Flow-GRPO's KL term. On-policy its gradient is mean_l A_i(l) grad logp_l;
                 with uniform maps that is Flow-GRPO's A_i grad logp (tests check both).
 
-Departures / open choices: the group std is the unbiased one (as Flow-GRPO's and GRPO's); by
+Departures / open choices: the group std is Flow-GRPO's (method.adv_std: population by default); by
 default (method.atoms: types) the atoms are the reward's atom TYPES (a type's score is the mean
 over the prompt's atoms of that type), since that is what the batch carries, so a type's map
 covers the words of all its atoms in the prompt; method.atoms: nodes takes one column per
@@ -80,13 +80,13 @@ class CASTAdvantages:
 
 
 def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: float = 1e-4,
-                    clip: float | None = None) -> CASTAdvantages:
+                    clip: float | None = None, population: bool = False) -> CASTAdvantages:
     """Per-atom signed group advantages and their weighted sum, a pure tensor function.
 
     scores [N, K] atom scores (already gated), group_ids [N], weights [K] or per sample [N, K].
     A column that is constant within a group (a gated child at 0 for every sample, a vacuous
     atom at 1, a padding column, a group of one) gives exactly 0 there."""
-    atom = atom_advantages(scores.float(), group_ids, scale="group", eps=eps)  # [N, K]
+    atom = atom_advantages(scores.float(), group_ids, scale="group", eps=eps, population=population)  # [N, K]
     w = torch.as_tensor(weights, dtype=atom.dtype, device=atom.device)
     if w.shape not in ((atom.shape[1],), tuple(atom.shape)):
         raise ValueError(f"weights must have shape [{atom.shape[1]}] (one per atom) or {list(atom.shape)} "
@@ -174,7 +174,8 @@ class CAST(FlowGRPO):
         if self.cfg.atoms == "nodes":
             values, weights = self.node_columns(batch)
             batch.data[ATOM_WEIGHTS] = weights
-        out = cast_advantages(values, batch.group_ids, weights, eps=self.cfg.std_eps, clip=self.cfg.adv_clip)
+        out = cast_advantages(values, batch.group_ids, weights, eps=self.cfg.std_eps, clip=self.cfg.adv_clip,
+                              population=self.cfg.adv_std == "population")
         batch.data[ATOM_ADVANTAGES] = out.atom
         return out.total
 

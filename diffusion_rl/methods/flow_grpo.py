@@ -2,11 +2,14 @@
 
     rollout   G images per prompt by the SDE sampler; each SDE step is a Gaussian transition
               whose log-prob (mean over latent elements) is kept (diffusion_rl.policy)
-    advantage A = (R - group mean) / (group std + 1e-4), clipped to +-adv_clip
+    advantage A = (R - group mean) / (group std + 1e-4), clipped to +-adv_clip; the population std
+              (np.std), as Flow-GRPO's stat tracker (method.adv_std: unbiased for G - 1)
     loss      per trained step: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = exp(logp - old_logp),
               averaged over samples and steps; eps is tiny (1e-4) because the log-prob is a mean
-    KL        beta * mean((mean_theta - mean_ref)^2) / (2 std^2) per step, the reference being the
-              starting weights (or the base under LoRA, adapters disabled)
+    KL        beta * mean((mean_theta - mean_ref)^2) / (2 std_t^2) per step, std_t = a sqrt(sigma /
+              (1 - sigma)) (the SDE's noise scale without the step's sqrt(-Delta), as Flow-GRPO's
+              code divides); the reference being the starting weights (or the base under LoRA,
+              adapters disabled)
 
 The window (SDE noise on W consecutive steps, ODE elsewhere, train on the window: "Flow-GRPO-
 Fast") and step subsampling (rollout.train_fraction) are rollout settings.
@@ -48,7 +51,8 @@ class FlowGRPO(Method):
         return None if e is None else ParameterEMA(params, e.decay, e.update_every, e.warmup)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
-        adv = group_advantages(batch.rewards, batch.group_ids, scale="group", eps=self.cfg.std_eps)
+        adv = group_advantages(batch.rewards, batch.group_ids, scale="group", eps=self.cfg.std_eps,
+                               population=self.cfg.adv_std == "population")
         return adv.clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
 
     def loss_denominator(self, batch: RolloutBatch) -> float:
@@ -66,7 +70,7 @@ class FlowGRPO(Method):
         """out plus beta * the KL term to the reference (when beta > 0), logged as loss/kl."""
         if self.needs_reference:
             ref = batch.data["ref_mean"]  # [N, T, ...]
-            kl = torch.stack([((s.mean - ref[:, t]) ** 2).flatten(1).mean(1) / (2 * s.std.flatten(1)[:, 0] ** 2)
+            kl = torch.stack([((s.mean - ref[:, t]) ** 2).flatten(1).mean(1) / (2 * s.kl_std.flatten(1)[:, 0] ** 2)
                           for t, s in enumerate(steps)], 1)  # [N, T]
             kl_term = aggregate(kl, batch.mask, "token_mean", denom=denom)
             out.loss = out.loss + self.cfg.kl.beta * kl_term

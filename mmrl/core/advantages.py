@@ -158,8 +158,9 @@ def _batch_std(values: Tensor) -> Tensor:
     return values.std(dim=0)  # [] or [K]
 
 
-def _normalised(values: Tensor, group_ids, scale: str, eps: float) -> Tensor:
-    """Shared body of group_advantages / atom_advantages; ``values`` [N] or [N, K]."""
+def _normalised(values: Tensor, group_ids, scale: str, eps: float, population: bool = False) -> Tensor:
+    """Shared body of group_advantages / atom_advantages; ``values`` [N] or [N, K]. With
+    ``population`` the group std divides by G, not G - 1 (NumPy's np.std, as Flow-GRPO)."""
     _check_choice(scale, SCALES, "scale")
     if not eps >= 0:  # also refuses NaN
         raise ValueError(f"eps must be >= 0; got {eps}")
@@ -167,7 +168,11 @@ def _normalised(values: Tensor, group_ids, scale: str, eps: float) -> Tensor:
     stats = _moments(v, group_ids)
     centred = v - stats.mean  # [N(, K)]
     if scale == "group":
-        adv = centred / (stats.std + eps)
+        std = stats.std
+        if population:
+            g = stats.count.to(v.dtype).view((-1,) + (1,) * (v.dim() - 1))
+            std = std * ((g - 1) / g).sqrt()
+        adv = centred / (std + eps)
     elif scale == "batch":
         adv = centred / (_batch_std(v) + eps)
     else:  # "none" (Dr.GRPO)
@@ -200,11 +205,12 @@ def group_stats(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tens
 
 
 def group_advantages(
-    rewards: Tensor, group_ids: Tensor, *, scale: str = "group", eps: float = 1e-6
+    rewards: Tensor, group_ids: Tensor, *, scale: str = "group", eps: float = 1e-6, population: bool = False
 ) -> Tensor:
     """GRPO family. A_i = r_i - mean_g; then / (std_g + eps) for scale="group" (GRPO),
     / (std of the rewards over the whole batch + eps) for "batch", nothing for "none" (Dr.GRPO).
-    std is the unbiased sample std (torch.std default), as TRL and verl compute it.
+    std is the unbiased sample std (torch.std default), as TRL and verl compute it; with
+    ``population`` (scale "group" only) the population std (np.std), as Flow-GRPO computes it.
     A group of one sample gets advantage 0.
 
     Args:
@@ -218,7 +224,7 @@ def group_advantages(
         included) gets exactly 0, under every scale.
     """
     rewards = _as_values(rewards, "rewards", 1)
-    return _normalised(rewards, group_ids, scale, eps).to(_out_dtype(rewards))
+    return _normalised(rewards, group_ids, scale, eps, population).to(_out_dtype(rewards))
 
 
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -242,7 +248,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def atom_advantages(
-    scores: Tensor, group_ids: Tensor, *, scale: str = "group", eps: float = 1e-6
+    scores: Tensor, group_ids: Tensor, *, scale: str = "group", eps: float = 1e-6, population: bool = False
 ) -> Tensor:
     """[N, K] -> [N, K]: group_advantages applied to each atom column independently.
 
@@ -250,7 +256,7 @@ def atom_advantages(
     Vectorised over samples, groups and atoms alike.
     """
     scores = _as_values(scores, "scores", 2)
-    return _normalised(scores, group_ids, scale, eps).to(_out_dtype(scores))
+    return _normalised(scores, group_ids, scale, eps, population).to(_out_dtype(scores))
 
 
 def multi_stream_advantages(

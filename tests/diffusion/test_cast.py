@@ -83,7 +83,10 @@ def test_cast_method_stores_atom_advantages_and_logs_per_atom():
     method = CAST(CASTConfig(adv_clip=5.0), None, SimpleNamespace(weights=w))
     adv = method.advantages(batch)
     assert adv.shape == (6,) and batch.data[ATOM_ADVANTAGES].shape == (6, 4)
-    torch.testing.assert_close(adv[0], torch.tensor(5 * S3), atol=1e-3, rtol=1e-3)
+    # Flow-GRPO's population std: sqrt(G / (G - 1)) times the unbiased z-scores of the hand test
+    torch.testing.assert_close(adv[0], torch.tensor(5 * S3 * math.sqrt(3 / 2)), atol=1e-3, rtol=1e-3)
+    unbiased = CAST(CASTConfig(adv_clip=5.0, adv_std="unbiased"), None, SimpleNamespace(weights=w))
+    torch.testing.assert_close(unbiased.advantages(batch)[0], torch.tensor(5 * S3), atol=1e-3, rtol=1e-3)
     m = method.batch_metrics(batch)
     assert m["cast/adv_nonzero/count"] == 0.0 and m["cast/adv_nonzero/exist"] == pytest.approx(5 / 6)
 

@@ -21,8 +21,6 @@ from mmrl.core.config import ConfigError, load_config
 from mmrl.core.rewards import AtomScores, Sample
 from mmrl.core.trainer import Trainer
 
-S2 = 1 / math.sqrt(2)  # a group of two that differs in a column: -+0.5 over the unbiased std sqrt(0.5)
-
 
 def words(prompt, spans):
     return [prompt[a:b] for a, b in spans]
@@ -63,7 +61,8 @@ def test_node_columns_and_advantages_by_hand():
     torch.testing.assert_close(values, torch.tensor([[1., 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0]]))
     assert weights[0].tolist() == [0.5] * 6 + [1.0, 1.0]  # two atoms of each type but the relation
     atom = batch.data[ATOM_ADVANTAGES]
-    expected = torch.tensor([[0, 0, 0, 0, S2, S2, S2, S2], [0, 0, 0, 0, -S2, -S2, -S2, -S2]])
+    # (1, 0): +-0.5 over the population std 0.5 (Flow-GRPO's); +-0.5 / sqrt(1/2) with the unbiased one
+    expected = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, -1, -1, -1, -1.]])
     torch.testing.assert_close(atom, expected, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(total, (atom * weights).sum(-1))
     assert torch.equal(batch.data[ATOM_WEIGHTS], weights)

@@ -369,17 +369,33 @@ def test_flow_grpo_advantages_are_clipped_to_adv_clip():
     from diffusion_rl.config import FlowGRPOConfig
     from diffusion_rl.methods.flow_grpo import FlowGRPO
 
-    # group 0 (0, 1): +-0.5 / 0.7071 -> +-0.7071; group 1 (0, 0, 0, 1): mean 1/4, std 1/2 -> -1/2, 3/2 (/ 0.5001)
+    # group 0 (0, 1): +-0.5 / (0.5 + 1e-4); group 1 (0, 0, 0, 1): mean 1/4, population std sqrt(3) / 4
     batch = flow_grpo_batch([0., 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1])
-    low = -0.25 / 0.5001
+    low = -0.25 / (3 ** 0.5 / 4 + 1e-4)
     adv = FlowGRPO(FlowGRPOConfig(adv_clip=0.5), None, None).advantages(batch)
-    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, low, low, low, 0.5]))
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, -0.5, -0.5, -0.5, 0.5]))
     unclipped = FlowGRPO(FlowGRPOConfig(), None, None).advantages(batch)
-    torch.testing.assert_close(unclipped[-1], torch.tensor(0.75 / 0.5001))
+    torch.testing.assert_close(unclipped, torch.tensor([-0.5 / 0.5001, 0.5 / 0.5001, low, low, low, -3 * low]))
+
+
+def test_flow_grpo_advantages_use_the_population_std_as_flow_grpos_stat_tracker():
+    """A = (R - mean) / (np.std(R) + 1e-4) per group (ddof 0); method.adv_std=unbiased: ddof 1."""
+    import numpy as np
+
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+
+    r = np.array([0.1, 0.7, 0.3, 0.9, 0.2, 0.6, 0.4, 0.8, 1.0, 0.0, 0.5])
+    groups = [0] * 8 + [1] * 3
+    batch = flow_grpo_batch(r.tolist(), groups)
+    for std, ddof in (("population", 0), ("unbiased", 1)):
+        want = np.concatenate([(g - g.mean()) / (np.std(g, ddof=ddof) + 1e-4) for g in (r[:8], r[8:])])
+        got = FlowGRPO(FlowGRPOConfig(adv_std=std), None, None).advantages(batch)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
 
 
 def test_flow_grpo_kl_is_the_squared_mean_gap_over_two_sigma_squared():
-    """add_kl: KL = mean_elements((mean - ref_mean)^2) / (2 sigma^2) per step, token-mean, loss += beta KL."""
+    """add_kl: KL = mean_elements((mean - ref_mean)^2) / (2 std_t^2) per step, token-mean, loss += beta KL."""
     from diffusion_rl.config import FlowGRPOConfig
     from diffusion_rl.methods.flow_grpo import FlowGRPO
     from mmrl.core.config import KLConfig
@@ -387,10 +403,27 @@ def test_flow_grpo_kl_is_the_squared_mean_gap_over_two_sigma_squared():
 
     ref = torch.zeros(2, 2, 4)  # [N, T, latent]
     std = torch.full((2, 4), 0.5)  # sigma 0.5: 2 sigma^2 = 0.5
-    steps = [SimpleNamespace(mean=torch.ones(2, 4), std=std),  # gap^2 mean 1 -> KL 2, 2
-             SimpleNamespace(mean=torch.tensor([[2., 0, 0, 0], [0, 0, 0, 0]]), std=std)]  # 4/4 = 1 -> 2; 0 -> 0
+    steps = [SimpleNamespace(mean=torch.ones(2, 4), kl_std=std),  # gap^2 mean 1 -> KL 2, 2
+             SimpleNamespace(mean=torch.tensor([[2., 0, 0, 0], [0, 0, 0, 0]]), kl_std=std)]  # 4/4 = 1 -> 2; 0 -> 0
     batch = flow_grpo_batch([0., 1], [0, 0], ref_mean=ref)
     method = FlowGRPO(FlowGRPOConfig(kl=KLConfig(beta=0.1)), None, None)
     out = method.add_kl(LossOutput(loss=torch.tensor(1.0)), steps, batch, None)
     assert out.metrics["loss/kl"] == pytest.approx((2 + 2 + 2 + 0) / 4)
     assert float(out.loss) == pytest.approx(1.0 + 0.1 * 1.5)
+
+
+def test_the_kl_std_is_flow_grpos_std_t_without_the_steps_sqrt_dt():
+    """Flow-GRPO's code divides the KL by 2 std_dev_t^2, std_dev_t = a sqrt(sigma / (1 - sigma)):
+    the SDE's noise scale, not the transition's std_t sqrt(-Delta) (that is 1/|Delta| times the KL)."""
+    from diffusion_rl.sde import sde_step_with_logprob
+
+    x, v = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    sigma, nxt, a = torch.tensor([0.8, 0.5]), torch.tensor([0.7, 0.3]), 0.7
+    step = sde_step_with_logprob(v, x, sigma, nxt, noise_level=a, generator=torch.Generator().manual_seed(0))
+    std_t = a * (sigma / (1 - sigma)).sqrt()
+    torch.testing.assert_close(step.kl_std.flatten(), std_t)
+    torch.testing.assert_close(step.std.flatten(), std_t * (sigma - nxt).sqrt())  # the transition's
+    cps = sde_step_with_logprob(v, x, sigma, nxt, noise_level=a, kind="cps", generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cps.kl_std, cps.std)
+    ode = sde_step_with_logprob(v, x, sigma, nxt, noise_level=0.0)
+    assert (ode.kl_std == 0).all()
