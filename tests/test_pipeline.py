@@ -134,6 +134,43 @@ def test_pipelined_and_sync_make_the_same_updates_for_the_same_samples(tmp_path)
             "time/rollout", "time/round"} <= set(m_pipe[-1])
 
 
+def test_later_ppo_epochs_count_in_the_pipelined_steps_metrics_and_bad_steps(tmp_path):
+    """ppo_epochs 2: the pipelined step's loss metrics average its streamed and its later epoch as
+    sync's do, and a non-finite loss in the later epoch marks the step bad (max_bad_steps stops
+    the run, and no checkpoint of a bad step is saved) in both modes."""
+    import warnings
+
+    from mmrl.core.trainer import TrainingError
+
+    class NaNLater(SeededToy):
+        trainer = None
+
+        def logprobs(self, batch):
+            lp = super().logprobs(batch)
+            bad = self.trainer is not None and self.trainer.step >= 1 and self.trainer.method.epoch >= 1
+            return lp * float("nan") if bad else lp
+
+    runs = {}
+    for mode in ("sync", "pipelined"):
+        cfg = config(tmp_path / mode, f"rollout.scheduler.mode={mode}", "train.mini_batches=1", "train.ppo_epochs=2",
+                     "train.max_steps=2", "method.loss.aggregation=token_mean")
+        Trainer(cfg, SeededToy(), toy.ToyTask()).train()
+        runs[mode] = read_metrics(tmp_path / mode / "run" / "metrics.jsonl")
+        cfg = config(tmp_path / f"{mode}-nan", f"rollout.scheduler.mode={mode}", "train.ppo_epochs=2",
+                     "train.mini_batches=2", "train.max_steps=4", "train.max_bad_steps=2", "train.save_every=1")
+        policy = NaNLater()
+        trainer = policy.trainer = Trainer(cfg, policy, toy.ToyTask())
+        with warnings.catch_warnings(), pytest.raises(TrainingError, match="2 steps in a row"):
+            warnings.simplefilter("ignore")
+            trainer.train()
+        rows = read_metrics(tmp_path / f"{mode}-nan" / "run" / "metrics.jsonl")
+        assert [r.get("train/bad_step", 0.0) for r in rows] == [0.0, 1.0], mode  # the second bad step stops it
+        assert sorted(p.name for p in (tmp_path / f"{mode}-nan" / "run" / "checkpoints").iterdir()) == ["step-00000001"]
+    for a, b in zip(runs["sync"], runs["pipelined"]):
+        for k in ("loss/policy", "loss/total", "train/updates"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+
+
 def test_pipelined_steps_once_every_u_groups(tmp_path):
     cfg = config(tmp_path, "train.max_steps=2")  # 8 groups, U = 2
     trainer = Trainer(cfg, SeededToy(), toy.ToyTask())

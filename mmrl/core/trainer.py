@@ -281,9 +281,15 @@ class Trainer:
         gradient accumulation; the passes are numbered from `first_epoch` (method.epoch)."""
         tc = self.cfg.train
         epochs = tc.ppo_epochs if epochs is None else epochs
-        n = len(batch)
         sums: dict[str, float] = defaultdict(float)
         tally = {"updates": 0, "bad": 0}
+        self._passes(batch, epochs, first_epoch, sums, tally)
+        return self._update_metrics(batch, sums, tally, max(1, epochs * tc.mini_batches))
+
+    def _passes(self, batch: RolloutBatch, epochs: int, first_epoch: int, sums: dict, tally: dict) -> None:
+        """The optimizer steps of `update`, their metrics summed into `sums` and `tally`."""
+        tc = self.cfg.train
+        n = len(batch)
         for e in range(epochs):
             self.method.epoch = first_epoch + e
             order = torch.randperm(n, generator=self.generator) if tc.mini_batches > 1 else torch.arange(n)
@@ -309,7 +315,6 @@ class Trainer:
                     for k, v in out.metrics.items():
                         sums[k] += v * share
                 self._optimizer_step(loss_value, sums, tally)
-        return self._update_metrics(batch, sums, tally, max(1, epochs * tc.mini_batches))
 
     def streamed_step(self) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pipelined: train on each group as it arrives; step the optimizer every U groups.
@@ -347,12 +352,14 @@ class Trainer:
             return None, metrics
         batch = RolloutBatch.concat(groups)
         total = len(batch)
-        sums = {(k.removeprefix("w:")): (v / total if k.startswith("w:") else v)
-                for k, v in sums.items()}
-        metrics.update(self._update_metrics(batch, sums, tally, 1))
-        if tc.ppo_epochs > 1:  # later epochs need the whole round: as in sync mode
-            later = self.update(batch, epochs=tc.ppo_epochs - 1, first_epoch=1)
-            metrics["train/updates"] += later["train/updates"]
+        # The streamed epoch's loss metrics are means over the round; as the sync path sums one
+        # mean per mini-batch, it counts mini_batches times. Later epochs need the whole round
+        # (as in sync mode); one tally for all, so a bad update in any epoch marks the step bad.
+        sums = defaultdict(float, {(k.removeprefix("w:")): (v / total * tc.mini_batches if k.startswith("w:") else v)
+                                   for k, v in sums.items()})
+        if tc.ppo_epochs > 1:
+            self._passes(batch, tc.ppo_epochs - 1, 1, sums, tally)
+        metrics.update(self._update_metrics(batch, sums, tally, tc.ppo_epochs * tc.mini_batches))
         busy += time.perf_counter() - t
         metrics.update(_waiting(rnd.wait_seconds, busy))
         metrics.update({"time/update": busy, "time/publish": publish, "rollout/staleness": stale,
