@@ -118,5 +118,6 @@ def first_call_confidence(batch: RolloutBatch, i: int) -> Tensor:
 
 def _tags(batch: RolloutBatch) -> Tensor:
     tags = batch.data.get("request_tag")
-    # bookkeeping on the CPU, as the scheduler's and the engines' request tags
-    return torch.zeros(len(batch), dtype=torch.long) if tags is None else tags
+    # bookkeeping on the CPU, with the rewards and group ids: the engines make the tags there, but
+    # the trainer's batch.onto(model.device) moves every data field (a no-op on the CPU)
+    return torch.zeros(len(batch), dtype=torch.long) if tags is None else tags.cpu()
