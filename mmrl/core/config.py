@@ -117,7 +117,8 @@ class SchedulerConfig(Section):
     timeout: float = Field(600.0, gt=0)
     """Seconds an engine may take for one call (or to take new weights) before it counts as hung."""
     max_redispatch: int = Field(2, ge=0)
-    """Times a failed or hung engine call is retried on another engine before the run stops."""
+    """Times the samples of a failed or hung engine call are retried on another engine before the
+    run stops (calls still queued on a failed engine move without counting)."""
 
 
 class RolloutConfig(Section):

@@ -53,6 +53,9 @@ class Request:
     tag: int = 0
     """0 for a group's own samples; a method's extra requests use other tags, copied
     into batch.data["request_tag"] so its advantages can tell them apart."""
+    retries: int = 0
+    """Engine calls of these samples that failed or hung (the scheduler's count, against
+    rollout.scheduler.max_redispatch)."""
 
 
 class Engine(Protocol):
@@ -142,7 +145,7 @@ class Job:
     rollout: Any  # the run's rollout config (sampling settings)
     seed: int
     id: int = field(default_factory=lambda: next(_job_ids))
-    started: float = 0.0  # when the worker took it (time.monotonic)
+    started: float | None = None  # when the worker took it (time.monotonic); None while queued
 
 
 @dataclass
@@ -171,7 +174,6 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        job.started = time.monotonic()
         self.outstanding[job.id] = job
         self.jobs.put(("generate", job))
 
@@ -201,8 +203,14 @@ class Worker:
     def alive(self) -> bool:
         return self.dead is None
 
-    def close(self) -> None:
+    def close(self, wait: float = 10.0) -> None:
+        """Stop the thread (queued jobs are dropped; a call under way finishes first, for up to
+        `wait` seconds: a process that exits while a thread is inside torch can abort) and
+        close the engine."""
+        self.dead = self.dead or "closed"
         self.jobs.put(("stop", None))
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait)
         with contextlib.suppress(Exception):  # closing a broken engine must not hide the real error
             self.engine.close()
 
@@ -220,6 +228,9 @@ class Worker:
                     done.put(e)
                 continue
             job: Job = payload
+            if self.dead is not None:  # given up on (or closed) while this job was queued
+                continue
+            job.started = time.monotonic()  # a queued job's wait is not the engine's time
             t0 = time.perf_counter()
             try:
                 batch = self.engine.generate(job.requests, job.rollout, job.seed)

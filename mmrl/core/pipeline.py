@@ -34,6 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -152,10 +153,14 @@ class _Group:
     in_flight: int = 0  # samples sent, not back
     extras_asked: bool = False
     done: bool = False
+    refill: bool = False  # admitted in place of a dropped group (DAPO), not in the round's draw
 
 
 class _End:
     pass
+
+
+_STOP = object()  # put in the engines' inbox to wake a dispatcher that should stop
 
 
 class Round:
@@ -179,11 +184,13 @@ class Round:
         self.first_pass: list[RolloutBatch] = []  # every group as first scored, for reward metrics
         self.t0 = time.perf_counter()
         self.wait_seconds = 0.0
+        self.busy0 = sum(w.busy_seconds for w in sched.workers)  # the engines' time before this round
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmrl-dispatch", daemon=True)
         self._thread.start()
 
-    def _admit(self, prompt, gid: int) -> None:
-        self.groups[gid] = _Group(gid, prompt, [Request(gid, prompt, self.g)])
+    def _admit(self, prompt, gid: int, refill: bool = False) -> None:
+        self.groups[gid] = _Group(gid, prompt, [Request(gid, prompt, self.g)], refill=refill)
         self.order.append(gid)
 
     # ------------------------------------------------------------------ trainer side
@@ -204,15 +211,30 @@ class Round:
     def _run(self) -> None:
         try:
             self._dispatch_loop()
+            if self._stop.is_set():
+                return
             self.metrics["time/rollout"] = time.perf_counter() - self.t0
             self.metrics.update(round_metrics(RolloutBatch.concat(self.first_pass)))
             self.ready.put(_End())
         except BaseException as e:  # noqa: BLE001 -- handed to the trainer thread
             self.ready.put(e)
 
+    def engine_busy(self) -> float:
+        """Seconds the engines spent in calls since this round began (all engines together)."""
+        return sum(w.busy_seconds for w in self.s.workers) - self.busy0
+
+    def stop(self, wait: float = 10.0) -> None:
+        """End the dispatcher (the trainer gave up on this round: an error, or the run closes)."""
+        self._stop.set()
+        self.s.inbox.put(_STOP)  # wakes a dispatcher waiting for an answer
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
     def _dispatch_loop(self) -> None:
         s = self.s
         while not all(g.done for g in self.groups.values()):
+            if self._stop.is_set():
+                return
             for depth in (1, 2):  # every engine one call first, then one queued: none idles
                 for w in s.workers:
                     if w.alive and len(w.outstanding) < depth:
@@ -232,7 +254,8 @@ class Round:
             except queue.Empty:
                 self._expire_hung()
                 continue
-            self._absorb(result)
+            if result is not _STOP:
+                self._absorb(result)
 
     def _in_flight(self) -> bool:
         return any(w.outstanding for w in self.s.workers)
@@ -264,8 +287,8 @@ class Round:
             g.todo.pop(0)
             part = head
         else:
-            g.todo[0] = Request(head.group, head.prompt, head.n - n, head.prefix, head.tag)
-            part = Request(head.group, head.prompt, n, head.prefix, head.tag)
+            g.todo[0] = replace(head, n=head.n - n)
+            part = replace(head, n=n)
         g.in_flight += part.n
         # one request per group, tag and prefix: a call's rows stay grouped
         taken.setdefault((g.gid, head.tag, id(head.prefix)), []).append(part)
@@ -276,27 +299,32 @@ class Round:
         out = []
         for parts in taken.values():
             r = parts[0]
-            out.append(Request(r.group, r.prompt, sum(p.n for p in parts), r.prefix, r.tag))
+            out.append(replace(r, n=sum(p.n for p in parts), retries=max(p.retries for p in parts)))
         return out
 
     def _time_left(self) -> float:
+        """Until the first call under way reaches the timeout (queued calls are not timed: a
+        worker takes them when its call ahead answers, which wakes the dispatcher anyway)."""
         now = time.monotonic()
-        starts = [j.started for w in self.s.workers for j in w.outstanding.values()]
-        return max(0.01, min(st + self.s.timeout for st in starts) - now) if starts else 0.01
+        starts = [j.started for w in self.s.workers for j in list(w.outstanding.values()) if j.started is not None]
+        return max(0.01, min(st + self.s.timeout for st in starts) - now) if starts else self.s.timeout
 
     def _expire_hung(self) -> None:
         now = time.monotonic()
         for w in self.s.workers:
-            if any(now - j.started > self.s.timeout for j in w.outstanding.values()):
+            if any(j.started is not None and now - j.started > self.s.timeout for j in list(w.outstanding.values())):
                 self._fail_worker(w, f"did not answer within {self.s.timeout:g} s (hung)")
 
     def _fail_worker(self, w: Worker, why: str) -> None:
         for job in w.mark_dead(why):
             self.metrics["rollout/redispatched"] += 1
-            if self.metrics["rollout/redispatched"] > self.s.max_redispatch:
-                raise EngineError(f"engine {w.name} {why}; giving up after {self.s.max_redispatch} "
-                                  "re-dispatches (rollout.scheduler.max_redispatch)")
+            tried = job.started is not None  # a call still queued never ran: moving it is no retry
             for r in job.requests:  # back to the front of their group's queue
+                if tried:
+                    r.retries += 1
+                    if r.retries > self.s.max_redispatch:
+                        raise EngineError(f"engine {w.name} {why}; giving up after {self.s.max_redispatch} "
+                                          "re-dispatches of its samples (rollout.scheduler.max_redispatch)")
                 g = self.groups[r.group]
                 g.in_flight -= r.n
                 g.todo.insert(0, r)
@@ -334,7 +362,8 @@ class Round:
         batch = RolloutBatch.concat(g.parts)
         batch.prompts = {g.gid: g.prompt}
         if not g.extras_asked:
-            self.first_pass.append(replace(batch))  # a copy: the group gets advantages later
+            if not g.refill:  # the reward metrics are the round's draw, before any drop (as sync's)
+                self.first_pass.append(replace(batch))  # a copy: the group gets advantages later
             keep = s.method.keep_groups(batch)
             if keep is not None and not bool(keep.all()):
                 g.done = True
@@ -343,7 +372,7 @@ class Round:
                     self.refills_left -= 1
                     self.metrics["rollout/groups_refilled"] += 1
                     (prompt,), (gid,) = s.stream.take(1)
-                    self._admit(prompt, gid)
+                    self._admit(prompt, gid, refill=True)
                 return
             g.extras_asked = True
             extra = s.method.extra_requests(batch)
@@ -405,6 +434,7 @@ class PipelinedScheduler:
         self.inbox: queue.Queue = queue.Queue()
         self.workers = [Worker(e, self.inbox) for e in engines]
         self.published: int | None = None
+        self.round: Round | None = None  # the latest round (close() stops its dispatcher)
 
     def start_round(self, version: int, num_generations: int) -> tuple[Round, float]:
         """Publish the trainer's weights if the engines lag, then start the round's rollouts.
@@ -414,18 +444,23 @@ class PipelinedScheduler:
             weights = trainable_weights(self.model)
             for w in self.workers:
                 if w.alive:
-                    seconds += w.publish(weights, version, self.timeout)
+                    try:
+                        seconds += w.publish(weights, version, self.timeout)
+                    except EngineError as e:  # that engine is out (marked dead); the others go on
+                        if not any(x.alive for x in self.workers):
+                            raise
+                        warnings.warn(f"{e}; the run goes on with the other engines", stacklevel=2)
             self.published = version
         prompts, ids = self.stream.take(self.cfg.rollout.prompts_per_step)
-        return Round(self, version, prompts, ids, num_generations), seconds
+        self.round = Round(self, version, prompts, ids, num_generations)
+        return self.round, seconds
 
     def next_groups(self, version: int, num_generations: int | None = None,
                     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sync mode on background engines: the whole round at once, in group order."""
         rnd, publish = self.start_round(version, num_generations or self.cfg.rollout.num_generations)
         groups = list(rnd)
-        metrics = {**rnd.metrics, "time/publish": publish,
-                   "time/engine_busy": sum(w.busy_seconds for w in self.workers)}
+        metrics = {**rnd.metrics, "time/publish": publish, "time/engine_busy": rnd.engine_busy()}
         if not groups:
             return None, metrics
         batch = RolloutBatch.concat(groups)
@@ -438,5 +473,7 @@ class PipelinedScheduler:
         return batch, metrics
 
     def close(self) -> None:
+        if self.round is not None:
+            self.round.stop()
         for w in self.workers:
             w.close()

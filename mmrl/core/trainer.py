@@ -364,7 +364,7 @@ class Trainer:
         metrics.update(_waiting(rnd.wait_seconds, busy))
         metrics.update({"time/update": busy, "time/publish": publish, "rollout/staleness": stale,
                         "time/round": time.perf_counter() - t0,
-                        "time/engine_busy": sum(w.busy_seconds for w in self.scheduler.workers)})
+                        "time/engine_busy": rnd.engine_busy()})
         metrics["rollout/groups"] = batch.num_groups
         metrics["rollout/samples"] = total
         return batch, metrics
