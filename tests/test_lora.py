@@ -60,3 +60,12 @@ def test_adapter_and_full_weight_directories_are_told_apart(tmp_path):
     wider = add_lora(Tiny(), LoRAConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match="does not fit this run's model.lora"):
         load_adapter(wider, tmp_path / "adapter")
+
+
+def test_the_lora_wrapper_keeps_the_models_mode():
+    """PEFT's wrapper would start in train mode over an eval-mode model: a copy of it made before
+    the trainer's eval() (a pipelined engine's) then switched the model to train mode."""
+    for training in (False, True):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4)).train(training)
+        wrapped = add_lora(model, LoRAConfig(r=2, target_modules=["0"]))
+        assert {m.training for m in wrapped.modules()} == {training}

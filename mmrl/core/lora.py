@@ -36,7 +36,8 @@ class LoRAConfig(Section):
 
 def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.nn.Module:
     """Wrap the model's `target_modules` with PEFT LoRA adapters; only adapters train.
-    A's random init is drawn from `seed` (the run's), so a run's seed fixes its adapters."""
+    A's random init is drawn from `seed` (the run's), so a run's seed fixes its adapters.
+    The wrapper is in the model's mode (train or eval)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
@@ -49,7 +50,10 @@ def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.n
         with warnings.catch_warnings(), seeded(seed):
             # PEFT reads a property transformers has deprecated: not the user's to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, config)
+            # PEFT's wrapper starts in train mode: keep the model's own mode (a copy made before
+            # the trainer's eval(), a pipelined engine's, would else switch it to train mode
+            # after its rollouts: LoRA dropout in the old log-probs)
+            return get_peft_model(model, config).train(model.training)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear)})
