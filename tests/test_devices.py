@@ -54,3 +54,21 @@ def test_fork_rng_restores_the_cpu_draws_of_a_cpu_model():
     after = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(3))
+
+
+def test_transformers_hub_kernels_are_off_unless_asked_for():
+    """transformers >= 5 would swap layers for code from the Hub once a model is on a GPU (a
+    download at run time, and code nobody gave mmrl): importing mmrl turns that off, and a
+    user's own USE_HUB_KERNELS wins (subprocesses: the variable is read at import)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, dllm_rl; from dllm_rl.models import load_mask_predictor; "
+             "print(os.environ['USE_HUB_KERNELS'], load_mask_predictor('assets/tiny-dllm').model.use_kernels)")
+    env = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}
+    for given, want in ((None, "NO False"), ("YES", "YES True")):
+        run_env = env if given is None else {**env, "USE_HUB_KERNELS": given}
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=run_env, check=True,
+                             timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.stdout.strip().splitlines()[-1] == want
