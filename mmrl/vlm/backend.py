@@ -16,7 +16,7 @@ import torch
 import mmrl.vlm.methods  # noqa: F401  (registers the VLM methods: axpo)
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
-from mmrl.core.runconfig import resolve_file
+from mmrl.core.runconfig import resolve_dir, resolve_file
 from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
@@ -86,7 +86,8 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
 
         device = model_device(cfg.model.device)  # the classifier runs where the policy does; scores come back on the CPU
         try:
-            judge = ConsistencyModel.from_pretrained(cfg.method.consistency_model, device=device)
+            where = resolve_dir(cfg.method.consistency_model, cfg.base_dir)  # the config's directory first
+            judge = ConsistencyModel.from_pretrained(where, device=device)
             atom = consistency_atom(judge, weight=cfg.method.lam)
         except (OSError, ValueError) as e:
             raise ConfigError(f"method.consistency_model: {e}") from e

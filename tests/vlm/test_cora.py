@@ -97,3 +97,16 @@ def test_advantage_settings_cora_would_ignore_are_refused(tmp_path):
     for extra in ("method.advantage.scale=none", "method.advantage.type=rloo"):
         with pytest.raises(ConfigError, match=r"invalid config: method: CORA's advantages are HRAS's"):
             _cfg(tmp_path, [extra])
+
+
+def test_a_relative_consistency_model_is_found_from_the_configs_directory(tmp_path, monkeypatch):
+    """method.consistency_model, like model.path: relative to the config file's directory first."""
+    import shutil
+
+    shutil.copytree(ROOT / "assets" / "tiny-consistency-modernbert", tmp_path / "exp" / "judge")
+    (tmp_path / "exp" / "cora.yaml").write_text("method:\n  type: cora\n  consistency_model: judge\n")
+    monkeypatch.chdir(tmp_path)  # neither the working directory nor the repository holds "judge"
+    cfg = load_config(backend.CONFIG_CLASS, tmp_path / "exp" / "cora.yaml", [f"output_dir={tmp_path / 'run'}"],
+                      defaults=backend.DEFAULT_CONFIG)
+    task = backend.build_task(cfg)
+    assert any(a.name == "consistency" for a in task.reward.atoms)
