@@ -200,8 +200,9 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None)
     if temperature > 0:
         scaled = logits / temperature
         # The noise is drawn on the generator's device, then moved to the logits'. The trainer's
-        # and the CLI's generators are CPU ones, so a seed gives the same float64 noise whichever
-        # device the model is on (the cost: one [B, L, V] copy to the GPU per step).
+        # and the CLI's generators are CPU ones: on the CPU (and the tests' simulated device) a
+        # seed gives the same float64 noise; on a GPU, decode() hands a GPU generator seeded from
+        # the CPU one instead (see there).
         dev = generator.device if generator is not None else logits.device
         u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=dev)
         u = u.to(logits.device).clamp_min(torch.finfo(torch.float64).tiny)
@@ -247,6 +248,12 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
 
     B, P = prompt_ids.shape
     device = prompt_ids.device
+    if generator is not None and device.type == "cuda" and generator.device.type != "cuda":
+        # A float64 [B, block, V] draw per step on the CPU, then copied, would dominate a GPU step
+        # (1 GB at LLaDA's vocabulary, 64 rows x 16 positions): draw on the GPU from a generator
+        # seeded by the CPU one, so a seed still fixes the rollout (on that GPU).
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        generator = torch.Generator(device).manual_seed(seed)
     x = torch.cat([prompt_ids, prompt_ids.new_full((B, gen_length), mask_id)], dim=1)
     is_masked = torch.ones(B, gen_length, dtype=torch.bool, device=device)
     commit_step = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
