@@ -121,15 +121,18 @@ class DiffusionPolicy:
 
         d = batch.data
         cond = {k[len("cond/"):]: v for k, v in d.items() if k.startswith("cond/")}
+        # the step checks its sigmas on the CPU (no device sync per step): back there, if the
+        # batch came onto the model's device whole (RolloutBatch.onto)
+        sigma, sigma_next = d["sigma"].cpu(), d["sigma_next"].cpu()
         outs, maps = [], []
         for t in range(d["latents"].shape[1]):
             x = d["latents"][:, t]
             with TextAttention(self.flow, attention) if attention is not False else contextlib.nullcontext() as rec:
-                v = self.flow.velocity(x, d["sigma"][:, t], cond)
+                v = self.flow.velocity(x, sigma[:, t], cond)
             if rec is not None:
                 maps.append(rec.result(len(x)))
             outs.append(sde_step_with_logprob(
-                v, x, d["sigma"][:, t], d["sigma_next"][:, t], noise_level=self.rollout.noise_level,
+                v, x, sigma[:, t], sigma_next[:, t], noise_level=self.rollout.noise_level,
                 kind=self.rollout.kind, prev_sample=d["next_latents"][:, t]))
         return outs if attention is False else (outs, maps)
 

@@ -158,8 +158,8 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     problems = [parse_problem(task.name, p) or Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
     policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
-    # A CPU generator on any model.device: the sampler draws its noise on the CPU and moves it,
-    # so a seed samples the same answers wherever the model runs (up to the logits' rounding).
+    # A CPU generator on any model.device: on the CPU the sampler draws its noise from it; on a
+    # GPU from a GPU generator it seeds (samplers.decode). A seed fixes the answers on a device.
     gen = torch.Generator().manual_seed(cfg.seed)
     try:
         if greedy:

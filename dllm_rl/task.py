@@ -81,7 +81,7 @@ class DLLMTask:
             out["accuracy" if name == self.answer_atom else name] = float(scores.values[:, k].double().mean())
         n = self.eval_samples
         if n:
-            gen = torch.Generator().manual_seed(1234)  # CPU: the same draws on any model.device (samplers._draw)
+            gen = torch.Generator().manual_seed(1234)  # CPU; on a GPU it seeds one there (samplers.decode)
             problems = [p for p in self.eval_problems for _ in range(n)]
             texts, nfe = self.answers(policy, problems, self.rollout.temperature, gen)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])

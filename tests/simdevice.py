@@ -168,8 +168,9 @@ def outside(fn):
 @contextlib.contextmanager
 def simulated_device():
     """The simulation on, with modules' .to() swapping parameters (as a real move does), in this
-    thread and in the threads started within it (PyTorch's modes are per thread; a CUDA device is
-    the process's: a pipelined engine's thread uses it too)."""
+    thread and in the threads started within it (PyTorch's modes are per thread; a CUDA tensor is
+    usable from any thread, though the current GPU is per thread: mmrl's threads set theirs,
+    mmrl.core.device.use_cuda, which the simulation cannot show)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     bootstrap = threading.Thread._bootstrap_inner  # private: runs every thread's run(), subclasses' too

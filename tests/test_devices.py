@@ -72,3 +72,31 @@ def test_transformers_hub_kernels_are_off_unless_asked_for():
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=run_env, check=True,
                              timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert out.stdout.strip().splitlines()[-1] == want
+
+
+def test_which_gpu_model_device_picks(monkeypatch):
+    """With GPUs (faked here): cuda/auto take LOCAL_RANK's, or GPU 0 where a launcher shows each
+    rank one GPU; cuda:N is that GPU, refused under data parallel (every rank on one GPU); a GPU
+    that is not there is named. The choice becomes the thread's current GPU."""
+    import pytest
+
+    from mmrl.core.config import ConfigError
+    from mmrl.core.device import model_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for count, local_rank, spec, want in ((4, None, "cuda", 0), (4, "2", "auto", 2), (1, "3", "cuda", 0),
+                                          (4, None, "cuda:3", 3)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        if local_rank is not None:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert model_device(spec) == torch.device("cuda", want) and chosen[-1] == want
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="GPU 5 does not exist"):
+        model_device("cuda:5")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="would put every rank on GPU 1"):
+        model_device("cuda:1")

@@ -401,10 +401,11 @@ def test_several_servers_share_a_round(tmp_path):
 
 
 def test_a_call_queued_behind_another_is_not_timed_from_its_submission(tmp_path):
-    """Calls of 0.6 s each under a 1 s timeout, two per engine at a time: the second one's
-    clock starts when the engine takes it, so no engine is declared hung."""
-    cfg = config(tmp_path, "rollout.scheduler.timeout=1.0", "rollout.scheduler.engine_batch=4")
-    engine = FakeEngine(SeededToy(), delay=0.6)
+    """Calls of 0.8 s each under a 1.2 s timeout, two per engine at a time: the second one's
+    clock starts when the engine takes it (timed from its submission it would pass 1.6 s), so
+    no engine is declared hung."""
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.2", "rollout.scheduler.engine_batch=4")
+    engine = FakeEngine(SeededToy(), delay=0.8)
     sched, _ = scheduler(cfg, [engine])
     rnd, _ = sched.start_round(0, 4)
     groups = list(rnd)
@@ -493,3 +494,21 @@ def test_reward_metrics_under_dynamic_sampling_are_the_rounds_draw_in_both_modes
     sync, pipe = rows["sync"][0], rows["pipelined"][0]
     assert sync["rollout/groups_dropped"] > 0 and pipe["rollout/groups_dropped"] > 0  # dropped and refilled
     assert sync["reward/total"] == pipe["reward/total"]
+
+
+def test_engine_and_dispatcher_threads_take_the_trainers_gpu(tmp_path, monkeypatch):
+    """PyTorch's current GPU is per thread and a new thread starts on GPU 0: the engine and the
+    dispatcher threads set the one current where they were made (model.device cuda:1). Faked:
+    no GPU here."""
+    import mmrl.core.engine as engine_mod
+    import mmrl.core.pipeline as pipeline_mod
+
+    seen = []
+    for mod in (engine_mod, pipeline_mod):
+        monkeypatch.setattr(mod, "current_cuda", lambda: 1)
+        monkeypatch.setattr(mod, "use_cuda", lambda i: seen.append((threading.current_thread().name, i)))
+    sched, _ = scheduler(config(tmp_path), [FakeEngine(SeededToy(), name="e")])
+    rnd, _ = sched.start_round(0, 4)
+    assert len(list(rnd)) == 8
+    sched.close()
+    assert sorted(seen) == [("mmrl-dispatch", 1), ("mmrl-engine-e", 1)]

@@ -47,7 +47,7 @@ class ModelConfig(Section):
     device: str = "cpu"
     """Where the model samples and trains: "cpu", "cuda", "cuda:N", or "auto" (this process's GPU
     when one is visible, else the CPU). Under data parallel, "cuda" and "auto" mean the rank's own
-    GPU (LOCAL_RANK). mmrl.core.device.model_device resolves it."""
+    GPU (LOCAL_RANK; cuda:N is refused there). mmrl.core.device.model_device resolves it."""
 
     @model_validator(mode="after")
     def _device_spelling(self):

@@ -2,7 +2,8 @@
 
 Every backend calls `model_device(cfg.model.device)` once, moves the policy there, and makes
 the tensors of a rollout and an update on the device of the policy's parameters (ids and
-bookkeeping may stay on the CPU; RolloutBatch.to moves what a model reads)."""
+bookkeeping may stay on the CPU; the trainer moves a batch from elsewhere with
+RolloutBatch.onto)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ def model_device(spec: str = "cpu") -> torch.device:
         raise ConfigError(f"model.device {spec}: no CUDA device is visible to this process "
                           "(torch.cuda.is_available() is False); use model.device=cpu or auto")
     if spec in ("auto", "cuda"):
-        index = int(os.environ.get("LOCAL_RANK", "0"))
+        # LOCAL_RANK's GPU; GPU 0 where the launcher shows each rank only its own (SLURM, k8s)
+        index = int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0
     else:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"model.device {spec} with several processes would put every rank on GPU "
+                              f"{spec.split(':')[1]}; use cuda or auto (each rank its own GPU, LOCAL_RANK)")
         index = int(spec.split(":", 1)[1])
     if index >= torch.cuda.device_count():
         raise ConfigError(f"model.device {spec}: GPU {index} does not exist (this process sees "
@@ -47,3 +52,15 @@ def fork_rng(module: torch.nn.Module):
     the block draws (evaluation, a seeded rollout) leaves the training draws unchanged."""
     dev = module_device(module)
     return torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
+
+
+def current_cuda() -> int | None:
+    """This thread's current GPU, where CUDA is in use (None otherwise). PyTorch keeps the current
+    device per thread, and a new thread starts on GPU 0: `use_cuda(current_cuda())` at the top of
+    a thread started here puts it on this thread's GPU (model.device cuda:1, a rank's GPU)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def use_cuda(index: int | None) -> None:
+    if index is not None:
+        torch.cuda.set_device(index)

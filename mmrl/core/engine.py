@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.device import current_cuda, use_cuda
 
 
 class EngineError(RuntimeError):
@@ -170,6 +171,8 @@ class Worker:
         self.outstanding: dict[int, Job] = {}
         self.dead: str | None = None  # why, once dead
         self.busy_seconds = 0.0
+        self._cuda = current_cuda()  # the thread's GPU: the one current here (per-thread in PyTorch)
+        self._lock = threading.Lock()  # a job starts, or the worker is given up on: one or the other first
         self._thread = threading.Thread(target=self._loop, name=f"mmrl-engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -194,27 +197,33 @@ class Worker:
 
     def mark_dead(self, why: str) -> list[Job]:
         """Stop using this worker; returns its unfinished jobs for re-dispatch."""
-        self.dead = why
-        jobs = list(self.outstanding.values())
-        self.outstanding.clear()
+        with self._lock:
+            self.dead = why
+            jobs = list(self.outstanding.values())
+            self.outstanding.clear()
         return jobs
 
     @property
     def alive(self) -> bool:
         return self.dead is None
 
-    def close(self, wait: float = 10.0) -> None:
-        """Stop the thread (queued jobs are dropped; a call under way finishes first, for up to
-        `wait` seconds: a process that exits while a thread is inside torch can abort) and
-        close the engine."""
-        self.dead = self.dead or "closed"
+    def stop(self) -> None:
+        """Ask the thread to end: queued jobs are dropped, a call under way finishes first."""
+        with self._lock:
+            self.dead = self.dead or "closed"
         self.jobs.put(("stop", None))
+
+    def close(self, wait: float = 10.0) -> None:
+        """stop(), wait up to `wait` seconds for the thread (a process that exits while a thread
+        is inside torch can abort), and close the engine."""
+        self.stop()
         if self._thread is not threading.current_thread():
             self._thread.join(wait)
         with contextlib.suppress(Exception):  # closing a broken engine must not hide the real error
             self.engine.close()
 
     def _loop(self) -> None:
+        use_cuda(self._cuda)
         while True:
             kind, payload = self.jobs.get()
             if kind == "stop":
@@ -228,9 +237,10 @@ class Worker:
                     done.put(e)
                 continue
             job: Job = payload
-            if self.dead is not None:  # given up on (or closed) while this job was queued
-                continue
-            job.started = time.monotonic()  # a queued job's wait is not the engine's time
+            with self._lock:
+                if self.dead is not None:  # given up on (or closed) while this job was queued
+                    continue
+                job.started = time.monotonic()  # a queued job's wait is not the engine's time
             t0 = time.perf_counter()
             try:
                 batch = self.engine.generate(job.requests, job.rollout, job.seed)

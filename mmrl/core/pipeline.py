@@ -43,6 +43,7 @@ import torch
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, TrainConfig
+from mmrl.core.device import current_cuda, use_cuda
 from mmrl.core.engine import (
     EngineError,
     Job,
@@ -186,6 +187,7 @@ class Round:
         self.wait_seconds = 0.0
         self.busy0 = sum(w.busy_seconds for w in sched.workers)  # the engines' time before this round
         self._stop = threading.Event()
+        self._cuda = current_cuda()  # rewards and method hooks run in the dispatcher: on this GPU
         self._thread = threading.Thread(target=self._run, name="mmrl-dispatch", daemon=True)
         self._thread.start()
 
@@ -209,6 +211,7 @@ class Round:
     # ------------------------------------------------------------------ dispatcher
 
     def _run(self) -> None:
+        use_cuda(self._cuda)
         try:
             self._dispatch_loop()
             if self._stop.is_set():
@@ -224,9 +227,11 @@ class Round:
         return sum(w.busy_seconds for w in self.s.workers) - self.busy0
 
     def stop(self, wait: float = 10.0) -> None:
-        """End the dispatcher (the trainer gave up on this round: an error, or the run closes)."""
-        self._stop.set()
-        self.s.inbox.put(_STOP)  # wakes a dispatcher waiting for an answer
+        """End the dispatcher (the trainer gave up on this round: an error, or the run closes);
+        wait up to `wait` seconds for it."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self.s.inbox.put(_STOP)  # wakes a dispatcher waiting for an answer
         if self._thread is not threading.current_thread():
             self._thread.join(wait)
 
@@ -256,6 +261,7 @@ class Round:
                 continue
             if result is not _STOP:
                 self._absorb(result)
+                self._expire_hung()  # answers from live engines must not hide a hung one
 
     def _in_flight(self) -> bool:
         return any(w.outstanding for w in self.s.workers)
@@ -472,8 +478,15 @@ class PipelinedScheduler:
         metrics["rollout/samples"] = len(batch)
         return batch, metrics
 
-    def close(self) -> None:
+    def close(self, wait: float = 10.0) -> None:
+        """Stop the round's dispatcher and every engine thread: all are told first, then all are
+        waited for, `wait` seconds in all."""
+        deadline = time.monotonic() + wait
         if self.round is not None:
-            self.round.stop()
+            self.round.stop(wait=0)
         for w in self.workers:
-            w.close()
+            w.stop()
+        if self.round is not None:
+            self.round.stop(wait=max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            w.close(wait=max(0.0, deadline - time.monotonic()))
