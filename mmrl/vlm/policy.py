@@ -189,17 +189,21 @@ class VLMPolicy:
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         inputs = self._shared_image_inputs(inputs, prompt_rows)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # the CPU generator: same draws anywhere
+        forward = getattr(rollout, "old_logprobs", "generate") == "forward"  # else from generate's logits
         with fork_rng(self.model), torch.no_grad():
             torch.manual_seed(seed)  # generate draws from the global RNG (the model's GPU's too): pin it to ours
             out = self.model.generate(
                 **inputs, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
-                max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=True,
+                max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=not forward,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
                 **self._stop_kwargs(getattr(rollout, "stop", None)),
             )
         p = inputs["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
-        old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
+        if forward:  # scored below, once the batch exists
+            old_logp = entropy = torch.zeros(completion.shape, device=completion.device)
+        else:
+            old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
         mask = self.completion_mask(completion)
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
@@ -226,7 +230,18 @@ class VLMPolicy:
                 "stat/truncated": (~finished.any(-1)).float(),
             },
         )
+        if forward:
+            logp, entropy = self.score(batch, rollout.score_batch_size)
+            batch.old_logp = logp
+            batch.data["stat/entropy"] = (entropy * batch.mask).sum(-1) / lengths.clamp(min=1)
         return batch
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, rows: int) -> tuple[Tensor, Tensor]:
+        """[N, T] log-probs (0 off the mask) and entropies of the completion tokens under the
+        current weights, teacher-forced as in training, `rows` samples per pass."""
+        parts = [self.logprobs(batch.select(idx), entropy=True) for idx in torch.arange(len(batch)).split(rows)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def teacher_batch(self, items: Sequence[Any], completions: Sequence[str]) -> RolloutBatch:
         """A batch of given completions (each followed by end-of-turn), for supervised
@@ -372,9 +387,10 @@ class VLMPolicy:
 
     # ------------------------------------------------------------------ training forward
 
-    def logprobs(self, batch: RolloutBatch) -> Tensor:
+    def logprobs(self, batch: RolloutBatch, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """[N, T] log-probs of the completion tokens under the current weights (with grad), on
-        the model's device (a batch from elsewhere, e.g. over the wire, is moved there)."""
+        the model's device (a batch from elsewhere, e.g. over the wire, is moved there); with
+        `entropy`, also each position's entropy [N, T]."""
         d = self._left_align(self.on_device(batch.data))
         mask = batch.mask.to(self.device)
         prompt, completion = d["prompt_ids"], d["completion_ids"]
@@ -389,8 +405,11 @@ class VLMPolicy:
                 kwargs[k[len("prompt/"):]] = torch.cat([v, side.to(v.dtype)], dim=1)
         out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
         logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
-        logp = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        return logp.masked_fill(~mask, 0.0)
+        logp_all = logits.log_softmax(-1)
+        logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+        if not entropy:
+            return logp
+        return logp, -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)  # 0 * -inf -> 0
 
     def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
         """The model's image inputs for n rows. The G samples of a group carry the same images,

@@ -420,3 +420,35 @@ def test_lora_kl_reference_is_the_policy_with_adapters_off(qwen25_dir):
         assert not torch.allclose(moved[batch.mask], start[batch.mask])
         torch.testing.assert_close(ref.logprobs(batch), start)  # still the starting weights
         torch.testing.assert_close(copy_now.logprobs(batch), moved)  # the adapters came along
+
+
+def test_old_logprobs_from_a_forward_pass_instead_of_generates_logits(qwen25_dir, tmp_path):
+    """rollout.old_logprobs=forward: the same samples (the draws do not depend on it); the
+    old log-probs and entropies come from the teacher-forced pass, a few rows at a time, and
+    equal the training forward's exactly (on-policy ratio 1); generate's agree to rounding."""
+    policy = make_policy(qwen25_dir)
+    base = policy.generate(ITEMS[:2], 3, rollout_cfg(), torch.Generator().manual_seed(0))
+    scored = policy.generate(ITEMS[:2], 3, rollout_cfg(old_logprobs="forward", score_batch_size=4),
+                             torch.Generator().manual_seed(0))
+    assert torch.equal(scored.data["completion_ids"], base.data["completion_ids"])
+    with torch.no_grad():
+        assert torch.equal(scored.old_logp, policy.logprobs(scored))
+    torch.testing.assert_close(scored.old_logp, base.old_logp, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(scored.data["stat/entropy"], base.data["stat/entropy"], atol=2e-4, rtol=1e-4)
+    assert (scored.old_logp[~scored.mask] == 0).all()
+
+    with pytest.raises(ValueError, match="single-turn rollouts only"):
+        load_config(VLMTrainConfig, overrides=["rollout.old_logprobs=forward", "rollout.tools.names=[zoom]"])
+
+
+def test_a_run_scoring_its_rollouts_by_forward_is_exactly_on_policy(tmp_path):
+    from mmrl.core.logging import read_metrics
+
+    cfg = load_config(backend.CONFIG_CLASS, None, [
+        f"output_dir={tmp_path}", "train.max_steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=4",
+        "rollout.old_logprobs=forward", "rollout.score_batch_size=3", "task.num_train=8", "task.num_eval=2",
+        "rollout.eval_samples=0", "logging.tensorboard=false", "logging.progress=false"], defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    Trainer(cfg, policy, task).train()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["loss/ratio_min"], r["loss/ratio_max"]) for r in rows] == [(1.0, 1.0), (1.0, 1.0)]
