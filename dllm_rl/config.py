@@ -63,7 +63,21 @@ class DLLMRolloutConfig(RolloutConfig):
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set."""
     eval_batch_size: int = Field(128, ge=1)
-    max_new_tokens: int = 16  # the core's Dr.GRPO length constant; set to gen_length
+    max_new_tokens: int = Field(16, exclude=True)  # the core's Dr.GRPO length constant: set to gen_length
+    # (out of config dumps, so that only a user's own setting reaches the check below)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_new_tokens_is_gen_length(cls, data):
+        """A max_new_tokens other than gen_length would be silently replaced: say so."""
+        if isinstance(data, dict) and "max_new_tokens" in data:
+            given, length = data["max_new_tokens"], data.get("gen_length", cls.model_fields["gen_length"].default)
+            if given != length:
+                import warnings
+
+                warnings.warn(f"rollout.max_new_tokens ({given}) is not a dLLM setting: an answer is "
+                              f"rollout.gen_length ({length}) tokens; max_new_tokens is ignored", stacklevel=2)
+        return data
 
     @model_validator(mode="after")
     def _blocks_fit(self):

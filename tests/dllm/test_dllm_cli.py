@@ -220,3 +220,22 @@ def test_eval_and_sample_score_the_configs_own_atoms(small_sets, tmp_path):
     assert 0.0 <= metrics["short"] <= 1.0 and {"format", "accuracy"} <= set(metrics)
     rows = json_lines(ok(invoke("sample", *small_sets, *atom, "--num", 1)).stdout)
     assert rows and all(set(row["atoms"]) == {"format", "answer", "short"} for row in rows)
+
+
+def test_max_new_tokens_is_gen_length_and_a_setting_of_it_is_said_to_be_ignored():
+    """The core's max_new_tokens (Dr.GRPO's length constant) is the dLLM's gen_length; a user's
+    own other value is ignored with a warning, and config dumps leave it out."""
+    import warnings
+
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    with pytest.warns(UserWarning, match=r"rollout.max_new_tokens \(32\) is not a dLLM setting"):
+        cfg = load_config(DLLMTrainConfig, None, ["rollout.max_new_tokens=32"], defaults=backend.DEFAULT_CONFIG)
+    assert cfg.rollout.max_new_tokens == cfg.rollout.gen_length == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(DLLMTrainConfig, None, ["rollout.gen_length=16", "rollout.steps=16"],
+                          defaults=backend.DEFAULT_CONFIG)
+    assert cfg.rollout.max_new_tokens == 16 and "max_new_tokens" not in cfg.model_dump()["rollout"]
