@@ -18,6 +18,7 @@ from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
+from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.rewards import Reward
 from mmrl.core.runconfig import resolve_dir, resolve_file
 
@@ -156,6 +157,8 @@ def build(cfg: DiffusionTrainConfig):
             raise ConfigError(f"method.attention_layers: {e}") from e
     if m.lora is not None:  # PEFT draws A on the CPU (seeded) and puts it on its base layer's device
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
+    if m.gradient_checkpointing:
+        enable_gradient_checkpointing(flow.transformer)
     return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)
 
 

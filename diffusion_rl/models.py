@@ -358,9 +358,6 @@ class FlowModel:
     def _from_image(self, images: Tensor) -> Tensor:
         raise NotImplementedError(f"encode_images is implemented for the FLUX family, not {self.family!r}")
 
-    def enable_gradient_checkpointing(self) -> None:
-        self.transformer.enable_gradient_checkpointing()
-
     # ------------------------------------------------------------------ LoRA
 
     @property

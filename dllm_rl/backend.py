@@ -20,6 +20,7 @@ from dllm_rl.tasks import CHARSET
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.device import model_device
 from mmrl.core.lora import add_lora
+from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import resolve_dir, resolve_file
 
 CONFIG_CLASS = DLLMTrainConfig
@@ -90,6 +91,8 @@ def build(cfg: DLLMTrainConfig):
     # After LoRA, whose adapters are drawn on the CPU: a seed makes the same ones on any device.
     # Every copy of the policy (the reference, a pipelined engine's) is a deepcopy: it stays here.
     predictor.to(device)
+    if m.gradient_checkpointing:
+        enable_gradient_checkpointing(predictor.model)
     task = build_task(cfg)
     tok = predictor.tokenizer
     lengths = {}

@@ -44,6 +44,11 @@ class ModelConfig(Section):
     refuses it: plain AdamW without loss scaling underflows in float16)."""
     trust_remote_code: bool = False
     """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (less
+    memory, about a third more compute). The update's forwards then run in training mode with
+    every dropout off (transformers checkpoints only in training mode); a model whose config
+    sets a dropout above 0 is refused. mmrl.core.memory."""
     device: str = "cpu"
     """Where the model samples and trains: "cpu", "cuda", "cuda:N", or "auto" (this process's GPU
     when one is visible, else the CPU). Under data parallel, "cuda" and "auto" mean the rank's own

@@ -56,6 +56,7 @@ from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
+from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
@@ -305,12 +306,13 @@ class Trainer:
                 micros = torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)) if len(mini) else ()
                 for micro_idx in micros:
                     micro = mini.select(micro_idx)
-                    out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
                     share = len(micro) / len(mini)
-                    # With a (global) mini-batch denominator the micro losses already sum to
-                    # the mini-batch loss; without one each is its own mean and is weighted.
-                    loss = out.loss if denom is not None else out.loss * share / self.world
-                    loss.backward()
+                    with update_mode(self.policy.model):  # training mode where checkpointing needs it
+                        out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
+                        # With a (global) mini-batch denominator the micro losses already sum to
+                        # the mini-batch loss; without one each is its own mean and is weighted.
+                        loss = out.loss if denom is not None else out.loss * share / self.world
+                        loss.backward()
                     loss_value += float(loss.detach())
                     for k, v in out.metrics.items():
                         sums[k] += v * share
@@ -374,9 +376,10 @@ class Trainer:
         for idx in torch.arange(len(group)).split(size):
             micro = group.select(idx)
             denom = self.method.loss_denominator(micro)
-            out = self.method.loss(self.policy, micro, micro.advantages, denom=None if denom is None else 1.0)
-            loss = out.loss if denom is not None else out.loss * len(micro)  # a sum either way
-            loss.backward()
+            with update_mode(self.policy.model):  # training mode where checkpointing needs it
+                out = self.method.loss(self.policy, micro, micro.advantages, denom=None if denom is None else 1.0)
+                loss = out.loss if denom is not None else out.loss * len(micro)  # a sum either way
+                loss.backward()
             acc["denom"] += denom if denom is not None else len(micro)
             acc["loss"] += float(loss.detach())
             for k, v in out.metrics.items():

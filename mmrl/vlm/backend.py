@@ -16,6 +16,7 @@ import torch
 import mmrl.vlm.methods  # noqa: F401  (registers the VLM methods: axpo)
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
+from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import resolve_dir, resolve_file
 from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.models import load_vlm
@@ -122,6 +123,8 @@ def build(cfg: VLMTrainConfig):
     model, processor = load_vlm(cfg.model, seed=cfg.seed, base_dir=cfg.base_dir)
     # LoRA's adapters are drawn on the CPU (load_vlm), then moved: the same start on any device.
     # The KL reference (adapters off, or a copy) and rollout copies follow the policy's device.
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     policy = VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
                        tools=tools, tools_cfg=cfg.rollout.tools)

@@ -1,0 +1,83 @@
+"""model.gradient_checkpointing (mmrl/core/memory.py): the same update as without it, with the
+layers' activations recomputed in the backward pass, for each backend's bundled model."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.trainer import Trainer
+
+SMALL = {
+    "vlm": ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=16",
+            "task.num_train=8", "task.num_eval=2", "rollout.eval_samples=0"],
+    "dllm": ["rollout.prompts_per_step=2", "rollout.num_generations=4", "task.num_train=16", "task.num_eval=2"],
+    "diffusion": ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.num_steps=4",
+                  "rollout.window_start=[0,1]", "task.num_train=8", "task.num_eval=2", "task.eval_seeds=1",
+                  "task.grid_prompts=2"],
+}
+BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
+
+
+def _trained(modality, tmp_path, *more):
+    b = importlib.import_module(BACKENDS[modality])
+    cfg = load_config(b.CONFIG_CLASS, None, [f"output_dir={tmp_path}", "train.max_steps=1", "optim.lr=1e-3",
+                                             "logging.tensorboard=false", "logging.progress=false",
+                                             *SMALL[modality], *more], defaults=b.DEFAULT_CONFIG)
+    policy, task = b.build(cfg)
+    trainer = Trainer(cfg, policy, task)
+    trainer.train_step()
+    assert not policy.model.training  # back in eval mode after the update
+    return {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+
+
+@pytest.mark.parametrize("modality", list(BACKENDS))
+def test_checkpointing_recomputes_and_makes_the_same_update(modality, tmp_path, reward_spread, monkeypatch):
+    import transformers.modeling_utils
+
+    calls = []
+    original = torch.utils.checkpoint.checkpoint
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", counted, raising=False)
+    plain = _trained(modality, tmp_path / "plain")
+    assert not calls
+    checkpointed = _trained(modality, tmp_path / "ckpt", "model.gradient_checkpointing=true")
+    assert calls  # layers ran under torch.utils.checkpoint
+    changed = [k for k in plain if not torch.equal(plain[k], _start(modality)[k])]
+    assert changed  # the update moved weights
+    for k, v in plain.items():
+        torch.testing.assert_close(checkpointed[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _start(modality, cache={}):  # noqa: B006 -- the bundled model's weights, loaded once
+    if modality not in cache:
+        b = importlib.import_module(BACKENDS[modality])
+        policy, _ = b.build(load_config(b.CONFIG_CLASS, None, SMALL[modality], defaults=b.DEFAULT_CONFIG))
+        cache[modality] = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+    return cache[modality]
+
+
+def test_a_model_with_dropout_is_refused():
+    from mmrl.core.memory import enable_gradient_checkpointing
+
+    class WithDropout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"attention_dropout": 0.1, "hidden_size": 8}
+
+        def activation_checkpointing_enable(self, **kw):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match=r"sets dropout \(\{'attention_dropout': 0.1\}\)"):
+        enable_gradient_checkpointing(WithDropout())
+    with pytest.raises(ConfigError, match="supports no gradient checkpointing"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
