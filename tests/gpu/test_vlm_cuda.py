@@ -64,7 +64,9 @@ def check_run(out: Path) -> None:
     assert moved, "no trainable parameter changed"
 
 
-@pytest.mark.parametrize("extra", [[], ["--set", "model.lora.r=8"]], ids=["grpo", "grpo-lora"])
+@pytest.mark.parametrize("extra", [[], ["--set", "model.lora.r=8"],
+                                   ["--set", "model.gradient_checkpointing=true", "--set", "rollout.old_logprobs=forward"]],
+                         ids=["grpo", "grpo-lora", "grpo-checkpointing-forward-scores"])
 def test_train_grpo_on_cuda(tmp_path, extra):
     """2 GRPO steps of the main job on the GPU (full weights, then LoRA: its KL reference is the
     policy with adapters off, on the same GPU), the weights moved, and `mmrl eval` on the GPU."""
