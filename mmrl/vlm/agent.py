@@ -125,7 +125,12 @@ class ToolRollout:
         for r in rows:
             if not r.done:  # out of turns in the middle of a tool exchange
                 r.truncated = r.done = True
-        return self._batch(enc, items, rows, prompt)
+        batch = self._batch(enc, items, rows, prompt)
+        if _scored_by_forward(rollout, greedy):  # the whole transcript, teacher-forced (VLMPolicy.score)
+            batch.old_logp, entropy = pol.score(batch, rollout.score_batch_size)
+            lengths = batch.mask.sum(-1).clamp(min=1)
+            batch.data["stat/entropy"] = (entropy * batch.mask).sum(-1) / lengths
+        return batch
 
     def teacher(self, items: Sequence[Any], turns: Sequence[Sequence[str]]) -> RolloutBatch:
         """Rollouts whose model turns are given as text (tool-use demonstrations for supervised
@@ -279,12 +284,15 @@ class ToolRollout:
                 torch.manual_seed(seed)
             out = pol.model.generate(
                 **inputs, **sampling, max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True,
-                output_logits=True, eos_token_id=self.stop_ids, pad_token_id=pol.pad_id,
+                output_logits=not _scored_by_forward(rollout, greedy), eos_token_id=self.stop_ids, pad_token_id=pol.pad_id,
                 suppress_tokens=pol.banned_ids or None, **pol._stop_kwargs(getattr(rollout, "stop", None)),
             )
         new = out.sequences[:, width:]  # [A, t]
         temperature = 1.0 if greedy else rollout.temperature
-        logp, ent = pol.token_stats(out.logits, new, temperature)
+        if _scored_by_forward(rollout, greedy):  # run() scores the whole transcripts afterwards
+            logp = ent = torch.zeros(new.shape)
+        else:
+            logp, ent = pol.token_stats(out.logits, new, temperature)
         new, logp, ent = new.cpu(), logp.cpu(), ent.cpu()  # to the rows' Python lists: one copy each
         lengths = _turn_lengths(new, self.stop_ids, pol.pad_id)
         return ([new[j, :n].tolist() for j, n in enumerate(lengths)],
@@ -377,6 +385,12 @@ class ToolRollout:
             pixel[i, : len(p)] = p
             thw[i, : len(g)] = g
         return {"pixel_values": pixel, "image_grid_thw": thw}
+
+
+def _scored_by_forward(rollout, greedy: bool) -> bool:
+    """rollout.old_logprobs forward: log-probs from a teacher-forced pass, not generate's logits
+    (greedy evaluation needs none)."""
+    return not greedy and getattr(rollout, "old_logprobs", "generate") == "forward"
 
 
 def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int) -> list[int]:

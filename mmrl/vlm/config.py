@@ -135,16 +135,9 @@ class VLMRolloutConfig(RolloutConfig):
     returns, free but held whole (T x [N, V] float32: tens of GB at a 150k vocabulary and long
     completions). forward: a teacher-forced pass after generation, score_batch_size rows at a
     time, the same computation as training's (the on-policy ratio is exactly 1 in bf16 too), at
-    the cost of that pass. Single-turn rollouts only (not with tools)."""
+    the cost of that pass (a tool rollout's whole transcript, once it is complete)."""
     score_batch_size: int = Field(16, ge=1)
     """Rows per teacher-forced pass when old_logprobs is forward."""
-
-    @model_validator(mode="after")
-    def _forward_scoring_is_single_turn(self):
-        if self.old_logprobs == "forward" and self.tools is not None:
-            raise ValueError("old_logprobs: forward scores single-turn rollouts only; tool rollouts take "
-                             "their log-probs from generate (leave old_logprobs at generate)")
-        return self
 
 
 class AXPOResampleConfig(Section):

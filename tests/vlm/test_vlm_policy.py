@@ -4,6 +4,7 @@ built from configs (mmrl.vlm.tiny) and loaded through from_pretrained."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,8 +438,26 @@ def test_old_logprobs_from_a_forward_pass_instead_of_generates_logits(qwen25_dir
     torch.testing.assert_close(scored.data["stat/entropy"], base.data["stat/entropy"], atol=2e-4, rtol=1e-4)
     assert (scored.old_logp[~scored.mask] == 0).all()
 
-    with pytest.raises(ValueError, match="single-turn rollouts only"):
-        load_config(VLMTrainConfig, overrides=["rollout.old_logprobs=forward", "rollout.tools.names=[zoom]"])
+
+def test_tool_rollouts_scored_by_forward_over_their_whole_transcripts(tmp_path):
+    """rollout.old_logprobs=forward with tools (configs/vlm/axpo.yaml): the same transcripts,
+    the model's tokens scored teacher-forced once each rollout is complete (observations off
+    the mask), equal to the training forward's and to generate's up to rounding."""
+    root = Path(__file__).resolve().parents[2]
+    batches = {}
+    for how in ("generate", "forward"):
+        cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml", [
+            f"output_dir={tmp_path}", "rollout.max_new_tokens=80", f"rollout.old_logprobs={how}",
+            "rollout.score_batch_size=3"], defaults=backend.DEFAULT_CONFIG)
+        policy, task = backend.build(cfg)
+        batches[how] = policy.generate(task.train_prompts()[:2], 2, cfg.rollout, torch.Generator().manual_seed(0))
+    base, scored = batches["generate"], batches["forward"]
+    assert torch.equal(scored.data["completion_ids"], base.data["completion_ids"])
+    assert base.data["stat/tool_calls"].sum() > 0  # the rollouts did call the tool
+    with torch.no_grad():
+        assert torch.equal(scored.old_logp, policy.logprobs(scored))
+    torch.testing.assert_close(scored.old_logp, base.old_logp, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(scored.data["stat/entropy"], base.data["stat/entropy"], atol=2e-4, rtol=1e-4)
 
 
 def test_a_run_scoring_its_rollouts_by_forward_is_exactly_on_policy(tmp_path):
