@@ -404,13 +404,14 @@ def test_a_call_queued_behind_another_is_not_timed_from_its_submission(tmp_path)
     """Calls of 0.8 s each under a 1.2 s timeout, two per engine at a time: the second one's
     clock starts when the engine takes it (timed from its submission it would pass 1.6 s), so
     no engine is declared hung."""
-    cfg = config(tmp_path, "rollout.scheduler.timeout=1.2", "rollout.scheduler.engine_batch=4")
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.2", "rollout.scheduler.engine_batch=4",
+                 "rollout.prompts_per_step=4")
     engine = FakeEngine(SeededToy(), delay=0.8)
     sched, _ = scheduler(cfg, [engine])
     rnd, _ = sched.start_round(0, 4)
     groups = list(rnd)
     sched.close()
-    assert len(groups) == 8 and sched.workers[0].dead == "closed" and rnd.metrics["rollout/redispatched"] == 0
+    assert len(groups) == 4 and sched.workers[0].dead == "closed" and rnd.metrics["rollout/redispatched"] == 0
 
 
 def test_an_error_mid_round_stops_the_dispatcher_and_the_engine_threads(tmp_path, monkeypatch):

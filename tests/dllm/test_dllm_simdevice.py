@@ -32,7 +32,6 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "task.num_tr
          "logging.tensorboard=false", "logging.progress=false", "train.max_steps=2", "optim.lr=1e-2"]
 RUNS = {  # config file, overrides
     "diffu_grpo-kl": ("diffu_grpo", ["method.kl.beta=0.04"]),
-    "tracerl": ("tracerl", ["method.dynamic_sampling.enabled=false"]),
     # the length rule off: reward_spread's 0, 1, 0, 1 reach the update (no random answer ends)
     "slim_rl": ("slim_rl", ["method.accuracy_band=[0,1]", "method.length_limit_wrong=false"]),
     "fork_grpo": ("fork_grpo", ["rollout.temperature=1.5"]),
@@ -44,16 +43,12 @@ RUNS = {  # config file, overrides
                                               "rollout.eval_strategy=ar", "train.log_samples_every=1"]),
     "tracerl-minibatches": ("tracerl", ["method.dynamic_sampling.enabled=false", "train.mini_batches=2",
                                         "train.micro_batch_size=2", "method.merge_steps=1"]),
-    "sudoku": ("diffu_grpo", ["task.type=sudoku", "rollout.gen_length=20", "rollout.block_length=4",
-                              "rollout.steps=10"]),
-    "lora": ("diffu_grpo", ["model.lora.r=4", "model.lora.alpha=8"]),
     # a background engine thread with its own copy of the weights, published to it each step
     "pipelined": ("diffu_grpo", ["rollout.scheduler.mode=pipelined"]),
     "pipelined-lora-slim_rl": ("slim_rl", ["rollout.scheduler.mode=pipelined", "model.lora.r=4", "model.lora.alpha=8",
                                            "method.accuracy_band=[0,1]", "method.length_limit_wrong=false"]),
     # DAPO's dynamic sampling: groups whose rewards are alike dropped, the batch refilled
     "dynamic_sampling": ("tracerl", ["method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2"]),
-    "stop_at_eos": ("diffu_grpo", ["rollout.stop_at_eos=true"]),
     # the length rule on (it reads the device rollout's truncation): it may zero every reward
     "slim_rl-stop_at_eos": ("slim_rl", ["method.accuracy_band=[0,1]", "rollout.stop_at_eos=true"]),
 }
