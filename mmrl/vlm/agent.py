@@ -50,7 +50,7 @@ from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.device import fork_rng
-from mmrl.vlm.policy import _per_token, to_sample
+from mmrl.vlm.policy import _per_token, mean_over, scores_by_forward, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
 TOOL_FAILURES = ("raised", "timeout", "bad_result", "bad_image")  # the tool failed, not the model's call
@@ -126,10 +126,8 @@ class ToolRollout:
             if not r.done:  # out of turns in the middle of a tool exchange
                 r.truncated = r.done = True
         batch = self._batch(enc, items, rows, prompt)
-        if _scored_by_forward(rollout, greedy):  # the whole transcript, teacher-forced (VLMPolicy.score)
-            batch.old_logp, entropy = pol.score(batch, rollout.score_batch_size)
-            lengths = batch.mask.sum(-1).clamp(min=1)
-            batch.data["stat/entropy"] = (entropy * batch.mask).sum(-1) / lengths
+        if _scored_by_forward(rollout, greedy):  # the whole transcript, teacher-forced
+            pol.score_old_logprobs(batch, rollout.score_batch_size)
         return batch
 
     def teacher(self, items: Sequence[Any], turns: Sequence[Sequence[str]]) -> RolloutBatch:
@@ -348,7 +346,7 @@ class ToolRollout:
             "call_mask": call_mask,
             "first_call": first_call,
             "stat/length": lengths.float(),
-            "stat/entropy": (entropy * mask).sum(-1) / lengths.clamp(min=1),
+            "stat/entropy": mean_over(entropy, mask),
             "stat/truncated": torch.tensor([float(r.truncated) for r in rows]),
             "stat/tool_calls": torch.tensor([float(r.calls) for r in rows]),
             "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
@@ -390,7 +388,7 @@ class ToolRollout:
 def _scored_by_forward(rollout, greedy: bool) -> bool:
     """rollout.old_logprobs forward: log-probs from a teacher-forced pass, not generate's logits
     (greedy evaluation needs none)."""
-    return not greedy and getattr(rollout, "old_logprobs", "generate") == "forward"
+    return not greedy and scores_by_forward(rollout)
 
 
 def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int) -> list[int]:

@@ -42,6 +42,22 @@ from mmrl.core.rewards import Sample
 STATS_CHUNK = 2**26  # logits per chunk of VLMPolicy.token_stats: 256 MiB in float32
 
 
+def scores_by_forward(rollout) -> bool:
+    """rollout.old_logprobs forward: a rollout's log-probs come from a teacher-forced pass
+    (VLMPolicy.score_old_logprobs), not from generate's logits."""
+    return getattr(rollout, "old_logprobs", "generate") == "forward"
+
+
+def mean_over(x: Tensor, mask: Tensor) -> Tensor:
+    """[N, T] -> [N]: the mean of each row over its mask (0 for an empty one)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _entropy(logp_all: Tensor) -> Tensor:
+    """[..., V] log-probs -> [...] entropies (0 * -inf, a banned token, counts 0)."""
+    return -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
+
+
 class PromptTooLong(ConfigError):
     """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
     ValueError) because it is the user's data or settings: the CLI prints it without a
@@ -189,7 +205,7 @@ class VLMPolicy:
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         inputs = self._shared_image_inputs(inputs, prompt_rows)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # the CPU generator: same draws anywhere
-        forward = getattr(rollout, "old_logprobs", "generate") == "forward"  # else from generate's logits
+        forward = scores_by_forward(rollout)  # else the log-probs come from generate's logits
         with fork_rng(self.model), torch.no_grad():
             torch.manual_seed(seed)  # generate draws from the global RNG (the model's GPU's too): pin it to ours
             out = self.model.generate(
@@ -200,14 +216,14 @@ class VLMPolicy:
             )
         p = inputs["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
-        if forward:  # scored below, once the batch exists
+        if forward:  # rescored below, once the batch exists
             old_logp = entropy = torch.zeros(completion.shape, device=completion.device)
         else:
             old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
         mask = self.completion_mask(completion)
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
-        entropy = (entropy * mask).sum(-1) / lengths.clamp(min=1)
+        entropy = mean_over(entropy, mask)
         present = mask
         if any(fixed):  # the prefix goes in front: in the completion and its attention, not the loss
             completion = _prepend(fixed, completion, lambda f: f, self.pad_id)
@@ -231,17 +247,16 @@ class VLMPolicy:
             },
         )
         if forward:
-            logp, entropy = self.score(batch, rollout.score_batch_size)
-            batch.old_logp = logp
-            batch.data["stat/entropy"] = (entropy * batch.mask).sum(-1) / lengths.clamp(min=1)
+            self.score_old_logprobs(batch, rollout.score_batch_size)
         return batch
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, rows: int) -> tuple[Tensor, Tensor]:
-        """[N, T] log-probs (0 off the mask) and entropies of the completion tokens under the
-        current weights, teacher-forced as in training, `rows` samples per pass."""
+    def score_old_logprobs(self, batch: RolloutBatch, rows: int) -> None:
+        """batch.old_logp and its "stat/entropy" from the current weights, teacher-forced as in
+        training, `rows` samples per pass (rollout.old_logprobs forward)."""
         parts = [self.logprobs(batch.select(idx), entropy=True) for idx in torch.arange(len(batch)).split(rows)]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        batch.old_logp = torch.cat([p[0] for p in parts])
+        batch.data["stat/entropy"] = mean_over(torch.cat([p[1] for p in parts]), batch.mask)
 
     def teacher_batch(self, items: Sequence[Any], completions: Sequence[str]) -> RolloutBatch:
         """A batch of given completions (each followed by end-of-turn), for supervised
@@ -311,7 +326,7 @@ class VLMPolicy:
             logits = self._ban(torch.stack([s[r:r + rows] for s in step_logits], dim=1).float()) / temperature
             logp_all = logits.log_softmax(-1)  # [rows, T, V]
             logps.append(logp_all.gather(-1, tokens[r:r + rows].unsqueeze(-1)).squeeze(-1))
-            entropies.append(-(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1))  # 0 * -inf -> 0
+            entropies.append(_entropy(logp_all))
         if not logps:
             empty = torch.zeros((0, t), device=tokens.device)
             return empty, empty
@@ -409,7 +424,7 @@ class VLMPolicy:
         logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
         if not entropy:
             return logp
-        return logp, -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)  # 0 * -inf -> 0
+        return logp, _entropy(logp_all)
 
     def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
         """The model's image inputs for n rows. The G samples of a group carry the same images,
