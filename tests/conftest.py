@@ -28,3 +28,21 @@ def reward_spread(monkeypatch):
         return scores
 
     monkeypatch.setattr(Reward, "score", spread)
+
+
+@pytest.fixture
+def dllm_builds(monkeypatch):
+    """Every (policy, CPU copy of its starting weights) that dllm_rl.backend.build makes during
+    the test (the CLI's builds too), kept for inspection."""
+    from dllm_rl import backend
+
+    out = []
+    original = backend.build
+
+    def keep(cfg):
+        policy, task = original(cfg)
+        out.append((policy, {k: v.detach().cpu().clone() for k, v in policy.model.named_parameters()}))
+        return policy, task
+
+    monkeypatch.setattr(backend, "build", keep)
+    return out

@@ -163,19 +163,11 @@ def _invoke(*args):
 # the checkpoint's load_state_dict copies into the device's parameters; torch warns of a no-op
 # only because they say "meta"
 @pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
-def test_eval_with_pass_at_k_and_sample_on_the_device(simulated, tiny_dllm, tmp_path, reward_spread, monkeypatch):
+def test_eval_with_pass_at_k_and_sample_on_the_device(simulated, tiny_dllm, tmp_path, reward_spread, dllm_builds):
     """`dllm-rl train` then `eval --checkpoint` (weights loaded into the device's parameters,
     greedy and 4 sampled answers per problem) and `sample`, the model on the device."""
     sets = [a for kv in (f"model.path={tiny_dllm}", *SMALL, "train.max_steps=1") for a in ("--set", kv)]
-    built = []
-    original = backend.build
-
-    def keep(cfg):
-        policy, task = original(cfg)
-        built.append((policy, {k: v.detach().cpu().clone() for k, v in policy.model.named_parameters()}))
-        return policy, task
-
-    monkeypatch.setattr(backend, "build", keep)
+    built = dllm_builds
     run = tmp_path / "run"
     _invoke("train", "--output-dir", run, *sets)
     (metrics,) = _invoke("eval", "--checkpoint", run, *sets, "--set", "rollout.eval_samples=4",

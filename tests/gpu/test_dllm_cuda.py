@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 if not torch.cuda.is_available():
     pytest.skip("the dLLM CUDA tests need a CUDA GPU", allow_module_level=True)
 
-from dllm_rl import backend
 from dllm_rl.cli import app
 
 pytestmark = pytest.mark.gpu
@@ -46,26 +45,11 @@ def finite_numbers(row: dict) -> bool:
     return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
 
 
-@pytest.fixture
-def built(monkeypatch):
-    """The policies the CLI builds, kept for inspection, each with a CPU copy of its starting weights."""
-    out = []
-    original = backend.build
-
-    def keep(cfg):
-        policy, task = original(cfg)
-        out.append((policy, {k: v.detach().cpu().clone() for k, v in policy.model.named_parameters()}))
-        return policy, task
-
-    monkeypatch.setattr(backend, "build", keep)
-    return out
-
-
 @pytest.mark.parametrize("method", list(METHODS))
-def test_train_on_the_gpu_moves_every_parameter_there(method, built, reward_spread, tmp_path):
+def test_train_on_the_gpu_moves_every_parameter_there(method, dllm_builds, reward_spread, tmp_path):
     run = tmp_path / method
     invoke("train", "--max-steps", 2, "--output-dir", run, sets=METHODS[method])
-    ((policy, start),) = built
+    ((policy, start),) = dllm_builds
     params = dict(policy.model.named_parameters())
     assert {p.device.type for p in params.values()} == {"cuda"}
     assert next(policy.reference().model.parameters()).device.type == "cuda"  # a deepcopy stays there
@@ -79,12 +63,12 @@ def test_train_on_the_gpu_moves_every_parameter_there(method, built, reward_spre
         assert finite_numbers(summary[key]) and 0 <= summary[key]["accuracy"] <= 1
 
 
-def test_eval_of_a_checkpoint_on_the_gpu(built, tmp_path):
+def test_eval_of_a_checkpoint_on_the_gpu(dllm_builds, tmp_path):
     run = tmp_path / "run"
     invoke("train", "--max-steps", 1, "--output-dir", run)
     r = invoke("eval", "--checkpoint", run, sets=["rollout.eval_samples=4", f"output_dir={tmp_path / 'e'}"])
     (metrics,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    policy, _ = built[-1]
+    policy, _ = dllm_builds[-1]
     assert next(policy.model.parameters()).device.type == "cuda"
     assert finite_numbers(metrics) and 0 <= metrics["accuracy"] <= 1 and metrics["nfe"] == 8
     passes = [metrics[f"pass@{k}"] for k in range(1, 5)]
