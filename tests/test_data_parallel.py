@@ -16,7 +16,7 @@ from mmrl.core.advantages import atom_advantages, batch_across, group_advantages
 from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.trainer import Trainer
 
-AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "bfloat16"]
 
 
 def global_batch(trainer: Trainer):
@@ -29,12 +29,23 @@ def global_batch(trainer: Trainer):
 
 
 def make(tmp, aggregation, micro):
-    overrides = [f"output_dir={tmp}", f"method.loss.aggregation={aggregation}", "train.mini_batches=1",
-                 "optim.max_grad_norm=null"]
+    """`aggregation` "bfloat16" is token_mean on bfloat16 weights (float32 master weights)."""
+    bf16 = aggregation == "bfloat16"
+    overrides = [f"output_dir={tmp}", f"method.loss.aggregation={'token_mean' if bf16 else aggregation}",
+                 "train.mini_batches=1", "optim.max_grad_norm=null"]
     if micro:
         overrides.append(f"train.micro_batch_size={micro}")
     cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=overrides)
-    return Trainer(cfg, *toy.build(cfg))
+    policy, task = toy.build(cfg)
+    if bf16:
+        policy.model.to(torch.bfloat16)
+    return Trainer(cfg, policy, task)
+
+
+def trained(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The model's weights, and the float32 master weights where there are some."""
+    state = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    return state | {f"master.{i}": m.detach().clone() for i, m in enumerate(trainer.opt_params)}
 
 
 def _rank(rank, port, tmp, out):
@@ -48,8 +59,7 @@ def _rank(rank, port, tmp, out):
             batch = global_batch(trainer)
             mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
             trainer.update(batch.select(mine))
-            torch.save({k: v.clone() for k, v in trainer.policy.model.state_dict().items()},
-                       f"{out}.{aggregation}.{rank}")
+            torch.save(trained(trainer), f"{out}.{aggregation}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -105,12 +115,14 @@ def free_port() -> int:
 def test_two_processes_update_like_one(tmp_path):
     expected = {}
     for aggregation in AGGREGATIONS:
-        one = make(tmp_path / "one" / aggregation, aggregation, micro=None)
-        start = {k: v.clone() for k, v in one.policy.model.state_dict().items()}
+        # bfloat16 forwards round by the rows batched together, and Adam's first step is lr * sign(g)
+        # wherever |g| >> eps, so one process takes the ranks' micro-batches of 4 (half a group)
+        one = make(tmp_path / "one" / aggregation, aggregation, micro=4 if aggregation == "bfloat16" else None)
+        start = trained(one)
         batch = global_batch(one)
         assert batch.advantages.abs().sum() > 0  # a real update, not a no-op
         one.update(batch)
-        expected[aggregation] = one.policy.model.state_dict()
+        expected[aggregation] = trained(one)
         assert any(not torch.equal(v, start[k]) for k, v in expected[aggregation].items()), aggregation
 
     out = str(tmp_path / "weights")

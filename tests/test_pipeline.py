@@ -114,19 +114,29 @@ def test_groups_reach_the_trainer_while_later_ones_are_still_rolling_out(tmp_pat
     assert calls_when_first_arrived < 4 and len(rest) == 7
 
 
-def test_pipelined_and_sync_make_the_same_updates_for_the_same_samples(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipelined_and_sync_make_the_same_updates_for_the_same_samples(tmp_path, dtype):
+    """In bfloat16 (float32 master weights) both take one group per micro-batch, since a bfloat16
+    forward rounds by the rows batched together, and one step: the float32 sums of the two paths
+    differ in their last bits, and a bfloat16 weight that rounds the other way changes the next
+    step's samples."""
     runs = {}
+    micro = ["train.micro_batch_size=8"] if dtype == "bfloat16" else []
     for mode in ("sync", "pipelined"):
         cfg = config(tmp_path / mode, f"rollout.scheduler.mode={mode}", "train.mini_batches=1",
-                     "train.max_steps=3", "method.loss.aggregation=token_mean")
+                     f"train.max_steps={1 if micro else 3}", "method.loss.aggregation=token_mean", *micro)
         policy, task = SeededToy(), toy.ToyTask()
+        policy.model.to(getattr(torch, dtype))
         trainer = Trainer(cfg, policy, task)
         trainer.train()
         runs[mode] = (trainer, read_metrics(tmp_path / mode / "run" / "metrics.jsonl"))
     (sync, m_sync), (pipe, m_pipe) = runs["sync"], runs["pipelined"]
     assert type(pipe.scheduler) is PipelinedScheduler and type(sync.scheduler) is not PipelinedScheduler
+    assert sync.master.active == pipe.master.active == (dtype == "bfloat16")
     for (k, a), b in zip(sync.policy.model.state_dict().items(), pipe.policy.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in zip(sync.opt_params, pipe.opt_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert [r["reward/total"] for r in m_sync] == [r["reward/total"] for r in m_pipe]
     assert all(r["rollout/staleness"] == 0 for r in m_pipe)
     assert all(r["train/updates"] == 1 for r in m_pipe)

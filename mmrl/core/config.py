@@ -267,6 +267,11 @@ class OptimConfig(Section):
     """Clip the global gradient norm to this; None = no clipping."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
+    master_weights: bool = True
+    """Trainable parameters stored below float32 (model.dtype bfloat16) get a float32 copy that
+    the optimizer steps and gradients accumulate into; the model holds its rounding. Without
+    it most updates at a fine-tuning lr round away in bfloat16. Costs 4 bytes per such
+    parameter; float32 parameters and LoRA adapters need none. mmrl.core.master."""
 
     @model_validator(mode="after")
     def _betas_in_range(self):

@@ -56,6 +56,7 @@ from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
+from mmrl.core.master import MasterWeights
 from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
@@ -140,8 +141,11 @@ class Trainer:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
         self.ema = self.method.weight_average(self.params)  # e.g. Flow-GRPO's EMA; usually None
         oc = cfg.optim
+        self.master = MasterWeights(self.params) if oc.master_weights else None
+        # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
+        self.opt_params = self.master.masters if self.master is not None else self.params
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
+            self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
         )
         updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
@@ -388,7 +392,7 @@ class Trainer:
 
     def _finish_minibatch(self, acc: dict, sums: dict, tally: dict) -> None:
         denom = max(acc["denom"], 1e-12)
-        for p in self.params:
+        for p in self.opt_params:
             if p.grad is not None:
                 p.grad.div_(denom)
         self._optimizer_step(acc["loss"] / denom, sums, tally)
@@ -397,14 +401,17 @@ class Trainer:
 
     def _optimizer_step(self, loss_value: float, sums: dict, tally: dict) -> None:
         """Sum gradients over processes, clip, and step unless the loss or gradient is not finite."""
-        distributed.sum_gradients(self.params)
+        distributed.sum_gradients(self.opt_params)
         loss_value = distributed.sum_scalar(loss_value)  # every rank decides alike
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm or float("inf")))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.opt_params,
+                                                         self.cfg.optim.max_grad_norm or float("inf")))
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             tally["bad"] += 1
             return
         self.optimizer.step()
+        if self.master is not None:
+            self.master.push()
         crash_point("update", self.step + 1)
         self.lr_scheduler.step()
         if self.ema is not None:
@@ -493,7 +500,7 @@ class Trainer:
             "method": self.method.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
-        tensors = {**opt_tensors, **rng_tensors}
+        tensors = {**opt_tensors, **rng_tensors, **(self.master.state_dict() if self.master is not None else {})}
         write_model = self.policy.save_pretrained
         if self.ema is not None:  # model/ holds the average; the raw weights go here, for --resume
             ema_tensors, state["ema"] = self.ema.state_dict()
@@ -515,6 +522,9 @@ class Trainer:
         # The KL reference stays as built in __init__: the starting weights, not the checkpoint's.
         self.policy.load_weights(path / "model")
         self._load_averaged(path, tensors, state)
+        if self.master is not None:  # the float32 copies as saved; else the loaded weights
+            self.master.pull()
+            self.master.load_state_dict(tensors)
         ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._apply_optim_config()

@@ -1,0 +1,91 @@
+"""Float32 master weights for bfloat16 parameters (mmrl.core.master, optim.master_weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import toy
+
+from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.master import MasterWeights
+from mmrl.core.trainer import Trainer
+
+
+def make_bf16(tmp_path, *overrides, name="run"):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / name}", "optim.max_grad_norm=null", *overrides])
+    policy, task = toy.build(cfg)
+    policy.model.to(torch.bfloat16)
+    return Trainer(cfg, policy, task)
+
+
+def test_gradients_accumulate_in_the_float32_copy_and_leave_the_model():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = MasterWeights(list(layer.parameters()))
+    assert master.active and all(m.dtype == torch.float32 for m in master.masters)
+    xs = [torch.randn(5, 4).to(torch.bfloat16) for _ in range(2)]
+    expected = [torch.zeros_like(m) for m in master.masters]
+    for x in xs:  # each backward's bfloat16 gradient, as autograd makes it without the hook
+        ref = torch.nn.Linear(4, 3).to(torch.bfloat16)
+        ref.load_state_dict(layer.state_dict())
+        ref(x).square().sum().backward()
+        for e, p in zip(expected, ref.parameters()):
+            e += p.grad.float()
+    for x in xs:
+        layer(x).square().sum().backward()
+    assert all(p.grad is None for p in layer.parameters())
+    for m, e in zip(master.masters, expected):
+        assert torch.equal(m.grad, e)
+
+
+def test_float32_parameters_are_their_own_master(tmp_path):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    assert not trainer.master.active
+    assert all(m is p for m, p in zip(trainer.opt_params, trainer.params))
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("lr", [1e-6])
+def test_a_fine_tuning_step_in_bfloat16_moves_every_master_weight_by_lr(tmp_path, lr):
+    """Adam's first step is -lr * g / (|g| + eps): in float32 copies every weight with a
+    gradient moves by lr; in the bfloat16 weights themselves almost none can."""
+    runs = {}
+    for master in (True, False):
+        trainer = make_bf16(tmp_path, f"optim.lr={lr}", f"optim.master_weights={master}", name=str(master))
+        start = [p.detach().float().clone() for p in trainer.params]
+        batch, _ = trainer.scheduler.next_groups(version=0)
+        grads = []
+        step = trainer.optimizer.step
+
+        def recording(*a, _step=step, _t=trainer, **kw):
+            grads.extend(p.grad.clone() if p.grad is not None else None for p in _t.opt_params)
+            return _step(*a, **kw)
+
+        trainer.optimizer.step = recording
+        trainer.update(batch)
+        runs[master] = trainer, start, grads
+    trainer, start, grads = runs[True]
+    for p, m, s, g in zip(trainer.params, trainer.opt_params, start, grads):
+        live = g.abs() > 1e-5  # where eps does not shrink the step (unused embedding rows have none)
+        torch.testing.assert_close((m.detach() - s)[live], -lr * g.sign()[live], rtol=0.02,
+                                   atol=float(s.abs().max()) * 2**-23)  # float32 spacing of the weights
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))  # the model holds the rounding
+    moved = [sum(int((p.detach().float() != s).sum()) for p, s in zip(t.opt_params, st)) / sum(s.numel() for s in st)
+             for t, st, _ in (runs[True], runs[False])]
+    assert moved[0] > 0.5 and moved[1] < 0.2, moved
+
+
+def test_bfloat16_resume_2_plus_2_equals_4_steps_with_the_masters(tmp_path):
+    full = make_bf16(tmp_path, "train.max_steps=4", "optim.lr=1e-4", name="full")
+    full.train()
+    first = make_bf16(tmp_path, "train.max_steps=2", "optim.lr=1e-4", name="split")
+    first.train()
+    second = make_bf16(tmp_path, "train.max_steps=4", "optim.lr=1e-4", name="split")
+    second.train(resume=True)
+    assert full.master.active
+    for a, b in zip(full.opt_params, second.opt_params):
+        assert torch.equal(a, b)
+    for a, b in zip(full.params, second.params):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
