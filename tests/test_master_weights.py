@@ -59,8 +59,8 @@ def test_a_fine_tuning_step_in_bfloat16_moves_every_master_weight_by_lr(tmp_path
         grads = []
         step = trainer.optimizer.step
 
-        def recording(*a, _step=step, _t=trainer, **kw):
-            grads.extend(p.grad.clone() if p.grad is not None else None for p in _t.opt_params)
+        def recording(*a, _step=step, _t=trainer, _grads=grads, **kw):
+            _grads.extend(p.grad.clone() if p.grad is not None else None for p in _t.opt_params)
             return _step(*a, **kw)
 
         trainer.optimizer.step = recording
