@@ -268,3 +268,53 @@ def test_collectives_of_a_nccl_group_run_on_the_ranks_gpu(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert distributed._device() == torch.device("cuda", 3)
+
+
+def _zero_rank(rank, port, tmp, out):
+    """Three runs of 3 steps on two ranks: AdamW whole on each rank, AdamW sharded (ZeRO stage 1),
+    and the sharded one stopped after step 2 and resumed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        record = {}
+        for name, shard, steps, resume in (("whole", False, 3, False), ("sharded", True, 3, False),
+                                           ("resumed", True, 2, False), ("resumed", True, 3, True),
+                                           ("whole-bf16", False, 2, False), ("sharded-bf16", True, 2, False)):
+            cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+                f"output_dir={tmp}/{name}", f"train.max_steps={steps}", "train.save_every=1",
+                f"optim.shard_state={shard}", "optim.weight_decay=0.01", "logging.tensorboard=false"])
+            policy, task = toy.build(cfg)
+            if name.endswith("bf16"):  # the shares step float32 master weights
+                policy.model.to(torch.bfloat16)
+            trainer = Trainer(cfg, policy, task)
+            trainer.train(resume=resume)
+            moments = [t for s in getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()
+                       for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+            record[name] = {"weights": trained(trainer), "moments": sum(t.numel() for t in moments)}
+        torch.save(record, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank(tmp_path):
+    from mmrl.core.checkpoint import load_checkpoint, step_dir
+
+    out = str(tmp_path / "record")
+    mp.spawn(_zero_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    whole = ranks[0]["whole"]["weights"]
+    for r in ranks:
+        for name in ("sharded", "resumed"):
+            for k, v in whole.items():
+                assert torch.equal(r[name]["weights"][k], v), (name, k)
+        for k, v in ranks[0]["whole-bf16"]["weights"].items():
+            assert torch.equal(r["sharded-bf16"]["weights"][k], v), k
+    params = sum(v.numel() for k, v in whole.items() if k.startswith("master."))
+    assert ranks[0]["whole"]["moments"] == ranks[1]["whole"]["moments"] == 2 * params  # exp_avg, exp_avg_sq
+    shares = [r["sharded"]["moments"] for r in ranks]
+    assert sum(shares) == 2 * params and max(shares) < 0.6 * 2 * params, shares
+    # the main rank writes the whole state: the checkpoint is the unsharded run's, tensor for tensor
+    a, b = (load_checkpoint(step_dir(tmp_path / name / "checkpoints", 3))[0] for name in ("whole", "sharded"))
+    optim = sorted(k for k in a if k.startswith("optim."))
+    assert optim and optim == sorted(k for k in b if k.startswith("optim."))
+    assert all(torch.equal(a[k], b[k]) for k in optim)

@@ -272,6 +272,11 @@ class OptimConfig(Section):
     the optimizer steps and gradients accumulate into; the model holds its rounding. Without
     it most updates at a fine-tuning lr round away in bfloat16. Costs 4 bytes per such
     parameter; float32 parameters and LoRA adapters need none. mmrl.core.master."""
+    shard_state: bool = False
+    """Data parallel only: each process keeps AdamW's moments for its own share of the
+    parameters, steps that share and broadcasts it (ZeRO stage 1). The same update; the moments
+    per process are about 1 / processes of them, for one broadcast of the weights per optimizer
+    step. No effect in one process."""
 
     @model_validator(mode="after")
     def _betas_in_range(self):

@@ -53,6 +53,25 @@ def is_main() -> bool:
     return rank() == 0
 
 
+
+def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard: bool = False):
+    """AdamW over `params`. With `shard` and several processes, ZeRO stage 1: each rank keeps
+    the moments of its own share of the parameters, steps that share and broadcasts it, so the
+    update is the same and the optimizer state per rank is about 1 / world of it."""
+    kw = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    if shard and world_size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+def gather_optimizer_state(optimizer) -> None:
+    """Every rank: a sharded optimizer's shares go to the main rank, whose state_dict() is then
+    the whole state (a collective; a no-op for an unsharded optimizer)."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)
+
 def _device() -> torch.device:
     """Where collectives run: a process group on NCCL alone reduces CUDA tensors only (accelerate's
     --multi_gpu starts one), so the small tensors of these helpers go to this rank's GPU there."""

@@ -144,9 +144,8 @@ class Trainer:
         self.master = MasterWeights(self.params) if oc.master_weights else None
         # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
         self.opt_params = self.master.masters if self.master is not None else self.params
-        self.optimizer = torch.optim.AdamW(
-            self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
-        )
+        self.optimizer = distributed.adamw(self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
+                                           weight_decay=oc.weight_decay, shard=oc.shard_state)
         updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
@@ -480,6 +479,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path | None:
+        distributed.gather_optimizer_state(self.optimizer)  # every rank, before the main one writes
         if not distributed.is_main():  # ranks hold identical state: the main one writes it
             self.saved_step = self.step
             return None
