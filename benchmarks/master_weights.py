@@ -69,8 +69,8 @@ def main() -> None:
         rows = {arm: run(name, over, args.lr, n, args.seed, args.set) for arm, over in ARMS.items()}
         base = rows["float32"]["optimizer_displacement"]
         for arm, r in rows.items():
-            r = {k: round(v, 5) for k, v in r.items()}
             ratio = round(r["optimizer_displacement"] / base, 3)
+            r = {k: float(f"{v:.4g}") for k, v in r.items()}
             print(json.dumps({"backend": name, "arm": arm, "lr": args.lr, "steps": n, **r,
                               "optimizer_displacement_vs_float32": ratio}), flush=True)
 

@@ -249,7 +249,10 @@ class RewardConfig(Section):
     atoms: list[str | dict[str, Any]] = Field(default_factory=list)
     """Extra reward atoms beside the task's, each "path/to/file.py:function" or
     {path, weight, name, parents}; parents may name the task's atoms (gate a partial-credit
-    atom on the task's format atom). Relative paths start at the config file's directory."""
+    atom on the task's format atom). Or a learned reward model scoring the text, {reward_model:
+    DIR, weight, name, parents, device, batch_size, max_length, dtype, template}
+    (mmrl.core.reward_models; device defaults to model.device). Relative paths start at the
+    config file's directory."""
     on_error: Literal["raise", "zero"] = "raise"
     """An atom that raises or returns NaN: stop with an error naming it ("raise"), or
     score it 0 and count it in reward/errors ("zero")."""

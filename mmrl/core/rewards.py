@@ -579,11 +579,13 @@ async def _gather(aws: list) -> list:
 _module_counter = itertools.count()
 
 
-def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = None) -> list[RewardAtom]:
+def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = None,
+               device: str | None = None) -> list[RewardAtom]:
     """The atoms of a list of specs, each "file.py:fn" or a dict
     {"path": "file.py:fn", "weight": w, "name": new_name, "parents": [names]}
-    (all but "path" optional; given fields override the loaded atom's). Parents are not
-    checked here: they may name atoms of the Reward these are added to (a task's)."""
+    (all but "path" optional; given fields override the loaded atom's), or a learned reward
+    model {"reward_model": DIR, ...} (mmrl.core.reward_models; `device` is its default).
+    Parents are not checked here: they may name atoms of the Reward these are added to (a task's)."""
     if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
         raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")  # noqa: TRY004
     modules: dict[Path, Any] = {}  # import each file once, even for several atoms
@@ -592,9 +594,14 @@ def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = Non
         if isinstance(item, str):
             atoms.append(_load_atom(item, base_dir, modules))
             continue
+        if isinstance(item, Mapping) and "reward_model" in item:
+            from mmrl.core.reward_models import atom_from_spec  # transformers, only when asked for
+
+            atoms.append(atom_from_spec(item, i, base_dir, device))
+            continue
         if not isinstance(item, Mapping) or "path" not in item:
             raise ValueError(
-                f"reward spec {i} must be 'file.py:fn' or a dict with a 'path', got {item!r}"
+                f"reward spec {i} must be 'file.py:fn' or a dict with a 'path' or a 'reward_model', got {item!r}"
             )
         unknown = set(item) - {"path", "weight", "name", "parents"}
         if unknown:

@@ -643,7 +643,7 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
     atoms = list(task_reward.atoms)
     if rc.atoms:
         try:
-            extra = load_atoms(rc.atoms, base_dir=cfg.base_dir)
+            extra = load_atoms(rc.atoms, base_dir=cfg.base_dir, device=cfg.model.device)  # a reward model's default
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
         for a in extra:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mmrl.core.reward_models import load_sequence_classifier, sequence_classifier_config, text_limit
 from mmrl.core.rewards import RewardAtom, Sample
 from mmrl.vlm.models import resolve_model_path
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
@@ -150,15 +151,12 @@ class ConsistencyModel:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        limits = [getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length]
-        self.max_length = min([int(n) for n in limits if n is not None and n < 1e9] or [512])
+        self.max_length = text_limit(model, tokenizer)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> ConsistencyModel:
         """Load a local AutoModelForSequenceClassification directory with its tokenizer
         (relative paths resolve from the working directory, then the repository)."""
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
         if not path:
             raise ValueError("consistency model: a path is needed")
         where = resolve_model_path(str(path))
@@ -167,13 +165,9 @@ class ConsistencyModel:
                 f"consistency model {str(path)!r}: no config.json in {str(where)!r} (build the "
                 "bundled one with `python scripts/train_consistency_model.py`)"
             )
-        config = AutoConfig.from_pretrained(where)
-        archs = config.architectures or []
-        if not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise ValueError(f"consistency model {str(path)!r} is not a sequence classifier (architectures: {archs})")
+        config = sequence_classifier_config(where, f"consistency model {str(path)!r} at")
         _consistent_index(config, f"consistency model {str(path)!r}")  # before loading anything
-        model = AutoModelForSequenceClassification.from_pretrained(where, config=config, use_safetensors=True)
-        return cls(model, AutoTokenizer.from_pretrained(where), device)
+        return cls(*load_sequence_classifier(where, config), device)
 
     @torch.no_grad()
     def prob(self, premises: Sequence[str], hypotheses: Sequence[str], batch_size: int = 64) -> Tensor:

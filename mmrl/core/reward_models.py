@@ -1,0 +1,146 @@
+"""Learned reward models as reward atoms: a local sequence classifier scores each text sample.
+
+The RLHF reward of TRL's and verl's recipes, for the text backends (the VLM's question and
+answer, the dLLM's problem and answer; images are not shown to it). A reward model is any
+transformers `AutoModelForSequenceClassification` directory with one output (num_labels 1:
+the score is that logit), loaded with from_pretrained from local files. In a config:
+
+    reward:
+      atoms:
+        - {reward_model: models/my-rm, weight: 0.5, name: rm, batch_size: 16}
+
+What it reads: the sample's prompt and completion as a user turn and an assistant turn of
+the reward model's chat template, when its tokenizer has one (reward models are trained on
+conversations), else `template` ("{prompt}\\n{completion}" by default). A text longer than
+`max_length` (default: the model's limit) keeps its end, where the answer is, and a warning
+counts such texts once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.core.device import model_device
+from mmrl.core.rewards import RewardAtom, Sample
+
+DTYPES = {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPEC_KEYS = ("reward_model", "name", "weight", "parents", "device", "batch_size", "max_length", "dtype", "template")
+
+
+def sequence_classifier_config(path: str | Path, what: str):
+    """The config of a local AutoModelForSequenceClassification directory, checked before any
+    weights load (ValueError naming `what`)."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{what} {str(path)!r}: no config.json there (a from_pretrained directory is needed)")
+    config = AutoConfig.from_pretrained(path)
+    archs = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{what} {str(path)!r} is not a sequence classifier (architectures: {archs})")
+    return config
+
+
+def load_sequence_classifier(path: str | Path, config, dtype: torch.dtype = torch.float32):
+    """(model in eval mode, tokenizer) of a directory whose `config` was checked."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                               use_safetensors=True)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def text_limit(model, tokenizer) -> int:
+    """The longest input the model takes: its position limit or the tokenizer's, else 512."""
+    limits = [getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length]
+    return min([int(n) for n in limits if n is not None and n < 1e9] or [512])
+
+
+class RewardModel:
+    """Scores text samples with a one-output sequence classifier (see the module docstring)."""
+
+    def __init__(self, path: str | Path, *, device: str = "cpu", batch_size: int = 16,
+                 max_length: int | None = None, dtype: str | None = None, template: str | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if template is not None and not ("{prompt}" in template and "{completion}" in template):
+            raise ValueError(f"template must contain {{prompt}} and {{completion}}, got {template!r}")
+        self.path = str(path)
+        config = sequence_classifier_config(path, "reward model")
+        if config.num_labels != 1:
+            raise ValueError(f"reward model {self.path!r} has {config.num_labels} outputs; a reward "
+                             "model has one (num_labels 1), whose logit is the score")
+        model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
+        if self.tokenizer.pad_token is None:  # batches need one; the classifier reads the last real token
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = model_device(device)
+        self.model = model.to(self.device)
+        self.max_length = max_length or text_limit(model, self.tokenizer)
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length!r}")
+        self.tokenizer.truncation_side = "left"  # keep the completion's end
+        self.template = template
+        self.batch_size = batch_size
+        self.warned = False
+
+    def text(self, sample: Sample) -> str:
+        if not isinstance(sample.prompt, str) or not isinstance(sample.completion, str):
+            raise TypeError("a reward model scores text: the sample's prompt and completion must be "
+                            f"strings, got {type(sample.prompt).__name__} and {type(sample.completion).__name__}")
+        if self.template is None and self.tokenizer.chat_template:
+            turns = [{"role": "user", "content": sample.prompt},
+                     {"role": "assistant", "content": sample.completion}]
+            return self.tokenizer.apply_chat_template(turns, tokenize=False)
+        return (self.template or "{prompt}\n{completion}").format(prompt=sample.prompt,
+                                                                   completion=sample.completion)
+
+    @torch.no_grad()
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        texts = [self.text(s) for s in samples]
+        out, cut = [], 0
+        for i in range(0, len(texts), self.batch_size):
+            chunk = texts[i: i + self.batch_size]
+            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
+                                 return_tensors="pt")
+            cut += sum(len(ids) > self.max_length for ids in self.tokenizer(chunk)["input_ids"])  # to warn
+            enc = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+            out += self.model(**enc).logits[:, 0].float().cpu().tolist()
+        if cut and not self.warned:
+            warnings.warn(f"reward model {self.path!r}: {cut} of {len(texts)} texts were longer than "
+                          f"max_length {self.max_length} and lost their beginning (warned once)", stacklevel=2)
+            self.warned = True
+        return out
+
+
+def reward_model_atom(path: str | Path, *, name: str = "reward_model", weight: float = 1.0,
+                      parents: Sequence[str] | str = (), **kwargs: Any) -> RewardAtom:
+    """A batched atom scoring each sample with the reward model in `path` (RewardModel's
+    keyword arguments: device, batch_size, max_length, dtype, template)."""
+    scorer = RewardModel(path, **kwargs)
+    return RewardAtom(name, scorer, weight=weight, parents=parents, batched=True)
+
+
+def atom_from_spec(spec: Mapping, index: int, base_dir: str | Path | None, device: str | None) -> RewardAtom:
+    """A `reward.atoms` entry {reward_model: DIR, ...}; a relative DIR resolves against base_dir
+    (the config's directory), and `device` is the default where the entry names none."""
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"reward spec {index} ({spec['reward_model']}): unknown keys {unknown} "
+                         f"(allowed: {', '.join(SPEC_KEYS)})")
+    path = Path(str(spec["reward_model"])).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir if base_dir is not None else Path.cwd()) / path
+    kwargs = {k: spec[k] for k in SPEC_KEYS[1:] if k in spec}
+    kwargs.setdefault("device", device or "cpu")
+    try:
+        return reward_model_atom(path, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"reward spec {index} ({spec['reward_model']}): {e}") from e

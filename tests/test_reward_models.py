@@ -1,0 +1,141 @@
+"""Learned reward models as atoms (mmrl.core.reward_models): tiny sequence classifiers built
+here with the bundled tokenizers, saved and loaded through from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+from mmrl.core.reward_models import RewardModel, reward_model_atom
+from mmrl.core.rewards import Reward, Sample, load_atoms
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def build_rm(out, chat=False, num_labels=1, seed=0):
+    """A random 2-layer Llama reward model with the bundled VLM's tokenizer (byte-level BPE),
+    without its chat template unless `chat`."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-qwen2.5-vl")
+    if not chat:
+        tok.chat_template = None
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_labels=num_labels, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+SAMPLES = [Sample("12+7=", "19", {"answer": "19"}), Sample("3*4=", "12", {"answer": "12"}),
+           Sample("99-9=", "90 and more words to make it longer", {"answer": "90"})]
+
+
+def by_hand(path, text):
+    tok = AutoTokenizer.from_pretrained(path)
+    model = LlamaForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return float(model(**tok(text, return_tensors="pt")).logits[0, 0])
+
+
+def test_scores_are_the_models_logit_on_prompt_and_completion_alone_or_batched(tmp_path):
+    path = build_rm(tmp_path / "rm")
+    rm = RewardModel(path, batch_size=2)
+    batched = rm(SAMPLES)
+    alone = [RewardModel(path, batch_size=1)([s])[0] for s in SAMPLES]
+    expected = [by_hand(path, f"{s.prompt}\n{s.completion}") for s in SAMPLES]
+    assert batched == pytest.approx(alone, abs=1e-5) and batched == pytest.approx(expected, abs=1e-5)
+    assert len({round(v, 5) for v in batched}) == 3  # the text matters
+    custom = RewardModel(path, template="Q: {prompt} A: {completion}")(SAMPLES[:1])[0]
+    assert custom == pytest.approx(by_hand(path, "Q: 12+7= A: 19"), abs=1e-5)
+
+
+def test_a_tokenizer_with_a_chat_template_reads_a_user_and_an_assistant_turn(tmp_path):
+    path = build_rm(tmp_path / "rm", chat=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template([{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}],
+                                   tokenize=False)
+    assert "12+7=" in text and "19" in text
+    assert RewardModel(path)(SAMPLES[:1])[0] == pytest.approx(by_hand(path, text), abs=1e-5)
+
+
+def test_a_long_text_keeps_its_end_and_is_counted_once(tmp_path):
+    path = build_rm(tmp_path / "rm")
+    rm = RewardModel(path, max_length=8)
+    long = Sample("1+1=1+1=1+1=1+1=", "2")
+    with pytest.warns(UserWarning, match="1 of 2 texts were longer than max_length 8"):
+        scores = rm([long, SAMPLES[0]])
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(f"{long.prompt}\n{long.completion}")["input_ids"]
+    model = LlamaForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        tail = float(model(input_ids=torch.tensor([ids[-8:]])).logits[0, 0])
+    assert scores[0] == pytest.approx(tail, abs=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rm([long])  # warned once
+
+
+def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path):
+    build_rm(tmp_path / "models" / "rm")
+    atoms = load_atoms([{"reward_model": "models/rm", "name": "rm", "weight": 0.5, "batch_size": 2}],
+                       base_dir=tmp_path)
+    reward = Reward(atoms)
+    scores = reward.score(SAMPLES)
+    assert scores.names == ["rm"] and torch.allclose(scores.total, 0.5 * scores.values[:, 0])
+    assert atoms[0].fn.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ({"reward_model": "nowhere"}, "no config.json"),
+    ({"reward_model": "rm", "temperature": 1}, "unknown keys \\['temperature'\\]"),
+    ({"reward_model": "rm", "dtype": "int8"}, "dtype must be"),
+    ({"reward_model": "rm", "batch_size": 0}, "batch_size must be"),
+    ({"reward_model": "rm", "template": "{prompt}"}, "template must contain"),
+    ({"reward_model": "two"}, "has 2 outputs"),
+    ({"reward_model": "notrm"}, "is not a sequence classifier"),
+])
+def test_bad_reward_model_specs_name_the_spec_and_the_problem(tmp_path, spec, match):
+    build_rm(tmp_path / "rm")
+    build_rm(tmp_path / "two", num_labels=2)
+    (tmp_path / "notrm").mkdir()
+    (tmp_path / "notrm" / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                                "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match=f"reward spec 0 \\({spec['reward_model']}\\): .*{match}"):
+        load_atoms([spec], base_dir=tmp_path)
+
+
+def test_a_non_text_sample_is_a_clear_error(tmp_path):
+    atom = reward_model_atom(build_rm(tmp_path / "rm"))
+    with pytest.raises(TypeError, match="a reward model scores text"):
+        atom.fn([Sample("a prompt", torch.tensor([1, 2]))])
+
+
+def test_a_dllm_run_trains_on_a_reward_model_atom(tmp_path):
+    """Through the command line: the atom's score is logged and evaluated; a bad spec is a
+    clean error (exit 2), not a traceback."""
+    from typer.testing import CliRunner
+
+    from dllm_rl.cli import app
+
+    build_rm(tmp_path / "rm")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "reward": {"atoms": [{"reward_model": "rm", "name": "rm", "weight": 0.1}]},
+        "rollout": {"prompts_per_step": 2, "num_generations": 4},
+        "task": {"num_train": 20, "num_eval": 4}, "logging": {"tensorboard": False, "progress": False}}))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--max-steps", "1",
+                                      "-o", str(tmp_path / "run")])
+    assert result.exit_code == 0, (result.output[-2000:], result.exception)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/rm" in row and row["reward/rm"] == row["reward/rm"]  # logged and finite
+    assert "rm" in json.loads((tmp_path / "run" / "summary.json").read_text())["eval_after"]
+    config.write_text(yaml.safe_dump({"reward": {"atoms": [{"reward_model": "missing"}]}}))
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "-o", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "reward.atoms: reward spec 0 (missing): " in result.output
+    assert "Traceback" not in result.output
