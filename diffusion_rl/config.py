@@ -86,7 +86,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     """Time shift of the sigma schedule (docs/methods.md section 4)."""
     kind: Literal["sde", "cps"] = "sde"
     noise_level: float = Field(0.7, ge=0)
-    """a: the SDE's noise scale."""
+    """a: the SDE's noise scale (0: ODE rollouts, for FTFC's pool; the policy-gradient methods
+    need noise, since a noiseless step has no log-probability to train)."""
     window_size: int | None = Field(None, ge=1)
     """Flow-GRPO-Fast: SDE noise (and training) only on this many consecutive steps; None = every
     step but the last."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from mmrl.core.config import (
     DynamicSamplingConfig,
@@ -100,6 +100,16 @@ class DLLMRolloutConfig(RolloutConfig):
         return self
 
 
+def _band(band: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = band
+    if not 0 <= lo <= hi <= 1:
+        raise ValueError("an accuracy band [lo, hi] needs 0 <= lo <= hi <= 1")
+    return band
+
+
+AccuracyBand = Annotated[tuple[float, float], AfterValidator(_band)]
+
+
 class DLLMTaskConfig(Section):
     """Verifiable problems: `arith` (addition, subtraction, multiplication), `sudoku` (4x4),
     or `jsonl`, your own from train_path and eval_path (dllm_rl.tasks.jsonl)."""
@@ -165,7 +175,7 @@ class TraceRLConfig(Section):
     scale: Literal["group", "none"] = "group"
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
-    accuracy_band: tuple[float, float] | None = None
+    accuracy_band: AccuracyBand | None = None
     """None: drop the groups whose rewards are all equal (with dynamic_sampling on). [lo, hi]:
     drop the groups whose accuracy lies outside it, as dLLM-RL's code does with [0.2, 0.8]
     (refilled only with dynamic_sampling on; that code does not refill)."""
@@ -189,7 +199,7 @@ class SLIMRLConfig(Section):
     scale: Literal["group", "none"] = "none"
     """Dr.GRPO: A = r - group mean (none); group divides by the group std."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
-    accuracy_band: tuple[float, float] = (0.2, 0.8)
+    accuracy_band: AccuracyBand = (0.2, 0.8)
     """Groups whose accuracy (the task's success atom) lies outside [lo, hi] are dropped."""
     length_limit_wrong: bool = True
     """An answer with no <eos> within gen_length counts as wrong (every atom scores 0)."""

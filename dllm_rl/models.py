@@ -430,6 +430,7 @@ def load_mask_predictor(
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{root}: could not load the tokenizer: {e}") from e
 
+    given = mask_token_id
     if mask_token_id is None:
         mask_token_id = sidecar.get("mask_token_id")
     if mask_token_id is None:
@@ -448,6 +449,11 @@ def load_mask_predictor(
             f"{root}: mask_token_id {mask_token_id} is not in the model's vocabulary "
             f"(vocab_size {vocab}: ids 0..{vocab - 1})"
         )
+    known = sidecar.get("mask_token_id", getattr(tokenizer, "mask_token_id", None))
+    if given is not None and known is not None and mask_token_id != int(known):
+        warnings.warn(f"model.mask_token_id {mask_token_id} is not the model's own mask token ({known}, from "
+                      f"{SIDECAR if 'mask_token_id' in sidecar else 'the tokenizer'}): the model was trained to "
+                      "fill that one", stacklevel=2)
 
     model_cls = _model_class(kind, auto_map)
     load_kwargs = {"dtype": _DTYPES[dtype], "use_safetensors": True, **remote}  # never unpickle

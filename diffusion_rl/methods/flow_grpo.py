@@ -35,6 +35,7 @@ from torch import Tensor
 from diffusion_rl.ema import ParameterEMA
 from mmrl.core.advantages import group_advantages
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.losses import LossOutput, aggregate, loss_denominator, policy_loss
 from mmrl.core.method import Method, register_method
 
@@ -43,6 +44,10 @@ from mmrl.core.method import Method, register_method
 class FlowGRPO(Method):
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
+        if run.rollout.noise_level == 0:
+            raise ConfigError(f"method {cfg.type} trains on the log-probabilities of its SDE steps, and with "
+                              "rollout.noise_level 0 the steps are deterministic (ODE) and have none: set "
+                              "rollout.noise_level > 0 (0.7 is Flow-GRPO's)")
         self.needs_reference = cfg.kl.beta > 0
 
     def weight_average(self, params: list[Tensor]) -> ParameterEMA | None:

@@ -74,6 +74,7 @@ from torch import Tensor
 
 from diffusion_rl.effective_reward import fit_effective_reward, heldout_metrics
 from diffusion_rl.ftfc import check_finite, ftfc_weights, posterior_moments
+from mmrl.core import distributed
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.losses import LossOutput
@@ -102,6 +103,11 @@ class FTFC(Method):
             raise ConfigError("method.effective_reward=learned fits g_phi on each whole pool, which needs the "
                               "synchronous inline scheduler (rollout.scheduler.mode=sync, placement inline); "
                               "or set method.effective_reward=observed")
+        if cfg.effective_reward == "learned" and cfg.g_heldout > 0 and \
+                run.rollout.prompts_per_step // distributed.world_size() < 2:
+            raise ConfigError(f"method.g_heldout={cfg.g_heldout} tests g_phi on prompts held out of its pool, which "
+                              "needs at least two prompts per pool (rollout.prompts_per_step per process); raise "
+                              "rollout.prompts_per_step or set method.g_heldout=0")
         self.pool: RolloutBatch | None = None
         self._fit = None  # (pool key, EffectiveRewardFit, {sample id: row}) of the learned g_phi
         self.pool_step = -1

@@ -95,6 +95,14 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except ConfigError as e:
             if run is None:
                 raise
+            saved = read_run_config(run)
+            try:  # the run's own settings alone: do they belong to this command line at all?
+                load_config(cls, None, [], defaults=saved)
+            except ConfigError as own:
+                method = (saved.get("method") or {}).get("type") if isinstance(saved, dict) else None
+                first = str(own).split("; ")[0]
+                raise ConfigError(f"the settings of the run in {run} (its {RUN_CONFIG}, method {method!r}) do not "
+                                  f"fit `{spec.command}`: a run of another modality? ({first})") from None
             raise ConfigError(f"{e} (the run's settings come from {run / RUN_CONFIG})") from None
 
     def run_verb(fn, interrupted: str = "interrupted"):
@@ -183,7 +191,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 load_checkpoint(policy, checkpoint)
             from mmrl.core.trainer import Trainer
 
-            metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir).evaluate()
+            metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False).evaluate()
             typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
 
         run_verb(go)
@@ -278,6 +286,9 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a file; give a directory: a run, its checkpoints/, "
+                              "one checkpoint or a model directory")
     if (path / "checkpoints").is_dir():  # a run
         root = path / "checkpoints"
     elif any(path.glob("step-*")):  # a run's checkpoints/ itself

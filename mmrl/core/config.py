@@ -28,9 +28,11 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values re-validated on assignment."""
+    """Base of every config section: unknown keys are errors, values re-validated on assignment,
+    and no number may be inf or nan (a bound such as gt=0 lets inf through, and an inf weight,
+    temperature or learning rate fails, or turns the loss to nan, only once the run is under way)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- sections
@@ -106,7 +108,7 @@ class SchedulerConfig(Section):
     """sync: roll out the whole round, then train. pipelined: complete-group pipelining
     (a group goes to the trainer as soon as its samples, rewards and advantages exist;
     the trainer steps once U = prompts_per_step / mini_batches groups are in)."""
-    frontier: int | None = None
+    frontier: int | None = Field(None, ge=0)
     """Frontier-group dispatch: the engines work only on the F_w lowest-numbered incomplete
     groups. None = F_w = U (RolloutPipe's setting); 0 = off (every group admitted at once)."""
     placement: Literal["auto", "inline", "thread", "process", "remote"] = "auto"

@@ -63,9 +63,9 @@ def groups_per_update(cfg: TrainConfig) -> int:
     return max(1, cfg.rollout.prompts_per_step // cfg.train.mini_batches)
 
 
-def check_config(cfg: TrainConfig, world: int) -> None:
+def check_config(cfg: TrainConfig, world: int, training: bool = True) -> None:
     sc, tc = cfg.rollout.scheduler, cfg.train
-    if cfg.rollout.num_generations < 2:  # a valid rollout setting (SFT and sampling use it), not a training one
+    if training and cfg.rollout.num_generations < 2:  # a valid rollout setting (SFT and sampling use it), not a training one
         raise ConfigError("rollout.num_generations must be at least 2 to train: every method compares a sample "
                           "with the others of its group (advantages, FTFC's tilt), so with one sample per group "
                           "every advantage is 0 and nothing is learnt from the reward")

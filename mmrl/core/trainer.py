@@ -113,9 +113,11 @@ def lr_factor(cfg: OptimConfig, total: int):
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, policy, task, output_dir: str | Path | None = None, backend=None,
-                 engines: list | None = None):
+                 engines: list | None = None, training: bool = True):
         """`backend`: the backend module (its `build_engine` makes engines of its own, e.g. vLLM).
-        `engines`: rollout engines to use instead of those the config describes (not inline)."""
+        `engines`: rollout engines to use instead of those the config describes (not inline).
+        `training=False`: only to evaluate (the eval verb), so the settings that only training
+        refuses (one sample per group, float16 weights) are let through."""
         self.cfg = cfg
         self.out = Path(output_dir or cfg.output_dir)
         self.policy = policy
@@ -124,7 +126,7 @@ class Trainer:
         self.world = distributed.world_size()
         if self.world > 1:
             _check_data_parallel(cfg, self.world)
-        check_config(cfg, self.world)
+        check_config(cfg, self.world, training)
         seed_everything(cfg.seed)
         self.reward = with_config_atoms(task, cfg)
         self.method = build_method(cfg, self.reward)
@@ -133,7 +135,7 @@ class Trainer:
         if torch.cuda.is_available() and all(p.device.type == "cpu" for p in policy.model.parameters()):
             warnings.warn("a GPU is present but the model is on the CPU (model.device cpu, the default): "
                           "set model.device=auto or cuda to train on the GPU", stacklevel=2)
-        if any(p.dtype == torch.float16 for p in self.params):
+        if training and any(p.dtype == torch.float16 for p in self.params):
             raise ConfigError("model.dtype float16 cannot train here: AdamW on float16 weights without loss "
                               "scaling underflows its second moments and the weights turn inf after a step "
                               "(train in bfloat16 or float32; float16 is fine for eval and sample)")

@@ -29,6 +29,13 @@ class VLMModelConfig(ModelConfig):
     """Keep the vision encoder and its patch merger fixed (under LoRA, adapters inside it too)
     and train the rest (EasyR1's freeze_vision_tower)."""
 
+    @model_validator(mode="after")
+    def _pixel_range(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) is above max_pixels ({self.max_pixels}): "
+                             "no image size fits both")
+        return self
+
 
 class ShapesQATaskConfig(Section):
     """Synthetic images of coloured shapes with questions on counts, colours and positions."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -110,8 +111,9 @@ def test_save_pretrained_round_trip(predictors, tmp_path):
 
 
 def test_arguments_override_sidecar(tiny_dirs):
-    mp = load_mask_predictor(tiny_dirs["llada"], attention="block_causal", block_length=2,
-                             shift_logits=True, mask_token_id=5)  # fmt: skip
+    with pytest.warns(UserWarning, match="not the model's own mask token"):
+        mp = load_mask_predictor(tiny_dirs["llada"], attention="block_causal", block_length=2,
+                                 shift_logits=True, mask_token_id=5)  # fmt: skip
     assert (mp.kind, mp.attention, mp.block_length) == ("llada", "block_causal", 2)
     assert mp.shift_logits is True
     assert mp.mask_token_id == 5
@@ -132,6 +134,16 @@ def test_kind_guessed_without_sidecar(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match="kind"):
         load_mask_predictor(llama)
     assert load_mask_predictor(llama, kind="llada").kind == "llada"
+
+
+def test_a_mask_token_other_than_the_models_own_is_warned(tiny_dirs):
+    own = json.loads((tiny_dirs["llada"] / SIDECAR).read_text())["mask_token_id"]
+    other = 0 if own != 0 else 2
+    with pytest.warns(UserWarning, match=f"mask_token_id {other} is not the model's own mask token \\({own}, from"):
+        assert load_mask_predictor(tiny_dirs["llada"], mask_token_id=other).mask_token_id == other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_mask_predictor(tiny_dirs["llada"], mask_token_id=own)
 
 
 def test_mask_token_out_of_vocab_is_a_clear_error(tiny_dirs, tmp_path):

@@ -189,6 +189,25 @@ CONFIG_ROWS = {
     "token-length-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.max_new_tokens=64"),
                                       lambda t: ["rollout: max_new_tokens is a language model's sampling setting",
                                                  "rollout.num_steps"]),
+    # inf and nan: no config number takes them (a bound such as gt=0 lets inf through)
+    "inf-number-dllm": Row("dllm", lambda t: train(t, "optim.lr=inf"), lambda t: ["optim.lr", "finite number"]),
+    "nan-number-vlm": Row("vlm", lambda t: train(t, "method.kl.beta=nan"), lambda t: ["method.kl.beta", "finite number"]),
+    # cross-field and method checks at the start, not mid-run
+    "frontier-negative": Row("vlm", lambda t: train(t, "rollout.scheduler.frontier=-1"),
+                             lambda t: ["rollout.scheduler.frontier", "greater than or equal to 0"]),
+    "min-pixels-above-max-pixels": Row("vlm", lambda t: train(t, "model.max_pixels=1000"),
+                                       lambda t: ["min_pixels (3136) is above max_pixels (1000)"]),
+    "noiseless-sde-policy-gradient": Row("diffusion", lambda t: train(t, "rollout.noise_level=0"),
+                                         lambda t: ["method flow_grpo", "rollout.noise_level 0"]),
+    "accuracy-band-inverted": Row("dllm", lambda t: train(t, "method.type=tracerl", "method.accuracy_band=[0.9,0.1]"),
+                                  lambda t: ["method.accuracy_band", "0 <= lo <= hi <= 1"]),
+    "ftfc-heldout-with-one-prompt": Row(
+        "diffusion", lambda t: train(t, "method.type=ftfc", "rollout.noise_level=0", "method.effective_reward=learned",
+                                     "method.g_heldout=0.5"),
+        lambda t: ["method.g_heldout=0.5", "at least two prompts per pool"]),
+    "mood-without-ood-compositions": Row(
+        "vlm", lambda t: train(t, "task.type=shapes-mood", "method.type=grpo", "task.ood_compositions=[]"),
+        lambda t: ["no ood_compositions", "num_ood"]),
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
                                   lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
@@ -507,7 +526,27 @@ def _finished_run(tmp: Path) -> Path:
     return tmp / "run"
 
 
+def _run_of(tmp: Path, config: dict) -> Path:
+    """A run directory with this config.yaml and an empty checkpoints/."""
+    import yaml
+
+    (tmp / "other" / "checkpoints").mkdir(parents=True)
+    (tmp / "other" / "config.yaml").write_text(yaml.safe_dump(config))
+    return tmp / "other"
+
+
 RUN_ROWS = {
+    "checkpoint-is-a-file-dllm": Row(
+        "dllm", lambda t: ["eval", "--checkpoint", config_file(t, "seed: 1\n"), *sets(f"output_dir={t / 'run'}")],
+        lambda t: [f"checkpoint {t / 'bad.yaml'} is a file"]),
+    "checkpoint-of-another-modality-vlm": Row(
+        "vlm", lambda t: ["eval", "--checkpoint", _run_of(t, {"method": {"type": "diffu_grpo"}, "model": {"kind": "llada"}}),
+                          *sets(f"output_dir={t / 'run'}")],
+        lambda t: [str(t / "other"), "method 'diffu_grpo'", "do not fit `mmrl`: a run of another modality?"]),
+    # eval does not train: what only training refuses is let through
+    "eval-with-one-sample-per-group-in-float16-dllm": Row(
+        "dllm", lambda t: ["eval", *sets(f"output_dir={t / 'run'}", "rollout.num_generations=1", "model.dtype=float16")],
+        lambda t: ['"accuracy"'], code=0),
     "output-dir-holds-a-run": Row(
         "dllm", lambda t: ["train", "--output-dir", _finished_run(t)],
         lambda t: [str(t / "run"), "already holds checkpoints", "--resume"]),

@@ -185,6 +185,9 @@ class ShapesMood:
             raise ValueError(f"need item counts >= 0 and min_shapes >= 1, got {num_train}, "
                              f"{num_eval}, {num_ood}, min_shapes={min_shapes}")
         held = {tuple(c) for c in ood_compositions}
+        if not held and num_ood:
+            raise ValueError(f"no ood_compositions: each of the num_ood={num_ood} OOD items needs an unseen "
+                             "colour-shape composition in its scene (hold one out, or set num_ood 0)")
         for colour, shape in held:
             if colour not in COLOURS or shape not in SHAPES:
                 raise ValueError(f"unknown composition ({colour!r}, {shape!r}): colours "
