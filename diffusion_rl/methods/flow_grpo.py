@@ -44,7 +44,7 @@ from mmrl.core.method import Method, register_method
 class FlowGRPO(Method):
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
-        if run.rollout.noise_level == 0:
+        if run is not None and run.rollout.noise_level == 0:
             raise ConfigError(f"method {cfg.type} trains on the log-probabilities of its SDE steps, and with "
                               "rollout.noise_level 0 the steps are deterministic (ODE) and have none: set "
                               "rollout.noise_level > 0 (0.7 is Flow-GRPO's)")

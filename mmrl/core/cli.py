@@ -95,14 +95,14 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except ConfigError as e:
             if run is None:
                 raise
-            saved = read_run_config(run)
-            try:  # the run's own settings alone: do they belong to this command line at all?
-                load_config(cls, None, [], defaults=saved)
-            except ConfigError as own:
-                method = (saved.get("method") or {}).get("type") if isinstance(saved, dict) else None
-                first = str(own).split("; ")[0]
-                raise ConfigError(f"the settings of the run in {run} (its {RUN_CONFIG}, method {method!r}) do not "
-                                  f"fit `{spec.command}`: a run of another modality? ({first})") from None
+            method = read_run_config(run).get("method")
+            method = method.get("type") if isinstance(method, dict) else None
+            try:  # is the run's method one of this command line's at all?
+                if method is not None:
+                    load_config(cls, None, [], defaults={"method": {"type": method}})
+            except ConfigError:
+                raise ConfigError(f"the run in {run} trains method {method!r}, which is not one of `{spec.command}`'s: "
+                                  f"a run of another modality? ({str(e).split('; ')[0]})") from None
             raise ConfigError(f"{e} (the run's settings come from {run / RUN_CONFIG})") from None
 
     def run_verb(fn, interrupted: str = "interrupted"):

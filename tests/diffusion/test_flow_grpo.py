@@ -244,7 +244,7 @@ def test_atom_weights_set_the_reward_total_and_bad_ones_are_config_errors(flux_d
     assert scores.values[0].tolist() == [1.0] * 5  # a right image: every verdict, "all" included, is kept
     assert float(scores.total[0]) == 5.5 and float(scores.total[1]) == 0.0
     for bad, match in (("task.atom_weights.colours=1", r"task.atom_weights: unknown .* atoms \['colours'\]"),
-                       ("task.atom_weights.all=nan", "task.atom_weights: .*'all': weight must be finite")):
+                       ("task.atom_weights.all=nan", "task.atom_weights.all: Input should be a finite number")):
         with pytest.raises(ConfigError, match=match):
             make(flux_dir, tmp_path, bad)
 

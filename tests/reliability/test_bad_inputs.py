@@ -542,7 +542,7 @@ RUN_ROWS = {
     "checkpoint-of-another-modality-vlm": Row(
         "vlm", lambda t: ["eval", "--checkpoint", _run_of(t, {"method": {"type": "diffu_grpo"}, "model": {"kind": "llada"}}),
                           *sets(f"output_dir={t / 'run'}")],
-        lambda t: [str(t / "other"), "method 'diffu_grpo'", "do not fit `mmrl`: a run of another modality?"]),
+        lambda t: [str(t / "other"), "method 'diffu_grpo', which is not one of `mmrl`'s: a run of another modality?"]),
     # eval does not train: what only training refuses is let through
     "eval-with-one-sample-per-group-in-float16-dllm": Row(
         "dllm", lambda t: ["eval", *sets(f"output_dir={t / 'run'}", "rollout.num_generations=1", "model.dtype=float16")],
