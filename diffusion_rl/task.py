@@ -16,6 +16,7 @@ phrases and a relation), so the default 4 picks the relational prompts.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +38,10 @@ class DiffusionTask:
         self.eval_steps = eval_steps
         self.grid_prompts = grid_prompts
         self.hard_min_atoms = hard_min_atoms
+        if self.eval_prompts and not any(can_parse(p) and len(parse_prompt(p)) >= hard_min_atoms
+                                         for p in self.eval_prompts):
+            warnings.warn(f"task.hard_min_atoms={hard_min_atoms}: no held-out prompt has that many atoms, so "
+                          "evaluation reports no hard/* metrics", stacklevel=2)
 
     # what evaluate() logs beside each atom's mean (a config atom may not take these names)
     metric_names = ("reward", "atom_accuracy", "prompt_accuracy", "unparsed_prompts", "whole_prompt_reward")

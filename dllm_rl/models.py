@@ -424,6 +424,9 @@ def load_mask_predictor(
             raise ValueError(
                 f"{root}: block_causal attention needs block_length (config: model.block_length; or put it in {SIDECAR})"
             )
+    elif block_length is not None and attention != "block_causal":
+        warnings.warn(f"model.block_length {block_length} is not used: the {kind} model's attention is {attention!r}; "
+                      "the attention block applies to block_causal (sdar) models", stacklevel=2)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(root, **remote)

@@ -43,7 +43,8 @@ def test_hard_split_scores_the_relational_prompts_alone():
     worse = task.evaluate(Renderer(blank=[p for p in PROMPTS if len(parse_prompt(p)) == 7]))
     assert worse["hard/atom_accuracy"] < 0.5 and worse["hard/relation"] == 0.0
     assert worse["atom_accuracy"] > worse["hard/atom_accuracy"]
-    none = DiffusionTask("shapes-geneval", PROMPTS, PROMPTS, shapes_geneval_reward(), hard_min_atoms=8)
+    with pytest.warns(UserWarning, match="hard_min_atoms=8: no held-out prompt has that many atoms"):
+        none = DiffusionTask("shapes-geneval", PROMPTS, PROMPTS, shapes_geneval_reward(), hard_min_atoms=8)
     assert not any(k.startswith("hard/") for k in none.evaluate(Renderer()))
 
 

@@ -110,6 +110,11 @@ def test_save_pretrained_round_trip(predictors, tmp_path):
     torch.testing.assert_close(back(x, prompt_length=4), mp(x, prompt_length=4), rtol=0, atol=0)
 
 
+def test_a_block_length_without_block_attention_is_warned(tiny_dirs):
+    with pytest.warns(UserWarning, match="model.block_length 4 is not used: the llada model's attention is 'full'"):
+        assert load_mask_predictor(tiny_dirs["llada"], block_length=4).attention == "full"
+
+
 def test_arguments_override_sidecar(tiny_dirs):
     with pytest.warns(UserWarning, match="not the model's own mask token"):
         mp = load_mask_predictor(tiny_dirs["llada"], attention="block_causal", block_length=2,
