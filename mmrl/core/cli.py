@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from mmrl.core import plugins
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
@@ -90,6 +91,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             defaults = deep_merge(defaults, {**read_run_config(run), "output_dir": str(run)})  # where it is now
         if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
             defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
+        if backend is not None:  # a plugin's own method (and config class) before anything is validated
+            cls = plugins.config_class(cls, config, overrides, defaults)
         try:
             return load_config(cls, config, overrides, defaults=defaults)
         except ConfigError as e:

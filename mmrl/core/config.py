@@ -324,6 +324,11 @@ class TrainConfig(Section):
 
     seed: int = 0
     output_dir: str = "runs/default"
+    plugins: list[str] = Field(default_factory=list)
+    """Python files the command lines import before they read the rest of the config (relative
+    to the config file's directory, else the working directory): a method of one's own registers
+    itself there, and a file defining CONFIG_CLASS, a subclass of the backend's config that takes
+    the method's config, makes the command line read configs with it. mmrl.core.plugins."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: dict[str, Any] | None = None
     """The backend's task section; its schema belongs to the backend."""

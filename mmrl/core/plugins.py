@@ -1,0 +1,69 @@
+"""`plugins`: a user's own methods on the command lines.
+
+A plugin is a Python file that registers a method (`@register_method("name")` on a Method
+subclass) and, for the method's own settings, defines CONFIG_CLASS: a subclass of the backend's
+config class whose `method` union takes the method's config class (README, "a method of your
+own"). A config names its plugins (`plugins: [my_method.py]`), so `--resume`, `eval` and
+`sample` on the run find them again in its config.yaml, where the path is stored absolute.
+
+The plugin list is read from the raw settings (defaults, the config file, --set) before they
+are validated, since validation needs the plugin's config class. Each file is imported once per
+process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mmrl.core.config import ConfigError, TrainConfig, apply_overrides, deep_merge, read_yaml
+from mmrl.core.rewards import import_python_file
+from mmrl.core.runconfig import resolve_file
+
+_imported: dict[Path, Any] = {}
+
+
+def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> list[str]:
+    """The `plugins` the raw settings name: --set over the config file over the defaults."""
+    data = deep_merge(dict(defaults), read_yaml(path)) if path is not None else dict(defaults)
+    plugins = apply_overrides(data, [o for o in overrides if o.split("=", 1)[0].strip() == "plugins"]).get("plugins")
+    if plugins in (None, []):
+        return []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+        raise ConfigError(f"plugins: a list of Python file paths is needed, got {plugins!r}")
+    return plugins
+
+
+def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
+    """Import each plugin file (once per process); a file that is missing or fails to import is
+    a ConfigError naming it."""
+    modules = []
+    for name in plugins:
+        path = resolve_file(name, base_dir).resolve()
+        if not path.is_file():
+            raise ConfigError(f"plugins: {name!r}: file not found: {path}")
+        if path not in _imported:
+            try:
+                _imported[path] = import_python_file(path, f"plugins: {name!r}")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        modules.append(_imported[path])
+    return modules
+
+
+def config_class(base: type[TrainConfig], path: str | Path | None, overrides: list[str],
+                 defaults: dict) -> type[TrainConfig]:
+    """`base`, or the CONFIG_CLASS of the plugins the settings name (at most one may define it,
+    and it must extend `base`)."""
+    base_dir = Path(path).resolve().parent if path is not None else None
+    modules = load(requested(path, overrides, defaults), base_dir)
+    classes = [(m.__file__, m.CONFIG_CLASS) for m in modules if hasattr(m, "CONFIG_CLASS")]
+    if not classes:
+        return base
+    if len(classes) > 1:
+        raise ConfigError(f"plugins: {len(classes)} files define CONFIG_CLASS ({', '.join(f for f, _ in classes)}); "
+                          "one config class can read a config")
+    file, cls = classes[0]
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"plugins: {file}: CONFIG_CLASS must be a subclass of {base.__name__}, got {cls!r}")
+    return cls

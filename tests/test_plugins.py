@@ -1,0 +1,96 @@
+"""A method of one's own on the command line (mmrl.core.plugins): a config names a plugin file
+that registers the method and defines CONFIG_CLASS; train, --resume from elsewhere and eval
+find it again through the run's config.yaml."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dllm_rl.cli import app
+from mmrl.core import plugins
+
+PLUGIN = textwrap.dedent('''
+    from typing import Annotated, Literal
+
+    from pydantic import Field
+
+    from dllm_rl.config import DiffuGRPOConfig, DLLMTrainConfig, MethodConfig
+    from dllm_rl.methods.diffu_grpo import DiffuGRPO
+    from mmrl.core.method import register_method
+
+    CALLS = []
+
+
+    class HalfNegConfig(DiffuGRPOConfig):
+        type: Literal["half_neg"] = "half_neg"
+        neg_scale: float = 0.5
+
+
+    class CONFIG_CLASS(DLLMTrainConfig):
+        method: Annotated[MethodConfig | HalfNegConfig, Field(discriminator="type")] = Field(
+            default_factory=DiffuGRPOConfig)
+
+
+    @register_method("half_neg")
+    class HalfNeg(DiffuGRPO):
+        def advantages(self, batch):
+            adv = super().advantages(batch)
+            CALLS.append(self.cfg.neg_scale)
+            return adv.where(adv > 0, adv * self.cfg.neg_scale)
+''')
+SMALL = {"rollout": {"prompts_per_step": 2, "num_generations": 4}, "task": {"num_train": 20, "num_eval": 4},
+         "logging": {"tensorboard": False, "progress": False}}
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_a_plugin_method_trains_resumes_elsewhere_and_evaluates(tmp_path, monkeypatch, one_thread):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "half_neg.py").write_text(PLUGIN)
+    config = tmp_path / "cfg" / "run.yaml"
+    config.write_text(yaml.safe_dump({"plugins": ["half_neg.py"], "method": {"type": "half_neg", "neg_scale": 0.25},
+                                      **SMALL}))
+    run = tmp_path / "run"
+    r = invoke("train", "-c", config, "--max-steps", 1, "-o", run)
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    module = plugins._imported[(tmp_path / "cfg" / "half_neg.py").resolve()]
+    assert module.CALLS == [0.25]  # the plugin's method trained, with its own setting
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["plugins"] == [str((tmp_path / "cfg" / "half_neg.py").resolve())]
+    assert saved["method"]["type"] == "half_neg" and saved["method"]["neg_scale"] == 0.25
+    monkeypatch.chdir(tmp_path)  # the run's config.yaml names the plugin by its absolute path
+    r = invoke("train", "--resume", "-o", run, "--max-steps", 2)
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    assert module.CALLS == [0.25, 0.25]
+    r = invoke("eval", "--checkpoint", run)
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    (metrics,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert "accuracy" in metrics
+
+
+@pytest.mark.parametrize(("files", "plugin_list", "match"), [
+    ({}, ["nope.py"], "plugins: 'nope.py': file not found"),
+    ({"bad.py": "raise RuntimeError('broken plugin')\n"}, ["bad.py"], "plugins: 'bad.py': importing .*broken plugin"),
+    ({"a.py": "from dllm_rl.config import DLLMTrainConfig as CONFIG_CLASS\n",
+      "b.py": "from dllm_rl.config import DLLMTrainConfig as CONFIG_CLASS\n"}, ["a.py", "b.py"],
+     "2 files define CONFIG_CLASS"),
+    ({"c.py": "from mmrl.vlm.config import VLMTrainConfig as CONFIG_CLASS\n"}, ["c.py"],
+     "CONFIG_CLASS must be a subclass of DLLMTrainConfig"),
+    ({}, "half_neg.py", "plugins: a list of Python file paths is needed"),
+])
+def test_bad_plugins_are_one_line_errors(tmp_path, files, plugin_list, match):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"plugins": plugin_list}))
+    r = invoke("train", "-c", config, "-o", tmp_path / "run")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
+    assert re.search(match, r.output), r.output[-2000:]
