@@ -94,3 +94,15 @@ def test_bad_plugins_are_one_line_errors(tmp_path, files, plugin_list, match):
     r = invoke("train", "-c", config, "-o", tmp_path / "run")
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
     assert re.search(match, r.output), r.output[-2000:]
+
+
+def test_a_process_engine_reads_the_plugins_config_too(tmp_path):
+    """`placement: process` hands the config to `python -m mmrl.core.serve`, which must know the
+    plugin's method to read it: the plugin paths travel absolute."""
+    from mmrl.core.serve import build_policy
+
+    (tmp_path / "half_neg.py").write_text(PLUGIN)
+    assert plugins.absolute(["half_neg.py"], tmp_path) == [str((tmp_path / "half_neg.py").resolve())]
+    _, cfg = build_policy("dllm_rl.backend", {"plugins": plugins.absolute(["half_neg.py"], tmp_path),
+                                              "method": {"type": "half_neg", "neg_scale": 0.1}})
+    assert cfg.method.type == "half_neg" and cfg.method.neg_scale == 0.1

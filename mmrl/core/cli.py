@@ -94,7 +94,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if backend is not None:  # a plugin's own method (and config class) before anything is validated
             cls = plugins.config_class(cls, config, overrides, defaults)
         try:
-            return load_config(cls, config, overrides, defaults=defaults)
+            cfg = load_config(cls, config, overrides, defaults=defaults)
+            cfg.plugins = plugins.absolute(cfg.plugins, cfg.base_dir)  # e.g. for a process engine elsewhere
+            return cfg
         except ConfigError as e:
             if run is None:
                 raise

@@ -51,6 +51,11 @@ def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
     return modules
 
 
+def absolute(plugins: list[str], base_dir: str | Path | None) -> list[str]:
+    """The plugin paths made absolute, as `load` finds them (for configs handed to other processes)."""
+    return [str(resolve_file(name, base_dir).resolve()) for name in plugins]
+
+
 def config_class(base: type[TrainConfig], path: str | Path | None, overrides: list[str],
                  defaults: dict) -> type[TrainConfig]:
     """`base`, or the CONFIG_CLASS of the plugins the settings name (at most one may define it,

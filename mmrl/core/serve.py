@@ -266,11 +266,13 @@ def build_policy(backend_module: str, config: dict, checkpoint: str | None = Non
     """The backend's policy for a config dict (merged over the backend's defaults) and its config."""
     import importlib
 
+    from mmrl.core import plugins
     from mmrl.core.config import TrainConfig, deep_merge, load_config
 
     backend = importlib.import_module(backend_module)
-    cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
-    cfg = load_config(cls, defaults=deep_merge(dict(getattr(backend, "DEFAULT_CONFIG", {})), config))
+    defaults = deep_merge(dict(getattr(backend, "DEFAULT_CONFIG", {})), config)
+    cls = plugins.config_class(getattr(backend, "CONFIG_CLASS", TrainConfig), None, [], defaults)  # a plugin's method
+    cfg = load_config(cls, defaults=defaults)
     policy = backend.build(cfg)[0]
     if checkpoint is not None:
         from mmrl.core.cli import load_checkpoint
