@@ -25,6 +25,13 @@ class DiffusionModelConfig(ModelConfig):
     lora: LoRAConfig | None = None
     """None = train every transformer weight (the default for the tiny model)."""
 
+    @model_validator(mode="after")
+    def _no_vocabulary(self):
+        if self.logprob_chunk is not None:
+            raise ValueError("logprob_chunk chunks a language model's log-softmax over its vocabulary; "
+                             "an image model's step log-probs have none (leave it unset)")
+        return self
+
 
 class ShapesGenevalTaskConfig(Section):
     """Compositional prompts of coloured shapes, each atom checked by a detector."""

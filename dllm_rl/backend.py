@@ -108,7 +108,7 @@ def build(cfg: DLLMTrainConfig):
     longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])
     prompt_length = lengths[longest.prompt]
     try:
-        policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg))
+        policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg), cfg.model.logprob_chunk)
     except PromptTooLong as e:
         raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {longest.prompt!r})") from e
     check_answer_room(task, tok, cfg.rollout)
@@ -145,7 +145,7 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
     if longest is None:
         return policy
     try:
-        return DLLMPolicy(policy.predictor, policy.rollout, width, policy.estimator)
+        return DLLMPolicy(policy.predictor, policy.rollout, width, policy.estimator, policy.logprob_chunk)
     except PromptTooLong as e:
         raise ConfigError(f"--prompt: {e} (longest prompt: {longest!r})") from e
 

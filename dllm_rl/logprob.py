@@ -39,7 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from mmrl.core.logprob import token_logprobs as core_token_logprobs
 
 
 def uniform(shape, *, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
@@ -52,16 +53,14 @@ def uniform(shape, *, generator: torch.Generator | None, device, dtype=torch.flo
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int | None = None
 ) -> torch.Tensor:
     """float32 log_softmax(logits / temperature) at ``targets``; temperature <= 0 means 1.
+    ``chunk``: positions at a time, without float32 [B, L, V] copies (mmrl.core.logprob).
 
     logits [B, L, V], targets [B, L] long -> [B, L] float32.
     """
-    if temperature <= 0:
-        temperature = 1.0
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # [B, L, V]
-    return logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [B, L]
+    return core_token_logprobs(logits, targets, temperature if temperature > 0 else 1.0, chunk=chunk)
 
 
 def masked_input(ids: torch.Tensor, mask: torch.Tensor, mask_id: int) -> torch.Tensor:

@@ -47,8 +47,10 @@ class Estimator(Protocol):
 
 
 class DLLMPolicy:
-    def __init__(self, predictor: MaskPredictor, rollout, prompt_length: int, estimator: Estimator | None = None):
+    def __init__(self, predictor: MaskPredictor, rollout, prompt_length: int, estimator: Estimator | None = None,
+                 logprob_chunk: int | None = None):
         self.predictor = predictor
+        self.logprob_chunk = logprob_chunk  # model.logprob_chunk: the methods' training log-probs (mmrl.core.logprob)
         self.model = predictor.model
         self.rollout = rollout
         self.prompt_length = prompt_length

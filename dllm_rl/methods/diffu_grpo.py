@@ -70,7 +70,8 @@ class MeanField(EstimatorBase):
     def logprobs(self, policy, batch: RolloutBatch, iteration: int) -> Tensor:  # [N, C]
         x = self.masked_input(policy, batch, iteration)
         logits = policy.logits(x, batch.data["prompt_valid"])[:, policy.prompt_length:]
-        return token_logprobs(logits, batch.data["completion"], self.temperature or policy.rollout.temperature)
+        return token_logprobs(logits, batch.data["completion"], self.temperature or policy.rollout.temperature,
+                              policy.logprob_chunk)
 
 
 ESTIMATORS["diffu_grpo"] = MeanField

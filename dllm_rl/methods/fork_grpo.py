@@ -148,7 +148,7 @@ class ForkEstimator(EstimatorBase):
         noisy = row_states(completion, cs, rows, policy.predictor.mask_token_id)  # [R, C]
         x = torch.cat([batch.data["prompt_ids"][rows.sample], noisy], 1)  # [R, P + C]
         logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]
-        logp = token_logprobs(logits, completion[rows.sample], policy.rollout.temperature)  # [R, C]
+        logp = token_logprobs(logits, completion[rows.sample], policy.rollout.temperature, policy.logprob_chunk)  # [R, C]
         one_hot = torch.zeros_like(noisy, dtype=torch.bool)
         row = torch.arange(len(rows.sample), device=noisy.device)
         one_hot[row, rows.position] = True  # [R, C]: each row's target

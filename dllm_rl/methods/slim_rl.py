@@ -162,7 +162,7 @@ class QuadratureRows(EstimatorBase):
         x = torch.cat([batch.data["prompt_ids"].repeat_interleave(q, 0), noisy], 1)  # [N*Q, P + C]
         valid = batch.data["prompt_valid"].repeat_interleave(q, 0)
         logits = policy.logits(x, valid)[:, policy.prompt_length:]  # [N*Q, C, V]
-        logp = token_logprobs(logits, completion, policy.rollout.temperature).reshape(n, q, c)
+        logp = token_logprobs(logits, completion, policy.rollout.temperature, policy.logprob_chunk).reshape(n, q, c)
         return torch.where(mask, logp, torch.zeros_like(logp))
 
 

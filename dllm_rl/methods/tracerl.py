@@ -58,7 +58,7 @@ class Trace(EstimatorBase):
                             completion)
         x = torch.cat([batch.data["prompt_ids"][sample], noisy], 1)
         logits = policy.logits(x, batch.data["prompt_valid"][sample])[:, policy.prompt_length:]
-        logp = token_logprobs(logits, completion, policy.rollout.temperature)  # [R, C]
+        logp = token_logprobs(logits, completion, policy.rollout.temperature, policy.logprob_chunk)  # [R, C]
         return scatter_rows(logp, sample, target, len(batch))
 
 

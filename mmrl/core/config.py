@@ -51,6 +51,12 @@ class ModelConfig(Section):
     memory, about a third more compute). The update's forwards then run in training mode with
     every dropout off (transformers checkpoints only in training mode); a model whose config
     sets a dropout above 0 is refused. mmrl.core.memory."""
+    logprob_chunk: int | None = Field(None, ge=1)
+    """Language models: token positions per chunk of the training log-probabilities. Set, the
+    log-softmax over the vocabulary is computed a chunk at a time and recomputed in the backward
+    pass, so only the logits as they came (bfloat16 on a GPU) are kept, not float32 [N, T, V]
+    copies. The same numbers (to float rounding); None, the default: the plain computation, bit
+    for bit as before. mmrl.core.logprob."""
     device: str = "cpu"
     """Where the model samples and trains: "cpu", "cuda", "cuda:N", or "auto" (this process's GPU
     when one is visible, else the CPU). Under data parallel, "cuda" and "auto" mean the rank's own

@@ -127,7 +127,7 @@ def build(cfg: VLMTrainConfig):
         enable_gradient_checkpointing(model)
     policy = VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
-                       tools=tools, tools_cfg=cfg.rollout.tools)
+                       tools=tools, tools_cfg=cfg.rollout.tools, logprob_chunk=cfg.model.logprob_chunk)
     return policy, build_task(cfg)
 
 

@@ -36,6 +36,7 @@ from torch import Tensor
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.device import fork_rng, module_device
+from mmrl.core.logprob import entropy_of, token_entropy, token_logprobs
 from mmrl.core.lora import is_lora, load_model_weights
 from mmrl.core.rewards import Sample
 
@@ -53,11 +54,6 @@ def mean_over(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-def _entropy(logp_all: Tensor) -> Tensor:
-    """[..., V] log-probs -> [...] entropies (0 * -inf, a banned token, counts 0)."""
-    return -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
-
-
 class PromptTooLong(ConfigError):
     """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
     ValueError) because it is the user's data or settings: the CLI prints it without a
@@ -66,13 +62,14 @@ class PromptTooLong(ConfigError):
 
 class VLMPolicy:
     def __init__(self, model, processor, *, temperature: float = 1.0, min_pixels: int | None = None,
-                 max_pixels: int | None = None, tools=None, tools_cfg=None):
+                 max_pixels: int | None = None, tools=None, tools_cfg=None, logprob_chunk: int | None = None):
         """`tools` (a mmrl.vlm.tools.ToolRegistry) with `tools_cfg` (rollout.tools) makes every
         rollout and greedy decode a multi-turn tool rollout (mmrl.vlm.agent)."""
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.temperature = temperature
+        self.logprob_chunk = logprob_chunk  # model.logprob_chunk (mmrl.core.logprob)
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         tok = self.tokenizer
@@ -326,7 +323,7 @@ class VLMPolicy:
             logits = self._ban(torch.stack([s[r:r + rows] for s in step_logits], dim=1).float()) / temperature
             logp_all = logits.log_softmax(-1)  # [rows, T, V]
             logps.append(logp_all.gather(-1, tokens[r:r + rows].unsqueeze(-1)).squeeze(-1))
-            entropies.append(_entropy(logp_all))
+            entropies.append(entropy_of(logp_all))
         if not logps:
             empty = torch.zeros((0, t), device=tokens.device)
             return empty, empty
@@ -419,12 +416,13 @@ class VLMPolicy:
                 side = d.get("completion/" + k[len("prompt/"):], v.new_zeros((len(batch), t)))
                 kwargs[k[len("prompt/"):]] = torch.cat([v, side.to(v.dtype)], dim=1)
         out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=t + 1, **kwargs)
-        logits = self._ban(out.logits[:, :-1].float()) / self.temperature  # [N, T, V]: positions P-1 .. P+T-2
-        logp_all = logits.log_softmax(-1)
-        logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+        logits = out.logits[:, :-1]  # [N, T, V]: positions P-1 .. P+T-2
+        logp = token_logprobs(logits, completion, self.temperature, banned=self.banned_ids, chunk=self.logprob_chunk)
+        logp = logp.masked_fill(~mask, 0.0)
         if not entropy:
             return logp
-        return logp, _entropy(logp_all)
+        return logp, token_entropy(logits, self.temperature, banned=self.banned_ids,
+                                   chunk=self.logprob_chunk or logits.shape[0] * logits.shape[1])
 
     def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
         """The model's image inputs for n rows. The G samples of a group carry the same images,
