@@ -311,3 +311,10 @@ class DiffusionTrainConfig(TrainConfig):
     task: TaskConfig = Field(default_factory=ShapesGenevalTaskConfig)
     rollout: DiffusionRolloutConfig = Field(default_factory=DiffusionRolloutConfig)
     method: MethodConfig = Field(default_factory=FlowGRPOConfig)
+
+    @model_validator(mode="after")
+    def _text_reward_models(self):
+        if any(isinstance(a, dict) and "reward_model" in a for a in self.reward.atoms):
+            raise ValueError("reward.atoms: a reward_model atom scores text, and this backend's samples are "
+                             "images; image reward models go in task.image_atoms (clip_score, preference)")
+        return self

@@ -89,3 +89,42 @@ def test_bfloat16_resume_2_plus_2_equals_4_steps_with_the_masters(tmp_path):
         assert torch.equal(a, b)
     for a, b in zip(full.params, second.params):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_a_second_trainer_on_the_same_policy_takes_the_gradients_over(tmp_path):
+    """Each parameter has one hook for life, routed to the newest trainer's copies; a trainer
+    built only to evaluate makes no copies and leaves gradients on the parameters."""
+    first = make_bf16(tmp_path, name="a")
+    cfg = first.cfg.model_copy(update={"output_dir": str(tmp_path / "b")})
+    evaluating = Trainer(cfg, first.policy, first.task, training=False)
+    assert evaluating.master is None and evaluating.opt_params is evaluating.params
+    batch, _ = first.scheduler.next_groups(version=0)
+    out = evaluating.method.loss(evaluating.policy, batch, batch.advantages, denom=None)
+    out.loss.backward()
+    assert all(p.grad is not None for p in first.params if p.requires_grad)  # released: grads stay
+    first.optimizer.zero_grad(set_to_none=True)
+    for p in first.params:
+        p.grad = None
+    second = Trainer(cfg, first.policy, first.task)
+    before = [m.detach().clone() for m in first.opt_params]
+    second.update(batch)
+    assert all(torch.equal(m, b) for m, b in zip(first.opt_params, before))  # the first's copies untouched
+    assert any(m.grad is not None for m in second.opt_params)
+    assert not torch.equal(torch.cat([m.detach().flatten() for m in second.opt_params]),
+                           torch.cat([b.flatten() for b in before]))
+
+
+def test_the_weight_average_is_kept_of_the_float32_copies(tmp_path, monkeypatch):
+    """A method's EMA (Flow-GRPO's) averages the float32 copies: a bfloat16 average would round
+    away most of each small step toward them."""
+    from diffusion_rl.ema import ParameterEMA
+    from mmrl.core.method import Method
+
+    monkeypatch.setattr(Method, "weight_average", lambda self, params: ParameterEMA(params, 0.5, 1, warmup=False))
+    trainer = make_bf16(tmp_path, "optim.lr=1e-5")
+    assert all(a.dtype == torch.float32 for a in trainer.ema.average)
+    start = [a.clone() for a in trainer.ema.average]
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    trainer.update(batch)
+    for a, s, m in zip(trainer.ema.average, start, trainer.opt_params):
+        torch.testing.assert_close(a, s + 0.5 * (m.detach() - s))

@@ -139,3 +139,37 @@ def test_a_dllm_run_trains_on_a_reward_model_atom(tmp_path):
     result = CliRunner().invoke(app, ["train", "--config", str(config), "-o", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "reward.atoms: reward spec 0 (missing): " in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_chat_template_that_writes_the_start_token_is_not_given_a_second_one(tmp_path):
+    """A tokenizer that adds a start token ([CLS] here) with a chat template that writes it too:
+    the model sees it once, as apply_chat_template's own tokens have it."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-consistency-modernbert")
+    tok.chat_template = "{{ cls_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_labels=1, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rm = RewardModel(tmp_path / "rm")
+    seen = []
+    rm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    rm([Sample("red circle", "yes")])
+    assert seen[0].count(tok.cls_token_id) == 1 and seen[0][0] == tok.cls_token_id
+
+
+@pytest.mark.parametrize("pad", ["none", "eos"])
+def test_without_a_distinct_pad_token_each_text_is_scored_whole(tmp_path, pad):
+    """No pad token, or the end-of-sequence token as pad: a text that ends with that token is
+    scored at it, not at the token before (texts go one at a time, unpadded)."""
+    path = build_rm(tmp_path / "rm")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.pad_token = None if pad == "none" else tok.eos_token
+    tok.save_pretrained(path)
+    template = "{prompt}\n{completion}" + tok.eos_token
+    rm = RewardModel(path, template=template, batch_size=4)
+    assert not rm.padded
+    scores = rm(SAMPLES)
+    expected = [by_hand(path, template.format(prompt=s.prompt, completion=s.completion)) for s in SAMPLES]
+    assert scores == pytest.approx(expected, abs=1e-5)

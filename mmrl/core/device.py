@@ -14,10 +14,11 @@ import torch
 from .config import ConfigError
 
 
-def model_device(spec: str = "cpu") -> torch.device:
+def model_device(spec: str = "cpu", make_current: bool = True) -> torch.device:
     """The torch.device for model.device `spec` ("cpu", "cuda", "cuda:N", "auto"). "cuda" and
     "auto" pick this process's GPU: LOCAL_RANK's under a data-parallel launcher, else GPU 0.
-    A ConfigError when a GPU is asked for and none is visible."""
+    A ConfigError when a GPU is asked for and none is visible. `make_current`: the GPU becomes
+    the process's current one (the policy's; not a reward model's)."""
     if spec == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -36,7 +37,8 @@ def model_device(spec: str = "cpu") -> torch.device:
     if index >= torch.cuda.device_count():
         raise ConfigError(f"model.device {spec}: GPU {index} does not exist (this process sees "
                           f"{torch.cuda.device_count()}; LOCAL_RANK={os.environ.get('LOCAL_RANK', 'unset')})")
-    torch.cuda.set_device(index)  # NCCL collectives and torch.cuda.current_device() follow it
+    if make_current:
+        torch.cuda.set_device(index)  # NCCL collectives and torch.cuda.current_device() follow it
     return torch.device("cuda", index)
 
 

@@ -62,6 +62,13 @@ def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard
     if shard and world_size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        if dist.get_backend() == "nccl" and any(p.device.type == "cpu" for p in params):
+            from mmrl.core.config import ConfigError
+
+            raise ConfigError("optim.shard_state broadcasts the parameters between ranks, which NCCL (a GPU "
+                              "launch) cannot do for a model on the CPU: set model.device=cuda, or "
+                              "optim.shard_state=false")
+
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
 

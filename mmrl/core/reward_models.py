@@ -78,16 +78,21 @@ class RewardModel:
             raise ValueError(f"reward model {self.path!r} has {config.num_labels} outputs; a reward "
                              "model has one (num_labels 1), whose logit is the score")
         model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
-        if self.tokenizer.pad_token is None:  # batches need one; the classifier reads the last real token
-            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.device = model_device(device)
+        tok = self.tokenizer
+        # A classifier scores the last token that is not padding. Where the pad token is missing or
+        # is the end-of-sequence token a template ends with, padding would hide that token: score
+        # one text at a time, unpadded (pad_token_id None: the last token).
+        self.padded = tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+        model.config.pad_token_id = tok.pad_token_id if self.padded else None
+        self.device = model_device(device, make_current=False)
         self.model = model.to(self.device)
         self.max_length = max_length or text_limit(model, self.tokenizer)
         if self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length!r}")
         self.tokenizer.truncation_side = "left"  # keep the completion's end
         self.template = template
+        # a chat template writes the special tokens itself (a second BOS changes the score)
+        self.chat = template is None and bool(self.tokenizer.chat_template)
         self.batch_size = batch_size
         self.warned = False
 
@@ -95,7 +100,7 @@ class RewardModel:
         if not isinstance(sample.prompt, str) or not isinstance(sample.completion, str):
             raise TypeError("a reward model scores text: the sample's prompt and completion must be "
                             f"strings, got {type(sample.prompt).__name__} and {type(sample.completion).__name__}")
-        if self.template is None and self.tokenizer.chat_template:
+        if self.chat:
             turns = [{"role": "user", "content": sample.prompt},
                      {"role": "assistant", "content": sample.completion}]
             return self.tokenizer.apply_chat_template(turns, tokenize=False)
@@ -106,11 +111,13 @@ class RewardModel:
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         texts = [self.text(s) for s in samples]
         out, cut = [], 0
-        for i in range(0, len(texts), self.batch_size):
-            chunk = texts[i: i + self.batch_size]
-            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
-                                 return_tensors="pt")
-            cut += sum(len(ids) > self.max_length for ids in self.tokenizer(chunk)["input_ids"])  # to warn
+        size = self.batch_size if self.padded else 1
+        special = {"add_special_tokens": not self.chat}
+        for i in range(0, len(texts), size):
+            chunk = texts[i: i + size]
+            enc = self.tokenizer(chunk, padding=self.padded, truncation=True, max_length=self.max_length,
+                                 return_tensors="pt", **special)
+            cut += sum(len(ids) > self.max_length for ids in self.tokenizer(chunk, **special)["input_ids"])  # to warn
             enc = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             out += self.model(**enc).logits[:, 0].float().cpu().tolist()
         if cut and not self.warned:

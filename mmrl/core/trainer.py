@@ -56,7 +56,7 @@ from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
-from mmrl.core.master import MasterWeights
+from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
@@ -141,11 +141,17 @@ class Trainer:
                               "(train in bfloat16 or float32; float16 is fine for eval and sample)")
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
-        self.ema = self.method.weight_average(self.params)  # e.g. Flow-GRPO's EMA; usually None
         oc = cfg.optim
-        self.master = MasterWeights(self.params) if oc.master_weights else None
+        if oc.master_weights and training:
+            self.master = MasterWeights(self.params)
+        else:  # gradients stay on the parameters (and eval allocates no copies)
+            release(self.params)
+            self.master = None
         # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
         self.opt_params = self.master.masters if self.master is not None else self.params
+        # e.g. Flow-GRPO's EMA (usually None), of the float32 copies: a bfloat16 average would
+        # round away most of each small step toward the weights
+        self.ema = self.method.weight_average(self.opt_params)
         self.optimizer = distributed.adamw(self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                            weight_decay=oc.weight_decay, shard=oc.shard_state)
         updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
@@ -416,7 +422,7 @@ class Trainer:
         crash_point("update", self.step + 1)
         self.lr_scheduler.step()
         if self.ema is not None:
-            self.ema.update(self.params)
+            self.ema.update(self.opt_params)
         tally["updates"] += 1
         sums["loss/total"] += loss_value
         sums["loss/grad_norm"] += grad_norm

@@ -189,6 +189,8 @@ CONFIG_ROWS = {
     "token-length-key-diffusion": Row("diffusion", lambda t: train(t, "rollout.max_new_tokens=64"),
                                       lambda t: ["rollout: max_new_tokens is a language model's sampling setting",
                                                  "rollout.num_steps"]),
+    "reward-model-atom-diffusion": Row("diffusion", lambda t: train(t, "reward.atoms=[{reward_model: rm}]"),
+                                       lambda t: ["a reward_model atom scores text", "task.image_atoms"]),
     # inf and nan: no config number takes them (a bound such as gt=0 lets inf through)
     "inf-number-dllm": Row("dllm", lambda t: train(t, "optim.lr=inf"), lambda t: ["optim.lr", "finite number"]),
     "nan-number-vlm": Row("vlm", lambda t: train(t, "method.kl.beta=nan"), lambda t: ["method.kl.beta", "finite number"]),
