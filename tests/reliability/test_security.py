@@ -175,7 +175,7 @@ def test_the_config_yaml_loader_is_the_safe_loader():
 
 
 def test_user_python_files_are_imported_only_at_known_call_sites():
-    """Every place that imports a user's Python file (atom, tool, parser, preference factory)
+    """Every place that imports a user's Python file (atom, tool, parser, preference factory, plugin)
     goes through import_python_file, called from a loader that is handed a config's spec."""
     sites = set()
     for f in python_files():
@@ -195,6 +195,7 @@ def test_user_python_files_are_imported_only_at_known_call_sites():
         ("mmrl/vlm/tools.py", "build_registry", "import_python_file"),  # task tools: "file.py:fn"
         ("diffusion_rl/scene_graph.py", "load_parser", "import_python_file"),  # method.parser
         ("diffusion_rl/rewards.py", "_load_factory", "import_python_file"),  # preference kind "custom"
+        ("mmrl/core/plugins.py", "load", "import_python_file"),  # a config's plugins: [file.py]
     }, f"a new place imports user files: review it, then list it here: {sorted(sites)}"
 
 
