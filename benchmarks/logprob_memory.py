@@ -4,7 +4,8 @@ layer gives them, log-probs of random targets, a weighted sum, backward. Each fo
 fresh process, and its peak resident memory (VmHWM, reset once the inputs exist) less the
 memory held before is what the log-prob computation adds (the logits' gradient included).
 
-    python benchmarks/logprob_memory.py                       # N 2, T 1024, V 151936 (Qwen2.5)
+    python benchmarks/logprob_memory.py                       # N 2, T 1024, V 151936 (Qwen2.5), sliced
+    python benchmarks/logprob_memory.py --contiguous          # a contiguous [N, T, V]
     python benchmarks/logprob_memory.py --chunk 512 --rows 4
 """
 
@@ -29,13 +30,17 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def one(rows: int, tokens: int, vocab: int, chunk: int | None) -> dict:
+def one(rows: int, tokens: int, vocab: int, chunk: int | None, sliced: bool) -> dict:
     import torch
 
     from mmrl.core.logprob import token_logprobs
 
     torch.manual_seed(0)
-    logits = torch.randn(rows, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
+    if sliced:  # as the VLM passes them: out.logits[:, :-1] of the kept positions, not contiguous
+        full = torch.randn(rows, tokens + 1, vocab, dtype=torch.bfloat16).requires_grad_()
+        logits = full[:, :-1]
+    else:
+        full = logits = torch.randn(rows, tokens, vocab, dtype=torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (rows, tokens))
     weights = torch.randn(rows, tokens)
     reset_peak()  # creating the inputs had its own peak
@@ -45,8 +50,8 @@ def one(rows: int, tokens: int, vocab: int, chunk: int | None) -> dict:
     (logp * weights).sum().backward()
     seconds = time.perf_counter() - t0
     added = status_bytes("VmHWM") - base  # before the check below makes a float32 copy of the gradient
-    grad_norm = float(logits.grad.float().norm())
-    return {"chunk": chunk, "added_peak_bytes": added, "seconds": seconds,
+    grad_norm = float(full.grad.float().norm())
+    return {"chunk": chunk, "sliced": sliced, "added_peak_bytes": added, "seconds": seconds,
             "logits_bytes": logits.numel() * 2, "grad_norm": grad_norm}
 
 
@@ -56,15 +61,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--contiguous", action="store_true",
+                    help="contiguous logits (default: a [:, :-1] slice, as the VLM and dLLM pass them)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process's own run
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(one(args.rows, args.tokens, args.vocab, None if args.one == "plain" else args.chunk)))
+        print(json.dumps(one(args.rows, args.tokens, args.vocab, None if args.one == "plain" else args.chunk,
+                             not args.contiguous)))
         return
     rows = []
     for form in ("plain", "chunked"):
         out = subprocess.run([sys.executable, __file__, "--one", form, "--rows", str(args.rows), "--tokens",
-                              str(args.tokens), "--vocab", str(args.vocab), "--chunk", str(args.chunk)],
+                              str(args.tokens), "--vocab", str(args.vocab), "--chunk", str(args.chunk),
+                              *(["--contiguous"] if args.contiguous else [])],
                              check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     plain, chunked = rows

@@ -101,3 +101,35 @@ def test_model_logprob_chunk_trains_with_the_same_loss_and_gradient(modality, tm
     assert loss_c == pytest.approx(loss, rel=1e-5, abs=1e-7)
     assert float(grad.norm()) > 0
     torch.testing.assert_close(grad_c, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sliced_transposed_and_empty_inputs():
+    """What the callers pass: a slice such as out.logits[:, :-1] (not contiguous), read in views;
+    a transposed tensor; no positions at all."""
+    full, targets = _inputs(torch.float32, shape=(3, 6, 40))
+    sliced = full[:, :-1]
+    for logits in (sliced, full.detach().transpose(0, 1).contiguous().transpose(0, 1)[:, :-1].requires_grad_()):
+        plain = token_logprobs(logits, targets[:, :-1], 0.7)
+        (g_plain,) = torch.autograd.grad(plain.sum(), logits)
+        chunked = token_logprobs(logits, targets[:, :-1], 0.7, chunk=4)
+        (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+        torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g_chunked, g_plain, rtol=1e-5, atol=1e-6)
+    empty = torch.randn(2, 0, 40)
+    assert token_entropy(empty, 0.7, chunk=1).shape == (2, 0)
+    assert token_logprobs(empty.requires_grad_(), torch.zeros(2, 0, dtype=torch.long), chunk=4).shape == (2, 0)
+
+
+def test_chunked_on_the_simulated_device_with_banned_ids_as_a_list():
+    from simdevice import SIM, simulated_device
+
+    full, targets = _inputs(torch.float32, shape=(2, 6, 40))
+    cpu = token_logprobs(full[:, :-1], targets[:, :-1], 0.7, banned=[3, 17], chunk=3)
+    (g_cpu,) = torch.autograd.grad(cpu.sum(), full)
+    with simulated_device():
+        x = full.detach().to(SIM).requires_grad_()
+        lp = token_logprobs(x[:, :-1], targets[:, :-1].to(SIM), 0.7, banned=[3, 17], chunk=3)
+        lp.sum().backward()
+        assert lp.device == SIM and x.grad.device == SIM
+        got, grad = lp.detach().cpu(), x.grad.cpu()
+    assert torch.equal(got, cpu.detach()) and torch.equal(grad, g_cpu)

@@ -92,19 +92,17 @@ def test_bfloat16_resume_2_plus_2_equals_4_steps_with_the_masters(tmp_path):
 
 
 def test_a_second_trainer_on_the_same_policy_takes_the_gradients_over(tmp_path):
-    """Each parameter has one hook for life, routed to the newest trainer's copies; a trainer
-    built only to evaluate makes no copies and leaves gradients on the parameters."""
+    """Each parameter has one hook for life, routed to the newest training trainer's copies; a
+    trainer built only to evaluate makes no copies and leaves the routes alone; one without
+    master weights gives the gradients back to the parameters."""
     first = make_bf16(tmp_path, name="a")
     cfg = first.cfg.model_copy(update={"output_dir": str(tmp_path / "b")})
     evaluating = Trainer(cfg, first.policy, first.task, training=False)
     assert evaluating.master is None and evaluating.opt_params is evaluating.params
     batch, _ = first.scheduler.next_groups(version=0)
-    out = evaluating.method.loss(evaluating.policy, batch, batch.advantages, denom=None)
-    out.loss.backward()
-    assert all(p.grad is not None for p in first.params if p.requires_grad)  # released: grads stay
+    evaluating.method.loss(evaluating.policy, batch, batch.advantages, denom=None).loss.backward()
+    assert all(p.grad is None for p in first.params) and any(m.grad is not None for m in first.opt_params)
     first.optimizer.zero_grad(set_to_none=True)
-    for p in first.params:
-        p.grad = None
     second = Trainer(cfg, first.policy, first.task)
     before = [m.detach().clone() for m in first.opt_params]
     second.update(batch)
@@ -112,6 +110,11 @@ def test_a_second_trainer_on_the_same_policy_takes_the_gradients_over(tmp_path):
     assert any(m.grad is not None for m in second.opt_params)
     assert not torch.equal(torch.cat([m.detach().flatten() for m in second.opt_params]),
                            torch.cat([b.flatten() for b in before]))
+    plain = Trainer(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"master_weights": False})}),
+                    first.policy, first.task)
+    assert plain.master is None
+    plain.method.loss(plain.policy, batch, batch.advantages, denom=None).loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in plain.params)
 
 
 def test_the_weight_average_is_kept_of_the_float32_copies(tmp_path, monkeypatch):
@@ -128,3 +131,22 @@ def test_the_weight_average_is_kept_of_the_float32_copies(tmp_path, monkeypatch)
     trainer.update(batch)
     for a, s, m in zip(trainer.ema.average, start, trainer.opt_params):
         torch.testing.assert_close(a, s + 0.5 * (m.detach() - s))
+
+
+def test_routes_leave_the_parameters_movable_picklable_and_their_deep_copies_alone():
+    """No weakref to a parameter (torch.utils.swap_tensors, used to move modules of tensor
+    subclasses, refuses those), nothing unpicklable on it, and a deep copy is not routed."""
+    import copy
+    import io
+
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = MasterWeights(list(layer.parameters()))
+    twin = copy.deepcopy(layer)
+    twin(torch.randn(2, 4).to(torch.bfloat16)).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters()) and all(m.grad is None for m in master.masters)
+    torch.save(layer, io.BytesIO())
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.to(torch.float32)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)

@@ -281,9 +281,10 @@ class OptimConfig(Section):
     master_weights: bool = True
     """Trainable parameters stored below float32 (model.dtype bfloat16) get a float32 copy that
     the optimizer steps and gradients accumulate into; the model holds its rounding. Without
-    it most updates at a fine-tuning lr round away in bfloat16. Costs 6 bytes per such
-    parameter (the copy, and its gradient in float32); float32 parameters and LoRA adapters
-    need none. Only training makes copies (not eval). mmrl.core.master."""
+    it most updates at a fine-tuning lr round away in bfloat16. Costs 10 bytes more per such
+    parameter (the 4-byte copy; its gradient and AdamW's two moments in float32 instead of
+    bfloat16); float32 parameters and LoRA adapters need none. Only training makes copies (not
+    eval). mmrl.core.master."""
     shard_state: bool = False
     """Data parallel only: each process keeps AdamW's moments for its own share of the
     parameters, steps that share and broadcasts it (ZeRO stage 1). The same update; the moments

@@ -12,43 +12,33 @@ before. As each backward finishes with a parameter, a hook adds its gradient int
 float32 copy's and frees the low-precision one, so micro-batches also accumulate in float32.
 The trainer then reduces, clips and steps the copies, and `push` rounds them into the
 model. Float32 parameters (and LoRA adapters, which PEFT keeps in float32) need no copy:
-they are their own master, and a float32 run is unchanged. A bfloat16 parameter costs 6
-bytes more: its copy, and its gradient in float32.
+they are their own master, and a float32 run is unchanged. A bfloat16 parameter costs 10
+bytes more: its copy, and its gradient and AdamW's two moments in float32.
 
 A parameter has one hook for the life of the process, and it sends the gradient to the copy
 that the newest MasterWeights made (a second Trainer on the same policy takes them over;
-`release` gives a parameter its gradient back). The routes are weak, so a MasterWeights that
-is no longer used is freed with its copies.
+`release` gives a parameter its gradient back). The route is a number on the parameter and a
+weak reference to the copy in a table here: no reference to the parameter itself (a weakref
+to it would stop torch.utils.swap_tensors from moving its module), nothing unpicklable on it,
+and a MasterWeights no longer used is freed with its copies.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
 
-# id(parameter) -> (weak parameter, weak float32 copy), and the parameters that have the hook.
-# Keyed by id with the parameter's weakref checked, since tensors compare elementwise (no
-# WeakKeyDictionary); a dead parameter's entries go with it.
-_ROUTES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-_HOOKED: dict[int, weakref.ref] = {}
-
-
-def _weak(p: torch.Tensor, table: dict) -> weakref.ref:
-    """A weakref to `p` whose death removes p's entry from `table` (if the entry is still p's)."""
-    key = id(p)
-
-    def gone(ref: weakref.ref) -> None:
-        entry = table.get(key)
-        if (entry[0] if isinstance(entry, tuple) else entry) is ref:
-            del table[key]
-
-    return weakref.ref(p, gone)
+_ATTR = "_mmrl_master_route"
+_ROUTES: dict[int, tuple[int, weakref.ref]] = {}  # route number -> (id of its parameter, weak copy)
+_numbers = itertools.count()
 
 
 def _route(p: torch.Tensor):
-    entry = _ROUTES.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
+    entry = _ROUTES.get(p.__dict__.get(_ATTR, -1))
+    # a deep copy of the parameter carries the number, not the route: the id tells them apart
+    return entry[1]() if entry is not None and entry[0] == id(p) else None
 
 
 def _move_grad(p: torch.Tensor) -> None:
@@ -60,11 +50,18 @@ def _move_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
+def _hooked(p: torch.Tensor) -> bool:
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return any(h is _move_grad for h in hooks.values())
+
+
 def release(params: list[torch.nn.Parameter]) -> None:
     """Gradients of `params` stay on them again (a Trainer without master weights)."""
     for p in params:
-        if _route(p) is not None:
-            del _ROUTES[id(p)]
+        number = p.__dict__.pop(_ATTR, None)
+        entry = _ROUTES.get(number)
+        if entry is not None and entry[0] == id(p):  # not a deep copy's: the original keeps its route
+            del _ROUTES[number]
 
 
 class MasterWeights:
@@ -75,11 +72,11 @@ class MasterWeights:
         for p, m in zip(params, self.masters):
             if m is p:
                 continue
-            _ROUTES[id(p)] = (_weak(p, _ROUTES), weakref.ref(m))
-            hooked = _HOOKED.get(id(p))
-            if hooked is None or hooked() is not p:
+            number = next(_numbers)
+            p.__dict__[_ATTR] = number
+            _ROUTES[number] = (id(p), weakref.ref(m, lambda _ref, n=number: _ROUTES.pop(n, None)))
+            if not _hooked(p):
                 p.register_post_accumulate_grad_hook(_move_grad)
-                _HOOKED[id(p)] = _weak(p, _HOOKED)
 
     @staticmethod
     def _copy(p: torch.Tensor) -> torch.nn.Parameter:

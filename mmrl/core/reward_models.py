@@ -13,7 +13,9 @@ What it reads: the sample's prompt and completion as a user turn and an assistan
 the reward model's chat template, when its tokenizer has one (reward models are trained on
 conversations), else `template` ("{prompt}\\n{completion}" by default). A text longer than
 `max_length` (default: the model's limit) keeps its end, where the answer is, and a warning
-counts such texts once.
+counts such texts once. A tokenizer without a pad token of its own (none, or the end-of-sequence
+token) scores one text at a time, unpadded, whatever `batch_size` says: padding with the end
+token would hide the last token the classifier reads.
 """
 
 from __future__ import annotations

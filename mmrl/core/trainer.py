@@ -142,11 +142,9 @@ class Trainer:
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
         oc = cfg.optim
-        if oc.master_weights and training:
-            self.master = MasterWeights(self.params)
-        else:  # gradients stay on the parameters (and eval allocates no copies)
-            release(self.params)
-            self.master = None
+        self.master = MasterWeights(self.params) if oc.master_weights and training else None
+        if training and self.master is None:  # gradients stay on the parameters (an older trainer's
+            release(self.params)                # copies stop taking them); eval allocates no copies
         # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
         self.opt_params = self.master.masters if self.master is not None else self.params
         # e.g. Flow-GRPO's EMA (usually None), of the float32 copies: a bfloat16 average would

@@ -422,7 +422,7 @@ class VLMPolicy:
         if not entropy:
             return logp
         return logp, token_entropy(logits, self.temperature, banned=self.banned_ids,
-                                   chunk=self.logprob_chunk or logits.shape[0] * logits.shape[1])
+                                   chunk=self.logprob_chunk or max(1, logits.shape[1]))
 
     def _image_inputs(self, d: dict[str, Tensor], n: int) -> dict[str, Any]:
         """The model's image inputs for n rows. The G samples of a group carry the same images,
