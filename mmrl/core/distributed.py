@@ -53,7 +53,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-
 def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard: bool = False):
     """AdamW over `params`. With `shard` and several processes, ZeRO stage 1: each rank keeps
     the moments of its own share of the parameters, steps that share and broadcasts it, so the
@@ -78,6 +77,7 @@ def gather_optimizer_state(optimizer) -> None:
     the whole state (a collective; a no-op for an unsharded optimizer)."""
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)
+
 
 def _device() -> torch.device:
     """Where collectives run: a process group on NCCL alone reduces CUDA tensors only (accelerate's

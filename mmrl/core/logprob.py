@@ -19,7 +19,7 @@ from torch import Tensor
 def _scaled(logits: Tensor, temperature: float, banned) -> Tensor:
     x = logits.float() / temperature
     if banned is not None and len(banned):
-        x[..., banned] = float("-inf")  # x is a fresh float32 chunk: masking it in place is safe
+        x[..., banned] = float("-inf")  # x is a fresh float32 tensor (the division's): masking it in place is safe
     return x
 
 
@@ -66,11 +66,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, *,
     `banned` vocabulary ids (a list or tensor) at -inf. `chunk`: positions per chunk of the
     memory-saving form (module docstring); None: the plain form."""
     if chunk is None:
-        x = logits.float()
-        if banned is not None and len(banned):
-            x = x.clone() if x is logits else x
-            x[..., banned] = float("-inf")
-        return (x / temperature).log_softmax(-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+        return _scaled(logits, temperature, banned).log_softmax(-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if banned is not None:  # one index tensor where the logits are (not a list, per chunk)

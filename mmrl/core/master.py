@@ -77,6 +77,8 @@ class MasterWeights:
             _ROUTES[number] = (id(p), weakref.ref(m, lambda _ref, n=number: _ROUTES.pop(n, None)))
             if not _hooked(p):
                 p.register_post_accumulate_grad_hook(_move_grad)
+        # (index, parameter, its float32 copy) for the parameters that have one
+        self.copied = [(i, p, m) for i, (p, m) in enumerate(zip(params, self.masters)) if m is not p]
 
     @staticmethod
     def _copy(p: torch.Tensor) -> torch.nn.Parameter:
@@ -85,32 +87,30 @@ class MasterWeights:
     @property
     def active(self) -> bool:
         """Whether any parameter has a float32 copy (False: every parameter is float32)."""
-        return any(m is not p for p, m in zip(self.params, self.masters))
+        return bool(self.copied)
 
     @torch.no_grad()
     def push(self) -> None:
         """Round the stepped copies into the model's parameters."""
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)
+        for _, p, m in self.copied:
+            p.copy_(m)
 
     @torch.no_grad()
     def pull(self) -> None:
         """Take the model's parameters as the copies (after weights were loaded into the model)."""
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.copy_(p)
+        for _, p, m in self.copied:
+            m.copy_(p)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"master.{i}": m.detach() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
+        return {f"master.{i}": m.detach() for i, _, m in self.copied}
 
     @torch.no_grad()
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> bool:
         """The copies saved by `state_dict`; False (and the model's rounding kept) where the
         checkpoint has none, e.g. one saved with master weights off."""
-        saved = {i: tensors.get(f"master.{i}") for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
-        if not saved or any(t is None or t.shape != self.masters[i].shape for i, t in saved.items()):
+        saved = [(tensors.get(f"master.{i}"), m) for i, _, m in self.copied]
+        if not saved or any(t is None or t.shape != m.shape for t, m in saved):
             return False
-        for i, t in saved.items():
-            self.masters[i].copy_(t)
+        for t, m in saved:
+            m.copy_(t)
         return True

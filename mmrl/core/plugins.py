@@ -38,8 +38,8 @@ def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
     """Import each plugin file (once per process); a file that is missing or fails to import is
     a ConfigError naming it."""
     modules = []
-    for name in plugins:
-        path = resolve_file(name, base_dir).resolve()
+    for name, found in zip(plugins, absolute(plugins, base_dir)):
+        path = Path(found)
         if not path.is_file():
             raise ConfigError(f"plugins: {name!r}: file not found: {path}")
         if path not in _imported:

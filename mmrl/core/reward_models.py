@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mmrl.core.device import model_device
-from mmrl.core.rewards import RewardAtom, Sample
+from mmrl.core.rewards import RewardAtom, Sample, spec_file
 
 DTYPES = {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPEC_KEYS = ("reward_model", "name", "weight", "parents", "device", "batch_size", "max_length", "dtype", "template")
@@ -144,9 +144,7 @@ def atom_from_spec(spec: Mapping, index: int, base_dir: str | Path | None, devic
     if unknown:
         raise ValueError(f"reward spec {index} ({spec['reward_model']}): unknown keys {unknown} "
                          f"(allowed: {', '.join(SPEC_KEYS)})")
-    path = Path(str(spec["reward_model"])).expanduser()
-    if not path.is_absolute():
-        path = Path(base_dir if base_dir is not None else Path.cwd()) / path
+    path = spec_file(str(spec["reward_model"]), base_dir)
     kwargs = {k: spec[k] for k in SPEC_KEYS[1:] if k in spec}
     kwargs.setdefault("device", device or "cpu")
     try:
