@@ -181,9 +181,9 @@ def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
 # --------------------------------------------------------------------------- optimizer and RNG
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state_dict into safetensors-able tensors and JSON."""
-    sd = optimizer.state_dict()
+def optimizer_state(optimizer: torch.optim.Optimizer, sd: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state_dict (`sd`, else the optimizer's) into safetensors-able tensors and JSON."""
+    sd = optimizer.state_dict() if sd is None else sd
     tensors, scalars = {}, {}
     for idx, slots in sd["state"].items():
         for name, value in slots.items():
@@ -194,7 +194,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.T
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict, load=None) -> None:
+    """What optimizer_state split, back into the optimizer (through `load(state_dict)` if given)."""
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -203,7 +204,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: 
     for key, value in meta["scalars"].items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    (load or optimizer.load_state_dict)({"state": state, "param_groups": meta["param_groups"]})
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -290,6 +290,13 @@ class OptimConfig(Section):
     parameters, steps that share and broadcasts it (ZeRO stage 1). The same update; the moments
     per process are about 1 / processes of them, for one broadcast of the weights per optimizer
     step. No effect in one process."""
+    fsdp: bool = False
+    """Data parallel only: the model fully sharded with torch's FSDP2 (ZeRO stage 3). Each
+    process keeps 1 / processes of every weight, gradient and AdamW moment, in float32; a
+    bfloat16 model computes in bfloat16 (the float32 shards are its master weights). Rollouts and
+    evaluation gather the whole weights for their duration. For full fine-tuning with sync,
+    inline rollouts: refused with LoRA, method.ema, pipelined or remote engines, shard_state.
+    No effect in one process. mmrl.core.fsdp."""
 
     @model_validator(mode="after")
     def _betas_in_range(self):

@@ -50,7 +50,7 @@ import torch
 import yaml
 
 from mmrl.core import checkpoint as ckpt
-from mmrl.core import distributed
+from mmrl.core import distributed, fsdp
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
@@ -130,6 +130,9 @@ class Trainer:
         seed_everything(cfg.seed)
         self.reward = with_config_atoms(task, cfg)
         self.method = build_method(cfg, self.reward)
+        # whole on every rank, even under FSDP (built before the model is sharded)
+        self.reference = policy.reference() if self.method.needs_reference else None
+        self.method.reference = self.reference
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
         self.device = module_device(policy.model)
         if torch.cuda.is_available() and all(p.device.type == "cpu" for p in policy.model.parameters()):
@@ -141,8 +144,14 @@ class Trainer:
                               "(train in bfloat16 or float32; float16 is fine for eval and sample)")
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
+        self.sharded = None  # optim.fsdp: the model sharded over the ranks (mmrl.core.fsdp); no effect in one process
+        if cfg.optim.fsdp and training and self.world > 1:
+            fsdp.check(cfg, placement(cfg) if engines is None else "engines")
+            self.sharded = fsdp.Sharded(policy.model)
+            self.params = [p for p in policy.model.parameters() if p.requires_grad]  # the shards
         oc = cfg.optim
-        self.master = MasterWeights(self.params) if oc.master_weights and training else None
+        # under FSDP the float32 shards are the master weights
+        self.master = MasterWeights(self.params) if oc.master_weights and training and self.sharded is None else None
         if training and self.master is None:  # gradients stay on the parameters (an older trainer's
             release(self.params)                # copies stop taking them); eval allocates no copies
         # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
@@ -156,8 +165,6 @@ class Trainer:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
         self.stream = PromptStream(task.train_prompts(), cfg.seed)
-        self.reference = policy.reference() if self.method.needs_reference else None
-        self.method.reference = self.reference
         if placement(cfg) == "inline" and engines is None:
             self.scheduler = SyncScheduler(
                 cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
@@ -241,7 +248,8 @@ class Trainer:
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         eval_after = self.evaluate(samples_tag="after")
-        checksums = distributed.weights_checksum(self.params)
+        checksums = (distributed.weights_checksum(self.params) if self.sharded is None
+                     else [fsdp.checksum(self.params)] * self.world)  # the ranks share one model
         if not main:
             return {"eval_before": self.eval_before, "eval_after": eval_after, "steps": self.step}
         return self.write_summary(eval_after, time.perf_counter() - started, checksums)
@@ -257,7 +265,8 @@ class Trainer:
         if getattr(self.scheduler, "pipelined", False):
             batch, metrics = self.streamed_step()
         else:
-            batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
+            with self.gathered():
+                batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
             wait = time.perf_counter() - t0
             crash_point("rollout", self.step + 1)
             if batch is not None:
@@ -313,6 +322,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_value = 0.0
                 micros = torch.arange(len(mini)).split(tc.micro_batch_size or len(mini)) if len(mini) else ()
+                if self.sharded is not None:  # every rank runs the sharded forwards alike
+                    self._filler_passes(batch, len(micros), denom)
                 for micro_idx in micros:
                     micro = mini.select(micro_idx)
                     share = len(micro) / len(mini)
@@ -326,6 +337,19 @@ class Trainer:
                     for k, v in out.metrics.items():
                         sums[k] += v * share
                 self._optimizer_step(loss_value, sums, tally)
+
+    def _filler_passes(self, batch: RolloutBatch, micros: int, denom: float | None) -> None:
+        """Under FSDP each forward and backward gathers and reduces weights with every rank: a
+        rank with fewer micro-batches in this mini-batch (pruning, an uneven split) runs the
+        difference on one of its rows with the loss times 0, adding nothing to the gradient."""
+        extra = fsdp.filler_passes(micros)
+        if extra and not len(batch):
+            raise TrainingError(f"optim.fsdp: rank {distributed.rank()} has no rows to join the other ranks' "
+                                "forward passes with this step")
+        for _ in range(extra):
+            row = batch.select(torch.arange(1))
+            with update_mode(self.policy.model):
+                (self.method.loss(self.policy, row, row.advantages, denom=denom).loss * 0.0).backward()
 
     def streamed_step(self) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pipelined: train on each group as it arrives; step the optimizer every U groups.
@@ -406,10 +430,11 @@ class Trainer:
 
     def _optimizer_step(self, loss_value: float, sums: dict, tally: dict) -> None:
         """Sum gradients over processes, clip, and step unless the loss or gradient is not finite."""
-        distributed.sum_gradients(self.opt_params)
+        if self.sharded is None:  # FSDP's backward has reduce-scattered them already
+            distributed.sum_gradients(self.opt_params)
         loss_value = distributed.sum_scalar(loss_value)  # every rank decides alike
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.opt_params,
-                                                         self.cfg.optim.max_grad_norm or float("inf")))
+        norm = torch.nn.utils.clip_grad_norm_(self.opt_params, self.cfg.optim.max_grad_norm or float("inf"))
+        grad_norm = float(fsdp.Sharded.whole(norm))  # of the whole gradient, under FSDP too
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             tally["bad"] += 1
@@ -468,7 +493,7 @@ class Trainer:
         fixed-seed sample grid into <output>/samples/ under that tag (before / after)."""
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
-            with fork_rng(self.policy.model), torch.no_grad(), self.averaged_weights():
+            with fork_rng(self.policy.model), torch.no_grad(), self.averaged_weights(), self.gathered():
                 self.policy.model.eval()
                 result = self.task.evaluate(self.policy)
                 if samples_tag and distributed.is_main() and hasattr(self.task, "save_samples"):
@@ -478,6 +503,11 @@ class Trainer:
             np.random.set_state(np_state)
         return {k: float(v) for k, v in result.items()}
 
+    def gathered(self):
+        """Under FSDP, a context with the whole weights in every rank's model (a collective), for
+        forwards that ranks make in different numbers (rollouts, evaluation); else a no-op."""
+        return self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext()
+
     def averaged_weights(self):
         """A context with the method's averaged weights in the model (a no-op without one)."""
         return self.ema.applied(self.params) if self.ema is not None else contextlib.nullcontext()
@@ -486,12 +516,14 @@ class Trainer:
 
     def save(self) -> Path | None:
         distributed.gather_optimizer_state(self.optimizer)  # every rank, before the main one writes
+        whole = self._whole_state()  # every rank (FSDP: all-gathers); None without FSDP
         if not distributed.is_main():  # ranks hold identical state: the main one writes it
             self.saved_step = self.step
             return None
-        if not all(bool(torch.isfinite(p).all()) for p in self.params):
+        params = whole["params"] if whole else self.params
+        if not all(bool(torch.isfinite(p).all()) for p in params):
             raise TrainingError(f"step {self.step}: the weights are not finite; no checkpoint was written")
-        opt_tensors, opt_meta = ckpt.optimizer_state(self.optimizer)
+        opt_tensors, opt_meta = ckpt.optimizer_state(self.optimizer, whole and whole["optimizer"])
         rng_tensors, rng_meta = ckpt.rng_state({"rollout": self.generator})
         state = {
             "step": self.step,
@@ -508,6 +540,12 @@ class Trainer:
         }
         tensors = {**opt_tensors, **rng_tensors, **(self.master.state_dict() if self.master is not None else {})}
         write_model = self.policy.save_pretrained
+        if whole:  # the float32 weights, as master weights are saved; model/ from the whole state
+            tensors.update({f"master.{i}": p for i, p in enumerate(params)})
+
+            def write_model(path):
+                with self.sharded.writable(whole["model"]):
+                    self.policy.save_pretrained(path)
         if self.ema is not None:  # model/ holds the average; the raw weights go here, for --resume
             ema_tensors, state["ema"] = self.ema.state_dict()
             tensors.update(ema_tensors)
@@ -523,15 +561,38 @@ class Trainer:
         self.saved_step = self.step
         return path
 
+    def _whole_state(self) -> dict | None:
+        """Under FSDP, what a checkpoint holds, gathered whole (every rank calls; the main rank
+        keeps it): the model's state_dict, the float32 trainable weights, AdamW's state."""
+        if self.sharded is None:
+            return None
+        params = [self.sharded.whole(p.detach()) for p in self.params]
+        state = self.sharded.model_state()
+        optimizer = self.sharded.optimizer_state(self.optimizer)
+        return {"model": state, "params": params, "optimizer": optimizer} if distributed.is_main() else None
+
+    def _load_sharded(self, path: Path, tensors: dict) -> None:
+        """Under FSDP: each rank takes its shard of the float32 weights a checkpoint holds."""
+        whole = [tensors.get(f"master.{i}") for i in range(len(self.params))]
+        if any(t is None or t.shape != p.shape for t, p in zip(whole, self.params)):
+            raise TrainingError(f"--resume: {path} holds no float32 copy of each trainable weight (it was saved "
+                                "without optim.fsdp, and in float32): resume it with optim.fsdp=false")
+        self.sharded.load_params(self.params, whole)
+
     def load(self, path: Path) -> None:
         tensors, state = ckpt.load_checkpoint(path)
         # The KL reference stays as built in __init__: the starting weights, not the checkpoint's.
-        self.policy.load_weights(path / "model")
+        if self.sharded is not None:
+            self._load_sharded(path, tensors)
+        else:
+            self.policy.load_weights(path / "model")
         self._load_averaged(path, tensors, state)
         if self.master is not None:  # the float32 copies as saved; else the loaded weights
             self.master.pull()
             self.master.load_state_dict(tensors)
-        ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"])
+        ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"],
+                                  load=self.sharded and (lambda sd: self.sharded.load_optimizer_state(
+                                      self.optimizer, self.params, sd)))
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._apply_optim_config()
         ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})

@@ -1,0 +1,180 @@
+"""Fully sharded data parallel (optim.fsdp): ZeRO stage 3 with torch's FSDP2 (`fully_shard`).
+
+Each transformer block (the model's `_no_split_modules`) and then the whole model become FSDP
+units: every rank keeps 1 / world of each weight, of its gradient and of AdamW's moments, in
+float32. A forward all-gathers a unit's weights just before it runs and frees them after; a
+backward reduce-scatters each unit's gradient into the shards. A bfloat16 model computes in
+bfloat16 (FSDP's MixedPrecisionPolicy casts the gathered weights) while the float32 shards are
+what the optimizer steps: the master weights of mmrl.core.master, sharded.
+
+Collectives need every rank to run the same forwards, which sampling does not give (a rank
+whose sequences end sooner makes fewer). So rollouts, evaluation and checkpoints run inside
+`gathered()`: each unit gathers its whole weights once, keeps them (as vLLM colocated with an
+FSDP trainer does in verl) and forwards there are local; the units reshard when it ends.
+Training forwards run sharded; the trainer pads every rank to the same number of micro-batches.
+
+Checkpoints are the unsharded run's: the main rank writes model/ from the gathered weights,
+the float32 weights as `master.{i}` and AdamW's moments whole, indexed as without FSDP.
+
+What stays whole on every rank: the KL reference (built before sharding), and the gathered
+weights during rollouts. Not combined with LoRA, a method's weight average (Flow-GRPO's EMA),
+pipelined or remote rollout engines, or optim.shard_state (Sharded.check refuses them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from mmrl.core import distributed
+from mmrl.core.config import ConfigError
+from mmrl.core.device import module_device
+
+
+def check(cfg, placement: str) -> None:
+    """The settings FSDP is built for here; a ConfigError names any other."""
+    if getattr(cfg.model, "lora", None) is not None:
+        raise ConfigError("optim.fsdp shards full fine-tuning; with model.lora the frozen base needs no "
+                          "optimizer state (set optim.fsdp=false, or model.lora=null)")
+    if getattr(cfg.method, "ema", None) is not None:
+        raise ConfigError("optim.fsdp cannot keep method.ema's average of the weights (it would be whole on "
+                          "every rank): set method.ema=null, or optim.fsdp=false")
+    if placement != "inline":
+        raise ConfigError("optim.fsdp rolls out with the trainer's own gathered weights: set "
+                          "rollout.scheduler.mode=sync and rollout.engine=hf (pipelined or remote engines "
+                          "hold whole copies of their own)")
+    if cfg.optim.shard_state:
+        raise ConfigError("optim.fsdp already shards AdamW's moments: leave optim.shard_state false")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, innermost first (FSDP wants children sharded before parents)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if not found:  # no declared block type: each element of each ModuleList of layers
+        found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst
+                 if any(True for _ in m.parameters())]
+    return found[::-1]
+
+
+class Sharded:
+    """`model`, fully sharded across the process group in place (its class becomes FSDP<name>)."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        device = module_device(model)
+        if torch.distributed.get_backend() == "nccl" and device.type != "cuda":
+            raise ConfigError("optim.fsdp under NCCL (a GPU launch) needs the model on the GPU: set model.device=cuda")
+        # the model's device, not the first accelerator FSDP would pick (a CPU model on a GPU machine)
+        mesh = init_device_mesh(device.type, (distributed.world_size(),))
+        self.model = model
+        self.dtypes = {k: v.dtype for k, v in model.state_dict().items()}  # what checkpoints hold
+        low = {p.dtype for p in model.parameters()} - {torch.float32}
+        if len(low) > 1:
+            raise ConfigError(f"optim.fsdp: the model holds weights in several dtypes ({sorted(map(str, low))})")
+        # float32 shards (the master weights); forwards in the model's dtype
+        policy = MixedPrecisionPolicy(param_dtype=next(iter(low), None), reduce_dtype=torch.float32)
+        if low:
+            model.to(torch.float32)
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        # FSDP takes the first unit to run a forward as the root; a rollout may first call a block
+        # alone (a vision tower encoding images): make the whole model the root now
+        model._get_fsdp_state()._lazy_init()
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in self.units:
+            # gradients summed over ranks, not averaged: the trainer's loss is already the global
+            # mini-batch's (its normaliser summed over ranks), as distributed.sum_gradients assumes
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-scaled one
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every rank (a collective): the whole weights stay in every unit until the end, so
+        forwards in between (rollouts, evaluation, any number per rank) need no collectives."""
+        self._depth += 1
+        if self._depth == 1:
+            for unit in self.units:
+                unit.unshard()
+                unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                for unit in self.units:
+                    unit.reshard()
+                    unit.set_reshard_after_forward(True, recurse=False)
+
+    # ---------------------------------------------------------------- checkpoints (collectives)
+
+    @staticmethod
+    def whole(t):
+        """A sharded tensor whole, on the CPU (every rank: an all-gather); others as they are."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor().cpu() if isinstance(t, DTensor) else t
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict whole and in its own dtypes (every rank calls; all get it)."""
+        return {k: self.whole(v.detach()).to(self.dtypes.get(k, v.dtype))
+                for k, v in self.model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def writable(self, state: dict[str, torch.Tensor]):
+        """save_pretrained (HF and diffusers alike) reads model.state_dict(), which FSDP answers
+        with shards: for the time of a write it answers with `state`, the whole weights."""
+        self.model.state_dict = lambda *args, **kwargs: dict(state)
+        try:
+            yield
+        finally:
+            del self.model.state_dict
+
+    def optimizer_state(self, optimizer) -> dict:
+        """optimizer.state_dict() with every moment whole (every rank calls)."""
+        sd = optimizer.state_dict()
+        return {"state": {i: {k: self.whole(v) for k, v in slots.items()} for i, slots in sd["state"].items()},
+                "param_groups": sd["param_groups"]}
+
+    @staticmethod
+    def shard_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor `t` shaped like the sharded parameter `p`."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not isinstance(p, DTensor) or t.shape != p.shape:
+            return t
+        return distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+
+    @torch.no_grad()
+    def load_params(self, params: list[nn.Parameter], whole: list[torch.Tensor]) -> None:
+        for p, t in zip(params, whole):
+            p.copy_(self.shard_like(t, p))
+
+    def load_optimizer_state(self, optimizer, params: list[nn.Parameter], state: dict) -> None:
+        """A whole state_dict (as optimizer_state wrote it) into the sharded optimizer."""
+        for i, slots in state["state"].items():
+            p = params[int(i)]
+            for k, v in slots.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    slots[k] = self.shard_like(v, p)
+        optimizer.load_state_dict(state)
+
+
+def checksum(params: list[nn.Parameter]) -> float:
+    """Sum of |w| over the whole sharded weights (every rank calls; all get it)."""
+    from torch.distributed.tensor import DTensor
+
+    local = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().abs().sum()) for p in params)
+    return distributed.sum_scalar(local)
+
+
+def filler_passes(micros: int) -> int:
+    """How many forward-backward passes of no weight this rank adds so that every rank makes
+    as many as the rank with the most micro-batches (a collective)."""
+    return int(max(distributed.gather_scalar(float(micros)))) - micros
