@@ -52,6 +52,12 @@ def _rank(rank, port, tmp, out):
             batch = global_batch(trainer).select(torch.arange(8))
             metrics = trainer.update(batch.select(torch.arange(1) if rank == 0 else torch.arange(1, 8)))
             record[name] = {"weights": whole_weights(trainer), "updates": metrics["train/updates"]}
+        # tied weights (an output layer sharing the embedding) stay one tensor for save_pretrained
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tied = LlamaForCausalLM(LlamaConfig(**{**toy.tiny_llama().config.to_dict(), "tie_word_embeddings": True}))
+        state = fsdp.Sharded(tied).model_state(keep=rank == 0)
+        record["tied"] = state is None or state["lm_head.weight"] is state["model.embed_tokens.weight"]
         torch.save(record, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -110,7 +116,13 @@ def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(run
     masters = [tensors[f"master.{i}"] for i in range(len(ranks[0]["sharded-bf16"]["weights"]))]
     assert all(m.dtype == torch.float32 for m in masters)
     assert close(masters, ranks[0]["sharded-bf16"]["weights"], atol=0)
+    import json
+
     from safetensors.torch import load_file
+
+    config = json.loads((step_dir(tmp / "sharded-bf16" / "checkpoints", 2) / "model" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"  # save_pretrained reads the gathered weights' dtype
+    assert all(r["tied"] for r in ranks)
 
     saved = load_file(step_dir(tmp / "sharded-bf16" / "checkpoints", 2) / "model" / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {torch.bfloat16}
@@ -153,3 +165,42 @@ def test_one_process_trains_unsharded(tmp_path):
     cfg = _config(tmp_path, True, 1)
     trainer = Trainer(cfg, *toy.build(cfg))
     assert trainer.sharded is None and all(type(p) is torch.nn.Parameter for p in trainer.params)
+
+
+def _vlm_rank(rank, port, out):
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        from mmrl.vlm import backend
+
+        cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"output_dir={out}-run"])
+        policy, task = backend.build(cfg)
+        sharded = fsdp.Sharded(policy.model)
+        with sharded.gathered(), torch.no_grad():
+            for _ in range(1 + rank):  # ranks generate different numbers of times (AXPO's extra samples)
+                batch = policy.generate(task.train_prompts()[:1], 2, cfg.rollout, torch.Generator().manual_seed(0))
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the loop's next collective meets the other rank's
+        torch.save({"rows": len(batch), "total": float(total)}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vlm_ranks_generate_on_their_own_with_the_weights_gathered(tmp_path):
+    """transformers makes generate a collective on a sharded model (synced_gpus) unless told
+    otherwise: ranks that generate different numbers of times would wait for each other."""
+    out = str(tmp_path / "record")
+    mp.spawn(_vlm_rank, args=(free_port(), out), nprocs=2, join=True)
+    assert [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)] == [{"rows": 2, "total": 2.0}] * 2
+
+
+def test_vlm_training_prompts_without_images_are_refused_under_fsdp():
+    from types import SimpleNamespace
+
+    from mmrl.vlm.policy import VLMPolicy
+
+    prompts = [SimpleNamespace(images=["a.png"]), SimpleNamespace(images=[])]
+    with pytest.raises(ConfigError, match="1 of 2 training prompts have no image"):
+        VLMPolicy.check_sharded(None, prompts)

@@ -57,6 +57,7 @@ from dllm_rl.samplers import state_at
 from mmrl.core.advantages import zero_variance_groups
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
+from mmrl.core.fsdp import is_sharded
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
 from mmrl.core.method import register_method
 
@@ -143,8 +144,12 @@ class ForkEstimator(EstimatorBase):
         target = batch.data["fork_row"]  # [N, C]
         rows = fork_rows(target, cs)
         if rows.sample.numel() == 0:  # nothing to score; a leaf keeps loss.backward() legal
-            return torch.zeros(completion.shape, dtype=torch.float32,
-                               device=completion.device).requires_grad_(torch.is_grad_enabled())
+            zeros = torch.zeros(completion.shape, dtype=torch.float32,
+                                device=completion.device).requires_grad_(torch.is_grad_enabled())
+            if torch.is_grad_enabled() and is_sharded(policy.model):  # each rank's training pass runs the
+                x = torch.cat([batch.data["prompt_ids"][:1], completion[:1]], 1)  # sharded forward alike
+                zeros = zeros + 0.0 * policy.logits(x, batch.data["prompt_valid"][:1]).float().sum()
+            return zeros
         noisy = row_states(completion, cs, rows, policy.predictor.mask_token_id)  # [R, C]
         x = torch.cat([batch.data["prompt_ids"][rows.sample], noisy], 1)  # [R, P + C]
         logits = policy.logits(x, batch.data["prompt_valid"][rows.sample])[:, policy.prompt_length:]

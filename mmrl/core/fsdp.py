@@ -78,15 +78,18 @@ class Sharded:
             raise ConfigError(f"optim.fsdp: the model holds weights in several dtypes ({sorted(map(str, low))})")
         # float32 shards (the master weights); forwards in the model's dtype
         policy = MixedPrecisionPolicy(param_dtype=next(iter(low), None), reduce_dtype=torch.float32)
-        if low:
-            model.to(torch.float32)
+        # float32 a block at a time, each sharded before the next is cast: never the whole model in
+        # float32 on one rank
         for block in _blocks(model):
+            _to_float32(block)
             fully_shard(block, mesh=mesh, mp_policy=policy)
+        _to_float32(model)  # what is left: embeddings, norms, the output layer
         fully_shard(model, mesh=mesh, mp_policy=policy)
         # FSDP takes the first unit to run a forward as the root; a rollout may first call a block
         # alone (a vision tower encoding images): make the whole model the root now
         model._get_fsdp_state()._lazy_init()
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.blocks = [u for u in self.units if u is not model]  # FSDP keeps the root whole after forward
         for unit in self.units:
             # gradients summed over ranks, not averaged: the trainer's loss is already the global
             # mini-batch's (its normaliser summed over ranks), as distributed.sum_gradients assumes
@@ -102,29 +105,45 @@ class Sharded:
         if self._depth == 1:
             for unit in self.units:
                 unit.unshard()
+            for unit in self.blocks:
                 unit.set_reshard_after_forward(False, recurse=False)
         try:
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
+                for unit in self.blocks:
+                    unit.set_reshard_after_forward(True, recurse=False)
                 for unit in self.units:
                     unit.reshard()
-                    unit.set_reshard_after_forward(True, recurse=False)
 
     # ---------------------------------------------------------------- checkpoints (collectives)
 
     @staticmethod
-    def whole(t):
-        """A sharded tensor whole, on the CPU (every rank: an all-gather); others as they are."""
+    def whole(t, keep: bool = True):
+        """A sharded tensor whole, on the CPU (every rank: an all-gather), or None where not `keep`
+        (ranks other than the writer drop it at once); others as they are."""
         from torch.distributed.tensor import DTensor
 
-        return t.full_tensor().cpu() if isinstance(t, DTensor) else t
+        if not isinstance(t, DTensor):
+            return t
+        full = t.full_tensor()
+        return full.cpu() if keep else None
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict whole and in its own dtypes (every rank calls; all get it)."""
-        return {k: self.whole(v.detach()).to(self.dtypes.get(k, v.dtype))
-                for k, v in self.model.state_dict().items()}
+    def model_state(self, keep: bool) -> dict[str, torch.Tensor] | None:
+        """The model's state_dict whole and in its own dtypes, on the ranks that `keep` it (every
+        rank calls). Tied weights (an output layer sharing the embedding) stay one tensor, so
+        save_pretrained writes them once, as without FSDP."""
+        # tied entries are one parameter under two names (the same on every rank, unlike memory addresses)
+        owner = {name: id(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
+        out, seen = {}, {}
+        for k, v in self.model.state_dict().items():
+            key = owner.get(k, k)
+            if key not in seen:
+                t = self.whole(v.detach(), keep)
+                seen[key] = None if t is None else t.to(self.dtypes.get(k, v.dtype))
+            out[k] = seen[key]
+        return out if keep else None
 
     @contextlib.contextmanager
     def writable(self, state: dict[str, torch.Tensor]):
@@ -136,11 +155,11 @@ class Sharded:
         finally:
             del self.model.state_dict
 
-    def optimizer_state(self, optimizer) -> dict:
-        """optimizer.state_dict() with every moment whole (every rank calls)."""
+    def optimizer_state(self, optimizer, keep: bool) -> dict | None:
+        """optimizer.state_dict() with every moment whole, on the ranks that `keep` it (every rank calls)."""
         sd = optimizer.state_dict()
-        return {"state": {i: {k: self.whole(v) for k, v in slots.items()} for i, slots in sd["state"].items()},
-                "param_groups": sd["param_groups"]}
+        state = {i: {k: self.whole(v, keep) for k, v in slots.items()} for i, slots in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]} if keep else None
 
     @staticmethod
     def shard_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -166,6 +185,22 @@ class Sharded:
         optimizer.load_state_dict(state)
 
 
+def _to_float32(module: nn.Module) -> None:
+    """The module's own unsharded parameters in float32, in place (the sharded ones already are)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` is sharded by optim.fsdp (its forwards are collectives outside `gathered`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def checksum(params: list[nn.Parameter]) -> float:
     """Sum of |w| over the whole sharded weights (every rank calls; all get it)."""
     from torch.distributed.tensor import DTensor
@@ -174,7 +209,13 @@ def checksum(params: list[nn.Parameter]) -> float:
     return distributed.sum_scalar(local)
 
 
-def filler_passes(micros: int) -> int:
+def filler_passes(micros: int, rows: int) -> int:
     """How many forward-backward passes of no weight this rank adds so that every rank makes
-    as many as the rank with the most micro-batches (a collective)."""
-    return int(max(distributed.gather_scalar(float(micros)))) - micros
+    as many as the rank with the most micro-batches (a collective). Every rank raises alike
+    where one that needs such a pass has no `rows` to make it with."""
+    counts = distributed.gather_objects((micros, rows))
+    most = max(m for m, _ in counts)
+    stuck = [r for r, (m, n) in enumerate(counts) if m < most and n == 0]
+    if stuck:
+        raise RuntimeError(f"optim.fsdp: rank {stuck[0]} has no rows to join the other ranks' forward passes")
+    return most - micros

@@ -147,6 +147,8 @@ class Trainer:
         self.sharded = None  # optim.fsdp: the model sharded over the ranks (mmrl.core.fsdp); no effect in one process
         if cfg.optim.fsdp and training and self.world > 1:
             fsdp.check(cfg, placement(cfg) if engines is None else "engines")
+            if hasattr(policy, "check_sharded"):  # what a backend's sharded model cannot train on
+                policy.check_sharded(task.train_prompts())
             self.sharded = fsdp.Sharded(policy.model)
             self.params = [p for p in policy.model.parameters() if p.requires_grad]  # the shards
         oc = cfg.optim
@@ -342,10 +344,10 @@ class Trainer:
         """Under FSDP each forward and backward gathers and reduces weights with every rank: a
         rank with fewer micro-batches in this mini-batch (pruning, an uneven split) runs the
         difference on one of its rows with the loss times 0, adding nothing to the gradient."""
-        extra = fsdp.filler_passes(micros)
-        if extra and not len(batch):
-            raise TrainingError(f"optim.fsdp: rank {distributed.rank()} has no rows to join the other ranks' "
-                                "forward passes with this step")
+        try:
+            extra = fsdp.filler_passes(micros, len(batch))
+        except RuntimeError as e:  # on every rank alike
+            raise TrainingError(f"{e} (a method's pruning left none)") from e
         for _ in range(extra):
             row = batch.select(torch.arange(1))
             with update_mode(self.policy.model):
@@ -517,6 +519,12 @@ class Trainer:
     def save(self) -> Path | None:
         distributed.gather_optimizer_state(self.optimizer)  # every rank, before the main one writes
         whole = self._whole_state()  # every rank (FSDP: all-gathers); None without FSDP
+        # FSDP: the model's own weights whole while the main rank writes, as save_pretrained reads
+        # their dtype (gathered after _whole_state, as FSDP's state_dict() reshards)
+        with self.gathered():
+            return self._write(whole)
+
+    def _write(self, whole: dict | None) -> Path | None:
         if not distributed.is_main():  # ranks hold identical state: the main one writes it
             self.saved_step = self.step
             return None
@@ -566,10 +574,11 @@ class Trainer:
         keeps it): the model's state_dict, the float32 trainable weights, AdamW's state."""
         if self.sharded is None:
             return None
-        params = [self.sharded.whole(p.detach()) for p in self.params]
-        state = self.sharded.model_state()
-        optimizer = self.sharded.optimizer_state(self.optimizer)
-        return {"model": state, "params": params, "optimizer": optimizer} if distributed.is_main() else None
+        keep = distributed.is_main()
+        params = [self.sharded.whole(p.detach(), keep) for p in self.params]
+        state = self.sharded.model_state(keep)
+        optimizer = self.sharded.optimizer_state(self.optimizer, keep)
+        return {"model": state, "params": params, "optimizer": optimizer} if keep else None
 
     def _load_sharded(self, path: Path, tensors: dict) -> None:
         """Under FSDP: each rank takes its shard of the float32 weights a checkpoint holds."""

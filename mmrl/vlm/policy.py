@@ -210,6 +210,7 @@ class VLMPolicy:
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=not forward,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
                 **self._stop_kwargs(getattr(rollout, "stop", None)),
+                synced_gpus=False,  # under optim.fsdp too: the weights are gathered, ranks decode on their own
             )
         p = inputs["input_ids"].shape[1]
         completion = out.sequences[:, p:]  # [N, T]
@@ -467,6 +468,15 @@ class VLMPolicy:
         return {**{k: v for k, v in inputs.items() if k != "pixel_values"},
                 "mm_encoder_outputs": shared["mm_encoder_outputs"]}
 
+    def check_sharded(self, prompts) -> None:
+        """optim.fsdp: the sharded vision tower's blocks gather their weights in every rank's
+        forward alike, so a training prompt without an image (a rank's micro-batch that skips the
+        tower while another's runs it) would stall the ranks: refused."""
+        bare = sum(1 for p in prompts if not getattr(p, "images", None))
+        if bare:
+            raise ConfigError(f"optim.fsdp: {bare} of {len(prompts)} training prompts have no image; with the "
+                              "vision tower sharded every training prompt needs one (or set optim.fsdp=false)")
+
     @property
     def _takes_encoded_images(self) -> bool:
         from torch.distributed.fsdp import FSDPModule
@@ -530,6 +540,7 @@ class VLMPolicy:
             seqs = self.model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
+                synced_gpus=False,  # as in generate
             )
             completion = seqs[:, enc["input_ids"].shape[1]:]
             texts = self.decode(completion, self.completion_mask(completion))

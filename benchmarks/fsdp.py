@@ -1,0 +1,99 @@
+"""Training state per rank with and without optim.fsdp (FSDP2, ZeRO stage 3), two CPU processes
+(gloo), each backend's bundled model and default config, in float32 and in bfloat16: one
+training step each, then the bytes each rank holds of weights, float32 master weights,
+gradients and AdamW's moments, and how far the sharded run's weights are from the whole run's.
+
+Without FSDP a bfloat16 run holds its bfloat16 weights plus float32 master weights, gradients
+and moments (optim.master_weights); with it each rank holds 1 / processes of the float32
+weights, gradients and moments. Not counted: the whole weights that rollouts gather for their
+duration (the model's size in its dtype, as without FSDP), activations, the KL reference.
+
+    python benchmarks/fsdp.py                       # every backend, float32 and bfloat16
+    python benchmarks/fsdp.py --backends dllm --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import socket
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
+
+
+def _bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def state_bytes(trainer) -> dict[str, int]:
+    """What the rank holds for training, by kind (gradients as the step left them)."""
+    moments = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"weights": _bytes(trainer.params),
+            "master": _bytes([m for _, _, m in trainer.master.copied]) if trainer.master is not None else 0,
+            "grads": _bytes([p.grad for p in trainer.opt_params]),
+            "moments": _bytes(moments)}
+
+
+def _rank(rank: int, port: int, name: str, dtypes: list[str], out: str) -> None:
+    from mmrl.core.config import load_config
+    from mmrl.core.fsdp import Sharded
+    from mmrl.core.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    backend = importlib.import_module(BACKENDS[name])
+    record = {}
+    try:
+        for dtype in dtypes:
+            for on in (False, True):
+                with tempfile.TemporaryDirectory() as tmp:
+                    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
+                        f"optim.fsdp={on}", f"model.dtype={dtype}", "train.max_steps=1", f"output_dir={tmp}",
+                        "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
+                    trainer = Trainer(cfg, *backend.build(cfg))
+                    trainer.train_step()
+                    record[f"{dtype}/{on}"] = {"bytes": state_bytes(trainer),
+                                         "weights": [Sharded.whole(p.detach()).float() for p in trainer.params]}
+        torch.save(record, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    for name in args.backends:
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            mp.spawn(_rank, args=(port, name, args.dtypes, f"{tmp}/record"), nprocs=2, join=True)
+            ranks = [torch.load(f"{tmp}/record.{r}", weights_only=True) for r in range(2)]
+        for dtype in args.dtypes:
+            whole = ranks[0][f"{dtype}/False"]["bytes"]
+            sharded = [r[f"{dtype}/True"]["bytes"] for r in ranks]
+            diff = max(float((a - b).abs().max()) for a, b in zip(ranks[0][f"{dtype}/False"]["weights"],
+                                                                 ranks[0][f"{dtype}/True"]["weights"]))
+            print(json.dumps({"backend": name, "dtype": dtype, "bytes_per_rank_whole": whole,
+                              "bytes_per_rank_fsdp": sharded,
+                              "largest_share": round(max(sum(s.values()) for s in sharded) / sum(whole.values()), 3),
+                              "max_weight_difference_after_a_step": diff}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
