@@ -66,7 +66,7 @@ def _rank(rank: int, port: int, name: str, dtypes: list[str], out: str) -> None:
                     trainer = Trainer(cfg, *backend.build(cfg))
                     trainer.train_step()
                     record[f"{dtype}/{on}"] = {"bytes": state_bytes(trainer),
-                                         "weights": [Sharded.whole(p.detach()).float() for p in trainer.params]}
+                                         "weights": [Sharded.whole(p.detach()).float() for p in trainer.opt_params]}
         torch.save(record, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()

@@ -28,7 +28,8 @@ def _config(out, fsdp_on, steps, *extra):
 
 
 def whole_weights(trainer):
-    return [fsdp.Sharded.whole(p.detach()).clone() for p in trainer.params]
+    """The float32 weights the optimizer steps (master weights where the model is bfloat16)."""
+    return [fsdp.Sharded.whole(p.detach()).clone() for p in trainer.opt_params]
 
 
 def _rank(rank, port, tmp, out):
@@ -108,9 +109,8 @@ def test_a_sharded_run_resumes_bit_for_bit_and_writes_the_whole_runs_checkpoints
 def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(runs):
     tmp, ranks = runs
     for r in ranks:
-        # bfloat16 forwards of both runs round alike but not identically: Adam's first steps are
-        # lr * sign(g), so agreement within a few steps' lr says the same update was made
-        assert close(r["sharded-bf16"]["weights"], r["whole-bf16"]["weights"], atol=2 * 3e-3)
+        # the float32 weights the optimizer steps: FSDP's shards and the whole run's master weights
+        assert close(r["sharded-bf16"]["weights"], r["whole-bf16"]["weights"])
         assert all(w.dtype == torch.float32 for w in r["sharded-bf16"]["weights"])
     tensors, _ = load_checkpoint(step_dir(tmp / "sharded-bf16" / "checkpoints", 2))
     masters = [tensors[f"master.{i}"] for i in range(len(ranks[0]["sharded-bf16"]["weights"]))]

@@ -16,9 +16,15 @@ Training forwards run sharded; the trainer pads every rank to the same number of
 Checkpoints are the unsharded run's: the main rank writes model/ from the gathered weights,
 the float32 weights as `master.{i}` and AdamW's moments whole, indexed as without FSDP.
 
+Forwards outside the model's own (a VLM's shared image encoding) would meet sharded weights:
+the VLM encodes images inside the model's forward when sharded. Every rank must also run the
+same sharded units in each pass: the VLM refuses training prompts without an image
+(`check_sharded`), and ForkGRPO runs its forward even for rows it does not score.
+
 What stays whole on every rank: the KL reference (built before sharding), and the gathered
 weights during rollouts. Not combined with LoRA, a method's weight average (Flow-GRPO's EMA),
-pipelined or remote rollout engines, or optim.shard_state (Sharded.check refuses them).
+pipelined or remote rollout engines, or optim.shard_state (`check` refuses them). Filler
+passes count in a backend's cost counters (cost/train_rows, cost/model_evaluations).
 """
 
 from __future__ import annotations
