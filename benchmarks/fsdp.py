@@ -17,14 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import socket
 import tempfile
-import warnings
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import two_ranks
 
 BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
 
@@ -45,31 +41,24 @@ def state_bytes(trainer) -> dict[str, int]:
             "moments": _bytes(moments)}
 
 
-def _rank(rank: int, port: int, name: str, dtypes: list[str], out: str) -> None:
+def _rank(rank: int, name: str, dtypes: list[str]) -> dict:
     from mmrl.core.config import load_config
     from mmrl.core.fsdp import Sharded
     from mmrl.core.trainer import Trainer
 
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
     backend = importlib.import_module(BACKENDS[name])
     record = {}
-    try:
-        for dtype in dtypes:
-            for on in (False, True):
-                with tempfile.TemporaryDirectory() as tmp:
-                    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
-                        f"optim.fsdp={on}", f"model.dtype={dtype}", "train.max_steps=1", f"output_dir={tmp}",
-                        "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
-                    trainer = Trainer(cfg, *backend.build(cfg))
-                    trainer.train_step()
-                    record[f"{dtype}/{on}"] = {"bytes": state_bytes(trainer),
-                                         "weights": [Sharded.whole(p.detach()).float() for p in trainer.opt_params]}
-        torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    for dtype in dtypes:
+        for on in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
+                    f"optim.fsdp={on}", f"model.dtype={dtype}", "train.max_steps=1", f"output_dir={tmp}",
+                    "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
+                trainer = Trainer(cfg, *backend.build(cfg))
+                trainer.train_step()
+                record[f"{dtype}/{on}"] = {"bytes": state_bytes(trainer),
+                                           "weights": [Sharded.whole(p.detach()).float() for p in trainer.opt_params]}
+    return record
 
 
 def main() -> None:
@@ -78,12 +67,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args()
     for name in args.backends:
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            mp.spawn(_rank, args=(port, name, args.dtypes, f"{tmp}/record"), nprocs=2, join=True)
-            ranks = [torch.load(f"{tmp}/record.{r}", weights_only=True) for r in range(2)]
+        ranks = two_ranks.run(_rank, name, args.dtypes)
         for dtype in args.dtypes:
             whole = ranks[0][f"{dtype}/False"]["bytes"]
             sharded = [r[f"{dtype}/True"]["bytes"] for r in ranks]

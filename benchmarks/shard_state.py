@@ -15,14 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import socket
 import tempfile
-import warnings
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import two_ranks
 
 BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
 
@@ -33,29 +29,22 @@ def state_bytes(optimizer) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _rank(rank: int, port: int, name: str, out: str) -> None:
+def _rank(rank: int, name: str) -> dict:
     from mmrl.core.config import load_config
     from mmrl.core.trainer import Trainer
 
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
     backend = importlib.import_module(BACKENDS[name])
     record = {}
-    try:
-        for shard in (False, True):
-            with tempfile.TemporaryDirectory() as tmp:
-                cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
-                    f"optim.shard_state={shard}", "train.max_steps=1", f"output_dir={tmp}",
-                    "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
-                trainer = Trainer(cfg, *backend.build(cfg))
-                trainer.train_step()
-                record[shard] = {"bytes": state_bytes(trainer.optimizer),
-                                 "weights": [p.detach().clone() for p in trainer.params]}
-        torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    for shard in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
+                f"optim.shard_state={shard}", "train.max_steps=1", f"output_dir={tmp}",
+                "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
+            trainer = Trainer(cfg, *backend.build(cfg))
+            trainer.train_step()
+            record[shard] = {"bytes": state_bytes(trainer.optimizer),
+                             "weights": [p.detach().clone() for p in trainer.params]}
+    return record
 
 
 def main() -> None:
@@ -63,12 +52,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     args = ap.parse_args()
     for name in args.backends:
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            mp.spawn(_rank, args=(port, name, f"{tmp}/record"), nprocs=2, join=True)
-            ranks = [torch.load(f"{tmp}/record.{r}", weights_only=True) for r in range(2)]
+        ranks = two_ranks.run(_rank, name)
         whole = ranks[0][False]["bytes"]
         same = all(torch.equal(a, b) for r in ranks for a, b in zip(r[False]["weights"], r[True]["weights"]))
         print(json.dumps({"backend": name, "moments_bytes_unsharded_per_rank": whole,

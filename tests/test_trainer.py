@@ -347,6 +347,23 @@ def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_chang
     assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()
 
 
+def test_resume_of_a_run_older_than_a_setting_warns_only_where_it_is_set_otherwise(tmp_path):
+    """A run whose config.yaml predates a setting (written before it existed) resumes without a
+    warning where the setting keeps its default, and with one where it is set to something else."""
+    make(tmp_path, "train.max_steps=1").train()
+    path = tmp_path / "run" / "config.yaml"
+    old = yaml.safe_load(path.read_text())
+    for key in ("master_weights", "betas", "shard_state"):
+        del old["optim"][key]
+    path.write_text(yaml.safe_dump(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(tmp_path, "train.max_steps=2").train(resume=True)
+    path.write_text(yaml.safe_dump(old))
+    with pytest.warns(UserWarning, match=r"differ from the run's: optim.shard_state: None -> True\. "):
+        make(tmp_path, "train.max_steps=3", "optim.shard_state=true").train(resume=True)
+
+
 def test_resume_by_a_relative_path_is_the_same_run(tmp_path, monkeypatch):
     """config.yaml records the output folder's absolute path: a run started as -o run and
     resumed as -o /abs/run (or the reverse) has not changed its settings."""

@@ -197,7 +197,8 @@ class Trainer:
         if not path.is_file():
             return
         text = path.read_text()
-        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config)  # a run's folder is itself
+        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config,  # a run's folder is itself
+                                             default=lambda key: field_default(self.cfg, key))
                    if not c.startswith(("train.max_steps:", "output_dir:"))]
         if changed:
             kept = self.out / f"config.before-step-{self.step}.yaml"
@@ -680,16 +681,38 @@ class Trainer:
         return summary
 
 
-def config_changes(before: dict, after: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dumps, "key: old -> new"."""
+def config_changes(before: dict, after: dict, prefix: str = "", default=None) -> list[str]:
+    """Dotted keys whose values differ between two config dumps, "key: old -> new". With
+    `default(key)` (the setting's default, as in a config dump), a key that `before` lacks (a
+    setting added since that config was written) counts only where `after` sets it otherwise."""
     out = []
     for k in sorted(set(before) | set(after)):
         a, b = before.get(k), after.get(k)
+        if k not in before and default is not None:
+            if isinstance(b, dict):
+                out += config_changes({}, b, f"{prefix}{k}.", default)
+                continue
+            if b == default(f"{prefix}{k}"):
+                continue
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{k}.")
+            out += config_changes(a, b, f"{prefix}{k}.", default)
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+def field_default(cfg, key: str):
+    """The default of a dotted config key, as a config dump writes it (a unique object where
+    the key names no field with a default)."""
+    from pydantic import BaseModel, TypeAdapter
+
+    obj, *path, name = [cfg, *key.split(".")]
+    for part in path:
+        obj = getattr(obj, part, None)
+    field = type(obj).model_fields.get(name) if isinstance(obj, BaseModel) else None
+    if field is None or field.is_required():
+        return object()
+    return TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
 
 
 def _waiting(wait: float, busy: float) -> dict[str, float]:
