@@ -24,6 +24,7 @@ from PIL import Image, ImageDraw
 
 from diffusion_rl.policy import to_sample
 from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
+from mmrl.core import distributed
 from mmrl.core.rewards import Reward, Sample
 
 
@@ -62,10 +63,15 @@ class DiffusionTask:
 
     def evaluate(self, policy, batch_size: int = 32) -> dict[str, float]:
         prompts, seeds = self._jobs(self.eval_prompts)
-        images = []
-        for start in range(0, len(prompts), batch_size):
-            images += policy.sample_images(prompts[start: start + batch_size], seeds[start: start + batch_size],
-                                           self.eval_steps)
+
+        def sample(jobs):  # each image's noise is fixed by its seed: any rank draws it alike
+            images = []
+            for start in range(0, len(jobs), batch_size):
+                chunk = jobs[start: start + batch_size]
+                images += policy.sample_images([p for p, _ in chunk], [s for _, s in chunk], self.eval_steps)
+            return images
+
+        images = distributed.map_shards(sample, list(zip(prompts, seeds)))  # each rank samples its share
         ok = [can_parse(p) for p in prompts]
         if any(ok):
             acc = atom_accuracy([i for i, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])

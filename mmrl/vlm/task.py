@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mmrl.core import distributed
 from mmrl.core.rewards import Reward
 from mmrl.vlm.policy import to_sample
 
@@ -57,16 +58,22 @@ class VLMTask:
         return out
 
     def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
-        batches = policy.greedy_batches(items, self.max_new_tokens, self.batch_size)
-        texts = [s.completion for b in batches for s in b.samples]
+        def answer(share):  # (completion, whether it called a tool or None) per item
+            batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size)
+            called = [c for b in batches for c in b.data["stat/called"].tolist()] if (
+                batches and "stat/called" in batches[0].data) else [None] * len(share)
+            return list(zip([s.completion for b in batches for s in b.samples], called))
+
+        answered = distributed.map_shards(answer, list(items))  # each rank generates its share
+        texts = [t for t, _ in answered]
         scores = self.reward.score([to_sample(it, t) for it, t in zip(items, texts)])
         # Means in float64: in float32, 105 right of 200 reads 0.52499998, under a 0.525 target.
         out = {"reward": float(scores.total.double().mean())}
         for k, name in enumerate(scores.names):
             key = "accuracy" if name == "answer" else name
             out[key] = float(scores.values[:, k].double().mean())
-        if "stat/called" in batches[0].data:  # tool rollouts: how often the greedy answer used a tool
-            out["tool_call_rate"] = float(torch.cat([b.data["stat/called"] for b in batches]).double().mean())
+        if answered and answered[0][1] is not None:  # tool rollouts: how often the greedy answer used a tool
+            out["tool_call_rate"] = float(torch.tensor([c for _, c in answered], dtype=torch.float64).mean())
         if self.metrics is not None:
             out.update(self.metrics(texts, items))
         return out
@@ -75,17 +82,23 @@ class VLMTask:
         """eval_samples completions per item at the rollout temperature (a fixed seed):
         sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate."""
         k = self.eval_samples
-        gen = torch.Generator().manual_seed(1234)
+        gen = torch.Generator().manual_seed(1234)  # each rank's share draws from it alike
         per_batch = max(1, self.batch_size // k)
-        hits, called = [], []
-        for start in range(0, len(self.eval_items), per_batch):
-            batch = policy.generate(self.eval_items[start: start + per_batch], k, self.rollout, gen)
-            sampled = self.reward.score(batch.samples)
-            hits.append(sampled.values[:, sampled.names.index("answer")])
-            if "stat/called" in batch.data:
-                called.append(batch.data["stat/called"])
-        hits_t = torch.cat(hits).view(-1, k)  # [items, k]: rows of one item are contiguous
-        out = {"sampled_accuracy": float(hits_t.double().mean()), f"pass@{k}": float((hits_t > 0.5).any(-1).double().mean())}
-        if called:
-            out["sampled_tool_call_rate"] = float(torch.cat(called).double().mean())
+
+        def sample(share):  # per item: the k samples' answer scores, and their tool calls (or None)
+            out = []
+            for start in range(0, len(share), per_batch):
+                batch = policy.generate(share[start: start + per_batch], k, self.rollout, gen)
+                sampled = self.reward.score(batch.samples)
+                hits = sampled.values[:, sampled.names.index("answer")].view(-1, k)  # an item's rows are contiguous
+                called = batch.data["stat/called"].view(-1, k) if "stat/called" in batch.data else None
+                out += [(hits[i].tolist(), None if called is None else called[i].tolist()) for i in range(len(hits))]
+            return out
+
+        answered = distributed.map_shards(sample, list(self.eval_items))
+        hits_t = torch.tensor([h for h, _ in answered], dtype=torch.float64)  # [items, k]
+        out = {"sampled_accuracy": float(hits_t.mean()), f"pass@{k}": float((hits_t > 0.5).any(-1).double().mean())}
+        if answered and answered[0][1] is not None:
+            out["sampled_tool_call_rate"] = float(torch.tensor([c for _, cs in answered for c in cs],
+                                                               dtype=torch.float64).mean())
         return out
