@@ -204,3 +204,21 @@ def test_vlm_training_prompts_without_images_are_refused_under_fsdp():
     prompts = [SimpleNamespace(images=["a.png"]), SimpleNamespace(images=[])]
     with pytest.raises(ConfigError, match="1 of 2 training prompts have no image"):
         VLMPolicy.check_sharded(None, prompts)
+
+
+def test_a_model_without_declared_blocks_is_sharded_by_its_outermost_layers():
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])  # inner lists stay in their block
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block(), nn.Dropout()])  # no weights: no unit
+            self.head = nn.Linear(2, 2)
+
+    model = Model()
+    assert fsdp._blocks(model) == [model.layers[1], model.layers[0]]  # innermost first

@@ -59,9 +59,14 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, innermost first (FSDP wants children sharded before parents)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    if not found:  # no declared block type: each element of each ModuleList of layers
-        found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst
-                 if any(True for _ in m.parameters())]
+    if not found:  # no declared block type: the elements of the outermost ModuleLists (the layers)
+        inside: set[int] = set()
+        for lst in model.modules():  # parents before children
+            if isinstance(lst, nn.ModuleList) and id(lst) not in inside:
+                for m in lst:
+                    if any(True for _ in m.parameters()):
+                        found.append(m)
+                        inside.update(id(x) for x in m.modules())
     return found[::-1]
 
 
