@@ -53,20 +53,26 @@ class DLLMTask:
     def train_prompts(self) -> list:
         return self.train
 
-    def answers(self, policy, problems, temperature: float, generator=None, shard: bool = False):
+    def answers(self, policy, problems, temperature: float, generator=None):
         """Decoded answer texts of `problems` and the NFE of each, in batches of batch_size
-        (temperature 0 = greedy). With `shard`, every rank decodes its share (distributed.map_shards;
-        a collective) and sampling draws from `generator` on each rank alike."""
-        def decode(chunk_of):
-            out = []
-            for start in range(0, len(chunk_of), self.batch_size):
-                chunk = chunk_of[start: start + self.batch_size]
-                result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature,
-                                          strategy=self.rollout.eval_strategy)
-                out += zip(policy.answer_text(result.completion), result.nfe.float().cpu().tolist())
-            return out
+        (temperature 0 = greedy)."""
+        texts, nfe = [], []
+        for start in range(0, len(problems), self.batch_size):
+            chunk = problems[start: start + self.batch_size]
+            result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature,
+                                      strategy=self.rollout.eval_strategy)
+            texts += policy.answer_text(result.completion)
+            nfe.append(result.nfe.float())
+        return texts, torch.cat(nfe)
 
-        pairs = distributed.map_shards(decode, list(problems)) if shard else decode(list(problems))
+    def dealt_answers(self, policy, problems, temperature: float, generator=None):
+        """`answers`, each data-parallel rank decoding its share (distributed.map_shards, a
+        collective; sampling draws from `generator` on each rank alike); all of them on every rank."""
+        def share(chunk):
+            texts, nfe = self.answers(policy, chunk, temperature, generator)
+            return list(zip(texts, nfe.tolist(), strict=True))
+
+        pairs = distributed.map_shards(share, list(problems))
         return [t for t, _ in pairs], torch.tensor([f for _, f in pairs], dtype=torch.float32)
 
     def evaluate(self, policy) -> dict[str, float]:
@@ -78,7 +84,7 @@ class DLLMTask:
             policy.model.train(was_training)
 
     def _evaluate(self, policy) -> dict[str, float]:
-        texts, nfe = self.answers(policy, self.eval_problems, 0.0, shard=True)
+        texts, nfe = self.dealt_answers(policy, self.eval_problems, 0.0)
         scores = self.reward.score([to_sample(p, t) for p, t in zip(self.eval_problems, texts)])
         # Means in float64: in float32, 105 right of 200 reads 0.52499998, under a 0.525 target.
         out = {"reward": float(scores.total.double().mean()), "nfe": float(nfe.double().mean())}
@@ -88,7 +94,7 @@ class DLLMTask:
         if n:
             gen = torch.Generator().manual_seed(1234)  # CPU; on a GPU it seeds one there (samplers.decode)
             problems = [p for p in self.eval_problems for _ in range(n)]
-            texts, nfe = self.answers(policy, problems, self.rollout.temperature, gen, shard=True)
+            texts, nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gen)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])
             hits = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n) >= 0.5
             for k in range(1, min(16, n) + 1):
