@@ -161,9 +161,10 @@ def test_lora_and_a_weight_average_are_refused():
         fsdp.check(ema, "inline")
 
 
-def test_one_process_trains_unsharded(tmp_path):
+def test_one_process_trains_unsharded_and_says_so(tmp_path):
     cfg = _config(tmp_path, True, 1)
-    trainer = Trainer(cfg, *toy.build(cfg))
+    with pytest.warns(UserWarning, match="with one process it stays whole"):
+        trainer = Trainer(cfg, *toy.build(cfg))
     assert trainer.sharded is None and all(type(p) is torch.nn.Parameter for p in trainer.params)
 
 

@@ -296,7 +296,7 @@ class OptimConfig(Section):
     bfloat16 model computes in bfloat16 (the float32 shards are its master weights). Rollouts and
     evaluation gather the whole weights for their duration. For full fine-tuning with sync,
     inline rollouts: refused with LoRA, method.ema, pipelined or remote engines, shard_state.
-    No effect in one process. mmrl.core.fsdp."""
+    No effect in one process (a warning says so). mmrl.core.fsdp."""
 
     @model_validator(mode="after")
     def _betas_in_range(self):

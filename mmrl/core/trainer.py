@@ -145,6 +145,9 @@ class Trainer:
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
         self.sharded = None  # optim.fsdp: the model sharded over the ranks (mmrl.core.fsdp); no effect in one process
+        if cfg.optim.fsdp and training and self.world == 1:
+            warnings.warn("optim.fsdp shards the model over data-parallel processes; with one process it stays "
+                          "whole (launch with torchrun or accelerate launch)", stacklevel=2)
         if cfg.optim.fsdp and training and self.world > 1:
             fsdp.check(cfg, placement(cfg) if engines is None else "engines")
             if hasattr(policy, "check_sharded"):  # what a backend's sharded model cannot train on
