@@ -10,6 +10,7 @@ duration (the model's size in its dtype, as without FSDP), activations, the KL r
 
     python benchmarks/fsdp.py                       # every backend, float32 and bfloat16
     python benchmarks/fsdp.py --backends dllm --dtypes bfloat16
+    python benchmarks/fsdp.py --uneven                # 1 micro-batch on rank 0 against 4 on rank 1
 """
 
 from __future__ import annotations
@@ -61,12 +62,42 @@ def _rank(rank: int, name: str, dtypes: list[str]) -> dict:
     return record
 
 
+def _uneven(rank: int, name: str) -> dict:
+    """One update on uneven shares, whole and sharded: rank 0 keeps 1 row of its group and rank 1
+    all 4, in micro-batches of 1, so rank 0 runs 3 passes of no weight beside rank 1's."""
+    from mmrl.core.config import load_config
+    from mmrl.core.fsdp import Sharded
+    from mmrl.core.trainer import Trainer
+
+    backend = importlib.import_module(BACKENDS[name])
+    record = {}
+    for on in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
+                f"optim.fsdp={on}", f"output_dir={tmp}", "rollout.prompts_per_step=2",
+                "rollout.num_generations=4", "train.micro_batch_size=1"])
+            trainer = Trainer(cfg, *backend.build(cfg))
+            with trainer.gathered():
+                batch, _ = trainer.scheduler.next_groups(0, 4)
+            metrics = trainer.update(batch.select(torch.arange(1) if rank == 0 else torch.arange(len(batch))))
+            record[str(on)] = {"updates": metrics["train/updates"],
+                               "weights": [Sharded.whole(p.detach()).float() for p in trainer.opt_params]}
+    return record
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--uneven", action="store_true", help="instead: an update on uneven shares, whole vs sharded")
     args = ap.parse_args()
     for name in args.backends:
+        if args.uneven:
+            whole, sharded = (two_ranks.run(_uneven, name)[0][k] for k in ("False", "True"))
+            diff = max(float((a - b).abs().max()) for a, b in zip(whole["weights"], sharded["weights"]))
+            print(json.dumps({"backend": name, "updates": [whole["updates"], sharded["updates"]],
+                              "max_weight_difference": diff}), flush=True)
+            continue
         ranks = two_ranks.run(_rank, name, args.dtypes)
         for dtype in args.dtypes:
             whole = ranks[0][f"{dtype}/False"]["bytes"]
