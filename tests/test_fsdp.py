@@ -18,7 +18,10 @@ from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.trainer import Trainer
 
 RUNS = (("whole", False, 3, False), ("sharded", True, 3, False), ("resumed", True, 2, False),
-        ("resumed", True, 3, True), ("whole-bf16", False, 2, False), ("sharded-bf16", True, 2, False))
+        ("resumed", True, 3, True), ("whole-bf16", False, 2, False), ("sharded-bf16", True, 2, False),
+        # either kind of run resumes the other's bfloat16 checkpoints
+        ("whole3-bf16", False, 3, False), ("to-sharded-bf16", False, 2, False), ("to-sharded-bf16", True, 3, True),
+        ("to-whole-bf16", True, 2, False), ("to-whole-bf16", False, 3, True))
 
 
 def _config(out, fsdp_on, steps, *extra):
@@ -104,6 +107,13 @@ def test_a_sharded_run_resumes_bit_for_bit_and_writes_the_whole_runs_checkpoints
 
     model = LlamaForCausalLM.from_pretrained(step_dir(tmp / "sharded" / "checkpoints", 3) / "model")
     assert close([p for p in model.parameters()], ranks[0]["sharded"]["weights"], atol=0)
+
+
+def test_a_bfloat16_run_resumes_sharded_from_a_whole_runs_checkpoint_and_whole_from_a_sharded_one(runs):
+    _, ranks = runs
+    for r in ranks:
+        for name in ("to-sharded-bf16", "to-whole-bf16"):  # 2 steps one way, then the 3rd the other
+            assert close(r[name]["weights"], r["whole3-bf16"]["weights"]), name
 
 
 def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(runs):
