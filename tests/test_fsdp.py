@@ -60,8 +60,9 @@ def _rank(rank, port, tmp, out):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         tied = LlamaForCausalLM(LlamaConfig(**{**toy.tiny_llama().config.to_dict(), "tie_word_embeddings": True}))
-        state = fsdp.Sharded(tied).model_state(keep=rank == 0)
-        record["tied"] = state is None or state["lm_head.weight"] is state["model.embed_tokens.weight"]
+        sharded = fsdp.Sharded(tied)
+        gathered = sharded.whole_state(list(tied.parameters()), keep=rank == 0)
+        record["tied"] = gathered is None or gathered[0]["lm_head.weight"] is gathered[0]["model.embed_tokens.weight"]
         torch.save(record, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()

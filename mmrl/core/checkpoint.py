@@ -194,8 +194,12 @@ def optimizer_state(optimizer: torch.optim.Optimizer, sd: dict | None = None) ->
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict, load=None) -> None:
-    """What optimizer_state split, back into the optimizer (through `load(state_dict)` if given)."""
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    optimizer.load_state_dict(optimizer_state_dict(tensors, meta))
+
+
+def optimizer_state_dict(tensors: dict, meta: dict) -> dict:
+    """The optimizer state_dict that optimizer_state split into tensors and JSON."""
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -204,7 +208,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict, meta: 
     for key, value in meta["scalars"].items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
-    (load or optimizer.load_state_dict)({"state": state, "param_groups": meta["param_groups"]})
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -141,20 +141,24 @@ class Sharded:
         full = t.full_tensor()
         return full.cpu() if keep else None
 
-    def model_state(self, keep: bool) -> dict[str, torch.Tensor] | None:
-        """The model's state_dict whole and in its own dtypes, on the ranks that `keep` it (every
-        rank calls). Tied weights (an output layer sharing the embedding) stay one tensor, so
+    def whole_state(self, params: list[nn.Parameter], keep: bool) -> tuple[dict, list] | None:
+        """On the ranks that `keep` it (every rank calls): the model's state_dict whole and in its
+        own dtypes, and the float32 wholes of `params` (its trainable weights), each tensor
+        gathered once. Tied weights (an output layer sharing the embedding) stay one tensor, so
         save_pretrained writes them once, as without FSDP."""
         # tied entries are one parameter under two names (the same on every rank, unlike memory addresses)
         owner = {name: id(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
-        out, seen = {}, {}
-        for k, v in self.model.state_dict().items():
-            key = owner.get(k, k)
-            if key not in seen:
-                t = self.whole(v.detach(), keep)
-                seen[key] = None if t is None else t.to(self.dtypes.get(k, v.dtype))
-            out[k] = seen[key]
-        return out if keep else None
+        sd = self.model.state_dict()
+        full = {}  # owner -> the whole tensor as stored (float32 for the sharded weights)
+        for k, v in sd.items():
+            if owner.get(k, k) not in full:
+                full[owner.get(k, k)] = self.whole(v.detach(), keep)
+        if not keep:
+            return None
+        cast: dict = {}
+        state = {k: cast.setdefault(owner.get(k, k), full[owner.get(k, k)].to(self.dtypes.get(k, v.dtype)))
+                 for k, v in sd.items()}
+        return state, [full[id(p)] for p in params]
 
     @contextlib.contextmanager
     def writable(self, state: dict[str, torch.Tensor]):

@@ -579,10 +579,9 @@ class Trainer:
         if self.sharded is None:
             return None
         keep = distributed.is_main()
-        params = [self.sharded.whole(p.detach(), keep) for p in self.params]
-        state = self.sharded.model_state(keep)
+        gathered = self.sharded.whole_state(self.params, keep)
         optimizer = self.sharded.optimizer_state(self.optimizer, keep)
-        return {"model": state, "params": params, "optimizer": optimizer} if keep else None
+        return {"model": gathered[0], "params": gathered[1], "optimizer": optimizer} if keep else None
 
     def _load_sharded(self, path: Path, tensors: dict) -> None:
         """Under FSDP: each rank takes its shard of the float32 weights a checkpoint holds."""
@@ -603,9 +602,11 @@ class Trainer:
         if self.master is not None:  # the float32 copies as saved; else the loaded weights
             self.master.pull()
             self.master.load_state_dict(tensors)
-        ckpt.load_optimizer_state(self.optimizer, tensors, state["optimizer"],
-                                  load=self.sharded and (lambda sd: self.sharded.load_optimizer_state(
-                                      self.optimizer, self.params, sd)))
+        optimizer_state = ckpt.optimizer_state_dict(tensors, state["optimizer"])
+        if self.sharded is not None:  # whole moments in the checkpoint: each rank takes its shard
+            self.sharded.load_optimizer_state(self.optimizer, self.params, optimizer_state)
+        else:
+            self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._apply_optim_config()
         ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
