@@ -3,6 +3,8 @@ the global batch's groups, make the same update as one process with all of it.""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import socket
 
@@ -51,24 +53,18 @@ def trained(trainer: Trainer) -> dict[str, torch.Tensor]:
 def _rank(rank, port, tmp, out):
     """One rank: for each aggregation, a fresh trainer updates on this rank's half of the
     groups. All three in one launch: a process start costs more than the updates."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         for aggregation in AGGREGATIONS:
             trainer = make(f"{tmp}/{aggregation}", aggregation, micro=4)
             batch = global_batch(trainer)
             mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
             trainer.update(batch.select(mine))
             torch.save(trained(trainer), f"{out}.{aggregation}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def _uneven_rank(rank, port, tmp, out):
     """Rank 0 holds one row, rank 1 seven: with 2 mini-batches rank 0 has an empty one."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
             f"output_dir={tmp}", "train.mini_batches=2", "train.ppo_epochs=2"])
         trainer = Trainer(cfg, *toy.build(cfg))
@@ -83,8 +79,6 @@ def _uneven_rank(rank, port, tmp, out):
         torch.save({"checksum": distributed_checksum(trainer), "updates": metrics["train/updates"],
                     "mine": mine, "adv": adv, "atoms": atoms, "rewards": full.rewards,
                     "values": full.scores.values, "ids": full.group_ids}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(tmp_path):
@@ -104,6 +98,19 @@ def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(tmp_path):
     for r in (r0, r1):
         torch.testing.assert_close(r["adv"], whole[r["mine"]])
         torch.testing.assert_close(r["atoms"], whole_atoms[r["mine"]])
+
+
+@contextlib.contextmanager
+def process_group(rank: int, port: int, timeout: float | None = None):
+    """This process as rank `rank` of two (gloo, 127.0.0.1:`port`) for the block, then out of the
+    group. `timeout`: seconds a collective waits for the other rank before it fails."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    limit = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    dist.init_process_group("gloo", rank=rank, world_size=2, **limit)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -168,14 +175,10 @@ def test_close_leaves_the_group_and_init_registers_it_for_exit(monkeypatch):
 
 
 def _train_rank(rank, port, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
                           overrides=[f"output_dir={tmp}", "train.max_steps=2", "logging.tensorboard=false"])
         Trainer(cfg, *toy.build(cfg)).train()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
@@ -198,9 +201,7 @@ def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
 def _refill_rank(rank, port, tmp, out):
     """A group filter that treats two ranks unequally: rank 1 drops every group drawn before
     `cut` (every group it sees, in "starved"), with dynamic sampling's refills or without."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         record = {}
         for name, cut, refill in (("refill", 4, True), ("starved", 10**9, True), ("filter", 2, False)):
             cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
@@ -220,8 +221,6 @@ def _refill_rank(rank, port, tmp, out):
         trainer.train()
         record["checksum"] = distributed_checksum(trainer)
         torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def distributed_checksum(trainer) -> float:
@@ -273,9 +272,7 @@ def test_collectives_of_a_nccl_group_run_on_the_ranks_gpu(monkeypatch):
 def _zero_rank(rank, port, tmp, out):
     """Three runs of 3 steps on two ranks: AdamW whole on each rank, AdamW sharded (ZeRO stage 1),
     and the sharded one stopped after step 2 and resumed."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         record = {}
         for name, shard, steps, resume in (("whole", False, 3, False), ("sharded", True, 3, False),
                                            ("resumed", True, 2, False), ("resumed", True, 3, True),
@@ -292,8 +289,6 @@ def _zero_rank(rank, port, tmp, out):
                        for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
             record[name] = {"weights": trained(trainer), "moments": sum(t.numel() for t in moments)}
         torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank(tmp_path):

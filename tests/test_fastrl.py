@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy
+from test_data_parallel import free_port, process_group
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.checkpoint import list_checkpoints
@@ -407,13 +408,7 @@ def test_count_weights_give_the_unpruned_update_for_exact_copies(tmp_path, base)
 
 
 def _rank(rank, port, tmp, out):
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         cfg = toy_config(tmp, "method.fastrl.enabled=true", "method.fastrl.ars=true",
                          "rollout.num_generations=4", "train.max_steps=10")
         method = build_method(cfg, toy.ToyTask().reward)
@@ -424,20 +419,13 @@ def _rank(rank, port, tmp, out):
         method.step = 9
         size = method.group_size(1, 4)
         torch.save({"keep": keep, "size": size, "state": method.state_dict()}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_processes_share_the_kept_counts(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(port, tmp_path, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), tmp_path, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     assert ranks[0]["keep"] == [T, T, F, F]  # 1 kept, padded to a multiple of the 2 processes
     assert ranks[1]["keep"] == [T, T, T, T]

@@ -3,14 +3,12 @@ with it whole, hold half of it each, write the unsharded run's checkpoints and r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import toy
-from test_data_parallel import free_port, global_batch
+from test_data_parallel import free_port, global_batch, process_group
 
 from mmrl.core import fsdp
 from mmrl.core.checkpoint import load_checkpoint, step_dir
@@ -36,9 +34,7 @@ def whole_weights(trainer):
 
 
 def _rank(rank, port, tmp, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         record = {}
         for name, on, steps, resume in RUNS:
             policy, task = toy.build(cfg := _config(f"{tmp}/{name}", on, steps))
@@ -64,8 +60,6 @@ def _rank(rank, port, tmp, out):
         gathered = sharded.whole_state(list(tied.parameters()), keep=rank == 0)
         record["tied"] = gathered is None or gathered[0]["lm_head.weight"] is gathered[0]["model.embed_tokens.weight"]
         torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +174,7 @@ def test_one_process_trains_unsharded_and_says_so(tmp_path):
 
 
 def _vlm_rank(rank, port, out):
-    import datetime
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    try:
+    with process_group(rank, port, timeout=60):
         from mmrl.vlm import backend
 
         cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"output_dir={out}-run"])
@@ -196,8 +186,6 @@ def _vlm_rank(rank, port, out):
         total = torch.ones(1)
         dist.all_reduce(total)  # the loop's next collective meets the other rank's
         torch.save({"rows": len(batch), "total": float(total)}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_vlm_ranks_generate_on_their_own_with_the_weights_gathered(tmp_path):

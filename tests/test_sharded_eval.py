@@ -3,12 +3,9 @@ generates every world-th item, and every rank gets all the results in order."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_data_parallel import free_port
+from test_data_parallel import free_port, process_group
 
 from mmrl.core import distributed
 from mmrl.core.config import load_config
@@ -22,9 +19,7 @@ def dllm(tmp):
 
 
 def _rank(rank, port, tmp, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with process_group(rank, port):
         seen = []
 
         def times_ten(items):
@@ -38,8 +33,6 @@ def _rank(rank, port, tmp, out):
         with torch.no_grad():
             record["eval"] = task.evaluate(policy)
         torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_generate_a_share_each_and_evaluate_as_one_process(tmp_path):
