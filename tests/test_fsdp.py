@@ -3,6 +3,8 @@ with it whole, hold half of it each, write the unsharded run's checkpoints and r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,10 @@ RUNS = (("whole", False, 3, False), ("sharded", True, 3, False), ("resumed", Tru
         ("resumed", True, 3, True), ("whole-bf16", False, 2, False), ("sharded-bf16", True, 2, False),
         # either kind of run resumes the other's bfloat16 checkpoints
         ("whole3-bf16", False, 3, False), ("to-sharded-bf16", False, 2, False), ("to-sharded-bf16", True, 3, True),
-        ("to-whole-bf16", True, 2, False), ("to-whole-bf16", False, 3, True))
+        ("to-whole-bf16", True, 2, False), ("to-whole-bf16", False, 3, True),
+        # a KL reference, sharded beside the policy
+        ("whole-kl", False, 2, False), ("sharded-kl", True, 2, False),
+        ("whole-kl-bf16", False, 2, False), ("sharded-kl-bf16", True, 2, False))
 
 
 def _config(out, fsdp_on, steps, *extra):
@@ -37,7 +42,8 @@ def _rank(rank, port, tmp, out):
     with process_group(rank, port):
         record = {}
         for name, on, steps, resume in RUNS:
-            policy, task = toy.build(cfg := _config(f"{tmp}/{name}", on, steps))
+            kl = ("method.kl.beta=0.5",) if "-kl" in name else ()
+            policy, task = toy.build(cfg := _config(f"{tmp}/{name}", on, steps, *kl))
             if name.endswith("bf16"):
                 policy.model.to(torch.bfloat16)
             trainer = Trainer(cfg, policy, task)
@@ -46,6 +52,10 @@ def _rank(rank, port, tmp, out):
                             "local": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in trainer.params),
                             "total": sum(p.numel() for p in trainer.params),
                             "sharded": trainer.sharded is not None}
+            if kl:
+                ref = trainer.reference.model
+                record[name].update(ref_sharded=fsdp.is_sharded(ref), ref_dtypes={str(p.dtype) for p in ref.parameters()},
+                                    ref_local=sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in ref.parameters()))
         # uneven shares: rank 0 one row, rank 1 seven, micro-batches of 2 (1 against 4 passes)
         for name, on in (("uneven-whole", False), ("uneven-sharded", True)):
             trainer = Trainer(cfg := _config(f"{tmp}/{name}", on, 1, "train.micro_batch_size=2"), *toy.build(cfg))
@@ -131,6 +141,22 @@ def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(run
 
     saved = load_file(step_dir(tmp / "sharded-bf16" / "checkpoints", 2) / "model" / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+
+
+def test_a_kl_reference_is_sharded_in_its_dtype_and_gives_the_whole_runs_kl(runs):
+    tmp, ranks = runs
+    for r in ranks:
+        for dtype in ("", "-bf16"):
+            whole, sharded = r[f"whole-kl{dtype}"], r[f"sharded-kl{dtype}"]
+            assert sharded["ref_sharded"] and not whole["ref_sharded"]
+            assert sharded["ref_dtypes"] == whole["ref_dtypes"] == {"torch.bfloat16" if dtype else "torch.float32"}
+            assert 2 * sharded["ref_local"] <= 1.1 * whole["ref_local"]  # half each
+            assert close(sharded["weights"], whole["weights"], atol=1e-6 if not dtype else 1e-5)
+    for dtype in ("", "-bf16"):
+        kl = [[json.loads(line)["loss/kl"] for line in (tmp / f"{name}{dtype}" / "metrics.jsonl").open()]
+              for name in ("whole-kl", "sharded-kl")]
+        assert kl[0][1] > 0  # the second step's policy has moved from the reference
+        assert kl[1] == pytest.approx(kl[0], rel=1e-4, abs=1e-9), kl
 
 
 def test_a_rank_with_fewer_micro_batches_joins_the_others_forward_passes(runs):

@@ -21,10 +21,15 @@ the VLM encodes images inside the model's forward when sharded. Every rank must 
 same sharded units in each pass: the VLM refuses training prompts without an image
 (`check_sharded`), and ForkGRPO runs its forward even for rows it does not score.
 
-What stays whole on every rank: the KL reference (built before sharding), and the gathered
-weights during rollouts. Not combined with LoRA, a method's weight average (Flow-GRPO's EMA),
-pipelined or remote rollout engines, or optim.shard_state (`check` refuses them). Filler
-passes count in a backend's cost counters (cost/train_rows, cost/model_evaluations).
+The KL reference (a frozen copy of the starting weights) is sharded too, in its own dtype: after
+each rollout the policy's units reshard and the reference's gather for its pass over the batch
+(FTFC's anchor runs it inside the loss, sharded like the policy's forward). What stays whole on
+every rank: the gathered weights during rollouts, and a reference whose weights are in several
+dtypes (`shard_reference`).
+
+Not combined with LoRA, a method's weight average (Flow-GRPO's EMA), pipelined or remote
+rollout engines, or optim.shard_state (`check` refuses them). Filler passes count in a
+backend's cost counters (cost/train_rows, cost/model_evaluations).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 class Sharded:
     """`model`, fully sharded across the process group in place (its class becomes FSDP<name>)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, frozen: bool = False):
+        """`frozen`: a model that never trains (the KL reference): its shards keep its dtype."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -89,12 +95,13 @@ class Sharded:
             raise ConfigError(f"optim.fsdp: the model holds weights in several dtypes ({sorted(map(str, low))})")
         # float32 shards (the master weights); forwards in the model's dtype
         policy = MixedPrecisionPolicy(param_dtype=next(iter(low), None), reduce_dtype=torch.float32)
+        cast = (lambda m: None) if frozen else _to_float32
         # float32 a block at a time, each sharded before the next is cast: never the whole model in
         # float32 on one rank
         for block in _blocks(model):
-            _to_float32(block)
+            cast(block)
             fully_shard(block, mesh=mesh, mp_policy=policy)
-        _to_float32(model)  # what is left: embeddings, norms, the output layer
+        cast(model)  # what is left: embeddings, norms, the output layer
         fully_shard(model, mesh=mesh, mp_policy=policy)
         # FSDP takes the first unit to run a forward as the root; a rollout may first call a block
         # alone (a vision tower encoding images): make the whole model the root now
@@ -198,6 +205,16 @@ class Sharded:
                 if torch.is_tensor(v) and v.dim() > 0:
                     slots[k] = self.shard_like(v, p)
         optimizer.load_state_dict(state)
+
+
+def shard_reference(reference, model: nn.Module) -> Sharded | None:
+    """The KL reference's model (`reference.model`, a frozen copy) sharded like the policy's, its
+    shards in its own dtype; None where there is none to shard: no reference, one that is the
+    policy's own model, or one holding several dtypes (FSDP gathers one dtype per unit)."""
+    ref = getattr(reference, "model", None)
+    if not isinstance(ref, nn.Module) or ref is model or len({p.dtype for p in ref.parameters()}) != 1:
+        return None
+    return Sharded(ref, frozen=True)
 
 
 def _to_float32(module: nn.Module) -> None:

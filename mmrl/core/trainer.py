@@ -130,7 +130,7 @@ class Trainer:
         seed_everything(cfg.seed)
         self.reward = with_config_atoms(task, cfg)
         self.method = build_method(cfg, self.reward)
-        # whole on every rank, even under FSDP (built before the model is sharded)
+        # built before the model is sharded (a copy of the whole starting weights)
         self.reference = policy.reference() if self.method.needs_reference else None
         self.method.reference = self.reference
         self.params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -145,6 +145,7 @@ class Trainer:
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
         self.sharded = None  # optim.fsdp: the model sharded over the ranks (mmrl.core.fsdp); no effect in one process
+        self.sharded_reference = None  # and the KL reference, which then passes here, not in the scheduler
         if cfg.optim.fsdp and training and self.world == 1:
             warnings.warn("optim.fsdp shards the model over data-parallel processes; with one process it stays "
                           "whole (launch with torchrun or accelerate launch)", stacklevel=2)
@@ -154,6 +155,7 @@ class Trainer:
                 policy.check_sharded(task.train_prompts())
             self.sharded = fsdp.Sharded(policy.model)
             self.params = [p for p in policy.model.parameters() if p.requires_grad]  # the shards
+            self.sharded_reference = fsdp.shard_reference(self.reference, policy.model)
         oc = cfg.optim
         # under FSDP the float32 shards are the master weights
         self.master = MasterWeights(self.params) if oc.master_weights and training and self.sharded is None else None
@@ -171,9 +173,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
         self.stream = PromptStream(task.train_prompts(), cfg.seed)
         if placement(cfg) == "inline" and engines is None:
-            self.scheduler = SyncScheduler(
-                cfg, policy, self.stream, self.reward, self.method, self.generator, self.reference
-            )
+            self.scheduler = SyncScheduler(cfg, policy, self.stream, self.reward, self.method, self.generator,
+                                           self.reference if self.sharded_reference is None else None)
         else:
             self.scheduler = PipelinedScheduler(
                 cfg, engines or build_engines(cfg, policy, backend), self.stream, self.reward, self.method, self.generator,
@@ -273,6 +274,7 @@ class Trainer:
         else:
             with self.gathered():
                 batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
+            self._sharded_reference_pass(batch)
             wait = time.perf_counter() - t0
             crash_point("rollout", self.step + 1)
             if batch is not None:
@@ -508,6 +510,16 @@ class Trainer:
             random.setstate(py_state)
             np.random.set_state(np_state)
         return {k: float(v) for k, v in result.items()}
+
+    def _sharded_reference_pass(self, batch: RolloutBatch | None) -> None:
+        """Under FSDP, the scheduler's last stage, the KL reference's pass (as SyncScheduler._prepare
+        makes it), once the policy's weights are sharded again: the two are never whole at once.
+        Every rank gathers the reference, with or without a batch (a collective)."""
+        if self.sharded_reference is None:
+            return
+        with self.sharded_reference.gathered(), torch.no_grad():
+            if batch is not None:
+                self.method.annotate_reference(self.reference, batch)
 
     def gathered(self):
         """Under FSDP, a context with the whole weights in every rank's model (a collective), for
