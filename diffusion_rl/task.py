@@ -20,12 +20,13 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from PIL import Image, ImageDraw
 
 from diffusion_rl.policy import to_sample
 from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
 from mmrl.core import distributed
-from mmrl.core.rewards import Reward, Sample
+from mmrl.core.rewards import Reward
 
 
 class DiffusionTask:
@@ -64,14 +65,25 @@ class DiffusionTask:
     def evaluate(self, policy, batch_size: int = 32) -> dict[str, float]:
         prompts, seeds = self._jobs(self.eval_prompts)
 
+        extra = self.other_atoms()
+
         def sample(jobs):  # each image's noise is fixed by its seed: any rank draws it alike
             images = []
             for start in range(0, len(jobs), batch_size):
                 chunk = jobs[start: start + batch_size]
                 images += policy.sample_images([p for p, _ in chunk], [s for _, s in chunk], self.eval_steps)
-            return images
+            # the reward's scores where evaluation reports them (below), each rank its share's:
+            # every image for the other atoms (a CLIP or reward model), else the unparsed prompts'
+            scored = [k for k, (p, _) in enumerate(jobs) if extra or not can_parse(p)]
+            rows = [None] * len(jobs)
+            if scored:
+                scores = self.reward.score([to_sample(jobs[k][0], images[k]) for k in scored])
+                for j, k in enumerate(scored):
+                    rows[k] = (scores.values[j].tolist(), float(scores.total[j]))
+            return list(zip(images, rows))
 
-        images = distributed.map_shards(sample, list(zip(prompts, seeds)))  # each rank samples its share
+        sampled = distributed.map_shards(sample, list(zip(prompts, seeds)))  # each rank samples and scores its share
+        images = [i for i, _ in sampled]
         ok = [can_parse(p) for p in prompts]
         if any(ok):
             acc = atom_accuracy([i for i, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
@@ -84,14 +96,12 @@ class DiffusionTask:
             out.update({f"hard/{k}": v for k, v in _named(sub).items()})
             out["hard/num_prompts"] = float(len({p for p, h in zip(prompts, hard) if h}))
         if not all(ok):
-            rest = [Sample(p, i) for p, i, k in zip(prompts, images, ok) if not k]
-            out["unparsed_prompts"] = float(len({s.prompt for s in rest}))
-            out["whole_prompt_reward"] = float(self.reward.score(rest).total.mean())
-        extra = self.other_atoms()
+            out["unparsed_prompts"] = float(len({p for p, k in zip(prompts, ok) if not k}))
+            out["whole_prompt_reward"] = float(torch.tensor([r[1] for (_, r), k in zip(sampled, ok) if not k]).mean())
         if extra:  # scored as training scores them
-            scores = self.reward.score([to_sample(p, i) for p, i in zip(prompts, images)])
-            out["reward"] = float(scores.total.double().mean())
-            out.update({name: float(scores.values[:, scores.names.index(name)].double().mean()) for name in extra})
+            values = torch.tensor([r[0] for _, r in sampled], dtype=torch.float32).reshape(len(sampled), len(self.reward.names))
+            out["reward"] = float(torch.tensor([r[1] for _, r in sampled], dtype=torch.float32).double().mean())
+            out.update({name: float(values[:, self.reward.names.index(name)].double().mean()) for name in extra})
         return out
 
     def save_samples(self, policy, out_dir: str | Path, tag: str) -> Path | None:

@@ -58,22 +58,26 @@ class VLMTask:
         return out
 
     def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
-        def answer(share):  # (completion, whether it called a tool or None) per item
+        def answer(share):  # (completion, its atom scores and total, whether it called a tool or None) per item
             batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size)
+            texts = [s.completion for b in batches for s in b.samples]
             called = [c for b in batches for c in b.data["stat/called"].tolist()] if (
                 batches and "stat/called" in batches[0].data) else [None] * len(share)
-            return list(zip([s.completion for b in batches for s in b.samples], called))
+            scores = self.reward.score([to_sample(it, t) for it, t in zip(share, texts)])  # a reward model's share too
+            return list(zip(texts, scores.values.tolist(), scores.total.tolist(), called))
 
-        answered = distributed.map_shards(answer, list(items))  # each rank generates its share
-        texts = [t for t, _ in answered]
-        scores = self.reward.score([to_sample(it, t) for it, t in zip(items, texts)])
+        answered = distributed.map_shards(answer, list(items))  # each rank generates and scores its share
+        texts = [t for t, *_ in answered]
+        values = torch.tensor([v for _, v, _, _ in answered], dtype=torch.float32).reshape(len(answered),
+                                                                                         len(self.reward.names))
+        total = torch.tensor([t for _, _, t, _ in answered], dtype=torch.float32)
         # Means in float64: in float32, 105 right of 200 reads 0.52499998, under a 0.525 target.
-        out = {"reward": float(scores.total.double().mean())}
-        for k, name in enumerate(scores.names):
+        out = {"reward": float(total.double().mean())}
+        for k, name in enumerate(self.reward.names):
             key = "accuracy" if name == "answer" else name
-            out[key] = float(scores.values[:, k].double().mean())
-        if answered and answered[0][1] is not None:  # tool rollouts: how often the greedy answer used a tool
-            out["tool_call_rate"] = float(torch.tensor([c for _, c in answered], dtype=torch.float64).mean())
+            out[key] = float(values[:, k].double().mean())
+        if answered and answered[0][3] is not None:  # tool rollouts: how often the greedy answer used a tool
+            out["tool_call_rate"] = float(torch.tensor([c for *_, c in answered], dtype=torch.float64).mean())
         if self.metrics is not None:
             out.update(self.metrics(texts, items))
         return out
