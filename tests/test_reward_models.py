@@ -97,6 +97,10 @@ def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path
     ({"reward_model": "rm", "dtype": "int8"}, "dtype must be"),
     ({"reward_model": "rm", "batch_size": 0}, "batch_size must be"),
     ({"reward_model": "rm", "template": "{prompt}"}, "template must contain"),
+    # other braces fail now, not when the first rollout is scored
+    ({"reward_model": "rm", "template": '{"q": "{prompt}", "a": "{completion}"}'}, "fields \\[\'\"q\"\'\\]"),
+    ({"reward_model": "rm", "template": "{prompt} } {completion}"}, "literal brace"),
+    ({"reward_model": "rm", "max_length": 0}, "max_length must be an integer >= 1"),
     ({"reward_model": "two"}, "has 2 outputs"),
     ({"reward_model": "notrm"}, "is not a sequence classifier"),
 ])

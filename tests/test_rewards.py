@@ -583,3 +583,131 @@ def test_from_config_errors(atoms_file, tmp_path):
         Reward.from_config("my_atoms.py:plain", base_dir=tmp_path)
     with pytest.raises(ValueError, match="duplicate reward atom name 'plain'"):
         Reward.from_config(["my_atoms.py:plain", "my_atoms.py:plain"], base_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------- the async atoms' event loop
+
+
+def test_async_atoms_keep_loop_bound_state_between_score_calls():
+    """One event loop for the Reward's life: a semaphore that rate-limits a judge, made on the
+    first call, still works on the second (a loop per call failed it from step 2 on)."""
+    limit, running, most = {}, [0], [0]
+
+    @reward_atom("judge")
+    async def judge(s):
+        sem = limit.setdefault("sem", asyncio.Semaphore(2))
+        async with sem:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            await asyncio.sleep(0.01)
+            running[0] -= 1
+        return 1.0
+
+    reward = Reward([judge])
+    for _ in range(2):
+        assert reward.score(make_samples(range(6))).values[:, 0].tolist() == [1.0] * 6
+    assert most[0] == 2
+
+
+def test_score_from_several_threads_and_from_async_code():
+    @reward_atom("slow")
+    async def slow(s):
+        await asyncio.sleep(0.05)
+        return s.completion
+
+    reward = Reward([slow])
+    results = {}
+    threads = [threading.Thread(target=lambda k=k: results.update({k: reward.score(make_samples([k])).total.tolist()}))
+               for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {k: [float(k)] for k in range(4)}
+
+    async def caller():  # score() inside a running loop (a notebook, an async server)
+        return reward.score(make_samples([7])).total.tolist()
+
+    assert asyncio.run(caller()) == [7.0]
+
+
+def test_work_handed_to_a_thread_past_the_timeout_is_left_behind():
+    """asyncio.to_thread work that outlives the timeout: score() returns at the timeout
+    (closing a loop per call waited for the thread), and the next call is not held up."""
+    release = threading.Event()
+
+    @reward_atom("judge")
+    async def judge(s):
+        await asyncio.to_thread(release.wait, 5 if s.completion else 0)
+        return 1.0
+
+    reward = Reward([judge], timeout=0.2, on_error="zero")
+    try:
+        start = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="judge.*timed out after 0.2 s"):
+            scores = reward.score(make_samples([0, 1]))
+        assert time.perf_counter() - start < 2.0 and scores.values[:, 0].tolist() == [1.0, 0.0]
+        assert reward.score(make_samples([0])).values.tolist() == [[1.0]]
+    finally:
+        release.set()
+
+
+def test_only_the_atom_that_blocks_the_loop_fails_its_timeout():
+    """A blocking atom holds the loop past an innocent atom's deadline: that time is not the
+    innocent atom's, which keeps its value (it was failed and named before)."""
+    @reward_atom("innocent")
+    async def innocent(s):
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+        return 1.0
+
+    @reward_atom("blocker")
+    async def blocker(s):
+        time.sleep(0.5)  # noqa: ASYNC251 -- the mistake under test
+        return 1.0
+
+    for atoms in ([innocent, blocker], [blocker, innocent]):
+        with pytest.raises(RewardError, match="blocked the event loop") as info:
+            Reward(atoms, timeout=0.3).score(make_samples([0]))
+        assert info.value.atom == "blocker"
+        with pytest.warns(RuntimeWarning):
+            scores = Reward(atoms, timeout=0.3, on_error="zero").score(make_samples([0, 1]))
+        assert scores.values[:, scores.names.index("innocent")].tolist() == [1.0, 1.0]
+        assert scores.values[:, scores.names.index("blocker")].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, SystemExit, KeyboardInterrupt])
+def test_an_async_atom_raising_a_base_exception_is_its_failure(raised):
+    @reward_atom("odd")
+    async def odd(s):
+        raise raised()
+
+    with pytest.raises(RewardError, match=f"'odd' failed on sample 0.*{raised.__name__}"):
+        Reward([odd]).score(make_samples([0, 1]))
+    with pytest.warns(RuntimeWarning, match="odd"):
+        scores = Reward([odd], on_error="zero").score(make_samples([0, 1]))
+    assert scores.errors == 2
+    assert Reward([value_atom("v")]).score(make_samples([2.0])).total.tolist() == [2.0]  # nothing left broken
+
+
+def test_a_timed_sync_atom_raising_system_exit_is_not_a_timeout():
+    @reward_atom("quits")
+    def quits(s):
+        raise SystemExit(3)
+
+    with pytest.raises(RewardError, match="'quits' failed on sample 0.*SystemExit: 3"):
+        Reward([quits], timeout=1).score(make_samples([0]))
+
+
+def test_weights_and_timeouts_out_of_range_are_refused_up_front():
+    with pytest.raises(ValueError, match="weight must be finite in float32"):
+        RewardAtom("big", lambda s: 1.0, weight=1e39)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds up to"):
+        Reward([value_atom("v")], timeout=1e10)
+    with pytest.raises(ValueError, match="parents must be a list of atom names, got None"):
+        RewardAtom("child", lambda s: 1.0, parents=None)
+
+
+def test_a_weighted_total_beyond_float32_names_the_sample():
+    with pytest.raises(RewardError, match=r"weighted total of sample 1 .* is inf.*exceed the float32 range"):
+        Reward([value_atom("v", weight=2.0)]).score(make_samples([1.0, 3e38]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -264,7 +265,7 @@ class RewardConfig(Section):
     on_error: Literal["raise", "zero"] = "raise"
     """An atom that raises or returns NaN: stop with an error naming it ("raise"), or
     score it 0 and count it in reward/errors ("zero")."""
-    timeout: float | None = Field(None, gt=0)
+    timeout: float | None = Field(None, gt=0, le=threading.TIMEOUT_MAX)
     """Seconds allowed for each call of an atom (a sync one runs in a thread to be timed, and one
     that hangs is left running there); None = no limit."""
 

@@ -63,6 +63,21 @@ def text_limit(model, tokenizer) -> int:
     return min([int(n) for n in limits if n is not None and n < 1e9] or [512])
 
 
+def _check_template(template: str) -> None:
+    """A str.format template with {prompt} and {completion} and no other field, checked now
+    rather than when the first rollout is scored (literal braces are written {{ and }})."""
+    import string
+
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:  # a lone { or }
+        raise ValueError(f"template {template!r}: {e} (write a literal brace as {{{{ or }}}})") from e
+    if fields != {"prompt", "completion"}:
+        other = sorted(fields - {"prompt", "completion"})
+        raise ValueError(f"template must contain {{prompt}} and {{completion}} and no other field, got {template!r}"
+                         + (f" (fields {other}; write a literal brace as {{{{ or }}}})" if other else ""))
+
+
 class RewardModel:
     """Scores text samples with a one-output sequence classifier (see the module docstring)."""
 
@@ -72,8 +87,10 @@ class RewardModel:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if template is not None and not ("{prompt}" in template and "{completion}" in template):
-            raise ValueError(f"template must contain {{prompt}} and {{completion}}, got {template!r}")
+        if template is not None:
+            _check_template(template)
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be an integer >= 1 (or None: the model's limit), got {max_length!r}")
         self.path = str(path)
         config = sequence_classifier_config(path, "reward model")
         if config.num_labels != 1:
@@ -89,8 +106,6 @@ class RewardModel:
         self.device = model_device(device, make_current=False)
         self.model = model.to(self.device)
         self.max_length = max_length or text_limit(model, self.tokenizer)
-        if self.max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length!r}")
         self.tokenizer.truncation_side = "left"  # keep the completion's end
         self.template = template
         # a chat template writes the special tokens itself (a second BOS changes the score)

@@ -25,7 +25,8 @@ Rules:
   sample. A batched child is called once with only the samples it must score.
 - Atoms are evaluated level by level in topological order (parents first);
   within a level, sync atoms run one after another, then every call of every
-  async atom runs concurrently on one event loop per `score()` call.
+  async atom runs concurrently on the Reward's event loop (one for its life, in a
+  thread of its own, so loop-bound state such as a semaphore lasts between calls).
 - Errors (an atom raises, returns a non-number or a non-finite value, returns
   the wrong number of values, or times out): `on_error="raise"` raises
   `RewardError` naming the atom, the sample and what went wrong;
@@ -48,8 +49,9 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,12 +117,13 @@ class RewardAtom:
             weight = float(weight)
         except (TypeError, ValueError):
             raise ValueError(f"reward atom {name!r}: weight must be a number, got {weight!r}")
-        if not math.isfinite(weight):
-            raise ValueError(f"reward atom {name!r}: weight must be finite, got {weight}")
+        if not (math.isfinite(weight) and abs(weight) <= _FLOAT32_MAX):
+            raise ValueError(f"reward atom {name!r}: weight must be finite in float32 (the scores' dtype), "
+                             f"got {weight}")
         if isinstance(parents, str):
             parents = (parents,)
-        if not all(isinstance(p, str) for p in parents):
-            raise ValueError(f"reward atom {name!r}: parents must be atom names, got {parents!r}")
+        if not isinstance(parents, Sequence) or not all(isinstance(p, str) for p in parents):
+            raise ValueError(f"reward atom {name!r}: parents must be a list of atom names, got {parents!r}")
         self.name = name
         self.fn = fn
         self.weight = weight
@@ -206,9 +209,9 @@ class Reward:
     ):
         if on_error not in ("raise", "zero"):
             raise ValueError(f'on_error must be "raise" or "zero", got {on_error!r}')
-        if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout > 0):
+        if timeout is not None and not (isinstance(timeout, numbers.Real) and 0 < timeout <= MAX_TIMEOUT):
             raise ValueError(
-                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+                f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:.0f} or None, got {timeout!r}"
             )
         atoms = list(atoms)
         if not atoms:
@@ -224,8 +227,8 @@ class Reward:
                 raise ValueError(f"duplicate reward atom name {a.name!r}")
             if a.name in _RESERVED_NAMES:
                 raise ValueError(f"reward atom name {a.name!r} is reserved for a metric")
-            if not math.isfinite(a.weight):
-                raise ValueError(f"reward atom {a.name!r}: weight must be finite, got {a.weight}")
+            if not (math.isfinite(a.weight) and abs(a.weight) <= _FLOAT32_MAX):  # changed since RewardAtom checked it
+                raise ValueError(f"reward atom {a.name!r}: weight must be finite in float32, got {a.weight}")
             by_name[a.name] = a
         for a in atoms:
             for p in a.parents:
@@ -238,6 +241,10 @@ class Reward:
         self.on_error = on_error
         self.timeout = None if timeout is None else float(timeout)
         self._levels = _topological_levels(self.atoms, by_name)
+        self._loop: _EventLoop | None = None  # the async atoms' event loop, from their first call
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) makes its own loop when it needs one
+        return {**self.__dict__, "_loop": None}
 
     @property
     def names(self) -> list[str]:
@@ -261,28 +268,24 @@ class Reward:
     def score(self, samples: Sequence[Sample]) -> AtomScores:
         """Score every sample with every atom (see the module docstring)."""
         run = _ScoreRun(self, list(samples))
-        loop = _EventLoop()
-        try:
-            for level in self._levels:
-                async_jobs = []
-                for atom in level:
-                    idx = run.open_indices(atom)
-                    if not idx:
-                        continue
-                    if atom.is_async:
-                        async_jobs.append((atom, idx))
-                    elif atom.batched:
-                        run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx], self.timeout))
-                    else:
-                        for i in idx:
-                            run.settle(atom, [i], _call(atom.fn, run.samples[i], self.timeout))
-                if async_jobs:
-                    self._run_async(run, loop, async_jobs)
-        finally:
-            loop.close()
+        for level in self._levels:
+            async_jobs = []
+            for atom in level:
+                idx = run.open_indices(atom)
+                if not idx:
+                    continue
+                if atom.is_async:
+                    async_jobs.append((atom, idx))
+                elif atom.batched:
+                    run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx], self.timeout))
+                else:
+                    for i in idx:
+                        run.settle(atom, [i], _call(atom.fn, run.samples[i], self.timeout))
+            if async_jobs:
+                self._run_async(run, async_jobs)
         return run.result()
 
-    def _run_async(self, run: _ScoreRun, loop: _EventLoop, jobs: list) -> None:
+    def _run_async(self, run: _ScoreRun, jobs: list) -> None:
         """All calls of this level's async atoms, concurrently; settled in atom, sample order."""
         calls = []  # (atom, indices, argument)
         for atom, idx in jobs:
@@ -290,8 +293,13 @@ class Reward:
                 calls.append((atom, idx, [run.samples[i] for i in idx]))
             else:
                 calls.extend((atom, [i], run.samples[i]) for i in idx)
-        outcomes = loop.run([_call_async(a.fn, arg, self.timeout) for a, _, arg in calls])
+        if getattr(self, "_loop", None) is None:
+            self._loop = _EventLoop()
+        clock = _Clock()
+        outcomes = self._loop.run([_call_async(a.fn, arg, self.timeout, clock) for a, _, arg in calls])
         for (atom, idx, _), outcome in zip(calls, outcomes):
+            if isinstance(outcome, BaseException):  # _call_async reports its own; this is a safety net
+                outcome = (None, outcome)
             run.settle(atom, idx, outcome)
 
 
@@ -306,11 +314,22 @@ class _AtomTimeout(TimeoutError):
     pass
 
 
+class _Escaped(Exception):
+    """An async atom raised SystemExit or KeyboardInterrupt (the message names which)."""
+
+
 def _call(fn: Callable, arg, timeout: float | None = None) -> tuple[Any, BaseException | None]:
     """(result, None) or (None, the exception fn raised, or an _AtomTimeout after `timeout` s)."""
     if timeout is not None:
         box: list = []
-        worker = threading.Thread(target=lambda: box.append(_call(fn, arg)), daemon=True, name="reward-atom")
+
+        def work():
+            try:
+                box.append(_call(fn, arg))
+            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: the atom's failure, not a timeout
+                box.append((None, e))
+
+        worker = threading.Thread(target=work, daemon=True, name="reward-atom")
         worker.start()
         worker.join(timeout)
         if not box:  # still running: left behind, as a thread cannot be stopped
@@ -322,32 +341,46 @@ def _call(fn: Callable, arg, timeout: float | None = None) -> tuple[Any, BaseExc
         return None, e
 
 
-async def _call_async(fn: Callable, arg, timeout: float | None) -> tuple[Any, BaseException | None]:
+async def _call_async(fn: Callable, arg, timeout: float | None, clock: _Clock) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, what went wrong), as _call. The timeout counts the call's own
+    time: the time the loop spent running other atoms' code (one that blocks it) is added to its
+    deadline, so that only the blocking atom is failed."""
     try:
-        timed = _Busy(fn(arg))
+        timed = _Busy(fn(arg), clock)
         task = asyncio.ensure_future(timed)
-        if timeout is None:
-            return await task, None
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            task.cancel()  # drained when the loop closes
-            return None, _AtomTimeout(f"timed out after {timeout} s")
-        if timed.busy > timeout:  # it blocked the loop, so the wait above could not fire in time
+        start, others = time.perf_counter(), clock.busy
+        while True:
+            left = None if timeout is None else timeout - (time.perf_counter() - start
+                                                           - (clock.busy - others - timed.busy))
+            done, _ = await asyncio.wait({task}, timeout=left if left is None else max(left, 0.0))
+            if done:
+                break
+            if time.perf_counter() - start - (clock.busy - others - timed.busy) >= timeout:
+                task.cancel()  # it finishes on the loop (or is left behind, where it ignores the cancel)
+                return None, _AtomTimeout(f"timed out after {timeout} s")
+        if timeout is not None and timed.busy > timeout:  # it blocked the loop: no wait could fire in time
             return None, _AtomTimeout(f"blocked the event loop for {timed.busy:.3g} s, past the timeout of {timeout} s "
                                       "(an async atom must await; blocking work belongs in a sync atom, which "
                                       "runs in a thread of its own)")
         return task.result(), None
-    except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
-        return None, e
+    except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 -- any failure of user code is reported per
+        return None, e                                 # atom, a cancellation it raised or awaited included
+
+
+class _Clock:
+    """The time the event loop has spent running atoms' own code in one score() call."""
+
+    busy = 0.0
 
 
 class _Busy:
-    """Awaits a coroutine and adds up the time spent running its own code between its awaits:
-    a call that blocks (time.sleep, a blocking client) holds the event loop, which no
-    asyncio timeout can interrupt, so its busy time is how it is caught afterwards."""
+    """Awaits a coroutine and adds up the time spent running its own code between its awaits
+    (to its own `busy` and the call's `clock`): a call that blocks (time.sleep, a blocking
+    client) holds the event loop, which no asyncio timeout can interrupt, so its busy time is
+    how it is caught afterwards, and how the other calls' timeouts are kept from counting it."""
 
-    def __init__(self, coro):
-        self.coro, self.busy = coro, 0.0
+    def __init__(self, coro, clock: _Clock):
+        self.coro, self.busy, self.clock = coro, 0.0, clock
 
     def __await__(self):
         steps, value, error = self.coro.__await__(), None, None
@@ -356,13 +389,20 @@ class _Busy:
             try:
                 out = steps.throw(error) if error is not None else steps.send(value)
             except StopIteration as stop:
-                self.busy += time.perf_counter() - start
+                self._add(time.perf_counter() - start)
                 return stop.value
-            self.busy += time.perf_counter() - start
+            except (SystemExit, KeyboardInterrupt) as e:  # would stop the loop's thread: the atom's failure
+                self._add(time.perf_counter() - start)
+                raise _Escaped(_describe(e)) from e
+            self._add(time.perf_counter() - start)
             try:
                 value, error = (yield out), None
             except BaseException as e:  # noqa: BLE001 -- e.g. a cancellation, passed on to the coroutine
                 value, error = None, e
+
+    def _add(self, seconds: float) -> None:
+        self.busy += seconds
+        self.clock.busy += seconds
 
 
 class _ScoreRun:
@@ -385,7 +425,7 @@ class _ScoreRun:
     def settle(self, atom: RewardAtom, idx: list[int], outcome: tuple) -> None:
         result, exc = outcome
         if exc is not None:
-            what = str(exc) if isinstance(exc, _AtomTimeout) else _describe(exc)
+            what = str(exc) if isinstance(exc, _AtomTimeout | _Escaped) else _describe(exc)
             return self.fail(atom, idx, what, exc, batch=atom.batched)
         if atom.batched:
             try:
@@ -420,6 +460,12 @@ class _ScoreRun:
         values = torch.tensor(self.values, dtype=torch.float32).reshape(-1, k)  # [N, K]
         failed = torch.tensor(self.failed, dtype=torch.bool).reshape(-1, k)  # [N, K]
         total = values @ self.reward.weights  # [N]
+        bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
+        if bad:  # every value and weight is finite in float32, their weighted sum need not be
+            raise RewardError(f"the weighted total of sample {bad[0]} (prompt: {_short(self.samples[bad[0]])}) is "
+                              f"{float(total[bad[0]])}: its atom scores times their weights exceed the float32 range "
+                              f"({dict(zip(self.reward.names, values[bad[0]].tolist()))}, weights "
+                              f"{self.reward.weights.tolist()})", None, bad[0])
         errors = int(failed.sum())
         if errors:
             parts = []
@@ -465,6 +511,7 @@ def _to_float(value) -> float:
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+MAX_TIMEOUT = threading.TIMEOUT_MAX  # the longest wait a thread allows (sync atoms are timed in threads)
 
 
 def _as_list(result, n: int) -> list:
@@ -477,7 +524,8 @@ def _as_list(result, n: int) -> list:
             )
         result = result.tolist()
     elif isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
-        raise _BadValue(f"returned {_a(type(result).__name__)}, expected a sequence of {n} numbers")
+        got = "None" if result is None else _a(type(result).__name__)
+        raise _BadValue(f"returned {got}, expected a sequence of {n} numbers")
     if len(result) != n:
         raise _BadValue(f"returned {len(result)} values for {_plural(n, 'sample')}")
     return list(result)
@@ -528,46 +576,61 @@ def _topological_levels(atoms: tuple, by_name: dict) -> list[list[RewardAtom]]:
 
 
 class _EventLoop:
-    """The one event loop of a score() call, made on first use. If this thread is
-    already running a loop (score() called from async code), ours runs in a worker thread."""
+    """A Reward's event loop, running in a daemon thread of its own from its async atoms' first
+    call on. Being one loop for the Reward's life, atoms may keep loop-bound state between
+    score() calls (a semaphore that rate-limits a judge, a client session); score() may be
+    called from async code or from several threads; and work an atom hands to a thread
+    (asyncio.to_thread) that outlives its timeout is left behind, not waited for."""
 
     def __init__(self):
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(_DaemonThreads())
+        threading.Thread(target=_serve, args=(self._loop,), daemon=True, name="mmrl-reward-loop").start()
+        # stopped with the Reward; at exit the daemon thread is simply left, as a sync atom's is
+        weakref.finalize(self, _stop, self._loop).atexit = False
 
     def run(self, coros: list) -> list:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            try:
-                asyncio.get_running_loop()
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="mmrl-reward")
-            except RuntimeError:
-                pass
-        return self._in_place(self._loop.run_until_complete, _gather(coros))
+        return asyncio.run_coroutine_threadsafe(_gather(coros), self._loop).result()
 
-    def close(self) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._in_place(self._shutdown)
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
 
-    def _in_place(self, fn, *args):
-        return fn(*args) if self._pool is None else self._pool.submit(fn, *args).result()
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
 
-    def _shutdown(self) -> None:
-        loop = self._loop
-        try:
-            pending = asyncio.all_tasks(loop)  # e.g. timed-out calls, being cancelled
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(_gather(list(pending)))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-        finally:
-            loop.close()
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:  # the Reward is gone: cancel what is left (timed-out calls), briefly let it finish
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+        loop.close()
+
+
+class _DaemonThreads(ThreadPoolExecutor):
+    """The loop's default executor (asyncio.to_thread): each call in a daemon thread of its own,
+    so that one hanging past its atom's timeout neither holds up the next score() nor the exit
+    of the process, as a timed-out sync atom's thread does not."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+
+        def work():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 -- handed to the awaiting atom
+                    future.set_exception(e)
+
+        threading.Thread(target=work, daemon=True, name="mmrl-reward-thread").start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # nothing pooled; threads still running are left behind
 
 
 async def _gather(aws: list) -> list:
