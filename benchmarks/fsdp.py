@@ -5,11 +5,14 @@ gradients and AdamW's moments, and how far the sharded run's weights are from th
 
 Without FSDP a bfloat16 run holds its bfloat16 weights plus float32 master weights, gradients
 and moments (optim.master_weights); with it each rank holds 1 / processes of the float32
-weights, gradients and moments. Not counted: the whole weights that rollouts gather for their
-duration (the model's size in its dtype, as without FSDP), activations, the KL reference.
+weights, gradients and moments. With `--kl BETA` the methods keep a KL reference (a frozen copy
+of the starting weights in the model's dtype), counted as "reference": whole on each rank
+without FSDP, sharded with it. Not counted: the whole weights that rollouts gather for their
+duration (the model's size in its dtype, as without FSDP), activations.
 
     python benchmarks/fsdp.py                       # every backend, float32 and bfloat16
     python benchmarks/fsdp.py --backends dllm --dtypes bfloat16
+    python benchmarks/fsdp.py --kl 0.04               # with a KL reference
     python benchmarks/fsdp.py --uneven                # 1 micro-batch on rank 0 against 4 on rank 1
 """
 
@@ -39,10 +42,11 @@ def state_bytes(trainer) -> dict[str, int]:
     return {"weights": _bytes(trainer.params),
             "master": _bytes([m for _, _, m in trainer.master.copied]) if trainer.master is not None else 0,
             "grads": _bytes([p.grad for p in trainer.opt_params]),
-            "moments": _bytes(moments)}
+            "moments": _bytes(moments),
+            **({"reference": _bytes(trainer.reference.model.parameters())} if trainer.reference is not None else {})}
 
 
-def _rank(rank: int, name: str, dtypes: list[str]) -> dict:
+def _rank(rank: int, name: str, dtypes: list[str], extra: list[str]) -> dict:
     from mmrl.core.config import load_config
     from mmrl.core.fsdp import Sharded
     from mmrl.core.trainer import Trainer
@@ -54,7 +58,7 @@ def _rank(rank: int, name: str, dtypes: list[str]) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[
                     f"optim.fsdp={on}", f"model.dtype={dtype}", "train.max_steps=1", f"output_dir={tmp}",
-                    "rollout.prompts_per_step=2", "rollout.num_generations=2"])  # a small step: state is the point
+                    "rollout.prompts_per_step=2", "rollout.num_generations=2", *extra])  # a small step: state is the point
                 trainer = Trainer(cfg, *backend.build(cfg))
                 trainer.train_step()
                 record[f"{dtype}/{on}"] = {"bytes": state_bytes(trainer),
@@ -89,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--kl", type=float, default=0.0, metavar="BETA", help="method.kl.beta (> 0: with a KL reference)")
     ap.add_argument("--uneven", action="store_true", help="instead: an update on uneven shares, whole vs sharded")
     args = ap.parse_args()
     for name in args.backends:
@@ -98,7 +103,7 @@ def main() -> None:
             print(json.dumps({"backend": name, "updates": [whole["updates"], sharded["updates"]],
                               "max_weight_difference": diff}), flush=True)
             continue
-        ranks = two_ranks.run(_rank, name, args.dtypes)
+        ranks = two_ranks.run(_rank, name, args.dtypes, [f"method.kl.beta={args.kl}"] if args.kl else [])
         for dtype in args.dtypes:
             whole = ranks[0][f"{dtype}/False"]["bytes"]
             sharded = [r[f"{dtype}/True"]["bytes"] for r in ranks]

@@ -711,3 +711,22 @@ def test_weights_and_timeouts_out_of_range_are_refused_up_front():
 def test_a_weighted_total_beyond_float32_names_the_sample():
     with pytest.raises(RewardError, match=r"weighted total of sample 1 .* is inf.*exceed the float32 range"):
         Reward([value_atom("v", weight=2.0)]).score(make_samples([1.0, 3e38]))
+
+
+def test_a_forked_child_scores_async_atoms_on_a_loop_of_its_own():
+    """A fork keeps the Reward but not its loop's thread: the child makes its own loop."""
+    import multiprocessing
+
+    @reward_atom("judge")
+    async def judge(s):
+        await asyncio.sleep(0)
+        return s.completion
+
+    reward = Reward([judge])
+    assert reward.score(make_samples([1.0])).total.tolist() == [1.0]  # the parent's loop thread exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: queue.put(reward.score(make_samples([2.0])).total.tolist()))
+    child.start()
+    child.join(20)
+    assert child.exitcode == 0 and queue.get(timeout=1) == [2.0]

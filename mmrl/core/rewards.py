@@ -44,6 +44,7 @@ import inspect
 import itertools
 import math
 import numbers
+import os
 import re
 import sys
 import threading
@@ -293,7 +294,7 @@ class Reward:
                 calls.append((atom, idx, [run.samples[i] for i in idx]))
             else:
                 calls.extend((atom, [i], run.samples[i]) for i in idx)
-        if getattr(self, "_loop", None) is None:
+        if getattr(self, "_loop", None) is None or self._loop.pid != os.getpid():  # a forked child has no loop thread
             self._loop = _EventLoop()
         clock = _Clock()
         outcomes = self._loop.run([_call_async(a.fn, arg, self.timeout, clock) for a, _, arg in calls])
@@ -583,6 +584,7 @@ class _EventLoop:
     (asyncio.to_thread) that outlives its timeout is left behind, not waited for."""
 
     def __init__(self):
+        self.pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(_DaemonThreads())
         threading.Thread(target=_serve, args=(self._loop,), daemon=True, name="mmrl-reward-loop").start()
