@@ -121,6 +121,66 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
     assert full_summary["eval_after"] == resumed_summary["eval_after"]
 
 
+@pytest.mark.parametrize("where", ["reward", "evaluation"])
+def test_a_failing_reward_atom_keeps_the_finished_steps(tmp_path, where):
+    """A reward atom that raises in step 4's rollout (or an evaluation after step 3) with the
+    last checkpoint at step 2: step 3 is saved as it finished, and --resume with the cause
+    gone ends bit-identical to a run that never failed."""
+    from mmrl.core.rewards import RewardError
+
+    args = ("train.max_steps=5", "train.save_every=2", "train.eval_every=3", "optim.schedule=cosine",
+            "optim.warmup_steps=2")
+    full = make(tmp_path, *args, name="full")
+    full.train()
+
+    failing = make(tmp_path, *args, name="fail")
+    if where == "reward":
+        score, calls = failing.scheduler.reward.score, {"n": 0}
+
+        def fails_in_step_4(samples):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RewardError("reward atom 'judge' failed on sample 0: ConnectionError", "judge", 0)
+            return score(samples)
+
+        failing.scheduler.reward.score = fails_in_step_4
+    else:
+        evaluate = failing.evaluate
+        failing.evaluate = lambda **kw: (_ for _ in ()).throw(RewardError("judge down")) if (
+            failing.step == 3 and not kw) else evaluate(**kw)
+    with pytest.warns(UserWarning, match=r"RewardError stopped the run (in step 4|in the evaluation after step 3); the steps "
+                                         r"finished before it are "
+                                         r"saved as checkpoint .*step-00000003"), pytest.raises(RewardError):
+        failing.train()
+    assert [s for s, _ in list_checkpoints(tmp_path / "fail" / "checkpoints")] == [2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "fail" / "metrics.jsonl")] == [1, 2, 3]
+
+    resumed = make(tmp_path, *args, name="fail")
+    resumed.train(resume=True)
+    for k, v in weights(full).items():
+        assert torch.equal(v, weights(resumed)[k]), k
+    full_rows, rows = (comparable(read_metrics(tmp_path / name / "metrics.jsonl")) for name in ("full", "fail"))
+    if where == "evaluation":  # step 3's row was logged without the evaluation that failed
+        full_rows[2] = {k: v for k, v in full_rows[2].items() if not k.startswith("eval/")}
+    assert rows == full_rows
+
+
+def test_a_failure_inside_the_update_saves_nothing(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=4", "train.save_every=2")
+    update, calls = trainer.update, {"n": 0}
+
+    def fails_in_step_3(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("out of memory")
+        return update(batch)
+
+    trainer.update = fails_in_step_3
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, aggregation):
     """8 micro-batches of 4 samples give the same update as one batch of 32 (float tolerance)."""

@@ -187,6 +187,8 @@ class Trainer:
         self.warned_empty = False  # "every group was dropped" is warned once; the summary counts them
         self.eval_before: dict[str, float] | None = None
         self.saved_step: int | None = None
+        self._before_rollout: tuple | None = None  # (generator state, stream state) during a rollout
+        self._updating = False
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -234,21 +236,26 @@ class Trainer:
             self.out, total_steps=tc.max_steps, start_step=self.step,
             tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
         ) if main else None
+        unlogged = None  # a finished step's metrics until they are logged
         try:
             if self.eval_before is None:
                 self.eval_before = self.evaluate(samples_tag="before")
             while self.step < tc.max_steps:
-                metrics = self.train_step(logger)
+                metrics = unlogged = self.train_step(logger)
                 self.step += 1
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
                 metrics = distributed.combine_metrics(metrics)  # every rank: a collective
                 if logger is not None:
                     logger.log(self.step, metrics)
+                unlogged = None
                 if tc.save_every and self.step % tc.save_every == 0 and not metrics.get("train/bad_step"):
                     self.save()
             if self.saved_step != self.step:
                 self.save()
+        except Exception as e:
+            self._save_after_failure(e, logger, unlogged)
+            raise
         finally:
             if logger is not None:
                 logger.close()
@@ -272,15 +279,21 @@ class Trainer:
         if getattr(self.scheduler, "pipelined", False):
             batch, metrics = self.streamed_step()
         else:
+            # where the prompts and the rollout generator stood: a run that fails in this rollout
+            # (a reward atom or a tool that raises) saves its finished steps from here
+            self._before_rollout = (self.generator.get_state(), self.stream.state_dict())
             with self.gathered():
                 batch, metrics = self.scheduler.next_groups(self.step, self.num_generations)
             self._sharded_reference_pass(batch)
+            self._before_rollout = None
             wait = time.perf_counter() - t0
             crash_point("rollout", self.step + 1)
             if batch is not None:
                 batch = batch.onto(self.device)  # from a remote engine it is on the CPU
                 t1 = time.perf_counter()
+                self._updating = True  # weights and optimizer change: no saving from a failure in here
                 metrics.update(self.update(batch))
+                self._updating = False
                 metrics["time/update"] = time.perf_counter() - t1
                 metrics.update(_waiting(wait, metrics["time/update"]))
                 metrics["time/round"] = time.perf_counter() - t0  # rollout start to train end
@@ -510,6 +523,32 @@ class Trainer:
             random.setstate(py_state)
             np.random.set_state(np_state)
         return {k: float(v) for k, v in result.items()}
+
+    def _save_after_failure(self, error: Exception, logger: RunLogger | None, unlogged: dict | None) -> None:
+        """A run stopped by an error outside the update (a reward atom or tool that raises, an
+        evaluation that fails) keeps the steps it finished since the last checkpoint: they are
+        saved as one, from where the failed step started (its prompts and rollout generator), so
+        that --resume once the cause is fixed goes on as if it had not failed. Not where the
+        weights may be half updated or half written, with several processes (the others may be
+        waiting in a collective), or with pipelined rollouts (engines that ran ahead)."""
+        if (self._updating or self.step == 0 or self.saved_step == self.step or self.world > 1
+                or getattr(self.scheduler, "pipelined", False)
+                or isinstance(error, ckpt.CheckpointError | TrainingError)):  # the trainer's own stops
+            return
+        if self._before_rollout is not None:
+            self.generator.set_state(self._before_rollout[0])
+            self.stream.load_state_dict(self._before_rollout[1])
+        try:
+            if unlogged is not None and logger is not None:  # an evaluation failed after the step
+                logger.log(self.step, unlogged)
+            path = self.save()
+        except Exception as e:  # noqa: BLE001 -- the run's own error is the one raised
+            warnings.warn(f"after {type(error).__name__}, the finished step {self.step} could not be saved: "
+                          f"{type(e).__name__}: {e}", stacklevel=3)
+            return
+        where = f"in step {self.step + 1}" if unlogged is None else f"in the evaluation after step {self.step}"
+        warnings.warn(f"{type(error).__name__} stopped the run {where}; the steps finished before it are saved "
+                      f"as checkpoint {path}: --resume goes on from there", stacklevel=3)
 
     def _sharded_reference_pass(self, batch: RolloutBatch | None) -> None:
         """Under FSDP, the scheduler's last stage, the KL reference's pass (as SyncScheduler._prepare
