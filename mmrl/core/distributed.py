@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import warnings
 import zlib
 
@@ -135,8 +134,9 @@ def map_shards(fn, items: list) -> list:
     world-th item, and every rank gets all the results, in the items' order (a collective; the
     results are pickled, tensors on the CPU). Held-out evaluation generates and scores this
     way, so its time (a reward model's included) falls with the ranks instead of each rank
-    doing the whole set. Where fn raises on any rank, every rank raises that error once all
-    have joined, so no rank waits for ever on one that stopped. With one process, fn(items)."""
+    doing the whole set. Where fn raises on a rank, that rank raises its error and every other
+    a RankError naming it, once all have joined: no rank waits for ever on one that stopped.
+    With one process, fn(items)."""
     if world_size() == 1:
         return list(fn(items))
     n, r = world_size(), rank()
@@ -146,33 +146,22 @@ def map_shards(fn, items: list) -> list:
         part = list(fn(mine)) if mine else []
         if len(part) != len(mine):
             raise RuntimeError(f"map_shards: {len(part)} results for {len(mine)} items")
-    except Exception as e:  # noqa: BLE001 -- raised again below, on every rank
+    except Exception as e:  # noqa: BLE001 -- raised again below, and named on every other rank
         failure = e
-    shared = gather_objects((part, None if failure is None else _portable(failure)))
+    shared = gather_objects((part, None if failure is None else f"{type(failure).__name__}: {failure}"))
     if failure is not None:
         raise failure
-    for _, error in shared:
-        if error is not None:  # another rank's error, raised here too: every rank stops alike
-            raise error
+    for other, (_, error) in enumerate(shared):
+        if error is not None:  # every rank stops alike; the failing rank raises the error itself
+            raise RankError(f"data-parallel rank {other} failed: {error}")
     out: list = [None] * len(items)
     for k, (got, _) in enumerate(shared):
         out[k::n] = got
     return out
 
 
-def _portable(e: BaseException) -> BaseException:
-    """An exception as another rank can raise it: itself where it survives pickling, else a
-    RuntimeError with its message; either way saying which rank it came from."""
-    note = f"(on data-parallel rank {rank()})"
-    try:
-        copy = pickle.loads(pickle.dumps(e))
-    except Exception:  # noqa: BLE001 -- an exception class that does not rebuild from its args
-        copy = None
-    if type(copy) is not type(e) or str(copy) != str(e):
-        return RuntimeError(f"{type(e).__name__}: {e} {note}")
-    if hasattr(copy, "add_note"):  # Python 3.11+
-        copy.add_note(note)
-    return copy
+class RankError(RuntimeError):
+    """Another data-parallel rank failed in a collective step (its message says how)."""
 
 
 # Metrics that count what a rank did: the step's value is their sum over ranks.
