@@ -22,7 +22,9 @@ counted (data["stat/tool_errors"]). Where the tool itself fails (it raises, outl
 timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
 warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
-instead of running.
+instead of running, and a call in the last turn is counted but not run. An observation's text
+stays text (special tokens it quotes, e.g. <|image_pad|>, are broken by a word joiner) and is
+cut at tools.max_observation_tokens (a tool failure, too_long).
 
 Extra data of a tool batch (beside VLMPolicy.generate's layout):
     data["call_mask"]           [N, T] bool  tokens of the model's tool calls (<tool_call> .. </tool_call>)
@@ -53,7 +55,7 @@ from mmrl.core.device import fork_rng
 from mmrl.vlm.policy import _per_token, mean_over, scores_by_forward, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
-TOOL_FAILURES = ("raised", "timeout", "bad_result", "bad_image")  # the tool failed, not the model's call
+TOOL_FAILURES = ("raised", "timeout", "bad_result", "bad_image", "too_long")  # the tool failed, not the model's call
 
 _END = "<|im_end|>"
 _OBS_OPEN = _END + "\n<|im_start|>user\n<tool_response>\n"
@@ -96,6 +98,10 @@ class ToolRollout:
         self.close_id = _single_id(tok, TOOL_CALL_CLOSE)
         self.stop_ids = [policy.eos_id] + ([self.close_id] if self.close_id is not None else [])
         self.type_ids = {i: v for t, v in _TYPE_IDS.items() if (i := _single_id(tok, t)) is not None}
+        # the tokenizer's special tokens (<|im_end|>, <|image_pad|>, ...; not <tool_call>, which Qwen's
+        # vocabulary adds as an ordinary token), longest first
+        self.markup = sorted({a.content for a in tok.added_tokens_decoder.values() if a.special and len(a.content) > 1},
+                             key=len, reverse=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -147,6 +153,10 @@ class ToolRollout:
                 ids = tok(text, add_special_tokens=False)["input_ids"]
                 ids += [self.policy.eos_id] if j == len(texts) - 1 else []
                 self._take_turn(row, ids, [0.0] * len(ids), [0.0] * len(ids), unlimited)
+                if row.done and j < len(texts) - 1:
+                    raise ValueError(f"turn {j + 1} of {len(texts)} ({text[-60:]!r}) does not end with a tool call "
+                                     f"({TOOL_CALL_CLOSE} last), so no observation follows it and the next turn "
+                                     "cannot be one")
         return self._batch(enc, items, rows, self._prompt_parts(enc, items))
 
     def _take_turn(self, row: _Row, new: list[int], logp: list[float], ent: list[float], rollout) -> None:
@@ -170,18 +180,27 @@ class ToolRollout:
         end = len(row.ids) - 1 if unclosed else len(row.ids)  # an unclosed call's span stops before <|im_end|>
         row.call_spans.append((row.turn_start + opened[-1] if opened else start, end))
         text = self.policy.tokenizer.decode(turn, skip_special_tokens=False)
-        if row.turns >= self.cfg.max_turns:  # no turn left to read an observation
+        if row.turns >= self.cfg.max_turns:  # no turn left to read an observation: a call made, not run
+            row.calls += 1
+            if unclosed:
+                row.errors["malformed"] += 1
             row.done = row.truncated = True
             return
+        name = None  # the tool's, where one ran
         if unclosed:  # ended its turn inside a call: malformed, and the model is told so
             content, kind = [f"error: the tool call was not closed with {TOOL_CALL_CLOSE}"], "malformed"
         elif row.calls >= self.cfg.max_tool_calls:
             content, kind = [f"error: at most {self.cfg.max_tool_calls} tool calls per answer"], "limit"
         else:
             result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
-            content, kind = result.content, result.kind
-            self._warn_failure(result.name, kind, result.error)
+            content, kind, name = result.content, result.kind, result.name
+            self._warn_failure(name, kind, result.error)
         row.calls += 1
+        content, cut = self._literal_text(content)
+        if cut and kind == "ok":
+            kind = "too_long"
+            self._warn_failure(name, kind, f"returned {cut} tokens of text, cut to tools.max_observation_tokens "
+                                           f"{self.cfg.max_observation_tokens}", reads="reads the text up to there")
         try:
             self._observe(row, content, ended=unclosed)
         except Exception as e:  # noqa: BLE001 -- e.g. a 224x1 crop the image processor refuses
@@ -191,12 +210,35 @@ class ToolRollout:
         if kind != "ok":
             row.errors[kind] += 1
 
-    def _warn_failure(self, name: str | None, kind: str, error: str | None) -> None:
+    def _literal_text(self, content: list) -> tuple[list, int]:
+        """The content's text as text: markup it quotes (an unknown tool's name echoed back, a
+        tool's own output) must not become the chat format's special tokens (an <|image_pad|>
+        with no image crashes the next turn), so a zero-width word joiner goes after each such
+        string's first character. Text past tools.max_observation_tokens in all is cut, and the
+        number of tokens it had comes back (0 if none was cut)."""
+        tok, budget, total, out = self.policy.tokenizer, self.cfg.max_observation_tokens, 0, []
+        for part in content:
+            if not isinstance(part, str):
+                out.append(part)
+                continue
+            if any(m in part for m in self.markup):
+                for m in self.markup:
+                    part = part.replace(m, m[0] + "\u2060" + m[1:])
+            ids = tok(part, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than the model" note
+            total += len(ids)
+            if len(ids) > budget:
+                part = tok.decode(ids[:budget]) + f" ... [cut: {len(ids) - budget} more tokens]"
+            budget = max(budget - len(ids), 0)
+            out.append(part)
+        return out, total if total > self.cfg.max_observation_tokens else 0
+
+    def _warn_failure(self, name: str | None, kind: str, error: str | None,
+                      reads: str = "reads it as an error observation") -> None:
         """A tool's own failure is said once per tool and kind (the model's mistakes are not:
         they are what RL trains away); every one is counted in stat/tool_failures."""
         if kind in TOOL_FAILURES and (name, kind) not in self.warned:
             self.warned.add((name, kind))
-            warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout reads it as an error observation; "
+            warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout {reads}; "
                           "counted in rollout/tool_failures; said once per tool and kind)", stacklevel=2)
 
     def _observe(self, row: _Row, content: list, ended: bool = False) -> None:
@@ -293,7 +335,7 @@ class ToolRollout:
         else:
             logp, ent = pol.token_stats(out.logits, new, temperature)
         new, logp, ent = new.cpu(), logp.cpu(), ent.cpu()  # to the rows' Python lists: one copy each
-        lengths = _turn_lengths(new, self.stop_ids, pol.pad_id)
+        lengths = _turn_lengths(new, self.stop_ids, pol.pad_id, trailing_pads=bool(getattr(rollout, "stop", None)))
         return ([new[j, :n].tolist() for j, n in enumerate(lengths)],
                 [logp[j, :n].tolist() for j, n in enumerate(lengths)],
                 [ent[j, :n].tolist() for j, n in enumerate(lengths)])
@@ -392,15 +434,16 @@ def _scored_by_forward(rollout, greedy: bool) -> bool:
     return not greedy and scores_by_forward(rollout)
 
 
-def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int) -> list[int]:
-    """Tokens of each row's turn: up to and including its first stop id, else up to the
-    last non-pad token (generate pads rows that ended early, e.g. on a stop string)."""
+def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int, trailing_pads: bool) -> list[int]:
+    """Tokens of each row's turn: up to and including its first stop id, else (with
+    `trailing_pads`: stop strings end rows early, and generate pads them) up to the last
+    non-pad token, else all: a pad token the model generated (Qwen's <|endoftext|>) is its own."""
     out = []
     for row in new.tolist():
         cut = next((j + 1 for j, tok in enumerate(row) if tok in stop_ids), None)
         if cut is None:
             cut = len(row)
-            while cut > 0 and row[cut - 1] == pad_id:
+            while trailing_pads and cut > 0 and row[cut - 1] == pad_id:
                 cut -= 1
         out.append(cut)
     return out

@@ -118,7 +118,13 @@ class ToolsConfig(Section):
     max_tool_calls: int = Field(2, ge=0)
     """Tool calls run per rollout; later calls get an error observation."""
     timeout: float = Field(10.0, gt=0)
-    """Seconds a tool may take; a slower call returns a timeout observation."""
+    """Seconds a tool may take; a slower call returns a timeout observation. A tool stuck in C
+    code that holds Python's GIL (a regex that backtracks for ever) cannot be interrupted:
+    run such work in a subprocess of the tool's own."""
+    max_observation_tokens: int = Field(1024, ge=16)
+    """Tokens of a tool's text kept in its observation; a longer text is cut there, says so, and
+    counts as a tool failure (too_long): a tool returning a megabyte would otherwise be a
+    completion of a million tokens to train on."""
     image_max_pixels: int | None = Field(None, ge=1)
     """Largest area of an image a tool returns (e.g. a zoomed crop) as the model sees it;
     None = model.max_pixels. A zoom's gain is its crop scale times this over max_pixels."""

@@ -218,7 +218,7 @@ class VLMPolicy:
             old_logp = entropy = torch.zeros(completion.shape, device=completion.device)
         else:
             old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
-        mask = self.completion_mask(completion)
+        mask = self.completion_mask(completion, trailing_pads=bool(getattr(rollout, "stop", None)))
         lengths = mask.sum(-1)
         finished = (completion == self.eos_id) & mask
         entropy = mean_over(entropy, mask)
@@ -339,10 +339,15 @@ class VLMPolicy:
     def _stop_kwargs(self, stop) -> dict:
         return {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
 
-    def completion_mask(self, completion: Tensor) -> Tensor:
-        """True up to and including the first end-of-turn token; trailing padding is False."""
+    def completion_mask(self, completion: Tensor, trailing_pads: bool = True) -> Tensor:
+        """True up to and including the first end-of-turn token; with `trailing_pads`, trailing
+        pad tokens are False too: generate's padding of rows that ended early on a stop string.
+        Without stop strings (trailing_pads False) a row ends early only at end-of-turn, and a
+        pad token the model generated itself (Qwen's pad is <|endoftext|>) stays its own."""
         is_eos = completion == self.eos_id
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
+        if not trailing_pads:
+            return ~after_eos
         not_pad = completion != self.pad_id
         # last non-pad position + 1 (generate pads finished rows, e.g. after a stop string)
         idx = torch.arange(completion.shape[1], device=completion.device)
@@ -543,7 +548,7 @@ class VLMPolicy:
                 synced_gpus=False,  # as in generate
             )
             completion = seqs[:, enc["input_ids"].shape[1]:]
-            texts = self.decode(completion, self.completion_mask(completion))
+            texts = self.decode(completion, self.completion_mask(completion, trailing_pads=False))
             out.append(RolloutBatch(group_ids=torch.arange(len(chunk)),
                                     samples=[to_sample(it, x) for it, x in zip(chunk, texts)]))
         return out

@@ -144,8 +144,8 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
         raise ToolCallError("tool call is empty")
     try:
         call = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ToolCallError(f"tool call is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of over 4300 digits, deep nesting
+        raise ToolCallError(f"tool call is not valid JSON: {_json_error(e)}") from None
     if not isinstance(call, dict):
         raise ToolCallError(
             f'tool call must be a JSON object with "name" and "arguments", got {_json_type(call)}'
@@ -161,13 +161,17 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
     if isinstance(arguments, str):  # OpenAI-style: the arguments as a JSON string
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ToolCallError(f'tool call "arguments" string is not valid JSON: {e}') from None
+        except (ValueError, RecursionError) as e:
+            raise ToolCallError(f'tool call "arguments" string is not valid JSON: {_json_error(e)}') from None
     if not isinstance(arguments, dict):
         raise ToolCallError(
             f'tool call "arguments" must be a JSON object, got {_json_type(arguments)}'
         )
     return name.strip(), arguments
+
+
+def _json_error(e: Exception) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _json_type(value) -> str:
@@ -470,6 +474,8 @@ class ToolRegistry:
             name, arguments = parse_tool_call(text)
         except ToolCallError as e:
             return _error(str(e), "malformed")
+        except Exception as e:  # noqa: BLE001 -- the contract: call never raises
+            return _error(f"the tool call could not be read: {_describe(e)}", "malformed")
         return self.invoke(name, arguments, ctx)
 
     def invoke(self, name: str, arguments: dict, ctx: ToolContext) -> ToolResult:

@@ -190,7 +190,83 @@ def test_limits_on_turns_and_tool_calls(qwen25_dir):
     text = batch.samples[0].completion
     assert "6" in text and "at most 1 tool calls" in text
     assert batch.data["stat/turns"].tolist() == [3.0] and batch.data["stat/truncated"].tolist() == [1.0]
-    assert batch.data["stat/tool_calls"].tolist() == [2.0] and batch.data["stat/tool_errors"].tolist() == [1.0]
+    # the last turn's call is made (counted) but not run: no turn is left to read its observation
+    assert batch.data["stat/tool_calls"].tolist() == [3.0] and batch.data["stat/tool_errors"].tolist() == [1.0]
+
+
+def test_a_call_in_the_only_turn_counts_as_a_call(qwen25_dir):
+    """max_turns 1: the call cannot run, but it is a call (stat/called as first_call says),
+    and an unclosed one is a malformed call, as in any other turn."""
+    policy = make_policy(qwen25_dir, max_turns=1)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    Scripted(policy, [[call], ['<tool_call>\n{"name": "zoom"<|im_end|>']]).install()
+    batch = policy.generate([ITEMS[0]], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [1.0, 1.0] and data["stat/called"].tolist() == [1.0, 1.0]
+    assert data["first_call"].tolist() == [0, 0] and data["stat/tool_errors"].tolist() == [0.0, 1.0]
+    assert [s.meta["tool_calls"] for s in batch.samples] == [1, 1]
+
+
+def test_markup_in_a_tools_text_stays_text(qwen25_dir):
+    """A tool's text (or an error quoting the model's) that holds the chat format's markup:
+    an <|image_pad|> with no image would crash the next turn's generate; it stays text."""
+    registry = build_registry([], timeout=2.0)
+
+    @registry.register
+    def echo() -> str:
+        return "see <|image_pad|> and <|im_end|> and <tool_call>"
+
+    policy = make_policy(qwen25_dir, registry=registry)
+    Scripted(policy, [['<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    tok = policy.tokenizer
+    ids = batch.data["completion_ids"][0][batch.data["completion_attention"][0]].tolist()
+    assert tok.convert_tokens_to_ids("<|image_pad|>") not in ids
+    assert ids.count(policy.eos_id) == 3  # the call's turn, the observation's, the answer's: none from the text
+    assert tok.convert_tokens_to_ids("<tool_call>") in ids[ids.index(policy.eos_id):]  # an ordinary token: as is
+    assert batch.data["stat/tool_errors"].tolist() == [0.0] and batch.data["stat/turns"].tolist() == [2.0]
+    assert "image_pad" in batch.samples[0].completion and batch.samples[0].completion.rstrip().endswith("</answer>")
+
+
+def test_a_tools_long_text_is_cut_and_counted(qwen25_dir):
+    registry = build_registry([], timeout=2.0)
+
+    @registry.register
+    def dump() -> str:
+        return "word " * 5000
+
+    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=64)
+    Scripted(policy, [['<tool_call>\n{"name": "dump", "arguments": {}}\n</tool_call>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    with pytest.warns(UserWarning, match=r"tool dump: returned \d+ tokens of text, cut to tools.max_observation_tokens "
+                                         r"64 \(the rollout reads the text up to there") as said:
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    total = int(str(said[0].message).split()[3])
+    assert total >= 5000 and f"[cut: {total - 64} more tokens]" in batch.samples[0].completion
+    assert batch.data["completion_attention"][0].sum() < 200  # not 5000 tokens to train on
+    assert batch.data["stat/tool_failures"].tolist() == [1.0] and batch.data["stat/turns"].tolist() == [2.0]
+
+
+def test_a_turn_ending_on_generated_pad_tokens_keeps_them(qwen25_dir):
+    """Qwen's pad token is <|endoftext|>, which a model can write: a turn that runs out of tokens
+    on it keeps them as its own and is truncated (they were taken for padding and dropped)."""
+    policy = make_policy(qwen25_dir)
+    pad = policy.tokenizer.convert_ids_to_tokens(policy.pad_id)
+    turn = "<answer>red" + pad * 2
+    n = len(policy.tokenizer(turn, add_special_tokens=False)["input_ids"])
+    Scripted(policy, [[turn]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(max_new_tokens=n), torch.Generator().manual_seed(0))
+    assert batch.mask[0].sum() == n and batch.data["stat/truncated"].tolist() == [1.0]
+
+
+def test_a_demonstration_turn_after_a_turn_without_a_call_is_refused(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    call = zoom_call(ITEMS[0].meta["zoom_box"])
+    batch = policy.agent.teacher([ITEMS[0]], [[call, "<answer>red</answer>"]])
+    assert batch.data["stat/tool_calls"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="turn 1 of 2 .* does not end with a tool call"):
+        policy.agent.teacher([ITEMS[0]], [[call + "\n", "<answer>red</answer>"]])
 
 
 def test_prefix_continues_before_the_tool_call_and_batches_concat(qwen25_dir):

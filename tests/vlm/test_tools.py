@@ -104,6 +104,11 @@ def test_parse_arguments_as_json_string_or_missing():
             '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>',
             '"arguments" must be a JSON object',
         ),
+        # what json raises beside JSONDecodeError (a degenerate policy repeating one token)
+        ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "not valid JSON: nested too deeply"),
+        ('<tool_call>{"name": "f", "arguments": {"x": ' + "9" * 5000 + "}}</tool_call>",
+         "not valid JSON: Exceeds the limit"),
+        ('<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}</tool_call>', "nested too deeply"),
     ],
 )
 def test_parse_errors(text, message):
