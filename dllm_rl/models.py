@@ -138,7 +138,20 @@ def read_sidecar(directory: str | os.PathLike) -> dict | None:
         raise ValueError(f"{path}: kind {data['kind']!r} is not one of {KINDS}")
     if "attention" in data and data["attention"] not in ATTENTIONS:
         raise ValueError(f"{path}: attention {data['attention']!r} is not one of {ATTENTIONS}")
+    # JSON types, before they are used: "false" is a true string, and 2.9 an id only once truncated
+    for key, ok, want in (("mask_token_id", _is_int, "an integer"), ("block_length", _is_int, "an integer or null"),
+                          ("shift_logits", _is_bool, "true or false"), ("trust_remote_code", _is_bool, "true or false")):
+        if key in data and not (ok(data[key]) or (key == "block_length" and data[key] is None)):
+            raise ValueError(f"{path}: {key} must be {want}, got {data[key]!r}")
     return data
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
 
 
 # --------------------------------------------------------------------------- masks

@@ -69,7 +69,9 @@ class DLLMPolicy:
         """Left-padded prompt ids [B, P] and their validity [B, P], on the model's device."""
         tok, p = self.predictor.tokenizer, self.prompt_length
         # Filled row by row on the CPU, then moved in one copy.
-        ids = torch.full((len(texts), p), self.predictor.pad_token_id, dtype=torch.long)
+        pred = self.predictor  # a model without a pad token pads with eos (or the mask): `valid` hides it either way
+        pad = next(t for t in (pred.pad_token_id, pred.eos_token_id, pred.mask_token_id) if t is not None)
+        ids = torch.full((len(texts), p), pad, dtype=torch.long)
         valid = torch.zeros((len(texts), p), dtype=torch.bool)
         for i, text in enumerate(texts):
             try:

@@ -8,7 +8,10 @@ each step (one forward = one NFE):
 1. logits = model(x), cast to float64;
 2. x0 = argmax(logits / T + Gumbel noise) (Gumbel-max, i.e. a sample of
    softmax(logits / T); T = 0 is the argmax);
-3. confidence = softmax(logits)[x0] (temperature-free, as LLaDA); positions outside the
+3. confidence = softmax(logits)[x0] (temperature-free, as LLaDA and Fast-dLLM), except
+   for "tau_budget": softmax(logits / T)[x0], the drawn token's probability under the
+   distribution it was drawn from, as SLIM-RL's code takes it (its risk 1 - c is then the
+   chance that draw is not the one the sampler would make); positions outside the
    current block or already filled are not candidates;
 4. `select_commits` picks which masked positions of the block take their x0 now:
    "low_confidence"  LLaDA: the n most confident, n from `num_transfer_tokens`;
@@ -131,12 +134,13 @@ def select_commits(confidence: Tensor, masked: Tensor, *, strategy: str,
         confidence.dtype if confidence.is_floating_point() else torch.float32))
 
 
-def num_transfer_tokens(mask_count: Tensor, steps: int) -> Tensor:
+def num_transfer_tokens(mask_count: Tensor, steps: int, width: int | None = None) -> Tensor:
     """LLaDA schedule: [B] masked counts -> [B, steps] tokens per step, split evenly,
-    remainder to the first steps (10 over 4 steps -> 3, 3, 2, 2)."""
+    remainder to the first steps (10 over 4 steps -> 3, 3, 2, 2). `width`: only the first
+    `width` steps (with more steps than tokens every later step commits 0)."""
     mask_count = mask_count.long()
     base, rem = mask_count // steps, mask_count % steps                       # [B]
-    idx = torch.arange(steps, device=mask_count.device)
+    idx = torch.arange(min(steps, width or steps), device=mask_count.device)
     return base.unsqueeze(1) + (idx.unsqueeze(0) < rem.unsqueeze(1)).long()
 
 
@@ -146,7 +150,7 @@ class DecodeResult:
     completion: Tensor         # [B, G]
     commit_step: Tensor        # [B, G] long: global step at which each token was committed
     commit_logp: Tensor        # [B, G] float32: log-prob under softmax(logits / T) at commit
-    commit_confidence: Tensor  # [B, G] float32: softmax(logits) prob at commit
+    commit_confidence: Tensor  # [B, G] float32: the confidence at commit (step 3 of the docstring)
     fallback: Tensor           # [B, S] bool: "fork" fallback steps
     active: Tensor             # [B, S] bool: row had masked positions in the block
     nfe: Tensor                # [B] long: active.sum(1)
@@ -194,9 +198,10 @@ def _block_logits(logits_fn, x: Tensor, active: Tensor | None, lo: int, hi: int)
     return out
 
 
-def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None):
+def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None, tempered: bool = False):
     """logits [B, L, V] float64 -> (x0 [B, L], confidence [B, L], logp [B, L]).
-    Gumbel-max: argmax(logits / T + g), g = -log(-log(u)), u ~ U(0, 1) in float64."""
+    Gumbel-max: argmax(logits / T + g), g = -log(-log(u)), u ~ U(0, 1) in float64.
+    The confidence is softmax(logits)[x0], or with `tempered` softmax(logits / T)[x0]."""
     if temperature > 0:
         scaled = logits / temperature
         # The noise is drawn on the generator's device, then moved to the logits'. The trainer's
@@ -211,7 +216,7 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None)
         scaled = logits
         x0 = logits.argmax(-1)
     idx = x0.unsqueeze(-1)
-    conf = torch.softmax(logits, -1).gather(-1, idx).squeeze(-1)
+    conf = torch.softmax(scaled if tempered else logits, -1).gather(-1, idx).squeeze(-1)
     logp = torch.log_softmax(scaled, -1).gather(-1, idx).squeeze(-1)
     return x0, conf, logp
 
@@ -266,7 +271,8 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
 
     for b in range(num_blocks):
         lo, hi = b * block_length, (b + 1) * block_length                     # in completion
-        schedule = num_transfer_tokens(is_masked[:, lo:hi].sum(1), steps_per_block)
+        # at most block_length columns: a block is filled by then (a huge steps must not allocate them all)
+        schedule = num_transfer_tokens(is_masked[:, lo:hi].sum(1), steps_per_block, width=block_length)
         i = 0
         while True:
             masked = is_masked[:, lo:hi] & ~done[:, None]                     # [B, bl]
@@ -276,8 +282,8 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
             if record_states:
                 states.append(x.clone())
             logits = _block_logits(logits_fn, x, active if rows_arg else None, P + lo, P + hi)
-            x0, conf, logp = _draw(logits, temperature, generator)
-            n = schedule[:, min(i, steps_per_block - 1)]
+            x0, conf, logp = _draw(logits, temperature, generator, tempered=strategy == "tau_budget")
+            n = schedule[:, min(i, schedule.shape[1] - 1)]
             if strategy == "tau_budget":
                 n = n.clamp_min(1)
             c = select_commits(conf, masked, strategy=strategy, num_commit=n,

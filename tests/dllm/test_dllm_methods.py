@@ -479,3 +479,16 @@ def test_pass_at_k_when_the_wrong_samples_exactly_fill_k():
     assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)  # 1 - C(2,2)/C(4,2) = 1 - 1/6
     assert pass_at_k(3, 2, 1) == pytest.approx(2 / 3)  # 1 - C(1,1)/C(3,1)
     assert pass_at_k(4, 0, 4) == 0.0  # all wrong, k = n: 1 - C(4,4)/C(4,4)
+
+
+def test_a_model_without_a_pad_token_pads_prompts_with_eos():
+    """Prompts are left-padded (the padding is never attended): a tokenizer without a pad
+    token (many causal LMs') pads with eos, and decodes as with one; it crashed at the first rollout."""
+    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo", "task.num_eval=8"])
+    policy, task = backend.build(cfg)
+    problems = task.eval_problems[:8]
+    before = task.answers(policy, problems, temperature=0.0)
+    policy.predictor.pad_token_id = None
+    ids, valid = policy.encode_prompts([p.prompt for p in problems])
+    assert (ids[~valid] == policy.predictor.eos_token_id).all() and (~valid).any()
+    assert task.answers(policy, problems, temperature=0.0)[0] == before[0]

@@ -181,6 +181,24 @@ def test_bad_paths_name_the_path(tmp_path, tiny_dirs):
         load_mask_predictor(broken)
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("shift_logits", "false", "shift_logits must be true or false, got 'false'"),
+    ("mask_token_id", 2.9, "mask_token_id must be an integer, got 2.9"),
+    ("mask_token_id", True, "mask_token_id must be an integer"),
+    ("block_length", "4", "block_length must be an integer or null"),
+    ("trust_remote_code", 1, "trust_remote_code must be true or false"),
+])
+def test_sidecar_values_of_the_wrong_json_type_are_refused(tmp_path, tiny_dirs, key, value, words):
+    """A string "false" is true, and 2.9 was truncated to id 2 (the tiny model's <eos>), without a word."""
+    import shutil
+
+    bad = shutil.copytree(tiny_dirs["dream"], tmp_path / "bad")
+    spec = json.loads((bad / SIDECAR).read_text())
+    (bad / SIDECAR).write_text(json.dumps({**spec, key: value}))
+    with pytest.raises(ValueError, match=f"bad/{SIDECAR}: {words}"):
+        load_mask_predictor(bad)
+
+
 # --------------------------------------------------------------------------- attention
 
 

@@ -226,6 +226,32 @@ def test_decode_invariants(strategy):
         assert not r.fallback.any()
 
 
+@pytest.mark.parametrize("strategy", ["threshold", "tau_budget"])
+def test_confidence_is_tempered_for_tau_budget_only(strategy):
+    """tau_budget's c is p_T(x0), the drawn token's probability under the distribution it was
+    drawn from (SLIM-RL); Fast-dLLM's threshold (and LLaDA's, Fork-dLLM's) is softmax(logits)."""
+    t = 0.5
+    r = run(table_model, strategy=strategy, temperature=t, generator=torch.Generator().manual_seed(0))
+    # table_model: answer position j has logit j + 1 on token j % 3 and 0 on the other 5
+    scale = 1 / t if strategy == "tau_budget" else 1.0
+    for b in range(3):
+        for j in range(8):
+            z = math.exp((j + 1) * scale) + 5
+            drew_it = int(r.completion[b, j]) == j % 3
+            expected = math.exp((j + 1) * scale) / z if drew_it else 1 / z
+            assert r.commit_confidence[b, j].item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence", "tau_budget"])
+def test_more_steps_than_a_block_has_tokens_allocates_no_more(strategy):
+    """A block is filled after block_length steps whatever `steps` says: 10^12 steps decode as
+    8 do (the schedule was a [B, steps] tensor, 4 TB here)."""
+    kw = {"strategy": strategy, "temperature": 1.0}
+    a = run(steps=10**12, generator=torch.Generator().manual_seed(3), **kw)
+    b = run(steps=8, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.nfe, b.nfe) and torch.equal(a.commit_step, b.commit_step)
+
+
 def test_threshold_confident_model_one_step_per_block():
     def confident(x):
         logits = torch.zeros(x.shape[0], x.shape[1], V)
