@@ -58,7 +58,8 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
         from diffusion_rl.rewards import build_image_reward_atoms
 
         try:
-            image_atoms = build_image_reward_atoms([{"device": device, **spec} for spec in t.image_atoms])
+            image_atoms = build_image_reward_atoms([{"device": device, **spec} for spec in t.image_atoms],
+                                                   base_dir=cfg.base_dir)  # relative paths: the config's directory
         except ValueError as e:
             raise ConfigError(f"task.image_atoms: {e}") from e
     whole = None  # the whole-prompt reward: image atoms not gated by a shapes atom (those score 0)
@@ -90,7 +91,7 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
     except OSError as e:
         raise ConfigError(f"task.{key}: cannot read {file}: {e.strerror or e}") from e
     try:
-        lines = raw.decode("utf-8").splitlines()
+        lines = raw.decode("utf-8-sig").splitlines()  # a byte-order mark (Windows editors) is not line 1's text
     except UnicodeDecodeError as e:  # a user's file, not a bug: name the file and the line
         line = raw.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"task.{key}: {file}, line {line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "

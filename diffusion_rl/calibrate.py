@@ -156,9 +156,11 @@ def store_in_model(cal: WindowCalibration, model_dir: str | Path) -> Path:
     return path
 
 
-def load_window(path: str | Path, num_steps: int, where: str | None = None) -> tuple[int, int]:
-    """(start, size) from a window.json, checked against the run's num_steps; ConfigError
-    naming the file when it is missing, unreadable or inconsistent."""
+def load_window(path: str | Path, num_steps: int, where: str | None = None,
+                shift: str | None = None) -> tuple[int, int]:
+    """(start, size) from a window.json, checked against the run's num_steps (and its time
+    `shift`, where the file records one: the same steps are other noise levels under another);
+    ConfigError naming the file when it is missing, unreadable or inconsistent."""
     path = Path(path)
     where = where or f"method.window_from: {path}"
     try:
@@ -180,6 +182,9 @@ def load_window(path: str | Path, num_steps: int, where: str | None = None) -> t
     if n != num_steps:
         raise ConfigError(f"{where}: calibrated for {n} denoising steps, but rollout.num_steps is {num_steps}; "
                           "re-run calibrate-window with this config")
+    if shift is not None and data.get("shift", shift) != shift:
+        raise ConfigError(f"{where}: calibrated with rollout.shift {data['shift']!r}, but this run's is {shift!r} "
+                          "(its steps are other noise levels); re-run calibrate-window with this config")
     if size < 1 or start < 0 or start + size > num_steps - 1:
         raise ConfigError(f"{where}: window (start {start}, size {size}) does not fit in {num_steps} steps with "
                           "the last step deterministic")
@@ -208,23 +213,26 @@ def apply_window_file(cfg, model_dir: str | Path) -> Path | None:
                           "null; or --set rollout.window_start=null)", stacklevel=2)
         return None
     where = f"{path} (the window stored with the model)" if from_model else None
-    steps = _calibrated_steps(path) if from_model else None
-    if steps not in (None, cfg.rollout.num_steps):
-        warnings.warn(f"{path} was calibrated for {steps} denoising steps, not rollout.num_steps="
-                      f"{cfg.rollout.num_steps}: the rollout's own window is used (re-run calibrate-window with "
-                      "this config, or set method.window_from=null to silence this)", stacklevel=2)
-        return None
-    start, size = load_window(path, cfg.rollout.num_steps, where)
+    steps, shift = _calibrated_with(path) if from_model else (None, None)
+    for key, got, want in (("denoising steps", steps, cfg.rollout.num_steps), ("rollout.shift", shift, cfg.rollout.shift)):
+        if got not in (None, want):
+            warnings.warn(f"{path} was calibrated for {key} {got!r}, not this run's {want!r}: the rollout's own "
+                          "window is used (re-run calibrate-window with this config, or set method.window_from=null "
+                          "to silence this)", stacklevel=2)
+            return None
+    start, size = load_window(path, cfg.rollout.num_steps, where, shift=cfg.rollout.shift)
     cfg.rollout.window_size = size
     cfg.rollout.window_start = (start, start)
     return path
 
 
-def _calibrated_steps(path: Path):
+def _calibrated_with(path: Path) -> tuple:
+    """(num_steps, shift) a window file records, None for what it does not say."""
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("num_steps")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data.get("num_steps"), data.get("shift")
     except (OSError, ValueError, AttributeError):
-        return None  # load_window then names what is wrong with the file
+        return None, None  # load_window then names what is wrong with the file
 
 
 def summary_line(cal: WindowCalibration) -> str:

@@ -119,6 +119,13 @@ class DiffusionRolloutConfig(RolloutConfig):
         return self
 
     @model_validator(mode="after")
+    def _cps_noise_level(self):
+        """CPS steps with transition std sigma_next sin(a pi / 2): a lies in [0, 1] (sde.py)."""
+        if self.kind == "cps" and self.noise_level > 1:
+            raise ValueError(f"noise_level must lie in [0, 1] for kind cps, got {self.noise_level}")
+        return self
+
+    @model_validator(mode="after")
     def _window_fits(self):
         if self.window_size is not None and self.window_size >= self.num_steps:
             raise ValueError(f"window_size ({self.window_size}) must be below num_steps ({self.num_steps}): "

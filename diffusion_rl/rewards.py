@@ -1028,10 +1028,11 @@ def _check_scale(scale) -> float:
 
 
 def _resolve(path, base_dir) -> Path:
-    p = Path(path).expanduser()
-    if not p.is_absolute():
-        p = Path(base_dir if base_dir is not None else Path.cwd()) / p
-    return p.resolve()
+    """As a config's other paths: relative ones from `base_dir` (the config's directory), else
+    the working directory (mmrl.core.runconfig.resolve_file)."""
+    from mmrl.core.runconfig import resolve_file
+
+    return resolve_file(path, base_dir).resolve()
 
 
 def _existing_dir(path, base_dir, what: str) -> Path:

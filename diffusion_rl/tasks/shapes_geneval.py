@@ -620,7 +620,8 @@ class Object:
 def to_rgb(image) -> Image.Image:
     """A PIL RGB image from a PIL image of any mode (transparency over white; 16-bit
     and float greyscale rescaled) or a numpy array [H, W], [H, W, 3] or [H, W, 4]
-    (uint8, uint16, or float in [0, 1]). TypeError for anything else."""
+    (uint8; uint16; other integers, read as 8-bit where none is above 255, else as 16-bit;
+    float in [0, 1] or [0, 255]). TypeError for anything else."""
     if isinstance(image, np.ndarray):
         return _array_to_rgb(image)
     if not isinstance(image, Image.Image):
@@ -646,8 +647,11 @@ def _array_to_rgb(a: np.ndarray) -> Image.Image:
         raise TypeError(f"expected an image array [H, W] or [H, W, 1|3|4], got shape {a.shape}")
     if a.dtype == np.uint8:
         x = a.astype(np.float32) / 255
-    elif a.dtype in (np.uint16, np.int32, np.uint32, np.int64):
+    elif a.dtype == np.uint16:
         x = a.astype(np.float32) / 65535
+    elif np.issubdtype(a.dtype, np.integer):  # 8-bit values in a wider type (np.asarray(img).astype(int)),
+        # else 16-bit ones (PIL's mode I), as diffusion_rl.rewards.to_rgb reads them
+        x = a.astype(np.float32) / (255 if a.max(initial=0) <= 255 else 65535)
     elif np.issubdtype(a.dtype, np.floating):
         x = a.astype(np.float32)
         if np.nanmax(x, initial=0.0) > 1.0:  # a float image in 0..255

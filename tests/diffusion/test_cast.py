@@ -198,7 +198,13 @@ def test_the_window_stored_with_the_model_and_what_overrides_it(flux_dir, tmp_pa
     backend.build(cfg)
     assert cfg.rollout.window_start == (0, 0)
     cfg = make(model, tmp_path, *cast, "rollout.num_steps=6")  # calibrated for 4 steps: skipped, said
-    with pytest.warns(UserWarning, match="calibrated for 4 denoising steps, not rollout.num_steps=6"):
+    with pytest.warns(UserWarning, match="calibrated for denoising steps 4, not this run's 6"):
+        backend.build(cfg)
+    assert cfg.rollout.window_start is None
+    (model / MODEL_WINDOW_FILE).write_text(json.dumps({"num_steps": 4, "window_start": 1, "window_size": 2,
+                                                       "shift": "flux"}))
+    cfg = make(model, tmp_path, *cast, "rollout.shift=sd3")  # its steps are other noise levels: skipped, said
+    with pytest.warns(UserWarning, match="calibrated for rollout.shift 'flux', not this run's 'sd3'"):
         backend.build(cfg)
     assert cfg.rollout.window_start is None
     (model / MODEL_WINDOW_FILE).write_text("{not json")
@@ -271,6 +277,7 @@ def test_explicit_window_start_wins_over_the_file(flux_dir, tmp_path):
     ('{"num_steps": 4, "window_start": "a", "window_size": 2}', "window_start must be an integer"),
     ('{"num_steps": 10, "window_start": 1, "window_size": 2}', "calibrated for 10"),
     ('{"num_steps": 4, "window_start": 2, "window_size": 2}', "does not fit"),
+    ('{"num_steps": 4, "window_start": 1, "window_size": 2, "shift": "none"}', "calibrated with rollout.shift 'none'"),
 ])
 def test_bad_window_file_is_a_clear_config_error(flux_dir, tmp_path, content, match):
     path = tmp_path / "w.json"

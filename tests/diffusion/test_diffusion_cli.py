@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SHORT = ["--set", "rollout.num_steps=4", "--set", "rollout.window_size=2", "--set", "rollout.num_generations=2",
          "--set", "rollout.prompts_per_step=2", "--set", "task.num_eval=4", "--set", "task.grid_prompts=2",
          "--set", "logging.tensorboard=false"]
@@ -67,3 +69,19 @@ def test_bad_prompt_file_exits_2_naming_the_line(tmp_path):
     r = run("train", "--max-steps", "1", "--output-dir", str(tmp_path / "x"), "--set", f"task.train_path={bad}")
     assert r.returncode == 2
     assert "line 2" in r.stderr and "pink" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_prompt_file_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    from diffusion_rl.backend import _prompt_file
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("a red circle\ntwo blue squares\n".encode("utf-8-sig"))
+    assert _prompt_file(str(path), None, "train_path") == ["a red circle", "two blue squares"]
+
+
+def test_cps_noise_level_above_one_is_a_config_error():
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="noise_level must lie in \\[0, 1\\] for kind cps, got 1.5"):
+        load_config(DiffusionTrainConfig, overrides=["rollout.kind=cps", "rollout.noise_level=1.5"])

@@ -544,3 +544,22 @@ def test_build_image_reward_atoms_names_the_spec_index(tiny_open_clip, factory_f
         )
     with pytest.raises(ValueError, match="must be a list"):
         build_image_reward_atoms(good)
+
+
+def test_image_atom_paths_are_the_configs_like_its_other_paths(factory_file, tmp_path, monkeypatch):
+    """task.image_atoms paths resolve from the config's directory, else the working directory,
+    as reward.atoms and task.train_path do (they resolved from the working directory only)."""
+    from diffusion_rl import backend
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import load_config
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "scorers.py").write_text(FACTORY)
+    (conf / "run.yaml").write_text(
+        "task: {image_atoms: [{type: preference, kind: custom, path: scorers.py:make}]}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(DiffusionTrainConfig, conf / "run.yaml", defaults=backend.DEFAULT_CONFIG)
+    assert "preference" in backend.build_task(cfg).reward.names

@@ -472,6 +472,9 @@ def test_image_modes_arrays_and_non_images():
         assert kinds(img.convert(mode)) == want, mode
     assert kinds(np.asarray(img)) == want
     assert kinds(np.asarray(img) / 255.0) == want  # float in [0, 1]
+    for dtype in (np.int64, np.int32, np.int16):  # 8-bit values in a wider integer type (read as near-black)
+        assert kinds(np.asarray(img).astype(dtype)) == want, dtype
+    assert kinds(np.asarray(img).astype(np.uint32) * 257) == want  # 16-bit values
     rgba = np.zeros((64, 64, 4), np.uint8)  # transparent black = white background
     rgba[10:40, 10:40] = (*HAND["blue"], 255)
     assert kinds(Image.fromarray(rgba, "RGBA")) == [("blue", "square")]
