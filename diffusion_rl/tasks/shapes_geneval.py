@@ -68,16 +68,21 @@ Detector (`detect`), numpy only:
    / nearest hull edge from the centroid (disc 1, square sqrt 2, triangle >= 2); the
    nearest ideal shape wins (`_classify`). Rectangles up to MAX_ASPECT read as squares
    and ellipses as circles; longer ones (bars) and blobs (solidity < MIN_SOLIDITY) have
-   no shape. A component spanning the whole image is a coloured background.
+   no shape. A component spanning the whole image whose hull fills its rectangle is a
+   coloured background (a disc drawn edge to edge is still a disc).
 All thresholds are relative to the image size: 64 px renders and 512 px drawings
 are judged alike; rotation, anti-aliasing, blur of ~1/64 of the side, noise and
-colour drift of +-25 per channel are tolerated (tests/diffusion/test_shapes_geneval.py).
+colour drift of +-25 per channel are tolerated (tests/diffusion/test_shapes_geneval.py;
+a drift of +25 on one channel and -25 on another can leave the hue band of red, green
+or yellow: e.g. red (195, 15, 65) is no colour).
 
 Known limits: shapes under ~10 px are not told apart reliably; same-colour shapes
 that share a whole side (two aligned squares make a rectangle) or overlap by more
 than ~1/5 of their size are one object (and a split-off part of a disc cut by an
-overlap may read as a square); regular polygons with many sides read as circles;
-an object of an unknown colour does not exist for the verifier.
+overlap may read as a square); a disc with a tenth or more cut off straight (by the
+image border, or hidden under a shape of another colour) reads as a square; regular
+polygons with many sides read as circles; an object of an unknown colour does not exist
+for the verifier.
 
 Training data: `sample_prompts` (seeded, item i depends only on (split, seed, i))
 and `render` (a random scene that satisfies the prompt, solid shapes on white,
@@ -197,6 +202,7 @@ SPLIT_H = 0.15  # a core of a split must rise this x the deepest point above the
 SPLIT_MIN_H = 2  # ... and at least this many (downsampled) pixels
 MIN_SOLIDITY = 0.7  # below: no shape (a blob)
 MAX_ASPECT = 2.0  # minimum-rectangle long/short side above this: no shape (a bar)
+BACKGROUND_MIN_FILL = 0.95  # a component spanning the image with its hull filling this of its rectangle: background
 TRIANGLE_MAX_FILL = 0.8  # shape scores: see _classify
 TRIANGLE_MIN_SCORE = 0.35
 SQUARE_MIN_SCORE = 0.85
@@ -1010,7 +1016,9 @@ def detect(image, *, include_unknown: bool = False) -> list[Object]:
         ys, xs = pix // w, pix % w
         colour = names[int(cls.ravel()[pix[0]])]
         obj = _measure(ys, xs, colour)
-        if obj.bbox == (0, 0, w, h):  # spans the whole image: a coloured background
+        # spans the whole image and fills its rectangle (hull fill ~1): a coloured background; a disc
+        # or triangle drawn edge to edge spans it too, but its hull fills pi/4 or 1/2 of it
+        if obj.bbox == (0, 0, w, h) and obj.fill >= BACKGROUND_MIN_FILL:
             continue
         if obj.area >= 2 * min_area:
             x0, y0, x1, y1 = obj.bbox

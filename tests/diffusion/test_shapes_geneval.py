@@ -399,6 +399,11 @@ def test_detector_colours_pure_palette_variants_and_ignores_unknown_colours():
 
 def test_detector_ignores_a_coloured_background_and_bars():
     assert detect(Image.new("RGB", (64, 64), HAND["red"])) == []  # not "a red square"
+    for size in (64, 256):  # a disc drawn edge to edge spans the image too, but it is a disc
+        assert kinds(draw(size, [("circle", "red", size / 2, size / 2, size, 0)])) == [("red", "circle")]
+    holes = Image.new("RGB", (128, 128), HAND["red"])  # a coloured background behind shapes: still none
+    ImageDraw.Draw(holes).ellipse((20, 20, 60, 60), fill=HAND["blue"])
+    assert kinds(holes) == [("blue", "circle")]
     bar = draw(128, [("square", "blue", 64, 64, 30, 0)])
     ImageDraw.Draw(bar).rectangle((10, 100, 118, 112), fill=HAND["green"])  # 9:1
     assert kinds(bar) == [("blue", "square")]
