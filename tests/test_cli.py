@@ -131,3 +131,29 @@ def test_a_runs_config_yaml_holds_absolute_paths(tmp_path, monkeypatch):
     assert fixed["reward"]["atoms"] == [atom + ":short", {"path": atom + ":long", "weight": 2}]
     assert fixed["task"] == {"train_path": str((tmp_path / "data.jsonl").resolve()), "type": "shapes-qa"}
     assert fixed["tools"] == ["zoom", "nope.py:f"] and fixed["lr"] == 0.1  # names and missing files stay
+
+
+def test_overrides_on_resume_and_eval_may_name_the_runs_own_variant_keys(tmp_path):
+    """--set was checked against the default config before the run's config.yaml was used, so a
+    key only the run's variant has (here multi_stream's mode) was refused as unknown."""
+    out = tmp_path / "run"
+    code, text = invoke(app, "train", "--max-steps", "1", "-o", str(out), "-s", "method.advantage.type=multi_stream")
+    assert code == 0, text
+    mode = "method.advantage.mode=sum_then_normalize"
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(out), "--resume", "-s", mode)
+    assert code == 0, text
+    assert json.loads((out / "summary.json").read_text())["config"]["method"]["advantage"]["mode"] == "sum_then_normalize"
+    code, text = invoke(app, "eval", "--checkpoint", str(out), "-s", mode)
+    assert code == 0, text
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(tmp_path / "fresh"), "-s", mode)
+    assert code == 2 and "unknown key" in text  # without a run to resume, the default config's keys
+
+
+def test_user_errors_of_a_resume_and_an_output_file_exit_2_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    assert invoke(app, "train", "--max-steps", "1", "-o", str(out))[0] == 0
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(out), "--resume", "--seed", "5")
+    assert code == 2 and "differs from this run's" in text and "Traceback" not in text
+    (tmp_path / "afile").write_text("")
+    code, text = invoke(app, "train", "--max-steps", "1", "-o", str(tmp_path / "afile"))
+    assert code == 2 and "is a file" in text and "Traceback" not in text

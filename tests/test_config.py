@@ -260,10 +260,26 @@ def test_empty_file_is_the_defaults(tmp_path):
         ("a=x=y", (["a"], "x=y")),  # only the first '=' splits
         (" a.b =2", (["a", "b"], 2)),
         ("a={type: rloo}", (["a"], {"type": "rloo"})),
+        # YAML 1.2 integers: YAML 1.1 read "010" as octal 8 and "20:00" as base-60 1200
+        ("a=010", (["a"], 10)),
+        ("a=20:00", (["a"], "20:00")),
+        ("a=0x1f", (["a"], 31)),
+        ("a=0o17", (["a"], 15)),
+        ("a=-1_000", (["a"], -1000)),
     ],
 )
 def test_parse_override_values(item, expected):
     assert parse_override(item) == expected
+
+
+def test_a_sections_type_applies_before_its_other_overrides_whatever_their_order():
+    """A new variant starts from its own defaults; the command line's other keys of that section
+    stay (given before the type, they were wiped without a word)."""
+    from dllm_rl.config import DLLMTrainConfig
+
+    for order in (["method.kl.beta=0.5", "method.type=tracerl"], ["method.type=tracerl", "method.kl.beta=0.5"]):
+        cfg = load_config(DLLMTrainConfig, overrides=order)
+        assert cfg.method.type == "tracerl" and cfg.method.kl.beta == 0.5, order
 
 
 def test_parse_override_exponent_without_dot_is_a_float():

@@ -4,6 +4,7 @@ gradient-accumulation equivalence, dynamic sampling, non-finite steps, outputs."
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -405,6 +406,13 @@ def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_chang
         make(tmp_path, "train.max_steps=3", "optim.lr=0.005").train(resume=True)
     kept = (tmp_path / "run" / "config.before-step-2.yaml").read_text()
     assert "lr: 0.003" in kept and "lr: 0.005" in (tmp_path / "run" / "config.yaml").read_text()
+    # that attempt stops before its first checkpoint; a third resume from step 2 compares with
+    # the config that trained steps 1-2, and keeps its record
+    for d in (tmp_path / "run" / "checkpoints").glob("step-00000003"):
+        shutil.rmtree(d)
+    with pytest.warns(UserWarning, match=r"optim.lr: 0.003 -> 0.007\. The earlier config.yaml is kept"):
+        make(tmp_path, "train.max_steps=3", "optim.lr=0.007").train(resume=True)
+    assert (tmp_path / "run" / "config.before-step-2.yaml").read_text() == kept
 
 
 def test_resume_of_a_run_older_than_a_setting_warns_only_where_it_is_set_otherwise(tmp_path):

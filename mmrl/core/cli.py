@@ -131,14 +131,24 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except BackendUnavailable:
             build_config(config, overrides, None)
             raise
-        cfg = build_config(config, overrides, backend, verb)
+        try:
+            cfg = build_config(config, overrides, backend, verb)
+        except ConfigError:
+            if not resume and checkpoint is None:
+                raise
+            cfg = None  # an override may name a key of the run's own method or task (its config.yaml below)
+        if cfg is not None:
+            out = cfg.output_dir
+        else:  # where the run is: --config and -o / --set output_dir= alone
+            where = [o for o in overrides if o.partition("=")[0].strip() == "output_dir"]
+            out = build_config(config, where, backend, verb).output_dir
         run = None
-        if resume and (Path(cfg.output_dir) / RUN_CONFIG).is_file():
-            run = Path(cfg.output_dir)
+        if resume and (Path(out) / RUN_CONFIG).is_file():
+            run = Path(out)
         elif checkpoint is not None and Path(checkpoint).exists():
             run = run_dir_of(checkpoint)
         if run is None:
-            return backend, cfg
+            return backend, cfg if cfg is not None else build_config(config, overrides, backend, verb)
         if checkpoint is not None:
             err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
                               highlight=False, soft_wrap=True)

@@ -409,6 +409,24 @@ _Loader.add_implicit_resolver(
 )
 
 
+# YAML 1.2 integers: decimal (a leading 0 is still decimal), 0o octal, 0x hex. YAML 1.1's
+# base-60 ("20:00" read as 1200) and leading-0 octal ("010" read as 8) are strings or decimals.
+for _first, _resolvers in list(_Loader.yaml_implicit_resolvers.items()):
+    _Loader.yaml_implicit_resolvers[_first] = [(tag, rx) for tag, rx in _resolvers if tag != "tag:yaml.org,2002:int"]
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+
+
+def _construct_int(loader: yaml.SafeLoader, node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    if text.startswith(("0o", "0x")):
+        return int(text, 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
@@ -434,6 +452,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     data = copy.deepcopy(data)
+    # a section's type first: a new variant starts from its own defaults, which must not wipe the
+    # other overrides of that section (-s method.kl.beta=0.5 -s method.type=tracerl kept 0.01)
+    is_type = [item.partition("=")[0].strip().rsplit(".", 1)[-1] == "type" for item in overrides]
+    overrides = [o for o, t in zip(overrides, is_type) if t] + [o for o, t in zip(overrides, is_type) if not t]
     for item in overrides:
         parts, value = parse_override(item)
         node = data

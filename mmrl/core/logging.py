@@ -26,7 +26,7 @@ class RunLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / METRICS
         truncate_metrics(self.metrics_path, start_step)
-        self._tb = _tensorboard_writer(self.dir / "tensorboard") if tensorboard else None
+        self._tb = _tensorboard_writer(self.dir / "tensorboard", start_step + 1) if tensorboard else None
         self._progress = None
         if progress and sys.stderr.isatty():
             from rich.progress import (
@@ -134,7 +134,12 @@ def _read_metrics(path: Path) -> tuple[list[dict], bool]:
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep only the lines of steps <= `step` (a resume rewinds to its checkpoint), and drop a
     last line torn by a kill, so that new rows are not appended to half a line."""
-    rows, torn = _read_metrics(path)
+    try:
+        rows, torn = _read_metrics(path)
+    except ValueError as e:  # a user's edit or a disk fault, not a bug: said in one line (CLI exit 2)
+        from mmrl.core.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{e}; fix or remove that line to resume") from None
     kept = [r for r in rows if r.get("step", 0) <= step]
     if torn or len(kept) != len(rows):
         tmp = path.with_suffix(".tmp")
@@ -173,13 +178,15 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
     return out
 
 
-def _tensorboard_writer(path: Path):
+def _tensorboard_writer(path: Path, first_step: int):
+    """A writer whose steps from `first_step` on replace the earlier event files' (TensorBoard's
+    purge_step): a resumed run's plots drop the steps after its checkpoint, as metrics.jsonl does."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a core dependency, but a broken install must not stop a run
         warnings.warn("tensorboard is not importable; TensorBoard logging is off", stacklevel=3)
         return None
-    return SummaryWriter(log_dir=str(path))
+    return SummaryWriter(log_dir=str(path), purge_step=first_step)
 
 
 def _clean(v: Any) -> Any:

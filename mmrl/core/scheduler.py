@@ -20,7 +20,7 @@ import torch
 from mmrl.core import distributed
 from mmrl.core.advantages import batch_across
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.config import TrainConfig
+from mmrl.core.config import ConfigError, TrainConfig
 from mmrl.core.engine import PolicyEngine
 from mmrl.core.method import Method, apply_prune
 from mmrl.core.rewards import Reward
@@ -59,7 +59,7 @@ class PromptStream:
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != len(self.prompts) or state["seed"] != self.seed:
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's data ({state['size']} prompts, seed {state['seed']}) differs from "
                 f"this run's ({len(self.prompts)} prompts, seed {self.seed}); resume needs the same task and seed"
             )

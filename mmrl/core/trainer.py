@@ -77,6 +77,8 @@ class OutputDirError(TrainingError, ckpt.CheckpointError):
 def check_output_dir(out: str | Path, resume: bool) -> Path | None:
     """The checkpoint --resume starts from (None for a fresh run); an OutputDirError where
     there is none to resume, or where a fresh run would write beside an earlier run's."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise OutputDirError(f"the output directory {out} is a file; choose another --output-dir")
     checkpoints = Path(out) / "checkpoints"
     if resume:
         path = ckpt.latest_checkpoint(checkpoints)
@@ -198,8 +200,11 @@ class Trainer:
 
     def _keep_changed_config(self, config: dict[str, Any]) -> None:
         """On --resume: where the config differs from the run's config.yaml in more than its
-        length, keep that record as config.before-step-N.yaml and say what changed."""
-        path = self.out / "config.yaml"
+        length, keep that record as config.before-step-N.yaml and say what changed. A second
+        resume from step N compares with that record, the config that trained up to N (not the
+        config.yaml of the attempt in between), and keeps it."""
+        kept = self.out / f"config.before-step-{self.step}.yaml"
+        path = kept if kept.is_file() else self.out / "config.yaml"
         if not path.is_file():
             return
         text = path.read_text()
@@ -207,7 +212,6 @@ class Trainer:
                                              default=lambda key: field_default(self.cfg, key))
                    if not c.startswith(("train.max_steps:", "output_dir:"))]
         if changed:
-            kept = self.out / f"config.before-step-{self.step}.yaml"
             kept.write_text(text)
             warnings.warn(f"--resume at step {self.step} with settings that differ from the run's: "
                           f"{'; '.join(changed)}. The earlier config.yaml is kept as {kept.name}", stacklevel=3)
