@@ -17,6 +17,7 @@ import copy
 import difflib
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -452,10 +453,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     data = copy.deepcopy(data)
-    # a section's type first: a new variant starts from its own defaults, which must not wipe the
-    # other overrides of that section (-s method.kl.beta=0.5 -s method.type=tracerl kept 0.01)
-    is_type = [item.partition("=")[0].strip().rsplit(".", 1)[-1] == "type" for item in overrides]
-    overrides = [o for o, t in zip(overrides, is_type) if t] + [o for o, t in zip(overrides, is_type) if not t]
+    done: list[tuple[list[str], str]] = []  # (key, override) applied so far
     for item in overrides:
         parts, value = parse_override(item)
         node = data
@@ -469,7 +467,14 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             node = child
         if parts[-1] == "type" and node.get("type") != value:
             node.clear()  # a new variant starts from its own defaults
+            section = parts[:-1]
+            wiped = [o for key, o in done if key[: len(section)] == section and len(key) > len(section)]
+            if wiped:  # said, not silent: the same keys given after the type would stay
+                warnings.warn(f"{', '.join(wiped)} given before {item.strip()} no longer applies: a new "
+                              f"{'.'.join(section)} type starts from its own defaults (give the type first "
+                              "to keep them)", stacklevel=3)
         node[parts[-1]] = value
+        done.append((parts, item.strip()))
     return data
 
 
