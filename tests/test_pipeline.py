@@ -523,3 +523,19 @@ def test_engine_and_dispatcher_threads_take_the_trainers_gpu(tmp_path, monkeypat
     assert len(list(rnd)) == 8
     sched.close()
     assert sorted(seen) == [("mmrl-dispatch", 1), ("mmrl-engine-e", 1)]
+
+
+def test_async_atoms_with_loop_bound_state_score_pipelined_rounds(tmp_path):
+    """Pipelined rounds score groups as they arrive, over several steps, on the Reward's one
+    event loop: an async atom keeping a semaphore (made on its first call) scores every step."""
+    (tmp_path / "judge.py").write_text(
+        "import asyncio\n"
+        "LIMIT = {}\n"
+        "async def judge(sample):\n"
+        "    async with LIMIT.setdefault('sem', asyncio.Semaphore(2)):\n"
+        "        await asyncio.sleep(0)\n"
+        "        return float(sample.completion[0] % 2)\n")
+    cfg = config(tmp_path, "train.max_steps=3", f'reward.atoms=["{tmp_path / "judge.py"}:judge"]')
+    Trainer(cfg, SeededToy(), toy.ToyTask()).train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 3 and all(r["reward/errors"] == 0 and 0 <= r["reward/judge"] <= 1 for r in rows)
