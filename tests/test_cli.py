@@ -31,9 +31,12 @@ def test_train_resume_eval_sample(tmp_path):
     code, text = invoke(app, "train", "--max-steps", "2", "--output-dir", str(out))
     assert code == 2 and "--resume" in text and "Traceback" not in text  # a user error
 
+    first = json.loads((out / "summary.json").read_text())
     code, text = invoke(app, "train", "--max-steps", "3", "--output-dir", str(out), "--seed", "3", "--resume")
     assert code == 0, text
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    # the finished run's summary, its step-2 evaluation included, is kept beside the new one
+    assert json.loads((out / "summary.step-2.json").read_text()) == first
 
     after = json.loads((out / "summary.json").read_text())["eval_after"]
     code, text = invoke(app, "eval", "--checkpoint", str(out), "--set", "seed=3")

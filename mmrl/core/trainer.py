@@ -216,6 +216,18 @@ class Trainer:
             warnings.warn(f"--resume at step {self.step} with settings that differ from the run's: "
                           f"{'; '.join(changed)}. The earlier config.yaml is kept as {kept.name}", stacklevel=3)
 
+    def _keep_finished_summary(self) -> None:
+        """On --resume of a finished run (its max_steps raised): its summary.json, with the final
+        evaluation of its last step (which no metrics row holds), is kept as summary.step-N.json."""
+        path = self.out / "summary.json"
+        try:
+            steps = int(json.loads(path.read_text(encoding="utf-8"))["steps"])
+        except (OSError, ValueError, KeyError, TypeError):  # none, or not one this trainer wrote
+            return
+        kept = self.out / f"summary.step-{steps}.json"
+        if not kept.exists():
+            path.replace(kept)
+
     def train(self, resume: bool = False) -> dict[str, Any]:
         tc = self.cfg.train
         path = check_output_dir(self.out, resume)
@@ -234,6 +246,7 @@ class Trainer:
             config["output_dir"] = str(self.out.resolve())  # "-o run" and "-o /abs/run" are one run
             if resume:
                 self._keep_changed_config(config)
+                self._keep_finished_summary()
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         started = time.perf_counter()
         logger = RunLogger(
