@@ -326,6 +326,7 @@ class ToolRollout:
                 **inputs, **sampling, max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True,
                 output_logits=not _scored_by_forward(rollout, greedy), eos_token_id=self.stop_ids, pad_token_id=pol.pad_id,
                 suppress_tokens=pol.banned_ids or None, **pol._stop_kwargs(getattr(rollout, "stop", None)),
+                **pol._plain_sampling(),
                 synced_gpus=False,  # ranks decode on their own, under optim.fsdp too (VLMPolicy.generate)
             )
         new = out.sequences[:, width:]  # [A, t]

@@ -209,7 +209,7 @@ class VLMPolicy:
                 **inputs, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=not forward,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
-                **self._stop_kwargs(getattr(rollout, "stop", None)),
+                **self._stop_kwargs(getattr(rollout, "stop", None)), **self._plain_sampling(),
                 synced_gpus=False,  # under optim.fsdp too: the weights are gathered, ranks decode on their own
             )
         p = inputs["input_ids"].shape[1]
@@ -335,6 +335,16 @@ class VLMPolicy:
             logits = logits.clone()
             logits[..., self.banned_ids] = float("-inf")
         return logits
+
+    @staticmethod
+    def _plain_sampling() -> dict:
+        """generate() applies the sampling changes a model's generation_config.json ships (Qwen
+        instruct checkpoints: repetition_penalty 1.05) unless told otherwise; rollouts must draw
+        from softmax(logits / T) with top_p alone, as their log-probs assume (as the vLLM
+        engine's requests say too)."""
+        return {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None,
+                "bad_words_ids": None, "sequence_bias": None}
 
     def _stop_kwargs(self, stop) -> dict:
         return {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
@@ -545,7 +555,7 @@ class VLMPolicy:
             seqs = self.model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
-                synced_gpus=False,  # as in generate
+                **self._plain_sampling(), synced_gpus=False,  # as in generate
             )
             completion = seqs[:, enc["input_ids"].shape[1]:]
             texts = self.decode(completion, self.completion_mask(completion, trailing_pads=False))

@@ -471,3 +471,27 @@ def test_a_run_scoring_its_rollouts_by_forward_is_exactly_on_policy(tmp_path):
     Trainer(cfg, policy, task).train()
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["loss/ratio_min"], r["loss/ratio_max"]) for r in rows] == [(1.0, 1.0), (1.0, 1.0)]
+
+
+def test_a_generation_config_that_changes_sampling_does_not_reach_rollouts(qwen25_dir, tmp_path):
+    """generate() would apply the sampling changes a model's generation_config.json ships (Qwen
+    instruct: repetition_penalty 1.05), which the old log-probs never see: rollouts and greedy
+    evaluation draw as from a plain generation_config."""
+    import shutil
+
+    plain = qwen25_dir
+    shipped = shutil.copytree(plain, tmp_path / "shipped")
+    gen_file = shipped / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    (shipped / "generation_config.json").write_text(json.dumps(
+        {**gen, "repetition_penalty": 1.3, "min_p": 0.3, "no_repeat_ngram_size": 2}))
+    items = ShapesQA(seed=0, num_train=2, num_eval=1).train_items()[:2]
+    rollout = VLMTrainConfig().rollout.model_copy(update={"max_new_tokens": 12})
+    out = {}
+    for name, path in (("plain", plain), ("shipped", shipped)):
+        policy = make_policy(path)
+        assert name == "plain" or policy.model.generation_config.repetition_penalty == 1.3
+        batch = policy.generate(items, 8, rollout, torch.Generator().manual_seed(0))
+        greedy = policy.greedy_batches(items, 12, 2)
+        out[name] = ([s.completion for s in batch.samples], [s.completion for b in greedy for s in b.samples])
+    assert out["shipped"] == out["plain"]
