@@ -74,7 +74,9 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
         raise error("answer", f"must be a string or a number, got {json_type(answer)}")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise error("answer", f"must be a finite number, got {answer}")
-    answer = str(answer)
+    # an integral float as the integer it is (pandas writes an int column holding a NaN as 2.0):
+    # the answer atoms compare text, and "2" would never match "2.0"
+    answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
     if not answer.strip():
         raise error("answer", "is empty")
     return text, answer

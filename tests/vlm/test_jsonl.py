@@ -80,10 +80,12 @@ def test_fields_meta_paths_and_numbers(tmp_path, red_png):
             {"question": "Count?", "answer": 3, "images": ["red.png", "sub/blue.png"]},
             {"question": "Text only?", "answer": 2.5},
             {"question": "Abs?", "answer": "x", "image": str(red_png), "reference": "r"},
+            {"question": "Sum?", "answer": 2.0},  # pandas writes an int column with a NaN as floats
         ],
     )
     items = load_jsonl(path)
-    assert [x.question for x in items] == ["Colour?", "Count?", "Text only?", "Abs?"]
+    assert [x.question for x in items] == ["Colour?", "Count?", "Text only?", "Abs?", "Sum?"]
+    assert items[4].answer == "2"  # as the model would write it; "2.0" matched no answer
     assert items[0].meta == {"source": "web", "k": [1], "answer": "red"}
     assert items[0].reference == ""
     assert rgb(items[0].images[0])[0, 0].tolist() == [200, 10, 20]
