@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,7 +129,47 @@ def build(cfg: VLMTrainConfig):
     policy = VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
                        min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
                        tools=tools, tools_cfg=cfg.rollout.tools, logprob_chunk=cfg.model.logprob_chunk)
-    return policy, build_task(cfg)
+    task = build_task(cfg)
+    if cfg.task.type == "jsonl":  # the synthetic tasks draw images the model takes
+        _check_image_shapes(policy, task, cfg.task.on_bad_image)
+    return policy, task
+
+
+def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
+    """A dataset image the model's resizing cannot take fails here, not at its first rollout:
+    Qwen's resize refuses an aspect ratio over 200, and makes the short side 0 once the ratio is
+    past about max_pixels / 28^2 (16:1 at the default 112 x 112). Only elongated images are
+    tried (on a blank of their size); with task.on_bad_image=skip their samples are left out."""
+    from PIL import Image
+
+    bad: dict[tuple, str] = {}
+    for split, items in (("train", task.train), ("eval", task.eval_items)):
+        for i, item in enumerate(items):
+            for image in item.images:
+                w, h = image.size
+                if (w, h) in bad or max(w, h) <= 2 * min(w, h):
+                    continue
+                try:
+                    (out,) = policy.resize_images([Image.new("RGB", (w, h))])
+                    if min(out.size) < 1:
+                        raise ValueError("the resized image has no pixels")
+                except Exception as e:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
+                    bad[(w, h)] = f"{split} sample {i} ({item.question[:40]!r}): a {w} x {h} image: {e}"
+    if not bad:
+        return
+    if on_bad_image == "raise":
+        raise ConfigError(f"task: {next(iter(bad.values()))} (the model's resizing, within model.min_pixels and "
+                          "model.max_pixels, cannot take it; task.on_bad_image=skip leaves such samples out)")
+    shapes = set(bad)
+    for split in ("train", "eval_items"):
+        items = getattr(task, split)
+        kept = [it for it in items if not any(im.size in shapes for im in it.images)]
+        if not kept:
+            raise ConfigError(f"task: no usable {split.split('_')[0]} samples: every one has an image the model's "
+                              f"resizing cannot take ({next(iter(bad.values()))})")
+        setattr(task, split, kept)
+    warnings.warn(f"task: left out the samples with images the model's resizing cannot take "
+                  f"({len(shapes)} image size(s); first: {next(iter(bad.values()))})", UserWarning, stacklevel=2)
 
 
 def build_tools(cfg: VLMTrainConfig):

@@ -270,6 +270,26 @@ def test_jsonl_task_through_the_backend(tmp_path, qwen25_dir):
         backend.build(load_config(VLMTrainConfig, tmp_path / "bad.yaml"))
 
 
+def test_dataset_images_the_models_resizing_cannot_take_fail_at_build(tmp_path, qwen25_dir):
+    """A 1700 x 100 banner (past max_pixels / 28^2 = 16:1 at 112 x 112 its short side resizes to 0)
+    stopped the run with a traceback at its first rollout, skip or not; now: at build, or skipped."""
+    import dataclasses
+
+    from mmrl.vlm.tasks.jsonl import save_jsonl
+
+    banner = dataclasses.replace(ITEMS[0], images=[Image.new("RGB", (1700, 100), "white")])
+    save_jsonl([banner, *ITEMS[1:4]], tmp_path / "train.jsonl", tmp_path / "img")
+    save_jsonl(ITEMS[4:6], tmp_path / "eval.jsonl", tmp_path / "img")
+    (tmp_path / "run.yaml").write_text(
+        f"model: {{path: {qwen25_dir}}}\ntask: {{type: jsonl, train_path: train.jsonl, eval_path: eval.jsonl}}\n")
+    with pytest.raises(ConfigError, match=r"train sample 0 .*a 1700 x 100 image.*task.on_bad_image=skip"):
+        backend.build(load_config(VLMTrainConfig, tmp_path / "run.yaml"))
+    with pytest.warns(UserWarning, match="left out the samples with images the model's resizing cannot take"):
+        _policy, task = backend.build(load_config(VLMTrainConfig, tmp_path / "run.yaml",
+                                                  overrides=["task.on_bad_image=skip"]))
+    assert len(task.train) == 3 and len(task.eval_items) == 2
+
+
 def test_vlm_resume_reproduces_the_uninterrupted_run(qwen25_dir, tmp_path):
     """2 steps, then --resume to 3, equals 3 steps straight (weights bit-identical)."""
     def run(name, steps, resume=False):
