@@ -172,15 +172,16 @@ class VLMPolicy:
         found, _ = process_vision_info([{"role": "user", "content": parts}])
         return found
 
-    def _check_length(self, enc, items, max_new_tokens: int) -> None:
+    def _check_length(self, enc, items, max_new_tokens: int, repeats: int = 1) -> None:
+        """`items` may repeat each prompt `repeats` times (a group's rows): the error counts prompts."""
         if self.max_context is None:
             return
         lengths = enc["attention_mask"].sum(-1)
         for i, n in enumerate(lengths.tolist()):
             if n + max_new_tokens > self.max_context:
                 raise PromptTooLong(
-                    f"prompt {i} ({items[i].question[:60]!r}) has {n} tokens; with max_new_tokens "
-                    f"{max_new_tokens} it exceeds the model's context of {self.max_context}"
+                    f"prompt {i // repeats} of this batch ({items[i].question[:60]!r}) has {n} tokens; with "
+                    f"max_new_tokens {max_new_tokens} it exceeds the model's context of {self.max_context}"
                 )
 
     # ------------------------------------------------------------------ rollout
@@ -197,7 +198,7 @@ class VLMPolicy:
             batch.group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
             return batch
         enc = self._encode_repeated(prompts, num_generations)
-        self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0))
+        self._check_length(enc, items, rollout.max_new_tokens + max(map(len, fixed), default=0), num_generations)
         prompt_rows = self._prompt_rows(enc, items)
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         inputs = self._shared_image_inputs(inputs, prompt_rows)

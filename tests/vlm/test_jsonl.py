@@ -167,6 +167,11 @@ GOOD = {"question": "q", "answer": "a"}
         ({"question": "q", "answer": "a", "image": "corrupt.png"}, "image", "cannot read image"),
         ({"question": "q", "answer": "a", "image_b64": "%%%"}, "image_b64", "not valid base64"),
         ({"question": "q", "answer": "a", "image_b64": "aGVsbG8="}, "image_b64", "cannot decode"),
+        # data already formatted for Qwen: the processor would count the placeholder as an image
+        ({"question": "<|vision_start|><|image_pad|><|vision_end|>q", "answer": "a", "image": "red.png"},
+         "question", "image placeholder <|vision_start|>"),
+        ({"question": "q", "answer": "a", "image": "."}, "image", "is a directory, not an image file"),
+        ({"question": "q", "answer": "a", "image": "https://example.com/x.png"}, "image", "is a URL"),
     ],
 )
 def test_errors_name_file_line_and_field(tmp_path, red_png, bad_line, field, words):

@@ -197,8 +197,10 @@ def test_prompt_longer_than_context_is_named(qwen25_dir):
     policy = make_policy(qwen25_dir)
     policy.max_context = 60
     long = QAItem(images=[], question="How many circles are there? " * 20, answer="1", reference="", meta={})
-    with pytest.raises(PromptTooLong, match=r"prompt 1 .*How many circles.* exceeds the model's context of 60"):
-        policy.generate([ITEMS[0], long], 1, rollout_cfg(), torch.Generator())
+    for g in (1, 8):  # the prompt's index, not its row's among the group's repeats (which read 8)
+        with pytest.raises(PromptTooLong, match=r"prompt 1 of this batch .*How many circles.* exceeds the model's "
+                                                r"context of 60"):
+            policy.generate([ITEMS[0], long], g, rollout_cfg(), torch.Generator())
 
 
 def test_odd_image_modes_are_accepted(qwen25_dir):

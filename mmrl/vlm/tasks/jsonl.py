@@ -103,11 +103,18 @@ def load_jsonl(
     return QADataset(items, skipped)
 
 
+_VISION_MARKS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")  # Qwen's
+
+
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
     question, answer = text_and_answer(obj, "question", error)
+    marks = [m for m in _VISION_MARKS if m in question]
+    if marks:  # the processor would count them as images: a mismatch at the first rollout
+        raise error("question", f"holds the chat format's image placeholder {marks[0]}: give the images in the "
+                                "image or images field, and the chat template places them")
     reference = obj.get("reference", "")
     if not isinstance(reference, str):
         raise error("reference", f"must be a string, got {json_type(reference)}")
@@ -142,6 +149,10 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
     p = Path(value).expanduser()
     if not p.is_absolute():
         p = root / p
+    if value.startswith(("http://", "https://")):
+        raise _BadImage(field, f"{value[:80]} is a URL; images are read from local files or base64 (no downloads)")
+    if p.is_dir():
+        raise _BadImage(field, f"{p} is a directory, not an image file")
     if not p.is_file():
         raise _BadImage(field, f"image file not found: {p}")
     try:
