@@ -83,6 +83,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
             raise
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json (tensor shapes "
                           f"differ; the load report above lists them): {e}") from e
+    _check_processor(processor, path)
     if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
                           f"{missing_weights(info['missing_keys'])}")
@@ -91,6 +92,21 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     if mcfg.freeze_vision:
         vision_tower(model).requires_grad_(False)
     return model, processor
+
+
+def _check_processor(processor, path) -> None:
+    """What encoding needs of the directory's tokenizer, checked at load: without its files
+    AutoProcessor builds a tokenizer of one token, and without a chat template no prompt can be
+    written; either failed at the first encode with a traceback."""
+    tok = getattr(processor, "tokenizer", None)
+    if tok is None:
+        raise ConfigError(f"model.path: {path} gives no tokenizer with its processor")
+    if tok.convert_tokens_to_ids("<|image_pad|>") in (None, tok.unk_token_id) or len(tok) < 100:
+        raise ConfigError(f"model.path: the tokenizer in {path} ({len(tok)} tokens) lacks the image placeholder "
+                          "<|image_pad|>: are its tokenizer files (tokenizer.json, tokenizer_config.json) there?")
+    if not (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)):
+        raise ConfigError(f"model.path: {path} has no chat template (chat_template.json or the tokenizer's "
+                          "chat_template), which writes the prompts")
 
 
 def vision_tower(model) -> torch.nn.Module:

@@ -517,3 +517,19 @@ def test_a_generation_config_that_changes_sampling_does_not_reach_rollouts(qwen2
         greedy = policy.greedy_batches(items, 12, 2)
         out[name] = ([s.completion for s in batch.samples], [s.completion for b in greedy for s in b.samples])
     assert out["shipped"] == out["plain"]
+
+
+@pytest.mark.parametrize("remove, words", [
+    (("tokenizer.json", "tokenizer_config.json"), "lacks the image placeholder <|image_pad|>"),
+    (("chat_template.jinja", "chat_template.json"), "has no chat template"),
+])
+def test_a_model_directory_without_tokenizer_files_or_chat_template_fails_at_load(qwen25_dir, tmp_path, remove, words):
+    """Both loaded (AutoProcessor builds a one-token tokenizer without its files) and failed at
+    the first encode with a traceback."""
+    import shutil
+
+    copy = shutil.copytree(qwen25_dir, tmp_path / "m")
+    for name in remove:
+        (copy / name).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match=f"model.path: .*{words.replace('|', '[|]')}"):
+        load_vlm(VLMModelConfig(path=str(copy)))
