@@ -51,12 +51,28 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise DatasetError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}") from e
+        except _RepeatedKey as e:  # json keeps the last silently: an answer given twice is a data error
+            raise DatasetError(path, lineno, e.key, "given twice on this line") from None
         if not isinstance(obj, dict):
             raise DatasetError(path, lineno, None, f"expected a JSON object, got {json_type(obj)}")
         yield lineno, obj
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
 
 
 def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, str], Exception]) -> tuple[str, str]:

@@ -172,6 +172,7 @@ GOOD = {"question": "q", "answer": "a"}
          "question", "image placeholder <|vision_start|>"),
         ({"question": "q", "answer": "a", "image": "."}, "image", "is a directory, not an image file"),
         ({"question": "q", "answer": "a", "image": "https://example.com/x.png"}, "image", "is a URL"),
+        ('{"question": "q", "answer": "a", "answer": "b"}', "answer", "given twice"),  # json kept "b" silently
     ],
 )
 def test_errors_name_file_line_and_field(tmp_path, red_png, bad_line, field, words):
