@@ -131,12 +131,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except BackendUnavailable:
             build_config(config, overrides, None)
             raise
+        cfg = failed = None
         try:
             cfg = build_config(config, overrides, backend, verb)
-        except ConfigError:
+        except ConfigError as e:
             if not resume and checkpoint is None:
                 raise
-            cfg = None  # an override may name a key of the run's own method or task (its config.yaml below)
+            failed = e  # an override may name a key of the run's own method or task (its config.yaml below)
         if cfg is not None:
             out = cfg.output_dir
         else:  # where the run is: --config and -o / --set output_dir= alone
@@ -148,7 +149,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         elif checkpoint is not None and Path(checkpoint).exists():
             run = run_dir_of(checkpoint)
         if run is None:
-            return backend, cfg if cfg is not None else build_config(config, overrides, backend, verb)
+            if failed is not None:  # no run to take keys from: the default config's error stands
+                raise failed
+            return backend, cfg
         if checkpoint is not None:
             err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
                               highlight=False, soft_wrap=True)

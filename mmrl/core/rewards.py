@@ -118,7 +118,7 @@ class RewardAtom:
             weight = float(weight)
         except (TypeError, ValueError):
             raise ValueError(f"reward atom {name!r}: weight must be a number, got {weight!r}")
-        if not (math.isfinite(weight) and abs(weight) <= _FLOAT32_MAX):
+        if not _weight_fits(weight):
             raise ValueError(f"reward atom {name!r}: weight must be finite in float32 (the scores' dtype), "
                              f"got {weight}")
         if isinstance(parents, str):
@@ -228,7 +228,7 @@ class Reward:
                 raise ValueError(f"duplicate reward atom name {a.name!r}")
             if a.name in _RESERVED_NAMES:
                 raise ValueError(f"reward atom name {a.name!r} is reserved for a metric")
-            if not (math.isfinite(a.weight) and abs(a.weight) <= _FLOAT32_MAX):  # changed since RewardAtom checked it
+            if not _weight_fits(a.weight):  # changed since RewardAtom checked it
                 raise ValueError(f"reward atom {a.name!r}: weight must be finite in float32, got {a.weight}")
             by_name[a.name] = a
         for a in atoms:
@@ -350,13 +350,15 @@ async def _call_async(fn: Callable, arg, timeout: float | None, clock: _Clock) -
         timed = _Busy(fn(arg), clock)
         task = asyncio.ensure_future(timed)
         start, others = time.perf_counter(), clock.busy
+
+        def charged() -> float:  # seconds since the start, less those other calls' code held the loop
+            return time.perf_counter() - start - (clock.busy - others - timed.busy)
+
         while True:
-            left = None if timeout is None else timeout - (time.perf_counter() - start
-                                                           - (clock.busy - others - timed.busy))
-            done, _ = await asyncio.wait({task}, timeout=left if left is None else max(left, 0.0))
+            done, _ = await asyncio.wait({task}, timeout=None if timeout is None else max(timeout - charged(), 0.0))
             if done:
                 break
-            if time.perf_counter() - start - (clock.busy - others - timed.busy) >= timeout:
+            if charged() >= timeout:
                 task.cancel()  # it finishes on the loop (or is left behind, where it ignores the cancel)
                 return None, _AtomTimeout(f"timed out after {timeout} s")
         if timeout is not None and timed.busy > timeout:  # it blocked the loop: no wait could fire in time
@@ -512,6 +514,12 @@ def _to_float(value) -> float:
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _weight_fits(weight: float) -> bool:
+    """A weight the float32 totals can hold."""
+    return math.isfinite(weight) and abs(weight) <= _FLOAT32_MAX
+
 MAX_TIMEOUT = threading.TIMEOUT_MAX  # the longest wait a thread allows (sync atoms are timed in threads)
 
 

@@ -221,9 +221,8 @@ class ToolRollout:
             if not isinstance(part, str):
                 out.append(part)
                 continue
-            if any(m in part for m in self.markup):
-                for m in self.markup:
-                    part = part.replace(m, m[0] + "\u2060" + m[1:])
+            for m in self.markup:
+                part = part.replace(m, m[0] + "\u2060" + m[1:])
             ids = tok(part, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than the model" note
             total += len(ids)
             if len(ids) > budget:

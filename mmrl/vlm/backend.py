@@ -143,12 +143,14 @@ def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
     from PIL import Image
 
     bad: dict[tuple, str] = {}
+    tried: set[tuple] = set()  # sizes already resized: a dataset's images often share one
     for split, items in (("train", task.train), ("eval", task.eval_items)):
         for i, item in enumerate(items):
             for image in item.images:
                 w, h = image.size
-                if (w, h) in bad or max(w, h) <= 2 * min(w, h):
+                if (w, h) in tried or max(w, h) <= 2 * min(w, h):
                     continue
+                tried.add((w, h))
                 try:
                     (out,) = policy.resize_images([Image.new("RGB", (w, h))])
                     if min(out.size) < 1:
