@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,11 @@ class DiffusionPolicy:
         for i in range(num_steps):
             v = self.flow.velocity(x, sampler.sigmas[i].expand(len(x)), cond)
             x = sampler.step(v, x, i, noise_level=0.0, sde=False).prev_sample
+        bad = (~torch.isfinite(x.flatten(1)).all(1)).nonzero().flatten().tolist()
+        if bad:  # such images decode to noise or black and score 0: say so rather than report a low score
+            shown = ", ".join(f"{prompts[k]!r} seed {int(seeds[k])}" for k in bad[:3]) + (" ..." if len(bad) > 3 else "")
+            warnings.warn(f"{len(bad)} of {len(x)} sampled images have non-finite latents ({shown}); they "
+                          "score as blank images (a diverging model, or a guidance_scale too large?)", stacklevel=2)
         return self.flow.decode(x)
 
     def step_costs(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +82,24 @@ def test_non_finite_latents_stop_the_step_before_any_checkpoint(flux_dir, tmp_pa
     with pytest.raises(TrainingError, match="non-finite"):
         Trainer(cfg, policy, task).train()
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+def test_sampled_images_with_non_finite_latents_are_named_in_a_warning(flux_dir, tmp_path):
+    policy = make(flux_dir, tmp_path)[1]
+    velocity = policy.flow.velocity
+
+    def broken(x, *a, **kw):  # the second image diverges, as a huge guidance_scale makes it
+        v = velocity(x, *a, **kw)
+        return torch.cat([v[:1], v[1:] * float("inf")])
+
+    policy.flow.velocity = broken
+    with pytest.warns(UserWarning, match=r"1 of 2 sampled images have non-finite latents \('a red circle' seed 1\)"):
+        images = policy.sample_images(["a red circle"] * 2, [0, 1], 4)
+    assert len(images) == 2
+    policy.flow.velocity = velocity
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy.sample_images(["a red circle"], [0], 4)
 
 
 def test_bad_model_dir_is_a_config_error(tmp_path):
