@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -57,9 +58,14 @@ def default_layers(n: int) -> list[int]:
 
 class TextAttention(contextlib.AbstractContextManager):
     """Records image-query -> text-key attention in the chosen joint-attention layers (module
-    docstring). Use one instance per forward; `result()` averages what it recorded."""
+    docstring). Use one instance per forward; `result()` averages what it recorded. rows: keep
+    only the first rows of each batch (under CFG the conditional half: the rest is neither
+    computed nor held).
 
-    def __init__(self, flow, layers: Sequence[int] | None = None):
+    The wrapped primitives are module globals, which a pipelined engine thread sampling with its
+    own copy of the model calls too: only the thread whose chosen module is running records."""
+
+    def __init__(self, flow, layers: Sequence[int] | None = None, rows: int | None = None):
         if flow.family not in FAMILIES:
             raise ValueError(f"CAST's attention maps support the {' and '.join(FAMILIES)} families, not "
                              f"{flow.family!r}; set method.projection: none")
@@ -72,7 +78,8 @@ class TextAttention(contextlib.AbstractContextManager):
         self.flow, self.modules = flow, [mods[i] for i in layers]
         self.text_first = TEXT_FIRST[flow.family]
         self.n_img = flow.seq_len
-        self._active = False
+        self.rows = rows
+        self._active: int | None = None  # the ident of the thread inside a chosen module
         self._maps: list[Tensor] = []
         self._undo: list = []
 
@@ -84,23 +91,23 @@ class TextAttention(contextlib.AbstractContextManager):
         img = slice(s - self.n_img, s) if self.text_first else slice(0, self.n_img)
         txt = slice(0, s - self.n_img) if self.text_first else slice(self.n_img, s)
         with torch.no_grad():
-            q, k = q.detach().float(), k.detach().float()
+            q, k = q[: self.rows].detach().float(), k[: self.rows].detach().float()
             scale = scale if scale is not None else q.shape[-1] ** -0.5
             probs = torch.softmax(q[:, :, img] @ k.transpose(-1, -2) * scale, dim=-1)  # [B, H, L, S]
             self._maps.append(probs[..., txt].mean(1))
 
     def _dispatch(self, fn):
         def wrapped(query, key, value, *args, **kwargs):
-            if self._active:  # [B, S, H, D]
-                self._active = False  # a primitive calling another records once
+            if self._active == threading.get_ident():  # [B, S, H, D]
+                self._active = None  # a primitive calling another records once
                 self._record(query.transpose(1, 2), key.transpose(1, 2), kwargs.get("scale"))
             return fn(query, key, value, *args, **kwargs)
         return wrapped
 
     def _sdpa(self, fn):
         def wrapped(query, key, value, *args, **kwargs):
-            if self._active:  # [B, H, S, D]
-                self._active = False
+            if self._active == threading.get_ident():  # [B, H, S, D]
+                self._active = None
                 self._record(query, key, kwargs.get("scale"))
             return fn(query, key, value, *args, **kwargs)
         return wrapped
@@ -118,9 +125,12 @@ class TextAttention(contextlib.AbstractContextManager):
                 sdpa = self._sdpa(module.F.scaled_dot_product_attention)
                 self._set(module, "F", _Override(module.F, scaled_dot_product_attention=sdpa))
         for mod in self.modules:
-            self._undo.append(mod.register_forward_pre_hook(lambda *_: setattr(self, "_active", True)).remove)
-            self._undo.append(mod.register_forward_hook(lambda *_: setattr(self, "_active", False)).remove)
+            self._undo.append(mod.register_forward_pre_hook(self._enter_module).remove)
+            self._undo.append(mod.register_forward_hook(lambda *_: setattr(self, "_active", None)).remove)
         return self
+
+    def _enter_module(self, *_) -> None:
+        self._active = threading.get_ident()
 
     def _set(self, module, name: str, value) -> None:
         old = getattr(module, name)
@@ -130,7 +140,7 @@ class TextAttention(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         for undo in reversed(self._undo):
             undo()
-        self._undo, self._active = [], False
+        self._undo, self._active = [], None
         return False
 
     def result(self, n: int | None = None) -> Tensor:

@@ -128,10 +128,11 @@ class DiffusionPolicy:
         outs, maps = [], []
         for t in range(d["latents"].shape[1]):
             x = d["latents"][:, t]
-            with TextAttention(self.flow, attention) if attention is not False else contextlib.nullcontext() as rec:
+            with (TextAttention(self.flow, attention, rows=len(x)) if attention is not False
+                  else contextlib.nullcontext()) as rec:
                 v = self.flow.velocity(x, sigma[:, t], cond)
             if rec is not None:
-                maps.append(rec.result(len(x)))
+                maps.append(rec.result())
             outs.append(sde_step_with_logprob(
                 v, x, sigma[:, t], sigma_next[:, t], noise_level=self.rollout.noise_level,
                 kind=self.rollout.kind, prev_sample=d["next_latents"][:, t]))

@@ -137,8 +137,44 @@ def test_text_attention_leaves_the_forward_alone_and_handles_cfg(flux_dir):
     with TextAttention(guided) as rec_g:
         guided.velocity(x, sigma, cond_g)
     torch.testing.assert_close(rec_g.result(2), att)  # the conditional rows of the 2N-row forward
+    with TextAttention(guided, rows=2) as rec_rows:  # only those rows computed and held
+        guided.velocity(x, sigma, cond_g)
+    kept = rec_rows.result()
+    torch.testing.assert_close(kept, att)
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
     with pytest.raises(ValueError, match="out of range"):
         TextAttention(flow, [len(joint_attention_modules(flow))])
+
+
+def test_another_threads_forward_inside_a_chosen_layer_is_not_recorded(flux_dir):
+    """A pipelined engine thread samples with its own copy of the model through the same wrapped
+    primitives; its attention call may come between the trainer's layer starting and its own
+    attention call. Made certain here: the trainer's first chosen layer runs the copy's whole
+    forward on another thread before its own attention."""
+    import threading
+
+    flow, engine = load_flow_model(flux_dir), load_flow_model(flux_dir)
+    cond, x = flow.encode_prompt([PROMPT, "a red circle"]), flow.noise(2, torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.7])
+    cond3, x3 = engine.encode_prompt(["a red circle"] * 3), engine.noise(3, torch.Generator().manual_seed(1))
+    with TextAttention(flow) as alone:
+        flow.velocity(x, sigma, cond)
+    rec = TextAttention(flow)
+    first = rec.modules[0]
+
+    def engine_forward(*_):
+        t = threading.Thread(target=engine.velocity, args=(x3, torch.full((3,), 0.5), cond3))
+        t.start()
+        t.join()
+
+    handle = first.register_forward_pre_hook(engine_forward)  # after the recorder's own pre-hook
+    try:
+        with rec:
+            first._forward_pre_hooks.move_to_end(handle.id)
+            flow.velocity(x, sigma, cond)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(rec.result(), alone.result())  # the trainer's rows only, every layer
 
 
 def test_text_attention_on_sd3_joint_attention(sd3_dir):
