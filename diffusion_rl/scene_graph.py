@@ -79,12 +79,10 @@ def shapes_geneval_atom_spans(prompt: str) -> Spans:
 
 
 def _words(prompt: str) -> list[tuple[int, int]]:
-    """Character spans of the prompt's words, a final full stop left out (the grammar drops it)."""
-    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", prompt)]
-    last = words[-1]
-    if prompt[last[1] - 1] == ".":
-        words[-1] = (last[0], last[1] - 1)
-    return words
+    """Character spans of the prompt's words, a final full stop left out as the grammar drops it
+    (shapes_geneval._normalise: "circles." and "circles ." alike)."""
+    text = prompt.rstrip().removesuffix(".")  # the same offsets: only the end is cut
+    return [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
 
 
 BUILTIN: dict[str, PromptParser] = {"shapes-geneval": shapes_geneval_spans}

@@ -58,6 +58,10 @@ def test_shapes_geneval_spans_by_hand():
     one = "Three green circles."
     s = shapes_geneval_spans(one)
     assert set(s) == {"exist", "colour", "count"} and words(one, s["exist"]) == ["circles"]  # no full stop
+    spaced = "a red circle below two red circles . "  # the grammar takes a spaced full stop too
+    s = shapes_geneval_spans(spaced)
+    assert words(spaced, s["count"]) == ["a", "circle", "two", "circles"]
+    assert words(spaced, s["relation"]) == ["below", "circle", "circles"]
     long = "a red square to the left of a blue circle"
     assert words(long, shapes_geneval_spans(long)["relation"]) == ["to", "the", "left", "of", "square", "circle"]
     with pytest.raises(ValueError, match="hexagon"):
