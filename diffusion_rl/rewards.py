@@ -671,7 +671,8 @@ class _CustomScorer:
         scores: list = []
         for part in _chunks(len(images), self.batch_size):
             try:
-                out = scorer(images[part], prompts[part])
+                with torch.no_grad():  # as the built-in scorers: no graph kept for a score
+                    out = scorer(images[part], prompts[part])
             except Exception as e:
                 raise RuntimeError(
                     f"preference scorer from {self.label} failed: {_describe(e)}"

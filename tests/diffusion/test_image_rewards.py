@@ -330,6 +330,9 @@ class Scorer:
         self.calls = []
 
     def __call__(self, images, prompts):
+        import torch
+
+        self.grad = torch.is_grad_enabled()
         self.calls.append([(im.mode, im.size, p) for im, p in zip(images, prompts)])
         return [len(p) + im.size[0] / 100 for im, p in zip(images, prompts)]
 
@@ -374,7 +377,7 @@ def test_custom_preference_scores_in_batches(factory_file):
     assert scores == pytest.approx([len(s.prompt) + 0.4 for s in batch])
     assert scores[0] == pytest.approx(12.4)
     scorer = atom.fn.load()
-    assert scorer.device == "cpu"
+    assert scorer.device == "cpu" and scorer.grad is False  # scored without gradients, as the built-ins
     assert [len(c) for c in scorer.calls] == [2, 2, 1]  # batch_size 2
     assert all(mode == "RGB" for call in scorer.calls for mode, _, _ in call)
     atom(batch)
