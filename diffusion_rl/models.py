@@ -93,7 +93,7 @@ from torch import Tensor
 
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError
-from mmrl.core.lora import seeded
+from mmrl.core.lora import check_adapter_config, seeded
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -526,6 +526,7 @@ class FlowModel:
                 f"LoRA adapter in {src} (r={config.r}, targets {sorted(config.target_modules)}) does not "
                 f"match this model's (r={mine.r}, targets {sorted(mine.target_modules)})"
             )
+        check_adapter_config(mine, src)  # alpha: the scaling the adapter trained with
         state = load_file(src / "adapter_model.safetensors")
         result = set_peft_model_state_dict(self.transformer, state, adapter_name=_ADAPTER)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])

@@ -60,6 +60,15 @@ def test_adapter_and_full_weight_directories_are_told_apart(tmp_path):
     wider = add_lora(Tiny(), LoRAConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match="does not fit this run's model.lora"):
         load_adapter(wider, tmp_path / "adapter")
+    scaled = add_lora(Tiny(), LoRAConfig(r=2, alpha=64, target_modules=["q_proj"]))  # loads, but scales by 32
+    with pytest.raises(ConfigError, match=r"other LoRA settings \(alpha 16.0 there, 64.0 here\)"):
+        load_adapter(scaled, tmp_path / "adapter")
+
+
+def test_lora_dropout_is_refused_as_it_would_never_run():
+    with pytest.raises(ValueError, match="dropout off.*set it to 0"):
+        LoRAConfig(dropout=0.05)
+    assert LoRAConfig(dropout=0).dropout == 0
 
 
 def test_the_lora_wrapper_keeps_the_models_mode():

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mmrl.core.checkpoint import load_weights_in_place
 from mmrl.core.config import ConfigError, Section
@@ -30,8 +30,18 @@ class LoRAConfig(Section):
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Must stay 0: every forward, the update's included, runs with dropout off, so that the
+    importance ratio is exactly 1 on-policy; a LoRA dropout would never run."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Names of the linear layers (of the language model) that get adapters."""
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value:
+            raise ValueError("training forwards run with dropout off (the importance ratio "
+                             "is exactly 1 on-policy), so a LoRA dropout would never run; set it to 0")
+        return value
 
 
 def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.nn.Module:
@@ -83,6 +93,7 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
     if not file.is_file():
         raise ConfigError(f"{directory} holds no LoRA adapter ({ADAPTER_FILE}), but this run's model has "
                           "model.lora set: point at a checkpoint of a LoRA run, or unset model.lora")
+    check_adapter_config(model.peft_config["default"], directory)
     try:
         result = set_peft_model_state_dict(model, load_file(file))
     except RuntimeError as e:  # another rank: one "size mismatch for <weight>: ..." line per weight
@@ -96,6 +107,28 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
         what = (f"weights it has no place for: {', '.join(sorted(unexpected)[:3])}" if unexpected
                 else f"adapters it lacks, left as initialised: {', '.join(sorted(missing)[:3])}")
         raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora ({what})")
+
+
+# what scales an adapter's output: a mismatch loads without error and changes the model (another
+# rank or other target layers do not load: the weights' shapes and names say so)
+_ADAPTER_FIELDS = {"lora_alpha": "alpha", "use_rslora": "use_rslora", "use_dora": "use_dora"}
+
+
+def check_adapter_config(mine, directory: str | Path) -> None:
+    """ConfigError where the adapter_config.json in `directory` differs from this model's LoRA
+    config (a peft LoraConfig) in alpha, rsLoRA or DoRA: the weights would load and the scaling
+    alpha/r be this run's, not the trained one's."""
+    import json
+
+    try:
+        saved = json.loads((Path(directory) / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{directory}/adapter_config.json is unreadable: {e}") from e
+    wrong = [f"{name} {saved[key]!r} there, {getattr(mine, key)!r} here" for key, name in _ADAPTER_FIELDS.items()
+             if key in saved and saved[key] != getattr(mine, key)]
+    if wrong:
+        raise ConfigError(f"the adapter in {directory} was trained with other LoRA settings ({'; '.join(wrong)}): "
+                          "set model.lora as its run did (its config.yaml has it)")
 
 
 def is_adapter_dir(directory: str | Path) -> bool:

@@ -352,6 +352,10 @@ def test_lora(built, family, tmp_path):
     assert [id(p) for p in other.transformer.parameters()] == ids
     with torch.no_grad():
         assert torch.equal(other.velocity(x, sigma, cond), tuned)
+    scaled = load_flow_model(built[family])
+    scaled.add_lora(r=4, alpha=32)  # the same shapes, another scaling: refused, not loaded
+    with pytest.raises(ConfigError, match=r"other LoRA settings \(alpha 8 there, 32 here\)"):
+        scaled.load_transformer_weights(adapter)
     # and into a model without one (the adapter is added from adapter_config.json)
     fresh = load_flow_model(built[family])
     fresh.load_transformer_weights(adapter)
