@@ -85,6 +85,11 @@ def test_a_plugin_method_trains_resumes_elsewhere_and_evaluates(tmp_path, monkey
     ({"c.py": "from mmrl.vlm.config import VLMTrainConfig as CONFIG_CLASS\n"}, ["c.py"],
      "CONFIG_CLASS must be a subclass of DLLMTrainConfig"),
     ({}, "half_neg.py", "plugins: a list of Python file paths is needed"),
+    ({"mine.py": "from dllm_rl.methods.diffu_grpo import DiffuGRPO\nfrom mmrl.core.method import register_method\n"
+                 "register_method('diffu_grpo')(type('Mine', (DiffuGRPO,), {}))\n"}, ["mine.py"],
+     r"method 'diffu_grpo' is built in \(dllm_rl.methods.diffu_grpo.DiffuGRPO\): register Mine under a name"),
+    ({"script.py": "import sys\nsys.exit('usage: script.py ARG')\n"}, ["script.py"],
+     "plugins: 'script.py': importing .*usage: script.py ARG"),
 ])
 def test_bad_plugins_are_one_line_errors(tmp_path, files, plugin_list, match):
     for name, text in files.items():
@@ -94,6 +99,28 @@ def test_bad_plugins_are_one_line_errors(tmp_path, files, plugin_list, match):
     r = invoke("train", "-c", config, "-o", tmp_path / "run")
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
     assert re.search(match, r.output), r.output[-2000:]
+
+
+def test_a_plugin_that_fails_after_registering_leaves_no_method_behind(tmp_path):
+    from mmrl.core.method import METHODS
+
+    before = dict(METHODS)
+    (tmp_path / "half.py").write_text(PLUGIN + "\nraise RuntimeError('late failure')\n")
+    with pytest.raises(plugins.ConfigError, match="late failure"):
+        plugins.load(["half.py"], tmp_path)
+    assert METHODS == before
+
+
+def test_a_plugin_file_named_as_a_reward_atom_too_is_imported_once(tmp_path, one_thread):
+    (tmp_path / "half_neg.py").write_text(PLUGIN + "\nCALLS.append(__name__)\n\n\ndef positive(sample):\n"
+                                          "    return 1.0\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"plugins": ["half_neg.py"], "method": {"type": "half_neg", "neg_scale": 0.25},
+                                      "reward": {"atoms": ["half_neg.py:positive"]}, **SMALL}))
+    r = invoke("train", "-c", config, "--max-steps", 1, "-o", tmp_path / "run")
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    module = plugins._imported[(tmp_path / "half_neg.py").resolve()]
+    assert module.CALLS == [module.__name__, 0.25]  # one import; its own method trained
 
 
 def test_a_process_engine_reads_the_plugins_config_too(tmp_path):

@@ -144,10 +144,20 @@ class Method:
 METHODS: dict[str, Callable[..., Method]] = {}
 
 
+BUILT_IN = ("mmrl.", "dllm_rl.", "diffusion_rl.")  # the packages whose methods a plugin may not replace
+
+
 def register_method(name: str):
-    """Class decorator: `@register_method("grpo")` makes `method.type: grpo` build this class."""
+    """Class decorator: `@register_method("grpo")` makes `method.type: grpo` build this class.
+    A name a built-in method has is refused to other modules: a config naming it would run
+    something else without a word."""
 
     def wrap(cls):
+        old = METHODS.get(name)
+        if (old is not None and old.__module__ != cls.__module__ and old.__module__.startswith(BUILT_IN)
+                and not cls.__module__.startswith(BUILT_IN)):
+            raise ValueError(f"method {name!r} is built in ({old.__module__}.{old.__qualname__}): register "
+                             f"{cls.__qualname__} under a name of its own")
         METHODS[name] = cls
         return cls
 

@@ -8,7 +8,7 @@ own"). A config names its plugins (`plugins: [my_method.py]`), so `--resume`, `e
 
 The plugin list is read from the raw settings (defaults, the config file, --set) before they
 are validated, since validation needs the plugin's config class. Each file is imported once per
-process.
+process, also where a reward atom spec names it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core.config import ConfigError, TrainConfig, apply_overrides, deep_merge, read_yaml
-from mmrl.core.rewards import import_python_file
+from mmrl.core.method import METHODS
+from mmrl.core.rewards import PLUGIN_MODULES, import_python_file
 from mmrl.core.runconfig import resolve_file
 
-_imported: dict[Path, Any] = {}
+_imported: dict[Path, Any] = PLUGIN_MODULES  # shared: a reward atom spec naming a plugin's file uses its module
 
 
 def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> list[str]:
@@ -43,9 +44,12 @@ def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
         if not path.is_file():
             raise ConfigError(f"plugins: {name!r}: file not found: {path}")
         if path not in _imported:
+            registered = dict(METHODS)
             try:
                 _imported[path] = import_python_file(path, f"plugins: {name!r}")
             except ValueError as e:
+                METHODS.clear()  # what it registered before failing goes with it
+                METHODS.update(registered)
                 raise ConfigError(str(e)) from None
         modules.append(_imported[path])
     return modules

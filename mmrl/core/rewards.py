@@ -722,8 +722,8 @@ def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
     path = spec_file(file_part, base_dir)
     if not path.is_file():
         raise ValueError(f"reward atom spec {spec!r}: file not found: {path}")
-    if path not in modules:
-        modules[path] = _import_file(spec, path)
+    if path not in modules:  # a plugin's file is that module: its registrations run once
+        modules[path] = PLUGIN_MODULES.get(path) or _import_file(spec, path)
     obj = module_attribute(modules[path], attr, f"reward atom spec {spec!r}", path.name)
     if isinstance(obj, RewardAtom):
         return obj
@@ -751,6 +751,10 @@ def module_attribute(module, attr: str, what: str, where: str):
     return getattr(module, attr)
 
 
+# files imported as plugins (mmrl.core.plugins), by resolved path, once per process
+PLUGIN_MODULES: dict[Path, Any] = {}
+
+
 def import_python_file(path: Path, what: str):
     """Import a user's Python file as a fresh module (a unique name each time). Errors are
     ValueErrors starting with `what` (e.g. "reward atom spec 'x.py:f'") and naming the file."""
@@ -763,7 +767,7 @@ def import_python_file(path: Path, what: str):
     sys.modules[name] = module  # dataclasses and pickle look the module up here
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a script's sys.exit() at import
         del sys.modules[name]
         raise ValueError(f"{what}: importing {path} failed: {_describe(e)}") from e
     return module
