@@ -81,14 +81,19 @@ class Demo:
     def _pair(self, modality: str, progress=None) -> ModelPair:
         if modality not in self.pairs:
             path = self.chosen[modality]
+            # Only the embedded default run is trained here: training into a user's --run
+            # directory would overwrite its config.yaml and metrics.jsonl with the default's.
+            default = Path(path).resolve() == default_run_dir(modality).resolve()
             try:
                 run = RunInfo.load(path)
                 ready = run.model_dir() is not None
             except (ValueError, OSError):
+                if not default:  # a user's run that cannot be read: its own message, not "no checkpoint"
+                    raise
                 ready = False
             if not ready:
-                if not self.train_missing:
-                    raise FileNotFoundError(f"{path} has no checkpoint; pass --run DIR with a finished run")
+                if not (default and self.train_missing):
+                    raise FileNotFoundError(f"{path} has no checkpoint yet; pass --run DIR with a finished run")
                 track = (lambda i, n: progress((i, n), desc=f"training the default {modality} run")) if progress else None
                 run = ensure_default_run(modality, track, path)
             self.pairs[modality] = ModelPair(run)

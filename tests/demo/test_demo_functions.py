@@ -195,5 +195,5 @@ def test_handlers_show_user_errors_as_their_message(tiny_runs, tmp_path):
             call()
     demo.chosen["vlm"] = tmp_path / "missing"
     demo.pairs.pop("vlm", None)
-    with pytest.raises(gr.Error, match="has no checkpoint"):
+    with pytest.raises(gr.Error, match="missing is not a run directory"):  # a user's run: its own message
         fns["vlm_run"](image, "q?", -1, 1, 0)

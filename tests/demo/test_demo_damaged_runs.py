@@ -1,0 +1,76 @@
+"""Run directories the demo and the report meet in the wild: a user's run still going (no
+checkpoint yet), files torn by a kill or holding stray bytes, a run copied elsewhere, a run of a
+plugin's method, names with HTML in them. Built by hand, no training: each test writes only the
+files it is about."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mmrl.cli import app as mmrl_app
+from mmrl.demo.compare import ModelPair, Shown
+from mmrl.demo.report import render
+from mmrl.demo.runs import RunError, RunInfo, backend
+
+DLLM = "rollout: {gen_length: 8}\n"  # enough config for modality_of to say "dllm"
+ROW = {"step": 1, "reward/total": 0.5}
+
+
+def make_run(path: Path, config: str = DLLM, metrics: str = json.dumps(ROW) + "\n") -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(config)
+    (path / "metrics.jsonl").write_text(metrics)
+    return path
+
+
+def finished(path: Path, step: int = 2) -> Path:
+    """A run with one checkpoint and a summary naming it by absolute path, as the trainer writes."""
+    model = path / "checkpoints" / f"step-{step:08d}" / "model"
+    model.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({"steps": step, "checkpoint": str(model),
+                                                   "eval_before": {"accuracy": 0.25}, "eval_after": {"accuracy": 0.5}}))
+    return path
+
+
+def handlers(demo):
+    from mmrl.demo.app import build_app
+
+    return {bf.fn.__name__: bf.fn for bf in build_app(demo).fns.values() if bf.fn is not None}
+
+
+# ------------------------------------------------------------------ a user's run is never trained over
+
+
+def test_a_users_run_without_a_checkpoint_is_an_error_not_trained_over(tmp_path, monkeypatch):
+    """Only the embedded default run is trained on first use: training into a user's --run
+    directory would replace its config.yaml and metrics.jsonl with the default run's."""
+    from mmrl.demo import app
+    from mmrl.demo.runs import default_run_dir
+
+    trained = []
+
+    def spy(modality, progress=None, run_dir=None, overrides=None):
+        trained.append(Path(run_dir))
+        raise RuntimeError("would train here")
+
+    monkeypatch.setattr(app, "ensure_default_run", spy)
+    mine = make_run(tmp_path / "mine")
+    before = {f: (mine / f).read_bytes() for f in ("config.yaml", "metrics.jsonl")}
+    demo = app.Demo([RunInfo.load(mine)], train_missing=True)
+    with pytest.raises(FileNotFoundError, match="mine has no checkpoint yet"):
+        demo.pair("dllm")
+    assert trained == [] and {f: (mine / f).read_bytes() for f in before} == before
+
+    monkeypatch.chdir(tmp_path)  # the default run dir is relative: runs/dllm-default, not there yet
+    with pytest.raises(RuntimeError, match="would train here"):
+        app.Demo([], train_missing=True).pair("dllm")
+    assert trained == [default_run_dir("dllm")]
