@@ -73,7 +73,10 @@ class RunInfo:
                 summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RunError(f"{path / 'summary.json'}: not valid JSON: {e}") from e
-        metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+        try:  # a torn last line (a run killed mid-write) is dropped, as the trainer's resume drops it
+            metrics = read_metrics(path / "metrics.jsonl")
+        except ValueError as e:  # a bad line before the last: names the file and line
+            raise RunError(str(e)) from None
         return cls(path, config, modality_of(config), summary, metrics)
 
     @property

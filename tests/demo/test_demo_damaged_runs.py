@@ -74,3 +74,28 @@ def test_a_users_run_without_a_checkpoint_is_an_error_not_trained_over(tmp_path,
     with pytest.raises(RuntimeError, match="would train here"):
         app.Demo([], train_missing=True).pair("dllm")
     assert trained == [default_run_dir("dllm")]
+
+
+# ------------------------------------------------------------------ metrics.jsonl: torn last line, bad line
+
+
+def test_metrics_a_torn_last_line_is_dropped_a_bad_line_is_a_run_error(tmp_path):
+    torn = make_run(tmp_path / "torn", metrics=json.dumps(ROW) + '\n{"step": 2, "rew')  # killed mid-write
+    assert RunInfo.load(torn).metrics == [ROW]  # as the trainer's own reader (resume) drops it
+    bad = make_run(tmp_path / "bad", metrics="garbage\n" + json.dumps(ROW) + "\n")
+    with pytest.raises(RunError, match=r"bad/metrics.jsonl, line 1: not a JSON metrics row"):
+        RunInfo.load(bad)
+    proc = subprocess.run([sys.executable, "-m", "mmrl.demo.report", str(bad)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 2 and "line 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bad_metrics_line_is_a_message_in_the_cli_and_the_runs_tab(tmp_path):
+    gr = pytest.importorskip("gradio")
+    from mmrl.demo.app import Demo
+
+    bad = make_run(tmp_path / "bad", metrics="garbage\n" + json.dumps(ROW) + "\n")
+    result = CliRunner().invoke(mmrl_app, ["demo", "--run", str(bad), "--port", "0"])
+    assert result.exit_code == 2 and "line 1" in result.output and "Traceback" not in result.output
+    with pytest.raises(gr.Error, match="line 1: not a JSON metrics row"):  # not Gradio's bare "Error"
+        handlers(Demo([], train_missing=False))["run_view"](str(bad))
