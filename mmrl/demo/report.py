@@ -78,6 +78,38 @@ def _metrics_table(summary: dict[str, Any]) -> str:
             + "".join(rows) + "</table>")
 
 
+def _json_rows(path: Path, lines: bool) -> list[dict[str, Any]]:
+    """The rows of a samples file: a JSON list, or (lines) one JSON row per line. A model's
+    text may hold any bytes (errors="replace"); step_*.jsonl is appended while the run goes, so
+    a last line a kill cut short is dropped. Anything else unreadable is a ValueError."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not lines:
+        rows = json.loads(text)
+    else:
+        split = text.split("\n")
+        rows = []
+        for n, line in enumerate(split, 1):
+            try:
+                if line.strip():
+                    rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if n == len(split):  # no newline after it: a write the process did not finish
+                    break
+                raise ValueError(f"line {n}: {e}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("not a list of JSON objects")
+    return rows
+
+
+def _sample_table(path: Path, columns: list[str] | None = None, lines: bool = False) -> str:
+    """The table of one samples file; a file that cannot be read says why instead of failing
+    the whole report (the report is written at the end of every run)."""
+    try:
+        return _table(_json_rows(path, lines), columns)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        return f"<p>(unreadable: {html.escape(f'{path.name}: {e}')})</p>"
+
+
 def _samples(run: RunInfo) -> str:
     root, parts = run.path / "samples", []
     for tag in ("before", "after"):
@@ -86,12 +118,12 @@ def _samples(run: RunInfo) -> str:
             parts.append(f"<h3>{tag}</h3><img alt='samples {tag}' src='{_file_png(grid)}'>")
         answers = root / f"samples_{tag}.json"
         if answers.is_file():
-            parts.append(f"<h3>{tag}</h3>" + _table(json.loads(answers.read_text(encoding="utf-8"))))
+            parts.append(f"<h3>{tag}</h3>" + _sample_table(answers))
     logged = sorted(root.glob("step_*.jsonl")) if root.is_dir() else []
     if logged:
-        rows = [json.loads(x) for x in logged[-1].read_text(encoding="utf-8").splitlines() if x.strip()]
-        parts.append(f"<h3>training samples, {logged[-1].stem.replace('_', ' ')}</h3>"
-                     + _table(rows, ["group", "prompt", "completion", "reward", "atoms", "advantage"]))
+        parts.append(f"<h3>training samples, {html.escape(logged[-1].stem.replace('_', ' '))}</h3>"
+                     + _sample_table(logged[-1], ["group", "prompt", "completion", "reward", "atoms", "advantage"],
+                                     lines=True))
     return "".join(parts) or "<p>(this run saved no samples)</p>"
 
 

@@ -99,3 +99,26 @@ def test_a_bad_metrics_line_is_a_message_in_the_cli_and_the_runs_tab(tmp_path):
     assert result.exit_code == 2 and "line 1" in result.output and "Traceback" not in result.output
     with pytest.raises(gr.Error, match="line 1: not a JSON metrics row"):  # not Gradio's bare "Error"
         handlers(Demo([], train_missing=False))["run_view"](str(bad))
+
+
+# ------------------------------------------------------------------ report.html: damaged sample files
+
+
+def test_the_report_shows_damaged_sample_files_and_the_rest(tmp_path):
+    run = make_run(tmp_path / "run")
+    samples = run / "samples"
+    samples.mkdir()
+    rows = [{"group": 0, "prompt": "12+7=", "completion": "19", "reward": 1.0}]
+    # appended while the run goes: a kill left half a row after the whole ones; a model wrote a stray byte
+    (samples / "step_00000001.jsonl").write_bytes(json.dumps(rows[0]).encode() + b"\n"
+                                                  + b'{"group": 0, "prompt": "caf\xe9=", "completion": "1"}\n'
+                                                  + b'{"group": 1, "prom')
+    (samples / "samples_before.json").write_text("[{")  # cut short
+    (samples / "samples_after.json").write_text(json.dumps(rows))
+    page = render(RunInfo.load(run))
+    assert "<td>12+7=</td>" in page and "<td>caf\ufffd=</td>" in page  # both whole rows; the stray byte replaced
+    assert "(unreadable: samples_before.json: " in page and "<td>19</td>" in page  # after still shown
+
+    (samples / "step_00000001.jsonl").write_text("not json\n" + json.dumps(rows[0]) + "\n")  # a bad line, not the last
+    page = render(RunInfo.load(run))
+    assert "(unreadable: step_00000001.jsonl: line 1: " in page
