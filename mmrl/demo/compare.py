@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mmrl.core import plugins
 from mmrl.core.lora import is_adapter_dir
 from mmrl.demo.runs import RunInfo, backend, default_run_dir
 
@@ -56,7 +57,10 @@ class ModelPair:
             cfg["model"]["lora"] = None  # an old (before 2026-12-05) LoRA checkpoint: a pipeline, adapter merged in
         if (cfg.get("method") or {}).get("window_from"):
             cfg["method"] = {**cfg["method"], "window_from": None}  # sampling needs no SDE window
-        return self.backend.CONFIG_CLASS.model_validate({k: v for k, v in cfg.items() if v is not None})
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        # A run of a plugin's method validates only with the plugin's config class (as serve.build_policy).
+        cls = plugins.config_class(self.backend.CONFIG_CLASS, None, [], cfg)
+        return cls.model_validate(cfg)
 
     def get(self, which: str):
         """(policy, task) of "before" or "after", built once."""

@@ -122,3 +122,34 @@ def test_the_report_shows_damaged_sample_files_and_the_rest(tmp_path):
     (samples / "step_00000001.jsonl").write_text("not json\n" + json.dumps(rows[0]) + "\n")  # a bad line, not the last
     page = render(RunInfo.load(run))
     assert "(unreadable: step_00000001.jsonl: line 1: " in page
+
+
+# ------------------------------------------------------------------ a plugin's method
+
+
+def test_a_run_of_a_plugins_method_is_built_with_the_plugins_config_class(tmp_path):
+    """The run's config names its plugin: its method validates only with the plugin's CONFIG_CLASS."""
+    (tmp_path / "half_neg.py").write_text(
+        "from typing import Annotated, Literal\n"
+        "from pydantic import Field\n"
+        "from dllm_rl.config import DiffuGRPOConfig, DLLMTrainConfig, MethodConfig\n"
+        "from dllm_rl.methods.diffu_grpo import DiffuGRPO\n"
+        "from mmrl.core.method import register_method\n\n\n"
+        "class HalfNegConfig(DiffuGRPOConfig):\n"
+        "    type: Literal['demo_half_neg'] = 'demo_half_neg'\n"
+        "    neg_scale: float = 0.5\n\n\n"
+        "class CONFIG_CLASS(DLLMTrainConfig):\n"
+        "    method: Annotated[MethodConfig | HalfNegConfig, Field(discriminator='type')] = Field(\n"
+        "        default_factory=DiffuGRPOConfig)\n\n\n"
+        "@register_method('demo_half_neg')\n"
+        "class HalfNeg(DiffuGRPO):\n"
+        "    pass\n")
+    b = backend("dllm")
+    cfg = b.CONFIG_CLASS.model_validate(b.DEFAULT_CONFIG).model_dump(mode="json")
+    cfg["method"] = {**cfg["method"], "type": "demo_half_neg", "neg_scale": 0.25}
+    cfg["plugins"] = [str(tmp_path / "half_neg.py")]
+    run = finished(make_run(tmp_path / "run", config=yaml.safe_dump(cfg)))
+    pair = ModelPair(RunInfo.load(run))
+    assert pair.config(None).method.neg_scale == 0.25
+    policy, task = pair.get("before")  # the bundled tiny model, with the run's config
+    assert not policy.model.training and task.eval_problems
