@@ -84,13 +84,16 @@ class RunInfo:
         return self.path.name
 
     def model_dir(self) -> Path | None:
-        """The fine-tuned model: the summary's final checkpoint, else the newest complete one."""
+        """The fine-tuned model: the summary's final checkpoint, else the newest complete one.
+
+        summary.json stores the checkpoint as an absolute path: a run that was copied or moved
+        would load the original's model, so this run's own checkpoints/<step>/model comes first."""
         if self.summary and self.summary.get("checkpoint"):
-            final = Path(self.summary["checkpoint"])
-            if not final.is_absolute():
-                final = self.path / final
-            if final.is_dir():
-                return final
+            stored = Path(self.summary["checkpoint"])
+            own = self.path / "checkpoints" / stored.parent.name / stored.name
+            for final in (own, stored if stored.is_absolute() else self.path / stored):
+                if final.is_dir():
+                    return final
         step = latest_checkpoint(self.path / "checkpoints") if (self.path / "checkpoints").is_dir() else None
         return step / "model" if step is not None and (step / "model").is_dir() else None
 

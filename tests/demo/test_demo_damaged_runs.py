@@ -124,6 +124,18 @@ def test_the_report_shows_damaged_sample_files_and_the_rest(tmp_path):
     assert "(unreadable: step_00000001.jsonl: line 1: " in page
 
 
+# ------------------------------------------------------------------ a run copied elsewhere
+
+
+def test_a_copied_run_loads_its_own_checkpoint_not_the_originals(tmp_path):
+    original = finished(make_run(tmp_path / "original"))
+    copy = Path(shutil.copytree(original, tmp_path / "copy"))  # summary.json still names original/...
+    assert RunInfo.load(copy).model_dir() == copy / "checkpoints" / "step-00000002" / "model"
+    assert RunInfo.load(original).model_dir() == original / "checkpoints" / "step-00000002" / "model"
+    shutil.rmtree(copy / "checkpoints")  # the copy took no checkpoints: the stored path is all there is
+    assert RunInfo.load(copy).model_dir() == original / "checkpoints" / "step-00000002" / "model"
+
+
 # ------------------------------------------------------------------ a plugin's method
 
 
