@@ -16,6 +16,7 @@ server-side rendering process; it binds to 127.0.0.1 unless --host says otherwis
 from __future__ import annotations
 
 import functools
+import html
 import os
 import threading
 from pathlib import Path
@@ -39,6 +40,7 @@ CSS = ".atom-ok{color:#070}.atom-bad{color:#b00}.atom-na{color:#888}.sample{marg
 def atoms_html(s: Shown) -> str:
     marks = []
     for name, v in s.atoms.items():
+        name = html.escape(name)  # a run's own reward.atoms are named by the user
         if v is None:
             marks.append(f'<span class="atom-na" title="cannot be checked">{name}: n/a</span>')
         else:
@@ -50,8 +52,6 @@ def atoms_html(s: Shown) -> str:
 
 
 def samples_html(shown: list[Shown], kind: str) -> str:
-    import html
-
     rows = []
     for s in shown:
         body = "" if kind == "image" else f"<pre style='margin:.2em 0'>{html.escape(str(s.output))}</pre>"
@@ -101,9 +101,13 @@ class Demo:
 
     def held_out(self, modality: str, index: int):
         with self.lock:
-            _, task = self.pair(modality).get("before")
+            pair = self.pair(modality)
+            _, task = pair.get("before")
         items = task.eval_items if modality == "vlm" else task.eval_prompts if modality == "diffusion" \
             else task.eval_problems
+        if not items:  # a run with task.num_eval=0 (the modulo below would be a bare "Error" in Gradio)
+            raise ValueError(f"{pair.run.path}: the run's task has no held-out items (task.num_eval=0); "
+                             "type your own input instead")
         return items[int(index) % len(items)]
 
 
@@ -147,6 +151,11 @@ def _number(gr, value, name: str, least: int = 0) -> int:
     if out < least:
         raise gr.Error(f"{name} must be at least {least}; got {out}")
     return out
+
+
+def _metric(value) -> str:
+    """A summary value as a table cell: a missing or null one (an eval that did not run) is n/a."""
+    return f"{value:.4g}" if isinstance(value, int | float) and not isinstance(value, bool) else "n/a"
 
 
 def _text(gr, value, what: str) -> str:
@@ -215,9 +224,11 @@ def build_app(demo: Demo):
         except (RunError, OSError) as e:
             raise gr.Error(str(e)) from None
         s = run.summary or {}
-        rows = "".join(f"<tr><td>{k}</td><td>{v:.4g}</td><td>{(s.get('eval_after') or {}).get(k, float('nan')):.4g}</td></tr>"
+        after = s.get("eval_after") or {}
+        rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_metric(v)}</td><td>{_metric(after.get(k))}</td></tr>"
                        for k, v in (s.get("eval_before") or {}).items() if isinstance(v, int | float))
-        table = (f"<p>{TITLES[run.modality]} run <code>{run.path}</code>, {len(run.metrics)} logged steps</p>"
+        table = (f"<p>{TITLES[run.modality]} run <code>{html.escape(str(run.path))}</code>, "
+                 f"{len(run.metrics)} logged steps</p>"
                  f"<table><tr><th>metric</th><th>before</th><th>after</th></tr>{rows}</table>")
         return plot_curves(run), table
 

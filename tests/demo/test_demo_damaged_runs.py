@@ -165,3 +165,47 @@ def test_a_run_of_a_plugins_method_is_built_with_the_plugins_config_class(tmp_pa
     assert pair.config(None).method.neg_scale == 0.25
     policy, task = pair.get("before")  # the bundled tiny model, with the run's config
     assert not policy.model.training and task.eval_problems
+
+
+# ------------------------------------------------------------------ HTML in names; null and empty values
+
+
+def test_atom_names_run_paths_and_metric_keys_are_escaped(tmp_path):
+    from mmrl.demo.app import atoms_html
+
+    page = atoms_html(Shown("greedy", "19", {"<b>mine</b>": 1.0, "<i>na</i>": None}, 1.0))
+    assert "&lt;b&gt;mine&lt;/b&gt;: &#10003;" in page and "&lt;i&gt;na&lt;/i&gt;: n/a" in page
+    assert "<b>mine</b>" not in page and "<i>" not in page
+
+    pytest.importorskip("gradio")
+    from mmrl.demo.app import Demo
+
+    run = finished(make_run(tmp_path / "x<img src=x onerror=alert(1)>"))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["eval_before"]["<b>k</b>"] = 1.0
+    (run / "summary.json").write_text(json.dumps(summary))
+    _, table = handlers(Demo([], train_missing=False))["run_view"](str(run))
+    assert "x&lt;img src=x onerror=alert(1)&gt;" in table and "<img" not in table
+    assert "<td>&lt;b&gt;k&lt;/b&gt;</td>" in table and "<b>k</b>" not in table
+
+
+def test_a_null_summary_value_is_na_and_no_held_out_items_is_a_message(tmp_path):
+    gr = pytest.importorskip("gradio")
+    from mmrl.demo.app import Demo
+
+    run = finished(make_run(tmp_path / "run"))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["eval_after"]["accuracy"] = None  # an eval that did not run
+    (run / "summary.json").write_text(json.dumps(summary))
+    demo = Demo([], train_missing=False)
+    fns = handlers(demo)
+    _, table = fns["run_view"](str(run))
+    assert "<tr><td>accuracy</td><td>0.25</td><td>n/a</td></tr>" in table
+
+    # a run trained with task.num_eval=0: nothing to draw a held-out problem from
+    demo.pairs["dllm"] = SimpleNamespace(run=SimpleNamespace(path=run),
+                                         get=lambda which: (None, SimpleNamespace(eval_problems=[])))
+    with pytest.raises(ValueError, match="no held-out items"):
+        demo.held_out("dllm", 0)
+    with pytest.raises(gr.Error, match="no held-out items"):
+        fns["dllm_new"](0)
