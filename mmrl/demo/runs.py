@@ -105,14 +105,17 @@ class RunInfo:
         """reward/total per step and every held-out eval/* accuracy logged during training,
         with the before (step 0) and after (last step) evaluations when the summary has them."""
         out: dict[str, tuple[list[int], list[float]]] = {}
-        for row in self.metrics:
+        # A row a user or another tool wrote may lack its step or hold a null: it is not plotted.
+        rows = [r for r in self.metrics if isinstance(r, dict) and isinstance(r.get("step"), int)]
+        for row in rows:
             for key, value in row.items():
-                if key == "reward/total" or (key.startswith("eval/") and "accuracy" in key):
+                if (key == "reward/total" or (key.startswith("eval/") and "accuracy" in key)) \
+                        and isinstance(value, int | float):
                     steps, values = out.setdefault(key, ([], []))
-                    steps.append(int(row["step"]))
+                    steps.append(row["step"])
                     values.append(float(value))
         if self.summary:
-            last = int(self.summary.get("steps") or (self.metrics[-1]["step"] if self.metrics else 0))
+            last = int(self.summary.get("steps") or (rows[-1]["step"] if rows else 0))
             for key in _accuracy_keys(self.summary.get("eval_before") or {}):
                 steps, values = out.setdefault(f"eval/{key}", ([], []))
                 before, after = self.summary["eval_before"][key], (self.summary.get("eval_after") or {}).get(key)

@@ -101,6 +101,13 @@ def test_a_bad_metrics_line_is_a_message_in_the_cli_and_the_runs_tab(tmp_path):
         handlers(Demo([], train_missing=False))["run_view"](str(bad))
 
 
+def test_metrics_rows_without_a_step_or_with_a_null_are_not_plotted(tmp_path):
+    rows = [{"reward/total": 0.1}, {"step": 1, "reward/total": None}, ROW, ["not", "a", "row"]]
+    run = RunInfo.load(make_run(tmp_path / "run", metrics="".join(json.dumps(r) + "\n" for r in rows)))
+    assert run.curves() == {"reward/total": ([1], [0.5])}
+    assert "<h2>Curves</h2>" in render(run)
+
+
 # ------------------------------------------------------------------ report.html: damaged sample files
 
 
