@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -139,6 +140,38 @@ def test_decode_refuses_classes_outside_the_allow_list(cls, needle):
     message = {"value": {"__t": "dataclass", "cls": cls, "fields": {}}, "tensors": None}
     with pytest.raises(wire.WireError, match=needle):
         wire.unpack(message)
+
+
+@pytest.mark.parametrize("cls", [
+    "mmrl.__main__:Nothing",  # importing it runs the CLI: `mmrl serve` started a second server
+    "dllm_rl.__main__:Nothing",
+    "diffusion_rl.__main__:Nothing",
+    "mmrl.core._private:Thing",
+    "mmrl.core.pipeline:_Group",  # a dataclass, but private
+])
+def test_decode_refuses_main_and_private_names_without_importing_them(cls):
+    message = {"value": {"__t": "dataclass", "cls": cls, "fields": {}}, "tensors": None}
+    with pytest.raises(wire.WireError, match="refusing"):
+        wire.unpack(message)
+    assert not any(m.endswith(".__main__") for m in sys.modules)
+
+
+def test_decode_never_imports_a_module(monkeypatch):
+    # A dataclass of an allowed package, in a module this process has not imported: decoding
+    # must not import it (importing runs code); the receiver's backend imports what it uses.
+    monkeypatch.delitem(sys.modules, "mmrl.demo.compare", raising=False)
+    message = {"value": {"__t": "dataclass", "cls": "mmrl.demo.compare:Shown",
+                         "fields": {"label": "x", "output": 1, "atoms": {}, "total": None}}, "tensors": None}
+    with pytest.raises(wire.WireError, match="unknown class mmrl.demo.compare:Shown"):
+        wire.unpack(message)
+    assert "mmrl.demo.compare" not in sys.modules
+
+
+def test_sender_refuses_what_the_receiver_would():
+    from mmrl.core.pipeline import _Group
+
+    with pytest.raises(wire.WireError, match="only public dataclasses"):
+        wire.pack(_Group.__new__(_Group))
 
 
 def test_encode_refuses_foreign_classes_and_bad_input_is_a_wire_error():

@@ -10,23 +10,28 @@ message is JSON. Values are encoded by kind:
                                           (base64), so dtype and shape survive exactly
     PIL image                             base64 PNG with its mode (modes PNG cannot hold,
                                           such as "I" or "F", go as raw pixel bytes instead)
-    dataclass                             its class name and fields, for classes defined in
+    dataclass                             its class name and fields, for public classes defined in
                                           the project's packages only (ALLOWED_PACKAGES)
 
 Tagged values are objects with a "__t" key. Decoding rebuilds a dataclass only
 after checking that the named class is a dataclass defined in an allowed
-package; anything else is refused with `WireError`. Requests, rollout batches
-and their samples and scores are dataclasses of mmrl, so they take the generic
-path and the batch re-validates itself on decode. Weights travel as raw
-safetensors bytes (`encode_weights`), the format checkpoints use.
+package, in a module this process has already imported (a message never makes
+the receiver import anything: importing runs code, and `mmrl.__main__` would run
+the CLI), and that neither the module nor the class is private ("_x") or a
+`__main__`; anything else is refused with `WireError`. Requests,
+rollout batches and their samples and scores are dataclasses of mmrl, so they
+take the generic path and the batch re-validates itself on decode; a backend's
+prompt items are dataclasses of its task module, which building its policy
+imports. Weights travel as raw safetensors bytes (`encode_weights`), the format
+checkpoints use.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import importlib
 import io
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,8 +107,9 @@ def _encode(v: Any, tensors: dict[str, Tensor]) -> Any:
         return _encode_image(v)
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         name = _class_name(type(v))
-        if not _allowed(type(v).__module__):
-            raise WireError(f"cannot send a {name}: only dataclasses of {', '.join(ALLOWED_PACKAGES)} cross the wire")
+        if not _allowed(type(v)):
+            raise WireError(f"cannot send a {name}: only public dataclasses of {', '.join(ALLOWED_PACKAGES)} "
+                            "cross the wire")
         fields = {f.name: _encode(getattr(v, f.name), tensors) for f in dataclasses.fields(v)}
         return {"__t": "dataclass", "cls": name, "fields": fields}
     raise WireError(f"cannot send a value of type {_class_name(type(v))}")
@@ -155,18 +161,24 @@ def _decode_dataclass(v: dict, tensors: dict[str, Tensor]) -> Any:
 
 
 def resolve_class(name: str) -> type:
-    """The dataclass named "module:QualName", if it is defined in an allowed package; else WireError."""
+    """The dataclass named "module:QualName", if it is a public dataclass defined in an allowed
+    package, in a module already imported here; else WireError. Nothing is imported."""
     if not isinstance(name, str) or name.count(":") != 1:
         raise WireError(f"bad class name {name!r}: expected 'module:QualName'")
     module_name, qualname = name.split(":")
-    if not _allowed(module_name):
-        raise WireError(f"refusing class {name}: only dataclasses of {', '.join(ALLOWED_PACKAGES)} are accepted")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise WireError(f"unknown class {name}") from None
+    if not (_public(module_name) and _public(qualname)
+            and module_name.split(".")[0] in ALLOWED_PACKAGES):
+        raise WireError(f"refusing class {name}: only public dataclasses of {', '.join(ALLOWED_PACKAGES)} "
+                        "are accepted")
+    # Security: only sys.modules, never importlib: importing a module runs it (mmrl.__main__ is the CLI).
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):  # plain lookups: no module __getattr__ or descriptor runs
+        obj = getattr(obj, "__dict__", {}).get(part)
+    if obj is None:
+        why = "" if module_name in sys.modules else f" (module {module_name} is not loaded by this process)"
+        raise WireError(f"unknown class {name}{why}")
+    # Checked before anything is built: a dataclass, and the one of that name, not one reached
+    # through another module's attribute.
     if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)) or _class_name(obj) != name:
         raise WireError(f"refusing class {name}: not a dataclass defined there")
     return obj
@@ -176,8 +188,15 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _allowed(module: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in ALLOWED_PACKAGES)
+def _public(dotted: str) -> bool:
+    """Every part of a dotted name is an identifier not starting with "_" (so no __main__)."""
+    return all(part.isidentifier() and not part.startswith("_") for part in dotted.split("."))
+
+
+def _allowed(cls: type) -> bool:
+    """What may be sent: what resolve_class accepts (defined in an allowed package, public)."""
+    return (cls.__module__.split(".")[0] in ALLOWED_PACKAGES and _public(cls.__module__)
+            and _public(cls.__qualname__))
 
 
 def _b64(text: Any, what: str) -> bytes:
