@@ -174,6 +174,15 @@ def test_sender_refuses_what_the_receiver_would():
         wire.pack(_Group.__new__(_Group))
 
 
+def test_a_batch_that_does_not_validate_is_a_wire_error():
+    bad = {"__t": "dataclass", "cls": "mmrl.core.batch:RolloutBatch",
+           "fields": {"group_ids": [0, 0], "samples": []}}  # a list, not a tensor: AttributeError inside
+    with pytest.raises(wire.WireError, match="malformed 'dataclass' value: AttributeError"):
+        wire.unpack({"value": bad, "tensors": None})
+    with pytest.raises(wire.WireError, match="malformed 'dataclass' value"):
+        wire.decode_batch({"value": {**bad, "fields": {"group_ids": 3, "samples": [1]}}, "tensors": None})
+
+
 def test_encode_refuses_foreign_classes_and_bad_input_is_a_wire_error():
     with pytest.raises(wire.WireError, match="test_remote:Outsider"):
         wire.pack([Outsider()])
@@ -246,6 +255,17 @@ def test_publish_changes_the_server_weights(served):
     with pytest.raises(EngineError, match=r"HTTP 500: .*unknown \['nope'\]"):
         client.publish({"nope": torch.zeros(1)}, version=8)
     assert client.health()["version"] == 7
+
+
+def test_a_reply_that_does_not_decode_is_an_engine_error(served, monkeypatch):
+    # The server's reply names a batch whose group_ids is a JSON list: the client must raise
+    # EngineError (the scheduler drops the server), not the AttributeError that stopped the run.
+    _, client = served
+    bad = {"value": {"__t": "dataclass", "cls": "mmrl.core.batch:RolloutBatch",
+                     "fields": {"group_ids": [0, 0], "samples": []}}, "tensors": None}
+    monkeypatch.setattr(wire, "encode_batch", lambda batch: bad)  # what the server sends
+    with pytest.raises(EngineError, match=r"bad reply from http://127\.0\.0\.1:\d+/generate: .*AttributeError"):
+        client.generate(REQUESTS, ROLLOUT, seed=3)
 
 
 class Failing:

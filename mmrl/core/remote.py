@@ -64,8 +64,10 @@ class RemoteEngine:
         reply = self._call("/generate", json.dumps(body).encode(), "application/json")
         try:
             batch = wire.decode_batch(json.loads(reply))
-        except (ValueError, RecursionError) as e:  # WireError is a ValueError
-            raise EngineError(f"engine {self.name}: bad reply from {self.url}/generate: {e}") from e
+        except Exception as e:  # a reply that does not decode is this server's failure: the
+            # scheduler drops the server (anything but an EngineError would stop the run)
+            raise EngineError(f"engine {self.name}: bad reply from {self.url}/generate: "
+                              f"{type(e).__name__}: {e}") from e
         return label(batch, requests, self.name)
 
     def publish(self, weights: dict[str, Tensor], version: int) -> None:

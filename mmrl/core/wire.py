@@ -18,7 +18,8 @@ after checking that the named class is a dataclass defined in an allowed
 package, in a module this process has already imported (a message never makes
 the receiver import anything: importing runs code, and `mmrl.__main__` would run
 the CLI), and that neither the module nor the class is private ("_x") or a
-`__main__`; anything else is refused with `WireError`. Requests,
+`__main__`; anything else is refused with `WireError`, as is any failure to
+decode or build a value (a batch that does not validate included). Requests,
 rollout batches and their samples and scores are dataclasses of mmrl, so they
 take the generic path and the batch re-validates itself on decode; a backend's
 prompt items are dataclasses of its task module, which building its policy
@@ -138,9 +139,10 @@ def _decode(v: Any, tensors: dict[str, Tensor]) -> Any:
             return _decode_image(v)
         if tag == "dataclass":
             return _decode_dataclass(v, tensors)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, WireError):
-            raise
+    except (WireError, RecursionError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever a sender's value breaks (a dataclass that does not
+        # validate, a field of the wrong type) is bad input, never the receiver's crash
         raise WireError(f"malformed {tag!r} value: {type(e).__name__}: {e}") from None
     raise WireError(f"unknown value tag {tag!r}")
 
