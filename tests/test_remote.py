@@ -23,7 +23,7 @@ from mmrl.core import remote, serve, wire
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.cli import BackendSpec, make_app
 from mmrl.core.config import RolloutConfig
-from mmrl.core.engine import EngineError, PolicyEngine, Request, trainable_weights
+from mmrl.core.engine import EngineError, PolicyEngine, Request, load_named, trainable_weights
 from mmrl.core.rewards import AtomScores, Sample
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
@@ -255,6 +255,27 @@ def test_publish_changes_the_server_weights(served):
     with pytest.raises(EngineError, match=r"HTTP 500: .*unknown \['nope'\]"):
         client.publish({"nope": torch.zeros(1)}, version=8)
     assert client.health()["version"] == 7
+
+
+def test_weights_that_do_not_fit_change_nothing(served):
+    server, client = served
+    model = server.engine.policy.model
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    first, second = list(before)[:2]
+    # The first tensor fits, the second does not: nothing may be copied (the first used to be).
+    bad = {first: torch.full_like(before[first], 7.0), second: torch.zeros(3, 3, 3)}
+    with pytest.raises(EngineError, match=rf"HTTP 500: .*{re.escape(second)}: \(3, 3, 3\) float32, "
+                                          r"the model's is \(32, 32\) float32"):
+        client.publish(bad, version=5)
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    assert client.health()["version"] == 0
+    # A row copy_ would broadcast over the whole matrix, and bool weights for a float parameter.
+    for value in (torch.ones(1, 32), torch.ones(12, 32, dtype=torch.bool)):
+        with pytest.raises(EngineError, match=f"do not fit the engine's model \\(1 of 1\\): {re.escape(first)}"):
+            load_named(model, {first: value})
+    assert torch.equal(model.get_parameter(first), before[first])
+    load_named(model, {first: torch.ones(12, 32, dtype=torch.bfloat16)})  # another float dtype is cast
+    assert model.get_parameter(first).dtype == torch.float32 and bool((model.get_parameter(first) == 1).all())
 
 
 def test_a_reply_that_does_not_decode_is_an_engine_error(served, monkeypatch):

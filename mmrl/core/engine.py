@@ -75,14 +75,32 @@ def trainable_weights(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def load_named(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
-    """Copy weights into a module's parameters of the same names, in place."""
+    """Copy weights into a module's parameters of the same names, in place (cast to each
+    parameter's dtype and device). All or nothing: every name, shape and kind of dtype is checked
+    before the first copy, so weights that do not fit leave the model as it was."""
     params = dict(model.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
         raise EngineError(f"published weights do not fit the engine's model: unknown {missing[:3]}")
+    wrong = [f"{k}: {_describe(v)}, the model's is {_describe(params[k])}" for k, v in weights.items()
+             if not _fits(v, params[k])]
+    if wrong:
+        raise EngineError(f"published weights do not fit the engine's model ({len(wrong)} of {len(weights)}): "
+                          + "; ".join(wrong[:3]))
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def _fits(value: Any, param: Tensor) -> bool:
+    """Same shape (copy_ would broadcast a smaller one) and same kind of number (a float dtype
+    casts to another; bool or integer weights for a float parameter are someone else's)."""
+    return (isinstance(value, Tensor) and value.shape == param.shape
+            and value.is_floating_point() == param.is_floating_point() and value.is_complex() == param.is_complex())
+
+
+def _describe(t: Any) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, Tensor) else type(t).__name__
 
 
 class PolicyEngine:
