@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import socket
 import sys
 import threading
 import time
@@ -341,6 +342,32 @@ def test_engine_errors_timeouts_and_bad_input_become_engine_errors():
         server.close()
     with pytest.raises(EngineError, match="cannot reach http://127.0.0.1"):  # closed port
         client.generate(REQUESTS, ROLLOUT, seed=0)
+
+
+def test_a_client_that_stops_sending_is_dropped():
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, read_timeout=0.3)
+    host, port = server.server_address[:2]
+    try:
+        # A body that stops after 10 of its 100 bytes: 408, then the connection is closed.
+        # Headers that stop midway: the connection is closed. Either used to hold a thread forever.
+        for sent in (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"requests",
+                     b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le"):
+            t0 = time.monotonic()
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(sent)
+                reply = b""
+                while chunk := sock.recv(65536):  # until the server closes (socket.timeout after 5 s)
+                    reply += chunk
+            assert time.monotonic() - t0 < 3.0
+            if b"Content-Length: 100" in sent:
+                assert reply.startswith(b"HTTP/1.0 408 ") and b"stopped arriving: nothing for 0.3 s" in reply
+            else:
+                assert reply == b""
+        assert remote.RemoteEngine(server.url, timeout=5).health()["busy"] is False  # still serving
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="read_timeout must be > 0"):
+        serve.EngineServer(Failing(), RolloutConfig, read_timeout=0)
 
 
 # --------------------------------------------------------------------------- child process

@@ -5,7 +5,9 @@
     GET  /health                                                            -> {"name", "version", "busy"}
 
 An error inside the engine answers 500 with {"error": "..."}; input that cannot
-be decoded answers 400, an over-long body 413. Calls into the engine are
+be decoded answers 400, an over-long body 413, a body that stalls for
+`read_timeout` seconds 408 (stalled headers: the connection is closed), so a
+client that stops sending does not hold a server thread forever. Calls into the engine are
 serialized with one lock (an engine runs one job at a time; a publish never
 lands in the middle of a generation). Nothing a client sends is unpickled.
 
@@ -48,6 +50,7 @@ VERSION_HEADER = "X-MMRL-Version"
 MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
 MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
 TOKEN_ENV = "MMRL_SERVE_TOKEN"  # the token, when --token / token= is not given
+READ_TIMEOUT = 60.0  # seconds a client may stay silent while sending a request (each wait, not the total)
 _DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401) up to this
 
 
@@ -103,16 +106,21 @@ class EngineServer(ThreadingHTTPServer):
 
     def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
                  max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES,
-                 token: str | None = None):
+                 token: str | None = None, read_timeout: float | None = READ_TIMEOUT):
         """`token`: required of every request (Authorization: Bearer); None or "" = no check,
-        allowed only on a loopback address. (The environment is read by the CLIs, not here.)"""
+        allowed only on a loopback address. (The environment is read by the CLIs, not here.)
+        `read_timeout`: seconds each read of a request (and write of its reply) may wait on the
+        client; None waits forever."""
         check_bind(host, token)  # before binding
+        if read_timeout is not None and not read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0 seconds (or None), got {read_timeout!r}")
         self.token = token or None
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.rollout_cls = rollout_cls
         self.max_request_bytes = max_request_bytes
         self.max_weights_bytes = max_weights_bytes
+        self.read_timeout = read_timeout
         self.version = getattr(engine, "version", 0)
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -166,6 +174,10 @@ class _BadInput(Exception):
 class _Handler(BaseHTTPRequestHandler):
     server: EngineServer
 
+    def setup(self) -> None:
+        self.timeout = self.server.read_timeout  # the socket's timeout, set by StreamRequestHandler.setup
+        super().setup()
+
     def _authorized(self) -> bool:
         """With a server token: True if the request carries it, else answer 401 and say False."""
         token = self.server.token
@@ -176,9 +188,12 @@ class _Handler(BaseHTTPRequestHandler):
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
             return True
         length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) <= _DRAIN_LIMIT:
-            self.rfile.read(int(length))  # unread bytes would reset the connection before our reply
-        else:
+        try:
+            if length.isdigit() and int(length) <= _DRAIN_LIMIT:
+                self.rfile.read(int(length))  # unread bytes would reset the connection before our reply
+            else:
+                self.close_connection = True
+        except TimeoutError:
             self.close_connection = True
         message = "missing token" if not given else "wrong token"
         self._reply(401, {"error": f"{message}: this server needs 'Authorization: Bearer <token>'"},
@@ -243,7 +258,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadInput(411, "a Content-Length header is required")
         if int(length) > limit:
             raise _BadInput(413, f"body of {int(length)} bytes is over this server's limit of {limit}")
-        return self.rfile.read(int(length))
+        try:
+            return self.rfile.read(int(length))
+        except TimeoutError:
+            self.close_connection = True
+            raise _BadInput(408, f"the body of {self.path} stopped arriving: nothing for {self.timeout:g} s") from None
 
     def _reply(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
@@ -299,7 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="served", help="engine name in /health and error messages")
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="largest /generate body")
     parser.add_argument("--max-weights-bytes", type=int, default=MAX_WEIGHTS_BYTES, help="largest /weights body")
+    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
+                        help=f"seconds a client may stay silent while sending a request (default: {READ_TIMEOUT:g})")
     args = parser.parse_args(argv)
+    if not args.read_timeout > 0:
+        parser.error(f"--read-timeout must be > 0, got {args.read_timeout:g}")
 
     from mmrl.core.checkpoint import CheckpointError
     from mmrl.core.config import ConfigError
@@ -314,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
           ready=lambda url: print(READY + url, flush=True), token=token,
-          max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes)
+          max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
+          read_timeout=args.read_timeout)
 
 
 if __name__ == "__main__":
