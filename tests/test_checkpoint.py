@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ from mmrl.core.checkpoint import (
     load_optimizer_state,
     load_rng_state,
     optimizer_state,
+    rank_rng_state,
+    ranks_rng_state,
     rng_state,
     save_checkpoint,
     save_module,
@@ -366,6 +369,27 @@ def test_rng_state_round_trip_through_disk(tmp_path):
     assert torch.equal(got[1], expected[1])
     assert got[2] == expected[2]
     assert got[3] == expected[3]
+
+
+def test_each_ranks_rng_state_is_kept_and_a_new_rank_takes_rank_zeros_with_a_warning(tmp_path):
+    states = []
+    for seed in (1, 2):  # two ranks' RNGs
+        torch.manual_seed(seed)
+        states.append(rng_state({"rollout": torch.Generator().manual_seed(seed)}))
+    tensors, meta = ranks_rng_state(states)
+    path = save_checkpoint(tmp_path, 1, write_marker(""), tensors, {"rng": meta})
+    loaded, state = load_checkpoint(path)
+    for rank in (0, 1):
+        mine, mine_meta = rank_rng_state(loaded, state["rng"], rank, 2)
+        assert torch.equal(mine["rng.rollout"], states[rank][0]["rng.rollout"])
+        assert torch.equal(mine["rng.torch"], states[rank][0]["rng.torch"]) and mine_meta["python"] == states[rank][1]["python"]
+    with pytest.warns(UserWarning, match="written by 2 process.* resumes on 3"):
+        rank_rng_state(loaded, state["rng"], 0, 3)
+    third, _ = rank_rng_state(loaded, state["rng"], 2, 3)  # a rank it did not have: rank 0's
+    assert torch.equal(third["rng.rollout"], states[0][0]["rng.rollout"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rank_rng_state(*rng_state({}), 0, 1)  # one process's checkpoint, resumed on one
 
 
 # ---------------------------------------------------------------------------- model weights

@@ -313,3 +313,44 @@ def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_pe
     optim = sorted(k for k in a if k.startswith("optim."))
     assert optim and optim == sorted(k for k in b if k.startswith("optim."))
     assert all(torch.equal(a[k], b[k]) for k in optim)
+
+
+class _Turns(toy.ToyPolicy):
+    """Draws from the rollout generator as often as its prompts say (as the VLM agent draws one
+    seed a turn while a row is active): the ranks' generators part after the first step."""
+
+    def generate(self, prompts, num_generations, rollout, generator):
+        torch.randint(0, 2**62, (1 + sum(prompts),), generator=generator)
+        return super().generate(prompts, num_generations, rollout, generator)
+
+
+def _resume_rank(rank, port, tmp):
+    import shutil
+
+    def run(out):
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+            f"output_dir={out}", "train.max_steps=4", "train.save_every=2", "logging.tensorboard=false"])
+        return Trainer(cfg, _Turns(), toy.build(cfg)[1])
+
+    with process_group(rank, port):
+        whole = run(f"{tmp}/whole")
+        whole.train()
+        if rank == 0:  # the uninterrupted run's step 2, resumed elsewhere
+            shutil.copytree(f"{tmp}/whole/checkpoints/step-00000002", f"{tmp}/split/checkpoints/step-00000002")
+        dist.barrier()
+        resumed = run(f"{tmp}/split")
+        resumed.train(resume=True)
+        torch.save({"whole": trained(whole), "resumed": trained(resumed), "generators": [
+            whole.generator.get_state(), resumed.generator.get_state()]}, f"{tmp}/rank{rank}.pt")
+
+
+def test_a_resumed_run_gives_each_rank_its_own_random_state_back(tmp_path):
+    """Each rank's rollout generator and torch RNG are saved (rank 0 wrote only its own, which
+    every rank loaded): resuming reproduces the uninterrupted run on every rank."""
+    mp.spawn(_resume_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert not torch.equal(*[r["generators"][0] for r in ranks])  # the ranks drew apart
+    for r in ranks:
+        assert torch.equal(*r["generators"])
+        for k, v in r["whole"].items():
+            assert torch.equal(r["resumed"][k], v), k

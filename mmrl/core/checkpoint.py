@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,31 @@ def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.T
         "numpy": [np_state[0], np_state[1].tolist(), *map(_to_json, np_state[2:])],
     }
     return tensors, meta
+
+
+def ranks_rng_state(states: list[tuple[dict, dict]]) -> tuple[dict[str, torch.Tensor], dict]:
+    """rng_state() of every rank (rank order) as one checkpoint's: rank 0's under the plain keys,
+    as one process writes them; rank r's tensors as "rank<r>.rng.*", its meta in meta["ranks"]."""
+    tensors, meta = dict(states[0][0]), dict(states[0][1])
+    for r, (t, m) in enumerate(states[1:], 1):
+        tensors.update({f"rank{r}.{k}": v for k, v in t.items()})
+        meta.setdefault("ranks", {})[str(r)] = m
+    meta["world_size"] = len(states)
+    return tensors, meta
+
+
+def rank_rng_state(tensors: dict, meta: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """This rank's (tensors, meta) of a checkpoint's RNG state. A rank the checkpoint did not
+    have (another number of processes) takes rank 0's, and the main rank warns: the rollouts
+    then differ from a run that was not interrupted."""
+    saved = meta.get("world_size", 1)
+    if saved != world and rank == 0:
+        warnings.warn(f"the checkpoint was written by {saved} process(es) and resumes on {world}: the ranks' "
+                      "random draws differ from an uninterrupted run's", stacklevel=3)
+    if rank == 0 or str(rank) not in meta.get("ranks", {}):
+        return tensors, meta
+    prefix = f"rank{rank}."
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta["ranks"][str(rank)]
 
 
 def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:

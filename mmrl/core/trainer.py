@@ -591,20 +591,23 @@ class Trainer:
     def save(self) -> Path | None:
         distributed.gather_optimizer_state(self.optimizer)  # every rank, before the main one writes
         whole = self._whole_state()  # every rank (FSDP: all-gathers); None without FSDP
+        # every rank's RNGs: the ranks draw from theirs as their own prompts need (an agent's
+        # turns, pruned batches), so they part after the first step
+        rngs = distributed.gather_objects(ckpt.rng_state({"rollout": self.generator}))
         # FSDP: the model's own weights whole while the main rank writes, as save_pretrained reads
         # their dtype (gathered after _whole_state, as FSDP's state_dict() reshards)
         with self.gathered():
-            return self._write(whole)
+            return self._write(whole, rngs)
 
-    def _write(self, whole: dict | None) -> Path | None:
-        if not distributed.is_main():  # ranks hold identical state: the main one writes it
+    def _write(self, whole: dict | None, rngs: list) -> Path | None:
+        if not distributed.is_main():  # the main rank writes what every rank holds
             self.saved_step = self.step
             return None
         params = whole["params"] if whole else self.params
         if not all(bool(torch.isfinite(p).all()) for p in params):
             raise TrainingError(f"step {self.step}: the weights are not finite; no checkpoint was written")
         opt_tensors, opt_meta = ckpt.optimizer_state(self.optimizer, whole and whole["optimizer"])
-        rng_tensors, rng_meta = ckpt.rng_state({"rollout": self.generator})
+        rng_tensors, rng_meta = ckpt.ranks_rng_state(rngs)
         state = {
             "step": self.step,
             "bad_steps": self.bad_steps,
@@ -677,7 +680,8 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._apply_optim_config()
-        ckpt.load_rng_state(tensors, state["rng"], {"rollout": self.generator})
+        ckpt.load_rng_state(*ckpt.rank_rng_state(tensors, state["rng"], distributed.rank(), self.world),
+                            {"rollout": self.generator})
         self.stream.load_state_dict(state["data"])
         if "group_size" in state:
             g = state["group_size"]
