@@ -266,6 +266,11 @@ def test_empty_file_is_the_defaults(tmp_path):
         ("a=0x1f", (["a"], 31)),
         ("a=0o17", (["a"], 15)),
         ("a=-1_000", (["a"], -1000)),
+        # YAML 1.2 booleans: YAML 1.1 read yes/no/on/off as booleans ("no" as an answer became False)
+        ("a=no", (["a"], "no")),
+        ("a=On", (["a"], "On")),
+        ("a=True", (["a"], True)),
+        ("a=FALSE", (["a"], False)),
     ],
 )
 def test_parse_override_values(item, expected):
@@ -284,6 +289,14 @@ def test_overrides_a_type_change_wipes_are_named():
                                          r"a new method type starts from its own defaults"):
         cfg = load_config(DLLMTrainConfig, overrides=["method.kl.beta=0.5", "seed=3", "method.type=tracerl"])
     assert cfg.method.kl.beta == 0.01 and cfg.seed == 3
+
+
+def test_a_bool_setting_still_takes_yes_and_off():
+    import toy
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=["logging.tensorboard=yes",
+                                                                           "logging.progress=off"])
+    assert cfg.logging.tensorboard is True and cfg.logging.progress is False
 
 
 def test_parse_override_exponent_without_dot_is_a_float():

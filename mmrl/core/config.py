@@ -427,6 +427,13 @@ def _construct_int(loader: yaml.SafeLoader, node) -> int:
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
+# YAML 1.2 booleans: true and false only. YAML 1.1's yes/no/on/off/y/n were read as booleans,
+# so `task.answer=no` or a prompt "on" became False; a bool field still takes them (pydantic).
+for _first, _resolvers in list(_Loader.yaml_implicit_resolvers.items()):
+    _Loader.yaml_implicit_resolvers[_first] = [(tag, rx) for tag, rx in _resolvers if tag != "tag:yaml.org,2002:bool"]
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
 
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
