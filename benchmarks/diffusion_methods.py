@@ -33,8 +33,8 @@ from pathlib import Path
 from diffusion_rl import backend
 from diffusion_rl.ftfc import DIVERGENCES
 from mmrl.core.config import load_config
-from mmrl.core.logging import read_finished_run, read_metrics
-from mmrl.core.trainer import Trainer
+from mmrl.core.logging import read_metrics
+from mmrl.core.trainer import Trainer, read_reused_run
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("atom_accuracy", "exist", "colour", "count", "relation", "prompt_accuracy")
@@ -43,12 +43,13 @@ HARD = ("hard/atom_accuracy", "hard/exist", "hard/colour", "hard/count", "hard/r
 
 def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
         reuse: bool = False) -> tuple[dict, list[dict]]:
-    done = read_finished_run(out) if reuse else None  # ValueError for a run still going or stopped
-    if done:
-        return done
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
+    # ValueError for a run still going or stopped, or made with other settings
+    done = read_reused_run(out, cfg) if reuse else None
+    if done:
+        return done
     policy, task = backend.build(cfg)
     summary = Trainer(cfg, policy, task, backend=backend).train()
     return summary, read_metrics(out / "metrics.jsonl")

@@ -44,8 +44,8 @@ from dllm_rl import backend
 from dllm_rl.policy import to_sample
 from dllm_rl.task import pass_at_k
 from mmrl.core.config import load_config
-from mmrl.core.logging import read_finished_run, read_metrics
-from mmrl.core.trainer import Trainer
+from mmrl.core.logging import read_metrics
+from mmrl.core.trainer import Trainer, read_reused_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,14 +130,15 @@ def budget(args) -> None:
 
 def train_run(method: str, seed: int, args) -> tuple[dict, list[dict]]:
     out = args.out / f"{method}-seed{seed}"
-    done = read_finished_run(out) if args.reuse else None  # ValueError for a run still going or stopped
-    if done:
-        return done
     overrides = [f"seed={seed}", f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false", *args.extra]
     if args.steps:
         overrides.append(f"train.max_steps={args.steps}")
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "dllm" / f"{method}.yaml", overrides,
                       defaults=backend.DEFAULT_CONFIG)
+    # ValueError for a run still going or stopped, or made with other settings
+    done = read_reused_run(out, cfg) if args.reuse else None
+    if done:
+        return done
     policy, task = backend.build(cfg)
     summary = Trainer(cfg, policy, task, backend=backend).train()
     return summary, read_metrics(out / "metrics.jsonl")

@@ -55,7 +55,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
-from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_metrics
+from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_finished_run, read_metrics
 from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
@@ -775,6 +775,26 @@ def config_changes(before: dict, after: dict, prefix: str = "", default=None) ->
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+def read_reused_run(out: str | Path, cfg: TrainConfig) -> tuple[dict, list[dict]] | None:
+    """read_finished_run(out) for a benchmark's --reuse, checked against the config it would
+    train with now: a run made with other settings (seed, steps, model, a --set) is a
+    ValueError naming them, not a row tabled beside runs it does not compare with. The output
+    directory and logging settings are not compared; a setting added since the run counts only
+    where this config sets it otherwise than its default."""
+    done = read_finished_run(out)
+    if done is None or "config" not in done[0]:
+        return done
+    now = cfg.model_dump(mode="json")
+    then = {k: v for k, v in done[0]["config"].items() if k not in ("output_dir", "logging")}
+    changes = config_changes(then, {k: v for k, v in now.items() if k not in ("output_dir", "logging")},
+                             default=lambda key: field_default(cfg, key))
+    if changes:
+        more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+        raise ValueError(f"--reuse: {out} was made with other settings: {'; '.join(changes[:3])}{more}; "
+                         "remove it to train it again, or give the settings it was made with")
+    return done
 
 
 def field_default(cfg, key: str):
