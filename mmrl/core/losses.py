@@ -52,6 +52,11 @@ LEVELS = ("token", "sequence")
 KL_KINDS = ("k1", "k2", "k3")
 
 
+# Metrics that are loss terms aggregated with the caller's `denom`: a micro-batch's value is
+# then its share of the mini-batch's term (the shares sum to it), not a mean to be weighted.
+DENOM_SHARES = frozenset({"loss/policy", "loss/kl"})
+
+
 @dataclass
 class LossOutput:
     """What a loss function returns: the scalar to backpropagate and its metrics."""

@@ -56,6 +56,7 @@ from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_finished_run, read_metrics
+from mmrl.core.losses import DENOM_SHARES
 from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
@@ -372,8 +373,8 @@ class Trainer:
                         loss = out.loss if denom is not None else out.loss * share / self.world
                         loss.backward()
                     loss_value += float(loss.detach())
-                    for k, v in out.metrics.items():
-                        sums[k] += v * share
+                    for k, v in out.metrics.items():  # a share of the global term: the ranks' mean x world is their sum
+                        sums[k] += v * self.world if denom is not None and k in DENOM_SHARES else v * share
                 self._optimizer_step(loss_value, sums, tally)
 
     def _filler_passes(self, batch: RolloutBatch, micros: int, denom: float | None) -> None:
@@ -400,7 +401,7 @@ class Trainer:
         groups: list[RolloutBatch] = []
         sums: dict[str, float] = defaultdict(float)
         tally = {"updates": 0, "bad": 0}
-        acc = {"denom": 0.0, "loss": 0.0, "groups": 0}
+        acc = {"denom": 0.0, "loss": 0.0, "groups": 0, "shares": {}}
         busy, stale = 0.0, 0
         self.optimizer.zero_grad(set_to_none=True)
         self.method.epoch = 0
@@ -454,7 +455,10 @@ class Trainer:
             acc["denom"] += denom if denom is not None else len(micro)
             acc["loss"] += float(loss.detach())
             for k, v in out.metrics.items():
-                sums["w:" + k] += v * len(micro)  # sample-weighted; divided by the round's size
+                if denom is not None and k in DENOM_SHARES:  # a sum (denom 1): normalised as the gradient is
+                    acc["shares"][k] = acc["shares"].get(k, 0.0) + v
+                else:
+                    sums["w:" + k] += v * len(micro)  # sample-weighted; divided by the round's size
         acc["groups"] += 1
 
     def _finish_minibatch(self, acc: dict, sums: dict, tally: dict) -> None:
@@ -463,7 +467,9 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(denom)
         self._optimizer_step(acc["loss"] / denom, sums, tally)
-        acc.update(denom=0.0, loss=0.0, groups=0)
+        for k, v in acc["shares"].items():
+            sums[k] += v / denom  # the mini-batch's term, as the sync path sums one per mini-batch
+        acc.update(denom=0.0, loss=0.0, groups=0, shares={})
         self.optimizer.zero_grad(set_to_none=True)
 
     def _optimizer_step(self, loss_value: float, sums: dict, tally: dict) -> None:
