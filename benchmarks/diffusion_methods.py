@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         e_step, e_wall, e_evals = reach_eval(rows, s, results[("flow_grpo", seed)][0]["eval_after"]["atom_accuracy"])
         got_eval = f"{e_step} ({e_wall:.0f} s, {e_evals:.0f})" if e_step else "not reached"
         total = sum(r.get("cost/model_evaluations", float("nan")) for r in rows)
-        print(f"| {method} | {seed} | {cells} | {s.get('train_seconds', float('nan')):.0f} | {total:.0f} | {got} "
+        train_s = sum(r.get("time/step", 0.0) for r in rows)  # training alone: no evaluation, save or report
+        print(f"| {method} | {seed} | {cells} | {train_s:.0f} | {total:.0f} | {got} "
               f"| {got_eval} |")
     print("\nHardest held-out prompts (hard/*), and the gain over the base model as a multiple of Flow-GRPO's:")
     print("\n| method | seed | " + " | ".join(c[5:] for c in HARD) + " | atom gain / Flow-GRPO's | prompt gain / "
