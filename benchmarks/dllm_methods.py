@@ -24,6 +24,11 @@ of training it again, so the methods can run as parallel processes and be tabled
     python benchmarks/dllm_methods.py fork --methods fork_grpo --out OUT ...    # beside it
     python benchmarks/dllm_methods.py fork --methods ar_grpo fork_grpo --reuse --out OUT ...
 
+Each config's held-out evaluation decodes with its own decoder (rollout.eval_strategy, else
+its rollout strategy), as printed under the first table; decoders start at different
+accuracies, so `--set rollout.eval_strategy=X` scores every method with one, and a method
+already at the target before training is reported as such, not as 0x compute.
+
 --smooth K compares trailing means of K held-out evaluations in the compute-to-target table:
 on a plateau, the first step at the baseline's best single evaluation is decided by noise.
 With several seeds the table ends with a "mean" row: the same reading on each method's curve
@@ -179,11 +184,13 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         if unknown:
             raise SystemExit(f"--methods: {', '.join(unknown)} not in this comparison ({', '.join(methods)})")
         methods = [m for m in methods if m in args.methods]
-    curves = {}
+    curves, decoders = {}, {}
     for seed in args.seeds:
         for method in methods:
             summary, rows = train_run(method, seed, args)
             curves[(method, seed)] = curve(summary, rows)
+            r = summary["config"]["rollout"]
+            decoders[method] = r.get("eval_strategy") or r["strategy"]
             print(method, seed, curves[(method, seed)][-1], file=sys.stderr, flush=True)
     print("\n| method | seed | held-out accuracy by step (step: acc) | final | wall s | forward tokens (M) | "
           "training rows |")
@@ -192,6 +199,9 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
         trace = ", ".join(f"{s}: {a:.3f}" for s, a, *_ in pts)
         _, a, wall, tok, rows_ = pts[-1]
         print(f"| {method} | {seed} | {trace} | {a:.3f} | {wall:.0f} | {tok / 1e6:.2f} | {rows_:.0f} |")
+    # each config scores with its own decoder unless --set rollout.eval_strategy names one for all:
+    # decoders start at different accuracies, which the step-0 column shows
+    print("\nHeld-out decoder: " + ", ".join(f"{m} {d}" for m, d in decoders.items()))
     if baseline not in methods:
         return  # the ratios need the baseline: table the runs with --reuse once it has run too
     print("\nCompute per training step, as a multiple of the baseline's (same seed):\n")
@@ -240,6 +250,10 @@ def reach_rows(seed: str, curves: dict[str, list[tuple]], baseline: str, what: s
         hit = next((p for p in pts if p[1] >= target), None)
         if hit is None:
             print(f"| {method} | {seed} | {target:.3f} | not reached | - | - | - |")
+            continue
+        if hit[0] == 0 and method != baseline:  # not something training reached
+            print(f"| {method} | {seed} | {target:.3f} | 0: at the target before training (its held-out decoder "
+                  "starts there; --set rollout.eval_strategy=X scores every method alike) | - | - | - |")
             continue
         frac = [hit[j] / first[j] if first[j] else math.nan for j in (2, 3, 4)]
         print(f"| {method} | {seed} | {target:.3f} | {hit[0]} | {frac[0]:.2f}x | {frac[1]:.2f}x | {frac[2]:.2f}x |")

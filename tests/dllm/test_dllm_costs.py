@@ -62,3 +62,28 @@ def test_mean_curve_averages_the_seeds_point_by_point(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| base | mean | 0.300 | 5 | 1.00x | 1.00x | 1.00x |"
     assert lines[1] == "| other | mean | 0.300 | 10 | 0.67x | 0.50x | 0.67x |"
+
+
+def test_a_method_at_the_target_before_training_is_not_read_as_zero_compute(capsys):
+    """Each config scores with its own decoder, and decoders start apart: one that starts at the
+    baseline's target has reached nothing by training."""
+    bench = import_python_file(Path(__file__).resolve().parents[2] / "benchmarks" / "dllm_methods.py", "benchmark")
+    base = [(0, 0.42, 0.0, 0.0, 0.0), (5, 0.45, 10.0, 10.0, 10.0)]
+    ahead = [(0, 0.455, 0.0, 0.0, 0.0), (5, 0.5, 1.0, 1.0, 1.0)]
+    bench.reach_rows("0", {"ar_grpo": base, "fork_grpo": ahead}, "ar_grpo", "final")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("| fork_grpo | 0 | 0.450 | 0: at the target before training") and "0.00x" not in lines[1]
+
+
+def test_reuse_refuses_a_finished_run_made_with_other_settings(make_run, tmp_path):
+    from mmrl.core.trainer import read_reused_run
+
+    cfg, policy, task = make_run("method.type=diffu_grpo", "train.max_steps=1")
+    Trainer(cfg, policy, task).train()
+    out = tmp_path / "run"
+    summary, rows = read_reused_run(out, cfg)
+    assert summary["steps"] == 1 and len(rows) == 1
+    assert read_reused_run(out, cfg.model_copy(update={"output_dir": str(tmp_path / "elsewhere")})) is not None
+    other = cfg.model_copy(update={"seed": cfg.seed + 1})
+    with pytest.raises(ValueError, match=rf"--reuse: {out} was made with other settings: seed: {cfg.seed} -> {cfg.seed + 1}"):
+        read_reused_run(out, other)
