@@ -119,6 +119,19 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
     return prompts
 
 
+def resolve_shift(cfg: DiffusionTrainConfig, path: Path | None = None) -> None:
+    """rollout.shift auto -> the model family's, in cfg (so config.yaml, a calibrated window's
+    check and a benchmark's --reuse see the shift the run samples with)."""
+    from diffusion_rl.models import FAMILY_SHIFT, pipeline_family
+
+    if cfg.rollout.shift == "auto":
+        if path is None:
+            path = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
+        family = pipeline_family(path)
+        if family is not None:
+            cfg.rollout.shift = FAMILY_SHIFT[family]
+
+
 def build(cfg: DiffusionTrainConfig):
     import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
     from diffusion_rl.calibrate import apply_window_file
@@ -129,6 +142,7 @@ def build(cfg: DiffusionTrainConfig):
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
+    resolve_shift(cfg, path)
     if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
         used = apply_window_file(cfg, path)
         if used is not None:

@@ -89,8 +89,9 @@ class DiffusionRolloutConfig(RolloutConfig):
     """Denoising steps of a training rollout."""
     eval_steps: int | None = Field(None, ge=1)
     """Denoising steps of evaluation (ODE); None = num_steps."""
-    shift: Literal["sd3", "flux", "none"] = "flux"
-    """Time shift of the sigma schedule (docs/methods.md section 4)."""
+    shift: Literal["auto", "sd3", "flux", "none"] = "auto"
+    """Time shift of the sigma schedule (docs/methods.md section 4); auto: the model family's
+    (SD3 / SD3.5: sd3; FLUX, FLUX.2, Qwen-Image: flux), set when the model is built."""
     kind: Literal["sde", "cps"] = "sde"
     noise_level: float = Field(0.7, ge=0)
     """a: the SDE's noise scale (0: ODE rollouts, for FTFC's pool; the policy-gradient methods

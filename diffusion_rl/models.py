@@ -112,6 +112,20 @@ FAMILIES = {
     "StableDiffusion3Pipeline": "sd3",
     "QwenImagePipeline": "qwen_image",
 }
+# The time shift each family's sampler uses (rollout.shift auto; diffusion_rl.sde)
+FAMILY_SHIFT = {"flux": "flux", "flux2": "flux", "sd3": "sd3", "qwen_image": "flux"}
+
+
+def pipeline_family(root: str | os.PathLike) -> str | None:
+    """The family of the pipeline directory `root` from its model_index.json (None where it
+    cannot be read: loading it says why)."""
+    try:
+        index = json.loads((Path(root) / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return FAMILIES.get(index.get("_class_name")) if isinstance(index, dict) else None
+
+
 # Components every directory of the family must have (SD3's T5 is optional, as in diffusers).
 _REQUIRED = {
     "flux": ("transformer", "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),

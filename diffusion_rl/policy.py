@@ -55,8 +55,11 @@ class DiffusionPolicy:
     def sampler(self, num_steps: int) -> FlowSDESampler:
         """The sampler of `num_steps` steps. Its sigmas stay on the CPU (so do a batch's "sigma",
         "sigma_next"): the step checks them there without a device sync and moves them itself."""
+        from diffusion_rl.models import FAMILY_SHIFT
+
         s = FlowSDESampler()
-        s.set_timesteps(num_steps, shift=self.rollout.shift, image_seq_len=self.flow.seq_len)
+        shift = FAMILY_SHIFT[self.flow.family] if self.rollout.shift == "auto" else self.rollout.shift
+        s.set_timesteps(num_steps, shift=shift, image_seq_len=self.flow.seq_len)
         return s
 
     def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator

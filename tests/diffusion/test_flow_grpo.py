@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
@@ -233,9 +234,16 @@ def test_one_flow_grpo_step_per_family(family, tmp_path, reward_spread):
     path = build_tiny(family, tmp_path / family, seed=0)
     cfg, policy, task = make(path, tmp_path, "train.max_steps=1", "task.num_eval=1", "task.grid_prompts=0")
     before = {k: v.clone() for k, v in policy.model.named_parameters() if v.requires_grad}
+    assert cfg.rollout.shift == ("sd3" if family == "sd3" else "flux")  # rollout.shift auto: the family's own
     Trainer(cfg, policy, task).train()
     unchanged = sorted(k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k]))
     assert unchanged == sorted(k for k in before if k.startswith(NO_GRAD[family]))
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["rollout"]["shift"] == cfg.rollout.shift  # the run records the shift it sampled with
+    if family == "sd3":  # SD3's sigma' = 3 sigma / (1 + 2 sigma), not FLUX's resolution-dependent shift
+        torch.testing.assert_close(policy.sampler(4).sigmas, torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0]))
+        explicit = make(path, tmp_path, "rollout.shift=none")
+        assert explicit[0].rollout.shift == "none"
 
 
 def test_prompt_files_are_checked_line_by_line(flux_dir, tmp_path):
