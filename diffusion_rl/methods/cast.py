@@ -32,7 +32,11 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 whole image), rho_l = exp(logp_l - old_logp_l), and
                     loss = -mean over samples, steps and tokens of min(rho_l A_i(l), clip(rho_l) A_i(l))
                 plus Flow-GRPO's KL term. On-policy its gradient is mean_l A_i(l) grad logp_l;
-                with uniform maps that is Flow-GRPO's A_i grad logp (tests check both).
+                with uniform maps that is Flow-GRPO's A_i grad logp (tests check both), with
+                CAST's A_i = sum_k w_k A_ik, not Flow-GRPO's z-score of the weighted total.
+                Off-policy (later mini-batches, epochs) the clip acts per token, not per image;
+                a token's log-ratio spreads about sqrt(L) times an image's, so at the default
+                patch_clip_range (= clip_range) more of it is clipped.
 
 Departures / open choices: the group std is Flow-GRPO's (method.adv_std: population by default); by
 default (method.atoms: types) the atoms are the reward's atom TYPES (a type's score is the mean
