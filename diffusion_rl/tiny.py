@@ -25,7 +25,8 @@ pipeline reads hidden states 10, 20 and 30. CLIP and T5 tokenizers pad to 32 tok
 `pixel_space=True` (FLUX family only) writes no VAE: model_index.json lists `vae` as
 [null, null] and `pixel_space.json` = {"patch_size": p, "channels": 3} says that the transformer
 works on the image itself, in [-1, 1], cut into p x p patches: (H/p)(W/p) tokens of 3 p^2
-channels (64 x 64, p = 4: 256 tokens of 48). This is the layout of the project's bundled model.
+channels (64 x 64, p = 4: 256 tokens of 48). This is the layout of assets/tiny-flow-pixel (the
+bundled assets/tiny-flow is latent: 64 tokens of 16 channels).
 
 Where we depart from the real checkpoints (besides the sizes): vocabularies of a few hundred
 tokens (CLIP and Mistral byte-level BPE, so any text still encodes; T5 a Unigram with <unk> for

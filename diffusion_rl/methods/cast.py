@@ -35,7 +35,7 @@ What CAST changes against Flow-GRPO (diffusion_rl/methods/flow_grpo.py):
                 with uniform maps that is Flow-GRPO's A_i grad logp (tests check both), with
                 CAST's A_i = sum_k w_k A_ik, not Flow-GRPO's z-score of the weighted total.
                 Off-policy (later mini-batches, epochs) the clip acts per token, not per image;
-                a token's log-ratio spreads about sqrt(L) times an image's, so at the default
+                a token's log-ratio spreads about sqrt(L) times an image's (L latent tokens), so at the default
                 patch_clip_range (= clip_range) more of it is clipped.
 
 Departures / open choices: the group std is Flow-GRPO's (method.adv_std: population by default); by
