@@ -80,8 +80,9 @@ def first_hit(rows: list[dict], hits) -> tuple[int | None, float | None, float |
 
 
 def reach(rows: list[dict], target: float, window: int) -> tuple[int | None, float | None, float | None]:
-    """Where the trailing mean training reward first reaches target."""
-    return first_hit(rows, (mean >= target for mean in trailing(rows, window)))
+    """Where the trailing mean training reward first reaches target; a mean over a full window
+    only (the target is one), so one early noisy step does not count as reaching it."""
+    return first_hit(rows, (i >= window - 1 and mean >= target for i, mean in enumerate(trailing(rows, window))))
 
 
 def reach_eval(rows: list[dict], summary: dict, target: float) -> tuple[int | None, float | None, float | None]:
