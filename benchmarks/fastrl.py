@@ -77,9 +77,12 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     args = ap.parse_args(argv)
     rows = []
-    for base in args.bases:
-        off = run(base, False, args, args.out / f"{base}-off")
-        on = run(base, True, args, args.out / f"{base}-fastrl")
+    for i, base in enumerate(args.bases):
+        # the arm that runs first alternates (by base and seed): a process's first run takes
+        # its warm-up and whatever load drift there is
+        arms = [(False, f"{base}-off"), (True, f"{base}-fastrl")][:: -1 if (i + args.seed) % 2 else 1]
+        done = {fastrl: run(base, fastrl, args, args.out / name) for fastrl, name in arms}
+        off, on = done[False], done[True]
         target = args.target if args.target is not None else \
             min(max(a for step, _, a in arm["curve"] if step > 0) for arm in (off, on))
         t_off, t_on = time_to(off["curve"], target), time_to(on["curve"], target)
