@@ -92,7 +92,9 @@ class DLLMTask:
             out["accuracy" if name == self.answer_atom else name] = float(scores.values[:, k].double().mean())
         n = self.eval_samples
         if n:
-            gen = torch.Generator().manual_seed(1234)  # CPU; on a GPU it seeds one there (samplers.decode)
+            # CPU; on a GPU it seeds one there (samplers.decode). Each rank its own seed: the n copies
+            # of a problem are dealt out across the ranks, which drew identical answers alike seeded
+            gen = torch.Generator().manual_seed(distributed.rank_seed(1234))
             problems = [p for p in self.eval_problems for _ in range(n)]
             texts, nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gen)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])

@@ -380,13 +380,13 @@ def test_each_ranks_rng_state_is_kept_and_a_new_rank_takes_rank_zeros_with_a_war
     path = save_checkpoint(tmp_path, 1, write_marker(""), tensors, {"rng": meta})
     loaded, state = load_checkpoint(path)
     for rank in (0, 1):
-        mine, mine_meta = rank_rng_state(loaded, state["rng"], rank, 2)
-        assert torch.equal(mine["rng.rollout"], states[rank][0]["rng.rollout"])
+        mine, mine_meta, own = rank_rng_state(loaded, state["rng"], rank, 2)
+        assert own and torch.equal(mine["rng.rollout"], states[rank][0]["rng.rollout"])
         assert torch.equal(mine["rng.torch"], states[rank][0]["rng.torch"]) and mine_meta["python"] == states[rank][1]["python"]
     with pytest.warns(UserWarning, match="written by 2 process.* resumes on 3"):
         rank_rng_state(loaded, state["rng"], 0, 3)
-    third, _ = rank_rng_state(loaded, state["rng"], 2, 3)  # a rank it did not have: rank 0's
-    assert torch.equal(third["rng.rollout"], states[0][0]["rng.rollout"])
+    third, _, own = rank_rng_state(loaded, state["rng"], 2, 3)  # a rank it did not have: rank 0's global RNGs,
+    assert not own and torch.equal(third["rng.torch"], states[0][0]["rng.torch"])  # not its generators
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rank_rng_state(*rng_state({}), 0, 1)  # one process's checkpoint, resumed on one

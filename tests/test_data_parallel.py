@@ -354,3 +354,26 @@ def test_a_resumed_run_gives_each_rank_its_own_random_state_back(tmp_path):
         assert torch.equal(*r["generators"])
         for k, v in r["whole"].items():
             assert torch.equal(r["resumed"][k], v), k
+
+
+def _metrics_rank(rank, port, tmp):
+    with process_group(rank, port):
+        mine = {"rollout/samples": 16.0, "loss/policy": float(rank), "x/resampled": 4.0 + rank, "time/step": 1.0 + rank}
+        if rank == 1:  # a conditional metric only one rank logged (AXPO's resampled accuracy, DSPO's r_cf)
+            mine["x/resampled_accuracy"] = 0.25
+        combined = distributed.combine_metrics(mine, ("x/resampled",))
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp}/run{rank}"])
+        seed = Trainer(cfg, *toy.build(cfg)).generator.initial_seed()
+        torch.save({"combined": combined, "seed": seed, "cfg_seed": cfg.seed}, f"{tmp}/metrics{rank}.pt")
+
+
+def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise(tmp_path):
+    """A key one rank lacks no longer turns the step's row into the main rank's share, a method's
+    counts (count_metrics) are summed, and each rank's rollout generator has its own seed (the
+    main rank's is the run's): alike seeded, the ranks drew the same noise for different prompts."""
+    mp.spawn(_metrics_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"metrics{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["combined"] == ranks[1]["combined"] == {
+        "rollout/samples": 32.0, "loss/policy": 0.5, "x/resampled": 9.0, "time/step": 2.0,
+        "x/resampled_accuracy": 0.25}
+    assert ranks[0]["seed"] == ranks[0]["cfg_seed"] and ranks[1]["seed"] != ranks[0]["seed"]

@@ -87,6 +87,8 @@ POOL_KEYS = ("final_latents", "request_tag", SAMPLE_ID)  # with "cond/*": what t
 
 @register_method("ftfc")
 class FTFC(Method):
+    count_metrics = ("ftfc/ess", "ftfc/num_capped")
+
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
         from mmrl.core.pipeline import placement

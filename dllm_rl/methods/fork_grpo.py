@@ -169,6 +169,8 @@ class ForkGRPO(DLLMMethod):
     """The per-rollout mean of the clipped single-token surrogate over its rows, averaged over
     the rollouts that have rows; zero-std groups are skipped."""
 
+    count_metrics = ("fork/rows",)
+
     def keep_groups(self, batch: RolloutBatch) -> Tensor | None:
         return ~zero_variance_groups(batch.rewards, batch.group_ids)  # [N]
 

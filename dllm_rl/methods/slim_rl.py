@@ -177,6 +177,8 @@ class SLIMRL(DLLMMethod):
     """Sequence-ratio PPO over the quadrature rows, Dr.GRPO advantages (inherited), the
     accuracy band and the length-limit rule."""
 
+    count_metrics = ("slim/rows", "slim/truncated")
+
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
         self.t, self.w = quadrature(cfg.quadrature_points)  # [Q], [Q]

@@ -237,18 +237,21 @@ def ranks_rng_state(states: list[tuple[dict, dict]]) -> tuple[dict[str, torch.Te
     return tensors, meta
 
 
-def rank_rng_state(tensors: dict, meta: dict, rank: int, world: int) -> tuple[dict, dict]:
-    """This rank's (tensors, meta) of a checkpoint's RNG state. A rank the checkpoint did not
-    have (another number of processes) takes rank 0's, and the main rank warns: the rollouts
-    then differ from a run that was not interrupted."""
+def rank_rng_state(tensors: dict, meta: dict, rank: int, world: int) -> tuple[dict, dict, bool]:
+    """This rank's (tensors, meta, whether they are its own) of a checkpoint's RNG state. A
+    rank the checkpoint did not have (another number of processes) gets rank 0's global RNGs,
+    not its generators (it keeps its own seed's), and the main rank warns: the rollouts then
+    differ from a run that was not interrupted."""
     saved = meta.get("world_size", 1)
     if saved != world and rank == 0:
         warnings.warn(f"the checkpoint was written by {saved} process(es) and resumes on {world}: the ranks' "
                       "random draws differ from an uninterrupted run's", stacklevel=3)
-    if rank == 0 or str(rank) not in meta.get("ranks", {}):
-        return tensors, meta
+    if rank == 0:
+        return tensors, meta, True
+    if str(rank) not in meta.get("ranks", {}):
+        return tensors, meta, False
     prefix = f"rank{rank}."
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta["ranks"][str(rank)]
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta["ranks"][str(rank)], True
 
 
 def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import os
 import warnings
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -85,6 +84,14 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rank_seed(seed: int) -> int:
+    """A seed of this rank's own for per-sample noise: `seed` on the main rank (so one process
+    draws as it always did), another on each other rank. Seeded alike, the ranks drew the same
+    noise for different prompts (and identical samples for a prompt two ranks both hold)."""
+    r = rank()
+    return seed if r == 0 else (seed * 1_000_003 + r) % 2**63
 
 
 def shard(items: list, ids: list[int]) -> tuple[list, list[int]]:
@@ -170,32 +177,34 @@ COUNTS = ("rollout/samples", "rollout/samples_extra", "rollout/samples_pruned", 
           "rollout/engine_calls", "rollout/redispatched", "reward/errors")
 
 
-def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A step's metrics over every rank, for the main rank's logs: counts (COUNTS, cost/*)
-    summed; wall times, maxima and train/* flags the largest; minima the smallest; the rest
-    (means of equal shares of the batch) averaged. A rank's std is averaged too, which is
-    not the batch's std. Ranks that logged different keys keep their own share (said once)."""
+def combine_metrics(metrics: dict[str, float], counts: tuple[str, ...] | frozenset = ()) -> dict[str, float]:
+    """A step's metrics over every rank, for the main rank's logs: counts (COUNTS, `counts` (a
+    method's own), cost/*) summed; wall times, maxima and train/* flags the largest; minima the
+    smallest; the rest (means of equal shares of the batch) averaged. A rank's std is averaged
+    too, which is not the batch's std. A key only some ranks logged (a method's conditional
+    metric) is combined over those ranks; the others' keys are not lost for it."""
     if world_size() == 1:
         return metrics
-    keys = sorted(metrics)
     try:
-        local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        numeric = {k: float(v) for k, v in metrics.items()}
     except (TypeError, ValueError):
-        local = None
-    signature = zlib.crc32("\n".join(keys).encode()) if local is not None else -1.0
-    if len(set(gather_scalar(float(signature)))) != 1 or local is None:
+        numeric = None
+    if min(gather_scalar(0.0 if numeric is None else 1.0)) == 0.0:  # every rank decides alike
         if is_main() and not _said["keys"]:
             _said["keys"] = True
-            warnings.warn("ranks logged different metrics this step: the logs hold the main rank's share", stacklevel=2)
+            warnings.warn("a rank logged a metric that is not a number this step: the logs hold the main "
+                          "rank's share", stacklevel=2)
         return metrics
-    local = local.to(_device())
+    keys = sorted(set().union(*gather_objects(sorted(numeric))))
+    local = torch.tensor([[numeric.get(k, 0.0), float(k in numeric)] for k in keys], dtype=torch.float64,
+                         device=_device())  # [K, 2]: value, whether this rank logged it
     table = [torch.zeros_like(local) for _ in range(world_size())]
     dist.all_gather(table, local)
-    values = torch.stack(table).cpu()  # [world, K]
+    values = torch.stack(table).cpu()  # [world, K, 2]
     out = {}
     for j, k in enumerate(keys):
-        col = values[:, j]
-        if k in COUNTS or k.startswith("cost/"):
+        col = values[:, j, 0][values[:, j, 1] > 0]  # the ranks that logged it
+        if k in COUNTS or k in counts or k.startswith("cost/"):
             v = col.sum()
         elif k.endswith(("_max", "/max")) or k.startswith("train/") or (k.startswith("time/") and "ratio" not in k):
             v = col.max()

@@ -55,6 +55,10 @@ class Method:
     """That frozen reference (the starting weights), set by the trainer when needs_reference:
     for a method whose loss runs it itself (FTFC's anchor)."""
 
+    count_metrics: tuple[str, ...] = ()
+    """The keys of batch_metrics() that count what a rank did (rows, resamples): with several
+    processes the step's value is their sum, where other metrics are averaged."""
+
     epoch: int = 0
     """The pass over the current rollout batch (0 .. train.ppo_epochs - 1), set by the trainer
     before each pass: diffu-GRPO draws a different prompt mask for each."""

@@ -173,7 +173,8 @@ class Trainer:
                                            weight_decay=oc.weight_decay, shard=oc.shard_state)
         updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
-        self.generator = torch.Generator().manual_seed(cfg.seed)  # rollouts and mini-batch shuffles
+        # rollouts and mini-batch shuffles: each rank its own (it rolls out its own prompts)
+        self.generator = torch.Generator().manual_seed(distributed.rank_seed(cfg.seed))
         self.stream = PromptStream(task.train_prompts(), cfg.seed)
         if placement(cfg) == "inline" and engines is None:
             self.scheduler = SyncScheduler(cfg, policy, self.stream, self.reward, self.method, self.generator,
@@ -263,7 +264,7 @@ class Trainer:
                 self.step += 1
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                metrics = distributed.combine_metrics(metrics)  # every rank: a collective
+                metrics = distributed.combine_metrics(metrics, self.method.count_metrics)  # every rank: a collective
                 if logger is not None:
                     logger.log(self.step, metrics)
                 unlogged = None
@@ -686,8 +687,8 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._apply_optim_config()
-        ckpt.load_rng_state(*ckpt.rank_rng_state(tensors, state["rng"], distributed.rank(), self.world),
-                            {"rollout": self.generator})
+        rng, rng_meta, own = ckpt.rank_rng_state(tensors, state["rng"], distributed.rank(), self.world)
+        ckpt.load_rng_state(rng, rng_meta, {"rollout": self.generator} if own else {})
         self.stream.load_state_dict(state["data"])
         if "group_size" in state:
             g = state["group_size"]

@@ -86,7 +86,7 @@ class VLMTask:
         """eval_samples completions per item at the rollout temperature (a fixed seed):
         sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate."""
         k = self.eval_samples
-        gen = torch.Generator().manual_seed(1234)  # each rank's share draws from it alike
+        gen = torch.Generator().manual_seed(distributed.rank_seed(1234))  # each rank's share its own seed
         per_batch = max(1, self.batch_size // k)
 
         def sample(share):  # per item: the k samples' answer scores, and their tool calls (or None)

@@ -42,6 +42,8 @@ from mmrl.core.method import register_method
 
 @register_method("axpo")
 class AXPO(GRPO):
+    count_metrics = ("axpo/all_wrong_tool_groups", "axpo/resampled")
+
     def __init__(self, cfg, run, reward):
         super().__init__(cfg, run, reward)
         if cfg.advantage.scale == "batch" and distributed.world_size() > 1:
