@@ -377,3 +377,16 @@ def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_d
         "rollout/samples": 32.0, "loss/policy": 0.5, "x/resampled": 9.0, "time/step": 2.0,
         "x/resampled_accuracy": 0.25}
     assert ranks[0]["seed"] == ranks[0]["cfg_seed"] and ranks[1]["seed"] != ranks[0]["seed"]
+
+
+def test_ranks_ending_with_different_weights_are_warned_of(tmp_path, monkeypatch):
+    """summary.json records each rank's weight checksum; entries that differ are said, not just kept."""
+    import pytest
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path}", "train.max_steps=1", "logging.tensorboard=false"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    monkeypatch.setattr(distributed, "weights_checksum", lambda params: [1.0, 2.0])
+    with pytest.warns(UserWarning, match=r"end with different weights \(sum \|w\| per rank: \[1.0, 2.0\]\)"):
+        summary = trainer.train()
+    assert summary["weights_checksums"] == [1.0, 2.0]

@@ -285,6 +285,9 @@ class Trainer:
                      else [fsdp.checksum(self.params)] * self.world)  # the ranks share one model
         if not main:
             return {"eval_before": self.eval_before, "eval_after": eval_after, "steps": self.step}
+        if len(set(checksums)) > 1:  # the ranks' updates were meant to be one: something made them differ
+            warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
+                          f"{checksums}); summary.json records them", stacklevel=2)
         return self.write_summary(eval_after, time.perf_counter() - started, checksums)
 
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
