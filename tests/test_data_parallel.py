@@ -8,6 +8,7 @@ import datetime
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -381,8 +382,6 @@ def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_d
 
 def test_ranks_ending_with_different_weights_are_warned_of(tmp_path, monkeypatch):
     """summary.json records each rank's weight checksum; entries that differ are said, not just kept."""
-    import pytest
-
     cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
         f"output_dir={tmp_path}", "train.max_steps=1", "logging.tensorboard=false"])
     trainer = Trainer(cfg, *toy.build(cfg))
