@@ -207,10 +207,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
+            from mmrl.core import distributed
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False).evaluate()
-            typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
+            if distributed.is_main():  # every rank holds the whole set's metrics: one line of them
+                typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
 
         run_verb(go)
 
