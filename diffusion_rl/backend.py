@@ -68,8 +68,11 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
         if not whole:
             raise ConfigError("task.unparsed=whole_prompt: every image atom is gated by a shapes atom, which "
                               "scores an undecomposable prompt 0; add an ungated one (e.g. type clip_score)")
-    train = _prompt_file(t.train_path, cfg.base_dir, "train_path", whole) or sample_prompts(t.num_train, t.seed, split="train")
-    evaluation = _prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole) or sample_prompts(t.num_eval, t.seed, split="eval")
+    disjoint = t.held_out == "disjoint"
+    train = (_prompt_file(t.train_path, cfg.base_dir, "train_path", whole)
+             or sample_prompts(t.num_train, t.seed, split="train", disjoint=disjoint))
+    evaluation = (_prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole)
+                  or sample_prompts(t.num_eval, t.seed, split="eval", disjoint=disjoint))
     return DiffusionTask(t.type, train, evaluation, Reward([*shapes, *image_atoms]), eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
                          hard_min_atoms=t.hard_min_atoms)

@@ -53,6 +53,11 @@ class ShapesGenevalTaskConfig(Section):
     `unparsed`."""
     eval_path: str | None = None
     """The same for held-out prompts."""
+    held_out: Literal["disjoint", "overlapping"] = "disjoint"
+    """Generated prompts. disjoint: the held-out prompts are a fixed fifth of all prompts (by a
+    hash of the prompt), never trained on. overlapping: the train and eval streams draw from
+    the whole space, as before 2026-12-05 (evening), when 43 of the 64 held-out prompts, and
+    every one-phrase one, were training prompts too; it reproduces RESULTS.md's earlier figures."""
     image_atoms: list[dict[str, Any]] = Field(default_factory=list)
     """Extra image rewards (CLIP score, preference models): diffusion_rl.rewards specs. They
     score every sample, on top of the shapes atoms. A spec without a "device" runs on

@@ -371,11 +371,22 @@ def format_prompt(objects: Sequence[ObjectSpec], relation: str | None = None) ->
     return f"{objects[0].phrase()} {relation} {objects[1].phrase()}"
 
 
+EVAL_FRACTION = 0.2  # of all prompts: the held-out ones, with disjoint=True
+
+
+def split_of(prompt: str) -> str:
+    """"eval" for a fixed EVAL_FRACTION of all prompts (by a sha256 of the prompt), else "train":
+    stable across processes and Python versions."""
+    digest = hashlib.sha256(f"shapes-geneval\x00{prompt}".encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") < EVAL_FRACTION * 2**64 else "train"
+
+
 def sample_prompts(
     n: int,
     seed: int = 0,
     *,
     split: str = "train",
+    disjoint: bool = False,
     relation_p: float = 0.5,
     max_count: int = MAX_COUNT,
     max_relation_count: int = 2,
@@ -389,7 +400,11 @@ def sample_prompts(
     With probability relation_p a relation prompt: two phrases of different kinds
     (colour, shape), counts ~ U{1..max_relation_count}, a uniform relation; else one
     phrase, count ~ U{1..max_count}. Colours and shapes are uniform. Every prompt has
-    exist, colour and count atoms; relation prompts add a relation atom."""
+    exist, colour and count atoms; relation prompts add a relation atom.
+
+    disjoint: keep only the prompts of `split` (split_of), so that a train and an eval list
+    share no prompt; without it the two streams draw from the whole space, and with 48
+    one-phrase prompts most eval prompts are training prompts too."""
     colours = list(COLOURS) if colours is None else list(colours)
     shapes = list(SHAPES) if shapes is None else list(shapes)
     relations = list(RELATIONS) if relations is None else list(relations)
@@ -411,17 +426,24 @@ def sample_prompts(
     kinds = [(c, s) for c in colours for s in shapes]
     if relation_p > 0 and len(kinds) < 2:
         raise ValueError("relation prompts need at least two (colour, shape) kinds")
-    prompts = []
-    for i in range(n):
+    prompts: list[str] = []
+    i = 0
+    while len(prompts) < n:
+        if i >= 100 * n + 1000:  # a vocabulary too small to hold n draws of this split
+            raise ValueError(f"{i} draws gave {len(prompts)} {split} prompts of the {n} asked for: with "
+                             "disjoint=True, these colours, shapes and counts leave too few prompts in the split")
         rng = random.Random(f"shapes-geneval/{split}/{seed}/{i}")  # str seeds: stable sha512
+        i += 1
         if rng.random() < relation_p:
             (c1, s1), (c2, s2) = rng.sample(kinds, 2)
             a = ObjectSpec(rng.randint(1, max_relation_count), c1, s1)
             b = ObjectSpec(rng.randint(1, max_relation_count), c2, s2)
-            prompts.append(format_prompt([a, b], rng.choice(relations)))
+            prompt = format_prompt([a, b], rng.choice(relations))
         else:
             c, s = rng.choice(kinds)
-            prompts.append(ObjectSpec(rng.randint(1, max_count), c, s).phrase())
+            prompt = ObjectSpec(rng.randint(1, max_count), c, s).phrase()
+        if not disjoint or split_of(prompt) == split:
+            prompts.append(prompt)
     return prompts
 
 

@@ -323,7 +323,8 @@ def test_resume_with_ema_reproduces_the_uninterrupted_run(flux_dir, tmp_path, re
         assert torch.equal(a, b)
     for a, b in zip(full.ema.average, resumed.ema.average):
         assert torch.equal(a, b)
-    assert summary["eval_after"] == full_summary["eval_after"]  # evaluated with the average
+    # evaluated with the average (json: a metric no held-out prompt has, as relation here, is NaN on both)
+    assert json.dumps(summary["eval_after"]) == json.dumps(full_summary["eval_after"])
     run("plain", 1)  # a checkpoint without an average cannot resume with one
     with pytest.raises(TrainingError, match="without averaged weights"):
         run("plain", 2, *EMA, resume=True)

@@ -228,6 +228,32 @@ def test_sample_prompts_seeded_prefix_stable_and_parseable():
         parse_prompt(p)
 
 
+def test_disjoint_splits_share_no_prompt_and_the_task_uses_them_by_default(tmp_path):
+    """Drawn independently from 48 one-phrase prompts and ~2,100 relational ones, 43 of the 64
+    default held-out prompts were training prompts too; disjoint splits by a hash of the prompt."""
+    from diffusion_rl import backend
+    from diffusion_rl.config import DiffusionTrainConfig
+    from diffusion_rl.tasks.shapes_geneval import split_of
+    from mmrl.core.config import load_config
+
+    train, held_out = sample_prompts(2000, 0, disjoint=True), sample_prompts(64, 0, split="eval", disjoint=True)
+    assert not set(train) & set(held_out)
+    assert {split_of(p) for p in train} == {"train"} and {split_of(p) for p in held_out} == {"eval"}
+    assert sample_prompts(20, 0, split="eval", disjoint=True) == held_out[:20]  # still a stable prefix
+    overlapping = set(sample_prompts(2000, 0)) & set(sample_prompts(64, 0, split="eval"))
+    assert len(overlapping) > 20  # what the old default held out
+    one = {"relation_p": 0.0, "colours": ["red"], "shapes": ["square"], "max_count": 1}  # "a red square" alone
+    assert split_of("a red square") == "train" and sample_prompts(2, 0, disjoint=True, **one) == ["a red square"] * 2
+    with pytest.raises(ValueError, match="gave 0 eval prompts of the 3 asked for.*too few prompts in the split"):
+        sample_prompts(3, 0, split="eval", disjoint=True, **one)
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}"])
+    task = backend.build_task(cfg)
+    assert cfg.task.held_out == "disjoint" and not set(task.train) & set(task.eval_prompts)
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path}", "task.held_out=overlapping"])
+    assert backend.build_task(cfg).eval_prompts == sample_prompts(cfg.task.num_eval, 0, split="eval")
+
+
 def test_sample_prompts_cover_every_atom_type_and_word():
     prompts = sample_prompts(400, seed=0)
     parsed = [parse_objects(p) for p in prompts]
