@@ -586,6 +586,15 @@ def test_float16_weights_are_refused_for_training(tmp_path):
     policy.model.half()
     with pytest.raises(ConfigError, match="model.dtype float16 cannot train here"):
         Trainer(cfg, policy, task)
+    # a float16 base under float32 LoRA adapters: the trainable weights are float32, the backward is not
+    from mmrl.core.lora import LoRAConfig, add_lora
+
+    policy, task = toy.build(cfg)
+    policy.model = add_lora(policy.model.half(), LoRAConfig(r=2, target_modules=["q_proj"]))
+    assert {p.dtype for p in policy.model.parameters() if p.requires_grad} == {torch.float32}
+    with pytest.raises(ConfigError, match="float16 base under LoRA adapters"):
+        Trainer(cfg, policy, task)
+    Trainer(cfg, policy, task, training=False)  # evaluation takes it
 
 
 def test_a_run_on_the_cpu_beside_a_gpu_says_so(tmp_path, monkeypatch):

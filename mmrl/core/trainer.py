@@ -141,10 +141,13 @@ class Trainer:
         if torch.cuda.is_available() and all(p.device.type == "cpu" for p in policy.model.parameters()):
             warnings.warn("a GPU is present but the model is on the CPU (model.device cpu, the default): "
                           "set model.device=auto or cuda to train on the GPU", stacklevel=2)
-        if training and any(p.dtype == torch.float16 for p in self.params):
-            raise ConfigError("model.dtype float16 cannot train here: AdamW on float16 weights without loss "
-                              "scaling underflows its second moments and the weights turn inf after a step "
-                              "(train in bfloat16 or float32; float16 is fine for eval and sample)")
+        # every parameter, frozen ones too: LoRA keeps its adapters in float32 over a float16 base,
+        # whose backward without loss scaling flushes small gradients to 0 before the adapters
+        if training and any(p.dtype == torch.float16 for p in policy.model.parameters()):
+            raise ConfigError("model.dtype float16 cannot train here: without loss scaling float16 underflows, "
+                              "AdamW's second moments on float16 weights, and the backward through a float16 "
+                              "base under LoRA adapters (train in bfloat16 or float32; float16 is fine for eval "
+                              "and sample)")
         if not self.params:
             raise TrainingError("the policy has no trainable parameters (requires_grad is False everywhere)")
         self.sharded = None  # optim.fsdp: the model sharded over the ranks (mmrl.core.fsdp); no effect in one process
