@@ -263,6 +263,8 @@ def test_coverage_and_metrics(task):
     dist = {e: 0.0 for e in EMOTIONS} | {"anger": 0.5, "fear": 0.3, "awe": 0.2}
     assert coverage(["anger", "Fear ", "anger", "boredom"], dist) == pytest.approx(0.8)
     assert coverage(None, dist) == 0.0
+    # the first K (5) only: a list of every emotion would cover the whole distribution
+    assert coverage(["boredom", "joy", "sadness", "disgust", "contentment", "anger", "fear", "awe"], dist) == 0.0
     items = task.eval_items()[:4]
     texts = [items[0].reference, items[1].reference.replace("<answer>", "<answer>x"), "junk", ""]
     m = mood_metrics(texts, items)

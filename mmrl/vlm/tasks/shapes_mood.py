@@ -361,8 +361,9 @@ def shapes_mood_reward(diversity_weight: float = 0.3, **kwargs) -> Reward:
 
 
 def coverage(candidates, label_dist: dict[str, float]) -> float:
-    """The label probability mass of the distinct candidates (unknown words add 0)."""
-    names = {c.strip().lower() for c in candidates or () if isinstance(c, str)}
+    """The label probability mass of the distinct candidates among the first K (unknown words add
+    0): listing more than K, which the format refuses, does not buy more of it."""
+    names = {c.strip().lower() for c in list(candidates or ())[:K] if isinstance(c, str)}
     return sum(label_dist.get(c, 0.0) for c in names)
 
 
