@@ -79,5 +79,13 @@ def test_a_model_with_dropout_is_refused():
 
     with pytest.raises(ConfigError, match=r"sets dropout \(\{'attention_dropout': 0.1\}\)"):
         enable_gradient_checkpointing(WithDropout())
+
+    class GPTStyle(WithDropout):  # GPT-2's config names its dropouts *_pdrop
+        def __init__(self):
+            super().__init__()
+            self.config = {"attn_pdrop": 0.1, "resid_pdrop": 0.0, "hidden_size": 8}
+
+    with pytest.raises(ConfigError, match=r"sets dropout \(\{'attn_pdrop': 0.1\}\)"):
+        enable_gradient_checkpointing(GPTStyle())
     with pytest.raises(ConfigError, match="supports no gradient checkpointing"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2))

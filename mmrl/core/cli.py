@@ -268,6 +268,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
         token: str | None = typer.Option(None, "--token", help="Require the header `Authorization: Bearer TOKEN` on every request "
                                          "(default: $MMRL_SERVE_TOKEN, which unlike this flag stays out of the process list)."),
+        read_timeout: float = typer.Option(60.0, "--read-timeout", min=0.001,
+                                           help="Seconds each read of a request may wait on the client before the "
+                                                "server gives up on it (408)."),
     ):
         """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
 
@@ -291,6 +294,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 load_checkpoint(policy, checkpoint)
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
+                             read_timeout=read_timeout,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")

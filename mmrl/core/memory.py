@@ -21,7 +21,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     a ConfigError for a model that supports neither, or whose config sets a dropout."""
     config = getattr(model, "config", None)
     items = config.to_dict().items() if hasattr(config, "to_dict") else dict(config or {}).items()
-    dropouts = {k: v for k, v in _flat(items) if "dropout" in k and isinstance(v, float) and v > 0}
+    # "dropout" (most configs) or GPT-style "*_pdrop" (attn_pdrop, resid_pdrop, embd_pdrop)
+    dropouts = {k: v for k, v in _flat(items) if ("dropout" in k or k.endswith("pdrop"))
+                and isinstance(v, float) and v > 0}
     if dropouts:
         raise ConfigError(f"model.gradient_checkpointing: the model's config sets dropout ({dropouts}); the "
                           "update would run it (checkpointing needs training mode). Set those to 0 in config.json")
