@@ -54,6 +54,14 @@ def mean_over(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
+def budget_spent(is_eos: Tensor, mask: Tensor, lengths: Tensor, max_new_tokens: int | None) -> Tensor:
+    """[N] float: 1 where a completion used its whole token budget without ending its turn (a
+    row that stopped on a stop string, or before the budget, is not truncated)."""
+    ended = (is_eos & mask).any(-1)
+    spent = lengths >= max_new_tokens if max_new_tokens is not None else torch.ones_like(ended)
+    return (~ended & spent).float()
+
+
 class PromptTooLong(ConfigError):
     """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
     ValueError) because it is the user's data or settings: the CLI prints it without a
@@ -221,7 +229,7 @@ class VLMPolicy:
             old_logp, entropy = self.token_stats(out.logits, completion, rollout.temperature)  # [N, T] each
         mask = self.completion_mask(completion, trailing_pads=bool(getattr(rollout, "stop", None)))
         lengths = mask.sum(-1)
-        finished = (completion == self.eos_id) & mask
+        truncated = budget_spent(completion == self.eos_id, mask, lengths, rollout.max_new_tokens)
         entropy = mean_over(entropy, mask)
         present = mask
         if any(fixed):  # the prefix goes in front: in the completion and its attention, not the loss
@@ -242,7 +250,7 @@ class VLMPolicy:
                 "completion_attention": present,
                 "stat/length": lengths.float(),
                 "stat/entropy": entropy,
-                "stat/truncated": (~finished.any(-1)).float(),
+                "stat/truncated": truncated,
             },
         )
         if forward:
@@ -345,16 +353,22 @@ class VLMPolicy:
         engine's requests say too)."""
         return {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
                 "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None,
-                "bad_words_ids": None, "sequence_bias": None}
+                "bad_words_ids": None, "sequence_bias": None,
+                # a minimum length forbids end-of-turn, which the log-probs allow
+                "min_new_tokens": None, "min_length": 0, "begin_suppress_tokens": None,
+                "forced_bos_token_id": None, "forced_eos_token_id": None,
+                "exponential_decay_length_penalty": None}
 
     def _stop_kwargs(self, stop) -> dict:
         return {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
 
     def completion_mask(self, completion: Tensor, trailing_pads: bool = True) -> Tensor:
         """True up to and including the first end-of-turn token; with `trailing_pads`, trailing
-        pad tokens are False too: generate's padding of rows that ended early on a stop string.
-        Without stop strings (trailing_pads False) a row ends early only at end-of-turn, and a
-        pad token the model generated itself (Qwen's pad is <|endoftext|>) stays its own."""
+        pad tokens of a row without end-of-turn are False too: generate's padding of rows that
+        ended early on a stop string (a row with end-of-turn keeps it, even where the pad token
+        is end-of-turn). Without stop strings (trailing_pads False) a row ends early only at
+        end-of-turn, and a pad token the model generated itself (Qwen's pad is <|endoftext|>)
+        stays its own."""
         is_eos = completion == self.eos_id
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
         if not trailing_pads:
@@ -363,7 +377,7 @@ class VLMPolicy:
         # last non-pad position + 1 (generate pads finished rows, e.g. after a stop string)
         idx = torch.arange(completion.shape[1], device=completion.device)
         last = torch.where(not_pad, idx, torch.full_like(idx, -1)).max(-1).values  # [N]
-        return ~after_eos & (idx[None] <= last[:, None])
+        return ~after_eos & ((idx[None] <= last[:, None]) | is_eos.any(-1, keepdim=True))
 
     def decode(self, completion: Tensor, mask: Tensor) -> list[str]:
         completion, mask = completion.cpu(), mask.cpu()  # one copy for the tokenizer, not one per row

@@ -113,7 +113,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label, load_named
 from mmrl.core.lora import is_lora
 from mmrl.core.remote import HTTPStatusError, http_call
-from mmrl.vlm.policy import to_sample
+from mmrl.vlm.policy import budget_spent, to_sample
 
 __all__ = [
     "Completion",
@@ -224,8 +224,8 @@ class Completion:
     logprobs: list[float]  # of each token, under the engine's weights
 
 
-def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Sequence[Completion]]
-                   ) -> RolloutBatch:
+def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Sequence[Completion]],
+                   max_new_tokens: int | None = None) -> RolloutBatch:
     """A batch in VLMPolicy.generate's layout: `enc` = policy.encode(prompts) (one row per
     prompt), completions[i] = the samples of prompt i. Rows are prompt-major. old_logp is
     the engine's (see the module docstring for the trainer-side recompute). As the policy's
@@ -242,11 +242,15 @@ def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Se
             raise EngineError(f"sample {i}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
         completion[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         engine_logp[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    # the engine says how many tokens each row has: the mask is those, up to the first
+    # end-of-turn (padding is told apart by length, not by the pad token, which may be
+    # end-of-turn or a token the model generated)
+    sizes = torch.tensor([len(c.token_ids) for c in flat])
+    present = torch.arange(t)[None] < sizes[:, None]
     completion, engine_logp = completion.to(policy.device), engine_logp.to(policy.device)
-    mask = policy.completion_mask(completion)
+    mask = policy.completion_mask(completion, trailing_pads=False) & present.to(completion.device)
     engine_logp = engine_logp.masked_fill(~mask, 0.0)
     lengths = mask.sum(-1)
-    finished = (completion == policy.eos_id) & mask
     items = [prompts[i] for i in rows.tolist()]
     texts = policy.decode(completion, mask)
     prompt_rows = {k: v[rows] for k, v in policy._prompt_rows(enc, prompts).items()}
@@ -260,7 +264,7 @@ def assemble_batch(policy, enc, prompts: Sequence[Any], completions: Sequence[Se
             "completion_ids": completion,
             "engine_logp": engine_logp,
             "stat/length": lengths.float(),
-            "stat/truncated": (~finished.any(-1)).float(),
+            "stat/truncated": budget_spent(completion == policy.eos_id, mask, lengths, max_new_tokens),
         },
     )
 
@@ -479,7 +483,7 @@ class VLLMEngine(_VLLMBase):
                 raise EngineError(f"engine {self.name}: vLLM returned {len(samples)} samples for prompt {i}, "
                                   f"asked for {r.n}")
             completions.append([_completion(c, self.name) for c in samples])
-        return self._finish(assemble_batch(self.policy, enc, prompts, completions), requests)
+        return self._finish(assemble_batch(self.policy, enc, prompts, completions, rollout.max_new_tokens), requests)
 
     def publish(self, weights: dict[str, Tensor], version: int) -> None:
         named = list(vllm_weights(self.policy.model, weights).items())
@@ -676,7 +680,7 @@ class VLLMServerEngine(_VLLMBase):
                 raise EngineError(f"engine {self.name}: bad reply from {where} for prompt {i}: {e}") from e
             self._check_prompt(i, prompt_ids, enc)
             completions.append(samples)
-        return self._finish(assemble_batch(self.policy, enc, prompts, completions), requests)
+        return self._finish(assemble_batch(self.policy, enc, prompts, completions, rollout.max_new_tokens), requests)
 
     # ------------------------------------------------------------------ weights
 

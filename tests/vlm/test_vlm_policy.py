@@ -176,6 +176,15 @@ def test_completion_mask_and_vision_tokens_never_generated(qwen25_dir):
     ])
     assert policy.completion_mask(completion).int().tolist() == [
         [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    policy.pad_id = eos  # a tokenizer whose pad is end-of-turn (or has none): end-of-turn is kept
+    ended = torch.tensor([[x, x, eos, eos, eos], [x, x, x, x, x]])
+    assert policy.completion_mask(ended).int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    policy.pad_id = pad
+    # truncated: the budget spent without end-of-turn; a stop string's early end is not
+    from mmrl.vlm.policy import budget_spent
+
+    mask = policy.completion_mask(completion)
+    assert budget_spent(completion == eos, mask, mask.sum(-1), 5).tolist() == [0.0, 1.0, 0.0, 0.0]
     batch = policy.generate(ITEMS[:4], 4, rollout_cfg(max_new_tokens=12), torch.Generator().manual_seed(3))
     generated = batch.data["completion_ids"][batch.mask]
     assert not any(int(t) in policy.banned_ids for t in generated)
@@ -506,7 +515,8 @@ def test_a_generation_config_that_changes_sampling_does_not_reach_rollouts(qwen2
     gen_file = shipped / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     (shipped / "generation_config.json").write_text(json.dumps(
-        {**gen, "repetition_penalty": 1.3, "min_p": 0.3, "no_repeat_ngram_size": 2}))
+        {**gen, "repetition_penalty": 1.3, "min_p": 0.3, "no_repeat_ngram_size": 2,
+         "min_new_tokens": 12}))  # a minimum length forbids end-of-turn, which the log-probs allow
     items = ShapesQA(seed=0, num_train=2, num_eval=1).train_items()[:2]
     rollout = VLMTrainConfig().rollout.model_copy(update={"max_new_tokens": 12})
     out = {}
@@ -517,6 +527,26 @@ def test_a_generation_config_that_changes_sampling_does_not_reach_rollouts(qwen2
         greedy = policy.greedy_batches(items, 12, 2)
         out[name] = ([s.completion for s in batch.samples], [s.completion for b in greedy for s in b.samples])
     assert out["shipped"] == out["plain"]
+
+
+def test_a_shipped_minimum_length_does_not_hold_off_end_of_turn(tmp_path):
+    """The bundled model ends its greedy answers in 9-13 tokens; a generation_config.json with
+    min_new_tokens 16 would forbid end-of-turn until then, in rollouts and greedy evaluation,
+    where the log-probs allow it."""
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    plain = bundled_model_dir()
+    shipped = shutil.copytree(plain, tmp_path / "shipped")
+    gen_file = shipped / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen_file.write_text(json.dumps({**gen, "min_new_tokens": 16}))
+    items = ShapesQA(seed=0, num_train=8, num_eval=4).train_items()[:4]
+    texts = {name: [s.completion for b in make_policy(path).greedy_batches(items, 16, 4) for s in b.samples]
+             for name, path in (("plain", plain), ("shipped", shipped))}
+    assert any(t.endswith("</answer>") for t in texts["plain"])  # answers that end their turn early
+    assert texts["shipped"] == texts["plain"]
 
 
 @pytest.mark.parametrize("remove, words", [
