@@ -46,7 +46,7 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "diffusion" / f"{method}.yaml",
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
-    backend.resolve_shift(cfg)  # rollout.shift auto: as the run recorded it
+    backend.resolve_settings(cfg)  # rollout.shift auto, CAST's stored window: as the run recorded them
     # ValueError for a run still going or stopped, or made with other settings
     done = read_reused_run(out, cfg) if reuse else None
     if done:

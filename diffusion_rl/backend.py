@@ -122,36 +122,37 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
     return prompts
 
 
-def resolve_shift(cfg: DiffusionTrainConfig, path: Path | None = None) -> None:
-    """rollout.shift auto -> the model family's, in cfg (so config.yaml, a calibrated window's
-    check and a benchmark's --reuse see the shift the run samples with)."""
+def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
+    """The settings the model decides, in cfg, as build makes them (so config.yaml, a calibrated
+    window's check and a benchmark's --reuse see what the run samples with): rollout.shift auto
+    -> the model family's, and CAST's calibrated window (method.window_from). -> the model's
+    directory (model.path: the config's directory, the working directory or the repo's)."""
+    from diffusion_rl.calibrate import apply_window_file
     from diffusion_rl.models import FAMILY_SHIFT, pipeline_family
 
+    path = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
     if cfg.rollout.shift == "auto":
-        if path is None:
-            path = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
         family = pipeline_family(path)
         if family is not None:
             cfg.rollout.shift = FAMILY_SHIFT[family]
-
-
-def build(cfg: DiffusionTrainConfig):
-    import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
-    from diffusion_rl.calibrate import apply_window_file
-    from diffusion_rl.models import load_flow_model
-
-    m = cfg.model
-    device = model_device(m.device)  # before any loading: a GPU asked for and absent is a ConfigError now
-    path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
-    if not path.is_dir():
-        raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
-    resolve_shift(cfg, path)
     if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
         used = apply_window_file(cfg, path)
         if used is not None:
             start, size = cfg.rollout.window_start[0], cfg.rollout.window_size
             print(f"CAST: SDE window steps {start}..{start + size - 1} of {cfg.rollout.num_steps}, calibrated "
                   f"({used})", file=sys.stderr, flush=True)
+    return path
+
+
+def build(cfg: DiffusionTrainConfig):
+    import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
+    from diffusion_rl.models import load_flow_model
+
+    m = cfg.model
+    device = model_device(m.device)  # before any loading: a GPU asked for and absent is a ConfigError now
+    path = resolve_settings(cfg)
     if m.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
         print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
               f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
