@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -189,13 +190,17 @@ def combine_metrics(metrics: dict[str, float], counts: tuple[str, ...] | frozens
         numeric = {k: float(v) for k, v in metrics.items()}
     except (TypeError, ValueError):
         numeric = None
-    if min(gather_scalar(0.0 if numeric is None else 1.0)) == 0.0:  # every rank decides alike
+    # one scalar per rank says both whether its values are numbers and which keys it logged
+    signature = zlib.crc32("\n".join(sorted(numeric)).encode()) if numeric is not None else -1.0
+    signatures = gather_scalar(float(signature))
+    if -1.0 in signatures:  # every rank decides alike
         if is_main() and not _said["keys"]:
             _said["keys"] = True
             warnings.warn("a rank logged a metric that is not a number this step: the logs hold the main "
                           "rank's share", stacklevel=2)
         return metrics
-    keys = sorted(set().union(*gather_objects(sorted(numeric))))
+    # the union of the ranks' keys, gathered only on the steps whose key sets differ
+    keys = sorted(numeric) if len(set(signatures)) == 1 else sorted(set().union(*gather_objects(sorted(numeric))))
     local = torch.tensor([[numeric.get(k, 0.0), float(k in numeric)] for k in keys], dtype=torch.float64,
                          device=_device())  # [K, 2]: value, whether this rank logged it
     table = [torch.zeros_like(local) for _ in range(world_size())]
