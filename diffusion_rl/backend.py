@@ -41,6 +41,12 @@ def bundled_model_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "assets" / "tiny-flow"
 
 
+def model_dir(cfg: DiffusionTrainConfig) -> Path:
+    """model.path as runconfig.resolve_dir reads it (the config's directory, the working directory,
+    the repository), or the bundled model for none."""
+    return resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
+
+
 def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
     from diffusion_rl.tasks.shapes_geneval import reward_atoms, sample_prompts
 
@@ -130,7 +136,7 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
     from diffusion_rl.calibrate import apply_window_file
     from diffusion_rl.models import FAMILY_SHIFT, pipeline_family
 
-    path = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
+    path = model_dir(cfg)
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
     if cfg.rollout.shift == "auto":
@@ -256,6 +262,5 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     if into_model is None:  # the bundled model's files belong to the package: rewritten only on request
         into_model = cfg.model.path is not None
     if into_model:
-        model_dir = resolve_dir(cfg.model.path, cfg.base_dir) if cfg.model.path else bundled_model_dir()
-        written.append(store_in_model(cal, model_dir))
+        written.append(store_in_model(cal, model_dir(cfg)))
     return cal, written
