@@ -534,3 +534,48 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     path = save(root, 3, "again", keep_last=2)
     assert path.is_dir() and (path / "model" / "marker.txt").read_text() == "again"
     assert [s for s, _ in list_checkpoints(root)] == [3, 6]
+
+
+def test_keep_last_beyond_the_checkpoints_on_disk_deletes_none(tmp_path):
+    """keep_last larger than what is on disk prunes nothing (the count to delete is never negative)."""
+    root = tmp_path / "ck"
+    for step in range(1, 5):
+        save(root, step, keep_last=5)
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3, 4]
+
+
+def test_clean_partial_drops_the_old_copy_once_the_new_one_moved_in(tmp_path):
+    """A crash after both renames of a re-save, before the old copy was deleted: the step holds
+    the new checkpoint, and clean_partial removes the .old copy, not the new one."""
+    root = tmp_path / "ck"
+    save(root, 4, "new")
+    old = root / ".old-step-00000004-abcd1234"  # the previous copy, renamed aside
+    (old / "model").mkdir(parents=True)
+    (old / "model" / "marker.txt").write_text("original")
+    (old / STATE_JSON).write_text("{}")
+    clean_partial(root)
+    assert [s for s, _ in list_checkpoints(root)] == [4]
+    assert (root / "step-00000004" / "model" / "marker.txt").read_text() == "new"
+    assert leftovers(root) == []
+
+
+def test_only_the_main_rank_warns_of_another_number_of_processes(tmp_path):
+    states = [rng_state({"rollout": torch.Generator().manual_seed(s)}) for s in (1, 2)]
+    tensors, meta = ranks_rng_state(states)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rank in (1, 2):  # resumed on 3: the other ranks stay quiet (one warning per run)
+            rank_rng_state(tensors, meta, rank, 3)
+
+
+def test_a_model_directory_with_safetensors_beside_pickled_weights_is_taken(tmp_path):
+    """Only pickled-only directories are refused: many hub repositories ship both formats."""
+    from mmrl.core.config import ConfigError
+
+    both = tmp_path / "both"
+    save_module(torch.nn.Linear(2, 2), both)
+    (both / "pytorch_model.bin").write_bytes(b"pickle")
+    ckpt.refuse_pickled_weights(both)
+    (both / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="pickled weights only"):
+        ckpt.refuse_pickled_weights(both)
