@@ -133,3 +133,40 @@ def test_chunked_on_the_simulated_device_with_banned_ids_as_a_list():
         assert lp.device == SIM and x.grad.device == SIM
         got, grad = lp.detach().cpu(), x.grad.cpu()
     assert torch.equal(got, cpu.detach()) and torch.equal(grad, g_cpu)
+
+
+def test_entropy_with_banned_ids_is_that_of_the_tokens_left():
+    """A banned token has probability 0 and adds 0 (not 0 * -inf = nan) to the entropy, which is
+    then the entropy of the softmax over the other tokens."""
+    from mmrl.core.logprob import entropy_of
+
+    logits, _ = _inputs(torch.float32)
+    allowed = [v for v in range(logits.shape[-1]) if v not in BANNED.tolist()]
+    logp = torch.log_softmax(logits.detach()[..., allowed] / 0.7, -1)
+    expected = -(logp.exp() * logp).sum(-1)
+    got = token_entropy(logits, 0.7, banned=BANNED, chunk=4)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, expected)
+    masked = torch.log_softmax(logits.detach() / 0.7, -1).index_fill(-1, BANNED, float("-inf"))
+    torch.testing.assert_close(entropy_of(masked.log_softmax(-1)), expected)
+
+
+@pytest.mark.parametrize("shape", [(5, 40), (2, 3, 5, 40)])
+def test_chunked_takes_any_leading_dimensions(shape):
+    """[..., L, V]: one row of positions, or several leading dimensions, as the plain form does."""
+    logits, targets = _inputs(torch.float32, shape=shape)
+    plain = token_logprobs(logits, targets, 0.7, banned=BANNED)
+    (g_plain,) = torch.autograd.grad(plain.sum(), logits)
+    chunked = token_logprobs(logits, targets, 0.7, banned=BANNED, chunk=2)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    assert chunked.shape == plain.shape == shape[:-1]
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_chunked, g_plain, rtol=1e-5, atol=1e-6)
+    assert token_entropy(logits, 0.7, chunk=2).shape == shape[:-1]
+
+
+def test_a_chunk_below_one_is_refused_by_name():
+    logits, targets = _inputs(torch.float32)
+    for chunk in (0, -1):
+        with pytest.raises(ValueError, match="chunk must be >= 1"):
+            token_logprobs(logits, targets, chunk=chunk)
