@@ -89,3 +89,37 @@ def test_a_model_with_dropout_is_refused():
         enable_gradient_checkpointing(GPTStyle())
     with pytest.raises(ConfigError, match="supports no gradient checkpointing"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_update_mode_trains_with_every_dropout_module_in_eval_mode():
+    """Under checkpointing the update runs in training mode, but a dropout module stays in eval
+    mode (a model may hold nn.Dropout whatever its config says); eval mode again after."""
+    from mmrl.core.memory import update_mode
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2)).eval()
+    model._mmrl_checkpointing = True
+    x = torch.ones(8, 4)
+    expected = model(x)
+    with update_mode(model):
+        assert model.training and model[0].training and not model[1].training
+        torch.testing.assert_close(model(x), expected)  # no unit dropped
+    assert not any(m.training for m in model.modules())
+    plain = torch.nn.Sequential(torch.nn.Dropout(0.5)).eval()
+    with update_mode(plain):  # without checkpointing: left as it is
+        assert not plain.training
+
+
+def test_a_dropout_in_a_nested_config_is_refused():
+    """VLM configs nest their text model's settings (text_config.attention_dropout)."""
+    from mmrl.core.memory import enable_gradient_checkpointing
+
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"text_config": {"attention_dropout": 0.1, "hidden_size": 8}, "vision_config": {"dropout": 0.0}}
+
+        def activation_checkpointing_enable(self, **kw):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match=r"sets dropout \(\{'text_config.attention_dropout': 0.1\}\)"):
+        enable_gradient_checkpointing(Nested())
