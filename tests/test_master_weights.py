@@ -150,3 +150,75 @@ def test_routes_leave_the_parameters_movable_picklable_and_their_deep_copies_alo
         layer.to(torch.float32)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_a_pickled_copys_release_leaves_the_originals_route():
+    """A copy made through pickling (torch.save / torch.load) carries the route number; releasing
+    the copy (a trainer without master weights on it) must not take the original's route."""
+    import io
+
+    from mmrl.core.master import release
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = MasterWeights(list(layer.parameters()))
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    release(list(twin.parameters()))
+    layer(torch.randn(2, 4).to(torch.bfloat16)).sum().backward()
+    assert all(p.grad is None for p in layer.parameters())
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in master.masters)
+
+
+def test_a_parameter_made_float32_since_an_older_master_keeps_its_gradient():
+    """A bfloat16 model trained with master weights, then cast to float32 in place (module.float()):
+    a new MasterWeights has no copy for it, so its gradient must stay on it, not go to the older
+    copies."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    older = MasterWeights(list(layer.parameters()))
+    layer.float()
+    newer = MasterWeights(list(layer.parameters()))
+    assert not newer.active
+    layer(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
+    assert all(m.grad is None for m in older.masters)
+
+
+def test_state_dict_is_keyed_by_the_parameters_index_and_refuses_what_does_not_fit():
+    """master.<i> with i the parameter's index among all the trainable ones (a float32 one has no
+    copy; an FSDP checkpoint saves master.<i> for every i): a fresh MasterWeights takes them back;
+    a checkpoint without copies, or with other shapes, leaves the copies as they are (False)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2).to(torch.bfloat16))]
+    master = MasterWeights(params)
+    with torch.no_grad():
+        master.masters[1].add_(1e-3)  # a float32 value the bfloat16 weight cannot hold
+    saved = master.state_dict()
+    assert set(saved) == {"master.1"}
+    fresh = MasterWeights(params)
+    assert not torch.equal(fresh.masters[1], master.masters[1])
+    assert fresh.load_state_dict(saved) and torch.equal(fresh.masters[1], master.masters[1])
+    before = fresh.masters[1].clone()
+    assert not fresh.load_state_dict({"master.1": torch.zeros(4)})
+    assert not fresh.load_state_dict({})
+    assert torch.equal(fresh.masters[1], before)
+    assert not MasterWeights([params[0]]).load_state_dict(saved)  # no copies: nothing of the checkpoint's taken
+
+
+def test_resuming_a_run_saved_without_master_weights_starts_the_copies_from_its_weights(tmp_path):
+    """A checkpoint with no float32 copies (optim.master_weights=false): the copies start from
+    the loaded bfloat16 weights, not from the weights the model had before loading."""
+    from mmrl.core.checkpoint import latest_checkpoint
+
+    first = make_bf16(tmp_path, "train.max_steps=1", "optim.lr=1e-2", "optim.master_weights=false", name="run")
+    first.train()
+    resumed = make_bf16(tmp_path, "train.max_steps=2", "optim.lr=1e-2", name="run")
+    assert resumed.master.active
+    start = [m.detach().clone() for m in resumed.opt_params]
+    resumed.load(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert any(not torch.equal(m, s) for m, s in zip(resumed.opt_params, start))
+    for p, m, q in zip(resumed.params, resumed.opt_params, first.params):
+        assert torch.equal(p, q) and torch.equal(m.detach(), q.detach().float())
