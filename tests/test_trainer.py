@@ -4,6 +4,7 @@ gradient-accumulation equivalence, dynamic sampling, non-finite steps, outputs."
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 
@@ -602,3 +603,171 @@ def test_a_run_on_the_cpu_beside_a_gpu_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.warns(UserWarning, match="a GPU is present but the model is on the CPU"):
         make(tmp_path)
+
+
+def test_the_last_step_is_evaluated_once_by_the_final_evaluation(tmp_path):
+    """eval_every evaluates between steps; the last step's evaluation is the final one
+    (summary's eval_after), not a second one logged in its metrics row."""
+    trainer = make(tmp_path, "train.max_steps=2", "train.eval_every=1")
+    evaluate, calls = trainer.task.evaluate, []
+    trainer.task.evaluate = lambda policy: calls.append(trainer.step) or evaluate(policy)
+    trainer.train()
+    assert calls == [0, 1, 2]  # before, after step 1, final
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert "eval/accuracy" in rows[0] and not any(k.startswith("eval/") for k in rows[1])
+
+
+def test_mini_batches_are_a_new_shuffle_of_the_batch_each_epoch(tmp_path):
+    trainer = make(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    seen, select = [], batch.select
+    batch.select = lambda idx: seen.append(idx.tolist()) or select(idx)
+    trainer.update(batch)
+    minis = seen[:4]  # each epoch's two mini-batches
+    assert [len(m) for m in minis] == [16] * 4
+    assert sorted(minis[0] + minis[1]) == sorted(minis[2] + minis[3]) == list(range(32))
+    assert minis[0] != list(range(16)) and minis[0] != minis[2]
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_as_one_of_two_ranks_the_loss_and_its_global_terms_are_scaled_for_the_sum(tmp_path, monkeypatch):
+    """The ranks' gradients are summed, so a method without a denominator weighs each rank's mean
+    by 1 / world; a share of a global term (loss/policy, with a global denominator) is logged
+    times world, since combine_metrics averages the ranks' values. One process plays a rank of
+    two whose collectives return its own values: its gradient and terms are those of one process,
+    scaled so."""
+    from mmrl.core import distributed
+
+    monkeypatch.setattr(distributed, "sum_scalar", lambda x: x)
+    monkeypatch.setattr(distributed, "sum_gradients", lambda params: None)
+    for denominator in (True, False):
+        one, two = (make(tmp_path, "optim.max_grad_norm=null", name=f"{denominator}{n}") for n in (1, 2))
+        batch, _ = one.scheduler.next_groups(version=0)
+        batch.advantages = batch.advantages + 0.5  # a loss/policy away from 0 (a group's advantages sum to 0)
+        two.world = 2
+        grads, metrics = [], []
+        for t in (one, two):
+            if not denominator:
+                t.method.loss_denominator = lambda b: None
+            grads.append(_grads_at_step(t))
+            metrics.append(t.update(batch))
+        assert float(grads[0][0].norm()) > 0
+        if denominator:
+            torch.testing.assert_close(grads[1][0], grads[0][0])
+            assert metrics[1]["loss/policy"] == pytest.approx(2 * metrics[0]["loss/policy"])
+            assert abs(metrics[0]["loss/policy"]) > 1e-6
+        else:
+            torch.testing.assert_close(grads[1][0], grads[0][0] / 2)
+        assert metrics[1]["loss/ratio_mean"] == pytest.approx(metrics[0]["loss/ratio_mean"])
+
+
+def test_a_non_finite_gradient_of_a_finite_loss_skips_the_update(tmp_path):
+    trainer = make(tmp_path)
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    before = weights(trainer)
+    handle = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("inf")))
+    try:
+        with pytest.warns(UserWarning, match="non-finite"):
+            metrics = trainer.update(batch)
+    finally:
+        handle.remove()
+    assert math.isfinite(metrics["loss/policy"])
+    assert metrics["train/bad_step"] == 1.0 and metrics["train/updates"] == 0
+    for k, v in weights(trainer).items():
+        assert torch.equal(v, before[k]), k
+
+
+def _poisoned(trainer, steps):
+    """The trainer with a non-finite loss in the given steps (numbered from 1)."""
+    logprobs = trainer.policy.logprobs
+    trainer.policy.logprobs = lambda batch: logprobs(batch) * (float("nan") if trainer.step + 1 in steps else 1.0)
+    return trainer
+
+
+def test_non_finite_steps_stop_the_run_only_in_a_row(tmp_path):
+    """train.max_bad_steps counts consecutive bad steps: a good step between two resets the count."""
+    trainer = _poisoned(make(tmp_path, "train.max_steps=4", "train.max_bad_steps=2"), steps=(2, 4))
+    with pytest.warns(UserWarning, match="non-finite"):
+        summary = trainer.train()
+    assert summary["steps"] == 4
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r.get("train/bad_step", 0.0) for r in rows] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_evaluation_leaves_every_training_rng_where_it_was(tmp_path):
+    """A task's evaluation may draw from Python's, NumPy's and torch's global RNGs: the training
+    trajectory must not see it (resume reproduces a run whatever its evaluations drew)."""
+    import random
+
+    import numpy as np
+
+    trainer = make(tmp_path)
+    evaluate = trainer.task.evaluate
+
+    def drawing(policy):
+        random.random()
+        np.random.rand()
+        torch.rand(1)
+        return evaluate(policy)
+
+    trainer.task.evaluate = drawing
+    python, numpy, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    trainer.evaluate()
+    assert random.getstate() == python
+    now = np.random.get_state()
+    assert now[0] == numpy[0] and np.array_equal(now[1], numpy[1]) and now[2:] == numpy[2:]
+    assert torch.equal(torch.get_rng_state(), torch_state)
+
+
+def test_a_failure_in_the_first_step_saves_no_checkpoint(tmp_path):
+    """Nothing finished, nothing to keep: no step-0 checkpoint that a fresh run would refuse."""
+    from mmrl.core.rewards import RewardError
+
+    trainer = make(tmp_path, "train.max_steps=2")
+
+    def failing(samples):
+        raise RewardError("judge down")
+
+    trainer.scheduler.reward.score = failing
+    with pytest.raises(RewardError):
+        trainer.train()
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+    make(tmp_path, "train.max_steps=1").train()  # a fresh run in the same directory is not refused
+
+
+def test_resume_keeps_the_count_of_non_finite_steps_in_a_row(tmp_path):
+    """A run whose last step was bad saves its count of bad steps in a row: a resumed run whose
+    first step is bad again stops at max_bad_steps, as the uninterrupted run would."""
+    first = _poisoned(make(tmp_path, "train.max_steps=2", "train.max_bad_steps=2"), steps=(2,))
+    with pytest.warns(UserWarning, match="non-finite"):
+        first.train()
+    resumed = _poisoned(make(tmp_path, "train.max_steps=3", "train.max_bad_steps=2"), steps=(3,))
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(TrainingError, match="2 steps in a row"):
+        resumed.train(resume=True)
+
+
+def test_a_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_path):
+    """ppo_epochs x mini_batches optimizer steps, each of several micro-batches: a metric that is
+    0.5 in every micro-batch is logged as 0.5."""
+    trainer = make(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2", "train.micro_batch_size=4")
+    loss = trainer.method.loss
+
+    def with_constant(*a, **kw):
+        out = loss(*a, **kw)
+        out.metrics["x/constant"] = 0.5
+        return out
+
+    trainer.method.loss = with_constant
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    metrics = trainer.update(batch)
+    assert metrics["train/updates"] == 4
+    assert metrics["x/constant"] == pytest.approx(0.5)
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=1")
+    with torch.no_grad():
+        trainer.params[0].view(-1)[0] = float("nan")
+    with pytest.raises(TrainingError, match="the weights are not finite"):
+        trainer.save()
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
