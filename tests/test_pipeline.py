@@ -557,3 +557,23 @@ def test_async_atoms_with_loop_bound_state_score_pipelined_rounds(tmp_path):
     Trainer(cfg, SeededToy(), toy.ToyTask()).train()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3 and all(r["reward/errors"] == 0 and 0 <= r["reward/judge"] <= 1 for r in rows)
+
+
+def test_a_pipelined_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_path):
+    """As in sync mode (test_trainer): a metric that is 0.5 in every micro-batch is logged as 0.5,
+    the streamed epoch counting as its mini_batches passes beside the later epoch's."""
+    cfg = config(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2", "train.max_steps=1",
+                 "train.micro_batch_size=2")
+    trainer = Trainer(cfg, SeededToy(), toy.ToyTask())
+    loss = trainer.method.loss
+
+    def with_constant(*a, **kw):
+        out = loss(*a, **kw)
+        out.metrics["x/constant"] = 0.5
+        return out
+
+    trainer.method.loss = with_constant
+    trainer.train()
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert row["train/updates"] == 4
+    assert row["x/constant"] == pytest.approx(0.5)
