@@ -359,7 +359,9 @@ def test_a_resumed_run_gives_each_rank_its_own_random_state_back(tmp_path):
 
 def _metrics_rank(rank, port, tmp):
     with process_group(rank, port):
-        mine = {"rollout/samples": 16.0, "loss/policy": float(rank), "x/resampled": 4.0 + rank, "time/step": 1.0 + rank}
+        mine = {"rollout/samples": 16.0, "loss/policy": float(rank), "x/resampled": 4.0 + rank, "time/step": 1.0 + rank,
+                "cost/flops": 10.0 + rank, "rollout/len/max": 3.0 + rank, "rollout/len/min": 3.0 + rank,
+                "time/waiting_ratio": 0.25 + 0.5 * rank, "train/bad_step": float(rank)}
         if rank == 1:  # a conditional metric only one rank logged (AXPO's resampled accuracy, DSPO's r_cf)
             mine["x/resampled_accuracy"] = 0.25
         combined = distributed.combine_metrics(mine, ("x/resampled",))
@@ -376,7 +378,10 @@ def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_d
     ranks = [torch.load(tmp_path / f"metrics{r}.pt", weights_only=True) for r in range(2)]
     assert ranks[0]["combined"] == ranks[1]["combined"] == {
         "rollout/samples": 32.0, "loss/policy": 0.5, "x/resampled": 9.0, "time/step": 2.0,
-        "x/resampled_accuracy": 0.25}
+        "x/resampled_accuracy": 0.25,
+        # cost/* summed; maxima (and train/* flags) the largest, minima the smallest; a ratio of times averaged
+        "cost/flops": 21.0, "rollout/len/max": 4.0, "rollout/len/min": 3.0, "time/waiting_ratio": 0.5,
+        "train/bad_step": 1.0}
     assert ranks[0]["seed"] == ranks[0]["cfg_seed"] and ranks[1]["seed"] != ranks[0]["seed"]
 
 
@@ -389,3 +394,15 @@ def test_ranks_ending_with_different_weights_are_warned_of(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match=r"end with different weights \(sum \|w\| per rank: \[1.0, 2.0\]\)"):
         summary = trainer.train()
     assert summary["weights_checksums"] == [1.0, 2.0]
+
+
+def test_the_main_rank_seeds_with_the_runs_seed_and_each_other_rank_with_its_own(monkeypatch):
+    """rank_seed: one process (or rank 0) draws as it always did, whatever the seed; another rank
+    gets a seed of its own, a valid torch seed."""
+    assert [distributed.rank_seed(s) for s in (0, 5, 2**40)] == [0, 5, 2**40]
+    seeds = set()
+    for r in (1, 2):
+        monkeypatch.setattr(distributed, "rank", lambda r=r: r)
+        seeds.add(distributed.rank_seed(5))
+    assert len(seeds) == 2 and 5 not in seeds and all(0 <= s < 2**63 for s in seeds)
+    torch.Generator().manual_seed(max(seeds))
