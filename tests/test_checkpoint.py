@@ -241,6 +241,7 @@ def test_failed_swap_on_resave_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError):
         save(root, 3, text="new", state={"v": 2})
     monkeypatch.undo()
+    assert list_checkpoints(root) == [(3, final)]  # put back before the error, not only by the next clean_partial
     clean_partial(root)  # what a resuming run does first
     assert list_checkpoints(root) == [(3, final)]
     assert load_checkpoint(final)[1] == {"v": 1}
