@@ -123,3 +123,16 @@ def test_a_dropout_in_a_nested_config_is_refused():
 
     with pytest.raises(ConfigError, match=r"sets dropout \(\{'text_config.attention_dropout': 0.1\}\)"):
         enable_gradient_checkpointing(Nested())
+
+
+def test_a_dropout_named_anywhere_in_a_key_is_refused():
+    """BERT-style names put "dropout" inside the key (hidden_dropout_prob), not at its end."""
+    from mmrl.core.memory import enable_gradient_checkpointing
+
+    class BertStyle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.0}
+
+    with pytest.raises(ConfigError, match=r"sets dropout \(\{'hidden_dropout_prob': 0.1\}\)"):
+        enable_gradient_checkpointing(BertStyle())
