@@ -771,3 +771,34 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(TrainingError, match="the weights are not finite"):
         trainer.save()
     assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+def test_the_lr_schedule_spans_every_optimizer_step_of_the_run(tmp_path):
+    """max_steps x ppo_epochs x mini_batches optimizer steps: a linear schedule over 2 x 2 x 2 = 8
+    is half-way down after the first step's 4 updates, and at 0 after the last."""
+    trainer = make(tmp_path, "train.max_steps=2", "train.mini_batches=2", "train.ppo_epochs=2",
+                   "optim.schedule=linear", "optim.lr=0.002")
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/updates"] for r in rows] == [4, 4]
+    assert [r["optim/lr"] for r in rows] == [pytest.approx(0.001), pytest.approx(0.0, abs=1e-12)]
+
+
+def test_a_finished_runs_kept_summary_is_never_overwritten(tmp_path):
+    """Resumed at its last step with nothing to train, a run writes a second summary of that
+    step: a later resume keeps the first (summary.step-N.json, with the run's own final
+    evaluation), not the second."""
+    trainer = make(tmp_path, "train.max_steps=3")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.step-2.json").write_text(json.dumps({"steps": 2, "eval_after": {"accuracy": 0.5}}))
+    (out / "summary.json").write_text(json.dumps({"steps": 2, "eval_after": {"accuracy": 0.25}}))
+    trainer._keep_finished_summary()
+    assert json.loads((out / "summary.step-2.json").read_text())["eval_after"] == {"accuracy": 0.5}
+
+
+def test_resuming_a_run_at_its_last_step_says_there_is_nothing_to_train(tmp_path):
+    make(tmp_path, "train.max_steps=1").train()
+    with pytest.warns(UserWarning, match="the run is at step 1 and train.max_steps is 1: nothing to train"):
+        summary = make(tmp_path, "train.max_steps=1").train(resume=True)
+    assert summary["steps"] == 1
