@@ -577,3 +577,25 @@ def test_a_pipelined_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_
     (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert row["train/updates"] == 4
     assert row["x/constant"] == pytest.approx(0.5)
+
+
+def test_a_pipelined_run_stopped_by_an_error_saves_no_checkpoint_of_the_failure(tmp_path, monkeypatch):
+    """The engines run ahead of the trainer and a round's updates are under way as it streams: a
+    pipelined run that fails in its second step keeps only the checkpoints it wrote, none made
+    from the state it failed in."""
+    calls = {"n": 0}
+    loss = GRPO.loss
+
+    def boom(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 10:  # step 2's second group (8 a step)
+            raise RuntimeError("boom in loss")
+        return loss(self, *a, **kw)
+
+    monkeypatch.setattr(GRPO, "loss", boom)
+    cfg = config(tmp_path, "train.max_steps=2")
+    trainer = Trainer(cfg, SeededToy(), toy.ToyTask(), engines=[FakeEngine(SeededToy())])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert trainer.step == 1
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
