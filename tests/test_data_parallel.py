@@ -365,9 +365,11 @@ def _metrics_rank(rank, port, tmp):
         if rank == 1:  # a conditional metric only one rank logged (AXPO's resampled accuracy, DSPO's r_cf)
             mine["x/resampled_accuracy"] = 0.25
         combined = distributed.combine_metrics(mine, ("x/resampled",))
+        # a value that is not a number on one rank: every rank keeps its own share, none fails
+        text = distributed.combine_metrics({"loss/policy": 1.0, "note": "text"} if rank == 0 else {"loss/policy": 3.0})
         cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp}/run{rank}"])
         seed = Trainer(cfg, *toy.build(cfg)).generator.initial_seed()
-        torch.save({"combined": combined, "seed": seed, "cfg_seed": cfg.seed}, f"{tmp}/metrics{rank}.pt")
+        torch.save({"combined": combined, "text": text, "seed": seed, "cfg_seed": cfg.seed}, f"{tmp}/metrics{rank}.pt")
 
 
 def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise(tmp_path):
@@ -383,6 +385,7 @@ def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_d
         "cost/flops": 21.0, "rollout/len/max": 4.0, "rollout/len/min": 3.0, "time/waiting_ratio": 0.5,
         "train/bad_step": 1.0}
     assert ranks[0]["seed"] == ranks[0]["cfg_seed"] and ranks[1]["seed"] != ranks[0]["seed"]
+    assert [r["text"] for r in ranks] == [{"loss/policy": 1.0, "note": "text"}, {"loss/policy": 3.0}]
 
 
 def test_ranks_ending_with_different_weights_are_warned_of(tmp_path, monkeypatch):
@@ -406,3 +409,14 @@ def test_the_main_rank_seeds_with_the_runs_seed_and_each_other_rank_with_its_own
         seeds.add(distributed.rank_seed(5))
     assert len(seeds) == 2 and 5 not in seeds and all(0 <= s < 2**63 for s in seeds)
     torch.Generator().manual_seed(max(seeds))
+
+
+def test_each_prompt_is_rolled_out_by_exactly_one_rank(monkeypatch):
+    """shard: every world-th prompt from the rank's own index, with its draw index."""
+    items, ids = list("abcde"), [10, 11, 12, 13, 14]
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    shares = []
+    for r in (0, 1):
+        monkeypatch.setattr(distributed, "rank", lambda r=r: r)
+        shares.append(distributed.shard(items, ids))
+    assert shares == [(["a", "c", "e"], [10, 12, 14]), (["b", "d"], [11, 13])]
