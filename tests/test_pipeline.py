@@ -181,22 +181,24 @@ def test_later_ppo_epochs_count_in_the_pipelined_steps_metrics_and_bad_steps(tmp
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
 
 
-def test_loss_terms_are_logged_alike_whatever_the_micro_batches_or_scheduler(tmp_path):
+def test_loss_terms_are_logged_alike_whatever_the_micro_batches(tmp_path):
     """loss/policy and loss/kl are the mini-batches' terms, averaged over the passes: a run with
     micro-batches logged them divided by their number, a pipelined one multiplied (each micro's
-    term is a share, or a sum, of its mini-batch's, not a mean to weight)."""
+    term is a share, or a sum, of its mini-batch's, not a mean to weight). Each scheduler against
+    itself: sync shuffles its mini-batches, the streamed epoch takes groups as they come."""
     runs = {}
-    for name, extra in (("sync", []), ("micro", ["train.micro_batch_size=2"]),
-                        ("pipelined", ["rollout.scheduler.mode=pipelined"])):
-        cfg = config(tmp_path / name, "train.mini_batches=2", "train.ppo_epochs=2", "train.max_steps=2",
-                     "method.loss.aggregation=token_mean", "method.kl.beta=0.5", *extra)
-        Trainer(cfg, SeededToy(), toy.ToyTask()).train()
-        runs[name] = read_metrics(tmp_path / name / "run" / "metrics.jsonl")
-    assert runs["sync"][1]["loss/kl"] > 1e-4  # the second step's KL: not a vanishing term
-    for name in ("micro", "pipelined"):
-        for a, b in zip(runs["sync"], runs[name]):
+    for mode in ("sync", "pipelined"):
+        for micro in ([], ["train.micro_batch_size=2"]):
+            cfg = config(tmp_path / f"{mode}{len(micro)}", "train.mini_batches=2", "train.ppo_epochs=2",
+                         "train.max_steps=2", "method.loss.aggregation=token_mean", "method.kl.beta=0.5",
+                         f"rollout.scheduler.mode={mode}", *micro)
+            Trainer(cfg, SeededToy(), toy.ToyTask()).train()
+            runs[mode, bool(micro)] = read_metrics(tmp_path / f"{mode}{len(micro)}" / "run" / "metrics.jsonl")
+    for mode in ("sync", "pipelined"):
+        assert runs[mode, False][1]["loss/kl"] > 1e-4  # the second step's KL: not a vanishing term
+        for a, b in zip(runs[mode, False], runs[mode, True], strict=True):
             for k in ("loss/policy", "loss/kl", "loss/total"):
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (name, k)
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), (mode, k)
 
 
 def test_pipelined_steps_once_every_u_groups(tmp_path):

@@ -764,6 +764,25 @@ def test_a_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_path):
     assert metrics["x/constant"] == pytest.approx(0.5)
 
 
+def test_a_batch_with_fewer_rows_than_mini_batches_logs_means_over_the_passes_that_ran(tmp_path):
+    """Two rows in four mini-batches: two are empty and skipped, so a metric that is 0.5 in each
+    pass that ran is logged as 0.5, not diluted by the skipped ones (it was 0.25)."""
+    trainer = make(tmp_path, "train.mini_batches=4")
+    loss = trainer.method.loss
+
+    def with_constant(*a, **kw):
+        out = loss(*a, **kw)
+        out.metrics["x/constant"] = 0.5
+        return out
+
+    trainer.method.loss = with_constant
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    metrics = trainer.update(batch.select(torch.arange(2)))
+    assert metrics["train/updates"] == 2
+    assert metrics["x/constant"] == pytest.approx(0.5)
+    assert metrics["loss/ratio_mean"] == pytest.approx(1.0)
+
+
 def test_non_finite_weights_are_never_saved(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     with torch.no_grad():

@@ -344,12 +344,11 @@ class Trainer:
     def update(self, batch: RolloutBatch, epochs: int | None = None, first_epoch: int = 0) -> dict[str, float]:
         """`epochs` (default ppo_epochs) x mini_batches optimizer steps on one batch, with
         gradient accumulation; the passes are numbered from `first_epoch` (method.epoch)."""
-        tc = self.cfg.train
-        epochs = tc.ppo_epochs if epochs is None else epochs
+        epochs = self.cfg.train.ppo_epochs if epochs is None else epochs
         sums: dict[str, float] = defaultdict(float)
-        tally = {"updates": 0, "bad": 0}
+        tally = {"updates": 0, "bad": 0, "passes": 0}
         self._passes(batch, epochs, first_epoch, sums, tally)
-        return self._update_metrics(batch, sums, tally, max(1, epochs * tc.mini_batches))
+        return self._update_metrics(batch, sums, tally, max(1, tally["passes"]))
 
     def _passes(self, batch: RolloutBatch, epochs: int, first_epoch: int, sums: dict, tally: dict) -> None:
         """The optimizer steps of `update`, their metrics summed into `sums` and `tally`."""
@@ -361,6 +360,7 @@ class Trainer:
             for mini_idx in order.tensor_split(tc.mini_batches):
                 if len(mini_idx) == 0 and self.world == 1:
                     continue  # with several processes an empty share still joins the step's collectives
+                tally["passes"] += 1  # the loss metrics are means over the mini-batches that ran
                 mini = batch.select(mini_idx)
                 denom = self.method.loss_denominator(mini)
                 if denom is not None:  # the global mini-batch's normaliser (an empty share adds nothing)
@@ -407,7 +407,7 @@ class Trainer:
         rnd, publish = self.scheduler.start_round(self.step, self.num_generations)
         groups: list[RolloutBatch] = []
         sums: dict[str, float] = defaultdict(float)
-        tally = {"updates": 0, "bad": 0}
+        tally = {"updates": 0, "bad": 0, "passes": 0}
         acc = {"denom": 0.0, "loss": 0.0, "groups": 0, "shares": {}}
         busy, stale = 0.0, 0
         self.optimizer.zero_grad(set_to_none=True)
@@ -434,13 +434,15 @@ class Trainer:
         batch = RolloutBatch.concat(groups)
         total = len(batch)
         # The streamed epoch's loss metrics are means over the round; as the sync path sums one
-        # mean per mini-batch, it counts mini_batches times. Later epochs need the whole round
-        # (as in sync mode); one tally for all, so a bad update in any epoch marks the step bad.
-        sums = defaultdict(float, {(k.removeprefix("w:")): (v / total * tc.mini_batches if k.startswith("w:") else v)
+        # mean per mini-batch, it counts once per mini-batch it stepped on (mini_batches, or
+        # fewer when fewer groups came). Later epochs need the whole round (as in sync mode);
+        # one tally for all, so a bad update in any epoch marks the step bad.
+        streamed = tally["passes"]
+        sums = defaultdict(float, {(k.removeprefix("w:")): (v / total * streamed if k.startswith("w:") else v)
                                    for k, v in sums.items()})
         if tc.ppo_epochs > 1:
             self._passes(batch, tc.ppo_epochs - 1, 1, sums, tally)
-        metrics.update(self._update_metrics(batch, sums, tally, tc.ppo_epochs * tc.mini_batches))
+        metrics.update(self._update_metrics(batch, sums, tally, max(1, tally["passes"])))
         busy += time.perf_counter() - t
         metrics.update(_waiting(rnd.wait_seconds, busy))
         metrics.update({"time/update": busy, "time/publish": publish, "rollout/staleness": stale,
@@ -474,6 +476,7 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(denom)
         self._optimizer_step(acc["loss"] / denom, sums, tally)
+        tally["passes"] += 1
         for k, v in acc["shares"].items():
             sums[k] += v / denom  # the mini-batch's term, as the sync path sums one per mini-batch
         acc.update(denom=0.0, loss=0.0, groups=0, shares={})
