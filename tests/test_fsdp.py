@@ -248,3 +248,31 @@ def test_a_model_without_declared_blocks_is_sharded_by_its_outermost_layers():
 
     model = Model()
     assert fsdp._blocks(model) == [model.layers[1], model.layers[0]]  # innermost first
+
+
+def test_filler_passes_match_the_rank_with_the_most_micro_batches(monkeypatch):
+    """Each rank adds passes up to the busiest rank's count; a rank that needs some but has no
+    rows to make them with stops every rank alike (one that needs none may have no rows)."""
+    def ranks(*counts):
+        monkeypatch.setattr(fsdp.distributed, "gather_objects", lambda mine: list(counts))
+
+    ranks((1, 1), (4, 7))
+    assert fsdp.filler_passes(1, 1) == 3 and fsdp.filler_passes(4, 7) == 0
+    ranks((2, 0), (2, 5))
+    assert fsdp.filler_passes(2, 0) == 0
+    ranks((3, 4), (0, 0))
+    with pytest.raises(RuntimeError, match="rank 1 has no rows"):
+        fsdp.filler_passes(3, 4)
+
+
+def test_a_reference_that_cannot_be_sharded_is_left_whole():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    model = nn.Linear(2, 2)
+    assert fsdp.shard_reference(None, model) is None  # no KL reference
+    assert fsdp.shard_reference(SimpleNamespace(model=model), model) is None  # the policy's own model
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16))
+    assert fsdp.shard_reference(SimpleNamespace(model=mixed), model) is None  # several dtypes
+    assert fsdp.shard_reference(SimpleNamespace(model=nn.ReLU()), model) is None  # no weights at all

@@ -27,6 +27,11 @@ def make_samples(values):
     return [Sample(prompt=f"prompt {i}", completion=v) for i, v in enumerate(values)]
 
 
+async def _async_value(s):  # module level: a Reward holding it pickles
+    await asyncio.sleep(0)
+    return s.completion
+
+
 def value_atom(name, **kw):
     return RewardAtom(name, lambda s: s.completion, **kw)
 
@@ -552,6 +557,44 @@ def test_from_config_overrides(atoms_file, tmp_path):
     assert reward.score([Sample("p", "a"), Sample("p", "")]).total.tolist() == [6.0, 0.0]
 
 
+def test_a_dict_spec_keeps_a_batched_atom_batched(tmp_path):
+    """Overriding a loaded atom's name or weight keeps how it is called: a batched atom still
+    gets the list of samples (called one sample at a time, it would fail on every one)."""
+    (tmp_path / "batched_atoms.py").write_text(textwrap.dedent(
+        """
+        from mmrl.core.rewards import reward_atom
+
+        @reward_atom("lengths", batched=True)
+        def lengths(samples):
+            return [len(s.completion) for s in samples]
+        """
+    ))
+    reward = Reward.from_config([{"path": "batched_atoms.py:lengths", "name": "n", "weight": 2.0}],
+                                base_dir=tmp_path)
+    assert reward.atoms[0].batched
+    assert reward.score([Sample("p", "ab"), Sample("p", "abc")]).total.tolist() == [4.0, 6.0]
+
+
+def test_an_atom_file_that_exits_at_import_is_a_value_error(tmp_path):
+    """A script's sys.exit() at import must not end the trainer: it is the spec's error."""
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(2)\n")
+    with pytest.raises(ValueError, match=r"'exits.py:fn'.*importing .*exits.py failed: SystemExit: 2"):
+        load_atom("exits.py:fn", base_dir=tmp_path)
+
+
+def test_a_copy_of_a_reward_whose_async_atoms_ran_scores_on_a_loop_of_its_own():
+    """deepcopy (and pickle) leave the event loop behind: the copy makes its own."""
+    import copy
+    import pickle
+
+    reward = Reward([RewardAtom("judge", _async_value)])
+    assert reward.score(make_samples([1.0])).total.tolist() == [1.0]  # its loop thread exists now
+    for twin in (copy.deepcopy(reward), pickle.loads(pickle.dumps(reward))):
+        assert twin.score(make_samples([2.0])).total.tolist() == [2.0]
+        assert twin._loop is not reward._loop
+    assert reward.score(make_samples([3.0])).total.tolist() == [3.0]  # the original's loop still serves
+
+
 def test_config_atoms_may_be_gated_by_task_atoms(atoms_file):
     """reward.atoms of a config can name the task's atoms as parents (a partial-credit
     atom gated by the task's format atom); an unknown parent is a ConfigError naming it."""
@@ -706,6 +749,39 @@ def test_weights_and_timeouts_out_of_range_are_refused_up_front():
         Reward([value_atom("v")], timeout=1e10)
     with pytest.raises(ValueError, match="parents must be a list of atom names, got None"):
         RewardAtom("child", lambda s: 1.0, parents=None)
+
+
+def test_a_negative_weight_beyond_float32_is_refused_too():
+    """The float32 range bounds a weight's size either way: -1e39 is -inf in the totals."""
+    with pytest.raises(ValueError, match="weight must be finite in float32"):
+        RewardAtom("big", lambda s: 1.0, weight=-1e39)
+    a = value_atom("a")
+    a.weight = -1e39  # changed after construction: still caught
+    with pytest.raises(ValueError, match="'a': weight must be finite in float32"):
+        Reward([a])
+
+
+def test_metrics_of_one_sample_have_a_total_std_of_zero():
+    m = Reward([value_atom("a", weight=2.0)]).score(make_samples([0.5])).metrics()
+    assert m["reward/total"] == 1.0 and m["reward/total_std"] == 0.0  # not the nan of an unbiased std of one
+
+
+def test_an_async_atom_busy_between_its_awaits_is_charged_its_own_time():
+    """Work an async atom does itself, in slices short of the timeout with awaits between,
+    counts against its timeout (only other atoms' time on the loop is not its own): it times
+    out at the timeout, not only once it finishes."""
+    @reward_atom("grinding")
+    async def grinding(s):
+        for _ in range(40):
+            time.sleep(0.02)  # noqa: ASYNC251 -- its own work, in short slices
+            await asyncio.sleep(0)
+        return 1.0
+
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"timed out after 0\.2 s") as info:
+        Reward([grinding], timeout=0.2).score(make_samples([0]))
+    assert info.value.atom == "grinding"
+    assert time.perf_counter() - start < 0.6  # not the 0.8 s the whole call takes
 
 
 def test_a_weighted_total_beyond_float32_names_the_sample():
