@@ -343,3 +343,134 @@ def test_a_frozen_copy_rolls_out_with_its_own_weights(qwen25_dir):
     ref = policy.rollout_copy()
     assert ref.agent.policy is ref and ref.agent.policy.model is not policy.model
     assert ref.agent.registry is policy.agent.registry
+
+
+def _text_of(tok, n: int) -> str:
+    """A plain text of exactly n tokens."""
+    for k in range(1, 4 * n):
+        text = "a" + " b" * k
+        if len(tok(text, add_special_tokens=False)["input_ids"]) == n:
+            return text
+    raise AssertionError(f"no text of {n} tokens")
+
+
+def test_a_turn_that_just_fits_the_context_is_started(qwen25_dir):
+    """A turn starts where prompt + completion so far + max_new_tokens is the context exactly;
+    the next, which would outgrow it, is not (the rollout is truncated after the call)."""
+    policy = make_policy(qwen25_dir)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    Scripted(policy, [[call, "<answer>6</answer><|im_end|>"]]).install()
+    prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
+    policy.max_context = prompt + 48  # rollout_cfg's max_new_tokens
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert data["stat/turns"].tolist() == [1.0] and data["stat/tool_calls"].tolist() == [1.0]
+    assert data["stat/truncated"].tolist() == [1.0] and "<answer>" not in batch.samples[0].completion
+
+
+def test_a_tools_text_of_exactly_the_budget_is_not_cut(qwen25_dir):
+    registry = build_registry([], timeout=2.0)
+    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=16)
+    text = _text_of(policy.tokenizer, 16)
+
+    @registry.register
+    def sixteen() -> str:
+        return text
+
+    Scripted(policy, [['<tool_call>\n{"name": "sixteen", "arguments": {}}\n</tool_call>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cut to tools.max_observation_tokens" warning
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert text in batch.samples[0].completion and "[cut:" not in batch.samples[0].completion
+    assert batch.data["stat/tool_errors"].tolist() == [0.0] and batch.data["stat/tool_failures"].tolist() == [0.0]
+
+
+def test_the_observation_budget_is_shared_by_a_results_texts(qwen25_dir):
+    """tools.max_observation_tokens bounds an observation's text in all, not each part's."""
+    registry = build_registry([], timeout=2.0)
+    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=16)
+    part = _text_of(policy.tokenizer, 12)
+
+    @registry.register
+    def two_parts() -> list:
+        return [part, part]
+
+    Scripted(policy, [['<tool_call>\n{"name": "two_parts", "arguments": {}}\n</tool_call>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    with pytest.warns(UserWarning, match="returned 24 tokens of text, cut to tools.max_observation_tokens 16"):
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert "[cut: 8 more tokens]" in batch.samples[0].completion
+    assert batch.data["stat/tool_failures"].tolist() == [1.0]
+
+
+def test_a_long_error_observation_is_cut_but_keeps_its_kind(qwen25_dir):
+    """The model's own mistake (an unknown tool) quoted at length is cut like any text, but it
+    stays the model's error: not a tool failure, and no warning."""
+    policy = make_policy(qwen25_dir, max_observation_tokens=16)
+    name = "no_such_tool_" * 3
+    Scripted(policy, [['<tool_call>\n{"name": "%s", "arguments": {}}\n</tool_call>' % name,
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(max_new_tokens=96), torch.Generator().manual_seed(0))
+    assert "error: unknown tool" in batch.samples[0].completion and "[cut:" in batch.samples[0].completion
+    assert batch.data["stat/tool_errors"].tolist() == [1.0] and batch.data["stat/tool_failures"].tolist() == [0.0]
+
+
+def test_a_tools_failure_is_warned_once_per_tool_and_kind(qwen25_dir):
+    registry = build_registry([], timeout=2.0)
+
+    @registry.register
+    def broken() -> str:
+        raise RuntimeError("always")
+
+    policy = make_policy(qwen25_dir, registry=registry)
+    call = '<tool_call>\n{"name": "broken", "arguments": {}}\n</tool_call>'
+    Scripted(policy, [[call, "<answer>circle</answer><|im_end|>"]] * 2).install()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        batch = policy.generate([ITEMS[0]], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_failures"].tolist() == [1.0, 1.0]  # every failure counted
+    assert len([w for w in said if "tool broken" in str(w.message)]) == 1  # said once
+
+
+def test_a_second_calls_span_is_its_own_and_first_call_is_the_first(qwen25_dir):
+    """call_mask marks every call's own tokens (a later turn's call where it is, after the
+    observations); first_call is the first call's position."""
+    policy = make_policy(qwen25_dir, max_turns=3, max_tool_calls=2)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    Scripted(policy, [[call, " so " + call, "<answer>6</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [2.0] and data["stat/tool_errors"].tolist() == [0.0]
+    ids, calls = data["completion_ids"][0], data["call_mask"][0]
+    assert policy.tokenizer.decode(ids[calls].tolist()) == call + call
+    assert int(data["first_call"][0]) == 0
+    assert batch.mask[0][calls].all()  # the model's own tokens: trained
+
+
+def test_a_closed_call_followed_by_more_text_is_not_an_unclosed_call(qwen25_dir):
+    """A turn that closes its call and goes on to end-of-turn did not end inside the call:
+    no malformed-call error, no observation (a demonstration's last turn)."""
+    policy = make_policy(qwen25_dir)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    batch = policy.agent.teacher([ITEMS[0]], [[call + " or not: <answer>red</answer>"]])
+    data = batch.data
+    assert data["stat/tool_errors"].tolist() == [0.0] and data["stat/turns"].tolist() == [1.0]
+    assert "tool_response" not in batch.samples[0].completion
+    assert batch.samples[0].completion.rstrip().endswith("</answer>")
+
+
+def test_a_demonstration_of_max_turns_turns_ends_with_a_trained_end_of_turn(qwen25_dir):
+    """teacher(): a transcript may use every turn tools.max_turns allows (one more is refused),
+    and its last turn ends with end-of-turn, which is trained like the model's own."""
+    policy = make_policy(qwen25_dir, max_turns=2)
+    call = zoom_call(ITEMS[0].meta["zoom_box"])
+    batch = policy.agent.teacher([ITEMS[0]], [[call, "<answer>red</answer>"]])
+    data = batch.data
+    assert data["stat/turns"].tolist() == [2.0] and data["stat/truncated"].tolist() == [0.0]
+    ids = data["completion_ids"][0][data["completion_attention"][0]].tolist()
+    assert ids[-1] == policy.eos_id and batch.mask[0, len(ids) - 1]
+    with pytest.raises(ValueError, match="a transcript of 3 turns; tools.max_turns is 2"):
+        policy.agent.teacher([ITEMS[0]], [[call, call, "<answer>red</answer>"]])
