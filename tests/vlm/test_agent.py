@@ -16,7 +16,7 @@ import torch
 from mmrl.core.batch import RolloutBatch
 from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import load_vlm
-from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.policy import PromptTooLong, VLMPolicy
 from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, zoom_call
 from mmrl.vlm.tools import ToolRegistry, build_registry
 
@@ -448,6 +448,7 @@ def test_a_second_calls_span_is_its_own_and_first_call_is_the_first(qwen25_dir):
     assert policy.tokenizer.decode(ids[calls].tolist()) == call + call
     assert int(data["first_call"][0]) == 0
     assert batch.mask[0][calls].all()  # the model's own tokens: trained
+    assert (batch.samples[0].meta["tool_calls"], batch.samples[0].meta["tool_errors"]) == (2, 0)
 
 
 def test_a_closed_call_followed_by_more_text_is_not_an_unclosed_call(qwen25_dir):
@@ -474,3 +475,28 @@ def test_a_demonstration_of_max_turns_turns_ends_with_a_trained_end_of_turn(qwen
     assert ids[-1] == policy.eos_id and batch.mask[0, len(ids) - 1]
     with pytest.raises(ValueError, match="a transcript of 3 turns; tools.max_turns is 2"):
         policy.agent.teacher([ITEMS[0]], [[call, call, "<answer>red</answer>"]])
+
+
+def test_observation_image_tokens_are_typed_as_images(qwen25_dir):
+    """completion/mm_token_type_ids marks an observation's image placeholders as the processor
+    marks a prompt's (1), and nothing else: the model reads token types to place image tokens."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[0]
+    Scripted(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    ids, types = batch.data["completion_ids"][0], batch.data["completion/mm_token_type_ids"][0]
+    image_pad = policy.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert (ids == image_pad).sum() > 0
+    assert types.tolist() == (ids == image_pad).long().tolist()
+    prompt_pads = batch.data["prompt_ids"][0] == image_pad
+    assert (batch.data["prompt/mm_token_type_ids"][0][prompt_pads] == 1).all()  # as the processor types them
+
+
+def test_a_prefix_counts_toward_the_prompts_length(qwen25_dir):
+    """A tool rollout's prompt, with its fixed prefix and max_new_tokens, must fit the context."""
+    policy = make_policy(qwen25_dir)
+    head = policy.tokenizer("I see", add_special_tokens=False)["input_ids"]
+    prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
+    policy.max_context = prompt + 48 + len(head) - 1
+    with pytest.raises(PromptTooLong, match="exceeds the model's context"):
+        policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0), prefixes=[head])
