@@ -134,8 +134,12 @@ class Outsider:  # defined in a test module, not in an allowed package
     ("builtins:eval", "refusing"),
     ("mmrl.core.engine:PolicyEngine", "not a dataclass"),  # allowed package, but not data
     ("mmrl.core.engine:torch.Tensor", "not a dataclass"),  # reached through a module attribute
+    ("mmrl.core.wire:Request", "not a dataclass defined there"),  # a dataclass, imported from elsewhere
     ("mmrl.nowhere:Thing", "unknown class"),
     ("mmrl.core.engine.Request", "expected 'module:QualName'"),
+    ("mmrl.core.engine:Request:x", "expected 'module:QualName'"),
+    # a public dataclass in a module this process has loaded, outside the allowed packages
+    (f"{Outsider.__module__}:Outsider", f"refusing class {Outsider.__module__}:Outsider"),
 ])
 def test_decode_refuses_classes_outside_the_allow_list(cls, needle):
     message = {"value": {"__t": "dataclass", "cls": cls, "fields": {}}, "tensors": None}
@@ -166,6 +170,82 @@ def test_decode_never_imports_a_module(monkeypatch):
     with pytest.raises(wire.WireError, match="unknown class mmrl.demo.compare:Shown"):
         wire.unpack(message)
     assert "mmrl.demo.compare" not in sys.modules
+
+
+def test_a_dict_with_a_tag_key_roundtrips_as_a_dict():
+    """A str-keyed dict holding "__t" must not be read back as a tagged value."""
+    for value in ({"__t": "tuple", "items": [1, 2]}, {"__t": "tensor", "key": "0"}, {1: "a", "b": (2,)}):
+        assert wire.unpack(json.loads(json.dumps(wire.pack(value)))) == value
+
+
+def test_init_false_fields_are_set_as_the_sender_had_them(monkeypatch):
+    import types
+    from dataclasses import field
+
+    module = types.ModuleType("mmrl.wire_probe")
+
+    @dataclass
+    class Counted:
+        x: int
+        seen: int = field(default=0, init=False)
+
+    Counted.__module__, Counted.__qualname__ = module.__name__, "Counted"
+    module.Counted = Counted
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    sent = Counted(3)
+    sent.seen = 7
+    back = wire.unpack(json.loads(json.dumps(wire.pack(sent))))
+    assert type(back) is Counted and (back.x, back.seen) == (3, 7)
+
+
+def test_a_raw_image_past_the_pixel_bound_is_refused_before_it_is_built(monkeypatch):
+    monkeypatch.setattr(wire, "MAX_RAW_PIXELS", 100)
+    value = wire.pack(Image.new("F", (10, 10)))["value"]  # "F": raw bytes, not PNG
+    assert wire.unpack({"value": value, "tensors": None}).size == (10, 10)  # at the bound
+    big = wire.pack(Image.new("F", (11, 10)))["value"]
+    with pytest.raises(wire.WireError, match=r"bad image size \[11, 10\]"):
+        wire.unpack({"value": big, "tensors": None})
+
+
+def test_a_png_image_comes_back_in_the_mode_its_message_names():
+    value = wire.pack(Image.new("RGB", (4, 3), (200, 10, 10)))["value"]
+    back = wire.unpack({"value": {**value, "mode": "L"}, "tensors": None})
+    assert (back.mode, back.size) == ("L", (4, 3))
+
+
+def test_class_lookup_runs_no_module_getattr(monkeypatch):
+    """resolve_class reads module and class dicts only: a module's __getattr__ (code) never runs."""
+    import types
+
+    module, calls = types.ModuleType("mmrl.wire_lazy"), []
+
+    def lazy(name):
+        calls.append(name)
+        raise AttributeError(name)
+
+    module.__getattr__ = lazy
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    message = {"value": {"__t": "dataclass", "cls": "mmrl.wire_lazy:Thing", "fields": {}}, "tensors": None}
+    with pytest.raises(wire.WireError, match="unknown class mmrl.wire_lazy:Thing"):
+        wire.unpack(message)
+    assert calls == []
+
+
+def test_a_message_with_other_keys_or_requests_with_bool_counts_are_refused():
+    with pytest.raises(wire.WireError, match="exactly the keys 'value' and 'tensors'"):
+        wire.unpack({"value": 1, "tensors": None, "extra": 0})
+    with pytest.raises(wire.WireError, match="must be integers"):
+        wire.decode_requests(wire.pack([Request(group=0, prompt=1, n=True)]))
+    with pytest.raises(wire.WireError, match="expected a RolloutBatch, got list"):
+        wire.decode_batch(wire.pack([Request(group=0, prompt=1, n=1)]))
+
+
+def test_views_of_one_tensor_travel_as_tensors_of_their_own():
+    """safetensors refuses tensors that share storage: views (a batch's rows of one tensor) are sent."""
+    t = torch.arange(6.0)
+    back = wire.unpack(json.loads(json.dumps(wire.pack({"a": t[:3], "b": t[3:], "all": t}))))
+    assert back["a"].tolist() == [0.0, 1.0, 2.0] and back["b"].tolist() == [3.0, 4.0, 5.0]
+    assert torch.equal(back["all"], t)
 
 
 def test_sender_refuses_what_the_receiver_would():
