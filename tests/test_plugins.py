@@ -111,6 +111,17 @@ def test_a_plugin_that_fails_after_registering_leaves_no_method_behind(tmp_path)
     assert METHODS == before
 
 
+def test_a_method_registered_by_a_plugin_that_then_fails_is_unregistered(tmp_path):
+    """Whatever ran before: a name no other test registers, so it cannot be in METHODS already."""
+    from mmrl.core.method import METHODS
+
+    (tmp_path / "late.py").write_text(PLUGIN.replace('"half_neg"', '"late_failure_only"')
+                                      + "\nraise RuntimeError('late failure')\n")
+    with pytest.raises(plugins.ConfigError, match="late failure"):
+        plugins.load(["late.py"], tmp_path)
+    assert "late_failure_only" not in METHODS
+
+
 def test_a_plugin_file_named_as_a_reward_atom_too_is_imported_once(tmp_path, one_thread):
     (tmp_path / "half_neg.py").write_text(PLUGIN + "\nCALLS.append(__name__)\n\n\ndef positive(sample):\n"
                                           "    return 1.0\n")
