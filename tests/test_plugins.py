@@ -122,6 +122,13 @@ def test_a_method_registered_by_a_plugin_that_then_fails_is_unregistered(tmp_pat
     assert "late_failure_only" not in METHODS
 
 
+def test_requested_reads_only_the_plugins_override_and_refuses_empty_names():
+    assert plugins.requested(None, ["plugins=[a.py, b.py]", "method.type=x"], {"plugins": []}) == ["a.py", "b.py"]
+    assert plugins.requested(None, ["train.max_steps=3"], {"plugins": ["d.py"]}) == ["d.py"]
+    with pytest.raises(plugins.ConfigError, match="a list of Python file paths is needed"):
+        plugins.requested(None, [], {"plugins": [""]})
+
+
 def test_a_plugin_file_named_as_a_reward_atom_too_is_imported_once(tmp_path, one_thread):
     (tmp_path / "half_neg.py").write_text(PLUGIN + "\nCALLS.append(__name__)\n\n\ndef positive(sample):\n"
                                           "    return 1.0\n")

@@ -100,6 +100,7 @@ def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path
     # other braces fail now, not when the first rollout is scored
     ({"reward_model": "rm", "template": '{"q": "{prompt}", "a": "{completion}"}'}, "fields \\[\'\"q\"\'\\]"),
     ({"reward_model": "rm", "template": "{prompt} } {completion}"}, "literal brace"),
+    ({"reward_model": "rm", "template": "{prompt} {completion} {extra}"}, "fields \\['extra'\\]"),
     ({"reward_model": "rm", "max_length": 0}, "max_length must be an integer >= 1"),
     ({"reward_model": "two"}, "has 2 outputs"),
     ({"reward_model": "notrm"}, "is not a sequence classifier"),
@@ -112,6 +113,26 @@ def test_bad_reward_model_specs_name_the_spec_and_the_problem(tmp_path, spec, ma
                                                                 "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match=f"reward spec 0 \\({spec['reward_model']}\\): .*{match}"):
         load_atoms([spec], base_dir=tmp_path)
+
+
+def test_the_text_limit_is_the_smaller_real_limit_else_512():
+    from types import SimpleNamespace
+
+    from mmrl.core.reward_models import text_limit
+
+    def limit(positions, tokenizer_max):
+        config = SimpleNamespace() if positions is None else SimpleNamespace(max_position_embeddings=positions)
+        return text_limit(SimpleNamespace(config=config), SimpleNamespace(model_max_length=tokenizer_max))
+
+    assert limit(64, 128) == 64 and limit(256, 128) == 128
+    assert limit(None, int(1e30)) == 512  # transformers' "no limit" sentinel is no limit
+    assert limit(None, 300) == 300
+
+
+def test_a_given_template_wins_over_the_tokenizers_chat_template(tmp_path):
+    path = build_rm(tmp_path / "rm", chat=True)
+    rm = RewardModel(path, template="Q: {prompt} A: {completion}")
+    assert rm(SAMPLES[:1])[0] == pytest.approx(by_hand(path, "Q: 12+7= A: 19"), abs=1e-5)
 
 
 def test_a_non_text_sample_is_a_clear_error(tmp_path):
