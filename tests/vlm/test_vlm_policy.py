@@ -563,3 +563,21 @@ def test_a_model_directory_without_tokenizer_files_or_chat_template_fails_at_loa
         (copy / name).unlink(missing_ok=True)
     with pytest.raises(ConfigError, match=f"model.path: .*{words.replace('|', '[|]')}"):
         load_vlm(VLMModelConfig(path=str(copy)))
+
+
+def test_mean_over_a_mask_is_zero_for_an_empty_row():
+    from mmrl.vlm.policy import mean_over
+
+    x = torch.tensor([[1.0, 3.0, 5.0], [2.0, 4.0, 6.0]])
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    assert mean_over(x, mask).tolist() == [2.0, 0.0]
+
+
+def test_a_completion_ending_its_turn_on_its_last_token_is_not_truncated():
+    from mmrl.vlm.policy import budget_spent
+
+    is_eos = torch.tensor([[False, False, False, False, True], [False] * 5, [False, True, False, False, False]])
+    mask = torch.tensor([[True] * 5, [True] * 5, [True, True, False, False, False]])
+    lengths = mask.sum(-1)
+    assert budget_spent(is_eos, mask, lengths, 5).tolist() == [0.0, 1.0, 0.0]
+    assert budget_spent(is_eos, mask, lengths, None).tolist() == [0.0, 1.0, 0.0]
