@@ -500,3 +500,10 @@ def test_a_prefix_counts_toward_the_prompts_length(qwen25_dir):
     policy.max_context = prompt + 48 + len(head) - 1
     with pytest.raises(PromptTooLong, match="exceeds the model's context"):
         policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0), prefixes=[head])
+
+
+def test_a_tool_batchs_groups_are_its_prompts(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    Scripted(policy, [["<answer>red</answer><|im_end|>"]] * 4).install()
+    batch = policy.generate(ITEMS[:2], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]

@@ -581,3 +581,23 @@ def test_a_completion_ending_its_turn_on_its_last_token_is_not_truncated():
     lengths = mask.sum(-1)
     assert budget_spent(is_eos, mask, lengths, 5).tolist() == [0.0, 1.0, 0.0]
     assert budget_spent(is_eos, mask, lengths, None).tolist() == [0.0, 1.0, 0.0]
+
+
+def test_sft_loss_is_the_mean_nll_over_the_trained_tokens(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    batch = policy.teacher_batch(ITEMS[:2], ["<answer>red</answer>", "a longer answer, then <answer>blue</answer>"])
+    assert not batch.mask.all()  # rows of different lengths: padding carries no loss
+    with torch.no_grad():
+        loss = policy.sft_loss(batch)
+        logp = policy.logprobs(batch)
+    torch.testing.assert_close(loss, -logp[batch.mask].mean())
+
+
+def test_end_of_turn_is_im_end_whatever_the_tokenizers_eos(qwen25_dir):
+    """A chat checkpoint whose tokenizer's eos is <|endoftext|> still ends turns at <|im_end|>."""
+    model, processor = load_vlm(VLMModelConfig(path=str(qwen25_dir)))
+    tok = processor.tokenizer
+    tok.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id != im_end
+    assert VLMPolicy(model, processor).eos_id == im_end
