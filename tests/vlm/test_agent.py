@@ -409,7 +409,7 @@ def test_a_long_error_observation_is_cut_but_keeps_its_kind(qwen25_dir):
     stays the model's error: not a tool failure, and no warning."""
     policy = make_policy(qwen25_dir, max_observation_tokens=16)
     name = "no_such_tool_" * 3
-    Scripted(policy, [['<tool_call>\n{"name": "%s", "arguments": {}}\n</tool_call>' % name,
+    Scripted(policy, [['<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>',
                        "<answer>circle</answer><|im_end|>"]]).install()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
