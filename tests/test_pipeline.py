@@ -567,14 +567,7 @@ def test_a_pipelined_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_
     cfg = config(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2", "train.max_steps=1",
                  "train.micro_batch_size=2")
     trainer = Trainer(cfg, SeededToy(), toy.ToyTask())
-    loss = trainer.method.loss
-
-    def with_constant(*a, **kw):
-        out = loss(*a, **kw)
-        out.metrics["x/constant"] = 0.5
-        return out
-
-    trainer.method.loss = with_constant
+    toy.log_constant(trainer.method, "x/constant", 0.5)
     trainer.train()
     (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert row["train/updates"] == 4

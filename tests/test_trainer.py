@@ -750,14 +750,7 @@ def test_a_step_logs_each_loss_metric_as_its_mean_over_the_passes(tmp_path):
     """ppo_epochs x mini_batches optimizer steps, each of several micro-batches: a metric that is
     0.5 in every micro-batch is logged as 0.5."""
     trainer = make(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2", "train.micro_batch_size=4")
-    loss = trainer.method.loss
-
-    def with_constant(*a, **kw):
-        out = loss(*a, **kw)
-        out.metrics["x/constant"] = 0.5
-        return out
-
-    trainer.method.loss = with_constant
+    toy.log_constant(trainer.method, "x/constant", 0.5)
     batch, _ = trainer.scheduler.next_groups(version=0)
     metrics = trainer.update(batch)
     assert metrics["train/updates"] == 4
@@ -768,14 +761,7 @@ def test_a_batch_with_fewer_rows_than_mini_batches_logs_means_over_the_passes_th
     """Two rows in four mini-batches: two are empty and skipped, so a metric that is 0.5 in each
     pass that ran is logged as 0.5, not diluted by the skipped ones (it was 0.25)."""
     trainer = make(tmp_path, "train.mini_batches=4")
-    loss = trainer.method.loss
-
-    def with_constant(*a, **kw):
-        out = loss(*a, **kw)
-        out.metrics["x/constant"] = 0.5
-        return out
-
-    trainer.method.loss = with_constant
+    toy.log_constant(trainer.method, "x/constant", 0.5)
     batch, _ = trainer.scheduler.next_groups(version=0)
     metrics = trainer.update(batch.select(torch.arange(2)))
     assert metrics["train/updates"] == 2

@@ -122,3 +122,16 @@ def sample(cfg, policy, task, prompts, n):
     scores = task.reward.score(batch.samples)
     return [{"prompt": s.prompt, "completion": s.completion, **a}
             for s, a in zip(batch.samples, scores.per_sample())]
+
+
+def log_constant(method, key: str, value: float) -> None:
+    """Make every micro-batch's loss log `key` = value: a metric whose logged mean is known, to
+    check how a step averages metrics over its passes."""
+    loss = method.loss
+
+    def with_constant(*a, **kw):
+        out = loss(*a, **kw)
+        out.metrics[key] = value
+        return out
+
+    method.loss = with_constant
