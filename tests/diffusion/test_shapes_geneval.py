@@ -254,6 +254,35 @@ def test_disjoint_splits_share_no_prompt_and_the_task_uses_them_by_default(tmp_p
     assert backend.build_task(cfg).eval_prompts == sample_prompts(cfg.task.num_eval, 0, split="eval")
 
 
+def test_split_of_is_pinned_so_held_out_sets_stay_the_same_across_versions():
+    """split_of hashes a salted prompt: a changed salt, hash or threshold silently moves prompts
+    between the train and held-out sets of runs already made (and their checkpoints' evaluations)."""
+    from diffusion_rl.tasks.shapes_geneval import split_of
+
+    pinned = {
+        "a red square": "train",
+        "a green circle right of a blue circle": "eval",
+        "two red circles above two yellow squares": "eval",
+        "a yellow circle": "eval",
+        "two blue circles left of two yellow circles": "eval",
+    }
+    assert {p: split_of(p) for p in pinned} == pinned
+    drawn = sample_prompts(40, 0)
+    assert [p for p in drawn if split_of(p) == "eval"][:3] == list(pinned)[1:4]
+
+
+def test_sample_prompts_guards_name_the_bad_setting():
+    with pytest.raises(ValueError, match="need at least two"):
+        sample_prompts(3, colours=["red"], shapes=["square"])  # one kind: no relation prompt exists
+    assert sample_prompts(3, colours=["red"], shapes=["square"], relation_p=0.0, max_count=1) == ["a red square"] * 3
+    for key in ("max_count", "max_relation_count"):
+        with pytest.raises(ValueError, match=f"{key} must be in 1..4, got 0"):
+            sample_prompts(3, relation_p=0.5, **{key: 0})
+    assert all(" of " in p or " above " in p or " below " in p for p in sample_prompts(20, relation_p=1.0))
+    with pytest.raises(ValueError, match="relation_p must be in"):
+        sample_prompts(3, relation_p=1.01)
+
+
 def test_sample_prompts_cover_every_atom_type_and_word():
     prompts = sample_prompts(400, seed=0)
     parsed = [parse_objects(p) for p in prompts]
@@ -628,6 +657,20 @@ def test_same_kind_relation_splits_the_sorted_objects():
     assert scores["count[red circle]=3"] == 1.0
     lone = evaluate_atoms(atoms, [obj("red", "circle", 10, 50)])
     assert lone["relation[red circle left of red circle]"] == 0.0  # nothing to be left of
+
+
+def test_same_kind_relation_sorts_toward_the_subject_for_right_of_and_below():
+    """Same-kind prompts sort along the axis in the relation's direction: for "right of" and
+    "below" the subjects are the rightmost / lowest objects, not the leftmost / highest."""
+    for rel, far, near in (("right of", (45, 50), (10, 50)), ("below", (50, 45), (50, 10))):
+        atoms = parse_prompt(f"a red circle {rel} a red circle")
+        name = f"relation[red circle {rel} red circle]"
+        scores = evaluate_atoms(atoms, [obj("red", "circle", *near), obj("red", "circle", *far)])
+        assert scores[name] == 1.0, rel
+        two = parse_prompt(f"two red circles {rel} a red circle")
+        objects = [obj("red", "circle", *near), obj("red", "circle", *far),
+                   obj("red", "circle", *(v + 25 if v > 40 else v for v in far))]
+        assert evaluate_atoms(two, objects)[f"relation[red circle {rel} red circle]"] == 1.0, rel
 
 
 def test_causal_gating_zeroes_a_child_of_a_failed_parent():
