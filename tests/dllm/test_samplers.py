@@ -383,3 +383,24 @@ def test_threshold_is_strict_a_confidence_equal_to_it_is_not_committed():
         assert c.mask.tolist() == [[T, F, F], [T, F, F]], strategy
         assert c.fallback.tolist() == [F, strategy == "fork"], strategy
         torch.testing.assert_close(c.expected_wrong, torch.tensor([0.1, 0.5]))
+
+
+def test_tau_budget_set_a_is_strict_a_confidence_equal_to_tau_is_outside_it():
+    """SLIM-RL's A holds the positions with c > tau: a masked c = tau adds nothing to the budget,
+    so with n = 0 nothing is committed; a c just above tau is committed."""
+    masked = torch.ones(1, 3, dtype=torch.bool)
+    c = select_commits(torch.tensor([[0.5, 0.5, 0.25]]), masked, strategy="tau_budget", num_commit=0, tau=0.5)
+    assert c.mask.tolist() == [[F, F, F]]
+    c = select_commits(torch.tensor([[0.5, 0.75, 0.25]]), masked, strategy="tau_budget", num_commit=0, tau=0.5)
+    assert c.mask.tolist() == [[F, T, F]]
+
+
+def test_decode_refuses_a_negative_temperature():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return torch.zeros(x.shape[0], x.shape[1], V)
+    with pytest.raises(ValueError, match=r"temperature \(-0.5\) must be >= 0"):
+        decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, temperature=-0.5)
+    assert not calls
