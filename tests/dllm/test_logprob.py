@@ -88,6 +88,17 @@ def test_coupled_masks_complementary():
     assert torch.equal(r1, m1)
 
 
+def test_coupled_masks_rate_of_each_row_stays_in_t_range():
+    """Each row's t is drawn from t_range itself: no row masks far more or less than t_range allows."""
+    valid = torch.ones(200, 4000, dtype=torch.bool)
+    m1, _ = coupled_masks(valid, generator=gen(5))
+    rates = m1.float().mean(1)
+    assert rates.min().item() > 0.17 and rates.max().item() < 0.83
+    m1, _ = coupled_masks(valid, generator=gen(5), t_range=(0.5, 0.6))
+    rates = m1.float().mean(1)
+    assert rates.min().item() > 0.47 and rates.max().item() < 0.63
+
+
 def test_coupled_logprob_hand_values():
     logp1 = torch.tensor([[-1.0, -2.0, -3.0]])
     logp2 = torch.tensor([[-4.0, -5.0, -6.0]])
@@ -164,6 +175,11 @@ def test_trace_rows_full_attention_hand_map():
     big = trace_rows(COMMIT, s=10)  # s >= K: one row, every valid token a target
     assert big.sample.tolist() == [0, 1] and big.step.tolist() == [0, 0]
     check_invariants(big, COMMIT, 10, None)
+
+
+def test_trace_rows_refuses_a_group_size_below_one():
+    with pytest.raises(ValueError, match="s must be >= 1, got 0"):
+        trace_rows(torch.tensor([[0, 1, 2]]), s=0)
 
 
 def test_trace_rows_block_attention_hand_map():
