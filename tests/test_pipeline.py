@@ -89,6 +89,18 @@ def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
     assert all(len(b) == 4 and b.advantages is not None and b.scores is not None for b in groups)
 
 
+def test_frontier_dispatch_never_sends_more_than_engine_batch_samples(tmp_path):
+    """A group larger than the engine batch is split across calls, not sent whole."""
+    cfg = config(tmp_path, "rollout.scheduler.engine_batch=3")
+    engine = FakeEngine(SeededToy())
+    sched, _ = scheduler(cfg, [engine])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert max(sum(n for _, n, *_ in call) for call in engine.calls) == 3
+    assert sorted(int(b.group_ids[0]) for b in groups) == list(range(8)) and all(len(b) == 4 for b in groups)
+
+
 def test_without_frontier_every_group_advances_and_none_completes_early(tmp_path):
     cfg = config(tmp_path, "rollout.scheduler.frontier=0")
     engine = FakeEngine(SeededToy())
