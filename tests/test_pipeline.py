@@ -77,13 +77,19 @@ def scheduler(cfg, engines, method=None):
                               torch.Generator().manual_seed(0), policy.model), policy
 
 
-def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
-    cfg = config(tmp_path)  # U = 8 / 4 = 2 groups per step, F_w = U, 2 x 4 samples per call
+def one_round(cfg):
+    """One round of groups of 4 on a fresh FakeEngine -> (the engine, holding its calls; the groups)."""
     engine = FakeEngine(SeededToy())
     sched, _ = scheduler(cfg, [engine])
     rnd, _ = sched.start_round(0, 4)
     groups = list(rnd)
     sched.close()
+    return engine, groups
+
+
+def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
+    cfg = config(tmp_path)  # U = 8 / 4 = 2 groups per step, F_w = U, 2 x 4 samples per call
+    engine, groups = one_round(cfg)
     assert [sorted(g for g, *_ in call) for call in engine.calls] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [int(b.group_ids[0]) for b in groups] == list(range(8))  # completion order = frontier order
     assert all(len(b) == 4 and b.advantages is not None and b.scores is not None for b in groups)
@@ -92,22 +98,14 @@ def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
 def test_frontier_dispatch_never_sends_more_than_engine_batch_samples(tmp_path):
     """A group larger than the engine batch is split across calls, not sent whole."""
     cfg = config(tmp_path, "rollout.scheduler.engine_batch=3")
-    engine = FakeEngine(SeededToy())
-    sched, _ = scheduler(cfg, [engine])
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    engine, groups = one_round(cfg)
     assert max(sum(n for _, n, *_ in call) for call in engine.calls) == 3
     assert sorted(int(b.group_ids[0]) for b in groups) == list(range(8)) and all(len(b) == 4 for b in groups)
 
 
 def test_without_frontier_every_group_advances_and_none_completes_early(tmp_path):
     cfg = config(tmp_path, "rollout.scheduler.frontier=0")
-    engine = FakeEngine(SeededToy())
-    sched, _ = scheduler(cfg, [engine])
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    engine, groups = one_round(cfg)
     assert len(engine.calls) == 4
     assert all(sorted(g for g, *_ in call) == list(range(8)) for call in engine.calls)  # 1 sample each
     assert sorted(int(b.group_ids[0]) for b in groups) == list(range(8))

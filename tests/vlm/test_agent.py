@@ -6,6 +6,7 @@ and what it writes, while the log-probs, images and masks are the real thing."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from itertools import pairwise
 from types import SimpleNamespace
@@ -21,6 +22,11 @@ from mmrl.vlm.tasks.shapes_zoom import ShapesZoom, zoom_call
 from mmrl.vlm.tools import ToolRegistry, build_registry
 
 ITEMS = ShapesZoom(seed=0, num_train=4, num_eval=2).train_items()
+
+
+def tool_call(name: str, **arguments) -> str:
+    """A well-formed call in Qwen's syntax, as zoom_call writes one."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def make_policy(path, registry=None, **tools) -> VLMPolicy:
@@ -184,7 +190,7 @@ def test_limits_on_turns_and_tool_calls(qwen25_dir):
     """max_tool_calls: a second call gets an error observation; max_turns: a call in the
     last turn ends the rollout (truncated)."""
     policy = make_policy(qwen25_dir, max_turns=3, max_tool_calls=1)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    call = tool_call("calculator", expression="2*3")
     Scripted(policy, [[call, call, call]]).install()
     batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
     text = batch.samples[0].completion
@@ -198,7 +204,7 @@ def test_a_call_in_the_only_turn_counts_as_a_call(qwen25_dir):
     """max_turns 1: the call cannot run, but it is a call (stat/called as first_call says),
     and an unclosed one is a malformed call, as in any other turn."""
     policy = make_policy(qwen25_dir, max_turns=1)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    call = tool_call("calculator", expression="2*3")
     Scripted(policy, [[call], ['<tool_call>\n{"name": "zoom"<|im_end|>']]).install()
     batch = policy.generate([ITEMS[0]], 2, rollout_cfg(), torch.Generator().manual_seed(0))
     data = batch.data
@@ -358,7 +364,7 @@ def test_a_turn_that_just_fits_the_context_is_started(qwen25_dir):
     """A turn starts where prompt + completion so far + max_new_tokens is the context exactly;
     the next, which would outgrow it, is not (the rollout is truncated after the call)."""
     policy = make_policy(qwen25_dir)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    call = tool_call("calculator", expression="2*3")
     Scripted(policy, [[call, "<answer>6</answer><|im_end|>"]]).install()
     prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
     policy.max_context = prompt + 48  # rollout_cfg's max_new_tokens
@@ -377,7 +383,7 @@ def test_a_tools_text_of_exactly_the_budget_is_not_cut(qwen25_dir):
     def sixteen() -> str:
         return text
 
-    Scripted(policy, [['<tool_call>\n{"name": "sixteen", "arguments": {}}\n</tool_call>',
+    Scripted(policy, [[tool_call("sixteen"),
                        "<answer>circle</answer><|im_end|>"]]).install()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cut to tools.max_observation_tokens" warning
@@ -396,7 +402,7 @@ def test_the_observation_budget_is_shared_by_a_results_texts(qwen25_dir):
     def two_parts() -> list:
         return [part, part]
 
-    Scripted(policy, [['<tool_call>\n{"name": "two_parts", "arguments": {}}\n</tool_call>',
+    Scripted(policy, [[tool_call("two_parts"),
                        "<answer>circle</answer><|im_end|>"]]).install()
     with pytest.warns(UserWarning, match="returned 24 tokens of text, cut to tools.max_observation_tokens 16"):
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
@@ -409,7 +415,7 @@ def test_a_long_error_observation_is_cut_but_keeps_its_kind(qwen25_dir):
     stays the model's error: not a tool failure, and no warning."""
     policy = make_policy(qwen25_dir, max_observation_tokens=16)
     name = "no_such_tool_" * 3
-    Scripted(policy, [['<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>',
+    Scripted(policy, [[tool_call(name),
                        "<answer>circle</answer><|im_end|>"]]).install()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -426,7 +432,7 @@ def test_a_tools_failure_is_warned_once_per_tool_and_kind(qwen25_dir):
         raise RuntimeError("always")
 
     policy = make_policy(qwen25_dir, registry=registry)
-    call = '<tool_call>\n{"name": "broken", "arguments": {}}\n</tool_call>'
+    call = tool_call("broken")
     Scripted(policy, [[call, "<answer>circle</answer><|im_end|>"]] * 2).install()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -439,7 +445,7 @@ def test_a_second_calls_span_is_its_own_and_first_call_is_the_first(qwen25_dir):
     """call_mask marks every call's own tokens (a later turn's call where it is, after the
     observations); first_call is the first call's position."""
     policy = make_policy(qwen25_dir, max_turns=3, max_tool_calls=2)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    call = tool_call("calculator", expression="2*3")
     Scripted(policy, [[call, " so " + call, "<answer>6</answer><|im_end|>"]]).install()
     batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
     data = batch.data
@@ -455,7 +461,7 @@ def test_a_closed_call_followed_by_more_text_is_not_an_unclosed_call(qwen25_dir)
     """A turn that closes its call and goes on to end-of-turn did not end inside the call:
     no malformed-call error, no observation (a demonstration's last turn)."""
     policy = make_policy(qwen25_dir)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    call = tool_call("calculator", expression="2*3")
     batch = policy.agent.teacher([ITEMS[0]], [[call + " or not: <answer>red</answer>"]])
     data = batch.data
     assert data["stat/tool_errors"].tolist() == [0.0] and data["stat/turns"].tolist() == [1.0]
