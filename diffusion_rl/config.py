@@ -331,3 +331,10 @@ class DiffusionTrainConfig(TrainConfig):
             raise ValueError("reward.atoms: a reward_model atom scores text, and this backend's samples are "
                              "images; image reward models go in task.image_atoms (clip_score, preference)")
         return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self):  # in place of the core's check of the buffer: no budget here
+        if self.reward.overlong is not None:
+            raise ValueError("reward.overlong (DAPO's length penalty) counts completion tokens, and this "
+                             "backend's samples are images")
+        return self

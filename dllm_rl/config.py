@@ -239,3 +239,11 @@ class DLLMTrainConfig(TrainConfig):
     task: DLLMTaskConfig = Field(default_factory=DLLMTaskConfig)
     rollout: DLLMRolloutConfig = Field(default_factory=DLLMRolloutConfig)
     method: MethodConfig = Field(default_factory=DiffuGRPOConfig)
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self):  # in place of the core's check of the buffer: no budget here
+        if self.reward.overlong is not None:
+            raise ValueError("reward.overlong (DAPO's length penalty) is for the VLM backend: a masked diffusion "
+                             "model decodes a fixed-length canvas (rollout.gen_length), so there is no budget "
+                             "to run over")
+        return self

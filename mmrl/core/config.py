@@ -250,9 +250,25 @@ class GRPOConfig(Section):
     kl: KLConfig = Field(default_factory=KLConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     fastrl: FastRLConfig = Field(default_factory=FastRLConfig)
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: completions that spent their token budget without ending
+    (rollout/truncated) carry no loss; they still count in their group's advantages."""
 
 
 MethodConfig = Annotated[GRPOConfig, Field(discriminator="type")]
+
+
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment (mmrl.core.overlong): a reward atom "overlong" scoring
+    0 up to max_len - buffer completion tokens, then falling linearly to -penalty at max_len."""
+
+    buffer: int = Field(ge=1)
+    """L_cache: the last tokens of the budget that cost (DAPO: 4096 of 20480)."""
+    max_len: int | None = Field(None, ge=1)
+    """L_max; None = rollout.max_new_tokens (a tool rollout's budget is per turn, so it must
+    be set there)."""
+    penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """The score at max_len and past it is -penalty."""
 
 
 class RewardConfig(Section):
@@ -269,6 +285,9 @@ class RewardConfig(Section):
     timeout: float | None = Field(None, gt=0, le=threading.TIMEOUT_MAX)
     """Seconds allowed for each call of an atom (a sync one runs in a thread to be timed, and one
     that hangs is left running there); None = no limit."""
+    overlong: OverlongConfig | None = None
+    """DAPO's soft overlong punishment, as an extra atom "overlong" (VLM backend only: it reads
+    each completion's token count); None = off."""
 
 
 class OptimConfig(Section):
@@ -357,6 +376,16 @@ class TrainConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     _base_dir: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self):
+        ol = self.reward.overlong
+        if ol is not None and ol.buffer > (ol.max_len or self.rollout.max_new_tokens):
+            limit = (f"reward.overlong.max_len ({ol.max_len})" if ol.max_len else
+                     f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+            raise ValueError(f"reward.overlong.buffer ({ol.buffer}) is longer than {limit}: the "
+                             "penalty would start before the first token")
+        return self
 
     @property
     def base_dir(self) -> str | None:

@@ -12,8 +12,10 @@
 std = 0 groups (DAPO) are one knob (`scale`) plus one filter (`keep_groups`),
 not three code paths. The presets live in configs/<modality>/*.yaml.
 
-Departures: none in the estimators. DAPO's overlong reward shaping is not built
-in; express it as a reward atom.
+DAPO's overlong rules: the soft punishment is a reward atom (`reward.overlong`,
+mmrl.core.overlong); overlong filtering is `method.overlong_filter` (prune below).
+
+Departures: none in the estimators.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ class GRPO(Method):
         )
 
     def prune(self, group: RolloutBatch) -> Tensor | None:  # bool [G], or float [G] weights
+        """FastRL's MDAP, then DAPO's overlong filtering (truncated rollouts carry no loss)."""
+        keep = self._mdap(group)
+        if not self.cfg.overlong_filter:
+            return keep
+        truncated = group.data.get("stat/truncated")
+        if truncated is None:
+            raise ValueError("method.overlong_filter needs to know which rollouts were truncated "
+                             "(batch.data['stat/truncated']), and this backend's rollouts do not say")
+        whole = truncated.to("cpu") == 0
+        return whole if keep is None else keep * whole  # bool & bool, or counts zeroed
+
+    def _mdap(self, group: RolloutBatch) -> Tensor | None:
         """FastRL's MDAP; the kept count feeds the adaptive group size. With `weight: count`
         the kept rollouts come with the number of rollouts each stands for."""
         fr = self.fastrl

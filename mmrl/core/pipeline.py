@@ -396,6 +396,8 @@ class Round:
         if keep is not None:
             self.metrics["rollout/samples_pruned"] += int((keep <= 0).sum())  # bool or weights
             batch = apply_prune(batch, keep)
+            if not len(batch):  # nothing left to train (DAPO's overlong filter took every rollout)
+                return
         self.handed += 1
         self.ready.put(batch)
 

@@ -60,6 +60,7 @@ from mmrl.core.losses import DENOM_SHARES
 from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
 from mmrl.core.method import build_method
+from mmrl.core.overlong import overlong_atom
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
 from mmrl.core.runconfig import absolute_paths
@@ -848,8 +849,9 @@ EVAL_METRIC_PREFIXES = ()
 
 def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequence[str] = EVAL_METRIC_NAMES,
                     metric_prefixes: Sequence[str] = EVAL_METRIC_PREFIXES) -> Reward:
-    """The task's atoms plus the config's extra atoms, under the config's error policy. A config
-    atom may not take the name of one of the task's evaluation metrics."""
+    """The task's atoms plus the config's extra atoms (and DAPO's "overlong" atom with
+    reward.overlong), under the config's error policy. A config atom may not take the name of
+    one of the task's evaluation metrics."""
     rc = cfg.reward
     atoms = list(task_reward.atoms)
     if rc.atoms:
@@ -862,6 +864,9 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
                 raise ConfigError(f"reward.atoms: atom name {a.name!r} is taken by an evaluation metric "
                                   f"(held-out evaluation logs each atom's mean under its name); rename the atom")
         atoms += extra
+    if rc.overlong is not None:
+        ol = rc.overlong
+        atoms.append(overlong_atom(ol.max_len or cfg.rollout.max_new_tokens, ol.buffer, ol.penalty))
     try:
         return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout)
     except ValueError as e:  # e.g. a config atom named like a task atom

@@ -91,17 +91,16 @@ def _scored(reward, samples) -> list[tuple[dict[str, float], float]]:
 def compare_vlm(pair: ModelPair, item, n: int = 2, seed: int = 0) -> dict[str, list[Shown]]:
     """item: a QAItem (images, question, answer; answer "" for an uploaded image: the answer
     atom is then shown as unknown)."""
-    from mmrl.vlm.policy import to_sample
-
     out = {}
     for which in ("before", "after"):
         policy, task = pair.get(which)
-        with torch.no_grad():
-            texts = [("greedy", policy.greedy([item], task.max_new_tokens)[0])]
+        with torch.no_grad():  # the samples as decoded: their meta holds what atoms read (lengths, tool calls)
+            samples = [("greedy", policy.greedy_batches([item], task.max_new_tokens)[0].samples[0])]
             if n:
                 batch = policy.generate([item], n, pair_rollout(pair, which), torch.Generator().manual_seed(seed))
-                texts += [(f"sample {k + 1} (seed {seed})", s.completion) for k, s in enumerate(batch.samples)]
-        scored = _scored(task.reward, [to_sample(item, t) for _, t in texts])
+                samples += [(f"sample {k + 1} (seed {seed})", s) for k, s in enumerate(batch.samples)]
+        texts = [(label, s.completion) for label, s in samples]
+        scored = _scored(task.reward, [s for _, s in samples])
         unknown = not str(item.answer)
         out[which] = [Shown(label, text, {k: (None if unknown and k == "answer" else v) for k, v in atoms.items()},
                             None if unknown else total) for (label, text), (atoms, total) in zip(texts, scored)]

@@ -374,7 +374,7 @@ class ToolRollout:
         texts = pol.decode(completion, present)
         samples = []
         for item, text, r in zip(items, texts, rows):
-            s = to_sample(item, text)
+            s = to_sample(item, text, sum(r.train))  # the model's own tokens, observations excluded
             s.meta.update(tool_calls=r.calls, tool_errors=sum(r.errors.values()))
             samples.append(s)
         prompt_rows = pol._prompt_rows(enc, items)

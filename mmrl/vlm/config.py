@@ -267,3 +267,13 @@ class VLMTrainConfig(TrainConfig):
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
     method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig | PACGConfig | CORAConfig | DSPOConfig, Field(discriminator="type")] = Field(
         default_factory=GRPOConfig)
+
+    @model_validator(mode="after")
+    def _overlong_budget(self):
+        ol = self.reward.overlong
+        if ol is not None and ol.max_len is None and self.rollout.tools is not None:
+            raise ValueError("reward.overlong.max_len: a tool rollout's token budget (rollout.max_new_tokens) is "
+                             "per turn, so say how many of the model's own tokens a whole rollout may have "
+                             f"(at most tools.max_turns x max_new_tokens = "
+                             f"{self.rollout.tools.max_turns * self.rollout.max_new_tokens})")
+        return self

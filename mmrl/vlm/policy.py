@@ -38,6 +38,7 @@ from mmrl.core.config import ConfigError
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.logprob import entropy_of, token_entropy, token_logprobs
 from mmrl.core.lora import is_lora, load_model_weights
+from mmrl.core.overlong import LENGTH_KEY
 from mmrl.core.rewards import Sample
 
 STATS_CHUNK = 2**26  # logits per chunk of VLMPolicy.token_stats: 256 MiB in float32
@@ -241,7 +242,7 @@ class VLMPolicy:
         n = len(prompts)
         batch = RolloutBatch(
             group_ids=torch.arange(n).repeat_interleave(num_generations),  # bookkeeping: on the CPU
-            samples=[to_sample(item, text) for item, text in zip(items, texts)],
+            samples=[to_sample(item, text, k) for item, text, k in zip(items, texts, present.sum(-1).tolist())],
             mask=mask,
             old_logp=old_logp.masked_fill(~mask, 0.0),
             data={
@@ -573,9 +574,10 @@ class VLMPolicy:
                 **self._plain_sampling(), synced_gpus=False,  # as in generate
             )
             completion = seqs[:, enc["input_ids"].shape[1]:]
-            texts = self.decode(completion, self.completion_mask(completion, trailing_pads=False))
-            out.append(RolloutBatch(group_ids=torch.arange(len(chunk)),
-                                    samples=[to_sample(it, x) for it, x in zip(chunk, texts)]))
+            mask = self.completion_mask(completion, trailing_pads=False)
+            texts = self.decode(completion, mask)
+            out.append(RolloutBatch(group_ids=torch.arange(len(chunk)), samples=[
+                to_sample(it, x, k) for it, x, k in zip(chunk, texts, mask.sum(-1).tolist())]))
         return out
 
     # ------------------------------------------------------------------ weights
@@ -650,9 +652,14 @@ def has_images(data: dict[str, Tensor]) -> bool:
     return grid is not None and bool(grid.prod(-1).any())
 
 
-def to_sample(item, completion: str) -> Sample:
-    """What reward atoms see of a question-answer item and one completion."""
-    return Sample(prompt=item.question, completion=completion, meta={**item.meta, "answer": item.answer})
+def to_sample(item, completion: str, tokens: int | None = None) -> Sample:
+    """What reward atoms see of a question-answer item and one completion; `tokens`, the
+    completion's length in tokens where the caller knows it (meta["completion_tokens"], what
+    DAPO's overlong atom reads)."""
+    meta = {**item.meta, "answer": item.answer}
+    if tokens is not None:
+        meta[LENGTH_KEY] = int(tokens)
+    return Sample(prompt=item.question, completion=completion, meta=meta)
 
 
 def _per_token(key: str, value: Any, enc) -> bool:

@@ -9,7 +9,6 @@ import torch
 
 from mmrl.core import distributed
 from mmrl.core.rewards import Reward
-from mmrl.vlm.policy import to_sample
 
 
 class VLMTask:
@@ -60,10 +59,11 @@ class VLMTask:
     def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
         def answer(share):  # (completion, its atom scores and total, whether it called a tool or None) per item
             batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size)
-            texts = [s.completion for b in batches for s in b.samples]
+            samples = [s for b in batches for s in b.samples]  # with their lengths and tool calls in meta
             called = [c for b in batches for c in b.data["stat/called"].tolist()] if (
                 batches and "stat/called" in batches[0].data) else [None] * len(share)
-            scores = self.reward.score([to_sample(it, t) for it, t in zip(share, texts)])  # a reward model's share too
+            scores = self.reward.score(samples)  # a reward model's share too
+            texts = [s.completion for s in samples]
             return list(zip(texts, scores.values.tolist(), scores.total.tolist(), called))
 
         answered = distributed.map_shards(answer, list(items))  # each rank generates and scores its share

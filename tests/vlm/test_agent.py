@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.rewards import Reward, reward_atom
 from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import PromptTooLong, VLMPolicy
@@ -104,6 +105,8 @@ def test_a_tool_call_gets_an_image_observation_and_exact_logprobs(model_dir):
     assert data["call_mask"][0].sum() == len(policy.tokenizer(call, add_special_tokens=False)["input_ids"])
     assert mask[0, : int(data["call_mask"][0].sum())].all()
     assert "tool_response" in batch.samples[0].completion and batch.samples[0].meta["tool_calls"] == 1
+    # what DAPO's overlong atom reads: the model's own tokens, the observation's not counted
+    assert [s.meta["completion_tokens"] for s in batch.samples] == mask.sum(-1).tolist()
     with torch.no_grad():
         logp = policy.logprobs(batch)
     torch.testing.assert_close(logp[mask], batch.old_logp[mask], atol=2e-4, rtol=1e-4)
@@ -318,9 +321,11 @@ def test_greedy_evaluation_reports_the_tool_call_rate(qwen25_dir):
     items = ITEMS[:2]
     Scripted(policy, [[zoom_call(items[0].meta["zoom_box"]), f"<answer>{items[0].answer}</answer><|im_end|>"],
                       ["<answer>none</answer><|im_end|>"]]).install()
-    task = VLMTask("shapes-zoom", ITEMS, items, shapes_zoom_reward(), max_new_tokens=48)
+    # an atom reading what the tool rollout put in the sample's meta scores the evaluation too
+    called = reward_atom("called")(lambda s: s.meta["tool_calls"] > 0)
+    task = VLMTask("shapes-zoom", ITEMS, items, Reward([*shapes_zoom_reward().atoms, called]), max_new_tokens=48)
     out = task.evaluate(policy)
-    assert out["tool_call_rate"] == 0.5 and out["accuracy"] == 0.5
+    assert out["tool_call_rate"] == 0.5 and out["accuracy"] == 0.5 and out["called"] == 0.5
 
 
 def test_registry_is_never_shared_state_between_policies():

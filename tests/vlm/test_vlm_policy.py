@@ -601,3 +601,31 @@ def test_end_of_turn_is_im_end_whatever_the_tokenizers_eos(qwen25_dir):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token_id != im_end
     assert VLMPolicy(model, processor).eos_id == im_end
+
+
+def test_overlong_shaping_and_filtering_on_the_vlm(qwen25_dir, tmp_path):
+    """DAPO's overlong rules on real rollouts: each sample carries its token count (greedy
+    decodes too), the "overlong" atom scores it by eq. 13, and filtering prunes exactly the
+    rollouts that spent their budget."""
+    from mmrl.core.overlong import overlong_penalty
+
+    cfg = load_config(VLMTrainConfig, overrides=[
+        f"model.path={qwen25_dir}", f"output_dir={tmp_path}", "train.max_steps=1", "rollout.num_generations=4",
+        "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "rollout.eval_samples=0", "task.num_train=8",
+        "task.num_eval=2", "reward.overlong.buffer=3", "method.overlong_filter=true",
+        "logging.tensorboard=false", "logging.progress=false"])
+    policy, task = backend.build(cfg)
+    trainer = Trainer(cfg, policy, task)  # adds the config's atoms to the task's reward
+    batch = policy.generate(ITEMS[:2], 4, cfg.rollout, torch.Generator().manual_seed(0))
+    lengths = [s.meta["completion_tokens"] for s in batch.samples]
+    assert lengths == batch.data["stat/length"].int().tolist() and min(lengths) >= 1
+    scores = task.reward.score(batch.samples)
+    assert scores.names[-1] == "overlong"
+    assert scores.values[:, -1].tolist() == [overlong_penalty(n, 6, 3) for n in lengths]
+    greedy = [s.meta["completion_tokens"] for b in policy.greedy_batches(ITEMS[:2], 6) for s in b.samples]
+    assert all(1 <= n <= 6 for n in greedy)
+    summary = trainer.train()
+    assert "overlong" in summary["eval_after"]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["rollout/samples_pruned"] == round(row["rollout/truncated"] * 8)
+    assert "reward/overlong" in row
