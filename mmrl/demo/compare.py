@@ -95,7 +95,7 @@ def compare_vlm(pair: ModelPair, item, n: int = 2, seed: int = 0) -> dict[str, l
     for which in ("before", "after"):
         policy, task = pair.get(which)
         with torch.no_grad():  # the samples as decoded: their meta holds what atoms read (lengths, tool calls)
-            samples = [("greedy", policy.greedy_batches([item], task.max_new_tokens)[0].samples[0])]
+            samples = [("greedy", policy.greedy_batches([item], task.max_new_tokens, stop=task.stop)[0].samples[0])]
             if n:
                 batch = policy.generate([item], n, pair_rollout(pair, which), torch.Generator().manual_seed(seed))
                 samples += [(f"sample {k + 1} (seed {seed})", s) for k, s in enumerate(batch.samples)]

@@ -553,17 +553,20 @@ class VLMPolicy:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def greedy(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64) -> list[str]:
-        return [s.completion for b in self.greedy_batches(items, max_new_tokens, batch_size) for s in b.samples]
+    def greedy(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64,
+               stop: Sequence[str] | None = None) -> list[str]:
+        return [s.completion for b in self.greedy_batches(items, max_new_tokens, batch_size, stop) for s in b.samples]
 
     @torch.no_grad()
-    def greedy_batches(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64) -> list[RolloutBatch]:
-        """Greedy decodes as batches (samples and rollout stats, e.g. tool calls), batch_size items each."""
+    def greedy_batches(self, items: Sequence[Any], max_new_tokens: int, batch_size: int = 64,
+                       stop: Sequence[str] | None = None) -> list[RolloutBatch]:
+        """Greedy decodes as batches (samples and rollout stats, e.g. tool calls), batch_size items
+        each; `stop`: stop strings, as rollout.stop ends the training rollouts."""
         out: list[RolloutBatch] = []
         for start in range(0, len(items), batch_size):
             chunk = items[start: start + batch_size]
             if self.agent is not None:
-                settings = SimpleNamespace(max_new_tokens=max_new_tokens, stop=None)
+                settings = SimpleNamespace(max_new_tokens=max_new_tokens, stop=stop)
                 out.append(self.agent.run(chunk, settings, None, greedy=True))
                 continue
             enc = self.encode(chunk)
@@ -571,10 +574,10 @@ class VLMPolicy:
             seqs = self.model.generate(
                 **enc, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
-                **self._plain_sampling(), synced_gpus=False,  # as in generate
+                **self._stop_kwargs(stop), **self._plain_sampling(), synced_gpus=False,  # as in generate
             )
             completion = seqs[:, enc["input_ids"].shape[1]:]
-            mask = self.completion_mask(completion, trailing_pads=False)
+            mask = self.completion_mask(completion, trailing_pads=bool(stop))
             texts = self.decode(completion, mask)
             out.append(RolloutBatch(group_ids=torch.arange(len(chunk)), samples=[
                 to_sample(it, x, k) for it, x, k in zip(chunk, texts, mask.sum(-1).tolist())]))

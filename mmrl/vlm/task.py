@@ -14,7 +14,8 @@ from mmrl.core.rewards import Reward
 class VLMTask:
     """Question-answer items (QAItem: images, question, answer, reference, meta).
 
-    Held-out evaluation decodes greedily and scores with the same reward atoms:
+    Held-out evaluation decodes greedily (stopping at rollout.stop's strings, as rollouts do)
+    and scores with the same reward atoms:
     `accuracy` is the mean of the `answer` atom, `format` of the `format` atom,
     `reward` of the weighted total. With `rollout` and eval_samples > 0 it also
     reports `sampled_accuracy`: the mean `answer` over eval_samples completions per
@@ -45,6 +46,11 @@ class VLMTask:
                     "coverage", "mode_accuracy", "inconsistency_rate", "consistency_checked")
     metric_prefixes = ("pass@", "ood/")
 
+    @property
+    def stop(self) -> list[str] | None:
+        """The rollouts' stop strings (rollout.stop), which greedy decodes stop at too."""
+        return getattr(self.rollout, "stop", None) or None
+
     def train_prompts(self) -> Sequence[Any]:
         return self.train
 
@@ -58,7 +64,7 @@ class VLMTask:
 
     def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
         def answer(share):  # (completion, its atom scores and total, whether it called a tool or None) per item
-            batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size)
+            batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size, self.stop)
             samples = [s for b in batches for s in b.samples]  # with their lengths and tool calls in meta
             called = [c for b in batches for c in b.data["stat/called"].tolist()] if (
                 batches and "stat/called" in batches[0].data) else [None] * len(share)

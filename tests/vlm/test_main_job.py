@@ -121,6 +121,11 @@ def test_stop_strings_end_the_completion_and_its_mask():
         assert s.completion.endswith("<answer>"), s.completion
         ids = batch.data["completion_ids"][batch.samples.index(s)][:n]
         assert policy.tokenizer.decode(ids.tolist()).endswith("<answer>")
+    # held-out evaluation's greedy decodes stop where the rollouts do
+    assert task.stop == ["<answer>"]
+    greedy = policy.greedy_batches(task.eval_items[:2], task.max_new_tokens, stop=task.stop)[0].samples
+    assert all(s.completion.endswith("<answer>") for s in greedy), [s.completion for s in greedy]
+    assert all(s.completion.count("<answer>") == 1 for s in greedy)
 
 
 def test_two_process_training_keeps_ranks_in_sync(tmp_path):

@@ -285,11 +285,12 @@ def test_heldout_accuracy_is_exact_share():
     """105 right of 200 is 0.525, not float32's 0.52499998 (which misses a 0.525 target)."""
     from types import SimpleNamespace
 
+    from mmrl.vlm.policy import to_sample
     from mmrl.vlm.task import VLMTask
 
     items = [QAItem([], "What colour is the square?", "blue")] * 200
     texts = ["<answer>blue</answer>"] * 105 + ["<answer>red</answer>"] * 95
-    policy = SimpleNamespace(greedy_batches=lambda its, n, bs: [
-        SimpleNamespace(samples=[SimpleNamespace(completion=t) for t in texts], data={})])
+    policy = SimpleNamespace(greedy_batches=lambda its, n, bs, stop: [
+        SimpleNamespace(samples=[to_sample(it, t) for it, t in zip(its, texts)], data={})])
     task = VLMTask("qa", items, items, shapes_qa_reward(), max_new_tokens=8)
     assert task.evaluate(policy)["accuracy"] == 0.525
