@@ -4,6 +4,9 @@ on-policy; with uniform maps its gradient is Flow-GRPO's)."""
 
 from __future__ import annotations
 
+import copy
+import sys
+
 import pytest
 import torch
 
@@ -110,6 +113,20 @@ def test_atom_maps_and_advantage_map_by_hand():
         torch.testing.assert_close(out, (atom @ w)[:, None].expand(3, 5))
 
 
+def test_atom_maps_touching_spans_unattended_keys_and_the_key_count():
+    """A key that only shares an end with a column's span is not in it (either side); keys that
+    get no attention anywhere give the uniform map, not 0 / 0; one key span per attended key."""
+    att = torch.tensor([[[0.1, 0.3, 0.0], [0.3, 0.1, 0.0]]])  # [N=1, L=2, S=3]
+    keys = [[(0, 3), (3, 7), (8, 10)]]
+    m = atom_maps(att, keys, [{"a": [(0, 3)], "b": [(3, 7)], "z": [(8, 10)]}], ["a", "b", "z"])
+    torch.testing.assert_close(m[0, 0], torch.tensor([0.5, 1.5]))  # key 0 only: [0.1, 0.3] / 0.2
+    torch.testing.assert_close(m[0, 1], torch.tensor([1.5, 0.5]))  # key 1 only
+    assert torch.equal(m[0, 2], torch.ones(2))  # key 2 is covered but attended 0: uniform
+    assert torch.equal(atom_maps(att, keys, [{"z": [(8, 10)]}], ["z"], "max"), torch.ones(1, 1, 2))
+    with pytest.raises(ValueError, match="sample 0: 2 text key spans for 3 attended text keys"):
+        atom_maps(att, [keys[0][:2]], [{}], ["a"])
+
+
 def test_image_tokens_inside_by_hand():
     mask = torch.zeros(8, 8, dtype=torch.bool)
     mask[0:4, 4:8] = True  # the top-right quarter: token (0, 1) of a 2 x 2 grid
@@ -148,6 +165,75 @@ def test_text_attention_leaves_the_forward_alone_and_handles_cfg(flux_dir):
     assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
     with pytest.raises(ValueError, match="out of range"):
         TextAttention(flow, [len(joint_attention_modules(flow))])
+
+
+def test_joint_attention_layers_their_default_and_the_indices_taken(flux_dir):
+    """The joint-attention modules in forward order (double-stream, then single-stream blocks),
+    the default middle half, and the layer indices TextAttention takes (negative ones count from
+    the end; none at all is an error)."""
+    assert [default_layers(n) for n in (1, 2, 3, 4, 7, 8)] == [[0], [0, 1], [0, 1, 2], [1, 2], [1, 2, 3, 4, 5],
+                                                               [2, 3, 4, 5]]
+    flow = load_flow_model(flux_dir)
+    double, single = flow.transformer.transformer_blocks, flow.transformer.single_transformer_blocks
+    mods = joint_attention_modules(flow)
+    assert len(double) and len(single) and mods == [b.attn for b in double] + [b.attn for b in single]
+    assert TextAttention(flow).modules == [mods[i] for i in default_layers(len(mods))]
+    assert TextAttention(flow, [-1]).modules == [mods[-1]]
+    assert TextAttention(flow, [-len(mods)]).modules == [mods[0]]
+    for bad in ([-len(mods) - 1], []):
+        with pytest.raises(ValueError, match="out of range"):
+            TextAttention(flow, bad)
+
+
+def test_recorded_attention_is_the_softmax_each_layer_attends_with(sd3_dir, monkeypatch):
+    """Against the query, key and value each layer's attention call got: the probabilities are
+    softmax(q k^T / sqrt(D)) over all keys (they give the call's own output), the image rows' text
+    columns (SD3: text last), averaged over the heads and then over the layers."""
+    flow = load_flow_model(sd3_dir)
+    mods = joint_attention_modules(flow)
+    module = sys.modules[type(mods[0].processor).__module__]
+    functional, calls = module.F, []
+
+    class Seen:  # the processor module's F, its attention primitive keeping what it was called with
+        def __getattr__(self, name):
+            return getattr(functional, name)
+
+        @staticmethod
+        def scaled_dot_product_attention(q, k, v, *args, **kwargs):
+            out = functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+            calls.append((q, k, v, out))
+            return out
+
+    monkeypatch.setattr(module, "F", Seen())
+    cond = flow.encode_prompt([PROMPT, "a red circle"])
+    x = flow.noise(2, torch.Generator().manual_seed(0))
+    with TextAttention(flow, range(len(mods))) as rec:
+        flow.velocity(x, torch.tensor([0.5, 0.5]), cond)
+    assert len(calls) == len(mods) >= 2 and calls[0][0].shape[1] >= 2  # [B, H, S, D]: two layers, two heads
+    n, maps = flow.seq_len, []
+    for q, k, v, out in calls:
+        p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5, -1)  # [B, H, S, S]
+        torch.testing.assert_close((p @ v.double()).to(out.dtype), out)
+        maps.append(p[:, :, :n, n:].mean(1))
+    torch.testing.assert_close(rec.result(), torch.stack(maps).mean(0).float())
+
+
+def test_text_key_spans_follow_the_text_sequence(flux_dir, sd3_dir):
+    """Key j's span is text token j's characters, None for special tokens and padding: FLUX's T5
+    tokens; SD3's CLIP tokens (after CLIP's start token), then T5's, or without T5 the zero block."""
+    def text(spans):
+        return [None if s is None else PROMPT[s[0]:s[1]] for s in spans]
+    words = PROMPT.split()
+    flux = load_flow_model(flux_dir)
+    assert text(text_key_spans(flux, [PROMPT, "a red circle"])[0]) == words + [None] * (flux.max_sequence_length - 8)
+    sd3 = load_flow_model(sd3_dir)
+    clip = [None, *words] + [None] * (sd3.clip_length - 9)
+    assert text(text_key_spans(sd3, [PROMPT])[0]) == clip + words + [None] * (sd3.max_sequence_length - 8)
+    no_t5 = copy.copy(sd3)
+    no_t5.tokenizer_3 = no_t5.text_encoder_3 = None
+    keys = text_key_spans(no_t5, [PROMPT])[0]
+    assert text(keys) == clip + [None] * no_t5.max_sequence_length
+    assert len(keys) == no_t5.encode_prompt([PROMPT])["prompt_embeds"].shape[1]
 
 
 def test_another_threads_forward_inside_a_chosen_layer_is_not_recorded(flux_dir):

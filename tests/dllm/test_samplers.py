@@ -39,6 +39,23 @@ def test_low_confidence_per_row_count_is_clamped():
     assert c.mask.tolist() == [[T, F, F, F], [T, T, F, T]]
 
 
+def test_ties_commit_the_leftmost_positions_first():
+    """Equal confidences go leftmost first (a stable sort): rows of 32, since up to 16 entries
+    torch's CPU sort keeps the order of ties even when not asked to be stable."""
+    conf = torch.full((2, 32), 0.5)
+    conf[1, 20] = 0.9                                    # row 1: one clear winner, then the tie
+    masked = torch.ones(2, 32, dtype=torch.bool)
+    masked[1, :3] = F                                    # row 1's leftmost masked is position 3
+    c = select_commits(conf, masked, strategy="low_confidence", num_commit=3)
+    assert [r.nonzero().squeeze(1).tolist() for r in c.mask] == [[0, 1, 2], [3, 4, 20]]
+    # the other rules that rank: threshold's fallback (the most confident one) and tau_budget's k = n_s
+    th = select_commits(torch.full((1, 32), 0.5), torch.ones(1, 32, dtype=torch.bool), strategy="threshold")
+    assert th.mask[0].nonzero().squeeze(1).tolist() == [0]
+    tb = select_commits(torch.full((1, 32), 0.5), torch.ones(1, 32, dtype=torch.bool), strategy="tau_budget",
+                        num_commit=2)
+    assert tb.mask[0].nonzero().squeeze(1).tolist() == [0, 1]
+
+
 def test_unmasked_confidence_is_ignored_whatever_its_value():
     masked = torch.tensor([[T, F, T]])
     for junk in (float("-inf"), float("inf"), 5.0, -3.0):
@@ -204,6 +221,16 @@ def test_decode_low_confidence_table_model():
     check_invariants(r)
 
 
+def test_low_confidence_step_i_of_a_block_commits_the_schedules_ith_count():
+    """Blocks of 10 over 4 steps commit 3, 3, 2, 2 (num_transfer_tokens, in order), and the
+    schedule starts again with each block; table_model's confidence grows to the right."""
+    r = run(table_model, gen_length=20, block_length=10, steps=8)
+    per_step = check_invariants(r)
+    assert per_step.tolist() == [[3, 3, 2, 2] * 2] * 3
+    block = [3, 3, 2, 2, 1, 1, 1, 0, 0, 0]              # the 3 rightmost first, then the next 3, ...
+    assert r.commit_step.tolist() == [block + [s + 4 for s in block]] * 3
+
+
 @pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork", "tau_budget", "ar"])
 def test_decode_invariants(strategy):
     gen = torch.Generator().manual_seed(1)
@@ -356,6 +383,18 @@ def test_gumbel_draws_match_tempered_softmax():
     torch.testing.assert_close(r.commit_logp, torch.log(p)[r.completion].float())
     torch.testing.assert_close(r.commit_confidence,
                                torch.softmax(base[:3], 0)[r.completion].float())
+
+
+def test_a_uniform_draw_of_zero_gives_finite_gumbel_noise(monkeypatch):
+    """u is clamped away from 0: -log(-log(u)) stays finite, so draws whose u are all 0 add the
+    same noise to every token and give the argmax (unclamped, every score is -inf and token 0 wins)."""
+    greedy = run(table_model)
+    monkeypatch.setattr(torch, "rand", lambda shape, dtype=None, generator=None, device=None:
+                        torch.zeros(shape, dtype=dtype, device=device))
+    r = run(table_model, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(r.completion, greedy.completion) and torch.equal(r.commit_step, greedy.commit_step)
+    assert torch.isfinite(r.commit_logp).all()
+    torch.testing.assert_close(r.commit_logp, greedy.commit_logp)  # T = 1: the same log-softmax
 
 
 def test_decode_argument_errors():
