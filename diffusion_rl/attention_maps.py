@@ -74,7 +74,7 @@ class TextAttention(contextlib.AbstractContextManager):
         bad = [i for i in layers if not -len(mods) <= i < len(mods)]
         if bad or not layers:
             raise ValueError(f"attention layers {layers} out of range: the model has {len(mods)} joint-attention "
-                             "layers (indices 0..n-1 over its double- then single-stream blocks)")
+                             "layers (indices 0..n-1, or -n..-1 from the end, over its double- then single-stream blocks)")
         self.flow, self.modules = flow, [mods[i] for i in layers]
         self.text_first = TEXT_FIRST[flow.family]
         self.n_img = flow.seq_len
@@ -239,7 +239,7 @@ def region_maps(regions: Sequence[Mapping[str, object]], columns: Sequence[str],
 
 
 def image_tokens_inside(mask, grid: int) -> Tensor:
-    """[grid * grid] bool, in the maps' token order: the image tokens whose pixels lie at least
+    """[grid * grid] bool, in the maps' token order: the image tokens whose pixels lie more than
     half inside a [size, size] pixel mask (size a multiple of grid), e.g. Scene.box_mask()."""
     m = torch.as_tensor(mask).float()
     size = m.shape[0]
