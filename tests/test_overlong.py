@@ -3,6 +3,8 @@ overlong filtering as the GRPO family's prune, on the toy backend (tests/toy.py)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import toy
@@ -130,20 +132,53 @@ def test_a_run_with_overlong_filtering_trains_only_what_ended(tmp_path, mode):
     assert any(r["rollout/samples_pruned"] > 0 for r in rows)
 
 
+class AllTruncated(TruncatingToy):
+    truncated = 1.0
+
+    def generate(self, *a):
+        batch = super().generate(*a)
+        batch.data["stat/truncated"] = torch.full((len(batch),), self.truncated)
+        return batch
+
+    def reference(self):
+        return type(self)(model=super().reference().model)
+
+
+class NoneTruncated(AllTruncated):
+    truncated = 0.0
+
+
 @pytest.mark.parametrize("mode", ["sync", "pipelined"])
 def test_a_step_whose_every_rollout_is_truncated_trains_nothing_and_goes_on(tmp_path, mode):
-    class AllTruncated(TruncatingToy):
-        def generate(self, *a):
-            batch = super().generate(*a)
-            batch.data["stat/truncated"] = torch.ones(len(batch))
-            return batch
-
-        def reference(self):
-            return AllTruncated(model=super().reference().model)
-
     policy = AllTruncated(seed=0)
     before = [p.detach().clone() for p in policy.model.parameters()]
     cfg = config(tmp_path, "method.overlong_filter=true", f"rollout.scheduler.mode={mode}")
-    summary = Trainer(cfg, policy, toy.ToyTask()).train()
-    assert summary["steps"] == 2
+    with pytest.warns(UserWarning, match="every group was dropped; no update"):
+        summary = Trainer(cfg, policy, toy.ToyTask()).train()
+    assert summary["steps"] == 2 and summary["steps_without_update"] == 2
     assert all(torch.equal(a, p) for a, p in zip(before, policy.model.parameters()))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout/samples_pruned"] for r in rows if "train/skipped" in r] == [16, 16]
+
+
+def _filtered_rank(rank, port, tmp, out):
+    """Rank 0's rollouts are all truncated, rank 1's none: rank 0 trains an empty share."""
+    from test_data_parallel import distributed_checksum, process_group
+
+    with process_group(rank, port, timeout=120):
+        cfg = config(Path(tmp), "method.overlong_filter=true", "logging.tensorboard=false")
+        trainer = Trainer(cfg, (AllTruncated if rank == 0 else NoneTruncated)(seed=0), toy.ToyTask())
+        summary = trainer.train()
+        torch.save({"checksum": distributed_checksum(trainer), "steps": summary["steps"]}, f"{out}.{rank}")
+
+
+def test_a_rank_whose_every_rollout_is_filtered_still_steps_with_the_other(tmp_path):
+    import torch.multiprocessing as mp
+    from test_data_parallel import free_port
+
+    out = str(tmp_path / "record")
+    mp.spawn(_filtered_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
+    assert r0["steps"] == r1["steps"] == 2 and r0["checksum"] == r1["checksum"]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["rollout/samples"], r["rollout/samples_pruned"], r["train/updates"]) for r in rows] == [(8, 8, 1)] * 2

@@ -149,13 +149,15 @@ class SyncScheduler:
         batch = self._extra_samples(batch, version, metrics)
         return self._prepare(self.method.on_groups(batch), metrics)
 
-    def _prepare(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict[str, float]]:
+    def _prepare(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict[str, float]]:
         """A round's batch, ready to train: annotations, advantages, pruning, reference pass."""
         with torch.no_grad():
             self.method.annotate(self.policy, batch)
         with batch_across(distributed.sum_tensor) if distributed.world_size() > 1 else contextlib.nullcontext():
             batch.advantages = self.method.advantages(batch)  # scale=batch: the std of every rank's rows
         batch = self._prune(batch, metrics)
+        if distributed.sum_scalar(float(len(batch))) == 0:  # every rank joins: one rank's empty share still trains
+            return None, metrics  # every sample pruned on every rank (DAPO's overlong filter): a step without update
         if self.reference is not None:  # after pruning: pruned samples need no reference pass
             with torch.no_grad():
                 self.method.annotate_reference(self.reference, batch)
