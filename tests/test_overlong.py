@@ -54,6 +54,10 @@ def test_overlong_config_is_checked_at_load(tmp_path):
     reward = combined_reward(toy.ToyTask().reward, cfg)
     assert reward.names == ["answer", "stop", "overlong"]
     assert reward.score([Sample(1, [2], {"completion_tokens": 5})]).values[0, 2] == -0.5  # max_len 6: (4 - 5) / 2
+    # max_len set: it, not the budget, is L_max (and the buffer may outgrow the budget)
+    cfg = config(tmp_path, "reward.overlong.buffer=4", "reward.overlong.max_len=8")
+    long = combined_reward(toy.ToyTask().reward, cfg).score([Sample(1, [2], {"completion_tokens": 5})])
+    assert long.values[0, 2] == -0.25  # (4 - 5) / 4
 
 
 def test_overlong_is_refused_where_samples_have_no_token_budget():

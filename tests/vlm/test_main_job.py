@@ -123,6 +123,11 @@ def test_stop_strings_end_the_completion_and_its_mask():
         assert policy.tokenizer.decode(ids.tolist()).endswith("<answer>")
     # held-out evaluation's greedy decodes stop where the rollouts do
     assert task.stop == ["<answer>"]
+    asked, decode = [], policy.greedy_batches
+    policy.greedy_batches = lambda *a: asked.append(a[3]) or decode(*a)
+    assert task._greedy(policy, task.eval_items[:2])["accuracy"] == 0  # no answer after <answer>
+    assert asked == [["<answer>"]]
+    policy.greedy_batches = decode
     greedy = policy.greedy_batches(task.eval_items[:2], task.max_new_tokens, stop=task.stop)[0].samples
     assert all(s.completion.endswith("<answer>") for s in greedy), [s.completion for s in greedy]
     assert all(s.completion.count("<answer>") == 1 for s in greedy)
