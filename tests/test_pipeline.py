@@ -397,6 +397,374 @@ def test_worker_reports_results_through_the_inbox():
     assert result.batch.data["request_tag"].tolist() == [0, 0, 0]
 
 
+class Recording(SeededToy):
+    """SeededToy that records each generate call: (prompts, samples per prompt, prefixes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def generate(self, prompts, num_generations, rollout, generator, prefixes=None):
+        self.seen.append((list(prompts), num_generations, prefixes))
+        return super().generate(prompts, num_generations, rollout, generator, prefixes)
+
+
+def test_an_engine_call_mixing_prefixed_and_fresh_requests_passes_every_prefix():
+    """One request with a prefix (AXPO's resampling) beside one without: the call goes one row
+    per sample with the prefixes (None for the fresh rows), so the prefixed samples continue
+    their prefix instead of starting again from the prompt."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    policy = Recording()
+    batch = PolicyEngine(policy, own_weights=False).generate(
+        [Request(5, 3, 2), Request(9, 4, 1, prefix=7, tag=1)], cfg.rollout, seed=1)
+    assert policy.seen == [([3, 3, 4], 1, [None, None, 7])]
+    assert batch.group_ids.tolist() == [5, 5, 9] and batch.data["request_tag"].tolist() == [0, 0, 1]
+
+
+def test_a_prefix_for_a_backend_that_cannot_continue_one_is_an_engine_error():
+    """A policy whose generate() takes no `prefixes`: the engine says so (an EngineError naming
+    it), rather than calling generate with an argument it does not take."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    engine = PolicyEngine(toy.ToyPolicy(), own_weights=False, name="plain")
+    with pytest.raises(EngineError, match="engine plain: .*cannot continue from a prefix"):
+        engine.generate([Request(0, 3, 2), Request(0, 3, 1, prefix=7)], cfg.rollout, seed=1)
+
+
+def test_an_engine_samples_with_the_seed_of_its_call():
+    """The seed the dispatcher draws for a call is the one the engine samples with: the same
+    seed gives the same samples, another seed others (SeededToy ignores it; the toy does not)."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    engine = PolicyEngine(toy.ToyPolicy(), own_weights=True)
+    one, again, other = (engine.generate([Request(0, 3, 16)], cfg.rollout, seed=s) for s in (1, 1, 2))
+    assert one.samples == again.samples and torch.equal(one.old_logp, again.old_logp)
+    assert one.samples != other.samples
+
+
+def test_an_engine_with_its_own_weights_takes_the_backends_rollout_copy():
+    """own_weights: the backend's rollout_copy() where it has one, not reference(). A LoRA VLM's
+    reference() is the policy with its adapters off, so an engine made from it would sample
+    without the adapters the trainer publishes."""
+
+    class WithCopy(SeededToy):
+        def rollout_copy(self):
+            copy = self.reference()
+            copy.made_by = "rollout_copy"
+            return copy
+
+    engine = PolicyEngine(WithCopy(), own_weights=True)
+    assert getattr(engine.policy, "made_by", None) == "rollout_copy"
+
+
+def test_a_request_merging_retried_and_fresh_samples_keeps_the_retried_count(tmp_path):
+    """A group's retried samples go back to the front of its queue, before its samples not yet
+    sent; a call that takes both sends them as one request, whose retries must be the retried
+    samples' (the higher) count: the fresh ones' 0 would let max_redispatch be passed."""
+    cfg = config(tmp_path, "rollout.scheduler.engine_batch=4")
+    sched, _ = scheduler(cfg, [])  # no engine: the round stops at once, its groups as admitted
+    rnd, _ = sched.start_round(0, 4)
+    with pytest.raises(EngineError, match="every rollout engine failed"):
+        list(rnd)
+    g = rnd.groups[0]
+    g.todo = [Request(0, g.prompt, 1, retries=2), Request(0, g.prompt, 3)]
+    assert [(r.group, r.n, r.retries) for r in rnd._next_requests()] == [(0, 4, 2)]
+    sched.close()
+
+
+def test_an_engine_that_returns_fewer_samples_than_asked_is_an_engine_error():
+    """A batch short of its requests' samples cannot be labelled (its rows would take the wrong
+    groups): an EngineError, so that the scheduler re-dispatches the call elsewhere."""
+
+    class Short(SeededToy):
+        def generate(self, *args, **kwargs):
+            batch = super().generate(*args, **kwargs)
+            return batch.select(torch.arange(len(batch) - 1))
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    engine = PolicyEngine(Short(), own_weights=False, name="short")
+    with pytest.raises(EngineError, match="engine short returned 3 samples for requests of 4"):
+        engine.generate([Request(0, 3, 2), Request(1, 4, 2)], cfg.rollout, seed=1)
+
+
+def test_a_worker_whose_engine_does_not_take_new_weights_in_time_is_dead():
+    """publish() waits `timeout` seconds for the engine, no longer: a hung publish is an
+    EngineError within the timeout, and the worker gets no more jobs."""
+    from mmrl.core.engine import Worker
+
+    class HungPublish(FakeEngine):
+        def publish(self, weights, version):
+            self.release.wait(30)
+
+    engine = HungPublish(SeededToy(), name="slow")
+    w = Worker(engine, queue.Queue())
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError, match="engine slow did not take new weights within 0.2 s"):
+        w.publish({}, 1, timeout=0.2)
+    assert time.perf_counter() - t0 < 2 and not w.alive
+    engine.release.set()
+    w.close()
+
+
+def test_a_workers_publish_returns_the_seconds_the_engine_took():
+    """What the trainer logs as time/publish: the seconds until the engine had the weights."""
+    from mmrl.core.engine import Worker
+
+    class SlowPublish(FakeEngine):
+        def publish(self, weights, version):
+            time.sleep(0.1)
+            super().publish(weights, version)
+
+    w = Worker(SlowPublish(SeededToy()), queue.Queue())
+    seconds = w.publish({}, 3, timeout=10)
+    w.close()
+    assert 0.1 <= seconds < 5 and w.engine.version == 3
+
+
+def test_a_late_answer_from_an_engine_given_up_on_is_ignored(tmp_path):
+    """An engine declared hung answers after its call went to another: the answer is dropped
+    (its samples are already being made again), the round completes with every group whole."""
+
+    class LateOnce(FakeEngine):
+        def generate(self, requests, rollout, seed):
+            if not self.calls:
+                time.sleep(0.6)  # past the 0.3 s timeout, while the good engine still works
+            return super().generate(requests, rollout, seed)
+
+    cfg = config(tmp_path, "rollout.scheduler.timeout=0.3")
+    late, good = LateOnce(SeededToy(), name="late"), FakeEngine(SeededToy(), name="good", delay=0.15)
+    sched, _ = scheduler(cfg, [late, good])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert len(late.calls) == 1 and "hung" in sched.workers[0].dead
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8)) and all(len(g) == 4 for g in groups)
+
+
+class TwoPrefixes(GRPO):
+    """Asks one extra sample from each of two prefixes of every group (two requests of one group
+    and tag, which an engine call takes together)."""
+
+    def extra_requests(self, group):
+        s, gid = group.samples[0], int(group.group_ids[0])
+        return [Request(gid, s.prompt, 1, prefix=7, tag=1), Request(gid, s.prompt, 1, prefix=8, tag=1)]
+
+
+def test_extra_requests_of_one_group_from_two_prefixes_stay_apart_and_complete_it_once(tmp_path):
+    """The two extras go in one call as two requests (a request has one prefix), and when both
+    are back the group completes once: it reaches the trainer once, with 4 + 2 samples."""
+    cfg = config(tmp_path)
+    engine = FakeEngine(SeededToy())
+    sched, _ = scheduler(cfg, [engine], method=TwoPrefixes(cfg.method, cfg, toy.ToyTask().reward))
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8)) and all(len(g) == 6 for g in groups)
+    extras = sorted((g, n, p) for call in engine.calls for g, n, p, tag in call if tag == 1)
+    assert extras == [(g, 1, p) for g in range(8) for p in (7, 8)]
+
+
+def test_a_closed_worker_drops_its_queued_jobs():
+    """close(): the call under way finishes, the jobs queued behind it never reach the engine
+    (they are the scheduler's to re-dispatch, or the run is over)."""
+    from mmrl.core.engine import Job, Worker
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    engine = FakeEngine(SeededToy(), delay=0.2)
+    w = Worker(engine, queue.Queue())
+    for seed in range(3):
+        w.submit(Job([Request(0, 3, 1)], cfg.rollout, seed))
+    w.close()
+    assert len(engine.calls) <= 1
+
+
+def test_a_workers_busy_seconds_add_up_its_calls():
+    """busy_seconds (time/engine_busy is its change over a round) is the sum of every call's
+    seconds, not the latest call's."""
+    from mmrl.core.engine import Job, Worker
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    inbox: queue.Queue = queue.Queue()
+    w = Worker(FakeEngine(SeededToy(), delay=0.1), inbox)
+    for seed in range(3):
+        w.submit(Job([Request(0, 3, 1)], cfg.rollout, seed))
+    results = [inbox.get(timeout=10) for _ in range(3)]
+    w.close()
+    assert all(r.error is None and r.seconds >= 0.1 for r in results)
+    assert w.busy_seconds == pytest.approx(sum(r.seconds for r in results)) and w.busy_seconds >= 0.3
+
+
+def test_one_sample_per_group_is_a_config_error_only_for_training(tmp_path):
+    """num_generations 1 is refused to train (nothing to compare a sample with), not to evaluate
+    or sample (the eval verb checks with training=False)."""
+    cfg = config(tmp_path, "rollout.num_generations=1", "rollout.scheduler.mode=sync")
+    with pytest.raises(ConfigError, match="num_generations must be at least 2 to train"):
+        check_config(cfg, 1)
+    check_config(cfg, 1, training=False)
+
+
+def test_engines_beside_the_trainer_are_refused_with_several_trainer_processes(tmp_path):
+    """Any number of trainer processes above one (here 2) with an engine on a thread: refused;
+    inline with 2 processes is fine."""
+    with pytest.raises(ConfigError, match="several trainer processes"):
+        check_config(config(tmp_path), 2)
+    check_config(config(tmp_path, "rollout.scheduler.mode=sync"), 2)  # auto: inline
+
+
+def test_an_engine_other_than_hf_runs_on_a_thread_even_in_sync_mode(tmp_path):
+    """placement auto: sync mode with the policy's own generate runs inline; another engine
+    (vLLM) always runs as a worker, so check_config accepts it without a placement."""
+    from mmrl.core.pipeline import placement
+
+    assert placement(config(tmp_path, "rollout.scheduler.mode=sync")) == "inline"
+    cfg = config(tmp_path, "rollout.scheduler.mode=sync", "rollout.engine=vllm")
+    assert placement(cfg) == "thread"
+    check_config(cfg, 1)
+
+
+def test_a_vllm_server_goes_to_the_backends_engine_without_the_url_prefix(tmp_path):
+    """rollout.scheduler.servers: "vllm+URL" is a vLLM server, made by the backend's
+    build_engine with the URL itself (the prefix only says which client to use)."""
+    from types import SimpleNamespace
+
+    from mmrl.core.pipeline import build_engines
+
+    made = []
+    backend = SimpleNamespace(build_engine=lambda kind, cfg, policy, url=None: made.append((kind, url)) or kind)
+    cfg = config(tmp_path, "rollout.scheduler.placement=remote", "rollout.scheduler.servers=[vllm+http://a]")
+    assert build_engines(cfg, None, backend) == ["vllm-server"]
+    assert made == [("vllm-server", "http://a")]
+
+
+def test_each_engine_has_one_call_under_way_and_one_queued(tmp_path):
+    """The dispatcher keeps two calls per engine, the one it runs and the next, so that an engine
+    never waits for the dispatcher between calls; never more (a queued call holds samples that
+    another engine could take)."""
+    cfg = config(tmp_path, "rollout.scheduler.engine_batch=2")  # the frontier's 8 samples: 4 calls
+    engine = FakeEngine(SeededToy(), delay=0.5)
+    sched, _ = scheduler(cfg, [engine])
+    sched.start_round(0, 4)
+    outstanding = []
+    for calls in (1, 2):  # while the first call runs, then the second (after an answer)
+        deadline = time.monotonic() + 10
+        while len(engine.calls) < calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the call still runs (0.5 s): the dispatcher has queued what it will
+        outstanding.append(len(sched.workers[0].outstanding))
+    sched.close()
+    assert len(engine.calls) == 2 and outstanding == [2, 2]
+
+
+def test_a_hung_call_is_given_up_on_soon_after_the_timeout(tmp_path):
+    """A call is hung once it has run `timeout` seconds (0.5 here): not before, and not a
+    multiple of it later (the other test of a hung engine allows a slow machine 5 s)."""
+    cfg = config(tmp_path, "rollout.scheduler.timeout=0.5")
+    engine = FakeEngine(SeededToy(), hang_after=0)
+    sched, _ = scheduler(cfg, [engine])
+    t0 = time.perf_counter()
+    rnd, _ = sched.start_round(0, 4)
+    with pytest.raises(EngineError, match="within 0.5 s"):
+        list(rnd)
+    elapsed = time.perf_counter() - t0
+    engine.release.set()
+    sched.close()
+    assert 0.5 <= elapsed < 1.2
+
+
+def test_only_the_call_a_hung_engine_ran_counts_a_retry(tmp_path):
+    """The hung engine runs its first call (group 0) and holds the second (group 1) queued: both
+    go to the live engine, the first with one retry (max_redispatch 1 allows one), the second
+    with none (it never ran)."""
+
+    class Retries(FakeEngine):
+        def generate(self, requests, rollout, seed):
+            self.retries = [*getattr(self, "retries", []), *((r.group, r.retries) for r in requests)]
+            return super().generate(requests, rollout, seed)
+
+    cfg = config(tmp_path, "rollout.scheduler.timeout=0.3", "rollout.scheduler.engine_batch=2",
+                 "rollout.scheduler.max_redispatch=1")
+    hung, good = FakeEngine(SeededToy(), name="hung", hang_after=0), Retries(SeededToy(), name="good")
+    sched, _ = scheduler(cfg, [hung, good])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    hung.release.set()
+    sched.close()
+    assert [sorted({g for g, *_ in call}) for call in hung.calls] == [[0]]  # it ran one call only
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
+    assert sorted(r for _, r in good.retries) == [0] * (len(good.retries) - 1) + [1]
+    assert (0, 1) in good.retries
+
+
+def test_an_engine_losing_its_connection_is_replaced_by_the_others(tmp_path):
+    """An OSError (a remote engine's connection reset) is an engine fault like EngineError: the
+    call goes to another engine, the round completes; the metrics count every call that answered."""
+    cfg = config(tmp_path)
+    lost = FakeEngine(SeededToy(), name="lost", fail_after=0, error=ConnectionResetError("connection reset"))
+    good = FakeEngine(SeededToy(), name="good")
+    sched, _ = scheduler(cfg, [lost, good])
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
+    assert "connection reset" in sched.workers[0].dead
+    assert rnd.metrics["rollout/engine_calls"] == len(good.calls)
+
+
+class KeepSome(GRPO):
+    """keep_groups keeps all but one sample of every group (a per-sample mask, not all-or-none)."""
+
+    def keep_groups(self, batch):
+        keep = torch.ones(len(batch), dtype=torch.bool)
+        keep[0] = False
+        return keep
+
+
+def test_a_group_not_kept_whole_is_dropped(tmp_path):
+    """keep_groups drops a group unless it keeps every sample: a mask with one False drops it
+    (no dynamic sampling here: no refill, so the round hands nothing)."""
+    cfg = config(tmp_path)
+    sched, _ = scheduler(cfg, [FakeEngine(SeededToy())], method=KeepSome(cfg.method, cfg, toy.ToyTask().reward))
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert groups == [] and rnd.metrics["rollout/groups_dropped"] == 8
+
+
+class ExtraForAnother(GRPO):
+    def extra_requests(self, group):
+        s = group.samples[0]
+        return [Request(int(group.group_ids[0]) + 100, s.prompt, 1, prefix=7)]
+
+
+def test_extra_requests_for_another_group_stop_the_round(tmp_path):
+    """extra_requests may only ask more samples for the group it was given: a request for
+    another group is a bug in the method, reported as such."""
+    cfg = config(tmp_path)
+    sched, _ = scheduler(cfg, [FakeEngine(SeededToy())], method=ExtraForAnother(cfg.method, cfg, toy.ToyTask().reward))
+    rnd, _ = sched.start_round(0, 4)
+    with pytest.raises(ValueError, match="extra_requests returned requests for another group"):
+        list(rnd)
+    sched.close()
+
+
+def test_weights_are_published_once_per_version(tmp_path):
+    """start_round publishes only when the engines lag: a second round at the same version (no
+    update in between) sends no weights again."""
+
+    class Counting(FakeEngine):
+        published = 0
+
+        def publish(self, weights, version):
+            self.published += 1
+            super().publish(weights, version)
+
+    engine = Counting(SeededToy())
+    sched, _ = scheduler(config(tmp_path), [engine])
+    for version in (0, 0, 1):
+        rnd, _ = sched.start_round(version, 4)
+        list(rnd)
+    sched.close()
+    assert engine.published == 2 and engine.version == 1
+
+
 def test_a_subprocess_engine_trains_exactly_like_a_thread_engine(tmp_path, monkeypatch):
     import os
     from pathlib import Path

@@ -359,6 +359,21 @@ def test_weights_that_do_not_fit_change_nothing(served):
     assert model.get_parameter(first).dtype == torch.float32 and bool((model.get_parameter(first) == 1).all())
 
 
+def test_weights_of_another_kind_of_number_do_not_fit_a_complex_parameter():
+    """Integer weights for a complex parameter are refused like complex ones for a real parameter:
+    neither is a float of another precision (copy_ would cast them, changing the model)."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.full((2,), 1 + 1j, dtype=torch.complex64))
+    for value in (torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.float32)):
+        with pytest.raises(EngineError, match=r"do not fit the engine's model \(1 of 1\): w: \(2,\)"):
+            load_named(model, {"w": value})
+    real = ToyPolicy(seed=0).model
+    name, param = next(iter(real.named_parameters()))
+    with pytest.raises(EngineError, match=rf"{re.escape(name)}: .* complex64, the model's is .* float32"):
+        load_named(real, {name: torch.full(param.shape, 2 + 1j, dtype=torch.complex64)})
+    assert torch.equal(model.w.detach(), torch.full((2,), 1 + 1j, dtype=torch.complex64))
+
+
 def test_a_reply_that_does_not_decode_is_an_engine_error(served, monkeypatch):
     # The server's reply names a batch whose group_ids is a JSON list: the client must raise
     # EngineError (the scheduler drops the server), not the AttributeError that stopped the run.
