@@ -526,10 +526,10 @@ def test_a_late_answer_from_an_engine_given_up_on_is_ignored(tmp_path):
     class LateOnce(FakeEngine):
         def generate(self, requests, rollout, seed):
             if not self.calls:
-                time.sleep(0.6)  # past the 0.3 s timeout, while the good engine still works
+                time.sleep(2.0)  # past the 1 s timeout, while the good engine still works
             return super().generate(requests, rollout, seed)
 
-    cfg = config(tmp_path, "rollout.scheduler.timeout=0.3")
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.0")  # wide margins: a loaded machine is slow
     late, good = LateOnce(SeededToy(), name="late"), FakeEngine(SeededToy(), name="good", delay=0.15)
     sched, _ = scheduler(cfg, [late, good])
     rnd, _ = sched.start_round(0, 4)
@@ -639,7 +639,7 @@ def test_each_engine_has_one_call_under_way_and_one_queued(tmp_path):
     never waits for the dispatcher between calls; never more (a queued call holds samples that
     another engine could take)."""
     cfg = config(tmp_path, "rollout.scheduler.engine_batch=2")  # the frontier's 8 samples: 4 calls
-    engine = FakeEngine(SeededToy(), delay=0.5)
+    engine = FakeEngine(SeededToy(), delay=1.0)
     sched, _ = scheduler(cfg, [engine])
     sched.start_round(0, 4)
     outstanding = []
@@ -647,26 +647,29 @@ def test_each_engine_has_one_call_under_way_and_one_queued(tmp_path):
         deadline = time.monotonic() + 10
         while len(engine.calls) < calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)  # the call still runs (0.5 s): the dispatcher has queued what it will
+        time.sleep(0.4)  # the call still runs (1 s): the dispatcher has queued what it will
         outstanding.append(len(sched.workers[0].outstanding))
     sched.close()
     assert len(engine.calls) == 2 and outstanding == [2, 2]
 
 
 def test_a_hung_call_is_given_up_on_soon_after_the_timeout(tmp_path):
-    """A call is hung once it has run `timeout` seconds (0.5 here): not before, and not a
-    multiple of it later (the other test of a hung engine allows a slow machine 5 s)."""
-    cfg = config(tmp_path, "rollout.scheduler.timeout=0.5")
+    """A call is hung once it has run `timeout` seconds (1 here): not before, and not a
+    multiple of it later (the bound leaves a loaded machine 1.5 s; the other test of a hung
+    engine allows 5 s)."""
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.0")
     engine = FakeEngine(SeededToy(), hang_after=0)
     sched, _ = scheduler(cfg, [engine])
     t0 = time.perf_counter()
     rnd, _ = sched.start_round(0, 4)
-    with pytest.raises(EngineError, match="within 0.5 s"):
-        list(rnd)
-    elapsed = time.perf_counter() - t0
-    engine.release.set()
-    sched.close()
-    assert 0.5 <= elapsed < 1.2
+    try:
+        with pytest.raises(EngineError, match="within 1 s"):
+            list(rnd)
+        elapsed = time.perf_counter() - t0
+    finally:  # the hung engine's thread must not outlive the test (a later test counts threads)
+        engine.release.set()
+        sched.close()
+    assert 1.0 <= elapsed < 2.5
 
 
 def test_only_the_call_a_hung_engine_ran_counts_a_retry(tmp_path):
