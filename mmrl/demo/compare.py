@@ -99,11 +99,10 @@ def compare_vlm(pair: ModelPair, item, n: int = 2, seed: int = 0) -> dict[str, l
             if n:
                 batch = policy.generate([item], n, pair_rollout(pair, which), torch.Generator().manual_seed(seed))
                 samples += [(f"sample {k + 1} (seed {seed})", s) for k, s in enumerate(batch.samples)]
-        texts = [(label, s.completion) for label, s in samples]
         scored = _scored(task.reward, [s for _, s in samples])
         unknown = not str(item.answer)
-        out[which] = [Shown(label, text, {k: (None if unknown and k == "answer" else v) for k, v in atoms.items()},
-                            None if unknown else total) for (label, text), (atoms, total) in zip(texts, scored)]
+        out[which] = [Shown(label, s.completion, {k: (None if unknown and k == "answer" else v) for k, v in atoms.items()},
+                            None if unknown else total) for (label, s), (atoms, total) in zip(samples, scored)]
     return out
 
 

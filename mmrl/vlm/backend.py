@@ -219,7 +219,7 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
              for k, p in enumerate(prompts)]
     asked = items or task.eval_items[:2]
     if greedy:
-        samples = [s for b in policy.greedy_batches(asked, task.max_new_tokens, stop=cfg.rollout.stop) for s in b.samples]
+        samples = [s for b in policy.greedy_batches(asked, task.max_new_tokens, stop=task.stop) for s in b.samples]
     else:
         # a CPU generator: it draws the sampling seeds only, the same on any model.device
         samples = policy.generate(asked, n, cfg.rollout, torch.Generator().manual_seed(cfg.seed)).samples
