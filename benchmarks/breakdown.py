@@ -39,7 +39,7 @@ def vlm(args) -> None:
         sys.exit("the VLM breakdown reads shapes-qa items (task.type=shapes-qa)")
     policy, task = backend.build(cfg)
     items = task.eval_items
-    texts = [s.completion for b in policy.greedy_batches(items, cfg.rollout.max_new_tokens, 50) for s in b.samples]
+    texts = [s.completion for b in policy.greedy_batches(items, cfg.rollout.max_new_tokens, 50, task.stop) for s in b.samples]
     rows: dict[str, list] = defaultdict(list)
     agree = determined = 0
     for it, text in zip(items, texts):

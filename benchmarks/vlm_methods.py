@@ -35,7 +35,7 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str], claims:
                       defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)
     measure = (lambda: claim_report(policy, task.eval_items, max_new_tokens=cfg.rollout.max_new_tokens,
-                                    seed=seed)) if claims else dict
+                                    seed=seed, stop=task.stop)) if claims else dict
     before = measure()
     summary = Trainer(cfg, policy, task, backend=backend).train()
     summary["eval_before"].update(before)

@@ -122,3 +122,23 @@ def test_pacg_configs_run_a_step(config, extra, tmp_path, reward_spread, one_thr
     assert row["pacg/claims"] > 0 and 0 <= row["pacg/gated"] <= 1 and math.isfinite(row["loss/total"])
     assert ("vppo/visual_dependency" in row) == (config == "pacg_vppo.yaml")
     assert any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters())
+
+
+def test_claim_report_reads_the_claims_of_greedy_decodes_cut_at_the_stop_strings(tmp_path, one_thread):
+    """PACG's measure of unsupported claims scores the greedy texts as training's rollouts end
+    them: with stop [","] the bundled model's "a <colour> <shape> , a ... <answer>" keeps one
+    claim a response, and the true/false split is shapes_claim_holds on those texts."""
+    from mmrl.vlm.methods.pacg import claim_report
+    from mmrl.vlm.tasks.shapes_qa import generate_items
+
+    policy, _ = backend.build(_pacg_cfg(tmp_path, BUNDLED))
+    items = generate_items(6, seed=3)
+    whole = claim_report(policy, items, max_new_tokens=32)
+    cut = claim_report(policy, items, max_new_tokens=32, stop=[","])
+    texts = policy.greedy(items, 32, stop=[","])
+    spans = [claim_spans(t) for t in texts]
+    assert cut["claims_per_response"] == 1.0 and whole["claims_per_response"] > 1.0
+    holds = [shapes_claim_holds(t[s:e], it.meta["scene"]) for t, sp, it in zip(texts, spans, items) for s, e in sp]
+    assert (cut["claims_true"], cut["claims_false"]) == (holds.count(True), holds.count(False))
+    assert cut["false_claim_rate"] == holds.count(False) / len(holds)
+    assert 0 < cut["persistence_false"] <= 1 and 0 < cut["persistence_true"] <= 1

@@ -100,15 +100,16 @@ class PACG(VPPO):
 
 @torch.no_grad()
 def claim_report(policy, items, *, max_new_tokens: int, mask_p: float = 0.5, seed: int = 0,
-                 words=CLAIM_WORDS, batch_size: int = 32) -> dict[str, float]:
+                 words=CLAIM_WORDS, batch_size: int = 32, stop: list[str] | None = None) -> dict[str, float]:
     """How persistent a policy's greedy claims are under VPPO's patch masking, split by
     whether they hold in the scene (items with meta["scene"]; claims naming no checkable
     object are left out of the split): the issue's measure of unsupported claims.
     Returns persistence_false / persistence_true (means), claims_false / claims_true
-    (counts), false_claim_rate and claims_per_response (all claims, checkable or not)."""
+    (counts), false_claim_rate and claims_per_response (all claims, checkable or not).
+    `stop`: the rollouts' stop strings (task.stop), so the claims read are the ones training sees."""
     gen = torch.Generator().manual_seed(seed)
     found: dict[bool, list[float]] = {True: [], False: []}
-    texts = policy.greedy(items, max_new_tokens, batch_size)
+    texts = policy.greedy(items, max_new_tokens, batch_size, stop)
     for start in range(0, len(items), batch_size):
         chunk, done = items[start: start + batch_size], texts[start: start + batch_size]
         batch = policy.teacher_batch(chunk, done)
