@@ -121,6 +121,11 @@ class ToolsConfig(Section):
     """Seconds a tool may take; a slower call returns a timeout observation. A tool stuck in C
     code that holds Python's GIL (a regex that backtracks for ever) cannot be interrupted:
     run such work in a subprocess of the tool's own."""
+    max_stuck: int = Field(4, ge=1)
+    """Calls of one tool that may be left running past `timeout` (each in a thread that cannot be
+    stopped, and may spin for ever); while that many still run, the tool's calls return a timeout
+    observation at once, without running, so a policy that keeps calling a hanging tool does not
+    slow the run without bound."""
     max_observation_tokens: int = Field(1024, ge=16)
     """Tokens of a tool's text kept in its observation; a longer text is cut there, says so, and
     counts as a tool failure (too_long): a tool returning a megabyte would otherwise be a

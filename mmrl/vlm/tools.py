@@ -28,7 +28,11 @@ itself from:
     bad_arguments  unknown, missing or wrongly typed arguments
     raised         the tool raised ("tool zoom raised ValueError: ...")
     timeout        the tool ran longer than the registry's `timeout`; its worker
-                   thread is abandoned (a daemon; an async tool's task is cancelled)
+                   thread is abandoned (a daemon; an async tool's task is cancelled).
+                   While `max_stuck` calls of a tool still run past their timeout, a
+                   new call of it is not started and gets this kind at once: each
+                   abandoned thread may spin for ever, and a policy that keeps calling
+                   a hanging tool would otherwise slow the run without bound
     bad_result     the tool returned something other than text, an image, a
                    number or a list of those
 
@@ -407,22 +411,33 @@ class _ToolTimeout(Exception):
     pass
 
 
+class _ToolStuck(Exception):
+    """args[0]: how many calls of the tool still run past their timeout."""
+
+
 class ToolRegistry:
     """The tools of a rollout, by name; `call` runs one from a model's text.
 
     tools: callables (wrapped as Tool(fn)) or Tool objects.
     timeout: seconds one call may run (> 0). A call that runs longer returns kind
         "timeout" at once; its worker thread is left to finish on its own (a daemon).
+    max_stuck: calls of one tool that may be left running past their timeout (>= 1);
+        while that many still run, the tool's calls return "timeout" without running.
     """
 
-    def __init__(self, tools: Iterable[Callable | Tool] = (), *, timeout: float = 10.0):
+    def __init__(self, tools: Iterable[Callable | Tool] = (), *, timeout: float = 10.0, max_stuck: int = 4):
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, numbers.Real)
             or not (math.isfinite(timeout) and timeout > 0)
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(max_stuck, bool) or not isinstance(max_stuck, numbers.Integral) or max_stuck < 1:
+            raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
         self.timeout = float(timeout)
+        self.max_stuck = int(max_stuck)
+        self._stuck: dict[str, int] = {}  # per tool: abandoned calls still running
+        self._stuck_lock = threading.Lock()
         self._tools: dict[str, Tool] = {}
         for t in tools:
             self.register(t)
@@ -465,7 +480,12 @@ class ToolRegistry:
         return len(self._tools)
 
     def __repr__(self) -> str:
-        return f"ToolRegistry({self.names()!r}, timeout={self.timeout})"
+        return f"ToolRegistry({self.names()!r}, timeout={self.timeout}, max_stuck={self.max_stuck})"
+
+    def stuck(self, name: str) -> int:
+        """Calls of tool `name` abandoned at their timeout and still running."""
+        with self._stuck_lock:
+            return self._stuck.get(name, 0)
 
     def call(self, text: str, ctx: ToolContext) -> ToolResult:
         """Parse the last tool call in `text` and run it (see the module docstring).
@@ -497,6 +517,9 @@ class ToolRegistry:
                 value = self._run(tool, kwargs)
             except _ToolTimeout:
                 return _error(f"tool {name} timed out after {self.timeout:g} s", "timeout", name)
+            except _ToolStuck as e:
+                return _error(f"tool {name} not run: {e.args[0]} earlier calls of it are still running past "
+                              f"the {self.timeout:g} s timeout", "timeout", name)
             except BaseException as e:  # noqa: BLE001 -- whatever the tool raised goes to the model
                 return _error(f"tool {name} raised {_describe(e)}", "raised", name)
             try:
@@ -512,7 +535,10 @@ class ToolRegistry:
         waiting at most self.timeout seconds."""
         box: dict = {}
         done = threading.Event()
-        timeout = self.timeout
+        timeout, lock, stuck = self.timeout, self._stuck_lock, self._stuck
+        with lock:
+            if stuck.get(tool.name, 0) >= self.max_stuck:
+                raise _ToolStuck(stuck[tool.name])
 
         def work():
             try:
@@ -523,11 +549,18 @@ class ToolRegistry:
             except BaseException as e:  # noqa: BLE001 -- handed to the caller
                 box["error"] = e
             finally:
-                done.set()
+                with lock:  # done and abandoned are decided under one lock, so a count never leaks
+                    done.set()
+                    if box.get("abandoned"):
+                        stuck[tool.name] -= 1
 
         threading.Thread(target=work, name=f"mmrl-tool-{tool.name}", daemon=True).start()
         if not done.wait(timeout):
-            raise _ToolTimeout
+            with lock:
+                if not done.is_set():  # else it finished at the deadline: its result stands
+                    box["abandoned"] = True
+                    stuck[tool.name] = stuck.get(tool.name, 0) + 1
+                    raise _ToolTimeout
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -716,7 +749,7 @@ BUILTIN_TOOLS: dict[str, Callable] = {"zoom": zoom, "calculator": calculator}
 
 
 def build_registry(
-    names: Sequence[str], *, timeout: float = 10.0, base_dir: str | Path | None = None
+    names: Sequence[str], *, timeout: float = 10.0, base_dir: str | Path | None = None, max_stuck: int = 4
 ) -> ToolRegistry:
     """A registry of the named tools. Each name is a builtin (BUILTIN_TOOLS) or
     "path/to/file.py:function" for a user's sync or async function (or Tool object);
@@ -726,7 +759,7 @@ def build_registry(
     if isinstance(names, str):
         names = [names]
     builtins = ", ".join(BUILTIN_TOOLS)
-    registry = ToolRegistry(timeout=timeout)
+    registry = ToolRegistry(timeout=timeout, max_stuck=max_stuck)
     modules: dict[Path, object] = {}
     for spec in names:
         if not isinstance(spec, str):

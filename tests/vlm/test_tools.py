@@ -297,6 +297,46 @@ def test_async_tool_blocking_its_loop_still_times_out():
     assert res.kind == "timeout"
 
 
+def test_a_tool_with_max_stuck_calls_still_running_is_not_started_again():
+    """Each timed-out call leaves a thread that cannot be stopped: at max_stuck of them still
+    running, further calls return a timeout observation at once and start no thread; once the
+    stuck calls finish, the tool runs again. Other tools are not held back."""
+    release, started = threading.Event(), []
+
+    def block() -> str:
+        started.append(1)
+        release.wait(30)
+        return "free"
+
+    def quick() -> str:
+        return "quick"
+
+    reg = ToolRegistry([block, quick], timeout=0.1, max_stuck=2)
+    for _ in range(2):
+        assert_error(reg.call(call_text("block"), NO_CTX), "timeout", "tool block timed out after 0.1 s", name="block")
+    assert reg.stuck("block") == 2
+    start = time.monotonic()
+    res = reg.call(call_text("block"), NO_CTX)
+    assert time.monotonic() - start < 0.09  # did not wait out a timeout
+    assert_error(res, "timeout", "tool block not run: 2 earlier calls of it are still running past the 0.1 s timeout",
+                 name="block")
+    assert len(started) == 2
+    assert reg.call(call_text("quick"), NO_CTX).content == ["quick"]
+    release.set()
+    deadline = time.monotonic() + 10
+    while reg.stuck("block") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reg.stuck("block") == 0
+    assert reg.call(call_text("block"), NO_CTX).content == ["free"]
+    assert len(started) == 3
+
+
+@pytest.mark.parametrize("max_stuck", [0, -1, 1.5, True, "2"])
+def test_max_stuck_must_be_a_positive_integer(max_stuck):
+    with pytest.raises(ValueError, match="max_stuck must be an integer >= 1"):
+        ToolRegistry(max_stuck=max_stuck)
+
+
 @pytest.mark.parametrize(
     "value, content",
     [
@@ -539,9 +579,9 @@ def test_calculator_through_the_registry():
 
 
 def test_build_registry_builtins():
-    reg = build_registry(["zoom", "calculator"], timeout=3.0)
+    reg = build_registry(["zoom", "calculator"], timeout=3.0, max_stuck=3)
     assert reg.names() == ["zoom", "calculator"] == list(BUILTIN_TOOLS)
-    assert reg.timeout == 3.0
+    assert (reg.timeout, reg.max_stuck) == (3.0, 3)
     assert [s["function"]["name"] for s in reg.schemas()] == ["zoom", "calculator"]
     zoom_params = reg.schemas()[0]["function"]["parameters"]
     assert zoom_params["required"] == ["x0", "y0", "x1", "y1"]
@@ -582,3 +622,17 @@ def test_build_registry_bad_names(tmp_path):
         build_registry(["t.py:X"], base_dir=tmp_path)
     with pytest.raises(ValueError, match="'zoom' is already registered"):
         build_registry(["zoom", "zoom"])
+
+
+def test_rollout_tools_config_reaches_the_registry():
+    """rollout.tools.{timeout, max_stuck} are the registry's, as the VLM backend builds it."""
+    from pathlib import Path
+
+    from mmrl.core.config import load_config
+    from mmrl.vlm import backend
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml",
+                      ["rollout.tools.timeout=2.5", "rollout.tools.max_stuck=7"], defaults=backend.DEFAULT_CONFIG)
+    reg = backend.build_tools(cfg)
+    assert (reg.timeout, reg.max_stuck) == (2.5, 7)
