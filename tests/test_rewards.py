@@ -236,6 +236,38 @@ def test_sync_timeout_raises_and_zeroes(batched):
         release.set()
 
 
+def test_a_sync_atom_with_max_stuck_calls_left_running_is_not_started_again():
+    """A hanging atom leaves a thread per timed-out call: at max_stuck of them still running, its
+    calls fail as timed out at once and start nothing (5 samples wait out 2 timeouts, not 5);
+    once they end, the atom runs again."""
+    release, started = threading.Event(), []
+
+    @reward_atom("slow")
+    def slow(s):
+        started.append(1)
+        release.wait(30)
+        return 1.0
+
+    reward = Reward([slow], timeout=0.2, on_error="zero", max_stuck=2)
+    try:
+        begin = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="slow"):
+            scores = reward.score(make_samples([1, 2, 3, 4, 5]))
+        assert time.perf_counter() - begin < 0.8  # uncapped: 5 x 0.2 s
+        assert (len(started), scores.errors, reward.stuck("slow")) == (2, 5, 2)
+        with pytest.warns(RuntimeWarning, match=r"not run: 2 earlier calls of it are still running past the "
+                                                r"timeout of 0\.2 s"):
+            reward.score(make_samples([1]))
+        assert len(started) == 2
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while reward.stuck("slow") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reward.score(make_samples([1])).values.tolist() == [[1.0]]
+    assert len(started) == 3
+
+
 # ---------------------------------------------------------------------------- gating
 
 
@@ -311,6 +343,9 @@ def test_construction_errors():
         Reward([value_atom("b")], on_error="ignore")
     with pytest.raises(ValueError, match="timeout"):
         Reward([value_atom("b")], timeout=0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_stuck must be an integer >= 1"):
+            Reward([value_atom("b")], timeout=1, max_stuck=bad)
     for name in ("total", "total_std", "errors", "advantage_abs"):  # the reward/<name> metrics
         with pytest.raises(ValueError, match="reserved"):
             Reward([value_atom(name)])
@@ -547,11 +582,12 @@ def test_from_config_overrides(atoms_file, tmp_path):
         base_dir=tmp_path,
         on_error="zero",
         timeout=1.5,
+        max_stuck=3,
     )
     assert reward.names == ["plain", "plain_x2", "decorated_name"]
     assert reward.weights.tolist() == [1.0, 2.0, 3.0]
     assert reward.atoms[2].parents == ("plain_x2",)
-    assert (reward.on_error, reward.timeout) == ("zero", 1.5)
+    assert (reward.on_error, reward.timeout, reward.max_stuck) == ("zero", 1.5, 3)
     # "a": plain 1, plain_x2 1, decorated 1 -> total = 1 + 2*1 + 3*1 = 6
     # "":  plain 0, plain_x2 0 -> decorated gated 0 -> total 0
     assert reward.score([Sample("p", "a"), Sample("p", "")]).total.tolist() == [6.0, 0.0]

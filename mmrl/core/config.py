@@ -285,6 +285,10 @@ class RewardConfig(Section):
     timeout: float | None = Field(None, gt=0, le=threading.TIMEOUT_MAX)
     """Seconds allowed for each call of an atom (a sync one runs in a thread to be timed, and one
     that hangs is left running there); None = no limit."""
+    max_stuck: int = Field(4, ge=1)
+    """With a timeout: calls of one sync atom that may be left running past it; while that many
+    are, its calls fail as timed out at once without running (no thread piles up, no timeout is
+    waited out per sample)."""
     overlong: OverlongConfig | None = None
     """DAPO's soft overlong punishment, as an extra atom "overlong" (VLM backend only: it reads
     each completion's token count); None = off."""

@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmrl.core.timeouts import Stuck, StuckCalls
+
 __all__ = [
     "AtomScores",
     "Reward",
@@ -200,13 +202,17 @@ class Reward:
         (score it 0, count it in AtomScores.errors, warn once per score call).
     timeout: seconds allowed for each call of an atom; None = no limit. A sync atom then runs
         in a thread of its own so that it can be timed; one that hangs is reported as timed
-        out and its thread is left behind (Python cannot stop a thread). An async atom is
+        out and its thread is left behind (Python cannot stop a thread). While `max_stuck` calls
+        of one atom are left so, its calls fail as timed out at once, starting no thread, so
+        an atom that hangs on every sample neither piles up spinning threads nor waits out a
+        timeout per sample (mmrl.core.timeouts). An async atom is
         timed on the event loop; one that blocks the loop (time.sleep, a blocking client)
         cannot be interrupted, and fails as timed out once its own running time is past it.
     """
 
     def __init__(
-        self, atoms: Sequence[RewardAtom], *, on_error: str = "raise", timeout: float | None = None
+        self, atoms: Sequence[RewardAtom], *, on_error: str = "raise", timeout: float | None = None,
+        max_stuck: int = 4,
     ):
         if on_error not in ("raise", "zero"):
             raise ValueError(f'on_error must be "raise" or "zero", got {on_error!r}')
@@ -214,6 +220,8 @@ class Reward:
             raise ValueError(
                 f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:.0f} or None, got {timeout!r}"
             )
+        if isinstance(max_stuck, bool) or not isinstance(max_stuck, numbers.Integral) or max_stuck < 1:
+            raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
         atoms = list(atoms)
         if not atoms:
             raise ValueError("a Reward needs at least one atom")
@@ -241,11 +249,17 @@ class Reward:
         self.atoms = tuple(atoms)
         self.on_error = on_error
         self.timeout = None if timeout is None else float(timeout)
+        self.max_stuck = int(max_stuck)
+        self._stuck = StuckCalls(self.max_stuck, "reward-atom")  # per atom: calls left past the timeout
         self._levels = _topological_levels(self.atoms, by_name)
         self._loop: _EventLoop | None = None  # the async atoms' event loop, from their first call
 
     def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) makes its own loop when it needs one
-        return {**self.__dict__, "_loop": None}
+        return {**self.__dict__, "_loop": None, "_stuck": None}  # and its own count of stuck calls
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._stuck = StuckCalls(self.max_stuck, "reward-atom")
 
     @property
     def names(self) -> list[str]:
@@ -278,13 +292,36 @@ class Reward:
                 if atom.is_async:
                     async_jobs.append((atom, idx))
                 elif atom.batched:
-                    run.settle(atom, idx, _call(atom.fn, [run.samples[i] for i in idx], self.timeout))
+                    run.settle(atom, idx, self._call(atom, [run.samples[i] for i in idx]))
                 else:
                     for i in idx:
-                        run.settle(atom, [i], _call(atom.fn, run.samples[i], self.timeout))
+                        run.settle(atom, [i], self._call(atom, run.samples[i]))
             if async_jobs:
                 self._run_async(run, async_jobs)
         return run.result()
+
+    def stuck(self, name: str) -> int:
+        """Calls of sync atom `name` left running past the timeout, now."""
+        return self._stuck(name)
+
+    def _call(self, atom: RewardAtom, arg) -> tuple[Any, BaseException | None]:
+        """A sync atom's call: (result, None) or (None, what it raised, or an _AtomTimeout)."""
+        if self.timeout is None:
+            return _call(atom.fn, arg)
+        box: list = []
+
+        def work():
+            try:
+                box.append(_call(atom.fn, arg))
+            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: the atom's failure, not a timeout
+                box.append((None, e))
+
+        try:
+            finished = self._stuck.run(atom.name, work, self.timeout)
+        except Stuck as e:
+            return None, _AtomTimeout(f"not run: {e.args[0]} earlier calls of it are still running past the "
+                                      f"timeout of {self.timeout} s")
+        return box[0] if finished else (None, _AtomTimeout(f"timed out after {self.timeout} s"))
 
     def _run_async(self, run: _ScoreRun, jobs: list) -> None:
         """All calls of this level's async atoms, concurrently; settled in atom, sample order."""
@@ -319,23 +356,8 @@ class _Escaped(Exception):
     """An async atom raised SystemExit or KeyboardInterrupt (the message names which)."""
 
 
-def _call(fn: Callable, arg, timeout: float | None = None) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, the exception fn raised, or an _AtomTimeout after `timeout` s)."""
-    if timeout is not None:
-        box: list = []
-
-        def work():
-            try:
-                box.append(_call(fn, arg))
-            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: the atom's failure, not a timeout
-                box.append((None, e))
-
-        worker = threading.Thread(target=work, daemon=True, name="reward-atom")
-        worker.start()
-        worker.join(timeout)
-        if not box:  # still running: left behind, as a thread cannot be stopped
-            return None, _AtomTimeout(f"timed out after {timeout} s")
-        return box[0]
+def _call(fn: Callable, arg) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, the exception fn raised)."""
     try:
         return fn(arg), None
     except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom

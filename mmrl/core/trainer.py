@@ -868,7 +868,7 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
         ol = rc.overlong
         atoms.append(overlong_atom(ol.max_len or cfg.rollout.max_new_tokens, ol.buffer, ol.penalty))
     try:
-        return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout)
+        return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout, max_stuck=rc.max_stuck)
     except ValueError as e:  # e.g. a config atom named like a task atom
         raise ConfigError(f"reward.atoms: {e}") from e
 

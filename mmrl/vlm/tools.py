@@ -54,7 +54,6 @@ import math
 import numbers
 import operator
 import re
-import threading
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +64,7 @@ from PIL import Image
 
 from mmrl.core.jsonl import json_type
 from mmrl.core.rewards import import_python_file, module_attribute, spec_file
+from mmrl.core.timeouts import Stuck, StuckCalls
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -436,8 +436,7 @@ class ToolRegistry:
             raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
         self.timeout = float(timeout)
         self.max_stuck = int(max_stuck)
-        self._stuck: dict[str, int] = {}  # per tool: abandoned calls still running
-        self._stuck_lock = threading.Lock()
+        self._stuck = StuckCalls(self.max_stuck, "tool")  # per tool: calls left running past the timeout
         self._tools: dict[str, Tool] = {}
         for t in tools:
             self.register(t)
@@ -484,8 +483,7 @@ class ToolRegistry:
 
     def stuck(self, name: str) -> int:
         """Calls of tool `name` abandoned at their timeout and still running."""
-        with self._stuck_lock:
-            return self._stuck.get(name, 0)
+        return self._stuck(name)
 
     def call(self, text: str, ctx: ToolContext) -> ToolResult:
         """Parse the last tool call in `text` and run it (see the module docstring).
@@ -532,13 +530,10 @@ class ToolRegistry:
 
     def _run(self, tool: Tool, kwargs: dict):
         """tool.fn(**kwargs) in a daemon thread (an async fn on its own event loop there),
-        waiting at most self.timeout seconds."""
+        waiting at most self.timeout seconds; not started while max_stuck calls of it are
+        still running past theirs (mmrl.core.timeouts)."""
         box: dict = {}
-        done = threading.Event()
-        timeout, lock, stuck = self.timeout, self._stuck_lock, self._stuck
-        with lock:
-            if stuck.get(tool.name, 0) >= self.max_stuck:
-                raise _ToolStuck(stuck[tool.name])
+        timeout = self.timeout
 
         def work():
             try:
@@ -548,19 +543,13 @@ class ToolRegistry:
                     box["value"] = tool.fn(**kwargs)
             except BaseException as e:  # noqa: BLE001 -- handed to the caller
                 box["error"] = e
-            finally:
-                with lock:  # done and abandoned are decided under one lock, so a count never leaks
-                    done.set()
-                    if box.get("abandoned"):
-                        stuck[tool.name] -= 1
 
-        threading.Thread(target=work, name=f"mmrl-tool-{tool.name}", daemon=True).start()
-        if not done.wait(timeout):
-            with lock:
-                if not done.is_set():  # else it finished at the deadline: its result stands
-                    box["abandoned"] = True
-                    stuck[tool.name] = stuck.get(tool.name, 0) + 1
-                    raise _ToolTimeout
+        try:
+            finished = self._stuck.run(tool.name, work, timeout)
+        except Stuck as e:
+            raise _ToolStuck(*e.args) from None
+        if not finished:
+            raise _ToolTimeout
         if "error" in box:
             raise box["error"]
         return box["value"]

@@ -229,13 +229,14 @@ def run_config(tmp_path, yaml_text: str, *overrides):
 
 
 def test_config_keys_reach_the_reward(atoms_dir):
-    cfg = run_config(atoms_dir, "reward:\n  atoms: [atoms.py:flaky]\n  on_error: zero\n  timeout: 0.25\n")
+    cfg = run_config(atoms_dir, "reward:\n  atoms: [atoms.py:flaky]\n  on_error: zero\n  timeout: 0.25\n"
+                                "  max_stuck: 6\n")
     trainer = Trainer(cfg, *toy.build(cfg))
-    assert trainer.reward.on_error == "zero" and trainer.reward.timeout == 0.25
+    assert trainer.reward.on_error == "zero" and trainer.reward.timeout == 0.25 and trainer.reward.max_stuck == 6
     assert trainer.reward.names == ["answer", "stop", "flaky"]
     cfg = run_config(atoms_dir, "reward:\n  atoms: [atoms.py:flaky]\n")
     trainer = Trainer(cfg, *toy.build(cfg))
-    assert trainer.reward.on_error == "raise" and trainer.reward.timeout is None  # the defaults
+    assert (trainer.reward.on_error, trainer.reward.timeout, trainer.reward.max_stuck) == ("raise", None, 4)  # defaults
 
 
 def test_run_with_on_error_zero_continues_and_logs_reward_errors(atoms_dir, one_thread):
