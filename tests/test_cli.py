@@ -160,3 +160,48 @@ def test_user_errors_of_a_resume_and_an_output_file_exit_2_in_one_line(tmp_path)
     (tmp_path / "afile").write_text("")
     code, text = invoke(app, "train", "--max-steps", "1", "-o", str(tmp_path / "afile"))
     assert code == 2 and "is a file" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("module,config", [("mmrl.cli", "configs/vlm/axpo.yaml"), ("dllm_rl.cli", "configs/dllm/tracerl.yaml"),
+                                           ("diffusion_rl.cli", "configs/diffusion/cast.yaml")])
+def test_config_prints_every_key_with_its_description_and_loads_back(module, config, tmp_path, monkeypatch):
+    """`<cli> config` prints the resolved config (default <- --config <- --set) as YAML with each
+    field's docstring above it; read back as a --config file from another directory (its paths
+    made absolute), it is the same config. Excluded, derived keys are not printed."""
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    from mmrl.core.config import load_config
+    from mmrl.core.runconfig import absolute_paths
+
+    root = Path(__file__).resolve().parents[1]
+    cli = importlib.import_module(module)
+    backend = importlib.import_module(cli.SPEC.module)
+    code, text = invoke(cli.app, "config", "--config", str(root / config), "--set", "optim.lr=3e-4")
+    assert code == 0, text
+    assert "  # Clip the global gradient norm to this; None = no clipping.\n  max_grad_norm: 1.0\n" in text
+    assert ("max_new_tokens:" in text) == (module != "dllm_rl.cli")  # dLLM: derived from gen_length, not set
+    (tmp_path / "printed.yaml").write_text(text)
+    cls = backend.CONFIG_CLASS
+    want = load_config(cls, root / config, ["optim.lr=3e-4", f"output_dir={cli.SPEC.modality}"],
+                       defaults={**backend.DEFAULT_CONFIG, "output_dir": f"runs/{cli.SPEC.modality}-default"})
+    want = absolute_paths(want.model_dump(mode="json"), want.base_dir)  # as printed, from where it was printed
+    monkeypatch.chdir(tmp_path)
+    got = load_config(cls, tmp_path / "printed.yaml", [f"output_dir={cli.SPEC.modality}"], defaults=backend.DEFAULT_CONFIG)
+    assert got.model_dump(mode="json") == want
+    assert yaml.safe_load(text)["optim"]["lr"] == 3e-4
+
+
+def test_config_keys_prints_one_part_under_its_parents_and_names_a_bad_path():
+    from mmrl.cli import app as vlm
+
+    code, text = invoke(vlm, "config", "--keys", "rollout.tools", "--set", "rollout.tools.names=[zoom]")
+    assert code == 0, text
+    assert text.splitlines()[0] == "rollout:" and "  tools:" in text and "max_stuck: 4" in text
+    assert "optim" not in text and "num_generations" not in text
+    code, text = invoke(vlm, "config", "--keys", "rollout.tool")
+    assert code == 2 and "no key 'tool' in rollout (its keys: num_generations," in text and "Traceback" not in text
+    code, text = invoke(vlm, "config", "--keys", "seed.x")
+    assert code == 2 and "seed is 0, not a section" in text

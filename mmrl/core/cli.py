@@ -1,4 +1,4 @@
-"""The command line shared by the three modalities: `train`, `eval`, `sample`, `serve`.
+"""The command line shared by the three modalities: `train`, `eval`, `sample`, `serve`, `config`.
 
 Each entry point (mmrl, diffusion-rl, dllm-rl) is `make_app(spec)` with its
 modality's `BackendSpec`. A backend is a module exposing
@@ -193,6 +193,24 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
 
         run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
+
+    @app.command("config")
+    def show_config(
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        keys: str | None = typer.Option(None, "--keys", "-k", help="Only this part, e.g. --keys rollout or --keys method."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
+    ):
+        """Print the config a run would use (the embedded default, --config, --set) as YAML, every
+        key with its description and value; it loads back as a --config file. Nothing is built."""
+
+        def go():
+            from mmrl.core.config_doc import commented_config
+
+            _, cfg = get_backend(config, list(set_), "train", checkpoint)
+            typer.echo(commented_config(cfg, keys), nl=False)
+
+        run_verb(go)
 
     @app.command("eval")
     def evaluate(

@@ -34,7 +34,8 @@ class Section(BaseModel):
     and no number may be inf or nan (a bound such as gt=0 lets inf through, and an inf weight,
     temperature or learning rate fails, or turns the loss to nan, only once the run is under way)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)  # the docstrings under the keys: `<cli> config`
 
 
 # --------------------------------------------------------------------------- sections

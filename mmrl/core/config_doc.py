@@ -1,0 +1,73 @@
+"""A resolved config as YAML with each key's description above it (`<cli> config`).
+
+The descriptions are the docstrings under the fields of the config classes (mmrl.core.config
+and each backend's config.py), so what `config` prints is what the code says. The YAML loads
+back as a `--config` file: paths are made absolute, as in a run's config.yaml.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from mmrl.core.config import ConfigError
+from mmrl.core.runconfig import absolute_paths
+
+__all__ = ["commented_config"]
+
+WIDTH = 96
+
+
+def commented_config(cfg: BaseModel, keys: str | None = None) -> str:
+    """`cfg` as commented YAML; `keys` ("rollout.tools", "method") keeps that part only, under
+    its parents' keys so that it still loads as a config. An unknown key path -> ConfigError."""
+    data = absolute_paths(cfg.model_dump(mode="json"), getattr(cfg, "base_dir", None))
+    lines: list[str] = []
+    model, values, indent = cfg, data, ""
+    if keys:
+        path = keys.split(".")
+        for depth, name in enumerate(path):
+            fields = _shown(model) if isinstance(model, BaseModel) else {}
+            if name not in fields:
+                where = ".".join(path[:depth]) or "the config"
+                known = ", ".join(fields) or "none: it is a value, not a section"
+                raise ConfigError(f"--keys {keys}: no key {name!r} in {where} (its keys: {known})")
+            if depth == len(path) - 1:
+                _field(lines, model, values, name, indent)
+                return "\n".join(lines) + "\n"
+            lines.append(f"{indent}{name}:")
+            model, values, indent = getattr(model, name), values[name], indent + "  "
+            if not isinstance(model, BaseModel):
+                raise ConfigError(f"--keys {keys}: {'.'.join(path[:depth + 1])} is {model!r}, not a section")
+    for name in _shown(model):
+        _field(lines, model, values, name, indent)
+    return "\n".join(lines) + "\n"
+
+
+def _field(lines: list[str], model: BaseModel, values: dict, name: str, indent: str) -> None:
+    info = type(model).model_fields[name]
+    if info.description:
+        text = " ".join(info.description.split())
+        lines.extend(textwrap.wrap(text, WIDTH - len(indent), initial_indent=f"{indent}# ",
+                                   subsequent_indent=f"{indent}# ", break_on_hyphens=False))
+    value = getattr(model, name)
+    if isinstance(value, BaseModel):
+        lines.append(f"{indent}{name}:")
+        for sub in _shown(value):
+            _field(lines, value, values[name], sub, indent + "  ")
+    else:
+        lines.append(f"{indent}{name}: {_flow(values[name])}")
+
+
+def _shown(model: BaseModel) -> list[str]:
+    """The fields a config file sets (not those excluded from dumps: derived from others)."""
+    return [name for name, info in type(model).model_fields.items() if not info.exclude]
+
+
+def _flow(value: Any) -> str:
+    """One value in YAML's flow style, on one line."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), sort_keys=False).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
