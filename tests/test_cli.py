@@ -115,6 +115,8 @@ def test_resume_and_eval_take_the_runs_own_settings(tmp_path, recwarn):
     code, text = invoke(app, "eval", "--checkpoint", str(out / "checkpoints"))
     assert code == 0 and f"the run's {out / 'config.yaml'}" in text
     assert json.loads(text.strip().splitlines()[-1]) == summary["eval_after"]
+    code, text = invoke(app, "config", "--checkpoint", str(out), "--keys", "optim")
+    assert code == 0 and "\n  lr: 0.005\n" in text  # the run's settings, as eval reads them
     (out / "config.yaml").write_text((out / "config.yaml").read_text() + "bogus: 1\n")  # e.g. an older version's key
     code, text = invoke(app, "train", "--max-steps", "4", "-o", str(out), "--resume")
     assert code == 2 and "'bogus'" in text and f"come from {out / 'config.yaml'}" in text
