@@ -7,6 +7,7 @@ back as a `--config` file: paths are made absolute, as in a run's config.yaml.
 
 from __future__ import annotations
 
+import difflib
 import textwrap
 from typing import Any
 
@@ -30,11 +31,12 @@ def commented_config(cfg: BaseModel, keys: str | None = None) -> str:
     if keys:
         path = keys.split(".")
         for depth, name in enumerate(path):
-            fields = _shown(model) if isinstance(model, BaseModel) else {}
+            fields = _shown(model)
             if name not in fields:
                 where = ".".join(path[:depth]) or "the config"
-                known = ", ".join(fields) or "none: it is a value, not a section"
-                raise ConfigError(f"--keys {keys}: no key {name!r} in {where} (its keys: {known})")
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(f"--keys {keys}: no key {name!r} in {where} ({hint}its keys: {', '.join(fields)})")
             if depth == len(path) - 1:
                 _field(lines, model, values, name, indent)
                 return "\n".join(lines) + "\n"

@@ -213,6 +213,10 @@ CONFIG_ROWS = {
     # task options the task's generator rejects
     "shapes-qa-unknown-kind": Row("vlm", lambda t: train(t, "task.kinds=[colour]"),
                                   lambda t: ["task (shapes-qa): unknown question kind 'colour'", "colour_of"]),
+    # `config --keys` with a part the config does not have
+    "config-keys-unknown": Row("dllm", lambda t: ["config", "--keys", "rollout.gen_lenght"], tiny=None,
+                               needles=lambda t: ["--keys rollout.gen_lenght: no key 'gen_lenght' in rollout",
+                                                  "did you mean 'gen_length'?"]),
 }
 
 
