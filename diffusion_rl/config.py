@@ -12,14 +12,20 @@ from mmrl.core.config import KLConfig, ModelConfig, RolloutConfig, Section, Trai
 
 class LoRAConfig(Section):
     r: int = Field(8, ge=1)
+    """Rank of each adapter's low-rank update."""
     alpha: float = Field(16.0, gt=0)
+    """LoRA's scale: the adapter's update is multiplied by alpha / r."""
     target_modules: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Suffixes of the names of the transformer's modules that get adapters. An empty list means
+    diffusion_rl.models.DEFAULT_LORA_TARGETS (the default's four and the joint attention's
+    text-stream projections add_q_proj, add_k_proj, add_v_proj, to_add_out)."""
 
 
 class DiffusionModelConfig(ModelConfig):
     height: int | None = Field(None, ge=8)
     """Image height in pixels; None = the model directory's default."""
     width: int | None = Field(None, ge=8)
+    """Image width in pixels; None = the model directory's default."""
     guidance_scale: float = Field(1.0, ge=1.0)
     """Classifier-free guidance; 1.0 = off (one forward per step)."""
     lora: LoRAConfig | None = None
@@ -37,9 +43,13 @@ class ShapesGenevalTaskConfig(Section):
     """Compositional prompts of coloured shapes, each atom checked by a detector."""
 
     type: Literal["shapes-geneval"] = "shapes-geneval"
+    """The task: shapes-geneval (the only one)."""
     seed: int = 0
+    """Seed of the prompt generator (the run's seed orders the prompts, this one makes them)."""
     num_train: int = Field(2000, ge=1)
+    """Training prompts generated (unused with train_path)."""
     num_eval: int = Field(64, ge=1)
+    """Held-out prompts generated (unused with eval_path)."""
     eval_seeds: int = Field(1, ge=1)
     """Images per held-out prompt (fixed noise seeds, the same before and after)."""
     grid_prompts: int = Field(8, ge=0)
@@ -98,6 +108,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     """Time shift of the sigma schedule (docs/methods.md section 4); auto: the model family's
     (SD3 / SD3.5: sd3; FLUX, FLUX.2, Qwen-Image: flux), set when the model is built."""
     kind: Literal["sde", "cps"] = "sde"
+    """The stochastic step (diffusion_rl.sde): sde, Flow-GRPO's reverse-time SDE (Euler-Maruyama),
+    or cps, coefficients-preserving sampling (Flow-CPS; noise_level must lie in [0, 1])."""
     noise_level: float = Field(0.7, ge=0)
     """a: the SDE's noise scale (0: ODE rollouts, for FTFC's pool; the policy-gradient methods
     need noise, since a noiseless step has no log-probability to train)."""
@@ -113,6 +125,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     train_fraction: float = Field(1.0, gt=0, le=1)
     """Fraction of the SDE steps each update trains on (Flow-GRPO's timestep_fraction), drawn per batch."""
     max_new_tokens: int = 1  # unused by images; kept for the core's defaults
+    """Unused by image rollouts (their length is num_steps); must stay 1. Kept for the core's
+    defaults."""
 
     @model_validator(mode="after")
     def _no_token_sampling(self):
@@ -168,7 +182,10 @@ class FlowGRPOConfig(Section):
     clip per SDE step; KL to the reference on the step means."""
 
     type: Literal["flow_grpo"] = "flow_grpo"
+    """The method: flow_grpo (Flow-GRPO)."""
     adv_clip: float = Field(5.0, gt=0)
+    """Advantages are clipped to +-adv_clip (in group stds). CAST clips each sample's weighted
+    sum and each patch's advantage so too."""
     std_eps: float = Field(1e-4, gt=0)
     """A = (R - group mean) / (group std + std_eps)."""
     adv_std: Literal["population", "unbiased"] = "population"
@@ -193,6 +210,7 @@ class FTFCConfig(Section):
     matching on the pool's clean latents. No log-probs: rollouts may be ODE (noise_level 0)."""
 
     type: Literal["ftfc"] = "ftfc"
+    """The method: ftfc (FTFC)."""
     divergence: Literal["kl", "pearson", "reverse_kl", "hellinger"] = "kl"
     """f of D_f: kl (w log w: w = G softmax(r / beta) in the group), pearson ((w - 1)^2: w =
     max(0, 1 + (r - lambda) / (2 beta))), reverse_kl (-log w: w = beta / (lambda - r)), hellinger
@@ -213,7 +231,10 @@ class FTFCConfig(Section):
     """Distribution of the flow-matching time t (= sigma, 1 = noise): sigmoid(N(logit_mean,
     logit_std^2)) (SD3's logit-normal, which the bundled tiny model was pre-trained with) or U(0, 1)."""
     logit_mean: float = 0.0
+    """t_sampling logit_normal: the mean of the normal whose sigmoid is t
+    (0: centred on t = 0.5)."""
     logit_std: float = Field(1.0, gt=0)
+    """t_sampling logit_normal: the std of that normal."""
     guided: bool = False
     """With classifier-free guidance (model.guidance_scale > 1): false = fit the conditional
     velocity alone (plain flow matching), true = the guided combination the sampler uses."""
@@ -265,6 +286,7 @@ class CASTConfig(FlowGRPOConfig):
     tokens to the atom's words, and a per-patch clipped ratio objective weighted by that map."""
 
     type: Literal["cast"] = "cast"
+    """The method: cast (CAST, on Flow-GRPO's settings)."""
     window_from: str | None = "model"
     """Where the calibrated SDE window comes from; at build time it sets rollout.window_size and
     a fixed rollout.window_start = (start, start), unless rollout.window_start is set explicitly
@@ -321,9 +343,14 @@ MethodConfig = Annotated[FlowGRPOConfig | FTFCConfig | CASTConfig, Field(discrim
 
 class DiffusionTrainConfig(TrainConfig):
     model: DiffusionModelConfig = Field(default_factory=DiffusionModelConfig)
+    """The flow-matching image model (a local diffusers pipeline, or the bundled tiny one), image
+    size, guidance and LoRA."""
     task: TaskConfig = Field(default_factory=ShapesGenevalTaskConfig)
+    """The prompts and their reward: shapes-geneval."""
     rollout: DiffusionRolloutConfig = Field(default_factory=DiffusionRolloutConfig)
+    """SDE sampling of the rollouts: steps, noise, time shift, the Flow-GRPO-Fast window."""
     method: MethodConfig = Field(default_factory=FlowGRPOConfig)
+    """The RL algorithm: type flow_grpo, ftfc or cast."""
 
     @model_validator(mode="after")
     def _text_reward_models(self):

@@ -63,8 +63,11 @@ class DLLMRolloutConfig(RolloutConfig):
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set."""
     eval_batch_size: int = Field(128, ge=1)
+    """Problems per decoding batch in held-out evaluation (greedy and sampled)."""
     max_new_tokens: int = Field(16, exclude=True)  # the core's Dr.GRPO length constant: set to gen_length
     # (out of config dumps, so that only a user's own setting reaches the check below)
+    """Not a dLLM setting: always gen_length (the core's Dr.GRPO length constant). Left out of
+    config dumps; another value is ignored with a warning."""
 
     @model_validator(mode="before")
     @classmethod
@@ -115,7 +118,10 @@ class DLLMTaskConfig(Section):
     or `jsonl`, your own from train_path and eval_path (dllm_rl.tasks.jsonl)."""
 
     type: Literal["arith", "sudoku", "jsonl"] = "arith"
+    """The task: arith or sudoku (generated problems), or jsonl (train_path and eval_path)."""
     seed: int = 0
+    """Seed of the problem generator (arith, sudoku; the run's seed orders the prompts, this one
+    makes them)."""
     num_train: int = Field(4000, ge=1)
     """Problems generated for training (arith, sudoku; jsonl uses every line of its file)."""
     num_eval: int = Field(200, ge=1)
@@ -151,6 +157,7 @@ class DiffuGRPOConfig(Section):
     """diffu-GRPO (d1): one-step mean-field log-probs with a randomly masked prompt."""
 
     type: Literal["diffu_grpo"] = "diffu_grpo"
+    """The method: diffu_grpo (d1)."""
     p_mask_prompt: float = Field(0.15, ge=0, lt=1)
     """Probability of masking each prompt token in the log-prob pass."""
     clip: float = Field(0.5, gt=0)
@@ -161,6 +168,7 @@ class DiffuGRPOConfig(Section):
     scale: Literal["group", "none"] = "none"
     """Advantage: r - group mean, divided by the group std ("group") or not ("none", as d1's code)."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.04))
+    """k3 KL penalty to the pre-update policy (d1's beta 0.04); 0 = off."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """Drop groups whose rewards are all equal (and refill); off in d1's code."""
 
@@ -169,12 +177,19 @@ class TraceRLConfig(Section):
     """TraceRL (dLLM-RL): train on the rollout's own decoding trajectory."""
 
     type: Literal["tracerl"] = "tracerl"
+    """The method: tracerl (dLLM-RL's TraceRL)."""
     merge_steps: int = Field(2, ge=1)
     """s: consecutive decoding steps merged into one training row (<= ceil(K/s) rows per rollout)."""
     clip: float = Field(0.2, gt=0)
+    """eps of the PPO clip: the ratio is clipped to [1 - clip, 1 + clip]."""
     scale: Literal["group", "none"] = "group"
+    """Advantage: r - group mean, divided by the group std ("group") or not ("none")."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
+    """k3 KL penalty to the pre-update policy (beta 0.01 by default); 0 = off."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """On: drop the groups whose rewards are all equal (accuracy_band None), or those outside
+    accuracy_band, and refill the batch with new groups (up to max_rounds extra rounds). Off:
+    nothing is dropped but by accuracy_band, and nothing is refilled."""
     accuracy_band: AccuracyBand | None = None
     """None: drop the groups whose rewards are all equal (with dynamic_sampling on). [lo, hi]:
     drop the groups whose accuracy lies outside it, as dLLM-RL's code does with [0.2, 0.8]
@@ -187,6 +202,7 @@ class SLIMRLConfig(Section):
     a clamped sequence-level ratio, Dr.GRPO advantages, an accuracy-band group filter."""
 
     type: Literal["slim_rl"] = "slim_rl"
+    """The method: slim_rl (SLIM-RL)."""
     quadrature_points: int = Field(3, ge=1, le=8)
     """Gauss-Legendre nodes over the masking level t in (0, 1): rows per rollout (3: t = 0.1127,
     0.5, 0.8873 with weights 0.2778, 0.4444, 0.2778)."""
@@ -199,6 +215,7 @@ class SLIMRLConfig(Section):
     scale: Literal["group", "none"] = "none"
     """Dr.GRPO: A = r - group mean (none); group divides by the group std."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))
+    """k3 KL penalty to the pre-update policy (SLIM-RL's beta 0.01); 0 = off."""
     accuracy_band: AccuracyBand = (0.2, 0.8)
     """Groups whose accuracy (the task's success atom) lies outside [lo, hi] are dropped."""
     length_limit_wrong: bool = True
@@ -214,12 +231,17 @@ class ForkGRPOConfig(Section):
     committed (leftmost) position, averaged per rollout over its fallback steps."""
 
     type: Literal["fork_grpo"] = "fork_grpo"
+    """The method: fork_grpo (ForkGRPO; rollouts with rollout.strategy fork)."""
     rows: Literal["fallback", "all"] = "fallback"
     """fallback: the steps where the fork sampler fell back to the leftmost token (ForkGRPO);
     all: every step that committed exactly one token (AR-GRPO with rollout.strategy ar)."""
     clip: float = Field(0.2, gt=0)
+    """eps of the PPO clip of the single-token ratio: clipped to [1 - clip, 1 + clip]."""
     scale: Literal["group", "none"] = "group"
+    """Advantage: r - group mean, divided by the group std ("group") or not ("none"). Groups
+    whose rewards are all equal are dropped."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.0))
+    """k3 KL penalty to the pre-update policy on the training rows; 0 (the default) = off."""
 
 
 class ARGRPOConfig(ForkGRPOConfig):
@@ -227,7 +249,10 @@ class ARGRPOConfig(ForkGRPOConfig):
     ar), every token's exact ratio given the state it was decoded from."""
 
     type: Literal["ar_grpo"] = "ar_grpo"
+    """The method: ar_grpo (AR-GRPO, with rollout.strategy ar)."""
     rows: Literal["fallback", "all"] = "all"
+    """As fork_grpo's rows; all (the default here): every step that committed exactly one token,
+    which under rollout.strategy ar is every token."""
 
 
 MethodConfig = Annotated[DiffuGRPOConfig | TraceRLConfig | SLIMRLConfig | ForkGRPOConfig | ARGRPOConfig,
@@ -236,9 +261,14 @@ MethodConfig = Annotated[DiffuGRPOConfig | TraceRLConfig | SLIMRLConfig | ForkGR
 
 class DLLMTrainConfig(TrainConfig):
     model: DLLMModelConfig = Field(default_factory=DLLMModelConfig)
+    """The masked diffusion language model (LLaDA, Dream, SDAR, a masked LM, or the bundled tiny
+    one), its mask token and LoRA."""
     task: DLLMTaskConfig = Field(default_factory=DLLMTaskConfig)
+    """The problems and their reward: arith, sudoku or jsonl."""
     rollout: DLLMRolloutConfig = Field(default_factory=DLLMRolloutConfig)
+    """The block sampler that decodes the rollouts and held-out evaluation."""
     method: MethodConfig = Field(default_factory=DiffuGRPOConfig)
+    """The RL algorithm: type diffu_grpo, tracerl, slim_rl, fork_grpo or ar_grpo."""
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):  # in place of the core's check of the buffer: no budget here

@@ -143,33 +143,55 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(4, ge=1)
     """Prompts per training step; the batch holds prompts_per_step * num_generations samples."""
     max_new_tokens: int = Field(64, ge=1)
+    """Most tokens sampled per completion (per model turn in a tool rollout); a completion that
+    spends them without ending is truncated. Also the default of method.loss.max_len and
+    reward.overlong.max_len."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature: the logits are divided by it when sampling, and the log-probs
+    trained on are taken at the same temperature. The image backend has none (it must stay 1)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p;
+    1 = the whole softmax (the log-probs trained on are always the whole softmax's). The dLLM
+    and image backends require 1."""
     engine: str = "hf"
     """Rollout engine of the backend ("hf"; "vllm" with the GPU extra)."""
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """How rollouts reach the trainer: sync or pipelined, where the engines run, and how their
+    failures are retried."""
 
 
 class GroupAdvantageConfig(Section):
     """GRPO / Dr.GRPO: A = r - mean_g, divided by the group std, the batch std, or nothing."""
 
     type: Literal["group"] = "group"
+    """group: A = r - group mean, scaled as `scale` says (GRPO, Dr.GRPO)."""
     scale: Literal["group", "batch", "none"] = "group"
+    """What r - group mean is divided by: the group's std + eps (group, GRPO), the std of all the
+    batch's rewards + eps (batch), or nothing (none, Dr.GRPO). Unbiased std; a group whose
+    rewards are all equal gets 0."""
     eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing (scale group or batch)."""
 
 
 class RLOOAdvantageConfig(Section):
     """RLOO: A_i = r_i - mean of the other samples of its group."""
 
     type: Literal["rloo"] = "rloo"
+    """rloo: each sample's reward minus the mean of the other samples of its group (no scaling)."""
 
 
 class MultiStreamAdvantageConfig(Section):
     """Several reward atoms: normalise each atom in its group, then weight (GDPO / HRAS), or the reverse."""
 
     type: Literal["multi_stream"] = "multi_stream"
+    """multi_stream: advantages from each reward atom's own scores (GDPO, CORA's HRAS)."""
     mode: Literal["normalize_then_sum", "sum_then_normalize"] = "normalize_then_sum"
+    """normalize_then_sum: each atom's scores normalised in their group (as `scale` says), then
+    summed with the atoms' weights; sum_then_normalize: the weighted total normalised (plain
+    GRPO)."""
     scale: Literal["group", "batch", "none"] = "group"
+    """As advantage.scale of type group: divide by the group std, the batch std, or nothing
+    (none); eps is fixed at 1e-6."""
 
 
 AdvantageConfig = Annotated[
@@ -188,6 +210,10 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
         "seq_mean_token_mean"
     )
+    """How per-token losses become one number: token_mean (over every trained token of the
+    mini-batch, DAPO), seq_mean_token_mean (each sample's token mean, averaged over samples,
+    GRPO) or seq_mean_token_sum_norm (each sample's token sum / max_len, averaged over
+    samples, Dr.GRPO)."""
     max_len: int | None = Field(None, ge=1)
     """Dr.GRPO's constant divisor; None = rollout.max_new_tokens."""
 
@@ -196,12 +222,16 @@ class KLConfig(Section):
     beta: float = Field(0.0, ge=0)
     """KL coefficient. 0 means no reference model is loaded at all."""
     kind: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's), with d = log pi - log pi_ref:
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1 (unbiased and >= 0)."""
 
 
 class DynamicSamplingConfig(Section):
     """DAPO: drop groups whose rewards are all equal and refill the batch with new groups."""
 
     enabled: bool = False
+    """Drop the groups whose rewards are all equal (no advantage) and roll out new ones, up to
+    max_rounds, to refill the batch. Off by default."""
     max_rounds: int = Field(3, ge=1)
     """Extra rollout rounds allowed per step to refill; a batch still short after them trains as is."""
 
@@ -246,11 +276,19 @@ class GRPOConfig(Section):
     """The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, RLOO) as one method with dials."""
 
     type: Literal["grpo"] = "grpo"
+    """The method: grpo, the GRPO family (its variants are the dials below)."""
     advantage: AdvantageConfig = Field(default_factory=GroupAdvantageConfig)
+    """How rewards become advantages: type group (GRPO, Dr.GRPO), rloo or multi_stream (per
+    atom)."""
     loss: LossConfig = Field(default_factory=LossConfig)
+    """The PPO-clip surrogate: clip range, token or sequence ratio (GSPO), aggregation."""
     kl: KLConfig = Field(default_factory=KLConfig)
+    """KL penalty to the reference model, the starting weights (beta 0 = none, and none is
+    loaded)."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: drop and refill groups whose rewards are all equal."""
     fastrl: FastRLConfig = Field(default_factory=FastRLConfig)
+    """FastRL: prune near-duplicate rollouts of equal advantage before training (off by default)."""
     overlong_filter: bool = False
     """DAPO's overlong filtering: completions that spent their token budget without ending
     (rollout/truncated) carry no loss; they still count in their group's advantages."""
@@ -297,13 +335,23 @@ class RewardConfig(Section):
 
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW (after the warm-up; the schedule decays from it)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay, applied to every trained parameter; 0 = none."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2): decay rates of the running means of the gradient and of its
+    square."""
     eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the root of the second moment in the update's denominator."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; None = no clipping."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up: constant, or decayed from lr toward 0 linearly or
+    along a half cosine over the rest of the run's optimizer steps (train.max_steps x
+    ppo_epochs x mini_batches)."""
     warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps (not training steps) over which the learning rate rises linearly to lr
+    (optimizer step n, from 0, uses lr x (n + 1) / warmup_steps); 0 = no warm-up."""
     master_weights: bool = True
     """Trainable parameters stored below float32 (model.dtype bfloat16) get a float32 copy that
     the optimizer steps and gradients accumulate into; the model holds its rounding. Without
@@ -356,6 +404,8 @@ class TrainLoopConfig(Section):
 
 class LoggingConfig(Section):
     tensorboard: bool = True
+    """Write TensorBoard event files to <output_dir>/tensorboard (metrics.jsonl is written either
+    way)."""
     progress: bool = True
     """Rich progress bar on a terminal (off automatically when output is not a terminal)."""
 
@@ -364,21 +414,33 @@ class TrainConfig(Section):
     """A whole run. Backends narrow `model`, `task` and `method` in subclasses."""
 
     seed: int = 0
+    """The run's seed: Python, NumPy and torch RNGs, the order of the training prompts, the
+    rollouts' sampling noise and LoRA's initial adapters."""
     output_dir: str = "runs/default"
+    """Directory the run writes to: config.yaml, metrics.jsonl, TensorBoard logs, samples and
+    checkpoints/ (a relative path starts at the working directory; -o / --output-dir sets it)."""
     plugins: list[str] = Field(default_factory=list)
     """Python files the command lines import before they read the rest of the config (relative
     to the config file's directory, else the working directory): a method of one's own registers
     itself there, and a file defining CONFIG_CLASS, a subclass of the backend's config that takes
     the method's config, makes the command line read configs with it. mmrl.core.plugins."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model: which checkpoint, its dtype and device, memory settings."""
     task: dict[str, Any] | None = None
     """The backend's task section; its schema belongs to the backend."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Sampling of the rollouts: G per prompt, prompts per step, the engine and its scheduler."""
     method: MethodConfig = Field(default_factory=GRPOConfig)
+    """The RL algorithm; `type` picks it, and the rest of the section are its settings."""
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
+    """Extra reward atoms beside the task's, and how failing or slow atoms are handled."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The AdamW optimizer, its learning-rate schedule, gradient clipping and weight sharding."""
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    """The training loop: steps, passes and mini-batches per rollout batch, checkpoints,
+    evaluation."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """What the run logs besides metrics.jsonl: TensorBoard, the progress bar."""
 
     _base_dir: str | None = PrivateAttr(None)
 

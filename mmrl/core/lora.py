@@ -28,7 +28,9 @@ class LoRAConfig(Section):
     """Train low-rank adapters (PEFT) instead of every weight."""
 
     r: int = Field(8, ge=1)
+    """Rank of each adapter's low-rank update."""
     alpha: float = Field(16.0, gt=0)
+    """LoRA's scale: the adapter's update is multiplied by alpha / r."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Must stay 0: every forward, the update's included, runs with dropout off, so that the
     importance ratio is exactly 1 on-policy; a LoRA dropout would never run."""

@@ -23,6 +23,8 @@ class VLMModelConfig(ModelConfig):
     max_pixels: int = Field(112 * 112, ge=1)
     """Largest image area after resize; bigger images are scaled down to it."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel of the transformers model (from_pretrained's attn_implementation): sdpa
+    (PyTorch's scaled_dot_product_attention) or eager (plain matmuls)."""
     lora: LoRAConfig | None = None
     """None = full fine-tuning (the default for the tiny model)."""
     freeze_vision: bool = False
@@ -41,13 +43,20 @@ class ShapesQATaskConfig(Section):
     """Synthetic images of coloured shapes with questions on counts, colours and positions."""
 
     type: Literal["shapes-qa"] = "shapes-qa"
+    """The task: shapes-qa (generated images and questions)."""
     seed: int = 0
     """Seed of the item generator (the run's seed orders the prompts, this one makes them)."""
     num_train: int = Field(2000, ge=1)
+    """Training items generated."""
     num_eval: int = Field(200, ge=1)
+    """Held-out items generated (from a seed stream of their own; one identical to a training
+    item is skipped)."""
     image_size: int = Field(112, ge=28)
+    """Side of the square image in pixels."""
     min_shapes: int = Field(1, ge=1)
+    """Fewest shapes in a scene."""
     max_shapes: int = Field(2, ge=1)
+    """Most shapes in a scene (a scene's count is drawn uniformly from min_shapes to this)."""
     shape_size: tuple[int, int] = (36, 48)
     """Smallest and largest shape side in pixels. The bundled tiny model's 28-px vision
     tokens learn to read objects this size quickly; much smaller ones it barely sees."""
@@ -59,8 +68,13 @@ class JSONLTaskConfig(Section):
     """Your own data: one JSON object per line with question, answer and image(s)."""
 
     type: Literal["jsonl"] = "jsonl"
+    """The task: jsonl (your own questions and images)."""
     train_path: str
+    """JSONL file of the training items (mmrl.vlm.tasks.jsonl); a relative path starts at the
+    config file's directory, else the working directory. Image paths in it start at its own
+    directory."""
     eval_path: str
+    """JSONL file of the held-out items, in the same format."""
     on_bad_image: Literal["raise", "skip"] = "raise"
     """A missing or corrupt image: stop with an error naming it, or skip the sample with a warning."""
 
@@ -70,9 +84,14 @@ class ShapesZoomTaskConfig(Section):
     small shape per quadrant, questions about one quadrant (mmrl.vlm.tasks.shapes_zoom)."""
 
     type: Literal["shapes-zoom"] = "shapes-zoom"
+    """The task: shapes-zoom (generated, read with the zoom tool)."""
     seed: int = 0
+    """Seed of the item generator (the run's seed orders the prompts, this one makes them)."""
     num_train: int = Field(2000, ge=1)
+    """Training items generated."""
     num_eval: int = Field(200, ge=1)
+    """Held-out items generated (from a seed stream of their own; one identical to a training
+    item is skipped)."""
     image_size: int = Field(448, ge=56)
     """Side of the full-resolution image (the model sees it scaled to within model.max_pixels)."""
     shape_size: tuple[int, int] = (150, 200)
@@ -86,14 +105,21 @@ class ShapesMoodTaskConfig(Section):
     trigger box, K candidate emotions (mmrl.vlm.tasks.shapes_mood; DSPO's task)."""
 
     type: Literal["shapes-mood"] = "shapes-mood"
+    """The task: shapes-mood (generated scenes with emotion labels)."""
     seed: int = 0
+    """Seed of the item generator (the run's seed orders the prompts, this one makes them)."""
     num_train: int = Field(2000, ge=1)
+    """Training items generated."""
     num_eval: int = Field(200, ge=1)
+    """Held-out items generated (in distribution, from a seed stream of their own)."""
     num_ood: int = Field(200, ge=0)
     """Items whose scenes hold an unseen colour-shape composition (ShapesMood.ood_items)."""
     image_size: int = Field(112, ge=56)
+    """Side of the square image in pixels."""
     min_shapes: int = Field(1, ge=1)
+    """Fewest shapes in a scene."""
     max_shapes: int = Field(3, ge=1)
+    """Most shapes in a scene."""
     shape_size: tuple[int, int] = (36, 48)
     """Smallest and largest shape side in pixels (as shapes-qa: sizes the tiny model reads)."""
     ood_compositions: list[tuple[str, str]] = Field(
@@ -140,6 +166,9 @@ class ToolsConfig(Section):
 
 class VLMRolloutConfig(RolloutConfig):
     max_new_tokens: int = Field(48, ge=1)
+    """Most tokens sampled per completion, and per model turn in a tool rollout; a completion
+    that spends them without ending is truncated. Greedy evaluation uses it too; it is the
+    default of method.loss.max_len and reward.overlong.max_len."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings (besides the end-of-turn token)."""
     eval_batch_size: int = Field(64, ge=1)
@@ -175,7 +204,10 @@ class AXPOConfig(GRPOConfig):
     prefixes of groups whose tool-using rollouts are all wrong."""
 
     type: Literal["axpo"] = "axpo"
+    """The method: axpo (GRPO with AXPO's resampling from tool-call prefixes)."""
     resample: AXPOResampleConfig = Field(default_factory=AXPOResampleConfig)
+    """AXPO's resampling: continuations per selected prefix, the extra decoding budget, where a
+    prefix ends."""
     success: float = Field(0.5, ge=0)
     """A rollout is right when its `answer` atom (else its total reward) is at least this."""
 
@@ -184,6 +216,7 @@ class VPPOConfig(GRPOConfig):
     """VPPO (mmrl.vlm.methods.vppo): visual-dependency advantage shaping and token filtering."""
 
     type: Literal["vppo"] = "vppo"
+    """The method: vppo (GRPO with visual-dependency shaping and token filtering)."""
     intervention: Literal["mask", "blur"] = "mask"
     """The re-scoring pass's image: random patches blacked out (VPPO's) or a Gaussian blur."""
     mask_p: float = Field(0.5, ge=0, le=1)
@@ -203,6 +236,7 @@ class PACGConfig(VPPOConfig):
     attenuated, on DAPO or on VPPO; the intervention is VPPO's patch masking (mask_p)."""
 
     type: Literal["pacg"] = "pacg"
+    """The method: pacg (persistence-gated credit on DAPO or VPPO)."""
     base: Literal["dapo", "vppo"] = "dapo"
     """The method PACG gates: "dapo" (plain group advantages) or "vppo" (VPPO's shaping and
     token filter, then the gate)."""
@@ -223,6 +257,7 @@ class CORAConfig(GRPOConfig):
     each normalised in its group (HRAS), the consistency weight warmed up."""
 
     type: Literal["cora"] = "cora"
+    """The method: cora (GRPO with a consistency reward stream, HRAS advantages)."""
     consistency_model: str = "assets/tiny-consistency-modernbert"
     """The consistency classifier (a local sequence-classification model with a "consistent" label)."""
     lam: float = Field(1.0, gt=0)
@@ -247,6 +282,7 @@ class DSPOConfig(GRPOConfig):
     distribution-aware diversity of the candidate emotions, on GRPO (shapes-mood)."""
 
     type: Literal["dspo"] = "dspo"
+    """The method: dspo (GRPO with CVIG's and DEDR's rewards, on shapes-mood)."""
     div_weight: float = Field(0.3, ge=0)
     """Weight of R_div (DEDR with CVIG's weights; it replaces the task's uniform-weight atom)."""
     cf_weight: float = Field(0.1, ge=0)
@@ -268,10 +304,17 @@ class DSPOConfig(GRPOConfig):
 
 class VLMTrainConfig(TrainConfig):
     model: VLMModelConfig = Field(default_factory=VLMModelConfig)
+    """The vision-language model (a Qwen-VL checkpoint, or the bundled tiny one), its image
+    resolution, LoRA and frozen parts."""
     task: TaskConfig = Field(default_factory=ShapesQATaskConfig)
+    """The training and held-out data and their reward: type shapes-qa, shapes-zoom, shapes-mood
+    or jsonl."""
     rollout: VLMRolloutConfig = Field(default_factory=VLMRolloutConfig)
+    """Sampling of the rollouts, multi-turn tools, and the decoding of held-out evaluation."""
     method: Annotated[GRPOConfig | AXPOConfig | VPPOConfig | PACGConfig | CORAConfig | DSPOConfig, Field(discriminator="type")] = Field(
         default_factory=GRPOConfig)
+    """The RL algorithm: type grpo (GRPO, Dr.GRPO, DAPO, GSPO, RLOO), axpo, vppo, pacg, cora or
+    dspo."""
 
     @model_validator(mode="after")
     def _overlong_budget(self):
