@@ -208,3 +208,20 @@ def test_config_keys_prints_one_part_under_its_parents_and_names_a_bad_path():
     assert "Traceback" not in text
     code, text = invoke(vlm, "config", "--keys", "seed.x")
     assert code == 2 and "seed is 0, not a section" in text
+
+
+def test_a_field_redefined_without_a_docstring_keeps_its_base_classs_description():
+    """A backend's config that redefines a core field (a new default) without repeating its
+    docstring still prints the core's description above it."""
+    from mmrl.core.config import RolloutConfig, TrainConfig
+    from mmrl.core.config_doc import commented_config
+
+    class Rollout(RolloutConfig):
+        max_new_tokens: int = 5
+
+    class Config(TrainConfig):
+        rollout: Rollout = Rollout()
+
+    text = commented_config(Config(), "rollout.max_new_tokens")
+    assert text.splitlines()[1].startswith("  # Most tokens sampled per completion")
+    assert text.endswith("  max_new_tokens: 5\n")

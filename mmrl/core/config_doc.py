@@ -50,9 +50,9 @@ def commented_config(cfg: BaseModel, keys: str | None = None) -> str:
 
 
 def _field(lines: list[str], model: BaseModel, values: dict, name: str, indent: str) -> None:
-    info = type(model).model_fields[name]
-    if info.description:
-        text = " ".join(info.description.split())
+    description = _description(type(model), name)
+    if description:
+        text = " ".join(description.split())
         lines.extend(textwrap.wrap(text, WIDTH - len(indent), initial_indent=f"{indent}# ",
                                    subsequent_indent=f"{indent}# ", break_on_hyphens=False))
     value = getattr(model, name)
@@ -62,6 +62,16 @@ def _field(lines: list[str], model: BaseModel, values: dict, name: str, indent: 
             _field(lines, value, values[name], sub, indent + "  ")
     else:
         lines.append(f"{indent}{name}: {_flow(values[name])}")
+
+
+def _description(cls: type[BaseModel], name: str) -> str | None:
+    """The field's docstring, or, where a subclass redefines the field without one (a new
+    default or type), the nearest base class's."""
+    for base in cls.__mro__:
+        info = getattr(base, "model_fields", {}).get(name) if isinstance(base, type) else None
+        if info is not None and info.description:
+            return info.description
+    return None
 
 
 def _shown(model: BaseModel) -> list[str]:
