@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -164,14 +165,16 @@ def test_user_errors_of_a_resume_and_an_output_file_exit_2_in_one_line(tmp_path)
     assert code == 2 and "is a file" in text and "Traceback" not in text
 
 
-@pytest.mark.parametrize("module,config", [("mmrl.cli", "configs/vlm/axpo.yaml"), ("dllm_rl.cli", "configs/dllm/tracerl.yaml"),
-                                           ("diffusion_rl.cli", "configs/diffusion/cast.yaml")])
+CLI_OF = {"vlm": "mmrl.cli", "dllm": "dllm_rl.cli", "diffusion": "diffusion_rl.cli"}
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("module,config", [(CLI_OF[p.parent.name], f"configs/{p.parent.name}/{p.name}") for p in SHIPPED])
 def test_config_prints_every_key_with_its_description_and_loads_back(module, config, tmp_path, monkeypatch):
     """`<cli> config` prints the resolved config (default <- --config <- --set) as YAML with each
     field's docstring above it; read back as a --config file from another directory (its paths
     made absolute), it is the same config. Excluded, derived keys are not printed."""
     import importlib
-    from pathlib import Path
 
     import yaml
 
