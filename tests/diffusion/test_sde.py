@@ -58,6 +58,29 @@ def test_noise_level_zero_is_the_euler_step_exactly():
         torch.testing.assert_close(out.mean, x - 0.15 * v, atol=1e-5, rtol=0)
 
 
+def test_an_ode_step_returns_the_input_dtype():
+    """noise_level = 0 rounds its sample to the input dtype like an SDE step does (a bf16 rollout
+    stays bf16), while the mean stays float32."""
+    g = gen(12)
+    x = torch.randn(2, 3, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 3, generator=g).to(torch.bfloat16)
+    out = sde_step_with_logprob(v, x, 0.75, 0.5, noise_level=0.0)
+    assert out.prev_sample.dtype == torch.bfloat16 and out.mean.dtype == torch.float32
+    assert torch.equal(out.prev_sample, out.mean.to(torch.bfloat16))
+
+
+def test_an_ode_step_returns_a_given_sample_with_zero_log_density():
+    """Re-scoring an ODE (noise_level = 0) step returns the given prev_sample itself, and every
+    density term is 0: log_prob, the per-element terms CAST averages, std and the KL's std."""
+    g = gen(15)
+    x, v, prev = (torch.randn(2, 3, generator=g) for _ in range(3))
+    out = sde_step_with_logprob(v, x, 0.75, 0.5, noise_level=0.0, prev_sample=prev)
+    assert out.prev_sample is prev
+    torch.testing.assert_close(out.mean, x - 0.25 * v)
+    for zero in (out.log_prob, out.elem_log_prob, out.std, out.kl_std):
+        assert torch.equal(zero, torch.zeros_like(zero))
+
+
 def test_sde_mean_and_std_by_hand():
     # One row per (sigma, sigma_next, a, x, v); float64 so the comparison is tight.
     #  row 0: sigma .5 -> .4, a .7: std_t = .7 sqrt(.5/.5) = .7, std_t^2 = .49, Delta = -.1
@@ -100,6 +123,17 @@ def test_cps_mean_std_and_log_prob_by_hand():
     prev = out.mean + torch.tensor([[0.1, -0.3]], dtype=torch.float64)
     scored = sde_step_with_logprob(v, x, 0.5, 0.4, noise_level=0.5, kind="cps", prev_sample=prev)
     assert scored.log_prob.item() == pytest.approx(-0.05, abs=1e-12)
+
+
+def test_cps_at_noise_level_one_keeps_no_part_of_the_noise_estimate():
+    """a = 1 is allowed for "cps" (a in [0, 1]): std = sigma_next sin(pi / 2) = sigma_next, so
+    sqrt(sigma_next^2 - std^2) = 0 and mean = (1 - sigma_next) x0_hat."""
+    # sigma .5 -> .4, x = 1, v = 1: x0_hat = 1 - .5 = .5, mean = .6 * .5 = .3, std = .4
+    x = torch.ones(1, 2, dtype=torch.float64)
+    out = sde_step_with_logprob(x, x, 0.5, 0.4, noise_level=1.0, kind="cps", generator=gen(0))
+    assert out.std.item() == pytest.approx(0.4, abs=1e-12)
+    torch.testing.assert_close(out.mean, torch.full((1, 2), 0.3, dtype=torch.float64))
+    assert torch.isfinite(out.log_prob).all()
 
 
 def test_sde_log_prob_is_the_mean_gaussian_log_density():
@@ -202,6 +236,17 @@ def test_generators_make_draws_reproducible_and_per_sample():
             v[i : i + 1], x[i : i + 1], 0.5, 0.4, noise_level=0.7, generator=gen(20 + i)
         )
         assert torch.equal(batch.prev_sample[i : i + 1], alone.prev_sample)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drawn_sample_is_mean_plus_std_times_the_generators_noise(kind):
+    """x' = mean + std * eps with eps the generator's standard normal draw (the spec's
+    x_next = mean + std_t sqrt(-Delta) eps), not merely a sample with the right law."""
+    g = gen(13)
+    x, v = torch.randn(2, 3, 2, generator=g), torch.randn(2, 3, 2, generator=g)
+    out = sde_step_with_logprob(v, x, 0.6, 0.45, noise_level=0.7, kind=kind, generator=gen(14))
+    eps = torch.randn(2, 3, 2, generator=gen(14))
+    torch.testing.assert_close(out.prev_sample, out.mean + out.std * eps, atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------- marginals
@@ -308,6 +353,23 @@ def test_sampler_sigmas_and_timesteps():
     torch.testing.assert_close(sampler.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
 
 
+def test_sampler_schedule_uses_its_shift_and_train_timestep_parameters():
+    """set_timesteps passes shift_value and the FLUX calculate_shift parameters on (not the
+    defaults), and timesteps scale by the sampler's own num_train_timesteps."""
+    sampler = FlowSDESampler(num_train_timesteps=500)
+    sampler.set_timesteps(4, shift="sd3", shift_value=2.0)
+    # 2 s / (1 + s) at s = .75, .5, .25: 1.5 / 1.75, 1 / 1.5, .5 / 1.25
+    expected = torch.tensor([1.0, 6 / 7, 2 / 3, 0.4, 0.0])
+    torch.testing.assert_close(sampler.sigmas, expected)
+    torch.testing.assert_close(sampler.timesteps, expected[:-1] * 500)
+    # image_seq_len = base_seq_len: mu = base_shift = .2 (the defaults would give mu ~ .474)
+    sampler.set_timesteps(
+        2, shift="flux", image_seq_len=100, base_seq_len=100, max_seq_len=200, base_shift=0.2,
+        max_shift=0.9,
+    )
+    assert sampler.sigmas[1].item() == pytest.approx(1 / (1 + math.exp(-0.2)))  # sigmoid(mu) at .5
+
+
 # --------------------------------------------------------------------------- the SDE window
 
 
@@ -410,3 +472,43 @@ def test_bad_input_is_refused_with_a_clear_error():
         sampler.sde_steps(3, (4, 2))
     with pytest.raises(ValueError, match="index"):
         sampler.step(v, x, 10, noise_level=0.7)
+
+
+def test_nan_and_zero_sigmas_are_refused():
+    """NaN slips through every comparison (sigma <= 0, sigma_next >= sigma are all False), so it
+    needs its own check; sigma = 0 is outside (0, 1] and must say so."""
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="sigma must be finite"):
+        sde_step_with_logprob(x, x, math.nan, 0.4, noise_level=0.7)
+    with pytest.raises(ValueError, match="sigma_next must be finite"):
+        sde_step_with_logprob(x, x, 0.5, torch.tensor([0.4, math.nan]), noise_level=0.7)
+    with pytest.raises(ValueError, match=r"sigma must lie in \(0, 1\]"):
+        sde_step_with_logprob(x, x, 0.0, 0.0, noise_level=0.7)
+
+
+def test_zero_shift_empty_window_and_bad_indices_are_refused():
+    """shift 0 (a schedule of zeros), window_size 0 (an empty window), a float index tensor, and a
+    per-sample index with only *some* samples on the last step are all refused."""
+    with pytest.raises(ValueError, match="shift"):
+        sd3_shift(0.5, 0.0)
+    sampler = FlowSDESampler()
+    sampler.set_timesteps(10)
+    with pytest.raises(ValueError, match="window_size"):
+        sampler.sde_steps(0)
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="last step"):
+        sampler.step(x, x, torch.tensor([0, 9]), noise_level=0.7)
+    with pytest.raises(ValueError, match="index"):
+        sampler.step(x, x, torch.tensor([0.0, 1.0]), noise_level=0.7)
+
+
+def test_zero_steps_integer_velocity_and_vector_noise_level_are_refused():
+    """num_steps = 0 (a schedule with no step), an integer velocity next to a float sample, and a
+    noise_level tensor with more than one element are refused with a ValueError."""
+    with pytest.raises(ValueError, match="num_steps"):
+        FlowSDESampler().set_timesteps(0)
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="floating point"):
+        sde_step_with_logprob(torch.zeros(2, 3, dtype=torch.long), x, 0.5, 0.4, noise_level=0.7)
+    with pytest.raises(ValueError, match="noise_level must be a scalar"):
+        sde_step_with_logprob(x, x, 0.5, 0.4, noise_level=torch.tensor([0.7, 0.7]))
