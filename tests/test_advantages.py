@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mmrl.core.advantages import (
     SCALES,
     atom_advantages,
+    batch_across,
     group_advantages,
     group_stats,
     multi_stream_advantages,
@@ -422,3 +423,57 @@ def test_population_std_divides_by_g_as_numpy():
     both = atom_advantages(scores, g, eps=1e-4, population=True)
     torch.testing.assert_close(both[:, 0], got)
     assert not torch.allclose(group_advantages(r, g, eps=1e-4), got)  # the default stays unbiased
+
+
+def test_batch_scale_across_processes_uses_the_std_of_every_process_rows():
+    """Inside batch_across, scale="batch" divides by the unbiased std of every process's rows.
+    One process (the sum is the identity): the plain batch std of [1, 3], sqrt(2). A second
+    process with the same rows (the sum doubles each partial sum): [1, 3, 1, 3], std sqrt(4/3)."""
+    r, g = torch.tensor([1.0, 3.0]), torch.tensor([0, 0])
+    close(group_advantages(r, g, scale="batch"), [-1 / math.sqrt(2), 1 / math.sqrt(2)])
+    with batch_across(lambda t: t):
+        close(group_advantages(r, g, scale="batch"), [-1 / math.sqrt(2), 1 / math.sqrt(2)])
+    with batch_across(lambda t: 2 * t):
+        close(group_advantages(r, g, scale="batch"), [-math.sqrt(3) / 2, math.sqrt(3) / 2])
+
+
+def test_batch_scale_adds_eps_to_the_std():
+    """scale="batch" divides by (batch std + eps), as "group" does: with eps = 1 the rewards
+    [1, 3] (centred -1, 1; std sqrt(2)) give -+1 / (sqrt(2) + 1) = -+(sqrt(2) - 1)."""
+    adv = group_advantages(torch.tensor([1.0, 3.0]), torch.tensor([0, 0]), scale="batch", eps=1.0)
+    close(adv, [1 - math.sqrt(2), math.sqrt(2) - 1])
+
+
+def test_float64_statistics_keep_float64_precision():
+    """float64 stays float64 (the module's dtype convention): group_stats gives a mean that
+    float32 cannot hold (1e8 + 1.5), and rewards 1e-12 apart (one value in float32) are not
+    an all-equal group."""
+    mean, std, _ = group_stats(torch.tensor([1e8 + 1, 1e8 + 2], dtype=torch.float64), torch.tensor([0, 0]))
+    assert mean.dtype == std.dtype == torch.float64 and mean.tolist() == [1e8 + 1.5] * 2
+    r = torch.tensor([1.0, 1.0 + 1e-12], dtype=torch.float64)
+    assert not zero_variance_groups(r, torch.tensor([0, 0])).any()
+
+
+def test_rloo_of_an_all_equal_group_is_exactly_zero():
+    """RLOO of equal rewards is exactly 0 (the module's convention), not the rounding error of
+    the group mean: in float32 the mean of seven rewards 0.9 is not exactly 0.9."""
+    adv = rloo_advantages(torch.full((7,), 0.9), torch.zeros(7, dtype=torch.long))
+    assert adv.tolist() == [0.0] * 7
+
+
+def test_atom_batch_scale_across_processes_is_per_column():
+    """Inside batch_across (one process: the sum is the identity) every atom column is divided
+    by its own batch std: [0, 1, 2] (mean 1, std 1) and [0, 0, 6] (mean 2, std sqrt(12))."""
+    scores = torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 6.0]])
+    r3 = 1 / math.sqrt(3)  # (-2, -2, 4) / sqrt(12)
+    with batch_across(lambda t: t):
+        adv = atom_advantages(scores, torch.zeros(3, dtype=torch.long), scale="batch")
+    close(adv, [[-1.0, -r3], [0.0, -r3], [1.0, 2 * r3]])
+
+
+def test_multi_stream_accepts_integer_weights():
+    """Weights are cast to the compute dtype, so Python-int weights work: sum_then_normalize of
+    [1, 0], [0, 1], [1, 1] with weights [1, 2] normalises the totals [1, 2, 3] to [-1, 0, 1]."""
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    adv = multi_stream_advantages(scores, torch.zeros(3, dtype=torch.long), [1, 2], mode="sum_then_normalize")
+    close(adv, [-1.0, 0.0, 1.0])

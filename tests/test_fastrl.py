@@ -223,6 +223,76 @@ def test_zero_advantage_sets_can_keep_one_rollout():
         mdap_counts(adv, seqs, zero_sets="all")
 
 
+def test_a_set_is_a_zero_set_by_its_first_member():
+    """A set's advantage is its first member's (the sets are formed against it): 9e-5 and
+    1.8e-4 are one set (9e-5 apart), a zero set since 9e-5 < 1e-4 though 1.8e-4 is not."""
+    adv = torch.tensor([9e-5, 1.8e-4], dtype=torch.float64)
+    assert mdap_counts(adv, [[1, 2], [3, 4]], zero_sets="one").tolist() == [0, 2]  # seed: highest |A|
+
+
+def test_sample_advantages_average_in_float32():
+    """The per-sample advantage is a float32 mean whatever the input's dtype: (2048 + 1) / 2 =
+    1024.5, which float16 cannot hold (its spacing at 1024 is 1)."""
+    out = sample_advantages(torch.tensor([[2048.0, 1.0]], dtype=torch.float16))
+    assert out.dtype == torch.float32 and out.tolist() == [1024.5]
+
+
+def test_sample_advantages_of_a_row_without_trained_tokens_is_zero():
+    """A row whose mask is all False (an empty completion) averages over no position: 0, not
+    0 / 0 = NaN (the token count is clamped to 1), so it still joins an advantage set."""
+    adv = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
+    mask = torch.tensor([[T, T], [F, F]])
+    assert sample_advantages(adv, mask).tolist() == [2.0, 0.0]
+
+
+def test_mdap_thresholds_are_strict():
+    """|A_i - A_j| < tol, |A| < tol (a zero set) and theta < tau are strict (the spec's "<"):
+    a value exactly at the threshold is not equal / zero / too similar (0.5 is exact in binary)."""
+    assert advantage_sets(torch.tensor([0.0, 0.5]), tol=0.5) == [[0], [1]]
+    # the set {0.5, 0.5} is not a zero set at tol = 0.5: its two disjoint rollouts both stay
+    assert mdap_counts(torch.tensor([0.5, 0.5]), [[1, 2], [3, 4]], tol=0.5, zero_sets="one").tolist() == [1, 1]
+    # bigrams {12, 23, 34} vs {12, 23, 35}: theta = 1 - 2/4 = 0.5, not < 0.5, against the seed too
+    assert keep_list(torch.zeros(2), [[1, 2, 3, 4], [1, 2, 3, 5]], tau=0.5, against="seed") == [T, T]
+
+
+def test_zero_sets_one_collapses_only_the_zero_set_to_its_seed_and_pads_it():
+    """zero_sets="one": only a set within tol of 0 keeps just its seed, the member of highest
+    |A| (not the first); a negative set is pruned like any other; the kept count is then
+    padded to `multiple` like any other."""
+    seqs = [[1, 2], [3, 4]]  # disjoint: "prune" keeps both
+    assert mdap_counts(torch.tensor([-1.0, -1.0]), seqs, zero_sets="one").tolist() == [1, 1]
+    adv = torch.tensor([0.0, 5e-5], dtype=torch.float64)  # one zero set; its seed is o1 (|A| = 5e-5)
+    assert mdap_counts(adv, seqs, zero_sets="one").tolist() == [0, 2]
+    # three zero rollouts keep o0 (ties to the lower index); 1 kept is not a multiple of 2: o1 comes back
+    assert mdap_counts(torch.zeros(3), [[1], [2], [3]], zero_sets="one", multiple=2).tolist() == [2, 1, 0]
+
+
+def test_padding_prefers_the_highest_abs_advantage_whatever_its_sign_and_index():
+    """Padding re-adds the dropped rollout of highest |A|: here a later, negative one
+    (o3, |A| = 1) before an earlier, positive one (o1, |A| = 0.5)."""
+    adv = torch.tensor([0.5, 0.5, -1.0, -1.0])  # sets {0, 1}, {2, 3}
+    seqs = [[7, 7]] * 4  # identical: o0 and o2 kept, o1 and o3 dropped
+    assert mdap_counts(adv, seqs, multiple=3).tolist() == [2, 0, 1, 1]
+
+
+def test_a_near_copy_of_two_kept_rollouts_counts_toward_the_first():
+    """against="kept": a rollout too close to several kept ones is dropped for the first of
+    them in index order (mdap_counts' docstring). Bigrams {12, 23} and {45, 56} are disjoint
+    (both kept); o2's {12, 23, 34, 45, 56} is 1 - 2/5 = 0.6 < 0.8 from each."""
+    seqs = [[1, 2, 3], [4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    assert mdap_counts(torch.zeros(3), seqs).tolist() == [2, 1, 0]
+
+
+def test_invalid_multiple_and_group_sizes_are_refused():
+    """multiple < 1 (no multiple to pad to), G_1 < 1 and min_size < 1 are refused with a
+    ValueError, each on its own."""
+    with pytest.raises(ValueError, match="multiple"):
+        mdap_counts(torch.zeros(2), [[1], [1]], multiple=0)
+    for base, min_size in ((0, 2), (8, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            AdaptiveGroupSize(base, min_size)
+
+
 def test_apply_prune_selects_and_sets_the_sample_weights():
     batch = RolloutBatch(group_ids=torch.zeros(3, dtype=torch.long),
                          samples=[Sample(0, [i]) for i in range(3)],
@@ -260,6 +330,12 @@ def test_sequences_of_falls_back_to_the_completion():
     batch = RolloutBatch(group_ids=torch.zeros(2, dtype=torch.long),
                          samples=[Sample(0, "the cat  sat"), Sample(0, [3, 11])])
     assert sequences_of(batch) == [["the", "cat", "sat"], [3, 11]]
+
+
+def test_sequences_of_takes_a_tuple_completion_as_tokens():
+    """A tuple completion is a token list too (not the words of its repr, "(3," and "11)")."""
+    batch = RolloutBatch(group_ids=torch.zeros(1, dtype=torch.long), samples=[Sample(0, (3, 11))])
+    assert sequences_of(batch) == [[3, 11]]
 
 
 # ---------------------------------------------------------------------------- ARS
@@ -332,6 +408,31 @@ def test_ars_state_round_trips_through_json():
     assert b.state_dict() == a.state_dict()
     assert b.next_size(7, 10) == a.next_size(7, 10)
     assert b.state_dict() == a.state_dict()
+
+
+def test_alpha_is_clamped_to_the_unit_interval():
+    """alpha = step / total_steps within [0, 1]; total_steps = 0 (train.max_steps >= 0)
+    divides by 1. |S(q)| = 4, 6, 8: mean 6, max 8, G'ref = 7."""
+    assert ars_after([4, 6, 8]).next_size(20, 10) == 7  # alpha 1: G't = 6 -> round(8 - 1)
+    assert ars_after([4, 6, 8]).next_size(1, 0) == 7  # alpha = 1 / max(0, 1) = 1
+    ars = ars_after([8, 8])
+    assert ars.next_size(0, 10) == 8  # G'ref of the next boundary: 8
+    for k in (4, 6):
+        ars.record(k)
+    # alpha = max(-1, 0) = 0: G't = max 6 < 8 -> round(8 - 2) = 6 (alpha -1 would give G't = 7 -> 7)
+    assert ars.next_size(-10, 10) == 6
+
+
+def test_a_size_not_below_the_reference_is_g1_even_under_the_minimum():
+    """G't = G'ref is the spec's else branch: n = G_1, with no lower bound applied, even when
+    min_size exceeds G_1 (the config allows num_generations 2 with min_group_size 3)."""
+    assert ars_after([2, 2], base=2, min_size=3).next_size(5, 10) == 2  # G't = G'ref = 2
+
+
+def test_ars_max_is_the_largest_count_in_any_order():
+    """max|S(q)| is the largest count of the epoch, not the last one recorded: 8, 6, 4 is the
+    epoch 4, 6, 8 (mean 6, max 8, G'ref 7; alpha 0.9: G't = 6.2 -> round(8 - 0.8) = 7)."""
+    assert ars_after([8, 6, 4]).next_size(9, 10) == 7
 
 
 # ---------------------------------------------------------------------------- the method
