@@ -194,24 +194,6 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
         run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
 
-    @app.command("config")
-    def show_config(
-        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        keys: str | None = typer.Option(None, "--keys", "-k", help="Only this part, e.g. --keys rollout or --keys method."),
-        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
-    ):
-        """Print the config a run would use (the embedded default, --config, --set) as YAML, every
-        key with its description and value; it loads back as a --config file. Nothing is built."""
-
-        def go():
-            from mmrl.core.config_doc import commented_config
-
-            _, cfg = get_backend(config, list(set_), "train", checkpoint)
-            typer.echo(commented_config(cfg, keys), nl=False)
-
-        run_verb(go)
-
     @app.command("eval")
     def evaluate(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
@@ -316,6 +298,24 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+
+        run_verb(go)
+
+    @app.command("config")
+    def show_config(
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        keys: str | None = typer.Option(None, "--keys", "-k", help="Only this part, e.g. --keys rollout or --keys method."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
+    ):
+        """Print the config a run would use (the embedded default, --config, --set) as YAML, every
+        key with its description and value; it loads back as a --config file. Nothing is built."""
+
+        def go():
+            from mmrl.core.config_doc import commented_config
+
+            _, cfg = get_backend(config, list(set_), "train", checkpoint)
+            typer.echo(commented_config(cfg, keys), nl=False)
 
         run_verb(go)
 
