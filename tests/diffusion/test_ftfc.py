@@ -177,6 +177,42 @@ def test_bad_input_is_a_clear_error():
             load_config(DiffusionTrainConfig, CONFIG, defaults=backend.DEFAULT_CONFIG, overrides=[key])
 
 
+def test_cap_keeps_a_sample_capped_in_an_earlier_pass():
+    """Water-filling over three passes: 3.5 is capped first, which pushes 1.5 over the cap (1.5 * 4/2.5
+    = 2.4); the fixed point caps both at 2 and gives the other four (6 - 4) / 4 = 0.5 each. A pass that
+    forgot the earlier capped sample would oscillate between them."""
+    out, k = cap_weights(torch.tensor([0.25, 0.25, 0.25, 0.25, 1.5, 3.5], dtype=torch.float64), 2.0)
+    assert out.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.5, 2.0, 2.0]) and k == 2
+
+
+def test_the_stats_add_up_over_groups():
+    """Two groups, each (0, 0, 0, 2) under Pearson with beta 0.5 and cap 2 (the worked example of
+    test_cap_and_effective_sample_size): each caps one sample, so the batch counts 2; each group's ESS
+    is 3 and the batch's is (sum w)^2 / sum w^2 = 8^2 / (2 * (3 * 4/9 + 4)) = 6."""
+    w, stats = weights([0, 0, 0, 2, 0, 0, 0, 2], 0.5, "pearson", cap=2.0, groups=[0, 0, 0, 0, 1, 1, 1, 1])
+    assert w.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0] * 2)
+    assert stats.num_capped == 2
+    assert stats.ess.tolist() == pytest.approx([3.0, 3.0]) and stats.ess_total == pytest.approx(6.0)
+
+
+def test_rewards_and_group_ids_of_different_shapes_are_an_error():
+    """rewards and group_ids must both be [N]: a length mismatch and a 2-D batch are each refused."""
+    with pytest.raises(ValueError, match=r"must both be \[N\]; got \(3,\) and \(2,\)"):
+        ftfc_weights(torch.zeros(3), torch.zeros(2, dtype=torch.long), 1.0, "kl")
+    with pytest.raises(ValueError, match=r"must both be \[N\]"):
+        ftfc_weights(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long), 1.0, "kl")
+
+
+def test_reverse_kl_lambda_one_ulp_from_the_domain_edge_still_gives_mean_one_weights():
+    """r = (1e6, 0), beta 2e-10: the root lambda is within one float64 ulp (1.16e-10) of max r, the
+    edge of reverse KL's domain, so bisection ends with lo = max r. solve_lambda must return hi (inside
+    the domain, per its comment), and the self-normalisation must remove the large residual the
+    solver leaves there: w = beta / (lambda - r) = (1.72, 2e-16) before it, (2, ~0) after."""
+    w, stats = weights([1e6, 0.0], 2e-10, "reverse_kl")
+    assert float(stats.lam[0]) > 1e6
+    assert w.tolist() == pytest.approx([2.0, 0.0], abs=1e-6)
+
+
 # ---------------------------------------------------------------------- the loss
 
 class _FakePolicy:
@@ -313,6 +349,35 @@ def test_the_posterior_target_is_the_conditional_mean_of_the_sampled_one():
     assert float(wi.mean()) == pytest.approx(float(m.rho[0]), abs=0.01)
     assert float((wi * u).mean()) == pytest.approx(float(m.mean_wu[0, 0]), abs=0.02)
     assert float(u.mean()) == pytest.approx(float(m.mean_u[0, 0]), abs=0.02)
+
+
+def test_posterior_moments_in_several_dimensions_by_hand():
+    """Pool x1 = (0, 1) in D = 4 (all coordinates equal), x_t = 0, t = 0.5: the kernel is summed over
+    all D coordinates, log k = -|x_t - (1 - t) x1|^2 / (2 t^2) = (0, -4 * 0.25 / 0.5) = (0, -2), so
+    pi = (1, e^-2) / (1 + e^-2). With w = (0.5, 1.5): rho = 0.5 pi_0 + 1.5 pi_1; u_j = (x_t - x1_j) / t =
+    (0, -2), so E[u] = -2 pi_1 and E[w u] = -3 pi_1 in every coordinate; ESS = 1 / (pi_0^2 + pi_1^2)."""
+    from diffusion_rl.ftfc import posterior_moments
+
+    p1 = math.exp(-2) / (1 + math.exp(-2))
+    p0 = 1 - p1
+    pool = torch.stack([torch.zeros(2, 2), torch.ones(2, 2)])
+    m = posterior_moments(torch.zeros(1, 2, 2), torch.tensor([0.5]), [pool], [torch.tensor([0.5, 1.5])])
+    assert float(m.rho[0]) == pytest.approx(0.5 * p0 + 1.5 * p1, abs=1e-12)
+    assert m.mean_u[0].flatten().tolist() == pytest.approx([-2 * p1] * 4, abs=1e-12)
+    assert m.mean_wu[0].flatten().tolist() == pytest.approx([-3 * p1] * 4, abs=1e-12)
+    assert float(m.ess[0]) == pytest.approx(1 / (p0**2 + p1**2), abs=1e-12)  # 1.2656 (1 / max pi would be 1.135)
+
+
+def test_posterior_moments_at_t_zero_are_finite():
+    """U(0, 1) can draw t = 0 exactly: x_t is then the clean sample itself, which the posterior pins
+    down (pi one-hot, ESS 1, rho its weight, u = (x_t - x1) / t = 0 there) instead of dividing by 0."""
+    from diffusion_rl.ftfc import posterior_moments
+
+    pool = torch.tensor([[0.0, 1.0], [2.0, -1.0], [0.5, 0.5]])
+    m = posterior_moments(pool[1:2], torch.tensor([0.0]), [pool], [torch.tensor([0.5, 2.0, 0.5])])
+    assert all(bool(torch.isfinite(v).all()) for v in (m.rho, m.mean_u, m.mean_wu, m.ess))
+    assert float(m.rho[0]) == pytest.approx(2.0) and float(m.ess[0]) == pytest.approx(1.0)
+    assert m.mean_u[0].tolist() == [0.0, 0.0]
 
 
 class _TargetPolicy:
@@ -547,6 +612,55 @@ def test_prompt_features_average_the_tokens_under_the_mask_and_skip_ids():
     assert feats.tolist() == [[7.0, 2.0, 3.0]]  # sorted names: pooled, then prompt_embeds' masked mean
     with pytest.raises(ValueError, match="needs a float prompt conditioning; got only"):
         prompt_features({"text_ids": torch.ones(1, 3, 3)})
+
+
+def test_prompt_features_mean_over_tokens_without_a_mask_and_with_an_empty_mask():
+    """Without a `<name>_mask` a [N, S, D] conditioning is averaged over its S tokens; a row whose
+    mask is all zeros gives 0 (the clamp of the token count), not 0 / 0."""
+    embeds = torch.tensor([[[1.0, 2.0], [3.0, 6.0]]])
+    assert prompt_features({"prompt_embeds": embeds}).tolist() == [[2.0, 4.0]]
+    feats = prompt_features({"prompt_embeds": embeds, "prompt_embeds_mask": torch.tensor([[0, 0]])})
+    assert feats.tolist() == [[0.0, 0.0]]
+
+
+def test_g_phi_starts_at_zero_and_standardises_its_inputs():
+    """The last layer starts at zero, so g = 0 (no tilt) before any fitting; and the inputs are
+    standardised on the pool, so g_phi (same weights) gives the same outputs on a pool whose features
+    are all rescaled and shifted, a * x + b with a > 0, once it is standardised on that pool."""
+    from diffusion_rl.effective_reward import EffectiveReward
+
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    net = EffectiveReward(3, 8)
+    assert net(x).tolist() == [0.0] * 6
+    torch.nn.init.normal_(net.net[-1].weight)
+    net.standardise_on(x)
+    before = net(x)
+    net.standardise_on(10 * x + 5)
+    assert torch.allclose(net(10 * x + 5), before, atol=1e-5)
+    assert before.std() > 0.01
+
+
+def test_within_group_corr_by_hand_and_when_g_is_flat():
+    """Within-group Pearson correlation: g = r plus a per-group constant is 1, g = -r is -1 (the
+    group means are removed first); a g constant in every group has no spread and gives 0, not 0/0."""
+    from diffusion_rl.effective_reward import within_group_corr
+
+    r, groups = torch.tensor([0.0, 1.0, 3.0, 5.0, 4.0, 9.0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    assert within_group_corr(r + 10 * groups, r, groups) == pytest.approx(1.0)
+    assert within_group_corr(-r, r, groups) == pytest.approx(-1.0)
+    assert within_group_corr(torch.ones(6) + groups, r, groups) == 0.0
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.99])
+def test_the_held_out_split_keeps_a_prompt_on_each_side(fraction):
+    """However small or large the fraction, at least one prompt is held out and at least one is fitted
+    on: three prompts give 1 held out at 0.01 and 2 at 0.99."""
+    x, cond, r, groups = _pool(n_groups=3, g=4)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "steps": 1, "lr": 1e-3, "weight_decay": 0.0, "seed": 0}
+    out = heldout_metrics(x, cond, r, groups, fraction, **kw)
+    assert out["ftfc/g_heldout_prompts"] == (1 if fraction < 0.5 else 2)
+    assert all(math.isfinite(v) for v in out.values())
 
 
 def test_the_method_fits_once_per_pool_and_a_pruned_batch_reads_its_rows(monkeypatch):
