@@ -139,7 +139,8 @@ def solve_lambda(r: Tensor, beta: float, divergence: str, *, max_iter: int = 200
     if divergence == "pearson":  # w = max(0, 1 + (r - lam) / 2beta) >= its linear part, mean 1 at lam = mean r
         lo, hi = mean, top
     elif divergence == "reverse_kl":  # 1/x convex: mean w >= beta / (lam - mean r); w <= 1 at lam = max r + beta
-        lo, hi = max(top, mean + beta), top + beta
+        # (or at the next float above max r, where beta is below half its ulp and max r + beta rounds to max r)
+        lo, hi = max(top, mean + beta), max(top + beta, math.nextafter(top, math.inf))
     else:  # hellinger, x^-2 convex: mean w >= (1 - (mean r - lam)/beta)^-2; domain lam > max r - beta
         lo, hi = max(mean, top - beta), top
     for _ in range(max_iter):

@@ -213,6 +213,15 @@ def test_reverse_kl_lambda_one_ulp_from_the_domain_edge_still_gives_mean_one_wei
     assert w.tolist() == pytest.approx([2.0, 0.0], abs=1e-6)
 
 
+def test_reverse_kl_with_beta_below_half_an_ulp_of_max_r_still_solves():
+    """beta 1e-12 is below half an ulp of 1e6 (1.16e-10), so max r + beta rounds to max r, the
+    domain's edge, and the bracket's upper end must be the next float above it instead: the
+    weights come out (2, ~0), as for a beta the float can hold, not a domain error."""
+    w, stats = weights([1e6, 0.0], 1e-12, "reverse_kl")
+    assert float(stats.lam[0]) == math.nextafter(1e6, math.inf)
+    assert w.tolist() == pytest.approx([2.0, 0.0], abs=1e-6)
+
+
 # ---------------------------------------------------------------------- the loss
 
 class _FakePolicy:
