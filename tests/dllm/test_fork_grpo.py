@@ -299,3 +299,50 @@ def test_one_trainer_step_of_the_preset(tmp_path, monkeypatch, name):
     assert row["loss/ratio_min"] == pytest.approx(1.0, abs=1e-5)
     changed = [k for k, v in policy.model.named_parameters() if v.requires_grad and not torch.equal(v, before[k])]
     assert changed and len(changed) == len(before), sorted(set(before) - set(changed))
+
+
+# --------------------------------------------------------------------------- mutation-audit additions
+
+
+def test_fallback_step_that_committed_nothing_and_step_past_the_end_are_errors():
+    """The sampler's contract is exactly one token per fallback step: a fallback step that
+    committed no token (not only one that committed several) is a ValueError; so is a commit
+    step equal to the step count (steps are 0..S-1), caught before the scatter indexes past S."""
+    with pytest.raises(ValueError, match="commit_step holds step 3 but the rollout has 3 steps"):
+        row_targets(COMMIT, FALLBACK[:, :3], "all")
+    with pytest.raises(ValueError, match="fell back at step 1 but committed 0 tokens"):
+        row_targets(torch.tensor([[0, 0]]), torch.tensor([[False, True]]), "fallback")
+
+
+def test_upper_clip_and_kl_term_by_hand():
+    """eps = 0.2 clips a ratio above 1.2 for A > 0 (min(1.5, 1.2) = 1.2), and beta > 0 adds
+    + beta * k3 KL, k3 = 1/rho + log rho - 1 per row, averaged within each rollout, then over
+    the rollouts with rows (a token-level mean would differ: 2 rows and 1 row)."""
+    cfg = load_config(backend.CONFIG_CLASS, CONFIGS / "fork_grpo.yaml", SMALL, defaults=backend.DEFAULT_CONFIG)
+    mcfg = cfg.method.model_copy(deep=True)
+    mcfg.kl.beta = 0.1
+    method = ForkGRPO(mcfg, cfg, None)
+    rows = torch.tensor([[True, True, False], [True, False, False]])
+    ratio = torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 1.0]])
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[None] * 2, mask=torch.ones(2, 3, dtype=torch.bool),
+                         old_logp=torch.zeros(2, 3), data={"fork_row": rows, "idx": torch.arange(2)})
+    out = method.loss(HandPolicy(ratio.log()), batch, torch.tensor([1.0, -1.0]), denom=2.0)
+    # rollout 0 (A = 1): min(1.5, 1.2) = 1.2 and 1.0 -> mean 1.1; rollout 1 (A = -1):
+    # min(-0.5, -0.8) = -0.8.  J = (1.1 - 0.8) / 2 = 0.15
+    def k3(rho):
+        return 1 / rho + math.log(rho) - 1
+
+    kl = ((k3(1.5) + k3(1.0)) / 2 + k3(0.5)) / 2
+    assert out.metrics["loss/kl"] == pytest.approx(kl, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(-0.15 + 0.1 * kl, abs=1e-6)
+
+
+def test_a_micro_batch_without_rows_still_backpropagates(fork_batch):
+    """A (micro-)batch with no row scores zeros that still take part in autograd while grad is
+    on (a leaf that requires grad), so the trainer's loss.backward() is legal and the loss is 0."""
+    cfg, policy, task, batch = fork_batch
+    empty = batch.select(torch.arange(len(batch)))
+    empty.data["fork_row"] = torch.zeros_like(batch.data["fork_row"])
+    out = ForkGRPO(cfg.method, cfg, task.reward).loss(policy, empty, torch.linspace(-1, 1, len(batch)), denom=0.0)
+    assert float(out.loss.detach()) == 0.0
+    out.loss.backward()

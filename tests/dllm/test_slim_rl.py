@@ -248,3 +248,70 @@ def test_one_trainer_step_of_the_config(tiny_dllm, tmp_path, reward_spread):
     unchanged = [k for k, v in policy.model.named_parameters() if v.requires_grad and torch.equal(v, before[k])]
     assert not unchanged, unchanged
     assert summary["steps"] == 1
+
+
+# --------------------------------------------------------------------------- mutation-audit additions
+
+
+def test_block_mask_rates_domain_edges_and_zero_spread():
+    """t must lie strictly inside (0, 1) and max_spread in [0, 1) (the docstring's domain);
+    max_spread 0 is the flat schedule [t] * B; and a level so small that 2t - 1e-6 < 0 gets
+    spread 0 (s is floored at 0: a negative s would make the schedule increase and put the
+    first block's rate t + s/2 below 0)."""
+    with pytest.raises(ValueError, match="masking level"):
+        block_mask_rates(0.0, 2, 0.2)
+    with pytest.raises(ValueError, match="max_spread"):
+        block_mask_rates(0.5, 2, 1.0)
+    assert block_mask_rates(0.5, 3, 0.0).tolist() == [0.5, 0.5, 0.5]
+    assert block_mask_rates(1e-7, 3, 0.2).tolist() == [1e-7] * 3  # 2e-7 - 1e-6 < 0 -> s = 0
+
+
+def test_masks_reject_an_answer_with_no_valid_position():
+    """draw_masks needs every answer to have a trainable position; one empty answer among valid
+    ones is an error (not silently masked at an invalid position by the fallback)."""
+    valid = torch.tensor([[True, False], [False, False]])
+    rates = torch.full((1, 2), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="at least one trainable position"):
+        draw_masks(valid, rates, 1, torch.Generator().manual_seed(0))
+
+
+def test_row_logprobs_equal_a_brute_force_recomputation(make_run):
+    """Row (i, q)'s log-prob at a masked position c is log_softmax(logits / T)[o_c], the logits
+    being the model's at P + c for answer i's prompt and its answer with row q's mask applied,
+    one row at a time: pins the batched [N*Q] forward's row order (prompt and answer of row
+    i*Q + q both belong to answer i) and the answer columns' alignment."""
+    cfg, policy, task = make_run(*SLIM, score_old=True)
+    batch = rollout(policy, task, cfg)
+    mask, old, comp = batch.data["slim/mask"], batch.data["slim/old_logp"], batch.data["completion"]
+    P, T, M = policy.prompt_length, cfg.rollout.temperature, policy.predictor.mask_token_id
+    assert not torch.equal(batch.data["prompt_ids"][0], batch.data["prompt_ids"][-1])  # two prompts
+    with torch.no_grad():
+        for i in range(len(batch)):
+            for q in range(mask.shape[1]):
+                x = torch.cat([batch.data["prompt_ids"][i], torch.where(mask[i, q], M, comp[i])])[None]
+                logits = policy.logits(x, batch.data["prompt_valid"][i:i + 1])[0, P:].double()
+                brute = torch.log_softmax(logits / T, -1).gather(1, comp[i][:, None])[:, 0]
+                m = mask[i, q]
+                assert torch.allclose(old[i, q][m].double(), brute[m], atol=1e-5), (i, q)
+
+
+def test_sequence_ratio_low_clip_and_kl_term_by_hand():
+    """A < 0 with s < 1 - eps takes the lower clip bound (min(-s, -0.9) = -0.9), and the k3 KL
+    term is exp(-d) + d - 1 per masked token, averaged within each row, summed over rows / rows
+    and added as + beta * KL (rows of 2 and 1 masked tokens: a token-level mean would differ)."""
+    w = torch.tensor([0.5, 0.5])
+    mask = torch.tensor([[[True, True], [True, False]]])  # N = 1, Q = 2, C = 2
+    old = torch.zeros(1, 2, 2)
+    d = torch.tensor([[[-0.2, -0.4], [0.1, 5.0]]])  # row 0: l = -0.3, s = 0.741; row 1: l = 0.1, s = 1.105
+    out = slim_loss(old + d, old, mask, torch.tensor([-1.0]), w, clip=0.1, max_log_ratio=10.0, beta=0.5)
+    # A = -1: row 0 min(-0.741, -0.9) = -0.9 (lower bound); row 1 min(-1.105, -1.1) = -1.105
+    policy = -(0.5 * -0.9 + 0.5 * -math.exp(0.1)) / 2
+
+    def k3(x):
+        return math.exp(-x) + x - 1
+
+    kl = ((k3(-0.2) + k3(-0.4)) / 2 + k3(0.1)) / 2
+    assert out.metrics["loss/kl"] == pytest.approx(kl, abs=1e-6)
+    assert float(out.loss) == pytest.approx(policy + 0.5 * kl, abs=1e-6)
+    with pytest.raises(ValueError, match="advantages must be"):  # one A per answer, not per row
+        slim_loss(old + d, old, mask, torch.tensor([-1.0, 1.0]), w, clip=0.1, max_log_ratio=10.0, beta=0.5)
