@@ -301,7 +301,7 @@ def test_one_trainer_step_of_the_preset(tmp_path, monkeypatch, name):
     assert changed and len(changed) == len(before), sorted(set(before) - set(changed))
 
 
-# --------------------------------------------------------------------------- mutation-audit additions
+# --------------------------------------------------------------------------- edges, clips and KL terms by hand
 
 
 def test_fallback_step_that_committed_nothing_and_step_past_the_end_are_errors():

@@ -250,7 +250,7 @@ def test_one_trainer_step_of_the_config(tiny_dllm, tmp_path, reward_spread):
     assert summary["steps"] == 1
 
 
-# --------------------------------------------------------------------------- mutation-audit additions
+# --------------------------------------------------------------------------- edges, clips and KL terms by hand
 
 
 def test_block_mask_rates_domain_edges_and_zero_spread():
