@@ -580,3 +580,91 @@ def test_a_model_directory_with_safetensors_beside_pickled_weights_is_taken(tmp_
     (both / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="pickled weights only"):
         ckpt.refuse_pickled_weights(both)
+
+
+# ---------------------------------------------------------------------------- mutation audit
+
+
+def test_a_copied_step_directory_with_a_suffix_is_neither_listed_nor_pruned(tmp_path):
+    """Only exact `step-<8 digits>` names are checkpoints: a user's copy such as
+    `step-00000001.bak` (complete, with trainer_state.json) must not be resumed from as
+    step 1, nor deleted by keep_last pruning (the name pattern is anchored at the end)."""
+    root = tmp_path / "ck"
+    save(root, 1)
+    backup = root / "step-00000001.bak"
+    os.replace(root / "step-00000001", backup)
+    for step in (2, 3, 4):
+        save(root, step, keep_last=2)
+    assert [s for s, _ in list_checkpoints(root)] == [3, 4]
+    assert load_checkpoint(backup)[1] == {"step": 1}  # still there
+
+
+def test_an_old_entry_that_names_no_checkpoint_is_removed_not_renamed(tmp_path):
+    """clean_partial moves an `.old-*` copy back only when its name is a checkpoint's; any
+    other `.old-*` entry is removed, never renamed into some new name beside the checkpoints."""
+    root = tmp_path / "ck"
+    save(root, 1)
+    (root / ".old-notes-abcd1234").mkdir()
+    clean_partial(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+def test_optimizer_slots_with_dots_in_their_names_round_trip():
+    """The split into tensors and JSON keys slots as `optim.<idx>.<name>` / `<idx>.<name>`;
+    a slot name that holds a dot (custom optimizers) must come back under the same index and name."""
+    sd = {"state": {3: {"a.b": torch.ones(2), "c.d": 0.5}}, "param_groups": [{"params": [3]}]}
+    tensors, meta = optimizer_state(None, sd)
+    back = ckpt.optimizer_state_dict(tensors, json.loads(json.dumps(meta)))
+    assert set(back["state"]) == {3} and back["state"][3]["c.d"] == 0.5
+    assert torch.equal(back["state"][3]["a.b"], torch.ones(2))
+
+
+def test_every_cuda_devices_rng_state_is_saved_and_restored_in_device_order(monkeypatch):
+    """The CUDA generators are part of the RNG state (a GPU run's sampling draws from them);
+    on a CPU-only machine the CUDA calls are faked so the save and restore branches still run."""
+    states = [torch.tensor([d, d], dtype=torch.uint8) for d in range(3)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    tensors, meta = rng_state({})
+    load_rng_state(tensors, json.loads(json.dumps(meta)), {})
+    assert [s.tolist() for s in restored] == [s.tolist() for s in states]
+
+
+def test_weights_in_place_from_a_smaller_model_are_refused(tmp_path):
+    """load_weights_in_place must refuse a directory that fills only part of the model
+    (keys missing, none unexpected), not leave the missing layers at their old values."""
+    tiny_llama(0).save_pretrained(tmp_path / "one_layer")
+    two = LlamaForCausalLM(LlamaConfig(**{**tiny_llama(0).config.to_dict(), "num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match="missing"):
+        ckpt.load_weights_in_place(two, tmp_path / "one_layer")
+
+
+def test_with_three_ranks_each_rank_gets_its_own_rng_state(tmp_path):
+    """rank_rng_state keeps only this rank's `rank<r>.` keys: with three ranks, rank 1 must not
+    pick up rank 2's state (whose keys also end in `rng.*`) after the round trip through disk."""
+    states = [rng_state({"rollout": torch.Generator().manual_seed(seed)}) for seed in (1, 2, 3)]
+    path = save_checkpoint(tmp_path, 1, write_marker(""), *ranks_rng_state(states))
+    loaded, meta = load_checkpoint(path)
+    for rank in (1, 2):
+        mine, _, own = rank_rng_state(loaded, meta, rank, 3)
+        assert own and set(mine) == set(states[rank][0])
+        assert torch.equal(mine["rng.rollout"], states[rank][0]["rng.rollout"])
+
+
+def test_weights_in_place_from_a_pickled_only_directory_are_refused_by_name(tmp_path):
+    """load_weights_in_place (LoRA merges) refuses a pickled-only directory with the same
+    clear message as every other loader, before transformers is asked to read it."""
+    from mmrl.core.config import ConfigError
+
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match="pickled weights only"):
+        ckpt.load_weights_in_place(tiny_llama(0), tmp_path)
+
+
+def test_save_creates_the_checkpoint_root_and_its_missing_parents(tmp_path):
+    """The first checkpoint of a run may come before anything created the output directory:
+    save_checkpoint creates the whole path, not only its last component."""
+    root = tmp_path / "run" / "checkpoints"
+    assert save(root, 1) == root / "step-00000001" and list_checkpoints(root) == [(1, root / "step-00000001")]
