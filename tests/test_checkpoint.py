@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -622,7 +623,7 @@ def test_optimizer_slots_with_dots_in_their_names_round_trip():
 def test_every_cuda_devices_rng_state_is_saved_and_restored_in_device_order(monkeypatch):
     """The CUDA generators are part of the RNG state (a GPU run's sampling draws from them);
     on a CPU-only machine the CUDA calls are faked so the save and restore branches still run."""
-    states = [torch.tensor([d, d], dtype=torch.uint8) for d in range(3)]
+    states = [torch.tensor([d, d], dtype=torch.uint8) for d in range(12)]  # device 2 before 10
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
@@ -668,3 +669,24 @@ def test_save_creates_the_checkpoint_root_and_its_missing_parents(tmp_path):
     save_checkpoint creates the whole path, not only its last component."""
     root = tmp_path / "run" / "checkpoints"
     assert save(root, 1) == root / "step-00000001" and list_checkpoints(root) == [(1, root / "step-00000001")]
+
+
+def test_a_checkpoint_pruned_when_the_process_dies_mid_delete_is_never_listed(tmp_path, monkeypatch):
+    """keep_last pruning renames a checkpoint out of the step-* names before deleting it: killed
+    after its model/ is gone but before trainer_state.json is (faked here by an rmtree that dies
+    half-way), the old step is not listed as complete, and clean_partial removes what is left."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, write_marker(str(step)), {}, {"step": step}, keep_last=2)
+    real = shutil.rmtree
+
+    def dies_half_way(path, ignore_errors=False):
+        real(Path(path) / "model")
+        raise KeyboardInterrupt  # stands for the kill: nothing after it runs
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, write_marker("3"), {}, {"step": 3}, keep_last=2)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    clean_partial(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]

@@ -105,8 +105,19 @@ def save_checkpoint(
         ) from e
     others = [d for _, d in list_checkpoints(root) if d != final]
     for old_dir in others[: max(0, len(others) - (keep_last - 1))]:  # never the one just written
-        shutil.rmtree(old_dir, ignore_errors=True)
+        _delete(old_dir)
     return final
+
+
+def _delete(d: Path) -> None:
+    """Delete checkpoint `d` so that a kill mid-way never leaves it listed half deleted: one
+    atomic rename out of the step-* names first (clean_partial removes what is left of it)."""
+    gone = d.parent / f".tmp-pruned-{d.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(d, gone)
+    except OSError:
+        return  # kept whole, and complete
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def clean_partial(root: str | Path) -> None:
@@ -256,7 +267,8 @@ def rank_rng_state(tensors: dict, meta: dict, rank: int, world: int) -> tuple[di
 
 def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:
     torch.set_rng_state(tensors["rng.torch"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng.cuda.")),
+                                       key=lambda k: int(k.rsplit(".", 1)[1]))]  # device 2 before 10
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     for name, g in generators.items():
