@@ -77,14 +77,19 @@ def scheduler(cfg, engines, method=None):
                               torch.Generator().manual_seed(0), policy.model), policy
 
 
-def one_round(cfg):
-    """One round of groups of 4 on a fresh FakeEngine -> (the engine, holding its calls; the groups)."""
-    engine = FakeEngine(SeededToy())
-    sched, _ = scheduler(cfg, [engine])
+def round_over(cfg, engines, **kw):
+    """One whole round of groups of 4 on `engines` -> (the closed scheduler, the round, its groups)."""
+    sched, _ = scheduler(cfg, engines, **kw)
     rnd, _ = sched.start_round(0, 4)
     groups = list(rnd)
     sched.close()
-    return engine, groups
+    return sched, rnd, groups
+
+
+def one_round(cfg):
+    """One round of groups of 4 on a fresh FakeEngine -> (the engine, holding its calls; the groups)."""
+    engine = FakeEngine(SeededToy())
+    return engine, round_over(cfg, [engine])[2]
 
 
 def test_frontier_dispatch_sends_only_the_lowest_incomplete_groups(tmp_path):
@@ -267,10 +272,7 @@ def test_group_hooks_drop_refill_extra_and_prune(tmp_path):
     policy, task = SeededToy(), toy.ToyTask()
     method = DropEven(cfg.method, cfg, task.reward)
     engine = FakeEngine(policy)
-    sched, _ = scheduler(cfg, [engine], method=method)
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    _, rnd, groups = round_over(cfg, [engine], method=method)
     m = rnd.metrics
     assert all(g.samples[0].prompt % 2 == 1 for g in groups)
     assert m["rollout/groups_dropped"] >= 1 and m["rollout/groups_refilled"] == min(m["rollout/groups_dropped"], 8)
@@ -312,10 +314,7 @@ def test_a_failing_engine_is_replaced_by_the_others(tmp_path):
     cfg = config(tmp_path)
     bad = FakeEngine(SeededToy(), name="bad", fail_after=1)
     good = FakeEngine(SeededToy(), name="good")
-    sched, _ = scheduler(cfg, [bad, good])
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    sched, rnd, groups = round_over(cfg, [bad, good])
     assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
     assert all(len(g) == 4 for g in groups)
     assert rnd.metrics["rollout/redispatched"] >= 1
@@ -534,10 +533,7 @@ def test_a_late_answer_from_an_engine_given_up_on_is_ignored(tmp_path):
 
     cfg = config(tmp_path, "rollout.scheduler.timeout=1.0")  # wide margins: a loaded machine is slow
     late, good = LateOnce(SeededToy(), name="late"), FakeEngine(SeededToy(), name="good", delay=0.15)
-    sched, _ = scheduler(cfg, [late, good])
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    sched, _, groups = round_over(cfg, [late, good])
     assert len(late.calls) == 1 and "hung" in sched.workers[0].dead
     assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8)) and all(len(g) == 4 for g in groups)
 
@@ -705,10 +701,7 @@ def test_an_engine_losing_its_connection_is_replaced_by_the_others(tmp_path):
     cfg = config(tmp_path)
     lost = FakeEngine(SeededToy(), name="lost", fail_after=0, error=ConnectionResetError("connection reset"))
     good = FakeEngine(SeededToy(), name="good")
-    sched, _ = scheduler(cfg, [lost, good])
-    rnd, _ = sched.start_round(0, 4)
-    groups = list(rnd)
-    sched.close()
+    sched, rnd, groups = round_over(cfg, [lost, good])
     assert sorted(int(g.group_ids[0]) for g in groups) == list(range(8))
     assert "connection reset" in sched.workers[0].dead
     assert rnd.metrics["rollout/engine_calls"] == len(good.calls)
