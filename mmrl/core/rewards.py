@@ -220,8 +220,7 @@ class Reward:
             raise ValueError(
                 f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:.0f} or None, got {timeout!r}"
             )
-        if isinstance(max_stuck, bool) or not isinstance(max_stuck, numbers.Integral) or max_stuck < 1:
-            raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
+        self._stuck = StuckCalls(max_stuck, "reward-atom")  # per atom: calls left past the timeout
         atoms = list(atoms)
         if not atoms:
             raise ValueError("a Reward needs at least one atom")
@@ -249,8 +248,7 @@ class Reward:
         self.atoms = tuple(atoms)
         self.on_error = on_error
         self.timeout = None if timeout is None else float(timeout)
-        self.max_stuck = int(max_stuck)
-        self._stuck = StuckCalls(self.max_stuck, "reward-atom")  # per atom: calls left past the timeout
+        self.max_stuck = self._stuck.limit
         self._levels = _topological_levels(self.atoms, by_name)
         self._loop: _EventLoop | None = None  # the async atoms' event loop, from their first call
 

@@ -10,6 +10,7 @@ call of that name is not started (`Stuck`) until one ends.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Callable
 
@@ -21,8 +22,10 @@ class Stuck(Exception):
 
 
 class StuckCalls:
-    def __init__(self, limit: int, what: str):
-        self.limit, self.what = limit, what  # what: "tool", "reward-atom" (the threads' names)
+    def __init__(self, max_stuck: int, what: str):
+        if isinstance(max_stuck, bool) or not isinstance(max_stuck, numbers.Integral) or max_stuck < 1:
+            raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
+        self.limit, self.what = int(max_stuck), what  # what: "tool", "reward-atom" (the threads' names)
         self._running: dict[str, int] = {}
         self._lock = threading.Lock()
 

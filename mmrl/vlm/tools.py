@@ -411,10 +411,6 @@ class _ToolTimeout(Exception):
     pass
 
 
-class _ToolStuck(Exception):
-    """args[0]: how many calls of the tool still run past their timeout."""
-
-
 class ToolRegistry:
     """The tools of a rollout, by name; `call` runs one from a model's text.
 
@@ -432,11 +428,9 @@ class ToolRegistry:
             or not (math.isfinite(timeout) and timeout > 0)
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(max_stuck, bool) or not isinstance(max_stuck, numbers.Integral) or max_stuck < 1:
-            raise ValueError(f"max_stuck must be an integer >= 1, got {max_stuck!r}")
         self.timeout = float(timeout)
-        self.max_stuck = int(max_stuck)
-        self._stuck = StuckCalls(self.max_stuck, "tool")  # per tool: calls left running past the timeout
+        self._stuck = StuckCalls(max_stuck, "tool")  # per tool: calls left running past the timeout
+        self.max_stuck = self._stuck.limit
         self._tools: dict[str, Tool] = {}
         for t in tools:
             self.register(t)
@@ -515,7 +509,7 @@ class ToolRegistry:
                 value = self._run(tool, kwargs)
             except _ToolTimeout:
                 return _error(f"tool {name} timed out after {self.timeout:g} s", "timeout", name)
-            except _ToolStuck as e:
+            except Stuck as e:
                 return _error(f"tool {name} not run: {e.args[0]} earlier calls of it are still running past "
                               f"the {self.timeout:g} s timeout", "timeout", name)
             except BaseException as e:  # noqa: BLE001 -- whatever the tool raised goes to the model
@@ -544,11 +538,7 @@ class ToolRegistry:
             except BaseException as e:  # noqa: BLE001 -- handed to the caller
                 box["error"] = e
 
-        try:
-            finished = self._stuck.run(tool.name, work, timeout)
-        except Stuck as e:
-            raise _ToolStuck(*e.args) from None
-        if not finished:
+        if not self._stuck.run(tool.name, work, timeout):  # Stuck: not started, for invoke to report
             raise _ToolTimeout
         if "error" in box:
             raise box["error"]
