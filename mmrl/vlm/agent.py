@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.device import fork_rng
 from mmrl.vlm.policy import _per_token, mean_over, scores_by_forward, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
@@ -94,9 +95,18 @@ class ToolRollout:
         self.warned: set[tuple[str | None, str]] = set()  # (tool, kind) failures already warned about
         self.cfg = cfg
         tok = policy.tokenizer
+        # The loop writes Qwen's chat format and stops a turn at the closing tag's token: in a
+        # vocabulary where these are several tokens, every call would pass as plain text, unrun.
+        split = [t for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _END) if _single_id(tok, t) is None]
+        if split:
+            raise ConfigError(
+                f"rollout.tools: tool rollouts write Qwen's chat format, whose {', '.join(split)} must each be "
+                f"one token of the tokenizer; {type(tok).__name__} of this model splits them (as Qwen2-VL, "
+                "Qwen2.5-VL and Qwen3-VL do not). Use a Qwen-VL model, or add them to the tokenizer "
+                "(tokenizer.add_tokens, model.resize_token_embeddings) and save both, or leave rollout.tools unset")
         self.open_id = _single_id(tok, TOOL_CALL_OPEN)
         self.close_id = _single_id(tok, TOOL_CALL_CLOSE)
-        self.stop_ids = [policy.eos_id] + ([self.close_id] if self.close_id is not None else [])
+        self.stop_ids = [policy.eos_id, self.close_id]
         self.type_ids = {i: v for t, v in _TYPE_IDS.items() if (i := _single_id(tok, t)) is not None}
         # the tokenizer's special tokens (<|im_end|>, <|image_pad|>, ...; not <tool_call>, which Qwen's
         # vocabulary adds as an ordinary token), longest first
@@ -172,8 +182,7 @@ class ToolRollout:
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]
         opened = [j for j, t in enumerate(turn) if t == self.open_id]
-        unclosed = (self.close_id is not None and new[-1] != self.close_id and bool(opened)
-                    and self.close_id not in turn[opened[-1]:])
+        unclosed = new[-1] != self.close_id and bool(opened) and self.close_id not in turn[opened[-1]:]
         if new[-1] != self.close_id and not unclosed:
             row.done = True
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from itertools import pairwise
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -518,3 +519,18 @@ def test_a_tool_batchs_groups_are_its_prompts(qwen25_dir):
     Scripted(policy, [["<answer>red</answer><|im_end|>"]] * 4).install()
     batch = policy.generate(ITEMS[:2], 2, rollout_cfg(), torch.Generator().manual_seed(0))
     assert batch.group_ids.tolist() == [0, 0, 1, 1]
+
+
+def test_a_tokenizer_that_splits_the_tool_tags_is_refused_at_start():
+    """Tool rollouts stop a turn at </tool_call>'s token: where a tokenizer writes the tags as
+    several tokens, every call would pass as text, never run. Refused when the loop is built."""
+    from transformers import AutoTokenizer
+
+    from mmrl.core.config import ConfigError
+    from mmrl.vlm.agent import ToolRollout
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "assets/tiny-consistency-modernbert")
+    assert len(tok("</tool_call>", add_special_tokens=False)["input_ids"]) > 1
+    policy = SimpleNamespace(tokenizer=tok, eos_id=0)
+    with pytest.raises(ConfigError, match=r"<tool_call>, </tool_call>, <\|im_end\|> must each be one token"):
+        ToolRollout(policy, ToolRegistry(), ToolsConfig())
