@@ -477,3 +477,23 @@ def test_multi_stream_accepts_integer_weights():
     scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     adv = multi_stream_advantages(scores, torch.zeros(3, dtype=torch.long), [1, 2], mode="sum_then_normalize")
     close(adv, [-1.0, 0.0, 1.0])
+
+
+def test_multi_stream_eps_comes_from_the_config():
+    """advantage.eps reaches the multi_stream advantages as it does type group's: one group of
+    two samples whose atom "a" scores 0 and 2 (unbiased std sqrt 2) gives +-1/(sqrt 2 + eps)."""
+    from types import SimpleNamespace
+
+    from mmrl.core.config import load_config
+    from mmrl.core.grpo import GRPO
+    from mmrl.core.rewards import Reward, reward_atom
+    from mmrl.vlm.config import VLMTrainConfig
+
+    reward = Reward([reward_atom("a")(lambda s: 0.0), reward_atom("b", weight=0.5)(lambda s: 0.0)])
+    batch = SimpleNamespace(scores=SimpleNamespace(values=torch.tensor([[0.0, 1.0], [2.0, 1.0]])),
+                            group_ids=torch.tensor([0, 0]))
+    for eps in (1e-6, 1.0):
+        cfg = load_config(VLMTrainConfig, overrides=["method.advantage.type=multi_stream",
+                                                     f"method.advantage.eps={eps}"])
+        adv = GRPO(cfg.method, cfg, reward).advantages(batch)
+        close(adv, [-1 / (math.sqrt(2) + eps), 1 / (math.sqrt(2) + eps)])

@@ -190,8 +190,9 @@ class MultiStreamAdvantageConfig(Section):
     summed with the atoms' weights; sum_then_normalize: the weighted total normalised (plain
     GRPO)."""
     scale: Literal["group", "batch", "none"] = "group"
-    """As advantage.scale of type group: divide by the group std, the batch std, or nothing
-    (none); eps is fixed at 1e-6."""
+    """As advantage.scale of type group: divide by the group std, the batch std, or nothing (none)."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing (scale group or batch)."""
 
 
 AdvantageConfig = Annotated[

@@ -60,7 +60,7 @@ class GRPO(Method):
             return rloo_advantages(batch.rewards, batch.group_ids)
         weights = torch.tensor([a.weight for a in self.reward.atoms], dtype=torch.float32)
         return multi_stream_advantages(
-            batch.scores.values, batch.group_ids, weights, mode=adv.mode, scale=adv.scale
+            batch.scores.values, batch.group_ids, weights, mode=adv.mode, scale=adv.scale, eps=adv.eps
         )
 
     def prune(self, group: RolloutBatch) -> Tensor | None:  # bool [G], or float [G] weights
