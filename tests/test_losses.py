@@ -481,3 +481,193 @@ def test_clip_fractions_count_only_the_side_their_advantage_clips():
     assert math.isclose(out.metrics["loss/clip_frac_high"], 1 / 4, abs_tol=1e-6)  # s0 t1
     assert math.isclose(out.metrics["loss/clip_frac_low"], 1 / 4, abs_tol=1e-6)  # s1 t1
     assert math.isclose(out.metrics["loss/clip_frac"], 2 / 4, abs_tol=1e-6)
+
+
+# --------------------------------------------------------------------------- edge behaviour
+
+
+def test_log_ratio_is_clamped_at_max_log_ratio_on_both_sides():
+    """logp - old_logp is clamped to [-20, 20] by default before the exponential; another
+    bound or None moves or lifts the clamp."""
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[30.0, -30.0]])
+    adv = torch.tensor([-1.0])
+    out = policy_loss(logp, old, adv, torch.ones(1, 2))
+    # t0: rho = e^20 (not e^30), A = -1: -min(-e^20, 1.2 * -1) = e^20 = 485165195.4
+    # t1: rho = e^-20, A = -1: -min(-e^-20, 0.8 * -1) = 0.8
+    assert math.isclose(float(out.per_token[0, 0]), math.exp(20), rel_tol=1e-6)
+    assert math.isclose(float(out.per_token[0, 1]), 0.8, rel_tol=1e-6)
+    assert math.isclose(out.metrics["loss/ratio_max"], math.exp(20), rel_tol=1e-6)
+    assert math.isclose(out.metrics["loss/ratio_min"], math.exp(-20), rel_tol=1e-6)
+    five = policy_loss(logp, old, adv, torch.ones(1, 2), max_log_ratio=5.0)
+    assert math.isclose(five.metrics["loss/ratio_max"], math.exp(5), rel_tol=1e-6)
+    assert math.isclose(five.metrics["loss/ratio_min"], math.exp(-5), rel_tol=1e-6)
+    free = policy_loss(logp.double(), old.double(), adv, torch.ones(1, 2), max_log_ratio=None)
+    assert math.isclose(free.metrics["loss/ratio_max"], math.exp(30), rel_tol=1e-9)
+    assert math.isclose(free.metrics["loss/ratio_min"], math.exp(-30), rel_tol=1e-9)
+
+
+def test_clip_fractions_ignore_masked_out_tokens_and_zero_advantages():
+    # row 0, all masked in: ratios [0.5, 2, 0.5, 2] with A [0, 0, -1, +1]
+    #   t0, t1: A = 0, nothing to clip; t2: 0.5 < 0.8 with A < 0 (low); t3: 2 > 1.2 with A > 0 (high)
+    # row 1: ratios [0.25, 4, 1, 1] with A [-1, +1, +1, +1]; t0 and t1 (clippable) masked out
+    ratios = torch.tensor([[0.5, 2.0, 0.5, 2.0], [0.25, 4.0, 1.0, 1.0]])
+    adv = torch.tensor([[0.0, 0.0, -1.0, 1.0], [-1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    out = policy_loss(ratios.log(), torch.zeros(2, 4), adv, mask)
+    # per token: row 0 [0, 0, -(0.8 * -1) = 0.8, -1.2]; row 1 [0, 0, -1, -1]
+    close(out.per_token, [[0.0, 0.0, 0.8, -1.2], [0.0, 0.0, -1.0, -1.0]])
+    close(out.loss, (0.8 - 1.2 - 2.0) / 6)  # 6 masked tokens: -0.4
+    m = out.metrics
+    assert math.isclose(m["loss/clip_frac_low"], 1 / 6, abs_tol=1e-6)  # row 0 t2 only
+    assert math.isclose(m["loss/clip_frac_high"], 1 / 6, abs_tol=1e-6)  # row 0 t3 only
+    assert math.isclose(m["loss/clip_frac"], 2 / 6, abs_tol=1e-6)
+    # ratio statistics over the 6 masked-in tokens (0.25 and 4 excluded)
+    assert math.isclose(m["loss/ratio_min"], 0.5, abs_tol=1e-6)
+    assert math.isclose(m["loss/ratio_max"], 2.0, abs_tol=1e-6)
+    assert math.isclose(m["loss/ratio_mean"], 7 / 6, abs_tol=1e-6)  # (0.5 + 2 + 0.5 + 2 + 1 + 1) / 6
+    assert math.isclose(m["loss/approx_kl"], 0.0, abs_tol=1e-6)  # ln 0.5 + ln 2 + ln 0.5 + ln 2 = 0
+
+
+def test_clip_fractions_at_zero_clip_width_count_nothing_on_policy():
+    # clip range [1, 1]: on-policy ratios equal both bounds, which is not beyond them
+    out = policy_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
+                      clip_low=0.0, clip_high=0.0)
+    assert out.metrics["loss/clip_frac"] == 0.0
+    assert out.metrics["loss/clip_frac_low"] == 0.0
+    assert out.metrics["loss/clip_frac_high"] == 0.0
+    close(out.loss, 0.0)  # (-1 - 1 + 1 + 1) / 4
+
+
+def test_advantages_and_old_logp_get_no_gradient():
+    logp = _logp(requires_grad=True)
+    old = OLD.clone().requires_grad_()
+    adv = ADV.clone().requires_grad_()
+    out = policy_loss(logp, old, adv, MASK)
+    out.loss.backward()
+    assert old.grad is None
+    assert adv.grad is None
+    # d/dlogp of the token mean: -rho * A / 5 on unclipped tokens, 0 on clipped and masked ones
+    close(logp.grad, [[-0.2, 0.0, -0.18], [0.0, 0.4, 0.0]])
+
+
+def test_loss_dtype_follows_logp_not_advantages_or_weights():
+    logp = _logp().to(torch.bfloat16)
+    out = policy_loss(logp, OLD.to(torch.bfloat16), ADV.double(), MASK, weights=torch.ones(2, dtype=torch.float64))
+    assert out.loss.dtype == torch.float32
+    assert out.per_token.dtype == torch.float32
+    out32 = policy_loss(_logp(), OLD, ADV.double(), MASK, weights=torch.ones(2, dtype=torch.float64))
+    assert out32.loss.dtype == torch.float32
+    close(out32.loss, 0.1)
+
+
+def test_any_nonzero_mask_entry_counts_whatever_its_sign():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[2.0, -1.0, 0.0], [0.5, 0.0, -3.0]])  # same as [[1, 1, 0], [1, 0, 1]]
+    close(aggregate(per_token, mask), 13 / 4)  # (1 + 2 + 4 + 6) / 4
+    close(aggregate(per_token, mask, "seq_mean_token_mean"), 3.25)  # ((1 + 2) / 2 + (4 + 6) / 2) / 2
+    assert loss_denominator(mask, "token_mean") == 4.0
+    a = policy_loss(_logp(), OLD, ADV, torch.tensor([[1.0, -1.0, 1.0], [-2.0, 1.0, 0.0]]))
+    b = policy_loss(_logp(), OLD, ADV, MASK)
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.metrics == b.metrics
+
+
+def test_fractional_weights_normalise_by_their_sum():
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.ones(2, 2)
+    w = torch.tensor([0.25, 0.25])
+    # seq_mean_token_mean: (0.25 * 1.5 + 0.25 * 3.5) / (0.25 + 0.25) = 1.25 / 0.5 = 2.5
+    close(aggregate(per_token, mask, "seq_mean_token_mean", weights=w), 2.5)
+    assert loss_denominator(mask, "seq_mean_token_mean", w) == 0.5
+    # seq_mean_token_sum_norm, max_len 4: (0.25 * 3 / 4 + 0.25 * 7 / 4) / 0.5 = 0.625 / 0.5 = 1.25
+    close(aggregate(per_token, mask, "seq_mean_token_sum_norm", max_len=4, weights=w), 1.25)
+    # token_mean: (0.25 * 3 + 0.25 * 7) / (0.25 * 2 + 0.25 * 2) = 2.5 / 1 = 2.5
+    close(aggregate(per_token, mask, weights=w), 2.5)
+    assert loss_denominator(mask, "token_mean", w) == 1.0
+    # integer counts weigh as the same floats: (1 * 1.5 + 2 * 3.5) / 3 = 8.5 / 3
+    counts = torch.tensor([1, 2])
+    close(aggregate(per_token, mask, "seq_mean_token_mean", weights=counts), 8.5 / 3)
+    close(aggregate(per_token, mask, weights=counts), 17 / 6)  # (3 + 2 * 7) / (2 + 2 * 2)
+
+
+def test_shape_and_bound_errors():
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="per_token must have shape"):
+        aggregate(torch.ones(3), torch.ones(3))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_len must be > 0"):
+            aggregate(x, x, "seq_mean_token_sum_norm", max_len=bad)
+        with pytest.raises(ValueError, match="max_len must be > 0"):
+            policy_loss(x, x, torch.ones(2), x, aggregation="seq_mean_token_sum_norm", max_len=bad)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        loss_denominator(torch.ones(3), "token_mean")
+    with pytest.raises(ValueError, match="logp must have shape"):
+        policy_loss(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.ones(3))
+    for clip_high in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="clip_low and clip_high must be >= 0"):
+            policy_loss(x, x, torch.ones(2), x, clip_high=clip_high)
+
+
+def test_kl_k3_is_clamped_at_max_log_ratio_on_both_sides():
+    logp = torch.tensor([30.0, -30.0, 0.5], requires_grad=True)
+    ref = torch.zeros(3)
+    k3 = kl_penalty(logp, ref)
+    k3.sum().backward()
+    k3 = k3.detach()
+    # d = 30 -> 20: e^-20 + 20 - 1 = 19.000000002; d = -30 -> -20: e^20 - 20 - 1 = 485165174.4
+    assert math.isclose(float(k3[0]), 19.0, rel_tol=1e-6)
+    assert math.isclose(float(k3[1]), math.exp(20) - 21, rel_tol=1e-6)
+    close(k3[2], 0.106531)  # e^-0.5 + 0.5 - 1
+    close(logp.grad, [0.0, 0.0, 0.393469])  # beyond the bound: no gradient; 1 - e^-0.5 inside
+    free = kl_penalty(logp.detach().double(), ref.double(), max_log_ratio=None)
+    assert math.isclose(float(free[0]), 29.0, rel_tol=1e-9)  # e^-30 + 30 - 1
+    assert math.isclose(float(free[1]), math.exp(30) - 31, rel_tol=1e-9)
+    # k1 and k2 are not clamped
+    close(kl_penalty(logp.detach(), ref, "k1"), [30.0, -30.0, 0.5])
+    close(kl_penalty(logp.detach(), ref, "k2"), [450.0, 450.0, 0.125])
+
+
+def test_kl_penalty_computes_in_float32_at_least():
+    logp = torch.tensor([0.5, -0.5], dtype=torch.bfloat16)
+    ref = torch.zeros(2, dtype=torch.bfloat16)
+    for kind in KL_KINDS:
+        assert kl_penalty(logp, ref, kind).dtype == torch.float32
+    assert kl_penalty(logp.double(), ref.double()).dtype == torch.float64
+
+
+def test_kl_k3_of_a_tiny_log_ratio_is_its_square_over_two_not_a_rounding_below_zero():
+    # d = 1e-4 in float32: exp(-d) - 1 + d rounds to -1.7e-8; expm1(-d) + d gives d^2 / 2 = 5e-9
+    k3 = kl_penalty(torch.tensor([1e-4, -1e-4]), torch.zeros(2))
+    assert (k3 >= 0).all()
+    torch.testing.assert_close(k3, torch.tensor([5e-9, 5e-9]), rtol=1e-3, atol=0)
+
+
+def test_sequence_level_clip_fractions_count_only_masked_tokens():
+    """At sequence level every token of a sample carries its ratio, masked-out ones too: the
+    clip fractions still count only the masked-in ones."""
+    old = torch.zeros(2, 3)
+    # masked-in log-ratios average 0.5 and -0.5 (the 9.0 / -9.0 are masked out)
+    logp = torch.tensor([[0.5, 0.5, 9.0], [-0.5, -0.5, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask, level="sequence")
+    # s0: rho = e^0.5 = 1.648721 > 1.2 with A > 0: -1.2 per token; s1: rho = e^-0.5 = 0.606531 < 0.8
+    # with A < 0: -min(-0.606531, -0.8) = 0.8 per token
+    close(out.per_token, [[-1.2, -1.2, 0.0], [0.8, 0.8, 0.0]])
+    close(out.loss, -0.2)  # (-2.4 + 1.6) / 4
+    assert math.isclose(out.metrics["loss/clip_frac_high"], 2 / 4, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/clip_frac_low"], 2 / 4, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/clip_frac"], 4 / 4, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/ratio_max"], math.exp(0.5), rel_tol=1e-6)
+    assert math.isclose(out.metrics["loss/ratio_min"], math.exp(-0.5), rel_tol=1e-6)
+
+
+def test_ratio_extremes_are_over_masked_tokens_only():
+    # a masked-out token's ratio is 1 (its log-ratio is zeroed): it must not become the min or max
+    mask = torch.tensor([[1, 1, 0]])
+    high = policy_loss(torch.tensor([[1.5, 2.0, 1.0]]).log(), torch.zeros(1, 3), torch.ones(1), mask)
+    assert math.isclose(high.metrics["loss/ratio_min"], 1.5, rel_tol=1e-6)
+    assert math.isclose(high.metrics["loss/ratio_max"], 2.0, rel_tol=1e-6)
+    low = policy_loss(torch.tensor([[0.5, 0.9, 1.0]]).log(), torch.zeros(1, 3), torch.ones(1), mask)
+    assert math.isclose(low.metrics["loss/ratio_min"], 0.5, rel_tol=1e-6)
+    assert math.isclose(low.metrics["loss/ratio_max"], 0.9, rel_tol=1e-6)

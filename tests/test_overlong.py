@@ -186,3 +186,19 @@ def test_a_rank_whose_every_rollout_is_filtered_still_steps_with_the_other(tmp_p
     assert r0["steps"] == r1["steps"] == 2 and r0["checksum"] == r1["checksum"]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(r["rollout/samples"], r["rollout/samples_pruned"], r["train/updates"]) for r in rows] == [(8, 8, 1)] * 2
+
+
+def test_overlong_atom_accepts_a_buffer_as_long_as_the_budget_and_scales_by_penalty():
+    atom = overlong_atom(max_len=4, buffer=4, penalty=2.0)  # every token of the budget costs
+    scores = Reward([atom]).score([Sample("q", "a", {"completion_tokens": n}) for n in (0, 1, 3, 4, 9)])
+    # (0 - n) / 4 x 2, and -2 past max_len
+    assert scores.values[:, 0].tolist() == pytest.approx([0.0, -0.5, -1.5, -2.0, -2.0])
+    assert atom.weight == 1.0  # the scale is the penalty, not the weight
+
+
+def test_overlong_atom_refuses_an_empty_buffer_and_non_positive_or_non_finite_penalties():
+    with pytest.raises(ValueError, match="buffer must be 1..max_len"):
+        overlong_atom(max_len=4, buffer=0)
+    for penalty in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="penalty must be a positive number"):
+            overlong_atom(max_len=4, buffer=2, penalty=penalty)
