@@ -671,3 +671,15 @@ def test_ratio_extremes_are_over_masked_tokens_only():
     low = policy_loss(torch.tensor([[0.5, 0.9, 1.0]]).log(), torch.zeros(1, 3), torch.ones(1), mask)
     assert math.isclose(low.metrics["loss/ratio_min"], 0.5, rel_tol=1e-6)
     assert math.isclose(low.metrics["loss/ratio_max"], 0.9, rel_tol=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kl_penalty does not check max_log_ratio as policy_loss does: 0 clamps every d to 0 "
+    "(the k3 penalty silently vanishes) and -1 clamps every d to -1 (on-policy k3 = e - 2, not 0)",
+)
+def test_kl_penalty_refuses_a_non_positive_max_log_ratio():
+    d = torch.tensor([0.0, 1.0, -1.0])
+    for bound in (0.0, -1.0):
+        with pytest.raises(ValueError, match="max_log_ratio"):
+            kl_penalty(d, torch.zeros(3), max_log_ratio=bound)
