@@ -673,12 +673,9 @@ def test_ratio_extremes_are_over_masked_tokens_only():
     assert math.isclose(low.metrics["loss/ratio_max"], 0.9, rel_tol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kl_penalty does not check max_log_ratio as policy_loss does: 0 clamps every d to 0 "
-    "(the k3 penalty silently vanishes) and -1 clamps every d to -1 (on-policy k3 = e - 2, not 0)",
-)
 def test_kl_penalty_refuses_a_non_positive_max_log_ratio():
+    """As policy_loss does: 0 would clamp every d to 0 (the penalty vanishes), -1 every d to -1
+    (on-policy k3 = e - 2, not 0)."""
     d = torch.tensor([0.0, 1.0, -1.0])
     for bound in (0.0, -1.0):
         with pytest.raises(ValueError, match="max_log_ratio"):

@@ -230,8 +230,7 @@ def policy_loss(
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
     if not (clip_low >= 0 and clip_high >= 0):  # also refuses NaN (a lower bound 1 - clip_low < 0 never binds)
         raise ValueError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}")
-    if max_log_ratio is not None and not max_log_ratio > 0:
-        raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp); got {max_log_ratio}")
+    _check_max_log_ratio(max_log_ratio)
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [N, T]; got {tuple(logp.shape)}")
     if old_logp.shape != logp.shape:
@@ -321,6 +320,7 @@ def kl_penalty(
     beyond it get the penalty at the bound and no gradient; ``None`` disables it.
     """
     _check_choice(kind, KL_KINDS, "kind")
+    _check_max_log_ratio(max_log_ratio)
     if logp.shape != ref_logp.shape:
         raise ValueError(
             f"ref_logp must have the shape of logp {tuple(logp.shape)}; got {tuple(ref_logp.shape)}"
@@ -334,3 +334,9 @@ def kl_penalty(
     if max_log_ratio is not None:  # found by tests/reliability/test_fuzz.py: k3 was inf at d < -88
         d = d.clamp(-max_log_ratio, max_log_ratio)
     return torch.expm1(-d) + d
+
+
+def _check_max_log_ratio(max_log_ratio: float | None) -> None:
+    """A bound of 0 or below would clamp every log-ratio to it (k3's on-policy value then > 0)."""
+    if max_log_ratio is not None and not max_log_ratio > 0:
+        raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp); got {max_log_ratio}")
