@@ -636,3 +636,393 @@ def test_rollout_tools_config_reaches_the_registry():
                       ["rollout.tools.timeout=2.5", "rollout.tools.max_stuck=7"], defaults=backend.DEFAULT_CONFIG)
     reg = backend.build_tools(cfg)
     assert (reg.timeout, reg.max_stuck) == (2.5, 7)
+
+
+# ---------------------------------------------------------------------------- edge cases by hand
+
+
+def test_parse_rejects_text_that_is_not_a_string():
+    with pytest.raises(ToolCallError, match="tool call text must be a string, got NoneType"):
+        parse_tool_call(None)
+    res = ToolRegistry([add]).call(b"<tool_call>", NO_CTX)
+    assert_error(res, "malformed", "tool call text must be a string, got bytes")
+
+
+def test_parse_ends_the_call_at_its_first_close_tag():
+    text = '<tool_call>{"name": "f"}</tool_call> and a stray </tool_call> after it'
+    assert parse_tool_call(text) == ("f", {})
+
+
+def test_parse_open_tag_right_before_the_close_tag_is_an_empty_call():
+    with pytest.raises(ToolCallError, match="tool call is empty"):
+        parse_tool_call("<tool_call></tool_call>")
+
+
+def test_parse_strips_the_name_and_rejects_a_blank_one():
+    assert parse_tool_call('<tool_call>{"name": "  f \\n"}</tool_call>') == ("f", {})
+    with pytest.raises(ToolCallError, match='"name" must be a non-empty string, got "  "'):
+        parse_tool_call('<tool_call>{"name": "  "}</tool_call>')
+
+
+def test_parse_blank_arguments_string_means_no_arguments():
+    assert parse_tool_call('<tool_call>{"name": "f", "arguments": ""}</tool_call>') == ("f", {})
+    assert parse_tool_call('<tool_call>{"name": "f", "arguments": "  "}</tool_call>') == ("f", {})
+
+
+def test_a_model_value_is_quoted_whole_up_to_60_characters_then_cut():
+    reg = ToolRegistry([add])
+    # json.dumps adds the two quotes: 58 letters -> 60 characters, shown whole
+    res = reg.call(call_text("a" * 58), NO_CTX)
+    assert res.error == f'unknown tool "{"a" * 58}" (available: add)'
+    # 59 letters -> 61 characters: the first 57 then "..."
+    res = reg.call(call_text("b" * 59), NO_CTX)
+    assert res.error == f'unknown tool "{"b" * 56}... (available: add)'
+
+
+def test_an_empty_registry_says_none_are_available():
+    assert_error(ToolRegistry().call(call_text("f"), NO_CTX), "unknown_tool", "(available: none)")
+
+
+def test_get_of_an_unknown_tool_is_a_key_error_listing_the_registered_ones():
+    reg = ToolRegistry([add])
+    with pytest.raises(KeyError, match=r"unknown tool 'mul' \(registered: add\)"):
+        reg.get("mul")
+
+
+def test_a_tool_must_be_callable():
+    with pytest.raises(TypeError, match="a tool must be callable, got int"):
+        Tool(3, name="three")
+
+
+def test_tool_name_is_1_to_64_characters():
+    def f():
+        pass
+
+    assert Tool(f, name="n" * 64).name == "n" * 64
+    for bad in ["n" * 65, "", "a b", "a.b"]:
+        with pytest.raises(ValueError, match="must be 1-64 letters"):
+            Tool(f, name=bad)
+
+
+def test_description_is_the_first_paragraph_on_one_line():
+    def f():
+        """First line
+        goes on here.
+
+        Not this."""
+
+    assert Tool(f).description == "First line goes on here."
+    assert Tool(zoom).description.startswith("Zoom into the image: returns the part of the original")
+    assert "\n" not in Tool(zoom).description
+
+
+def test_callable_object_with_async_call_is_an_async_tool():
+    class Echo:
+        async def __call__(self, text: str) -> str:
+            await asyncio.sleep(0)
+            return "async " + text
+
+    reg = ToolRegistry()
+    reg.register(Echo(), name="echo")
+    assert reg.get("echo").is_async
+    assert reg.call(call_text("echo", {"text": "hi"}), NO_CTX).content == ["async hi"]
+
+
+def test_var_keyword_tool_takes_extra_arguments_unchecked():
+    def f(a: int, **extra) -> str:
+        return f"{a} {sorted(extra.items())}"
+
+    tool = Tool(f)
+    assert tool.parameters == {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    res = ToolRegistry([f]).call(call_text("f", {"a": 1, "z": "x", "y": [2]}), NO_CTX)
+    assert res.content == ["1 [('y', [2]), ('z', 'x')]"]
+    # the named ones are still checked
+    assert_error(ToolRegistry([f]).call(call_text("f", {"z": 1}), NO_CTX), "bad_arguments",
+                 'missing argument "a"', name="f")
+
+
+def test_two_missing_arguments_are_named_in_the_plural():
+    def f(a: int, b: int) -> int:
+        return a + b
+
+    res = ToolRegistry([f]).call(call_text("f"), NO_CTX)
+    assert res.error == 'tool f: missing arguments "a", "b" (parameters: a, b)'
+
+
+def test_a_tool_without_parameters_lists_none():
+    def f() -> str:
+        return "x"
+
+    res = ToolRegistry([f]).call(call_text("f", {"q": 1}), NO_CTX)
+    assert res.error == 'tool f: unknown argument "q" (parameters: none)'
+
+
+def test_integral_float_reaches_an_int_parameter_as_an_int():
+    def kind(n: int, x: float) -> str:
+        return f"{type(n).__name__} {type(x).__name__}"
+
+    assert ToolRegistry([kind]).call(call_text("kind", {"n": 3.0, "x": 2}), NO_CTX).content == ["int float"]
+
+
+def test_number_parameter_rejects_booleans_and_non_finite_values():
+    reg = ToolRegistry([add])
+    assert_error(reg.call(call_text("add", {"a": 1, "b": True}), NO_CTX), "bad_arguments",
+                 'argument "b" must be a number, got true', name="add")
+    for value, text in ((float("inf"), "Infinity"), (float("-inf"), "-Infinity"), (float("nan"), "NaN")):
+        res = reg.call(call_text("add", {"a": 1, "b": value}), NO_CTX)  # json.dumps writes Infinity, NaN
+        assert_error(res, "bad_arguments", f'argument "b" must be a number, got {text}', name="add")
+
+
+def test_object_parameter_takes_only_an_object_and_unannotated_takes_anything():
+    def f(opts: dict, anything=None) -> str:
+        return f"{opts} {anything!r}"
+
+    reg = ToolRegistry([f])
+    assert reg.call(call_text("f", {"opts": {"k": 1}, "anything": [1, "x"]}), NO_CTX).content == ["{'k': 1} [1, 'x']"]
+    assert_error(reg.call(call_text("f", {"opts": [1]}), NO_CTX), "bad_arguments",
+                 'argument "opts" must be an object, got [1]', name="f")
+
+
+def test_signature_errors():
+    with pytest.raises(ValueError, match="tool d: cannot read its signature"):
+        Tool(dict, name="d")
+
+    def pos_only(a, /):
+        pass
+
+    with pytest.raises(ValueError, match="parameter 'a' cannot be passed by name"):
+        Tool(pos_only)
+
+
+def test_unresolvable_annotations_fall_back_to_the_raw_ones():
+    def f(a: "NoSuchType", b: int) -> str:  # noqa: F821
+        return f"{a} {b}"
+
+    tool = Tool(f)
+    assert tool.parameters["properties"] == {"a": {}, "b": {"type": "integer"}}
+    assert ToolRegistry([tool]).call(call_text("f", {"a": [1], "b": 2}), NO_CTX).content == ["[1] 2"]
+
+
+def test_schema_types_from_string_annotations():
+    # tools.py has `from __future__ import annotations`: zoom's annotations are strings
+    props = Tool(zoom).parameters["properties"]
+    assert props == {n: {"type": "integer"} for n in ("x0", "y0", "x1", "y1")}
+
+
+def test_schema_of_optional_union_and_sequence_annotations():
+    import typing
+    from collections.abc import Sequence
+
+    def g(
+        a: typing.Optional[int],  # noqa: UP045 -- the typing.Union spelling on purpose
+        b: int | str,
+        c: list[int] | None,
+        d: tuple,
+        e: Sequence[str],
+        f: typing.Any = None,
+    ):
+        pass
+
+    assert Tool(g).parameters["properties"] == {
+        "a": {"type": ["integer", "null"]},
+        "b": {},
+        "c": {"type": ["array", "null"]},
+        "d": {"type": "array"},
+        "e": {"type": "array"},
+        "f": {"default": None},
+    }
+
+
+def test_a_default_that_is_not_json_is_left_out_of_the_schema():
+    marker = object()
+
+    def f(a: int = 2, b: object = marker, c: str = "x"):
+        pass
+
+    props = Tool(f).parameters["properties"]
+    assert props == {"a": {"type": "integer", "default": 2}, "b": {}, "c": {"type": "string", "default": "x"}}
+    json.dumps(Tool(f).schema())
+
+
+@pytest.mark.parametrize("timeout", [True, float("inf"), float("nan"), -1, "1"])
+def test_timeout_must_be_a_positive_finite_number(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        ToolRegistry(timeout=timeout)
+
+
+def test_registry_repr_and_timeout_as_float():
+    reg = ToolRegistry([add], timeout=2, max_stuck=3)
+    assert isinstance(reg.timeout, float)
+    assert repr(reg) == "ToolRegistry(['add'], timeout=2.0, max_stuck=3)"
+
+
+def test_register_a_tool_object_under_a_new_name_or_description():
+    base = Tool(add, name="sum2", description="Base.")
+    reg = ToolRegistry()
+    reg.register(base, description="Sums.")  # keeps the Tool's own name
+    reg.register(base, name="plus")  # keeps the Tool's own description
+    assert reg.names() == ["sum2", "plus"]
+    assert reg.get("sum2").description == "Sums."
+    assert reg.get("plus").description == "Base."
+    assert reg.call(call_text("plus", {"a": 1}), NO_CTX).content == ["1.5"]
+    assert (base.name, base.description) == ("sum2", "Base.")  # the one passed is left as it was
+
+
+def test_register_returns_what_it_was_given():
+    reg = ToolRegistry()
+
+    def f():
+        return "f"
+
+    assert reg.register(f) is f
+    tool = Tool(add)
+    assert reg.register(tool) is tool
+    assert reg.register(name="g")(f) is f
+
+
+def test_a_call_that_cannot_be_read_for_any_reason_is_malformed():
+    class Weird(str):
+        def rfind(self, *args):
+            raise RuntimeError("boom")
+
+    res = ToolRegistry([add]).call(Weird("<tool_call>"), NO_CTX)
+    assert_error(res, "malformed", "the tool call could not be read: RuntimeError: boom")
+
+
+def test_a_tool_that_exits_is_reported_not_raised():
+    import sys
+
+    def leave() -> str:
+        sys.exit(3)
+
+    res = ToolRegistry([leave]).call(call_text("leave"), NO_CTX)
+    assert_error(res, "raised", name="leave")
+    assert res.error == "tool leave raised SystemExit: 3"
+
+
+def test_an_exception_without_a_message_is_named_alone():
+    def f() -> str:
+        raise ValueError
+
+    assert ToolRegistry([f]).call(call_text("f"), NO_CTX).error == "tool f raised ValueError"
+
+
+def test_a_huge_integer_for_a_number_argument_is_an_error_not_an_exception():
+    # 400 digits: valid JSON, beyond any float; call never raises
+    res = ToolRegistry([add]).call(call_text("add", {"a": 1, "b": 10**400}), NO_CTX)
+    assert not res.ok and res.name == "add" and res.content == [f"error: {res.error}"]
+
+
+def test_tuple_result_and_complex_result():
+    def pair():
+        return ("a", 2)
+
+    def cplx():
+        return 1j
+
+    assert ToolRegistry([pair]).call(call_text("pair"), NO_CTX).content == ["a", "2"]
+    assert_error(ToolRegistry([cplx]).call(call_text("cplx"), NO_CTX), "bad_result",
+                 "tool cplx returned complex, expected text", name="cplx")
+
+
+def test_zoom_more_edge_cases():
+    img, arr = gradient_image(40, 30)
+    ctx = ToolContext(images=[img])
+    # a negative top edge is clipped to 0 like a negative left edge
+    crop = zoom(2, -5, 12, 10, ctx=ctx)
+    assert crop.size == (10, 10)
+    np.testing.assert_array_equal(np.asarray(crop), arr[0:10, 2:12])
+    with pytest.raises(ValueError, match="y1 must be greater than y0, got y0=5, y1=5"):
+        zoom(0, 5, 10, 5, ctx=ctx)
+    with pytest.raises(ValueError, match="x0 must be an integer, got True"):
+        zoom(True, 0, 10, 10, ctx=ctx)
+    with pytest.raises(ValueError, match="y1 must be an integer, got 0.5"):
+        zoom(0, 0, 10, 0.5, ctx=ctx)
+    assert zoom(0.0, 0, 10.0, 10, ctx=ctx).size == (10, 10)  # integral floats are fine
+    with pytest.raises(ValueError, match="the prompt's image is ndarray, not a PIL image"):
+        zoom(0, 0, 10, 10, ctx=ToolContext(images=[arr]))
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        (" " * 199 + "7", "7"),  # exactly 200 characters
+        ("2.0 ** 52", "4503599627370496"),  # integral floats below 2**53 print as integers
+        ("2.0 ** 53", "9.00719925474e+15"),  # from 2**53 on, as other floats
+        ("-(2.0 ** 53)", "-9.00719925474e+15"),
+        ("-(2.0 ** 52)", "-4503599627370496"),
+        ("-10 ** 100", "-1" + "0" * 100),
+        ("1e100", "1e+100"),  # exactly the largest magnitude allowed
+        ("-1e100", "-1e+100"),
+    ],
+)
+def test_calculator_boundaries(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        (" " * 200 + "7", "expression is 201 characters long; at most 200 allowed"),
+        ("1e100 ** 4", "result too large (beyond 1e+100)"),  # float pow raises OverflowError
+        ("2j", "only numbers are allowed, got 2j"),
+        ("1 and 2", "and/or not allowed"),
+        ("lambda: 1", "lambdas not allowed"),
+        ("[1][0]", "indexing not allowed"),
+        ("-(10 ** 100) * 2", "result too large"),  # negative results are bounded too
+    ],
+)
+def test_calculator_more_errors(expression, message):
+    with pytest.raises(ValueError, match=None) as err:
+        calculator(expression)
+    assert message in str(err.value)
+
+
+def test_calculator_rejects_a_non_string():
+    with pytest.raises(ValueError, match="expression must be a string, got int"):
+        calculator(5)
+
+
+def test_build_registry_more_forms(tmp_path):
+    log = tmp_path / "imports.log"
+    folder = tmp_path / "a:b"
+    folder.mkdir()
+    (folder / "t.py").write_text(
+        "from mmrl.vlm.tools import Tool\n"
+        f"open({str(log)!r}, 'a').write('x')\n"
+        "def f() -> str:\n"
+        "    return 'f'\n"
+        "alias = f\n"
+        "named = Tool(f, name='renamed')\n"
+    )
+    reg = build_registry([f"{folder / 't.py'}:f", f"{folder / 't.py'}:alias", f"{folder / 't.py'}:named"])
+    assert reg.names() == ["f", "alias", "renamed"]
+    assert log.read_text() == "x"  # imported once
+    assert build_registry("calculator").names() == ["calculator"]  # one name as a string
+    with pytest.raises(ValueError, match=r"tool names must be strings, got 3 \(builtins: zoom, calculator\)"):
+        build_registry([3])
+    with pytest.raises(ValueError, match=r"unknown tool 't.py:': not a builtin"):
+        build_registry(["t.py:"], base_dir=folder)
+
+
+def test_async_wait_ends_in_a_timeout_at_its_deadline():
+    from mmrl.vlm.tools import _await_with_timeout, _ToolTimeout
+
+    with pytest.raises(_ToolTimeout):
+        asyncio.run(_await_with_timeout(asyncio.sleep(10), 0.05))
+    assert asyncio.run(_await_with_timeout(asyncio.sleep(0, result="done"), 1.0)) == "done"
+
+
+def test_timeout_message_writes_a_whole_number_of_seconds_without_a_point():
+    release = threading.Event()
+
+    def wait() -> str:
+        release.wait(10)
+        return "late"
+
+    try:
+        res = ToolRegistry([wait], timeout=1).call(call_text("wait"), NO_CTX)
+    finally:
+        release.set()
+    assert_error(res, "timeout", name="wait")
+    assert res.error == "tool wait timed out after 1 s"
