@@ -384,9 +384,12 @@ def _convert(p: _Param, value) -> tuple[object, str | None]:
             value = int(value)
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif p.json_type == "number":
+        if is_number and isinstance(value, int):
+            try:
+                value = float(value)
+            except OverflowError:  # a whole number past the float range: the model's mistake
+                is_number = False
         ok = is_number and math.isfinite(value)
-        if ok and isinstance(value, int):
-            value = float(value)
     elif p.json_type == "string":
         ok = isinstance(value, str)
     elif p.json_type == "boolean":
