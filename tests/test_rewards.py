@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+import re
 import textwrap
 import threading
 import time
@@ -847,3 +848,309 @@ def test_a_forked_child_scores_async_atoms_on_a_loop_of_its_own():
         if child.is_alive():
             child.kill()
             child.join()
+
+
+# ---------------------------------------------------------------------------- atom construction, by hand
+
+
+def test_an_atom_needs_a_non_empty_string_name_and_a_callable():
+    for bad in ("", None, 5):
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            RewardAtom(bad, lambda s: 1.0)
+    with pytest.raises(TypeError, match="'a': fn must be callable, got int"):
+        RewardAtom("a", 3)
+    with pytest.raises(TypeError, match="reward_atom needs a name"):
+        reward_atom(lambda s: 1.0)
+
+
+def test_a_weight_is_stored_as_a_float_and_must_be_a_number():
+    atom = RewardAtom("a", lambda s: 1.0, weight="0.25")  # a number written as text, as from a config
+    assert type(atom.weight) is float and atom.weight == 0.25
+    assert type(RewardAtom("b", lambda s: 1.0, weight=2).weight) is float
+    for bad in ("heavy", None, [1.0]):
+        with pytest.raises(ValueError, match="weight must be a number"):
+            RewardAtom("c", lambda s: 1.0, weight=bad)
+
+
+def test_parents_must_all_be_names():
+    with pytest.raises(ValueError, match="parents must be a list of atom names"):
+        RewardAtom("child", lambda s: 1.0, parents=["a", 3])
+    assert RewardAtom("child", lambda s: 1.0, parents=["a", "b"]).parents == ("a", "b")
+
+
+def test_an_object_with_an_async_call_method_is_an_async_atom():
+    class Judge:
+        async def __call__(self, s):
+            await asyncio.sleep(0)
+            return s.completion / 2
+
+    atom = RewardAtom("judge", Judge())
+    assert atom.is_async
+    assert Reward([atom]).score(make_samples([1.0, 0.5])).values[:, 0].tolist() == [0.5, 0.25]
+
+
+def test_atom_repr_shows_only_what_is_set():
+    assert repr(value_atom("a")) == "RewardAtom('a', weight=1.0)"
+    child = RewardAtom("c", _async_value, weight=2, parents="p", batched=True)
+    assert repr(child) == "RewardAtom('c', weight=2.0, parents=('p',), batched=True, async)"
+
+
+def test_a_reward_needs_atoms_and_a_numeric_timeout():
+    with pytest.raises(ValueError, match="at least one atom"):
+        Reward([])
+    for bad in ("1", [1.0]):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            Reward([value_atom("v")], timeout=bad)
+    reward = Reward([value_atom("v")], timeout=2)
+    assert type(reward.timeout) is float and reward.timeout == 2.0
+
+
+# ---------------------------------------------------------------------------- gating, level by level
+
+
+def test_a_batched_child_gated_on_every_sample_is_not_called():
+    calls = []
+
+    @reward_atom("child", batched=True, parents="root")
+    def child(samples):
+        calls.append(len(samples))
+        return [1.0] * len(samples)
+
+    scores = Reward([value_atom("root"), child]).score(make_samples([0.0, 0.25]))
+    assert calls == []  # not even with an empty list
+    assert scores.values.tolist() == [[0.0, 0.0], [0.25, 0.0]]
+
+
+def test_a_fully_gated_atom_does_not_stop_the_rest_of_its_level():
+    gated = RewardAtom("gated", lambda s: 1.0, parents="closed")
+    open_ = RewardAtom("open", lambda s: 0.5, weight=2.0, parents="root")
+    closed = RewardAtom("closed", lambda s: 0.0)
+    scores = Reward([value_atom("root"), closed, gated, open_]).score(make_samples([1.0, 0.75]))
+    # gated: its parent is 0 on both samples; open: root >= 0.5 on both -> 0.5
+    # total = root + closed + gated + 2 * open = root + 1.0
+    assert scores.values.tolist() == [[1.0, 0.0, 0.0, 0.5], [0.75, 0.0, 0.0, 0.5]]
+    assert scores.total.tolist() == [2.0, 1.75]
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_total_std_of_two_samples_is_the_unbiased_one():
+    # totals 0 and 1: mean 0.5, unbiased variance (0.25 + 0.25) / 1 = 0.5 -> std sqrt(0.5)
+    m = Reward([value_atom("a")]).score(make_samples([0.0, 1.0])).metrics()
+    assert m["reward/total_std"] == pytest.approx(math.sqrt(0.5))
+
+
+# ---------------------------------------------------------------------------- timeouts
+
+
+def test_an_async_atom_is_timed_out_at_its_timeout_not_later():
+    """timeout 0.2 s, an atom done after 0.3 s: it is failed at 0.2 s, its late value not taken."""
+    @reward_atom("late")
+    async def late(s):
+        await asyncio.sleep(0.3)
+        return 1.0
+
+    with pytest.raises(RewardError, match=r"'late' failed on sample 0 \(prompt: 'prompt 0'\): timed out after 0\.2 s$"):
+        Reward([late], timeout=0.2).score(make_samples([0]))
+
+
+def test_a_timed_out_async_atom_is_cancelled_and_its_cleanup_may_await():
+    cancelled = threading.Event()
+
+    @reward_atom("judge")
+    async def judge(s):
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)  # e.g. closing a connection, which awaits
+            cancelled.set()
+            raise
+        return 1.0
+
+    with pytest.warns(RuntimeWarning, match="judge"):
+        scores = Reward([judge], timeout=0.05, on_error="zero").score(make_samples([0]))
+    assert scores.values.tolist() == [[0.0]]
+    assert cancelled.wait(2)
+
+
+def test_a_copy_of_a_reward_keeps_its_max_stuck():
+    """A copy counts its own stuck calls, up to the same max_stuck as the original."""
+    import copy
+
+    release, started = threading.Event(), []
+
+    @reward_atom("hangs")
+    def hangs(s):
+        started.append(1)
+        release.wait(10)
+        return 1.0
+
+    twin = copy.deepcopy(Reward([hangs], timeout=0.05, on_error="zero", max_stuck=1))
+    try:
+        with pytest.warns(RuntimeWarning, match="'hangs' on 3"):
+            twin.score(make_samples([0, 1, 2]))
+        assert (twin.max_stuck, len(started), twin.stuck("hangs")) == (1, 1, 1)  # 1 left running, 2 not started
+    finally:
+        release.set()
+
+
+def test_work_handed_to_a_thread_past_the_timeout_does_not_hold_up_the_process_exit():
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(
+        """
+        import asyncio, threading
+        from mmrl.core.rewards import Reward, Sample, reward_atom
+
+        @reward_atom("judge")
+        async def judge(s):
+            await asyncio.to_thread(threading.Event().wait, 20)
+            return 1.0
+
+        scores = Reward([judge], timeout=0.05, on_error="zero").score([Sample("p", None)])
+        print(scores.errors)
+        """
+    )
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], check=False, capture_output=True,
+                          text=True, timeout=15)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+
+
+# ---------------------------------------------------------------------------- values at the edges
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def test_the_largest_float32_is_a_usable_value_and_weight():
+    big = RewardAtom("big", lambda s: s.completion, weight=FLOAT32_MAX)
+    assert big.weight == FLOAT32_MAX
+    scores = Reward([value_atom("v")]).score(make_samples([FLOAT32_MAX, -FLOAT32_MAX]))
+    assert scores.values[:, 0].tolist() == [FLOAT32_MAX, -FLOAT32_MAX]
+    assert Reward([big]).score(make_samples([1.0])).total.tolist() == [FLOAT32_MAX]
+
+
+def test_a_sync_atom_returning_a_coroutine_leaves_no_never_awaited_warning():
+    import gc
+
+    async def judge(s):
+        return 1.0
+
+    atom = RewardAtom("wrapped", lambda s: judge(s))  # not declared async
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = Reward([atom], on_error="zero").score(make_samples([0]))
+        gc.collect()
+    assert scores.errors == 1
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "async def" in messages[0], messages  # the summary only
+
+
+@pytest.mark.parametrize("returned, shape", [(torch.ones(2, 1), "(2, 1)"), (torch.tensor(1.0), "()"),
+                                             (np.zeros((2, 1)), "(2, 1)")])
+def test_a_batched_atom_must_return_a_flat_list_of_values(returned, shape):
+    atom = RewardAtom("b", lambda samples: returned, batched=True)
+    with pytest.raises(RewardError, match=rf"of shape {re.escape(shape)}, expected 2 values$") as info:
+        Reward([atom]).score(make_samples([0, 0]))
+    assert info.value.sample_index is None
+
+
+def test_error_messages_word_one_sample_and_exceptions_without_text():
+    two = RewardAtom("two", lambda samples: [1.0, 1.0], batched=True)
+    with pytest.raises(RewardError) as info:
+        Reward([two]).score(make_samples([0]))
+    assert str(info.value) == (
+        "reward atom 'two' failed on a batch of 1 sample (first prompt: 'prompt 0'): returned 2 values for 1 sample"
+    )
+
+    def quiet(s):
+        raise RuntimeError
+
+    with pytest.raises(RewardError) as info:
+        Reward([RewardAtom("quiet", quiet)]).score(make_samples([0]))
+    assert str(info.value) == "reward atom 'quiet' failed on sample 0 (prompt: 'prompt 0'): RuntimeError"
+
+
+def test_a_prompt_is_shown_whole_up_to_80_characters_then_cut_to_80():
+    atom = RewardAtom("nan", lambda s: math.nan)
+    fits = "q" * 78  # repr with its quotes: 80 characters
+    with pytest.raises(RewardError) as info:
+        Reward([atom]).score([Sample(fits, None)])
+    assert f"(prompt: '{fits}')" in str(info.value)
+    with pytest.raises(RewardError) as info:
+        Reward([atom]).score([Sample(fits + "q", None)])  # repr 81 characters -> 77 of them and "..."
+    assert "(prompt: '" + "q" * 76 + "...)" in str(info.value)
+
+
+def test_atoms_of_one_level_run_in_the_users_order():
+    order = []
+    first = RewardAtom("first", lambda s: order.append("first") or 1.0)
+    second = RewardAtom("second", lambda s: order.append("second") or 1.0)
+    Reward([second, first]).score(make_samples([0]))
+    assert order == ["second", "first"]
+
+
+# ---------------------------------------------------------------------------- loading, by hand
+
+
+def test_a_spec_dict_without_a_path_is_a_value_error():
+    from mmrl.core.rewards import load_atoms
+
+    for bad in ({"weight": 2.0}, 5):
+        with pytest.raises(ValueError, match="reward spec 0 must be 'file.py:fn' or a dict with a 'path'"):
+            load_atoms([bad])
+
+
+def test_a_spec_path_may_contain_a_colon(tmp_path):
+    folder = tmp_path / "run:1"
+    folder.mkdir()
+    (folder / "atoms.py").write_text("def one(sample):\n    return 1.0\n")
+    atom = load_atom(f"{folder}/atoms.py:one")
+    assert atom.name == "one" and atom(Sample("p", "c")) == 1.0
+
+
+def test_atoms_of_one_file_share_one_import_and_pickle(tmp_path):
+    import pickle
+
+    from mmrl.core.rewards import load_atoms
+
+    (tmp_path / "two.py").write_text("def a(sample):\n    return 1.0\n\ndef b(sample):\n    return 0.5\n")
+    a, b = load_atoms(["two.py:a", "two.py:b"], base_dir=tmp_path)
+    assert a.fn.__globals__ is b.fn.__globals__  # the file's module-level state is one
+    twin = pickle.loads(pickle.dumps(Reward([a, b])))
+    assert twin.score(make_samples([0])).total.tolist() == [1.5]
+
+
+def test_a_failed_import_lists_public_callables_and_leaves_no_module(tmp_path):
+    import sys
+
+    (tmp_path / "helpers.py").write_text("def _private(s):\n    return 0\n\ndef public(s):\n    return 1\n")
+    with pytest.raises(ValueError, match=r"has no attribute 'nope' \(callables defined: public\)$"):
+        load_atom("helpers.py:nope", base_dir=tmp_path)
+    (tmp_path / "broken_here.py").write_text("raise RuntimeError('bad file')\n")
+    with pytest.raises(ValueError, match="RuntimeError: bad file"):
+        load_atom("broken_here.py:f", base_dir=tmp_path)
+    assert not [n for n in sys.modules if n.startswith("mmrl_user_broken_here_")]
+
+
+def test_a_wait_cut_short_by_another_atom_resumes_for_only_the_time_left():
+    """slow waits forever; blocker holds the loop 0.1 s early on. At 1.0 s slow has been charged
+    0.9 s (the 0.1 s was blocker's), so it is timed out at 1.1 s, not after a fresh 1.0 s wait."""
+    @reward_atom("slow")
+    async def slow(s):
+        await asyncio.sleep(30)
+        return 1.0
+
+    @reward_atom("blocker")
+    async def blocker(s):
+        await asyncio.sleep(0.05)
+        time.sleep(0.1)  # noqa: ASYNC251 -- holds the loop, short of its own timeout
+        return 1.0
+
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="'slow' on 1 .*timed out after 1.0 s"):
+        scores = Reward([slow, blocker], timeout=1.0, on_error="zero").score(make_samples([0]))
+    assert time.perf_counter() - start < 1.6
+    assert scores.values.tolist() == [[0.0, 1.0]]
