@@ -1154,3 +1154,11 @@ def test_a_wait_cut_short_by_another_atom_resumes_for_only_the_time_left():
         scores = Reward([slow, blocker], timeout=1.0, on_error="zero").score(make_samples([0]))
     assert time.perf_counter() - start < 1.6
     assert scores.values.tolist() == [[0.0, 1.0]]
+
+
+def test_an_atom_from_a_file_with_dots_in_its_name_pickles(tmp_path):
+    import pickle
+
+    (tmp_path / "rules.v2.py").write_text("def one(sample):\n    return 1.0\n")
+    atom = load_atom("rules.v2.py:one", base_dir=tmp_path)
+    assert pickle.loads(pickle.dumps(atom)).fn(Sample("p", "c")) == 1.0
