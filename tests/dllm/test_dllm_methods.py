@@ -206,24 +206,50 @@ def test_diffu_grpo_logprob_temperature(make_run, logprob_temperature):
     assert not torch.allclose(expected, other, atol=1e-3)
 
 
-def test_mean_field_masks_prompt_tokens_at_rate_p():
-    """On a hand-made batch (no model): 500 rows x 6 valid prompt tokens, p = 0.15; the masked
-    share is within 4 sigma = 4 sqrt(0.15 * 0.85 / 3000) = 0.026 of p."""
-    run = SimpleNamespace(method=SimpleNamespace(p_mask_prompt=0.15, logprob_temperature=None),
-                          train=SimpleNamespace(ppo_epochs=1))
-    est = MeanField(run)
-    n = 500
+def mean_field_batch(p: float, mu: int = 1, n: int = 500):
+    """MeanField at p_mask_prompt = p and mu passes, and a hand-made batch (no model): n rows of 8
+    prompt tokens, the first 2 padding, and 4 answer tokens."""
+    run = SimpleNamespace(method=SimpleNamespace(p_mask_prompt=p, logprob_temperature=None),
+                          train=SimpleNamespace(ppo_epochs=mu))
     prompt = torch.randint(3, 53, (n, 8), generator=torch.Generator().manual_seed(0))
     valid = torch.ones(n, 8, dtype=torch.bool)
     valid[:, :2] = False
     batch = RolloutBatch(group_ids=torch.zeros(n, dtype=torch.long), samples=[None] * n,
-                         data={"prompt_ids": prompt, "prompt_valid": valid,
-                               "completion": torch.full((n, 4), 5),
-                               "mask_seed": torch.arange(n)[:, None] * 7919})
+                         data={"prompt_ids": prompt, "prompt_valid": valid, "completion": torch.full((n, 4), 5)})
+    return MeanField(run), batch
+
+
+@pytest.mark.parametrize("p", [0.15, 0.4])
+def test_mean_field_masks_prompt_tokens_at_rate_p(p):
+    """500 rows x 6 valid prompt tokens at method.p_mask_prompt = p: the masked share is within
+    4 sigma = 4 sqrt(p (1 - p) / 3000) of p (0.026 at p = 0.15, 0.036 at 0.4)."""
+    est, batch = mean_field_batch(p)
+    batch.data["mask_seed"] = torch.arange(len(batch))[:, None] * 7919
     policy = SimpleNamespace(predictor=SimpleNamespace(mask_token_id=MASK))
     x = est.masked_input(policy, batch, 0)
+    prompt = batch.data["prompt_ids"]
     assert (x[:, :2] == prompt[:, :2]).all()
-    assert float((x[:, 2:8] == MASK).float().mean()) == pytest.approx(0.15, abs=0.026)
+    assert float((x[:, 2:8] == MASK).float().mean()) == pytest.approx(p, abs=4 * math.sqrt(p * (1 - p) / 3000))
+
+
+def test_mean_field_draws_a_distinct_prompt_mask_seed_per_row_and_pass():
+    """prepare draws one seed per row and pass from the rollout generator (the same generator
+    state, the same seeds); with the old pass skipped it scores nothing. The masks those seeds
+    give hide the prompt at rate p over the whole batch."""
+    est, batch = mean_field_batch(0.15, mu=3)
+    est.on_policy = True  # no old pass: prepare only draws the seeds
+    est.prepare(None, batch, torch.Generator().manual_seed(0))
+    seeds = batch.data["mask_seed"]
+    assert seeds.shape == (500, 3) and len(set(seeds.flatten().tolist())) == 1500
+    assert "old_logp_mu" not in batch.data
+    again, other = mean_field_batch(0.15, mu=3)
+    again.on_policy = True
+    again.prepare(None, other, torch.Generator().manual_seed(0))
+    assert torch.equal(other.data["mask_seed"], seeds)
+    policy = SimpleNamespace(predictor=SimpleNamespace(mask_token_id=MASK))
+    hidden = torch.stack([est.masked_input(policy, batch, k)[:, 2:8] == MASK for k in range(3)])  # [mu, N, 6]
+    assert float(hidden.float().mean()) == pytest.approx(0.15, abs=4 * math.sqrt(0.15 * 0.85 / 9000))
+    assert len({tuple(row) for row in hidden[0].tolist()}) > 20  # rows do not share one mask
 
 
 # --------------------------------------------------------------------------- TraceRL
