@@ -307,3 +307,51 @@ def test_clip_bounds_the_total_only_never_the_atom_advantages():
     assert torch.equal(clipped.total, free.total.clamp(-1.0, 1.0))
     torch.testing.assert_close(clipped.total, torch.tensor([1.0, -S3, -1.0, -1 / math.sqrt(2), 1 / math.sqrt(2), 0.]),
                                atol=1e-3, rtol=1e-3)
+
+
+# ------------------------------------------------------------------ advantages and metrics by hand
+
+
+def test_std_eps_and_adv_clip_come_from_the_config():
+    """hand_batch's group 1 (exist 0, 1; unbiased std sqrt(1/2)): A = -+0.5 / (sqrt(1/2) + std_eps);
+    adv_clip clamps the totals (5/sqrt3 and -4/sqrt3 to +-1)."""
+    batch, w = hand_batch()
+    method = CAST(CASTConfig(adv_std="unbiased", std_eps=0.5), None, SimpleNamespace(weights=w))
+    a = 0.5 / (1 / math.sqrt(2) + 0.5)
+    torch.testing.assert_close(method.advantages(batch)[3:5], torch.tensor([-a, a]))
+    clipped = CAST(CASTConfig(adv_std="unbiased", adv_clip=1.0), None, SimpleNamespace(weights=w))
+    s2 = 1 / math.sqrt(2)
+    torch.testing.assert_close(clipped.advantages(batch), torch.tensor([1.0, -S3, -1.0, -s2, s2, 0.0]),
+                               atol=1e-3, rtol=1e-3)
+
+
+def test_batch_metrics_mean_absolute_advantage_by_hand():
+    batch, w = hand_batch()
+    method = CAST(CASTConfig(adv_std="unbiased"), None, SimpleNamespace(weights=w))
+    assert method.batch_metrics(batch) == {}  # before the advantages: nothing to log
+    method.advantages(batch)
+    m = method.batch_metrics(batch)
+    s2 = 1 / math.sqrt(2)
+    assert m["cast/adv_abs/exist"] == pytest.approx((4 * S3 + 2 * s2) / 6, rel=1e-3)  # |S3, S3, -2S3, -s2, s2, 0|
+    assert m["cast/adv_abs/colour"] == pytest.approx(4 * S3 / 6, rel=1e-3)
+    assert m["cast/adv_abs/count"] == 0.0
+
+
+def test_advantages_without_atom_scores_are_an_error():
+    batch, w = hand_batch()
+    batch.scores = None
+    with pytest.raises(ValueError, match="per-atom scores"):
+        CAST(CASTConfig(), None, SimpleNamespace(weights=w)).advantages(batch)
+
+
+
+
+def test_weights_of_another_shape_are_an_error():
+    """One weight per atom column, or one per sample and column; anything else is refused."""
+    batch, w = hand_batch()
+    values, groups = batch.scores.values, batch.group_ids
+    per_sample = cast_advantages(values, groups, w.expand(6, 4), eps=1e-4)
+    torch.testing.assert_close(per_sample.total, cast_advantages(values, groups, w, eps=1e-4).total)
+    for bad in (w[:3], w.expand(4, 4), w.expand(6, 4).T):
+        with pytest.raises(ValueError, match=r"weights must have shape \[4\] \(one per atom\) or \[6, 4\]"):
+            cast_advantages(values, groups, bad)

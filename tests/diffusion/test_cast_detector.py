@@ -108,3 +108,16 @@ def test_the_share_of_clipped_patches_is_logged(node_cast):
     out = run.method.loss(run.policy, run.batch, run.adv)
     clipped = float((run.adv.abs() >= 0.3 * (1 - 1e-6)).float().mean())
     assert 0 < clipped and out.metrics["cast/adv_map_clipped"] == pytest.approx(clipped)
+
+
+def test_type_columns_leave_out_atoms_without_a_region():
+    """Only the circle is drawn: the square's atoms have no region, and each type's union is
+    that of the atoms that have one (the relation's is the circle's alone)."""
+    image = render(make_scene("a red circle", seed=0))
+    nodes = CAST.detector_regions(image, PROMPT, nodes=True)
+    assert nodes["atom3"] is None and nodes["atom4"] is None and nodes["atom0"] is not None
+    types = CAST.detector_regions(image, PROMPT, nodes=False)
+    assert set(types) == {"exist", "colour", "count", "relation"}
+    for kind, j in (("exist", 0), ("colour", 1), ("count", 2)):
+        assert np.array_equal(types[kind], nodes[f"atom{j}"])
+    assert np.array_equal(types["relation"], nodes["atom0"])

@@ -126,3 +126,11 @@ def test_unparsed_prompts_get_no_node_columns():
                                            total=torch.tensor([1.0, 0.0])))
     values, weights = CAST(CASTConfig(atoms="nodes"), None, reward).node_columns(batch)
     assert (weights[:, :MAX_ATOMS] == 0).all() and values[:, MAX_ATOMS:].flatten().tolist() == [1.0, 0.0]
+
+
+def test_node_spans_number_the_atoms_in_parse_order():
+    prompt = "a red circle left of a blue square"
+    method = CAST(CASTConfig(atoms="nodes"), None, SimpleNamespace(weights=torch.ones(5)))
+    assert method.node_spans(prompt) == {f"atom{j}": v for j, v in enumerate(shapes_geneval_atom_spans(prompt).values())}
+    assert method.node_spans(prompt)["atom0"] == [(6, 12)]  # exist[circle]: "circle"
+    assert method.node_spans("a photo of a cat") == {}

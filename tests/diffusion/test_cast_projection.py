@@ -5,8 +5,11 @@ on-policy; with uniform maps its gradient is Flow-GRPO's)."""
 from __future__ import annotations
 
 import copy
+import math
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,13 +22,16 @@ from diffusion_rl.attention_maps import (
     joint_attention_modules,
     text_key_spans,
 )
-from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.config import CASTConfig, DiffusionTrainConfig
+from diffusion_rl.methods import cast as cast_module
 from diffusion_rl.methods.cast import CAST, advantage_map
 from diffusion_rl.methods.flow_grpo import FlowGRPO
 from diffusion_rl.models import build_tiny, load_flow_model, pil_to_tensor
 from diffusion_rl.scene_graph import checked_spans, load_parser, shapes_geneval_spans
 from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
+from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, load_config
+from mmrl.core.rewards import AtomScores, Sample
 
 PROMPT = "two blue triangles left of a red circle"
 FAST = ["rollout.num_steps=4", "rollout.window_size=2", "rollout.num_generations=2", "rollout.prompts_per_step=2",
@@ -87,6 +93,22 @@ def test_custom_parser_from_a_file_and_its_errors(tmp_path):
         load_parser("p.py:nope", tmp_path)
     with pytest.raises(ConfigError, match="shapes-geneval"):
         load_parser("no-such-parser")
+
+
+def test_atom_spans_of_unparsed_prompts_and_of_a_failing_custom_parser(tmp_path, monkeypatch):
+    """The built-in grammar: a prompt it cannot parse gets no words (uniform maps); a custom
+    parser that fails is an error. A custom parser's file is found next to the config."""
+    method = CAST(CASTConfig(), None, SimpleNamespace(weights=torch.ones(4)))
+    assert method.atom_spans("a red circle") == {"exist": [(6, 12)], "colour": [(2, 5), (6, 12)],
+                                                 "count": [(0, 1), (6, 12)]}
+    assert method.atom_spans("a photo of a cat") == {}
+    (tmp_path / "p.py").write_text("def parse(prompt):\n    i = prompt.index('cat')\n    return {'exist': [(i, i + 3)]}\n")
+    monkeypatch.chdir(tmp_path.parent)  # relative to the config's directory, not the current one
+    run = SimpleNamespace(base_dir=str(tmp_path), rollout=SimpleNamespace(noise_level=0.7))
+    custom = CAST(CASTConfig(parser="p.py:parse"), run, SimpleNamespace(weights=torch.ones(1)))
+    assert custom.atom_spans("a cat") == {"exist": [(2, 5)]}
+    with pytest.raises(ValueError, match="failed on 'a dog'"):
+        custom.atom_spans("a dog")
 
 
 # ------------------------------------------------------------------ maps
@@ -368,3 +390,138 @@ def test_attention_projection_needs_a_family_with_maps(tmp_path):
                       overrides=[f"model.path={qwen}", "method.type=cast", *FAST])
     with pytest.raises(ConfigError, match="projection: none"):
         backend.build(cfg)
+
+
+# ------------------------------------------------------------------ the objective by hand (no model)
+
+
+def stub_cast(*, mask=((True, True), (True, True)), kl_beta=0.0, **cfg):
+    """CAST (projection: detector) on a hand-made batch with no model: one group of two samples,
+    one atom column "exist" scoring (1, 0), so A_i1 = +-1 (population std 0.5) and A_i = +-1;
+    sample 0's exist region is the left half of a 1 x 2 token grid (mean-normalised map (2, 0)),
+    sample 1 has none (uniform map). Two trained steps, each token's log-prob the mean of its
+    4 channels; the stored (old) token log-probs lie 0.1 below at step 0 and 0.1 above at step 1,
+    so every ratio is e^0.1 at step 0 and e^-0.1 at step 1."""
+    cfg = CASTConfig(**{"projection": "detector", "std_eps": 1e-8, "kl": {"beta": kl_beta}, **cfg})
+    reward = SimpleNamespace(weights=torch.tensor([1.0]), names=["exist"])
+    method = CAST(cfg, None, reward)
+    left = np.zeros((2, 4), dtype=bool)
+    left[:, :2] = True
+    method.detector_regions = lambda image, prompt, nodes: {"exist": left} if image == "left" else {}
+    elem = torch.linspace(-1.0, 1.0, 2 * 2 * 2 * 4).reshape(2, 2, 2, 4)  # [N, T, L, C]
+    steps = [SimpleNamespace(elem_log_prob=elem[:, t].clone().requires_grad_(), mean=torch.zeros(2, 3),
+                             kl_std=torch.ones(2, 3)) for t in range(2)]
+    token = elem.mean(-1)  # [N, T, L]
+    old = token - torch.tensor([0.1, -0.1])[None, :, None]
+    values = torch.tensor([[1.0], [0.0]])
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0]),
+                         samples=[Sample(prompt="a red circle", completion=c) for c in ("left", "none")],
+                         mask=torch.tensor(mask), scores=AtomScores(names=["exist"], values=values, total=values[:, 0]),
+                         data={"token_logp": old, "ref_mean": torch.ones(2, 2, 3)})
+    policy = SimpleNamespace(sde_outputs=lambda b: steps, flow=SimpleNamespace(grid=(1, 2), device="cpu"))
+    adv = method.advantages(batch)
+    return method, policy, batch, adv
+
+
+E = math.exp(0.1)
+
+
+def test_per_patch_objective_by_hand_off_policy():
+    """A(l) = (A_i1 M_i1(l) + A_i) / 2: sample 0 (1.5, 0.5), sample 1 (-1, -1). With the per-patch
+    clip 0.05 (clip_range 0.2 unused): at step 0 (ratio e^0.1) sample 0's tokens are clipped at
+    1.05 and sample 1's take the ratio; at step 1 (ratio e^-0.1) sample 0's take the ratio and
+    sample 1's are clipped at 0.95."""
+    method, policy, batch, adv = stub_cast(clip_range=0.2, patch_clip_range=0.05)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0]))
+    out = method.loss(policy, batch, adv)
+    per_token = torch.tensor([[-1.05 * (1.5 + 0.5) / 2, -(1.5 + 0.5) / 2 / E],  # [N, T]: minus the mean over L
+                              [E, 0.95]])
+    torch.testing.assert_close(out.per_token, per_token)
+    torch.testing.assert_close(out.loss, per_token.mean())
+    assert out.metrics["cast/adv_map_spatial_std"] == pytest.approx(0.5**0.5 / 2)  # std(1.5, 0.5), std(-1, -1)
+    # without patch_clip_range the clip is clip_range's 0.2, which no ratio here passes
+    method, policy, batch, adv = stub_cast(clip_range=0.2)
+    out = method.loss(policy, batch, adv)
+    torch.testing.assert_close(out.per_token, torch.tensor([[-E, -1 / E], [E, 1 / E]]))
+
+
+def test_per_patch_objective_skips_untrained_steps_and_divides_by_the_given_denominator():
+    """Sample 1's step 1 is not trained: the mean runs over the 6 other tokens. A denominator
+    counts (sample, step) pairs, as Flow-GRPO's loss_denominator does: twice the pairs of this
+    batch halves the loss, the KL term's included."""
+    method, policy, batch, adv = stub_cast(mask=((True, True), (True, False)), clip_range=0.2, kl_beta=0.1)
+    out = method.loss(policy, batch, adv)
+    policy_part = -(E * (1.5 + 0.5) + (1.5 + 0.5) / E - 2 * E) / 6
+    # KL per (sample, step): mean((0 - 1)^2) / (2 * 1^2) = 0.5
+    assert out.metrics["loss/kl"] == pytest.approx(0.5)
+    torch.testing.assert_close(out.loss, torch.tensor(policy_part + 0.1 * 0.5))
+    assert out.per_token[1, 1] == 0
+    half = method.loss(policy, batch, adv, denom=2 * 3)
+    torch.testing.assert_close(half.loss, out.loss / 2)
+    assert half.metrics["loss/kl"] == pytest.approx(0.25)
+
+
+def test_detector_maps_follow_map_norm_global_weight_and_adv_clip():
+    """max norm: sample 0's map (1, 0), A(l) = (1, 0.5); global_weight 3: ((2, 0) + 3) / 4 =
+    (1.25, 0.75); adv_clip 1.2 clips sample 0's 1.5 (its A_i = 1 stays): one token in four."""
+    def spatial_std(**cfg):
+        method, policy, batch, adv = stub_cast(**cfg)
+        return method.loss(policy, batch, adv).metrics
+    assert spatial_std(map_norm="max")["cast/adv_map_spatial_std"] == pytest.approx(0.5 * 0.5**0.5 / 2)
+    assert spatial_std(global_weight=3.0)["cast/adv_map_spatial_std"] == pytest.approx(0.5 * 0.5**0.5 / 2)
+    m = spatial_std(adv_clip=1.2)
+    assert m["cast/adv_map_spatial_std"] == pytest.approx(0.7 * 0.5**0.5 / 2)  # std(1.2, 0.5)
+    assert m["cast/adv_map_clipped"] == pytest.approx(1 / 4)
+
+
+
+
+def attention_cast(monkeypatch, **cfg):
+    """CAST (projection: attention) on the hand batch of stub_cast, on-policy, its attention
+    maps made by hand: three text keys, the last one "circle" (the exist atom's word); sample
+    0's two image tokens attend to it (0.3, 0.1) at step 0 and (0.1, 0.3) at step 1, sample 1's
+    (0.2, 0.2). Returns the loss output, the steps and the layers the forward was asked for."""
+    method, _, batch, adv = stub_cast(projection="attention", **cfg)
+    monkeypatch.setattr(cast_module, "text_key_spans", lambda flow, prompts: [[(0, 1), (2, 5), (6, 12)]] * len(prompts))
+    batch.data["token_logp"] = torch.linspace(-1.0, 1.0, 32).reshape(2, 2, 2, 4).mean(-1)  # on-policy
+    att = torch.full((2, 2, 2, 3), 0.1)  # [T, N, L, S]
+    att[0, 0, :, 2] = torch.tensor([0.3, 0.1])
+    att[1, 0, :, 2] = torch.tensor([0.1, 0.3])
+    att[:, 1, :, 2] = 0.2
+    elem = torch.linspace(-1.0, 1.0, 32).reshape(2, 2, 2, 4)
+    steps = [SimpleNamespace(elem_log_prob=elem[:, t].clone().requires_grad_()) for t in range(2)]
+    asked = []
+
+    def sde_outputs(b, attention=None):
+        asked.append(attention)
+        return steps, list(att)
+
+    policy = SimpleNamespace(sde_outputs=sde_outputs, flow=None)
+    return method.loss(policy, batch, adv), steps, asked
+
+
+def test_attention_maps_weight_each_steps_tokens_by_hand(monkeypatch):
+    """Sample 0's exist map (mean 1): (1.5, 0.5) at step 0, (0.5, 1.5) at step 1, so A(l) =
+    (M(l) + 1) / 2 = (1.25, 0.75) then (0.75, 1.25); sample 1's is uniform: (-1, -1). On-policy
+    the gradient of the loss in each channel of token l is -A(l) / (N T L C) = -A(l) / 32."""
+    out, steps, asked = attention_cast(monkeypatch, attention_layers=[1])
+    assert asked == [[1]]  # the configured layers
+    expected = [torch.tensor([[1.25, 0.75], [-1.0, -1.0]]), torch.tensor([[0.75, 1.25], [-1.0, -1.0]])]
+    out.loss.backward()
+    for s, a in zip(steps, expected):
+        torch.testing.assert_close(s.elem_log_prob.grad, (-a / 32)[:, :, None].expand(2, 2, 4))
+    # max norm: sample 0's maps (1, 1/3) and (1/3, 1), A(l) = (1, 2/3) and (2/3, 1)
+    out, _, _ = attention_cast(monkeypatch, map_norm="max")
+    assert out.metrics["cast/adv_map_spatial_std"] == pytest.approx((1 / 3) / 2**0.5 / 2)
+
+
+
+
+def test_advantage_map_clips_both_signs():
+    """(A_1 M(l) + A) / 2 with M = (0.5, 1.5) and A_1 = A = +-4 is +-(3, 5); clip 3.5 bounds both signs."""
+    maps = torch.tensor([[[0.5, 1.5]], [[0.5, 1.5]]])  # [N=2, K=1, L=2]
+    atom, total = torch.tensor([[4.0], [-4.0]]), torch.tensor([4.0, -4.0])
+    free = advantage_map(atom, torch.ones(1), maps, total, global_weight=1.0)
+    torch.testing.assert_close(free, torch.tensor([[3.0, 5.0], [-3.0, -5.0]]))
+    clipped = advantage_map(atom, torch.ones(1), maps, total, global_weight=1.0, clip=3.5)
+    torch.testing.assert_close(clipped, torch.tensor([[3.0, 3.5], [-3.0, -3.5]]))
