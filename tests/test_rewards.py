@@ -237,18 +237,24 @@ def test_sync_timeout_raises_and_zeroes(batched):
         release.set()
 
 
+def hanging_atom(name: str, release: threading.Event, started: list):
+    """A sync atom that notes each start and waits for `release` (at most 30 s)."""
+
+    @reward_atom(name)
+    def atom(s):
+        started.append(1)
+        release.wait(30)
+        return 1.0
+
+    return atom
+
+
 def test_a_sync_atom_with_max_stuck_calls_left_running_is_not_started_again():
     """A hanging atom leaves a thread per timed-out call: at max_stuck of them still running, its
     calls fail as timed out at once and start nothing (5 samples wait out 2 timeouts, not 5);
     once they end, the atom runs again."""
     release, started = threading.Event(), []
-
-    @reward_atom("slow")
-    def slow(s):
-        started.append(1)
-        release.wait(30)
-        return 1.0
-
+    slow = hanging_atom("slow", release, started)
     reward = Reward([slow], timeout=0.2, on_error="zero", max_stuck=2)
     try:
         begin = time.perf_counter()
@@ -979,13 +985,7 @@ def test_a_copy_of_a_reward_keeps_its_max_stuck():
     import copy
 
     release, started = threading.Event(), []
-
-    @reward_atom("hangs")
-    def hangs(s):
-        started.append(1)
-        release.wait(10)
-        return 1.0
-
+    hangs = hanging_atom("hangs", release, started)
     twin = copy.deepcopy(Reward([hangs], timeout=0.05, on_error="zero", max_stuck=1))
     try:
         with pytest.warns(RuntimeWarning, match="'hangs' on 3"):
