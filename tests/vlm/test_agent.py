@@ -138,6 +138,7 @@ def test_training_forward_reads_the_observation_image(qwen25_dir):
     ('<tool_call>\n{"name": "slow", "arguments": {}}\n</tool_call>', "timeout"),
     ('<tool_call>\n{"name": "zoom", "arguments": {"x0": 0, "y0": 0, "x1": 224, "y1": 1}}\n</tool_call>',
      "bad_image"),  # a 224x1 crop: no image processor takes it
+    ('<tool_call>\n{"name": "odd", "arguments": {}}\n</tool_call>', "bad_result"),
 ])
 def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
     """Every failure comes back as an observation "error: ..."; the rollout goes on to answer."""
@@ -153,9 +154,13 @@ def test_bad_tool_calls_become_error_observations(qwen25_dir, text, kind):
         time.sleep(3)
         return "late"
 
+    @registry.register
+    def odd() -> object:
+        return object()  # neither text nor an image
+
     policy = make_policy(qwen25_dir, registry=registry)
     Scripted(policy, [[text, "<answer>circle</answer><|im_end|>"]]).install()
-    failed = kind in ("raised", "timeout", "bad_image")  # the tool's fault: said once, counted apart
+    failed = kind in ("raised", "timeout", "bad_result", "bad_image")  # the tool's fault: said once, counted apart
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
@@ -202,6 +207,7 @@ def test_limits_on_turns_and_tool_calls(qwen25_dir):
     assert batch.data["stat/turns"].tolist() == [3.0] and batch.data["stat/truncated"].tolist() == [1.0]
     # the last turn's call is made (counted) but not run: no turn is left to read its observation
     assert batch.data["stat/tool_calls"].tolist() == [3.0] and batch.data["stat/tool_errors"].tolist() == [1.0]
+    assert (batch.samples[0].meta["tool_calls"], batch.samples[0].meta["tool_errors"]) == (3, 1)  # the limit's error
 
 
 def test_a_call_in_the_only_turn_counts_as_a_call(qwen25_dir):
@@ -534,3 +540,144 @@ def test_a_tokenizer_that_splits_the_tool_tags_is_refused_at_start():
     policy = SimpleNamespace(tokenizer=tok, eos_id=0)
     with pytest.raises(ConfigError, match=r"<tool_call>, </tool_call>, <\|im_end\|> must each be one token"):
         ToolRollout(policy, ToolRegistry(), ToolsConfig())
+
+
+def test_a_demonstration_needs_one_transcript_per_item(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    with pytest.raises(ValueError, match="1 transcripts for 2 items"):
+        policy.agent.teacher(ITEMS[:2], [["<answer>red</answer>"]])
+
+
+def test_an_empty_demonstration_turn_is_a_turn_without_a_call(qwen25_dir):
+    """An empty turn has no tool call to end with: a turn after it is refused as after any other."""
+    policy = make_policy(qwen25_dir)
+    with pytest.raises(ValueError, match="turn 1 of 2 .* does not end with a tool call"):
+        policy.agent.teacher([ITEMS[0]], [["", "<answer>red</answer>"]])
+
+
+def test_a_later_turn_is_not_started_where_prompt_and_completion_would_outgrow_the_context(qwen25_dir):
+    """The room a turn needs counts the prompt as well as the completion so far: with the
+    context one token short of prompt + first turn + observation + max_new_tokens, the second
+    turn is not started; with that token, it is."""
+    policy = make_policy(qwen25_dir)
+    call = tool_call("calculator", expression="2*3")
+    script = [[call, "<answer>6</answer><|im_end|>"]]
+    Scripted(policy, script).install()
+    full = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    before = len(full.data["call_mask"][0].nonzero())  # the call ...
+    first = int(full.data["completion_attention"][0].sum()) - int(full.mask[0].sum()) + before  # ... and its observation
+    prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
+    for room, turns in ((prompt + first + 48 - 1, 1.0), (prompt + first + 48, 2.0)):
+        policy.max_context = room
+        Scripted(policy, [list(t) for t in script]).install()
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+        assert batch.data["stat/turns"].tolist() == [turns]
+        assert batch.data["stat/truncated"].tolist() == [float(turns == 1.0)]
+
+
+def test_a_call_opened_after_a_closed_one_and_left_open_is_malformed(qwen25_dir):
+    """A demonstration turn that closes one call and then opens another it never closes ends
+    inside the second: a malformed call (the model is told), its span from the second tag."""
+    policy = make_policy(qwen25_dir)
+    call = tool_call("calculator", expression="2*3")
+    batch = policy.agent.teacher([ITEMS[0]], [[call + ' then <tool_call>\n{"name": "zoom"']])
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [1.0] and data["stat/tool_errors"].tolist() == [1.0]
+    assert "not closed with </tool_call>" in batch.samples[0].completion
+    ids = data["completion_ids"][0].tolist()
+    opened = [j for j, t in enumerate(ids) if t == policy.agent.open_id]
+    assert len(opened) == 2 and int(data["first_call"][0]) == opened[1]
+
+
+def test_a_tool_sees_the_items_meta_and_images(qwen25_dir):
+    """The tool's ctx holds the rollout's own item: its meta and its prompt images."""
+    registry = build_registry([], timeout=2.0)
+
+    @registry.register
+    def peek(*, ctx) -> str:
+        return f"box {ctx.meta['zoom_box']} of {len(ctx.images)} image(s)"
+
+    policy = make_policy(qwen25_dir, registry=registry)
+    Scripted(policy, [[tool_call("peek"), "<answer>circle</answer><|im_end|>"]] * 2).install()
+    batch = policy.generate(ITEMS[:2], 1, rollout_cfg(max_new_tokens=96), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_errors"].tolist() == [0.0, 0.0]
+    for item, sample in zip(ITEMS[:2], batch.samples):
+        assert f"box {item.meta['zoom_box']} of 1 image(s)" in sample.completion
+
+
+def test_an_observation_image_is_resized_within_tools_image_max_pixels(qwen25_dir):
+    """tools.image_max_pixels bounds a tool's image as the model sees it (56 x 56 pixels, the
+    model's min_pixels: at most 4 x 4 patches of 14), where model.max_pixels (112 x 112) alone
+    lets the crop through larger."""
+    grids = []
+    for most in (None, 56 * 56):
+        policy = make_policy(qwen25_dir, image_max_pixels=most)
+        item = ITEMS[0]
+        Scripted(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]]).install()
+        batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+        grids.append(batch.data["image_grid_thw"][0, 1].tolist())
+    assert grids[1][0] * grids[1][1] * grids[1][2] <= 16 < grids[0][0] * grids[0][1] * grids[0][2]
+
+
+def test_each_rollout_sees_its_own_prompt_images(qwen25_dir):
+    """Items of different image sizes in one tool batch: each row's prompt patches and grid are
+    its own item's, as the processor makes them for that item alone."""
+    from dataclasses import replace
+
+    policy = make_policy(qwen25_dir)
+    small = ITEMS[0]
+    w, h = small.images[0].size
+    big = replace(ITEMS[1], images=[ITEMS[1].images[0].resize((2 * w, h))])
+    Scripted(policy, [["<answer>red</answer><|im_end|>"]] * 2).install()
+    batch = policy.generate([small, big], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    for i, item in enumerate((small, big)):
+        alone = policy.encode([item])
+        n = int(alone["image_grid_thw"][0].prod())
+        assert batch.data["image_grid_thw"][i, 0].tolist() == alone["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(batch.data["pixel_values"][i, :n], alone["pixel_values"])
+    assert batch.data["image_grid_thw"][0, 0].tolist() != batch.data["image_grid_thw"][1, 0].tolist()
+
+
+def test_a_rollouts_old_logprobs_are_at_the_sampling_temperature(qwen25_dir):
+    """Each turn's old log-probs are log_softmax(logits / rollout.temperature): the training
+    forward at the same temperature reproduces them."""
+    policy = make_policy(qwen25_dir)
+    policy.temperature = 0.5
+    item = ITEMS[0]
+    Scripted(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(temperature=0.5), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = policy.logprobs(batch)
+    torch.testing.assert_close(logp[batch.mask], batch.old_logp[batch.mask], atol=2e-4, rtol=1e-4)
+
+
+def test_stat_entropy_is_the_mean_over_the_models_own_tokens(qwen25_dir):
+    """stat/entropy averages the model's tokens only: an observation's tokens (entropy 0, no
+    loss) do not dilute it."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[0]
+    Scripted(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, ent = policy.logprobs(batch, entropy=True)
+    mask = batch.mask[0]
+    assert (batch.data["completion_attention"][0] & ~mask).sum() > 0  # there is an observation
+    torch.testing.assert_close(batch.data["stat/entropy"][0], ent[0][mask].mean(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_demonstration_batch_has_one_group_per_item(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    batch = policy.agent.teacher(ITEMS[:2], [["<answer>red</answer>"], ["<answer>blue</answer>"]])
+    assert batch.group_ids.tolist() == [0, 1]
+
+
+def test_a_text_only_tool_batch_has_no_image_rows(qwen25_dir):
+    """Items without images, a call whose result is text: the batch carries no image patches."""
+    from dataclasses import replace
+
+    policy = make_policy(qwen25_dir)
+    item = replace(ITEMS[0], images=[])
+    Scripted(policy, [[tool_call("calculator", expression="2*3"), "<answer>6</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["pixel_values"].shape[:2] == (1, 0) and batch.data["image_grid_thw"].shape[:2] == (1, 0)
+    assert batch.data["stat/tool_calls"].tolist() == [1.0] and "6" in batch.samples[0].completion
