@@ -681,3 +681,47 @@ def test_a_text_only_tool_batch_has_no_image_rows(qwen25_dir):
     batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
     assert batch.data["pixel_values"].shape[:2] == (1, 0) and batch.data["image_grid_thw"].shape[:2] == (1, 0)
     assert batch.data["stat/tool_calls"].tolist() == [1.0] and "6" in batch.samples[0].completion
+
+
+class Recording(Scripted):
+    """A Scripted model that keeps the keyword arguments of each generate call."""
+
+    def __init__(self, policy, scripts):
+        super().__init__(policy, scripts)
+        self.calls = []
+
+    def __call__(self, **kw):
+        self.calls.append({k: v for k, v in kw.items() if k not in ("input_ids", "attention_mask")})
+        return super().__call__(**kw)
+
+
+def test_a_turn_samples_at_the_rollouts_settings_and_stops_at_the_closing_tag(qwen25_dir):
+    """Plain temperature / top-p sampling (no top-k, as VLMPolicy.generate), each turn at most
+    max_new_tokens, ending at end-of-turn or </tool_call>; generate's logits are asked for only
+    where they give the old log-probs (not under old_logprobs=forward)."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[0]
+    for how, logits in (("generate", True), ("forward", False)):
+        spy = Recording(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]])
+        spy.install()
+        policy.generate([item], 1, rollout_cfg(temperature=0.7, top_p=0.9, old_logprobs=how),
+                        torch.Generator().manual_seed(0))
+        assert len(spy.calls) == 2
+        for kw in spy.calls:
+            assert (kw["do_sample"], kw["temperature"], kw["top_p"], kw["top_k"]) == (True, 0.7, 0.9, 0)
+            assert kw["max_new_tokens"] == 48 and kw["output_logits"] is logits
+            assert kw["eos_token_id"] == [policy.eos_id, policy.agent.close_id]
+
+
+def test_greedy_tool_rollouts_read_generates_logits_under_forward_scoring(qwen25_dir):
+    """Greedy evaluation needs no scoring pass: under rollout.old_logprobs=forward too, it
+    decodes greedily and reads generate's logits (one generate call per turn, nothing else)."""
+    policy = make_policy(qwen25_dir)
+    item = ITEMS[0]
+    spy = Recording(policy, [[zoom_call(item.meta["zoom_box"]), "<answer>red</answer><|im_end|>"]])
+    spy.install()
+    scored = []
+    policy.score_old_logprobs = lambda *a, **k: scored.append(a)
+    batch = policy.agent.run([item], rollout_cfg(old_logprobs="forward"), None, greedy=True)
+    assert scored == [] and [(kw["do_sample"], kw["output_logits"]) for kw in spy.calls] == [(False, True)] * 2
+    assert batch.data["stat/turns"].tolist() == [2.0]
