@@ -725,3 +725,27 @@ def test_greedy_tool_rollouts_read_generates_logits_under_forward_scoring(qwen25
     batch = policy.agent.run([item], rollout_cfg(old_logprobs="forward"), None, greedy=True)
     assert scored == [] and [(kw["do_sample"], kw["output_logits"]) for kw in spy.calls] == [(False, True)] * 2
     assert batch.data["stat/turns"].tolist() == [2.0]
+
+
+def test_a_text_observation_is_written_in_qwens_chat_format(qwen25_dir):
+    """Between a closed call and the next turn: the call's end-of-turn, a user turn holding the
+    tool's text in <tool_response>, and the assistant's turn opened (none of it trained)."""
+    policy = make_policy(qwen25_dir)
+    Scripted(policy, [[tool_call("calculator", expression="2*3"), "<answer>6</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    seen, mask = batch.data["completion_attention"][0], batch.mask[0]
+    obs = batch.data["completion_ids"][0][seen & ~mask].tolist()
+    assert policy.tokenizer.decode(obs, skip_special_tokens=False) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sampled_tool_rollouts_follow_the_generator(qwen25_dir):
+    """The real model samples: the same generator seed draws the same rollouts, another seed others."""
+    policy = make_policy(qwen25_dir, max_turns=1)
+
+    def draw(seed):
+        batch = policy.generate([ITEMS[0]], 2, rollout_cfg(max_new_tokens=12), torch.Generator().manual_seed(seed))
+        return batch.data["completion_ids"].tolist()
+
+    first = draw(0)
+    assert draw(0) == first and draw(1) != first
