@@ -3,6 +3,8 @@ on the toy backend (tests/toy.py)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import pickle
 import re
@@ -301,6 +303,148 @@ def test_no_pickle_is_involved(monkeypatch):
     assert wire.decode_weights(wire.encode_weights({"w": torch.ones(2)}))["w"].sum() == 2
 
 
+def test_png_modes_travel_as_png_and_the_others_as_raw_pixels():
+    for mode, kind in [("L", "png"), ("RGB", "png"), ("I;16", "png"), ("I", "raw"), ("F", "raw"),
+                       ("CMYK", "raw"), ("YCbCr", "raw")]:
+        image = Image.new(mode, (2, 1))
+        value = wire.pack(image)["value"]
+        assert kind in value and value["size"] == [2, 1] and value["mode"] == mode, mode
+        assert same_image(wire.unpack({"value": value, "tensors": None}), image)
+
+
+def test_an_image_size_that_is_not_two_integers_is_refused():
+    png = wire.pack(Image.new("L", (2, 1)))["value"]
+    assert wire.unpack({"value": png, "tensors": None}).size == (2, 1)
+    for size in ([2.0, 1], [2, "1"], [2, None]):
+        with pytest.raises(wire.WireError, match="bad image size"):
+            wire.unpack({"value": {**png, "size": size}, "tensors": None})
+
+
+def test_the_raw_pixel_bound_is_two_to_the_28():
+    assert wire.MAX_RAW_PIXELS == 2**28
+    # 16384 x 16385 = 2**28 + 16384 pixels: refused on its header, with no pixel buffer made
+    big = {"__t": "image", "mode": "L", "size": [16384, 16385], "raw": ""}
+    with pytest.raises(wire.WireError, match=r"bad image size \[16384, 16385\]"):
+        wire.unpack({"value": big, "tensors": None})
+
+
+def test_values_nested_past_the_recursion_limit_are_wire_errors():
+    loop: list = []
+    loop.append(loop)  # refers to itself
+    with pytest.raises(wire.WireError, match="nested too deeply"):
+        wire.pack(loop)
+    deep: list = [1]
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    with pytest.raises(wire.WireError, match="nested too deeply"):
+        wire.unpack({"value": deep, "tensors": None})
+
+
+def test_a_tensor_blob_that_is_empty_or_not_a_string_is_refused():
+    for blob, needle in [("", "not valid safetensors"), ([], "must be a base64 string"),
+                         (0, "must be a base64 string"), ("a", "not valid base64")]:
+        with pytest.raises(wire.WireError, match=needle):
+            wire.unpack({"value": 1, "tensors": blob})
+
+
+def test_sets_are_not_sent_as_tuples():
+    with pytest.raises(wire.WireError, match="cannot send a value of type builtins:set"):
+        wire.pack({"s": {1, 2}})
+
+
+def test_an_unknown_tag_is_refused():
+    with pytest.raises(wire.WireError, match="unknown value tag 'set'"):
+        wire.unpack({"value": {"__t": "set", "items": [1]}, "tensors": None})
+    with pytest.raises(wire.WireError, match="unexpected JSON value of type bytes"):
+        wire.unpack({"value": [b"x"], "tensors": None})
+
+
+def test_a_package_whose_name_only_starts_like_an_allowed_one_is_refused(monkeypatch):
+    import types
+
+    module = types.ModuleType("mmrl_extra")
+
+    @dataclass
+    class Thing:
+        x: int = 0
+
+    Thing.__module__, Thing.__qualname__ = module.__name__, "Thing"
+    module.Thing = Thing
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(wire.WireError, match="refusing class mmrl_extra:Thing"):
+        wire.resolve_class("mmrl_extra:Thing")
+    with pytest.raises(wire.WireError, match="only public dataclasses"):
+        wire.pack(Thing())
+
+
+def test_a_dataclass_defined_inside_a_function_is_not_sent():
+    @dataclass
+    class Local:
+        x: int = 0
+
+    Local.__module__ = "mmrl.core.engine"  # an allowed package, but its qualname is "...<locals>.Local"
+    with pytest.raises(wire.WireError, match="only public dataclasses"):
+        wire.pack(Local())
+    with pytest.raises(wire.WireError, match="refusing class mmrl.core.engine:Request "):
+        wire.resolve_class("mmrl.core.engine:Request ")
+    Local.__module__, Local.__qualname__ = "mmrl.core._hidden", "Local"  # a private module
+    with pytest.raises(wire.WireError, match="cannot send a mmrl.core._hidden:Local"):
+        wire.pack(Local())
+
+
+def test_base64_with_characters_outside_its_alphabet_is_refused():
+    assert wire.unpack({"value": {"__t": "bytes", "b64": "AAA="}, "tensors": None}) == b"\x00\x00"
+    for text in ("AA!A=", "AA A=", "AAA=\n"):
+        with pytest.raises(wire.WireError, match="bytes is not valid base64"):
+            wire.unpack({"value": {"__t": "bytes", "b64": text}, "tensors": None})
+
+
+def test_only_png_bytes_are_read_as_an_image():
+    buf = io.BytesIO()
+    Image.new("L", (2, 1)).save(buf, format="BMP")  # an image, but not a PNG
+    bmp = {"__t": "image", "mode": "L", "size": [2, 1], "png": base64.b64encode(buf.getvalue()).decode()}
+    with pytest.raises(wire.WireError, match="bad image"):
+        wire.unpack({"value": bmp, "tensors": None})
+
+
+def test_requests_must_be_requests_with_integer_tags():
+    for value in ([1], [Request(group=0, prompt=1, n=1), "x"], {"r": Request(group=0, prompt=1, n=1)}):
+        with pytest.raises(wire.WireError, match="expected a list of Request"):
+            wire.decode_requests(wire.pack(value))
+    for bad in (Request(group=0, prompt=1, n=1, tag="1"), Request(group=1.0, prompt=1, n=1)):
+        with pytest.raises(wire.WireError, match="must be integers"):
+            wire.decode_requests(wire.pack([bad]))
+
+
+def test_a_rollout_config_travels_as_json_values():
+    import pydantic
+
+    class WithPath(pydantic.BaseModel):
+        out: Path = Path("a/b")
+        sizes: tuple[int, int] = (1, 2)
+
+    assert wire.encode_rollout(WithPath()) == {"out": "a/b", "sizes": [1, 2]}
+    assert wire.decode_rollout({"out": "c", "sizes": [3, 4]}, WithPath) == WithPath(out=Path("c"), sizes=(3, 4))
+
+    @dataclass
+    class Plain:
+        steps: int = 2
+
+    assert wire.encode_rollout(Plain(5)) == {"steps": 5} and wire.decode_rollout({"steps": 5}, Plain) == Plain(5)
+    with pytest.raises(wire.WireError, match="invalid rollout config"):
+        wire.decode_rollout({"nope": 1}, Plain)
+    with pytest.raises(wire.WireError, match="cannot send a rollout config of type dict"):
+        wire.encode_rollout({"steps": 5})
+    with pytest.raises(wire.WireError, match="must be a JSON object"):
+        wire.decode_rollout([["steps", 5]], Plain)
+
+
+def test_weights_that_are_not_contiguous_travel_as_their_values():
+    w = torch.arange(6.0).view(2, 3).t()  # a transposed view
+    back = wire.decode_weights(wire.encode_weights({"w": w}))
+    assert back["w"].tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
 # --------------------------------------------------------------------------- server + client
 
 
@@ -463,6 +607,75 @@ def test_a_client_that_stops_sending_is_dropped():
         server.close()
     with pytest.raises(ValueError, match="read_timeout must be > 0"):
         serve.EngineServer(Failing(), RolloutConfig, read_timeout=0)
+
+
+def exchange(server, head: bytes, body: bytes = b"") -> tuple[int, bytes, dict]:
+    """(status, raw headers, JSON reply) of one request sent as raw bytes (HTTP/1.0: the server closes)."""
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    headers, _, data = reply.partition(b"\r\n\r\n")
+    return int(headers.split(b" ")[1]), headers, json.loads(data)
+
+
+def test_body_limits_length_header_and_request_shape_are_checked():
+    engine = serve.ServedPolicyEngine(ToyPolicy(seed=0))
+    server = serve.serve_in_thread(engine, RolloutConfig, max_request_bytes=10, max_weights_bytes=30,
+                                  read_timeout=1.0)
+    try:
+        body = json.dumps({"requests": wire.encode_requests(REQUESTS[:1]), "rollout": {}, "seed": 0}).encode()
+        n = server.max_request_bytes = len(body)  # exactly at the limit: served
+        status, _, reply = exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d" % n, body)
+        assert status == 200 and reply["value"]["cls"] == "mmrl.core.batch:RolloutBatch"
+        status, _, reply = exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d" % (n + 1), body + b" ")
+        assert (status, reply["error"]) == (413, f"body of {n + 1} bytes is over this server's limit of {n}")
+        # /weights has its own limit
+        status, _, reply = exchange(server, b"POST /weights HTTP/1.0\r\nX-MMRL-Version: 1\r\nContent-Length: 31",
+                                    b"x" * 31)
+        assert (status, reply["error"]) == (413, "body of 31 bytes is over this server's limit of 30")
+        status, _, reply = exchange(server, b"POST /weights HTTP/1.0\r\nX-MMRL-Version: 1\r\nContent-Length: 30",
+                                    b"x" * 30)
+        assert status == 400 and "not valid safetensors" in reply["error"]
+        for head in (b"POST /generate HTTP/1.0", b"POST /generate HTTP/1.0\r\nContent-Length: -1",
+                     b"POST /generate HTTP/1.0\r\nContent-Length: 1e1"):
+            status, _, reply = exchange(server, head)
+            assert (status, reply["error"]) == (411, "a Content-Length header is required"), head
+
+        def generate(obj) -> tuple[int, dict]:
+            data = json.dumps(obj).encode()
+            status, _, reply = exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d" % len(data), data)
+            return status, reply
+
+        server.max_request_bytes = 1 << 20
+        good = {"requests": wire.encode_requests(REQUESTS), "rollout": ROLLOUT.model_dump(), "seed": 3}
+        assert generate(good)[0] == 200
+        assert generate({**good, "extra": 1}) == (400, {"error": "body of /generate must be an object "
+                                                                 "with keys requests, rollout, seed"})
+        assert generate([good])[0] == 400
+        for seed in (True, 1.0, "3", None):
+            assert generate({**good, "seed": seed}) == (400, {"error": f"seed must be an integer, got {seed!r}"})
+        deep = "[" * 100_000 + "]" * 100_000  # deeper than the JSON decoder can recurse
+        status, _, reply = exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: 200000", deep.encode())
+        assert status == 400 and reply["error"].startswith("body of /generate is not valid JSON")
+    finally:
+        server.close()
+
+
+def test_health_reports_the_engine_version_and_publish_sets_it():
+    engine = serve.ServedPolicyEngine(ToyPolicy(seed=0), name="toy-7")
+    engine.version = 3
+    server = serve.serve_in_thread(engine, RolloutConfig)
+    try:
+        client = remote.RemoteEngine(server.url, timeout=5)
+        assert client.health() == {"name": "toy-7", "version": 3, "busy": False}
+        other = ToyPolicy(seed=1)
+        client.publish(trainable_weights(other.model), version=9)
+        assert engine.version == 9 and client.health()["version"] == 9
+        assert all(torch.equal(p, q) for p, q in zip(engine.policy.model.parameters(), other.model.parameters()))
+    finally:
+        server.close()
 
 
 # --------------------------------------------------------------------------- child process

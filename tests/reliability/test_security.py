@@ -17,7 +17,9 @@ import hmac
 import inspect
 import json
 import pickle
+import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -351,6 +353,57 @@ def test_token_is_required_and_checked_in_constant_time(monkeypatch):
 
         monkeypatch.setenv(serve.TOKEN_ENV, "s3cret-token")  # the client's default comes from the env
         assert remote.RemoteEngine(url, timeout=10).health()["version"] == 5
+    finally:
+        server.close()
+
+
+def test_loopback_addresses_and_empty_tokens(monkeypatch):
+    for host in ("127.0.0.1", "127.255.0.9", "::1", "localhost"):
+        assert serve.is_loopback(host), host
+    for host in ("10.0.0.1", "192.168.1.2", "fd00::1", "0.0.0.0", "::", "", "localhost.example.org"):
+        assert not serve.is_loopback(host), host
+    monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
+    assert serve.resolve_token(None) is None and serve.resolve_token("") is None
+    assert serve.resolve_token("t") == "t"
+    monkeypatch.setenv(serve.TOKEN_ENV, "")
+    assert serve.resolve_token(None) is None
+    monkeypatch.setenv(serve.TOKEN_ENV, "env-token")
+    assert serve.resolve_token(None) == "env-token" and serve.resolve_token("flag") == "flag"
+    serve.check_bind("10.0.0.1", "t")  # a token: any address
+    with pytest.raises(serve.InsecureServeError, match="refusing to serve on 10.0.0.1 without a token"):
+        serve.check_bind("10.0.0.1", "")
+    server = serve.EngineServer(engine(), RolloutConfig, token="")
+    try:
+        assert server.token is None
+    finally:
+        server.close()
+
+
+def test_a_refused_request_gets_its_401_with_the_bearer_challenge():
+    server = serve.serve_in_thread(engine(), RolloutConfig, token="s3cret-token", read_timeout=5)
+    url = server.url
+    try:
+        for headers, message in [({}, "missing token"), ({"Authorization": "Bearer wrong"}, "wrong token"),
+                                 ({"Authorization": "Bearer s3cret"}, "wrong token"),
+                                 ({"Authorization": "Bearer s3cret-token-and-more"}, "wrong token"),
+                                 ({"Authorization": "s3cret-token"}, "wrong token")]:
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with pytest.raises(urllib.error.HTTPError) as err:
+                opener.open(urllib.request.Request(url + "/weights", data=b"x" * 1000, headers=headers), timeout=10)
+            assert err.value.code == 401 and err.value.headers["WWW-Authenticate"] == "Bearer"
+            assert json.loads(err.value.read())["error"] == (
+                f"{message}: this server needs 'Authorization: Bearer <token>'")
+        # The scheme is case-insensitive and the token's surrounding blanks do not count.
+        for given in ("bearer s3cret-token", "BEARER s3cret-token", "Bearer  s3cret-token "):
+            assert raw(url, "/health", {"Authorization": given})[0] == 200, given
+        assert raw(url, "/nope", {"Authorization": "Bearer s3cret-token"})[0] == 404
+        assert server.version == 0
+        # A refused body past the drain limit is not waited for: the reply comes at once.
+        t0 = time.monotonic()
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(b"POST /weights HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % (serve._DRAIN_LIMIT + 1))
+            reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.0 401 ") and time.monotonic() - t0 < 2.0
     finally:
         server.close()
 
