@@ -97,15 +97,14 @@ class ToolRollout:
         tok = policy.tokenizer
         # The loop writes Qwen's chat format and stops a turn at the closing tag's token: in a
         # vocabulary where these are several tokens, every call would pass as plain text, unrun.
-        split = [t for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _END) if _single_id(tok, t) is None]
-        if split:
+        ids = {t: _single_id(tok, t) for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, _END)}
+        if split := [t for t, i in ids.items() if i is None]:
             raise ConfigError(
                 f"rollout.tools: tool rollouts write Qwen's chat format, whose {', '.join(split)} must each be "
                 f"one token of the tokenizer; {type(tok).__name__} of this model splits them (as Qwen2-VL, "
                 "Qwen2.5-VL and Qwen3-VL do not). Use a Qwen-VL model, or add them to the tokenizer "
                 "(tokenizer.add_tokens, model.resize_token_embeddings) and save both, or leave rollout.tools unset")
-        self.open_id = _single_id(tok, TOOL_CALL_OPEN)
-        self.close_id = _single_id(tok, TOOL_CALL_CLOSE)
+        self.open_id, self.close_id = ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE]
         self.stop_ids = [policy.eos_id, self.close_id]
         self.type_ids = {i: v for t, v in _TYPE_IDS.items() if (i := _single_id(tok, t)) is not None}
         # the tokenizer's special tokens (<|im_end|>, <|image_pad|>, ...; not <tool_call>, which Qwen's
