@@ -11,8 +11,8 @@ checkpoint after every step.
 
 Cost (one thread): a run is ~10 s, mostly imports and evaluation, so all four crash points
 run on the dLLM run (the fastest) and one point each on the VLM and diffusion runs. The full
-runs and the killed runs of the selected cases are made up front, two at a time (one thread
-each); the resumes and the random-moment kill run alone.
+runs, and each selected case's kill, snapshot and resume, are made up front two at a time
+(one thread each); the random-moment kill runs alone.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def assert_checkpoints_sound(modality: str, out: Path, policy) -> int:
 
 _FULL: dict[str, Path] = {}
 _POLICY: dict[str, object] = {}
-_CRASHED: dict[tuple[str, str], tuple[subprocess.CompletedProcess, Path]] = {}
+_CRASHED: dict[tuple[str, str], tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, Path]] = {}
 
 
 def _check_full(modality: str, out: Path) -> None:
@@ -161,9 +162,10 @@ def full_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def crashed_runs(request, tmp_path_factory):
-    """The killed runs of the selected CASES and the full runs they compare with, made up front
-    two at a time: each is a one-thread subprocess, so two share the two cores (about half the
-    wall time of running them one by one). Only the resumes run inside the tests."""
+    """For each selected case: the killed run, a copy of its directory as the kill left it, and
+    the same directory after `--resume`; and the full runs they compare with. Made up front two
+    at a time: each is a one-thread subprocess, so two share the two cores (about half the wall
+    time of running them one by one)."""
     wanted = []
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
@@ -177,7 +179,11 @@ def crashed_runs(request, tmp_path_factory):
     def launch(key):
         if key[0] == "full":
             return run(key[1], jobs[key])
-        return run(key[0], jobs[key], crash_at=f"{key[1]}:{CRASH_STEP}")
+        out = jobs[key]
+        crashed = run(key[0], out, crash_at=f"{key[1]}:{CRASH_STEP}")
+        # the tests read the directory as the kill left it from this copy, then the resume
+        shutil.copytree(out, out.with_name("killed"), symlinks=True)
+        return crashed, run(key[0], out, resume=True)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(zip(jobs, pool.map(launch, jobs)))
@@ -187,7 +193,7 @@ def crashed_runs(request, tmp_path_factory):
             _check_full(key[1], jobs[key])
             _FULL[key[1]] = jobs[key]
         else:
-            _CRASHED[key] = (proc, jobs[key])
+            _CRASHED[key] = (*proc, jobs[key])
     return _CRASHED
 
 
@@ -214,19 +220,20 @@ CASES = [("dllm", p) for p in NEWEST_AFTER] + [("vlm", "checkpoint-write"), ("di
 @pytest.mark.parametrize(("modality", "point"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def test_kill_at_a_point_then_resume_is_bit_identical(modality, point, crashed_runs, full_run):
     full = full_run(modality)
-    crashed, out = crashed_runs[(modality, point)]
+    crashed, resumed, out = crashed_runs[(modality, point)]
+    killed = out.with_name("killed")  # the directory as the kill left it
     assert crashed.returncode == -signal.SIGKILL, (crashed.returncode, crashed.stderr[-2000:])
-    assert not (out / "summary.json").exists()  # it really died mid-run
-    newest = assert_checkpoints_sound(modality, out, backend_policy(modality, out))
+    assert not (killed / "summary.json").exists()  # it really died mid-run
+    newest = assert_checkpoints_sound(modality, killed, backend_policy(modality, killed))
     assert newest == NEWEST_AFTER[point]
-    leftovers = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    leftovers = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     if point == "checkpoint-write":  # the half-written step 3 is a .tmp-* directory, never listed
         assert len(leftovers) == 1 and leftovers[0].startswith(f".tmp-step-{CRASH_STEP:08d}-"), leftovers
-        assert (out / "checkpoints" / leftovers[0] / "model").is_dir()
+        assert (killed / "checkpoints" / leftovers[0] / "model").is_dir()
     else:
         assert leftovers == []
 
-    finished(run(modality, out, resume=True))
+    finished(resumed)
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".old-"))]
     assert_same_run(full, out)
 
