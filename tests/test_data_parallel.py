@@ -51,7 +51,7 @@ def trained(trainer: Trainer) -> dict[str, torch.Tensor]:
     return state | {f"master.{i}": m.detach().clone() for i, m in enumerate(trainer.opt_params)}
 
 
-def _rank(rank, port, tmp, out):
+def _rank(rank, port, tmp):
     """One rank: for each aggregation, a fresh trainer updates on this rank's half of the
     groups. All three in one launch: a process start costs more than the updates."""
     with process_group(rank, port):
@@ -60,10 +60,10 @@ def _rank(rank, port, tmp, out):
             batch = global_batch(trainer)
             mine = torch.isin(batch.group_ids, batch.group_ids.unique()[rank::2])  # this rank's groups
             trainer.update(batch.select(mine))
-            torch.save(trained(trainer), f"{out}.{aggregation}.{rank}")
+            torch.save(trained(trainer), f"{tmp}/weights.{aggregation}.{rank}")
 
 
-def _uneven_rank(rank, port, tmp, out):
+def _uneven_rank(rank, port, tmp):
     """Rank 0 holds one row, rank 1 seven: with 2 mini-batches rank 0 has an empty one."""
     with process_group(rank, port):
         cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
@@ -79,16 +79,14 @@ def _uneven_rank(rank, port, tmp, out):
             atoms = atom_advantages(full.scores.values[mine], full.group_ids[mine], scale="batch")
         torch.save({"checksum": distributed_checksum(trainer), "updates": metrics["train/updates"],
                     "mine": mine, "adv": adv, "atoms": atoms, "rewards": full.rewards,
-                    "values": full.scores.values, "ids": full.group_ids}, f"{out}.{rank}")
+                    "values": full.scores.values, "ids": full.group_ids}, f"{tmp}/record.{rank}")
 
 
-def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(tmp_path):
+def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(ranks_ran):
     """Uneven rows per rank (FastRL's pruning, AXPO's extra samples) can leave a rank a mini-batch
     with no rows: it still takes part in the step, or the other rank would wait forever. And
     advantage.scale=batch divides by the std of every rank's rows, as one process would."""
-    out = str(tmp_path / "record")
-    mp.spawn(_uneven_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
-    r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
+    r0, r1 = (torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2))
     assert r0["updates"] == r1["updates"] == 4  # 2 epochs x 2 mini-batches on both ranks
     assert r0["checksum"] == r1["checksum"]
     assert torch.equal(r0["rewards"], r1["rewards"])  # both ranks drew the same global batch
@@ -102,12 +100,12 @@ def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(tmp_path):
 
 
 @contextlib.contextmanager
-def process_group(rank: int, port: int, timeout: float | None = None):
+def process_group(rank: int, port: int, timeout: float = 180.0):
     """This process as rank `rank` of two (gloo, 127.0.0.1:`port`) for the block, then out of the
-    group. `timeout`: seconds a collective waits for the other rank before it fails."""
+    group. `timeout`: seconds a collective waits for the other rank before it fails (a rank whose
+    body raised fails the other in that time, not gloo's 30 minutes)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    limit = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-    dist.init_process_group("gloo", rank=rank, world_size=2, **limit)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout))
     try:
         yield
     finally:
@@ -120,7 +118,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_update_like_one(tmp_path):
+def test_two_processes_update_like_one(tmp_path, ranks_ran):
     expected = {}
     for aggregation in AGGREGATIONS:
         # bfloat16 forwards round by the rows batched together, and Adam's first step is lr * sign(g)
@@ -133,10 +131,8 @@ def test_two_processes_update_like_one(tmp_path):
         expected[aggregation] = trained(one)
         assert any(not torch.equal(v, start[k]) for k, v in expected[aggregation].items()), aggregation
 
-    out = str(tmp_path / "weights")
-    mp.spawn(_rank, args=(free_port(), str(tmp_path / "two"), out), nprocs=2, join=True)
     for aggregation in AGGREGATIONS:
-        ranks = [torch.load(f"{out}.{aggregation}.{r}", weights_only=True) for r in range(2)]
+        ranks = [torch.load(ranks_ran / f"weights.{aggregation}.{r}", weights_only=True) for r in range(2)]
         for k, v in expected[aggregation].items():
             assert torch.equal(ranks[0][k], ranks[1][k]), f"{aggregation}: ranks disagree on {k}"
             torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6,
@@ -182,7 +178,7 @@ def _train_rank(rank, port, tmp):
         Trainer(cfg, *toy.build(cfg)).train()
 
 
-def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
+def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path, ranks_ran):
     """Only the main rank writes metrics.jsonl; its counts are the whole step's, not its share."""
     from mmrl.core.logging import read_metrics
 
@@ -190,8 +186,7 @@ def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
                       overrides=[f"output_dir={tmp_path / 'one'}", "train.max_steps=2", "logging.tensorboard=false"])
     Trainer(cfg, *toy.build(cfg)).train()
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
-    mp.spawn(_train_rank, args=(free_port(), str(tmp_path / "two")), nprocs=2, join=True)
-    two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    two = read_metrics(ranks_ran / "metrics.jsonl")
     assert len(two) == 2 and set(two[0]) == set(one[0]) | {"rollout/groups_trimmed"}
     for a, b in zip(one, two):
         assert b["rollout/samples"] == a["rollout/samples"] == cfg.rollout.prompts_per_step * cfg.rollout.num_generations
@@ -199,7 +194,7 @@ def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path):
         assert 0 <= b["reward/total"] <= 1 and b["time/step"] > 0
 
 
-def _refill_rank(rank, port, tmp, out):
+def _refill_rank(rank, port, tmp):
     """A group filter that treats two ranks unequally: rank 1 drops every group drawn before
     `cut` (every group it sees, in "starved"), with dynamic sampling's refills or without."""
     with process_group(rank, port):
@@ -221,22 +216,20 @@ def _refill_rank(rank, port, tmp, out):
         trainer = Trainer(cfg, *toy.build(cfg))
         trainer.train()
         record["checksum"] = distributed_checksum(trainer)
-        torch.save(record, f"{out}.{rank}")
+        torch.save(record, f"{tmp}/record.{rank}")
 
 
 def distributed_checksum(trainer) -> float:
     return sum(float(p.detach().double().abs().sum()) for p in trainer.params)
 
 
-def test_dynamic_sampling_refills_every_rank_to_an_equal_share(tmp_path):
+def test_dynamic_sampling_refills_every_rank_to_an_equal_share(ranks_ran):
     """Each refill round draws for the rank short of the most groups, so both ranks take the
     same prompts; a rank's surplus goes to a rank short of its share, the rest is cut, and
     both train on equal shares."""
     from mmrl.core.logging import read_metrics
 
-    out = str(tmp_path / "record")
-    mp.spawn(_refill_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
-    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(2))
+    r0, r1 = (torch.load(ranks_ran / f"record.{r}", weights_only=False) for r in range(2))
     # round 1 draws 0-3 (rank 0: 0, 2; rank 1: 1, 3, dropped); round 2 draws 4-7 for rank 1's
     # two missing groups, so rank 0 holds 0, 2, 4, 6 and trims 4 and 6
     assert r0["refill"]["groups"] == [0, 2] and r1["refill"]["groups"] == [5, 7]
@@ -252,7 +245,7 @@ def test_dynamic_sampling_refills_every_rank_to_an_equal_share(tmp_path):
     assert r0["filter"]["groups"] == [0] and r1["filter"]["groups"] == [3]
     assert r0["filter"]["rollout/groups_trimmed"] == 1 and r0["filter"]["rollout/rounds"] == 1
     assert r0["checksum"] == r1["checksum"]  # the ranks hold the same weights after training
-    rows = read_metrics(tmp_path / "train" / "metrics.jsonl")
+    rows = read_metrics(ranks_ran / "train" / "metrics.jsonl")
     assert len(rows) == 3
     for row in rows:
         assert row.get("train/skipped") or row["rollout/groups"] % 2 == 0  # equal shares
@@ -270,7 +263,7 @@ def test_collectives_of_a_nccl_group_run_on_the_ranks_gpu(monkeypatch):
     assert distributed._device() == torch.device("cuda", 3)
 
 
-def _zero_rank(rank, port, tmp, out):
+def _zero_rank(rank, port, tmp):
     """Three runs of 3 steps on two ranks: AdamW whole on each rank, AdamW sharded (ZeRO stage 1),
     and the sharded one stopped after step 2 and resumed."""
     with process_group(rank, port):
@@ -289,15 +282,13 @@ def _zero_rank(rank, port, tmp, out):
             moments = [t for s in getattr(trainer.optimizer, "optim", trainer.optimizer).state.values()
                        for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
             record[name] = {"weights": trained(trainer), "moments": sum(t.numel() for t in moments)}
-        torch.save(record, f"{out}.{rank}")
+        torch.save(record, f"{tmp}/record.{rank}")
 
 
-def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank(tmp_path):
+def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank(ranks_ran):
     from mmrl.core.checkpoint import load_checkpoint, step_dir
 
-    out = str(tmp_path / "record")
-    mp.spawn(_zero_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    ranks = [torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2)]
     whole = ranks[0]["whole"]["weights"]
     for r in ranks:
         for name in ("sharded", "resumed"):
@@ -310,7 +301,7 @@ def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_pe
     shares = [r["sharded"]["moments"] for r in ranks]
     assert sum(shares) == 2 * params and max(shares) < 0.6 * 2 * params, shares
     # the main rank writes the whole state: the checkpoint is the unsharded run's, tensor for tensor
-    a, b = (load_checkpoint(step_dir(tmp_path / name / "checkpoints", 3))[0] for name in ("whole", "sharded"))
+    a, b = (load_checkpoint(step_dir(ranks_ran / name / "checkpoints", 3))[0] for name in ("whole", "sharded"))
     optim = sorted(k for k in a if k.startswith("optim."))
     assert optim and optim == sorted(k for k in b if k.startswith("optim."))
     assert all(torch.equal(a[k], b[k]) for k in optim)
@@ -345,11 +336,10 @@ def _resume_rank(rank, port, tmp):
             whole.generator.get_state(), resumed.generator.get_state()]}, f"{tmp}/rank{rank}.pt")
 
 
-def test_a_resumed_run_gives_each_rank_its_own_random_state_back(tmp_path):
+def test_a_resumed_run_gives_each_rank_its_own_random_state_back(ranks_ran):
     """Each rank's rollout generator and torch RNG are saved (rank 0 wrote only its own, which
     every rank loaded): resuming reproduces the uninterrupted run on every rank."""
-    mp.spawn(_resume_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(ranks_ran / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert not torch.equal(*[r["generators"][0] for r in ranks])  # the ranks drew apart
     for r in ranks:
         assert torch.equal(*r["generators"])
@@ -372,12 +362,11 @@ def _metrics_rank(rank, port, tmp):
         torch.save({"combined": combined, "text": text, "seed": seed, "cfg_seed": cfg.seed}, f"{tmp}/metrics{rank}.pt")
 
 
-def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise(tmp_path):
+def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise(ranks_ran):
     """A key one rank lacks no longer turns the step's row into the main rank's share, a method's
     counts (count_metrics) are summed, and each rank's rollout generator has its own seed (the
     main rank's is the run's): alike seeded, the ranks drew the same noise for different prompts."""
-    mp.spawn(_metrics_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"metrics{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(ranks_ran / f"metrics{r}.pt", weights_only=True) for r in range(2)]
     assert ranks[0]["combined"] == ranks[1]["combined"] == {
         "rollout/samples": 32.0, "loss/policy": 0.5, "x/resampled": 9.0, "time/step": 2.0,
         "x/resampled_accuracy": 0.25,
@@ -420,3 +409,61 @@ def test_each_prompt_is_rolled_out_by_exactly_one_rank(monkeypatch):
         monkeypatch.setattr(distributed, "rank", lambda r=r: r)
         shares.append(distributed.shard(items, ids))
     assert shares == [(["a", "c", "e"], [10, 12, 14]), (["b", "d"], [11, 13])]
+
+
+# Each two-rank test's body, run by both ranks. One launch runs the bodies of every selected test,
+# one after another, each in its own process group: a process start (imports) costs more than most
+# bodies, and seven launches cost about 40 s.
+RANK_BODIES = {
+    "test_uneven_ranks_step_together_and_batch_scale_uses_every_rank": _uneven_rank,
+    "test_two_processes_update_like_one": _rank,
+    "test_the_logs_of_two_processes_count_the_whole_batch": _train_rank,
+    "test_dynamic_sampling_refills_every_rank_to_an_equal_share": _refill_rank,
+    "test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank": _zero_rank,
+    "test_a_resumed_run_gives_each_rank_its_own_random_state_back": _resume_rank,
+    "test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise": _metrics_rank,
+}
+
+
+def _bodies(rank, ports, root):
+    """One rank of the shared launch. A body that raises is written to its directory for its
+    test to report; the other rank's collectives time out (process_group's timeout) and the
+    next body runs."""
+    import traceback
+
+    fresh = torch.get_rng_state()
+    for name, port in ports.items():
+        os.makedirs(f"{root}/{name}", exist_ok=True)
+        try:
+            torch.set_rng_state(fresh)  # as in a process of its own: no body draws from another's leftovers
+            RANK_BODIES[name](rank, port, f"{root}/{name}")
+        except BaseException:  # noqa: BLE001 -- reported by the test, whatever it was
+            with open(f"{root}/{name}/error.{rank}", "w") as f:
+                f.write(traceback.format_exc())
+
+
+@pytest.fixture(scope="module")
+def rank_bodies(request, tmp_path_factory):
+    """Runs the bodies of this module's selected two-rank tests in one launch of two processes."""
+    names = [item.originalname for item in request.session.items
+             if item.fspath == request.fspath and item.originalname in RANK_BODIES]
+    ports: dict[str, int] = {}
+    for name in dict.fromkeys(names):
+        port = free_port()
+        while port in ports.values():
+            port = free_port()
+        ports[name] = port
+    root = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_bodies, args=(ports, str(root)), nprocs=2, join=True)
+    return root
+
+
+@pytest.fixture
+def ranks_ran(request, rank_bodies):
+    """The directory of this test's two-rank body, once both ranks ran it without an error."""
+    out = rank_bodies / request.node.originalname
+    errors = [(out / f"error.{r}").read_text() for r in range(2) if (out / f"error.{r}").is_file()]
+    assert out.is_dir(), f"{out} was not run"
+    if errors:
+        pytest.fail("a rank's body raised:\n" + "\n".join(errors), pytrace=False)
+    return out
