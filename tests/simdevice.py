@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
 SIM = torch.device("meta")
 # ops that may take tensors of two devices on CUDA too (a transfer, CPU indices, a scalar read)
@@ -51,7 +50,33 @@ class _OnDevice(torch.Tensor):
 _INDEX_PUT = {"aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"}
 
 
-def _cuda_rules(name, args, kwargs):
+def _leaves(x, out: list) -> list:
+    """The leaves of an op's nested lists, tuples and dicts (torch.utils._pytree's walk, without its
+    registry: aten ops take no other containers, and this walk runs for every op)."""
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _leaves(y, out)
+    else:
+        out.append(x)
+    return out
+
+
+def _map(fn, x):
+    """x with fn applied to its leaves, its containers rebuilt (named tuples too)."""
+    if isinstance(x, (list, tuple)):
+        items = [_map(fn, y) for y in x]
+        if type(x) in (list, tuple):
+            return type(x)(items)
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _cuda_rules(name, args, kwargs, leaves):
     """What CUDA refuses among the ops `_MIXED_OK` lets mix, and in random draws: a CPU tensor
     indexed by device indices; a value of one or more dims put into a tensor of the other device;
     a CPU generator drawing device numbers (CUDA wants a CUDA generator)."""
@@ -66,8 +91,8 @@ def _cuda_rules(name, args, kwargs):
                                f"{value.device}, the tensor on {target.device})")
     target = kwargs.get("device")
     to_sim = target is not None and torch.device(target) == SIM
-    on = to_sim or any(isinstance(a, _OnDevice) for a in tree_flatten((args, kwargs))[0])
-    if on and any(isinstance(g, torch.Generator) and g.device.type == "cpu" for g in tree_flatten((args, kwargs))[0]):
+    on = to_sim or any(isinstance(a, _OnDevice) for a in leaves)
+    if on and any(isinstance(g, torch.Generator) and g.device.type == "cpu" for g in leaves):
         raise RuntimeError(f"{name}: Expected a 'cuda' device type for generator but found 'cpu' (simulated)")
 
 
@@ -76,7 +101,8 @@ class SimulatedDevice(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        leaves = _leaves((args, kwargs), [])
+        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
         on = any(isinstance(a, _OnDevice) for a in tensors)
         cpu = [tuple(a.shape) for a in tensors if not isinstance(a, _OnDevice) and a.dim() > 0]
         name = str(func)
@@ -88,18 +114,18 @@ class SimulatedDevice(TorchDispatchMode):
             raise RuntimeError(f"{name}: Expected all tensors to be on the same device, but found at least two "
                                f"devices, {SIM} (simulated) and cpu (CPU shapes {cpu})")
         if on or kwargs.get("device") is not None:
-            _cuda_rules(name, args, kwargs)
+            _cuda_rules(name, args, kwargs, leaves)
         target = kwargs.get("device")
         to_sim = target is not None and torch.device(target) == SIM
         if to_sim:
             kwargs["device"] = torch.device("cpu")
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        out = func(*_map(_unwrap, args), **_map(_unwrap, kwargs)) if on else func(*args, **kwargs)
         if name.split(".")[1].endswith("_") and args and isinstance(args[0], _OnDevice):
             return args[0]  # in place: the wrapper itself (its elem was written)
         if name == "aten._local_scalar_dense.default" or (target is not None and not to_sim):
             return out
         if to_sim or on:
-            return tree_map(lambda o: _OnDevice(o) if type(o) is torch.Tensor else o, out)
+            return _map(lambda o: _OnDevice(o) if type(o) is torch.Tensor else o, out)
         return out
 
 
@@ -128,7 +154,7 @@ class _HostData(TorchFunctionMode):
         if device is None and (new or isinstance(data, torch.Tensor)):
             device = (args[0] if new else data).device  # new_tensor: its tensor's; a tensor's own
         to_sim = device is not None and torch.device(device) == SIM
-        if not (to_sim or any(isinstance(x, _OnDevice) for x in tree_flatten(data)[0])):
+        if not (to_sim or any(isinstance(x, _OnDevice) for x in _leaves(data, []))):
             return func(*args, **kwargs)
         if new:
             rest.setdefault("dtype", args[0].dtype)
@@ -136,7 +162,7 @@ class _HostData(TorchFunctionMode):
             return data.to(dtype=rest.get("dtype") or data.dtype)
         grad = rest.pop("requires_grad", False)
         make = torch.tensor if new else func  # new_tensor: torch.tensor with its tensor's dtype
-        out = make(tree_map(_unwrap, data), device=torch.device("cpu"), **rest)
+        out = make(_map(_unwrap, data), device=torch.device("cpu"), **rest)
         return (out.to(SIM) if to_sim else out.to(device) if device is not None else out).requires_grad_(grad)
 
 
@@ -146,7 +172,7 @@ def _device_index(index):
     if isinstance(index, tuple):
         return tuple(_device_index(i) for i in index)
     if isinstance(index, np.ndarray) or (isinstance(index, list) and all(
-            isinstance(x, (int, bool, list, np.integer, np.bool_)) for x in tree_flatten(index)[0])):
+            isinstance(x, (int, bool, list, np.integer, np.bool_)) for x in _leaves(index, []))):
         return torch.tensor(index).to(SIM)  # (inside the mode: made on the CPU and moved by hand)
     return index
 
