@@ -1,13 +1,19 @@
-"""`diffusion-rl` end to end on the bundled tiny flow model (assets/tiny-flow), shortened."""
+"""`diffusion-rl` end to end on the bundled tiny flow model (assets/tiny-flow), shortened. The
+commands run in this process (typer's CliRunner): a subprocess would spend most of its time on
+imports. `python -m diffusion_rl` itself is run by tests/reliability/test_kill_resume.py and
+tests/test_config.py's --help check."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from typer.testing import CliRunner
+
+from diffusion_rl.cli import app
 
 SHORT = ["--set", "rollout.num_steps=4", "--set", "rollout.window_size=2", "--set", "rollout.num_generations=2",
          "--set", "rollout.prompts_per_step=2", "--set", "task.num_eval=4", "--set", "task.grid_prompts=2",
@@ -15,8 +21,12 @@ SHORT = ["--set", "rollout.num_steps=4", "--set", "rollout.window_size=2", "--se
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "diffusion_rl", *args], capture_output=True, text=True,
-                          timeout=300, check=False)
+    """`diffusion-rl *args`: its exit code, stdout and stderr (with the traceback of an exception
+    the CLI let out, which exits 1)."""
+    result = CliRunner().invoke(app, list(args))
+    error = result.exception if result.exception and not isinstance(result.exception, SystemExit) else None
+    trace = "".join(traceback.format_exception(error)) if error else ""
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr + trace)
 
 
 def test_train_writes_summary_grids_and_a_loadable_checkpoint(tmp_path):
@@ -45,7 +55,7 @@ def test_train_writes_summary_grids_and_a_loadable_checkpoint(tmp_path):
 def test_eval_and_sample_score_the_configs_own_atoms(tmp_path):
     """An atom added by reward.atoms is scored in held-out evaluation and by `sample`, as in training."""
     (tmp_path / "atoms.py").write_text(
-        "def bright(sample):\n    return sum(sample.completion.convert('L').getdata()) / 255 / "
+        "def bright(sample):\n    return sum(sample.completion.convert('L').tobytes()) / 255 / "
         "(sample.completion.width * sample.completion.height)\n")
     atom = ["--set", f'reward.atoms=["{tmp_path / "atoms.py"}:bright"]', "--set", f"output_dir={tmp_path / 'run'}"]
     r = run("eval", *SHORT, *atom)
