@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,11 +137,14 @@ def test_cli_writes_window_json_and_stores_it_with_the_model(flux_dir, tmp_path)
     model = tmp_path / "model"
     shutil.copytree(flux_dir, model)
     out = tmp_path / "cal"
-    r = subprocess.run([sys.executable, "-m", "diffusion_rl", "calibrate-window", "--config",
-                        str(REPO / "configs/diffusion/cast.yaml"), "--out", str(out), "--prompts", "2",
-                        *[x for o in [f"model.path={model}", *FAST] for x in ("--set", o)]],
-                       capture_output=True, text=True, timeout=300, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
+    from typer.testing import CliRunner
+
+    from diffusion_rl.cli import app
+
+    r = CliRunner().invoke(app, ["calibrate-window", "--config", str(REPO / "configs/diffusion/cast.yaml"),
+                                 "--out", str(out), "--prompts", "2",
+                                 *[x for o in [f"model.path={model}", *FAST] for x in ("--set", o)]])
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
     data = json.loads((out / WINDOW_FILE).read_text())
     assert data["num_steps"] == 4 and data["window_size"] == 2 and data["num_samples"] == 2
     assert load_window(out / WINDOW_FILE, 4) == (data["window_start"], 2)
