@@ -136,7 +136,8 @@ def test_stop_strings_end_the_completion_and_its_mask():
 def test_two_process_training_keeps_ranks_in_sync(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m mmrl train` on a CPU (gloo):
     both ranks end with the same weights; rank 0 alone writes the run; --resume with
-    two processes reproduces the uninterrupted run."""
+    two processes from its step-2 checkpoint reproduces its step 3."""
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -153,14 +154,18 @@ def test_two_process_training_keeps_ranks_in_sync(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads((out / "summary.json").read_text())
 
-    summary = launch(tmp_path / "dp", "--max-steps", "2")
-    assert summary["processes"] == 2 and summary["steps"] == 2
-    first, second = summary["weights_checksums"]
+    straight = launch(tmp_path / "straight", "--max-steps", "3", "--save-every", "1")
+    assert straight["processes"] == 2 and straight["steps"] == 3
+    first, second = straight["weights_checksums"]
     assert first == second
-    assert len((tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()) == 2  # one writer
-    # Resume with two processes: 2 steps + 1 resumed equals 3 steps straight.
-    straight = launch(tmp_path / "straight", "--max-steps", "3")
+    assert len((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()) == 3  # one writer
+    # Resume with two processes: its step 2 + 1 resumed step equals its 3 steps.
+    step2 = "checkpoints/step-00000002"
+    shutil.copytree(tmp_path / "straight" / step2, tmp_path / "dp" / step2)
     resumed = launch(tmp_path / "dp", "--max-steps", "3", "--resume")
+    assert resumed["steps"] == 3
+    rows = (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [3]  # it went on from step 2, not from the start
     assert resumed["weights_checksums"] == straight["weights_checksums"]
     from safetensors.torch import load_file
 
