@@ -2,8 +2,23 @@
 
 import pytest
 import torch
+import two_ranks
 
 from mmrl.core.rewards import Reward
+
+
+@pytest.fixture(scope="session")
+def _two_rank_runs(request, tmp_path_factory):
+    """Every selected two-rank test's body, run in one launch (tests/two_ranks.py)."""
+    items = [item for item in request.session.items if item.get_closest_marker("two_ranks")]
+    return two_ranks.launch(items, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture
+def ranks_ran(request, _two_rank_runs):
+    """The directory in which both ranks ran this test's two_ranks body, without an error."""
+    assert request.node.get_closest_marker("two_ranks"), "ranks_ran needs @pytest.mark.two_ranks(body=f)"
+    return two_ranks.ran(_two_rank_runs[request.node.nodeid])
 
 
 @pytest.fixture

@@ -3,16 +3,11 @@ the global batch's groups, make the same update as one process with all of it.""
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import toy
+from two_ranks import free_port, process_group
 
 from mmrl.core import distributed
 from mmrl.core.advantages import atom_advantages, batch_across, group_advantages
@@ -82,6 +77,7 @@ def _uneven_rank(rank, port, tmp):
                     "values": full.scores.values, "ids": full.group_ids}, f"{tmp}/record.{rank}")
 
 
+@pytest.mark.two_ranks(body=_uneven_rank)
 def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(ranks_ran):
     """Uneven rows per rank (FastRL's pruning, AXPO's extra samples) can leave a rank a mini-batch
     with no rows: it still takes part in the step, or the other rank would wait forever. And
@@ -99,25 +95,7 @@ def test_uneven_ranks_step_together_and_batch_scale_uses_every_rank(ranks_ran):
         torch.testing.assert_close(r["atoms"], whole_atoms[r["mine"]])
 
 
-@contextlib.contextmanager
-def process_group(rank: int, port: int, timeout: float = 180.0):
-    """This process as rank `rank` of two (gloo, 127.0.0.1:`port`) for the block, then out of the
-    group. `timeout`: seconds a collective waits for the other rank before it fails (a rank whose
-    body raised fails the other in that time, not gloo's 30 minutes)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.two_ranks(body=_rank)
 def test_two_processes_update_like_one(tmp_path, ranks_ran):
     expected = {}
     for aggregation in AGGREGATIONS:
@@ -178,6 +156,7 @@ def _train_rank(rank, port, tmp):
         Trainer(cfg, *toy.build(cfg)).train()
 
 
+@pytest.mark.two_ranks(body=_train_rank)
 def test_the_logs_of_two_processes_count_the_whole_batch(tmp_path, ranks_ran):
     """Only the main rank writes metrics.jsonl; its counts are the whole step's, not its share."""
     from mmrl.core.logging import read_metrics
@@ -223,6 +202,7 @@ def distributed_checksum(trainer) -> float:
     return sum(float(p.detach().double().abs().sum()) for p in trainer.params)
 
 
+@pytest.mark.two_ranks(body=_refill_rank)
 def test_dynamic_sampling_refills_every_rank_to_an_equal_share(ranks_ran):
     """Each refill round draws for the rank short of the most groups, so both ranks take the
     same prompts; a rank's surplus goes to a rank short of its share, the rest is cut, and
@@ -285,6 +265,7 @@ def _zero_rank(rank, port, tmp):
         torch.save(record, f"{tmp}/record.{rank}")
 
 
+@pytest.mark.two_ranks(body=_zero_rank)
 def test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank(ranks_ran):
     from mmrl.core.checkpoint import load_checkpoint, step_dir
 
@@ -336,6 +317,7 @@ def _resume_rank(rank, port, tmp):
             whole.generator.get_state(), resumed.generator.get_state()]}, f"{tmp}/rank{rank}.pt")
 
 
+@pytest.mark.two_ranks(body=_resume_rank)
 def test_a_resumed_run_gives_each_rank_its_own_random_state_back(ranks_ran):
     """Each rank's rollout generator and torch RNG are saved (rank 0 wrote only its own, which
     every rank loaded): resuming reproduces the uninterrupted run on every rank."""
@@ -362,6 +344,7 @@ def _metrics_rank(rank, port, tmp):
         torch.save({"combined": combined, "text": text, "seed": seed, "cfg_seed": cfg.seed}, f"{tmp}/metrics{rank}.pt")
 
 
+@pytest.mark.two_ranks(body=_metrics_rank)
 def test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise(ranks_ran):
     """A key one rank lacks no longer turns the step's row into the main rank's share, a method's
     counts (count_metrics) are summed, and each rank's rollout generator has its own seed (the
@@ -410,60 +393,3 @@ def test_each_prompt_is_rolled_out_by_exactly_one_rank(monkeypatch):
         shares.append(distributed.shard(items, ids))
     assert shares == [(["a", "c", "e"], [10, 12, 14]), (["b", "d"], [11, 13])]
 
-
-# Each two-rank test's body, run by both ranks. One launch runs the bodies of every selected test,
-# one after another, each in its own process group: a process start (imports) costs more than most
-# bodies, and seven launches cost about 40 s.
-RANK_BODIES = {
-    "test_uneven_ranks_step_together_and_batch_scale_uses_every_rank": _uneven_rank,
-    "test_two_processes_update_like_one": _rank,
-    "test_the_logs_of_two_processes_count_the_whole_batch": _train_rank,
-    "test_dynamic_sampling_refills_every_rank_to_an_equal_share": _refill_rank,
-    "test_sharded_optimizer_state_makes_the_same_updates_with_half_the_moments_per_rank": _zero_rank,
-    "test_a_resumed_run_gives_each_rank_its_own_random_state_back": _resume_rank,
-    "test_metrics_only_some_ranks_logged_and_a_methods_counts_combine_and_ranks_draw_their_own_noise": _metrics_rank,
-}
-
-
-def _bodies(rank, ports, root):
-    """One rank of the shared launch. A body that raises is written to its directory for its
-    test to report; the other rank's collectives time out (process_group's timeout) and the
-    next body runs."""
-    import traceback
-
-    fresh = torch.get_rng_state()
-    for name, port in ports.items():
-        os.makedirs(f"{root}/{name}", exist_ok=True)
-        try:
-            torch.set_rng_state(fresh)  # as in a process of its own: no body draws from another's leftovers
-            RANK_BODIES[name](rank, port, f"{root}/{name}")
-        except BaseException:  # noqa: BLE001 -- reported by the test, whatever it was
-            with open(f"{root}/{name}/error.{rank}", "w") as f:
-                f.write(traceback.format_exc())
-
-
-@pytest.fixture(scope="module")
-def rank_bodies(request, tmp_path_factory):
-    """Runs the bodies of this module's selected two-rank tests in one launch of two processes."""
-    names = [item.originalname for item in request.session.items
-             if item.fspath == request.fspath and item.originalname in RANK_BODIES]
-    ports: dict[str, int] = {}
-    for name in dict.fromkeys(names):
-        port = free_port()
-        while port in ports.values():
-            port = free_port()
-        ports[name] = port
-    root = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_bodies, args=(ports, str(root)), nprocs=2, join=True)
-    return root
-
-
-@pytest.fixture
-def ranks_ran(request, rank_bodies):
-    """The directory of this test's two-rank body, once both ranks ran it without an error."""
-    out = rank_bodies / request.node.originalname
-    errors = [(out / f"error.{r}").read_text() for r in range(2) if (out / f"error.{r}").is_file()]
-    assert out.is_dir(), f"{out} was not run"
-    if errors:
-        pytest.fail("a rank's body raised:\n" + "\n".join(errors), pytrace=False)
-    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy
-from test_data_parallel import free_port, process_group
+from two_ranks import process_group
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.checkpoint import list_checkpoints
@@ -508,9 +508,9 @@ def test_count_weights_give_the_unpruned_update_for_exact_copies(tmp_path, base)
     assert cosine < 0.99
 
 
-def _rank(rank, port, tmp, out):
+def _rank(rank, port, tmp):
     with process_group(rank, port):
-        cfg = toy_config(tmp, "method.fastrl.enabled=true", "method.fastrl.ars=true",
+        cfg = toy_config(Path(tmp), "method.fastrl.enabled=true", "method.fastrl.ars=true",
                          "rollout.num_generations=4", "train.max_steps=10")
         method = build_method(cfg, toy.ToyTask().reward)
         seqs = [[1, 2]] * 4 if rank == 0 else [[1, 2], [3, 4], [5, 6], [7, 8]]  # keeps 1 (+1 pad) / 4
@@ -519,15 +519,12 @@ def _rank(rank, port, tmp, out):
         keep = method.prune(group).tolist()
         method.step = 9
         size = method.group_size(1, 4)
-        torch.save({"keep": keep, "size": size, "state": method.state_dict()}, f"{out}.{rank}")
+        torch.save({"keep": keep, "size": size, "state": method.state_dict()}, f"{tmp}/result.{rank}")
 
 
-def test_two_processes_share_the_kept_counts(tmp_path):
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(free_port(), tmp_path, out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+@pytest.mark.two_ranks(body=_rank)
+def test_two_processes_share_the_kept_counts(ranks_ran):
+    ranks = [torch.load(ranks_ran / f"result.{r}") for r in range(2)]
     assert ranks[0]["keep"] == [T, T, F, F]  # 1 kept, padded to a multiple of the 2 processes
     assert ranks[1]["keep"] == [T, T, T, T]
     # both ranks saw |S(q)| = 2 and 4: mean 3, max 4; alpha 0.9: G't = 3.1 < G'ref = 3.5

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import toy
-from test_data_parallel import free_port, global_batch, process_group
+from test_data_parallel import global_batch
+from two_ranks import process_group
 
 from mmrl.core import fsdp
 from mmrl.core.checkpoint import load_checkpoint, step_dir
@@ -38,7 +38,7 @@ def whole_weights(trainer):
     return [fsdp.Sharded.whole(p.detach()).clone() for p in trainer.opt_params]
 
 
-def _rank(rank, port, tmp, out):
+def _rank(rank, port, tmp):
     with process_group(rank, port):
         record = {}
         for name, on, steps, resume in RUNS:
@@ -69,21 +69,22 @@ def _rank(rank, port, tmp, out):
         sharded = fsdp.Sharded(tied)
         gathered = sharded.whole_state(list(tied.parameters()), keep=rank == 0)
         record["tied"] = gathered is None or gathered[0]["lm_head.weight"] is gathered[0]["model.embed_tokens.weight"]
-        torch.save(record, f"{out}.{rank}")
+        torch.save(record, f"{tmp}/record.{rank}")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    out = str(tmp / "record")
-    mp.spawn(_rank, args=(free_port(), str(tmp), out), nprocs=2, join=True)
-    return tmp, [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+on_the_runs = pytest.mark.two_ranks(body=_rank)  # the tests that check RUNS share one run of them
+
+
+@pytest.fixture
+def runs(ranks_ran):
+    return ranks_ran, [torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2)]
 
 
 def close(a, b, atol=1e-6):
     return all(torch.allclose(x.float(), y.float(), atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
 
 
+@on_the_runs
 def test_sharded_ranks_train_as_whole_ones_with_half_the_weights_each(runs):
     _, ranks = runs
     for r in ranks:
@@ -98,6 +99,7 @@ def test_sharded_ranks_train_as_whole_ones_with_half_the_weights_each(runs):
     assert sum(shares) == ranks[0]["whole"]["total"] and max(shares) <= 0.55 * sum(shares), shares
 
 
+@on_the_runs
 def test_a_sharded_run_resumes_bit_for_bit_and_writes_the_whole_runs_checkpoints(runs):
     tmp, ranks = runs
     for r in ranks:
@@ -114,6 +116,7 @@ def test_a_sharded_run_resumes_bit_for_bit_and_writes_the_whole_runs_checkpoints
     assert close([p for p in model.parameters()], ranks[0]["sharded"]["weights"], atol=0)
 
 
+@on_the_runs
 def test_a_bfloat16_run_resumes_sharded_from_a_whole_runs_checkpoint_and_whole_from_a_sharded_one(runs):
     _, ranks = runs
     for r in ranks:
@@ -121,6 +124,7 @@ def test_a_bfloat16_run_resumes_sharded_from_a_whole_runs_checkpoint_and_whole_f
             assert close(r[name]["weights"], r["whole3-bf16"]["weights"]), name
 
 
+@on_the_runs
 def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(runs):
     tmp, ranks = runs
     for r in ranks:
@@ -143,6 +147,7 @@ def test_bfloat16_shards_are_float32_master_weights_and_model_holds_bfloat16(run
     assert {v.dtype for v in saved.values()} == {torch.bfloat16}
 
 
+@on_the_runs
 def test_a_kl_reference_is_sharded_in_its_dtype_and_gives_the_whole_runs_kl(runs):
     tmp, ranks = runs
     for r in ranks:
@@ -159,6 +164,7 @@ def test_a_kl_reference_is_sharded_in_its_dtype_and_gives_the_whole_runs_kl(runs
         assert kl[1] == pytest.approx(kl[0], rel=1e-4, abs=1e-9), kl
 
 
+@on_the_runs
 def test_a_rank_with_fewer_micro_batches_joins_the_others_forward_passes(runs):
     _, ranks = runs
     for r in ranks:
@@ -199,11 +205,11 @@ def test_one_process_trains_unsharded_and_says_so(tmp_path):
     assert trainer.sharded is None and all(type(p) is torch.nn.Parameter for p in trainer.params)
 
 
-def _vlm_rank(rank, port, out):
+def _vlm_rank(rank, port, tmp):
     with process_group(rank, port, timeout=60):
         from mmrl.vlm import backend
 
-        cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"output_dir={out}-run"])
+        cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"output_dir={tmp}/run"])
         policy, task = backend.build(cfg)
         sharded = fsdp.Sharded(policy.model)
         with sharded.gathered(), torch.no_grad():
@@ -211,15 +217,14 @@ def _vlm_rank(rank, port, out):
                 batch = policy.generate(task.train_prompts()[:1], 2, cfg.rollout, torch.Generator().manual_seed(0))
         total = torch.ones(1)
         dist.all_reduce(total)  # the loop's next collective meets the other rank's
-        torch.save({"rows": len(batch), "total": float(total)}, f"{out}.{rank}")
+        torch.save({"rows": len(batch), "total": float(total)}, f"{tmp}/record.{rank}")
 
 
-def test_vlm_ranks_generate_on_their_own_with_the_weights_gathered(tmp_path):
+@pytest.mark.two_ranks(body=_vlm_rank)
+def test_vlm_ranks_generate_on_their_own_with_the_weights_gathered(ranks_ran):
     """transformers makes generate a collective on a sharded model (synced_gpus) unless told
     otherwise: ranks that generate different numbers of times would wait for each other."""
-    out = str(tmp_path / "record")
-    mp.spawn(_vlm_rank, args=(free_port(), out), nprocs=2, join=True)
-    assert [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)] == [{"rows": 2, "total": 2.0}] * 2
+    assert [torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2)] == [{"rows": 2, "total": 2.0}] * 2
 
 
 def test_vlm_training_prompts_without_images_are_refused_under_fsdp():

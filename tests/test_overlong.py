@@ -165,26 +165,23 @@ def test_a_step_whose_every_rollout_is_truncated_trains_nothing_and_goes_on(tmp_
     assert [r["rollout/samples_pruned"] for r in rows if "train/skipped" in r] == [16, 16]
 
 
-def _filtered_rank(rank, port, tmp, out):
+def _filtered_rank(rank, port, tmp):
     """Rank 0's rollouts are all truncated, rank 1's none: rank 0 trains an empty share."""
-    from test_data_parallel import distributed_checksum, process_group
+    from test_data_parallel import distributed_checksum
+    from two_ranks import process_group
 
     with process_group(rank, port, timeout=120):
         cfg = config(Path(tmp), "method.overlong_filter=true", "logging.tensorboard=false")
         trainer = Trainer(cfg, (AllTruncated if rank == 0 else NoneTruncated)(seed=0), toy.ToyTask())
         summary = trainer.train()
-        torch.save({"checksum": distributed_checksum(trainer), "steps": summary["steps"]}, f"{out}.{rank}")
+        torch.save({"checksum": distributed_checksum(trainer), "steps": summary["steps"]}, f"{tmp}/record.{rank}")
 
 
-def test_a_rank_whose_every_rollout_is_filtered_still_steps_with_the_other(tmp_path):
-    import torch.multiprocessing as mp
-    from test_data_parallel import free_port
-
-    out = str(tmp_path / "record")
-    mp.spawn(_filtered_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
-    r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
+@pytest.mark.two_ranks(body=_filtered_rank)
+def test_a_rank_whose_every_rollout_is_filtered_still_steps_with_the_other(ranks_ran):
+    r0, r1 = (torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2))
     assert r0["steps"] == r1["steps"] == 2 and r0["checksum"] == r1["checksum"]
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = read_metrics(ranks_ran / "run" / "metrics.jsonl")
     assert [(r["rollout/samples"], r["rollout/samples_pruned"], r["train/updates"]) for r in rows] == [(8, 8, 1)] * 2
 
 

@@ -3,9 +3,9 @@ generates every world-th item, and every rank gets all the results in order."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.multiprocessing as mp
-from test_data_parallel import free_port, process_group
+from two_ranks import process_group
 
 from mmrl.core import distributed
 from mmrl.core.config import load_config
@@ -26,7 +26,7 @@ def vlm(tmp):
     return backend.build(cfg)
 
 
-def _rank(rank, port, tmp, out):
+def _rank(rank, port, tmp):
     with process_group(rank, port):
         seen = []
 
@@ -52,13 +52,12 @@ def _rank(rank, port, tmp, out):
             record["eval"] = task.evaluate(policy)
             policy, task = vlm(tmp)
             record["vlm"] = task.evaluate(policy)  # each rank generates and scores its share
-        torch.save(record, f"{out}.{rank}")
+        torch.save(record, f"{tmp}/record.{rank}")
 
 
-def test_ranks_generate_a_share_each_and_evaluate_as_one_process(tmp_path):
-    out = str(tmp_path / "record")
-    mp.spawn(_rank, args=(free_port(), str(tmp_path), out), nprocs=2, join=True)
-    r0, r1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
+@pytest.mark.two_ranks(body=_rank)
+def test_ranks_generate_a_share_each_and_evaluate_as_one_process(tmp_path, ranks_ran):
+    r0, r1 = (torch.load(ranks_ran / f"record.{r}", weights_only=True) for r in range(2))
     for r in (r0, r1):
         assert r["five"] == [0, 10, 20, 30, 40] and r["one"] == [70]
     assert r0["seen"] == [0, 2, 4, 7] and r1["seen"] == [1, 3]
