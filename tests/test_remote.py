@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -722,4 +723,22 @@ def test_serve_verb_and_module_help(capsys):
         serve.main(["--help"])
     assert exit_.value.code == 0
     assert "--backend" in capsys.readouterr().out
+
+
+def test_serve_module_checks_read_timeout_and_hands_it_to_the_server(monkeypatch, capsys):
+    """`python -m mmrl.core.serve --read-timeout`: 0 or less is refused before a model is built;
+    a valid value reaches the server, as do the body limits."""
+    built, served = [], []
+    monkeypatch.setattr(serve, "build_policy", lambda *a: built.append(a) or (ToyPolicy(), SimpleNamespace(
+        rollout=RolloutConfig())))
+    monkeypatch.setattr(serve, "serve", lambda *a, **kw: served.append(kw))
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            serve.main(["--backend", "toy", "--read-timeout", bad])
+        assert exit_.value.code == 2 and "--read-timeout must be > 0" in capsys.readouterr().err
+    assert built == [] and served == []
+    serve.main(["--backend", "toy", "--read-timeout", "7.5", "--max-request-bytes", "1000",
+                "--max-weights-bytes", "2000"])
+    assert len(built) == 1 and served[0]["read_timeout"] == 7.5
+    assert served[0]["max_request_bytes"] == 1000 and served[0]["max_weights_bytes"] == 2000
 
