@@ -80,6 +80,7 @@ class _Row:
     errors: Counter = field(default_factory=Counter)
     turns: int = 0
     turn_start: int = 0  # where the model's current turn began (a fixed prefix is part of the first)
+    room: float = float("inf")  # tokens the completion may hold: the model's context less the prompt
     done: bool = False
     truncated: bool = False
 
@@ -123,12 +124,11 @@ class ToolRollout:
         prefixes = prefixes or [[] for _ in items]
         pol._check_length(enc, items, rollout.max_new_tokens + max(map(len, prefixes), default=0))
         prompt = self._prompt_parts(enc, items)
-        rows = [_Row(item, ids=list(f), train=[False] * len(f), logp=[0.0] * len(f),
-                     entropy=[0.0] * len(f)) for item, f in zip(items, prefixes)]
-        room = pol.max_context or float("inf")
+        rows = [_Row(item, ids=list(f), train=[False] * len(f), logp=[0.0] * len(f), entropy=[0.0] * len(f),
+                     room=self._room(p)) for item, f, p in zip(items, prefixes, prompt)]
         for _ in range(self.cfg.max_turns):
-            for i, r in enumerate(rows):  # a turn that could outgrow the context is not started
-                if not r.done and len(prompt[i]["ids"]) + len(r.ids) + rollout.max_new_tokens > room:
+            for r in rows:  # a turn that could outgrow the context is not started
+                if not r.done and len(r.ids) + rollout.max_new_tokens > r.room:
                     r.done = r.truncated = True
             active = [i for i, r in enumerate(rows) if not r.done]
             if not active:
@@ -153,7 +153,8 @@ class ToolRollout:
             raise ValueError(f"{len(turns)} transcripts for {len(items)} items")
         tok = self.policy.tokenizer
         enc = self.policy.encode(items)
-        rows = [_Row(item) for item in items]
+        prompt = self._prompt_parts(enc, items)
+        rows = [_Row(item, room=self._room(p)) for item, p in zip(items, prompt)]
         unlimited = SimpleNamespace(max_new_tokens=float("inf"))
         for row, texts in zip(rows, turns):
             if len(texts) > self.cfg.max_turns:
@@ -162,11 +163,19 @@ class ToolRollout:
                 ids = tok(text, add_special_tokens=False)["input_ids"]
                 ids += [self.policy.eos_id] if j == len(texts) - 1 else []
                 self._take_turn(row, ids, [0.0] * len(ids), [0.0] * len(ids), unlimited)
+                if row.truncated and j < len(texts) - 1:
+                    raise ValueError(f"turn {j + 1} of {len(texts)}: its tool's observation would take the transcript "
+                                     f"past the model's context of {self.policy.max_context} tokens")
                 if row.done and j < len(texts) - 1:
                     raise ValueError(f"turn {j + 1} of {len(texts)} ({text[-60:]!r}) does not end with a tool call "
                                      f"({TOOL_CALL_CLOSE} last), so no observation follows it and the next turn "
                                      "cannot be one")
-        return self._batch(enc, items, rows, self._prompt_parts(enc, items))
+        return self._batch(enc, items, rows, prompt)
+
+    def _room(self, prompt: dict) -> float:
+        """Tokens a rollout's completion may hold: the model's context less its prompt."""
+        context = self.policy.max_context
+        return context - len(prompt["ids"]) if context else float("inf")
 
     def _take_turn(self, row: _Row, new: list[int], logp: list[float], ent: list[float], rollout) -> None:
         row.turns += 1
@@ -250,7 +259,9 @@ class ToolRollout:
 
     def _observe(self, row: _Row, content: list, ended: bool = False) -> None:
         """Append the observation tokens (and images) of one tool result; `ended`: the model's
-        turn already ends with end-of-turn, so the observation does not repeat it."""
+        turn already ends with end-of-turn, so the observation does not repeat it. An observation
+        that would take the row past the model's context is not shown: the rollout ends at the
+        call, truncated (training reads the whole transcript, which must fit)."""
         pol = self.policy
         text, images = _OBS_OPEN.removeprefix(_END) if ended else _OBS_OPEN, []
         for part in content:
@@ -264,10 +275,14 @@ class ToolRollout:
             resized = pol.resize_images(images, getattr(self.cfg, "image_max_pixels", None))
             out = pol.processor(text=[text], images=resized, return_tensors="pt")
             ids = out["input_ids"][0].tolist()
-            row.pixels.append(out["pixel_values"].to(pol.device))  # generate and the batch read them there
-            row.grids.append(out["image_grid_thw"].to(pol.device))
         else:
             ids = pol.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(row.ids) + len(ids) > row.room:
+            row.done = row.truncated = True
+            return
+        if images:
+            row.pixels.append(out["pixel_values"].to(pol.device))  # generate and the batch read them there
+            row.grids.append(out["image_grid_thw"].to(pol.device))
         row.ids += ids
         row.train += [False] * len(ids)
         row.logp += [0.0] * len(ids)

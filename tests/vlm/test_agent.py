@@ -386,6 +386,36 @@ def test_a_turn_that_just_fits_the_context_is_started(qwen25_dir):
     assert data["stat/truncated"].tolist() == [1.0] and "<answer>" not in batch.samples[0].completion
 
 
+def test_an_observation_that_would_outgrow_the_context_is_not_shown(qwen25_dir):
+    """Training reads the whole transcript: an observation that would take it past the model's
+    context ends the rollout at the call, truncated; one that fits is shown. A demonstration
+    whose observation would not fit is refused, naming the context."""
+    registry = build_registry([], timeout=2.0)
+    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=200)
+    text = _text_of(policy.tokenizer, 64)
+
+    @registry.register
+    def long() -> str:
+        return text
+
+    call = tool_call("long")
+    prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
+    outcomes = []
+    for extra in (16, 200):  # room past the first turn's max_new_tokens 48: the observation's 64+ tokens do not fit, then do
+        policy.max_context = prompt + 48 + extra
+        Scripted(policy, [[call, "<answer>circle</answer><|im_end|>"]]).install()
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+        assert prompt + int(batch.data["completion_attention"][0].sum()) <= policy.max_context
+        assert batch.data["stat/tool_calls"].tolist() == [1.0]
+        outcomes.append((batch.data["stat/truncated"].item(), text in batch.samples[0].completion))
+    assert outcomes == [(1.0, False), (0.0, True)]
+    assert batch.samples[0].completion.endswith("<answer>circle</answer>")
+    policy.max_context = prompt + 48 + 16
+    with pytest.raises(ValueError, match=f"turn 1 of 2: its tool's observation would take the transcript past "
+                                         f"the model's context of {prompt + 64} tokens"):
+        policy.agent.teacher([ITEMS[0]], [[call, "<answer>circle</answer>"]])
+
+
 def test_a_tools_text_of_exactly_the_budget_is_not_cut(qwen25_dir):
     registry = build_registry([], timeout=2.0)
     policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=16)
