@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -45,14 +46,32 @@ def process_group(rank: int, port: int, timeout: float = 180.0):
         dist.destroy_process_group()
 
 
-def _bodies(rank: int, jobs: list[tuple[str, object, int]], root: str) -> None:
+def _port(rank: int, tmp: str) -> int:
+    """The body's port: rank 0 picks a free one just before its group starts (one picked at
+    launch could be taken by then, by an earlier body's connections among others) and leaves it
+    in the body's directory for rank 1."""
+    path = f"{tmp}/port"
+    if rank == 0:
+        with open(f"{path}.tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(f"{path}.tmp", path)
+    deadline = time.monotonic() + 300  # rank 0 may still be in the body before
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never reached {tmp}")
+        time.sleep(0.01)
+    with open(path) as f:
+        return int(f.read())
+
+
+def _bodies(rank: int, jobs: list[tuple[str, object]], root: str) -> None:
     fresh = torch.get_rng_state()
-    for name, body, port in jobs:
+    for name, body in jobs:
         tmp = f"{root}/{name}"
         os.makedirs(tmp, exist_ok=True)
         try:
             torch.set_rng_state(fresh)  # as in a process of its own: no body draws from another's leftovers
-            body(rank, port, tmp)
+            body(rank, _port(rank, tmp), tmp)
         except BaseException:  # noqa: BLE001 -- reported by its test, whatever it was
             with open(f"{tmp}/error.{rank}", "w") as f:
                 f.write(traceback.format_exc())
@@ -61,16 +80,12 @@ def _bodies(rank: int, jobs: list[tuple[str, object, int]], root: str) -> None:
 def launch(items, root: Path) -> dict[str, Path]:
     """Runs the bodies of the marked `items` (pytest items) in one launch, each body once (tests
     that check one body's records share its directory); their directories by node id."""
-    jobs, ports, dirs, named = [], set(), {}, {}
+    jobs, dirs, named = [], {}, {}
     for item in items:
         body = item.get_closest_marker("two_ranks").kwargs["body"]
         if body not in named:
-            port = free_port()
-            while port in ports:
-                port = free_port()
-            ports.add(port)
             named[body] = f"{len(jobs):03d}-{item.module.__name__}.{body.__name__}"[:100]
-            jobs.append((named[body], body, port))
+            jobs.append((named[body], body))
         dirs[item.nodeid] = root / named[body]
     if jobs:
         mp.spawn(_bodies, args=(jobs, str(root)), nprocs=2, join=True)
