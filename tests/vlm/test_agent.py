@@ -372,6 +372,20 @@ def _text_of(tok, n: int) -> str:
     raise AssertionError(f"no text of {n} tokens")
 
 
+def text_tool_policy(path, tokens: int, budget: int):
+    """A policy whose one tool, `text`, returns a plain text of `tokens` tokens, with
+    tools.max_observation_tokens `budget`; the policy and the text."""
+    registry = build_registry([], timeout=2.0)
+    policy = make_policy(path, registry=registry, max_observation_tokens=budget)
+    words = _text_of(policy.tokenizer, tokens)
+
+    @registry.register
+    def text() -> str:
+        return words
+
+    return policy, words
+
+
 def test_a_turn_that_just_fits_the_context_is_started(qwen25_dir):
     """A turn starts where prompt + completion so far + max_new_tokens is the context exactly;
     the next, which would outgrow it, is not (the rollout is truncated after the call)."""
@@ -390,15 +404,8 @@ def test_an_observation_that_would_outgrow_the_context_is_not_shown(qwen25_dir):
     """Training reads the whole transcript: an observation that would take it past the model's
     context ends the rollout at the call, truncated; one that fits is shown. A demonstration
     whose observation would not fit is refused, naming the context."""
-    registry = build_registry([], timeout=2.0)
-    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=200)
-    text = _text_of(policy.tokenizer, 64)
-
-    @registry.register
-    def long() -> str:
-        return text
-
-    call = tool_call("long")
+    policy, text = text_tool_policy(qwen25_dir, 64, budget=200)
+    call = tool_call("text")
     prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
     outcomes = []
     for extra in (16, 200):  # room past the first turn's max_new_tokens 48: the observation's 64+ tokens do not fit, then do
@@ -417,15 +424,8 @@ def test_an_observation_that_would_outgrow_the_context_is_not_shown(qwen25_dir):
 
 
 def test_a_tools_text_of_exactly_the_budget_is_not_cut(qwen25_dir):
-    registry = build_registry([], timeout=2.0)
-    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=16)
-    text = _text_of(policy.tokenizer, 16)
-
-    @registry.register
-    def sixteen() -> str:
-        return text
-
-    Scripted(policy, [[tool_call("sixteen"),
+    policy, text = text_tool_policy(qwen25_dir, 16, budget=16)
+    Scripted(policy, [[tool_call("text"),
                        "<answer>circle</answer><|im_end|>"]]).install()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cut to tools.max_observation_tokens" warning
