@@ -406,20 +406,24 @@ def test_an_observation_that_would_outgrow_the_context_is_not_shown(qwen25_dir):
     whose observation would not fit is refused, naming the context."""
     policy, text = text_tool_policy(qwen25_dir, 64, budget=200)
     call = tool_call("text")
+    script = [[call, "<answer>circle</answer><|im_end|>"]]
+    Scripted(policy, script).install()
+    full = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    before = len(full.data["call_mask"][0].nonzero())  # the call ...
+    first = int(full.data["completion_attention"][0].sum()) - int(full.mask[0].sum()) + before  # ... and its observation
+    assert first - 1 >= 48  # the first turn (max_new_tokens 48) starts in either context below
     prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
-    outcomes = []
-    for extra in (16, 200):  # room past the first turn's max_new_tokens 48: the observation's 64+ tokens do not fit, then do
-        policy.max_context = prompt + 48 + extra
-        Scripted(policy, [[call, "<answer>circle</answer><|im_end|>"]]).install()
+    for room, shown in ((prompt + first - 1, False), (prompt + first, True)):
+        policy.max_context = room
+        Scripted(policy, script).install()
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
-        assert prompt + int(batch.data["completion_attention"][0].sum()) <= policy.max_context
-        assert batch.data["stat/tool_calls"].tolist() == [1.0]
-        outcomes.append((batch.data["stat/truncated"].item(), text in batch.samples[0].completion))
-    assert outcomes == [(1.0, False), (0.0, True)]
-    assert batch.samples[0].completion.endswith("<answer>circle</answer>")
-    policy.max_context = prompt + 48 + 16
+        assert prompt + int(batch.data["completion_attention"][0].sum()) <= room
+        assert batch.data["stat/tool_calls"].tolist() == [1.0] and batch.data["stat/truncated"].tolist() == [1.0]
+        assert (text in batch.samples[0].completion) == shown  # shown or not, no room for a second turn
+    assert text in full.samples[0].completion and full.samples[0].completion.endswith("<answer>circle</answer>")
+    policy.max_context = prompt + first - 1
     with pytest.raises(ValueError, match=f"turn 1 of 2: its tool's observation would take the transcript past "
-                                         f"the model's context of {prompt + 64} tokens"):
+                                         f"the model's context of {prompt + first - 1} tokens"):
         policy.agent.teacher([ITEMS[0]], [[call, "<answer>circle</answer>"]])
 
 
