@@ -9,7 +9,8 @@ Every selected two-rank test's body runs in one launch of two processes for the 
 one body after another, each in a process group of its own: a process start costs about 6 s
 here (imports), more than most bodies. A body that raises is written to its directory and
 fails its own test only; the other rank's collectives time out (process_group's timeout) and
-the next body runs. Each body starts from the random state of a fresh process.
+the next body runs once both ranks reach it. Each body starts from the random state of a fresh
+process.
 """
 
 from __future__ import annotations
@@ -46,21 +47,29 @@ def process_group(rank: int, port: int, timeout: float = 180.0):
         dist.destroy_process_group()
 
 
-def _port(rank: int, tmp: str) -> int:
-    """The body's port: rank 0 picks a free one just before its group starts (one picked at
-    launch could be taken by then, by an earlier body's connections among others) and leaves it
-    in the body's directory for rank 1."""
-    path = f"{tmp}/port"
-    if rank == 0:
+def _meet(rank: int, tmp: str) -> int:
+    """Both ranks at this body, then its port. Rank 0 picks a free port just before the group
+    starts (one picked at launch could be taken by then) and leaves it in the body's directory;
+    each rank waits there for the other, so a rank held up by the body before (waiting out a
+    collective its partner left when it raised) does not make this body's rendezvous time out."""
+    def wait_for(path: str) -> None:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other rank never reached {tmp}")
+            time.sleep(0.01)
+
+    def leave(path: str, text: str) -> None:
         with open(f"{path}.tmp", "w") as f:
-            f.write(str(free_port()))
+            f.write(text)
         os.replace(f"{path}.tmp", path)
-    deadline = time.monotonic() + 300  # rank 0 may still be in the body before
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 never reached {tmp}")
-        time.sleep(0.01)
-    with open(path) as f:
+
+    if rank == 0:
+        leave(f"{tmp}/port", str(free_port()))
+    leave(f"{tmp}/ready.{rank}", "")
+    wait_for(f"{tmp}/ready.{1 - rank}")
+    wait_for(f"{tmp}/port")
+    with open(f"{tmp}/port") as f:
         return int(f.read())
 
 
@@ -71,7 +80,7 @@ def _bodies(rank: int, jobs: list[tuple[str, object]], root: str) -> None:
         os.makedirs(tmp, exist_ok=True)
         try:
             torch.set_rng_state(fresh)  # as in a process of its own: no body draws from another's leftovers
-            body(rank, _port(rank, tmp), tmp)
+            body(rank, _meet(rank, tmp), tmp)
         except BaseException:  # noqa: BLE001 -- reported by its test, whatever it was
             with open(f"{tmp}/error.{rank}", "w") as f:
                 f.write(traceback.format_exc())
