@@ -48,10 +48,11 @@ def process_group(rank: int, port: int, timeout: float = 180.0):
 
 
 def _meet(rank: int, tmp: str) -> int:
-    """Both ranks at this body, then its port. Rank 0 picks a free port just before the group
-    starts (one picked at launch could be taken by then) and leaves it in the body's directory;
-    each rank waits there for the other, so a rank held up by the body before (waiting out a
-    collective its partner left when it raised) does not make this body's rendezvous time out."""
+    """Both ranks at this body, then its port. Each rank waits in the body's directory for the
+    other, so a rank held up by the body before (waiting out a collective its partner left when
+    it raised) does not make this body's rendezvous time out; then rank 0 picks a free port,
+    just before the group starts (one picked at launch could be taken by then), and leaves it
+    there for rank 1."""
     def wait_for(path: str) -> None:
         deadline = time.monotonic() + 600
         while not os.path.exists(path):
@@ -64,10 +65,10 @@ def _meet(rank: int, tmp: str) -> int:
             f.write(text)
         os.replace(f"{path}.tmp", path)
 
-    if rank == 0:
-        leave(f"{tmp}/port", str(free_port()))
     leave(f"{tmp}/ready.{rank}", "")
     wait_for(f"{tmp}/ready.{1 - rank}")
+    if rank == 0:
+        leave(f"{tmp}/port", str(free_port()))
     wait_for(f"{tmp}/port")
     with open(f"{tmp}/port") as f:
         return int(f.read())
