@@ -93,6 +93,26 @@ def test_the_simulation_runs_what_pytorch_builds_from_python_data(simulated):
         torch.tensor([1.0, 2.0, 3.0]) * x
 
 
+def test_the_simulation_refuses_what_cuda_refuses(simulated):
+    """The rules past "same device": a CPU tensor indexed by device indices; a value of two or
+    more elements put across devices (a 0-d CPU value is a scalar); a CPU generator drawing device
+    numbers; and a real meta tensor (no values) meeting the simulation is a harness error."""
+    x = torch.zeros(3, device=SIM)
+    with pytest.raises(RuntimeError, match="indices should be either on cpu or on the same device"):
+        torch.ones(3)[torch.tensor([0, 1], device=SIM)]
+    assert x[torch.tensor([0, 2])].tolist() == [0.0, 0.0]  # CPU indices into a device tensor: fine
+    with pytest.raises(RuntimeError, match="the value put is on cpu"):
+        x[torch.tensor([0, 1], device=SIM)] = torch.ones(2)
+    x[torch.tensor([0], device=SIM)] = torch.tensor(5.0)
+    assert x.tolist() == [5.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator"):
+        torch.rand(3, device=SIM, generator=torch.Generator())
+    assert torch.rand(3, device=SIM).device == SIM
+    hollow = outside(torch.empty)(3, device="meta")
+    with pytest.raises(RuntimeError, match="a real meta tensor"):
+        x + hollow
+
+
 @pytest.mark.parametrize("config,extra", [
     (None, ["method.kl.beta=0.04"]),
     (None, ["model.lora.r=4"]),
