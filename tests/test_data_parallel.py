@@ -3,6 +3,9 @@ the global batch's groups, make the same update as one process with all of it.""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -393,3 +396,80 @@ def test_each_prompt_is_rolled_out_by_exactly_one_rank(monkeypatch):
         shares.append(distributed.shard(items, ids))
     assert shares == [(["a", "c", "e"], [10, 12, 14]), (["b", "d"], [11, 13])]
 
+
+
+def _deal(monkeypatch, held: list[list[int]], want: int):
+    """_balance on each rank of a simulated world, rank r holding one row for each group id in
+    held[r] (prompt "p<id>"): -> per rank (its groups in order, their prompts, groups trimmed),
+    and what each rank put in the pool."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.core.scheduler import _balance
+
+    def batch(ids):
+        return RolloutBatch(group_ids=torch.tensor(ids, dtype=torch.long), samples=[Sample(f"p{g}", "") for g in ids],
+                            prompts={g: f"p{g}" for g in ids}, data={"x": torch.zeros(len(ids))})
+
+    local = replace(batch([0]), data={"x": torch.zeros(1, device="meta")})  # the rank's rollouts' device
+
+    world = len(held)
+    counts = [float(len(set(h))) for h in held]
+    monkeypatch.setattr(distributed, "world_size", lambda: world)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: list(counts))
+    pooled = [None] * world
+    for r in range(world):  # first pass: what each rank gives to the pool
+        monkeypatch.setattr(distributed, "rank", lambda r=r: r)
+        monkeypatch.setattr(distributed, "gather_objects",
+                            lambda obj, r=r: pooled.__setitem__(r, obj) or [])
+        with contextlib.suppress(ValueError):  # an empty pool: a short rank has nothing to take yet
+            _balance([batch(held[r])] if held[r] else [], want, local=local)
+    out = []
+    for r in range(world):
+        monkeypatch.setattr(distributed, "rank", lambda r=r: r)
+        monkeypatch.setattr(distributed, "gather_objects", lambda obj: list(pooled))
+        kept, trimmed = _balance([batch(held[r])] if held[r] else [], want, local=local)
+        groups = [g for b in kept for g in b.group_ids.tolist()]
+        prompts = {g: p for b in kept for g, p in b.prompts.items()}
+        out.append((groups, prompts, trimmed, len(kept), [b.data["x"].device.type for b in kept]))
+    return out, pooled
+
+
+def test_surplus_groups_are_dealt_to_the_short_ranks_in_rank_and_draw_order(monkeypatch):
+    """Three ranks hold 6, 0 and 1 groups and want 2 each: share = min(7 // 3, 2) = 2. Rank 0 keeps
+    its first two (0, 3) and pools 6, 9, 12, 15; rank 1 (short by 2) takes the pool's first two,
+    rank 2 (short by 1) the next one; 15 is trimmed, counted once, on rank 0. What a rank takes
+    from the pool lands on the device of its own rollouts (here "meta"), its own groups stay."""
+    out, pooled = _deal(monkeypatch, [[0, 3, 6, 9, 12, 15], [], [7]], want=2)
+    assert [o[0] for o in out] == [[0, 3], [6, 9], [7, 12]]
+    assert [o[2] for o in out] == [1, 0, 0]
+    assert [o[4] for o in out] == [["cpu"], ["meta"], ["cpu", "meta"]]
+    for groups, prompts, *_ in out:  # each group arrives with its own prompt
+        assert {g: prompts.get(g) for g in groups} == {g: f"p{g}" for g in groups}
+    # only the surplus groups and their own prompts go to the pool
+    assert pooled[1] is None and pooled[2] is None
+    assert pooled[0].group_ids.tolist() == [6, 9, 12, 15]
+    assert pooled[0].prompts == {6: "p6", 9: "p9", 12: "p12", 15: "p15"}
+    # the surplus lies on a rank after a short one: rank 2 starts after rank 0's two in the pool
+    out, _ = _deal(monkeypatch, [[], [1, 4, 7, 10, 13, 16], []], want=2)
+    assert [o[0] for o in out] == [[7, 10], [1, 4], [13, 16]] and [o[2] for o in out] == [0, 0, 0]
+
+
+def test_a_share_is_capped_at_the_groups_a_rank_wants(monkeypatch):
+    """Two ranks holding 5 and 3 groups, wanting 2: each trains on 2 (not 8 // 2 = 4), nothing
+    moves, 4 are trimmed."""
+    out, _ = _deal(monkeypatch, [[0, 2, 4, 6, 8], [1, 3, 5]], want=2)
+    assert [(o[0], o[2]) for o in out] == [([0, 2], 4), ([1, 3], 0)]
+
+
+def test_a_share_of_nothing_leaves_every_rank_without_a_batch(monkeypatch):
+    """One group between two ranks: share = 0, the group is trimmed and no rank keeps a batch,
+    not even an empty one (the scheduler returns None for an empty list)."""
+    out, _ = _deal(monkeypatch, [[4], []], want=1)
+    assert [(o[0], o[2], o[3]) for o in out] == [([], 1, 0), ([], 0, 0)]
+
+
+def test_equal_holdings_pass_through_untouched(monkeypatch):
+    """Both ranks hold exactly their share: each keeps its own batches, nothing is pooled."""
+    out, pooled = _deal(monkeypatch, [[0, 2], [1, 3]], want=2)
+    assert [(o[0], o[2]) for o in out] == [([0, 2], 0), ([1, 3], 0)]
+    assert pooled == [None, None]
