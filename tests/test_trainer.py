@@ -560,6 +560,35 @@ def test_prompts_come_in_a_new_order_each_epoch_and_a_group_is_one_prompt(tmp_pa
             assert set(batch.group_ids.tolist()) <= set(batch.prompts)  # each group's own prompt
 
 
+def test_a_prompt_stream_draws_across_epochs_with_global_indices_and_resumes_where_it_stopped():
+    """take(n): the next n prompts of the seeded epoch orders and their draw indices; the
+    position (7 after 3 + 4) is the whole state, and a stream loaded with it goes on alike."""
+    from mmrl.core.config import ConfigError
+    from mmrl.core.scheduler import PromptStream
+
+    stream = PromptStream(list("abcde"), seed=3)
+    assert stream.take(3) == (["d", "a", "c"], [0, 1, 2])
+    assert stream.take(4) == (["b", "e", "d", "b"], [3, 4, 5, 6])  # epoch 0 ends after "e"
+    assert stream.position == 7 and stream.state_dict() == {"position": 7, "seed": 3, "size": 5}
+    resumed = PromptStream(list("abcde"), seed=3)
+    resumed.load_state_dict(stream.state_dict())
+    assert resumed.position == 7 and resumed.take(3) == stream.take(3)
+    for size, seed in ((5, 4), (6, 3)):  # another seed or another task: no resume
+        with pytest.raises(ConfigError, match="resume needs the same task and seed"):
+            resumed.load_state_dict({"position": 7, "seed": seed, "size": size})
+    with pytest.raises(ValueError, match="no training prompts"):
+        PromptStream([], seed=0)
+
+
+def test_a_seeds_later_epochs_are_not_another_seeds_first():
+    """Epoch orders are seeded by seed and epoch together: seed 0's second epoch is not seed 1's
+    first (a run with seed 1 would otherwise replay a run with seed 0, one epoch behind)."""
+    from mmrl.core.scheduler import PromptStream
+
+    prompts = list(range(8))
+    assert PromptStream(prompts, seed=0).take(16)[0][8:] != PromptStream(prompts, seed=1).take(8)[0]
+
+
 def test_an_empty_share_of_a_mini_batch_adds_nothing_to_the_global_normaliser(tmp_path, monkeypatch):
     """With several processes a rank whose mini-batch is empty still joins the step, and its
     share of the loss normaliser is 0 (a method's denominator of no rows is not 0 for every
