@@ -217,6 +217,77 @@ def test_dynamic_sampling_drops_and_refills(tmp_path):
     assert dropped > 0
 
 
+def _counted_rounds(trainer, monkeypatch):
+    """Each round's samples report a decoded length of its round number (stat/length), and the
+    scheduler's clock ticks by 1 a reading: a round's rollout and its reward each take 1."""
+    from types import SimpleNamespace
+
+    from mmrl.core import scheduler
+
+    generate, rounds = trainer.policy.generate, []
+
+    def counted(prompts, n, rc, generator):
+        batch = generate(prompts, n, rc, generator)
+        rounds.append(len(batch))
+        batch.data["stat/length"] = torch.full((len(batch),), float(len(rounds)))
+        return batch
+
+    monkeypatch.setattr(trainer.policy, "generate", counted)
+    ticks = iter(range(1000))
+    monkeypatch.setattr(scheduler, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    return rounds
+
+
+def test_refill_rounds_draw_only_the_missing_groups_and_count_what_they_cost(tmp_path, monkeypatch):
+    """4 prompts a step, a filter dropping every draw index divisible by 3: round 1 draws 0-3 and
+    keeps 1, 2; round 2 draws just the 2 missing (4, 5) and keeps both. Rounds, drops, the stream's
+    position, the samples (3 generations asked for), the decoded tokens of both rounds (12 x 1 +
+    6 x 2 = 24, dropped groups too), the time of both, and the round-1 rollout stats are reported."""
+    trainer = make(tmp_path, "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2",
+                   "rollout.num_generations=2")
+    trainer.method.keep_groups = lambda b: b.group_ids % 3 != 0
+    rounds = _counted_rounds(trainer, monkeypatch)
+    batch, metrics = trainer.scheduler.next_groups(version=7, num_generations=3)
+    assert rounds == [12, 6] and trainer.stream.position == 6
+    assert batch.group_ids.tolist() == [1, 1, 1, 2, 2, 2, 4, 4, 4, 5, 5, 5] and batch.policy_version == 7
+    assert batch.data["request_tag"].tolist() == [0] * 12
+    assert {k: metrics[k] for k in ("rollout/rounds", "rollout/groups_dropped", "rollout/groups", "rollout/samples",
+                                    "rollout/decoded_tokens", "time/rollout", "time/reward", "rollout/length")} == {
+        "rollout/rounds": 2, "rollout/groups_dropped": 2, "rollout/groups": 4, "rollout/samples": 12,
+        "rollout/decoded_tokens": 24.0, "time/rollout": 2.0, "time/reward": 2.0, "rollout/length": 1.0}
+
+
+def test_refills_stop_after_max_rounds_and_not_without_dynamic_sampling(tmp_path, monkeypatch):
+    """A filter dropping every group: 1 + max_rounds (2) rounds of 4 prompts, then no batch; with
+    dynamic sampling off the same filter gets one round and what it kept."""
+    trainer = make(tmp_path, "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=2",
+                   "rollout.num_generations=2")
+    trainer.method.keep_groups = lambda b: torch.zeros(len(b), dtype=torch.bool)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert batch is None and trainer.stream.position == 12
+    assert metrics["rollout/rounds"] == 3 and metrics["rollout/groups_dropped"] == 12
+    off = make(tmp_path, "method.dynamic_sampling.enabled=false", "method.dynamic_sampling.max_rounds=2",
+               "rollout.num_generations=2", name="off")
+    off.method.keep_groups = lambda b: b.group_ids % 3 != 0
+    batch, metrics = off.scheduler.next_groups(version=0)
+    assert batch.group_ids.unique().tolist() == [1, 2] and off.stream.position == 4
+    assert metrics["rollout/rounds"] == 1 and metrics["rollout/groups_dropped"] == 2
+
+
+def test_an_engine_returning_too_few_samples_is_an_error(tmp_path, monkeypatch):
+    """Groups must be complete: a rollout with a sample missing stops the step."""
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    generate = trainer.policy.generate
+
+    def one_short(*args):
+        batch = generate(*args)
+        return batch.select(torch.arange(len(batch) - 1))
+
+    monkeypatch.setattr(trainer.policy, "generate", one_short)
+    with pytest.raises(RuntimeError, match="returned 7 samples for 4 prompts x 2 generations"):
+        trainer.scheduler.next_groups(version=0)
+
+
 def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
