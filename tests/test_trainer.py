@@ -288,6 +288,37 @@ def test_an_engine_returning_too_few_samples_is_an_error(tmp_path, monkeypatch):
         trainer.scheduler.next_groups(version=0)
 
 
+def _with_prune(trainer, prune):
+    """The trainer's method with `prune` (group -> bool/float [G] or None) as its own hook."""
+    trainer.method.__class__ = type("Pruning", (type(trainer.method),), {"prune": lambda self, group: prune(group)})
+
+
+def test_prune_answers_mix_per_group_selections_and_weights(tmp_path):
+    """Groups 0-3 of 2 samples: group 0 keeps its 2nd sample (bool), group 1 weighs its samples
+    0 and 0.5, groups 2, 3 answer None (keep all). One weighted answer turns every answer into
+    weights: 6 rows remain, with loss weights 1 1 0.5 1 1 1 (a bool True is weight 1), 2 pruned."""
+    from mmrl.core.batch import SAMPLE_WEIGHT
+
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    answers = {0: torch.tensor([False, True]), 1: torch.tensor([0.0, 0.5])}
+    _with_prune(trainer, lambda group: answers.get(int(group.group_ids[0])))
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert batch.group_ids.tolist() == [0, 1, 2, 2, 3, 3]
+    assert batch.data[SAMPLE_WEIGHT].tolist() == [1.0, 0.5, 1.0, 1.0, 1.0, 1.0]
+    assert metrics["rollout/samples_pruned"] == 2 and metrics["rollout/samples"] == 6
+
+
+def test_prune_answers_of_only_selections_leave_the_loss_weights_alone(tmp_path):
+    """Bool answers only: rows are selected, no loss weight is written."""
+    from mmrl.core.batch import SAMPLE_WEIGHT
+
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    _with_prune(trainer, lambda group: torch.tensor([True, False]) if int(group.group_ids[0]) == 3 else None)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3] and SAMPLE_WEIGHT not in batch.data
+    assert metrics["rollout/samples_pruned"] == 1
+
+
 def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
