@@ -319,6 +319,37 @@ def test_prune_answers_of_only_selections_leave_the_loss_weights_alone(tmp_path)
     assert metrics["rollout/samples_pruned"] == 1
 
 
+def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monkeypatch):
+    """A method asking 2 more samples (tag 1) of group 1 only: they are generated with the same
+    weights, scored, and sit right after the group's own 2 rows; 2 extra samples, 10 in all, and
+    their decoded tokens (3 each, on the round's 8 x 1) are counted."""
+    from mmrl.core.engine import PolicyEngine, Request
+
+    trainer = make(tmp_path, "rollout.num_generations=2")
+
+    def extra_requests(self, group):
+        g = int(group.group_ids[0])
+        return [Request(g, group.prompts[g], 2, tag=1)] if g == 1 else []
+
+    trainer.method.__class__ = type("Resampling", (type(trainer.method),), {"extra_requests": extra_requests})
+    generate = PolicyEngine.generate
+
+    def measured(self, *args):
+        batch = generate(self, *args)
+        batch.data["stat/length"] = torch.full((len(batch),), 3.0)
+        return batch
+
+    monkeypatch.setattr(PolicyEngine, "generate", measured)
+    _counted_rounds(trainer, monkeypatch)
+    batch, metrics = trainer.scheduler.next_groups(version=5)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3]
+    assert batch.data["request_tag"].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    assert batch.samples[4].prompt == batch.samples[5].prompt == batch.prompts[1] and batch.policy_version == 5
+    assert batch.scores is not None and len(batch.scores.total) == 10
+    assert metrics["rollout/samples_extra"] == 2 and metrics["rollout/samples"] == 10
+    assert metrics["rollout/decoded_tokens"] == 14.0
+
+
 def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
