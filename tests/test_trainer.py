@@ -350,6 +350,19 @@ def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monk
     assert metrics["rollout/decoded_tokens"] == 14.0
 
 
+def test_a_batch_the_method_keeps_trains_without_a_rollout(tmp_path):
+    """stored_batch: the scheduler draws no prompts and rolls nothing out, but gives that batch
+    fresh advantages; the step reports no rounds and the batch's own groups and samples."""
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    kept, _ = trainer.scheduler.next_groups(version=0)
+    kept.advantages = None
+    trainer.method.stored_batch = lambda: kept
+    batch, metrics = trainer.scheduler.next_groups(version=1)
+    assert trainer.stream.position == 4 and batch.group_ids.tolist() == kept.group_ids.tolist()
+    assert batch.advantages is not None and batch.policy_version == 0
+    assert metrics["rollout/rounds"] == 0 and metrics["rollout/groups"] == 4 and metrics["rollout/samples"] == 8
+
+
 def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
