@@ -363,6 +363,32 @@ def test_a_batch_the_method_keeps_trains_without_a_rollout(tmp_path):
     assert metrics["rollout/rounds"] == 0 and metrics["rollout/groups"] == 4 and metrics["rollout/samples"] == 8
 
 
+def test_the_method_hooks_run_in_order_and_the_reference_sees_only_pruned_rows(tmp_path):
+    """on_groups (here: keep groups 1 and 3) before annotate, advantages and prune (drop each
+    group's 2nd row); the reference pass comes last, on the 2 rows left; pruning everything
+    leaves no batch (and no reference pass)."""
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    method, calls = trainer.method, []
+
+    class Reference:
+        def logprobs(self, batch):
+            calls.append(("reference", batch.group_ids.tolist()))
+            return torch.zeros(len(batch), batch.mask.shape[1])
+
+    method.on_groups = lambda b: b.select(b.group_ids % 2 == 1)
+    method.annotate = lambda policy, b: calls.append(("annotate", b.group_ids.tolist()))
+    drop_second = [True, False]
+    _with_prune(trainer, lambda group: torch.tensor(drop_second))
+    trainer.scheduler.reference = Reference()
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    assert calls == [("annotate", [1, 1, 3, 3]), ("reference", [1, 3])]
+    assert batch.group_ids.tolist() == [1, 3] and batch.ref_logp.shape[0] == 2
+    calls.clear()
+    drop_second[0] = False
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    assert batch is None and calls == [("annotate", [5, 5, 7, 7])]
+
+
 def test_step_with_every_group_dropped_skips_the_update_and_counts_its_time(tmp_path):
     trainer = make(tmp_path, "train.max_steps=1")
     trainer.method.keep_groups = lambda batch: torch.zeros(len(batch), dtype=torch.bool)
