@@ -473,3 +473,42 @@ def test_equal_holdings_pass_through_untouched(monkeypatch):
     out, pooled = _deal(monkeypatch, [[0, 2], [1, 3]], want=2)
     assert [(o[0], o[2]) for o in out] == [([0, 2], 0), ([1, 3], 0)]
     assert pooled == [None, None]
+
+
+def test_a_refill_round_draws_for_the_rank_short_of_the_most_and_the_surplus_is_trimmed(tmp_path, monkeypatch):
+    """Rank 0 of two (4 prompts a step: 2 groups each) keeps every group; the other rank reports
+    needing 2, then 1, then 0 more. Round 1 draws 0-3 (rank 0: 0, 2), round 2 draws 2 more
+    for the other rank's one (rank 0: 4); rank 0 then holds 3, the other 2: share 2, rank 0
+    trains on 0, 2 and its surplus 4 is trimmed."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path}", "rollout.num_generations=2", "method.dynamic_sampling.enabled=true",
+        "method.dynamic_sampling.max_rounds=3"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    trainer.method.keep_groups = lambda batch: None  # rank 0 keeps what it rolls out
+    other = iter([2, 1, 0, 2])  # the other rank's needs, round by round, then its groups held
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, next(other)])
+    monkeypatch.setattr(distributed, "gather_objects", lambda obj: [obj, None])
+    monkeypatch.setattr(distributed, "sum_scalar", lambda x: x)
+    monkeypatch.setattr(distributed, "sum_tensor", lambda t: t)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert trainer.stream.position == 6 and metrics["rollout/rounds"] == 2
+    assert batch.group_ids.unique().tolist() == [0, 2] and metrics["rollout/groups_trimmed"] == 1
+
+
+def test_a_rank_whose_every_sample_was_pruned_still_joins_the_step(tmp_path, monkeypatch):
+    """Rank 0 of two prunes all its rows while the other rank keeps 4: rank 0 gets an empty
+    batch to train on (it must join the step's collectives), not None."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}",
+                                                                           "rollout.num_generations=2"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    trainer.method.__class__ = type("PruneAll", (type(trainer.method),),
+                                    {"prune": lambda self, group: torch.zeros(len(group), dtype=torch.bool)})
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, x])
+    monkeypatch.setattr(distributed, "sum_scalar", lambda x: x + 4.0)
+    monkeypatch.setattr(distributed, "sum_tensor", lambda t: t)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert batch is not None and len(batch) == 0 and metrics["rollout/samples_pruned"] == 4
