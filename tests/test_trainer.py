@@ -322,25 +322,29 @@ def test_prune_answers_of_only_selections_leave_the_loss_weights_alone(tmp_path)
 def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monkeypatch):
     """A method asking 2 more samples (tag 1) of group 1 only: they are generated with the same
     weights, scored, and sit right after the group's own 2 rows; 2 extra samples, 10 in all, and
-    their decoded tokens (3 each, on the round's 8 x 1) are counted."""
+    their decoded tokens (3 each, on the round's 8 x 1) are counted. The next step's extra
+    samples (of group 5) are scored too and drawn with a seed of their own."""
     from mmrl.core.engine import PolicyEngine, Request
 
     trainer = make(tmp_path, "rollout.num_generations=2")
 
     def extra_requests(self, group):
         g = int(group.group_ids[0])
-        return [Request(g, group.prompts[g], 2, tag=1)] if g == 1 else []
+        return [Request(g, group.prompts[g], 2, tag=1)] if g % 4 == 1 else []
 
     trainer.method.__class__ = type("Resampling", (type(trainer.method),), {"extra_requests": extra_requests})
-    generate = PolicyEngine.generate
+    generate, seeds, scored = PolicyEngine.generate, [], []
 
-    def measured(self, *args):
-        batch = generate(self, *args)
+    def measured(self, requests, rc, seed):
+        seeds.append(seed)
+        batch = generate(self, requests, rc, seed)
         batch.data["stat/length"] = torch.full((len(batch),), 3.0)
         return batch
 
     monkeypatch.setattr(PolicyEngine, "generate", measured)
     _counted_rounds(trainer, monkeypatch)
+    score = trainer.scheduler.reward.score
+    monkeypatch.setattr(trainer.scheduler.reward, "score", lambda samples: scored.append(len(samples)) or score(samples))
     batch, metrics = trainer.scheduler.next_groups(version=5)
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3]
     assert batch.data["request_tag"].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
@@ -348,6 +352,9 @@ def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monk
     assert batch.scores is not None and len(batch.scores.total) == 10
     assert metrics["rollout/samples_extra"] == 2 and metrics["rollout/samples"] == 10
     assert metrics["rollout/decoded_tokens"] == 14.0
+    batch, _ = trainer.scheduler.next_groups(version=6)
+    assert batch.group_ids.tolist() == [4, 4, 5, 5, 5, 5, 6, 6, 7, 7]
+    assert scored == [8, 2, 8, 2] and len(seeds) == 2 and seeds[0] != seeds[1]
 
 
 def test_a_batch_the_method_keeps_trains_without_a_rollout(tmp_path):
