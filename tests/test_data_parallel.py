@@ -397,7 +397,6 @@ def test_each_prompt_is_rolled_out_by_exactly_one_rank(monkeypatch):
     assert shares == [(["a", "c", "e"], [10, 12, 14]), (["b", "d"], [11, 13])]
 
 
-
 def _deal(monkeypatch, held: list[list[int]], want: int):
     """_balance on each rank of a simulated world, rank r holding one row for each group id in
     held[r] (prompt "p<id>"): -> per rank (its groups in order, their prompts, groups trimmed),
