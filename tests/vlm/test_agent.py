@@ -372,6 +372,13 @@ def _text_of(tok, n: int) -> str:
     raise AssertionError(f"no text of {n} tokens")
 
 
+def call_and_observation(batch) -> int:
+    """Tokens of row 0's call and its observation: the completion's attended tokens less the
+    model's own (call and answer), plus the call's."""
+    call = len(batch.data["call_mask"][0].nonzero())
+    return int(batch.data["completion_attention"][0].sum()) - int(batch.mask[0].sum()) + call
+
+
 def text_tool_policy(path, tokens: int, budget: int):
     """A policy whose one tool, `text`, returns a plain text of `tokens` tokens, with
     tools.max_observation_tokens `budget`; the policy and the text."""
@@ -409,8 +416,7 @@ def test_an_observation_that_would_outgrow_the_context_is_not_shown(qwen25_dir):
     script = [[call, "<answer>circle</answer><|im_end|>"]]
     Scripted(policy, script).install()
     full = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
-    before = len(full.data["call_mask"][0].nonzero())  # the call ...
-    first = int(full.data["completion_attention"][0].sum()) - int(full.mask[0].sum()) + before  # ... and its observation
+    first = call_and_observation(full)
     assert first - 1 >= 48  # the first turn (max_new_tokens 48) starts in either context below
     prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
     for room, shown in ((prompt + first - 1, False), (prompt + first, True)):
@@ -598,12 +604,11 @@ def test_a_later_turn_is_not_started_where_prompt_and_completion_would_outgrow_t
     script = [[call, "<answer>6</answer><|im_end|>"]]
     Scripted(policy, script).install()
     full = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
-    before = len(full.data["call_mask"][0].nonzero())  # the call ...
-    first = int(full.data["completion_attention"][0].sum()) - int(full.mask[0].sum()) + before  # ... and its observation
+    first = call_and_observation(full)
     prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
     for room, turns in ((prompt + first + 48 - 1, 1.0), (prompt + first + 48, 2.0)):
         policy.max_context = room
-        Scripted(policy, [list(t) for t in script]).install()
+        Scripted(policy, script).install()
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
         assert batch.data["stat/turns"].tolist() == [turns]
         assert batch.data["stat/truncated"].tolist() == [float(turns == 1.0)]
