@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy
+from runcompare import comparable
 from two_ranks import process_group
 
 from mmrl.core.batch import RolloutBatch
@@ -571,10 +572,6 @@ class CollapsedToy(toy.ToyPolicy):
 # (alpha = 0.2, 0.4, 0.6, 0.8 of 10 steps).
 FASTRL = ("method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.ngram=2",
           "method.fastrl.against=kept", "rollout.prompts_per_step=5", "train.max_steps=10")
-
-
-def comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def test_fastrl_prunes_and_shrinks_the_group_at_an_epoch_boundary(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import toy
 import yaml
+from runcompare import comparable
 from transformers import LlamaForCausalLM
 
 from mmrl.core.checkpoint import list_checkpoints
@@ -29,11 +30,6 @@ def make(tmp_path, *overrides, name="run"):
 
 def weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
-
-
-def comparable(rows):
-    """metrics.jsonl rows without wall-clock timings."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def test_reward_rises_and_every_parameter_changes(tmp_path):

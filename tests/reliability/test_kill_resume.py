@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runcompare import comparable
 from safetensors.torch import load_file
 
 from mmrl.core import checkpoint as ckpt
@@ -90,11 +91,6 @@ def finished(proc) -> None:
 
 def weight_files(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {str(f.relative_to(model_dir)): load_file(f) for f in sorted(model_dir.rglob("*.safetensors"))}
-
-
-def comparable(rows: list[dict]) -> list[dict]:
-    """metrics.jsonl rows without wall-clock timings (as tests/test_trainer.py)."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
