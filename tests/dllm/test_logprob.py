@@ -48,6 +48,16 @@ def test_token_logprobs_hand_values():
     close(token_logprobs(logits, targets, temperature=0.0), token_logprobs(logits, targets))
 
 
+def test_token_logprobs_hands_its_chunk_to_the_memory_saving_form():
+    """chunk goes to mmrl.core's chunked form: the same numbers (ln 3/4, ln 1/4), and a chunk
+    below 1 refused there."""
+    logits = torch.tensor([[[LN3, 0.0], [LN3, 0.0], [0.0, LN3]]])
+    targets = torch.tensor([[0, 1, 1]])
+    close(token_logprobs(logits, targets, chunk=2), [[math.log(0.75), math.log(0.25), math.log(0.75)]])
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        token_logprobs(logits, targets, chunk=0)
+
+
 # ---------------------------------------------------------------- d1
 def test_d1_masked_input_deterministic_and_padding():
     B, P, C = 4, 200, 5
@@ -75,6 +85,15 @@ def test_d1_masked_input_deterministic_and_padding():
     assert (full[:, 20:] == M).all() and torch.equal(full[:, :20], prompt[:, :20])
 
 
+def test_d1_masks_prompt_tokens_at_its_default_rate():
+    """p_mask defaults to 0.15 (d1): 16000 valid prompt tokens, sd sqrt(0.15 * 0.85 / 16000) = 0.0028,
+    so the masked fraction lies within 0.15 +- 0.012 (4 sd); 0.1 or 0.2 would not."""
+    prompt = torch.zeros(8, 2000, dtype=torch.long)
+    out = d1_masked_input(prompt, torch.zeros(8, 3, dtype=torch.long), mask_id=M, seed=0)
+    frac = (out[:, :2000] == M).float().mean().item()
+    assert abs(frac - 0.15) < 0.012
+
+
 # ---------------------------------------------------------------- coupled-GRPO
 def test_coupled_masks_complementary():
     valid = torch.ones(64, 30, dtype=torch.bool)
@@ -97,6 +116,15 @@ def test_coupled_masks_rate_of_each_row_stays_in_t_range():
     m1, _ = coupled_masks(valid, generator=gen(5), t_range=(0.5, 0.6))
     rates = m1.float().mean(1)
     assert rates.min().item() > 0.47 and rates.max().item() < 0.63
+
+
+def test_coupled_masks_draw_one_t_per_row():
+    """t ~ U(0.2, 0.8) for each row (DiffuCoder draws one per batch): with 2000 positions a
+    row's mask rate is its t within +-0.04 (4 sd), so 64 rows spread over most of (0.2, 0.8)
+    (the chance that 64 uniform draws span less than 0.4 of the 0.6 range is ~1e-9)."""
+    m1, _ = coupled_masks(torch.ones(64, 2000, dtype=torch.bool), generator=gen(4))
+    rates = m1.float().mean(1)
+    assert rates.max().item() - rates.min().item() > 0.3
 
 
 def test_coupled_logprob_hand_values():
@@ -223,6 +251,15 @@ def test_trace_rows_random_block_sampler(block_length, s):
     assert empty.sample.numel() == 0 and empty.target.shape == (0, 5)
 
 
+def test_trace_rows_of_no_rollouts_or_no_positions_are_empty():
+    """A batch of no rollouts [0, C], or of rollouts with no positions [B, 0], gives no rows."""
+    for B, C in ((0, 5), (3, 0)):
+        rows = trace_rows(torch.zeros(B, C, dtype=torch.long), s=2, block_length=4)
+        assert rows.sample.numel() == 0 and rows.step.numel() == 0
+        assert rows.target.shape == (0, C) and rows.input_masked.shape == (0, C)
+        assert rows.target.dtype == torch.bool
+
+
 # ---------------------------------------------------------------- LLaDA ELBO
 def test_elbo_loss_hand_value():
     # V = 2. Logits [0,0] -> CE ln2; logits [ln3, 0] with target 1 -> CE ln4 = 2 ln2.
@@ -260,3 +297,24 @@ def test_forward_mask_and_elbo_unbiased():
     # A full mask with p = 1 gives exactly the mean CE.
     ones = torch.ones(n)
     close(elbo_loss(logits, targets, valid, ones, valid), 4 * LN2 / 3)
+
+
+def test_forward_mask_rate_spans_eps_to_one_in_float32():
+    """p = (1 - eps) t + eps with eps = 1e-3 and t ~ U(0, 1): over 20000 rows p covers [1e-3, 1);
+    the least t of 20000 is below 1e-3 (chance 1 - e^-20), so min p < 1e-3 + 1e-3."""
+    _, p = forward_mask(torch.ones(20000, 2, dtype=torch.bool), generator=gen(6))
+    assert p.dtype == torch.float32
+    assert 1e-3 <= p.min().item() < 2e-3
+    assert 0.99 < p.max().item() < 1.0
+
+
+def test_elbo_loss_without_valid_tokens_is_zero_and_one_token_is_its_ce_over_p():
+    """No valid token: 0 (the token count is clamped to 1), not 0/0. One valid token, masked
+    at p = 0.5, with CE ln 2 (logits [0, 0]): loss = ln2 / 0.5 / 1 = 2 ln 2."""
+    logits = torch.zeros(1, 2, 2)
+    targets = torch.tensor([[0, 1]])
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    loss = elbo_loss(logits, targets, none, torch.tensor([0.5]), none)
+    assert loss.item() == 0.0
+    one = torch.tensor([[True, False]])
+    close(elbo_loss(logits, targets, torch.ones(1, 2, dtype=torch.bool), torch.tensor([0.5]), one), 2 * LN2)

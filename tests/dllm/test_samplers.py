@@ -142,10 +142,87 @@ def test_select_commits_errors():
             select_commits(conf, masked, strategy=strategy)
 
 
+def test_select_commits_refuses_confidence_and_mask_of_other_shapes():
+    """confidence and masked must both be [B, L]: a [1, L] confidence is not broadcast over a
+    [2, L] mask, and 1-D inputs of one shape are refused too."""
+    masked = torch.ones(2, 3, dtype=torch.bool)
+    for conf, mask in ((torch.rand(1, 3), masked), (torch.rand(3), masked[0])):
+        with pytest.raises(ValueError, match="must both be"):
+            select_commits(conf, mask, strategy="low_confidence", num_commit=1)
+
+
+def test_a_masked_confidence_of_zero_still_outranks_unmasked_positions():
+    """A drawn token of probability 0 (underflow) is still a candidate: the unmasked position
+    to its left, whatever its value, never takes its place."""
+    conf = torch.tensor([[0.0, 0.0]])
+    masked = torch.tensor([[F, T]])
+    for strategy in ("low_confidence", "threshold", "tau_budget"):
+        c = select_commits(conf, masked, strategy=strategy, num_commit=1)
+        # the only masked position is 1: low_confidence n = 1, threshold's fallback, tau_budget's n_s = 1
+        assert c.mask.tolist() == [[F, T]], strategy
+        torch.testing.assert_close(c.expected_wrong, torch.tensor([1.0]))  # 1 - 0
+
+
+def test_tau_budget_sums_the_risks_of_the_most_confident_first():
+    """A is sorted by descending c: 0.99, 0.98, 0.91 give risks 0.01, 0.02, 0.09; 0.01 + 0.02
+    = 0.03 <= 0.1 and + 0.09 = 0.12 > 0.1, so k_budget = 2 (summed from the least confident,
+    0.09 <= 0.1 but 0.09 + 0.02 = 0.11 > 0.1 would give 1)."""
+    conf = torch.tensor([[0.91, 0.99, 0.5, 0.98]])
+    c = select_commits(conf, torch.ones(1, 4, dtype=torch.bool), strategy="tau_budget", num_commit=1,
+                       tau=0.9, m=1.0)
+    assert c.mask.tolist() == [[F, T, F, T]]
+    torch.testing.assert_close(c.expected_wrong, torch.tensor([0.03]))
+
+
+def test_tau_budget_risk_of_float32_confidences_is_summed_in_float64():
+    """c = 0.37 - 2.5e-8 (a float32): its exact risk 1 - c = 0.630000025 exceeds the budget
+    m (1 - tau) = 0.7 * 0.9 = 0.63 by more than the 1e-9 slack, so with n_s = 0 nothing is
+    committed; in float32, 1 - c and the budget both round to 0.62999999523 and it would be."""
+    c32 = torch.tensor([[0.3699999749660492]], dtype=torch.float32)
+    assert 1.0 - c32.double().item() > 0.63 + 1e-8             # the float64 risk, as worked above
+    c = select_commits(c32, torch.ones(1, 1, dtype=torch.bool), strategy="tau_budget", num_commit=0,
+                       tau=0.1, m=0.7)
+    assert c.mask.tolist() == [[F]]
+    # a float32 c clearly inside the budget (risk 0.6 <= 0.63) is committed
+    c = select_commits(torch.tensor([[0.4]]), torch.ones(1, 1, dtype=torch.bool), strategy="tau_budget",
+                       num_commit=0, tau=0.1, m=0.7)
+    assert c.mask.tolist() == [[T]]
+
+
+def test_expected_wrong_keeps_the_confidences_float_dtype():
+    """float64 confidences give a float64 expected-wrong sum, 1 - 0.75 + 1 - 0.875 = 0.375."""
+    conf = torch.tensor([[0.75, 0.875, 0.1]], dtype=torch.float64)
+    c = select_commits(conf, torch.ones(1, 3, dtype=torch.bool), strategy="low_confidence", num_commit=2)
+    assert c.expected_wrong.dtype == torch.float64
+    assert c.expected_wrong.tolist() == [0.375]
+    half = select_commits(conf.half(), torch.ones(1, 3, dtype=torch.bool), strategy="low_confidence",
+                          num_commit=2)
+    assert half.expected_wrong.dtype == torch.float16 and half.expected_wrong.tolist() == [0.375]
+
+
+def test_select_commits_default_threshold_tau_and_m():
+    """Defaults threshold 0.8 (Fast-dLLM, Fork-dLLM's lambda), tau 0.9 and m 1 (SLIM-RL)."""
+    masked = torch.ones(1, 4, dtype=torch.bool)
+    # threshold 0.8: 0.85 and 0.81 are above it, 0.79 and 0.5 are not
+    c = select_commits(torch.tensor([[0.85, 0.81, 0.79, 0.5]]), masked, strategy="threshold")
+    assert c.mask.tolist() == [[T, T, F, F]]
+    # tau 0.9, m 1: A = {0.96, 0.95, 0.94} (0.85 < tau), risks 0.04 + 0.05 = 0.09 <= 0.1,
+    # + 0.06 = 0.15 > 0.1 -> k = 2 (tau 0.8 or m 2 would give 3)
+    c = select_commits(torch.tensor([[0.96, 0.95, 0.94, 0.85]]), masked, strategy="tau_budget", num_commit=1)
+    assert c.mask.tolist() == [[T, T, F, F]]
+
+
 def test_num_transfer_tokens():
     out = num_transfer_tokens(torch.tensor([10, 4, 3]), 4)
     # 10 = 3+3+2+2 (remainder 2 to the first steps); 4 = 1 each; 3 = 1,1,1,0
     assert out.tolist() == [[3, 3, 2, 2], [1, 1, 1, 1], [1, 1, 1, 0]]
+
+
+def test_num_transfer_tokens_width_keeps_only_the_first_steps():
+    """width: the first `width` columns of the schedule; a width beyond `steps` gives `steps` columns."""
+    counts = torch.tensor([10, 3])
+    assert num_transfer_tokens(counts, 4, width=2).tolist() == [[3, 3], [1, 1]]       # of 3,3,2,2 and 1,1,1,0
+    assert num_transfer_tokens(counts, 4, width=6).tolist() == [[3, 3, 2, 2], [1, 1, 1, 0]]
 
 
 # ---------------------------------------------------------------- decode
@@ -443,3 +520,73 @@ def test_decode_refuses_a_negative_temperature():
     with pytest.raises(ValueError, match=r"temperature \(-0.5\) must be >= 0"):
         decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, temperature=-0.5)
     assert not calls
+
+
+def ratio_model(odds):
+    """Answer position j (prompt length 2) puts logit ln(odds[j]) on token 0 and 0 on token 1
+    (the rest -inf): token 0 is drawn at T = 0, with confidence odds / (odds + 1)."""
+    def fn(x):
+        logits = torch.full((x.shape[0], x.shape[1], V), -math.inf, dtype=torch.float64)
+        logits[:, :, :2] = 0.0
+        for j, o in enumerate(odds):
+            logits[:, 2 + j, 0] = math.log(o)
+        return logits
+    return fn
+
+
+def test_decode_default_threshold_and_tau_budget():
+    """decode's defaults: threshold 0.8, tau 0.9, m 1."""
+    # fork, one block of 2: c = 6/7 = 0.857 > 0.8 commits at step 0 (not a fallback), then c = 1/2
+    # is a fallback (a threshold of 0.9 would make both steps fallbacks)
+    r = decode(ratio_model([6, 1]), PROMPT, gen_length=2, block_length=2, steps=2, mask_id=MASK, strategy="fork")
+    assert r.commit_step.tolist() == [[0, 1]] * 3
+    assert r.fallback.tolist() == [[F, T]] * 3
+    # tau_budget, one block of 4 over 4 steps (n_s = 1 each): c = 24/25, 19/20, 47/50, 17/20 =
+    # 0.96, 0.95, 0.94, 0.85. Step 0: A = the first three, risks 0.04 + 0.05 = 0.09 <= 0.1, + 0.06 > 0.1
+    # -> 2; step 1: A = {0.94}, 0.06 <= 0.1 -> 1; step 2: 0.85, n_s = 1 (tau 0.8 or m 2: 3 at step 0)
+    r = decode(ratio_model([24, 19, 47 / 3, 17 / 3]), PROMPT, gen_length=4, block_length=4, steps=4,
+               mask_id=MASK, strategy="tau_budget")
+    assert r.commit_step.tolist() == [[0, 0, 1, 2]] * 3
+    assert r.commit_confidence[0].tolist() == pytest.approx([0.96, 0.95, 0.94, 0.85], rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["gen_length", "block_length", "steps"])
+def test_decode_refuses_a_zero_length_block_or_step_count(bad):
+    """0 is not positive: a ValueError before any forward, not a division by zero or an empty loop."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return torch.zeros(x.shape[0], x.shape[1], V)
+    kw = {"gen_length": 8, "block_length": 4, "steps": 4, bad: 0}
+    with pytest.raises(ValueError, match="must be positive"):
+        decode(fn, PROMPT, mask_id=MASK, **kw)
+    assert not calls
+
+
+@pytest.mark.parametrize("rows_arg", [False, True])
+def test_bfloat16_logits_are_read_in_float64(rows_arg):
+    """The sampler casts the logits to float64 (module docstring, step 1), so a bf16 model's
+    confidence and log-prob are softmax(logits) of its bf16 numbers computed exactly, not
+    rounded to bf16. Row 0 is certain (logit 50) and fills a block in one step, so with
+    rows_arg the other rows are run alone; rows 1, 2 put logit j + 1 on token j % 3 at answer
+    position j (all exact in bf16): c_j = e^(j+1) / (e^(j+1) + 5)."""
+    def model(x, rows=None):
+        rows = torch.arange(x.shape[0]) if rows is None else rows
+        assert x.shape[0] == len(rows)                     # only the rows still decoding are run
+        logits = torch.zeros(x.shape[0], x.shape[1], V)
+        for i, row in enumerate(rows.tolist()):
+            for j in range(x.shape[1] - 2):
+                if row == 0:
+                    logits[i, 2 + j, 3] = 50.0
+                else:
+                    logits[i, 2 + j, j % 3] = j + 1.0
+        return logits.bfloat16()
+    r = run(model, strategy="threshold", threshold=0.5, steps=2, rows_arg=rows_arg)
+    assert not r.active[0].all()                           # row 0 waited: rows_arg ran rows 1, 2 alone
+    c = [math.exp(j + 1) / (math.exp(j + 1) + 5) for j in range(8)]
+    for b in (1, 2):
+        assert r.completion[b].tolist() == [j % 3 for j in range(8)]
+        assert r.commit_confidence[b].tolist() == pytest.approx(c, rel=1e-6)
+        assert r.commit_logp[b].tolist() == pytest.approx([math.log(v) for v in c], rel=1e-6)
+    assert r.completion[0].tolist() == [3] * 8
