@@ -279,6 +279,9 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
             active = masked.any(1)                                            # [B]
             if not active.any() or (strategy == "low_confidence" and i >= steps_per_block):
                 break
+            if i >= block_length:  # each step commits one or more positions of every active row
+                raise RuntimeError(f"block {b} still has masked positions after {i} {strategy} steps "
+                                   "(each step must commit at least one per row): the commit rule stalled")
             if record_states:
                 states.append(x.clone())
             logits = _block_logits(logits_fn, x, active if rows_arg else None, P + lo, P + hi)

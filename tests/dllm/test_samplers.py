@@ -590,3 +590,25 @@ def test_bfloat16_logits_are_read_in_float64(rows_arg):
         assert r.commit_confidence[b].tolist() == pytest.approx(c, rel=1e-6)
         assert r.commit_logp[b].tolist() == pytest.approx([math.log(v) for v in c], rel=1e-6)
     assert r.completion[0].tolist() == [3] * 8
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork", "tau_budget", "ar"])
+def test_a_commit_rule_that_commits_nothing_is_an_error_not_a_hang(strategy, monkeypatch):
+    """Every step commits one or more positions of each active row, so a block takes at most
+    block_length steps (low_confidence: its steps per block); a rule that stalls (here: commits
+    nothing) stops with an error there instead of looping for ever (the stub gives up after 50
+    calls, so a loop without the bound fails too). 2 blocks of 4, 4 steps: 2 per block."""
+    from dllm_rl import samplers
+
+    calls = []
+
+    def stalled(confidence, masked, **kw):
+        calls.append(1)
+        assert len(calls) < 50, "decode kept stepping a block nothing was committed in"
+        none = torch.zeros_like(masked)
+        return samplers.Commit(mask=none, fallback=none.any(1), expected_wrong=confidence.new_zeros(len(masked)))
+    monkeypatch.setattr(samplers, "select_commits", stalled)
+    bound = 2 if strategy == "low_confidence" else 4
+    with pytest.raises(RuntimeError, match=f"block 0 (still has|left) masked positions after {bound} "):
+        run(strategy=strategy)
+    assert len(calls) == bound
