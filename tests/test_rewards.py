@@ -1163,3 +1163,181 @@ def test_an_atom_from_a_file_with_dots_in_its_name_pickles(tmp_path):
     (tmp_path / "rules.v2.py").write_text("def one(sample):\n    return 1.0\n")
     atom = load_atom("rules.v2.py:one", base_dir=tmp_path)
     assert pickle.loads(pickle.dumps(atom)).fn(Sample("p", "c")) == 1.0
+
+
+# ---------------------------------------------------------------------------- edges: levels, async batches, cancels, messages
+
+
+def test_a_batched_flag_is_stored_as_a_bool():
+    assert RewardAtom("a", lambda samples: [1.0], batched=1).batched is True
+    assert RewardAtom("b", lambda s: 1.0, batched=0).batched is False
+
+
+def test_the_longest_wait_a_thread_allows_is_a_valid_timeout():
+    # "up to MAX_TIMEOUT" includes it; a second more is refused
+    assert Reward([value_atom("v")], timeout=threading.TIMEOUT_MAX).timeout == threading.TIMEOUT_MAX
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds up to"):
+        Reward([value_atom("v")], timeout=threading.TIMEOUT_MAX + 1)
+
+
+def test_an_async_batched_child_gets_only_its_open_samples():
+    seen = []
+
+    @reward_atom("child", batched=True, parents="root")
+    async def child(samples):
+        seen.append([s.prompt for s in samples])
+        return [2.0 * s.completion for s in samples]
+
+    scores = Reward([value_atom("root"), child]).score(make_samples([1.0, 0.25, 0.5]))
+    # root 1.0 and 0.5 (>= 0.5) open the child, 0.25 gates it: one call with samples 0 and 2
+    assert seen == [["prompt 0", "prompt 2"]]
+    # child = 2 * value on the open samples: 2.0, (gated) 0.0, 1.0
+    assert scores.values.tolist() == [[1.0, 2.0], [0.25, 0.0], [0.5, 1.0]]
+
+
+def test_an_atom_is_scored_after_its_deepest_parent():
+    """c's parents are a (level 0) and b (level 1): c is on level 2, after b, even when listed
+    before b (on b's level it would see b's 0 and be gated)."""
+    a = value_atom("a")
+    b = RewardAtom("b", lambda s: 1.0, parents="a")
+    c = RewardAtom("c", lambda s: 0.5, parents=("a", "b"))
+    scores = Reward([a, c, b]).score(make_samples([1.0, 0.0]))
+    # sample 0: a 1 opens b (1), a and b open c (0.5); sample 1: a 0 gates b and c
+    assert scores.values.tolist() == [[1.0, 0.5, 1.0], [0.0, 0.0, 0.0]]
+
+
+def test_a_parent_cycle_is_named_without_the_atoms_leading_into_it():
+    z = value_atom("z", parents="x")  # leads into the cycle, is not in it
+    x, y = value_atom("x", parents="y"), value_atom("y", parents="x")
+    with pytest.raises(ValueError, match=r"'x' is in a parent cycle: x -> y -> x$"):
+        Reward([z, x, y])
+
+
+def test_a_weighted_total_beyond_float32_names_the_first_such_sample():
+    # weight 2: 2 * 3e38 = 6e38 > float32 max (3.4e38) on samples 1 and 2; the first is named
+    with pytest.raises(RewardError, match=r"weighted total of sample 1 \(prompt: 'prompt 1'\) is inf") as info:
+        Reward([value_atom("v", weight=2.0)]).score(make_samples([1.0, 3e38, 3e38]))
+    assert (info.value.atom, info.value.sample_index) == (None, 1)
+
+
+def test_the_failure_warning_names_each_atoms_first_failure():
+    def picky(s):
+        if s.completion:
+            raise ValueError(f"bad {s.completion}")
+        return 1.0
+
+    with pytest.warns(RuntimeWarning) as record:
+        Reward([RewardAtom("picky", picky)], on_error="zero").score(make_samples([0, 1, 2]))
+    assert len(record) == 1
+    assert str(record[0].message) == (
+        "2 reward evaluation(s) failed and scored 0: 'picky' on 2 (first: sample 1: ValueError: bad 1)"
+    )
+
+
+def test_the_failure_warning_points_at_the_caller_of_score():
+    reward = Reward([RewardAtom("nan", lambda s: math.nan)], on_error="zero")
+    with pytest.warns(RuntimeWarning) as record:
+        reward.score(make_samples([0]))
+    assert record[0].filename == __file__  # this file, not rewards.py
+
+
+def test_a_complex_number_is_not_a_score():
+    with pytest.raises(RewardError) as info:
+        Reward([RewardAtom("z", lambda s: complex(1, 0))]).score(make_samples([0]))
+    assert str(info.value) == "reward atom 'z' failed on sample 0 (prompt: 'prompt 0'): returned a complex, expected a number"
+
+
+def test_an_async_atom_raising_system_exit_is_reported_as_system_exit():
+    @reward_atom("quits")
+    async def quits(s):
+        raise SystemExit(3)
+
+    with pytest.raises(RewardError) as info:
+        Reward([quits]).score(make_samples([0]))
+    assert str(info.value) == "reward atom 'quits' failed on sample 0 (prompt: 'prompt 0'): SystemExit: 3"
+
+
+def test_a_returned_object_is_named_with_its_article():
+    class Unknown:
+        pass
+
+    with pytest.raises(RewardError, match=r"returned an Unknown, expected a number$"):
+        Reward([RewardAtom("v", lambda s: Unknown())]).score(make_samples([0]))
+
+
+def test_an_async_atom_raising_a_base_exception_of_its_own_is_its_failure():
+    class Halt(BaseException):  # neither an Exception nor one of those the loop handles itself
+        pass
+
+    @reward_atom("halts")
+    async def halts(s):
+        raise Halt("stop")
+
+    with pytest.raises(RewardError) as info:
+        Reward([halts]).score(make_samples([0]))
+    assert str(info.value) == "reward atom 'halts' failed on sample 0 (prompt: 'prompt 0'): Halt: stop"
+    with pytest.warns(RuntimeWarning, match="'halts' on 2"):
+        scores = Reward([halts], on_error="zero").score(make_samples([0, 1]))
+    assert scores.errors == 2 and scores.values.tolist() == [[0.0], [0.0]]
+
+
+def test_a_timed_out_async_atom_between_awaits_is_cancelled_too():
+    """An atom that only yields the loop (sleep(0), waiting on no future) is cancelled at its next
+    await: the cancellation is thrown into it, not lost, and it stops spinning."""
+    cancelled = threading.Event()
+
+    @reward_atom("spinner")
+    async def spinner(s):
+        try:
+            while True:
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.warns(RuntimeWarning, match="'spinner' on 1 .*timed out after 0.05 s"):
+        scores = Reward([spinner], timeout=0.05, on_error="zero").score(make_samples([0]))
+    assert scores.values.tolist() == [[0.0]]
+    assert cancelled.wait(2)
+
+
+def test_a_failed_batched_child_names_the_batch_it_was_called_with():
+    def broken(samples):
+        raise RuntimeError("judge down")
+
+    child = RewardAtom("child", broken, batched=True, parents="root")
+    with pytest.raises(RewardError) as info:
+        Reward([value_atom("root"), child]).score(make_samples([0.0, 1.0, 0.5]))
+    # root 0.0 gates sample 0: the child is called with samples 1 and 2
+    assert str(info.value) == ("reward atom 'child' failed on a batch of 2 samples (first prompt: 'prompt 1'): "
+                               "RuntimeError: judge down")
+    assert (info.value.atom, info.value.sample_index) == ("child", None)
+
+
+def test_a_call_left_on_the_loop_is_cancelled_again_when_the_reward_is_gone():
+    """An atom that swallows its timeout's cancel keeps awaiting; once the Reward (and its loop)
+    is gone, what is left on the loop is cancelled once more, so its cleanup runs."""
+    import gc
+
+    cancels = []
+    finished = threading.Event()
+
+    @reward_atom("stubborn")
+    async def stubborn(s):
+        try:
+            for _ in range(2):
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    cancels.append(1)  # the first is swallowed
+            return 1.0
+        finally:
+            finished.set()
+
+    reward = Reward([stubborn], timeout=0.05, on_error="zero")
+    with pytest.warns(RuntimeWarning, match="'stubborn' on 1"):
+        reward.score(make_samples([0]))
+    assert cancels == [1] and not finished.is_set()  # still awaiting on the loop
+    del reward
+    gc.collect()
+    assert finished.wait(5) and cancels == [1, 1]  # cancelled again (not only closed with its loop)
