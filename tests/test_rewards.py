@@ -776,13 +776,26 @@ def test_an_async_atom_raising_a_base_exception_is_its_failure(raised):
     assert Reward([value_atom("v")]).score(make_samples([2.0])).total.tolist() == [2.0]  # nothing left broken
 
 
-def test_a_timed_sync_atom_raising_system_exit_is_not_a_timeout():
-    @reward_atom("quits")
+def test_a_sync_atom_calling_sys_exit_fails_as_the_atom_with_or_without_a_timeout():
+    """sys.exit() in a sync atom is its failure, named, as in an async atom (without a timeout
+    it used to end the run without naming the atom; under one it is not taken for a timeout);
+    a KeyboardInterrupt raised on the caller's thread goes on up (it may be a Ctrl-C)."""
     def quits(s):
         raise SystemExit(3)
 
-    with pytest.raises(RewardError, match="'quits' failed on sample 0.*SystemExit: 3"):
-        Reward([quits], timeout=1).score(make_samples([0]))
+    for timeout in (None, 5.0):
+        with pytest.raises(RewardError) as info:
+            Reward([RewardAtom("quits", quits)], timeout=timeout).score(make_samples([0]))
+        assert str(info.value) == "reward atom 'quits' failed on sample 0 (prompt: 'prompt 0'): SystemExit: 3"
+    with pytest.warns(RuntimeWarning, match="'quits' on 2"):
+        scores = Reward([RewardAtom("quits", quits)], on_error="zero").score(make_samples([0, 1]))
+    assert scores.errors == 2 and scores.values.tolist() == [[0.0], [0.0]]
+
+    def interrupted(s):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Reward([RewardAtom("ctrl_c", interrupted)], on_error="zero").score(make_samples([0]))
 
 
 def test_weights_and_timeouts_out_of_range_are_refused_up_front():

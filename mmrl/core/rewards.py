@@ -355,10 +355,14 @@ class _Escaped(Exception):
 
 
 def _call(fn: Callable, arg) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, the exception fn raised)."""
+    """(result, None) or (None, the exception fn raised). A SystemExit (a sys.exit() in the
+    atom) is its failure too, as it is in an async atom or under a timeout; KeyboardInterrupt
+    goes on up, since on this thread it may be the user's Ctrl-C."""
     try:
         return fn(arg), None
-    except Exception as e:  # noqa: BLE001 -- any failure of user code is reported per atom
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- any failure of user code is reported per atom
         return None, e
 
 
