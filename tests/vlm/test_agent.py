@@ -223,6 +223,27 @@ def test_a_call_in_the_only_turn_counts_as_a_call(qwen25_dir):
     assert [s.meta["tool_calls"] for s in batch.samples] == [1, 1]
 
 
+def test_a_rollouts_meta_counts_every_error_not_every_kind(qwen25_dir):
+    """Two calls of an unknown tool: two errors of one kind, in the sample's meta (what reward
+    atoms read) as in stat/tool_errors; the rollout that called is the one stat/called marks."""
+    policy = make_policy(qwen25_dir, max_turns=3, max_tool_calls=2)
+    call = tool_call("paint")
+    Scripted(policy, [[call, call, "<answer>red</answer><|im_end|>"], ["<answer>red</answer><|im_end|>"]]).install()
+    batch = policy.generate([ITEMS[0]], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_errors"].tolist() == [2.0, 0.0] and batch.data["stat/called"].tolist() == [1.0, 0.0]
+    assert [(s.meta["tool_calls"], s.meta["tool_errors"]) for s in batch.samples] == [(2, 2), (0, 0)]
+
+
+def test_a_demonstrations_last_turn_left_inside_a_call_is_a_malformed_call(qwen25_dir):
+    """teacher(): a last turn that ends inside an unclosed call is counted as a (malformed) call,
+    not run, and the transcript is truncated there, as a model's would be; it is not refused."""
+    policy = make_policy(qwen25_dir, max_turns=1)
+    batch = policy.agent.teacher([ITEMS[0]], [['<tool_call>\n{"name": "zoom"']])
+    data = batch.data
+    assert data["stat/tool_calls"].tolist() == [1.0] and data["stat/tool_errors"].tolist() == [1.0]
+    assert data["stat/truncated"].tolist() == [1.0] and "tool_response" not in batch.samples[0].completion
+
+
 def test_markup_in_a_tools_text_stays_text(qwen25_dir):
     """A tool's text (or an error quoting the model's) that holds the chat format's markup:
     an <|image_pad|> with no image would crash the next turn's generate; it stays text."""
@@ -274,6 +295,20 @@ def test_a_turn_ending_on_generated_pad_tokens_keeps_them(qwen25_dir):
     Scripted(policy, [[turn]]).install()
     batch = policy.generate([ITEMS[0]], 1, rollout_cfg(max_new_tokens=n), torch.Generator().manual_seed(0))
     assert batch.mask[0].sum() == n and batch.data["stat/truncated"].tolist() == [1.0]
+
+
+def test_a_turn_ended_by_a_stop_string_drops_generates_padding(qwen25_dir):
+    """With rollout.stop, generate pads a row that stopped early: those pads are not the row's.
+    Row 0 stops after "<answer>red</answer>" (padded to row 1's length), row 1 after its longer
+    answer; neither ran out of tokens."""
+    policy = make_policy(qwen25_dir)
+    short, long = "<answer>red</answer>", "<answer>a red circle, not a square</answer>"
+    Scripted(policy, [[short], [long]]).install()
+    batch = policy.generate([ITEMS[0]], 2, rollout_cfg(stop=["</answer>"]), torch.Generator().manual_seed(0))
+    n = [len(policy.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (short, long)]
+    assert n[0] < n[1] and batch.mask.sum(-1).tolist() == n
+    assert [s.completion for s in batch.samples] == [short, long]
+    assert batch.data["stat/truncated"].tolist() == [0.0, 0.0]
 
 
 def test_a_demonstration_turn_after_a_turn_without_a_call_is_refused(qwen25_dir):
@@ -444,6 +479,17 @@ def test_a_tools_text_of_exactly_the_budget_is_not_cut(qwen25_dir):
     assert batch.data["stat/tool_errors"].tolist() == [0.0] and batch.data["stat/tool_failures"].tolist() == [0.0]
 
 
+def test_a_cut_text_keeps_exactly_the_budgets_tokens(qwen25_dir):
+    """A text of 24 tokens ("a" and 23 " b") with a budget of 16: the observation holds its first
+    16 tokens, then the note of the 8 cut."""
+    policy, text = text_tool_policy(qwen25_dir, 24, budget=16)
+    assert text == "a" + " b" * 23
+    Scripted(policy, [[tool_call("text"), "<answer>circle</answer><|im_end|>"]]).install()
+    with pytest.warns(UserWarning, match="returned 24 tokens of text, cut to tools.max_observation_tokens 16"):
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert "<tool_response>\na" + " b" * 15 + " ... [cut: 8 more tokens]\n</tool_response>" in batch.samples[0].completion
+
+
 def test_the_observation_budget_is_shared_by_a_results_texts(qwen25_dir):
     """tools.max_observation_tokens bounds an observation's text in all, not each part's."""
     registry = build_registry([], timeout=2.0)
@@ -550,6 +596,17 @@ def test_observation_image_tokens_are_typed_as_images(qwen25_dir):
     assert (batch.data["prompt/mm_token_type_ids"][0][prompt_pads] == 1).all()  # as the processor types them
 
 
+def test_completion_token_types_mark_image_and_video_placeholders(qwen25_dir):
+    """completion/mm_token_type_ids types vision placeholders in the completion as the processor
+    types them in a prompt: <|image_pad|> 1, <|video_pad|> 2, any other token 0."""
+    policy = make_policy(qwen25_dir)
+    batch = policy.agent.teacher([ITEMS[0]], [["<|image_pad|><|video_pad|><|vision_start|> red"]])
+    ids, types = batch.data["completion_ids"][0].tolist(), batch.data["completion/mm_token_type_ids"][0].tolist()
+    tok = policy.tokenizer
+    assert ids[:3] == tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>"])
+    assert types == [1, 2] + [0] * (len(ids) - 2)
+
+
 def test_a_prefix_counts_toward_the_prompts_length(qwen25_dir):
     """A tool rollout's prompt, with its fixed prefix and max_new_tokens, must fit the context."""
     policy = make_policy(qwen25_dir)
@@ -558,6 +615,17 @@ def test_a_prefix_counts_toward_the_prompts_length(qwen25_dir):
     policy.max_context = prompt + 48 + len(head) - 1
     with pytest.raises(PromptTooLong, match="exceeds the model's context"):
         policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0), prefixes=[head])
+
+
+def test_the_longest_prefix_counts_toward_the_prompts_length(qwen25_dir):
+    """Rows with different prefixes: the longest (with max_new_tokens) must fit, not the shortest."""
+    policy = make_policy(qwen25_dir)
+    Scripted(policy, [["<answer>red</answer><|im_end|>"]] * 2).install()
+    head = policy.tokenizer("I see", add_special_tokens=False)["input_ids"]
+    prompt = int(policy.encode([ITEMS[0]])["attention_mask"].sum())
+    policy.max_context = prompt + 48 + len(head) - 1
+    with pytest.raises(PromptTooLong, match="exceeds the model's context"):
+        policy.generate([ITEMS[0], ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0), prefixes=[None, head])
 
 
 def test_a_tool_batchs_groups_are_its_prompts(qwen25_dir):
@@ -704,6 +772,18 @@ def test_stat_entropy_is_the_mean_over_the_models_own_tokens(qwen25_dir):
     torch.testing.assert_close(batch.data["stat/entropy"][0], ent[0][mask].mean(), atol=1e-4, rtol=1e-4)
 
 
+def test_stat_length_counts_the_models_own_tokens_not_the_observations(qwen25_dir):
+    """stat/length of a rollout that calls, reads "6" and answers: its call's tokens and its
+    answer's, the observation between them not counted."""
+    policy = make_policy(qwen25_dir)
+    call, answer = tool_call("calculator", expression="2*3"), "<answer>6</answer><|im_end|>"
+    Scripted(policy, [[call, answer]]).install()
+    batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    n = sum(len(policy.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (call, answer))
+    assert batch.data["completion_attention"][0].sum() > n  # the observation is there
+    assert batch.data["stat/length"].tolist() == [float(n)]
+
+
 def test_a_demonstration_batch_has_one_group_per_item(qwen25_dir):
     policy = make_policy(qwen25_dir)
     batch = policy.agent.teacher(ITEMS[:2], [["<answer>red</answer>"], ["<answer>blue</answer>"]])
@@ -750,6 +830,21 @@ def test_a_turn_samples_at_the_rollouts_settings_and_stops_at_the_closing_tag(qw
             assert (kw["do_sample"], kw["temperature"], kw["top_p"], kw["top_k"]) == (True, 0.7, 0.9, 0)
             assert kw["max_new_tokens"] == 48 and kw["output_logits"] is logits
             assert kw["eos_token_id"] == [policy.eos_id, policy.agent.close_id]
+
+
+def test_a_call_turn_shorter_than_the_others_ends_at_its_closing_tag(qwen25_dir):
+    """Generate pads a row that stopped at </tool_call> while another row went on: the pads are
+    not its turn's, the call runs, and the row's own tokens are its call's and its answer's."""
+    policy = make_policy(qwen25_dir)
+    call, answer = tool_call("calculator", expression="2*3"), "<answer>6</answer><|im_end|>"
+    long = "<answer>" + "a red circle and a blue square " * 5 + "</answer><|im_end|>"
+    n = {t: len(policy.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (call, answer, long)}
+    assert n[call] < n[long] <= 48  # rollout_cfg's max_new_tokens
+    Scripted(policy, [[call, answer], [long]]).install()
+    batch = policy.generate([ITEMS[0]], 2, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_calls"].tolist() == [1.0, 0.0] and batch.data["stat/turns"].tolist() == [2.0, 1.0]
+    assert batch.mask.sum(-1).tolist() == [n[call] + n[answer], n[long]]
+    assert int(batch.data["call_mask"][0].sum()) == n[call]
 
 
 def test_greedy_tool_rollouts_read_generates_logits_under_forward_scoring(qwen25_dir):
