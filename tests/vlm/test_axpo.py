@@ -15,8 +15,8 @@ from mmrl.vlm.config import VLMTrainConfig
 from mmrl.vlm.methods.axpo import AXPO, first_call_confidence
 
 
-def method(**resample):
-    cfg = load_config(VLMTrainConfig, overrides=["method.type=axpo", "rollout.tools.names=[zoom]",
+def method(overrides=(), **resample):
+    cfg = load_config(VLMTrainConfig, overrides=["method.type=axpo", "rollout.tools.names=[zoom]", *overrides,
                                                   *[f"method.resample.{k}={v}" for k, v in resample.items()]])
     reward = type("R", (), {"atoms": []})()
     return AXPO(cfg.method, cfg, reward)
@@ -94,6 +94,70 @@ def test_advantages_of_originals_and_of_each_sibling_set():
     torch.testing.assert_close(adv, want, atol=1e-3, rtol=0)
     metrics = m.batch_metrics(g)
     assert metrics["axpo/resampled"] == 4 and metrics["axpo/resampled_accuracy"] == 0.25
+
+
+def test_m_is_budget_times_g_over_k_rounded_and_at_least_one():
+    """M = max(1, round(budget * G / K)): G = 4, K = 2, budget 0.25 -> round(0.5) = 0 -> 1 prefix;
+    G = 8, K = 2, budget 0.45 -> round(1.8) = 2 prefixes (not 1, as truncating would give)."""
+    g = group([0, 0, 0, 0], [1, 2, -1, -1], [[0.3, 0.3], [0.6, 0.6], [1, 1], [1, 1]])
+    assert len(method(k=2, budget=0.25).extra_requests(g)) == 1
+    g = group([0] * 8, [1, 2, 3, -1, -1, -1, -1, -1], [[0.3, 0.3], [0.6, 0.6], [0.2, 0.2]] + [[1, 1]] * 5)
+    reqs = method(k=2, budget=0.45).extra_requests(g)
+    assert [r.prefix for r in reqs] == [g.data["completion_ids"][2, :3].tolist(),  # u = 0.2
+                                        g.data["completion_ids"][0, :1].tolist()]  # u = 0.3
+
+
+def test_each_prefix_asks_for_k_continuations():
+    """K = 3: G = 8, budget 0.25 -> M = max(1, round(0.67)) = 1 request, for 3 continuations."""
+    g = group([0] * 8, [1, -1, -1, -1, -1, -1, -1, -1], [[0.3, 0.3]] + [[1, 1]] * 7)
+    assert [r.n for r in method(k=3).extra_requests(g)] == [3]
+
+
+def test_a_group_without_its_prompt_is_refused_by_name():
+    g = group([0, 0, 0, 0], [1, -1, -1, -1], [[0.3, 0.3]] + [[1, 1]] * 3)
+    g.prompts = {}
+    with pytest.raises(ValueError, match="AXPO needs the prompt of group 7"):
+        method().extra_requests(g)
+
+
+def test_sibling_sets_of_different_groups_with_the_same_tag_are_apart():
+    """Groups 7 and 8 each have two originals and two tag-1 siblings. Group 7: originals [1, 0]
+    -> mean 0.5, unbiased std 0.7071 -> [+0.7071, -0.7071]; siblings [1, 1] -> 0. Group 8:
+    originals [0, 1] -> [-0.7071, +0.7071]; siblings [0, 0] -> 0. (Pooled, the four siblings
+    [1, 1, 0, 0] would get +-0.866.)"""
+    a = group([1, 0, 1, 1], [-1] * 4, [[1, 1]] * 4, gid=7, tags=[0, 0, 1, 1])
+    b = group([0, 1, 0, 0], [-1] * 4, [[1, 1]] * 4, gid=8, tags=[0, 0, 1, 1])
+    adv = method().advantages(RolloutBatch.concat([a, b]))
+    want = torch.tensor([0.7071, -0.7071, 0.0, 0.0, -0.7071, 0.7071, 0.0, 0.0])
+    torch.testing.assert_close(adv, want, atol=1e-3, rtol=0)
+
+
+def test_right_is_the_answer_atom_at_least_success_not_the_total():
+    """The group's rewards: answer [1, 0], total [1.1, 0.1] (the 0.1 format atom). success 1.0:
+    an answer of exactly 1.0 is right. success 0.1: a wrong answer is wrong though its total
+    (0.1) reaches success."""
+    g = group([1, 0], [-1, -1], [[1, 1]] * 2)
+    assert method(overrides=["method.success=1.0"]).right(g).tolist() == [True, False]
+    assert method(overrides=["method.success=0.1"]).right(g).tolist() == [True, False]
+
+
+def test_batch_metrics_count_all_wrong_tool_groups_and_rates():
+    """Group 7: its tool users (rows 0, 3) all wrong -> all-wrong; its two tag-1 continuations
+    (one right and calling, one wrong) do not make it otherwise. Group 8: one of its two tool
+    users is right -> not all-wrong. Group 9: nobody called -> not counted. Group 10: its one
+    tool user wrong -> all-wrong. 2 groups in all.
+    tool_call_rate over the 12 originals: 2 + 2 + 0 + 1 = 5 / 12; the 2 resamples: 1 right,
+    1 calling -> accuracy 0.5, tool-call rate 0.5."""
+    a = group([0, 0, 1, 0, 1, 0], [1, -1, -1, 2, 0, -1], [[0.5, 0.5]] * 6, gid=7, tags=[0, 0, 0, 0, 1, 1])
+    b = group([1, 0, 0, 0], [1, 2, -1, -1], [[0.5, 0.5]] * 4, gid=8)
+    c = group([0, 0], [-1, -1], [[1, 1]] * 2, gid=9)
+    d = group([0, 0], [0, -1], [[0.5, 0.5], [1, 1]], gid=10)
+    out = method().batch_metrics(RolloutBatch.concat([a, b, c, d]))
+    assert out["axpo/all_wrong_tool_groups"] == 2 and out["axpo/resampled"] == 2
+    assert out["axpo/tool_call_rate"] == pytest.approx(5 / 12)
+    assert out["axpo/resampled_accuracy"] == 0.5 and out["axpo/resampled_tool_call_rate"] == 0.5
+    no_extras = method().batch_metrics(b)
+    assert "axpo/resampled_accuracy" not in no_extras and "axpo/resampled_tool_call_rate" not in no_extras
 
 
 def test_axpo_needs_tool_rollouts():
