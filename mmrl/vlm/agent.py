@@ -148,7 +148,10 @@ class ToolRollout:
     def teacher(self, items: Sequence[Any], turns: Sequence[Sequence[str]]) -> RolloutBatch:
         """Rollouts whose model turns are given as text (tool-use demonstrations for supervised
         fine-tuning, or fixed transcripts to score): a turn that ends with a tool call gets the
-        tool's real observation; the last turn gets end-of-turn. Old log-probs are 0."""
+        tool's real observation; the last turn gets end-of-turn. Old log-probs are 0.
+        A last turn may end with a call only at tools.max_turns, where a rollout's would stop
+        (truncated, the call counted, not run, no end-of-turn after a closed one); before it,
+        an observation and another turn would follow, so such a transcript is refused."""
         if len(turns) != len(items):
             raise ValueError(f"{len(turns)} transcripts for {len(items)} items")
         tok = self.policy.tokenizer
@@ -161,7 +164,9 @@ class ToolRollout:
                 raise ValueError(f"a transcript of {len(texts)} turns; tools.max_turns is {self.cfg.max_turns}")
             for j, text in enumerate(texts):
                 ids = tok(text, add_special_tokens=False)["input_ids"]
-                ids += [self.policy.eos_id] if j == len(texts) - 1 else []
+                if j == len(texts) - 1:
+                    self._check_last_turn(ids, j, len(texts))
+                    ids += [] if ids and ids[-1] == self.close_id else [self.policy.eos_id]
                 self._take_turn(row, ids, [0.0] * len(ids), [0.0] * len(ids), unlimited)
                 if row.truncated and j < len(texts) - 1:
                     raise ValueError(f"turn {j + 1} of {len(texts)}: its tool's observation would take the transcript "
@@ -171,6 +176,16 @@ class ToolRollout:
                                      f"({TOOL_CALL_CLOSE} last), so no observation follows it and the next turn "
                                      "cannot be one")
         return self._batch(enc, items, rows, prompt)
+
+    def _check_last_turn(self, ids: list[int], j: int, n: int) -> None:
+        """A demonstration's last turn (the j-th of n, 0-based) may end in a call, closed or
+        not, only where no turn is left after it."""
+        opened = [i for i, t in enumerate(ids) if t == self.open_id]
+        in_call = (bool(ids) and ids[-1] == self.close_id) or (bool(opened) and self.close_id not in ids[opened[-1]:])
+        if in_call and j + 1 < self.cfg.max_turns:
+            raise ValueError(f"turn {j + 1} of {n}, the last, ends with a tool call: a rollout would get its "
+                             f"observation and another turn (tools.max_turns is {self.cfg.max_turns}), so the "
+                             "transcript cannot end there; end it with an answer")
 
     def _room(self, prompt: dict) -> float:
         """Tokens a rollout's completion may hold: the model's context less its prompt."""

@@ -244,6 +244,28 @@ def test_a_demonstrations_last_turn_left_inside_a_call_is_a_malformed_call(qwen2
     assert data["stat/truncated"].tolist() == [1.0] and "tool_response" not in batch.samples[0].completion
 
 
+def test_a_demonstrations_last_turn_ending_with_a_call_is_kept_as_a_rollouts_would_be(qwen25_dir):
+    """At tools.max_turns, a last turn that ends with a closed call is what a rollout's turn
+    stopped at </tool_call> would be: the call counted (stat/called, call_mask), not run,
+    truncated, no end-of-turn after it. With turns left, a rollout would get an observation and
+    go on, so a transcript ending in a call there, closed or not, is refused."""
+    call = tool_call("calculator", expression="2*3")
+    policy = make_policy(qwen25_dir, max_turns=1)
+    batch = policy.agent.teacher([ITEMS[0]], [[call]])
+    data = batch.data
+    n = len(policy.tokenizer(call, add_special_tokens=False)["input_ids"])
+    assert data["stat/tool_calls"].tolist() == [1.0] and data["stat/called"].tolist() == [1.0]
+    assert data["stat/truncated"].tolist() == [1.0] and data["stat/tool_errors"].tolist() == [0.0]
+    assert int(data["call_mask"][0].sum()) == n and int(batch.mask[0].sum()) == n  # no <|im_end|> added
+    assert batch.samples[0].completion == call
+    policy = make_policy(qwen25_dir, max_turns=3)
+    for last in (call, '<tool_call>\n{"name": "zoom"'):
+        with pytest.raises(ValueError, match="turn 1 of 1, the last, ends with a tool call"):
+            policy.agent.teacher([ITEMS[0]], [[last]])
+    with pytest.raises(ValueError, match="turn 2 of 2, the last, ends with a tool call"):
+        policy.agent.teacher([ITEMS[0]], [[call, call]])
+
+
 def test_markup_in_a_tools_text_stays_text(qwen25_dir):
     """A tool's text (or an error quoting the model's) that holds the chat format's markup:
     an <|image_pad|> with no image would crash the next turn's generate; it stays text."""
@@ -684,10 +706,12 @@ def test_a_later_turn_is_not_started_where_prompt_and_completion_would_outgrow_t
 
 def test_a_call_opened_after_a_closed_one_and_left_open_is_malformed(qwen25_dir):
     """A demonstration turn that closes one call and then opens another it never closes ends
-    inside the second: a malformed call (the model is told), its span from the second tag."""
+    (at its end-of-turn) inside the second: a malformed call (the model is told), its span from
+    the second tag."""
     policy = make_policy(qwen25_dir)
     call = tool_call("calculator", expression="2*3")
-    batch = policy.agent.teacher([ITEMS[0]], [[call + ' then <tool_call>\n{"name": "zoom"']])
+    turn = call + ' then <tool_call>\n{"name": "zoom"<|im_end|>'
+    batch = policy.agent.teacher([ITEMS[0]], [[turn, "<answer>6</answer>"]])
     data = batch.data
     assert data["stat/tool_calls"].tolist() == [1.0] and data["stat/tool_errors"].tolist() == [1.0]
     assert "not closed with </tool_call>" in batch.samples[0].completion
