@@ -518,3 +518,141 @@ def test_a_model_without_a_pad_token_pads_prompts_with_eos():
     ids, valid = policy.encode_prompts([p.prompt for p in problems])
     assert (ids[~valid] == policy.predictor.eos_token_id).all() and (~valid).any()
     assert task.answers(policy, problems, temperature=0.0)[0] == before[0]
+
+
+# --------------------------------------------------------------------------- the shared objective, by hand
+
+
+def _loss_batch():
+    """Two rows of 3 answer tokens: row 0 trains all three, row 1 only its first (4 tokens).
+    The new log-probs sit at ratios rho = 1.5, 0.5, 1 (row 0) and 1.5 (row 1) to the old."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]])
+    rho = torch.tensor([[1.5, 0.5, 1.0], [1.5, 3.0, 0.1]])  # row 1's last two are not trained
+    logp = (old + rho.log()).requires_grad_()
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[None, None], mask=mask, old_logp=old)
+    return batch, logp, SimpleNamespace(logprobs=lambda batch, iteration: logp)
+
+
+def test_dllm_loss_clips_the_token_ratio_and_adds_k3_kl_to_the_old_by_hand():
+    """TraceRL's defaults (clip 0.2, beta 0.01), A = +1 for row 0 and -1 for row 1:
+    -min(rho A, clip(rho, 0.8, 1.2) A) per token: 1.5 -> 1.2 (clipped), 0.5 -> 0.5, 1 -> 1,
+    row 1's 1.5 -> -1.5 (A < 0 keeps the unclipped term), so the surrogate is
+    -(1.2 + 0.5 + 1 - 1.5) / 4 = -0.3 (a per-row mean first would give +0.3).
+    k3(logp, old) = 1/rho + ln rho - 1: 0.0721318 at 1.5, 0.3068528 at 0.5, 0 at 1 ->
+    (2 * 0.0721318 + 0.3068528) / 4 = 0.1127791 (the reverse order, rho - ln rho - 1, gives 0.0956)."""
+    batch, logp, policy = _loss_batch()
+    method = TraceRL(TraceRLConfig(), None, reward=None)
+    out = method.loss(policy, batch, torch.tensor([1.0, -1.0]))
+    assert out.metrics["loss/kl"] == pytest.approx(0.1127791, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(-0.3 + 0.01 * 0.1127791, abs=1e-6)
+    out.loss.backward()
+    # d/dlogp: the unclipped surrogate -A rho / 4, the clipped one 0; the KL beta (1 - 1/rho) / 4
+    kl = [0.01 * (1 - 1 / 1.5) / 4, 0.01 * (1 - 2) / 4]
+    expected = torch.tensor([[0 + kl[0], -0.5 / 4 + kl[1], -1 / 4], [1.5 / 4 + kl[0], 0, 0]])
+    torch.testing.assert_close(logp.grad, expected, atol=1e-6, rtol=1e-5)
+    # the clip is the method's: at 0.5 no ratio here lies outside [0.5, 1.5]
+    logp.grad = None
+    wide = TraceRL(TraceRLConfig(clip=0.5, kl={"beta": 0.0}), None, reward=None)
+    out = wide.loss(policy, batch, torch.tensor([1.0, -1.0]))
+    assert float(out.loss.detach()) == pytest.approx(-(1.5 + 0.5 + 1 - 1.5) / 4, abs=1e-6)
+    assert "loss/kl" not in out.metrics  # beta 0: no KL term is computed
+    narrow = TraceRL(TraceRLConfig(clip=0.2, kl={"beta": 0.0}), None, reward=None)
+    out = narrow.loss(policy, batch, torch.tensor([-1.0, 1.0]))  # the low edge, 0.8, binds
+    # row 0 at A = -1: 1.5 -> -1.5, 0.5 -> -min(-0.5, -0.8) = 0.8, 1 -> -1; row 1 at A = +1: 1.5 -> 1.2
+    assert float(out.loss.detach()) == pytest.approx(-(-1.5 - 0.8 - 1 + 1.2) / 4, abs=1e-6)
+
+
+def test_dllm_loss_divides_by_the_mini_batch_denominator_it_is_given():
+    """A micro-batch's loss is its sum over the mini-batch's token count (denom), the surrogate
+    and the KL alike: with denom 8 (twice this batch's 4 tokens) both halve."""
+    batch, _, policy = _loss_batch()
+    method = TraceRL(TraceRLConfig(), None, reward=None)
+    out = method.loss(policy, batch, torch.tensor([1.0, -1.0]), denom=8.0)
+    assert out.metrics["loss/kl"] == pytest.approx(0.4511164 / 8, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(-1.2 / 8 + 0.01 * 0.4511164 / 8, abs=1e-6)
+
+
+def test_dllm_advantages_follow_the_scale_dial():
+    """diffu-GRPO's default (d1's code) is r - group mean; TraceRL's divides by the group std.
+    Rewards 1, 0, 0, 0: mean 0.25, unbiased std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5."""
+    from dllm_rl.config import DiffuGRPOConfig
+
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), samples=[None] * 8)
+    values = torch.tensor([[1.0], [0], [0], [0], [2], [2], [2], [2]])
+    batch.scores = AtomScores(["answer"], values, values.sum(1))
+    d1 = DiffuGRPO(DiffuGRPOConfig(), None, reward=None).advantages(batch)
+    assert d1.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0], abs=1e-6)
+    trace = TraceRL(TraceRLConfig(), None, reward=None).advantages(batch)
+    assert trace.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0], abs=1e-5)
+
+
+def test_accuracy_band_keeps_its_edges_and_counts_half_right_answers():
+    """The band is closed at both ends; an answer right means its success atom >= 0.5, read
+    from that atom's own column (here the first). Groups of 5 at band [0.2, 0.8]: 4 right (0.8,
+    kept), one answer at exactly 0.5 (0.2, kept), all right (1.0, dropped)."""
+    answer = [1.0, 1, 1, 1, 0] + [0.5, 0, 0, 0, 0] + [1.0] * 5
+    values = torch.tensor([[a, 1.0] for a in answer])  # atoms: answer, format (every answer formatted)
+    batch = RolloutBatch(group_ids=torch.arange(15) // 5, samples=[Sample("p", "c")] * 15,
+                         scores=AtomScores(["answer", "format"], values, values.sum(1)))
+    run = SimpleNamespace(task=SimpleNamespace(type="arith"))
+    banded = TraceRL(TraceRLConfig(accuracy_band=(0.2, 0.8)), run, reward=None)
+    assert banded.keep_groups(batch).tolist() == [True] * 10 + [False] * 5
+    # the band bounds the share right (0.8, 0.2, 1.0), not its spread (std 0.45, 0.45, 0)
+    upper = TraceRL(TraceRLConfig(accuracy_band=(0.5, 1.0)), run, reward=None)
+    assert upper.keep_groups(batch).tolist() == [True] * 5 + [False] * 5 + [True] * 5
+
+
+def test_a_subclass_of_a_subclass_takes_its_nearest_registered_estimator(monkeypatch):
+    """Leaf(Mid(DiffuGRPO)) with Mid's own estimator registered: Leaf gets Mid's, not d1's."""
+    from dllm_rl.methods.common import estimator_for
+    from mmrl.core.method import METHODS
+
+    class Mid(DiffuGRPO):
+        pass
+
+    class Leaf(Mid):
+        pass
+
+    class MidEstimator(MeanField):
+        pass
+
+    monkeypatch.setitem(METHODS, "mid", Mid)
+    monkeypatch.setitem(METHODS, "leaf", Leaf)
+    monkeypatch.setitem(ESTIMATORS, "mid", MidEstimator)
+    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo"])
+    run = SimpleNamespace(**{**dict(cfg), "method": SimpleNamespace(**{**dict(cfg.method), "type": "leaf"})})
+    assert type(estimator_for(run)) is MidEstimator
+
+
+def test_mean_field_pass_k_masks_the_prompt_with_seed_column_k():
+    """Pass k (and k + mu) hides the valid prompt tokens where torch.rand(P) drawn from
+    mask_seed[:, k] is below p: each pass its own seed, in the order drawn."""
+    est, batch = mean_field_batch(0.5, mu=3, n=4)
+    batch.data["mask_seed"] = torch.arange(12).reshape(4, 3) * 101 + 7
+    policy = SimpleNamespace(predictor=SimpleNamespace(mask_token_id=MASK))
+    valid = batch.data["prompt_valid"]
+    for k in range(3):
+        expected = torch.stack([torch.rand(8, generator=torch.Generator().manual_seed(int(s))) < 0.5
+                                for s in batch.data["mask_seed"][:, k]]) & valid
+        for iteration in (k, k + 3):
+            assert torch.equal(est.masked_input(policy, batch, iteration)[:, :8] == MASK, expected)
+
+
+def test_dllm_loss_denominator_counts_the_trained_answer_tokens():
+    """token_mean over the mini-batch: the answer tokens up to each <eos> (4 here), not the filler."""
+    batch, _, _ = _loss_batch()
+    assert TraceRL(TraceRLConfig(), None, reward=None).loss_denominator(batch) == 4.0
+
+
+def test_diffu_grpo_pass_k_compares_with_the_old_log_probs_of_mask_k():
+    """Pass k reads old_logp_mu[:, k], however few rows the micro-batch holds (2 rows, mu = 3)."""
+    from dllm_rl.config import DiffuGRPOConfig
+
+    old = torch.tensor([[[-1.0], [-2.0], [-3.0]], [[-4.0], [-5.0], [-6.0]]])  # [N, mu, C]
+    batch = RolloutBatch(group_ids=torch.zeros(2, dtype=torch.long), samples=[None] * 2,
+                         data={"old_logp_mu": old})
+    method = DiffuGRPO(DiffuGRPOConfig(), None, reward=None)
+    for epoch, expected in enumerate([[-1.0, -4.0], [-2.0, -5.0], [-3.0, -6.0]]):
+        method.epoch = epoch
+        assert method.old_logp(batch)[:, 0].tolist() == expected

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from dllm_rl import backend
-from dllm_rl.methods.common import FIRST_PASS
+from dllm_rl.config import TraceRLConfig
+from dllm_rl.methods.common import FIRST_PASS, EstimatorBase
+from dllm_rl.methods.tracerl import TraceRL
+from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import load_config
 from mmrl.core.method import build_method
 from mmrl.core.pipeline import exactly_on_policy, first_pass_on_policy
@@ -118,3 +121,51 @@ def test_two_pass_training_takes_the_first_pass_as_old(name, tmp_path):
     assert max(a["loss/ratio_max"] for a in skipped) > 1  # averaged over the passes: pass 1's moved off 1
     changed = sum(not torch.equal(a, b) for a, b in zip(w_skipped, backend.build(cfg)[0].model.parameters()))
     assert changed > 0
+
+
+def _rows(n: int) -> RolloutBatch:
+    return RolloutBatch(group_ids=torch.zeros(n, dtype=torch.long), samples=[None] * n,
+                        mask=torch.ones(n, 2, dtype=torch.bool))
+
+
+def test_row_ids_run_on_across_the_batches_of_a_step():
+    """Two batches in one step (a refill, say): the second's rows are numbered after the first's,
+    so pass 1 of each reads its own pass-0 log-probs; a new step keeps only its own."""
+    est = EstimatorBase()
+    est.on_policy = True
+    a, b = _rows(3), _rows(2)
+    assert est.skip_old(a) and est.skip_old(b)
+    assert a.data[FIRST_PASS].tolist() == [0, 1, 2] and b.data[FIRST_PASS].tolist() == [3, 4]
+    method = TraceRL(TraceRLConfig(), None, reward=None)
+    la, lb = torch.full((3, 2), -1.0), torch.full((2, 2), -2.0)
+    assert torch.equal(method.old_or_first_pass(a, la, None), la)  # pass 0: its own log-probs
+    assert torch.equal(method.old_or_first_pass(b, lb, None), lb)
+    method.epoch = 1
+    assert torch.equal(method.old_or_first_pass(a, torch.zeros(3, 2), None), la)
+    assert torch.equal(method.old_or_first_pass(b, torch.zeros(2, 2), None), lb)
+    method.step, method.epoch = 1, 0
+    c = _rows(2)
+    est.skip_old(c)
+    method.old_or_first_pass(c, torch.full((2, 2), -3.0), None)
+    assert sorted(method.first_pass) == [5, 6]  # the last step's rows are dropped
+
+
+def test_a_later_pass_reads_each_rows_first_pass_in_the_batchs_order():
+    """Pass 1 over the rows in another order (a shuffled mini-batch) gets each row its own
+    pass-0 log-probs; a row whose first pass this method never ran is an error."""
+    est = EstimatorBase()
+    est.on_policy = True
+    batch = _rows(3)
+    est.skip_old(batch)
+    method = TraceRL(TraceRLConfig(), None, reward=None)
+    first = torch.tensor([[-1.0, -1.5], [-2.0, -2.5], [-3.0, -3.5]], requires_grad=True)
+    old = method.old_or_first_pass(batch, first, None)
+    assert not old.requires_grad  # detached: the old log-probs carry no gradient
+    method.epoch = 1
+    got = method.old_or_first_pass(batch.select([2, 0, 1]), torch.zeros(3, 2), None)
+    assert got.tolist() == [[-3.0, -3.5], [-1.0, -1.5], [-2.0, -2.5]]
+    other = _rows(1)
+    est.skip_old(other)  # row 3: numbered, never passed
+    with pytest.raises(RuntimeError, match=r"pass 1 over rows whose first pass this method did not run "
+                                           r"\(row ids \[3\]\)"):
+        method.old_or_first_pass(other, torch.zeros(1, 2), None)
