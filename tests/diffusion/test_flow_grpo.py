@@ -455,3 +455,111 @@ def test_the_kl_std_is_flow_grpos_std_t_without_the_steps_sqrt_dt():
     torch.testing.assert_close(cps.kl_std, cps.std)
     ode = sde_step_with_logprob(v, x, sigma, nxt, noise_level=0.0)
     assert (ode.kl_std == 0).all()
+
+
+# ---------------------------------------------------------------------- the clipped objective by hand (no model)
+
+E = math.exp(0.1)
+
+
+def stub_flow_grpo(*, mask=((True, True), (True, False)), beta=0.0, **cfg):
+    """Flow-GRPO on a hand-made batch with no model: two samples, two trained steps whose
+    current log-probs lie 0.1 above the stored ones at step 0 and 0.1 below at step 1 (every
+    ratio e^0.1, then e^-0.1); sample 1's step 1 is not trained. The KL stubs: std_t 1, the
+    reference means 0 at step 0 and 1 at step 1; the current means 1 everywhere but sample
+    1's untrained step 1 (3)."""
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+    from mmrl.core.config import KLConfig
+
+    method = FlowGRPO(FlowGRPOConfig(kl=KLConfig(beta=beta), **cfg), None, None)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])  # [N, T]
+    means = [torch.ones(2, 3), torch.tensor([[1.0] * 3, [3.0] * 3])]
+    steps = [SimpleNamespace(log_prob=logp[:, t].clone().requires_grad_(), mean=means[t].clone().requires_grad_(),
+                             kl_std=torch.ones(2, 3)) for t in range(2)]
+    ref = torch.zeros(2, 2, 3)
+    ref[:, 1] = 1.0
+    data = {"ref_mean": ref} if beta > 0 else {}
+    batch = flow_grpo_batch([0.0, 1.0], [0, 0], **data)
+    batch.mask = torch.tensor(mask)
+    batch.old_logp = logp - torch.tensor([0.1, -0.1])
+    return method, SimpleNamespace(sde_outputs=lambda b: steps), batch, steps
+
+
+def test_flow_grpo_clipped_objective_off_policy_by_hand():
+    """-min(rho A, clip(rho, 1 -+ 0.05) A) with A = (1, -1): sample 0 at step 0 (rho e^0.1 > 1.05)
+    is clipped to 1.05, at step 1 (e^-0.1, A > 0) takes the ratio; sample 1 at step 0 takes the
+    ratio (A < 0: the min is -e^0.1). Token mean over the 3 trained (sample, step) pairs."""
+    method, policy, batch, _ = stub_flow_grpo(clip_range=0.05)
+    out = method.loss(policy, batch, torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(out.per_token, torch.tensor([[-1.05, -1 / E], [E, 0.0]]))
+    torch.testing.assert_close(out.loss, torch.tensor((-1.05 - 1 / E + E) / 3))
+    assert method.loss_denominator(batch) == 3  # trained (sample, step) pairs, not samples
+    half = method.loss(policy, batch, torch.tensor([1.0, -1.0]), denom=6)
+    torch.testing.assert_close(half.loss, out.loss / 2)
+    # clip range 0.2: no ratio here reaches it, every term is rho A
+    wide = stub_flow_grpo(clip_range=0.2)
+    torch.testing.assert_close(wide[0].loss(wide[1], wide[2], torch.tensor([1.0, -1.0])).per_token,
+                               torch.tensor([[-E, -1 / E], [E, 0.0]]))
+
+
+def test_flow_grpo_lower_clip_binds_for_a_negative_advantage():
+    """A = -1 and rho = e^-0.1 < 0.95: -min(-rho, -0.95) = 0.95 (sample 1's step 1, trained here)."""
+    method, policy, batch, _ = stub_flow_grpo(mask=((True, True), (True, True)), clip_range=0.05)
+    out = method.loss(policy, batch, torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(out.per_token, torch.tensor([[-1.05, -1 / E], [E, 0.95]]))
+
+
+def test_flow_grpo_kl_per_step_reference_and_untrained_steps_by_hand():
+    """KL per (sample, step) = mean((mean - ref[:, t])^2) / 2: step 0 gaps 1 -> 0.5, 0.5; step 1
+    (reference 1) sample 0's gap 0 -> 0; sample 1's gap 2 (KL 2) is an untrained step and left
+    out: token mean 1/3. Its gradient reaches the means: beta (mean - ref) / (3 elements * 3 pairs)."""
+    method, policy, batch, steps = stub_flow_grpo(beta=0.1, clip_range=0.2)
+    out = method.loss(policy, batch, torch.tensor([0.0, 0.0]))  # A = 0: the loss is the KL term alone
+    assert out.metrics["loss/kl"] == pytest.approx(1 / 3)
+    torch.testing.assert_close(out.loss, torch.tensor(0.1 / 3))
+    out.loss.backward()
+    torch.testing.assert_close(steps[0].mean.grad, torch.full((2, 3), 0.1 / 9))
+    torch.testing.assert_close(steps[1].mean.grad, torch.zeros(2, 3))
+
+
+def test_flow_grpo_without_kl_needs_no_reference():
+    """beta 0 (the default): no reference model, no ref_mean in the batch, no loss/kl."""
+    method, policy, batch, _ = stub_flow_grpo(clip_range=0.2)
+    assert method.needs_reference is False and "ref_mean" not in batch.data
+    out = method.loss(policy, batch, torch.tensor([1.0, -1.0]))
+    assert "loss/kl" not in out.metrics and torch.isfinite(out.loss)
+
+
+def test_flow_grpo_std_eps_comes_from_the_config():
+    """Rewards (0, 1): population std 0.5, A = -+0.5 / (0.5 + std_eps) = -+0.5 with std_eps 0.5."""
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+
+    adv = FlowGRPO(FlowGRPOConfig(std_eps=0.5), None, None).advantages(flow_grpo_batch([0.0, 1.0], [0, 0]))
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5]))
+
+
+def test_flow_grpo_refuses_a_noiseless_rollout():
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+
+    run = SimpleNamespace(rollout=SimpleNamespace(noise_level=0.0))
+    with pytest.raises(ConfigError, match="rollout.noise_level 0 the steps are deterministic"):
+        FlowGRPO(FlowGRPOConfig(), run, None)
+    FlowGRPO(FlowGRPOConfig(), SimpleNamespace(rollout=SimpleNamespace(noise_level=0.7)), None)
+
+
+def test_weight_average_takes_decay_update_every_and_warmup_from_the_config():
+    """decay 0.5, update_every 2: step 1 leaves the average at theta_0 = 0; step 2 (theta = 1)
+    moves it with d_2 = min(0.5, 3 / 12) = 0.25 under the warm-up (avg 0.75), d = 0.5 without (0.5)."""
+    from diffusion_rl.config import EMAConfig, FlowGRPOConfig
+    from diffusion_rl.methods.flow_grpo import FlowGRPO
+
+    assert FlowGRPO(FlowGRPOConfig(), None, None).weight_average([torch.zeros(1)]) is None  # method.ema off
+    for warmup, want in ((True, 0.75), (False, 0.5)):
+        cfg = FlowGRPOConfig(ema=EMAConfig(decay=0.5, update_every=2, warmup=warmup))
+        ema = FlowGRPO(cfg, None, None).weight_average([torch.zeros(1)])
+        assert ema.update([torch.ones(1)]) is False and ema.average[0].item() == 0.0
+        assert ema.update([torch.ones(1)]) is True
+        assert ema.average[0].item() == pytest.approx(want)
