@@ -356,3 +356,32 @@ def test_weights_of_another_shape_are_an_error():
     for bad in (w[:3], w.expand(4, 4), w.expand(6, 4).T):
         with pytest.raises(ValueError, match=r"weights must have shape \[4\] \(one per atom\) or \[6, 4\]"):
             cast_advantages(values, groups, bad)
+
+
+def test_default_std_eps_is_flow_grpos_1e_4():
+    """hand_batch's group 1 (exist 0, 1; unbiased std sqrt(1/2)) without an explicit eps:
+    A = -+0.5 / (sqrt(1/2) + 1e-4) = -+0.70701 (1e-2 would give -+0.69726)."""
+    batch, w = hand_batch()
+    out = cast_advantages(batch.scores.values, batch.group_ids, w)
+    a = 0.5 / (1 / math.sqrt(2) + 1e-4)
+    torch.testing.assert_close(out.atom[3:5, 0], torch.tensor([-a, a]), rtol=1e-6, atol=1e-6)
+
+
+def test_scores_of_any_dtype_give_float32_advantages():
+    """Half, double, integer or bool verdicts: the advantages are computed and returned in float32."""
+    batch, w = hand_batch()
+    want = cast_advantages(batch.scores.values, batch.group_ids, w, eps=1e-4)
+    for dtype in (torch.float16, torch.float64, torch.long, torch.bool):
+        got = cast_advantages(batch.scores.values.to(dtype), batch.group_ids, w, eps=1e-4)
+        assert got.atom.dtype == torch.float32 and got.total.dtype == torch.float32, dtype
+        torch.testing.assert_close(got.total, want.total)
+
+
+def test_a_negative_atom_weight_subtracts_its_advantage():
+    """w = (1, -2, 0, 0) on hand_batch's group 0: A = A_exist - 2 A_colour = S3 - 4 S3, S3 + 2 S3,
+    -2 S3 + 2 S3; the same with the weights given per sample."""
+    batch, _ = hand_batch()
+    w = torch.tensor([1.0, -2.0, 0.0, 0.0])
+    for weights in (w, w.expand(6, 4)):
+        out = cast_advantages(batch.scores.values, batch.group_ids, weights, eps=1e-4)
+        torch.testing.assert_close(out.total[:3], torch.tensor([-3 * S3, 3 * S3, 0.0]), atol=1e-3, rtol=1e-3)

@@ -525,3 +525,13 @@ def test_advantage_map_clips_both_signs():
     torch.testing.assert_close(free, torch.tensor([[3.0, 5.0], [-3.0, -5.0]]))
     clipped = advantage_map(atom, torch.ones(1), maps, total, global_weight=1.0, clip=3.5)
     torch.testing.assert_close(clipped, torch.tensor([[3.0, 3.5], [-3.0, -3.5]]))
+
+
+def test_advantage_map_with_a_negative_atom_weight():
+    """w = (1, -2), A_i1 = A_i2 = 1, M_1 = (2, 0), M_2 = (0, 2), A_i = -1, lambda 1:
+    ((2, 0) - 2 (0, 2) - 1) / 2 = (0.5, -2.5); the same with the weights given per sample."""
+    atom, maps, total = torch.tensor([[1.0, 1.0]]), torch.tensor([[[2.0, 0.0], [0.0, 2.0]]]), torch.tensor([-1.0])
+    w = torch.tensor([1.0, -2.0])
+    for weights in (w, w[None]):
+        out = advantage_map(atom, weights, maps, total, global_weight=1.0)
+        torch.testing.assert_close(out, torch.tensor([[0.5, -2.5]]))
