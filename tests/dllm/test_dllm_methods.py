@@ -439,6 +439,12 @@ def test_mask_token_outside_the_vocabulary_is_a_config_error(tiny_dllm):
         backend.build(_config(f"model.path={tiny_dllm}", "model.mask_token_id=53", *BLOCKS))
 
 
+def run_of_method(name: str) -> SimpleNamespace:
+    """diffu-GRPO's run config with method.type `name` (a method the test registers)."""
+    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo"])
+    return SimpleNamespace(**{**dict(cfg), "method": SimpleNamespace(**{**dict(cfg.method), "type": name})})
+
+
 def test_a_registered_subclass_takes_its_base_methods_estimator(monkeypatch):
     """A researcher's method built on diffu-GRPO needs no estimator of its own; a method with
     no registered base is told how to register one (it was a bare KeyError)."""
@@ -453,8 +459,7 @@ def test_a_registered_subclass_takes_its_base_methods_estimator(monkeypatch):
 
     monkeypatch.setitem(METHODS, "diffu_pos", DiffuPos)
     monkeypatch.setitem(METHODS, "fresh", Fresh)
-    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo"])
-    run = SimpleNamespace(**{**dict(cfg), "method": SimpleNamespace(**{**dict(cfg.method), "type": "diffu_pos"})})
+    run = run_of_method("diffu_pos")
     assert isinstance(estimator_for(run), MeanField)
     run.method.type = "fresh"
     with pytest.raises(ValueError, match=r"'fresh' has no log-prob estimator: register one with .*ESTIMATORS\['fresh'\]"):
@@ -620,8 +625,7 @@ def test_a_subclass_of_a_subclass_takes_its_nearest_registered_estimator(monkeyp
     monkeypatch.setitem(METHODS, "mid", Mid)
     monkeypatch.setitem(METHODS, "leaf", Leaf)
     monkeypatch.setitem(ESTIMATORS, "mid", MidEstimator)
-    cfg = load_config(DLLMTrainConfig, overrides=["method.type=diffu_grpo"])
-    run = SimpleNamespace(**{**dict(cfg), "method": SimpleNamespace(**{**dict(cfg.method), "type": "leaf"})})
+    run = run_of_method("leaf")
     assert type(estimator_for(run)) is MidEstimator
 
 
