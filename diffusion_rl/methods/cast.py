@@ -165,10 +165,13 @@ class CAST(FlowGRPO):
                           clip_low=eps, clip_high=eps, aggregation="token_mean",
                           denom=None if denom is None else denom * length)
         out.per_token = out.per_token.reshape(n, t, length).mean(-1)
-        out.metrics["cast/adv_map_spatial_std"] = float(adv.std(-1).mean())
-        if self.cfg.adv_clip is not None:  # the share of patch advantages at the clip (a sample's own
-            # A_i at the clip counts too: with uniform maps that is all this counts)
-            out.metrics["cast/adv_map_clipped"] = float((adv.abs() >= self.cfg.adv_clip * (1 - 1e-6)).float().mean())
+        trained = adv[batch.mask.bool()]  # [M, L]: the metrics describe the (sample, step) pairs trained on
+        if len(trained):
+            out.metrics["cast/adv_map_spatial_std"] = float(trained.std(-1).mean())
+            if self.cfg.adv_clip is not None:  # the share of patch advantages at the clip (a sample's
+                # own A_i at the clip counts too: with uniform maps that is all this counts)
+                at_clip = trained.abs() >= self.cfg.adv_clip * (1 - 1e-6)
+                out.metrics["cast/adv_map_clipped"] = float(at_clip.float().mean())
         return self.add_kl(out, steps, batch, denom)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]

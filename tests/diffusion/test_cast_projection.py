@@ -446,9 +446,9 @@ def test_per_patch_objective_by_hand_off_policy():
 
 
 def test_per_patch_objective_skips_untrained_steps_and_divides_by_the_given_denominator():
-    """Sample 1's step 1 is not trained: the mean runs over the 6 other tokens. A denominator
-    counts (sample, step) pairs, as Flow-GRPO's loss_denominator does: twice the pairs of this
-    batch halves the loss, the KL term's included."""
+    """Sample 1's step 1 is not trained: the mean runs over the 6 other tokens, and the map
+    metrics over the 3 trained pairs. A denominator counts (sample, step) pairs, as Flow-GRPO's
+    loss_denominator does: twice the pairs of this batch halves the loss, the KL term's included."""
     method, policy, batch, adv = stub_cast(mask=((True, True), (True, False)), clip_range=0.2, kl_beta=0.1)
     out = method.loss(policy, batch, adv)
     policy_part = -(E * (1.5 + 0.5) + (1.5 + 0.5) / E - 2 * E) / 6
@@ -459,6 +459,11 @@ def test_per_patch_objective_skips_untrained_steps_and_divides_by_the_given_deno
     half = method.loss(policy, batch, adv, denom=2 * 3)
     torch.testing.assert_close(half.loss, out.loss / 2)
     assert half.metrics["loss/kl"] == pytest.approx(0.25)
+    # the map metrics too are of the 3 trained pairs: std(1.5, 0.5) twice and std(-1, -1) once
+    # (over all 4 pairs: 2 sqrt(0.5) / 4); with adv_clip 1.2, sample 0's 1.5 at 2 of 6 tokens
+    assert out.metrics["cast/adv_map_spatial_std"] == pytest.approx(2 * 0.5**0.5 / 3)
+    method, policy, batch, adv = stub_cast(mask=((True, True), (True, False)), adv_clip=1.2)
+    assert method.loss(policy, batch, adv).metrics["cast/adv_map_clipped"] == pytest.approx(2 / 6)
 
 
 def test_detector_maps_follow_map_norm_global_weight_and_adv_clip():
