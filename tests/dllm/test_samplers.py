@@ -474,12 +474,18 @@ def test_a_uniform_draw_of_zero_gives_finite_gumbel_noise(monkeypatch):
     torch.testing.assert_close(r.commit_logp, greedy.commit_logp)  # T = 1: the same log-softmax
 
 
-def test_decode_argument_errors():
+def uncalled_model():
+    """A model for argument checks, and the list of its calls (which must stay empty)."""
     calls = []
 
     def fn(x):
         calls.append(1)
         return torch.zeros(x.shape[0], x.shape[1], V)
+    return fn, calls
+
+
+def test_decode_argument_errors():
+    fn, calls = uncalled_model()
     with pytest.raises(ValueError, match=r"gen_length \(10\).*block_length \(4\)"):
         decode(fn, PROMPT, gen_length=10, block_length=4, steps=4, mask_id=MASK)
     with pytest.raises(ValueError, match=r"steps \(5\).*number of blocks"):
@@ -512,11 +518,7 @@ def test_tau_budget_set_a_is_strict_a_confidence_equal_to_tau_is_outside_it():
 
 
 def test_decode_refuses_a_negative_temperature():
-    calls = []
-
-    def fn(x):
-        calls.append(1)
-        return torch.zeros(x.shape[0], x.shape[1], V)
+    fn, calls = uncalled_model()
     with pytest.raises(ValueError, match=r"temperature \(-0.5\) must be >= 0"):
         decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, temperature=-0.5)
     assert not calls
@@ -553,11 +555,7 @@ def test_decode_default_threshold_and_tau_budget():
 @pytest.mark.parametrize("bad", ["gen_length", "block_length", "steps"])
 def test_decode_refuses_a_zero_length_block_or_step_count(bad):
     """0 is not positive: a ValueError before any forward, not a division by zero or an empty loop."""
-    calls = []
-
-    def fn(x):
-        calls.append(1)
-        return torch.zeros(x.shape[0], x.shape[1], V)
+    fn, calls = uncalled_model()
     kw = {"gen_length": 8, "block_length": 4, "steps": 4, bad: 0}
     with pytest.raises(ValueError, match="must be positive"):
         decode(fn, PROMPT, mask_id=MASK, **kw)
@@ -569,18 +567,14 @@ def test_bfloat16_logits_are_read_in_float64(rows_arg):
     """The sampler casts the logits to float64 (module docstring, step 1), so a bf16 model's
     confidence and log-prob are softmax(logits) of its bf16 numbers computed exactly, not
     rounded to bf16. Row 0 is certain (logit 50) and fills a block in one step, so with
-    rows_arg the other rows are run alone; rows 1, 2 put logit j + 1 on token j % 3 at answer
-    position j (all exact in bf16): c_j = e^(j+1) / (e^(j+1) + 5)."""
+    rows_arg the other rows are run alone; rows 1, 2 are table_model's (logits j + 1, all exact in
+    bf16): c_j = e^(j+1) / (e^(j+1) + 5)."""
     def model(x, rows=None):
         rows = torch.arange(x.shape[0]) if rows is None else rows
         assert x.shape[0] == len(rows)                     # only the rows still decoding are run
-        logits = torch.zeros(x.shape[0], x.shape[1], V)
-        for i, row in enumerate(rows.tolist()):
-            for j in range(x.shape[1] - 2):
-                if row == 0:
-                    logits[i, 2 + j, 3] = 50.0
-                else:
-                    logits[i, 2 + j, j % 3] = j + 1.0
+        logits = table_model(x)
+        logits[rows == 0, 2:] = 0.0
+        logits[rows == 0, 2:, 3] = 50.0
         return logits.bfloat16()
     r = run(model, strategy="threshold", threshold=0.5, steps=2, rows_arg=rows_arg)
     assert not r.active[0].all()                           # row 0 waited: rows_arg ran rows 1, 2 alone
