@@ -180,12 +180,18 @@ class ToolRollout:
     def _check_last_turn(self, ids: list[int], j: int, n: int) -> None:
         """A demonstration's last turn (the j-th of n, 0-based) may end in a call, closed or
         not, only where no turn is left after it."""
-        opened = [i for i, t in enumerate(ids) if t == self.open_id]
-        in_call = (bool(ids) and ids[-1] == self.close_id) or (bool(opened) and self.close_id not in ids[opened[-1]:])
+        in_call = (bool(ids) and ids[-1] == self.close_id) or self._last_call_tag(ids)[1]
         if in_call and j + 1 < self.cfg.max_turns:
             raise ValueError(f"turn {j + 1} of {n}, the last, ends with a tool call: a rollout would get its "
                              f"observation and another turn (tools.max_turns is {self.cfg.max_turns}), so the "
                              "transcript cannot end there; end it with an answer")
+
+    def _last_call_tag(self, turn: list[int]) -> tuple[int | None, bool]:
+        """Where the turn's last call opening tag is (None: it has none), and whether no closing
+        tag follows it (the turn is left inside that call)."""
+        opened = [i for i, t in enumerate(turn) if t == self.open_id]
+        last = opened[-1] if opened else None
+        return last, last is not None and self.close_id not in turn[last:]
 
     def _room(self, prompt: dict) -> float:
         """Tokens a rollout's completion may hold: the model's context less its prompt."""
@@ -204,13 +210,13 @@ class ToolRollout:
             return
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]
-        opened = [j for j, t in enumerate(turn) if t == self.open_id]
-        unclosed = new[-1] != self.close_id and bool(opened) and self.close_id not in turn[opened[-1]:]
+        last_open, left_open = self._last_call_tag(turn)
+        unclosed = new[-1] != self.close_id and left_open
         if new[-1] != self.close_id and not unclosed:
             row.done = True
             return
         end = len(row.ids) - 1 if unclosed else len(row.ids)  # an unclosed call's span stops before <|im_end|>
-        row.call_spans.append((row.turn_start + opened[-1] if opened else start, end))
+        row.call_spans.append((row.turn_start + last_open if last_open is not None else start, end))
         text = self.policy.tokenizer.decode(turn, skip_special_tokens=False)
         if row.turns >= self.cfg.max_turns:  # no turn left to read an observation: a call made, not run
             row.calls += 1
