@@ -311,7 +311,7 @@ class Reward:
         def work():
             try:
                 box.append(_call(atom.fn, arg))
-            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: the atom's failure, not a timeout
+            except BaseException as e:  # noqa: BLE001 -- the KeyboardInterrupt _call passes on is the atom's here
                 box.append((None, e))
 
         try:
