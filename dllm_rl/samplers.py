@@ -137,10 +137,10 @@ def select_commits(confidence: Tensor, masked: Tensor, *, strategy: str,
 def num_transfer_tokens(mask_count: Tensor, steps: int, width: int | None = None) -> Tensor:
     """LLaDA schedule: [B] masked counts -> [B, steps] tokens per step, split evenly,
     remainder to the first steps (10 over 4 steps -> 3, 3, 2, 2). `width`: only the first
-    `width` steps (with more steps than tokens every later step commits 0)."""
+    `width` steps (with more steps than tokens every later step commits 0); width 0 gives none."""
     mask_count = mask_count.long()
     base, rem = mask_count // steps, mask_count % steps                       # [B]
-    idx = torch.arange(min(steps, width or steps), device=mask_count.device)
+    idx = torch.arange(steps if width is None else min(steps, width), device=mask_count.device)
     return base.unsqueeze(1) + (idx.unsqueeze(0) < rem.unsqueeze(1)).long()
 
 

@@ -223,6 +223,7 @@ def test_num_transfer_tokens_width_keeps_only_the_first_steps():
     counts = torch.tensor([10, 3])
     assert num_transfer_tokens(counts, 4, width=2).tolist() == [[3, 3], [1, 1]]       # of 3,3,2,2 and 1,1,1,0
     assert num_transfer_tokens(counts, 4, width=6).tolist() == [[3, 3, 2, 2], [1, 1, 1, 0]]
+    assert num_transfer_tokens(counts, 4, width=0).shape == (2, 0)                    # none, not "no width"
 
 
 # ---------------------------------------------------------------- decode
