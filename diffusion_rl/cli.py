@@ -9,7 +9,9 @@ import typer
 
 from mmrl.core.cli import USER_ERRORS, BackendSpec, console, fail, make_app, run
 
-SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend")
+SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend",
+                   scored_prompts="Held-out prompts, and --prompt prompts in shapes-geneval's "
+                                  "grammar (\"two red circles left of a blue square\"), carry their reward atoms.")
 app = make_app(SPEC)
 
 

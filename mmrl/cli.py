@@ -9,7 +9,9 @@ import typer
 
 from mmrl.core.cli import BackendSpec, err_console, fail, make_app, run
 
-SPEC = BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.backend")
+SPEC = BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.backend",
+                   scored_prompts="Held-out items carry their reward atoms; --prompt questions "
+                                  "(with --image) have no gold answer and are not scored.")
 app = make_app(SPEC)
 
 

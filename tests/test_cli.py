@@ -228,3 +228,21 @@ def test_a_field_redefined_without_a_docstring_keeps_its_base_classs_description
     text = commented_config(Config(), "rollout.max_new_tokens")
     assert text.splitlines()[1].startswith("  # Most tokens sampled per completion")
     assert text.endswith("  max_new_tokens: 5\n")
+
+
+def test_sample_help_says_which_samples_each_modality_scores(monkeypatch):
+    """`sample --help` names the prompts that get reward atoms, per modality: a VLM --prompt
+    question has no gold answer; a dLLM problem or a shapes-geneval prompt in its task's format does."""
+    from diffusion_rl.cli import app as diffusion_app
+    from dllm_rl.cli import app as dllm_app
+    from mmrl.cli import app as vlm_app
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per sentence: the asserts read whole phrases
+    helps = {name: invoke(a, "sample", "--help") for name, a in
+             (("vlm", vlm_app), ("diffusion", diffusion_app), ("dllm", dllm_app))}
+    assert all(code == 0 for code, _ in helps.values()), helps
+    assert "have no gold answer and are not scored" in helps["vlm"][1]
+    assert "shapes-geneval's grammar" in helps["diffusion"][1] and "12+3=" not in helps["diffusion"][1]
+    assert '"12+3="' in helps["dllm"][1] and "shapes-geneval" not in helps["dllm"][1]
+    code, text = invoke(app, "sample", "--help")  # a backend that says nothing gets the generic sentence
+    assert code == 0 and "in the task's own format, carry their reward atoms" in text

@@ -45,6 +45,8 @@ class BackendSpec:
     title: str  # for help texts
     command: str  # the console script
     module: str  # the backend module, imported only when a verb runs
+    # `sample --help`: which samples carry their reward atoms
+    scored_prompts: str = "Held-out items, and --prompt prompts in the task's own format, carry their reward atoms."
 
 
 class BackendUnavailable(RuntimeError):
@@ -216,7 +218,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
         run_verb(go)
 
-    @app.command()
+    @app.command(help=f"Sample a model and print one JSON line per sample. {spec.scored_prompts}")
     def sample(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
@@ -228,8 +230,6 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False, help=(
             "An image the --prompt questions ask about (vision-language; one for every question, or one per question).")),
     ):
-        """Sample a model and print one JSON line per sample; those the task can check carry their reward atoms (held-out items, and a --prompt in the task's own format: a shapes-geneval prompt, an arith problem, a sudoku)."""
-
         def go():
             if greedy and (num or 1) > 1:
                 raise ConfigError(f"--greedy decodes one answer per prompt, --num {num} draws {num} samples: give one or the other")
