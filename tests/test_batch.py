@@ -154,6 +154,16 @@ def test_select_list_and_empty():
     assert len(empty) == 0 and empty.samples == [] and empty.mask.shape == (0, 3)
 
 
+def test_select_keeps_the_prompts_of_the_groups_left():
+    """A selection carries the prompt objects of its own groups only (what crosses ranks when
+    the scheduler deals out surplus groups), and the original keeps them all."""
+    b = make_batch(6, 3, gids=[4, 4, 7, 7, 9, 9], prompts={4: "four", 7: "seven", 9: "nine"})
+    assert b.select(torch.tensor([3, 0, 2])).prompts == {4: "four", 7: "seven"}
+    assert b.select(torch.tensor([False, False, False, False, True, False])).prompts == {9: "nine"}
+    assert b.select(torch.zeros(6, dtype=torch.bool)).prompts == {}
+    assert b.prompts == {4: "four", 7: "seven", 9: "nine"}
+
+
 def test_select_does_not_alias_the_original_sample_list():
     b = make_batch(4, 3)
     sub = b.select(torch.arange(4))

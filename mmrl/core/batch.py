@@ -77,18 +77,21 @@ class RolloutBatch:
                 raise ValueError(f"batch.data[{key!r}] has {t.shape[0]} rows, expected {n}")
 
     def select(self, idx: Tensor) -> RolloutBatch:
-        """The rows `idx` (long indices or a bool mask [N]), every field sliced alike."""
+        """The rows `idx` (long indices or a bool mask [N]), every field sliced alike; `prompts`
+        keeps the groups that have rows left."""
         idx = torch.as_tensor(idx)
         if idx.dtype == torch.bool:
             idx = idx.nonzero(as_tuple=True)[0]
         rows = idx.tolist()
+        group_ids = self.group_ids[idx]
+        kept = set(group_ids.tolist())
 
         def take(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[idx]
 
         return replace(
             self,
-            group_ids=self.group_ids[idx],
+            group_ids=group_ids,
             samples=[self.samples[i] for i in rows],
             mask=take(self.mask),
             old_logp=take(self.old_logp),
@@ -96,6 +99,7 @@ class RolloutBatch:
             scores=None if self.scores is None else self.scores.select(idx),
             advantages=take(self.advantages),
             data={k: v[idx] for k, v in self.data.items()},
+            prompts={g: p for g, p in self.prompts.items() if g in kept},
         )
 
     def to(self, device: torch.device | str | RolloutBatch) -> RolloutBatch:

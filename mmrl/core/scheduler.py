@@ -210,8 +210,7 @@ def _balance(kept: list[RolloutBatch], want: int, local: RolloutBatch) -> tuple[
         return kept, trimmed
     surplus = None
     if len(ids) > share:
-        surplus = mine.select(torch.isin(mine.group_ids, ids[share:])).to("cpu")
-        surplus.prompts = {g: surplus.prompts[g] for g in ids[share:].tolist() if g in surplus.prompts}
+        surplus = mine.select(torch.isin(mine.group_ids, ids[share:])).to("cpu")  # with those groups' prompts only
     pool = [b for b in distributed.gather_objects(surplus) if b is not None]
     out = [mine.select(torch.isin(mine.group_ids, ids[:share]))] if share and len(ids) else []
     need = max(0, share - counts[rank])
