@@ -20,7 +20,7 @@ from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.rewards import Reward
-from mmrl.core.runconfig import resolve_dir, resolve_file
+from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
 
 CONFIG_CLASS = DiffusionTrainConfig
 DEFAULT_CONFIG = {
@@ -38,7 +38,7 @@ DEFAULT_CONFIG = {
 
 
 def bundled_model_dir() -> Path:
-    return Path(__file__).resolve().parents[1] / "assets" / "tiny-flow"
+    return bundled("tiny-flow")
 
 
 def model_dir(cfg: DiffusionTrainConfig) -> Path:
@@ -138,7 +138,8 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
 
     path = model_dir(cfg)
     if not path.is_dir():
-        raise ConfigError(f"model.path: {path} is not a directory (a diffusers pipeline directory is expected)")
+        raise ConfigError(f"model.path: {path} is not a directory"
+                          f"{not_installed_note(cfg.model.path or path) or ' (a diffusers pipeline directory is expected)'}")
     if cfg.rollout.shift == "auto":
         family = pipeline_family(path)
         if family is not None:

@@ -21,7 +21,7 @@ from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.device import model_device
 from mmrl.core.lora import add_lora
 from mmrl.core.memory import enable_gradient_checkpointing
-from mmrl.core.runconfig import resolve_dir, resolve_file
+from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -39,7 +39,7 @@ EVAL_DEFAULTS = {"rollout": {"eval_samples": 16}}
 
 
 def bundled_model_dir() -> Path:
-    return Path(__file__).resolve().parents[1] / "assets" / "tiny-dllm"
+    return bundled("tiny-dllm")
 
 
 def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
@@ -75,7 +75,8 @@ def build(cfg: DLLMTrainConfig):
     m = cfg.model
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
-        raise ConfigError(f"model.path: {path} is not a directory (a from_pretrained model directory is expected)")
+        raise ConfigError(f"model.path: {path} is not a directory"
+                          f"{not_installed_note(m.path or path) or ' (a from_pretrained model directory is expected)'}")
     check_remote_code(path, m.trust_remote_code)  # refuse, or name the directory whose code runs
     device = model_device(m.device)  # a GPU that is not there is a ConfigError before any loading
     try:

@@ -246,3 +246,45 @@ def test_sample_help_says_which_samples_each_modality_scores(monkeypatch):
     assert '"12+3="' in helps["dllm"][1] and "shapes-geneval" not in helps["dllm"][1]
     code, text = invoke(app, "sample", "--help")  # a backend that says nothing gets the generic sentence
     assert code == 0 and "in the task's own format, carry their reward atoms" in text
+
+
+def test_a_relative_config_the_working_directory_lacks_comes_from_the_repository(tmp_path, monkeypatch):
+    """`--config configs/vlm/dapo.yaml` works from any directory, as model.path "assets/..." does; a
+    file the working directory holds wins, and a path neither holds stays as given (for the error)."""
+    from mmrl.cli import app as vlm_app
+    from mmrl.core.config import load_config
+    from mmrl.core.runconfig import REPOSITORY, resolve_config_file
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_file("configs/vlm/dapo.yaml") == REPOSITORY / "configs" / "vlm" / "dapo.yaml"
+    cfg = load_config(path="configs/vlm/dapo.yaml")  # relative paths in it resolve from the repository's folder
+    assert Path(cfg.base_dir) == (REPOSITORY / "configs" / "vlm").resolve()
+    code, text = invoke(vlm_app, "config", "--config", "configs/vlm/dapo.yaml")
+    assert code == 0 and "clip_high: 0.28" in text, text  # DAPO's clip-higher, from the repository's file
+    (tmp_path / "configs" / "vlm").mkdir(parents=True)
+    (tmp_path / "configs" / "vlm" / "dapo.yaml").write_text("optim: {lr: 0.125}\n")
+    assert resolve_config_file("configs/vlm/dapo.yaml") == Path("configs/vlm/dapo.yaml")  # the working directory's
+    assert load_config(path="configs/vlm/dapo.yaml").optim.lr == 0.125
+    assert resolve_config_file("configs/vlm/nope.yaml") == Path("configs/vlm/nope.yaml")
+
+
+def test_a_non_editable_install_says_the_bundled_models_and_configs_are_not_in_it(tmp_path, monkeypatch):
+    """A non-editable install (`pip install .`, `pip install git+URL`) has the packages but not the
+    repository's assets/ and configs/: the errors say so and how to get them, not "rebuild it"."""
+    from mmrl.core import runconfig
+    from mmrl.core.config import ConfigError, load_config
+    from mmrl.vlm.config import VLMModelConfig
+    from mmrl.vlm.models import load_vlm
+
+    assert runconfig.not_installed_note("assets/tiny-dllm") == ""  # a source checkout: nothing to add
+    monkeypatch.setattr(runconfig, "REPOSITORY", tmp_path / "site-packages")  # no pyproject.toml there
+    note = runconfig.not_installed_note("assets/tiny-dllm")
+    assert "not with a non-editable install" in note and "pip install -e ." in note and "model.path" in note
+    assert runconfig.not_installed_note(tmp_path / "site-packages" / "assets" / "tiny-flow") == note
+    assert "configs/ ships" in runconfig.not_installed_note("configs/vlm/dapo.yaml")
+    assert runconfig.not_installed_note("my/model") == runconfig.not_installed_note(tmp_path / "elsewhere") == ""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"config file 'configs/vlm/dapo.yaml' does not exist \(configs/ ships"):
+        load_config(path="configs/vlm/dapo.yaml")
+    with pytest.raises(ConfigError, match=r"tiny-qwen2.5-vl' is not a directory \(assets/ ships"):
+        load_vlm(VLMModelConfig())  # the bundled model, now looked for under the install

@@ -31,7 +31,7 @@ from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
-from mmrl.core.runconfig import RUN_CONFIG, read_run_config, run_dir_of
+from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
 
 err_console = Console(stderr=True)
 console = Console()
@@ -93,6 +93,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             defaults = deep_merge(defaults, {**read_run_config(run), "output_dir": str(run)})  # where it is now
         if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
             defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
+        if config is not None:  # configs/<modality>/... from the repository where the working directory has none
+            config = resolve_config_file(config)
         if backend is not None:  # a plugin's own method (and config class) before anything is validated
             cls = plugins.config_class(cls, config, overrides, defaults)
         try:

@@ -587,7 +587,9 @@ def read_yaml(path: str | Path) -> dict:
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        from mmrl.core.runconfig import not_installed_note
+
+        raise ConfigError(f"config file {str(path)!r} does not exist{not_installed_note(path)}")
     try:
         data = _yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -609,6 +611,9 @@ def load_config(
     # Start from the full default dump, so every union section carries its `type`.
     data = deep_merge(cls().model_dump(mode="json"), defaults or {})
     if path is not None:
+        from mmrl.core.runconfig import resolve_config_file  # runconfig imports this module
+
+        path = resolve_config_file(path)
         data = deep_merge(data, read_yaml(path))
     data = apply_overrides(data, overrides)
     try:

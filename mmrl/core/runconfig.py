@@ -22,6 +22,9 @@ import yaml
 from mmrl.core.config import ConfigError
 
 RUN_CONFIG = "config.yaml"
+# The root of a source checkout (an editable install's): assets/ (the bundled tiny models) and
+# configs/ live there. In a non-editable install this is site-packages, which has neither.
+REPOSITORY = Path(__file__).resolve().parents[2]
 _FILE_SUFFIXES = (".py", ".json", ".jsonl", ".txt", ".yaml", ".yml")
 
 
@@ -72,8 +75,44 @@ def resolve_dir(path: str | Path, base_dir: str | Path | None = None) -> Path:
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
-    roots = [*_roots(base_dir), Path(__file__).resolve().parents[2]]
+    roots = [*_roots(base_dir), REPOSITORY]
     return next((root / p for root in roots if (root / p).is_dir()), p)
+
+
+def resolve_config_file(path: str | Path) -> Path:
+    """A --config file: as given (absolute, or from the working directory); a relative one the
+    working directory does not hold from the repository, so `--config configs/vlm/dapo.yaml`
+    works from anywhere, as model.path "assets/..." does. As given where neither holds it."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or not (REPOSITORY / p).is_file():
+        return p
+    return REPOSITORY / p
+
+
+def bundled(name: str) -> Path:
+    """The bundled tiny model `name` (a directory of the repository's assets/)."""
+    return REPOSITORY / "assets" / name
+
+
+def not_installed_note(path: str | Path) -> str:
+    """Why `path`, under the repository's assets/ or configs/ (absolute, or relative as a config
+    names it), is missing: they ship with the source repository, and a non-editable install
+    (`pip install .`, `pip install git+URL`) has the Python packages only. "" in a source
+    checkout, or for any other path."""
+    if (REPOSITORY / "pyproject.toml").is_file():
+        return ""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        try:
+            p = p.resolve().relative_to(REPOSITORY)
+        except ValueError:
+            return ""
+    top = p.parts[0] if p.parts else ""
+    if top not in ("assets", "configs"):
+        return ""
+    other = ", or set model.path to a model directory" if top == "assets" else ""
+    return (f" ({top}/ ships with mmrl's source repository, not with a non-editable install: clone the "
+            f"repository and `pip install -e .` there{other})")
 
 
 def run_dir_of(path: str | Path) -> Path | None:

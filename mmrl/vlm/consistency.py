@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmrl.core.reward_models import load_sequence_classifier, sequence_classifier_config, text_limit
 from mmrl.core.rewards import RewardAtom, Sample
+from mmrl.core.runconfig import not_installed_note
 from mmrl.vlm.models import resolve_model_path
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES
 from mmrl.vlm.tasks.shapes_qa import KINDS, normalize
@@ -162,8 +163,8 @@ class ConsistencyModel:
         where = resolve_model_path(str(path))
         if not (where / "config.json").is_file():
             raise FileNotFoundError(
-                f"consistency model {str(path)!r}: no config.json in {str(where)!r} (build the "
-                "bundled one with `python scripts/train_consistency_model.py`)"
+                f"consistency model {str(path)!r}: no config.json in {str(where)!r}"
+                + (not_installed_note(path) or " (build the bundled one with `python scripts/train_consistency_model.py`)")
             )
         config = sequence_classifier_config(where, f"consistency model {str(path)!r} at")
         _consistent_index(config, f"consistency model {str(path)!r}")  # before loading anything

@@ -16,7 +16,7 @@ import torch
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
-from mmrl.core.runconfig import resolve_dir
+from mmrl.core.runconfig import REPOSITORY, bundled, not_installed_note, resolve_dir
 
 SUPPORTED = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -27,11 +27,11 @@ BUNDLED = "tiny-qwen2.5-vl"
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return REPOSITORY
 
 
 def bundled_model_dir() -> Path:
-    return repo_root() / "assets" / BUNDLED
+    return bundled(BUNDLED)
 
 
 def resolve_model_path(path: str | None, base_dir: str | None = None) -> Path:
@@ -44,15 +44,16 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     """(model, processor) from mcfg.path (a relative one from base_dir, the config file's
     directory, first), or the bundled tiny Qwen2.5-VL when path is None; `seed` draws LoRA's
     initial adapters (model.lora)."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-
     path = resolve_model_path(mcfg.path, base_dir)
     if not path.is_dir():
-        hint = " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else ""
+        hint = not_installed_note(mcfg.path or path) or (
+            " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else "")
         raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {str(path)!r} has no config.json; is it a from_pretrained directory?")
+    import transformers  # after the checks: a wrong path is told before seconds of imports
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
     check_remote_code(path, mcfg.trust_remote_code)  # refuse, or name the directory whose code runs
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
