@@ -163,7 +163,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command()
     def train(
-        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
+        config: Path | None = typer.Option(None, "--config", "-c", help=(
+            f"YAML config, e.g. `configs/{spec.modality}/<method>.yaml` (from the repository where the working "
+            "directory has none); default: the embedded default run.")),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
         max_steps: int | None = typer.Option(None, "--max-steps", help="Training steps (train.max_steps)."),
         seed: int | None = typer.Option(None, "--seed", help="Seed of every RNG of the run."),
