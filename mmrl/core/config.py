@@ -403,12 +403,37 @@ class TrainLoopConfig(Section):
     """Non-finite loss or gradients: the step is skipped; after this many in a row the run stops."""
 
 
+class WandbConfig(Section):
+    """Weights & Biases (mmrl.core.wandb_run): the config, each step's metrics and the held-out
+    metrics before and after, from the main process. wandb's own environment variables
+    (WANDB_API_KEY, WANDB_MODE, ...) apply as usual."""
+
+    enabled: bool = False
+    """Log the run to W&B (the wandb extra: pip install -e '.[wandb]'); --resume continues the same
+    W&B run (its id is kept in <output_dir>/wandb.json)."""
+    project: str = "mmrl"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B team or user; None = wandb's default for the logged-in user."""
+    name: str | None = None
+    """The W&B run's display name; None = the output directory's name."""
+    group: str | None = None
+    """A W&B group, e.g. to see a method's seeds together."""
+    tags: list[str] = Field(default_factory=list)
+    """W&B tags of the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline (a run folder under <output_dir>/wandb to `wandb sync` later) or disabled;
+    None = wandb's own choice (WANDB_MODE, else online)."""
+
+
 class LoggingConfig(Section):
     tensorboard: bool = True
     """Write TensorBoard event files to <output_dir>/tensorboard (metrics.jsonl is written either
     way)."""
     progress: bool = True
     """Rich progress bar on a terminal (off automatically when output is not a terminal)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging, off by default."""
 
 
 class TrainConfig(Section):
@@ -441,7 +466,7 @@ class TrainConfig(Section):
     """The training loop: steps, passes and mini-batches per rollout batch, checkpoints,
     evaluation."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    """What the run logs besides metrics.jsonl: TensorBoard, the progress bar."""
+    """What the run logs besides metrics.jsonl: TensorBoard, the progress bar, Weights & Biases."""
 
     _base_dir: str | None = PrivateAttr(None)
 

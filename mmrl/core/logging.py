@@ -1,4 +1,5 @@
-"""Run outputs: a progress bar, metrics.jsonl, TensorBoard events, sample tables, a reward curve.
+"""Run outputs: a progress bar, metrics.jsonl, TensorBoard events (and W&B, where enabled), sample
+tables, a reward curve.
 
 `RunLogger` is the only writer of a run directory's logs. On resume it first
 cuts metrics.jsonl back to the checkpoint's step, so the file of a resumed run
@@ -21,11 +22,19 @@ CURVE = "reward_curve.png"
 
 class RunLogger:
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, description: str = "train"):
+                 tensorboard: bool = True, progress: bool = True, description: str = "train",
+                 wandb: dict[str, Any] | None = None, config: dict[str, Any] | None = None):
+        """`wandb`: logging.wandb's settings where enabled (mmrl.core.wandb_run), with the run's
+        `config`; a start_step above 0 continues the W&B run of the directory."""
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / METRICS
         truncate_metrics(self.metrics_path, start_step)
+        self._wandb = None
+        if wandb is not None:  # first: a W&B that cannot start stops the run before anything else
+            from mmrl.core.wandb_run import WandbRun
+
+            self._wandb = WandbRun(wandb, self.dir, config or {}, resume=start_step > 0)
         self._tb = _tensorboard_writer(self.dir / "tensorboard", start_step + 1) if tensorboard else None
         self._progress = None
         if progress and sys.stderr.isatty():
@@ -62,6 +71,8 @@ class RunLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._progress is not None:
             reward = metrics.get("reward/total")
             self._progress.update(
@@ -92,6 +103,13 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+    def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
+        """After close: the run's summary.json (its held-out metrics) to W&B, and the W&B run
+        closed; `failed`: the run stopped on an error. Nothing without W&B."""
+        if self._wandb is not None:
+            self._wandb.finish(summary, failed)
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

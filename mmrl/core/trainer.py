@@ -255,11 +255,14 @@ class Trainer:
                 self._keep_finished_summary()
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         started = time.perf_counter()
+        wandb = self.cfg.logging.wandb
         logger = RunLogger(
             self.out, total_steps=tc.max_steps, start_step=self.step,
             tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
+            wandb=wandb.model_dump() if wandb.enabled else None, config=config,
         ) if main else None
         unlogged = None  # a finished step's metrics until they are logged
+        trained = False
         try:
             if self.eval_before is None:
                 self.eval_before = self.evaluate(samples_tag="before")
@@ -276,12 +279,15 @@ class Trainer:
                     self.save()
             if self.saved_step != self.step:
                 self.save()
+            trained = True
         except Exception as e:
             self._save_after_failure(e, logger, unlogged)
             raise
         finally:
             if logger is not None:
                 logger.close()
+                if not trained:  # stopped by an error or Ctrl-C: the W&B run says so
+                    logger.finish(None, failed=True)
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         eval_after = self.evaluate(samples_tag="after")
@@ -292,7 +298,9 @@ class Trainer:
         if len(set(checksums)) > 1:  # the ranks' updates were meant to be one: something made them differ
             warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
                           f"{checksums}); summary.json records them", stacklevel=2)
-        return self.write_summary(eval_after, time.perf_counter() - started, checksums)
+        summary = self.write_summary(eval_after, time.perf_counter() - started, checksums)
+        logger.finish(summary)
+        return summary
 
     def train_step(self, logger: RunLogger | None = None) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -1,0 +1,90 @@
+"""Weights & Biases logging of a run (`logging.wandb`; the `wandb` extra), on the main process.
+
+What goes there: the run's config, each step's finite scalar metrics at their step (as
+metrics.jsonl has them), and at the end the held-out metrics before and after training in the
+W&B run's summary. metrics.jsonl and TensorBoard are written either way; W&B is a copy.
+
+Resume: the W&B run's id is kept in <output_dir>/wandb.json, and `train --resume` continues that
+W&B run. Steps the interrupted attempt logged after its checkpoint are logged again; W&B keeps
+the values it has for them (a resumed run repeats them exactly: docs/reliability.md) and drops
+the repeats with a warning.
+
+A W&B that cannot start (not logged in, no network in online mode) is a ConfigError before the
+first step. One that fails mid-run is warned about once and left off: the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import warnings
+from pathlib import Path
+from typing import Any
+
+from mmrl.core.config import ConfigError
+
+RUN_ID = "wandb.json"  # {"id", "project"}: the W&B run a --resume continues
+
+
+class WandbRun:
+    def __init__(self, settings: dict[str, Any], output_dir: Path, config: dict[str, Any], resume: bool):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("logging.wandb.enabled needs the wandb package: pip install -e '.[wandb]' "
+                              "(or set logging.wandb.enabled=false)") from None
+        self._wandb = wandb
+        record = output_dir / RUN_ID
+        previous = _read_id(record) if resume else None
+        run_id = previous or secrets.token_hex(4)  # 8 characters of [0-9a-f], as W&B's own ids
+        try:
+            self.run = wandb.init(
+                project=settings["project"], entity=settings["entity"], group=settings["group"],
+                name=settings["name"] or output_dir.resolve().name, tags=list(settings["tags"]) or None,
+                mode=settings["mode"], dir=str(output_dir), config=config, id=run_id, resume="allow",
+            )
+        except Exception as e:  # noqa: BLE001 -- wandb raises many kinds (UsageError, CommError, ...)
+            raise ConfigError(f"logging.wandb: W&B could not start: {type(e).__name__}: {e} (log in with "
+                              "`wandb login`, or set logging.wandb.mode=offline)") from None
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": run_id, "project": settings["project"]}), encoding="utf-8")
+        tmp.replace(record)
+        self._failed = False
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self._call(self.run.log, scalars, step=step)
+
+    def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
+        """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) into the
+        W&B run's summary, then close it; `failed`: the run stopped on an error."""
+        if summary is not None:
+            flat = {f"{when}/{k}": v for when in ("eval_before", "eval_after")
+                    for k, v in (summary.get(when) or {}).items()
+                    if isinstance(v, (int, float)) and math.isfinite(v)}
+            flat["train_seconds"] = summary.get("train_seconds")
+            self._call(self.run.summary.update, flat)
+        self._call(self.run.finish, exit_code=1 if failed else 0)
+        self._failed = True  # nothing more goes to a finished run
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        if self._failed:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 -- W&B is a copy of what the run writes itself
+            self._failed = True
+            warnings.warn(f"W&B logging stopped: {type(e).__name__}: {e} (metrics.jsonl and TensorBoard "
+                          "go on)", stacklevel=3)
+
+
+def _read_id(path: Path) -> str | None:
+    try:
+        return str(json.loads(path.read_text(encoding="utf-8"))["id"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):  # damaged: a new W&B run, said
+        warnings.warn(f"{path} is not a W&B run record; the resumed run logs to a new W&B run", stacklevel=3)
+        return None

@@ -1,0 +1,151 @@
+"""Weights & Biases logging (logging.wandb, mmrl.core.wandb_run) on the toy backend: what reaches
+W&B (through a stand-in module that records the calls), resume into the same W&B run, failures
+on either side, and one real offline run where wandb is installed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import toy
+from typer.testing import CliRunner
+
+from mmrl.core.cli import BackendSpec, make_app
+from mmrl.core.config import ConfigError, load_config
+from mmrl.core.logging import read_metrics
+from mmrl.core.trainer import Trainer
+
+app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+ON = ["--set", "logging.wandb.enabled=true"]
+
+
+class FakeRun:
+    def __init__(self, calls: list, fail_log_at: int | None):
+        self.calls, self.fail_log_at, self.summary = calls, fail_log_at, {}
+
+    def log(self, data: dict, step: int):
+        if step == self.fail_log_at:
+            raise ConnectionError("W&B is down")
+        self.calls.append(("log", step, data))
+
+    def finish(self, exit_code: int = 0):
+        self.calls.append(("finish", exit_code, dict(self.summary)))
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in `wandb` module: `calls` records init, log and finish in order."""
+    calls: list = []
+    module = types.ModuleType("wandb")
+    module.fail_log_at = None
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return FakeRun(calls, module.fail_log_at)
+
+    module.init = init
+    module.calls = calls
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
+def train(*args):
+    result = CliRunner().invoke(app, ["train", "--set", "rollout.num_generations=2", "--set",
+                                      "rollout.prompts_per_step=2", *args])
+    return result.exit_code, result.output
+
+
+def test_the_config_each_steps_metrics_and_the_held_out_summary_reach_wandb(tmp_path, fake_wandb):
+    out = tmp_path / "run"
+    code, text = train("--max-steps", "3", "-o", str(out), *ON, "--set", "logging.wandb.project=proj",
+                       "--set", "logging.wandb.tags=[a,b]", "--set", "logging.wandb.mode=offline")
+    assert code == 0, text
+    (kind, init), *logs, finish = fake_wandb.calls
+    assert kind == "init"
+    assert (init["project"], init["name"], init["tags"], init["mode"]) == ("proj", "run", ["a", "b"], "offline")
+    assert init["dir"] == str(out) and init["resume"] == "allow"
+    config = json.loads((out / "summary.json").read_text())["config"]
+    assert init["config"]["optim"] == config["optim"] and init["config"]["output_dir"] == str(out.resolve())
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [(c[0], c[1]) for c in logs] == [("log", 1), ("log", 2), ("log", 3)]
+    for (_, step, data), row in zip(logs, rows):
+        assert data["reward/total"] == row["reward/total"] and data["loss/total"] == row["loss/total"]
+        assert all(isinstance(v, float) for v in data.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert finish[:2] == ("finish", 0)
+    assert finish[2]["eval_before/accuracy"] == summary["eval_before"]["accuracy"]
+    assert finish[2]["eval_after/accuracy"] == summary["eval_after"]["accuracy"]
+    assert json.loads((out / "wandb.json").read_text()) == {"id": init["id"], "project": "proj"}
+
+
+def test_resume_continues_the_same_wandb_run_and_a_fresh_run_starts_its_own(tmp_path, fake_wandb):
+    out = tmp_path / "run"
+    assert train("--max-steps", "2", "-o", str(out), *ON)[0] == 0
+    code, text = train("--max-steps", "4", "-o", str(out), "--resume", *ON)
+    assert code == 0, text
+    first, again = (c[1]["id"] for c in fake_wandb.calls if c[0] == "init")
+    assert first == again == json.loads((out / "wandb.json").read_text())["id"]
+    assert [c[1] for c in fake_wandb.calls if c[0] == "log"] == [1, 2, 3, 4]
+    assert train("--max-steps", "1", "-o", str(tmp_path / "other"), *ON)[0] == 0
+    assert [c[1]["id"] for c in fake_wandb.calls if c[0] == "init"][-1] != first
+
+
+def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
+    cfg = load_config(toy.CONFIG_CLASS, None,
+                      [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "logging.wandb.enabled=true",
+                       "rollout.num_generations=2", "rollout.prompts_per_step=2"], defaults=toy.DEFAULT_CONFIG)
+    trainer = Trainer(cfg, *toy.build(cfg))
+    step = trainer.train_step
+
+    def breaks_at_2(logger=None):
+        if trainer.step == 1:
+            raise RuntimeError("a tool broke")
+        return step(logger)
+
+    monkeypatch.setattr(trainer, "train_step", breaks_at_2)
+    with pytest.raises(RuntimeError, match="a tool broke"), pytest.warns(UserWarning, match="stopped the run"):
+        trainer.train()
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("finish", 1)]
+
+
+def test_wandb_failing_mid_run_is_warned_once_and_the_run_goes_on(tmp_path, fake_wandb):
+    fake_wandb.fail_log_at = 2
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="W&B logging stopped: ConnectionError: W&B is down"):
+        code, text = train("--max-steps", "3", "-o", str(out), *ON)
+    assert code == 0, text
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1)]  # nothing after the failure
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]  # the run's own logs are whole
+
+
+def test_wandb_missing_or_not_starting_is_one_error_before_any_step(tmp_path, monkeypatch, fake_wandb):
+    def refuses(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    fake_wandb.init = refuses
+    code, text = train("--max-steps", "2", "-o", str(tmp_path / "a"), *ON)
+    text = " ".join(text.split())
+    assert code == 2 and "W&B could not start: RuntimeError: api_key not configured" in text, text
+    assert "logging.wandb.mode=offline" in text and "Traceback" not in text
+    assert read_metrics(tmp_path / "a" / "metrics.jsonl") == []  # no step ran
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    code, text = train("--max-steps", "2", "-o", str(tmp_path / "b"), *ON)
+    assert code == 2 and "pip install -e '.[wandb]'" in " ".join(text.split()), text
+    with pytest.raises(ConfigError, match="logging.wandb.mode"):
+        load_config(overrides=["logging.wandb.mode=sometimes"])
+
+
+def test_a_real_offline_wandb_run_is_written_under_the_output_directory(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # W&B would wrap the process's stdout, which pytest captures
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    out = tmp_path / "run"
+    code, text = train("--max-steps", "2", "-o", str(out), *ON, "--set", "logging.wandb.mode=offline")
+    assert code == 0, text
+    run_id = json.loads((out / "wandb.json").read_text())["id"]
+    (folder,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    assert (folder / f"run-{run_id}.wandb").stat().st_size > 0
