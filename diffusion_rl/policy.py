@@ -192,6 +192,11 @@ class DiffusionPolicy:
 
     # ------------------------------------------------------------------ weights
 
+    def export_pretrained(self, path: str | Path) -> None:
+        """The whole pipeline directory diffusers loads, under LoRA with the adapters merged into
+        the transformer's weights (`export`)."""
+        self.flow.save_pretrained(path)
+
     def save_pretrained(self, path: str | Path) -> None:
         """The whole pipeline directory (from_pretrained loads it as is); under LoRA the adapter
         alone (adapter_config.json, adapter_model.safetensors), as the VLM and dLLM backends save

@@ -24,7 +24,7 @@ from dllm_rl.models import MaskPredictor
 from dllm_rl.samplers import DecodeResult, decode
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.device import module_device
-from mmrl.core.lora import load_model_weights
+from mmrl.core.lora import load_model_weights, merge_lora
 from mmrl.core.rewards import Sample
 
 
@@ -183,6 +183,12 @@ class DLLMPolicy:
     def save_pretrained(self, path: str | Path) -> None:
         """from_pretrained layout with tokenizer and dllm.json; under LoRA the adapter only."""
         self.predictor.save_pretrained(path)
+
+    def export_pretrained(self, path: str | Path) -> None:
+        """A standalone directory load_mask_predictor reads (weights, tokenizer, dllm.json): under
+        LoRA the adapters merged into the base weights, in place (the policy's last use: `export`)."""
+        self.model = self.predictor.model = merge_lora(self.model)
+        self.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
         load_model_weights(self.model, path)

@@ -16,6 +16,7 @@ import importlib
 import inspect
 import json
 import math
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,6 +303,37 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+
+        run_verb(go)
+
+    @app.command()
+    def export(
+        checkpoint: Path = typer.Option(..., "--checkpoint", help="A run directory (its newest checkpoint), a checkpoint or its model directory."),
+        out: Path = typer.Option(..., "--out", "-o", help="The directory to write; a new or empty one."),
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run; inside a run, its config.yaml is the base."),
+        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+    ):
+        """Write a checkpoint as a standalone model directory that transformers, diffusers or vLLM
+        load without mmrl: a LoRA run's adapters merged into its base weights, with the processor or
+        tokenizer (a dLLM's dllm.json; an image model's whole diffusers pipeline)."""
+
+        def go():
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                raise ConfigError(f"--out {out} is not a new or empty directory; export writes nothing over files")
+            backend, cfg = get_backend(config, list(set_), "export", checkpoint)
+            policy, _ = backend.build(cfg)
+            load_checkpoint(policy, checkpoint)
+            if not hasattr(policy, "export_pretrained"):
+                raise BackendUnavailable(f"`{spec.command} export` is not available for this backend yet")
+            partial = out.with_name(f".{out.name}.partial")  # written whole, then renamed: never half a model at --out
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                policy.export_pretrained(partial)
+                partial.replace(out)  # an empty --out is replaced as well
+            except OSError as e:  # a full disk, a read-only folder
+                shutil.rmtree(partial, ignore_errors=True)
+                raise CheckpointError(f"export to {out} failed, nothing was written there: {e}") from e
+            console.print(f"wrote {out} (from {resolve_checkpoint(checkpoint)})", highlight=False)
 
         run_verb(go)
 

@@ -4,6 +4,7 @@
     is_lora(model)                            # True for a PEFT-wrapped model
     load_adapter(model, directory)            # what model.save_pretrained wrote, in place
     load_model_weights(model, directory)      # the same, or every weight for a model without LoRA
+    merge_lora(model)                         # the base model with the adapters folded in (export)
 
 A LoRA model's save_pretrained writes the adapter alone (adapter_model.safetensors and
 adapter_config.json); loading it needs a model built with the same `model.lora`.
@@ -84,6 +85,13 @@ def seeded(seed: int):
 def is_lora(model: torch.nn.Module) -> bool:
     """Whether a PEFT adapter is attached (a peft model, or diffusers' own PEFT integration)."""
     return hasattr(model, "peft_config")
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The base model with each adapter's update folded into its layer's weight (W + B A alpha/r),
+    for a standalone export: what PEFT's merge_and_unload gives, in place (the PEFT wrapper is
+    spent). A model without LoRA as is."""
+    return model.merge_and_unload() if is_lora(model) else model
 
 
 def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:

@@ -37,7 +37,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.logprob import entropy_of, token_entropy, token_logprobs
-from mmrl.core.lora import is_lora, load_model_weights
+from mmrl.core.lora import is_lora, load_model_weights, merge_lora
 from mmrl.core.overlong import LENGTH_KEY
 from mmrl.core.rewards import Sample
 
@@ -593,6 +593,12 @@ class VLMPolicy:
         """from_pretrained layout; with LoRA, the adapter (adapter_model.safetensors) only."""
         self.model.save_pretrained(path)
         self.processor.save_pretrained(path)
+
+    def export_pretrained(self, path: str | Path) -> None:
+        """A standalone from_pretrained directory (weights and processor): under LoRA the adapters
+        merged into the base weights, in place (the policy's last use: `export`)."""
+        self.model = merge_lora(self.model)
+        self.save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
         load_model_weights(self.model, path)

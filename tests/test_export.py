@@ -1,0 +1,133 @@
+"""`<cli> export`: a checkpoint as a standalone model directory. A LoRA checkpoint's adapters are
+merged into the base weights, so the plain library loader (transformers, dllm_rl's loader,
+diffusers) gives the LoRA policy's outputs without mmrl's LoRA settings; --out is never left
+half written or written over."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mmrl.core.config import load_config
+
+IDS = torch.tensor([[3, 5, 7, 9, 11, 13]])
+
+
+def lora_policy(modality: str, tmp_path, *overrides: str):
+    """The bundled model of `modality` under LoRA r 4, its adapters' B drawn at random (they start
+    at 0, which would make a merge a no-op), saved as a checkpoint; with the run's config file."""
+    backend = importlib.import_module({"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend",
+                                       "diffusion": "diffusion_rl.backend"}[modality])
+    settings = ["model.lora.r=4", "model.lora.alpha=8", *overrides]
+    cfg = load_config(backend.CONFIG_CLASS, None, settings, defaults=backend.DEFAULT_CONFIG)
+    policy, _ = backend.build(cfg)
+    model = policy.flow.transformer if modality == "diffusion" else policy.model
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    policy.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "run.yaml").write_text("model:\n  lora: {r: 4, alpha: 8}\n")
+    return policy, backend
+
+
+def export(modality: str, *args: str):
+    app = importlib.import_module({"vlm": "mmrl.cli", "dllm": "dllm_rl.cli", "diffusion": "diffusion_rl.cli"}[modality]).app
+    result = CliRunner().invoke(app, ["export", *args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_a_vlm_lora_checkpoint_exports_as_one_plain_transformers_model(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    policy, _ = lora_policy("vlm", tmp_path)
+    code, text = export("vlm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "out"))
+    assert code == 0 and f"wrote {tmp_path / 'out'}" in text, text
+    assert not (tmp_path / "out" / "adapter_config.json").exists()
+    assert (tmp_path / "out" / "preprocessor_config.json").exists() or (tmp_path / "out" / "processor_config.json").exists()
+    plain = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
+    base = AutoModelForImageTextToText.from_pretrained(bundled_model_dir()).eval()
+    with torch.no_grad():
+        want = policy.model.eval()(input_ids=IDS).logits
+        got, before = plain(input_ids=IDS).logits, base(input_ids=IDS).logits
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    assert (want - before).abs().max() > 1e-3  # the adapters change the model: the merge is not a no-op
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
+    from dllm_rl.models import load_mask_predictor
+
+    policy, backend = lora_policy("dllm", tmp_path)
+    code, text = export("dllm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "out"))
+    assert code == 0, text
+    assert (tmp_path / "out" / "dllm.json").is_file() and not (tmp_path / "out" / "adapter_config.json").exists()
+    plain = load_mask_predictor(tmp_path / "out").model.eval()
+    base = load_mask_predictor(backend.bundled_model_dir()).model.eval()
+    with torch.no_grad():
+        want = policy.model.eval()(input_ids=IDS).logits
+        got, before = plain(input_ids=IDS).logits, base(input_ids=IDS).logits
+    assert (want - before).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_image_lora_checkpoint_exports_as_a_whole_diffusers_pipeline(tmp_path):
+    from diffusion_rl.models import load_flow_model
+
+    policy, _ = lora_policy("diffusion", tmp_path)
+    code, text = export("diffusion", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "out"))
+    assert code == 0, text
+    assert (tmp_path / "out" / "model_index.json").is_file() and (tmp_path / "out" / "vae").is_dir()
+    plain = dict(load_flow_model(tmp_path / "out").transformer.named_parameters())
+    lora = dict(policy.flow.transformer.named_parameters())
+    layers = {n.removesuffix(".lora_A.default.weight") for n in lora if n.endswith(".lora_A.default.weight")}
+    assert layers and not any("lora" in n for n in plain)
+    for layer in layers:  # W + B A alpha / r (alpha 8, r 4), worked here rather than by PEFT
+        a, b = lora[f"{layer}.lora_A.default.weight"], lora[f"{layer}.lora_B.default.weight"]
+        merged = lora[f"{layer}.base_layer.weight"] + 2.0 * b @ a
+        assert (merged - lora[f"{layer}.base_layer.weight"]).abs().max() > 1e-3
+        torch.testing.assert_close(plain[f"{layer}.weight"], merged, atol=1e-6, rtol=1e-6)
+    rest = {n for n in lora if "lora_" not in n and ".base_layer.weight" not in n}
+    for name in rest:
+        torch.testing.assert_close(plain[name.replace(".base_layer.", ".")], lora[name])
+
+
+def test_export_writes_nothing_over_files_and_leaves_no_partial_directory(tmp_path, monkeypatch):
+    lora_policy("dllm", tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    code, text = export("dllm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "taken"))
+    assert code == 2 and "is not a new or empty directory" in text, text
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+    from dllm_rl.policy import DLLMPolicy
+
+    def breaks(self, path):
+        path.mkdir()
+        (path / "half.safetensors").write_text("")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(DLLMPolicy, "save_pretrained", breaks)
+    (tmp_path / "empty").mkdir()
+    code, text = export("dllm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "empty"))
+    assert code == 2 and "failed, nothing was written there: No space left on device" in text, text
+    assert list((tmp_path / "empty").iterdir()) == [] and not (tmp_path / ".empty.partial").exists()
+
+
+@pytest.mark.parametrize("modality", ["dllm"])
+def test_a_lora_checkpoint_without_its_lora_settings_is_one_clear_error(modality, tmp_path):
+    lora_policy(modality, tmp_path)
+    code, text = export(modality, "--checkpoint", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"))
+    assert code == 2 and "holds a LoRA adapter, not full weights" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
