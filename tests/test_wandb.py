@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+import warnings
 
 import pytest
 import toy
@@ -28,7 +29,7 @@ class FakeRun:
     def log(self, data: dict, step: int):
         if step == self.fail_log_at:
             raise ConnectionError("W&B is down")
-        self.calls.append(("log", step, data))
+        self.calls.append(("table", step, data["samples"]) if "samples" in data else ("log", step, data))
 
     def finish(self, exit_code: int = 0):
         self.calls.append(("finish", exit_code, dict(self.summary)))
@@ -46,6 +47,7 @@ def fake_wandb(monkeypatch):
         return FakeRun(calls, module.fail_log_at)
 
     module.init = init
+    module.Table = lambda **kwargs: kwargs
     module.calls = calls
     monkeypatch.setitem(sys.modules, "wandb", module)
     return module
@@ -60,9 +62,15 @@ def train(*args):
 def test_the_config_each_steps_metrics_and_the_held_out_summary_reach_wandb(tmp_path, fake_wandb):
     out = tmp_path / "run"
     code, text = train("--max-steps", "3", "-o", str(out), *ON, "--set", "logging.wandb.project=proj",
-                       "--set", "logging.wandb.tags=[a,b]", "--set", "logging.wandb.mode=offline")
+                       "--set", "logging.wandb.tags=[a,b]", "--set", "logging.wandb.mode=offline",
+                       "--set", "train.log_samples_every=2")
     assert code == 0, text
-    (kind, init), *logs, finish = fake_wandb.calls
+    (step, table), = [c[1:] for c in fake_wandb.calls if c[0] == "table"]
+    rows = [json.loads(line) for line in (out / "samples" / "step_00000002.jsonl").read_text().splitlines()]
+    assert step == 2 and table["columns"][:3] == ["group", "prompt", "completion"] and table["allow_mixed_types"]
+    assert [r[table["columns"].index("completion")] for r in table["data"]] == [r["completion"] for r in rows]
+    assert [json.loads(r[table["columns"].index("atoms")]) for r in table["data"]] == [r["atoms"] for r in rows]
+    (kind, init), *logs, finish = [c for c in fake_wandb.calls if c[0] != "table"]
     assert kind == "init"
     assert (init["project"], init["name"], init["tags"], init["mode"]) == ("proj", "run", ["a", "b"], "offline")
     assert init["dir"] == str(out) and init["resume"] == "allow"
@@ -144,9 +152,18 @@ def test_a_real_offline_wandb_run_is_written_under_the_output_directory(tmp_path
     for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
         monkeypatch.delenv(key, raising=False)
     out = tmp_path / "run"
-    code, text = train("--max-steps", "2", "-o", str(out), *ON, "--set", "logging.wandb.mode=offline")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="W&B logging stopped")  # a call real wandb refuses fails the run
+        code, text = train("--max-steps", "2", "-o", str(out), *ON, "--set", "logging.wandb.mode=offline",
+                           "--set", "train.log_samples_every=1")
     assert code == 0, text
     run_id = json.loads((out / "wandb.json").read_text())["id"]
     (folder,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
     records = (folder / f"run-{run_id}.wandb").read_bytes()  # protobuf records: their keys stand as bytes
     assert b"reward/total" in records and b"eval_after/accuracy" in records
+    tables = sorted((folder / "files" / "media" / "table").glob("samples_*.table.json"))
+    assert len(tables) == 2  # steps 1 and 2
+    table = json.loads(tables[0].read_text())
+    rows = [json.loads(line) for line in (out / "samples" / "step_00000001.jsonl").read_text().splitlines()]
+    assert table["columns"][:3] == ["group", "prompt", "completion"]
+    assert sorted(map(str, (r[2] for r in table["data"]))) == sorted(str(r["completion"]) for r in rows)

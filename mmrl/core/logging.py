@@ -94,6 +94,8 @@ class RunLogger:
         path.parent.mkdir(exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows)
+        if self._wandb is not None:
+            self._wandb.samples(step, [{k: _clean(v) for k, v in row.items()} for row in rows])
         return path
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """Weights & Biases logging of a run (`logging.wandb`; the `wandb` extra), on the main process.
 
 What goes there: the run's config, each step's finite scalar metrics at their step (as
-metrics.jsonl has them), and at the end the held-out metrics before and after training in the
-W&B run's summary. metrics.jsonl and TensorBoard are written either way; W&B is a copy.
+metrics.jsonl has them), the sample tables (train.log_samples_every) as W&B tables, and at the
+end the held-out metrics before and after training in the W&B run's summary. metrics.jsonl and TensorBoard are written either way; W&B is a copy.
 
 Resume: the W&B run's id is kept in <output_dir>/wandb.json, and `train --resume` continues that
 W&B run. Steps the interrupted attempt logged after its checkpoint are logged again; W&B keeps
@@ -56,6 +56,16 @@ class WandbRun:
         scalars = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self._call(self.run.log, scalars, step=step)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A sample table (the rows of samples/step_*.jsonl) as the W&B table "samples" at `step`;
+        nested values (the atoms) as JSON text, images as their description."""
+        if not rows:
+            return
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        data = [[json.dumps(v) if isinstance(v, (dict, list)) else v for v in (row.get(c) for c in columns)]
+                for row in rows]
+        self._call(lambda: self.run.log({"samples": self._wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step))
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) into the
