@@ -40,6 +40,13 @@ def test_each_atom_has_its_own_words():
     assert got["exist[circle]"] == ["circle", "circles"] and len(got) == 4
 
 
+def test_an_exist_atom_covers_the_shape_word_of_every_phrase_of_its_shape():
+    p = "a red circle left of a blue circle"  # two kinds of one shape: one exist atom, two colour atoms
+    spans = shapes_geneval_atom_spans(p)
+    assert spans["exist[circle]"] == [(6, 12), (28, 34)]  # "circle" at 6..12 and 28..34
+    assert spans["colour[red circle]"] == [(2, 5), (6, 12)] and spans["colour[blue circle]"] == [(23, 27), (28, 34)]
+
+
 def scored_batch(prompt, scene_prompts):
     """One group: `prompt` with images rendered for `scene_prompts` (a scene of another prompt
     fails the atoms it changes), scored by the real reward."""

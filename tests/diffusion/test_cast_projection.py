@@ -95,6 +95,20 @@ def test_custom_parser_from_a_file_and_its_errors(tmp_path):
         load_parser("no-such-parser")
 
 
+def test_checked_spans_and_load_parser_refuse_what_is_not_a_parser_or_spans(tmp_path):
+    """A parser must return a dict of lists of (start, end) with 0 <= start < end <= len(prompt):
+    a list, an empty span and a triple are refused; so are a non-callable and an empty function name."""
+    for out, what in ((["exist"], "returned list"), ({"exist": [(2, 2)]}, "0 <= start < end <= 5"),
+                      ({"exist": [(0, 1, 2)]}, "0 <= start < end <= 5")):
+        with pytest.raises(ValueError, match=what):
+            checked_spans(lambda prompt, out=out: out, "a cat")
+    (tmp_path / "p.py").write_text("NAME = 'cat'\n")
+    with pytest.raises(ConfigError, match="'NAME' is not callable"):
+        load_parser("p.py:NAME", tmp_path)
+    with pytest.raises(ConfigError, match="path/to/file.py:function"):
+        load_parser("p.py:", tmp_path)
+
+
 def test_atom_spans_of_unparsed_prompts_and_of_a_failing_custom_parser(tmp_path, monkeypatch):
     """The built-in grammar: a prompt it cannot parse gets no words (uniform maps); a custom
     parser that fails is an error. A custom parser's file is found next to the config."""

@@ -215,6 +215,23 @@ def test_format_prompt_round_trips():
         format_prompt(objs, "near")
 
 
+def test_parse_error_quotes_the_words_from_where_the_relation_should_start():
+    """"to the" opens a relation; when none follows, the error quotes the words from "to" (where
+    the relation was expected), not from where the scan of "to the" stopped."""
+    with pytest.raises(ValueError, match="unparsed words 'to the left a blue square'"):
+        parse_prompt("a red circle to the left a blue square")
+
+
+def test_format_prompt_counts_the_phrases():
+    one = ObjectSpec(1, "red", "circle")
+    with pytest.raises(ValueError, match="one phrase, got 0"):
+        format_prompt([])
+    with pytest.raises(ValueError, match="two phrases, got 3"):
+        format_prompt([one, one, one], "left of")
+    with pytest.raises(ValueError, match="two phrases, got 1"):
+        format_prompt([one], "left of")
+
+
 # ---------------------------------------------------------------------------- prompt sampling
 
 
@@ -305,6 +322,12 @@ def test_sample_prompts_cover_every_atom_type_and_word():
         sample_prompts(3, colours=["purple"])
     with pytest.raises(ValueError, match="relation_p"):
         sample_prompts(3, relation_p=1.5)
+
+
+def test_sample_prompts_refuses_an_empty_vocabulary():
+    for key in ("colours", "shapes", "relations"):
+        with pytest.raises(ValueError, match=f"{key} must be a non-empty subset"):
+            sample_prompts(3, relation_p=0.0, **{key: []})
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -550,6 +573,85 @@ def test_image_modes_arrays_and_non_images():
         score_image(img, "a purple circle")  # the prompt is checked first
 
 
+def test_classify_pixels_hue_and_chroma_bands_by_hand():
+    """Palette hues: red 0, yellow 51, green 129.2, blue 226.7 degrees. Red's and yellow's nearest
+    neighbours are 51 apart: strict +-0.3 x 51 = 15.3, loose +-51 / 2 = 25.5. Red's chroma
+    (220 - 40) / 255 = 0.706 asks a pixel for >= 0.45 x 0.706 = 0.318."""
+    px = np.array([[
+        (237, 147, 147),  # red half blended with white: chroma 90 / 255 = 0.353, hue 0: red, strict
+        (255, 180, 180),  # paler: chroma 75 / 255 = 0.294 < 0.318: no colour
+        (255, 127, 0),  # orange, hue 29.9: 21.1 from yellow (loose, not strict), 29.9 from red (> 25.5)
+        (255, 0, 128),  # hue 329.9: 30.1 from red (> 25.5): no colour, even loosely
+    ]], dtype=np.uint8)
+    assert list(COLOURS).index("yellow") == 3
+    assert sg.classify_pixels(px).tolist() == [[0, -1, -1, -1]]
+    assert sg.classify_pixels(px, strict=False).tolist() == [[0, -1, 3, -1]]
+
+
+def test_an_rgba_array_is_composited_over_white():
+    rgba = np.array([[(255, 0, 0, 128), (0, 0, 0, 0), (0, 0, 255, 255)]], dtype=np.uint8)
+    # alpha a = 128 / 255: red 255 a + 255 (1 - a) = 255; green and blue 255 (1 - a) = 127
+    assert np.asarray(sg.to_rgb(rgba)).tolist() == [[[255, 127, 127], [255, 255, 255], [0, 0, 255]]]
+
+
+def test_classify_never_calls_a_fill_of_at_least_four_fifths_a_triangle():
+    """t = (pi/4 - fill) / (pi/4 - 0.5) + (roundness - 1): fill 0.82, roundness 2 gives
+    t = -0.12 + 1 = 0.88 >= 0.35, but a hull filling >= TRIANGLE_MAX_FILL = 0.8 of its rectangle
+    is no triangle; q = (0.82 - pi/4) / (1 - pi/4) + 1 / (sqrt 2 - 1) = 2.57 >= 0.85: a square.
+    Below 0.8 the same roundness is a triangle."""
+    assert sg._classify(0.82, 2.0) == "square"
+    assert sg._classify(0.78, 2.0) == "triangle"
+
+
+def test_detected_box_and_centroid_of_an_exact_square():
+    """A 20 x 20 block on pixels 10..29: bbox (10, 10, 30, 30), right and bottom exclusive; the
+    centroid is the mean pixel centre, (10 + 29) / 2 + 0.5 = 20."""
+    img = Image.new("RGB", (64, 64), "white")
+    ImageDraw.Draw(img).rectangle((10, 10, 29, 29), fill=HAND["blue"])
+    [o] = detect(img)
+    assert (o.colour, o.shape, o.bbox, o.centroid, o.area) == ("blue", "square", (10, 10, 30, 30), (20.0, 20.0), 400)
+    assert o.center == (20.0, 20.0)
+
+
+def test_a_two_to_one_rectangle_is_a_square_and_a_longer_one_a_bar():
+    """aspect = (long + 1) / (short + 1) sides of the pixel centres' rectangle (+ 1: the centres
+    lie half a pixel inside): 24 x 12 px gives (23 + 1) / (11 + 1) = 2.0, at MAX_ASPECT still a
+    square; 26 x 12 px gives 26 / 12 = 2.167, a bar with no shape."""
+    img = Image.new("RGB", (64, 64), "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle((4, 4, 27, 15), fill=HAND["red"])  # 24 x 12
+    d.rectangle((4, 40, 29, 51), fill=HAND["green"])  # 26 x 12
+    got = sorted((o.colour, o.shape, round(o.aspect, 3)) for o in detect(img, include_unknown=True))
+    assert got == [("green", None, 2.167), ("red", "square", 2.0)]
+
+
+def test_specks_under_the_area_fraction_are_dropped():
+    """Minimum area max(8, 0.003 x 64 x 64) = 12.3 px: a 3 x 4 block (12 px) is a speck, a
+    4 x 4 one (16 px) a square."""
+    img = Image.new("RGB", (64, 64), "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle((5, 5, 7, 8), fill=HAND["red"])  # 3 x 4
+    d.rectangle((40, 40, 43, 43), fill=HAND["blue"])  # 4 x 4
+    assert [(o.colour, o.shape, o.area) for o in detect(img, include_unknown=True)] == [("blue", "square", 16)]
+
+
+def test_a_one_pixel_outline_is_a_thin_fringe_not_an_object():
+    """At 64 px the core erosion radius is max(1, round(64 / 128)) = 1: none of a 1-px outline
+    survives it (under CORE_FRAC of the component), so it is dropped, even with include_unknown."""
+    img = Image.new("RGB", (64, 64), "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle((10, 10, 40, 40), outline=HAND["red"], width=1)
+    d.rectangle((45, 45, 60, 60), fill=HAND["blue"])  # a solid square beside it stays
+    assert [(o.colour, o.shape) for o in detect(img, include_unknown=True)] == [("blue", "square")]
+
+
+def test_a_coloured_background_of_a_wide_image_is_no_object():
+    """The background check compares the bbox with (0, 0, width, height): a 96 x 64 red image
+    is a background, not a red square (its aspect 1.5 would read as one)."""
+    assert detect(Image.new("RGB", (96, 64), HAND["red"])) == []
+    assert detect(Image.new("RGB", (64, 96), HAND["red"])) == []
+
+
 # ---------------------------------------------------------------------------- near misses (256 px, blurred)
 
 PROMPT = "two red circles left of a blue square"
@@ -636,6 +738,27 @@ def test_relation_holds_margin_and_dominance():
     assert relation_holds(box(50, 30, 10), "below", box(50, 10, 10))
     with pytest.raises(ValueError):
         relation_holds(a, "near", a)
+
+
+def test_relation_cross_axis_offset_counts_on_either_side():
+    """Dominance takes |offset| across the axis: 41 px above fails as 41 px below does
+    (dx 20 < 0.5 x 41), and likewise across the vertical axis."""
+    a = box(20, 50, 10)
+    assert not relation_holds(a, "left of", box(40, 9, 10))
+    assert not relation_holds(box(40, 9, 10), "right of", a)
+    assert not relation_holds(box(50, 10, 10), "above", box(9, 30, 10))
+    assert not relation_holds(box(91, 30, 10), "below", box(50, 10, 10))
+
+
+def test_relation_margin_is_half_the_mean_extent_of_both_boxes_along_the_axis():
+    # widths 10 and 30: mean extent 20, margin 0.5 x 20 = 10, whichever box is the wide one
+    assert not relation_holds(box(20, 50, 10), "left of", box(28, 50, 30))  # dx 8 < 10
+    assert relation_holds(box(20, 50, 30), "left of", box(32, 50, 10))  # dx 12 >= 10
+    # boxes 10 wide and 30 high: the heights count along the vertical axis (margin 15), not the widths
+    top = (0, 0, 10, 30)
+    assert not relation_holds(top, "above", (0, 12, 10, 42))  # dy 12 < 15
+    assert not relation_holds((0, 12, 10, 42), "below", top)
+    assert relation_holds(top, "above", (0, 16, 10, 46))  # dy 16 >= 15
 
 
 def obj(colour, shape, cx, cy, s=10):
@@ -776,6 +899,15 @@ def test_reward_weights_and_errors():
             [Sample("a red circle", None), Sample("a red circle", render("a red circle"))]
         )
     assert out.errors > 0 and out.values.sum() == 0
+
+
+def test_unparsed_zero_scores_an_unparsed_prompt_zero_and_a_parsed_one_as_usual():
+    img = render("a red circle", seed=0)
+    scores = Reward(reward_atoms(unparsed="zero")).score([Sample("a pink cloud", img), Sample("a red circle", img)])
+    assert scores.values.tolist() == [[0.0] * 5, [1.0] * 5]
+    with pytest.raises(ValueError, match="'error' or 'zero', got 'skip'"):
+        reward_atoms(unparsed="skip")
+    assert [a.weight for a in shapes_geneval_reward({"all": 2.0}).atoms] == [1.0, 1.0, 1.0, 1.0, 2.0]
 
 
 def test_reward_cache_does_not_confuse_batches():
