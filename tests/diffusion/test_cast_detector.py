@@ -59,6 +59,16 @@ def test_a_wrong_count_has_no_region():
     assert box(regions["exist[circle]"]) == circle.bbox
 
 
+def test_a_count_region_leaves_out_other_colours_of_the_shape():
+    """count[c s]=n points at the objects of kind c s only; exist[s] covers every s."""
+    image = render(make_scene("a red circle left of a blue circle", seed=0))
+    red, blue = sorted(cached_detect(image), key=lambda o: o.colour, reverse=True)  # red > blue
+    assert (red.kind, blue.kind) == ("red circle", "blue circle")
+    regions = atom_regions(image, "a red circle")
+    assert box(regions["count[red circle]=1"]) == red.bbox
+    assert regions["exist[circle]"].sum() == sum(np.prod(np.subtract(o.bbox[2:], o.bbox[:2])) for o in (red, blue))
+
+
 def test_region_maps_pool_onto_the_token_grid():
     mask = np.zeros((8, 8), dtype=bool)
     mask[0:4, 0:2] = True  # the top-left token of a 2 x 2 grid, half covered

@@ -501,6 +501,45 @@ def test_detector_separates_touching_shapes_of_one_colour():
     assert kinds(triangles) == [("blue", "triangle")] * 2
 
 
+def red_blocks(size, *rects):
+    """A white image with red blocks, rects as ImageDraw's (x0, y0, x1, y1), inclusive."""
+    img = Image.new("RGB", (size, size), "white")
+    for rect in rects:
+        ImageDraw.Draw(img).rectangle(rect, fill=HAND["red"])
+    return img
+
+
+def test_a_knob_on_a_neck_is_a_second_object_only_if_its_core_rises_enough():
+    """No downsampling (crop under SPLIT_RES). Depth peels one layer per erosion: a 30 x 30 square
+    has depth 15, so a core must rise max(2, 0.15 x 15) = 2.25 above the threshold. A 2-px neck
+    (depth 1) cuts the knob off at t = 2: an 8 x 8 knob (depth 4) rises 2, a ripple of one object;
+    a 9 x 9 knob (depth 5) rises 3, a second square."""
+    body, neck = (4, 17, 33, 46), (34, 31, 35, 32)
+    ripple = detect(red_blocks(64, body, neck, (36, 28, 43, 35)))  # 8 x 8
+    assert [(o.shape, o.area) for o in ripple] == [("square", 900 + 4 + 64)]
+    second = detect(red_blocks(64, body, neck, (36, 28, 44, 36)))  # 9 x 9
+    assert [o.shape for o in second] == ["square", "square"] and sum(o.area for o in second) == 900 + 4 + 81
+
+
+def test_a_ripple_core_does_not_end_the_search_for_two_bodies():
+    """Two 20 x 20 squares (depth 10) joined by a 6-px-wide neck (depth 3), and a 6 x 6 knob
+    (depth 3) on a 2-px neck under the left one. At t = 2 the knob is cut off but rises only 1 < 2:
+    not a body, so t goes on; at t = 4 the squares part, each rising 6: two objects (the knob
+    goes with the nearer one)."""
+    img = red_blocks(64, (4, 20, 23, 39), (24, 27, 27, 32), (28, 20, 47, 39), (12, 40, 13, 41), (10, 42, 15, 47))
+    objs = detect(img)
+    assert [o.shape for o in objs] == ["square", "square"]
+    assert sum(o.area for o in objs) == 400 + 24 + 400 + 4 + 36
+
+
+def test_a_split_piece_under_the_minimum_area_is_no_object():
+    """256 px (minimum area 0.003 x 256^2 = 196.6): a 26 x 26 square (depth 13, rise
+    max(2, 1.95) = 2) with a 7 x 7 knob (depth 4) on a 2-px neck. At t = 2 both cores rise
+    enough, but the knob's piece (~50 px) is under the minimum area: no split, one object."""
+    objs = detect(red_blocks(256, (100, 100, 125, 125), (126, 112, 127, 113), (128, 109, 134, 115)))
+    assert [(o.shape, o.area) for o in objs] == [("square", 676 + 4 + 49)]
+
+
 def test_detector_ignores_specks_noise_jpeg_and_blurred_fringes():
     rng = np.random.default_rng(0)
     prompt = "two red circles left of a blue square"
@@ -591,7 +630,9 @@ def test_classify_pixels_hue_and_chroma_bands_by_hand():
 def test_an_rgba_array_is_composited_over_white():
     rgba = np.array([[(255, 0, 0, 128), (0, 0, 0, 0), (0, 0, 255, 255)]], dtype=np.uint8)
     # alpha a = 128 / 255: red 255 a + 255 (1 - a) = 255; green and blue 255 (1 - a) = 127
-    assert np.asarray(sg.to_rgb(rgba)).tolist() == [[[255, 127, 127], [255, 255, 255], [0, 0, 255]]]
+    want = [[[255, 127, 127], [255, 255, 255], [0, 0, 255]]]
+    assert np.asarray(sg.to_rgb(rgba)).tolist() == want
+    assert np.asarray(sg.to_rgb(Image.fromarray(rgba, "RGBA"))).tolist() == want  # a PIL image alike
 
 
 def test_classify_never_calls_a_fill_of_at_least_four_fifths_a_triangle():
