@@ -371,3 +371,165 @@ def test_jsonl_answer_outside_the_models_characters_is_refused_before_training(t
                                                   f"task.eval_path={tmp_path / 't.jsonl'}"])
     with pytest.raises(ConfigError, match=r"cannot encode the answer 'Down' of 'opposite of up:'"):
         backend.build(cfg)
+
+
+# ---------------------------------------------------------------------------- audit: what the suite let through
+
+
+def test_split_of_holds_out_a_tenth_of_prompts_per_task():
+    # 1024 prompts "a+b=" (a, b < 32): a tenth of them (sd ~0.009) is "eval", and the hash
+    # reads the task's name too, so another task splits the same prompts another way
+    prompts = [f"{a}+{b}=" for a in range(32) for b in range(32)]
+    share = sum(split_of("arith", q) == "eval" for q in prompts) / len(prompts)
+    assert 0.07 < share < 0.13
+    assert any(split_of("arith", q) != split_of("sudoku", q) for q in prompts)
+
+
+def test_success_atoms_are_the_right_answer_atoms():
+    # what eval accuracy and SLIM-RL count: a well-formed wrong answer is not a success
+    # (arith "83" for 82 passes "format"; a valid grid that is not the solution earns
+    # "constraints" 12/12 but not "solved")
+    for name, atom, reference, wrong, problem in [
+        ("arith", "answer", "82", "83", Problem("37+45=", "82", "82", {"answer": "82"})),
+        ("sudoku", "solved", SOLUTION, "2134|3421|1243|4312",
+         Problem(PUZZLE + "=", SOLUTION, SOLUTION, {"puzzle": PUZZLE, "answer": SOLUTION})),
+    ]:
+        task = get_task(name)
+        assert task.success_atom == atom
+        scores = task.reward().score([task.to_sample(problem, reference), task.to_sample(problem, wrong)])
+        assert scores.values[:, scores.names.index(task.success_atom)].tolist() == [1.0, 0.0]
+        assert task.accuracy([problem, problem], [reference, wrong]) == 0.5
+
+
+def test_module_parse_problem_dispatches_on_the_task_name():
+    from dllm_rl.tasks import parse_problem
+
+    assert parse_problem("arith", "37+45=").answer == "82"
+    assert parse_problem("sudoku", PUZZLE + "=").answer == SOLUTION
+    assert parse_problem("gsm8k", "37+45=") is None
+    assert parse_problem("sudoku", "37+45=") is None
+
+
+def test_get_task_of_an_unhashable_name_is_a_value_error():
+    with pytest.raises(ValueError, match="arith, sudoku"):
+        get_task(["arith"])
+
+
+def test_accuracy_counts_an_atom_of_exactly_one_half_as_a_success():
+    from dllm_rl.tasks import atom_accuracy
+
+    # rows 4/4; columns 0/4; boxes 0 and 1 hold 1-4, boxes 2 ({1,2}) and 3 ({3,4}) do not: 6/12
+    problem = Problem(PUZZLE + "=", SOLUTION, SOLUTION, {"puzzle": PUZZLE, "answer": SOLUTION})
+    assert atom_accuracy(sudoku.sudoku_reward(), "constraints", [problem], ["1234|3412|1234|1234"]) == 1.0
+    assert atom_accuracy(sudoku.sudoku_reward(), "constraints", [problem], ["1111|2222|3333|4444"]) == 0.0  # 4/12
+
+
+def test_accuracy_of_no_problems_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        arith.accuracy([], [])
+    with pytest.raises(ValueError, match="empty"):
+        sudoku.accuracy([], [])
+
+
+def test_atoms_name_a_completion_that_is_not_text_and_a_missing_meta_field():
+    from mmrl.core.rewards import RewardError
+
+    with pytest.raises(RewardError, match="decoded completion text"):
+        arith.arith_reward().score([Sample("1+1=", [2], {"answer": "2"})])
+    with pytest.raises(RewardError, match="decoded completion text"):
+        sudoku.sudoku_reward().score([Sample(PUZZLE + "=", [1, 2], {"puzzle": PUZZLE, "answer": SOLUTION})])
+    with pytest.raises(RewardError, match="sample.meta must hold 'answer'"):
+        arith.arith_reward().score([Sample("1+1=", "2", {"a": 1})])
+
+
+# ---------------------------------------------------------------------------- audit: arith
+
+
+def test_arith_nine_digit_operands_parse_and_score():
+    # (10^9 - 1)^2 = 10^18 - 2 * 10^9 + 1 = 999999998000000001: MAX_DIGITS (9) digits per
+    # operand are a problem of the task, and its 18-digit answer scores
+    p = arith.parse_problem("999999999*999999999=")
+    assert p is not None and p.answer == "999999998000000001"
+    assert arith_score("999999998000000001", p.answer)[0] == [1.0, 1.0]
+    assert arith.parse_problem("1+1111111111=") is None  # a 10-digit second operand
+    assert len(arith.sample_problems(2, 0, digits=9)) == 2
+    with pytest.raises(ValueError, match="digits"):
+        arith.sample_problems(2, 0, digits=10)
+
+
+def test_arith_operands_cover_zero_and_each_digit_counts_bounds():
+    # _operand draws a digit count d in 1..max_digits, then a value in 0..9 (d = 1) or
+    # 10^(d-1)..10^d - 1: a rng that records its ranges and answers with the bound asked
+    class Bound:
+        def __init__(self, pick):
+            self.pick, self.calls = pick, []
+
+        def randint(self, lo, hi):
+            self.calls.append((lo, hi))
+            return self.pick(lo, hi)
+
+    low = Bound(lambda lo, hi: lo)
+    assert arith._operand(low, 3) == 0 and low.calls == [(1, 3), (0, 9)]
+    high = Bound(lambda lo, hi: hi)
+    assert arith._operand(high, 3) == 999 and high.calls == [(1, 3), (100, 999)]
+    two = Bound(lambda lo, hi: 2 if (lo, hi) == (1, 3) else lo)
+    assert arith._operand(two, 3) == 10 and two.calls == [(1, 3), (10, 99)]
+
+
+def test_arith_solve_refuses_an_unknown_operator():
+    with pytest.raises(ValueError, match="unknown operator"):
+        arith.solve(6, "/", 3)
+
+
+@pytest.mark.parametrize("kwargs", [{"ops": ()}, {"digits": 2.0}, {"mul_digits": 0}])
+def test_arith_more_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="ops" if "ops" in kwargs else "digits"):
+        arith.sample_problems(3, 0, **kwargs)
+
+
+def test_no_problems_is_an_empty_list_and_a_negative_count_is_refused():
+    assert arith.sample_problems(0, 0) == [] and sudoku.sample_problems(0, 0) == []
+    for module in (arith, sudoku):
+        with pytest.raises(ValueError, match="n must be >= 0"):
+            module.sample_problems(-1, 0)
+
+
+# ---------------------------------------------------------------------------- audit: sudoku
+
+
+def test_sudoku_default_blanks_are_four_to_ten():
+    assert {p.meta["blanks"] for p in sudoku.sample_problems(200, 0)} == set(range(4, 11))
+
+
+def test_sudoku_refuses_a_short_grid_and_a_second_equals_sign():
+    for text in ("1234|3412", "1204|0012|2100|4320==", "1204|0012|2100|43200"):
+        with pytest.raises(ValueError, match="not a 4x4 sudoku"):
+            sudoku.solve(text)
+
+
+def test_sudoku_blanks_must_be_integers_up_to_twelve():
+    for bad in ((2.5, 4), (4, 10.0), (10, 13)):
+        with pytest.raises(ValueError, match=r"integer|<= 12"):
+            sudoku.sample_problems(2, 0, blanks=bad)
+
+
+def test_sudoku_blanking_skips_a_cell_that_would_admit_a_second_solution():
+    # cells blanked in order 0, 1, 2, ...: after row 0 and cells 4, 5, blanking cell 6 leaves
+    # "0000|0002|2143|4321", where row 0 must be (1 or 3, 2, 3 or 1, 4) and row 1 (3 or 1,
+    # 4, 1 or 3, 2): two solutions, so cell 6 keeps its 1 and the pass goes on to later cells
+    class InOrder:
+        def shuffle(self, cells):
+            pass
+
+    puzzle = sudoku._blank(InOrder(), sudoku.from_rows(SOLUTION), 7)
+    assert puzzle is not None and puzzle.count("0") == 7
+    assert puzzle[:6] == "000000" and puzzle[6] == "1"
+    assert sudoku.solve(puzzle) == [SOLUTION]
+
+
+def test_sudoku_atoms_called_alone_refuse_a_malformed_grid():
+    # gated by "format" inside a Reward; called on their own they raise rather than score
+    sample = Sample(PUZZLE + "=", "1234|3412|2143", {"puzzle": PUZZLE, "answer": SOLUTION})
+    for atom in (sudoku.givens_atom, sudoku.constraints_atom, sudoku.solved_atom):
+        with pytest.raises(ValueError, match="not a 4x4 grid"):
+            atom(sample)
