@@ -294,3 +294,85 @@ def test_heldout_accuracy_is_exact_share():
         SimpleNamespace(samples=[to_sample(it, t) for it, t in zip(its, texts)], data={})])
     task = VLMTask("qa", items, items, shapes_qa_reward(), max_new_tokens=8)
     assert task.evaluate(policy)["accuracy"] == 0.525
+
+
+# ---------------------------------------------------------------------------- audit: what the suite let through
+
+
+def test_count_questions_on_an_empty_scene_ask_an_absent_target():
+    # nothing is present: every count question is about an absent colour or shape -> "0"
+    empty = Scene([], 112)
+    for seed in range(20):
+        rng = random.Random(seed)
+        assert KINDS["count_colour"](empty, rng)[1] == "0"
+        assert KINDS["count_shape"](empty, rng)[1] == "0"
+
+
+def test_kinds_need_only_as_many_shapes_as_they_name():
+    # colour_of / shape_of need one shape, left_of two: max_shapes 1 and 2 are enough
+    one = generate_items(10, seed=0, kinds=["colour_of", "shape_of"], max_shapes=1)
+    assert {len(x.meta["scene"]["shapes"]) for x in one} == {1}
+    two = generate_items(10, seed=0, kinds=["left_of"], min_shapes=2, max_shapes=2)
+    assert {x.answer for x in two} <= {"yes", "no"} and len(two) == 10
+    with pytest.raises(ValueError, match="at least one question kind"):
+        generate_items(2, seed=0, kinds=[])
+
+
+def test_shape_sizes_default_to_22_32_scaled_with_the_image_and_keep_a_given_pair():
+    assert ShapesQA().shape_size == (22, 32)
+    assert ShapesQA(image_size=224).shape_size == (44, 64)  # 22 * 2, 32 * 2
+    assert ShapesQA(image_size=56).shape_size == (11, 16)  # 22 / 2, 32 / 2
+    assert ShapesQA(shape_size=(20, 30)).shape_size == (20, 30)
+
+
+def test_bad_counts_and_sizes_fail_when_the_task_is_built():
+    assert generate_items(0, seed=0) == []
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        generate_items(-1, seed=0)
+    for kwargs in ({"num_train": -1}, {"num_eval": -1}):
+        with pytest.raises(ValueError, match="num_train and num_eval"):
+            ShapesQA(**kwargs)
+    with pytest.raises(ValueError, match="too small"):  # 40-pixel shapes in a 40-pixel image
+        ShapesQA(image_size=40, shape_size=(30, 40))
+
+
+def test_an_answer_written_over_several_lines_scores():
+    # "\n2\n" inside the tags is the answer "2" (stripped), for the atoms and accuracy alike
+    assert extract_answer("<answer>\nTwo\n</answer>") == "two"
+    assert score("a red circle <answer>\n2\n</answer>", "2") == ([1.0, 1.0], pytest.approx(1.1))
+    assert accuracy(["<answer>\nyes\n</answer>"], [QAItem([], "q", "yes")]) == 1.0
+
+
+def test_extract_answer_stops_at_the_first_closing_tag():
+    assert extract_answer("<answer>2</answer> not </answer>") == "2"
+
+
+def test_a_stray_closing_tag_fails_the_format():
+    # one <answer>, two </answer>: not exactly one answer tag pair
+    assert score("</answer> <answer>2</answer>", "2") == ([0.0, 0.0], 0.0)
+    assert score("<answer>2</answer></answer>", "2") == ([0.0, 0.0], 0.0)
+
+
+def test_the_reference_answer_is_normalised_too():
+    # "Two." and "2" are the same answer whichever side writes it
+    assert score("<answer>2</answer>", "Two.") == ([1.0, 1.0], pytest.approx(1.1))
+    assert accuracy(["<answer>2</answer>"], [QAItem([], "How many circles are there?", "Two.")]) == 1.0
+    assert normalize(None) == ""
+
+
+def test_accuracy_of_no_items_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        accuracy([], [])
+
+
+def test_eval_counts_a_scene_as_a_train_scene_only_if_every_shape_matches():
+    from mmrl.vlm.tasks.shapes_qa import _key
+
+    qa = ("How many circles are there?", "1", {"shape": "circle"})
+    scene = Scene([Shape("circle", "red", 40.0, 40.0, 24.0)], 112)
+    assert _key(scene, qa) == _key(Scene([Shape("circle", "red", 40.0, 40.0, 24.0)], 112), qa)
+    for other in (Shape("circle", "red", 40.0, 40.0, 26.0), Shape("circle", "blue", 40.0, 40.0, 24.0),
+                  Shape("square", "red", 40.0, 40.0, 24.0), Shape("circle", "red", 41.0, 40.0, 24.0),
+                  Shape("circle", "red", 40.0, 41.0, 24.0)):
+        assert _key(Scene([other], 112), qa) != _key(scene, qa)
+    assert _key(scene, ("How many squares are there?", "0", {"shape": "square"})) != _key(scene, qa)
