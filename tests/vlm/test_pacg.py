@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,3 +143,167 @@ def test_claim_report_reads_the_claims_of_greedy_decodes_cut_at_the_stop_strings
     assert (cut["claims_true"], cut["claims_false"]) == (holds.count(True), holds.count(False))
     assert cut["false_claim_rate"] == holds.count(False) / len(holds)
     assert 0 < cut["persistence_false"] <= 1 and 0 < cut["persistence_true"] <= 1
+
+
+def test_pacg_gate_two_claims_are_enough():
+    """Persistence [0.2, 0.8]: mean 0.5, std sqrt(2 * 0.09 / 1) = 0.4243 -> z = [-0.7071, 0.7071];
+    z0 = 0.5, eta = 1 -> claim 1's gate is 1 - (0.7071 - 0.5) = 0.7929."""
+    adv = torch.tensor([[1.0, 1.0]])
+    out, gates = pacg_gate(adv, torch.tensor([0.2, 0.8]), torch.tensor([[0, 0], [0, 1]]), torch.tensor([[0, 1]]),
+                           z0=0.5, eta=1.0, g_min=0.5)
+    g = 1 - (1 / math.sqrt(2) - 0.5)
+    torch.testing.assert_close(gates, torch.tensor([1.0, g]))
+    torch.testing.assert_close(out, torch.tensor([[1.0, g]]))
+
+
+def test_pacg_gate_scales_only_the_gated_claims_tokens_and_leaves_its_input():
+    """Persistence [0.9, 0.1, 0.1, 0.1] -> z = [1.5, -0.5, -0.5, -0.5]; z0 = 1, eta = 0.5 -> claim
+    (0, 0) gated by 0.75: its two tokens 2 -> 1.5; claim (0, 1) and the unclaimed token keep 2."""
+    adv = torch.tensor([[2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    ids = torch.tensor([[0, 0, 1, -1], [0, 1, -1, -1]])
+    index = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])
+    before = adv.clone()
+    out, _ = pacg_gate(adv, torch.tensor([0.9, 0.1, 0.1, 0.1]), index, ids, z0=1.0, eta=0.5, g_min=0.5)
+    torch.testing.assert_close(out, torch.tensor([[1.5, 1.5, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]]))
+    assert torch.equal(adv, before)  # the caller's advantages are not written
+
+
+def _pacg_method(tmp_path, config="pacg.yaml", extra=()):
+    from mmrl.vlm.methods.pacg import PACG
+
+    cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / config, [f"output_dir={tmp_path}", *extra],
+                      defaults=backend.DEFAULT_CONFIG)
+    return PACG(cfg.method, cfg, None)
+
+
+def _claims_batch():
+    """Two samples of one group, rewards [1, 0] -> A = +-1/sqrt(2). Claims (0, 0), (0, 1), (1, 0),
+    (1, 1) with re-scored log-probs log 0.9, log 0.1, ... against old_logp 0 -> persistence
+    [0.9, 0.1, 0.1, 0.1], z = [1.5, -0.5, -0.5, -0.5]."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores, Sample
+
+    ids = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]])
+    ratio = torch.tensor([[0.9, 0.9, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1]])
+    return RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[Sample("q", "a")] * 2,
+                        mask=torch.ones((2, 4), dtype=torch.bool), old_logp=torch.zeros((2, 4)),
+                        scores=AtomScores(names=["answer"], values=torch.tensor([[1.0], [0.0]]),
+                                          total=torch.tensor([1.0, 0.0])),
+                        data={"claim_ids": ids, "logp_intervened": ratio.log()})
+
+
+@pytest.mark.parametrize("z0,eta,g_min,gate", [(0.5, 0.25, 0.6, 0.75), (0.5, 0.5, 0.6, 0.6)])
+def test_pacg_advantages_gate_with_the_configured_z0_eta_g_min(tmp_path, z0, eta, g_min, gate):
+    """z = 1.5 for claim (0, 0): 1 - 0.25 (1.5 - 0.5) = 0.75; 1 - 0.5 * 1 = 0.5, floored at g_min 0.6.
+    Sample 1's negative advantage is untouched. Metrics: 4 claims over 2 samples, mean persistence
+    0.3, one of four gated, mean gate (3 + gate) / 4."""
+    method = _pacg_method(tmp_path, extra=[f"method.z0={z0}", f"method.eta={eta}", f"method.g_min={g_min}"])
+    batch = _claims_batch()
+    a = 1 / math.sqrt(2)
+    torch.testing.assert_close(method.advantages(batch), torch.tensor([[a * gate, a * gate, a, a], [-a] * 4]),
+                               atol=1e-5, rtol=0)
+    assert method.batch_metrics(batch) == pytest.approx(
+        {"pacg/claims": 2.0, "pacg/persistence": 0.3, "pacg/gated": 0.25, "pacg/gate_mean": (3 + gate) / 4})
+
+
+def test_pacg_on_vppo_gates_vppos_shaped_advantages_once(tmp_path):
+    """base vppo, beta_min 0.5, top_frac 1: mean dependencies [2, 0] -> n = [1, 0] -> scale [1.5, 0.5];
+    then the gate (z0 1, eta 0.5: 1 - 0.5 * 0.5 = 0.75) on claim (0, 0)."""
+    method = _pacg_method(tmp_path, "pacg_vppo.yaml", ["method.beta_min=0.5", "method.top_frac=1.0"])
+    batch = _claims_batch()
+    batch.data["visual_dependency"] = torch.tensor([[2.0] * 4, [0.0] * 4])
+    a = 1 / math.sqrt(2)
+    torch.testing.assert_close(method.advantages(batch),
+                               torch.tensor([[1.5 * a * 0.75] * 2 + [1.5 * a] * 2, [-0.5 * a] * 4]),
+                               atol=1e-5, rtol=0)
+
+
+def test_pacg_metrics_without_claims_are_left_out(tmp_path):
+    method = _pacg_method(tmp_path)
+    batch = _claims_batch()
+    batch.data["claim_ids"] = torch.full((2, 4), -1)
+    a = 1 / math.sqrt(2)
+    torch.testing.assert_close(method.advantages(batch), torch.tensor([[a] * 4, [-a] * 4]), atol=1e-5, rtol=0)
+    assert method.batch_metrics(batch) == {}
+
+
+def test_annotate_reads_claims_with_the_configured_words_and_answer_tag(tmp_path, monkeypatch):
+    """claim_words [zebra], answer_tag <final>: "a zebra here, a red circle <final>2 zebras</final>"
+    has one claim, "a zebra here" = [0, 12) (no colour word, nothing after the tag). On VPPO,
+    d = logp_intervened - old_logp = [1, -1] -> s = [min(e - 2, cap 0.5), 1/e]."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import pacg
+
+    seen = {}
+
+    def fake_claims(tokenizer, ids, mask, spans):
+        seen["spans"] = spans
+        return torch.zeros(ids.shape, dtype=torch.long)
+
+    monkeypatch.setattr(pacg, "batch_claims", fake_claims)
+    method = _pacg_method(tmp_path, "pacg_vppo.yaml", ["method.claim_words=[zebra]", "method.answer_tag=<final>",
+                                                       "method.cap=0.5"])
+    method.intervened_logp = lambda policy, b: torch.tensor([[1.0, -1.0]])
+    text = "a zebra here, a red circle <final>2 zebras</final>"
+    batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample("q", text)], mask=torch.ones((1, 2), dtype=torch.bool),
+                         old_logp=torch.zeros((1, 2)), data={"completion_ids": torch.zeros((1, 2), dtype=torch.long)})
+    method.annotate(SimpleNamespace(tokenizer=None), batch)
+    assert seen["spans"] == [[(0, 12)]]
+    torch.testing.assert_close(batch.data["visual_dependency"], torch.tensor([[0.5, 1 / math.e]]))
+    torch.testing.assert_close(batch.data["logp_intervened"], torch.tensor([[1.0, -1.0]]))
+
+
+def test_claim_report_by_hand_with_a_scripted_policy(monkeypatch):
+    """Words (circle, square, zebra), scene: one red circle. Response 0: "a red circle" (true, persistence
+    0.8), "a blue square" (false, 0.5); response 1: "a zebra" (not checkable, 0.9), "a red square"
+    (false, mean(0.3, 0.1) = 0.2). -> true 0.8 (1 claim), false 0.35 (2), rate 2/3, 4 claims / 2.
+    One response per chunk (batch_size 1); masking with p = 0.5 from a generator seeded `seed`."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import pacg
+
+    texts = {"a": "a red circle, a blue square <answer>1</answer>", "b": "a zebra, a red square <answer>0</answer>",
+             "c": "a red circle <answer>1</answer>"}
+    claims = {"a": [0, 0, 1, 1], "b": [0, 1, 1, -1], "c": [0, 0, -1, -1]}
+    ratio = {"a": [0.8, 0.8, 0.5, 0.5], "b": [0.9, 0.3, 0.1, 1.0], "c": [0.6, 0.6, 1.0, 1.0]}
+    seen = []
+
+    class Policy:
+        processor = SimpleNamespace(image_processor=SimpleNamespace(image_mean=[0.5] * 3, image_std=[0.5] * 3))
+        tokenizer = None  # batch_claims is scripted below
+
+        def greedy(self, items, max_new_tokens, batch_size, stop):
+            return [texts[it.key] for it in items]
+
+        def teacher_batch(self, chunk, done):
+            n = len(chunk)
+            keys = [it.key for it in chunk]
+            return RolloutBatch(group_ids=torch.zeros(n, dtype=torch.long), samples=[Sample("q", t) for t in done],
+                                mask=torch.ones((n, 4), dtype=torch.bool),
+                                data={"pixel_values": torch.ones((n, 2, 3)), "image_grid_thw": torch.ones((n, 1, 3)),
+                                      "completion_ids": torch.tensor([claims[k] for k in keys]),
+                                      "ratio": torch.tensor([ratio[k] for k in keys])})
+
+        def logprobs(self, batch):
+            return torch.zeros(batch.mask.shape)
+
+        def rescore(self, batch, pixels):
+            return batch.data["ratio"].log()
+
+    def fake_mask(pixels, grid, *, p, fill, generator):
+        seen.append((p, generator.initial_seed()))
+        return pixels
+
+    monkeypatch.setattr(pacg, "mask_patches", fake_mask)
+    monkeypatch.setattr(pacg, "batch_claims", lambda tok, ids, mask, spans: ids.clone())  # the ids are the claims
+    scene = {"shapes": [{"colour": "red", "shape": "circle"}]}
+    items = [SimpleNamespace(key=k, meta={"scene": scene}) for k in ("a", "b")]
+    out = pacg.claim_report(Policy(), items, max_new_tokens=8, seed=3, words=("circle", "square", "zebra"),
+                            batch_size=1)
+    assert out == pytest.approx({"persistence_false": 0.35, "persistence_true": 0.8, "claims_false": 2.0,
+                                 "claims_true": 1.0, "false_claim_rate": 2 / 3, "claims_per_response": 2.0})
+    assert seen == [(0.5, 3), (0.5, 3)]
+    only_true = pacg.claim_report(Policy(), [SimpleNamespace(key="c", meta={"scene": scene})], max_new_tokens=8)
+    assert math.isnan(only_true["persistence_false"]) and only_true["persistence_true"] == pytest.approx(0.6)
+    assert only_true["false_claim_rate"] == 0.0 and only_true["claims_per_response"] == 1.0
