@@ -110,3 +110,41 @@ def test_a_relative_consistency_model_is_found_from_the_configs_directory(tmp_pa
                       defaults=backend.DEFAULT_CONFIG)
     task = backend.build_task(cfg)
     assert any(a.name == "consistency" for a in task.reward.atoms)
+
+
+def _scored(names, values, weights, group_ids):
+    from types import SimpleNamespace
+
+    from mmrl.core.rewards import AtomScores, Sample
+
+    values = torch.tensor(values)
+    reward = SimpleNamespace(atoms=[SimpleNamespace(weight=w) for w in weights])
+    scores = AtomScores(names=names, values=values, total=values @ torch.tensor(weights))
+    batch = RolloutBatch(group_ids=torch.tensor(group_ids), samples=[Sample("q", "a")] * len(group_ids),
+                         scores=scores)
+    return reward, batch
+
+
+def test_no_warmup_is_the_full_beta_from_step_0(tmp_path):
+    cfg = _cfg(tmp_path, ["method.warmup_steps=0", "method.beta=0.3"])
+    method = CORA(cfg.method, cfg, None)
+    method.step = 0
+    assert method.beta_now() == pytest.approx(0.3)
+
+
+def test_cora_advantages_weight_the_streams_by_alpha_and_the_warmed_up_beta(tmp_path):
+    """One group, task [1, 0] -> z = [0.7071, -0.7071]; consistency 0.5 * [0.2, 0.6] -> z = [-0.7071, 0.7071].
+    alpha 2, beta 0.4 warmed up over 4 steps, at step 2: beta_t = 0.2 -> A = (2 - 0.2) * [0.7071, -0.7071]."""
+    cfg = _cfg(tmp_path, ["method.alpha=2.0", "method.beta=0.4", "method.warmup_steps=4"])
+    reward, batch = _scored(["answer", "consistency"], [[1.0, 0.2], [0.0, 0.6]], [1.0, 0.5], [0, 0])
+    method = CORA(cfg.method, cfg, reward)
+    method.step = 2
+    z = 1 / math.sqrt(2)
+    torch.testing.assert_close(method.advantages(batch), torch.tensor([1.8 * z, -1.8 * z]), atol=1e-5, rtol=0)
+
+
+def test_streams_without_the_consistency_atom_are_an_error_that_says_so(tmp_path):
+    cfg = _cfg(tmp_path)
+    reward, batch = _scored(["answer", "format"], [[1.0, 1.0]], [1.0, 0.1], [0])
+    with pytest.raises(ValueError, match=r"CORA needs the 'consistency' reward atom; the reward has \['answer', 'format'\]"):
+        CORA(cfg.method, cfg, reward).streams(batch)
