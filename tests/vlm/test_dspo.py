@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from mmrl.core.logging import read_metrics
 from mmrl.core.method import build_method
 from mmrl.core.trainer import Trainer
 from mmrl.vlm import backend
-from mmrl.vlm.methods.dspo import _word_tokens, emotion_probs
+from mmrl.vlm.methods.dspo import DSPO, _word_tokens, emotion_probs
 from mmrl.vlm.tasks.shapes_mood import ShapesMood, box_fraction, diversity, parse_mood
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,3 +140,152 @@ def test_annotate_r_cf_and_r_div_from_hand_set_probabilities(tmp_path, monkeypat
     expected = diversity(resp, item.meta, w=w, tau_ctr=cfg.method.tau_ctr, tau_div=cfg.method.tau_div)
     assert float(batch.data["dspo/r_div"][0]) == pytest.approx(expected, rel=1e-5)
     assert expected != pytest.approx(diversity(resp, item.meta), rel=1e-3)  # the weights matter here
+
+
+class _CharTokenizer:
+    """One token a character: offsets (i, i + 1)."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+def test_emotion_probs_by_hand_with_a_scripted_policy(monkeypatch):
+    """Every token has log-prob -0.1 under the image and -0.3 with the box blacked out, so a word of
+    L characters (one token each, the prefix's last one not among them) has p = e^(-0.1 L) and
+    p_cf = e^(-0.3 L). Three rows in chunks of two: each row's own box and prompt, in order."""
+    from mmrl.vlm.methods import dspo
+
+    boxes_seen, prompts_seen = [], []
+
+    def fake_mask_box(pixels, grid, box, *, merge, fill):
+        boxes_seen.append(box)
+        return pixels * 3
+
+    class Policy:
+        processor = SimpleNamespace(image_processor=SimpleNamespace(merge_size=1, image_mean=[0.5] * 3,
+                                                                    image_std=[0.5] * 3))
+        tokenizer = _CharTokenizer()
+
+        def teacher_batch(self, prompts, texts):
+            prompts_seen.append(prompts)
+            t = max(len(x) for x in texts) + 2
+            mask = torch.tensor([[j <= len(x) for j in range(t)] for x in texts])  # text, eos, padding
+            return SimpleNamespace(mask=mask, data={"pixel_values": torch.ones((len(texts), 2, 3)),
+                                                    "image_grid_thw": torch.ones((len(texts), 1, 3))})
+
+        def logprobs(self, tb):
+            return torch.full(tb.mask.shape, -0.1)
+
+        def rescore(self, tb, pixels):  # -0.1 a token per unit of the pixels: -0.3 once masked
+            return -0.1 * pixels[:, :1, 0].expand(tb.mask.shape)
+
+    monkeypatch.setattr(dspo, "mask_box", fake_mask_box)
+    boxes = [(0.0, 0.0, 0.5, 0.5), (0.5, 0.5, 1.0, 1.0), (0.0, 0.5, 0.5, 1.0)]
+    p, p_cf = emotion_probs(Policy(), ["q0", "q1", "q2"], ["ab>", "ab>", "abcd>"], ["joy", "fear", "awe"], boxes,
+                            chunk=2)
+    torch.testing.assert_close(p, torch.tensor([math.exp(-0.3), math.exp(-0.4), math.exp(-0.3)]))
+    torch.testing.assert_close(p_cf, torch.tensor([math.exp(-0.9), math.exp(-1.2), math.exp(-0.9)]))
+    assert boxes_seen == boxes and prompts_seen == [["q0", "q1"], ["q2"]]
+
+
+def test_annotate_scores_each_candidate_after_the_answer_tag_with_its_groups_prompt_and_box(tmp_path, monkeypatch):
+    """Two responses in groups 3 and 5; box area 0.41 * 0.411 = 0.16851 for both, keep = 0.83149.
+    Response 0: dP = 0.1 keep for each candidate -> R_cf = 0.1 keep, uniform weights. Response 1:
+    dP = [0.2 keep, 0, 0, 0, 0] -> R_cf = 0.04 keep, w = softmax(dP / tau 0.1). R_div = DEDR with
+    those weights and the configured tau_ctr 0.7, tau_div 0.3."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import dspo
+
+    items = ShapesMood(seed=2, num_train=3, num_eval=1, num_ood=1).train_items()[:2]
+    seen = {}
+
+    def fake(policy, prompts, prefixes, words, boxes):
+        seen.update(prompts=prompts, prefixes=prefixes, words=words, boxes=boxes)
+        return (torch.tensor([0.5] * 5 + [0.6, 0.3, 0.2, 0.1, 0.1]),
+                torch.tensor([0.4] * 5 + [0.4, 0.3, 0.2, 0.1, 0.1]))
+
+    monkeypatch.setattr(dspo, "emotion_probs", fake)
+    cfg = _cfg(tmp_path, ["method.tau=0.1", "method.tau_ctr=0.7", "method.tau_div=0.3"])
+    batch = RolloutBatch(group_ids=torch.tensor([3, 5]), samples=[Sample(it.question, it.reference, it.meta)
+                                                                  for it in items],
+                         prompts={3: items[0], 5: items[1]})
+    dspo.DSPO(cfg.method, cfg, None).annotate(None, batch)
+    resp = [parse_mood(it.reference) for it in items]
+    assert seen["prompts"] == [items[0]] * 5 + [items[1]] * 5
+    assert seen["prefixes"] == [it.reference[: it.reference.index("<answer>") + len("<answer>")]
+                                for it in items for _ in range(5)]
+    assert seen["prefixes"][0].endswith("excitement</step3> <answer>")
+    assert seen["words"] == resp[0].candidates + resp[1].candidates
+    assert seen["boxes"] == [(0.536, 0.134, 0.946, 0.545)] * 5 + [(0.446, 0.429, 0.857, 0.839)] * 5
+    keep = 1 - 0.41 * 0.411
+    torch.testing.assert_close(batch.data["dspo/r_cf"], torch.tensor([0.1 * keep, 0.04 * keep]))
+    e = math.exp(0.2 * keep / 0.1)
+    w1 = [e / (e + 4)] + [1 / (e + 4)] * 4
+    expected = [diversity(resp[0], items[0].meta, w=[0.2] * 5, tau_ctr=0.7, tau_div=0.3),
+                diversity(resp[1], items[1].meta, w=w1, tau_ctr=0.7, tau_div=0.3)]
+    assert batch.data["dspo/r_div"].tolist() == pytest.approx(expected, rel=1e-5)
+    assert expected[0] != pytest.approx(diversity(resp[0], items[0].meta), rel=1e-3)  # the temperatures matter
+
+
+def _rewarded(total, group_ids):
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores, Sample
+
+    total = torch.tensor(total)
+    return RolloutBatch(group_ids=torch.tensor(group_ids), samples=[Sample("q", "a")] * len(total),
+                        scores=AtomScores(names=["answer"], values=total[:, None], total=total))
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["method.advantage.scale=none"], [0.5, -0.5, 0.0, 0.0]),  # r - group mean
+    (["method.advantage.eps=1.0"], [0.5 / (1 / math.sqrt(2) + 1), -0.5 / (1 / math.sqrt(2) + 1), 0.0, 0.0]),
+])
+def test_dspo_advantages_follow_the_configured_scale_and_eps(tmp_path, extra, expected):
+    """Rewards [1, 0 | 2, 2]: group std 0.7071 and 0."""
+    cfg = _cfg(tmp_path, extra)
+    adv = DSPO(cfg.method, cfg, None).advantages(_rewarded([1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1]))
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_dspo_metrics_means_over_the_scored_responses_and_warnings_since_the_last_step(tmp_path, monkeypatch):
+    from mmrl.vlm.tasks.shapes_mood import MOOD_WARNINGS
+
+    cfg = _cfg(tmp_path)
+    method = DSPO(cfg.method, cfg, None)
+    batch = _rewarded([1.0, 0.0, 1.0], [0, 0, 0])
+    assert method.batch_metrics(batch) == {}  # not annotated
+    batch.data.update({"dspo/r_cf": torch.tensor([0.2, 9.0, 0.4]), "dspo/r_div": torch.tensor([0.1, 9.0, 0.3]),
+                       "dspo/scored": torch.tensor([True, False, True])})
+    monkeypatch.setitem(MOOD_WARNINGS, "bad_box", MOOD_WARNINGS["bad_box"] + 2)
+    first = method.batch_metrics(batch)
+    assert first["dspo/r_cf"] == pytest.approx(0.3) and first["dspo/r_div"] == pytest.approx(0.2)
+    assert first["dspo/cvig_scored"] == pytest.approx(2 / 3) and first["dspo/warnings/bad_box"] == 2.0
+    monkeypatch.setitem(MOOD_WARNINGS, "wrong_count", MOOD_WARNINGS["wrong_count"] + 1)
+    second = method.batch_metrics(batch)
+    assert second["dspo/warnings/bad_box"] == 0.0 and second["dspo/warnings/wrong_count"] == 1.0
+    batch.data["dspo/scored"] = torch.zeros(3, dtype=torch.bool)
+    none = method.batch_metrics(batch)
+    assert none["dspo/cvig_scored"] == 0.0 and "dspo/r_cf" not in none and "dspo/r_div" not in none
+
+
+def test_dspo_rewards_replace_the_uniform_diversity_atom_by_hand(tmp_path):
+    """Atoms answer 1, format 0.1, diversity 0.3 with values [1, 1, 0.5]: total 1.25. Annotated
+    R_div 0.8, R_cf 0.2 -> R = 1.25 - 0.3 * 0.5 + 0.3 * 0.8 + 0.1 * 0.2 = 1.36; not annotated, R = 1.25.
+    A reward without a diversity atom only gains the two terms: 1 + 0.24 + 0.02."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores, Sample
+
+    cfg = _cfg(tmp_path)
+    reward = SimpleNamespace(atoms=[SimpleNamespace(weight=w) for w in (1.0, 0.1, 0.3)])
+    batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample("q", "a")],
+                         scores=AtomScores(names=["answer", "format", "diversity"], values=torch.tensor([[1.0, 1.0, 0.5]]),
+                                           total=torch.tensor([1.25])))
+    method = DSPO(cfg.method, cfg, reward)
+    torch.testing.assert_close(method.rewards(batch), torch.tensor([1.25]))
+    batch.data.update({"dspo/r_div": torch.tensor([0.8]), "dspo/r_cf": torch.tensor([0.2])})
+    torch.testing.assert_close(method.rewards(batch), torch.tensor([1.36]))
+    plain = _rewarded([1.0], [0])
+    plain.data.update({"dspo/r_div": torch.tensor([0.8]), "dspo/r_cf": torch.tensor([0.2])})
+    torch.testing.assert_close(DSPO(cfg.method, cfg, SimpleNamespace(atoms=[SimpleNamespace(weight=1.0)])).rewards(plain),
+                               torch.tensor([1.26]))
