@@ -1,5 +1,7 @@
 """The typed rollout batch (mmrl/core/batch.py): validation, select, concat, groups."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -334,3 +336,102 @@ def test_onto_moves_what_models_read_and_keeps_the_bookkeeping():
     out = b.onto(meta)
     assert {out.mask.device, out.old_logp.device, out.advantages.device, out.data["x"].device} == {meta}
     assert out.ref_logp is None and out.group_ids.device.type == "cpu" and out.scores.total.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------- what the suite let through
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("samples", samples(5), "batch has 4 group ids but 5 samples"),
+        ("scores", scores(3), "batch.scores has 3 rows, expected 4"),
+        ("data", {"input_ids": torch.zeros(6, 3)}, "batch.data['input_ids'] has 6 rows, expected 4"),
+    ],
+)
+def test_more_or_fewer_rows_than_group_ids_are_refused_both_ways(field, value, needle):
+    """The row checks are equalities: 5 samples for 4 group ids fail as 3 would, and so do
+    3 score rows and 6 data rows (the cases above have the other direction)."""
+    with pytest.raises(ValueError) as info:
+        make_batch(4, 3, **{field: value})
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["old_logp", "ref_logp"])
+def test_log_prob_rows_are_checked_without_a_mask(field):
+    """With no mask to compare shapes against, old_logp and ref_logp still need N rows."""
+    with pytest.raises(ValueError, match=rf"batch.{field} has 5 rows, expected 4"):
+        make_batch(4, 3, mask=None, **{field: torch.zeros(5, 3)})
+
+
+def test_select_slices_ref_logp_like_old_logp():
+    # ref_logp[i, j] = 100 i + j: rows 3 and 1 are [300, 301, 302] and [100, 101, 102]
+    ref = (100 * torch.arange(4)[:, None] + torch.arange(3)[None, :]).float()
+    sub = make_batch(4, 3, ref_logp=ref).select(torch.tensor([3, 1]))
+    assert sub.ref_logp.tolist() == [[300.0, 301.0, 302.0], [100.0, 101.0, 102.0]]
+    assert make_batch(4, 3, ref_logp=ref).select(torch.tensor([True, False, False, True])).ref_logp[:, 0].tolist() == [
+        0.0, 300.0]
+
+
+def full_batch(n: int = 2) -> RolloutBatch:
+    """Every optional field set, scores with their `failed` entries."""
+    failed = torch.zeros(n, 2, dtype=torch.bool)
+    s = scores(n)
+    return make_batch(n, 3, ref_logp=torch.zeros(n, 3),
+                      scores=AtomScores(s.names, s.values, s.total, 0, failed))
+
+
+def test_to_a_device_moves_every_tensor_of_the_batch():
+    b = full_batch().to("meta")
+    tensors = {"group_ids": b.group_ids, "mask": b.mask, "old_logp": b.old_logp, "ref_logp": b.ref_logp,
+               "advantages": b.advantages, "values": b.scores.values, "total": b.scores.total,
+               "failed": b.scores.failed, **b.data}
+    assert {k: t.device.type for k, t in tensors.items()} == dict.fromkeys(tensors, "meta")
+
+
+def test_to_another_batch_moves_each_field_to_where_that_batchs_own_is():
+    """Field by field: what the other batch keeps on "meta" (its log-probs, advantages and
+    scores here) goes there, what it keeps on the CPU (ids, mask, data) stays."""
+    like = full_batch()
+    meta = {n: getattr(like, n).to("meta") for n in ("old_logp", "ref_logp", "advantages")}
+    like = replace(like, scores=replace(like.scores, values=like.scores.values.to("meta"),
+                                        total=like.scores.total.to("meta"), failed=like.scores.failed.to("meta")),
+                   **meta)
+    b = full_batch(4).to(like)
+    assert {n: getattr(b, n).device.type for n in ("old_logp", "ref_logp", "advantages")} == dict.fromkeys(meta, "meta")
+    assert {t.device.type for t in (b.scores.values, b.scores.total, b.scores.failed)} == {"meta"}
+    assert {t.device.type for t in (b.group_ids, b.mask, *b.data.values())} == {"cpu"}
+
+
+def test_onto_moves_ref_logp_too():
+    b = full_batch().onto("meta")
+    assert b.ref_logp.device.type == "meta" and b.old_logp.device.type == "meta"
+
+
+def test_concat_refuses_batches_where_only_some_are_scored():
+    with pytest.raises(ValueError, match="only some have scores"):
+        RolloutBatch.concat([make_batch(2, 2), make_batch(2, 2, scores=None)])
+    with pytest.raises(ValueError, match="only some have scores"):
+        RolloutBatch.concat([make_batch(2, 2, scores=None), make_batch(2, 2)])
+
+
+def test_concat_adds_up_the_errors_and_drops_failed_unless_every_batch_has_it():
+    """errors 1 + 2 = 3; a batch whose scores have no `failed` makes the whole batch's None
+    (its error count stays in `errors`)."""
+    def scored(errors: int, failed: bool) -> RolloutBatch:
+        return make_batch(2, 2, scores=AtomScores(["fmt"], torch.zeros(2, 1), torch.zeros(2), errors,
+                                                  torch.ones(2, 1, dtype=torch.bool) if failed else None))
+
+    both = RolloutBatch.concat([scored(1, True), scored(2, True)]).scores
+    assert both.errors == 3 and both.failed.shape == (4, 1)
+    for batches in ([scored(1, True), scored(2, False)], [scored(1, False), scored(2, True)]):
+        mixed = RolloutBatch.concat(batches).scores
+        assert mixed.errors == 3 and mixed.failed is None
+
+
+def test_concat_keeps_every_batchs_prompts():
+    a = make_batch(2, 2, gids=[0, 0], prompts={0: "zero"})
+    b = make_batch(2, 2, gids=[1, 1], prompts={1: "one"})
+    c = make_batch(2, 2, gids=[2, 2])
+    assert RolloutBatch.concat([a, b, c]).prompts == {0: "zero", 1: "one"}
+    assert RolloutBatch.concat([c, b, a]).prompts == {1: "one", 0: "zero"}
