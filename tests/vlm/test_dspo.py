@@ -228,6 +228,30 @@ def test_annotate_scores_each_candidate_after_the_answer_tag_with_its_groups_pro
     assert expected[0] != pytest.approx(diversity(resp[0], items[0].meta), rel=1e-3)  # the temperatures matter
 
 
+def test_annotate_cuts_the_prefix_at_an_upper_case_answer_tag(tmp_path, monkeypatch):
+    """The format check reads tags in any case, so "<ANSWER>" responses are scored: their CVIG
+    prefix runs through that tag, as for "<answer>" (a case-sensitive search cut it at 7 characters)."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import dspo
+    from mmrl.vlm.tasks.shapes_mood import format_problem
+
+    item = ShapesMood(seed=2, num_train=3, num_eval=1, num_ood=1).train_items()[0]
+    text = item.reference.replace("<answer>", "<ANSWER>").replace("</answer>", "</ANSWER>")
+    assert format_problem(text) is None
+    seen = {}
+
+    def fake(policy, prompts, prefixes, words, boxes):
+        seen["prefixes"] = prefixes
+        return torch.ones(len(words)), torch.ones(len(words))
+
+    monkeypatch.setattr(dspo, "emotion_probs", fake)
+    cfg = _cfg(tmp_path, [])
+    batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample(item.question, text, item.meta)], prompts={0: item})
+    dspo.DSPO(cfg.method, cfg, None).annotate(None, batch)
+    assert set(seen["prefixes"]) == {text[: text.index("<ANSWER>") + len("<ANSWER>")]}
+
+
 def _rewarded(total, group_ids):
     from mmrl.core.batch import RolloutBatch
     from mmrl.core.rewards import AtomScores, Sample

@@ -91,7 +91,8 @@ class DSPO(GRPO):
             if format_problem(sample.completion) is not None:
                 continue  # no box or candidates to score: the format atom already says so
             scored[i] = True
-            cut = sample.completion.rfind(ANSWER_TAG) + len(ANSWER_TAG)
+            # tags are read case-insensitively (format_problem): "<ANSWER>" ends the prefix too
+            cut = sample.completion.lower().rfind(ANSWER_TAG.lower()) + len(ANSWER_TAG)
             for word in resp.candidates:
                 rows.append(i)
                 prompts.append(batch.prompts[int(batch.group_ids[i])])
