@@ -971,3 +971,355 @@ def test_a_pipelined_run_stopped_by_an_error_saves_no_checkpoint_of_the_failure(
         trainer.train()
     assert trainer.step == 1
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+# ---------------------------------------------------------------------------- the dispatcher's steps by hand
+
+def small(tmp_path, *overrides):
+    """2 prompts, groups of 4, one group per update (U = 1): a round of two groups."""
+    return config(tmp_path, "rollout.prompts_per_step=2", "train.mini_batches=2", *overrides)
+
+
+def idle_round(cfg, method=None):
+    """A round on no engine: its dispatcher stops at once (every engine failed) and leaves the
+    groups as admitted, so that a test drives the dispatcher's steps by hand."""
+    sched, _ = scheduler(cfg, [], method=method)
+    rnd, _ = sched.start_round(0, 4)
+    with pytest.raises(EngineError, match="every rollout engine failed"):
+        list(rnd)
+    return sched, rnd
+
+
+def held_worker(*jobs):
+    """A worker that holds `jobs` as its outstanding calls (not queued: its thread runs none)."""
+    from types import SimpleNamespace
+
+    from mmrl.core.engine import Worker
+
+    w = Worker(SimpleNamespace(name="held", close=lambda: None), queue.Queue())
+    for job in jobs:
+        w.outstanding[job.id] = job
+    return w
+
+
+def test_a_call_is_hung_once_it_ran_past_the_timeout_and_the_dispatcher_wakes_at_the_first_deadline(tmp_path):
+    """timeout 1 s: calls that started 0.3 s and 0.6 s ago (and one queued, never timed): the
+    dispatcher waits 0.4 s at most (the older call's deadline), and the engine is hung only once
+    a call ran past 1 s. With nothing under way it waits the whole timeout."""
+    from mmrl.core.engine import Job
+
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.0")
+    sched, rnd = idle_round(cfg)
+    now = time.monotonic()
+    newer, older, queued = (Job([Request(gid, rnd.groups[gid].prompt, 4)], cfg.rollout, 0, started=started)
+                            for gid, started in zip(rnd.order, (now - 0.3, now - 0.6, None)))
+    w = sched.workers = [held_worker(newer, older, queued)]
+    assert 0.3 < rnd._time_left() <= 0.4  # 0.6 + 0.4 = 1 s
+    rnd._expire_hung()
+    assert w[0].alive
+    older.started = now - 1.1
+    rnd._expire_hung()
+    assert w[0].dead == "did not answer within 1 s (hung)"
+    sched.workers = [held_worker(Job([Request(rnd.order[3], 0, 4)], cfg.rollout, 0))]
+    assert rnd._time_left() == 1.0
+    for x in (*w, *sched.workers):
+        x.close()
+
+
+def test_a_dead_engines_calls_go_back_to_the_front_of_their_groups_and_only_a_call_it_ran_counts_a_retry(tmp_path):
+    """The engine ran a call of group 0's samples (retried once already) and held a queued call of
+    groups 1 and 2: both calls move (rollout/redispatched 2), each request to the front of its
+    group's queue and out of its in-flight count; the call it ran counts one more retry (2, as
+    max_redispatch 2 allows), the queued one none. A third failure of those samples passes it."""
+    from mmrl.core.engine import Job
+
+    cfg = config(tmp_path, "rollout.scheduler.max_redispatch=2")
+    _, rnd = idle_round(cfg)
+    g0, g1, g2 = (rnd.groups[gid] for gid in rnd.order[:3])
+    ran = Job([Request(g0.gid, g0.prompt, 2, retries=1)], cfg.rollout, 0, started=time.monotonic())
+    queued = Job([Request(g1.gid, g1.prompt, 4), Request(g2.gid, g2.prompt, 4)], cfg.rollout, 1)
+    g0.todo, g0.in_flight = [Request(g0.gid, g0.prompt, 2)], 2  # 2 samples sent, 2 not yet
+    for g in (g1, g2):
+        g.todo, g.in_flight = [], 4
+    w = held_worker(ran, queued)
+    rnd._fail_worker(w, "failed: boom")
+    assert [(r.n, r.retries) for r in g0.todo] == [(2, 2), (2, 0)]
+    assert [(r.n, r.retries) for g in (g1, g2) for r in g.todo] == [(4, 0), (4, 0)]
+    assert (g0.in_flight, g1.in_flight, g2.in_flight) == (0, 0, 0)
+    assert rnd.metrics["rollout/redispatched"] == 2 and w.dead == "failed: boom" and not w.outstanding
+    again = held_worker(Job([g0.todo.pop(0)], cfg.rollout, 2, started=time.monotonic()))
+    g0.in_flight = 2
+    with pytest.raises(EngineError, match="giving up after 2 re-dispatches"):
+        rnd._fail_worker(again, "failed: boom")
+    w.close()
+    again.close()
+
+
+def test_without_frontier_a_call_takes_one_sample_of_each_group_in_turn_up_to_the_engine_batch(tmp_path):
+    """frontier 0, engine_batch 3, 8 groups: a call takes one sample from each of the first three
+    groups, not one of every group (8 samples, past the engine batch)."""
+    _, rnd = idle_round(config(tmp_path, "rollout.scheduler.frontier=0", "rollout.scheduler.engine_batch=3"))
+    assert [(r.group, r.n) for r in rnd._next_requests()] == [(gid, 1) for gid in rnd.order[:3]]
+
+
+def test_the_default_engine_batch_is_each_engines_share_of_a_mini_batch_or_of_the_sync_round(tmp_path):
+    """engine_batch None: U x G = 2 x 4 = 8 samples pipelined, shared by the engines rounding up
+    (3 engines: 3 each, 2 engines: 4 each); in sync mode the round's 8 x 4 = 32 on one engine,
+    without a frontier (every group admitted at once)."""
+    from types import SimpleNamespace
+
+    def sched_of(n, *overrides):
+        engines = [SimpleNamespace(name=f"e{i}", close=lambda: None) for i in range(n)]
+        sched, _ = scheduler(config(tmp_path, *overrides), engines)
+        sched.close()
+        return sched.engine_batch, sched.frontier
+
+    assert sched_of(3) == (3, 2) and sched_of(2) == (4, 2)
+    assert sched_of(1, "rollout.scheduler.mode=sync", "rollout.scheduler.placement=thread") == (32, 0)
+
+
+def test_groups_per_update_is_at_least_one(tmp_path):
+    """U = prompts_per_step // mini_batches (8 // 4 = 2), and 1 where there are fewer prompts
+    than mini-batches (2 // 4 = 0; sync mode allows it): a step takes at least one group."""
+    from mmrl.core.pipeline import groups_per_update
+
+    assert groups_per_update(config(tmp_path)) == 2
+    assert groups_per_update(config(tmp_path, "rollout.prompts_per_step=2", "rollout.scheduler.mode=sync")) == 1
+
+
+class ThreeMore(GRPO):
+    """Asks 3 more samples of every group, from one prefix (one request of n 3)."""
+
+    def extra_requests(self, group):
+        gid = int(group.group_ids[0])
+        return [Request(gid, group.prompts[gid], 3, prefix=7, tag=1)]
+
+
+def test_extra_samples_are_counted_and_every_sample_is_scored_once(tmp_path):
+    """Two groups of 4, each asking 3 more: rollout/samples_extra counts samples (6), not requests
+    (2); the reward scores each group's 4 samples, then its 3 extras, once each (4 + 3, twice);
+    every group carries its prompt under its id."""
+    cfg = small(tmp_path)
+    sched, _ = scheduler(cfg, [FakeEngine(SeededToy())], method=ThreeMore(cfg.method, cfg, toy.ToyTask().reward))
+    scored, score = [], sched.reward.score
+    sched.reward.score = lambda samples: scored.append(len(samples)) or score(samples)
+    rnd, _ = sched.start_round(0, 4)
+    groups = list(rnd)
+    sched.close()
+    assert sorted(scored) == [3, 3, 4, 4] and [len(g) for g in groups] == [7, 7]
+    assert rnd.metrics["rollout/groups_extra"] == 2 and rnd.metrics["rollout/samples_extra"] == 6
+    for g in groups:
+        gid = int(g.group_ids[0])
+        assert g.prompts == {gid: g.samples[0].prompt}
+
+
+class PruneAll(GRPO):
+    def prune(self, group):
+        return torch.zeros(len(group))  # weights: 0 drops a sample
+
+
+def test_a_group_pruned_to_no_sample_is_not_handed_to_the_trainer(tmp_path):
+    cfg = small(tmp_path)
+    _, rnd, groups = round_over(cfg, [FakeEngine(SeededToy())], method=PruneAll(cfg.method, cfg, toy.ToyTask().reward))
+    assert groups == [] and rnd.metrics["rollout/samples_pruned"] == 8
+
+
+class WithLengths(FakeEngine):
+    """Each sample decoded 3 tokens (the stat/length an engine reports)."""
+
+    def generate(self, requests, rollout, seed):
+        batch = super().generate(requests, rollout, seed)
+        batch.data["stat/length"] = torch.full((len(batch),), 3.0)
+        return batch
+
+
+def test_a_rounds_engine_calls_and_decoded_tokens_add_up_every_call(tmp_path):
+    """8 groups of 4 samples of 3 tokens each, two groups a call (U = 2): 4 engine calls (not 8
+    requests), 8 x 4 x 3 = 96 decoded tokens, rollout/length 3."""
+    engine = WithLengths(SeededToy())
+    _, rnd, _ = round_over(config(tmp_path), [engine])
+    assert len(engine.calls) == 4 and all(len(call) == 2 for call in engine.calls)
+    assert rnd.metrics["rollout/engine_calls"] == 4
+    assert rnd.metrics["rollout/decoded_tokens"] == 96.0 and rnd.metrics["rollout/length"] == 3.0
+
+
+def test_a_rounds_engine_time_and_trainer_wait_are_its_own(tmp_path):
+    """Two rounds on one engine whose calls take 0.1 s (one call a group): the second round's
+    engine_busy leaves out the first round's calls, and its wait_seconds add up every wait of
+    the trainer (at least the two calls' 0.2 s, less the start), not only the last one."""
+    sched, _ = scheduler(small(tmp_path), [FakeEngine(SeededToy(), delay=0.1)])
+    list(sched.start_round(0, 4)[0])
+    before = sched.workers[0].busy_seconds
+    rnd, _ = sched.start_round(0, 4)
+    assert len(list(rnd)) == 2
+    sched.close()
+    assert rnd.engine_busy() == pytest.approx(sched.workers[0].busy_seconds - before) and rnd.engine_busy() >= 0.2
+    assert rnd.wait_seconds >= 0.15
+
+
+class Seeds(FakeEngine):
+    def generate(self, requests, rollout, seed):
+        self.seeds = [*getattr(self, "seeds", []), seed]
+        return super().generate(requests, rollout, seed)
+
+
+def test_each_call_is_seeded_from_the_schedulers_generator(tmp_path):
+    """The seeds of a round's calls come from the generator the scheduler was given: distinct
+    calls, distinct seeds; another generator seed, other seeds."""
+
+    def seeds(generator_seed):
+        policy, task = SeededToy(), toy.ToyTask()
+        cfg = small(tmp_path)
+        engine = Seeds(policy)
+        sched = PipelinedScheduler(cfg, [engine], PromptStream(task.train_prompts(), 0), task.reward,
+                                   build_method(cfg, task.reward), torch.Generator().manual_seed(generator_seed),
+                                   policy.model)
+        list(sched.start_round(0, 4)[0])
+        sched.close()
+        return engine.seeds
+
+    zero = seeds(0)
+    assert len(zero) == 2 and len(set(zero)) == 2 and seeds(1) != zero
+
+
+def test_build_engines_makes_what_the_config_names(tmp_path):
+    """remote: one RemoteEngine per "http://" server, timed by rollout.scheduler.timeout, and a
+    "vllm+" server is refused by a backend with no vLLM engine; an engine other than hf comes
+    from the backend's build_engine; a thread engine samples with its own copy of the weights."""
+    from types import SimpleNamespace
+
+    from mmrl.core.pipeline import build_engines
+    from mmrl.core.remote import RemoteEngine
+
+    remote = ("rollout.scheduler.placement=remote", "rollout.scheduler.timeout=7")
+    (engine,) = build_engines(config(tmp_path, *remote, "rollout.scheduler.servers=[http://a:1]"), None)
+    assert type(engine) is RemoteEngine and engine.url == "http://a:1" and engine.timeout == 7
+    with pytest.raises(ConfigError, match=r"servers\[1\]: this backend has no vLLM engine"):
+        build_engines(config(tmp_path, *remote, "rollout.scheduler.servers=[http://a:1, vllm+http://b:2]"), None)
+    backend = SimpleNamespace(build_engine=lambda kind, cfg, policy, url=None: (kind, url))
+    assert build_engines(config(tmp_path, "rollout.engine=sglang"), None, backend) == [("sglang", None)]
+    policy = SeededToy()
+    (engine,) = build_engines(config(tmp_path), policy)
+    assert type(engine) is PolicyEngine and engine.own_weights and engine.policy is not policy
+
+
+class CountingPublish(FakeEngine):
+    published = 0
+
+    def publish(self, weights, version):
+        self.published += 1
+        super().publish(weights, version)
+
+
+def test_weights_are_published_to_the_live_engines_only(tmp_path):
+    """An engine given up on gets no new weights (its worker would wait for an answer up to the
+    timeout); the round runs on the live one."""
+    engines = [CountingPublish(SeededToy(), name="dead"), CountingPublish(SeededToy(), name="live")]
+    sched, _ = scheduler(small(tmp_path), engines)
+    sched.workers[0].mark_dead("did not answer within 1 s (hung)")
+    rnd, _ = sched.start_round(1, 4)
+    assert len(list(rnd)) == 2
+    sched.close()
+    assert [e.published for e in engines] == [0, 1] and not engines[0].calls
+
+
+class ExtraForFirst(GRPO):
+    """One more sample of the round's first group (id 0) only: that group completes last."""
+
+    def extra_requests(self, group):
+        gid = int(group.group_ids[0])
+        return [Request(gid, group.prompts[gid], 1, prefix=7, tag=1)] if gid == 0 else []
+
+
+def test_sync_mode_on_an_engine_beside_the_trainer_hands_the_round_in_group_order_with_its_reference(tmp_path):
+    """next_groups: groups of the size asked (2, not the config's 4), in group order though group
+    0 completed last (its extra sample), annotated by the reference; 4 groups, 4 x 2 + 1 samples."""
+    cfg = config(tmp_path, "rollout.prompts_per_step=4", "rollout.scheduler.mode=sync",
+                 "rollout.scheduler.placement=thread")
+    policy, task = SeededToy(), toy.ToyTask()
+    sched = PipelinedScheduler(cfg, [FakeEngine(SeededToy())], PromptStream(task.train_prompts(), 0), task.reward,
+                               ExtraForFirst(cfg.method, cfg, task.reward), torch.Generator().manual_seed(0),
+                               policy.model, reference=policy.reference())
+    batch, metrics = sched.next_groups(0, 2)
+    sched.close()
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert batch.data["request_tag"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0, 0]
+    assert metrics["rollout/groups"] == 4 and metrics["rollout/samples"] == 9
+    assert batch.ref_logp is not None and batch.ref_logp.shape == batch.old_logp.shape
+
+
+def test_reward_metrics_are_every_group_of_the_rounds_draw_and_no_refill(tmp_path):
+    """An atom worth each sample's prompt; every group dropped, max_rounds 1: the stream draws
+    prompts 4 and 1 (the round), then 7 and 5 (the refills). reward/prompt is the mean over the
+    round's draw, (4 + 1) / 2 = 2.5: both groups (the first alone gives 4), no refill (4.25)."""
+    from mmrl.core.rewards import Reward, reward_atom
+
+    @reward_atom("prompt")
+    def prompt(sample):
+        return float(sample.prompt)
+
+    cfg = small(tmp_path, "method.dynamic_sampling.enabled=true", "method.dynamic_sampling.max_rounds=1")
+    reward, policy = Reward([prompt]), SeededToy()
+    sched = PipelinedScheduler(cfg, [FakeEngine(SeededToy())], PromptStream(toy.ToyTask().train_prompts(), 0),
+                               reward, KeepSome(cfg.method, cfg, reward), torch.Generator().manual_seed(0),
+                               policy.model)
+    rnd, _ = sched.start_round(0, 4)
+    assert list(rnd) == []
+    sched.close()
+    assert rnd.metrics["rollout/groups_refilled"] == 2 and rnd.metrics["reward/prompt"] == 2.5
+
+
+def test_closing_the_scheduler_waits_for_the_rounds_dispatcher(tmp_path):
+    """close() returns once the round's dispatcher thread has ended: here after the reward call
+    it was in when told to stop (4 samples at 0.05 s), not at once with the thread still scoring."""
+    from mmrl.core.rewards import Reward, reward_atom
+
+    scoring = threading.Event()
+
+    @reward_atom("slow")
+    def slow(sample):
+        scoring.set()
+        time.sleep(0.05)
+        return 0.0
+
+    cfg, policy, reward = small(tmp_path), SeededToy(), Reward([slow])
+    sched = PipelinedScheduler(cfg, [FakeEngine(SeededToy())], PromptStream(toy.ToyTask().train_prompts(), 0),
+                               reward, build_method(cfg, reward), torch.Generator().manual_seed(0), policy.model)
+    rnd, _ = sched.start_round(0, 4)
+    assert scoring.wait(10)
+    sched.close()
+    assert not rnd._thread.is_alive()
+
+
+def test_the_dispatcher_gives_up_on_a_hung_call_at_its_deadline_not_a_whole_timeout_later(tmp_path):
+    """timeout 1 s, the one call under way started 0.9 s ago, every other group complete: the
+    dispatcher waits the 0.1 s left (not a whole timeout), then the engine is hung and, the only
+    one, ends the round."""
+    from mmrl.core.engine import Job
+
+    cfg = config(tmp_path, "rollout.scheduler.timeout=1.0")
+    sched, rnd = idle_round(cfg)
+    for gid in rnd.order[1:]:
+        rnd.groups[gid].todo, rnd.groups[gid].done = [], True
+    g = rnd.groups[rnd.order[0]]
+    g.todo, g.in_flight = [], 4
+    sched.workers = [held_worker(Job([Request(g.gid, g.prompt, 4)], cfg.rollout, 0, started=time.monotonic() - 0.9))]
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError, match=r"every rollout engine failed: held: did not answer within 1 s \(hung\)"):
+        rnd._dispatch_loop()
+    assert time.perf_counter() - t0 < 0.5
+    sched.workers[0].close()
+
+
+def test_a_stopped_round_sends_no_more_calls(tmp_path):
+    """The trainer gives up on a round after its first group (of 8, 4 calls of 0.1 s): stop()
+    ends the dispatcher there, with the engine still alive; the round is not rolled out to its
+    end (every call made, time/rollout logged)."""
+    engine = FakeEngine(SeededToy(), delay=0.1)
+    sched, _ = scheduler(config(tmp_path), [engine])
+    rnd, _ = sched.start_round(0, 4)
+    next(iter(rnd))
+    rnd.stop(wait=10)
+    made, alive = len(engine.calls), rnd._thread.is_alive()
+    sched.close()
+    assert not alive and made < 4 and "time/rollout" not in rnd.metrics
