@@ -307,3 +307,13 @@ def test_claim_report_by_hand_with_a_scripted_policy(monkeypatch):
     only_true = pacg.claim_report(Policy(), [SimpleNamespace(key="c", meta={"scene": scene})], max_new_tokens=8)
     assert math.isnan(only_true["persistence_false"]) and only_true["persistence_true"] == pytest.approx(0.6)
     assert only_true["false_claim_rate"] == 0.0 and only_true["claims_per_response"] == 1.0
+
+
+def test_pacg_gate_leaves_claims_that_persist_equally_alone_whatever_the_rounding():
+    """Seven claims all at 0.7: their float32 mean rounds, so std() is ~6e-8, not 0, and each
+    z-score would be sqrt(6 / 7) = 0.93 > z0 = 0.5; equal persistence has no outlier to gate."""
+    persistence = torch.full((7,), 0.7)
+    assert float(persistence.std()) > 0.0  # the rounding the gate must not read as a spread
+    adv, gates = pacg_gate(torch.ones(7, 1), persistence, torch.tensor([[i, 0] for i in range(7)]),
+                           torch.zeros(7, 1, dtype=torch.long), z0=0.5, eta=0.5, g_min=0.5)
+    assert gates.tolist() == [1.0] * 7 and adv.tolist() == [[1.0]] * 7

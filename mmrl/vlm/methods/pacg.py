@@ -45,7 +45,9 @@ def pacg_gate(adv: Tensor, persistence: Tensor, index: Tensor, claim_ids: Tensor
     """adv [N, T]; persistence [C] with its (sample, claim) index [C, 2]; claim_ids [N, T].
     Returns the gated advantages [N, T] and the gates [C] (1 where a claim is not gated)."""
     gates = torch.ones_like(persistence)
-    if persistence.numel() < 2 or float(persistence.std()) == 0.0:
+    # all equal (max == min, as the group advantages test it): no outlier to gate; std == 0 would
+    # miss it where the mean's rounding leaves a std of 1e-8 and z-scores of +-0.9 for every claim
+    if persistence.numel() < 2 or bool(persistence.max() == persistence.min()):
         return adv, gates
     z = (persistence - persistence.mean()) / persistence.std()
     gates = torch.where(z > z0, (1 - eta * (z - z0)).clamp(min=g_min), gates)
