@@ -280,7 +280,9 @@ class Round:
             for g in pending:
                 while g.todo and budget > 0:
                     budget -= self._take(g, min(budget, g.todo[0].n), taken)
-        else:  # round-robin over every open group: all groups progress, none completes early
+        else:  # one sample of each open group in turn: all progress, none completes early (each call
+            # starts again at the first open group, so an engine_batch below the number of open
+            # groups fills the first ones first)
             while budget > 0 and any(g.todo for g in pending):
                 for g in pending:
                     if g.todo and budget > 0:
