@@ -78,7 +78,7 @@ def _operand(rng: random.Random, max_digits: int) -> int:
 
 def _check(digits: int, mul_digits: int, ops: Sequence[str]) -> tuple[str, ...]:
     for name, value in (("digits", digits), ("mul_digits", mul_digits)):
-        if not isinstance(value, int) or not 1 <= value <= MAX_DIGITS:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIGITS:  # True is no count
             raise ValueError(f"{name} must be an integer in [1, {MAX_DIGITS}], got {value!r}")
     ops = (ops,) if isinstance(ops, str) else tuple(ops)
     if not ops or any(op not in OPS for op in ops):
@@ -159,15 +159,19 @@ the answer: the right number in a form the format atom, and so the answer atom, 
 
 
 def parse_integer(text: str) -> int | None:
-    """The integer `text` holds (surrounding whitespace allowed), else None."""
+    """The integer `text` holds (surrounding whitespace allowed), else None; None too past
+    Python's 4300-digit limit on int(text), which no answer comes near."""
     m = _INTEGER_RE.fullmatch(text)
-    return int(m.group(1)) if m else None
+    try:
+        return int(m.group(1)) if m else None
+    except ValueError:
+        return None
 
 
 @reward_atom("format", weight=0.1)
 def format_atom(sample: Sample) -> bool:
     """1 if the completion is a single integer (optional "-"), whitespace around it allowed."""
-    return parse_integer(completion_text(sample, "arith")) is not None
+    return _INTEGER_RE.fullmatch(completion_text(sample, "arith")) is not None
 
 
 @reward_atom("answer", weight=1.0, parents=("format",))

@@ -93,10 +93,6 @@ def from_rows(text: str) -> str:
     return flat
 
 
-def _valid(flat: Sequence[str]) -> bool:
-    return all(len({flat[i] for i in group}) == 4 for group in GROUPS)
-
-
 @functools.cache
 def all_grids() -> tuple[str, ...]:
     """Every valid 4x4 sudoku grid as 16 flat digits, in lexicographic order (288 of them)."""
@@ -173,7 +169,8 @@ def _blank(rng: random.Random, grid: str, k: int) -> str | None:
 
 def _check_blanks(blanks) -> tuple[int, int]:
     lo, hi = (blanks, blanks) if isinstance(blanks, int) else tuple(blanks)
-    if not all(isinstance(x, int) for x in (lo, hi)) or not 0 <= lo <= hi <= MAX_BLANKS:
+    if (not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi))  # True is no count
+            or not 0 <= lo <= hi <= MAX_BLANKS):
         raise ValueError(
             f"blanks must be an int or (lo, hi) with 0 <= lo <= hi <= {MAX_BLANKS}, got {blanks!r}"
         )

@@ -481,7 +481,7 @@ def test_arith_solve_refuses_an_unknown_operator():
         arith.solve(6, "/", 3)
 
 
-@pytest.mark.parametrize("kwargs", [{"ops": ()}, {"digits": 2.0}, {"mul_digits": 0}])
+@pytest.mark.parametrize("kwargs", [{"ops": ()}, {"digits": 2.0}, {"mul_digits": 0}, {"digits": True}])
 def test_arith_more_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="ops" if "ops" in kwargs else "digits"):
         arith.sample_problems(3, 0, **kwargs)
@@ -508,7 +508,7 @@ def test_sudoku_refuses_a_short_grid_and_a_second_equals_sign():
 
 
 def test_sudoku_blanks_must_be_integers_up_to_twelve():
-    for bad in ((2.5, 4), (4, 10.0), (10, 13)):
+    for bad in ((2.5, 4), (4, 10.0), (10, 13), True, (True, 4)):  # a bool is no count
         with pytest.raises(ValueError, match=r"integer|<= 12"):
             sudoku.sample_problems(2, 0, blanks=bad)
 
@@ -533,3 +533,11 @@ def test_sudoku_atoms_called_alone_refuse_a_malformed_grid():
     for atom in (sudoku.givens_atom, sudoku.constraints_atom, sudoku.solved_atom):
         with pytest.raises(ValueError, match="not a 4x4 grid"):
             atom(sample)
+
+
+def test_an_integer_past_pythons_digit_limit_is_well_formed_and_wrong():
+    """5000 nines are one integer (format 1) and not the answer (answer 0); int() of them would
+    raise past Python's 4300-digit limit, failing the atom instead of scoring it."""
+    scores = arith.arith_reward().score([Sample("1+0=", "9" * 5000, {"answer": "1"})])
+    assert scores.values.tolist() == [[1.0, 0.0]]
+    assert arith.parse_integer("9" * 5000) is None and arith.parse_integer(" -12 ") == -12
