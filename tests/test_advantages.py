@@ -497,3 +497,53 @@ def test_multi_stream_eps_comes_from_the_config():
                                                      f"method.advantage.eps={eps}"])
         adv = GRPO(cfg.method, cfg, reward).advantages(batch)
         close(adv, [-1 / (math.sqrt(2) + eps), 1 / (math.sqrt(2) + eps)])
+
+
+def test_grpo_method_advantages_follow_the_configured_dials():
+    """advantage.type, scale, eps and multi_stream's mode reach the estimators, and multi_stream
+    weighs each atom by its weight. One group of three samples."""
+    from types import SimpleNamespace
+
+    from mmrl.core.config import load_config
+    from mmrl.core.grpo import GRPO
+    from mmrl.core.rewards import Reward, reward_atom
+    from mmrl.vlm.config import VLMTrainConfig
+
+    reward = Reward([reward_atom("a")(lambda s: 0.0), reward_atom("b", weight=0.5)(lambda s: 0.0)])
+    # atom a scores 0 2 4, atom b 0 3 3; the weighted total a + 0.5 b is 0 3.5 5.5 (batch.rewards)
+    batch = SimpleNamespace(rewards=torch.tensor([0.0, 3.5, 5.5]), group_ids=torch.zeros(3, dtype=torch.long),
+                            scores=SimpleNamespace(values=torch.tensor([[0.0, 0.0], [2.0, 3.0], [4.0, 3.0]])))
+
+    def advantages(*overrides):
+        cfg = load_config(VLMTrainConfig, overrides=list(overrides))
+        return GRPO(cfg.method, cfg, reward).advantages(batch)
+
+    # total: mean 3, r - mean = -3 0.5 2.5, unbiased std sqrt((9 + 0.25 + 6.25) / 2) = sqrt(7.75) = 2.783882
+    close(advantages("method.advantage.scale=none"), [-3.0, 0.5, 2.5])  # Dr.GRPO: not divided
+    close(advantages("method.advantage.eps=1.0"), [-3 / 3.783882, 0.5 / 3.783882, 2.5 / 3.783882])
+    # RLOO: r_i - mean of the others: 0 - 4.5, 3.5 - 2.75, 5.5 - 1.75
+    close(advantages("method.advantage.type=rloo"), [-4.5, 0.75, 3.75])
+    # multi_stream, sum_then_normalize: the weighted total normalised in its group, as GRPO's
+    close(advantages("method.advantage.type=multi_stream", "method.advantage.mode=sum_then_normalize"),
+          [-3 / 2.783882, 0.5 / 2.783882, 2.5 / 2.783882])
+    # normalize_then_sum: a (std 2) -> -1 0 1; b (mean 2, std sqrt 3) -> (-2 1 1) / 1.732051, times 0.5
+    close(advantages("method.advantage.type=multi_stream"),
+          [-1 - 1 / 1.732051, 0.5 / 1.732051, 1 + 0.5 / 1.732051])
+    # ... with scale none: a - 2 = -2 0 2 plus 0.5 (b - 2) = -1 0.5 0.5
+    close(advantages("method.advantage.type=multi_stream", "method.advantage.scale=none"), [-3.0, 0.5, 2.5])
+
+
+def test_grpo_dynamic_sampling_keeps_only_the_groups_whose_rewards_differ():
+    from types import SimpleNamespace
+
+    from mmrl.core.config import load_config
+    from mmrl.core.grpo import GRPO
+    from mmrl.vlm.config import VLMTrainConfig
+
+    # group 0 all right, group 1 half right, group 2 all wrong
+    batch = SimpleNamespace(rewards=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]),
+                            group_ids=torch.tensor([0, 0, 1, 1, 2, 2]))
+    cfg = load_config(VLMTrainConfig, overrides=["method.dynamic_sampling.enabled=true"])
+    assert GRPO(cfg.method, cfg, None).keep_groups(batch).tolist() == [False, False, True, True, False, False]
+    cfg = load_config(VLMTrainConfig)
+    assert GRPO(cfg.method, cfg, None).keep_groups(batch) is None  # off: every group trains

@@ -472,6 +472,74 @@ def test_grpo_with_fastrl_prunes_with_mdap_and_records_the_kept_count(tmp_path):
     assert method.state_dict()["ars"]["previous"] == {"groups": 1, "kept": 3, "max": 3}
 
 
+def test_grpo_with_fastrl_but_not_ars_prunes_and_keeps_the_group_size(tmp_path):
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=4", "train.max_steps=10")
+    method = build_method(cfg, toy.ToyTask().reward)
+    group = RolloutBatch(group_ids=torch.zeros(4, dtype=torch.long),
+                         samples=[Sample(0, c) for c in ([1, 2, 3], [1, 2, 3], [4, 5, 6], [1, 2, 3])],
+                         mask=torch.ones(4, 2, dtype=torch.bool), advantages=torch.tensor([1.0, 1.0, 1.0, -3.0]))
+    assert method.prune(group).tolist() == [T, F, T, T]  # MDAP runs: 1 repeats 0
+    method.step = 9
+    assert method.group_size(1, 8) == 8  # no ARS: the size it is given, not one from the kept counts
+    assert method.state_dict() == {}  # and nothing of ARS in the checkpoint
+
+
+def test_grpo_ars_never_shrinks_the_group_below_the_configured_min_group_size(tmp_path):
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.min_group_size=6",
+                     "rollout.num_generations=8", "train.max_steps=10")
+    method = build_method(cfg, toy.ToyTask().reward)
+    for kept in (8, 1, 1, 1, 1, 1, 1, 1):
+        method.ars.record(kept)
+    method.step = 10  # alpha 1: G't = mean 15 / 8 = 1.875, G'ref = (1.875 + 8) / 2 = 4.9375
+    # 8 - (4.9375 - 1.875) = 4.9375 rounds to 5, below the floor of 6
+    assert method.group_size(1, 8) == 6
+
+
+def test_grpo_ars_weighs_the_kept_counts_by_step_over_max_steps(tmp_path):
+    def size_at(step):
+        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true",
+                         "rollout.num_generations=8", "train.max_steps=4")
+        method = build_method(cfg, toy.ToyTask().reward)
+        for kept in (8, 1, 1, 1, 1, 1, 1, 1):  # mean 1.875, max 8: G'ref = (1.875 + 8) / 2 = 4.9375
+            method.ars.record(kept)
+        method.step = step
+        return method.group_size(1, 8)
+
+    assert size_at(2) == 8  # alpha 2 / 4: G't = 0.5 * 1.875 + 0.5 * 8 = 4.9375, not below G'ref
+    # alpha 3 / 4: G't = 0.75 * 1.875 + 0.25 * 8 = 3.40625; 8 - (4.9375 - 3.40625) = 6.47 -> 6
+    assert size_at(3) == 6
+
+
+def test_grpo_with_ars_resumes_from_a_checkpoint_without_ars_state(tmp_path):
+    # a run started without ARS and resumed with it: its method state holds no "ars"
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true")
+    method = build_method(cfg, toy.ToyTask().reward)
+    method.load_state_dict({})
+    assert method.state_dict() == {"ars": {"current": {"groups": 0, "kept": 0, "max": 0}, "previous": None}}
+
+
+def test_grpo_fastrl_prunes_with_the_configured_mdap_dials(tmp_path):
+    def kept(advantages, seqs, *overrides):
+        method = build_method(toy_config(tmp_path, "method.fastrl.enabled=true", *overrides), toy.ToyTask().reward)
+        group = RolloutBatch(group_ids=torch.zeros(len(seqs), dtype=torch.long),
+                             samples=[Sample(0, c) for c in seqs], advantages=torch.tensor(advantages))
+        return method.prune(group).tolist()
+
+    # ngram 1 (the default): [1, 2, 3] and [3, 2, 1] have one unigram set, distance 0 < tau
+    assert kept([1.0, 1.0], [[1, 2, 3], [3, 2, 1]]) == [T, F]
+    assert kept([1.0, 1.0], [[1, 2, 3], [3, 2, 1]], "method.fastrl.ngram=2") == [T, T]  # bigrams disjoint
+    # against seed (the default): 2 is compared with the seed 0 only, not with its copy 1
+    assert kept([1.0, 1.0, 1.0], [[1, 2], [3, 4], [3, 4]]) == [T, T, T]
+    assert kept([1.0, 1.0, 1.0], [[1, 2], [3, 4], [3, 4]], "method.fastrl.against=kept") == [T, T, F]
+    assert kept([1.0, 1.0], [[1, 2], [1, 2]], "method.fastrl.tau=0") == [T, T]  # tau 0 keeps everything
+    # 1.0 and 1.05 are one advantage set only with adv_tol above 0.05
+    assert kept([1.0, 1.05], [[1, 2], [1, 2]]) == [T, T]
+    assert kept([1.0, 1.05], [[1, 2], [1, 2]], "method.fastrl.adv_tol=0.1") == [F, T]  # the higher |A| is the seed
+    assert kept([0.0, 0.0], [[1, 2], [3, 4]], "method.fastrl.zero_sets=one") == [T, F]  # a zero set keeps its seed
+    # three copies keep one, padded to a multiple of pad_multiple 2 (not of the world size 1)
+    assert kept([1.0, 1.0, 1.0], [[1, 2]] * 3, "method.fastrl.pad_multiple=2") == [T, T, F]
+
+
 @pytest.mark.parametrize("base", ["grpo", "dapo"])
 def test_count_weights_give_the_unpruned_update_for_exact_copies(tmp_path, base):
     """Three copies of a right answer and one wrong one: the kept copy, counted 3 times in

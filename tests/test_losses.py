@@ -680,3 +680,135 @@ def test_kl_penalty_refuses_a_non_positive_max_log_ratio():
     for bound in (0.0, -1.0):
         with pytest.raises(ValueError, match="max_log_ratio"):
             kl_penalty(d, torch.zeros(3), max_log_ratio=bound)
+
+
+def test_aggregate_refuses_an_unknown_aggregation_also_with_max_len():
+    # "sum" is not read as Dr.GRPO's seq_mean_token_sum_norm because a max_len came with it
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="aggregation must be one of 'token_mean'"):
+        aggregate(x, x, "sum", max_len=4)
+
+
+def test_aggregate_refuses_a_per_token_loss_of_three_dimensions():
+    # a mask of the same shape does not make a [N, T, V] loss a per-token one
+    with pytest.raises(ValueError, match="per_token must have shape"):
+        aggregate(torch.ones(2, 3, 4), torch.ones(2, 3, 4))
+
+
+def test_an_empty_batch_counts_as_one_sample_and_aggregates_to_zero():
+    # no rows: the normaliser is at least 1 (token or sample), so the loss is 0 / 1 = 0, not NaN
+    empty = torch.zeros(0, 3)
+    for aggregation in AGGREGATIONS:
+        assert loss_denominator(empty, aggregation) == 1.0
+        assert aggregate(empty, empty, aggregation, max_len=3).item() == 0.0
+
+
+def test_the_weights_error_names_the_first_bad_weight():
+    with pytest.raises(ValueError, match=r"finite and >= 0; got -1\.0"):  # the first, not the least (-5)
+        aggregate(torch.ones(2, 3), torch.ones(2, 3), weights=torch.tensor([-1.0, -5.0]))
+
+
+def test_sample_weights_get_no_gradient():
+    # weights are counts (FastRL's), constants of the loss like the advantages
+    logp = _logp(requires_grad=True)
+    w = torch.tensor([2.0, 1.0], requires_grad=True)
+    out = policy_loss(logp, OLD, ADV, MASK, weights=w)
+    out.loss.backward()
+    assert w.grad is None
+    # token_mean with sample 0 counted twice: (2 * -3.1 + 3.6) / (2 * 3 + 2) = -2.6 / 8 = -0.325
+    close(out.loss, -0.325)
+
+
+# --------------------------------------------------------------------------- the GRPO method's loss
+
+
+def grpo(*overrides):
+    """The GRPO family's method for a run config with these overrides; its loss() is given a
+    policy whose logprobs() returns a fixed tensor, so no model is built."""
+    from mmrl.core.config import load_config
+    from mmrl.core.grpo import GRPO
+    from mmrl.vlm.config import VLMTrainConfig
+
+    cfg = load_config(VLMTrainConfig, overrides=["rollout.max_new_tokens=8", *overrides])
+    return GRPO(cfg.method, cfg, None)
+
+
+def fake_batch(**fields):
+    """What GRPO.loss and loss_denominator read of a RolloutBatch."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"data": {}, "ref_logp": None, **fields})
+
+
+def method_loss(method, logp, batch, advantages, denom=None):
+    from types import SimpleNamespace
+
+    return method.loss(SimpleNamespace(logprobs=lambda b: logp), batch, advantages, denom=denom)
+
+
+# On-policy (rho = 1) batch: N = 2, T = 2, sample 1's t1 masked out, A = [1, -1], and
+# d = logp - ref_logp = [[1, 2], [-1, 9]] (the 9 is masked out).
+#   policy per token -A: [[-1, -1], [1, -]]; token sums -2 and 1
+#   k2 = d^2 / 2: [[0.5, 2], [0.5, -]]; token sums 2.5 and 0.5
+KL_BATCH = {"old_logp": torch.zeros(2, 2), "mask": torch.tensor([[1, 1], [1, 0]]),
+            "ref_logp": -torch.tensor([[1.0, 2.0], [-1.0, 9.0]])}
+KL_ADV = torch.tensor([1.0, -1.0])
+
+
+def test_grpo_loss_adds_beta_times_the_configured_kl_aggregated_like_the_policy_term():
+    method = grpo("method.kl.beta=0.5", "method.kl.kind=k2", "method.loss.max_len=4",
+                  "method.loss.aggregation=seq_mean_token_sum_norm")
+    assert method.needs_reference and method.max_len == 4  # loss.max_len, not rollout.max_new_tokens
+    out = method_loss(method, torch.zeros(2, 2), fake_batch(**KL_BATCH), KL_ADV)
+    # Dr.GRPO, max_len 4: policy (-2 / 4 + 1 / 4) / 2 = -0.125; kl (2.5 / 4 + 0.5 / 4) / 2 = 0.375
+    assert math.isclose(out.metrics["loss/policy"], -0.125, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/kl"], 0.375, abs_tol=1e-6)  # the term, before beta
+    close(out.loss, -0.125 + 0.5 * 0.375)  # 0.0625
+
+
+def test_grpo_loss_max_len_defaults_to_the_token_budget_and_denom_reaches_both_terms():
+    method = grpo("method.kl.beta=0.5", "method.kl.kind=k2", "method.loss.aggregation=seq_mean_token_sum_norm")
+    assert method.max_len == 8  # rollout.max_new_tokens
+    out = method_loss(method, torch.zeros(2, 2), fake_batch(**KL_BATCH), KL_ADV)
+    # policy (-2 / 8 + 1 / 8) / 2 = -0.0625; kl (2.5 / 8 + 0.5 / 8) / 2 = 0.1875
+    assert math.isclose(out.metrics["loss/policy"], -0.0625, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/kl"], 0.1875, abs_tol=1e-6)
+    # a mini-batch of 4 samples: the sample sums are divided by 4, not by this batch's 2
+    out = method_loss(method, torch.zeros(2, 2), fake_batch(**KL_BATCH), KL_ADV, denom=4.0)
+    assert math.isclose(out.metrics["loss/policy"], -0.125 / 4, abs_tol=1e-6)  # (-0.25 + 0.125) / 4
+    assert math.isclose(out.metrics["loss/kl"], 0.375 / 4, abs_tol=1e-6)  # (0.3125 + 0.0625) / 4
+    close(out.loss, -0.125 / 4 + 0.5 * 0.375 / 4)
+
+
+def test_grpo_loss_sample_weights_count_in_both_terms():
+    from mmrl.core.method import SAMPLE_WEIGHT
+
+    method = grpo("method.kl.beta=0.5", "method.kl.kind=k2", "method.loss.max_len=4",
+                  "method.loss.aggregation=seq_mean_token_sum_norm")
+    batch = fake_batch(**KL_BATCH, data={SAMPLE_WEIGHT: torch.tensor([3.0, 1.0])})
+    out = method_loss(method, torch.zeros(2, 2), batch, KL_ADV)
+    # sample 0 counts 3 times: policy (3 * -0.5 + 0.25) / 4 = -0.3125; kl (3 * 0.625 + 0.125) / 4 = 0.5
+    assert math.isclose(out.metrics["loss/policy"], -0.3125, abs_tol=1e-6)
+    assert math.isclose(out.metrics["loss/kl"], 0.5, abs_tol=1e-6)
+    assert method.loss_denominator(batch) == 4.0  # 3 + 1 samples
+
+
+def test_grpo_without_kl_needs_no_reference_and_has_no_kl_term():
+    method = grpo()  # kl.beta 0
+    assert not method.needs_reference
+    out = method_loss(method, torch.zeros(2, 2), fake_batch(**dict(KL_BATCH, ref_logp=None)), KL_ADV)
+    assert "loss/kl" not in out.metrics
+    # GRPO's seq_mean_token_mean: ((-1 - 1) / 2 + 1 / 1) / 2 = 0
+    close(out.loss, 0.0)
+
+
+def test_grpo_loss_takes_clip_high_and_level_from_the_config():
+    # one sample, A = 1, ratios [1.5, 1]: clip 0.2 / 0.28, token_mean
+    logp = torch.tensor([[math.log(1.5), 0.0]])
+    batch = fake_batch(old_logp=torch.zeros(1, 2), mask=torch.ones(1, 2))
+    dapo = grpo("method.loss.clip_high=0.28", "method.loss.aggregation=token_mean")
+    # token ratio: -min(1.5, 1.28) and -1: (-1.28 - 1) / 2 = -1.14
+    close(method_loss(dapo, logp, batch, torch.ones(1)).loss, -1.14)
+    gspo = grpo("method.loss.clip_high=0.28", "method.loss.aggregation=token_mean", "method.loss.level=sequence")
+    # sequence ratio exp(ln(1.5) / 2) = sqrt(1.5) = 1.224745 inside [0.8, 1.28]: -1.224745 per token
+    close(method_loss(gspo, logp, batch, torch.ones(1)).loss, -1.224745)
