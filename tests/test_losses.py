@@ -585,6 +585,9 @@ def test_fractional_weights_normalise_by_their_sum():
     # token_mean: (0.25 * 3 + 0.25 * 7) / (0.25 * 2 + 0.25 * 2) = 2.5 / 1 = 2.5
     close(aggregate(per_token, mask, weights=w), 2.5)
     assert loss_denominator(mask, "token_mean", w) == 1.0
+    # a weighted token count below 1 is divided by as it is: (0.25 * 1 + 0.25 * 2) / (0.25 * 2) = 1.5
+    close(aggregate(per_token[:1], mask[:1], weights=w[:1]), 1.5)
+    assert loss_denominator(mask[:1], "token_mean", w[:1]) == 0.5
     # integer counts weigh as the same floats: (1 * 1.5 + 2 * 3.5) / 3 = 8.5 / 3
     counts = torch.tensor([1, 2])
     close(aggregate(per_token, mask, "seq_mean_token_mean", weights=counts), 8.5 / 3)

@@ -144,7 +144,7 @@ def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = No
 
     ``"token_mean"``: the number of masked tokens (at least 1); the ``seq_*`` aggregations:
     the number of samples (rows, at least 1). With sample ``weights`` ([N]), a sample counts
-    w times in either. With it, the micro-batch losses sum to the mini-batch loss exactly,
+    w times in either (a weighted token count may then be below 1; 0 counts as 1). With it, the micro-batch losses sum to the mini-batch loss exactly,
     and so do their gradients.
     """
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
@@ -157,10 +157,15 @@ def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = No
 def _normaliser(m: Tensor, aggregation: str, w: Tensor | None) -> Tensor:
     """What loss_denominator returns, as a tensor (no host sync in `aggregate`), for a bool mask
     [N, T] and weights already checked: masked tokens (at least 1) for "token_mean", samples
-    (at least one) for the seq_* aggregations, a sample counting w times in either."""
+    (at least one) for the seq_* aggregations, a sample counting w times in either (a weighted
+    token count may be below 1; 0 is 1)."""
     if aggregation == "token_mean":
-        tokens = m.sum() if w is None else (m.float().sum(dim=-1) * w).sum()
-        return tokens.clamp(min=1)
+        if w is None:
+            return m.sum().clamp(min=1)
+        # weighted: a count below 1 is real (a quarter-weight sample of 2 tokens counts 0.5);
+        # none at all is 1, as without weights
+        tokens = (m.float().sum(dim=-1) * w).sum()
+        return torch.where(tokens > 0, tokens, torch.ones_like(tokens))
     if w is None:
         return torch.tensor(float(max(m.shape[0], 1)))
     return w.sum().clamp(min=1e-12)
