@@ -41,53 +41,54 @@ def export(modality: str, *args: str):
     return result.exit_code, " ".join(result.output.split())
 
 
+def exported(modality: str, tmp_path):
+    """`export` of lora_policy's checkpoint with its run config, into tmp_path / "out"."""
+    code, text = export(modality, "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
+                        "-o", str(tmp_path / "out"))
+    assert code == 0 and f"wrote {tmp_path / 'out'}" in text, text
+    return tmp_path / "out"
+
+
+def assert_same_logits(lora_model, plain, base):
+    """The export gives the LoRA model's logits, and those differ from the base model's (the
+    adapters change the model: the merge is not a no-op)."""
+    with torch.no_grad():
+        want = lora_model.eval()(input_ids=IDS).logits
+        got, before = plain.eval()(input_ids=IDS).logits, base.eval()(input_ids=IDS).logits
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    assert (want - before).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_vlm_lora_checkpoint_exports_as_one_plain_transformers_model(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from mmrl.vlm.models import bundled_model_dir
 
     policy, _ = lora_policy("vlm", tmp_path)
-    code, text = export("vlm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
-                        "-o", str(tmp_path / "out"))
-    assert code == 0 and f"wrote {tmp_path / 'out'}" in text, text
-    assert not (tmp_path / "out" / "adapter_config.json").exists()
-    assert (tmp_path / "out" / "preprocessor_config.json").exists() or (tmp_path / "out" / "processor_config.json").exists()
-    plain = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
-    base = AutoModelForImageTextToText.from_pretrained(bundled_model_dir()).eval()
-    with torch.no_grad():
-        want = policy.model.eval()(input_ids=IDS).logits
-        got, before = plain(input_ids=IDS).logits, base(input_ids=IDS).logits
-    assert not any("lora" in n for n, _ in plain.named_parameters())
-    assert (want - before).abs().max() > 1e-3  # the adapters change the model: the merge is not a no-op
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    out = exported("vlm", tmp_path)
+    assert not (out / "adapter_config.json").exists() and (out / "processor_config.json").exists()
+    assert_same_logits(policy.model, AutoModelForImageTextToText.from_pretrained(out),
+                       AutoModelForImageTextToText.from_pretrained(bundled_model_dir()))
 
 
 def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
     from dllm_rl.models import load_mask_predictor
 
     policy, backend = lora_policy("dllm", tmp_path)
-    code, text = export("dllm", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
-                        "-o", str(tmp_path / "out"))
-    assert code == 0, text
-    assert (tmp_path / "out" / "dllm.json").is_file() and not (tmp_path / "out" / "adapter_config.json").exists()
-    plain = load_mask_predictor(tmp_path / "out").model.eval()
-    base = load_mask_predictor(backend.bundled_model_dir()).model.eval()
-    with torch.no_grad():
-        want = policy.model.eval()(input_ids=IDS).logits
-        got, before = plain(input_ids=IDS).logits, base(input_ids=IDS).logits
-    assert (want - before).abs().max() > 1e-3
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    out = exported("dllm", tmp_path)
+    assert (out / "dllm.json").is_file() and not (out / "adapter_config.json").exists()
+    assert_same_logits(policy.model, load_mask_predictor(out).model,
+                       load_mask_predictor(backend.bundled_model_dir()).model)
 
 
 def test_an_image_lora_checkpoint_exports_as_a_whole_diffusers_pipeline(tmp_path):
     from diffusion_rl.models import load_flow_model
 
     policy, _ = lora_policy("diffusion", tmp_path)
-    code, text = export("diffusion", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(tmp_path / "run.yaml"),
-                        "-o", str(tmp_path / "out"))
-    assert code == 0, text
-    assert (tmp_path / "out" / "model_index.json").is_file() and (tmp_path / "out" / "vae").is_dir()
-    plain = dict(load_flow_model(tmp_path / "out").transformer.named_parameters())
+    out = exported("diffusion", tmp_path)
+    assert (out / "model_index.json").is_file() and (out / "vae").is_dir()
+    plain = dict(load_flow_model(out).transformer.named_parameters())
     lora = dict(policy.flow.transformer.named_parameters())
     layers = {n.removesuffix(".lora_A.default.weight") for n in lora if n.endswith(".lora_A.default.weight")}
     assert layers and not any("lora" in n for n in plain)
