@@ -1032,3 +1032,86 @@ def test_a_number_argument_beyond_the_float_range_is_a_bad_argument():
     """The model's mistake (bad_arguments), not a tool failure (raised), as infinity is."""
     res = ToolRegistry([add]).call(call_text("add", {"a": 1, "b": 10**400}), NO_CTX)
     assert_error(res, "bad_arguments", 'argument "b" must be a number', name="add")
+
+
+# ---------------------------------------------------------------------------- mutation audit
+
+
+def test_a_nullable_parameter_takes_null_but_still_checks_other_values():
+    """`int | None` lets null through unchecked; any other value is checked as an int."""
+
+    def f(n: int | None = None) -> str:
+        return repr(n)
+
+    reg = ToolRegistry([f])
+    assert reg.call(call_text("f", {"n": None}), NO_CTX).content == ["None"]
+    assert reg.call(call_text("f", {"n": 4.0}), NO_CTX).content == ["4"]  # converted like an int parameter
+    assert_error(reg.call(call_text("f", {"n": "x"}), NO_CTX), "bad_arguments",
+                 'argument "n" must be an integer, got "x"', name="f")
+
+
+def test_get_on_an_empty_registry_says_none_are_registered():
+    with pytest.raises(KeyError, match=r"unknown tool 'f' \(registered: none\)"):
+        ToolRegistry().get("f")
+
+
+def test_any_number_type_a_tool_returns_becomes_its_text():
+    """A number is any numbers.Number but complex: numpy's integers and fractions too."""
+    from fractions import Fraction
+
+    def count():
+        return np.int64(3)  # not an int subclass
+
+    def third():
+        return [Fraction(1, 3), np.float32(0.5)]
+
+    assert ToolRegistry([count]).call(call_text("count"), NO_CTX).content == ["3"]
+    assert ToolRegistry([third]).call(call_text("third"), NO_CTX).content == ["1/3", "0.5"]
+
+
+def test_a_returned_coroutine_is_closed_without_a_never_awaited_warning():
+    import warnings
+
+    async def inner():
+        return "x"
+
+    def f():
+        return inner()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = ToolRegistry([f]).call(call_text("f"), NO_CTX)
+    assert res.kind == "bad_result"
+    assert not [w for w in seen if "never awaited" in str(w.message)], [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("2 * 101", "202"),  # the exponent limit is for ** only: 101 is any other right operand
+        ("1000 - 101", "899"),
+        ("3 * -200", "-600"),
+        ("202 / 101", "2"),
+        ("1000 // 101", "9"),  # 9 * 101 = 909, 10 * 101 = 1010
+        ("1000 % 101", "91"),  # 1000 - 909
+    ],
+)
+def test_calculator_bounds_only_the_exponent_of_a_power(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression, op", [("~5", "Invert"), ("not 1", "Not")])
+def test_calculator_names_a_unary_operator_it_does_not_allow(expression, op):
+    with pytest.raises(ValueError, match=f"the operator {op} not allowed: use only numbers"):
+        calculator(expression)
+
+
+def test_registry_defaults_are_the_rollout_tools_config_defaults():
+    """A registry built without timeout / max_stuck behaves as rollout.tools' defaults
+    (10 s, 4 stuck calls), whether made directly or by build_registry."""
+    from mmrl.vlm.config import ToolsConfig
+
+    cfg = ToolsConfig()
+    assert (cfg.timeout, cfg.max_stuck) == (10.0, 4)
+    for reg in (ToolRegistry(), build_registry(["calculator"])):
+        assert (reg.timeout, reg.max_stuck) == (10.0, 4)
