@@ -447,7 +447,8 @@ class ToolRegistry:
         if isinstance(fn, Tool):
             tool = fn
             if name is not None or description is not None:
-                tool = Tool(fn.fn, name=name or fn.name, description=description or fn.description)
+                tool = Tool(fn.fn, name=fn.name if name is None else name,  # "" is refused, not the old name
+                            description=fn.description if description is None else description)
         else:
             tool = Tool(fn, name=name, description=description)
         if tool.name in self._tools:

@@ -1115,3 +1115,18 @@ def test_registry_defaults_are_the_rollout_tools_config_defaults():
     assert (cfg.timeout, cfg.max_stuck) == (10.0, 4)
     for reg in (ToolRegistry(), build_registry(["calculator"])):
         assert (reg.timeout, reg.max_stuck) == (10.0, 4)
+
+
+def test_re_registering_a_tool_under_an_empty_name_is_refused_not_renamed_back():
+    """A Tool given name="" is refused as Tool(fn, name="") is; it does not keep its old name."""
+    from mmrl.vlm.tools import Tool, ToolRegistry
+
+    def ping() -> str:
+        """Answer pong."""
+        return "pong"
+
+    with pytest.raises(ValueError, match="tool name '' must be"):
+        ToolRegistry().register(Tool(ping), name="")
+    registry = ToolRegistry()
+    registry.register(Tool(ping), name="pong", description="")
+    assert registry.names() == ["pong"] and registry.get("pong").description == ""
