@@ -1119,8 +1119,6 @@ def test_registry_defaults_are_the_rollout_tools_config_defaults():
 
 def test_re_registering_a_tool_under_an_empty_name_is_refused_not_renamed_back():
     """A Tool given name="" is refused as Tool(fn, name="") is; it does not keep its old name."""
-    from mmrl.vlm.tools import Tool, ToolRegistry
-
     def ping() -> str:
         """Answer pong."""
         return "pong"
