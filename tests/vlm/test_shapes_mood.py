@@ -28,6 +28,7 @@ from mmrl.vlm.tasks.shapes_mood import (
     shapes_mood_reward,
     top_k,
 )
+from mmrl.vlm.tasks.shapes_qa import QAItem
 from mmrl.vlm.vad import EMOTIONS, VAD, vad
 
 REF = ("<step1>[98,107,527,536]</step1> <step2>a red triangle</step2> "
@@ -297,3 +298,97 @@ def test_config_builds_the_task_with_its_reward():
                                                  "task.ood_compositions=[[red, mauve]]"])
     with pytest.raises(ConfigError, match="shapes-mood"):
         backend.build_task(bad)
+
+
+# ---------------------------------------------------------------------------- what a mutation audit found unpinned
+
+
+def test_reference_cites_the_trigger_in_ymin_xmin_order():
+    # a blue square (48 px, centred x 80, y 30) and a blue triangle (36 px, centred x 30, y 80).
+    # sadness: square 48^2 (.1 + .4 + .2) = 1612.8, triangle .5 * 36^2 (.1 + .4) = 324 -> the mode,
+    # the square its trigger; awe 1267.2 + 194.4 = 1461.6, fear 691.2 + 388.8 = 1080,
+    # contentment 691.2 + 194.4 = 885.6, disgust 576 + 64.8 = 640.8 (then excitement 424.8).
+    # The square spans x 56-104, y 6-54 of 112 px: [ymin, xmin, ymax, xmax] = [54, 500, 482, 929]
+    scene = Scene([Shape("square", "blue", 80, 30, 48), Shape("triangle", "blue", 30, 80, 36)], 112)
+    item = sm._make_item(scene, "train")
+    assert item.reference == ("<step1>[54,500,482,929]</step1> <step2>a blue square</step2> "
+                              "<step3>sadness, awe, fear, contentment, disgust</step3> <answer>sadness</answer>")
+    assert item.answer == item.meta["answer"] == "sadness" and item.meta["trigger_box"] == [54, 500, 482, 929]
+
+
+def test_box_edges_and_the_area_of_a_box_that_is_not_square():
+    # [ymin, xmin, ymax, xmax] = [100, 200, 300, 600]: 0.2 of the side high, 0.4 wide
+    assert box_area_fraction([100, 200, 300, 600]) == pytest.approx(0.08)
+    assert sm.valid_box([0, 0, 1000, 1000]) and box_area_fraction([0, 0, 1000, 1000]) == 1.0  # the whole image
+    for bad in ([5, 5, 9, 5], [0, 0, 10, 1001], [-1, 0, 10, 10], [0, -1, 10, 10]):
+        assert not sm.valid_box(bad), bad
+
+
+def test_parse_reads_the_last_of_each_tag_and_a_box_that_is_only_a_box():
+    r = parse_mood("<answer>fear</answer> <step1>[1,2,3,4]</step1> <step1>[5,6,7,8]</step1> <answer>anger</answer>")
+    assert r.answer == "anger" and r.box == (5, 6, 7, 8)
+    assert parse_mood("<step1>[1,2,3,4] and [5,6,7,8]</step1>").box is None
+    assert parse_mood("<step1>[1,2,3,4] px</step1>").box is None
+    assert parse_mood("<step1>1, 2, 3, 4</step1>").box == (1, 2, 3, 4)  # the brackets are optional
+    assert parse_mood("<step2>A Red  Triangle</step2>").reaction == "a red triangle"
+
+
+@pytest.mark.parametrize("text, reason", [
+    (REF, None),
+    (REF.replace("[98,107,527,536]", "[0,0,1000,1000]"), None),  # the whole image is a box
+    (REF.replace("<step2>a red", "<step2>a <step2>red"), "missing_part"),  # a tag opened twice
+    (REF.replace("<step1>[98,107,527,536]</step1> <step2>a red triangle</step2>",
+                 "<step2>a red triangle</step2> <step1>[98,107,527,536]</step1>"), "missing_part"),  # out of order
+    (REF.replace("<step2>a red triangle</step2>", "<step2> </step2>"), "missing_part"),  # empty reaction
+    (REF.replace("<answer>anger</answer>", "<answer> . </answer>"), "missing_part"),  # empty answer
+    (REF.replace("[98,107,527,536]", "[98,107,527,536] px"), "bad_box"),
+    (REF.replace("[98,107,527,536]", "[98,107,527,1001]"), "bad_box"),
+    (REF.replace("excitement", "anger"), "wrong_count"),  # five, but anger twice
+    (REF.replace("amusement", "amusement, sadness"), "wrong_count"),  # six
+    (REF.replace("amusement", "amusement, anger"), "wrong_count"),  # six, five of them distinct
+])
+def test_format_problem_names_each_broken_rule(text, reason):
+    assert sm.format_problem(text) == reason
+
+
+def test_a_right_answer_with_a_repeated_candidate_scores_nothing():
+    meta = {"answer": "anger", "mu": [0.5, 0.5, 0.5], "sigma": [0.2, 0.2, 0.2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values, total = score(REF.replace("excitement", "anger"), meta)
+    assert values == {"format": 0, "answer": 0, "diversity": 0} and total == 0
+
+
+def test_answer_atom_needs_the_whole_emotion():
+    meta = {"answer": "anger", "mu": [0.5, 0.5, 0.5], "sigma": [0.2, 0.2, 0.2]}
+    for answer, right in (("anger", 1), (" Anger. ", 1), ("ang", 0), ("nger", 0), ("fear", 0)):
+        values, _ = score(REF.replace("<answer>anger</answer>", f"<answer>{answer}</answer>"), meta)
+        assert values["format"] == 1 and values["answer"] == right, answer
+    with pytest.raises(ValueError, match='reference "answer"'):
+        sm.mood_answer_atom.fn(Sample(QUESTION, REF, {"mu": [0.5] * 3, "sigma": [0.2] * 3}))
+
+
+def test_diversity_by_hand_with_two_candidates():
+    # candidates anger, sadness; prior mu = VAD(sadness), sigma = 1. d = |VAD(anger) - VAD(sadness)|
+    # = sqrt(.115^2 + .577^2 + .493^2) = 0.7676; D_all = d/2, Delta = (-d/2, +d/2) (dropping anger
+    # lands on mu). Uniform w = 1/2 each, tau_ctr 1, tau_div 0.5:
+    # R = exp(-(d/2)^2 / 2) * 1/2 ((1 - e^(d/2/0.5)) + (1 - e^(-d/2/0.5))) = 0.9290 (1 - cosh 0.7676) = -0.2874
+    resp = sm.MoodResponse(None, None, ["anger", "sadness"], None)
+    meta = {"mu": list(VAD["sadness"]), "sigma": [1.0, 1.0, 1.0]}
+    assert sm.diversity(resp, meta) == pytest.approx(-0.28739, abs=1e-4)
+    # the reward's atom takes the prior from the sample's meta: sigma 0.5 doubles every distance,
+    # D_all = 0.7676, Delta = (-0.7676, +0.7676): exp(-0.7676^2 / 2) (1 - cosh(0.7676 / 0.5)) = 0.7448 * -1.4288
+    half = {**meta, "sigma": [0.5, 0.5, 0.5]}
+    text = "<step3>anger, sadness</step3>"
+    assert sm.mood_div_atom.fn(Sample(QUESTION, text, half)) == pytest.approx(-1.06422, abs=1e-4)
+    with pytest.raises(ValueError, match='prior "mu" and "sigma"'):
+        sm.diversity(resp, {"mu": meta["mu"]})
+
+
+def test_metrics_accuracy_ignores_the_format_and_needs_items():
+    dist = {e: 0.0 for e in EMOTIONS} | {"anger": 0.6, "fear": 0.4}
+    item = QAItem([], QUESTION, "anger", REF, {"answer": "anger", "label_dist": dist})
+    m = mood_metrics([REF + " and more"], [item])  # text after </answer>: no format, the answer still right
+    assert m == pytest.approx({"accuracy": 1.0, "coverage": 1.0, "format": 0.0})
+    with pytest.raises(ValueError, match="as many completions"):
+        mood_metrics([], [])

@@ -8,7 +8,7 @@ from PIL import Image
 
 from mmrl.core.rewards import Sample
 from mmrl.vlm.tasks import shapes_zoom
-from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, render
+from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, render
 from mmrl.vlm.tasks.shapes_qa import QAItem
 from mmrl.vlm.tasks.shapes_zoom import (
     KINDS,
@@ -16,6 +16,7 @@ from mmrl.vlm.tasks.shapes_zoom import (
     ShapesZoom,
     generate_zoom_items,
     quadrant_box,
+    shape_in,
     shapes_zoom_reward,
     zoom_call,
 )
@@ -209,6 +210,7 @@ def test_reward_uses_the_shapes_qa_atoms():
         ({"kinds": ["count"]}, "unknown question kind 'count' (known: shape_at, colour_at)"),
         ({"kinds": []}, "at least one question kind"),
         ({"num_train": -1}, "num_train and num_eval must be >= 0"),
+        ({"num_eval": -1}, "num_train and num_eval must be >= 0"),
     ],
 )
 def test_bad_arguments(kwargs, message):
@@ -223,3 +225,32 @@ def test_bad_arguments_generate():
     with pytest.raises(ValueError, match="too small"):
         generate_zoom_items(1, seed=0, image_size=415)
     assert len(generate_zoom_items(1, seed=0, image_size=416)) == 1  # 208 = 200 + 2 * 4: fits
+
+
+def test_shape_in_takes_the_centre_and_refuses_an_empty_quadrant():
+    # 200 px: the split is at 100; a centre on x = 100 belongs to the right quadrants (a right edge is exclusive)
+    scene = Scene([Shape("circle", "red", 100, 50, 20)], 200)
+    assert shape_in(scene, "top right").colour == "red"
+    for empty in ("top left", "bottom left", "bottom right"):
+        with pytest.raises(ValueError, match=f"the {empty} quadrant holds 0 shapes, expected 1"):
+            shape_in(scene, empty)
+
+
+def test_eval_keeps_a_train_scene_asked_another_question(monkeypatch):
+    # red circles of one size with one position per quadrant: a single scene, so the items
+    # differ only by question (2 kinds x 4 quadrants = 8); one train item leaves 7 questions for eval
+    monkeypatch.setattr(shapes_zoom, "SHAPES", ("circle",))
+    monkeypatch.setattr(shapes_zoom, "COLOURS", {"red": COLOURS["red"]})
+    task = ShapesZoom(seed=0, num_train=1, num_eval=7, image_size=72, shape_size=(28, 28),
+                      kinds=["shape_at", "colour_at"])
+    (train,) = task.train_items()
+    evals = task.eval_items()
+    assert len(evals) == 7 and len({str(x.meta["scene"]) for x in evals + [train]}) == 1
+    assert train.question not in {x.question for x in evals}
+
+
+def test_sizes_span_both_ends_and_no_items_is_no_error():
+    sizes = {s.size for item in generate_zoom_items(10, seed=0, shape_size=(150, 151))
+             for s in Scene.from_dict(item.meta["scene"]).shapes}
+    assert sizes == {150.0, 151.0}  # 40 draws from U{150, 151}
+    assert generate_zoom_items(0, seed=0) == []
