@@ -223,6 +223,59 @@ def test_a_nan_from_the_model_is_caught_by_the_core_reward(tiny_open_clip):
         clear_model_cache()
 
 
+def test_clip_score_uses_the_preprocess_cfg_of_a_config_file(tiny_open_clip, tmp_path):
+    """A config file's preprocess_cfg (mean, std) normalises the pixels, as open_clip does for
+    the same config in a local-dir model; the same weights with the plain config (open_clip's
+    default mean and std) score otherwise, and each config gets its own cached model."""
+    _, config, weights = tiny_open_clip
+    raw = json.loads(Path(config).read_text())
+    raw["preprocess_cfg"] = {"mean": [0.1, 0.2, 0.3], "std": [0.5, 0.5, 0.5]}
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "open_clip_config.json").write_text(json.dumps(raw))
+    (model_dir / "open_clip_model.safetensors").write_bytes(Path(weights).read_bytes())
+    custom = model_dir / "custom.json"
+    custom.write_text(json.dumps(raw))
+    batch = samples(3)
+    plain = clip_score_atom(config, weights)(batch)  # the default preprocessing first
+    by_dir = clip_score_atom(f"local-dir:{model_dir}")(batch)
+    by_config = clip_score_atom(str(custom), weights)(batch)
+    assert by_config == pytest.approx(by_dir, abs=1e-6)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(by_config, plain))
+
+
+def test_clip_score_in_bf16_scores_close_to_fp32(tiny_open_clip):
+    """precision="bf16": weights and pixels in bfloat16 (float32 pixels would not go through
+    the bf16 patch embedding); the cosine agrees with fp32 to bf16's ~3 significant digits."""
+    _, config, weights = tiny_open_clip
+    batch = samples(3)
+    atom = clip_score_atom(config, weights, precision="bf16")
+    assert atom.fn.load()[0].visual.conv1.weight.dtype == torch.bfloat16
+    assert atom(batch) == pytest.approx(clip_score_atom(config, weights)(batch), abs=0.02)
+
+
+def test_atoms_score_an_empty_batch_as_no_scores(tiny_open_clip, tiny_hf_clip, factory_file):
+    _, config, weights = tiny_open_clip
+    assert clip_score_atom(config, weights)([]) == []
+    assert preference_atom(tiny_hf_clip)([]) == []
+    assert preference_atom(f"{factory_file}:make", kind="custom")([]) == []
+
+
+def test_scale_and_batch_size_must_be_finite_numbers_and_positive_ints(tiny_open_clip, tiny_hf_clip):
+    _, config, weights = tiny_open_clip
+    for bad in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            clip_score_atom(config, weights, scale=bad)
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            preference_atom(tiny_hf_clip, scale=bad)
+    with pytest.raises(ValueError, match="scale must be a number"):
+        preference_atom(tiny_hf_clip, scale="big")
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got True"):
+        clip_score_atom(config, weights, batch_size=True)
+    with pytest.raises(ValueError, match="pretrained"):  # a model directory has its own weights
+        clip_score_atom(f"local-dir:{Path(config).parent}", weights)
+
+
 # ---------------------------------------------------------------------------- inputs
 
 
@@ -246,6 +299,31 @@ def test_to_rgb_conversions():
     assert to_rgb(rgb) is rgb
     with pytest.raises(TypeError, match="expected a PIL image"):
         to_rgb(np.zeros((2, 2, 3)))
+
+
+def test_to_rgb_rounds_and_clips_grey_levels():
+    def grey(mode, value):
+        return to_rgb(Image.new(mode, (2, 2), value)).getpixel((0, 0))[0]
+
+    # 16-bit, v * 255 / 65535 rounded to nearest: 65407 -> 254.502 -> 255 (254 truncated, or
+    # 254.498 with / 65536), 129 -> 0.502 -> 1, 128 -> 0.498 -> 0.
+    assert [grey("I;16", v) for v in (65407, 129, 128)] == [255, 1, 0]
+    assert grey("I;16B", 25700) == 100  # big-endian 16-bit: 25700 / 257
+    # "I" at most 255 is 8-bit already (255 stays 255); above it is 16-bit, and past 65535 it
+    # clips: 70000 -> 272.4 -> 255. Negative values clip to 0.
+    assert [grey("I", v) for v in (255, 70000, -5)] == [255, 255, 0]
+
+
+def test_to_rgb_composites_a_palette_transparency_over_white():
+    palette = [0, 0, 0, 10, 20, 30] + [0] * 762
+    keyed = Image.new("P", (2, 2), 1)
+    keyed.putpalette(palette)
+    keyed.info["transparency"] = 1  # colour 1 is transparent
+    assert keyed.convert("RGB").getpixel((0, 0)) == (10, 20, 30)  # what a plain convert gives
+    assert to_rgb(keyed).getpixel((0, 0)) == (255, 255, 255)
+    pa = Image.new("PA", (2, 2), (1, 0))  # colour 1 at alpha 0
+    pa.putpalette(palette)
+    assert to_rgb(pa).getpixel((0, 0)) == (255, 255, 255)
 
 
 def test_atoms_accept_other_image_modes(tiny_open_clip):
@@ -319,6 +397,55 @@ def test_preference_clip_separate_processor_and_errors(tiny_hf_clip, tmp_path):
         preference_atom(tiny_hf_clip, kind="imagereward")
 
 
+def test_preference_clip_uses_the_processor_it_is_given(tiny_hf_clip, tmp_path):
+    """processor=DIR preprocesses with DIR's processor: the same model with another image_mean
+    scores as a model directory that carries that processor itself, not as the model's own."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_hf_clip, other)
+    pre = json.loads((other / "processor_config.json").read_text())
+    pre["image_processor"]["image_mean"] = [0.9, 0.1, 0.5]
+    (other / "processor_config.json").write_text(json.dumps(pre))
+    batch = samples(3)
+    own = preference_atom(tiny_hf_clip, scale=1.0)(batch)
+    given = preference_atom(tiny_hf_clip, processor=str(other), scale=1.0)(batch)
+    assert given == pytest.approx(preference_atom(str(other), scale=1.0)(batch), abs=1e-6)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(given, own))
+
+
+def test_preference_clip_truncates_prompts_to_the_text_positions(tiny_hf_clip):
+    """A prompt longer than the model's 16 text positions is cut to them, also when the
+    tokenizer sets no limit of its own (transformers' 1e30 default): two prompts that agree on
+    their first 16 tokens score the same."""
+    long = "a red circle left of a blue square above a green triangle below a yellow circle"
+    batch = [Sample(long, noise_image(0)), Sample(long + " and two more squares", noise_image(0))]
+    clear_model_cache()
+    try:
+        atom = preference_atom(tiny_hf_clip, scale=1.0)
+        tokenizer = atom.fn.load()[2]
+        assert len(tokenizer(long)["input_ids"]) > 16
+        s = atom(batch)
+        tokenizer.model_max_length = int(1e30)
+        assert atom(batch) == pytest.approx(s, abs=1e-6)
+        assert s[0] == pytest.approx(s[1], abs=1e-6) and -1.0 <= s[0] <= 1.0
+    finally:
+        clear_model_cache()
+
+
+def test_preference_clip_dtype_loads_the_model_in_it(tiny_hf_clip):
+    batch = samples(3)
+    bf16 = preference_atom(tiny_hf_clip, dtype="bfloat16", scale=1.0)
+    fp32 = preference_atom(tiny_hf_clip, scale=1.0)
+    model = bf16.fn.load()[0]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert fp32.fn.load()[0].text_projection.weight.dtype == torch.float32  # its own model
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert bf16(batch) == pytest.approx(fp32(batch), abs=0.03)  # bf16's ~3 digits
+    with pytest.raises(ValueError, match="dtype must be"):
+        preference_atom(tiny_hf_clip, dtype="float64")
+
+
 # ---------------------------------------------------------------------------- preference: custom
 
 FACTORY = """
@@ -358,6 +485,24 @@ def make_short(device):
 
 def make_not_callable(device):
     return 42
+
+def make_array(device):
+    import numpy as np
+    return lambda images, prompts: np.array([float(len(p)) for p in prompts])
+
+def make_tensor(device):
+    import torch
+    return lambda images, prompts: torch.tensor([float(len(p)) for p in prompts])
+
+def make_scalar(device):
+    import torch
+    return lambda images, prompts: torch.tensor(1.0)
+
+def make_long(device):
+    return lambda images, prompts: [0.5] * (len(images) + 1)
+
+def make_text(device):
+    return lambda images, prompts: ["0.5"] * len(images)
 """
 
 
@@ -422,6 +567,52 @@ def test_nan_from_a_scorer_is_reported_by_reward_score(factory_file):
     with pytest.warns(RuntimeWarning, match="'pref'"):
         scores = Reward([atom], on_error="zero").score(samples(3))
     assert scores.values[:, 0].tolist() == [0.0, 1.0, 1.0] and scores.errors == 1
+
+
+def test_custom_scorer_may_return_an_array_or_a_tensor(factory_file):
+    batch = samples(3)  # prompts of 12, 41 and 15 characters
+    for factory in ("make_array", "make_tensor"):
+        atom = preference_atom(f"{factory_file}:{factory}", kind="custom", batch_size=2)
+        assert atom(batch) == [12.0, 41.0, 15.0]
+
+
+def test_custom_scorer_must_return_one_score_per_image(factory_file):
+    for factory, message in {
+        "make_long": r"returned 3 scores for 2 images",
+        "make_scalar": r"returned a Tensor of shape \(\), expected 2 scores",
+    }.items():
+        atom = preference_atom(f"{factory_file}:{factory}", kind="custom", name=factory)
+        with pytest.raises(RewardError, match=message):
+            Reward([atom]).score(samples(2))
+    # A scale leaves what is not a number (here the string "0.5") for the core to refuse.
+    atom = preference_atom(f"{factory_file}:make_text", kind="custom", scale=2.0)
+    with pytest.raises(RewardError, match=r"returned a str, expected a number"):
+        Reward([atom]).score(samples(1))
+
+
+def test_custom_scorer_is_made_once_per_device(factory_file):
+    """The factory runs once per (file:factory, device): atoms on one device share a scorer,
+    an atom on another device gets a scorer made for its device."""
+    cpu = preference_atom(f"{factory_file}:make", kind="custom")
+    cpu0 = preference_atom(f"{factory_file}:make", kind="custom", device="cpu:0")
+    assert cpu.fn.load().device == "cpu"
+    assert cpu0.fn.load().device == "cpu:0"
+    assert preference_atom(f"{factory_file}:make", kind="custom").fn.load() is cpu.fn.load()
+
+
+def test_custom_preference_refuses_clip_only_options_and_bad_factories(factory_file, tmp_path):
+    with pytest.raises(ValueError, match='kind="clip" only'):
+        preference_atom(f"{factory_file}:make", kind="custom", dtype="float16")
+    with pytest.raises(ValueError, match='kind="clip" only'):
+        preference_atom(f"{factory_file}:make", kind="custom", processor=str(tmp_path))
+    with pytest.raises(ValueError, match="must look like"):
+        preference_atom(f"{factory_file}:not-a-name", kind="custom")
+    atom_file = tmp_path / "atoms.py"
+    atom_file.write_text(
+        "from mmrl.core.rewards import RewardAtom\nscore = RewardAtom('s', lambda s: 1.0)\n"
+    )
+    with pytest.raises(ValueError, match="is a reward atom"):
+        preference_atom(f"{atom_file}:score", kind="custom")
 
 
 # ---------------------------------------------------------------------------- in a core Reward
@@ -566,3 +757,31 @@ def test_image_atom_paths_are_the_configs_like_its_other_paths(factory_file, tmp
     monkeypatch.chdir(elsewhere)
     cfg = load_config(DiffusionTrainConfig, conf / "run.yaml", defaults=backend.DEFAULT_CONFIG)
     assert "preference" in backend.build_task(cfg).reward.names
+
+
+def test_build_image_reward_atoms_passes_every_key_on(tiny_open_clip, tiny_hf_clip, tmp_path):
+    """Relative model, pretrained and processor paths resolve from base_dir (pretrained may be
+    a model directory); precision, dtype, device and batch_size reach the atom."""
+    import shutil
+
+    directory, config, weights = tiny_open_clip
+    base = tmp_path / "conf"
+    shutil.copytree(directory, base / "oc")
+    shutil.copytree(tiny_hf_clip, base / "hf")
+    (base / "scorers.py").write_text(FACTORY)
+    specs = [
+        {"type": "clip_score", "model": "oc/open_clip_config.json",
+         "pretrained": "oc/open_clip_model.safetensors", "precision": "bf16"},
+        {"type": "clip_score", "model": "tiny", "pretrained": "oc", "name": "by_dir"},
+        {"type": "preference", "path": "hf", "processor": "hf", "dtype": "bfloat16"},
+        {"type": "preference", "path": "scorers.py:make", "kind": "custom", "name": "mine",
+         "device": "cpu:0", "batch_size": 2},
+    ]
+    atoms = build_image_reward_atoms(specs, base_dir=base)
+    batch = samples(3)
+    assert atoms[0].fn.load()[0].visual.conv1.weight.dtype == torch.bfloat16
+    assert atoms[1](batch) == pytest.approx(clip_score_atom(config, weights)(batch), abs=1e-6)
+    assert next(atoms[2].fn.load()[0].parameters()).dtype == torch.bfloat16
+    atoms[3](batch)
+    scorer = atoms[3].fn.load()
+    assert scorer.device == "cpu:0" and [len(c) for c in scorer.calls] == [2, 1]
