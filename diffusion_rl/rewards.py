@@ -703,9 +703,11 @@ class _CustomScorer:
 
 
 def _is_number(v) -> bool:
+    """A value `scale` may multiply; anything else (a string, an int past float's range) is left
+    for the core Reward to refuse, naming the sample."""
     try:
         float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
     return not isinstance(v, (str, bytes))
 

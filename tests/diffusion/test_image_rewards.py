@@ -503,6 +503,9 @@ def make_long(device):
 
 def make_text(device):
     return lambda images, prompts: ["0.5"] * len(images)
+
+def make_huge(device):
+    return lambda images, prompts: [10**400] * len(images)
 """
 
 
@@ -588,6 +591,11 @@ def test_custom_scorer_must_return_one_score_per_image(factory_file):
     atom = preference_atom(f"{factory_file}:make_text", kind="custom", scale=2.0)
     with pytest.raises(RewardError, match=r"returned a str, expected a number"):
         Reward([atom]).score(samples(1))
+    # so does an int past float's range: the core names the sample, as without a scale
+    for scale in (2.0, None):
+        atom = preference_atom(f"{factory_file}:make_huge", kind="custom", scale=scale)
+        with pytest.raises(RewardError, match=r"failed on sample 0 .*too large for a float"):
+            Reward([atom]).score(samples(1))
 
 
 def test_custom_scorer_is_made_once_per_device(factory_file):
