@@ -3,6 +3,8 @@ teacher-forced re-scoring with them (VLMPolicy.rescore)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from mmrl.vlm.config import VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.interventions import (
     black_row,
     blur,
+    gaussian_blur,
     mask_box,
     mask_patches,
     patch_positions,
@@ -135,3 +138,141 @@ def test_rows_reassemble_the_image_and_blur_it(model_dir):
     torch.testing.assert_close(smooth[:, -8:, -8:], expected[:, -8:, -8:], atol=1e-4, rtol=0)  # flat corner stays
     with pytest.raises(ValueError, match="sigma"):
         blur(batch_rows, batch_grid, merge=ip.merge_size, patch=ip.patch_size, sigma=0.0)
+
+
+# Pure tensor checks on small hand-made grids (no processor): a patch row here is `merge` x
+# `merge`-ordered as in the module docstring, and its values are whatever the test puts there.
+
+GRIDS = torch.tensor([[[1, 2, 4], [0, 0, 0]], [[1, 2, 2], [1, 2, 4]]])  # [N, I, 3]: 8 rows; 4 + 8 rows
+FILL = torch.tensor([-1.0, -1.0])
+
+
+def _pixels():
+    """[2, 14, 2]: every row distinct, none equal to FILL; sample 0 has 6 padding rows, sample 1 two."""
+    return torch.arange(2 * 14 * 2, dtype=torch.float32).view(2, 14, 2)
+
+
+def _filled(out):
+    return [torch.nonzero((row == FILL).all(-1)).view(-1).tolist() for row in out]
+
+
+def test_patch_positions_by_hand_wide_image_frames_and_second_image():
+    """merge 2: a (1, 2, 4) image is two 2x2 blocks, left then right, each row-major; a
+    (2, 2, 2) second image is one block per frame, image index 1; the zero row is padding."""
+    pos = patch_positions(torch.tensor([[1, 2, 4], [2, 2, 2], [0, 0, 0]]), 2)
+    first = [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1], [0, 0, 2], [0, 0, 3], [0, 1, 2], [0, 1, 3]]
+    block = [[1, 0, 0], [1, 0, 1], [1, 1, 0], [1, 1, 1]]
+    assert pos.tolist() == first + block + block
+    assert patch_positions(torch.zeros((1, 3), dtype=torch.long), 2).shape == (0, 3)
+
+
+def test_black_row_by_hand_and_a_row_that_does_not_split_into_channels():
+    from types import SimpleNamespace
+
+    ip = SimpleNamespace(image_mean=[0.1, 0.4, 0.9], image_std=[0.1, 0.2, 0.3])
+    torch.testing.assert_close(black_row(ip, 6), torch.tensor([-1.0, -1.0, -2.0, -2.0, -3.0, -3.0]))  # -m / s
+    with pytest.raises(ValueError, match="do not split into 3 channels"):
+        black_row(ip, 7)
+
+
+def test_mask_patches_draws_from_its_generator_only():
+    """The same seeded generator masks the same rows whatever the global RNG's state: the
+    draws of a [N, P] uniform from it below p, among the real rows (8 and 4 + 8 = 12)."""
+    pixels = _pixels()
+    masks = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        out = mask_patches(pixels, GRIDS, p=0.5, fill=FILL, generator=torch.Generator().manual_seed(0))
+        masks.append(_filled(out))
+    assert masks[0] == masks[1]
+    draws = torch.rand((2, 14), generator=torch.Generator().manual_seed(0)) < 0.5
+    real = torch.arange(14)[None] < torch.tensor([[8], [12]])
+    assert masks[0] == [torch.nonzero(row).view(-1).tolist() for row in draws & real]
+    assert (draws & ~real).any()  # a padding row drawn below p is still left alone
+    # p = 1: every real row, t * h * w of each image: 1 * 2 * 4 = 8; 1 * 2 * 2 + 1 * 2 * 4 = 12
+    assert _filled(mask_patches(pixels, GRIDS, p=1.0, fill=FILL)) == [list(range(8)), list(range(12))]
+
+
+def test_mask_box_by_hand_on_a_wide_image():
+    """Sample 0's (1, 2, 4) image: patch centres x = (w + 0.5) / 4, y = (h + 0.5) / 2. Rows in
+    order (h, w): (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3). Sample 1's first image is
+    (1, 2, 2): rows (0,0) (0,1) (1,0) (1,1), x = (w + 0.5) / 2."""
+    pixels = _pixels()
+
+    def box(b, image=0):
+        return _filled(mask_box(pixels, GRIDS, b, merge=2, fill=FILL, image=image))
+
+    assert box((0.0, 0.0, 0.5, 1.0)) == [[0, 1, 2, 3], [0, 2]]  # left half: w < 2; w = 0
+    assert box((0.0, 0.0, 1.0, 0.5)) == [[0, 1, 4, 5], [0, 1]]  # top half: h = 0
+    # two boxes meeting at x = 0.375 (= w 1's centre in sample 0) split every row between them
+    assert box((0.0, 0.0, 0.375, 1.0)) == [[0, 2], [0, 2]]
+    assert box((0.375, 0.0, 1.0, 1.0)) == [[1, 3, 4, 5, 6, 7], [1, 3]]
+    assert box((0.0, 0.0, 1.0, 1.0)) == [list(range(8)), [0, 1, 2, 3]]  # the whole image 0, no padding
+    # image 1: sample 0 has none (untouched); sample 1's (1, 2, 4) image starts at row 4
+    assert box((0.0, 0.0, 0.5, 1.0), image=1) == [[], [4, 5, 6, 7]]
+    out = mask_box(pixels, GRIDS, (0.0, 0.0, 1.0, 1.0), merge=2, fill=FILL)
+    assert torch.equal(out[0, 8:], pixels[0, 8:]) and torch.equal(out[1, 4:], pixels[1, 4:])
+    for bad in ((0.3, 0.0, 0.3, 1.0), (0.0, 0.0, 1.0, 1.5), (0.0, 0.5, 1.0, 0.5), (0.0, 0.0, 1.2, 1.0)):
+        with pytest.raises(ValueError, match="box must be fractions"):
+            mask_box(pixels, GRIDS, bad, merge=2, fill=FILL)
+
+
+def test_to_images_by_hand_frames_and_a_wide_image():
+    """patch 1, merge 1, grid (2, 1, 2): rows 1, 2 are frame 0, rows 3, 4 frame 1. patch 2,
+    merge 2, grid (1, 2, 4): row r (at (h, w) as in test_mask_box_by_hand_on_a_wide_image)
+    holds 10 r + (0, 1, 2, 3) row-major in its 2x2 tile."""
+    frames = to_images(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), torch.tensor([2, 1, 2]), 1, 1)
+    assert frames.tolist() == [[[[1.0, 2.0]]], [[[3.0, 4.0]]]]
+    rows = torch.arange(8, dtype=torch.float32)[:, None] * 10 + torch.arange(4.0)
+    where = {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3, (0, 2): 4, (0, 3): 5, (1, 2): 6, (1, 3): 7}
+    expected = torch.zeros((1, 1, 4, 8))
+    for y in range(4):
+        for x in range(8):
+            expected[0, 0, y, x] = 10 * where[(y // 2, x // 2)] + 2 * (y % 2) + x % 2
+    image = to_images(rows, torch.tensor([1, 2, 4]), 2, 2)
+    assert torch.equal(image, expected)
+    assert torch.equal(to_rows(image, torch.tensor([1, 2, 4]), 2, 2), rows)
+
+
+def test_gaussian_blur_of_an_impulse_by_hand():
+    """sigma 1: radius 3, k_d = exp(-d^2 / 2) / Z, Z = 1 + 2 (e^-0.5 + e^-2 + e^-4.5); an impulse
+    at (7, 7) becomes k_dy k_dx, nothing past 3 pixels. sigma 0.5: radius int(1.5 + 0.5) = 2.
+    At a corner, reflect padding (the pixel not repeated) leaves k_0^2 at (0, 0)."""
+    z = 1 + 2 * (math.exp(-0.5) + math.exp(-2) + math.exp(-4.5))
+    k = [math.exp(-d * d / 2) / z for d in range(4)]
+    impulse = torch.zeros((1, 15, 15))
+    impulse[0, 7, 7] = 1.0
+    out = gaussian_blur(impulse, 1.0)[0]
+    assert out.shape == (15, 15) and float(out.sum()) == pytest.approx(1.0, abs=1e-6)
+    for (y, x), want in {(7, 7): k[0] ** 2, (7, 10): k[0] * k[3], (8, 9): k[1] * k[2], (4, 7): k[3] * k[0],
+                         (7, 11): 0.0, (3, 7): 0.0}.items():
+        assert float(out[y, x]) == pytest.approx(want, abs=1e-7), (y, x)
+    z_half = 1 + 2 * (math.exp(-2) + math.exp(-8))
+    half = gaussian_blur(impulse, 0.5)[0]
+    assert float(half[7, 9]) == pytest.approx(math.exp(-8) / z_half ** 2, rel=1e-4) and float(half[7, 10]) == 0.0
+    corner = torch.zeros((5, 5))
+    corner[0, 0] = 1.0
+    c = gaussian_blur(corner, 1.0)
+    assert float(c[0, 0]) == pytest.approx(k[0] ** 2, abs=1e-7) and float(c[0, 1]) == pytest.approx(k[0] * k[1], abs=1e-7)
+
+
+def test_gaussian_blur_radius_fits_a_small_image():
+    """2 x 3 image, sigma 5: the radius is cut to 1 (reflect padding needs less than the side):
+    k = (a, b, a), b = 1 / (1 + 2 e^-0.02), a = e^-0.02 b. A row 0 1 0 pads to 1 0 1 0 1 ->
+    2a, b, 2a; the two equal rows stay equal."""
+    b = 1 / (1 + 2 * math.exp(-1 / 50))
+    a = math.exp(-1 / 50) * b
+    out = gaussian_blur(torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]), 5.0)
+    torch.testing.assert_close(out, torch.tensor([[2 * a, b, 2 * a]] * 2))
+
+
+def test_blur_each_image_of_a_sample_from_its_own_rows_and_leaves_its_input():
+    """Sample 1: image 0 (4 rows) all 1, image 1 (8 rows) all 2, then padding 7: a flat image
+    stays flat under a blur, so each image keeps its own value; the input is not written."""
+    pixels = torch.full((1, 14, 4), 7.0)  # one plane, patch 2: 4 values a row
+    pixels[0, :4], pixels[0, 4:12] = 1.0, 2.0
+    before = pixels.clone()
+    out = blur(pixels, GRIDS[1:], merge=2, patch=2, sigma=1.0)
+    torch.testing.assert_close(out[0, :4], torch.ones(4, 4))
+    torch.testing.assert_close(out[0, 4:12], torch.full((8, 4), 2.0))
+    assert torch.equal(out[0, 12:], before[0, 12:]) and torch.equal(pixels, before)

@@ -84,6 +84,72 @@ def test_shapes_claim_holds():
     assert shapes_claim_holds("so 2", scene) is None
 
 
+def test_claim_spans_answer_tag_at_the_start_or_empty_and_words_inside_words():
+    """A response that opens with the answer tag has no reasoning, so no claims; an empty tag
+    means no tag (the whole text is reasoning); a claim word inside a longer word is none."""
+    assert claim_spans("<answer>a red circle</answer>") == []
+    assert claim_spans("a red circle", answer_tag="") == [(0, 12)]
+    assert claim_spans("I was bored, then scared") == []  # "red" ends both words, starts neither
+
+
+class _PieceTokenizer:
+    """Token id k decodes to PIECES[k]; id 0 is a special token (skipped when asked, as the
+    rollout's text was decoded)."""
+
+    PIECES = ("<s>", "so", " re", "d,b", "lue", " 2", "x", ",", " ", "red", ".", " y", "<pad>")
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i in (0, 12)))
+
+
+def test_token_claims_by_hand_half_open_spans_first_claim_and_special_tokens():
+    """"so red,blue 2": claims "so red" [0, 6) and "blue 2" [7, 13). Tokens <s> | so | " re" |
+    "d,b" | lue | " 2" cover [0, 0) [0, 2) [2, 5) [5, 8) [8, 11) [11, 13): <s> (skipped, empty)
+    is in no claim; "d,b" overlaps both and takes the first. "x, red. y": the one claim "red"
+    is [3, 6); the space before it ends at 3 and the "." after it starts at 6, both outside."""
+    tok = _PieceTokenizer()
+    text = "so red,blue 2"
+    assert claim_spans(text) == [(0, 6), (7, 13)]
+    assert token_claims(tok, [0, 1, 2, 3, 4, 5], claim_spans(text)) == [-1, 0, 0, 0, 1, 1]
+    assert claim_spans("x, red. y") == [(3, 6)]
+    assert token_claims(tok, [6, 7, 8, 9, 10, 11], [(3, 6)]) == [-1, -1, -1, 0, -1, -1]
+
+
+def test_batch_claims_reads_the_masked_tokens_and_leaves_the_rest_at_minus_one():
+    """Row 0: the tokens of "so red,blue 2" then two pads outside the mask; row 1 has no
+    claims (no spans): all -1."""
+    from mmrl.vlm.claims import batch_claims
+
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 12, 12], [6, 7, 8, 9, 10, 11, 12, 12]])
+    mask = torch.tensor([[True] * 6 + [False] * 2, [True] * 6 + [False] * 2])
+    out = batch_claims(_PieceTokenizer(), ids, mask, [[(0, 6), (7, 13)], []])
+    assert out.dtype == torch.long
+    assert out.tolist() == [[-1, 0, 0, 0, 1, 1, -1, -1], [-1] * 8]
+
+
+def test_claim_persistence_of_no_claims_has_a_long_index_and_scattered_tokens_average():
+    """A claim's tokens need not be contiguous: claim 0 at tokens 0 and 3 -> (1 + e^-2) / 2;
+    the empty index is long, like a non-empty one (read as ints)."""
+    logp = torch.zeros((1, 4))
+    inter = torch.tensor([[0.0, -5.0, -5.0, -2.0]])
+    p, index = claim_persistence(logp, inter, torch.tensor([[0, 1, 1, 0]]))
+    torch.testing.assert_close(p, torch.tensor([(1 + math.exp(-2)) / 2, math.exp(-5)]))
+    assert index.tolist() == [[0, 0], [0, 1]] and index.dtype == torch.long
+    _, none = claim_persistence(logp, inter, torch.full((1, 4), -1))
+    assert none.dtype == torch.long
+
+
+def test_shapes_claim_holds_needs_every_named_shape():
+    """One true and one false "<colour> <shape>" in a claim: the claim is false (an unsupported
+    claim must not count as supported); the words may be apart by more than one space."""
+    scene = {"shapes": [{"colour": "red", "shape": "circle"}, {"colour": "blue", "shape": "square"}]}
+    assert shapes_claim_holds("a red circle and a green triangle", scene) is False
+    assert shapes_claim_holds("a green triangle and a red circle", scene) is False
+    assert shapes_claim_holds("a red circle and a blue square", scene) is True
+    assert shapes_claim_holds("a red  circle", scene) is True
+    assert shapes_claim_holds("a red\tsquare", scene) is False
+
+
 def _pacg_cfg(tmp_path, model, config="pacg.yaml", extra=()):
     return load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / config, [
         f"model.path={model}", f"output_dir={tmp_path}", "train.max_steps=1", "task.num_train=8",
