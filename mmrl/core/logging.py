@@ -67,12 +67,12 @@ class RunLogger:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = finite_scalars(metrics)
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
-            self._wandb.log(step, metrics)
+            self._wandb.log(step, scalars)
         if self._progress is not None:
             reward = metrics.get("reward/total")
             self._progress.update(
@@ -92,10 +92,11 @@ class RunLogger:
         """A sample table: samples/step_00000010.jsonl, one row per sample."""
         path = self.dir / "samples" / f"step_{step:08d}.jsonl"
         path.parent.mkdir(exist_ok=True)
+        rows = [{k: _clean(v) for k, v in row.items()} for row in rows]
         with open(path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows)
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         if self._wandb is not None:
-            self._wandb.samples(step, [{k: _clean(v) for k, v in row.items()} for row in rows])
+            self._wandb.samples(step, rows)
         return path
 
     def close(self) -> None:
@@ -112,6 +113,11 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish(summary, failed)
             self._wandb = None
+
+
+def finite_scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """What TensorBoard and W&B plot of a metrics dict: its finite numbers, as floats."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -2,7 +2,8 @@
 
 What goes there: the run's config, each step's finite scalar metrics at their step (as
 metrics.jsonl has them), the sample tables (train.log_samples_every) as W&B tables, and at the
-end the held-out metrics before and after training in the W&B run's summary. metrics.jsonl and TensorBoard are written either way; W&B is a copy.
+end the held-out metrics before and after training in the W&B run's summary. metrics.jsonl and
+TensorBoard are written either way; W&B is a copy.
 
 Resume: the W&B run's id is kept in <output_dir>/wandb.json, and `train --resume` continues that
 W&B run. Steps the interrupted attempt logged after its checkpoint are logged again; W&B keeps
@@ -16,13 +17,13 @@ first step. One that fails mid-run is warned about once and left off: the run go
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import warnings
 from pathlib import Path
 from typing import Any
 
 from mmrl.core.config import ConfigError
+from mmrl.core.logging import finite_scalars
 
 RUN_ID = "wandb.json"  # {"id", "project"}: the W&B run a --resume continues
 
@@ -52,9 +53,8 @@ class WandbRun:
         tmp.replace(record)
         self._failed = False
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        """A step's finite scalar metrics (logging.finite_scalars, as TensorBoard gets them)."""
         self._call(self.run.log, scalars, step=step)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
@@ -65,15 +65,16 @@ class WandbRun:
         columns = list(dict.fromkeys(k for row in rows for k in row))
         data = [[json.dumps(v) if isinstance(v, (dict, list)) else v for v in (row.get(c) for c in columns)]
                 for row in rows]
-        self._call(lambda: self.run.log({"samples": self._wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step))
+        # mixed types: a column may hold a number in one row and "nan" (its JSON text) in another
+        self._call(lambda: self.run.log(
+            {"samples": self._wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step))
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) into the
         W&B run's summary, then close it; `failed`: the run stopped on an error."""
         if summary is not None:
             flat = {f"{when}/{k}": v for when in ("eval_before", "eval_after")
-                    for k, v in (summary.get(when) or {}).items()
-                    if isinstance(v, (int, float)) and math.isfinite(v)}
+                    for k, v in finite_scalars(summary.get(when) or {}).items()}
             flat["train_seconds"] = summary.get("train_seconds")
             self._call(self.run.summary.update, flat)
         self._call(self.run.finish, exit_code=1 if failed else 0)
