@@ -144,8 +144,8 @@ def loss_denominator(mask: Tensor, aggregation: str, weights: Tensor | None = No
 
     ``"token_mean"``: the number of masked tokens (at least 1); the ``seq_*`` aggregations:
     the number of samples (rows, at least 1). With sample ``weights`` ([N]), a sample counts
-    w times in either (a weighted token count may then be below 1; 0 counts as 1). With it, the micro-batch losses sum to the mini-batch loss exactly,
-    and so do their gradients.
+    w times in either (a weighted token count may then be below 1; 0 counts as 1). With it,
+    the micro-batch losses sum to the mini-batch loss exactly, and so do their gradients.
     """
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
     if mask.dim() != 2:
