@@ -322,7 +322,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 raise ConfigError(f"--out {out} is not a new or empty directory; export writes nothing over files")
             backend, cfg = get_backend(config, list(set_), "export", checkpoint)
             policy, _ = backend.build(cfg)
-            load_checkpoint(policy, checkpoint)
+            source = resolve_checkpoint(checkpoint)  # a run's newest checkpoint: found once, loaded and named
+            load_checkpoint(policy, source)
             if not hasattr(policy, "export_pretrained"):
                 raise BackendUnavailable(f"`{spec.command} export` is not available for this backend yet")
             partial = out.with_name(f".{out.name}.partial")  # written whole, then renamed: never half a model at --out
@@ -333,7 +334,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             except OSError as e:  # a full disk, a read-only folder
                 shutil.rmtree(partial, ignore_errors=True)
                 raise CheckpointError(f"export to {out} failed, nothing was written there: {e}") from e
-            console.print(f"wrote {out} (from {resolve_checkpoint(checkpoint)})", highlight=False)
+            console.print(f"wrote {out} (from {source})", highlight=False)
 
         run_verb(go)
 
