@@ -167,6 +167,8 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError) as e:
             raise ToolCallError(f'tool call "arguments" string is not valid JSON: {_json_error(e)}') from None
+        if arguments is None:  # "null" as a string, as null itself
+            arguments = {}
     if not isinstance(arguments, dict):
         raise ToolCallError(
             f'tool call "arguments" must be a JSON object, got {_json_type(arguments)}'
@@ -214,7 +216,7 @@ _TYPE_WORDS = {
 @dataclass
 class _Param:
     name: str
-    json_type: str | None  # None: any JSON value
+    json_types: tuple[str, ...]  # () for any JSON value; several for a union like `int | str`
     nullable: bool  # annotated `X | None`
     required: bool
     default: object = None
@@ -225,7 +227,8 @@ class Tool:
 
     fn: a sync or `async def` function (or an object with such a __call__). Its
         parameters are the tool's arguments; annotations int, float, str, bool, list,
-        dict (optionally `| None`) give the schema types and the argument checks; a
+        dict and unions of them (optionally `| None`) give the schema types and the
+        argument checks; a
         keyword parameter named `ctx` receives the ToolContext and is hidden from the
         model. *args and positional-only parameters are not allowed; **kwargs accepts
         extra arguments unchecked.
@@ -322,39 +325,44 @@ def _read_signature(fn: Callable, name: str) -> tuple[list[_Param], bool, bool]:
             wants_context = True
             continue
         annotation = hints.get(p.name, p.annotation)
-        json_type, nullable = _json_type_of(annotation)
+        json_types, nullable = _json_types_of(annotation)
         required = p.default is p.empty
         params.append(
-            _Param(p.name, json_type, nullable, required, None if required else p.default)
+            _Param(p.name, json_types, nullable, required, None if required else p.default)
         )
     return params, wants_context, extra_ok
 
 
-def _json_type_of(annotation) -> tuple[str | None, bool]:
-    """(JSON schema type or None for any, whether None is allowed)."""
+def _json_types_of(annotation) -> tuple[tuple[str, ...], bool]:
+    """(JSON schema types, () for any; whether None is allowed). A union is checked
+    member by member, so `int | float` refuses a string; a union with a member JSON
+    has no type for (a class, Any) takes any value."""
     if annotation is inspect.Parameter.empty or annotation is typing.Any:
-        return None, False
-    nullable = False
+        return (), False
+    members, nullable = [annotation], False
     origin = typing.get_origin(annotation)
     if origin is typing.Union or origin is types.UnionType:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        nullable = len(args) < len(typing.get_args(annotation))
-        if len(args) != 1:
-            return None, nullable
-        annotation = args[0]
-        origin = typing.get_origin(annotation)
-    base = origin if origin is not None else annotation
-    if base is tuple or base is Sequence:
-        base = list
-    return _JSON_TYPES.get(base), nullable
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        nullable = len(members) < len(typing.get_args(annotation))
+    json_types = []
+    for member in members:
+        base = typing.get_origin(member) or member
+        if base is tuple or base is Sequence:
+            base = list
+        if base not in _JSON_TYPES:
+            return (), nullable
+        if _JSON_TYPES[base] not in json_types:
+            json_types.append(_JSON_TYPES[base])
+    return tuple(json_types), nullable
 
 
 def _parameters_schema(params: list[_Param]) -> dict:
     properties = {}
     for p in params:
         prop: dict = {}
-        if p.json_type is not None:
-            prop["type"] = [p.json_type, "null"] if p.nullable else p.json_type
+        if p.json_types:
+            types_ = [*p.json_types, "null"] if p.nullable else list(p.json_types)
+            prop["type"] = types_[0] if len(types_) == 1 else types_
         if not p.required and _is_json(p.default):
             prop["default"] = p.default
         properties[p.name] = prop
@@ -375,32 +383,46 @@ def _is_json(value) -> bool:
 
 def _convert(p: _Param, value) -> tuple[object, str | None]:
     """(value to pass, problem or None) for a model's argument `value`."""
-    if p.json_type is None or (value is None and p.nullable):
+    if not p.json_types or (value is None and p.nullable):
         return value, None
+    converted = [c for c in (_as_json_type(t, value) for t in p.json_types) if c is not _WRONG]
+    # A union takes the value as it is where a member fits it unchanged (3 stays an
+    # int for `int | float`), else the first member's conversion (3.0 -> 3 for `int | str`).
+    for c in converted:
+        if type(c) is type(value):
+            return c, None
+    if converted:
+        return converted[0], None
+    words = " or ".join(_TYPE_WORDS[t] for t in p.json_types)
+    return value, f'argument "{p.name}" must be {words}, got {_show(value)}'
+
+
+_WRONG = object()
+
+
+def _as_json_type(kind: str, value):
+    """`value` as JSON type `kind` (integral floats -> int, ints -> float), or _WRONG."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = False
-    if p.json_type == "integer":
+    if kind == "integer":
         if is_number and isinstance(value, float) and value.is_integer():
             value = int(value)
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif p.json_type == "number":
+    elif kind == "number":
         if is_number and isinstance(value, int):
             try:
                 value = float(value)
             except OverflowError:  # a whole number past the float range: the model's mistake
-                is_number = False
+                return _WRONG
         ok = is_number and math.isfinite(value)
-    elif p.json_type == "string":
+    elif kind == "string":
         ok = isinstance(value, str)
-    elif p.json_type == "boolean":
+    elif kind == "boolean":
         ok = isinstance(value, bool)
-    elif p.json_type == "array":
+    elif kind == "array":
         ok = isinstance(value, list)
-    elif p.json_type == "object":
+    else:  # "object"
         ok = isinstance(value, dict)
-    if ok:
-        return value, None
-    return value, f'argument "{p.name}" must be {_TYPE_WORDS[p.json_type]}, got {_show(value)}'
+    return value if ok else _WRONG
 
 
 def _names(names: list[str]) -> str:
@@ -576,6 +598,8 @@ def _as_content(value) -> list:
     for part in parts:
         if isinstance(part, (str, Image.Image)):
             content.append(part)
+        elif isinstance(part, bool):  # the model writes JSON: true, not Python's True
+            content.append(json.dumps(part))
         elif isinstance(part, numbers.Number) and not isinstance(part, complex):
             content.append(str(part))
         else:

@@ -344,6 +344,8 @@ def test_max_stuck_must_be_a_positive_integer(max_stuck):
         (3, ["3"]),
         (2.5, ["2.5"]),
         (["a", 1], ["a", "1"]),
+        (True, ["true"]),  # as the model writes it in JSON, not Python's True
+        ([False, 0], ["false", "0"]),
     ],
 )
 def test_result_conversion(value, content):
@@ -667,6 +669,10 @@ def test_parse_strips_the_name_and_rejects_a_blank_one():
 def test_parse_blank_arguments_string_means_no_arguments():
     assert parse_tool_call('<tool_call>{"name": "f", "arguments": ""}</tool_call>') == ("f", {})
     assert parse_tool_call('<tool_call>{"name": "f", "arguments": "  "}</tool_call>') == ("f", {})
+    # "null" in a string means what null itself means
+    assert parse_tool_call('<tool_call>{"name": "f", "arguments": "null"}</tool_call>') == ("f", {})
+    with pytest.raises(ToolCallError, match='"arguments" must be a JSON object, got an array'):
+        parse_tool_call('<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>')
 
 
 def test_a_model_value_is_quoted_whole_up_to_60_characters_then_cut():
@@ -825,12 +831,37 @@ def test_schema_of_optional_union_and_sequence_annotations():
 
     assert Tool(g).parameters["properties"] == {
         "a": {"type": ["integer", "null"]},
-        "b": {},
+        "b": {"type": ["integer", "string"]},
         "c": {"type": ["array", "null"]},
         "d": {"type": "array"},
         "e": {"type": "array"},
         "f": {"default": None},
     }
+
+
+def test_a_union_checks_each_member_and_keeps_a_value_one_member_fits_unchanged():
+    # int | float keeps an int an int; float alone makes it a float
+    def f(a: int | float, b: int | str, c: float | str | None = None, d: int | object = 0):  # noqa: PYI041
+        pass
+
+    t = Tool(f)
+    assert t.parameters["properties"]["c"] == {"type": ["number", "string", "null"], "default": None}
+    assert t.parameters["properties"]["d"] == {"default": 0}  # object has no JSON type: any value
+    assert t.bind({"a": 3, "b": "x"}) == {"a": 3, "b": "x"}
+    assert type(t.bind({"a": 3, "b": 1})["a"]) is int  # int fits 3 as it is: not made 3.0
+    assert type(t.bind({"a": 2.5, "b": 1})["a"]) is float
+    # 4.0 fits neither int nor str unchanged: the first member's conversion, an int
+    assert t.bind({"a": 1, "b": 4.0})["b"] == 4 and type(t.bind({"a": 1, "b": 4.0})["b"]) is int
+    assert type(t.bind({"a": 1, "b": 1, "c": 2})["c"]) is float  # int -> float for float | str
+    assert t.bind({"a": 1, "b": 1, "c": None, "d": [1]})["d"] == [1]
+    with pytest.raises(ValueError, match=r'"a" must be an integer or a number, got "3"'):
+        t.bind({"a": "3", "b": 1})
+    with pytest.raises(ValueError, match=r'"b" must be an integer or a string, got 2\.5'):
+        t.bind({"a": 1, "b": 2.5})
+    with pytest.raises(ValueError, match=r'"a" must be an integer or a number, got true'):
+        t.bind({"a": True, "b": 1})
+    with pytest.raises(ValueError, match=r'"a" must be an integer or a number, got null'):
+        t.bind({"a": None, "b": 1})  # not nullable
 
 
 def test_a_default_that_is_not_json_is_left_out_of_the_schema():
