@@ -87,8 +87,12 @@ def to_rows(flat: str) -> str:
 
 def from_rows(text: str) -> str:
     """Row format (with or without a trailing "=") or 16 flat cells -> 16 flat cells "0"-"4"."""
-    flat = text.removesuffix("=").replace("|", "")
-    if len(flat) != 16 or any(ch not in "01234" for ch in flat):
+    body = text.removesuffix("=")
+    flat = body.replace("|", "")
+    rows = body.split("|")
+    if len(flat) != 16 or any(ch not in "01234" for ch in flat) or (
+        len(rows) > 1 and [len(r) for r in rows] != [4, 4, 4, 4]  # "|" only between rows
+    ):
         raise ValueError(f"not a 4x4 sudoku: {text!r}")
     return flat
 

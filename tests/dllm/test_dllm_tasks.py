@@ -132,6 +132,15 @@ def test_all_grids():
     assert sudoku.from_rows(SOLUTION) in grids
 
 
+def test_from_rows_takes_rows_or_16_flat_cells_and_nothing_between():
+    flat = "1234341221434321"
+    assert sudoku.from_rows(SOLUTION) == sudoku.from_rows(SOLUTION + "=") == sudoku.from_rows(flat) == flat
+    for bad in ("1|234|3412|2143|4321", "1234||3412|2143|4321", "12343412|2143|4321", "1234|3412|2143|4321|",
+                "1234|3412|2143|432", "1234|3412|2143|4325"):
+        with pytest.raises(ValueError, match="not a 4x4 sudoku"):
+            sudoku.from_rows(bad)
+
+
 def test_solve_hand_puzzles():
     # row 0 "12_4" -> 3, row 3 "432_" -> 1; row 1 "__12": column 0 holds 1,2,4 -> 3, then 4;
     # row 2 "21__": column 2 holds 3,1,2 -> 4, then 3. Unique.
