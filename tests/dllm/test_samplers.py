@@ -525,6 +525,21 @@ def test_decode_refuses_a_negative_temperature():
     assert not calls
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, r"temperature \(nan\) must be >= 0"),
+    ({"threshold": 1.0}, r"threshold \(1.0\) must be in \(0, 1\)"),
+    ({"threshold": 0.0}, r"threshold \(0.0\) must be in \(0, 1\)"),
+    ({"tau": 1.5}, r"tau \(1.5\) must be in \(0, 1\)"),
+    ({"tau": float("nan")}, r"tau \(nan\) must be in \(0, 1\)"),
+    ({"m": 0.0}, r"m \(0.0\) must be > 0"),
+])
+def test_decode_refuses_strategy_parameters_out_of_range_before_any_step(kwargs, message):
+    fn, calls = uncalled_model()
+    with pytest.raises(ValueError, match=message):
+        decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, **kwargs)
+    assert not calls
+
+
 def ratio_model(odds):
     """Answer position j (prompt length 2) puts logit ln(odds[j]) on token 0 and 0 on token 1
     (the rest -inf): token 0 is drawn at T = 0, with confidence odds / (odds + 1)."""
