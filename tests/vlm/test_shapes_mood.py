@@ -330,6 +330,8 @@ def test_parse_reads_the_last_of_each_tag_and_a_box_that_is_only_a_box():
     assert parse_mood("<step1>[1,2,3,4] and [5,6,7,8]</step1>").box is None
     assert parse_mood("<step1>[1,2,3,4] px</step1>").box is None
     assert parse_mood("<step1>1, 2, 3, 4</step1>").box == (1, 2, 3, 4)  # the brackets are optional
+    assert parse_mood("<step1>[1, 2, 3, 4</step1>").box is None  # ... but both or neither
+    assert parse_mood("<step1>1, 2, 3, 4]</step1>").box is None
     assert parse_mood("<step2>A Red  Triangle</step2>").reaction == "a red triangle"
 
 

@@ -244,7 +244,8 @@ class MoodResponse:
 
 
 _PARTS = ("step1", "step2", "step3", "answer")
-_BOX_RE = re.compile(r"\[?\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*\]?")
+# brackets optional, but both or neither: (?(1)...) asks for "]" only where "[" opened
+_BOX_RE = re.compile(r"(\[)?\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*(?(1)\])")
 
 
 def _tag(text: str, name: str) -> str | None:
@@ -257,7 +258,7 @@ def parse_mood(text: str) -> MoodResponse:
     step1, step2, step3, answer = (_tag(text, t) for t in _PARTS)
     m = _BOX_RE.fullmatch(step1) if step1 is not None else None
     cands = None if step3 is None else [c.strip(" .").lower() for c in re.split(r"[,;]", step3)]
-    return MoodResponse(box=tuple(int(v) for v in m.groups()) if m else None,
+    return MoodResponse(box=tuple(int(v) for v in m.groups()[1:]) if m else None,
                         reaction=step2.lower() if step2 is not None else None,
                         candidates=[c for c in cands if c] if cands is not None else None,
                         answer=answer.strip(" .").lower() if answer is not None else None)
