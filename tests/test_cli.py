@@ -268,23 +268,24 @@ def test_a_relative_config_the_working_directory_lacks_comes_from_the_repository
     assert resolve_config_file("configs/vlm/nope.yaml") == Path("configs/vlm/nope.yaml")
 
 
-def test_a_non_editable_install_says_the_bundled_models_and_configs_are_not_in_it(tmp_path, monkeypatch):
-    """A non-editable install (`pip install .`, `pip install git+URL`) has the packages but not the
-    repository's assets/ and configs/: the errors say so and how to get them, not "rebuild it"."""
+def test_an_install_without_the_bundle_says_the_bundled_models_and_configs_are_not_in_it(tmp_path, monkeypatch):
+    """An install without assets/ and configs/ (a wheel built without setup.py's bundle; the
+    project's own wheels carry them, tests/test_packaging.py): the errors say so and how to get
+    them, not "rebuild it"."""
     from mmrl.core import runconfig
     from mmrl.core.config import ConfigError, load_config
     from mmrl.vlm.config import VLMModelConfig
     from mmrl.vlm.models import load_vlm
 
     assert runconfig.not_installed_note("assets/tiny-dllm") == ""  # a source checkout: nothing to add
-    monkeypatch.setattr(runconfig, "REPOSITORY", tmp_path / "site-packages")  # no pyproject.toml there
+    monkeypatch.setattr(runconfig, "REPOSITORY", tmp_path / "site-packages")  # no assets/ or configs/ there
     note = runconfig.not_installed_note("assets/tiny-dllm")
-    assert "not with a non-editable install" in note and "pip install -e ." in note and "model.path" in note
+    assert "not in this install of mmrl" in note and "pip install -e ." in note and "model.path" in note
     assert runconfig.not_installed_note(tmp_path / "site-packages" / "assets" / "tiny-flow") == note
-    assert "configs/ ships" in runconfig.not_installed_note("configs/vlm/dapo.yaml")
+    assert "configs/ is not in this install" in runconfig.not_installed_note("configs/vlm/dapo.yaml")
     assert runconfig.not_installed_note("my/model") == runconfig.not_installed_note(tmp_path / "elsewhere") == ""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"config file 'configs/vlm/dapo.yaml' does not exist \(configs/ ships"):
+    with pytest.raises(ConfigError, match=r"config file 'configs/vlm/dapo.yaml' does not exist \(configs/ is not in this install"):
         load_config(path="configs/vlm/dapo.yaml")
-    with pytest.raises(ConfigError, match=r"tiny-qwen2.5-vl' is not a directory \(assets/ ships"):
+    with pytest.raises(ConfigError, match=r"tiny-qwen2.5-vl' is not a directory \(assets/ is not in this install"):
         load_vlm(VLMModelConfig())  # the bundled model, now looked for under the install

@@ -22,9 +22,17 @@ import yaml
 from mmrl.core.config import ConfigError
 
 RUN_CONFIG = "config.yaml"
-# The root of a source checkout (an editable install's): assets/ (the bundled tiny models) and
-# configs/ live there. In a non-editable install this is site-packages, which has neither.
-REPOSITORY = Path(__file__).resolve().parents[2]
+
+def _repository() -> Path:
+    """Where assets/ (the bundled tiny models) and configs/ live: the root of a source checkout
+    (an editable install's); in a non-editable install, the copy its wheel carries as
+    mmrl/_bundled/ (setup.py). An install built without it falls back to site-packages, which
+    has neither, and its errors say so (not_installed_note)."""
+    source, wheel = Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1] / "_bundled"
+    return wheel if not (source / "pyproject.toml").is_file() and wheel.is_dir() else source
+
+
+REPOSITORY = _repository()
 _FILE_SUFFIXES = (".py", ".json", ".jsonl", ".txt", ".yaml", ".yml")
 
 
@@ -96,11 +104,9 @@ def bundled(name: str) -> Path:
 
 def not_installed_note(path: str | Path) -> str:
     """Why `path`, under the repository's assets/ or configs/ (absolute, or relative as a config
-    names it), is missing: they ship with the source repository, and a non-editable install
-    (`pip install .`, `pip install git+URL`) has the Python packages only. "" in a source
-    checkout, or for any other path."""
-    if (REPOSITORY / "pyproject.toml").is_file():
-        return ""
+    names it), is missing where the whole of assets/ or configs/ is: an install built without
+    them (a wheel built other than by setup.py). "" where the directory is there (a source
+    checkout, a wheel's bundle: then only `path` is missing), or for any other path."""
     p = Path(path).expanduser()
     if p.is_absolute():
         try:
@@ -108,11 +114,11 @@ def not_installed_note(path: str | Path) -> str:
         except ValueError:
             return ""
     top = p.parts[0] if p.parts else ""
-    if top not in ("assets", "configs"):
+    if top not in ("assets", "configs") or (REPOSITORY / top).is_dir():  # there: just this path is missing
         return ""
     other = ", or set model.path to a model directory" if top == "assets" else ""
-    return (f" ({top}/ ships with mmrl's source repository, not with a non-editable install: clone the "
-            f"repository and `pip install -e .` there{other})")
+    return (f" ({top}/ is not in this install of mmrl: it ships with the source repository; clone it and "
+            f"`pip install -e .` there{other})")
 
 
 def run_dir_of(path: str | Path) -> Path | None:
