@@ -175,7 +175,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in the output directory."),
     ):
         """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
-        sample tables, reward_curve.png and checkpoints into the output directory."""
+        sample tables, reward_curve.png, environment.json and checkpoints into the output directory."""
         overrides = list(set_) + _flag_overrides(
             {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir, "train.save_every": save_every}
         )

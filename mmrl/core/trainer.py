@@ -50,7 +50,7 @@ import torch
 import yaml
 
 from mmrl.core import checkpoint as ckpt
-from mmrl.core import distributed, fsdp
+from mmrl.core import distributed, fsdp, provenance
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
@@ -254,6 +254,7 @@ class Trainer:
                 self._keep_changed_config(config)
                 self._keep_finished_summary()
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            provenance.record(self.out, self.step, self.world)  # the code and libraries of this start
         started = time.perf_counter()
         wandb = self.cfg.logging.wandb
         logger = RunLogger(

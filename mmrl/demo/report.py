@@ -6,6 +6,7 @@
     samples           the before/after sample grids an image task writes (samples/grid_*.png),
                       the before/after answers a text task writes (samples/samples_*.json), and
                       the last logged training samples (samples/step_*.jsonl)
+    environment       each start of the run (environment.json): code, libraries, device
 
 Images are embedded as base64 and the page has no script and no external link, so it opens
 offline and can be mailed as one file. The trainer writes it at the end of every run
@@ -127,6 +128,28 @@ def _samples(run: RunInfo) -> str:
     return "".join(parts) or "<p>(this run saved no samples)</p>"
 
 
+def _environment(run: RunInfo) -> str:
+    """A row per start of the run (mmrl.core.provenance); an unreadable file is said, not raised."""
+    try:
+        entries = json.loads((run.path / "environment.json").read_text(encoding="utf-8"))
+        rows = []
+        for e in entries:
+            git = e.get("git") or {}
+            code = e.get("mmrl") or "?"
+            if git.get("commit"):
+                code += f" ({git['commit'][:10]}{', uncommitted changes' if git.get('dirty') else ''})"
+            packages = e.get("packages") or {}
+            rows.append({"started": e.get("started"), "at step": e.get("step"), "mmrl": code,
+                         "torch": packages.get("torch"), "transformers": packages.get("transformers"),
+                         "device": e.get("device"), "processes": e.get("processes"),
+                         "command": " ".join(map(str, e.get("command") or []))})
+    except FileNotFoundError:
+        return "<p>(no environment.json: the run predates it)</p>"
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file
+        return f"<p>(environment.json is unreadable: {html.escape(type(e).__name__)})</p>"
+    return _table(rows)
+
+
 def render(run: RunInfo) -> str:
     """The report of a run as one HTML string."""
     s = run.summary or {}
@@ -144,6 +167,7 @@ def render(run: RunInfo) -> str:
 <h2>Held-out metrics, before and after</h2>{metrics}
 <h2>Curves</h2><img alt="curves" src="{_png(plot_curves(run))}">
 <h2>Samples</h2>{_samples(run)}
+<h2>Environment</h2>{_environment(run)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 </body></html>
 """

@@ -1,0 +1,108 @@
+"""What a run ran with: `<output_dir>/environment.json`, one entry per start of `train` (the
+first, then each --resume), so a result can be traced to its code and library versions, and a
+resume on other code is visible.
+
+Each entry: when it started (UTC) and at which step, the command line, mmrl's version and, in a
+source checkout, its git commit and whether tracked files had uncommitted changes; Python, the
+platform, the versions of the libraries that decide numbers, the accelerator and the number of
+processes. What cannot be read is null.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENVIRONMENT = "environment.json"
+PACKAGES = ("torch", "transformers", "diffusers", "accelerate", "peft", "vllm", "xformers", "open_clip_torch",
+            "wandb")
+_SECRET_FLAGS = ("--token",)  # their values are never written down
+
+
+def environment(step: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """This process's entry (see the module docstring)."""
+    cuda = torch.cuda.is_available()
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "step": step,
+        "command": _command(sys.argv),
+        "mmrl": _version("mmrl"),
+        "git": _git(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cuda": torch.version.cuda if cuda else None,
+        "processes": world_size,
+    }
+
+
+def record(out: str | Path, step: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Append this start's entry to out/environment.json (written whole, then renamed into
+    place); an unreadable earlier file is set aside as environment.json.bad, with a warning."""
+    path = Path(out) / ENVIRONMENT
+    entries: list = []
+    if path.is_file():
+        try:
+            entries = json.loads(path.read_text(encoding="utf-8"))
+            problem = None if isinstance(entries, list) else f"not a list but {type(entries).__name__}"
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        if problem is not None:
+            warnings.warn(f"{path} is unreadable ({problem}); kept as {path.name}.bad, a new one started",
+                          stacklevel=2)
+            path.replace(path.with_name(path.name + ".bad"))
+            entries = []
+    entry = environment(step, world_size)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([*entries, entry], indent=2), encoding="utf-8")
+    tmp.replace(path)
+    return entry
+
+
+def _command(argv: list[str]) -> list[str]:
+    """argv with the value of a secret flag (`--token T`, `--token=T`) replaced by "***"."""
+    out, hide = [], False
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if hide:
+            out.append("***")
+        elif flag in _SECRET_FLAGS and "=" in arg:
+            out.append(f"{flag}=***")
+        else:
+            out.append(arg)
+        hide = not hide and arg in _SECRET_FLAGS
+    return out
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache  # one process, one code: asked once, not at every start a test makes
+def _git() -> dict[str, Any] | None:
+    """{"commit", "dirty"} of the source checkout mmrl is imported from; None outside one."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(status.strip())}

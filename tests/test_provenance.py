@@ -1,0 +1,93 @@
+"""environment.json: what each start of a run ran with (mmrl.core.provenance)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import toy
+
+from mmrl.core import provenance
+from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.provenance import ENVIRONMENT, _command, record
+from mmrl.core.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(tmp_path, *overrides):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path / 'run'}", *overrides])
+    return Trainer(cfg, *toy.build(cfg))
+
+
+def test_each_start_of_a_run_appends_its_entry_with_its_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["toy-rl", "train", "--max-steps", "2"])
+    make(tmp_path, "train.max_steps=2").train()
+    make(tmp_path, "train.max_steps=3").train(resume=True)
+    entries = json.loads((tmp_path / "run" / ENVIRONMENT).read_text())
+    assert [e["step"] for e in entries] == [0, 2]  # the fresh start, then the resume at step 2
+    first = entries[0]
+    assert first["command"] == ["toy-rl", "train", "--max-steps", "2"]
+    assert first["mmrl"] == metadata.version("mmrl")
+    assert first["packages"]["torch"] == metadata.version("torch")
+    assert first["packages"]["transformers"] == metadata.version("transformers")
+    assert first["python"] == platform.python_version()
+    assert first["device"] == "cpu" and first["cuda"] is None and first["processes"] == 1
+    assert first["started"].endswith("Z") and first["started"][:2] == "20"
+    # report.html shows a row per start
+    report = (tmp_path / "run" / "report.html").read_text()
+    env = report.split("<h2>Environment</h2>")[1].split("<h2>")[0]
+    assert env.count("<tr>") == 3  # the header and two starts
+    assert "toy-rl train --max-steps 2" in env and metadata.version("torch") in env
+
+
+def test_a_report_says_an_environment_file_is_missing_or_damaged_and_is_still_written(tmp_path):
+    from mmrl.demo.report import write_report
+
+    make(tmp_path, "train.max_steps=1").train()
+    run = tmp_path / "run"
+    (run / ENVIRONMENT).unlink()
+    assert "(no environment.json: the run predates it)" in write_report(run).read_text()
+    (run / ENVIRONMENT).write_text('{"step": 0}')  # an object, not the list of starts
+    assert "(environment.json is unreadable: AttributeError)" in write_report(run).read_text()
+
+
+def test_the_git_commit_is_the_checkout_s_own(tmp_path):
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    entry = record(tmp_path)
+    assert entry["git"]["commit"] == head and len(head) == 40
+    assert isinstance(entry["git"]["dirty"], bool)
+
+
+def test_outside_a_checkout_git_is_null(tmp_path, monkeypatch):
+    fake = tmp_path / "site-packages" / "mmrl" / "core" / "provenance.py"
+    monkeypatch.setattr(provenance, "__file__", str(fake))  # parents[2]: no .git there
+    provenance._git.cache_clear()
+    try:
+        assert provenance._git() is None
+    finally:
+        provenance._git.cache_clear()
+
+
+def test_a_secret_flag_s_value_is_never_written():
+    assert _command(["mmrl", "serve", "--token", "s3cret", "--port", "1"]) == ["mmrl", "serve", "--token", "***",
+                                                                          "--port", "1"]
+    assert _command(["mmrl", "serve", "--token=s3cret"]) == ["mmrl", "serve", "--token=***"]
+    assert _command(["x", "--token", "--token", "y"]) == ["x", "--token", "***", "y"]  # a value that looks like a flag
+
+
+@pytest.mark.parametrize("earlier", ["{not json", '{"step": 0}'])
+def test_an_unreadable_earlier_file_is_set_aside_not_lost(tmp_path, earlier):
+    (tmp_path / ENVIRONMENT).write_text(earlier)
+    with pytest.warns(UserWarning, match=r"environment.json is unreadable .*kept as environment.json.bad"):
+        record(tmp_path, step=5)
+    assert (tmp_path / "environment.json.bad").read_text() == earlier
+    assert [e["step"] for e in json.loads((tmp_path / ENVIRONMENT).read_text())] == [5]
