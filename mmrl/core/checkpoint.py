@@ -70,8 +70,10 @@ def save_checkpoint(
     tensors: dict[str, torch.Tensor],
     state: dict[str, Any],
     keep_last: int = 2,
+    spare: int | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically; then delete all but the newest `keep_last`."""
+    """Write checkpoint `step` atomically; then delete all but the newest `keep_last`, and
+    checkpoint `spare` (the best one, mmrl.core.best), which counts apart from them."""
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -103,10 +105,18 @@ def save_checkpoint(
         raise CheckpointError(
             f"could not write checkpoint {final}: {reason}; the previous checkpoint is intact"
         ) from e
-    others = [d for _, d in list_checkpoints(root) if d != final]
+    others = [d for n, d in list_checkpoints(root) if d != final and n != spare]
     for old_dir in others[: max(0, len(others) - (keep_last - 1))]:  # never the one just written
         _delete(old_dir)
     return final
+
+
+def prune(root: str | Path, keep_last: int, spare: int | None = None) -> None:
+    """Delete all but the newest `keep_last` checkpoints and checkpoint `spare`."""
+    found = list_checkpoints(root)
+    for n, old_dir in found[: max(0, len(found) - keep_last)]:
+        if n != spare:
+            _delete(old_dir)
 
 
 def _delete(d: Path) -> None:

@@ -198,6 +198,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     console.print(f"{summary['steps_without_update']} of {summary['steps']} steps did not update: "
                                   "their groups were all dropped (method's group filter)")
                 console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
+                if summary.get("best"):
+                    b = summary["best"]
+                    console.print(f"best checkpoint by held-out {b['metric']} ({b['value']:.4g}, step {b['step']}): "
+                                  f"{b['checkpoint']}/model")
 
         run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
 

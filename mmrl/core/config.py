@@ -401,6 +401,20 @@ class TrainLoopConfig(Section):
     """Write a sample table every N steps (0 = never)."""
     max_bad_steps: int = Field(3, ge=1)
     """Non-finite loss or gradients: the step is skipped; after this many in a row the run stops."""
+    best_metric: str | None = None
+    """A held-out metric (e.g. accuracy) to keep the best checkpoint by: each periodic
+    evaluation (eval_every) and the final one that beats the best so far makes its step's
+    checkpoint the best, recorded in best.json and summary.json and spared by keep_last.
+    None: no best is kept. mmrl.core.best."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a higher (max) or lower (min) best_metric is better."""
+
+    @model_validator(mode="after")
+    def _best_needs_evaluations(self):
+        if self.best_metric is not None and self.eval_every == 0:
+            raise ValueError("best_metric needs eval_every > 0: without evaluations during training the "
+                             "final checkpoint is the only one scored")
+        return self
 
 
 class WandbConfig(Section):

@@ -52,6 +52,7 @@ import yaml
 from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed, fsdp, provenance
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.best import BestCheckpoint
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
@@ -195,6 +196,7 @@ class Trainer:
         self.warned_empty = False  # "every group was dropped" is warned once; the summary counts them
         self.eval_before: dict[str, float] | None = None
         self.saved_step: int | None = None
+        self.best = BestCheckpoint(self.out, cfg.train.best_metric, cfg.train.best_mode)
         self._before_rollout: tuple | None = None  # (generator state, stream state) during a rollout
         self._updating = False
 
@@ -244,6 +246,7 @@ class Trainer:
             if self.step >= tc.max_steps:
                 warnings.warn(f"--resume: the run is at step {self.step} and train.max_steps is {tc.max_steps}: "
                               "nothing to train (raise --max-steps to go on)", stacklevel=2)
+            self.best.resume()
         main = distributed.is_main()
         if main:
             ckpt.clean_partial(self.checkpoint_dir)
@@ -267,17 +270,23 @@ class Trainer:
         try:
             if self.eval_before is None:
                 self.eval_before = self.evaluate(samples_tag="before")
+            self.best.check(self.eval_before)
             while self.step < tc.max_steps:
                 metrics = unlogged = self.train_step(logger)
                 self.step += 1
+                evaluated = None
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
-                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                    evaluated = self.evaluate()
+                    metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
                 metrics = distributed.combine_metrics(metrics, self.method.count_metrics)  # every rank: a collective
                 if logger is not None:
                     logger.log(self.step, metrics)
                 unlogged = None
-                if tc.save_every and self.step % tc.save_every == 0 and not metrics.get("train/bad_step"):
-                    self.save()
+                if not metrics.get("train/bad_step"):
+                    if tc.save_every and self.step % tc.save_every == 0:
+                        self.save()
+                    if evaluated is not None and self.best.improves(evaluated):
+                        self._save_best(evaluated)
             if self.saved_step != self.step:
                 self.save()
             trained = True
@@ -292,6 +301,8 @@ class Trainer:
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         eval_after = self.evaluate(samples_tag="after")
+        if self.best.improves(eval_after):  # the final step, saved above
+            self._save_best(eval_after)
         checksums = (distributed.weights_checksum(self.params) if self.sharded is None
                      else [fsdp.checksum(self.params)] * self.world)  # the ranks share one model
         if not main:
@@ -625,6 +636,14 @@ class Trainer:
         with self.gathered():
             return self._write(whole, rngs)
 
+    def _save_best(self, metrics: dict[str, float]) -> None:
+        """This step's checkpoint (written now unless it is already) is the best by train.best_metric."""
+        if self.saved_step != self.step:
+            self.save()  # every rank: a collective
+        if distributed.is_main():
+            self.best.update(self.step, metrics, ckpt.step_dir(self.checkpoint_dir, self.step))
+            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, spare=self.step)  # the best it replaced
+
     def _write(self, whole: dict | None, rngs: list) -> Path | None:
         if not distributed.is_main():  # the main rank writes what every rank holds
             self.saved_step = self.step
@@ -666,6 +685,7 @@ class Trainer:
 
         path = ckpt.save_checkpoint(
             self.checkpoint_dir, self.step, write_model, tensors, state, keep_last=self.cfg.train.keep_last,
+            spare=self.best.step,
         )
         self.saved_step = self.step
         return path
@@ -768,6 +788,7 @@ class Trainer:
             "train_seconds": seconds,
             "processes": self.world,
             "weights_checksums": checksums,
+            "best": self.best.record,
             "config": self.cfg.model_dump(mode="json"),
         }
         tmp = self.out / "summary.json.tmp"

@@ -1,0 +1,84 @@
+"""The best checkpoint by a held-out metric (`train.best_metric`), kept past `train.keep_last`.
+
+RL fine-tuning does not improve monotonically: a policy can peak and then lose its greedy
+decode (the VLM main job's seed 2 did, between steps 500 and 600). With `best_metric` set, each
+periodic evaluation (`train.eval_every`) and the final one compare that metric with the best so
+far; a better one makes the step's checkpoint the best (written then if the step is not
+saved anyway), recorded in `<output_dir>/best.json` ({"metric", "mode", "value", "step",
+"checkpoint"}) and in summary.json. Checkpoint pruning spares it, so a run holds at most
+keep_last + 1 checkpoints. Only trained steps compete: the model before training is not a
+checkpoint of the run (its score is summary.json's eval_before).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+from mmrl.core.config import ConfigError
+
+BEST = "best.json"
+
+
+class BestCheckpoint:
+    def __init__(self, out: str | Path, metric: str | None, mode: str = "max"):
+        self.path = Path(out) / BEST
+        self.metric, self.mode = metric, mode
+        self.record: dict[str, Any] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.metric is not None
+
+    @property
+    def step(self) -> int | None:
+        """The best checkpoint's step, which pruning spares (None: none yet)."""
+        return None if self.record is None else self.record["step"]
+
+    def check(self, metrics: dict[str, float]) -> None:
+        """At the first evaluation, before any step: the metric is one the task reports."""
+        if self.enabled and self.metric not in metrics:
+            raise ConfigError(f"train.best_metric: {self.metric!r} is not a held-out metric of this task; "
+                              f"it reports {', '.join(sorted(metrics)) or 'none'}")
+
+    def resume(self) -> None:
+        """On --resume: the record of the earlier attempts, where it is for the same metric and
+        mode (another one starts afresh, with a warning)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        try:
+            record = json.loads(self.path.read_text(encoding="utf-8"))
+            ok = (isinstance(record, dict) and isinstance(record.get("step"), int)
+                  and isinstance(record.get("value"), float | int))
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            warnings.warn(f"{self.path} is unreadable: the best checkpoint is chosen afresh", stacklevel=3)
+        elif (record.get("metric"), record.get("mode")) != (self.metric, self.mode):
+            warnings.warn(f"{self.path} ranks by {record.get('metric')} ({record.get('mode')}), this run by "
+                          f"{self.metric} ({self.mode}): the best checkpoint is chosen afresh", stacklevel=3)
+        else:
+            self.record = record
+
+    def improves(self, metrics: dict[str, float]) -> bool:
+        """Whether `metrics` beat the best so far (strictly; a NaN never does)."""
+        if not self.enabled:
+            return False
+        value = metrics.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.record is None:
+            return True
+        best = self.record["value"]
+        return value > best if self.mode == "max" else value < best
+
+    def update(self, step: int, metrics: dict[str, float], checkpoint: Path) -> None:
+        """Record step's checkpoint as the best (written whole, then renamed into place)."""
+        self.record = {"metric": self.metric, "mode": self.mode, "value": metrics[self.metric], "step": step,
+                       "checkpoint": str(Path(checkpoint).resolve())}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.record, indent=1), encoding="utf-8")
+        tmp.replace(self.path)

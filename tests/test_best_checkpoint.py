@@ -1,0 +1,103 @@
+"""train.best_metric: the best checkpoint by a held-out metric, kept past keep_last (mmrl.core.best)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import toy
+from transformers import LlamaForCausalLM
+
+from mmrl.core.checkpoint import list_checkpoints
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.trainer import Trainer
+
+
+def make(tmp_path, *overrides):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'run'}", "train.eval_every=2", "train.keep_last=1",
+                                 "train.best_metric=accuracy", *overrides])
+    return Trainer(cfg, *toy.build(cfg))
+
+
+def scripted(trainer, by_step: dict[int, float], seen: dict | None = None):
+    """The trainer's held-out evaluation gives accuracy by_step[step]; `seen` collects the
+    weights each evaluation saw."""
+    def evaluate(samples_tag=None):
+        if seen is not None:
+            seen[trainer.step] = {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
+        return {"accuracy": by_step[trainer.step], "format": 1.0}
+
+    trainer.evaluate = evaluate
+    return trainer
+
+
+def steps_on_disk(tmp_path):
+    return [n for n, _ in list_checkpoints(tmp_path / "run" / "checkpoints")]
+
+
+def test_the_best_evaluation_s_checkpoint_is_kept_past_keep_last_and_holds_its_weights(tmp_path):
+    seen = {}
+    trainer = scripted(make(tmp_path, "train.max_steps=6"), {0: 0.1, 2: 0.5, 4: 0.9, 6: 0.3}, seen)
+    summary = trainer.train()
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["step"] == 4 and best["value"] == 0.9 and (best["metric"], best["mode"]) == ("accuracy", "max")
+    assert summary["best"] == best
+    assert steps_on_disk(tmp_path) == [4, 6]  # keep_last 1: the newest, and the best apart from it
+    loaded = LlamaForCausalLM.from_pretrained(f"{best['checkpoint']}/model").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in seen[4].items())
+    assert not all(torch.equal(loaded[k], v) for k, v in seen[6].items())  # it is not the final model
+
+
+def test_mode_min_keeps_the_lowest_and_a_later_best_replaces_the_earlier(tmp_path):
+    trainer = scripted(make(tmp_path, "train.max_steps=6", "train.best_mode=min"), {0: 0.5, 2: 0.4, 4: 0.2, 6: 0.3})
+    assert trainer.train()["best"]["step"] == 4
+    # step 2 was the best until step 4 replaced it; then it was an old checkpoint, pruned
+    assert steps_on_disk(tmp_path) == [4, 6]
+
+
+def test_the_final_evaluation_competes_and_ties_keep_the_earlier(tmp_path):
+    trainer = scripted(make(tmp_path, "train.max_steps=6"), {0: 0.1, 2: 0.5, 4: 0.5, 6: 0.7})
+    assert trainer.train()["best"]["step"] == 6
+    assert steps_on_disk(tmp_path) == [6]  # the best is the newest: nothing else kept
+    trainer = scripted(make(tmp_path / "b", "train.max_steps=6"), {0: 0.1, 2: 0.5, 4: 0.5, 6: 0.4})
+    assert trainer.train()["best"]["step"] == 2  # 0.5 at step 4 only equals it
+
+
+def test_a_nan_evaluation_is_never_the_best(tmp_path):
+    trainer = scripted(make(tmp_path, "train.max_steps=4"), {0: 0.1, 2: math.nan, 4: 0.2})
+    assert trainer.train()["best"]["step"] == 4
+    trainer = scripted(make(tmp_path / "b", "train.max_steps=4"), {0: 0.1, 2: math.nan, 4: math.nan})
+    assert trainer.train()["best"] is None
+    assert not (tmp_path / "b" / "run" / "best.json").exists()
+
+
+def test_a_metric_the_task_does_not_report_stops_the_run_before_its_first_step(tmp_path):
+    trainer = scripted(make(tmp_path, "train.max_steps=4", "train.best_metric=acc"), {0: 0.1})
+    with pytest.raises(ConfigError, match=r"train.best_metric: 'acc' is not a held-out metric of this task; "
+                                          r"it reports accuracy, format"):
+        trainer.train()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and steps_on_disk(tmp_path) == []
+
+
+def test_best_metric_without_evaluations_during_training_is_refused():
+    with pytest.raises(ConfigError, match="best_metric needs eval_every > 0"):
+        load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=["train.best_metric=accuracy"])
+
+
+def test_resume_goes_on_from_the_recorded_best_and_spares_it(tmp_path):
+    scripted(make(tmp_path, "train.max_steps=4"), {0: 0.1, 2: 0.5, 4: 0.9}).train()
+    summary = scripted(make(tmp_path, "train.max_steps=8"), {4: 0.9, 6: 0.7, 8: 0.8}).train(resume=True)
+    assert summary["best"]["step"] == 4 and summary["best"]["value"] == 0.9  # 0.7 and 0.8 do not beat it
+    assert steps_on_disk(tmp_path) == [4, 8]
+
+
+@pytest.mark.filterwarnings("ignore:--resume at step 4 with settings that differ")
+def test_resume_ranking_by_another_metric_starts_afresh_with_a_warning(tmp_path):
+    scripted(make(tmp_path, "train.max_steps=4"), {0: 0.1, 2: 0.5, 4: 0.9}).train()
+    trainer = scripted(make(tmp_path, "train.max_steps=8", "train.best_mode=min"), {4: 0.9, 6: 0.7, 8: 0.8})
+    with pytest.warns(UserWarning, match=r"best.json ranks by accuracy \(max\), this run by accuracy \(min\)"):
+        summary = trainer.train(resume=True)
+    assert summary["best"]["step"] == 6 and summary["best"]["mode"] == "min"
