@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 import warnings
 
@@ -88,6 +89,17 @@ def test_the_config_each_steps_metrics_and_the_held_out_summary_reach_wandb(tmp_
     assert json.loads((out / "wandb.json").read_text()) == {"id": init["id"], "project": "proj"}
 
 
+def test_the_best_checkpoint_s_step_and_score_reach_the_wandb_summary(tmp_path, fake_wandb):
+    out = tmp_path / "run"
+    code, text = train("--max-steps", "4", "-o", str(out), *ON, "--set", "train.eval_every=2",
+                       "--set", "train.best_metric=accuracy")
+    assert code == 0, text
+    best = json.loads((out / "best.json").read_text())
+    assert "best checkpoint by held-out accuracy" in text and f"step {best['step']}" in text
+    (finish,) = [c for c in fake_wandb.calls if c[0] == "finish"]
+    assert (finish[2]["best/step"], finish[2]["best/value"]) == (best["step"], best["value"])
+
+
 def test_resume_continues_the_same_wandb_run_and_a_fresh_run_starts_its_own(tmp_path, fake_wandb):
     out = tmp_path / "run"
     assert train("--max-steps", "2", "-o", str(out), *ON)[0] == 0
@@ -159,7 +171,11 @@ def test_a_real_offline_wandb_run_is_written_under_the_output_directory(tmp_path
     assert code == 0, text
     run_id = json.loads((out / "wandb.json").read_text())["id"]
     (folder,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
-    records = (folder / f"run-{run_id}.wandb").read_bytes()  # protobuf records: their keys stand as bytes
+    # protobuf records: their keys stand as bytes. W&B's service process may still be writing
+    # them for a moment after finish() returns (seen on a loaded machine: only the header yet).
+    path, deadline = folder / f"run-{run_id}.wandb", time.monotonic() + 60
+    while b"eval_after/accuracy" not in (records := path.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"reward/total" in records and b"eval_after/accuracy" in records
     tables = sorted((folder / "files" / "media" / "table").glob("samples_*.table.json"))
     assert len(tables) == 2  # steps 1 and 2

@@ -70,12 +70,15 @@ class WandbRun:
             {"samples": self._wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step))
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
-        """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) into the
-        W&B run's summary, then close it; `failed`: the run stopped on an error."""
+        """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) and the
+        best checkpoint's step and score (best/step, best/value) into the W&B run's summary, then
+        close it; `failed`: the run stopped on an error."""
         if summary is not None:
             flat = {f"{when}/{k}": v for when in ("eval_before", "eval_after")
                     for k, v in finite_scalars(summary.get(when) or {}).items()}
             flat["train_seconds"] = summary.get("train_seconds")
+            if summary.get("best"):  # train.best_metric: the best checkpoint's step and score
+                flat.update({"best/step": summary["best"]["step"], "best/value": summary["best"]["value"]})
             self._call(self.run.summary.update, flat)
         self._call(self.run.finish, exit_code=1 if failed else 0)
         self._failed = True  # nothing more goes to a finished run
