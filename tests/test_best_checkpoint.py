@@ -49,6 +49,8 @@ def test_the_best_evaluation_s_checkpoint_is_kept_past_keep_last_and_holds_its_w
     loaded = LlamaForCausalLM.from_pretrained(f"{best['checkpoint']}/model").state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in seen[4].items())
     assert not all(torch.equal(loaded[k], v) for k, v in seen[6].items())  # it is not the final model
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert f"best by held-out accuracy: 0.9 at step 4, <code>{best['checkpoint']}/model</code>" in report
 
 
 def test_mode_min_keeps_the_lowest_and_a_later_best_replaces_the_earlier(tmp_path):

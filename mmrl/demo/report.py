@@ -159,6 +159,10 @@ def render(run: RunInfo) -> str:
         facts.append(f"{s['train_seconds']:.0f} s of training")
     if s.get("checkpoint"):
         facts.append(f"final model: <code>{html.escape(str(s['checkpoint']))}</code>")
+    best = s.get("best")
+    if isinstance(best, dict) and {"metric", "value", "step", "checkpoint"} <= set(best):
+        facts.append(f"best by held-out {html.escape(str(best['metric']))}: {_cell(best['value'])} at step "
+                     f"{_cell(best['step'])}, <code>{html.escape(str(best['checkpoint']))}/model</code>")
     metrics = _metrics_table(s) if s else "<p>(no summary.json yet: the run has not finished)</p>"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(run.name)}: mmrl run report</title>
