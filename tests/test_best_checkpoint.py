@@ -103,3 +103,24 @@ def test_resume_ranking_by_another_metric_starts_afresh_with_a_warning(tmp_path)
     with pytest.warns(UserWarning, match=r"best.json ranks by accuracy \(max\), this run by accuracy \(min\)"):
         summary = trainer.train(resume=True)
     assert summary["best"]["step"] == 6 and summary["best"]["mode"] == "min"
+
+
+def _best_rank(rank, port, tmp):
+    from two_ranks import process_group
+
+    with process_group(rank, port, timeout=60):
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                          overrides=[f"output_dir={tmp}", "train.max_steps=6", "train.eval_every=2", "train.keep_last=1",
+                                     "train.best_metric=accuracy", "logging.tensorboard=false"])
+        trainer = Trainer(cfg, *toy.build(cfg))
+        # every rank scores alike (held-out evaluation gathers the ranks' shares); steps 4 and 6 are worse
+        scripted(trainer, {0: 0.1, 2: 0.9, 4: 0.5, 6: 0.3})
+        trainer.train()
+
+
+@pytest.mark.two_ranks(body=_best_rank)
+def test_two_processes_keep_one_best_checkpoint_and_save_together(ranks_ran):
+    """The main rank keeps the record and decides for both: a rank deciding alone would save
+    (a collective) where the other does not, and the run would hang."""
+    assert json.loads((ranks_ran / "best.json").read_text())["step"] == 2
+    assert [n for n, _ in list_checkpoints(ranks_ran / "checkpoints")] == [2, 6]

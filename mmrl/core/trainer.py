@@ -285,7 +285,7 @@ class Trainer:
                 if not metrics.get("train/bad_step"):
                     if tc.save_every and self.step % tc.save_every == 0:
                         self.save()
-                    if evaluated is not None and self.best.improves(evaluated):
+                    if evaluated is not None and self._improves(evaluated):
                         self._save_best(evaluated)
             if self.saved_step != self.step:
                 self.save()
@@ -301,7 +301,7 @@ class Trainer:
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         eval_after = self.evaluate(samples_tag="after")
-        if self.best.improves(eval_after):  # the final step, saved above
+        if self._improves(eval_after):  # the final step, saved above
             self._save_best(eval_after)
         checksums = (distributed.weights_checksum(self.params) if self.sharded is None
                      else [fsdp.checksum(self.params)] * self.world)  # the ranks share one model
@@ -635,6 +635,11 @@ class Trainer:
         # their dtype (gathered after _whole_state, as FSDP's state_dict() reshards)
         with self.gathered():
             return self._write(whole, rngs)
+
+    def _improves(self, metrics: dict[str, float]) -> bool:
+        """Whether `metrics` beat the best checkpoint's. The main rank keeps the record (it writes
+        the checkpoints) and decides for every rank, as saving is a collective."""
+        return bool(distributed.gather_objects(self.best.improves(metrics))[0])
 
     def _save_best(self, metrics: dict[str, float]) -> None:
         """This step's checkpoint (written now unless it is already) is the best by train.best_metric."""
