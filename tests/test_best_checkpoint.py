@@ -124,3 +124,26 @@ def test_two_processes_keep_one_best_checkpoint_and_save_together(ranks_ran):
     (a collective) where the other does not, and the run would hang."""
     assert json.loads((ranks_ran / "best.json").read_text())["step"] == 2
     assert [n for n, _ in list_checkpoints(ranks_ran / "checkpoints")] == [2, 6]
+
+
+def test_run_slash_best_names_the_best_checkpoint_for_eval(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.cli import BackendSpec, make_app, resolve_checkpoint
+
+    app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+    run = tmp_path / "run"
+    scripted(make(tmp_path, "train.max_steps=4"), {0: 0.1, 2: 0.9, 4: 0.5}).train()
+    assert resolve_checkpoint(run / "best") == run / "checkpoints" / "step-00000002" / "model"
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step-00000004" / "model"  # the newest, as before
+    def evaluate(checkpoint):
+        result = CliRunner().invoke(app, ["eval", "--checkpoint", str(checkpoint)])
+        assert result.exit_code == 0, result.output
+        assert "settings: the run's" in result.output  # RUN/best lies in the run: its settings
+        return json.loads(result.output[result.output.index("{"):])
+
+    assert evaluate(run / "best") == evaluate(run / "checkpoints" / "step-00000002")
+    (run / "best.json").write_text(json.dumps({"step": 3}))
+    with pytest.raises(CheckpointError, match=r"best.json names step 3, but .*step-00000003 is gone"):
+        resolve_checkpoint(run / "best")

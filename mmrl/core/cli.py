@@ -28,7 +28,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from mmrl.core import plugins
-from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
+from mmrl.core.best import BEST
+from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
@@ -151,8 +152,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         run = None
         if resume and (Path(out) / RUN_CONFIG).is_file():
             run = Path(out)
-        elif checkpoint is not None and Path(checkpoint).exists():
-            run = run_dir_of(checkpoint)
+        elif checkpoint is not None and best_alias(checkpoint).exists():
+            run = run_dir_of(best_alias(checkpoint))
         if run is None:
             if failed is not None:  # no run to take keys from: the default config's error stands
                 raise failed
@@ -201,7 +202,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 if summary.get("best"):
                     b = summary["best"]
                     console.print(f"best checkpoint by held-out {b['metric']} ({b['value']:.4g}, step {b['step']}): "
-                                  f"{b['checkpoint']}/model")
+                                  f"{b['checkpoint']}/model (--checkpoint {cfg.output_dir}/best)")
 
         run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
 
@@ -209,7 +210,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def evaluate(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory; default: the config's model."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best (train.best_metric's); default: the config's model."),
     ):
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""
 
@@ -231,7 +232,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def sample(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best."),
         prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: the first two held-out items."),
         num: int | None = typer.Option(None, "--num", "-n", min=1, help="Samples per prompt (default 4)."),
         greedy: bool = typer.Option(False, "--greedy", help="Decode greedily: one answer per prompt, as held-out "
@@ -272,7 +273,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def serve(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model and rollout)."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
-        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory or a run directory."),
+        checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default. Any other address needs a token."),
         port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
         token: str | None = typer.Option(None, "--token", help="Require the header `Authorization: Bearer TOKEN` on every request "
@@ -312,7 +313,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command()
     def export(
-        checkpoint: Path = typer.Option(..., "--checkpoint", help="A run directory (its newest checkpoint), a checkpoint or its model directory."),
+        checkpoint: Path = typer.Option(..., "--checkpoint", help="A run directory (its newest checkpoint), RUN/best (train.best_metric's), a checkpoint or its model directory."),
         out: Path = typer.Option(..., "--out", "-o", help="The directory to write; a new or empty one."),
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run; inside a run, its config.yaml is the base."),
         set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
@@ -363,10 +364,27 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     return app
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A run directory, or its checkpoints/ directory -> the newest checkpoint's model; a
-    checkpoint -> its model; else as is."""
+def best_alias(path: Path) -> Path:
+    """RUN/best, where RUN has no such directory but a best.json (train.best_metric) -> the
+    checkpoint it names; any other path as is. CheckpointError where that checkpoint is gone."""
     path = Path(path)
+    record = path.parent / BEST
+    if path.name != "best" or path.exists() or not record.is_file():
+        return path
+    try:
+        step = int(json.loads(record.read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {record} is unreadable ({type(e).__name__}: {e})") from None
+    found = step_dir(path.parent / "checkpoints", step)
+    if not (found / "model").is_dir():
+        raise CheckpointError(f"checkpoint {path}: {record} names step {step}, but {found} is gone")
+    return found
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A run directory, or its checkpoints/ directory -> the newest checkpoint's model; RUN/best ->
+    the best checkpoint's model (best_alias); a checkpoint -> its model; else as is."""
+    path = best_alias(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_dir():
