@@ -442,6 +442,16 @@ def test_an_engine_samples_with_the_seed_of_its_call():
     assert one.samples != other.samples
 
 
+def test_an_engine_seeds_its_generator_with_the_calls_seed_itself():
+    """Not merely a function of the seed: the generator the policy gets is seeded with exactly it."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    policy = toy.ToyPolicy()
+    got = PolicyEngine(policy, own_weights=False).generate([Request(0, 3, 4)], cfg.rollout, seed=5)
+    with torch.no_grad():
+        want = policy.generate([3], 4, cfg.rollout, torch.Generator().manual_seed(5))
+    assert got.samples == want.samples and torch.equal(got.old_logp, want.old_logp)
+
+
 def test_an_engine_with_its_own_weights_takes_the_backends_rollout_copy():
     """own_weights: the backend's rollout_copy() where it has one, not reference(). A LoRA VLM's
     reference() is the policy with its adapters off, so an engine made from it would sample
@@ -519,6 +529,85 @@ def test_a_workers_publish_returns_the_seconds_the_engine_took():
     seconds = w.publish({}, 3, timeout=10)
     w.close()
     assert 0.1 <= seconds < 5 and w.engine.version == 3
+
+
+def test_requests_of_one_size_with_a_prefix_still_pass_it():
+    """Every request asks one sample, one of them from a prefix: the call still goes with the
+    prefixes (one size alone does not make a call without them)."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    policy = Recording()
+    PolicyEngine(policy, own_weights=False).generate([Request(5, 3, 1), Request(9, 4, 1, prefix=7, tag=1)],
+                                                    cfg.rollout, seed=1)
+    assert policy.seen == [([3, 4], 1, [None, 7])]
+
+
+def test_an_engine_on_the_trainers_weights_samples_without_a_graph():
+    """own_weights=False samples with parameters that require grad: the rollout builds no graph."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    batch = PolicyEngine(toy.ToyPolicy(), own_weights=False).generate([Request(0, 3, 2)], cfg.rollout, seed=1)
+    assert not batch.old_logp.requires_grad
+
+
+def test_an_engine_on_the_trainers_weights_takes_only_the_version_on_publish():
+    """own_weights=False: the engine is the trainer's policy, so publish copies nothing into it."""
+    policy = toy.ToyPolicy(seed=0)
+    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
+    engine = PolicyEngine(policy, own_weights=False)
+    engine.publish({k: torch.zeros_like(p) for k, p in before.items()}, 6)
+    assert engine.version == 6
+    assert all(torch.equal(p, before[k]) for k, p in policy.model.named_parameters())
+
+
+def test_an_engine_that_returns_more_samples_than_asked_is_an_engine_error():
+    class Long(SeededToy):
+        def generate(self, *args, **kwargs):
+            batch = super().generate(*args, **kwargs)
+            return batch.select(torch.tensor([0, 1, 2, 3, 3]))
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    engine = PolicyEngine(Long(), own_weights=False, name="long")
+    with pytest.raises(EngineError, match="engine long returned 5 samples for requests of 4"):
+        engine.generate([Request(0, 3, 2), Request(1, 4, 2)], cfg.rollout, seed=1)
+
+
+def test_a_worker_given_up_on_hands_back_its_jobs_once_and_keeps_its_reason():
+    """mark_dead returns the jobs submitted and not answered, and forgets them; closing the
+    worker afterwards does not overwrite why it died."""
+    from mmrl.core.engine import Job, Worker
+
+    engine = FakeEngine(SeededToy(), hang_after=0)
+    w = Worker(engine, queue.Queue())
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG)
+    jobs = [Job([Request(0, 3, 1)], cfg.rollout, seed=1), Job([Request(1, 4, 1)], cfg.rollout, seed=2)]
+    for job in jobs:
+        w.submit(job)
+    assert set(w.outstanding) == {jobs[0].id, jobs[1].id}
+    assert sorted(j.id for j in w.mark_dead("hung")) == sorted(j.id for j in jobs)
+    assert w.outstanding == {} and w.mark_dead("hung") == []
+    engine.release.set()
+    w.close()
+    assert w.dead == "hung" and not w.alive
+
+
+def test_closing_a_worker_waits_for_the_call_under_way():
+    """close(): the call the engine is running finishes (its result reaches the inbox) before
+    close returns."""
+    from mmrl.core.engine import Job, Worker
+
+    started = threading.Event()
+
+    class Slow(FakeEngine):
+        def generate(self, requests, rollout, seed):
+            started.set()
+            time.sleep(0.2)
+            return super().generate(requests, rollout, seed)
+
+    inbox: queue.Queue = queue.Queue()
+    w = Worker(Slow(SeededToy()), inbox)
+    w.submit(Job([Request(0, 3, 1)], load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG).rollout, seed=1))
+    assert started.wait(10)
+    w.close(wait=10)
+    assert not w._thread.is_alive() and inbox.get_nowait().batch is not None
 
 
 def test_a_late_answer_from_an_engine_given_up_on_is_ignored(tmp_path):

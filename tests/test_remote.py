@@ -4,14 +4,18 @@ on the toy backend (tests/toy.py)."""
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import json
 import pickle
+import queue
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,6 +179,24 @@ def test_decode_never_imports_a_module(monkeypatch):
     assert "mmrl.demo.compare" not in sys.modules
 
 
+def test_an_unknown_class_of_a_loaded_module_is_named_without_the_not_loaded_note():
+    with pytest.raises(wire.WireError) as err:
+        wire.resolve_class("mmrl.core.engine:Nothing")  # mmrl.core.engine is loaded here
+    assert str(err.value) == "unknown class mmrl.core.engine:Nothing"
+    with pytest.raises(wire.WireError) as err:
+        wire.resolve_class("mmrl.not_a_module:Thing")
+    assert str(err.value) == ("unknown class mmrl.not_a_module:Thing "
+                              "(module mmrl.not_a_module is not loaded by this process)")
+
+
+def test_plain_dict_values_are_encoded_and_decoded_too():
+    """The values of a str-keyed dict are values like any other: a tuple, bytes and a tensor inside."""
+    back = roundtrip({"t": (1, 2), "b": b"\x01", "x": torch.tensor([1.5])})
+    assert back["t"] == (1, 2) and back["b"] == b"\x01" and back["x"].tolist() == [1.5]
+    message = wire.pack({"t": (1, 2)})
+    assert message["value"] == {"t": {"__t": "tuple", "items": [1, 2]}}
+
+
 def test_a_dict_with_a_tag_key_roundtrips_as_a_dict():
     """A str-keyed dict holding "__t" must not be read back as a tagged value."""
     for value in ({"__t": "tuple", "items": [1, 2]}, {"__t": "tensor", "key": "0"}, {1: "a", "b": (2,)}):
@@ -199,6 +221,16 @@ def test_init_false_fields_are_set_as_the_sender_had_them(monkeypatch):
     sent.seen = 7
     back = wire.unpack(json.loads(json.dumps(wire.pack(sent))))
     assert type(back) is Counted and (back.x, back.seen) == (3, 7)
+
+
+def test_a_palette_image_keeps_its_palette():
+    """"P" goes as PNG, which holds the palette; raw bytes would carry the indices only."""
+    image = Image.new("P", (2, 1))
+    image.putpalette([10, 20, 30, 200, 100, 50] + [0] * (3 * 254))
+    image.putpixel((1, 0), 1)
+    back = wire.unpack(json.loads(json.dumps(wire.pack(image))))
+    assert same_image(back, image) and back.getpalette()[:6] == [10, 20, 30, 200, 100, 50]
+    assert back.convert("RGB").getpixel((1, 0)) == (200, 100, 50)
 
 
 def test_a_raw_image_past_the_pixel_bound_is_refused_before_it_is_built(monkeypatch):
@@ -321,6 +353,12 @@ def test_an_image_size_that_is_not_two_integers_is_refused():
             wire.unpack({"value": {**png, "size": size}, "tensors": None})
 
 
+def test_an_empty_raw_image_travels():
+    """A size of 0 is a size (only a negative one is refused): an "F" image 0 wide, 3 high."""
+    back = wire.unpack(json.loads(json.dumps(wire.pack(Image.new("F", (0, 3))))))
+    assert (back.mode, back.size, back.tobytes()) == ("F", (0, 3), b"")
+
+
 def test_the_raw_pixel_bound_is_two_to_the_28():
     assert wire.MAX_RAW_PIXELS == 2**28
     # 16384 x 16385 = 2**28 + 16384 pixels: refused on its header, with no pixel buffer made
@@ -339,6 +377,33 @@ def test_values_nested_past_the_recursion_limit_are_wire_errors():
         deep = [deep]
     with pytest.raises(wire.WireError, match="nested too deeply"):
         wire.unpack({"value": deep, "tensors": None})
+
+
+def test_tagged_values_nested_past_the_recursion_limit_are_too_deep_not_malformed():
+    """The recursion inside a tagged value (a tuple in a tuple ...) reaches unpack as
+    "nested too deeply", not as a malformed tuple."""
+    deep: dict | int = 1
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = {"__t": "tuple", "items": [deep]}
+    with pytest.raises(wire.WireError, match="message is nested too deeply"):
+        wire.unpack({"value": deep, "tensors": None})
+
+
+def test_a_message_without_tensors_carries_no_blob():
+    assert wire.pack([1, "a", (2,)]) == {"value": [1, "a", {"__t": "tuple", "items": [2]}], "tensors": None}
+    assert wire.pack({"t": torch.ones(1)})["tensors"] is not None
+
+
+def test_a_tensor_that_is_not_contiguous_travels_as_its_values():
+    t = torch.arange(6.0).view(2, 3).t()  # a transposed view: strides (1, 3)
+    back = wire.unpack(json.loads(json.dumps(wire.pack({"t": t}))))
+    assert back["t"].tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
+def test_a_dataclass_type_itself_is_not_sent():
+    """The class Request, not an instance of it: a value of type `type`, refused as such."""
+    with pytest.raises(wire.WireError, match="cannot send a value of type builtins:type"):
+        wire.pack([Request])
 
 
 def test_a_tensor_blob_that_is_empty_or_not_a_string_is_refused():
@@ -504,6 +569,42 @@ def test_weights_that_do_not_fit_change_nothing(served):
     assert model.get_parameter(first).dtype == torch.float32 and bool((model.get_parameter(first) == 1).all())
 
 
+def test_trainable_weights_are_the_detached_parameters_that_train():
+    model = torch.nn.Linear(2, 3)
+    model.bias.requires_grad_(False)  # frozen: not published
+    weights = trainable_weights(model)
+    assert list(weights) == ["weight"]
+    assert not weights["weight"].requires_grad and torch.equal(weights["weight"], model.weight.detach())
+
+
+def test_unknown_weight_names_are_listed_up_to_three():
+    model = torch.nn.Linear(2, 3)
+    with pytest.raises(EngineError) as err:
+        load_named(model, {"a": torch.zeros(1), "b": torch.zeros(1), "weight": torch.zeros(3, 2),
+                           "c": torch.zeros(1), "d": torch.zeros(1)})
+    assert str(err.value) == "published weights do not fit the engine's model: unknown ['a', 'b', 'c']"
+
+
+def test_weights_that_do_not_fit_are_listed_up_to_three():
+    model = torch.nn.Module()
+    for name in "abcd":
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(EngineError) as err:
+        load_named(model, {name: torch.zeros(3) for name in "abcd"})
+    assert str(err.value) == ("published weights do not fit the engine's model (4 of 4): a: (3,) float32, the model's "
+                              "is (2,) float32; b: (3,) float32, the model's is (2,) float32; c: (3,) float32, the "
+                              "model's is (2,) float32")
+
+
+def test_weights_of_the_same_size_but_another_shape_do_not_fit():
+    """(3, 2) for a (2, 3) parameter: as many numbers, but not the parameter's shape; nothing is copied."""
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, 3))
+    with pytest.raises(EngineError, match=r"\(1 of 2\): b: \(3, 2\) float32, the model's is \(2, 3\) float32$"):
+        load_named(model, {"a": torch.ones(2), "b": torch.ones(3, 2)})
+    assert model.a.tolist() == [0.0, 0.0]
+
+
 def test_weights_of_another_kind_of_number_do_not_fit_a_complex_parameter():
     """Integer weights for a complex parameter are refused like complex ones for a real parameter:
     neither is a float of another precision (copy_ would cast them, changing the model)."""
@@ -528,6 +629,59 @@ def test_a_reply_that_does_not_decode_is_an_engine_error(served, monkeypatch):
     monkeypatch.setattr(wire, "encode_batch", lambda batch: bad)  # what the server sends
     with pytest.raises(EngineError, match=r"bad reply from http://127\.0\.0\.1:\d+/generate: .*AttributeError"):
         client.generate(REQUESTS, ROLLOUT, seed=3)
+
+
+def test_the_url_loses_its_trailing_slash_and_the_name_defaults_to_host_and_port():
+    engine = remote.RemoteEngine("http://10.1.2.3:8401/", timeout=1)
+    assert (engine.url, engine.name) == ("http://10.1.2.3:8401", "10.1.2.3:8401")
+    assert remote.RemoteEngine("http://10.1.2.3:8401", timeout=1, name="gpu-3").name == "gpu-3"
+
+
+def test_the_client_sends_a_json_integer_seed_and_labels_the_reply_itself(monkeypatch):
+    """A numpy seed goes as a plain integer; the reply's rows take the requests' groups and tags
+    whatever the server put there."""
+    client = remote.RemoteEngine("http://127.0.0.1:9", timeout=1)
+    reply = ToyPolicy(seed=0).generate([3, 7], 2, ROLLOUT, torch.Generator().manual_seed(0))  # group_ids 0,0,1,1
+    sent = []
+
+    def call(path, body=None, content_type=None, headers=None):
+        sent.append((path, json.loads(body)))
+        return json.dumps(wire.encode_batch(reply)).encode()
+
+    monkeypatch.setattr(client, "_call", call)
+    batch = client.generate(REQUESTS, ROLLOUT, seed=np.int64(3))
+    assert sent[0][0] == "/generate" and type(sent[0][1]["seed"]) is int and sent[0][1]["seed"] == 3
+    assert batch.group_ids.tolist() == [5, 5, 9, 9] and batch.data["request_tag"].tolist() == [0, 0, 1, 1]
+
+
+def http_error(body: bytes) -> urllib.error.HTTPError:
+    return urllib.error.HTTPError("http://x/generate", 400, "Bad Request", {}, io.BytesIO(body))
+
+
+def test_error_text_reads_mmrl_vllm_and_fastapi_error_bodies():
+    assert remote._error_text(http_error(b'{"error": "bad seed"}')) == "bad seed"
+    assert remote._error_text(http_error(b'{"error": {"message": "too long", "code": 400}}')) == "too long"
+    assert remote._error_text(http_error(b'{"message": "no model"}')) == "no model"
+    assert remote._error_text(http_error(b'{"detail": "Not Found"}')) == "Not Found"
+    assert remote._error_text(http_error(b"x" * 600)) == "x" * 500  # not JSON: its start
+    assert remote._error_text(http_error(b"")) == "Bad Request"
+
+
+def test_a_health_reply_that_is_not_json_is_an_engine_error(monkeypatch):
+    client = remote.RemoteEngine("http://127.0.0.1:9", timeout=1, name="h")
+    monkeypatch.setattr(client, "_call", lambda path: b"<html>proxy</html>")
+    with pytest.raises(EngineError, match=r"engine h: bad reply from http://127\.0\.0\.1:9/health: "):
+        client.health()
+
+
+def test_closing_an_engine_stops_the_server_process_it_owns():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        remote.RemoteEngine("http://127.0.0.1:9", timeout=1, process=proc).close()
+        assert proc.poll() is not None  # killed and reaped
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 class Failing:
@@ -679,6 +833,24 @@ def test_health_reports_the_engine_version_and_publish_sets_it():
         server.close()
 
 
+def test_serve_calls_ready_with_the_url_it_bound(monkeypatch):
+    urls = []
+    monkeypatch.setattr(serve.EngineServer, "serve_forever", lambda self, *a: urls.append(self.url))
+    serve.serve(Failing(), RolloutConfig, port=0, ready=urls.append)
+    assert len(urls) == 2 and urls[0] == urls[1] and re.fullmatch(r"http://127\.0\.0\.1:\d+", urls[0])
+
+
+def test_build_policy_loads_the_checkpoint_it_is_given(monkeypatch):
+    from mmrl.core import cli
+
+    loaded = []
+    monkeypatch.setattr(cli, "load_checkpoint", lambda policy, path: loaded.append((policy, path)))
+    policy, cfg = serve.build_policy("toy", {"seed": 3}, checkpoint="runs/a")
+    assert isinstance(policy, ToyPolicy) and cfg.seed == 3 and loaded == [(policy, "runs/a")]
+    serve.build_policy("toy", {})
+    assert len(loaded) == 1  # no checkpoint: nothing loaded
+
+
 # --------------------------------------------------------------------------- child process
 
 
@@ -698,6 +870,37 @@ def test_spawned_server_serves_and_its_death_is_an_engine_error():
     with pytest.raises(EngineError, match=f"cannot reach {url}/generate"):
         client.generate(REQUESTS, ROLLOUT, seed=3)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_spawn_server_passes_the_checkpoint_and_removes_its_config_file(monkeypatch):
+    """The command line the child gets (its config file, --checkpoint, port 0), and the config
+    file gone once the child printed its URL; a stand-in child that only prints that line."""
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        seen["cmd"], seen["env"] = cmd, kwargs["env"]
+        seen["config"] = json.loads(Path(cmd[cmd.index("--config-json") + 1]).read_text())
+        return real_popen([sys.executable, "-c", f"print({serve.READY + 'http://127.0.0.1:5'!r})"], **kwargs)
+
+    monkeypatch.setattr(remote.subprocess, "Popen", popen)
+    proc, url = remote.spawn_server("tests.toy", {"seed": 4}, checkpoint=Path("runs/a"), timeout=30, token="tk")
+    proc.wait()
+    cmd = seen["cmd"]
+    assert url == "http://127.0.0.1:5" and seen["config"] == {"seed": 4} and seen["env"][serve.TOKEN_ENV] == "tk"
+    assert cmd[cmd.index("--checkpoint") + 1] == "runs/a" and cmd[cmd.index("--port") + 1] == "0"
+    assert cmd[cmd.index("--backend") + 1] == "tests.toy" and "tk" not in cmd
+    assert not Path(cmd[cmd.index("--config-json") + 1]).exists()
+    remote.spawn_server("tests.toy", {}, timeout=30)
+    assert "--checkpoint" not in seen["cmd"]
+
+
+def test_the_url_line_is_read_without_its_newline_and_stderr_keeps_its_tail():
+    urls: queue.Queue = queue.Queue()
+    tail: collections.deque = collections.deque(maxlen=2)
+    remote._drain(io.StringIO(f"loading\n{serve.READY}http://127.0.0.1:7 \nbye\n"), urls, tail)
+    assert urls.get_nowait() == "http://127.0.0.1:7" and urls.empty()
+    assert list(tail) == [f"{serve.READY}http://127.0.0.1:7 \n", "bye\n"]
 
 
 def test_spawn_failure_quotes_the_child_stderr():

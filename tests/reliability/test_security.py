@@ -379,6 +379,13 @@ def test_loopback_addresses_and_empty_tokens(monkeypatch):
         server.close()
 
 
+def test_an_empty_token_given_does_not_fall_back_to_the_environment(monkeypatch):
+    """resolve_token: a token given, even "", is the answer ("" meaning none); only None reads
+    $MMRL_SERVE_TOKEN."""
+    monkeypatch.setenv(serve.TOKEN_ENV, "env-token")
+    assert serve.resolve_token("") is None and serve.resolve_token(None) == "env-token"
+
+
 def test_a_refused_request_gets_its_401_with_the_bearer_challenge():
     server = serve.serve_in_thread(engine(), RolloutConfig, token="s3cret-token", read_timeout=5)
     url = server.url
