@@ -130,6 +130,24 @@ def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fa
     assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("finish", 1)]
 
 
+def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
+    cfg = load_config(toy.CONFIG_CLASS, None,
+                      [f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "logging.wandb.enabled=true",
+                       "rollout.num_generations=2", "rollout.prompts_per_step=2"], defaults=toy.DEFAULT_CONFIG)
+    trainer = Trainer(cfg, *toy.build(cfg))
+    evaluate = trainer.evaluate
+
+    def breaks_after(samples_tag=None):
+        if samples_tag == "after":
+            raise RuntimeError("the reward model is gone")
+        return evaluate(samples_tag)
+
+    monkeypatch.setattr(trainer, "evaluate", breaks_after)
+    with pytest.raises(RuntimeError, match="the reward model is gone"):
+        trainer.train()
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("log", 2), ("finish", 1)]
+
+
 def test_wandb_failing_mid_run_is_warned_once_and_the_run_goes_on(tmp_path, fake_wandb):
     fake_wandb.fail_log_at = 2
     out = tmp_path / "run"

@@ -300,16 +300,25 @@ class Trainer:
                     logger.finish(None, failed=True)
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
+        try:
+            return self._finish(logger, started)
+        except BaseException:  # the final evaluation failed, or Ctrl-C: the W&B run says so
+            if logger is not None:
+                logger.finish(None, failed=True)
+            raise
+
+    def _finish(self, logger: RunLogger | None, started: float) -> dict[str, Any]:
+        """After the last step: the final evaluation, the best checkpoint, summary.json."""
         eval_after = self.evaluate(samples_tag="after")
         if self._improves(eval_after):  # the final step, saved above
             self._save_best(eval_after)
         checksums = (distributed.weights_checksum(self.params) if self.sharded is None
                      else [fsdp.checksum(self.params)] * self.world)  # the ranks share one model
-        if not main:
+        if logger is None:  # not the main rank
             return {"eval_before": self.eval_before, "eval_after": eval_after, "steps": self.step}
         if len(set(checksums)) > 1:  # the ranks' updates were meant to be one: something made them differ
             warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
-                          f"{checksums}); summary.json records them", stacklevel=2)
+                          f"{checksums}); summary.json records them", stacklevel=3)
         summary = self.write_summary(eval_after, time.perf_counter() - started, checksums)
         logger.finish(summary)
         return summary
