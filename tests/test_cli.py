@@ -289,3 +289,92 @@ def test_an_install_without_the_bundle_says_the_bundled_models_and_configs_are_n
         load_config(path="configs/vlm/dapo.yaml")
     with pytest.raises(ConfigError, match=r"tiny-qwen2.5-vl' is not a directory \(assets/ is not in this install"):
         load_vlm(VLMModelConfig())  # the bundled model, now looked for under the install
+
+
+# ---------------------------------------------------------------------------- paths in a config (mmrl.core.runconfig)
+
+
+def test_a_relative_path_is_looked_for_in_the_config_files_directory_first(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import absolute_paths, resolve_file
+
+    base, cwd = tmp_path / "cfg", tmp_path / "cwd"
+    for d in (base, cwd):
+        (d / "sub").mkdir(parents=True)
+        (d / "data.jsonl").write_text("")
+    (cwd / "only_here.jsonl").write_text("")
+    monkeypatch.chdir(cwd)
+    assert resolve_file("data.jsonl", base) == base / "data.jsonl"
+    assert resolve_file("only_here.jsonl", base) == cwd / "only_here.jsonl"
+    assert resolve_file("nope.jsonl", base) == base / "nope.jsonl"  # neither: the first, for the error
+    assert resolve_file("nope.jsonl") == cwd / "nope.jsonl"
+    assert absolute_paths({"p": "data.jsonl", "d": "sub/"}, base) == {"p": str((base / "data.jsonl").resolve()),
+                                                                       "d": str((base / "sub").resolve())}
+
+
+def test_resolve_file_expands_the_home_directory(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import resolve_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_file("~/data.jsonl", tmp_path / "elsewhere") == tmp_path / "data.jsonl"
+
+
+def test_absolute_paths_takes_a_directory_a_colon_and_a_relative_config_directory(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import absolute_paths
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)  # a model directory: a "/" and no suffix
+    (tmp_path / "run:1").mkdir()  # a colon in a path that is no "file.py:name"
+    (tmp_path / "run:1" / "data.jsonl").write_text("")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "atoms.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    fixed = absolute_paths({"model": "models/tiny", "data": "run:1/data.jsonl", "atom": "atoms.py:f",
+                            "name": "tiny", "url": "http://host:8000"}, "cfg")  # the config's directory, relative
+    assert fixed == {"model": str((tmp_path / "models" / "tiny").resolve()),
+                     "data": str((tmp_path / "run:1" / "data.jsonl").resolve()),
+                     "atom": str((tmp_path / "cfg" / "atoms.py").resolve()) + ":f",
+                     "name": "tiny", "url": "http://host:8000"}
+    assert all(Path(v.removesuffix(":f")).is_absolute() for k, v in fixed.items() if k in ("model", "data", "atom"))
+
+
+def test_resolve_dir_wants_a_directory_and_falls_back_to_the_repository(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import REPOSITORY, resolve_dir
+
+    base, cwd = tmp_path / "cfg", tmp_path / "cwd"
+    base.mkdir()
+    (base / "m").write_text("")  # a file, not the model directory
+    (cwd / "m").mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    assert resolve_dir("m", base) == cwd / "m"
+    assert resolve_dir("assets", base) == REPOSITORY / "assets"  # "assets/..." from anywhere
+    assert resolve_dir("nope", base) == Path("nope")  # as given where none holds it
+
+
+def test_a_relative_config_file_comes_from_the_repository_only_when_it_is_a_file_there(tmp_path, monkeypatch):
+    from mmrl.core.runconfig import resolve_config_file
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_file("configs") == Path("configs")  # the repository's configs/ is a directory
+
+
+def test_run_dir_of_needs_config_yaml_and_checkpoints_and_starts_at_the_path(tmp_path):
+    from mmrl.core.runconfig import run_dir_of
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-00000002" / "model"
+    step.mkdir(parents=True)
+    assert run_dir_of(step) is None  # no config.yaml
+    (run / "config.yaml").write_text("seed: 1\n")
+    assert run_dir_of(run) == run.resolve() == run_dir_of(step) == run_dir_of(run / "checkpoints")
+    (step / "config.yaml").write_text("seed: 2\n")  # a config.yaml without checkpoints/ beside it
+    assert run_dir_of(step) == run.resolve()
+
+
+def test_read_run_config_refuses_a_file_that_is_not_a_mapping(tmp_path):
+    from mmrl.core.config import ConfigError
+    from mmrl.core.runconfig import read_run_config
+
+    (tmp_path / "config.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="the run's config is not a mapping"):
+        read_run_config(tmp_path)
+    with pytest.raises(ConfigError, match="cannot read the run's config"):
+        read_run_config(tmp_path / "nope")

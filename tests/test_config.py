@@ -13,14 +13,17 @@ import pytest
 from mmrl.core.config import (
     ConfigError,
     GroupAdvantageConfig,
+    ModelConfig,
     MultiStreamAdvantageConfig,
     RLOOAdvantageConfig,
     TrainConfig,
     apply_overrides,
+    check_remote_code,
     deep_merge,
     load_config,
     parse_override,
     read_yaml,
+    remote_code_maps,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,6 +294,21 @@ def test_overrides_a_type_change_wipes_are_named():
     assert cfg.method.kl.beta == 0.01 and cfg.seed == 3
 
 
+def test_a_type_change_names_only_the_earlier_keys_of_its_own_section():
+    import warnings
+
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config(TrainConfig, overrides=["method.advantage.scale=none", "method.kl.beta=0.5",
+                                                  "method.advantage.type=rloo"])
+    assert [str(w.message) for w in record] == [
+        ("method.advantage.scale=none given before method.advantage.type=rloo no longer applies: a new "
+         "method.advantage type starts from its own defaults (give the type first to keep them)")]
+    assert isinstance(cfg.method.advantage, RLOOAdvantageConfig) and cfg.method.kl.beta == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # method.kl is another section: kept, and nothing to say
+        assert load_config(TrainConfig, overrides=["method.kl.beta=0.5", "method.advantage.type=rloo"]).method.kl.beta == 0.5
+
+
 def test_a_bool_setting_still_takes_yes_and_off():
     import toy
 
@@ -457,3 +475,148 @@ def test_each_cli_helps_and_a_bad_override_is_one_clean_error():
     assert bad.returncode != 0
     assert "optim.lrr" in bad.stderr
     assert "Traceback" not in bad.stderr + bad.stdout
+
+
+# ---------------------------------------------------------------------------- model directories and devices
+
+
+def test_device_takes_any_gpu_index_and_only_a_whole_spelling():
+    from pydantic import ValidationError
+
+    assert ModelConfig(device="cuda:10").device == "cuda:10"  # N is any index, not one digit
+    for bad in ("cpux", "autox", "cuda:1x", "cuda0"):  # a known spelling followed by more is not it
+        with pytest.raises(ValidationError, match="not one of cpu, cuda, cuda:N, auto"):
+            ModelConfig(device=bad)
+
+
+def test_remote_code_maps_reads_every_file_and_counts_only_a_non_empty_auto_map(tmp_path):
+    assert remote_code_maps(tmp_path) == []
+    # no config.json (absent files are skipped, not the end of the search)
+    (tmp_path / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": "tok.Tok"}}')
+    assert remote_code_maps(tmp_path) == ["tokenizer_config.json"]
+    (tmp_path / "config.json").write_text('{"auto_map": {}, "model_type": "x"}')  # an empty map loads no code
+    (tmp_path / "processor_config.json").write_text("{not json")  # unreadable: the loader reports it
+    (tmp_path / "preprocessor_config.json").write_text('["auto_map"]')  # not a mapping
+    assert remote_code_maps(tmp_path) == ["tokenizer_config.json"]
+    (tmp_path / "config.json").write_text('{"auto_map": {"AutoModel": "m.M"}}')
+    assert remote_code_maps(tmp_path) == ["config.json", "tokenizer_config.json"]  # in _CODE_MAPS order
+
+
+def test_check_remote_code_refuses_only_code_and_names_the_directory_when_trusted(tmp_path, capsys):
+    check_remote_code(tmp_path, False)  # no auto_map: nothing to refuse, nothing said
+    assert capsys.readouterr().err == ""
+    check_remote_code(tmp_path, True)
+    assert capsys.readouterr().err == (f"notice: model.trust_remote_code is on: {tmp_path} ships no Python code "
+                                       "(no auto_map), so none of it runs\n")
+    (tmp_path / "config.json").write_text('{"auto_map": {"AutoModel": "m.M"}}')
+    with pytest.raises(ConfigError, match=r"ships its own Python code \(auto_map in config.json\); .* Set "
+                                          r"model.trust_remote_code=true if you trust it"):
+        check_remote_code(tmp_path, False)
+    check_remote_code(tmp_path, True)
+    assert capsys.readouterr().err == (f"notice: model.trust_remote_code is on: about to run the Python code in "
+                                       f"{tmp_path} (auto_map in config.json)\n")
+
+
+# ---------------------------------------------------------------------------- bounds and defaults
+
+
+@pytest.mark.parametrize("item", [
+    "rollout.top_p=1",  # the whole softmax
+    "method.loss.clip_low=0",
+    "method.fastrl.tau=1",  # le=1
+    "method.fastrl.min_group_size=2",
+    "optim.betas=[0, 0]",  # [0, 1): 0 is in
+    "rollout.scheduler.max_redispatch=0",  # no retry
+    "reward.max_stuck=1",
+])
+def test_a_value_at_its_bound_is_accepted(item):
+    load_config(TrainConfig, overrides=[item])
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("rollout.top_p=0", "rollout.top_p: Input should be greater than 0"),
+    ("method.loss.clip_low=1", "method.loss.clip_low: Input should be less than 1"),  # 1 - clip_low > 0
+    ("method.fastrl.min_group_size=1", "greater than or equal to 2"),  # a group of one has no advantage
+    ("optim.betas=[0.9, 1]", "optim: betas must lie in [0, 1), got [0.9, 1.0]"),
+    ("reward.max_stuck=0", "reward.max_stuck: Input should be greater than or equal to 1"),
+    ("reward.overlong={buffer: 0}", "reward.overlong.buffer: Input should be greater than or equal to 1"),
+])
+def test_a_value_just_past_its_bound_is_refused(item, needle):
+    assert needle in config_error(overrides=[item])
+
+
+def test_grpo_defaults_are_the_documented_ones():
+    """docs/methods.md section 1: GRPO clips 0.2 / 0.2, eps 1e-6, KL estimator k3 by default, beta 0."""
+    method = TrainConfig().method
+    assert (method.loss.clip_low, method.loss.clip_high) == (0.2, 0.2)
+    assert method.kl.kind == "k3" and method.kl.beta == 0.0
+    assert method.advantage == GroupAdvantageConfig(type="group", scale="group", eps=1e-6)
+
+
+def test_an_overlong_buffer_as_long_as_the_budget_is_accepted():
+    # DAPO: the penalty starts at max_len - buffer; a buffer equal to max_len starts it at the first token
+    cfg = load_config(TrainConfig, overrides=["rollout.max_new_tokens=4", "reward.overlong.buffer=4"])
+    assert cfg.reward.overlong.buffer == 4
+    cfg = load_config(TrainConfig, overrides=["rollout.max_new_tokens=2", "reward.overlong={buffer: 3, max_len: 3}"])
+    assert cfg.reward.overlong.max_len == 3  # max_len, not the budget, bounds the buffer
+
+
+# ---------------------------------------------------------------------------- merging and YAML values
+
+
+def test_deep_merge_output_shares_nothing_with_its_inputs():
+    base = {"a": {"x": 1}, "b": {"y": [1]}}
+    update = {"a": {"x": 2}, "c": {"z": [3]}}
+    out = deep_merge(base, update)
+    assert out == {"a": {"x": 2}, "b": {"y": [1]}, "c": {"z": [3]}}
+    out["b"]["y"].append(2)  # a section only the base has
+    out["c"]["z"].append(4)  # a section only the update has
+    assert base == {"a": {"x": 1}, "b": {"y": [1]}} and update == {"a": {"x": 2}, "c": {"z": [3]}}
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("a=1e5", 100000.0),  # YAML 1.2: the exponent's sign is optional
+    ("a=1.e5", 100000.0),  # and so are the digits after the dot
+    ("a=2.5E3", 2500.0),
+    ("a=TRUE", True),  # YAML 1.2's three spellings of each boolean
+    ("a=1__000", 1000),  # underscores anywhere after the first digit are dropped
+    ("a=10_", 10),
+    ("a=   ", ""),  # a blank value is the empty string, as "a=" is
+])
+def test_parse_override_yaml_1_2_scalars(item, expected):
+    key, value = parse_override(item)
+    assert key == ["a"] and value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("item", [".a=1", "a.=1", "a..b=1", "=1"])
+def test_override_with_an_empty_key_part_anywhere_is_refused(item):
+    with pytest.raises(ConfigError, match="has an empty key"):
+        parse_override(item)
+
+
+def test_a_directory_given_as_config_file_is_named_as_one(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        read_yaml(tmp_path)
+    assert "is a directory" in config_error(path=tmp_path)
+
+
+# ---------------------------------------------------------------------------- error messages
+
+
+def test_a_section_validator_error_from_a_set_value_reads_cleanly_and_blames_no_file(tmp_path):
+    path = write(tmp_path, "seed: 1\n")
+    msg = config_error(path=path, overrides=["optim.betas=[0.9, 1.5]"])
+    # the validator's own words: no pydantic "Value error, " prefix, no "(got {...})" dump of the section
+    assert msg == "invalid config: optim: betas must lie in [0, 1), got [0.9, 1.5]"
+
+
+def test_a_file_error_beside_a_set_error_still_names_the_file(tmp_path):
+    path = write(tmp_path, "optim:\n  lrr: 1\n")
+    msg = config_error(path=path, overrides=["rollout.temperature=0"])
+    assert msg.startswith(f"invalid config in {path}: ") and "'optim.lrr'" in msg and "rollout.temperature" in msg
+
+
+def test_an_error_of_the_whole_config_is_named_top_level():
+    msg = config_error(overrides=["rollout.max_new_tokens=2", "reward.overlong.buffer=3"])
+    assert msg == ("invalid config: (top level): reward.overlong.buffer (3) is longer than "
+                   "rollout.max_new_tokens (2): the penalty would start before the first token")
