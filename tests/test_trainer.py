@@ -1011,3 +1011,274 @@ def test_resuming_a_run_at_its_last_step_says_there_is_nothing_to_train(tmp_path
     with pytest.warns(UserWarning, match="the run is at step 1 and train.max_steps is 1: nothing to train"):
         summary = make(tmp_path, "train.max_steps=1").train(resume=True)
     assert summary["steps"] == 1
+
+
+def test_the_lr_schedule_stays_at_its_end_past_the_last_update():
+    """Past `total` updates the schedule's fraction is held at 1: linear stays at 0 (not below),
+    cosine stays at 0 (not back up the cosine); a schedule that is all warm-up does not divide by 0."""
+    from mmrl.core.config import OptimConfig
+    from mmrl.core.trainer import lr_factor
+
+    linear = lr_factor(OptimConfig(warmup_steps=2, schedule="linear"), 12)
+    assert [linear(n) for n in (12, 13, 22)] == [0.0, 0.0, 0.0]  # frac = min(1, 11/10) = 1
+    cosine = lr_factor(OptimConfig(warmup_steps=0, schedule="cosine"), 10)
+    assert cosine(12) == pytest.approx(0.0, abs=1e-12)  # 0.5 (1 + cos pi), not 0.5 (1 + cos 1.2 pi) = 0.095
+    only_warmup = lr_factor(OptimConfig(warmup_steps=4, schedule="linear"), 4)
+    assert [only_warmup(n) for n in (3, 4)] == [1.0, 1.0]  # (3+1)/4; then frac = 0 / max(1, 0) = 0
+
+
+def test_seed_everything_seeds_numpy_with_the_seed_modulo_2_to_the_32():
+    import random
+
+    import numpy as np
+
+    from mmrl.core.trainer import seed_everything
+
+    for seed, numpy_seed in ((7, 7), (2**32 + 5, 5)):
+        seed_everything(seed)
+        assert np.random.rand() == np.random.RandomState(numpy_seed).rand()
+        assert random.random() == random.Random(seed).random()
+        assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_a_step_logs_the_mean_absolute_advantage(tmp_path):
+    trainer = make(tmp_path)
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    adv = torch.zeros(len(batch))
+    adv[:4] = torch.tensor([1.0, -1.0, 3.0, -3.0])  # |.| sums to 8 over 32 rows: 0.25 (the plain mean is 0)
+    batch.advantages = adv
+    metrics = trainer.update(batch)
+    assert metrics["reward/advantage_abs"] == pytest.approx(0.25)
+
+
+def test_sample_rows_give_each_sample_its_own_group_and_mean_advantage():
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import AtomScores, Sample
+    from mmrl.core.trainer import sample_rows
+
+    batch = RolloutBatch(
+        group_ids=torch.tensor([3, 3, 8, 8]), samples=[Sample(f"p{i // 2}", f"c{i}") for i in range(4)],
+        scores=AtomScores(["a"], torch.tensor([[1.0], [0.0], [0.5], [0.0]]), torch.tensor([2.0, 0.0, 1.0, 0.0])),
+        advantages=torch.tensor([[1.0, 3.0], [-1.0, -1.0], [0.5, 0.5], [0.0, -4.0]]),  # [N, T]: per-token
+    )
+    rows = sample_rows(batch)
+    assert [r["group"] for r in rows] == [3, 3, 8, 8]
+    assert [r["advantage"] for r in rows] == [2.0, -1.0, 0.5, -2.0]  # each row's mean over its tokens
+    assert [r["reward"] for r in rows] == [2.0, 0.0, 1.0, 0.0]
+    assert [r["atoms"] for r in rows] == [{"a": 1.0}, {"a": 0.0}, {"a": 0.5}, {"a": 0.0}]
+    assert [(r["prompt"], r["completion"]) for r in rows] == [("p0", "c0"), ("p0", "c1"), ("p1", "c2"), ("p1", "c3")]
+
+
+def test_one_mini_batch_takes_the_batch_in_order_and_draws_nothing_from_the_rollout_generator(tmp_path):
+    """mini_batches=1 needs no shuffle: the generator the next rollout draws from is left as it was."""
+    trainer = make(tmp_path, "train.ppo_epochs=2")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    seen, select = [], batch.select
+    batch.select = lambda idx: seen.append(idx.tolist()) or select(idx)
+    state = trainer.generator.get_state()
+    trainer.update(batch)
+    assert torch.equal(trainer.generator.get_state(), state)
+    assert seen[0] == list(range(32))
+
+
+def test_micro_batch_size_splits_each_mini_batch_into_micro_batches_of_that_size(tmp_path):
+    """32 rows in 2 mini-batches of 16, micro_batch_size 6: losses of 6, 6, 4 rows per mini-batch."""
+    trainer = make(tmp_path, "train.mini_batches=2", "train.micro_batch_size=6")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    sizes, loss = [], trainer.method.loss
+    trainer.method.loss = lambda policy, micro, *a, **kw: sizes.append(len(micro)) or loss(policy, micro, *a, **kw)
+    trainer.update(batch)
+    assert sizes == [6, 6, 4, 6, 6, 4]
+
+
+def test_the_logged_loss_is_the_mini_batch_loss_whatever_the_micro_batches(tmp_path):
+    """loss/total sums the micro-batches' shares: 8 micro-batches of 4 log the loss of one of 32."""
+    one, acc = make(tmp_path, name="one"), make(tmp_path, "train.micro_batch_size=4", name="acc")
+    batch, _ = one.scheduler.next_groups(version=0)
+    batch.advantages = batch.advantages + 0.5  # a loss away from 0 (a group's advantages sum to 0)
+    metrics = [t.update(batch) for t in (one, acc)]
+    assert abs(metrics[0]["loss/total"]) > 0.1
+    assert metrics[1]["loss/total"] == pytest.approx(metrics[0]["loss/total"], rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_without_max_grad_norm_a_large_gradient_is_not_clipped(tmp_path):
+    trainer = make(tmp_path, "optim.max_grad_norm=null")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    batch.advantages = batch.advantages * 1000 + 500  # a gradient norm far above 1
+    seen, step = [], trainer.optimizer.step
+    trainer.optimizer.step = lambda *a, **kw: seen.append(
+        torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None]).norm()) or step(*a, **kw)
+    metrics = trainer.update(batch)
+    assert metrics["loss/grad_norm"] > 10
+    assert float(seen[0]) == pytest.approx(metrics["loss/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_the_logged_grad_norm_is_the_mean_over_the_optimizer_steps(tmp_path):
+    trainer = make(tmp_path, "train.mini_batches=2", "train.ppo_epochs=2", "optim.max_grad_norm=null")
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    seen, step = [], trainer.optimizer.step
+    trainer.optimizer.step = lambda *a, **kw: seen.append(
+        float(torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None]).norm())) or step(*a, **kw)
+    metrics = trainer.update(batch)
+    assert len(seen) == 4 and max(seen) - min(seen) > 1e-4
+    assert metrics["loss/grad_norm"] == pytest.approx(sum(seen) / 4, rel=1e-5)
+
+
+def test_one_process_never_warns_that_the_processes_end_with_different_weights(tmp_path, monkeypatch):
+    """One process has one checksum: nothing to differ from (the warning is for ranks that drifted)."""
+    trainer = make(tmp_path, "train.max_steps=1")
+    monkeypatch.setattr(trainer, "write_summary", lambda *a, **kw: {})  # the report is not under test
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert trainer.step == 1
+    assert not [w for w in caught if "different weights" in str(w.message)]
+
+
+def test_a_step_without_any_update_logs_its_loss_and_grad_norm_as_nan(tmp_path):
+    """No optimizer step ran: no loss or gradient norm to average (nan, which the loggers leave
+    out), not a 0 that would plot as a perfect step."""
+    trainer = make(tmp_path)
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    handle = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("nan")))
+    try:
+        with pytest.warns(UserWarning, match="non-finite"):
+            metrics = trainer.update(batch)
+    finally:
+        handle.remove()
+    assert metrics["train/updates"] == 0
+    assert math.isnan(metrics["loss/total"]) and math.isnan(metrics["loss/grad_norm"])
+    assert math.isfinite(metrics["loss/policy"])  # the forward's own terms are still logged
+
+
+def test_a_skipped_update_still_counts_in_the_mean_of_the_loss_metrics(tmp_path):
+    """Two mini-batches, the second's gradient not finite: a metric that is 0.5 in both passes is
+    logged as 0.5 (the mean over the passes that ran), not 1.0 (their sum over the one update)."""
+    trainer = make(tmp_path, "train.mini_batches=2")
+    toy.log_constant(trainer.method, "x/constant", 0.5)
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    backwards = []
+
+    def second_not_finite(g):
+        backwards.append(1)
+        return torch.full_like(g, float("inf")) if len(backwards) == 2 else g
+
+    handle = trainer.params[-1].register_hook(second_not_finite)
+    try:
+        with pytest.warns(UserWarning, match="1 update"):
+            metrics = trainer.update(batch)
+    finally:
+        handle.remove()
+    assert len(backwards) == 2 and metrics["train/updates"] == 1
+    assert metrics["x/constant"] == pytest.approx(0.5)
+
+
+def test_a_method_that_sets_a_group_of_no_samples_is_a_training_error(tmp_path):
+    """As a data epoch begins (not one prompt before) the method may set G; 0 samples per group
+    is refused, 1 is taken."""
+    trainer = make(tmp_path)
+    asked = []
+    trainer.method.group_size = lambda epoch, current: asked.append(epoch) or 0
+    trainer.stream.position = len(trainer.stream.prompts) - 1  # the last prompt of data epoch 0
+    trainer._update_group_size()
+    assert asked == [] and (trainer.num_generations, trainer.group_epoch) == (8, 0)
+    trainer.stream.position = len(trainer.stream.prompts)  # the start of data epoch 1
+    with pytest.raises(TrainingError, match="returned 0 for epoch 1"):
+        trainer._update_group_size()
+    trainer.method.group_size = lambda epoch, current: 1
+    trainer._update_group_size()
+    assert (trainer.num_generations, trainer.group_epoch) == (1, 1)
+
+
+def test_a_failure_inside_the_update_after_an_unsaved_step_saves_nothing(tmp_path, monkeypatch):
+    """Step 1 finished but not saved (no save_every); step 2's update fails: its weights and
+    optimizer may be half stepped, so no checkpoint of step 1 is written from them."""
+    trainer = make(tmp_path, "train.max_steps=3", "train.save_every=0")
+    update, calls = trainer.update, {"n": 0}
+
+    def fails_in_step_2(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("out of memory")
+        return update(batch)
+
+    trainer.update = fails_in_step_2
+    monkeypatch.setattr(trainer, "evaluate", lambda **kw: {})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    assert trainer.step == 1
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+@pytest.mark.parametrize("error", ["TrainingError", "CheckpointError"])
+def test_the_trainers_own_stops_save_no_checkpoint_of_the_finished_steps(tmp_path, monkeypatch, error):
+    """A TrainingError or CheckpointError is the trainer refusing to go on (or to write): the
+    steps finished since the last checkpoint are not saved after it, as they are after a
+    reward atom's error."""
+    from mmrl.core import checkpoint
+
+    cls = {"TrainingError": TrainingError, "CheckpointError": checkpoint.CheckpointError}[error]
+    trainer = make(tmp_path, "train.max_steps=3", "train.save_every=0")
+    next_groups, calls = trainer.scheduler.next_groups, {"n": 0}
+
+    def stops_in_step_2(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise cls("stop")
+        return next_groups(*a, **kw)
+
+    trainer.scheduler.next_groups = stops_in_step_2
+    monkeypatch.setattr(trainer, "evaluate", lambda **kw: {})
+    with pytest.raises(cls, match="stop"):
+        trainer.train()
+    assert trainer.step == 1
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+def test_data_parallel_needs_prompts_per_step_a_multiple_of_the_processes(tmp_path):
+    """4 prompts per step: 2 processes take 2 each, 3 cannot split them."""
+    from mmrl.core.config import ConfigError
+    from mmrl.core.trainer import _check_data_parallel
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}"])
+    assert cfg.rollout.prompts_per_step == 4
+    _check_data_parallel(cfg, 2)
+    _check_data_parallel(cfg, 4)
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(4\) must be a multiple of the number of processes \(3\)"):
+        _check_data_parallel(cfg, 3)
+
+
+def test_the_waiting_ratio_is_the_share_of_the_step_spent_waiting_for_rollouts():
+    from mmrl.core.trainer import _waiting
+
+    assert _waiting(1.0, 3.0) == {"time/trainer_wait": 1.0, "time/trainer_busy": 3.0, "time/waiting_ratio": 0.25}
+    assert _waiting(0.0, 0.0)["time/waiting_ratio"] == 0.0  # no time at all: no division by 0
+
+
+def test_a_sample_table_shows_a_repr_up_to_2000_characters_then_cuts_it():
+    from mmrl.core.trainer import _show
+
+    assert _show(["a" * 1996]) == repr(["a" * 1996])  # 2000 characters: whole
+    assert _show(["a" * 1997]) == repr(["a" * 1997])[:2000] + "..."  # 2001: cut to 2000
+    assert _show("x" * 5000) == "x" * 5000 and _show(None) is None
+
+
+def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on_it(tmp_path):
+    """A second trainer on the same task starts from the task's own reward (base_reward), not
+    from the first trainer's, which already holds the config's atom."""
+    (tmp_path / "atoms.py").write_text(
+        "from mmrl.core.rewards import reward_atom\n"
+        "@reward_atom('even_first', weight=0.25)\n"
+        "def even_first(sample):\n"
+        "    return sample.completion[0] % 2 == 0\n"
+    )
+    (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n")
+    cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'out'}"])
+    policy, task = toy.build(cfg)
+    Trainer(cfg, policy, task)
+    second = Trainer(cfg, policy, task)
+    assert second.reward.names == task.reward.names == ["answer", "stop", "even_first"]
+    assert task.base_reward.names == ["answer", "stop"]
