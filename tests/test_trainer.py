@@ -1282,3 +1282,13 @@ def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on
     second = Trainer(cfg, policy, task)
     assert second.reward.names == task.reward.names == ["answer", "stop", "even_first"]
     assert task.base_reward.names == ["answer", "stop"]
+
+
+def test_a_sample_table_shows_a_tensor_as_its_values_up_to_512_and_an_image_as_its_size():
+    from PIL import Image
+
+    from mmrl.core.trainer import _show
+
+    assert _show(torch.tensor([1, 2, 3])) == [1, 2, 3]  # a tensor has .size and .mode methods: not an image
+    assert _show(torch.zeros(512)) == [0.0] * 512 and _show(torch.zeros(2, 257)) == "<tensor (2, 257)>"
+    assert _show(Image.new("RGB", (4, 3))) == "<image 4x3 RGB>"

@@ -948,9 +948,9 @@ def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
 def _show(x: Any) -> Any:
     if isinstance(x, (str, int, float)) or x is None:
         return x
+    if torch.is_tensor(x):  # before the image test: a tensor has .size and .mode methods too
+        return x.tolist() if x.numel() <= 512 else f"<tensor {tuple(x.shape)}>"
     if hasattr(x, "size") and hasattr(x, "mode"):  # a PIL image
         return f"<image {x.size[0]}x{x.size[1]} {x.mode}>"
-    if torch.is_tensor(x):
-        return x.tolist() if x.numel() <= 512 else f"<tensor {tuple(x.shape)}>"
     text = repr(x)
     return text if len(text) <= 2000 else text[:2000] + "..."
