@@ -309,6 +309,14 @@ def test_a_type_change_names_only_the_earlier_keys_of_its_own_section():
         assert load_config(TrainConfig, overrides=["method.kl.beta=0.5", "method.advantage.type=rloo"]).method.kl.beta == 0.5
 
 
+def test_a_type_change_after_the_whole_section_was_given_says_that_it_no_longer_applies():
+    with pytest.warns(UserWarning, match=r"method.advantage=\{type: group, scale: none\} given before "
+                                         r"method.advantage.type=rloo no longer applies"):
+        cfg = load_config(TrainConfig, overrides=["method.advantage={type: group, scale: none}",
+                                                  "method.advantage.type=rloo"])
+    assert isinstance(cfg.method.advantage, RLOOAdvantageConfig)
+
+
 def test_a_bool_setting_still_takes_yes_and_off():
     import toy
 

@@ -611,7 +611,8 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
         if parts[-1] == "type" and node.get("type") != value:
             node.clear()  # a new variant starts from its own defaults
             section = parts[:-1]
-            wiped = [o for key, o in done if key[: len(section)] == section and len(key) > len(section)]
+            # the section's keys given before, or the whole section given as a mapping
+            wiped = [o for key, o in done if key[: len(section)] == section and len(key) >= len(section)]
             if wiped:  # said, not silent: the same keys given after the type would stay
                 warnings.warn(f"{', '.join(wiped)} given before {item.strip()} no longer applies: a new "
                               f"{'.'.join(section)} type starts from its own defaults (give the type first "
