@@ -4,6 +4,7 @@ built from configs (mmrl.vlm.tiny) and loaded through from_pretrained."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from mmrl.core.trainer import Trainer
 from mmrl.vlm import backend
 from mmrl.vlm.config import VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import load_vlm, vision_tower
-from mmrl.vlm.policy import PromptTooLong, VLMPolicy
+from mmrl.vlm.policy import PromptTooLong, VLMPolicy, to_sample
 from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.shapes_qa import QAItem, ShapesQA, shapes_qa_reward
 
@@ -629,3 +630,263 @@ def test_overlong_shaping_and_filtering_on_the_vlm(qwen25_dir, tmp_path):
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["rollout/samples_pruned"] == round(row["rollout/truncated"] * 8)
     assert "reward/overlong" in row
+
+
+def fixed_logits(policy: VLMPolicy, row: torch.Tensor) -> None:
+    """The model's output layer gives `row` ([V]) at every position, whatever it reads: the
+    distribution each step samples from is known by hand."""
+    head = policy.model.lm_head
+    assert row.shape == (head.out_features,)
+    head.forward = lambda h: row.to(h.dtype).expand(*h.shape[:-1], row.shape[0])
+
+
+def favour(policy: VLMPolicy, logits: dict[int, float]) -> torch.Tensor:
+    """A row of logits: 0 everywhere except the given tokens'."""
+    row = torch.zeros(policy.model.lm_head.out_features)
+    for token, v in logits.items():
+        row[token] = v
+    return row
+
+
+def test_a_model_that_ends_its_turn_at_once_gives_an_empty_answer(qwen25_dir):
+    """End-of-turn far ahead of every other token: greedy and sampled completions are that
+    one token (nothing forbids it first), decoded to the empty text, 1 token long, not truncated."""
+    policy = make_policy(qwen25_dir)
+    fixed_logits(policy, favour(policy, {policy.eos_id: 50.0}))
+    (greedy,) = policy.greedy_batches(ITEMS[:2], 4)
+    assert [s.completion for s in greedy.samples] == ["", ""]
+    assert [s.meta["completion_tokens"] for s in greedy.samples] == [1, 1]
+    batch = policy.generate(ITEMS[:2], 2, rollout_cfg(max_new_tokens=4), torch.Generator().manual_seed(0))
+    assert batch.data["completion_ids"][:, 0].tolist() == [policy.eos_id] * 4
+    assert batch.mask.sum(-1).tolist() == [1, 1, 1, 1] and [s.completion for s in batch.samples] == [""] * 4
+    assert batch.data["stat/length"].tolist() == [1.0] * 4 and batch.data["stat/truncated"].tolist() == [0.0] * 4
+
+
+def test_pad_tokens_the_model_generates_itself_are_its_own(qwen25_dir):
+    """Without stop strings a row ends early only at end-of-turn: a completion of the pad token
+    (Qwen's <|endoftext|>) that the model chose itself is its completion, all 4 tokens, and
+    spends the budget (truncated), in rollouts and greedy decodes alike."""
+    policy = make_policy(qwen25_dir)
+    fixed_logits(policy, favour(policy, {policy.pad_id: 50.0}))
+    batch = policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4), torch.Generator().manual_seed(0))
+    assert batch.data["completion_ids"].tolist() == [[policy.pad_id] * 4] * 2
+    assert batch.mask.all() and batch.data["stat/length"].tolist() == [4.0, 4.0]
+    assert batch.data["stat/truncated"].tolist() == [1.0, 1.0]
+    assert [s.meta["completion_tokens"] for s in batch.samples] == [4, 4]
+    (greedy,) = policy.greedy_batches(ITEMS[:1], 4)
+    assert greedy.samples[0].meta["completion_tokens"] == 4
+
+
+def test_greedy_decoding_takes_the_argmax_with_no_repetition_penalty(qwen25_dir):
+    """Token a at logit 1.0, b at 0.97, neither in the prompt: plain greedy repeats a. A
+    repetition penalty of 1.05 (Qwen instruct's generation_config) would divide a's logit by
+    1.05 once seen (0.952 < 0.97) and pick b second; no n-gram rule may forbid "a a" either."""
+    policy = make_policy(qwen25_dir)
+    tok = policy.tokenizer
+    a, b = tok.convert_tokens_to_ids("~"), tok.convert_tokens_to_ids("`")
+    assert a not in policy.encode(ITEMS[:1])["input_ids"][0].tolist()
+    fixed_logits(policy, favour(policy, {a: 1.0, b: 0.97}))
+    assert policy.greedy(ITEMS[:1], 4) == ["~~~~"]
+
+
+def test_a_rollout_samples_the_whole_vocabulary_at_temperature_one(qwen25_dir):
+    """Logits -t/1000 for token t (distinct ranks, nearly uniform): with top_p 1 and no top-k,
+    tokens of any rank are drawn, and each old log-prob is -t/1000 - logsumexp over the
+    tokens that are not banned (the 5 vision placeholders are)."""
+    policy = make_policy(qwen25_dir)
+    v = policy.model.lm_head.out_features
+    logits = -torch.arange(v, dtype=torch.float32) / 1000
+    fixed_logits(policy, logits)
+    batch = policy.generate(ITEMS[:2], 4, rollout_cfg(max_new_tokens=8), torch.Generator().manual_seed(0))
+    ids = batch.data["completion_ids"][batch.mask]
+    assert int(ids.max()) >= 100  # top-k 50 would keep ids 0..49 only
+    allowed = torch.ones(v, dtype=torch.bool)
+    allowed[policy.banned_ids] = False
+    norm = torch.logsumexp(logits[allowed].double(), 0)
+    want = (-ids.double() / 1000 - norm).float()
+    torch.testing.assert_close(batch.old_logp[batch.mask], want, atol=1e-5, rtol=0)
+
+
+def test_a_prefix_counts_in_the_completions_tokens_not_in_its_trained_length(qwen25_dir):
+    """Prefix ids [a, b], then end-of-turn: the sample's completion is "ab" and 3 tokens long
+    (what the overlong atom reads), while stat/length counts the one token the model drew."""
+    policy = make_policy(qwen25_dir)
+    tok = policy.tokenizer
+    head = tok("ab", add_special_tokens=False)["input_ids"]
+    fixed_logits(policy, favour(policy, {policy.eos_id: 50.0}))
+    batch = policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4), torch.Generator().manual_seed(0),
+                            prefixes=[head, None])
+    assert [s.completion for s in batch.samples] == ["ab", ""]
+    assert [s.meta["completion_tokens"] for s in batch.samples] == [len(head) + 1, 1]
+    assert batch.data["stat/length"].tolist() == [1.0, 1.0]
+
+
+def test_a_prefix_per_sample_is_required(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    with pytest.raises(ValueError, match="3 prefixes for 4 samples"):
+        policy.generate(ITEMS[:2], 2, rollout_cfg(), torch.Generator(), prefixes=[None, None, "a"])
+
+
+def test_forward_scored_entropy_is_the_mean_over_the_trained_tokens_with_a_prefix(qwen25_dir):
+    """rollout.old_logprobs=forward with a prefix: stat/entropy averages each row's entropies
+    over its trained tokens (not over the prefix it attends)."""
+    policy = make_policy(qwen25_dir)
+    head = policy.tokenizer("I see two", add_special_tokens=False)["input_ids"]
+    batch = policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=3, old_logprobs="forward"),
+                            torch.Generator().manual_seed(0), prefixes=[head, None])
+    with torch.no_grad():
+        _, ent = policy.logprobs(batch, entropy=True)
+    m = batch.mask
+    want = torch.stack([ent[i][m[i]].mean() for i in range(2)])
+    torch.testing.assert_close(batch.data["stat/entropy"], want)
+
+
+def test_token_stats_at_a_temperature_by_hand():
+    """Logits [0, 2 ln 3, 0, 5] at T = 2, token 3 banned: softmax([0, ln 3, 0]) = [1/5, 3/5, 1/5];
+    the log-prob of token 1 is ln(3/5), the entropy -(2/5 ln(1/5) + 3/5 ln(3/5)); float32 from
+    bf16 logits too."""
+    pol = VLMPolicy.__new__(VLMPolicy)
+    pol.banned_ids = [3]
+    step = torch.tensor([[0.0, 2 * math.log(3), 0.0, 5.0]])
+    want_logp = math.log(3 / 5)
+    want_ent = -(2 / 5 * math.log(1 / 5) + 3 / 5 * math.log(3 / 5))
+    logp, ent = pol.token_stats([step, step], torch.tensor([[1, 0]]), 2.0)
+    torch.testing.assert_close(logp, torch.tensor([[want_logp, math.log(1 / 5)]]))
+    torch.testing.assert_close(ent, torch.tensor([[want_ent, want_ent]]))
+    logp16, ent16 = pol.token_stats([step.bfloat16()], torch.tensor([[1]]), 2.0)
+    assert logp16.dtype == ent16.dtype == torch.float32
+    # bf16 logits, float32 softmax: 2 ln 3 rounds to 2.203125 in bf16
+    x = torch.tensor(2 * math.log(3)).bfloat16().float() / 2
+    torch.testing.assert_close(logp16, (x - torch.log(2 + x.exp())).reshape(1, 1))
+
+
+def test_a_groups_multi_image_prompts_share_their_encoding_with_the_same_logprobs(qwen25_dir, monkeypatch):
+    """Two-image prompts repeated in a group: the shared encoding gives each row its own two
+    images in order, so log-probs equal encoding every row."""
+    policy = make_policy(qwen25_dir)
+    two = QAItem(images=ITEMS[0].images + ITEMS[1].images, question="How many circles are there?",
+                 answer="1", reference="", meta={"answer": "1"})
+    three = QAItem(images=ITEMS[2].images + ITEMS[3].images + ITEMS[4].images, question="Which is red?",
+                   answer="1", reference="", meta={"answer": "1"})
+    batch = policy.teacher_batch([two, two, three, three], ["a", "b", "c", "d"])
+    with torch.no_grad():
+        shared = policy.logprobs(batch)
+        monkeypatch.setattr(VLMPolicy, "_takes_encoded_images", property(lambda self: False))
+        each = policy.logprobs(batch)
+    torch.testing.assert_close(shared, each, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rollout_encodes_its_prompts_once_not_once_per_sample(qwen25_dir, monkeypatch):
+    policy = make_policy(qwen25_dir)
+    calls = []
+    encode = policy.encode
+    monkeypatch.setattr(policy, "encode", lambda items: calls.append(len(items)) or encode(items))
+    policy._encode_repeated(ITEMS[:3], 4)
+    assert calls == [3]
+
+
+def test_prompt_images_are_resized_within_min_and_max_pixels(qwen25_dir):
+    """A prompt's messages carry min_pixels 80 x 80 and max_pixels 150 x 150 (qwen-vl-utils' own
+    defaults are 56 x 56 and far above), so qwen-vl-utils sizes its images to multiples of 28
+    within them: a 448 x 448 image shrinks to 140 x 140, a 28 x 28 one grows to 84 x 84."""
+    from qwen_vl_utils import process_vision_info
+
+    policy = make_policy(qwen25_dir)
+    policy.min_pixels, policy.max_pixels = 80 * 80, 150 * 150
+    item = QAItem(images=[Image.new("RGB", (s, s), "red") for s in (448, 28)], question="?", answer="",
+                  reference="", meta={})
+    found, _ = process_vision_info(policy.messages(item))
+    assert [im.size for im in found] == [(140, 140), (84, 84)]
+
+
+def test_a_rollout_copy_is_frozen_and_the_policy_is_not(qwen25_dir):
+    policy = make_policy(qwen25_dir)
+    copy = policy.rollout_copy()
+    assert not any(p.requires_grad for p in copy.model.parameters())
+    assert all(p.requires_grad for p in policy.model.parameters())
+
+
+def test_a_sample_carries_the_items_answer_and_a_zero_token_count():
+    item = QAItem(images=[], question="q?", answer="4", reference="", meta={"answer": "stale", "k": 1})
+    s = to_sample(item, "text", 0)
+    assert s.meta == {"answer": "4", "k": 1, "completion_tokens": 0}
+    assert "completion_tokens" not in to_sample(item, "text").meta
+
+
+def test_an_end_of_turn_past_the_mask_does_not_end_a_completion():
+    """vLLM's batches pad with the pad token, which may be end-of-turn: a row of 2 tokens
+    without end-of-turn, padded with one, spent its budget of 2 (and, with no budget known,
+    counts as truncated); a row that ends its turn inside its mask does not."""
+    from mmrl.vlm.policy import budget_spent
+
+    is_eos = torch.tensor([[False, False, True], [False, True, False]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    assert budget_spent(is_eos, mask, mask.sum(-1), 2).tolist() == [1.0, 0.0]
+    assert budget_spent(is_eos, mask, mask.sum(-1), None).tolist() == [1.0, 0.0]
+
+
+def test_tool_images_are_resized_within_min_pixels_and_the_max_asked_for(qwen25_dir):
+    """resize_images with min_pixels 80 x 80 and max_pixels 150 x 150, sides in multiples of 28:
+    a 28 x 28 image grows to 84 x 84, a 448 x 448 one shrinks to 140 x 140, or to 112 x 112 where
+    the caller asks for max_pixels 120 x 120."""
+    policy = make_policy(qwen25_dir)
+    policy.min_pixels, policy.max_pixels = 80 * 80, 150 * 150
+    small, big = Image.new("RGB", (28, 28), "red"), Image.new("RGB", (448, 448), "red")
+    assert [im.size for im in policy.resize_images([small, big])] == [(84, 84), (140, 140)]
+    assert [im.size for im in policy.resize_images([big], max_pixels=120 * 120)] == [(112, 112)]
+
+
+def test_a_tokenizer_with_an_unknown_token_keeps_its_eos_and_bans_only_real_placeholders():
+    """A tokenizer that maps tokens it lacks to its unk id (0 here) and has no pad: no
+    <|im_end|> means its own eos (2) ends turns and pads; of the vision placeholders only the
+    one it has (<|image_pad|> = 7) is banned, never the unk id; the context is the text config's."""
+    from types import SimpleNamespace
+
+    class Tok:
+        unk_token_id, eos_token_id, pad_token_id = 0, 2, None
+
+        def convert_tokens_to_ids(self, token):
+            return {"<|image_pad|>": 7}.get(token, 0)
+
+    text = SimpleNamespace(max_position_embeddings=64)
+    model = SimpleNamespace(config=SimpleNamespace(text_config=text, max_position_embeddings=32))
+    policy = VLMPolicy(model, SimpleNamespace(tokenizer=Tok()))
+    assert (policy.eos_id, policy.pad_id, policy.banned_ids, policy.max_context) == (2, 2, [7], 64)
+
+
+def test_a_batch_has_images_when_any_row_has_one():
+    from mmrl.vlm.policy import has_images
+
+    one = torch.tensor([[[1, 2, 2]], [[0, 0, 0]]])  # row 0: an image of 1 x 2 x 2 patches; row 1: padding
+    assert has_images({"image_grid_thw": one})
+    assert not has_images({"image_grid_thw": torch.zeros_like(one)})
+    assert not has_images({"image_grid_thw": torch.zeros((2, 0, 3), dtype=torch.long)})
+    assert not has_images({})
+
+
+
+def test_a_completion_ended_by_a_stop_string_is_not_truncated(qwen25_dir):
+    """Stop string "~" and a model that writes "~" first: each completion is that one token of
+    a budget of 4, ended without end-of-turn but not by the budget: 1 token, not truncated."""
+    policy = make_policy(qwen25_dir)
+    tilde = policy.tokenizer.convert_tokens_to_ids("~")
+    fixed_logits(policy, favour(policy, {tilde: 50.0}))
+    batch = policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4, stop=["~"]),
+                            torch.Generator().manual_seed(0))
+    assert [s.completion for s in batch.samples] == ["~", "~"]
+    assert batch.data["stat/length"].tolist() == [1.0, 1.0]
+    assert batch.data["stat/truncated"].tolist() == [0.0, 0.0]
+
+
+def test_the_longest_prefix_of_a_rollout_counts_toward_its_prompts_length(qwen25_dir):
+    """A context of prompt + max_new_tokens + 2 tokens: prefixes of 3 tokens and none make the
+    longest row 3 past the budget, so the rollout is refused before it starts."""
+    policy = make_policy(qwen25_dir)
+    n = int(policy.encode(ITEMS[:1])["attention_mask"].sum())
+    policy.max_context = n + 4 + 2
+    with pytest.raises(PromptTooLong, match="prompt 0 of this batch"):
+        policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4), torch.Generator(), prefixes=[[5, 6, 7], None])
+    policy.max_context = n + 4 + 3  # just fits
+    fixed_logits(policy, favour(policy, {policy.eos_id: 50.0}))
+    assert len(policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4), torch.Generator(),
+                               prefixes=[[5, 6, 7], None])) == 2
