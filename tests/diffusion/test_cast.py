@@ -385,3 +385,137 @@ def test_a_negative_atom_weight_subtracts_its_advantage():
     for weights in (w, w.expand(6, 4)):
         out = cast_advantages(batch.scores.values, batch.group_ids, weights, eps=1e-4)
         torch.testing.assert_close(out.total[:3], torch.tensor([-3 * S3, 3 * S3, 0.0]), atol=1e-3, rtol=1e-3)
+
+
+# ------------------------------------------------------------------ calibration by hand
+
+
+class _ConstantFlow:
+    """calibrate_window's view of a flow, by hand: the velocity is 1 everywhere, so x0_hat =
+    x_i - sigma_i * 1 stays at x_0 - 1 along the whole ODE path; each seed's noise is the seed
+    itself, and decode hands x0_hat through as the "image"."""
+
+    def __init__(self):
+        self.batches = []
+
+    def encode_prompt(self, texts):
+        self.batches.append(list(texts))
+        return {}
+
+    def noise(self, n, generator):
+        return torch.full((n, 2, 1), float(generator.initial_seed()))
+
+    def velocity(self, x, sigma, cond):
+        return torch.ones_like(x)
+
+    def decode(self, x):
+        return list(x)
+
+
+def test_calibrate_window_by_hand_on_scripted_verdicts(monkeypatch):
+    """Two parsed prompts (an unparsed one is dropped) x seeds 0, 1 in batches of 3: the verdicts
+    at each of 4 steps come from a script keyed by (prompt, seed), the seed read back from the
+    decoded x0_hat = seed - 1; a score of exactly 0.5 passes."""
+    from diffusion_rl.sde import FlowSDESampler
+    from diffusion_rl.tasks import shapes_geneval
+
+    circle, triangles = "a red circle", "two blue triangles left of a red circle"
+    script = {(circle, 0): [0.0, 0.5, 0.5, 0.5],  # F T T T: commit step 1
+              (circle, 1): [1.0, 1.0, 1.0, 1.0],  # never changes: 0
+              (triangles, 0): [1.0, 0.0, 1.0, 1.0],  # T F T T: 2
+              (triangles, 1): [0.0, 1.0, 1.0, 1.0]}  # F T T T: 1
+    seen = []
+
+    def score_image(image, text):
+        assert torch.equal(image, image.flatten()[0].expand_as(image))
+        seed = int(image.flatten()[0]) + 1  # x0_hat = seed - 1 exactly
+        seen.append((text, seed))
+        return {"atom": script[text, seed][sum(s == (text, seed) for s in seen) - 1]}
+
+    monkeypatch.setattr(shapes_geneval, "score_image", score_image)
+    flow, sampler = _ConstantFlow(), FlowSDESampler()
+    sampler.set_timesteps(4, shift="none")  # sigmas 1, 0.75, 0.5, 0.25, 0
+    policy = SimpleNamespace(flow=flow, sampler=lambda n: sampler, rollout=SimpleNamespace(shift="none"))
+    cal = calibrate_window(policy, [circle, "hello there", triangles], num_steps=4, window_size=2, seeds=2,
+                           offset=1, batch_size=3)
+    assert flow.batches == [[circle, circle, triangles], [triangles]]
+    assert sorted(set(seen)) == sorted(script) and len(seen) == 4 * 4
+    assert cal.prompts == [circle, triangles] and cal.num_samples == 4
+    assert cal.commit_histogram == [1, 2, 1, 0]  # commits 1, 0, 2, 1
+    # step 0 -> 1: circle seed 0, triangles seeds 0 and 1 change; 1 -> 2: triangles seed 0; 2 -> 3: none
+    assert cal.change_rate == [0.75, 0.25, 0.0]
+    # lower median of (0, 1, 1, 2) is 1; + offset 1 = 2 ends the 2-step window: steps 1..2
+    assert (cal.median_commit, cal.window_start, cal.window_size, cal.offset) == (1, 1, 2, 1)
+    assert cal.sigmas == [1.0, 0.75, 0.5, 0.25, 0.0] and cal.shift == "none" and cal.num_steps == 4
+
+
+def test_calibrate_window_without_a_parsed_prompt_says_so():
+    policy = SimpleNamespace(flow=None, sampler=None, rollout=None)
+    with pytest.raises(ValueError, match="at least one prompt the shapes-geneval grammar parses"):
+        calibrate_window(policy, ["hello there"], num_steps=4, window_size=2)
+
+
+def test_window_rule_refuses_an_empty_window():
+    with pytest.raises(ValueError, match=r"window_size must lie in \[1, 9\]"):
+        window_from_commits([1], 10, 0)
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"num_steps": 4, "window_start": 0, "window_size": 0}', "does not fit"),
+    ('{"num_steps": 4, "window_start": -1, "window_size": 2}', "does not fit"),
+    ('{"num_steps": 4, "window_start": true, "window_size": 2}', "window_start must be an integer, got True"),
+    ('[4, 0, 2]', "expected a JSON object"),
+])
+def test_load_window_refuses_an_empty_or_negative_window_a_bool_and_a_list(tmp_path, content, match):
+    path = tmp_path / "w.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        load_window(path, 4)
+    path.write_text('{"num_steps": 4, "window_start": 1, "window_size": 2}')
+    assert load_window(path, 4) == (1, 2)  # steps 1..2: the last start that keeps step 3 deterministic
+
+
+def _cast_cfg(window_start=None):
+    return SimpleNamespace(method=SimpleNamespace(window_from="model"),
+                           rollout=SimpleNamespace(window_start=window_start, window_size=2, num_steps=4, shift="auto"))
+
+
+def test_a_model_window_file_that_is_not_an_object_is_a_config_error(tmp_path):
+    from diffusion_rl.calibrate import apply_window_file
+
+    (tmp_path / MODEL_WINDOW_FILE).write_text("[4, 1, 2]")
+    with pytest.raises(ConfigError, match="the window stored with the model.*expected a JSON object"):
+        apply_window_file(_cast_cfg(), tmp_path)
+
+
+def test_an_explicit_window_and_a_model_without_one_say_nothing(tmp_path):
+    from diffusion_rl.calibrate import apply_window_file
+
+    cfg = _cast_cfg(window_start=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert apply_window_file(cfg, tmp_path) is None
+    assert cfg.rollout.window_start == (0, 1) and cfg.rollout.window_size == 2
+
+
+def test_a_window_that_cannot_replace_the_models_file_leaves_no_temporary_file(tmp_path):
+    from diffusion_rl.calibrate import WindowCalibration
+
+    cal = WindowCalibration(num_steps=4, window_start=1, window_size=2, median_commit=2, commit_histogram=[0, 0, 2, 0],
+                            change_rate=[0.0, 1.0, 0.0], num_samples=2, prompts=["a red circle"],
+                            sigmas=[1.0, 0.75, 0.5, 0.25, 0.0], shift="none")
+    (tmp_path / MODEL_WINDOW_FILE).mkdir()  # a directory in the way: the rename fails
+    (tmp_path / MODEL_WINDOW_FILE / "x").write_text("")
+    with pytest.raises(ConfigError, match="cannot store the window"):
+        store_in_model(cal, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL_WINDOW_FILE]
+
+
+def test_summary_line_by_hand():
+    from diffusion_rl.calibrate import WindowCalibration, summary_line
+
+    cal = WindowCalibration(num_steps=4, window_start=1, window_size=2, median_commit=2, commit_histogram=[0, 1, 1, 0],
+                            change_rate=[0.5, 0.25, 0.0], num_samples=2, prompts=["a red circle"],
+                            sigmas=[1.0, 0.75, 0.5, 0.25, 0.0], shift="none")
+    assert summary_line(cal) == ("window: steps 1..2 of 4 (median commit step 2, 2 samples); verdict-change rate "
+                                 "per step: [0.50, 0.25, 0.00]; commit histogram: [0, 1, 1, 0]")

@@ -554,3 +554,79 @@ def test_advantage_map_with_a_negative_atom_weight():
     for weights in (w, w[None]):
         out = advantage_map(atom, weights, maps, total, global_weight=1.0)
         torch.testing.assert_close(out, torch.tensor([[0.5, -2.5]]))
+
+
+# ------------------------------------------------------------------ attention maps by hand (no model)
+
+
+def test_atom_maps_of_two_samples_each_from_its_own_spans_and_attention():
+    """Sample 1's maps come from its own row of attention and its own parser spans; a column
+    with two spans takes every key that overlaps either of them."""
+    att = torch.tensor([[[0.1, 0.3, 0.0], [0.3, 0.1, 0.0]],
+                        [[0.0, 0.2, 0.6], [0.0, 0.4, 0.2]]])  # [N=2, L=2, S=3]
+    keys = [[(0, 3), (4, 7), None], [(0, 3), (4, 7), (8, 12)]]
+    spans = [{"a": [(0, 3)]}, {"a": [(4, 7), (8, 12)], "b": [(8, 12)]}]
+    m = atom_maps(att, keys, spans, ["a", "b"])
+    torch.testing.assert_close(m[0, 0], torch.tensor([0.5, 1.5]))  # key 0: (0.1, 0.3) / 0.2
+    assert torch.equal(m[0, 1], torch.ones(2))  # sample 0 has no "b" spans
+    torch.testing.assert_close(m[1, 0], torch.tensor([8 / 7, 6 / 7]))  # keys 1 and 2: (0.8, 0.6) / 0.7
+    torch.testing.assert_close(m[1, 1], torch.tensor([1.5, 0.5]))  # key 2: (0.6, 0.2) / 0.4
+    with pytest.raises(ValueError, match="map norm must be 'mean' or 'max'; got 'sum'"):
+        atom_maps(att, keys, spans, ["a"], "sum")
+
+
+def test_image_tokens_inside_refuses_a_mask_that_is_not_square():
+    with pytest.raises(ValueError, match=r"a square mask .* got shape \(8, 4\)"):
+        image_tokens_inside(torch.ones(8, 4, dtype=torch.bool), 2)
+
+
+
+
+def _hand_attention(monkeypatch, family):
+    """A one-layer joint attention, by hand, whose processor module holds the primitive the way
+    diffusers' do, looked up at call time with an explicit scale ln 2 (FLUX: dispatch_attention_fn
+    on [B, S, H, D]; SD3: F.scaled_dot_product_attention on [B, H, S, D]): two heads, D = 1, two
+    image tokens and one text token (FLUX: text first; SD3: text last). Every key is 0 but the
+    text key's, 1; head 0's image queries are (1, 0), head 1's (0, 0). Softmax over the 3 keys
+    with scale ln 2: a query 1 gives the text key 2 / (1 + 1 + 2) = 1/2, a query 0 gives 1/3."""
+    import types
+
+    module = types.ModuleType("hand_attention_processor")
+    module.F = torch.nn.functional
+    if family == "flux":
+        module.dispatch_attention_fn = lambda q, k, v, scale=None: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    processor = type("Processor", (), {"__module__": module.__name__})()
+    text = [0] if family == "flux" else [2]
+    img = [1, 2] if family == "flux" else [0, 1]
+
+    class Attention(torch.nn.Module):
+        processor = None
+
+        def forward(self):
+            q, k = torch.zeros(1, 2, 3, 1), torch.zeros(1, 2, 3, 1)  # [B, H, S, D]
+            q[0, 0, img[0]] = 1.0
+            k[0, :, text] = 1.0
+            m = sys.modules[module.__name__]
+            if family == "flux":
+                return m.dispatch_attention_fn(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), scale=math.log(2))
+            return m.F.scaled_dot_product_attention(q, k, k, scale=math.log(2))
+
+    attn = Attention()
+    attn.processor = processor
+    flow = SimpleNamespace(family=family, seq_len=2, transformer=SimpleNamespace(transformer_blocks=[
+        SimpleNamespace(attn=attn)]))
+    return flow, attn
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_recorded_attention_by_hand_with_the_calls_own_scale(monkeypatch, family):
+    flow, attn = _hand_attention(monkeypatch, family)
+    rec = TextAttention(flow)
+    with pytest.raises(RuntimeError, match="no attention was recorded"):
+        rec.result()
+    with rec:
+        attn()
+    # image token 0: heads (1/2, 1/3) -> 5/12; image token 1: (1/3, 1/3) -> 1/3
+    torch.testing.assert_close(rec.result(), torch.tensor([[[5 / 12], [1 / 3]]]))

@@ -563,3 +563,183 @@ def test_weight_average_takes_decay_update_every_and_warmup_from_the_config():
         assert ema.update([torch.ones(1)]) is False and ema.average[0].item() == 0.0
         assert ema.update([torch.ones(1)]) is True
         assert ema.average[0].item() == pytest.approx(want)
+
+
+# ------------------------------------------------------------------ the policy on a flow by hand (no model)
+
+
+class HandFlow:
+    """DiffusionPolicy's view of a flow, by hand: latents of 2 tokens x 1 channel, prompt
+    conditioning the prompt's row number, velocity 0 (or `bad`'s NaN) recorded with its inputs."""
+
+    family, seq_len, has_lora = "flux", 2, False
+
+    def __init__(self, guidance_scale=1.0, bad=None):
+        self.transformer, self.guidance_scale, self.bad = torch.nn.Linear(1, 1), guidance_scale, bad
+        self.calls, self.seeds, self.evaluations = [], [], 0
+
+    def encode_prompt(self, texts):
+        return {"prompt_embeds": torch.arange(float(len(texts)))[:, None]}
+
+    def noise(self, n, generator):
+        self.seeds.append(generator.initial_seed())
+        return torch.randn(n, 2, 1, generator=generator)
+
+    def velocity(self, x, sigma, cond):
+        self.calls.append(SimpleNamespace(x=x.clone(), sigma=torch.as_tensor(sigma).clone(), cond=dict(cond),
+                                          guidance_scale=self.guidance_scale))
+        v = torch.zeros_like(x)
+        return v if self.bad is None else self.bad(v, sigma)
+
+    def decode(self, x):
+        return [f"image {i}" for i in range(len(x))]
+
+
+def hand_policy(flow=None, **rollout):
+    from diffusion_rl.policy import DiffusionPolicy
+
+    rollout = SimpleNamespace(**{"num_steps": 4, "window_size": 2, "window_start": (0, 0), "train_fraction": 1.0,
+                                 "noise_level": 0.7, "kind": "sde", "shift": "none", "shared_noise": False,
+                                 **rollout})
+    return DiffusionPolicy(flow or HandFlow(), rollout), rollout
+
+
+def test_the_sampler_takes_the_rollouts_shift_and_auto_the_familys():
+    from diffusion_rl.sde import sd3_shift
+
+    policy, _ = hand_policy()
+    assert policy.sampler(4).sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]  # shift none on a flux model
+    policy.flow.family, policy.rollout.shift = "sd3", "auto"
+    torch.testing.assert_close(policy.sampler(4).sigmas, sd3_shift(torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])))
+
+
+@pytest.mark.parametrize("fraction, trained", [(0.7, 3), (0.1, 1)])
+def test_train_fraction_trains_a_rounded_sorted_share_of_a_window_that_stays_stochastic(fraction, trained):
+    """A 4-step window (steps 0..3 of 5): round(4 x 0.7) = 3 of its steps train, at least one
+    however small the fraction, in step order; every window step is an SDE step all the same."""
+    from diffusion_rl.sde import FlowSDESampler
+
+    policy, rollout = hand_policy(num_steps=5, window_size=4, train_fraction=fraction)
+    sde = []
+
+    class Recording(FlowSDESampler):
+        def step(self, *a, **kw):
+            sde.append(kw["sde"])
+            return super().step(*a, **kw)
+
+    def sampler(n):
+        s = Recording()
+        s.set_timesteps(n, shift="none")
+        return s
+
+    policy.sampler = sampler
+    batch = policy.generate(["a red circle"], 2, rollout, torch.Generator().manual_seed(0))
+    assert sde == [True, True, True, True, False]
+    sigma = batch.data["sigma"][0]
+    assert batch.old_logp.shape == (2, trained) and len(sigma) == trained
+    assert {round(s, 6) for s in sigma.tolist()} <= {1.0, 0.8, 0.6, 0.4} and (sigma[1:] < sigma[:-1]).all()
+    torch.testing.assert_close(batch.data["sigma_next"][0], sigma - 0.2)
+
+
+def test_a_full_train_fraction_draws_nothing_from_the_generator():
+    from diffusion_rl.policy import _subset
+
+    g = torch.Generator().manual_seed(0)
+    assert _subset([2, 3], 1.0, g) == [2, 3]
+    assert torch.equal(g.get_state(), torch.Generator().manual_seed(0).get_state())
+
+
+class HandPrompt:
+    def __init__(self, text, meta):
+        self.text, self.meta = text, meta
+
+
+def test_generate_groups_samples_by_prompt_and_copies_each_prompts_meta():
+    policy, rollout = hand_policy()
+    prompts = [HandPrompt("a red circle", {"k": 0}), HandPrompt("a blue square", {"k": 1})]
+    batch = policy.generate(prompts, 3, rollout, torch.Generator().manual_seed(0))
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert [s.prompt for s in batch.samples] == ["a red circle"] * 3 + ["a blue square"] * 3
+    assert [s.completion for s in batch.samples] == [f"image {i}" for i in range(6)]
+    assert [s.meta for s in batch.samples] == [{"k": 0}] * 3 + [{"k": 1}] * 3
+    batch.samples[0].meta["k"] = 5  # a sample's meta is its own
+    assert prompts[0].meta == {"k": 0} and batch.samples[1].meta == {"k": 0}
+    with pytest.raises(TypeError, match="a diffusion prompt must be text, got int"):
+        policy.generate([3], 1, rollout, torch.Generator().manual_seed(0))
+
+
+def test_non_finite_latents_of_the_last_ode_step_stop_the_rollout():
+    """The last step is an ODE step (log-prob 0): its NaN latents alone stop the rollout."""
+    from diffusion_rl.policy import NonFiniteRollout
+
+    flow = HandFlow(bad=lambda v, sigma: v * float("nan") if float(sigma[0]) == 0.25 else v)
+    policy, rollout = hand_policy(flow)
+    with pytest.raises(NonFiniteRollout, match="sampling step 3 "):
+        policy.generate(["a red circle"], 2, rollout, torch.Generator().manual_seed(0))
+
+
+def test_flow_velocity_under_guidance_by_hand():
+    """x_t = (1 - t) x1 + t noise; unguided under CFG: the conditional velocity alone (scale 1,
+    no neg/ conditioning), the scale put back after; guided, or with a scale of 1: as given."""
+    flow = HandFlow(guidance_scale=3.0)
+    policy, _ = hand_policy(flow)
+    x1, noise, t = torch.ones(1, 2, 1), torch.full((1, 2, 1), 5.0), torch.tensor([0.25])
+    cond = {"prompt_embeds": torch.zeros(1, 1), "neg/prompt_embeds": torch.ones(1, 1)}
+    policy.flow_velocity(x1, t, noise, cond)
+    call = flow.calls[-1]
+    assert torch.equal(call.x, torch.full((1, 2, 1), 2.0))  # 0.75 x 1 + 0.25 x 5
+    assert call.guidance_scale == 1.0 and list(call.cond) == ["prompt_embeds"] and flow.guidance_scale == 3.0
+    policy.flow_velocity(x1, t, noise, cond, guided=True)
+    assert flow.calls[-1].guidance_scale == 3.0 and list(flow.calls[-1].cond) == list(cond)
+    flow.guidance_scale = 1.0
+    policy.flow_velocity(x1, t, noise, cond)
+    assert flow.calls[-1].guidance_scale == 1.0 and list(flow.calls[-1].cond) == list(cond)
+
+
+def test_sample_images_seeds_sigmas_and_partly_non_finite_latents():
+    """Each image's noise from a CPU generator seeded with its seed; the velocity at sigmas
+    1, 0.75, 0.5, 0.25 (shift none); an image with one non-finite element is named, at most three."""
+    bad_rows = []
+
+    def bad(v, sigma):
+        v = v.clone()
+        for r in bad_rows:
+            v[r, 0, 0] = float("inf")
+        return v
+
+    flow = HandFlow(bad=bad)
+    policy, _ = hand_policy(flow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert policy.sample_images(["a", "b"], [7, 3], 4) == ["image 0", "image 1"]
+    assert flow.seeds == [7, 3]
+    assert [c.sigma.tolist() for c in flow.calls] == [[1.0] * 2, [0.75] * 2, [0.5] * 2, [0.25] * 2]
+    bad_rows[:] = [1]
+    with pytest.warns(UserWarning, match=r"1 of 2 sampled images have non-finite latents \('b' seed 3\);"):
+        policy.sample_images(["a", "b"], [7, 3], 4)
+    bad_rows[:] = [0, 1, 2]
+    with pytest.warns(UserWarning, match=r"3 of 3 .*\('a' seed 0, 'b' seed 1, 'c' seed 2\);"):
+        policy.sample_images(["a", "b", "c"], [0, 1, 2], 4)
+
+
+def test_a_full_checkpoint_loads_from_its_own_directory_even_with_a_lora_folder(tmp_path):
+    policy, _ = hand_policy()
+    loaded = []
+    policy.flow.load_transformer_weights = loaded.append
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    policy.load_weights(tmp_path)
+    policy.flow.has_lora = True
+    policy.load_weights(tmp_path)
+    assert loaded == [tmp_path, tmp_path / "lora"]
+
+
+def test_attention_maps_under_cfg_keep_the_conditional_rows(flux_dir, tmp_path):
+    from diffusion_rl.models import load_flow_model
+    from diffusion_rl.policy import DiffusionPolicy
+
+    cfg, _, task = make(flux_dir, tmp_path)
+    guided = DiffusionPolicy(load_flow_model(flux_dir, guidance_scale=3.0), cfg.rollout)
+    batch = guided.generate(task.train[:1], 2, cfg.rollout, torch.Generator().manual_seed(0))
+    outs, maps = guided.sde_outputs(batch, attention=None)
+    assert len(outs) == len(maps) == 2 and all(m.shape[:2] == (2, guided.flow.seq_len) for m in maps)
