@@ -660,3 +660,127 @@ def test_diffu_grpo_pass_k_compares_with_the_old_log_probs_of_mask_k():
     for epoch, expected in enumerate([[-1.0, -4.0], [-2.0, -5.0], [-3.0, -6.0]]):
         method.epoch = epoch
         assert method.old_logp(batch)[:, 0].tolist() == expected
+
+
+# --------------------------------------------------------------------------- the policy on a stand-in predictor
+
+
+class _Predictor:
+    """What DLLMPolicy reads of a MaskPredictor: the special ids, the context, the tiny
+    character tokenizer, a model, and a call that returns zero logits and keeps `valid`."""
+
+    def __init__(self, pad=PAD, eos=EOS, mask=MASK, max_length=16):
+        from dllm_rl.tiny import build_tokenizer
+
+        self.mask_token_id, self.pad_token_id, self.eos_token_id, self.max_length = mask, pad, eos, max_length
+        self.tokenizer = build_tokenizer()
+        self.model = torch.nn.Linear(2, 2)
+        self.valid = []
+
+    def __call__(self, x, *, prompt_length, valid):
+        self.valid.append(valid)
+        return torch.zeros(*x.shape, 53)
+
+
+def _policy(predictor=None, prompt_length=4, gen_length=4, estimator=None):
+    from dllm_rl.policy import DLLMPolicy
+
+    return DLLMPolicy(predictor or _Predictor(), SimpleNamespace(gen_length=gen_length), prompt_length, estimator)
+
+
+def test_policy_logits_ban_mask_and_pad_but_never_eos_and_see_the_whole_answer():
+    policy = _policy()
+    assert policy.banned.tolist() == [PAD, MASK]
+    x = torch.full((2, 6), 5)
+    prompt_valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    with torch.no_grad():
+        out = policy.logits(x, prompt_valid)
+    # the prompt's own validity, then every answer position valid
+    assert policy.predictor.valid[-1].tolist() == [[False, True, True, True, True, True], [True] * 6]
+    assert out[..., [PAD, MASK]].eq(float("-inf")).all() and out[..., EOS:].eq(0).all()
+    assert policy.step_costs() == {"cost/forward_tokens": 12.0, "cost/train_rows": 0.0}  # 2 rows x 6, no grad
+    # a tokenizer without a pad token pads with eos: eos stays an answer token
+    assert _policy(_Predictor(pad=EOS)).banned.tolist() == [MASK]
+
+
+def test_a_prompt_and_answer_that_exactly_fill_the_context_fit():
+    from dllm_rl.policy import PromptTooLong
+
+    assert _policy(_Predictor(max_length=16), prompt_length=12, gen_length=4).prompt_length == 12  # 12 + 4 = 16
+    with pytest.raises(PromptTooLong, match="13 tokens plus gen_length 4 exceed the model's context of 16"):
+        _policy(_Predictor(max_length=16), prompt_length=13, gen_length=4)
+
+
+def test_encode_prompts_left_pads_with_the_pad_token_by_hand():
+    from dllm_rl.policy import PromptTooLong
+
+    ids, valid = _policy(prompt_length=4).encode_prompts(["12", "1234", ""])
+    # CHARSET[i] is id i + 3: "1" -> 4, "2" -> 5, "3" -> 6, "4" -> 7
+    assert ids.tolist() == [[PAD, PAD, 4, 5], [4, 5, 6, 7], [PAD] * 4]
+    assert valid.tolist() == [[False, False, True, True], [True] * 4, [False] * 4]
+    with pytest.raises(PromptTooLong, match="'12345' has 5 tokens; this run's prompts may have at most 4"):
+        _policy(prompt_length=4).encode_prompts(["12345"])
+
+
+def test_generate_refuses_prefixes_and_a_policy_without_an_estimator_has_no_logprobs():
+    policy = _policy()
+    with pytest.raises(ValueError, match="does not continue fixed prefixes"):
+        policy.generate([], 1, None, torch.Generator(), prefixes=["12"])
+    with pytest.raises(ValueError, match="has no log-prob estimator"):
+        policy.logprobs(None)
+
+
+def test_generate_by_hand_on_a_stand_in_decode():
+    """Two prompts x 2 answers of 3 tokens from a fixed decode: the groups, the texts, the
+    stats, the training mode given back, and the estimator run without gradients."""
+    from dllm_rl.samplers import DecodeResult
+
+    seen = {}
+
+    class Estimator:
+        def prepare(self, policy, batch, generator):
+            seen["grad"] = torch.is_grad_enabled()
+            seen["training"] = policy.model.training
+
+    policy = _policy(prompt_length=2, gen_length=3, estimator=Estimator())
+    policy.model.train()
+    completion = torch.tensor([[4, EOS, EOS], [5, 6, EOS], [7, 7, 7], [EOS, 4, 4]])
+    commit_step = torch.tensor([[0, 1, 2], [2, 1, 0], [0, 0, -1], [1, -1, -1]])  # -1: never decoded
+
+    def decode(texts, generator, *, temperature, strategy=None, record_states=False):
+        seen["texts"] = list(texts)
+        result = DecodeResult(
+            tokens=torch.cat([torch.full((4, 2), 3), completion], 1), completion=completion,
+            commit_step=commit_step, commit_logp=torch.zeros(4, 3, dtype=torch.float64),
+            commit_confidence=torch.ones(4, 3), fallback=torch.tensor([[True, False]] * 4),
+            active=torch.ones(4, 2, dtype=torch.bool), nfe=torch.full((4,), 2),
+            expected_wrong=torch.full((4, 2), 0.25), block_length=3, prompt_length=2, mask_id=MASK)
+        return result, torch.ones(4, 2, dtype=torch.bool)
+
+    policy.decode = decode
+    problems = [SimpleNamespace(prompt="1+", answer="1", meta={"answer": "stale", "k": 0}),
+                SimpleNamespace(prompt="2+", answer="2", meta={})]
+    batch = policy.generate(problems, 2, SimpleNamespace(temperature=1.0, strategy=None), torch.Generator())
+    assert seen["texts"] == ["1+", "1+", "2+", "2+"]
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert [s.completion for s in batch.samples] == ["1", "23", "444", ""]  # "1" is id 4, up to the first <eos>
+    assert batch.samples[0].meta == {"answer": "1", "k": 0}  # the problem's answer, not a stale meta entry
+    assert batch.mask.tolist() == [[True, True, False], [True, True, True], [True] * 3, [True, False, False]]
+    d = batch.data
+    assert d["stat/length"].tolist() == [3.0, 3.0, 2.0, 1.0]  # positions with a commit step, step 0 included
+    assert d["stat/answer_tokens"].tolist() == [2.0, 3.0, 3.0, 1.0]
+    assert d["stat/fallback_steps"].tolist() == [1.0] * 4 and d["stat/expected_wrong"].tolist() == [0.5] * 4
+    assert batch.old_logp.dtype == torch.float32
+    assert seen["grad"] is False and seen["training"] is True  # prepare runs after the mode is given back
+    assert policy.model.training
+
+
+def test_reference_is_a_frozen_copy_that_leaves_the_policy_trainable():
+    policy = _policy()
+    ref = policy.reference()
+    assert ref.model is ref.predictor.model and ref.model is not policy.model
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    assert all(p.requires_grad for p in policy.model.parameters())
+    with torch.no_grad():
+        policy.model.weight.add_(1.0)
+    assert not torch.equal(ref.model.weight, policy.model.weight)

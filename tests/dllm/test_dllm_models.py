@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import textwrap
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from dllm_rl.models import (
     SIDECAR,
+    DllmSpec,
     MaskPredictor,
+    _guess_kind,
+    _model_class,
     build_attention_mask,
     load_mask_predictor,
     position_ids_from_valid,
+    read_sidecar,
 )
 from dllm_rl.tiny import CHARSET, build_tiny_dllm, build_tokenizer
 
@@ -404,3 +412,252 @@ def test_remote_code_needs_opt_in(remote_dir):
     # the mask reaches the custom forward: row 0's real tokens ignore its padding
     ref = mp(x[:1, 2:], prompt_length=2)
     torch.testing.assert_close(logits[:1, 2:], ref, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the spec, the sidecar and the masks by hand
+
+
+def test_spec_refuses_what_no_model_runs_with():
+    assert DllmSpec("sdar", 1, attention="block_causal", block_length=1).block_length == 1  # the smallest block
+    for kw, words in [({"kind": "gpt"}, "kind 'gpt' is not one of"),
+                      ({"attention": "causal"}, "attention 'causal' is not one of"),
+                      ({"mask_token_id": True}, "mask_token_id must be an integer, got True"),
+                      ({"attention": "block_causal", "block_length": 0}, "positive integer block_length, got 0")]:
+        with pytest.raises(ValueError, match=words):
+            DllmSpec(**{"kind": "sdar", "mask_token_id": 1, **kw})
+
+
+def test_read_sidecar_refuses_a_list_unknown_keys_and_an_unknown_attention(tmp_path):
+    assert read_sidecar(tmp_path) is None  # no dllm.json: nothing to say
+    (tmp_path / SIDECAR).write_text(json.dumps({"kind": "llada", "block_length": None}))
+    assert read_sidecar(tmp_path) == {"kind": "llada", "block_length": None}  # a null block is no block
+    for text, words in [("[]", "expected a JSON object, got list"),
+                        ('{"kind": "llada", "blocks": 4}', "unknown keys \\['blocks'\\]"),
+                        ('{"kind": "llada", "attention": "causal"}', "attention 'causal' is not one of")]:
+        (tmp_path / SIDECAR).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / SIDECAR}: ") + words):
+            read_sidecar(tmp_path)
+
+
+def test_block_attention_of_one_token_blocks_and_the_masks_it_refuses():
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    m = build_attention_mask(valid, prompt_length=2, attention="block_causal", block_length=1)
+    # prompt 0, 1 (block -1); response 2 (block 0) and 3 (block 1): each sees the prompt and what precedes it
+    assert m[0, 0].long().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="block_length >= 1, got 0"):
+        build_attention_mask(valid, prompt_length=2, attention="block_causal", block_length=0)
+    with pytest.raises(ValueError, match="attention 'causal' is not one of"):
+        build_attention_mask(valid, prompt_length=2, attention="causal")
+
+
+# --------------------------------------------------------------------------- the wrapper on a stand-in model
+
+TOK = SimpleNamespace(pad_token_id=0, eos_token_id=2)
+
+
+class _Recorder(nn.Module):
+    """A stand-in transformers model: the logits of token t are row t of a fixed table, and the
+    keyword arguments of every call are kept for the test to read."""
+
+    def __init__(self, vocab: int = 6, dtype: torch.dtype = torch.float32, **config):
+        super().__init__()
+        self.config = SimpleNamespace(**{"vocab_size": vocab, "max_position_embeddings": 8, **config})
+        self.table = nn.Parameter(torch.arange(vocab * vocab, dtype=torch.float32).reshape(vocab, vocab).to(dtype))
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        self.calls.append({"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache})
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+class _Biased(_Recorder):
+    """LLaDA's remote code: the 4D mask goes in `attention_bias`."""
+
+    def forward(self, input_ids, attention_bias=None, attention_mask=None, position_ids=None):
+        self.calls.append({"attention_bias": attention_bias, "attention_mask": attention_mask})
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_a_predictor_built_directly_takes_its_kinds_attention_and_shift():
+    sdar = MaskPredictor(_Recorder(), TOK, kind="sdar", mask_token_id=1, block_length=2)
+    assert (sdar.attention, sdar.block_length, sdar.shift_logits) == ("block_causal", 2, False)
+    dream = MaskPredictor(_Recorder(), TOK, kind="dream", mask_token_id=1)
+    assert (dream.attention, dream.shift_logits) == ("full", True)
+    assert MaskPredictor(_Recorder(), TOK, kind="dream", mask_token_id=1, shift_logits=False).shift_logits is False
+    with pytest.raises(ValueError, match="kind 'gpt' is not one of"):
+        MaskPredictor(_Recorder(), TOK, kind="gpt", mask_token_id=1)
+
+
+def test_answer_ids_fill_with_eos_and_refuse_an_answer_with_no_room_for_it():
+    mp = MaskPredictor(_Recorder(vocab=53), build_tokenizer(), kind="llada", mask_token_id=1)
+    # "1" -> 4, "2" -> 5, "3" -> 6 (CHARSET[i] is id i + 3); <eos> is 2 to the end
+    assert mp.answer_ids(["12", "123", ""], 4).tolist() == [[4, 5, 2, 2], [4, 5, 6, 2], [2, 2, 2, 2]]
+    with pytest.raises(ValueError, match="answer '1234' does not fit gen_length 4 with its <eos>"):
+        mp.answer_ids(["1234"], 4)
+
+
+def test_a_predictor_refuses_a_mask_token_outside_its_vocabulary():
+    assert MaskPredictor(_Recorder(vocab=6), TOK, kind="llada", mask_token_id=5).mask_token_id == 5  # the last id
+    for bad in (6, -1):
+        with pytest.raises(ValueError, match=re.escape(f"mask_token_id {bad} is not in the model's vocabulary "
+                                                       "(vocab_size 6: ids 0..5)")):
+            MaskPredictor(_Recorder(vocab=6), TOK, kind="llada", mask_token_id=bad)
+
+
+def test_vocab_size_is_the_rows_of_the_output_layer_not_the_config():
+    class Padded(_Recorder):  # an output layer padded past config.vocab_size, as some checkpoints ship
+        def get_output_embeddings(self):
+            return nn.Linear(4, 8, bias=False)
+
+    mp = MaskPredictor(Padded(vocab=6), TOK, kind="llada", mask_token_id=7)
+    assert mp.vocab_size == 8 and mp.mask_token_id == 7
+
+
+def test_flash_attention_is_refused_for_its_lack_of_4d_masks():
+    with pytest.raises(ValueError, match="'flash_attention_2' cannot take the custom 4D attention masks"):
+        MaskPredictor(_Recorder(_attn_implementation="flash_attention_2"), TOK, kind="llada", mask_token_id=1)
+
+
+def test_forward_passes_a_bool_mask_positions_over_valid_tokens_and_no_cache():
+    model = _Recorder()
+    mp = MaskPredictor(model, TOK, kind="llada", mask_token_id=1)
+    x = torch.tensor([[0, 3, 4, 1, 1]])
+    valid = torch.tensor([[False, True, True, True, True]])
+    out = mp(x, prompt_length=3, valid=valid)
+    torch.testing.assert_close(out, model.table.detach()[x], rtol=0, atol=0)
+    call = model.calls[-1]
+    assert call["use_cache"] is False  # never a KV cache: every step re-reads the whole sequence
+    assert call["position_ids"].tolist() == [[0, 0, 1, 2, 3]]  # the padding counts no position
+    mask = call["attention_mask"]
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, 5, 5)
+    assert mask[0, 0, 0].all() and mask[0, 0, 1:].long().tolist() == [[0, 1, 1, 1, 1]] * 4
+    # an int validity reads as the bool one
+    assert torch.equal(mp(x, prompt_length=3, valid=valid.long()), out)
+    assert model.calls[-1]["attention_mask"].dtype == torch.bool
+
+
+def test_eager_attention_gets_the_additive_float_mask():
+    model = _Recorder(_attn_implementation="eager")
+    mp = MaskPredictor(model, TOK, kind="llada", mask_token_id=1)
+    mp(torch.tensor([[0, 3, 4]]), prompt_length=2, valid=torch.tensor([[False, True, True]]))
+    mask = model.calls[-1]["attention_mask"]
+    lo = torch.finfo(torch.float32).min
+    assert mask.dtype == torch.float32
+    assert mask[0, 0].tolist() == [[0.0, 0.0, 0.0], [lo, 0.0, 0.0], [lo, 0.0, 0.0]]  # 0 = attend, min = not
+
+
+def test_the_4d_mask_goes_to_attention_bias_only_for_llada():
+    llada = _Biased(model_type="llada")
+    MaskPredictor(llada, TOK, kind="llada", mask_token_id=1)(torch.tensor([[3, 4]]), prompt_length=1)
+    assert llada.calls[-1]["attention_bias"].shape == (1, 1, 2, 2) and llada.calls[-1]["attention_mask"] is None
+    other = _Biased(model_type="llama")
+    MaskPredictor(other, TOK, kind="llada", mask_token_id=1)(torch.tensor([[3, 4]]), prompt_length=1)
+    assert other.calls[-1]["attention_mask"].shape == (1, 1, 2, 2) and other.calls[-1]["attention_bias"] is None
+
+
+def test_forward_takes_an_all_prompt_row_at_the_full_context_and_refuses_the_rest():
+    mp = MaskPredictor(_Recorder(), TOK, kind="llada", mask_token_id=1)  # a context of 8
+    x = torch.full((1, 8), 3)
+    assert mp(x, prompt_length=8).shape == (1, 8, 6)  # all prompt, all 8 positions
+    with pytest.raises(ValueError, match=re.escape("prompt_length -1 is outside [0, 8]")):
+        mp(x, prompt_length=-1)
+    with pytest.raises(ValueError, match=re.escape("valid has shape (1, 7), input_ids (1, 8)")):
+        mp(x, prompt_length=4, valid=torch.ones(1, 7, dtype=torch.bool))
+
+
+def test_logits_are_float32_from_a_bf16_model():
+    model = _Recorder(dtype=torch.bfloat16)
+    out = MaskPredictor(model, TOK, kind="llada", mask_token_id=1)(torch.tensor([[3, 5]]), prompt_length=1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model.table.detach().float()[torch.tensor([[3, 5]])], rtol=0, atol=0)
+
+
+def test_token_ids_take_the_tokenizer_first_then_the_configs_first_listed_id():
+    both = MaskPredictor(_Recorder(eos_token_id=2), SimpleNamespace(pad_token_id=0, eos_token_id=3),
+                         kind="llada", mask_token_id=1)
+    assert both.eos_token_id == 3
+    listed = MaskPredictor(_Recorder(eos_token_id=[2, 5], pad_token_id=False), SimpleNamespace(),
+                           kind="llada", mask_token_id=1)
+    assert (listed.eos_token_id, listed.pad_token_id) == (2, None)  # a bool is no token id
+    # a bool is no context length either: the next name gives it
+    assert MaskPredictor(_Recorder(max_position_embeddings=True, max_sequence_length=16), TOK,
+                         kind="llada", mask_token_id=1).max_length == 16
+
+
+def test_model_class_and_kind_guess_by_hand():
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    assert _model_class("llada", {"AutoConfig": "c.C", "AutoModel": "m.M"}) is AutoModel  # LLaDA's remote code
+    assert _model_class("dream", {"AutoModel": "m.M", "AutoModelForCausalLM": "m.L"}) is AutoModelForCausalLM
+    assert _model_class("sdar", {}) is AutoModelForCausalLM
+    assert _model_class("masked_lm", {"AutoModel": "m.M"}) is AutoModelForMaskedLM
+    for model_type, kind in [("LLaDA", "llada"), ("dream", "dream"), ("SDAR", "sdar")]:
+        assert _guess_kind(SimpleNamespace(model_type=model_type), {}, Path("m")) == kind
+
+
+# --------------------------------------------------------------------------- loading: the settings it resolves
+
+
+def test_load_refuses_an_unknown_dtype_and_passes_attn_implementation(tiny_dirs):
+    with pytest.raises(ValueError, match="dtype 'float64' is not one of"):
+        load_mask_predictor(tiny_dirs["llada"], dtype="float64")
+    eager = load_mask_predictor(tiny_dirs["sdar"], attn_implementation="eager")
+    assert eager.model.config._attn_implementation == "eager"
+
+
+def test_trust_remote_code_on_a_plain_directory_runs_and_records_nothing(tiny_dirs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp = load_mask_predictor(tiny_dirs["llada"], trust_remote_code=True)
+    assert not [w for w in caught if "trust_remote_code" in str(w.message)]
+    assert mp.trust_remote_code is False and mp.spec.trust_remote_code is False
+    assert mp.model.training is False  # loaded for inference: no dropout
+
+
+def test_a_sidecar_of_another_kind_gives_neither_its_shift_nor_its_block(tiny_dirs):
+    assert load_mask_predictor(tiny_dirs["dream"], kind="llada").shift_logits is False
+    # the sdar sidecar's block_length 4 belongs to sdar; Qwen3's config has none
+    with pytest.raises(ValueError, match=r"block_causal attention needs block_length \(config: model.block_length"):
+        load_mask_predictor(tiny_dirs["sdar"], kind="llada", attention="block_causal")
+
+
+def test_the_sidecars_mask_token_comes_before_the_tokenizers(tiny_dirs, tmp_path):
+    import shutil
+
+    own = shutil.copytree(tiny_dirs["llada"], tmp_path / "own")
+    spec = json.loads((own / SIDECAR).read_text())
+    (own / SIDECAR).write_text(json.dumps({**spec, "mask_token_id": 5}))  # the tokenizer's mask is 1
+    assert load_mask_predictor(own).mask_token_id == 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_mask_predictor(own, mask_token_id=5)  # the model's own, as its sidecar says
+    assert not [w for w in caught if "mask token" in str(w.message)]
+    with pytest.warns(UserWarning, match=f"mask_token_id 1 is not the model's own mask token \\(5, from {SIDECAR}"):
+        load_mask_predictor(own, mask_token_id=1)
+
+
+def test_a_sidecar_mask_token_past_the_vocabulary_is_refused_before_the_weights_load(tiny_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    bad = shutil.copytree(tiny_dirs["llada"], tmp_path / "bad")
+    spec = json.loads((bad / SIDECAR).read_text())
+    (bad / SIDECAR).write_text(json.dumps({**spec, "mask_token_id": 53}))  # ids 0..52
+
+    def no_weights(*a, **kw):
+        raise AssertionError("loaded the weights before checking the mask token")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ValueError, match=re.escape(f"{bad}: mask_token_id 53 is not in the model's vocabulary")):
+        load_mask_predictor(bad)
+
+
+def test_a_tokenizer_with_its_own_code_needs_trust_remote_code(tiny_dirs, tmp_path):
+    import shutil
+
+    remote = shutil.copytree(tiny_dirs["llada"], tmp_path / "remote")
+    conf = json.loads((remote / "tokenizer_config.json").read_text())
+    (remote / "tokenizer_config.json").write_text(json.dumps({**conf, "auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    with pytest.raises(ValueError, match=r"ships its own Python code .*model\.trust_remote_code=true"):
+        load_mask_predictor(remote)
