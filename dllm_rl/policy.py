@@ -175,7 +175,8 @@ class DLLMPolicy:
         cost/forward_tokens, the positions fed to the model in every forward (rollout steps,
         old log-probs, training rows), and cost/train_rows, the rows run with gradients."""
         out = {f"cost/{k}": float(v) for k, v in self._costs.items()}
-        self._costs = dict.fromkeys(self._costs, 0)
+        # zeroed in place: copies (reference(), a pipelined engine's sampler) count into this dict too
+        self._costs.update(dict.fromkeys(self._costs, 0))
         return out
 
     # ------------------------------------------------------------------ weights

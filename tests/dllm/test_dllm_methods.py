@@ -784,3 +784,15 @@ def test_reference_is_a_frozen_copy_that_leaves_the_policy_trainable():
     with torch.no_grad():
         policy.model.weight.add_(1.0)
     assert not torch.equal(ref.model.weight, policy.model.weight)
+
+
+def test_a_copys_forwards_count_at_every_step_not_only_the_first():
+    """reference() (also what a pipelined engine samples with) shares the policy's counters:
+    step_costs zeroes them in place, so the copy's forwards still count after the first step."""
+    policy = _policy()  # prompt 4 + answer 4
+    copy_ = policy.reference()
+    x, prompt_valid = torch.full((2, 8), 5), torch.ones(2, 4, dtype=torch.bool)
+    for _ in range(2):
+        with torch.no_grad():
+            copy_.logits(x, prompt_valid)
+        assert policy.step_costs()["cost/forward_tokens"] == 2 * 8
