@@ -440,6 +440,7 @@ def load_mask_predictor(
     elif block_length is not None and attention != "block_causal":
         warnings.warn(f"model.block_length {block_length} is not used: the {kind} model's attention is {attention!r}; "
                       "the attention block applies to block_causal (sdar) models", stacklevel=2)
+        block_length = None  # not kept in the spec (nor written to a saved dllm.json) either
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(root, **remote)

@@ -120,7 +120,8 @@ def test_save_pretrained_round_trip(predictors, tmp_path):
 
 def test_a_block_length_without_block_attention_is_warned(tiny_dirs):
     with pytest.warns(UserWarning, match="model.block_length 4 is not used: the llada model's attention is 'full'"):
-        assert load_mask_predictor(tiny_dirs["llada"], block_length=4).attention == "full"
+        mp = load_mask_predictor(tiny_dirs["llada"], block_length=4)
+    assert mp.attention == "full" and mp.block_length is None  # as DllmSpec says: None for full attention
 
 
 def test_arguments_override_sidecar(tiny_dirs):
