@@ -163,17 +163,22 @@ def test_a_failing_reward_atom_keeps_the_finished_steps(tmp_path, where):
     assert rows == full_rows
 
 
-def test_a_failure_inside_the_update_saves_nothing(tmp_path):
-    trainer = make(tmp_path, "train.max_steps=4", "train.save_every=2")
+def fail_update(trainer, at: int) -> None:
+    """trainer.update raises "out of memory" on its `at`-th call (one update per step here)."""
     update, calls = trainer.update, {"n": 0}
 
-    def fails_in_step_3(batch):
+    def fails(batch):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == at:
             raise RuntimeError("out of memory")
         return update(batch)
 
-    trainer.update = fails_in_step_3
+    trainer.update = fails
+
+
+def test_a_failure_inside_the_update_saves_nothing(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=4", "train.save_every=2")
+    fail_update(trainer, at=3)
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train()
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
@@ -1196,15 +1201,7 @@ def test_a_failure_inside_the_update_after_an_unsaved_step_saves_nothing(tmp_pat
     """Step 1 finished but not saved (no save_every); step 2's update fails: its weights and
     optimizer may be half stepped, so no checkpoint of step 1 is written from them."""
     trainer = make(tmp_path, "train.max_steps=3", "train.save_every=0")
-    update, calls = trainer.update, {"n": 0}
-
-    def fails_in_step_2(batch):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("out of memory")
-        return update(batch)
-
-    trainer.update = fails_in_step_2
+    fail_update(trainer, at=2)
     monkeypatch.setattr(trainer, "evaluate", lambda **kw: {})
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train()

@@ -112,11 +112,15 @@ def test_resume_continues_the_same_wandb_run_and_a_fresh_run_starts_its_own(tmp_
     assert [c[1]["id"] for c in fake_wandb.calls if c[0] == "init"][-1] != first
 
 
-def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
+def wandb_trainer(tmp_path, max_steps: int) -> Trainer:
     cfg = load_config(toy.CONFIG_CLASS, None,
-                      [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "logging.wandb.enabled=true",
+                      [f"output_dir={tmp_path / 'run'}", f"train.max_steps={max_steps}", "logging.wandb.enabled=true",
                        "rollout.num_generations=2", "rollout.prompts_per_step=2"], defaults=toy.DEFAULT_CONFIG)
-    trainer = Trainer(cfg, *toy.build(cfg))
+    return Trainer(cfg, *toy.build(cfg))
+
+
+def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
+    trainer = wandb_trainer(tmp_path, max_steps=3)
     step = trainer.train_step
 
     def breaks_at_2(logger=None):
@@ -131,10 +135,7 @@ def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fa
 
 
 def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
-    cfg = load_config(toy.CONFIG_CLASS, None,
-                      [f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "logging.wandb.enabled=true",
-                       "rollout.num_generations=2", "rollout.prompts_per_step=2"], defaults=toy.DEFAULT_CONFIG)
-    trainer = Trainer(cfg, *toy.build(cfg))
+    trainer = wandb_trainer(tmp_path, max_steps=2)
     evaluate = trainer.evaluate
 
     def breaks_after(samples_tag=None):
