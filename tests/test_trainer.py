@@ -32,6 +32,19 @@ def weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
 
 
+def raise_on_call(obj, name: str, at: int, error: BaseException) -> None:
+    """obj.<name> raises `error` on its `at`-th call, and works as before on the others."""
+    fn, calls = getattr(obj, name), {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise error
+        return fn(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
 def test_reward_rises_and_every_parameter_changes(tmp_path):
     trainer = make(tmp_path, "train.max_steps=30")
     before = weights(trainer)
@@ -92,16 +105,7 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
     full.train()
 
     crashing = make(tmp_path, *args, name="crash")
-    calls = {"n": 0}
-    generate = crashing.policy.generate
-
-    def dying_generate(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("simulated kill")
-        return generate(*a, **kw)
-
-    crashing.policy.generate = dying_generate
+    raise_on_call(crashing.policy, "generate", at=4, error=KeyboardInterrupt("simulated kill"))
     with pytest.raises(KeyboardInterrupt):
         crashing.train()
     assert [s for s, _ in list_checkpoints(tmp_path / "crash" / "checkpoints")] == [2]
@@ -163,22 +167,9 @@ def test_a_failing_reward_atom_keeps_the_finished_steps(tmp_path, where):
     assert rows == full_rows
 
 
-def fail_update(trainer, at: int) -> None:
-    """trainer.update raises "out of memory" on its `at`-th call (one update per step here)."""
-    update, calls = trainer.update, {"n": 0}
-
-    def fails(batch):
-        calls["n"] += 1
-        if calls["n"] == at:
-            raise RuntimeError("out of memory")
-        return update(batch)
-
-    trainer.update = fails
-
-
 def test_a_failure_inside_the_update_saves_nothing(tmp_path):
     trainer = make(tmp_path, "train.max_steps=4", "train.save_every=2")
-    fail_update(trainer, at=3)
+    raise_on_call(trainer, "update", at=3, error=RuntimeError("out of memory"))  # one update a step
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train()
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
@@ -1201,7 +1192,7 @@ def test_a_failure_inside_the_update_after_an_unsaved_step_saves_nothing(tmp_pat
     """Step 1 finished but not saved (no save_every); step 2's update fails: its weights and
     optimizer may be half stepped, so no checkpoint of step 1 is written from them."""
     trainer = make(tmp_path, "train.max_steps=3", "train.save_every=0")
-    fail_update(trainer, at=2)
+    raise_on_call(trainer, "update", at=2, error=RuntimeError("out of memory"))
     monkeypatch.setattr(trainer, "evaluate", lambda **kw: {})
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train()
@@ -1218,15 +1209,7 @@ def test_the_trainers_own_stops_save_no_checkpoint_of_the_finished_steps(tmp_pat
 
     cls = {"TrainingError": TrainingError, "CheckpointError": checkpoint.CheckpointError}[error]
     trainer = make(tmp_path, "train.max_steps=3", "train.save_every=0")
-    next_groups, calls = trainer.scheduler.next_groups, {"n": 0}
-
-    def stops_in_step_2(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise cls("stop")
-        return next_groups(*a, **kw)
-
-    trainer.scheduler.next_groups = stops_in_step_2
+    raise_on_call(trainer.scheduler, "next_groups", at=2, error=cls("stop"))
     monkeypatch.setattr(trainer, "evaluate", lambda **kw: {})
     with pytest.raises(cls, match="stop"):
         trainer.train()
