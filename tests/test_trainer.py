@@ -487,13 +487,18 @@ def test_grpo_family_presets_train_on_the_toy_task(tmp_path, path):
     assert all(isinstance(r.get("loss/total"), float) for r in rows if r.get("train/updates"))
 
 
-def test_config_reward_atoms_join_the_task_reward(tmp_path):
+def write_even_first_atom(tmp_path) -> None:
+    """tmp_path/atoms.py: a config reward atom, 1 where the completion's first token is even."""
     (tmp_path / "atoms.py").write_text(
         "from mmrl.core.rewards import reward_atom\n"
         "@reward_atom('even_first', weight=0.25)\n"
         "def even_first(sample):\n"
         "    return sample.completion[0] % 2 == 0\n"
     )
+
+
+def test_config_reward_atoms_join_the_task_reward(tmp_path):
+    write_even_first_atom(tmp_path)
     (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n  on_error: zero\n")
     cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
                       overrides=[f"output_dir={tmp_path / 'out'}", "train.max_steps=1"])
@@ -1248,12 +1253,7 @@ def test_a_sample_table_shows_a_repr_up_to_2000_characters_then_cuts_it():
 def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on_it(tmp_path):
     """A second trainer on the same task starts from the task's own reward (base_reward), not
     from the first trainer's, which already holds the config's atom."""
-    (tmp_path / "atoms.py").write_text(
-        "from mmrl.core.rewards import reward_atom\n"
-        "@reward_atom('even_first', weight=0.25)\n"
-        "def even_first(sample):\n"
-        "    return sample.completion[0] % 2 == 0\n"
-    )
+    write_even_first_atom(tmp_path)
     (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n")
     cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
                       overrides=[f"output_dir={tmp_path / 'out'}"])
