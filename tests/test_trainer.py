@@ -866,16 +866,22 @@ def test_as_one_of_two_ranks_the_loss_and_its_global_terms_are_scaled_for_the_su
         assert metrics[1]["loss/ratio_mean"] == pytest.approx(metrics[0]["loss/ratio_mean"])
 
 
+def update_with_gradient(trainer, batch, value: float) -> dict:
+    """trainer.update(batch) with the last parameter's gradient set to `value` (non-finite: the
+    update is skipped, with a warning)."""
+    handle = trainer.params[-1].register_hook(lambda g: torch.full_like(g, value))
+    try:
+        with pytest.warns(UserWarning, match="non-finite"):
+            return trainer.update(batch)
+    finally:
+        handle.remove()
+
+
 def test_a_non_finite_gradient_of_a_finite_loss_skips_the_update(tmp_path):
     trainer = make(tmp_path)
     batch, _ = trainer.scheduler.next_groups(version=0)
     before = weights(trainer)
-    handle = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("inf")))
-    try:
-        with pytest.warns(UserWarning, match="non-finite"):
-            metrics = trainer.update(batch)
-    finally:
-        handle.remove()
+    metrics = update_with_gradient(trainer, batch, float("inf"))
     assert math.isfinite(metrics["loss/policy"])
     assert metrics["train/bad_step"] == 1.0 and metrics["train/updates"] == 0
     for k, v in weights(trainer).items():
@@ -1143,12 +1149,7 @@ def test_a_step_without_any_update_logs_its_loss_and_grad_norm_as_nan(tmp_path):
     out), not a 0 that would plot as a perfect step."""
     trainer = make(tmp_path)
     batch, _ = trainer.scheduler.next_groups(version=0)
-    handle = trainer.params[-1].register_hook(lambda g: torch.full_like(g, float("nan")))
-    try:
-        with pytest.warns(UserWarning, match="non-finite"):
-            metrics = trainer.update(batch)
-    finally:
-        handle.remove()
+    metrics = update_with_gradient(trainer, batch, float("nan"))
     assert metrics["train/updates"] == 0
     assert math.isnan(metrics["loss/total"]) and math.isnan(metrics["loss/grad_norm"])
     assert math.isfinite(metrics["loss/policy"])  # the forward's own terms are still logged
