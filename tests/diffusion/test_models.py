@@ -4,20 +4,28 @@ pipelines, trained one step, saved and reloaded, with LoRA, and in pixel space."
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import shutil
 import socket
+import warnings
+from types import SimpleNamespace
 
 import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from diffusion_rl.models import (
     FlowModel,
+    Flux2FlowModel,
+    FluxFlowModel,
+    QwenImageFlowModel,
+    SD3FlowModel,
+    _load_component,
     load_flow_model,
     pack,
     pil_to_tensor,
@@ -578,3 +586,378 @@ def test_a_prompt_cut_by_a_text_encoder_is_said_once(built, family):
         model.encode_prompt([long + " and a green triangle"])
     cut = [w for w in said if "is cut there" in str(w.message)]
     assert len(cut) == 1 and "tokens and is cut there (said once per model)" in str(cut[0].message)
+
+
+# --------------------------------------------------------------------------- edges, by hand
+
+
+@pytest.fixture(scope="module")
+def loaded(built):
+    """key -> a model loaded once from `built`, for tests that only read it (a test that
+    changes a model builds its own with `_fresh`)."""
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            cache[key] = load_flow_model(built[key])
+        return cache[key]
+
+    return get
+
+
+def _fresh(model: FlowModel, *, copy_transformer: bool = False, **kwargs) -> FlowModel:
+    """Another model of `model`'s class on its components (its own counters, caches and, with
+    copy_transformer, its own transformer to train, add LoRA to or load into)."""
+    components = dict(model.components)
+    if copy_transformer:
+        components["transformer"] = copy.deepcopy(model.transformer)
+    pixel = {"patch_size": model.pixel_patch, "prediction": model.prediction} if model.pixel_space else None
+    kwargs = {"height": model.height, "width": model.width, "pixel_space": pixel, **kwargs}
+    return type(model)(components, **kwargs)
+
+
+def test_pack_and_unpack_refuse_a_grid_one_side_does_not_fit():
+    with pytest.raises(ValueError, match="cannot pack a 8x6 grid into 4x4 patches"):
+        pack(torch.zeros(1, 3, 8, 6), 4)  # 8 fits, 6 does not
+    with pytest.raises(ValueError, match="cannot pack a 6x8 grid"):
+        pack(torch.zeros(1, 3, 6, 8), 4)
+    # 4 tokens = (4/2)(4/2) is right, but 5 values per token are not whole 2x2 patches
+    with pytest.raises(ValueError, match="do not unpack to 4x4 in 2x2 patches"):
+        unpack(torch.zeros(1, 4, 5), 4, 4, 2)
+    with pytest.raises(ValueError, match="do not unpack"):
+        unpack(torch.zeros(1, 5, 4), 4, 4, 2)  # 5 tokens for a 2x2 grid
+
+
+def test_a_pixel_space_prediction_other_than_velocity_or_sample_is_refused(loaded):
+    pixel = loaded("flux_pixel")
+    with pytest.raises(ConfigError, match="prediction must be 'velocity' or 'sample', not 'epsilon'"):
+        FluxFlowModel(pixel.components, height=64, width=64,
+                      pixel_space={"patch_size": 4, "prediction": "epsilon"})
+
+
+@pytest.mark.parametrize("height, width", [(0, 64), (64, 0), (-8, 64), (64, 60), (60, 64)])
+def test_a_size_of_0_or_off_the_token_grid_is_refused(loaded, height, width):
+    """FLUX with the tiny 4x VAE: 8 pixels per token side; 0 is a multiple of 8 but no image."""
+    with pytest.raises(ConfigError, match="must be positive multiples of 8"):
+        _fresh(loaded("flux"), height=height, width=width)
+
+
+def test_a_prompt_exactly_as_long_as_clip_reads_is_not_said_cut(loaded):
+    """The tiny CLIP reads 32 tokens: <start> + 30 one-token words + <end> = 32 is whole, one
+    word more is cut (T5 adds only </s>: 31 and 32 tokens, never cut)."""
+    model = _fresh(loaded("flux"))
+    assert model.clip_length == 32 and model.max_sequence_length == 32
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.encode_prompt(" ".join(["red"] * 30))
+        assert not [w for w in said if "is cut there" in str(w.message)]
+        model.encode_prompt(" ".join(["red"] * 31))
+    assert [str(w.message) for w in said if "is cut there" in str(w.message)] == [
+        "a prompt is longer than the CLIP text encoder's 32 tokens and is cut there (said once per model): "
+        + repr(" ".join(["red"] * 31)[:120])
+    ]
+
+
+def test_encode_prompt_takes_a_string_as_one_prompt_and_refuses_none(loaded):
+    model = loaded("flux")
+    one, listed = model.encode_prompt("a red circle"), model.encode_prompt(["a red circle"])
+    assert one["prompt_embeds"].shape[0] == 1  # one row, not one per character
+    assert one.keys() == listed.keys() and all(torch.equal(one[k], listed[k]) for k in one)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        model.encode_prompt([])
+
+
+def test_velocity_takes_sigma_as_a_number_or_one_per_row(loaded):
+    model = loaded("flux")
+    cond = model.encode_prompt(PROMPTS)
+    x = model.noise(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        per_row = model.velocity(x, torch.tensor([0.5, 0.5]), cond)
+        assert torch.equal(model.velocity(x, 0.5, cond), per_row)
+        assert torch.equal(model.velocity(x, torch.tensor(0.5), cond), per_row)
+        assert torch.equal(model.velocity(x, torch.tensor([[0.5], [0.5]]), cond), per_row)
+
+
+def test_conditioning_with_other_rows_than_latents_is_refused(loaded):
+    model = loaded("flux")
+    cond = model.encode_prompt(PROMPTS[:1])
+    x = model.noise(2, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="'prompt_embeds' has 1 rows for 2 latents"), torch.no_grad():
+        model.velocity(x, 0.5, cond)
+
+
+def test_evaluations_count_two_rows_per_sample_under_cfg(loaded):
+    plain = _fresh(loaded("flux"))
+    guided = _fresh(loaded("flux"), guidance_scale=2.0)
+    x = plain.noise(3, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain.velocity(x, 0.5, plain.encode_prompt(PROMPTS_4[:3]))
+        guided.velocity(x, 0.5, guided.encode_prompt(PROMPTS_4[:3]))
+    assert (plain.evaluations, guided.evaluations) == (3, 6)  # 3 rows; 3 conditional + 3 empty-prompt rows
+
+
+def test_decode_clamps_to_the_unit_range_and_refuses_other_output_types(loaded):
+    """Pixel space decodes x to x / 2 + 1/2 clamped to [0, 1]: 3 -> 2 -> 1, -3 -> -1 -> 0,
+    0.5 -> 0.75 (255 * 0.75 = 191.25 -> 191)."""
+    model = loaded("flux_pixel")
+    image = torch.full((1, 3, 64, 64), 0.5)
+    image[:, 0], image[:, 1] = 3.0, -3.0
+    pt = model.decode(pack(image, 4), output_type="pt")
+    assert pt.shape == (1, 3, 64, 64)
+    assert (pt[:, 0] == 1).all() and (pt[:, 1] == 0).all() and (pt[:, 2] == 0.75).all()
+    assert model.decode(pack(image, 4))[0].getpixel((5, 7)) == (255, 0, 191)
+    with pytest.raises(ValueError, match="output_type must be 'pil' or 'pt', not 'np'"):
+        model.decode(pack(image, 4), output_type="np")
+
+
+def test_distilled_guidance_is_the_given_one_else_the_pipelines(loaded):
+    """FLUX.1-dev embeds the guidance (FluxPipeline's default 3.5), per row, float32; a
+    transformer without guidance_embeds (SD3) gets none."""
+    flux = loaded("flux")
+    assert torch.equal(flux._guidance(2), torch.tensor([3.5, 3.5]))
+    given = _fresh(flux, distilled_guidance=7)
+    assert given._guidance(3).dtype == torch.float32 and torch.equal(given._guidance(3), torch.tensor([7.0] * 3))
+    assert loaded("sd3")._guidance(2) is None
+    cond = flux.encode_prompt(PROMPTS)
+    x = flux.noise(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(given.velocity(x, 0.5, cond), flux.velocity(x, 0.5, cond))
+
+
+def test_add_lora_twice_is_refused(loaded):
+    model = _fresh(loaded("flux"), copy_transformer=True)
+    model.add_lora(r=2, alpha=2)
+    with pytest.raises(RuntimeError, match="already has a LoRA adapter"):
+        model.add_lora(r=4, alpha=8)
+    assert model.transformer.peft_config["default"].r == 2
+
+
+def test_copy_carried_files_skips_a_file_that_is_gone(loaded, tmp_path):
+    model = _fresh(loaded("flux"))
+    (tmp_path / "cast_window.json").write_text('{"window": [0, 1]}')
+    model.carried_files = [tmp_path / "cast_window.json", tmp_path / "gone.json"]
+    (tmp_path / "out").mkdir()
+    model.copy_carried_files(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cast_window.json"]
+    assert (tmp_path / "out/cast_window.json").read_text() == '{"window": [0, 1]}'
+
+
+def test_full_weights_missing_a_tensor_or_of_another_shape_are_refused(loaded, tmp_path):
+    """Keys and shapes must match exactly: a weight [o, i] saved as its first row [i] would
+    broadcast into every row if copied."""
+    model = _fresh(loaded("flux"), copy_transformer=True)
+    state = {k: v.detach().clone() for k, v in model._base_tensors().items()}
+    name = "proj_out.weight"
+    assert state[name].ndim == 2 and state[name].shape[0] > 1
+    before = state[name].clone()
+
+    def write(folder, tensors):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, tmp_path / folder / "diffusion_pytorch_model.safetensors")
+        return tmp_path / folder
+
+    short = write("short", {k: v for k, v in state.items() if k != name})
+    with pytest.raises(ConfigError, match=r"missing \['proj_out.weight'\], unexpected \[\]"):
+        model.load_transformer_weights(short)
+    row = write("row", {**state, name: torch.full_like(state[name][0], 7.0)})
+    with pytest.raises(ConfigError, match=rf"proj_out.weight has shape \({before.shape[1]},\), expected"):
+        model.load_transformer_weights(row)
+    assert torch.equal(dict(model.transformer.named_parameters())[name], before)
+
+
+def test_a_lora_adapter_of_another_rank_is_refused_by_name(loaded, tmp_path):
+    trained = _fresh(loaded("flux"), copy_transformer=True)
+    trained.add_lora(r=4, alpha=4)
+    adapter = trained.save_transformer_weights(tmp_path / "adapter")
+    other = _fresh(loaded("flux"), copy_transformer=True)
+    other.add_lora(r=8, alpha=4)  # the same alpha: only the rank differs
+    with pytest.raises(ConfigError, match=r"\(r=4, targets .*\) does not match this model's \(r=8"):
+        other.load_transformer_weights(adapter)
+
+
+def test_a_lora_adapter_with_keys_the_model_lacks_is_refused(loaded, tmp_path):
+    trained = _fresh(loaded("flux"), copy_transformer=True)
+    trained.add_lora(r=4, alpha=4)
+    adapter = trained.save_transformer_weights(tmp_path / "adapter")
+    state = load_file(adapter / "adapter_model.safetensors")
+    key = next(k for k in state if "lora_A" in k)
+    extra = key.replace("transformer_blocks.0.", "transformer_blocks.9.")
+    assert extra != key and extra not in state
+    save_file({**state, extra: state[key].clone()}, adapter / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=r"has keys this model lacks: \[.*transformer_blocks\.9\."):
+        _fresh(loaded("flux"), copy_transformer=True).load_transformer_weights(adapter)
+
+
+def test_sd3_without_t5_reads_256_zero_tokens(loaded):
+    """SD3's T5 is optional: without it the pipeline's T5 part is zeros of its default
+    max_sequence_length 256 x joint_attention_dim (64 here), after the 32 CLIP tokens (CLIP-L 16 +
+    CLIP-G 32 wide, zero-padded to 64)."""
+    sd3 = loaded("sd3")
+    components = {**sd3.components, "text_encoder_3": None, "tokenizer_3": None}
+    no_t5 = SD3FlowModel(components, height=64, width=64)
+    assert no_t5.max_sequence_length == 256
+    embeds = no_t5.encode_prompt(PROMPTS)["prompt_embeds"]
+    assert embeds.shape == (2, 32 + 256, 64)
+    assert (embeds[:, 32:] == 0).all() and (embeds[:, :32, 48:] == 0).all()
+    torch.testing.assert_close(embeds[:, :32], sd3.encode_prompt(PROMPTS)["prompt_embeds"][:, :32])
+
+
+def test_qwen_image_prompt_room_is_the_tokenizers_after_the_template_at_most_512(loaded):
+    """The template's prefix takes drop_idx tokens of model_max_length; what is left is read, up
+    to the pipeline's default max_sequence_length 512: one token more than the prefix leaves a
+    prompt of 1 token, none more leaves nothing."""
+    qwen = loaded("qwen_image")
+    tokenizer = copy.deepcopy(qwen.tokenizer)
+    components = {**qwen.components, "tokenizer": tokenizer}
+    assert qwen.max_sequence_length == 128 - qwen.drop_idx  # the tiny tokenizer's 128
+    tokenizer.model_max_length = qwen.drop_idx + 600
+    assert QwenImageFlowModel(components, height=64, width=64).max_sequence_length == 512
+    tokenizer.model_max_length = qwen.drop_idx + 1
+    assert QwenImageFlowModel(components, height=64, width=64).max_sequence_length == 1
+    tokenizer.model_max_length = qwen.drop_idx
+    with pytest.raises(ConfigError, match=f"model_max_length {qwen.drop_idx} leaves no room for a prompt"):
+        QwenImageFlowModel(components, height=64, width=64)
+
+
+def _pipeline_dir(root, index, pixel=None):
+    """A directory with just this model_index.json (and pixel_space.json): what is refused
+    before any component is read."""
+    root.mkdir()
+    (root / "model_index.json").write_text(json.dumps(index))
+    if pixel is not None:
+        (root / "pixel_space.json").write_text(json.dumps(pixel))
+    return root
+
+
+@pytest.mark.parametrize("index, pixel, message", [
+    ({"_class_name": "FluxPipeline"}, [4, 3], r"pixel-space spec .* is not a JSON object"),
+    (["FluxPipeline"], None, r"pipeline index .* is not a JSON object"),
+    ({"_class_name": "StableDiffusion3Pipeline"}, {"patch_size": 4}, "supported for FluxPipeline only, not StableDiffusion3Pipeline"),
+    ({"_class_name": "FluxPipeline"}, {"patch_size": 0}, "needs an integer patch_size >= 1 and channels 3"),
+    ({"_class_name": "FluxPipeline"}, {"patch_size": "4"}, "needs an integer patch_size >= 1 and channels 3"),
+    ({"_class_name": "FluxPipeline"}, {"patch_size": 4, "channels": 4}, "needs an integer patch_size >= 1 and channels 3"),
+    ({"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}, {"patch_size": 4}, "has both a vae and pixel_space.json"),
+    ({"_class_name": "FluxPipeline", "transformer": ["diffusers", None]}, None, "'transformer' is not listed in model_index.json"),
+])  # fmt: skip
+def test_a_bad_index_or_pixel_space_spec_is_refused_by_name(tmp_path, index, pixel, message):
+    with pytest.raises(ConfigError, match=message):
+        load_flow_model(_pipeline_dir(tmp_path / "model", index, pixel))
+
+
+def test_dtype_must_name_a_torch_dtype(built):
+    with pytest.raises(ConfigError, match="dtype 'Tensor' is not a torch dtype"):
+        load_flow_model(built["flux"], dtype="Tensor")  # torch.Tensor exists, but is no dtype
+
+
+@pytest.mark.parametrize("entry, message", [
+    (["json", "JSONDecoder"], "comes from 'json'; only diffusers and transformers components are loaded"),
+    (["diffusers", "NoSuchScheduler"], "diffusers has no class 'NoSuchScheduler' \\(component 'scheduler'\\)"),
+])  # fmt: skip
+def test_a_component_class_outside_diffusers_and_transformers_or_unknown_is_refused(built, tmp_path, entry, message):
+    model = shutil.copytree(built["flux"], tmp_path / "model")
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "scheduler": entry}))
+    with pytest.raises(ConfigError, match=message):
+        load_flow_model(model)
+
+
+@pytest.mark.parametrize("dropped", [3, 4])
+def test_weights_missing_from_a_component_are_named_three_at_most(built, tmp_path, dropped):
+    """The first three missing names are listed; past three, how many more there are."""
+    model = shutil.copytree(built["flux"], tmp_path / "model")
+    state = load_file(model / "text_encoder/model.safetensors")
+    gone = sorted(state)[:dropped]
+    save_file({k: v for k, v in state.items() if k not in gone}, model / "text_encoder/model.safetensors")
+    with pytest.raises(ConfigError, match=f"{dropped} weight\\(s\\) it needs are missing") as err:
+        load_flow_model(model)
+    more = "" if dropped == 3 else ", ... and 1 more"
+    assert str(err.value).endswith(f"({', '.join(gone[:3])}{more})")
+
+
+def test_a_height_or_width_given_alone_keeps_the_other_from_the_directory(built):
+    tall, wide = load_flow_model(built["flux"], height=32), load_flow_model(built["flux"], width=48)
+    assert (tall.height, tall.width, wide.height, wide.width) == (32, 64, 64, 48)
+
+
+def test_the_default_size_comes_from_pixel_space_json_and_sd3s_transformer(built, tmp_path):
+    """pixel_space.json's sample_size is in pixels; SD3's transformer sample_size is in latent
+    units: 8 x the tiny VAE's 2^(3 blocks - 1) = 4 -> 32 px, before the VAE's own 64."""
+    pixel = shutil.copytree(built["flux_pixel"], tmp_path / "pixel")
+    spec = json.loads((pixel / "pixel_space.json").read_text())
+    (pixel / "pixel_space.json").write_text(json.dumps({**spec, "sample_size": 32}))
+    model = load_flow_model(pixel)
+    assert (model.height, model.width, model.seq_len) == (32, 32, 8 * 8)
+    sd3 = shutil.copytree(built["sd3"], tmp_path / "sd3")
+    config = json.loads((sd3 / "transformer/config.json").read_text())
+    assert json.loads((sd3 / "vae/config.json").read_text())["sample_size"] == 64
+    (sd3 / "transformer/config.json").write_text(json.dumps({**config, "sample_size": 8}))
+    model = load_flow_model(sd3)
+    assert (model.height, model.width) == (32, 32)
+
+
+def test_qwen_image_conditioning_of_padding_only_keeps_one_masked_column(loaded):
+    """velocity trims the all-padding tail of prompt_embeds but keeps one column (masked out) where
+    every row is padding: the transformer needs a text token, and what a masked one holds is unread."""
+    qwen = loaded("qwen_image")
+    x = qwen.noise(2, torch.Generator().manual_seed(0))
+    s, d = qwen.max_sequence_length, qwen.transformer.config.joint_attention_dim
+    mask = torch.zeros(2, s, dtype=torch.long)
+    noise = torch.randn(2, s, d, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        v = qwen.velocity(x, 0.5, {"prompt_embeds": noise, "prompt_embeds_mask": mask})
+        zeros = qwen.velocity(x, 0.5, {"prompt_embeds": torch.zeros(2, s, d), "prompt_embeds_mask": mask})
+    assert v.shape == x.shape and torch.isfinite(v).all() and torch.equal(v, zeros)
+
+
+def test_flux2_refuses_a_text_encoder_without_hidden_state_30(built):
+    """FLUX.2 stacks hidden states 10, 20 and 30: hidden_states[30] is the output of layer 30, so
+    a 30-layer encoder is enough and a 29-layer one is refused (a stand-in: only its config is read)."""
+    root = built["flux2"]
+    index = json.loads((root / "model_index.json").read_text())
+    components = {n: _load_component(root, n, index[n], torch.float32) for n in ("transformer", "vae", "tokenizer", "scheduler")}
+
+    def encoder(layers):
+        return SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(num_hidden_layers=layers)))
+
+    assert Flux2FlowModel({**components, "text_encoder": encoder(30)}, height=64, width=64).seq_len == 64
+    with pytest.raises(ConfigError, match=r"hidden states \(10, 20, 30\), but the text encoder has only 29 layers"):
+        Flux2FlowModel({**components, "text_encoder": encoder(29)}, height=64, width=64)
+
+
+def test_pixel_space_flux_refuses_a_transformer_whose_width_is_not_3_p_squared(loaded):
+    """A token of a p x p RGB patch holds 3 p^2 values: the tiny pixel model's transformer takes
+    48 = 3 x 4^2, which fits patch 4 and not patch 2 (12)."""
+    pixel = loaded("flux_pixel")
+    assert _fresh(pixel).channels == 48
+    with pytest.raises(ConfigError, match=r"patch_size 2 needs a transformer with in_channels = 3 x 2\^2 = 12, not 48"):
+        _fresh(pixel, pixel_space={"patch_size": 2})
+
+
+def test_t5_reads_the_pipelines_default_length_at_most(loaded):
+    """FluxPipeline reads up to 512 T5 tokens by default, StableDiffusion3Pipeline 256; a
+    tokenizer that reads fewer (the tiny ones: 32) sets the length."""
+    flux, sd3 = loaded("flux"), loaded("sd3")
+    assert flux.max_sequence_length == sd3.max_sequence_length == 32
+    long_t5 = copy.deepcopy(flux.tokenizer_2)
+    long_t5.model_max_length = 1024
+    assert FluxFlowModel({**flux.components, "tokenizer_2": long_t5}, height=64, width=64).max_sequence_length == 512
+    long_t5 = copy.deepcopy(sd3.tokenizer_3)
+    long_t5.model_max_length = 1024
+    assert SD3FlowModel({**sd3.components, "tokenizer_3": long_t5}, height=64, width=64).max_sequence_length == 256
+
+
+def test_the_default_size_is_the_vaes_sample_size(built, tmp_path):
+    """FLUX.1 has no size of its own: the VAE config's sample_size, in pixels (tiny: 64)."""
+    model = shutil.copytree(built["flux"], tmp_path / "model")
+    config = json.loads((model / "vae/config.json").read_text())
+    (model / "vae/config.json").write_text(json.dumps({**config, "sample_size": 32}))
+    loaded = load_flow_model(model)
+    assert (loaded.height, loaded.width, loaded.seq_len) == (32, 32, 4 * 4)
+
+
+def test_a_lora_model_given_an_empty_directory_is_told_it_holds_neither(loaded, tmp_path):
+    """Only a directory with full weights is refused for holding them; an empty one holds neither."""
+    model = _fresh(loaded("flux"), copy_transformer=True)
+    model.add_lora(r=2, alpha=2)
+    with pytest.raises(ConfigError, match="holds neither a transformer .* nor a LoRA adapter"):
+        model.load_transformer_weights(tmp_path)
