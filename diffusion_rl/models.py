@@ -518,11 +518,12 @@ class FlowModel:
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
-        for k, t in target.items():
+        for k, t in target.items():  # every shape checked before any copy: a refusal leaves the model whole
             if t.shape != state[k].shape:
                 raise ConfigError(
                     f"{src}: {k} has shape {tuple(state[k].shape)}, expected {tuple(t.shape)}"
                 )
+        for k, t in target.items():
             t.copy_(state[k])
 
     def _load_lora(self, src: Path) -> None:

@@ -763,6 +763,12 @@ def test_full_weights_missing_a_tensor_or_of_another_shape_are_refused(loaded, t
     with pytest.raises(ConfigError, match=rf"proj_out.weight has shape \({before.shape[1]},\), expected"):
         model.load_transformer_weights(row)
     assert torch.equal(dict(model.transformer.named_parameters())[name], before)
+    # a refusal leaves every weight as it was, also those before the one of the wrong shape
+    first, *_, last = state  # the first tensor copied and the last
+    late = write("late", {**state, first: state[first] + 1.0, last: torch.zeros(*state[last].shape, 2)})
+    with pytest.raises(ConfigError, match=rf"{last} has shape"):
+        model.load_transformer_weights(late)
+    assert torch.equal(model._base_tensors()[first], state[first])
 
 
 def test_a_lora_adapter_of_another_rank_is_refused_by_name(loaded, tmp_path):
