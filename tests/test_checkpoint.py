@@ -638,8 +638,20 @@ def test_weights_in_place_from_a_smaller_model_are_refused(tmp_path):
     (keys missing, none unexpected), not leave the missing layers at their old values."""
     tiny_llama(0).save_pretrained(tmp_path / "one_layer")
     two = LlamaForCausalLM(LlamaConfig(**{**tiny_llama(0).config.to_dict(), "num_hidden_layers": 2}))
+    before = {k: v.clone() for k, v in two.state_dict().items()}
     with pytest.raises(CheckpointError, match="missing"):
         ckpt.load_weights_in_place(two, tmp_path / "one_layer")
+    assert all(torch.equal(v, before[k]) for k, v in two.state_dict().items())  # layer 0 not copied either
+
+
+def test_weights_in_place_of_other_shapes_are_refused_and_copy_nothing(tmp_path):
+    config = tiny_llama(0).config.to_dict()
+    LlamaForCausalLM(LlamaConfig(**{**config, "vocab_size": config["vocab_size"] + 2})).save_pretrained(tmp_path / "w")
+    model = tiny_llama(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"do not fit the model: shapes \['model.embed_tokens.weight \("):
+        ckpt.load_weights_in_place(model, tmp_path / "w")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_with_three_ranks_each_rank_gets_its_own_rng_state(tmp_path):

@@ -342,7 +342,13 @@ def load_weights_in_place(model, path: str | Path) -> None:
     "model.*"), so the file is read through from_pretrained, not as a raw state dict."""
     refuse_pickled_weights(path)
     fresh = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype, use_safetensors=True)
-    missing, unexpected = model.load_state_dict(fresh.state_dict(), strict=False)
+    theirs, ours = fresh.state_dict(), model.state_dict()
+    # all checked before anything is copied: a refusal leaves the model as it was
+    missing, unexpected = [k for k in ours if k not in theirs], [k for k in theirs if k not in ours]
     if missing or unexpected:
         raise CheckpointError(f"weights in {path} do not fit the model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
+    shapes = [f"{k} {tuple(theirs[k].shape)} for {tuple(t.shape)}" for k, t in ours.items() if theirs[k].shape != t.shape]
+    if shapes:
+        raise CheckpointError(f"weights in {path} do not fit the model: shapes {shapes[:3]}")
+    model.load_state_dict(theirs)
