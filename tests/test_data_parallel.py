@@ -511,3 +511,187 @@ def test_a_rank_whose_every_sample_was_pruned_still_joins_the_step(tmp_path, mon
     monkeypatch.setattr(distributed, "sum_tensor", lambda t: t)
     batch, metrics = trainer.scheduler.next_groups(version=0)
     assert batch is not None and len(batch) == 0 and metrics["rollout/samples_pruned"] == 4
+
+
+def _simulated(monkeypatch, rank: int = 0, world: int = 2):
+    """This process as rank `rank` of `world` on gloo; each test stands in for the collectives."""
+    monkeypatch.setattr(distributed, "world_size", lambda: world)
+    monkeypatch.setattr(distributed, "rank", lambda: rank)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+
+
+def test_one_process_joins_no_group(monkeypatch):
+    """init() with WORLD_SIZE 1 or unset (a plain `python` run) starts no process group."""
+    import accelerate
+
+    joined = []
+    monkeypatch.setattr(accelerate, "PartialState", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    distributed.init()
+    monkeypatch.delenv("WORLD_SIZE")
+    distributed.init()
+    assert joined == []
+
+
+def test_one_process_keeps_a_plain_adamw_and_nccl_refuses_to_shard_a_cpu_model(monkeypatch):
+    """optim.shard_state with one process is AdamW itself; with several on NCCL, a model with
+    any weight on the CPU is refused before ZeRO is built (one CPU weight among GPU ones too)."""
+    from mmrl.core.config import ConfigError
+
+    cpu = torch.nn.Parameter(torch.zeros(2))
+    opt = distributed.adamw([cpu], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, shard=True)
+    assert type(opt) is torch.optim.AdamW
+    _simulated(monkeypatch)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    elsewhere = torch.nn.Parameter(torch.zeros(2, device="meta"))  # not on the CPU
+    with pytest.raises(ConfigError, match="model.device=cuda"):
+        distributed.adamw([elsewhere, cpu], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, shard=True)
+
+
+def test_another_ranks_seed_by_hand(monkeypatch):
+    """rank_seed on rank r > 0: (seed * 1_000_003 + r) mod 2^63."""
+    monkeypatch.setattr(distributed, "rank", lambda: 2)
+    assert distributed.rank_seed(5) == 5_000_017  # 5 * 1_000_003 + 2
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    # 2^62 * 1_000_003 = 2^62 * (2 * 500_001 + 1) = 2^62 mod 2^63, + 1
+    assert distributed.rank_seed(2**62) == 2**62 + 1
+
+
+def test_summed_and_gathered_scalars_stay_exact_past_float32(monkeypatch):
+    """sum_scalar and gather_scalar travel in float64: a count of 2^24 + 1 (float32 rounds it to
+    2^24) arrives whole, and gather_scalar lists the ranks in rank order."""
+    _simulated(monkeypatch)
+    monkeypatch.setattr(dist, "all_reduce", lambda t: t.add_(1.0))  # the other rank holds 1
+
+    def all_gather(out, local):  # rank r holds local + r
+        for r, t in enumerate(out):
+            t.copy_(local + r)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    assert distributed.sum_scalar(2**24) == 2**24 + 1
+    assert distributed.gather_scalar(2**24) == [2**24, 2**24 + 1]
+
+
+def test_a_summed_tensor_is_a_new_one_in_the_inputs_dtype(monkeypatch):
+    """sum_tensor never reduces into the caller's tensor (a float64 CPU one included) and gives
+    the sum back in the input's dtype."""
+    _simulated(monkeypatch)
+    monkeypatch.setattr(dist, "all_reduce", lambda t: t.mul_(2))  # the other rank holds the same
+    t = torch.tensor([1.0, 2.5], dtype=torch.float64)
+    out = distributed.sum_tensor(t)
+    assert out.tolist() == [2.0, 5.0] and t.tolist() == [1.0, 2.5]
+    half = distributed.sum_tensor(torch.tensor([1.5], dtype=torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and half.tolist() == [3.0]
+
+
+def _shares(monkeypatch, shared):
+    """gather_objects answering with every rank's (results, error); what this rank sent is kept."""
+    sent = []
+    monkeypatch.setattr(distributed, "gather_objects", lambda obj: sent.append(obj) or list(shared(obj)))
+    return sent
+
+
+def test_a_rank_without_a_share_does_not_call_fn_and_gets_every_result(monkeypatch):
+    """map_shards of one item on rank 1 of 2: fn is not called with an empty share; the results
+    come back in the items' order."""
+    _simulated(monkeypatch, rank=1)
+    sent = _shares(monkeypatch, lambda mine: [([70], None), mine])
+    calls = []
+    assert distributed.map_shards(lambda items: calls.append(items) or [], [7]) == [70]
+    assert calls == [] and sent == [([], None)]
+
+
+def test_fn_giving_a_wrong_number_of_results_fails_its_rank(monkeypatch):
+    """Fewer or more results than items in the rank's share (here 7 and 9 of 7, 8, 9) is an error
+    on that rank, shared with the others (so they stop too)."""
+    _simulated(monkeypatch, rank=0)
+    sent = _shares(monkeypatch, lambda mine: [mine, ([], None)])
+    for results, words in (([1], "1 results for 2 items"), ([1, 2, 3], "3 results for 2 items")):
+        with pytest.raises(RuntimeError, match=f"map_shards: {words}"):
+            distributed.map_shards(lambda items, r=results: r, [7, 8, 9])
+        assert sent.pop()[1] == f"RuntimeError: map_shards: {words}"
+
+
+def test_the_main_ranks_failure_stops_every_other_rank(monkeypatch):
+    """Rank 1 of 2, its own share fine, raises a RankError naming rank 0's error."""
+    _simulated(monkeypatch, rank=1)
+    _shares(monkeypatch, lambda mine: [([], "ValueError: bad item"), mine])
+    with pytest.raises(distributed.RankError, match="^data-parallel rank 0 failed: ValueError: bad item$"):
+        distributed.map_shards(lambda items: items, [1, 2])
+
+
+def test_one_process_maps_to_a_list():
+    assert distributed.map_shards(lambda items: (x + 1 for x in items), [1, 2]) == [2, 3]
+
+
+def test_metrics_of_two_ranks_combine_by_kind_by_hand(monkeypatch):
+    """combine_metrics over two ranks logging the same keys, the other rank's values 3 times this
+    one's (all 1 here): counts (every rollout and reward count, a method's own, cost/*) sum to 4; maxima
+    (_max and /max), train/* flags and wall times take 3; minima (_min and /min) take 1; the rest,
+    a ratio of times included, average to 2."""
+    _simulated(monkeypatch)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, x])  # the same keys on both ranks
+
+    def all_gather(table, local):
+        table[0].copy_(local)
+        table[1].copy_(local * 3)  # its "logged" flags 3: still logged
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    counts = ["rollout/samples", "rollout/samples_extra", "rollout/samples_pruned", "rollout/groups",
+              "rollout/groups_dropped", "rollout/groups_refilled", "rollout/groups_extra", "rollout/groups_trimmed",
+              "rollout/decoded_tokens", "rollout/engine_calls", "rollout/redispatched", "reward/errors"]
+    sums = [*counts, "x/resampled", "cost/flops"]
+    maxima = ["len_max", "rollout/len/max", "train/skipped", "time/step"]
+    minima = ["len_min", "rollout/len/min"]
+    means = ["loss/policy", "time/waiting_ratio"]
+    metrics = {k: 1.0 for k in sums + maxima + minima + means}
+    expected = {k: 4.0 for k in sums} | {k: 3.0 for k in maxima} | {k: 1.0 for k in minima} | {k: 2.0 for k in means}
+    assert distributed.combine_metrics(metrics, ("x/resampled",)) == expected
+
+
+def test_a_rank_logging_text_is_warned_of_once_on_the_main_rank(monkeypatch):
+    """A rank whose metrics are not all numbers (its signature -1): every rank keeps its own
+    metrics, and the main rank warns once a run, not every step."""
+    import warnings
+
+    _simulated(monkeypatch)
+    monkeypatch.setitem(distributed._said, "keys", False)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, -1.0])
+    mine = {"loss/policy": 1.0}
+    with pytest.warns(UserWarning, match="not a number"):
+        assert distributed.combine_metrics(mine) is mine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert distributed.combine_metrics(mine) is mine
+        monkeypatch.setitem(distributed._said, "keys", False)
+        monkeypatch.setattr(distributed, "rank", lambda: 1)
+        assert distributed.combine_metrics(mine) is mine  # not the main rank: silent
+
+
+def test_gradients_are_summed_per_dtype_and_a_missing_one_counts_as_zero(monkeypatch):
+    """sum_gradients with the other rank's gradients equal to this one's: each doubles, in its own
+    dtype, one all_reduce per dtype; a parameter without a gradient gets zeros."""
+    _simulated(monkeypatch)
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t: reduced.append(t.dtype) or t.mul_(2))
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([1.0, -2.0])
+    b = torch.nn.Parameter(torch.ones(2, 1))
+    c = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    c.grad = torch.tensor([0.5], dtype=torch.bfloat16)
+    distributed.sum_gradients([a, b, c])
+    assert a.grad.tolist() == [2.0, -4.0] and b.grad.tolist() == [[0.0], [0.0]]
+    assert c.grad.dtype == torch.bfloat16 and c.grad.tolist() == [1.0]
+    assert sorted(reduced, key=str) == [torch.bfloat16, torch.float32]
+
+
+def test_the_weights_checksum_sums_absolute_values_in_float64():
+    """One process: [sum |w|]; 2^24 + |-1| is exact in float64 (float32 gives 2^24)."""
+    w = torch.nn.Parameter(torch.tensor([2.0**24, -1.0]))
+    assert distributed.weights_checksum([w]) == [2**24 + 1]
+
+
+def test_one_process_needs_no_barrier(monkeypatch):
+    monkeypatch.setattr(dist, "barrier", lambda: pytest.fail("a barrier with one process"))
+    distributed.barrier()

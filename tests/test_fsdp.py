@@ -281,3 +281,97 @@ def test_a_reference_that_cannot_be_sharded_is_left_whole():
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16))
     assert fsdp.shard_reference(SimpleNamespace(model=mixed), model) is None  # several dtypes
     assert fsdp.shard_reference(SimpleNamespace(model=nn.ReLU()), model) is None  # no weights at all
+
+
+def test_the_checksum_sums_absolute_values_in_float64():
+    """One process: sum |w| over plain weights; 2^24 + |-1| is exact in float64 (not in float32)."""
+    assert fsdp.checksum([torch.tensor([2.0**24, -1.0]), torch.tensor([[-0.5]])]) == 2**24 + 1.5
+
+
+def test_filler_passes_name_the_first_rank_that_cannot_join(monkeypatch):
+    monkeypatch.setattr(fsdp.distributed, "gather_objects", lambda mine: [(3, 4), (1, 0), (2, 0)])
+    with pytest.raises(RuntimeError, match="rank 1 has no rows"):
+        fsdp.filler_passes(3, 4)
+
+
+def test_declared_blocks_are_the_units_innermost_first_and_never_the_model_itself():
+    """_no_split_modules names the block types, wherever they sit (here outside any ModuleList);
+    the model is not one of its own blocks even where its class is named too."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    class Tower(nn.Module):
+        _no_split_modules = ("Block", "Tower")
+
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Block(), Block()
+
+    model = Tower()
+    assert fsdp._blocks(model) == [model.second, model.first]
+
+
+def test_a_cpu_model_under_nccl_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "nccl")
+    with pytest.raises(ConfigError, match="model.device=cuda"):
+        fsdp.Sharded(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A gloo group of one process: FSDP shards over a mesh of one rank, in this process."""
+    from two_ranks import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weights_in_two_low_dtypes_are_refused(one_rank):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2).half(), torch.nn.Linear(2, 2).to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="several dtypes"):
+        fsdp.Sharded(model)
+
+
+def test_nested_gathered_blocks_keep_the_weights_whole_until_the_outer_one_ends(one_rank):
+    from torch.distributed.tensor import DTensor
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sharded = fsdp.Sharded(model)
+
+    def whole():
+        return [not isinstance(p, DTensor) for p in model.parameters()]
+
+    assert whole() == [False] * 4
+    with sharded.gathered():
+        with sharded.gathered():
+            assert whole() == [True] * 4
+        assert whole() == [True] * 4  # the inner block ended: still whole
+    assert whole() == [False] * 4
+    # a sharded tensor whole on the writer, None on the other ranks
+    p = next(model.parameters())
+    assert isinstance(p, DTensor) and fsdp.Sharded.whole(p, keep=False) is None
+    assert fsdp.Sharded.whole(p).shape == (2, 2)
+
+
+def test_tied_bfloat16_weights_are_written_as_one_tensor(one_rank):
+    """whole_state of a bfloat16 model whose output layer shares the embedding: the two names
+    hold one bfloat16 tensor (a cast per name would make two, which save_pretrained writes twice);
+    the master weights stay float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    tied.to(torch.bfloat16)
+    sharded = fsdp.Sharded(tied)
+    state, masters = sharded.whole_state(list(tied.parameters()), keep=True)
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    assert state["lm_head.weight"].dtype == torch.bfloat16 and all(m.dtype == torch.float32 for m in masters)
