@@ -907,3 +907,23 @@ def test_sampled_tool_rollouts_follow_the_generator(qwen25_dir):
 
     first = draw(0)
     assert draw(0) == first and draw(1) != first
+
+
+def test_tool_schemas_are_in_the_prompt_only_where_configured(qwen25_dir):
+    """rollout.tools.schema_in_prompt (the default) renders each tool's JSON schema into the
+    chat template's system prompt; off (a model that learned its tools from demonstrations)
+    the prompt is the plain user turn, as it is without tools."""
+    mcfg = VLMModelConfig(path=str(qwen25_dir))
+    model, processor = load_vlm(mcfg)
+    registry = build_registry(["zoom", "calculator"], timeout=2.0)
+
+    def prompt(**tools):
+        policy = VLMPolicy(model, processor, **tools)
+        return policy.tokenizer.decode(policy.encode(ITEMS[:1])["input_ids"][0])
+
+    shown = prompt(tools=registry, tools_cfg=ToolsConfig(schema_in_prompt=True))
+    assert shown.startswith("<|im_start|>system\n# Tools") and "<tools>" in shown
+    assert '"name": "zoom"' in shown and '"name": "calculator"' in shown
+    plain = prompt()
+    assert plain.startswith("<|im_start|>user\n") and "<tools>" not in plain
+    assert prompt(tools=registry, tools_cfg=ToolsConfig(schema_in_prompt=False)) == plain

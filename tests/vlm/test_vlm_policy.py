@@ -890,3 +890,107 @@ def test_the_longest_prefix_of_a_rollout_counts_toward_its_prompts_length(qwen25
     fixed_logits(policy, favour(policy, {policy.eos_id: 50.0}))
     assert len(policy.generate(ITEMS[:1], 2, rollout_cfg(max_new_tokens=4), torch.Generator(),
                                prefixes=[[5, 6, 7], None])) == 2
+
+
+def test_banned_tokens_get_no_probability_however_low_the_other_logits():
+    """Logits [-2e4, -2e4, 0] with token 2 banned: at -inf it gets none, so tokens 0 and 1 have
+    1/2 each (log-prob ln(1/2), entropy ln 2), not the ~0 that any finite floor below 0 would
+    leave them."""
+    pol = VLMPolicy.__new__(VLMPolicy)
+    pol.banned_ids = [2]
+    step = torch.tensor([[-2e4, -2e4, 0.0]])
+    logp, ent = pol.token_stats([step], torch.tensor([[0]]), 1.0)
+    torch.testing.assert_close(logp, torch.tensor([[math.log(1 / 2)]]))
+    torch.testing.assert_close(ent, torch.tensor([[math.log(2)]]))
+
+
+def test_token_stats_of_no_rows_are_empty():
+    """A batch of no rows with 3 steps (generate's logits are then 3 tensors [0, V]): [0, 3]
+    log-probs and entropies, float32, not an error."""
+    pol = VLMPolicy.__new__(VLMPolicy)
+    pol.banned_ids = []
+    logp, ent = pol.token_stats([torch.zeros((0, 5))] * 3, torch.zeros((0, 3), dtype=torch.long), 1.0)
+    assert logp.shape == ent.shape == (0, 3) and logp.dtype == ent.dtype == torch.float32
+
+
+def test_a_text_prefix_is_tokenized_without_special_tokens():
+    """A tokenizer that puts BOS (1) in front when asked for special tokens: a text prefix is
+    the middle of a completion, so it is its plain ids; ids and tensors are taken as given,
+    None is no prefix."""
+
+    def tokenizer(text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [10 + ord(c) - ord("a") for c in text]}
+
+    pol = VLMPolicy.__new__(VLMPolicy)
+    pol.tokenizer = tokenizer
+    fixed = pol._prefix_ids(["ab", None, [7, 8], torch.tensor([9])], 4)
+    assert fixed == [[10, 11], [], [7, 8], [9]]
+
+
+def test_rows_share_an_encoding_only_with_the_same_patches_and_grids():
+    """Rows 0 and 1: the same 4 patches in grids 1 x 2 x 2 and 1 x 1 x 4 (two different
+    images), so each is its own; row 2 repeats row 1 exactly and shares its encoding."""
+    from mmrl.vlm.policy import _repeated_rows
+
+    patches = torch.arange(8.0).reshape(4, 2)
+    grids = [torch.tensor([[1, 2, 2]]), torch.tensor([[1, 1, 4]]), torch.tensor([[1, 1, 4]])]
+    assert _repeated_rows([patches, patches, patches.clone()], grids) == [0, 1, 1]
+
+
+def test_old_logprobs_at_a_temperature_by_hand_and_zero_past_the_end_of_turn(qwen25_dir):
+    """Logits 60 for end-of-turn and 60 + 2 ln 3 for "~" (the rest 0, e^-30 of them at T = 2):
+    at temperature 2 "~" has 3/4 and end-of-turn 1/4, so each trained token's old log-prob is
+    ln(3/4) or ln(1/4) and every step's entropy -(3/4 ln 3/4 + 1/4 ln 1/4); rows that end
+    their turn early are padded, and the padding's old log-probs are 0."""
+    policy = make_policy(qwen25_dir)
+    tilde = policy.tokenizer.convert_tokens_to_ids("~")
+    fixed_logits(policy, favour(policy, {policy.eos_id: 60.0, tilde: 60.0 + 2 * math.log(3)}))
+    batch = policy.generate(ITEMS[:2], 2, rollout_cfg(max_new_tokens=4, temperature=2.0),
+                            torch.Generator().manual_seed(0))
+    ids, mask = batch.data["completion_ids"], batch.mask
+    assert not mask.all() and mask[:, 0].all()  # some row ended its turn before the budget
+    want = torch.where(ids == tilde, math.log(3 / 4), math.log(1 / 4)).masked_fill(~mask, 0.0)
+    torch.testing.assert_close(batch.old_logp, want, atol=1e-5, rtol=0)
+    entropy = -(3 / 4 * math.log(3 / 4) + 1 / 4 * math.log(1 / 4))
+    torch.testing.assert_close(batch.data["stat/entropy"], torch.full((4,), entropy), atol=1e-5, rtol=0)
+
+
+def test_greedy_decodes_every_item_in_batches_of_batch_size(qwen25_dir):
+    """3 items, batch_size 2: two batches, of items 0-1 and of item 2, each its own groups; a
+    model that ends its turn at once answers each with the empty text in 1 token."""
+    policy = make_policy(qwen25_dir)
+    fixed_logits(policy, favour(policy, {policy.eos_id: 50.0}))
+    batches = policy.greedy_batches(ITEMS[:3], 4, batch_size=2)
+    assert [b.group_ids.tolist() for b in batches] == [[0, 1], [0]]
+    assert [s.prompt for b in batches for s in b.samples] == [it.question for it in ITEMS[:3]]
+    assert [s.meta["completion_tokens"] for b in batches for s in b.samples] == [1, 1, 1]
+    assert policy.greedy(ITEMS[:3], 4, batch_size=2) == ["", "", ""]
+
+
+def test_a_teacher_batch_is_one_group_per_item(qwen25_dir):
+    """Completions "ab" and "a" each followed by end-of-turn: groups 0 and 1, the ids of the
+    text then end-of-turn (all trained), right-padded with the pad token."""
+    policy = make_policy(qwen25_dir)
+    batch = policy.teacher_batch(ITEMS[:2], ["ab", "a"])
+    tok = policy.tokenizer
+    ab, a = tok("ab", add_special_tokens=False)["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
+    assert batch.group_ids.tolist() == [0, 1]
+    width = len(ab) + 1
+    rows = [ab + [policy.eos_id], a + [policy.eos_id] + [policy.pad_id] * (width - len(a) - 1)]
+    assert batch.data["completion_ids"].tolist() == rows
+    assert batch.mask.sum(-1).tolist() == [len(ab) + 1, len(a) + 1]
+    assert [s.completion for s in batch.samples] == ["ab", "a"]
+
+
+def test_training_logprobs_are_zero_on_padding(qwen25_dir):
+    """Completions "ab" and "a" of a teacher batch: row 1 is right-padded past its end-of-turn,
+    and its log-prob there is 0 (as old_logp's), with or without entropies; every trained
+    token's is negative."""
+    policy = make_policy(qwen25_dir)
+    batch = policy.teacher_batch(ITEMS[:2], ["ab", "a"])
+    assert not batch.mask[1].all()
+    with torch.no_grad():
+        logp, _ = policy.logprobs(batch, entropy=True)
+        plain = policy.logprobs(batch)
+    assert (logp[~batch.mask] == 0).all() and (plain[~batch.mask] == 0).all()
+    assert (logp[batch.mask] < 0).all()
