@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import toy
 from transformers import LlamaForCausalLM
 
+from mmrl.core.best import BEST, BestCheckpoint
 from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.trainer import Trainer
@@ -147,3 +150,126 @@ def test_run_slash_best_names_the_best_checkpoint_for_eval(tmp_path):
     (run / "best.json").write_text(json.dumps({"step": 3}))
     with pytest.raises(CheckpointError, match=r"best.json names step 3, but .*step-00000003 is gone"):
         resolve_checkpoint(run / "best")
+
+
+def _run_with_best(tmp_path, record=None):
+    """A run whose checkpoint 2 has its model/, and a best.json (by default naming step 2)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002" / "model").mkdir(parents=True)
+    (run / BEST).write_text(json.dumps({"step": 2} if record is None else record))
+    return run
+
+
+def test_best_alias_leaves_a_real_best_directory_and_other_paths_as_they_are(tmp_path):
+    from mmrl.core.cli import best_alias, resolve_checkpoint
+
+    run = _run_with_best(tmp_path)
+    assert best_alias(run / "best") == run / "checkpoints" / "step-00000002"
+    assert best_alias(run / "checkpoints") == run / "checkpoints"
+    (run / "best" / "model").mkdir(parents=True)  # a directory named best is what was meant
+    assert resolve_checkpoint(run / "best") == run / "best" / "model"
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*elsewhere/best does not exist"):
+        resolve_checkpoint(tmp_path / "elsewhere" / "best")  # no best.json beside it: not the alias
+
+
+@pytest.mark.parametrize("record, error", [({}, "KeyError"), ({"step": "two"}, "ValueError"), ([2], "TypeError")])
+def test_best_alias_says_its_best_json_is_unreadable(tmp_path, record, error):
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.cli import best_alias
+
+    run = _run_with_best(tmp_path, record)
+    with pytest.raises(CheckpointError, match=rf"checkpoint .*best: .*best.json is unreadable \({error}: "):
+        best_alias(run / "best")
+
+
+def test_best_alias_refuses_a_step_left_without_its_model(tmp_path):
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.cli import best_alias
+
+    run = _run_with_best(tmp_path)
+    (run / "checkpoints" / "step-00000002" / "model").rmdir()
+    with pytest.raises(CheckpointError, match=r"names step 2, but .*step-00000002 is gone"):
+        best_alias(run / "best")
+
+
+def test_train_prints_the_best_checkpoint_and_its_alias(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrl.core.cli import BackendSpec, make_app
+
+    app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--max-steps", "1", "-o", str(run), "--set", "train.eval_every=1",
+                                      "--set", "train.best_metric=accuracy"])
+    assert result.exit_code == 0, result.output
+    best = json.loads((run / BEST).read_text())
+    assert best["step"] == 1  # the final evaluation, the only one after a step
+    line = f"best checkpoint by held-out accuracy ({best['value']:.4g}, step 1): {best['checkpoint']}/model " \
+           f"(--checkpoint {run}/best)"
+    assert "".join(line.split()) in "".join(result.output.split())  # the console wraps it, paths included
+
+
+# ---------------------------------------------------------------------------- mutation audit: BestCheckpoint alone
+
+
+def _record(**changes):
+    return {"metric": "accuracy", "mode": "max", "value": 0.5, "step": 2, "checkpoint": "/run/checkpoints/step-2",
+            **changes}
+
+
+def test_check_says_none_where_the_task_reports_no_held_out_metric(tmp_path):
+    with pytest.raises(ConfigError, match=r"'accuracy' is not a held-out metric of this task; it reports none$"):
+        BestCheckpoint(tmp_path, "accuracy").check({})
+    BestCheckpoint(tmp_path, None).check({})  # no best_metric: nothing to check
+
+
+def test_resume_without_best_metric_leaves_an_earlier_record_alone(tmp_path):
+    (tmp_path / BEST).write_text(json.dumps(_record()))
+    best = BestCheckpoint(tmp_path, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "ranks by accuracy (max), this run by None"
+        best.resume()
+    assert best.record is None and best.step is None and not best.improves({"accuracy": 1.0})
+
+
+@pytest.mark.parametrize("text", [
+    "{not json",
+    json.dumps([_record()]),
+    json.dumps({k: v for k, v in _record().items() if k != "step"}),  # no step to spare
+    json.dumps(_record(step="2")),
+    json.dumps(_record(value="0.5")),
+], ids=["not JSON", "a list", "no step", "a string step", "a string value"])
+def test_resume_chooses_afresh_where_the_record_is_unreadable(tmp_path, text):
+    (tmp_path / BEST).write_text(text)
+    best = BestCheckpoint(tmp_path, "accuracy")
+    with pytest.warns(UserWarning, match=r"best.json is unreadable: the best checkpoint is chosen afresh"):
+        best.resume()
+    assert best.record is None and best.step is None and best.improves({"accuracy": 0.0})
+
+
+def test_resume_takes_a_whole_number_value_and_mode_min_wants_strictly_lower(tmp_path):
+    (tmp_path / BEST).write_text(json.dumps(_record(metric="loss", mode="min", value=3, step=4)))
+    best = BestCheckpoint(tmp_path, "loss", "min")
+    best.resume()
+    assert best.step == 4 and best.record["value"] == 3
+    assert not best.improves({"loss": 3})  # a tie keeps the earlier checkpoint
+    assert not best.improves({"loss": 3.5}) and best.improves({"loss": 2.5})
+
+
+def test_a_missing_or_non_finite_score_is_never_the_best(tmp_path):
+    best = BestCheckpoint(tmp_path, "loss", "min")
+    for value in (math.inf, -math.inf, math.nan):
+        assert not best.improves({"loss": value})
+    assert not best.improves({"format": 0.5})  # the metric is not there
+    assert best.improves({"loss": 0.25})  # the first finite score is the best so far
+
+
+def test_update_records_the_checkpoint_by_its_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    best = BestCheckpoint("run", "accuracy")  # -o run: a relative output directory
+    best.update(6, {"accuracy": 0.75, "format": 1.0}, Path("run/checkpoints/step-00000006"))
+    expected = {"metric": "accuracy", "mode": "max", "value": 0.75, "step": 6,
+                "checkpoint": str(tmp_path.resolve() / "run" / "checkpoints" / "step-00000006")}
+    assert json.loads((tmp_path / "run" / BEST).read_text()) == expected == best.record
+    assert best.step == 6 and [p.name for p in (tmp_path / "run").iterdir()] == [BEST]  # no .tmp left

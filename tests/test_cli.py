@@ -291,6 +291,30 @@ def test_an_install_without_the_bundle_says_the_bundled_models_and_configs_are_n
         load_vlm(VLMModelConfig())  # the bundled model, now looked for under the install
 
 
+
+def test_the_repository_is_the_source_checkout_else_the_wheel_s_bundle(tmp_path, monkeypatch):
+    from mmrl.core import runconfig
+
+    root = tmp_path.resolve() / "site"
+    (root / "mmrl" / "core").mkdir(parents=True)
+    monkeypatch.setattr(runconfig, "__file__", str(root / "mmrl" / "core" / "runconfig.py"))
+    assert runconfig._repository() == root  # neither: where a checkout's would be (the errors say they are missing)
+    (root / "mmrl" / "_bundled").mkdir()
+    assert runconfig._repository() == root / "mmrl" / "_bundled"  # an install of the wheel: its bundle
+    (root / "pyproject.toml").write_text("[project]\n")
+    assert runconfig._repository() == root  # a source checkout: its own assets/ and configs/, bundle or not
+
+
+def test_not_installed_note_resolves_dot_dot_ignores_an_empty_path_and_names_model_path_for_assets_only(tmp_path, monkeypatch):
+    from mmrl.core import runconfig
+
+    monkeypatch.setattr(runconfig, "REPOSITORY", tmp_path.resolve() / "site-packages")  # no assets/ there
+    note = runconfig.not_installed_note("assets/tiny-flow")
+    assert note.startswith(" (assets/ is not in this install of mmrl")
+    assert runconfig.not_installed_note(runconfig.REPOSITORY / "mmrl" / ".." / "assets" / "tiny-flow") == note
+    assert runconfig.not_installed_note("") == runconfig.not_installed_note(".") == ""
+    assert "model.path" in note and "model.path" not in runconfig.not_installed_note("configs/vlm/dapo.yaml")
+
 # ---------------------------------------------------------------------------- paths in a config (mmrl.core.runconfig)
 
 

@@ -91,3 +91,32 @@ def test_an_unreadable_earlier_file_is_set_aside_not_lost(tmp_path, earlier):
         record(tmp_path, step=5)
     assert (tmp_path / "environment.json.bad").read_text() == earlier
     assert [e["step"] for e in json.loads((tmp_path / ENVIRONMENT).read_text())] == [5]
+
+
+def test_each_record_keeps_every_earlier_start_and_its_process_count(tmp_path):
+    for step, world in ((0, 1), (3, 2), (7, 4)):
+        record(tmp_path, step=step, world_size=world)
+    entries = json.loads((tmp_path / ENVIRONMENT).read_text())
+    assert [(e["step"], e["processes"]) for e in entries] == [(0, 1), (3, 2), (7, 4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ENVIRONMENT]  # no .tmp left
+
+
+def test_untracked_files_leave_a_checkout_clean_and_a_changed_tracked_file_does_not(tmp_path, monkeypatch):
+    root = tmp_path / "checkout"
+    (root / "mmrl" / "core").mkdir(parents=True)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (root / "tracked.txt").write_text("a\n")
+    subprocess.run([*git, "add", "tracked.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (root / "scratch.txt").write_text("untracked")
+    monkeypatch.setattr(provenance, "__file__", str(root / "mmrl" / "core" / "provenance.py"))
+    provenance._git.cache_clear()
+    try:
+        assert provenance._git() == {"commit": head, "dirty": False}
+        (root / "tracked.txt").write_text("b\n")
+        provenance._git.cache_clear()
+        assert provenance._git() == {"commit": head, "dirty": True}
+    finally:
+        provenance._git.cache_clear()

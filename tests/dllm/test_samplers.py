@@ -532,6 +532,8 @@ def test_decode_refuses_a_negative_temperature():
     ({"tau": 1.5}, r"tau \(1.5\) must be in \(0, 1\)"),
     ({"tau": float("nan")}, r"tau \(nan\) must be in \(0, 1\)"),
     ({"m": 0.0}, r"m \(0.0\) must be > 0"),
+    ({"m": float("nan")}, r"m \(nan\) must be > 0"),
+    ({"threshold": float("nan")}, r"threshold \(nan\) must be in \(0, 1\)"),
 ])
 def test_decode_refuses_strategy_parameters_out_of_range_before_any_step(kwargs, message):
     fn, calls = uncalled_model()

@@ -1159,3 +1159,30 @@ def test_re_registering_a_tool_under_an_empty_name_is_refused_not_renamed_back()
     registry = ToolRegistry()
     registry.register(Tool(ping), name="pong", description="")
     assert registry.names() == ["pong"] and registry.get("pong").description == ""
+
+
+def test_a_union_s_schema_names_each_json_type_once():
+    def f(a: list[int] | tuple[int, ...] | None = None):
+        pass
+
+    assert Tool(f).parameters["properties"] == {"a": {"type": ["array", "null"], "default": None}}
+
+
+def test_a_union_with_number_first_keeps_an_int_an_int():
+    def f(a: float | int, b: float | str = "x"):  # noqa: PYI041
+        pass
+
+    t = Tool(f)
+    assert type(t.bind({"a": 3})["a"]) is int  # int fits 3 unchanged: not the first member's 3.0
+    assert type(t.bind({"a": 3.0})["a"]) is float and type(t.bind({"a": 3, "b": 2})["b"]) is float
+
+
+def test_a_union_takes_a_whole_number_past_the_float_range_only_as_an_integer():
+    def f(y: int | float = 0, z: float | str = ""):  # noqa: PYI041
+        pass
+
+    t = Tool(f)
+    huge = 10**400  # float(huge) overflows
+    with pytest.raises(ValueError, match=r'argument "z" must be a number or a string, got 1000'):
+        t.bind({"z": huge})
+    assert t.bind({"y": huge}) == {"y": huge}  # the int member takes it as it is
