@@ -48,6 +48,7 @@ Departures from the reference code:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -247,13 +248,13 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
     if steps % num_blocks != 0:
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"({num_blocks} = gen_length {gen_length} / block_length {block_length})")
-    if not temperature >= 0:  # `not >=` also refuses NaN
-        raise ValueError(f"temperature ({temperature}) must be >= 0")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature ({temperature}) must be a finite number >= 0")
     for name, value in (("threshold", threshold), ("tau", tau)):
-        if not 0 < value < 1:
+        if not 0 < value < 1:  # also refuses NaN
             raise ValueError(f"{name} ({value}) must be in (0, 1)")
-    if not m > 0:
-        raise ValueError(f"m ({m}) must be > 0")
+    if not (m > 0 and math.isfinite(m)):
+        raise ValueError(f"m ({m}) must be a finite number > 0")
     steps_per_block = steps // num_blocks
 
     B, P = prompt_ids.shape

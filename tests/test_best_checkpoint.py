@@ -147,7 +147,7 @@ def test_run_slash_best_names_the_best_checkpoint_for_eval(tmp_path):
         return json.loads(result.output[result.output.index("{"):])
 
     assert evaluate(run / "best") == evaluate(run / "checkpoints" / "step-00000002")
-    (run / "best.json").write_text(json.dumps({"step": 3}))
+    (run / "best.json").write_text(json.dumps({"step": 3, "value": 0.5}))
     with pytest.raises(CheckpointError, match=r"best.json names step 3, but .*step-00000003 is gone"):
         resolve_checkpoint(run / "best")
 
@@ -156,7 +156,7 @@ def _run_with_best(tmp_path, record=None):
     """A run whose checkpoint 2 has its model/, and a best.json (by default naming step 2)."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000002" / "model").mkdir(parents=True)
-    (run / BEST).write_text(json.dumps({"step": 2} if record is None else record))
+    (run / BEST).write_text(json.dumps({"step": 2, "value": 0.5} if record is None else record))
     return run
 
 
@@ -172,13 +172,18 @@ def test_best_alias_leaves_a_real_best_directory_and_other_paths_as_they_are(tmp
         resolve_checkpoint(tmp_path / "elsewhere" / "best")  # no best.json beside it: not the alias
 
 
-@pytest.mark.parametrize("record, error", [({}, "KeyError"), ({"step": "two"}, "ValueError"), ([2], "TypeError")])
+@pytest.mark.parametrize("record, error", [
+    ({}, "step None is not a whole number"), ({"step": "two", "value": 1}, "step 'two' is not a whole number"),
+    ([2], "not an object but list"), ({"step": True, "value": 1}, "step True is not a whole number"),
+    ({"step": 2.7, "value": 1}, "step 2.7 is not a whole number"), ({"step": 2}, "value None is not a number"),
+])
 def test_best_alias_says_its_best_json_is_unreadable(tmp_path, record, error):
+    """As --resume reads it (mmrl.core.best.read_record): a bool or fractional step names no step."""
     from mmrl.core.checkpoint import CheckpointError
     from mmrl.core.cli import best_alias
 
     run = _run_with_best(tmp_path, record)
-    with pytest.raises(CheckpointError, match=rf"checkpoint .*best: .*best.json is unreadable \({error}: "):
+    with pytest.raises(CheckpointError, match=rf"checkpoint .*best: .*best.json is unreadable \({error}"):
         best_alias(run / "best")
 
 
@@ -238,11 +243,13 @@ def test_resume_without_best_metric_leaves_an_earlier_record_alone(tmp_path):
     json.dumps({k: v for k, v in _record().items() if k != "step"}),  # no step to spare
     json.dumps(_record(step="2")),
     json.dumps(_record(value="0.5")),
-], ids=["not JSON", "a list", "no step", "a string step", "a string value"])
+    json.dumps(_record(step=True)),
+    json.dumps(_record(step=2.5)),
+], ids=["not JSON", "a list", "no step", "a string step", "a string value", "a bool step", "a fractional step"])
 def test_resume_chooses_afresh_where_the_record_is_unreadable(tmp_path, text):
     (tmp_path / BEST).write_text(text)
     best = BestCheckpoint(tmp_path, "accuracy")
-    with pytest.warns(UserWarning, match=r"best.json is unreadable: the best checkpoint is chosen afresh"):
+    with pytest.warns(UserWarning, match=r"best.json is unreadable \(.+\): the best checkpoint is chosen afresh"):
         best.resume()
     assert best.record is None and best.step is None and best.improves({"accuracy": 0.0})
 
@@ -273,3 +280,14 @@ def test_update_records_the_checkpoint_by_its_absolute_path(tmp_path, monkeypatc
                 "checkpoint": str(tmp_path.resolve() / "run" / "checkpoints" / "step-00000006")}
     assert json.loads((tmp_path / "run" / BEST).read_text()) == expected == best.record
     assert best.step == 6 and [p.name for p in (tmp_path / "run").iterdir()] == [BEST]  # no .tmp left
+
+
+def test_a_fresh_run_removes_an_earlier_runs_best_json(tmp_path):
+    """A fresh run may start where an earlier one's checkpoints are gone; that run's best.json
+    would make RUN/best name this run's checkpoint of the same step, which no evaluation chose."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / BEST).write_text(json.dumps({"metric": "accuracy", "mode": "max", "value": 0.9, "step": 2}))
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={run}", "train.max_steps=2"])
+    assert Trainer(cfg, *toy.build(cfg)).train()["best"] is None
+    assert not (run / BEST).exists()

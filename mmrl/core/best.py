@@ -44,20 +44,22 @@ class BestCheckpoint:
             raise ConfigError(f"train.best_metric: {self.metric!r} is not a held-out metric of this task; "
                               f"it reports {', '.join(sorted(metrics)) or 'none'}")
 
+    def start_fresh(self) -> None:
+        """A fresh run (not --resume) in a directory an earlier one left a record in (it may run
+        where that run's checkpoints are gone): the record names none of this run's checkpoints."""
+        self.path.unlink(missing_ok=True)
+
     def resume(self) -> None:
         """On --resume: the record of the earlier attempts, where it is for the same metric and
         mode (another one starts afresh, with a warning)."""
         if not self.enabled or not self.path.is_file():
             return
         try:
-            record = json.loads(self.path.read_text(encoding="utf-8"))
-            ok = (isinstance(record, dict) and isinstance(record.get("step"), int)
-                  and isinstance(record.get("value"), float | int))
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            warnings.warn(f"{self.path} is unreadable: the best checkpoint is chosen afresh", stacklevel=3)
-        elif (record.get("metric"), record.get("mode")) != (self.metric, self.mode):
+            record = read_record(self.path)
+        except ValueError as e:
+            warnings.warn(f"{self.path} is unreadable ({e}): the best checkpoint is chosen afresh", stacklevel=3)
+            return
+        if (record.get("metric"), record.get("mode")) != (self.metric, self.mode):
             warnings.warn(f"{self.path} ranks by {record.get('metric')} ({record.get('mode')}), this run by "
                           f"{self.metric} ({self.mode}): the best checkpoint is chosen afresh", stacklevel=3)
         else:
@@ -82,3 +84,19 @@ class BestCheckpoint:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.record, indent=1), encoding="utf-8")
         tmp.replace(self.path)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """best.json as written by BestCheckpoint.update; ValueError saying what is wrong with it."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not an object but {type(record).__name__}")  # noqa: TRY004 -- a file's content
+    step, value = record.get("step"), record.get("value")
+    if type(step) is not int or step < 0:  # type(): a bool is not a step
+        raise ValueError(f"step {step!r} is not a whole number >= 0")
+    if type(value) not in (int, float):
+        raise ValueError(f"value {value!r} is not a number")
+    return record

@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mmrl.core import plugins
-from mmrl.core.best import BEST
+from mmrl.core.best import BEST, read_record
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
@@ -372,9 +372,9 @@ def best_alias(path: Path) -> Path:
     if path.name != "best" or path.exists() or not record.is_file():
         return path
     try:
-        step = int(json.loads(record.read_text(encoding="utf-8"))["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {record} is unreadable ({type(e).__name__}: {e})") from None
+        step = read_record(record)["step"]
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {record} is unreadable ({e})") from None
     found = step_dir(path.parent / "checkpoints", step)
     if not (found / "model").is_dir():
         raise CheckpointError(f"checkpoint {path}: {record} names step {step}, but {found} is gone")

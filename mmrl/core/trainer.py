@@ -251,6 +251,8 @@ class Trainer:
         if main:
             ckpt.clean_partial(self.checkpoint_dir)
             self.out.mkdir(parents=True, exist_ok=True)
+            if path is None:
+                self.best.start_fresh()
             config = absolute_paths(self.cfg.model_dump(mode="json"), self.cfg.base_dir)  # readable from anywhere
             config["output_dir"] = str(self.out.resolve())  # "-o run" and "-o /abs/run" are one run
             if resume:

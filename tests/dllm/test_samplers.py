@@ -520,20 +520,22 @@ def test_tau_budget_set_a_is_strict_a_confidence_equal_to_tau_is_outside_it():
 
 def test_decode_refuses_a_negative_temperature():
     fn, calls = uncalled_model()
-    with pytest.raises(ValueError, match=r"temperature \(-0.5\) must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature \(-0.5\) must be a finite number >= 0"):
         decode(fn, PROMPT, gen_length=8, block_length=4, steps=4, mask_id=MASK, temperature=-0.5)
     assert not calls
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": float("nan")}, r"temperature \(nan\) must be >= 0"),
+    ({"temperature": float("nan")}, r"temperature \(nan\) must be a finite number >= 0"),
     ({"threshold": 1.0}, r"threshold \(1.0\) must be in \(0, 1\)"),
     ({"threshold": 0.0}, r"threshold \(0.0\) must be in \(0, 1\)"),
     ({"tau": 1.5}, r"tau \(1.5\) must be in \(0, 1\)"),
     ({"tau": float("nan")}, r"tau \(nan\) must be in \(0, 1\)"),
-    ({"m": 0.0}, r"m \(0.0\) must be > 0"),
-    ({"m": float("nan")}, r"m \(nan\) must be > 0"),
+    ({"m": 0.0}, r"m \(0.0\) must be a finite number > 0"),
+    ({"m": float("nan")}, r"m \(nan\) must be a finite number > 0"),
     ({"threshold": float("nan")}, r"threshold \(nan\) must be in \(0, 1\)"),
+    ({"temperature": float("inf")}, r"temperature \(inf\) must be a finite number >= 0"),  # every draw NaN
+    ({"m": float("inf")}, r"m \(inf\) must be a finite number > 0"),
 ])
 def test_decode_refuses_strategy_parameters_out_of_range_before_any_step(kwargs, message):
     fn, calls = uncalled_model()
