@@ -393,7 +393,7 @@ def _convert(p: _Param, value) -> tuple[object, str | None]:
             return c, None
     if converted:
         return converted[0], None
-    words = " or ".join(_TYPE_WORDS[t] for t in p.json_types)
+    words = " or ".join([*(_TYPE_WORDS[t] for t in p.json_types), *(["null"] if p.nullable else [])])
     return value, f'argument "{p.name}" must be {words}, got {_show(value)}'
 
 

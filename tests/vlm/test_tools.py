@@ -1078,7 +1078,7 @@ def test_a_nullable_parameter_takes_null_but_still_checks_other_values():
     assert reg.call(call_text("f", {"n": None}), NO_CTX).content == ["None"]
     assert reg.call(call_text("f", {"n": 4.0}), NO_CTX).content == ["4"]  # converted like an int parameter
     assert_error(reg.call(call_text("f", {"n": "x"}), NO_CTX), "bad_arguments",
-                 'argument "n" must be an integer, got "x"', name="f")
+                 'argument "n" must be an integer or null, got "x"', name="f")
 
 
 def test_get_on_an_empty_registry_says_none_are_registered():
