@@ -1114,7 +1114,7 @@ def load_flow_model(
 
     if height is None or width is None:
         side = _default_side(family, components, pixel)
-        height, width = height or side, width or side
+        height, width = side if height is None else height, side if width is None else width  # 0 stays 0: refused
     cls = _MODEL_CLASSES[family]
     return cls(
         components,

@@ -883,6 +883,8 @@ def test_weights_missing_from_a_component_are_named_three_at_most(built, tmp_pat
 def test_a_height_or_width_given_alone_keeps_the_other_from_the_directory(built):
     tall, wide = load_flow_model(built["flux"], height=32), load_flow_model(built["flux"], width=48)
     assert (tall.height, tall.width, wide.height, wide.width) == (32, 64, 64, 48)
+    with pytest.raises(ConfigError, match="must be positive multiples of 8"):
+        load_flow_model(built["flux"], height=0)  # a 0 given is refused, not read as "not given"
 
 
 def test_the_default_size_comes_from_pixel_space_json_and_sd3s_transformer(built, tmp_path):
