@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from mmrl.core.config import ConfigError
+from mmrl.core.logging import write_atomically
 
 WINDOW_FILE = "window.json"
 MODEL_WINDOW_FILE = "cast_window.json"  # the calibrated window stored in a model directory
@@ -145,12 +146,9 @@ def store_in_model(cal: WindowCalibration, model_dir: str | Path) -> Path:
     """The calibration as cast_window.json in the model's directory; ConfigError when the
     directory cannot be written (nothing is half-written: a temporary file is renamed)."""
     path = Path(model_dir) / MODEL_WINDOW_FILE
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_atomically(path, json.dumps(cal.to_dict(), indent=2) + "\n")
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"calibrate-window: cannot store the window in the model directory {model_dir} "
                           f"({e.strerror or e}); pass --no-into-model to write only window.json") from e
     return path

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core.config import ConfigError
+from mmrl.core.logging import write_atomically
 
 BEST = "best.json"
 
@@ -81,9 +82,7 @@ class BestCheckpoint:
         """Record step's checkpoint as the best (written whole, then renamed into place)."""
         self.record = {"metric": self.metric, "mode": self.mode, "value": metrics[self.metric], "step": step,
                        "checkpoint": str(Path(checkpoint).resolve())}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.record, indent=1), encoding="utf-8")
-        tmp.replace(self.path)
+        write_atomically(self.path, json.dumps(self.record, indent=1))
 
 
 def read_record(path: Path) -> dict[str, Any]:

@@ -16,6 +16,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """`text` into `path` whole: written to a temporary file beside it, then renamed into place,
+    so a reader or a crash never sees half of it (the temporary file is removed if that fails)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
 METRICS = "metrics.jsonl"
 CURVE = "reward_curve.png"
 
@@ -168,9 +181,7 @@ def truncate_metrics(path: Path, step: int) -> None:
         raise CheckpointError(f"{e}; fix or remove that line to resume") from None
     kept = [r for r in rows if r.get("step", 0) <= step]
     if torn or len(kept) != len(rows):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(path)
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: dict | None = None) -> Path:

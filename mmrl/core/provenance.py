@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from mmrl.core.logging import write_atomically
+
 ENVIRONMENT = "environment.json"
 PACKAGES = ("torch", "transformers", "diffusers", "accelerate", "peft", "vllm", "xformers", "open_clip_torch",
             "wandb")
@@ -64,9 +66,7 @@ def record(out: str | Path, step: int = 0, world_size: int = 1) -> dict[str, Any
             path.replace(path.with_name(path.name + ".bad"))
             entries = []
     entry = environment(step, world_size)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps([*entries, entry], indent=2), encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, json.dumps([*entries, entry], indent=2))
     return entry
 
 

@@ -56,7 +56,14 @@ from mmrl.core.best import BestCheckpoint
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
-from mmrl.core.logging import CURVE, RunLogger, plot_reward_curve, read_finished_run, read_metrics
+from mmrl.core.logging import (
+    CURVE,
+    RunLogger,
+    plot_reward_curve,
+    read_finished_run,
+    read_metrics,
+    write_atomically,
+)
 from mmrl.core.losses import DENOM_SHARES
 from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
@@ -807,9 +814,7 @@ class Trainer:
             "best": self.best.record,
             "config": self.cfg.model_dump(mode="json"),
         }
-        tmp = self.out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
-        tmp.replace(self.out / "summary.json")
+        write_atomically(self.out / "summary.json", json.dumps(summary, indent=2, default=str))
         plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
         try:  # the one-page report; a finished run must not fail on it
             from mmrl.demo.report import write_report

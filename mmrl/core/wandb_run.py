@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core.config import ConfigError
-from mmrl.core.logging import finite_scalars
+from mmrl.core.logging import finite_scalars, write_atomically
 
 RUN_ID = "wandb.json"  # {"id", "project"}: the W&B run a --resume continues
 
@@ -48,9 +48,7 @@ class WandbRun:
         except Exception as e:  # noqa: BLE001 -- wandb raises many kinds (UsageError, CommError, ...)
             raise ConfigError(f"logging.wandb: W&B could not start: {type(e).__name__}: {e} (log in with "
                               "`wandb login`, or set logging.wandb.mode=offline)") from None
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"id": run_id, "project": settings["project"]}), encoding="utf-8")
-        tmp.replace(record)
+        write_atomically(record, json.dumps({"id": run_id, "project": settings["project"]}))
         self._failed = False
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mmrl.core.logging import write_atomically
 from mmrl.demo.runs import TITLES, RunError, RunInfo, plot_curves
 
 REPORT = "report.html"
@@ -181,9 +182,7 @@ def write_report(run_dir: str | Path) -> Path:
     """Write <run_dir>/report.html (atomically: a reader never sees half a page)."""
     run = RunInfo.load(run_dir)
     out = run.path / REPORT
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(render(run), encoding="utf-8")
-    tmp.replace(out)
+    write_atomically(out, render(run))
     return out
 
 
