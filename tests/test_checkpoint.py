@@ -708,10 +708,10 @@ def test_prune_keeps_the_newest_keep_last_and_the_spare_apart_from_them(tmp_path
     root = tmp_path / "ck"
     for step in (1, 2, 3):
         save(root, step, keep_last=10)
-    ckpt.prune(root, keep_last=4)  # more than on disk: the count to delete is never negative
+    ckpt.prune(root, keep_last=4, step=3)  # more than on disk: the count to delete is never negative
     assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3]
     save(root, 4, keep_last=10)
-    ckpt.prune(root, keep_last=1, spare=2)  # the newest one, and the spare one counted apart
+    ckpt.prune(root, keep_last=1, step=4, spare=2)  # the newest one, and the spare one counted apart
     assert [s for s, _ in list_checkpoints(root)] == [2, 4]
-    ckpt.prune(root, keep_last=1, spare=4)  # the spare among the newest: nothing more kept
+    ckpt.prune(root, keep_last=1, step=4)  # the spare among the newest (it is the step): nothing more kept
     assert [s for s, _ in list_checkpoints(root)] == [4]

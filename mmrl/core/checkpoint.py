@@ -105,18 +105,16 @@ def save_checkpoint(
         raise CheckpointError(
             f"could not write checkpoint {final}: {reason}; the previous checkpoint is intact"
         ) from e
-    others = [d for n, d in list_checkpoints(root) if d != final and n != spare]
-    for old_dir in others[: max(0, len(others) - (keep_last - 1))]:  # never the one just written
-        _delete(old_dir)
+    prune(root, keep_last, step, spare)
     return final
 
 
-def prune(root: str | Path, keep_last: int, spare: int | None = None) -> None:
-    """Delete all but the newest `keep_last` checkpoints and checkpoint `spare`."""
-    found = list_checkpoints(root)
-    for n, old_dir in found[: max(0, len(found) - keep_last)]:
-        if n != spare:
-            _delete(old_dir)
+def prune(root: str | Path, keep_last: int, step: int, spare: int | None = None) -> None:
+    """Delete all checkpoints but `step` (the one just written), the newest keep_last - 1 others,
+    and `spare` (the best one, mmrl.core.best), which counts apart from them."""
+    others = [d for n, d in list_checkpoints(root) if n not in (step, spare)]
+    for old_dir in others[: max(0, len(others) - (keep_last - 1))]:
+        _delete(old_dir)
 
 
 def _delete(d: Path) -> None:

@@ -152,8 +152,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         run = None
         if resume and (Path(out) / RUN_CONFIG).is_file():
             run = Path(out)
-        elif checkpoint is not None and best_alias(checkpoint).exists():
-            run = run_dir_of(best_alias(checkpoint))
+        elif checkpoint is not None and (found := best_alias(checkpoint)).exists():
+            run = run_dir_of(found)
         if run is None:
             if failed is not None:  # no run to take keys from: the default config's error stands
                 raise failed

@@ -665,7 +665,7 @@ class Trainer:
             self.save()  # every rank: a collective
         if distributed.is_main():
             self.best.update(self.step, metrics, ckpt.step_dir(self.checkpoint_dir, self.step))
-            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, spare=self.step)  # the best it replaced
+            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, self.step)  # the best it replaced
 
     def _write(self, whole: dict | None, rngs: list) -> Path | None:
         if not distributed.is_main():  # the main rank writes what every rank holds

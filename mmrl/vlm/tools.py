@@ -228,9 +228,8 @@ class Tool:
     fn: a sync or `async def` function (or an object with such a __call__). Its
         parameters are the tool's arguments; annotations int, float, str, bool, list,
         dict and unions of them (optionally `| None`) give the schema types and the
-        argument checks; a
-        keyword parameter named `ctx` receives the ToolContext and is hidden from the
-        model. *args and positional-only parameters are not allowed; **kwargs accepts
+        argument checks; a keyword parameter named `ctx` receives the ToolContext and is
+        hidden from the model. *args and positional-only parameters are not allowed; **kwargs accepts
         extra arguments unchecked.
     name: default fn.__name__; letters, digits, "_" and "-", at most 64.
     description: default the first paragraph of fn's docstring.
