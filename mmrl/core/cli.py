@@ -1,4 +1,4 @@
-"""The command line shared by the three modalities: `train`, `eval`, `sample`, `serve`, `config`.
+"""The command line shared by the three modalities: `train`, `eval`, `sample`, `serve`, `export`, `config`, `runs`.
 
 Each entry point (mmrl, diffusion-rl, dllm-rl) is `make_app(spec)` with its
 modality's `BackendSpec`. A backend is a module exposing
@@ -358,6 +358,35 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
             _, cfg = get_backend(config, list(set_), "train", checkpoint)
             typer.echo(commented_config(cfg, keys), nl=False)
+
+        run_verb(go)
+
+    @app.command("runs")
+    def list_runs(
+        paths: list[Path] = typer.Argument(..., help="Run directories, or directories that hold runs one level down."),
+        group: bool = typer.Option(False, "--group", "-g", help="One row per configuration: runs whose configs "
+                                   "differ only in seed (and output_dir, logging), with each metric's mean ± sample "
+                                   "standard deviation after training and of its change."),
+        metric: list[str] = typer.Option([], "--metric", "-m", help="A held-out metric to show (repeatable); default: all."),
+        as_json: bool = typer.Option(False, "--json", help="JSON instead of a Markdown table."),
+    ):
+        """Finished runs side by side, as a Markdown table: held-out metrics before → after, steps,
+        the best checkpoint and the training time; the settings that differ between runs label
+        them. Runs of any modality; a run without summary.json is listed as unfinished."""
+
+        def go():
+            from mmrl.demo import table
+
+            try:
+                runs = [table.load(p) for p in table.find(list(paths))]
+                metrics = table.metric_names(runs, list(metric))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            rows = (table.group_rows if group else table.run_rows)(runs, metrics)
+            if as_json:
+                typer.echo(json.dumps(rows, indent=1))
+            else:
+                typer.echo((table.markdown_groups if group else table.markdown_runs)(rows, metrics), nl=False)
 
         run_verb(go)
 

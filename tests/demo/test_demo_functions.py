@@ -49,6 +49,24 @@ def test_run_info_of_a_finished_run(tiny_runs):
     assert image.size[0] > 500 and len(image.getcolors(1 << 20)) > 10  # drawn, not blank
 
 
+def test_runs_lists_real_runs_of_every_modality_with_their_summaries(tiny_runs):
+    # `mmrl runs` on what the trainer writes (tests/test_runs_table.py works the numbers by hand)
+    result = CliRunner().invoke(mmrl_app, ["runs", *map(str, tiny_runs.values()), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    for row, path in zip(rows, tiny_runs.values()):
+        summary = json.loads((path / "summary.json").read_text())
+        assert row["run"] == str(path) and row["steps"] == 1 and row["status"] == "finished"
+        for when in ("before", "after"):
+            got = {k: v for k, v in row[when].items() if v is not None}
+            # a metric without data (NaN in summary.json) is null
+            assert got == {k: v for k, v in summary[f"eval_{when}"].items() if v is not None and v == v}
+        assert row["train_seconds"] == summary["train_seconds"]
+    assert "method.type" in rows[0]["config"]  # grpo, flow_grpo, diffu_grpo tell the runs apart
+    text = CliRunner().invoke(mmrl_app, ["runs", *map(str, tiny_runs.values()), "-m", "accuracy"]).output
+    assert text.count("finished") == 3 and " → " in text
+
+
 def test_run_info_errors_name_the_directory(tmp_path):
     with pytest.raises(RunError, match=re.escape(str(tmp_path)) + ".*no config.yaml"):
         RunInfo.load(tmp_path)

@@ -1,0 +1,236 @@
+"""`<cli> runs`: finished runs side by side, and the mean and spread over seeds.
+
+One row per run directory: its steps, each held-out metric of summary.json before and after
+training, the best checkpoint (train.best_metric) and the training time. With `group=True`, runs
+whose configs differ only in `seed` (and in where they write: output_dir, logging) make one row:
+each metric's mean and sample standard deviation after training, and of its change, over the
+runs that finished. The settings that tell rows apart (method.type=dapo, optim.lr=1e-05, ...)
+label them, so a sweep's table reads without opening its configs.
+
+A run still going, or stopped before its final evaluation, has no summary.json: its row says
+so and it counts in no mean. A directory that cannot be read is a row with the reason, and the
+other runs are still shown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmrl.demo.runs import RunError, RunInfo
+
+# what the seeds of one configuration may differ in
+PER_SEED = ("seed", "output_dir", "logging")
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    steps: int | None  # done: summary.json's, else the last metrics.jsonl row's
+    error: str | None = None  # why the directory could not be read
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return f"unreadable: {self.error}"
+        if self.summary is not None:
+            return "finished"
+        total = (self.config.get("train") or {}).get("max_steps")
+        return f"no summary.json (step {self.steps or 0} of {total})"
+
+
+def find(paths: list[Path]) -> list[Path]:
+    """Run directories: each path holding a config.yaml, else the subdirectories of it that hold
+    one (sorted by name). ValueError for a path that is neither."""
+    found = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory" if path.exists() else f"{path} does not exist")
+        if (path / "config.yaml").is_file():
+            found.append(path)
+            continue
+        inside = sorted(p for p in path.iterdir() if (p / "config.yaml").is_file())
+        if not inside:
+            raise ValueError(f"{path} is not a run directory (no config.yaml) and holds none one level down")
+        found += inside
+    return list(dict.fromkeys(found))  # a run named twice is shown once
+
+
+def load(path: Path) -> Run:
+    try:
+        info = RunInfo.load(path)
+    except RunError as e:
+        return Run(path, {}, None, None, error=str(e))
+    steps = info.summary.get("steps") if info.summary else None
+    if steps is None and info.metrics:
+        steps = info.metrics[-1].get("step")
+    return Run(path, info.config, info.summary, steps)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> JSON text of the value (lists whole), without the per-seed keys."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if not prefix and key in PER_SEED:
+            continue
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value, sort_keys=True)
+    return flat
+
+
+def varying(runs: list[Run]) -> list[str]:
+    """The config keys whose value is not the same in every readable run (a key one run lacks
+    counts as differing), in the order of the first run's config."""
+    flats = [flatten(r.config) for r in runs if not r.error]
+    keys = list(dict.fromkeys(k for f in flats for k in f))
+    return [k for k in keys if len({f.get(k) for f in flats}) > 1]
+
+
+def label(run: Run, keys: list[str]) -> dict[str, Any]:
+    """The run's values of `keys` (None where its config lacks one)."""
+    flat = flatten(run.config)
+    return {k: json.loads(flat[k]) if k in flat else None for k in keys}
+
+
+def metric_names(runs: list[Run], chosen: list[str]) -> list[str]:
+    """Every held-out metric of the finished runs (first-seen order), or the `chosen` ones;
+    ValueError naming a chosen metric no run reports."""
+    known = list(dict.fromkeys(k for r in runs if r.summary for when in ("eval_before", "eval_after")
+                               for k in (r.summary.get(when) or {})))
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise ValueError(f"--metric {', '.join(unknown)}: no run reports it (the runs' held-out metrics: "
+                         f"{', '.join(known) or 'none, as no run has finished'})")
+    return list(chosen) or known
+
+
+def run_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
+    """One record per run: its label, seed, steps, status, metrics before/after, best, seconds."""
+    keys = varying(runs)
+    rows = []
+    for r in runs:
+        s = r.summary or {}
+        rows.append({
+            "run": str(r.path), "config": {} if r.error else label(r, keys), "seed": r.config.get("seed"),
+            "steps": r.steps, "status": r.status,
+            "before": {m: _number((s.get("eval_before") or {}).get(m)) for m in metrics},
+            "after": {m: _number((s.get("eval_after") or {}).get(m)) for m in metrics},
+            "best": s.get("best"), "train_seconds": _number(s.get("train_seconds")),
+        })
+    return rows
+
+
+def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
+    """One record per configuration (runs equal but for PER_SEED): its seeds, runs, how many
+    finished, and per metric the n, mean and sample sd after training and of the change."""
+    keys = varying(runs)
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault("\0" + str(r.path) if r.error else json.dumps(flatten(r.config), sort_keys=True), []).append(r)
+    rows = []
+    for members in groups.values():
+        done = [r for r in members if r.summary is not None]
+        stats = {}
+        for m in metrics:
+            after = [_number((r.summary.get("eval_after") or {}).get(m)) for r in done]
+            before = [_number((r.summary.get("eval_before") or {}).get(m)) for r in done]
+            change = [a - b for a, b in zip(after, before) if a is not None and b is not None]
+            after = [a for a in after if a is not None]
+            stats[m] = {"n": len(after), "after_mean": _mean(after), "after_sd": _sd(after),
+                        "change_mean": _mean(change), "change_sd": _sd(change)}
+        first = members[0]
+        rows.append({
+            "config": {} if first.error else label(first, keys), "status": first.status if first.error else None,
+            "seeds": [r.config.get("seed") for r in members],
+            "runs": [str(r.path) for r in members], "finished": len(done), "metrics": stats,
+            "train_seconds_mean": _mean([t for t in (_number(r.summary.get("train_seconds")) for r in done)
+                                         if t is not None]),
+        })
+    return rows
+
+
+def markdown_runs(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    """A Markdown table of run_rows: a metric's cell is `before → after`."""
+    show_config = any(r["config"] for r in rows)  # runs that differ in more than their seed
+    head = ["run"] + (["config"] if show_config else []) + ["seed", "steps"] + metrics + ["best", "train s", "status"]
+    body = []
+    for r in rows:
+        best = r["best"]
+        body.append([r["run"]] + ([_label(r["config"])] if show_config else []) + [_cell(r["seed"]), _cell(r["steps"])]
+                    + [_arrow(r["before"][m], r["after"][m]) for m in metrics]
+                    + [f"{best['metric']} {_num(best['value'])} @ {best['step']}" if best else "",
+                       _seconds(r["train_seconds"]), r["status"]])
+    return _table(head, body)
+
+
+def markdown_groups(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    """A Markdown table of group_rows: a metric's cell is `mean ± sd (change mean ± sd)` after
+    training, over the finished runs (no ± where one run finished)."""
+    head = ["config", "seeds", "finished"] + metrics + ["train s"]
+    body = []
+    for r in rows:
+        cells = []
+        for m in metrics:
+            s = r["metrics"][m]
+            cell = _pm(s["after_mean"], s["after_sd"]) if s["n"] else ""
+            if s["change_mean"] is not None:
+                cell += f" ({_pm(s['change_mean'], s['change_sd'], signed=True)})"
+            cells.append(cell)
+        body.append([r["status"] or _label(r["config"]) or "(one configuration)", ", ".join(map(_cell, r["seeds"])),
+                     f"{r['finished']} of {len(r['runs'])}"] + cells + [_seconds(r["train_seconds_mean"])])
+    return _table(head, body)
+
+
+def _table(head: list[str], body: list[list[str]]) -> str:
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    return "\n".join([line(head), line(["---"] * len(head))] + [line(row) for row in body]) + "\n"
+
+
+def _number(v: Any) -> float | None:
+    """A finite number, else None (summary.json writes a metric without data as null)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _sd(values: list[float]) -> float | None:
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
+def _num(v: float | None, signed: bool = False) -> str:
+    return "–" if v is None else f"{v:+.3f}" if signed else f"{v:.3f}"
+
+
+def _pm(mean: float | None, sd: float | None, signed: bool = False) -> str:
+    return _num(mean, signed) + ("" if sd is None else f" ± {sd:.3f}")
+
+
+def _arrow(before: float | None, after: float | None) -> str:
+    return "" if before is None and after is None else f"{_num(before)} → {_num(after)}"
+
+
+def _seconds(v: float | None) -> str:
+    return "" if v is None else f"{v:.0f}"
+
+
+def _cell(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def _label(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in config.items())

@@ -1,0 +1,142 @@
+"""`<cli> runs`: finished runs side by side (mmrl/demo/table.py). Run directories are written by
+hand, so every mean and standard deviation below is worked out from the numbers in them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mmrl.core.cli import BackendSpec, make_app
+from mmrl.demo import table
+
+app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+
+
+def make_run(root, name, seed=0, lr=1e-4, before=None, after=None, steps=10, best=None, seconds=60.0,
+             metrics_rows=0, **config):
+    path = root / name
+    path.mkdir(parents=True)
+    cfg = {"seed": seed, "output_dir": str(path), "logging": {"tensorboard": True, "wandb": {"name": name}},
+           "optim": {"lr": lr}, "train": {"max_steps": steps}, "method": {"type": "grpo"}, **config}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if metrics_rows:
+        (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total": 0.1})
+                                                    + "\n" for s in range(1, metrics_rows + 1)))
+    if after is not None:
+        summary = {"eval_before": before, "eval_after": after, "steps": steps, "train_seconds": seconds}
+        if best:
+            summary["best"] = best
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_seeds_of_one_configuration_make_one_row_with_mean_and_sample_sd(tmp_path):
+    for seed, acc in [(0, 0.5), (1, 0.7), (2, 0.9)]:
+        make_run(tmp_path, f"grpo-{seed}", seed=seed, before={"accuracy": 0.4}, after={"accuracy": acc},
+                 seconds=10.0 * (seed + 1))
+    make_run(tmp_path, "fast", lr=1e-3, before={"accuracy": 0.4}, after={"accuracy": 0.3})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    rows = table.group_rows(runs, ["accuracy"])
+    assert [r["config"] for r in rows] == [{"optim.lr": 0.001}, {"optim.lr": 0.0001}]
+    fast, grpo = rows
+    assert grpo["seeds"] == [0, 1, 2] and grpo["finished"] == 3
+    s = grpo["metrics"]["accuracy"]
+    assert s["n"] == 3 and s["after_mean"] == pytest.approx(0.7)
+    assert s["after_sd"] == pytest.approx(0.2)  # sqrt(((-0.2)^2 + 0 + 0.2^2) / (3 - 1))
+    assert s["change_mean"] == pytest.approx(0.3) and s["change_sd"] == pytest.approx(0.2)
+    assert grpo["train_seconds_mean"] == pytest.approx(20.0)
+    assert fast["metrics"]["accuracy"]["after_sd"] is None  # one run: no spread
+    assert fast["metrics"]["accuracy"]["change_mean"] == pytest.approx(-0.1)
+
+    text = table.markdown_groups(rows, ["accuracy"])
+    assert "| optim.lr=0.0001 | 0, 1, 2 | 3 of 3 | 0.700 ± 0.200 (+0.300 ± 0.200) | 20 |" in text
+    assert "| optim.lr=0.001 | 0 | 1 of 1 | 0.300 (-0.100) | 60 |" in text
+
+
+def test_an_unfinished_run_is_listed_and_counts_in_no_mean(tmp_path):
+    make_run(tmp_path, "a", seed=0, before={"accuracy": 0.2}, after={"accuracy": 0.6})
+    make_run(tmp_path, "b", seed=1, metrics_rows=4)  # killed at step 4: no summary.json
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert runs[1].status == "no summary.json (step 4 of 10)"
+    (row,) = table.group_rows(runs, ["accuracy"])
+    assert row["finished"] == 1 and row["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.6)
+    assert "| (one configuration) | 0, 1 | 1 of 2 | 0.600 (+0.400) |" in table.markdown_groups([row], ["accuracy"])
+    lines = table.markdown_runs(table.run_rows(runs, ["accuracy"]), ["accuracy"]).splitlines()
+    assert lines[0] == "| run | seed | steps | accuracy | best | train s | status |"  # no config column: one config
+    assert lines[3].endswith("| 1 | 4 |  |  |  | no summary.json (step 4 of 10) |")
+
+
+def test_run_rows_show_before_and_after_the_best_checkpoint_and_null_metrics(tmp_path):
+    best = {"metric": "accuracy", "mode": "max", "step": 6, "value": 0.75, "checkpoint": "x"}
+    make_run(tmp_path, "r", before={"accuracy": 0.25, "reward": None}, after={"accuracy": 0.5, "reward": 1.5},
+             best=best, seconds=125.4)
+    rows = table.run_rows([table.load(tmp_path / "r")], ["accuracy", "reward"])
+    assert rows[0]["before"] == {"accuracy": 0.25, "reward": None} and rows[0]["after"]["reward"] == 1.5
+    line = table.markdown_runs(rows, ["accuracy", "reward"]).splitlines()[2]
+    assert line == f"| {tmp_path / 'r'} | 0 | 10 | 0.250 → 0.500 | – → 1.500 | accuracy 0.750 @ 6 | 125 | finished |"
+
+
+def test_a_null_metric_is_left_out_of_the_mean_and_the_change(tmp_path):
+    make_run(tmp_path, "a", seed=0, before={"m": 1.0}, after={"m": 2.0})
+    make_run(tmp_path, "b", seed=1, before={"m": None}, after={"m": 4.0})
+    make_run(tmp_path, "c", seed=2, before={"m": 1.0}, after={"m": None})
+    (row,) = table.group_rows([table.load(p) for p in table.find([tmp_path])], ["m"])
+    s = row["metrics"]["m"]
+    assert s["n"] == 2 and s["after_mean"] == pytest.approx(3.0) and s["after_sd"] == pytest.approx(math.sqrt(2))
+    assert s["change_mean"] == pytest.approx(1.0) and s["change_sd"] is None  # only run a has both
+
+
+def test_varying_keys_label_rows_and_a_key_one_run_lacks_counts(tmp_path):
+    make_run(tmp_path, "a", before={}, after={}, method={"type": "grpo"})
+    make_run(tmp_path, "b", before={}, after={}, method={"type": "dapo", "overlong": 4})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == ["method.type", "method.overlong"]
+    rows = table.run_rows(runs, [])
+    assert [r["config"] for r in rows] == [{"method.type": "grpo", "method.overlong": None},
+                                          {"method.type": "dapo", "method.overlong": 4}]
+    assert "| method.type=dapo method.overlong=4 |" in table.markdown_runs(rows, [])
+
+
+def test_find_takes_runs_and_folders_of_runs_and_refuses_anything_else(tmp_path):
+    a = make_run(tmp_path / "sweep", "a", before={}, after={})
+    b = make_run(tmp_path / "sweep", "b", before={}, after={})
+    (tmp_path / "sweep" / "notes").mkdir()
+    assert table.find([tmp_path / "sweep", a]) == [a, b]  # a run named twice is listed once
+    with pytest.raises(ValueError, match="does not exist"):
+        table.find([tmp_path / "nope"])
+    with pytest.raises(ValueError, match="holds none one level down"):
+        table.find([tmp_path / "sweep" / "notes"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        table.find([tmp_path / "file"])
+
+
+def test_a_damaged_run_is_a_row_with_the_reason_and_the_others_still_show(tmp_path):
+    make_run(tmp_path, "good", before={"accuracy": 0.1}, after={"accuracy": 0.2})
+    bad = make_run(tmp_path, "bad", before={"accuracy": 0.1}, after={"accuracy": 0.9})
+    (bad / "summary.json").write_text("{not json")
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert runs[0].error and "summary.json" in runs[0].error and runs[0].status.startswith("unreadable: ")
+    groups = table.group_rows(runs, ["accuracy"])
+    assert [g["finished"] for g in groups] == [0, 1]  # the damaged run is not mixed into the good one's mean
+    assert groups[1]["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.2)
+
+
+def test_cli_runs_prints_markdown_json_and_refuses_an_unknown_metric(tmp_path):
+    for seed, acc in [(0, 0.25), (1, 0.75)]:
+        make_run(tmp_path, f"s{seed}", seed=seed, before={"accuracy": 0.5, "reward": 1.0},
+                 after={"accuracy": acc, "reward": 2.0})
+    runner = CliRunner()
+    result = runner.invoke(app, ["runs", str(tmp_path), "--group", "-m", "accuracy"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[2] == "| (one configuration) | 0, 1 | 2 of 2 | 0.500 ± 0.354 (+0.000 ± 0.354) | 60 |"
+    result = runner.invoke(app, ["runs", str(tmp_path / "s0"), str(tmp_path / "s1"), "--json"])
+    rows = json.loads(result.output)
+    assert [r["after"] for r in rows] == [{"accuracy": 0.25, "reward": 2.0}, {"accuracy": 0.75, "reward": 2.0}]
+    result = runner.invoke(app, ["runs", str(tmp_path), "-m", "acc"])
+    assert result.exit_code == 2 and "--metric acc: no run reports it" in result.output
+    assert "accuracy, reward" in result.output and "Traceback" not in result.output
