@@ -34,6 +34,7 @@ from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
 from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
+from mmrl.core.stop import StoppedBySignal
 
 err_console = Console(stderr=True)
 console = Console()
@@ -122,6 +123,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except KeyboardInterrupt:  # here: click's own handler would exit 130 without a word
             err_console.print(interrupted, highlight=False)
             raise typer.Exit(130) from None
+        except StoppedBySignal as e:  # a scheduler's SIGTERM / SIGUSR1: the finished steps are saved
+            err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
         except BackendUnavailable as e:
             fail(str(e) + ".", code=3)
         except USER_ERRORS as e:

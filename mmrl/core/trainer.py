@@ -37,6 +37,7 @@ import contextlib
 import json
 import math
 import random
+import signal
 import sys
 import time
 import warnings
@@ -73,6 +74,7 @@ from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, 
 from mmrl.core.rewards import Reward, load_atoms
 from mmrl.core.runconfig import absolute_paths
 from mmrl.core.scheduler import PromptStream, SyncScheduler
+from mmrl.core.stop import SignalStop, StoppedBySignal
 
 
 class TrainingError(RuntimeError):
@@ -274,47 +276,68 @@ class Trainer:
             tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
             wandb=wandb.model_dump() if wandb.enabled else None, config=config,
         ) if main else None
-        unlogged = None  # a finished step's metrics until they are logged
+        self._unlogged = None  # a finished step's metrics until they are logged
         trained = False
+        signalled = None  # SIGTERM / SIGUSR1 (mmrl.core.stop): the step it came in is finished and saved
         try:
-            if self.eval_before is None:
-                self.eval_before = self.evaluate(samples_tag="before")
-            self.best.check(self.eval_before)
-            while self.step < tc.max_steps:
-                metrics = unlogged = self.train_step(logger)
-                self.step += 1
-                evaluated = None
-                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
-                    evaluated = self.evaluate()
-                    metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
-                metrics = distributed.combine_metrics(metrics, self.method.count_metrics)  # every rank: a collective
-                if logger is not None:
-                    logger.log(self.step, metrics)
-                unlogged = None
-                if not metrics.get("train/bad_step"):
-                    if tc.save_every and self.step % tc.save_every == 0:
-                        self.save()
-                    if evaluated is not None and self._improves(evaluated):
-                        self._save_best(evaluated)
-            if self.saved_step != self.step:
+            with SignalStop() as stop:
+                if self.eval_before is None:
+                    self.eval_before = self.evaluate(samples_tag="before")
+                self.best.check(self.eval_before)
+                signalled = self._train_steps(logger, stop)
+            if self.saved_step != self.step and (signalled is None or self.step > 0):
                 self.save()
-            trained = True
+            trained = signalled is None
         except Exception as e:
-            self._save_after_failure(e, logger, unlogged)
+            self._save_after_failure(e, logger, self._unlogged)
             raise
         finally:
             if logger is not None:
                 logger.close()
-                if not trained:  # stopped by an error or Ctrl-C: the W&B run says so
+                if not trained:  # stopped by an error, Ctrl-C or a signal: the W&B run says so
                     logger.finish(None, failed=True)
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
+        if signalled is not None:
+            raise self._stopped(signalled)
         try:
             return self._finish(logger, started)
         except BaseException:  # the final evaluation failed, or Ctrl-C: the W&B run says so
             if logger is not None:
                 logger.finish(None, failed=True)
             raise
+
+    def _train_steps(self, logger: RunLogger | None, stop: SignalStop) -> int | None:
+        """Steps up to train.max_steps, or until a signal: then the signal's number."""
+        tc = self.cfg.train
+        while self.step < tc.max_steps:
+            if (signum := stop.requested()) is not None:  # every rank, before each step: they stop together
+                return signum
+            metrics = self._unlogged = self.train_step(logger)
+            self.step += 1
+            evaluated = None
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+                evaluated = self.evaluate()
+                metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
+            metrics = distributed.combine_metrics(metrics, self.method.count_metrics)  # every rank: a collective
+            if logger is not None:
+                logger.log(self.step, metrics)
+            self._unlogged = None
+            if not metrics.get("train/bad_step"):
+                if tc.save_every and self.step % tc.save_every == 0:
+                    self.save()
+                if evaluated is not None and self._improves(evaluated):
+                    self._save_best(evaluated)
+        return None
+
+    def _stopped(self, signum: int) -> StoppedBySignal:
+        name, tc = signal.Signals(signum).name, self.cfg.train
+        if self.step == 0:
+            return StoppedBySignal(f"stopped by {name} before the first step; nothing was trained or saved (start "
+                                   "the run again)", signum, 0, None)
+        where = ckpt.step_dir(self.checkpoint_dir, self.step)
+        return StoppedBySignal(f"stopped by {name} after step {self.step} of {tc.max_steps}; checkpoint {where} "
+                               f"holds it: `--resume` goes on from there", signum, self.step, where)
 
     def _finish(self, logger: RunLogger | None, started: float) -> dict[str, Any]:
         """After the last step: the final evaluation, the best checkpoint, summary.json."""

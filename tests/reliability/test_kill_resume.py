@@ -264,3 +264,35 @@ def test_kill_at_a_random_moment_then_resume_is_bit_identical(full_run, tmp_path
     assert_checkpoints_sound(modality, out, backend_policy(modality, out))
     finished(run(modality, out, resume=True))
     assert_same_run(full, out)
+
+
+def test_sigterm_from_outside_saves_the_step_it_came_in_then_resume_is_bit_identical(full_run, tmp_path):
+    """A scheduler's SIGTERM (mmrl.core.stop) to a run that saves no checkpoint on its own
+    (save_every 0), once its first step is logged: the run finishes the step it is in, saves it,
+    and exits 143; --resume ends as the full run."""
+    modality = "dllm"
+    full = full_run(modality)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*command(modality, out), "--set", "train.save_every=0"], cwd=ROOT, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not read_metrics(out / "metrics.jsonl"):
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the run logged no step in time"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, stderr[-2000:])
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < STEPS
+    assert f"stopped by SIGTERM after step {len(steps)} of {STEPS}" in stderr and "Traceback" not in stderr
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [len(steps)]
+    assert not (out / "summary.json").exists()
+    assert_checkpoints_sound(modality, out, backend_policy(modality, out))
+    finished(run(modality, out, resume=True))
+    assert_same_run(full, out)

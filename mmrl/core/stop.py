@@ -1,0 +1,81 @@
+"""Stopping a run on a scheduler's signal (SIGTERM, SIGUSR1) without losing its finished steps.
+
+Cluster schedulers stop a job with a signal some time before they kill it: SLURM sends SIGTERM
+at the time limit or on preemption and SIGKILL `KillWait` seconds later (30 by default;
+`sbatch --signal=USR1@120` sends SIGUSR1 two minutes before the end), Kubernetes sends SIGTERM
+and SIGKILL after the pod's grace period (30 s). Python's default for either signal ends the
+process at once, so every step since the last checkpoint (`train.save_every`) was lost.
+
+During training, under `SignalStop`, the first such signal only sets a flag. The trainer
+finishes the step it is in, saves that step's checkpoint and stops with `StoppedBySignal`, and
+the CLI exits with 128 + the signal's number (143 for SIGTERM), as a process the signal ended
+would. `--resume` then goes on as if the run had not stopped (the checkpoint is an ordinary
+one). A second signal acts as it did without the handler (ends the process now): a step too
+long for the grace period still leaves the previous checkpoint. Signals before the first step
+(the evaluation before training) stop the run there, with nothing to save; the final
+evaluation runs with the default handlers again (its step is saved before it starts).
+
+With several processes every rank asks, before each step, whether any rank got a signal (one
+all-gather of a number), so all stop after the same step: a checkpoint is a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from mmrl.core import distributed
+
+SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGINT (Ctrl-C) stays an interrupt: a person at the terminal means now
+
+
+class StoppedBySignal(Exception):
+    """The run stopped after `step` on `signum`; `checkpoint` holds that step (None at step 0)."""
+
+    def __init__(self, message: str, signum: int, step: int, checkpoint):
+        super().__init__(message)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class SignalStop:
+    """While entered (in the main thread; elsewhere Python cannot install handlers and nothing
+    changes), the first of SIGNALS sets `received`; `requested()` is any rank's."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self):  # -> the entered SignalStop
+        if threading.current_thread() is threading.main_thread():
+            for name in SIGNALS:
+                sig = getattr(signal, name, None)  # no SIGUSR1 on Windows
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)  # None: set outside Python
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:  # the second: as without us
+            self.__exit__()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        if distributed.is_main():  # os.write: print() may be in the middle of a line in this very thread
+            os.write(2, f"\n{signal.Signals(signum).name}: the run stops after the step it is in and saves it "
+                        "(send it again to stop at once)\n".encode())
+
+    def requested(self) -> int | None:
+        """The signal any rank received (the lowest rank's that did), else None; a collective."""
+        if distributed.world_size() == 1:
+            return self.received
+        got = [int(x) for x in distributed.gather_scalar(self.received or 0) if x]
+        return got[0] if got else None

@@ -1,0 +1,150 @@
+"""A scheduler's SIGTERM / SIGUSR1 during training (mmrl/core/stop.py): the step it came in is
+finished and saved, the run stops with 128 + the signal's number, and --resume ends exactly as
+the run that was never stopped. In process on the toy backend (the signal raised from inside a
+chosen step); tests/reliability/test_kill_resume.py sends a real SIGTERM to a CLI run."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import toy
+from runcompare import comparable
+from typer.testing import CliRunner
+
+from mmrl.core.checkpoint import list_checkpoints
+from mmrl.core.cli import BackendSpec, make_app
+from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.logging import read_metrics
+from mmrl.core.stop import StoppedBySignal
+from mmrl.core.trainer import Trainer
+
+ARGS = ("train.max_steps=5", "train.save_every=0", "optim.schedule=cosine", "optim.warmup_steps=2",
+        "train.mini_batches=2")
+
+
+def make(tmp_path, name, *overrides):
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / name}", *ARGS, *overrides])
+    policy, task = toy.build(cfg)
+    return Trainer(cfg, policy, task)
+
+
+def signal_on_call(obj, name: str, at: int, *signums: int) -> None:
+    """obj.<name> raises each of `signums` at this process on its `at`-th call, then works as before."""
+    fn, calls = getattr(obj, name), {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            for s in signums:
+                signal.raise_signal(s)
+        return fn(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
+
+
+def test_sigterm_mid_step_saves_that_step_and_resume_is_exact(tmp_path):
+    full = make(tmp_path, "full")
+    full.train()
+
+    stopped = make(tmp_path, "run")
+    signal_on_call(stopped.policy, "generate", 3, signal.SIGTERM)  # in step 3's rollout (evaluation is greedy)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StoppedBySignal) as info:
+        stopped.train()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the process's again
+    e = info.value
+    assert (e.signum, e.step, e.exit_code) == (signal.SIGTERM, 3, 143)
+    assert "stopped by SIGTERM after step 3 of 5" in str(e) and "--resume" in str(e)
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [3]  # save_every 0: only for the stop
+    assert e.checkpoint == tmp_path / "run" / "checkpoints" / "step-00000003"
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+    assert not (tmp_path / "run" / "summary.json").exists()  # not finished: no final evaluation
+
+    resumed = make(tmp_path, "run")
+    resumed.train(resume=True)
+    for k, v in weights(full).items():
+        assert torch.equal(v, weights(resumed)[k]), k
+    assert comparable(read_metrics(tmp_path / "full" / "metrics.jsonl")) == comparable(
+        read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "run"))
+    assert a["eval_before"] == b["eval_before"] and a["eval_after"] == b["eval_after"]
+
+
+def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        trainer = make(tmp_path, "run")
+        signal_on_call(trainer.policy, "generate", 2, signal.SIGUSR1, signal.SIGUSR1)
+        with pytest.raises(StoppedBySignal) as info:
+            trainer.train()
+        assert seen == [signal.SIGUSR1]  # the first was the run's, the second the earlier handler's
+        assert (info.value.step, info.value.exit_code) == (2, 138)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_signal_before_the_first_step_stops_with_nothing_saved(tmp_path):
+    trainer = make(tmp_path, "run")
+    signal_on_call(trainer, "evaluate", 1, signal.SIGTERM)  # the evaluation before training
+    with pytest.raises(StoppedBySignal, match="before the first step; nothing was trained or saved") as info:
+        trainer.train()
+    assert info.value.checkpoint is None and info.value.step == 0
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == []
+
+
+def test_the_cli_exits_128_plus_the_signal_and_says_where_to_resume(tmp_path, monkeypatch):
+    app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+    generate, calls = toy.ToyPolicy.generate, {"n": 0}
+
+    def signalled(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(toy.ToyPolicy, "generate", signalled)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--max-steps", "4", "--output-dir", str(out)])
+    assert result.exit_code == 143, result.output
+    assert "stopped by SIGTERM after step 2 of 4" in result.output and "Traceback" not in result.output
+    monkeypatch.setattr(toy.ToyPolicy, "generate", generate)
+    result = CliRunner().invoke(app, ["train", "--output-dir", str(out), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def _signal_rank_1(rank, port, tmp):
+    from two_ranks import process_group
+
+    with process_group(rank, port, timeout=60):
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                          overrides=[f"output_dir={tmp}", "train.max_steps=4", "logging.tensorboard=false"])
+        trainer = Trainer(cfg, *toy.build(cfg))
+        if rank == 1:  # only rank 1 is signalled, in step 2's rollout
+            signal_on_call(trainer.policy, "generate", 2, signal.SIGTERM)
+        try:
+            trainer.train()
+            stopped = None
+        except StoppedBySignal as e:
+            stopped = {"step": e.step, "signum": e.signum}
+        (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(stopped))
+
+
+@pytest.mark.two_ranks(body=_signal_rank_1)
+def test_two_processes_stop_after_the_same_step_when_one_is_signalled(ranks_ran):
+    """A rank stopping alone would leave the other in the next step's collectives (and the
+    checkpoint is one too): every rank asks whether any was signalled before each step."""
+    for rank in (0, 1):
+        assert json.loads((ranks_ran / f"rank{rank}.json").read_text()) == {"step": 2, "signum": signal.SIGTERM}
+    assert [s for s, _ in list_checkpoints(ranks_ran / "checkpoints")] == [2]
