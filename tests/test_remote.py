@@ -10,6 +10,7 @@ import json
 import pickle
 import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -863,6 +864,11 @@ def test_spawned_server_serves_and_its_death_is_an_engine_error():
         want = PolicyEngine(ToyPolicy(seed=0), own_weights=False).generate(REQUESTS, ROLLOUT, seed=3)
         assert got.samples == want.samples  # the same tiny model, built from the same seed
         torch.testing.assert_close(got.old_logp, want.old_logp)
+        # a scheduler's SIGTERM to every process of the job leaves the engine to its trainer,
+        # which finishes its step on it (mmrl.core.stop) and then kills it
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None and client.generate(REQUESTS, ROLLOUT, seed=3).samples == want.samples
     finally:
         proc.kill()
         proc.wait()

@@ -146,7 +146,8 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
     """Start `python -m mmrl.core.serve` for a backend's policy as a child process; returns
     (process, url) once it listens. `config` is a run config dict, merged over the backend's
     defaults; the child runs in `cwd` (default: ours), which is on its import path.
-    The caller owns the process: kill it when done. Raises EngineError, quoting the child's
+    The caller owns the process: kill it when done (it ignores SIGTERM and SIGUSR1, which a
+    cluster scheduler sends every process of a job: the trainer stops first). Raises EngineError, quoting the child's
     stderr, if it exits or stays silent for `timeout` seconds during start-up.
     `token`: the server's token, passed in the child's environment (not its command line,
     which any user of the machine can read); default: the child inherits $MMRL_SERVE_TOKEN."""
@@ -154,7 +155,8 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
     with os.fdopen(fd, "w") as f:
         json.dump(config, f, default=str)
     cmd = [sys.executable, "-m", "mmrl.core.serve", "--backend", backend_module, "--config-json", config_path,
-           "--host", host, "--port", "0", "--name", name]
+           "--host", host, "--port", "0", "--name", name,
+           "--ignore-stop-signals"]  # the caller kills it; a scheduler's SIGTERM to the job is the trainer's (mmrl.core.stop)
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})}

@@ -320,7 +320,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-weights-bytes", type=int, default=MAX_WEIGHTS_BYTES, help="largest /weights body")
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
                         help=f"seconds a client may stay silent while sending a request (default: {READ_TIMEOUT:g})")
+    parser.add_argument("--ignore-stop-signals", action="store_true",
+                        help="ignore SIGTERM and SIGUSR1: a trainer's engine, which the trainer kills itself once it "
+                        "has saved the step it was in (a cluster scheduler signals every process of a job)")
     args = parser.parse_args(argv)
+    if args.ignore_stop_signals:
+        import signal
+
+        from mmrl.core.stop import SIGNALS
+
+        for name in SIGNALS:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0, got {args.read_timeout:g}")
 
