@@ -178,6 +178,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Where the run writes."),
         save_every: int | None = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
         resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in the output directory."),
+        auto_resume: bool = typer.Option(False, "--auto-resume", help=(
+            "Continue as --resume where the output directory holds a complete checkpoint, else start afresh: "
+            "one command for a job a cluster scheduler may requeue (its SIGTERM saves the step in progress).")),
     ):
         """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
         sample tables, reward_curve.png, environment.json and checkpoints into the output directory."""
@@ -188,13 +191,23 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         def go():
             from mmrl.core.trainer import Trainer, check_output_dir
 
-            backend, cfg = get_backend(config, overrides, resume=resume)
-            check_output_dir(cfg.output_dir, resume)  # before the model is built
+            go_on = resume
+            if auto_resume:
+                if resume:
+                    raise ConfigError("--resume and --auto-resume: give one (--auto-resume resumes where there is a "
+                                      "checkpoint, and starts afresh where there is none)")
+                out = get_backend(config, overrides)[1].output_dir
+                go_on = latest_checkpoint(Path(out) / "checkpoints") is not None
+                if not go_on:
+                    err_console.print(f"--auto-resume: no complete checkpoint in {out}; starting afresh", highlight=False,
+                                      soft_wrap=True)
+            backend, cfg = get_backend(config, overrides, resume=go_on)
+            check_output_dir(cfg.output_dir, go_on)  # before the model is built
             source = f" ({config})" if config is not None else ""
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}{source}, output {cfg.output_dir}",
                           highlight=False)
             policy, task = backend.build(cfg)
-            summary = Trainer(cfg, policy, task, backend=backend).train(resume=resume)
+            summary = Trainer(cfg, policy, task, backend=backend).train(resume=go_on)
             from mmrl.core import distributed
 
             if distributed.is_main():

@@ -103,8 +103,14 @@ def test_a_signal_before_the_first_step_stops_with_nothing_saved(tmp_path):
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == []
 
 
-def test_the_cli_exits_128_plus_the_signal_and_says_where_to_resume(tmp_path, monkeypatch):
+def test_the_cli_exits_128_plus_the_signal_and_auto_resume_goes_on_as_a_requeued_job(tmp_path, monkeypatch):
+    """The same command twice, as a scheduler requeues a job: --auto-resume starts afresh, the
+    SIGTERM in step 2 saves it (exit 143), and the second start resumes and ends as a run that
+    was never stopped."""
     app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+    runner = CliRunner()
+    full = tmp_path / "full"
+    assert runner.invoke(app, ["train", "--max-steps", "4", "--output-dir", str(full)]).exit_code == 0
     generate, calls = toy.ToyPolicy.generate, {"n": 0}
 
     def signalled(self, *args, **kwargs):
@@ -115,13 +121,20 @@ def test_the_cli_exits_128_plus_the_signal_and_says_where_to_resume(tmp_path, mo
 
     monkeypatch.setattr(toy.ToyPolicy, "generate", signalled)
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", "--max-steps", "4", "--output-dir", str(out)])
+    job = ["train", "--max-steps", "4", "--output-dir", str(out), "--auto-resume"]
+    result = runner.invoke(app, job)
     assert result.exit_code == 143, result.output
+    assert "--auto-resume: no complete checkpoint" in result.output and "starting afresh" in result.output
     assert "stopped by SIGTERM after step 2 of 4" in result.output and "Traceback" not in result.output
     monkeypatch.setattr(toy.ToyPolicy, "generate", generate)
-    result = CliRunner().invoke(app, ["train", "--output-dir", str(out), "--resume"])
+    result = runner.invoke(app, job)
     assert result.exit_code == 0, result.output
-    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert "resuming at step 2" in result.output
+    assert json.loads((out / "summary.json").read_text())["eval_after"] == json.loads(
+        (full / "summary.json").read_text())["eval_after"]
+    assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(read_metrics(full / "metrics.jsonl"))
+    result = runner.invoke(app, [*job, "--resume"])
+    assert result.exit_code == 2 and "--resume and --auto-resume: give one" in result.output
 
 
 def _signal_rank_1(rank, port, tmp):
