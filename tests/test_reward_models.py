@@ -102,6 +102,9 @@ def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path
     ({"reward_model": "rm", "template": "{prompt} } {completion}"}, "literal brace"),
     ({"reward_model": "rm", "template": "{prompt} {completion} {extra}"}, "fields \\['extra'\\]"),
     ({"reward_model": "rm", "max_length": 0}, "max_length must be an integer >= 1"),
+    ({"reward_model": "rm", "max_length": 8.5}, "max_length must be an integer >= 1"),
+    ({"reward_model": "rm", "batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
+    ({"reward_model": "rm", "template": 5}, "expected str, got int"),  # a TypeError, named like the others
     ({"reward_model": "two"}, "has 2 outputs"),
     ({"reward_model": "notrm"}, "is not a sequence classifier"),
 ])
@@ -198,3 +201,80 @@ def test_without_a_distinct_pad_token_each_text_is_scored_whole(tmp_path, pad):
     scores = rm(SAMPLES)
     expected = [by_hand(path, template.format(prompt=s.prompt, completion=s.completion)) for s in SAMPLES]
     assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_config_without_architectures_is_not_a_sequence_classifier(tmp_path):
+    from mmrl.core.reward_models import sequence_classifier_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"is not a sequence classifier \(architectures: \[\]\)"):
+        sequence_classifier_config(tmp_path, "reward model")
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                                 (None, torch.float32)])
+def test_the_model_is_loaded_in_the_dtype_asked_for(tmp_path, dtype, expected):
+    rm = RewardModel(build_rm(tmp_path / "rm"), dtype=dtype)
+    assert rm.model.dtype == expected
+    assert all(p.dtype == expected for p in rm.model.parameters())
+
+
+def test_scores_are_deterministic_for_a_model_with_dropout(tmp_path):
+    """from_pretrained's model is put in eval mode: dropout does not make scores random."""
+    path = build_rm(tmp_path / "rm")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "attention_dropout": 0.5}))
+    rm = RewardModel(path)
+    assert rm.model.config.attention_dropout == 0.5 and not rm.model.training
+    torch.manual_seed(1)
+    first = rm(SAMPLES)
+    assert rm(SAMPLES) == first and first == pytest.approx(RewardModel(path, batch_size=1)(SAMPLES), abs=1e-5)
+
+
+def test_long_texts_are_counted_over_every_batch(tmp_path):
+    rm = RewardModel(build_rm(tmp_path / "rm"), max_length=8, batch_size=1)
+    long = Sample("1+1=1+1=1+1=1+1=", "2")
+    with pytest.warns(UserWarning, match="2 of 3 texts were longer than max_length 8"):
+        rm([long, SAMPLES[0], long])
+
+
+def test_a_chat_text_of_exactly_max_length_tokens_is_not_counted_as_cut(tmp_path):
+    """The count reads the tokens the model gets: a chat template's own, without the tokenizer's
+    [CLS] and [SEP] added on top."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-consistency-modernbert")
+    tok.chat_template = "{{ cls_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_labels=1, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    sample = Sample("red circle", "yes")
+    n = len(tok("[CLS]red circle yes ", add_special_tokens=False)["input_ids"])
+    rm = RewardModel(tmp_path / "rm", max_length=n)
+    assert rm.text(sample) == "[CLS]red circle yes "
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rm([sample])
+    with pytest.warns(UserWarning, match="1 of 1 texts were longer than max_length"):
+        RewardModel(tmp_path / "rm", max_length=n - 1)([sample])
+
+
+def test_a_spec_without_a_name_is_the_reward_model_atom_and_its_device_beats_the_default(tmp_path):
+    from mmrl.core.reward_models import atom_from_spec
+
+    build_rm(tmp_path / "rm")
+    atom = atom_from_spec({"reward_model": "rm", "device": "cpu"}, 0, tmp_path, "cuda:99")
+    assert atom.name == "reward_model" and atom.parents == () and atom.weight == 1.0
+    assert atom.fn.device == torch.device("cpu")
+
+
+def test_the_model_gets_only_input_ids_and_the_attention_mask(tmp_path):
+    """A tokenizer that also returns token_type_ids: the classifier is not handed them."""
+    rm = RewardModel(build_rm(tmp_path / "rm"))
+    rm.tokenizer.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    assert "token_type_ids" in rm.tokenizer(["12+7=\n19"])
+    seen = []
+    rm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True)
+    rm(SAMPLES[:1])
+    assert seen == [["attention_mask", "input_ids"]]

@@ -256,3 +256,142 @@ def test_answers_of_another_kind_are_inconsistent(model):
     q = "How many red shapes are there?"
     p = model.prob([premise(q, "a red triangle , a blue square")] * 3, [hypothesis(a) for a in ("1", "red", "no")])
     assert float(p[0]) > 0.9 and bool((p[1:] < 0.1).all())
+
+
+# ---------------------------------------------------------------------------- edges the tests above left open
+
+
+def _tiny_classifier(labels, dropout=0.0):
+    """A random 1-layer ModernBERT pair classifier with the asset's tokenizer, built in memory."""
+    from transformers import AutoTokenizer, ModernBertConfig, ModernBertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(repo_root() / ASSET)
+    torch.manual_seed(0)
+    config = ModernBertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, layer_types=["full_attention"], pad_token_id=tok.pad_token_id,
+                              cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id,
+                              num_labels=len(labels), id2label=dict(enumerate(labels)), embedding_dropout=dropout,
+                              mlp_dropout=dropout, attention_dropout=dropout, classifier_dropout=dropout)
+    return ModernBertForSequenceClassification(config), tok
+
+
+def test_left_of_needs_two_different_objects_each_listed_once():
+    rc, bs = ("red", "circle"), ("blue", "square")
+    same = {"a": LEFT["a"], "b": LEFT["a"]}  # "is the red circle left of the red circle?"
+    assert implied_answer("left_of", same, [rc, bs]) is None
+    assert implied_answer("left_of", LEFT, [rc, bs, bs]) is None  # b listed twice
+    assert implied_answer("left_of", LEFT, [bs, rc, bs]) is None
+
+
+def test_params_of_the_wrong_type_are_a_value_error():
+    objs = [("red", "circle")]
+    with pytest.raises(ValueError, match="do not fit question kind 'left_of'"):
+        implied_answer("left_of", {"a": "red circle", "b": "blue square"}, objs)  # str["colour"]: TypeError
+    with pytest.raises(ValueError, match="do not fit question kind 'colour_of'"):
+        implied_answer("colour_of", None, objs)
+
+
+def test_split_completion_reads_the_last_closed_answer_stripped_and_lower_cased():
+    assert split_completion("a red circle <answer> Red \n</answer>") == ("a red circle ", "red")
+    assert split_completion("no answer") == ("no answer", None)
+    assert split_completion("a red circle <answer>\nTwo\n</answer>") == ("a red circle ", "two")  # across lines
+    # an <answer> left open is reasoning: the answer is the innermost closed one
+    assert split_completion("a red circle <answer>1 <answer>2</answer>") == ("a red circle <answer>1 ", "2")
+
+
+def test_is_consistent_needs_both_kind_and_params():
+    text = "a red circle <answer>1</answer>"
+    for meta in ({"kind": "count_colour"}, {"params": {"colour": "red"}}, None):
+        with pytest.raises(ValueError, match='"kind" and "params"'):
+            is_consistent(Sample("q", text, meta))
+
+
+def test_hypothesis_collapses_whitespace():
+    assert hypothesis(" a red \n circle ") == "The final answer is a red circle."
+    assert hypothesis(2) == "The final answer is 2."
+
+
+def test_prob_refuses_a_batch_size_below_1(model):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        model.prob(["p"], ["h"], batch_size=0)
+
+
+def test_prob_truncates_the_premise_to_the_models_limit(model):
+    """A pair over max_length is cut to max_length tokens, the (longer) premise losing tokens
+    and the hypothesis kept whole."""
+    cut = ConsistencyModel(model.model, model.tokenizer)
+    cut.max_length = 16
+    seen = []
+    handle = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"]), with_kwargs=True)
+    try:
+        cut.prob([premise("How many red shapes are there?", " , ".join(["a red circle"] * 20))], [hypothesis("2")])
+    finally:
+        handle.remove()
+    hyp = model.tokenizer(hypothesis("2"), add_special_tokens=False)["input_ids"]
+    ids = seen[0][0].tolist()
+    assert len(ids) == 16 and ids[-len(hyp) - 1:-1] == hyp  # [CLS] premise... [SEP] hypothesis [SEP]
+
+
+def test_prob_is_deterministic_after_a_caller_trained_the_model():
+    net, tok = _tiny_classifier(["inconsistent", "consistent"], dropout=0.5)
+    cm = ConsistencyModel(net, tok)
+    net.train()  # e.g. a caller fine-tuning it between scorings
+    pairs = [premise("How many red shapes are there?", "a red circle")] * 4, [hypothesis("1")] * 4
+    first = cm.prob(*pairs)
+    assert not net.training and torch.equal(first, cm.prob(*pairs)) and torch.allclose(first, first[0].expand(4))
+
+
+def test_the_consistent_label_is_found_whatever_its_case():
+    net, tok = _tiny_classifier(["CONSISTENT", "Inconsistent"])
+    assert ConsistencyModel(net, tok).index == 0
+
+
+def test_atom_scores_the_normalised_answer(model):
+    atom = consistency_atom(model, parents=())
+    q = "How many red shapes are there?"
+    words, digits = atom([Sample(q, "a red circle , a red square <answer>Two.</answer>", {}),
+                          Sample(q, "a red circle , a red square <answer>2</answer>", {})])
+    assert words == digits and digits > 0.5  # both read as hypothesis "The final answer is 2."
+
+
+def test_atom_defaults_lambda_1_gated_by_format(model):
+    cc = {"colour": "red"}
+    samples = [sample("count_colour", cc, "a red circle <answer>1</answer>", "How many red shapes are there?"),
+               sample("count_colour", cc, "a red circle <answer>1</answer> and more", "How many red shapes are there?")]
+    scores = Reward([format_atom, consistency_atom(model)]).score(samples)
+    cons = scores.values[:, 1]
+    assert consistency_atom(model, parents=())(samples[1:])[0] > 0.5  # ungated, the second scores
+    assert cons[0] > 0.5 and cons[1] == 0  # text after </answer>: no format, so no consistency score
+    assert torch.allclose(scores.total, torch.tensor([0.1 + 1.0 * float(cons[0]), 0.0]))
+
+
+def test_atom_needs_text_and_a_text_question(model):
+    atom = consistency_atom(model, parents=())
+    with pytest.raises(TypeError, match="decoded completion text, got Tensor"):
+        atom([Sample("q", torch.tensor([1, 2]), {})])
+    with pytest.raises(TypeError, match="question text"):
+        atom([Sample(["chat"], "a red circle <answer>1</answer>", {"question": 5})])
+
+
+def test_from_pretrained_needs_a_path():
+    with pytest.raises(ValueError, match="a path is needed"):
+        ConsistencyModel.from_pretrained("")
+
+
+def test_prob_is_float32_for_a_low_precision_model():
+    net, tok = _tiny_classifier(["inconsistent", "consistent"])
+    probs = ConsistencyModel(net.to(torch.bfloat16), tok).prob(["a red circle"] * 2, [hypothesis("1")] * 2)
+    assert probs.dtype == torch.float32 and probs.shape == (2,)
+
+
+def test_atom_puts_each_score_on_its_own_sample(model):
+    """Samples without an answer score 0 wherever they sit in the batch; the others keep their
+    own probability, not a neighbour's."""
+    q = "How many red shapes are there?"
+    texts = ["a red circle", "a red circle , a red square <answer>2</answer>", "a red square",
+             "a red circle , a red square <answer>0</answer>"]
+    scores = consistency_atom(model, parents=())([Sample(q, t, {}) for t in texts])
+    alone = model.prob([premise(q, "a red circle , a red square ")] * 2, [hypothesis("2"), hypothesis("0")])
+    assert scores[0] == 0 and scores[2] == 0
+    assert scores[1] == pytest.approx(float(alone[0]), abs=1e-5) and scores[3] == pytest.approx(float(alone[1]), abs=1e-5)
+    assert scores[1] > 0.5 > scores[3]

@@ -5,6 +5,7 @@ import math
 import warnings
 
 import pytest
+import torch
 
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.rewards import Sample
@@ -244,6 +245,34 @@ def test_dedr_by_hand():
         dedr(z, [0, 0, 0], [1, 0, 1], w)
     with pytest.raises(ValueError, match="one weight per candidate"):
         dedr(z, [0, 0, 0], [1, 1, 1], [0.5, 0.5])
+
+
+def test_dedr_is_computed_in_float64():
+    # the centred pair of test_dedr_by_hand moved to mu = 1e7 + 0.5: float32 spaces numbers 1 apart
+    # there (mu would round to 1e7), float64 keeps the 0.5, so R_div is still 1 - e^-2
+    c = 1e7
+    pair = dedr([[c, 0, 0], [c + 1, 0, 0]], [c + 0.5, 0, 0], [0.5, 1, 1], [0.5, 0.5])
+    assert pair == pytest.approx(1 - math.exp(-2), abs=1e-9)
+
+
+@pytest.mark.parametrize(("z", "mu", "sigma", "w"), [
+    ([0.1, 0.2, 0.3], [0, 0, 0], [1, 1, 1], [1.0]),  # z not [K, D]
+    ([[0.1, 0.2, 0.3]] * 2 + [[0.0, 0.0, 0.0]], [0, 0, 0], [1, 1, 1], [[0.3], [0.3], [0.4]]),  # w [K, 1]
+    (torch.zeros(0, 3), [0, 0, 0], [1, 1, 1], []),  # K = 0
+    ([[0.1, 0.2, 0.3], [0.0, 0.0, 0.0]], [0.0], [1.0], [0.5, 0.5]),  # a 1-D prior for 3-D candidates
+    ([[0.1, 0.2, 0.3], [0.0, 0.0, 0.0]], [0, 0, 0], [1.0], [0.5, 0.5]),  # one sigma for three dims
+])
+def test_dedr_refuses_shapes_that_would_broadcast(z, mu, sigma, w):
+    with pytest.raises(ValueError, match="dedr needs"):
+        dedr(z, mu, sigma, w)
+
+
+def test_dedr_refuses_a_zero_temperature_either_one():
+    z, w = [[0, 0, 0], [1, 0, 0]], [0.5, 0.5]
+    with pytest.raises(ValueError, match="tau_ctr and tau_div must be > 0, got 0.0, 0.5"):
+        dedr(z, [0, 0, 0], [1, 1, 1], w, tau_ctr=0.0, tau_div=0.5)
+    with pytest.raises(ValueError, match="tau_ctr and tau_div must be > 0, got 1.0, 0.0"):
+        dedr(z, [0, 0, 0], [1, 1, 1], w, tau_ctr=1.0, tau_div=0.0)
 
 
 def test_spread_candidates_around_the_prior_beat_a_collapsed_set():
