@@ -91,14 +91,34 @@ def test_a_null_metric_is_left_out_of_the_mean_and_the_change(tmp_path):
 
 
 def test_varying_keys_label_rows_and_a_key_one_run_lacks_counts(tmp_path):
-    make_run(tmp_path, "a", before={}, after={}, method={"type": "grpo"})
-    make_run(tmp_path, "b", before={}, after={}, method={"type": "dapo", "overlong": 4})
+    make_run(tmp_path, "a", before={}, after={}, rollout={"num_generations": 8})
+    make_run(tmp_path, "b", before={}, after={}, rollout={"num_generations": 4, "max_rounds": 2})
     runs = [table.load(p) for p in table.find([tmp_path])]
-    assert table.varying(runs) == ["method.type", "method.overlong"]
+    assert table.varying(runs) == ["rollout.num_generations", "rollout.max_rounds"]
     rows = table.run_rows(runs, [])
-    assert [r["config"] for r in rows] == [{"method.type": "grpo", "method.overlong": None},
-                                          {"method.type": "dapo", "method.overlong": 4}]
-    assert "| method.type=dapo method.overlong=4 |" in table.markdown_runs(rows, [])
+    assert [r["config"] for r in rows] == [{"rollout.num_generations": 8, "rollout.max_rounds": None},
+                                          {"rollout.num_generations": 4, "rollout.max_rounds": 2}]
+    assert "| rollout.num_generations=4 rollout.max_rounds=2 |" in table.markdown_runs(rows, [])
+
+
+def test_where_a_sections_type_differs_only_the_type_labels_it_first(tmp_path):
+    # another method has other settings anyway: method.type says which, its keys are left out
+    make_run(tmp_path, "a", before={}, after={}, lr=1e-4, task=None,
+             method={"type": "grpo", "loss": {"clip": 0.2}, "advantage": {"type": "group"}})
+    make_run(tmp_path, "b", before={}, after={}, lr=1e-5, task=None,
+             method={"type": "dapo", "loss": {"clip": 0.28}, "advantage": {"type": "rloo"}, "overlong": 4})
+    make_run(tmp_path, "c", before={}, after={}, lr=1e-5, task=None, method={"type": "dapo", "loss": {"clip": 0.28}})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == ["method.type", "optim.lr"]
+    make_run(tmp_path, "d", before={}, after={}, task={"type": "arith", "digits": 2})  # the others: task null
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs)[:2] == ["method.type", "task.type"] and "task" not in table.varying(runs)
+
+
+def test_a_label_shows_four_settings_and_counts_the_rest():
+    config = {f"k{i}": i for i in range(6)}
+    assert table._label(config) == "k0=0 k1=1 k2=2 k3=3 (+2 more)"
+    assert table._label({"a": "x", "b": [1, 2]}) == "a=x b=[1, 2]"
 
 
 def test_find_takes_runs_and_folders_of_runs_and_refuses_anything_else(tmp_path):

@@ -5,7 +5,8 @@ training, the best checkpoint (train.best_metric) and the training time. With `g
 whose configs differ only in `seed` (and in where they write: output_dir, logging) make one row:
 each metric's mean and sample standard deviation after training, and of its change, over the
 runs that finished. The settings that tell rows apart (method.type=dapo, optim.lr=1e-05, ...)
-label them, so a sweep's table reads without opening its configs.
+label them, so a sweep's table reads without opening its configs (where method.type or
+task.type differs, the type stands for that section's other settings).
 
 A run still going, or stopped before its final evaluation, has no summary.json: its row says
 so and it counts in no mean. A directory that cannot be read is a row with the reason, and the
@@ -89,10 +90,15 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def varying(runs: list[Run]) -> list[str]:
     """The config keys whose value is not the same in every readable run (a key one run lacks
-    counts as differing), in the order of the first run's config."""
+    counts as differing): `type` keys first (method.type, task.type), then in config order.
+    Where a section's `type` differs, its other keys are left out: another method or task has
+    other settings anyway, and its type says which."""
     flats = [flatten(r.config) for r in runs if not r.error]
     keys = list(dict.fromkeys(k for f in flats for k in f))
-    return [k for k in keys if len({f.get(k) for f in flats}) > 1]
+    differ = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+    typed = [k[: -len("type")] for k in differ if k.endswith(".type")]  # "method.", "task."
+    differ = [k for k in differ if not any(k.startswith(p) and k != p + "type" or k + "." == p for p in typed)]
+    return sorted(differ, key=lambda k: not k.endswith(".type"))  # stable: config order otherwise
 
 
 def label(run: Run, keys: list[str]) -> dict[str, Any]:
@@ -232,5 +238,7 @@ def _cell(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _label(config: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in config.items())
+def _label(config: dict[str, Any], most: int = 4) -> str:
+    """The first `most` settings of a row (--json has them all)."""
+    shown = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in list(config.items())[:most]]
+    return " ".join(shown) + (f" (+{len(config) - most} more)" if len(config) > most else "")
