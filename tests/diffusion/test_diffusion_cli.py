@@ -95,3 +95,132 @@ def test_cps_noise_level_above_one_is_a_config_error():
 
     with pytest.raises(ConfigError, match="noise_level must lie in \\[0, 1\\] for kind cps, got 1.5"):
         load_config(DiffusionTrainConfig, overrides=["rollout.kind=cps", "rollout.noise_level=1.5"])
+
+
+def test_a_prompt_file_skips_comments_and_blanks_and_names_a_bad_byte_by_its_line(tmp_path):
+    """# comments and blank lines are not prompts; a file of nothing else is refused; a byte that
+    is not UTF-8 is named with its line, counted from 1 (here line 3, after a blank line 2)."""
+    from diffusion_rl.backend import _prompt_file
+    from mmrl.core.config import ConfigError
+
+    path = tmp_path / "p.txt"
+    path.write_text("# my prompts\n\n  a red circle  \n#a blue square\n")
+    assert _prompt_file(str(path), None, "train_path") == ["a red circle"]
+    path.write_text("# nothing\n\n")
+    with pytest.raises(ConfigError, match=r"task.eval_path: .*p.txt holds no prompts"):
+        _prompt_file(str(path), None, "eval_path")
+    path.write_bytes(b"a red circle\n\n\xff a blue square\n")
+    with pytest.raises(ConfigError, match=r"p.txt, line 3: not valid UTF-8 \(byte 0xff\)"):
+        _prompt_file(str(path), None, "train_path")
+    assert _prompt_file(None, None, "train_path") is None
+
+
+def test_whole_prompt_keeps_unparsed_lines_and_warns_once_naming_ten_of_them(tmp_path):
+    """With whole-prompt atoms an undecomposable line is kept in its place, and one warning counts
+    them against all prompts and names the first 10 by line, then how many more: 11 unparsed of 12
+    prompts -> lines 2..11 named, "and 1 more"; exactly 10 -> all named, no "more"."""
+    from diffusion_rl.backend import _prompt_file
+    from mmrl.core.config import ConfigError
+
+    path = tmp_path / "p.txt"
+    lines = ["a red circle", *(f"a cat {i}" for i in range(11))]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.warns(UserWarning) as caught:
+        assert _prompt_file(str(path), None, "train_path", ["clip_score"]) == lines
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "11 of 12 prompts cannot be decomposed" in text and "(clip_score)" in text
+    assert all(f"line {n}: " in text for n in range(2, 12)) and "line 12:" not in text
+    assert text.endswith("; and 1 more")
+    path.write_text("\n".join(lines[:11]) + "\n")
+    with pytest.warns(UserWarning) as caught:
+        _prompt_file(str(path), None, "train_path", ["clip_score"])
+    text = str(caught[0].message)
+    assert "10 of 11 prompts" in text and "line 11: " in text and "more" not in text
+    with pytest.raises(ConfigError, match=r"line 2 \('a cat 0'\).*task.unparsed=whole_prompt"):
+        _prompt_file(str(path), None, "train_path")  # no whole-prompt atoms: refused
+
+
+def test_an_image_atom_runs_on_the_models_device_unless_its_spec_names_one(tmp_path, monkeypatch):
+    """build_task hands each task.image_atoms spec on with the model's device filled in where the
+    spec names none; a spec's own device (a reward model on another card, say) is kept."""
+    from diffusion_rl import backend, rewards
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import load_config
+
+    specs = []
+    monkeypatch.setattr(rewards, "build_image_reward_atoms", lambda s, base_dir=None: specs.extend(s) or [])
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path}", "model.device=cpu", "task.num_train=4", "task.num_eval=2",
+        "task.image_atoms=[{type: clip_score, device: cuda:1}, {type: clip_score}]"])
+    backend.build_task(cfg)
+    assert [s["device"] for s in specs] == ["cuda:1", "cpu"]
+
+
+def test_whole_prompt_needs_an_image_atom_no_shapes_atom_gates(tmp_path, monkeypatch):
+    """task.unparsed=whole_prompt scores an undecomposable prompt by the image atoms a shapes atom
+    does not gate (a gated one scores it 0): when every image atom is gated, none is left, which is
+    a ConfigError naming the fix."""
+    from types import SimpleNamespace
+
+    from diffusion_rl import backend, rewards
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    monkeypatch.setattr(rewards, "build_image_reward_atoms",
+                        lambda specs, base_dir=None: [SimpleNamespace(name="clip_score", parents=("exist",))])
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path}", "task.num_train=4", "task.num_eval=2", "task.unparsed=whole_prompt",
+        "task.image_atoms=[{type: clip_score, parents: [exist]}]"])
+    with pytest.raises(ConfigError, match="every image atom is gated by a shapes atom.*add an ungated one"):
+        backend.build_task(cfg)
+
+
+def test_sample_draws_seeds_0_to_n_minus_1_of_the_first_two_held_out_prompts_into_a_new_folder(tmp_path):
+    """No prompts given: the first two held-out prompts, each drawn with seeds 0..n-1 (ODE, at
+    rollout.eval_steps), one PNG per draw named by its index and seed, in cli_samples/000 and, on
+    the next call, 001 (a stray non-numbered folder does not count)."""
+    from PIL import Image
+
+    from diffusion_rl import backend
+
+    calls = []
+
+    def sample_images(texts, seeds, steps):
+        calls.append((list(texts), list(seeds), steps))
+        return [Image.new("RGB", (8, 8)) for _ in texts]
+
+    policy = SimpleNamespace(sample_images=sample_images)
+    task = SimpleNamespace(eval_prompts=["a red circle", "a blue square", "a green triangle"], other_atoms=list)
+    cfg = SimpleNamespace(output_dir=str(tmp_path), rollout=SimpleNamespace(eval_steps=3, num_steps=10))
+    (tmp_path / "cli_samples" / "notes").mkdir(parents=True)
+    rows = backend.sample(cfg, policy, task, [], 2)
+    assert calls == [(["a red circle", "a red circle", "a blue square", "a blue square"], [0, 1, 0, 1], 3)]
+    assert [(r["prompt"], r["seed"]) for r in rows] == list(zip(calls[0][0], calls[0][1]))
+    first = tmp_path / "cli_samples" / "000"
+    assert [r["image"] for r in rows] == [str(first / n) for n in
+                                          ("000_seed0.png", "001_seed1.png", "002_seed0.png", "003_seed1.png")]
+    assert all(Path(r["image"]).is_file() for r in rows)
+    rows = backend.sample(cfg, policy, task, ["a green triangle"], 1)
+    assert [r["image"] for r in rows] == [str(tmp_path / "cli_samples" / "001" / "000_seed0.png")]
+    assert calls[-1] == (["a green triangle"], [0], 3)
+
+
+def test_resolve_settings_reports_the_calibrated_window_it_applies(tmp_path, monkeypatch, capsys):
+    """A CAST run whose model carries a calibrated window says which steps it makes stochastic:
+    window_start 3 and size 2 of 10 steps are steps 3..4 (the window's first and last step)."""
+    from diffusion_rl import backend, calibrate
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import load_config
+
+    def apply_window_file(cfg, path):
+        cfg.rollout.window_start, cfg.rollout.window_size = (3, 3), 2
+        return "the model's cast_window.json"
+
+    monkeypatch.setattr(calibrate, "apply_window_file", apply_window_file)
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = load_config(DiffusionTrainConfig, defaults=backend.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'run'}", f"model.path={model}", "method.type=cast"])
+    assert backend.resolve_settings(cfg) == model
+    assert "CAST: SDE window steps 3..4 of 10, calibrated (the model's cast_window.json)" in capsys.readouterr().err

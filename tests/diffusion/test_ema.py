@@ -100,3 +100,62 @@ def test_state_round_trip_and_a_mismatch_is_an_error():
         ema.update(list(torch.nn.Linear(2, 3).parameters()))
     with pytest.raises(ValueError, match="decay"):
         ParameterEMA(list(m.parameters()), decay=1.0)
+
+
+def test_decay_and_update_every_out_of_range_are_refused():
+    """decay must be strictly inside (0, 1): 0 would copy the weights, 1 never move; update_every
+    at least 1 (0 updates would divide by zero)."""
+    params = list(scalar_module(1.0).parameters())
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="decay must be in"):
+            ParameterEMA(params, decay=bad)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="update_every must be >= 1"):
+            ParameterEMA(params, update_every=bad)
+
+
+def test_the_defaults_are_flow_grpos_setting():
+    """ParameterEMA(params) is Flow-GRPO's: decay 0.9, one update every 8 optimizer steps, with the
+    warm-up, so the first move is after step 8 with d_8 = min(0.9, 9/18) = 0.5: 1 -> 1 + 0.5 (3 - 1) = 2."""
+    m = scalar_module(1.0)
+    ema = ParameterEMA(list(m.parameters()))
+    set_weight(m, 3.0)
+    assert [ema.update(list(m.parameters())) for _ in range(8)] == [False] * 7 + [True]
+    assert ema.average[0].item() == pytest.approx(2.0)
+    _, meta = ema.state_dict()
+    assert meta == {"steps": 8, "decay": 0.9, "update_every": 8, "warmup": True}
+
+
+def test_parameters_of_another_count_are_refused_and_leave_everything_alone():
+    """update and applied check the parameters against the average: one parameter too few or too
+    many is an error (zip would quietly drop the rest), and the weights are as they were."""
+    m = torch.nn.Linear(2, 2)
+    params = list(m.parameters())
+    ema = ParameterEMA(params, decay=0.5, update_every=1, warmup=False)
+    raw = [p.detach().clone() for p in params]
+    for wrong in (params[:1], [*params, torch.zeros(1)]):
+        with pytest.raises(ValueError, match="do not match"):
+            ema.update(wrong)
+        with pytest.raises(ValueError, match="do not match"), ema.applied(wrong):
+            pass
+    assert all(torch.equal(p, r) for p, r in zip(params, raw))
+    other = torch.nn.Linear(2, 3)
+    with pytest.raises(ValueError, match="do not match"), ema.applied(list(other.parameters())):
+        pass
+
+
+def test_a_saved_average_with_a_tensor_too_many_or_too_few_is_refused():
+    """load_state_dict takes exactly ema.0 .. ema.{n-1}: an extra ema.n or a missing one is a
+    ValueError counting both sides (3 saved tensors against 2 parameters; 1 against 2), and the
+    average and step count are left as they were."""
+    m = torch.nn.Linear(3, 2)
+    ema = ParameterEMA(list(m.parameters()), decay=0.9, update_every=1)
+    tensors, _ = ema.state_dict()
+    before = [a.clone() for a in ema.average]
+    with pytest.raises(ValueError, match="the saved EMA has 3 tensors, the model 2 trainable parameters"):
+        ema.load_state_dict({**tensors, "ema.2": torch.zeros(1)}, {"steps": 5})
+    with pytest.raises(ValueError, match="the saved EMA has 1 tensors, the model 2 trainable parameters"):
+        ema.load_state_dict({"ema.0": tensors["ema.0"]}, {"steps": 5})
+    assert ema.steps == 0 and all(torch.equal(a, b) for a, b in zip(ema.average, before))
+    ema.load_state_dict({**tensors, "other.0": torch.zeros(1)}, {"steps": 5})  # not the EMA's: ignored
+    assert ema.steps == 5

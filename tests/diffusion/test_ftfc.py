@@ -727,3 +727,146 @@ def test_a_learned_run_on_the_tiny_model_logs_its_fit_and_resumes_exactly(flux_d
     resumed = run("split", 2, resume=True)  # refits g_phi from the restored pool, same seed
     for (k, a), b in zip(full.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_prompt_features_skip_integer_conditioning_and_a_mask_of_another_shape():
+    """Only float tensors are features: an integer conditioning row (token counts, say) is left out
+    whatever its name. A `<name>_mask` whose [N, S] is not the tensor's is not its mask: the tokens
+    are averaged plainly, (1 + 3 + 5) / 3 = 3 and (2 + 4 + 6) / 3 = 4."""
+    embeds = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
+    feats = prompt_features({"prompt_embeds": embeds, "token_counts": torch.tensor([[3]]),
+                             "prompt_embeds_mask": torch.tensor([[1, 0]])})
+    assert feats.tolist() == [[3.0, 4.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_sample_features_are_float32_whatever_the_conditioning_and_latent_dtype(dtype):
+    """g_phi is a float32 network: a bfloat16 or float64 conditioning and latents come out float32,
+    [flatten(x1), prompt features] in that order (x1 [1, 2, 2] -> 4 columns, then the token mean)."""
+    from diffusion_rl.effective_reward import sample_features
+
+    cond = {"prompt_embeds": torch.tensor([[[1.0, 2.0], [3.0, 6.0]]], dtype=dtype)}
+    assert prompt_features(cond).dtype == torch.float32
+    feats = sample_features(torch.tensor([[[0.5, 1.5], [2.5, 3.5]]], dtype=dtype), cond)
+    assert feats.dtype == torch.float32
+    assert feats.tolist() == [[0.5, 1.5, 2.5, 3.5, 2.0, 4.0]]
+    x1 = torch.ones(1, 2, 2, dtype=torch.float32, requires_grad=True)  # the fit never differentiates into x1
+    assert not sample_features(x1, cond).requires_grad
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\). degrees of freedom")
+def test_g_phi_standardised_on_one_sample_keeps_unit_scale():
+    """One sample has no std (torch gives NaN): its scale is 1, not the 1e-6 floor, so g_phi of a
+    point 0.5 away from that sample sees 0.5, not 500000."""
+    from diffusion_rl.effective_reward import EffectiveReward
+
+    torch.manual_seed(0)
+    net = EffectiveReward(2, 4)
+    torch.nn.init.ones_(net.net[-1].weight)
+    row = torch.tensor([[1.0, -2.0]])
+    net.standardise_on(row)
+    assert net.shift.tolist() == [1.0, -2.0] and net.scale.tolist() == [1.0, 1.0]
+    assert torch.equal(net(row + 0.5), net.net(torch.full((1, 2), 0.5)).squeeze(-1))
+
+
+def test_a_pool_with_no_tilt_to_recover_reports_it_recovered():
+    """Rewards equal within each prompt: the observed tilt is the uniform one, J(r) = J(0) and
+    J(r) - J(0) = 0; g = 0 (no fitting steps) leaves nothing, so ftfc/g_recovered is 1, not 0/0 or 0."""
+    x, cond, _, groups = _pool(n_groups=2, g=4)
+    r = groups.float() * 2.0  # 0, 0, 0, 0, 2, 2, 2, 2
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "lr": 1e-3, "weight_decay": 0.0, "seed": 0}
+    fit = fit_effective_reward(x, cond, r, groups, steps=0, **kw)
+    assert fit.g.tolist() == [0.0] * 8
+    m = fit.metrics()
+    assert m["ftfc/g_gap_uniform"] == 0.0 and m["ftfc/g_gap"] == 0.0
+    assert m["ftfc/g_recovered"] == 1.0
+
+
+def test_the_fit_sees_standardised_latents_so_an_affine_rescaling_fits_the_same_g():
+    """The inputs are standardised on the pool before fitting: latents 10 x + 5 give g_phi the same
+    inputs as x (to rounding), so the same seed fits the same g."""
+    x, cond, r, groups = _pool(n_groups=2, g=4)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 8, "steps": 3, "lr": 1e-2, "weight_decay": 0.0, "seed": 0}
+    a = fit_effective_reward(x, cond, r, groups, **kw)
+    b = fit_effective_reward(10 * x + 5, cond, r, groups, **kw)
+    assert a.g.abs().max() > 1e-3  # it moved
+    assert torch.allclose(a.g, b.g, atol=1e-5)
+
+
+def test_steps_counts_the_fitting_steps_from_g_zero():
+    """steps=0 leaves g_phi at its start, g = 0 everywhere; steps=1 is one AdamW step, which moves
+    the zero last layer (Adam's first step is lr * sign of the gradient) and so g off 0."""
+    x, cond, r, groups = _pool(n_groups=2, g=4)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "lr": 1e-2, "weight_decay": 0.0, "seed": 0}
+    assert fit_effective_reward(x, cond, r, groups, steps=0, **kw).g.abs().max() == 0.0
+    assert fit_effective_reward(x, cond, r, groups, steps=1, **kw).g.abs().max() > 1e-4
+
+
+def test_the_fits_gaps_by_hand_for_kl_at_g_zero():
+    """KL, beta 1, each prompt's rewards (0, 1): the observed tilt's value is the dual's minimum
+    J(r) = beta log mean e^{r/beta} = log((1 + e) / 2) = 0.62011; no tilt gives J(0) = mean r = 0.5.
+    With no fitting steps g = 0, so both gaps are J(r) - J(0) = 0.12011, and g recovers none of it."""
+    x, cond, _, groups = _pool(n_groups=2, g=2)
+    r = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    kw = {"beta": 1.0, "divergence": "kl", "hidden": 4, "lr": 1e-3, "weight_decay": 0.0, "seed": 0}
+    m = fit_effective_reward(x, cond, r, groups, steps=0, **kw).metrics()
+    assert m["ftfc/g_gap_uniform"] == pytest.approx(math.log((1 + E) / 2) - 0.5, abs=1e-9)
+    assert m["ftfc/g_gap"] == pytest.approx(math.log((1 + E) / 2) - 0.5, abs=1e-9)
+    assert m["ftfc/g_recovered"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_held_out_prompts_are_a_seeded_choice_of_round_fraction_times_prompts(monkeypatch):
+    """Four prompts at fraction 0.45: round(1.8) = 2 held out, the other 2 fitted on (and reported
+    as ftfc/g_heldout_prompts = 2); the fit sees exactly the rows of the prompts not held out; the
+    same seed holds out the same prompts, and the seed decides which."""
+    import diffusion_rl.effective_reward as mod
+
+    x, cond, r, groups = _pool(n_groups=4, g=2)
+    fitted = []
+    real = mod.fit_effective_reward
+
+    def spy(x1, c, rewards, group_ids, **kw):
+        fitted.append(sorted(set(group_ids.tolist())))
+        assert len(x1) == len(rewards) == len(group_ids) == 2 * len(fitted[-1])
+        assert all(len(v) == len(x1) for v in c.values())
+        return real(x1, c, rewards, group_ids, **kw)
+
+    monkeypatch.setattr(mod, "fit_effective_reward", spy)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "steps": 0, "lr": 1e-3, "weight_decay": 0.0}
+    choices = []
+    for seed in range(6):
+        out = heldout_metrics(x, cond, r, groups, 0.45, seed=seed, **kw)
+        assert out["ftfc/g_heldout_prompts"] == 2.0 and len(fitted[-1]) == 2
+        choices.append(tuple(fitted[-1]))
+    heldout_metrics(x, cond, r, groups, 0.45, seed=0, **kw)
+    assert tuple(fitted[-1]) == choices[0]
+    assert len(set(choices)) > 1
+
+
+def test_held_out_prompts_with_no_tilt_to_recover_report_it_recovered():
+    """Rewards equal within every prompt: on the held-out prompts J(r) - J(0) = 0, and g = 0 (no
+    fitting steps) leaves nothing, so ftfc/g_heldout_recovered is 1, not 0/0 or 0."""
+    x, cond, _, groups = _pool(n_groups=4, g=2)
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "steps": 0, "lr": 1e-3, "weight_decay": 0.0, "seed": 0}
+    out = heldout_metrics(x, cond, groups.float(), groups, 0.5, **kw)
+    assert out["ftfc/g_heldout_recovered"] == 1.0 and out["ftfc/g_heldout_corr"] == 0.0
+
+
+def test_the_held_out_prompts_are_scored_on_g_phis_prediction(monkeypatch):
+    """Whatever g_phi is fitted, the held-out prompts are scored on its prediction there: with a
+    stand-in g_phi that returns the first latent coordinate, a reward equal to that coordinate is
+    recovered whole (J(g) = J(r): 1) with correlation 1, and its negation is anti-correlated (-1)
+    and tilted the wrong way, worse than uniform weights (< 0)."""
+    import dataclasses
+
+    import diffusion_rl.effective_reward as mod
+
+    x, cond, _, groups = _pool(n_groups=4, g=4)
+    real = mod.fit_effective_reward
+    monkeypatch.setattr(mod, "fit_effective_reward", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), net=lambda features: features[:, 0]))  # x1[:, 0, 0], flattened first
+    kw = {"beta": 0.5, "divergence": "kl", "hidden": 4, "steps": 0, "lr": 1e-3, "weight_decay": 0.0, "seed": 0}
+    same = heldout_metrics(x, cond, x[:, 0, 0], groups, 0.5, **kw)
+    assert same["ftfc/g_heldout_recovered"] == pytest.approx(1.0) and same["ftfc/g_heldout_corr"] == pytest.approx(1.0)
+    flipped = heldout_metrics(x, cond, -x[:, 0, 0], groups, 0.5, **kw)
+    assert flipped["ftfc/g_heldout_corr"] == pytest.approx(-1.0) and flipped["ftfc/g_heldout_recovered"] < 0
