@@ -202,3 +202,55 @@ def test_a_real_offline_wandb_run_is_written_under_the_output_directory(tmp_path
     rows = [json.loads(line) for line in (out / "samples" / "step_00000001.jsonl").read_text().splitlines()]
     assert table["columns"][:3] == ["group", "prompt", "completion"]
     assert sorted(map(str, (r[2] for r in table["data"]))) == sorted(str(r["completion"]) for r in rows)
+
+
+# ------------------------------------------------------------------ WandbRun on its own (no training)
+
+SETTINGS = {"project": "proj", "entity": "team", "group": None, "name": None, "tags": [], "mode": "offline"}
+
+
+def test_only_a_resume_continues_the_recorded_wandb_run_and_new_ids_are_8_hex_digits(tmp_path, fake_wandb):
+    from mmrl.core.wandb_run import WandbRun
+
+    (tmp_path / "wandb.json").write_text(json.dumps({"id": "abcd1234", "project": "proj"}))
+    assert WandbRun(SETTINGS, tmp_path, {}, resume=True).run is not None
+    WandbRun(SETTINGS, tmp_path, {}, resume=False)  # a fresh run in the same directory: its own W&B run
+    resumed, fresh = (c[1] for c in fake_wandb.calls if c[0] == "init")
+    assert resumed["id"] == "abcd1234" and fresh["id"] != "abcd1234"
+    assert len(fresh["id"]) == 8 and int(fresh["id"], 16) >= 0
+    assert json.loads((tmp_path / "wandb.json").read_text()) == {"id": fresh["id"], "project": "proj"}
+    assert fresh["tags"] is None and fresh["name"] == tmp_path.name  # no tags: None, as W&B wants
+
+
+def test_a_wandb_record_that_is_not_an_object_starts_a_new_run_with_a_warning(tmp_path, fake_wandb):
+    from mmrl.core.wandb_run import WandbRun
+
+    (tmp_path / "wandb.json").write_text("[1, 2]")  # valid JSON, not {"id": ...}
+    with pytest.warns(UserWarning, match="is not a W&B run record"):
+        WandbRun(SETTINGS, tmp_path, {}, resume=True)
+    (init,) = [c[1] for c in fake_wandb.calls if c[0] == "init"]
+    assert len(init["id"]) == 8
+
+
+def test_sample_tables_hold_nested_values_as_json_and_an_empty_one_is_not_logged(tmp_path, fake_wandb):
+    from mmrl.core.wandb_run import WandbRun
+
+    run = WandbRun(SETTINGS, tmp_path, {}, resume=False)
+    run.samples(3, [])
+    run.samples(4, [{"prompt": "p", "atoms": {"answer": 1.0}, "tools": ["calc"]}, {"prompt": "q", "reward": 0.5}])
+    (table,) = [c for c in fake_wandb.calls if c[0] == "table"]
+    assert table[1] == 4 and table[2]["columns"] == ["prompt", "atoms", "tools", "reward"]
+    assert table[2]["data"] == [["p", '{"answer": 1.0}', '["calc"]', None], ["q", None, None, 0.5]]
+
+
+def test_finish_sends_finite_held_out_metrics_and_train_seconds_then_nothing_more(tmp_path, fake_wandb):
+    from mmrl.core.wandb_run import WandbRun
+
+    run = WandbRun(SETTINGS, tmp_path, {}, resume=False)
+    run.finish({"steps": 3, "train_seconds": 12.5, "eval_before": {"accuracy": 0.25, "loss": float("nan")},
+                "eval_after": {"accuracy": 0.5, "note": "text"}})
+    run.log(4, {"reward/total": 1.0})  # after finish: not sent to the finished W&B run
+    run.finish(None)
+    (finish,) = [c for c in fake_wandb.calls if c[0] == "finish"]
+    assert finish == ("finish", 0, {"eval_before/accuracy": 0.25, "eval_after/accuracy": 0.5, "train_seconds": 12.5})
+    assert [c for c in fake_wandb.calls if c[0] == "log"] == []
