@@ -48,6 +48,8 @@ def _file_png(path: Path) -> str:
 
 
 def _cell(value: Any) -> str:
+    if value is None:  # a metric without data (null in summary.json), as the demo's runs tab shows it
+        return "n/a"
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):

@@ -342,8 +342,8 @@ def test_the_metrics_table_shows_every_key_and_the_signed_change():
     assert '<tr><td>accuracy</td><td>0.25</td><td>0.5</td><td><span class="up">+0.25</span></td></tr>' in page
     assert '<tr><td>loss</td><td>0.5</td><td>0.25</td><td><span class="down">-0.25</span></td></tr>' in page
     assert '<tr><td>same</td><td>1</td><td>1</td><td><span class="">+0</span></td></tr>' in page
-    assert "<tr><td>missing</td><td>None</td><td>0.5</td><td></td></tr>" in page  # no change without a before
-    assert "<tr><td>new</td><td>None</td><td>0.75</td><td></td></tr>" in page  # a metric only after
+    assert "<tr><td>missing</td><td>n/a</td><td>0.5</td><td></td></tr>" in page  # no change without a before
+    assert "<tr><td>new</td><td>n/a</td><td>0.75</td><td></td></tr>" in page  # a metric only after
 
 
 def test_sample_rows_skip_blank_lines_and_only_an_unfinished_last_line(tmp_path):
