@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+import warnings
 
 import pytest
 import yaml
@@ -151,3 +152,36 @@ def test_a_process_engine_reads_the_plugins_config_too(tmp_path):
     _, cfg = build_policy("dllm_rl.backend", {"plugins": plugins.absolute(["half_neg.py"], tmp_path),
                                               "method": {"type": "half_neg", "neg_scale": 0.1}})
     assert cfg.method.type == "half_neg" and cfg.method.neg_scale == 0.1
+
+
+# ---------------------------------------------------------------------------- audit: what the suite let through
+
+
+def test_requested_applies_no_override_but_plugins():
+    # the others are applied once, when the config is read: here they would warn twice (a type
+    # given after its section's keys) or fail early (a value made a section)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = plugins.requested(None, ["method.clip=1", "method.type=x", "train=3", "train.max_steps=2",
+                                       "plugins=[a.py]"], {})
+    assert got == ["a.py"]
+
+
+def test_a_directory_named_as_a_plugin_is_not_found(tmp_path):
+    (tmp_path / "pkg.py").mkdir()
+    with pytest.raises(plugins.ConfigError, match="plugins: 'pkg.py': file not found"):
+        plugins.load(["pkg.py"], tmp_path)
+
+
+def test_absolute_plugin_paths_are_resolved(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "p.py").write_text("")
+    assert plugins.absolute(["sub/../p.py"], tmp_path) == [str((tmp_path / "p.py").resolve())]
+
+
+def test_a_config_class_that_is_not_a_class_is_a_config_error(tmp_path):
+    from dllm_rl.config import DLLMTrainConfig
+
+    (tmp_path / "five.py").write_text("CONFIG_CLASS = 5\n")
+    with pytest.raises(plugins.ConfigError, match="five.py: CONFIG_CLASS must be a subclass of DLLMTrainConfig, got 5"):
+        plugins.config_class(DLLMTrainConfig, None, [], {"plugins": [str(tmp_path / "five.py")]})

@@ -368,6 +368,20 @@ def test_jsonl_task_config_needs_both_files_and_only_jsonl_reads_them():
         DLLMTaskConfig(type="jsonl", train_path="a", eval_path="b", options={"digits": 2})
 
 
+def test_jsonl_reference_of_spaces_is_refused_and_the_answer_compares_stripped(tmp_path):
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import DatasetError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1=", "answer": 1, "reference": "  "}\n')
+    with pytest.raises(DatasetError, match="line 1, field 'reference': must be a non-empty string"):
+        jsonl.load_problems(path)
+    path.write_text('{"prompt": "12+7=", "answer": " 19 "}\n')
+    (p,) = jsonl.load_problems(path)
+    assert p.answer == " 19 "  # kept as written; the atom strips both sides
+    assert jsonl.jsonl_reward().score([jsonl.to_sample(p, "19"), jsonl.to_sample(p, "18")]).total.tolist() == [1.0, 0.0]
+
+
 def test_jsonl_answer_outside_the_models_characters_is_refused_before_training(tmp_path):
     """With a reference of its own, a line's answer is checked too: an answer the model cannot
     write would score 0 on every sample."""

@@ -303,3 +303,105 @@ def test_float_and_wide_int_images():
     assert rgb(to_rgb(f))[0, :, 0].tolist() == [0, 128, 255]  # [0, 1] * 255, 127.5 -> 128
     wide = Image.fromarray(np.array([[-10, 0, 10]], dtype=np.int32), "I")
     assert rgb(to_rgb(wide))[0, :, 0].tolist() == [0, 128, 255]  # min-max: (x + 10) * 255 / 20
+
+
+# ---------------------------------------------------------------------------- audit: what the suite let through
+
+
+@pytest.mark.parametrize(
+    "bad_line, field, words",
+    [
+        ('{"question": "q", "answer": NaN}', "answer", "must be a finite number, got nan"),  # json reads NaN
+        ('{"question": "q", "answer": -Infinity}', "answer", "must be a finite number, got -inf"),
+        ({"question": "q", "answer": "   "}, "answer", "is empty"),
+        ({"question": "q", "answer": {"x": 1}}, "answer", "must be a string or a number, got an object"),
+        ({"question": "q", "answer": "a", "image": "  "}, "image", "is empty"),
+        ({"question": "q", "answer": "a", "images": ["red.png", ""]}, "images[1]", "is empty"),
+        ({"question": "q", "answer": "a", "image_b64": "data:image/png;base64"}, "image_b64", "without a ','"),
+        ('{"a" 1}', None, "invalid JSON: Expecting ':' delimiter at column 6"),  # the 1, 6th character
+    ],
+)
+def test_more_errors_name_file_line_and_field(tmp_path, bad_line, field, words):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD, bad_line])
+    err = error_of(path)
+    assert (err.line, err.field) == (2, field) and words in str(err), str(err)
+
+
+def test_error_messages_name_the_bad_byte_and_the_decoders_error(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"question": "caf\xe9", "answer": "a"}\n')
+    assert "byte 0xe9" in str(error_of(path))  # the byte that is not UTF-8, not the one before it
+    (tmp_path / "notes.png").write_bytes(b"hello")
+    write_lines(path, [{"question": "q", "answer": "a", "image": "notes.png"}])
+    assert "UnidentifiedImageError: cannot identify image file" in str(error_of(path))
+
+
+def test_exactly_five_skipped_are_all_named_with_no_more(tmp_path):
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        [GOOD] + [{"question": "q", "answer": "a", "image": f"gone{i}.png"} for i in range(5)],
+    )
+    with pytest.warns(UserWarning) as rec:
+        load_jsonl(path, on_bad_image="skip")
+    msg = str(rec[0].message)
+    assert "skipped 5" in msg and "gone4.png" in msg and "; and " not in msg  # not "and 0 more"
+
+
+def test_home_relative_image_paths_and_wrapped_base64(tmp_path, red_png, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    buf = io.BytesIO()
+    Image.new("RGB", (3, 3), (10, 20, 30)).save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    wrapped = "\n".join(b64[i : i + 20] for i in range(0, len(b64), 20))  # as base64 tools wrap it
+    path = write_lines(
+        tmp_path / "data" / "d.jsonl",
+        [
+            {"question": "q1", "answer": "a", "image": "~/red.png"},  # ~ is the home directory
+            {"question": "q2", "answer": "a", "image_b64": wrapped},
+        ],
+    )
+    items = load_jsonl(path)
+    assert rgb(items[0].images[0])[0, 0].tolist() == [200, 10, 20]
+    assert rgb(items[1].images[0])[1, 1].tolist() == [10, 20, 30]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_exif_orientation_is_applied(fmt):
+    # 3 wide and 2 high, EXIF orientation 6 (rotate 90 degrees clockwise to view): 2 wide, 3 high
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.new("RGB", (3, 2), (200, 200, 200)).save(buf, format=fmt, exif=exif)
+    buf.seek(0)
+    with Image.open(buf) as img:
+        assert to_rgb(img).size == (2, 3)
+
+
+def test_grey_ranges_nan_and_constant_images():
+    def grey(a, mode):
+        return rgb(to_rgb(Image.fromarray(np.array([a], dtype=np.float32 if mode == "F" else np.int32), mode)))[0, :, 0]
+
+    # F with NaN: NaN -> 0, then [0, 1] * 255: [0, 128, 255] (127.5 rounds to 128)
+    assert grey([np.nan, 0.5, 1.0], "F").tolist() == [0, 128, 255]
+    # F in [0.25, 1]: still [0, 1] * 255, not min-max: 63.75 -> 64
+    assert grey([0.25, 1.0], "F").tolist() == [64, 255]
+    # I in 0..65535 is 16-bit whatever its own min and max: 257 -> 1, 65535 -> 255, 0 -> 0
+    assert grey([257, 65535], "I").tolist() == [1, 255]
+    assert grey([0, 257], "I").tolist() == [0, 1]
+    # 51529 * 255 / 65535 = 51529 / 257 = 200.502 -> 201 (a divisor of 65536 gives 200.499 -> 200)
+    assert grey([51529], "I").tolist() == [201]
+    # a constant image outside those ranges: min-max has no range, so black
+    assert grey([-5, -5], "I").tolist() == [0, 0]
+    assert grey([3.0, 3.0], "F").tolist() == [0, 0]
+
+
+def test_save_writes_reference_only_when_given_text_as_is_and_refuses_bad_meta(tmp_path):
+    items = [QAItem([], "Café?", "ja", meta={"answer": "ja"}), QAItem([], "q", "a", reference="r")]
+    path = save_jsonl(items, tmp_path / "qa.jsonl", tmp_path / "imgs")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert json.loads(lines[0]) == {"question": "Café?", "answer": "ja"}  # no "reference": ""
+    assert '"Café?"' in lines[0]  # written as the text it is, not \u00e9
+    assert json.loads(lines[1])["reference"] == "r"
+    with pytest.raises(ValueError, match="item 0: meta is not JSON-serialisable"):
+        save_jsonl([QAItem([], "q", "a", meta={"when": object()})], tmp_path / "b.jsonl", tmp_path / "imgs")

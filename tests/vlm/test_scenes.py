@@ -10,6 +10,7 @@ from mmrl.vlm.tasks.scenes import (
     SHAPES,
     Scene,
     Shape,
+    _apart,
     describe,
     is_above,
     is_left_of,
@@ -143,3 +144,95 @@ def test_bad_arguments_raise():
         random_scene(random.Random(0), size=40, min_shapes=4, max_shapes=4)
     with pytest.raises(ValueError, match="unknown shape"):
         render(Scene([Shape("star", "red", 20.0, 20.0, 10.0)], 40))
+
+
+# ---------------------------------------------------------------------------- audit: what the suite let through
+
+
+class ScriptedRng:
+    """Stands in for random.Random: randint returns the scripted values in order (each checked
+    against the bounds asked for, which are recorded), choice the first option."""
+
+    def __init__(self, values):
+        self.values = list(values)
+        self.bounds = []
+
+    def randint(self, a, b):
+        v = self.values.pop(0)
+        self.bounds.append((a, b))
+        assert a <= v <= b, (a, b, v)
+        return v
+
+    def choice(self, seq):
+        return seq[0]
+
+
+def test_a_shape_gets_fifty_tries_then_is_dropped():
+    # n = 2 shapes of side 22; the first at box [2, 24) x [2, 24); the second tries the same
+    # box (overlapping) 49 times, then [60, 82) x [60, 82): placed on its 50th try
+    rng = ScriptedRng([2, 22, 2, 2] + [22, 2, 2] * 49 + [22, 60, 60])
+    scene = random_scene(rng, min_shapes=1, max_shapes=2, shape_size=(22, 22))
+    assert [(s.x, s.y) for s in scene.shapes] == [(13.0, 13.0), (71.0, 71.0)] and rng.values == []
+    # 50 overlapping tries: the second shape is dropped; one shape still meets min_shapes
+    rng = ScriptedRng([2, 22, 2, 2] + [22, 2, 2] * 50)
+    scene = random_scene(rng, min_shapes=1, max_shapes=2, shape_size=(22, 22))
+    assert [(s.x, s.y) for s in scene.shapes] == [(13.0, 13.0)] and rng.values == []
+
+
+def test_a_scene_short_of_min_shapes_is_drawn_again():
+    # the first draw places one of its 2 shapes (the second overlaps 50 times): drawn again
+    first = [2, 22, 2, 2] + [22, 2, 2] * 50
+    second = [2, 22, 2, 2, 22, 60, 60]
+    rng = ScriptedRng(first + second)
+    scene = random_scene(rng, min_shapes=2, max_shapes=2, shape_size=(22, 22))
+    assert [(s.x, s.y) for s in scene.shapes] == [(13.0, 13.0), (71.0, 71.0)] and rng.values == []
+
+
+def test_boxes_keep_two_pixels_from_the_border_on_integer_pixels():
+    # a side of 23 in a 112 image: left and top drawn from [2, 112 - 2 - 23] = [2, 87]; the
+    # centre of box [2, 25) is 2 + 23 / 2 = 13.5
+    rng = ScriptedRng([1, 23, 2, 87])
+    (s,) = random_scene(rng, min_shapes=1, max_shapes=1, shape_size=(22, 32)).shapes
+    assert rng.bounds == [(1, 1), (22, 32), (2, 87), (2, 87)]
+    assert (s.x, s.y, s.size) == (13.5, 98.5, 23.0)
+    assert s.box() == (2.0, 87.0, 25.0, 110.0)
+
+
+def test_shape_size_and_image_size_bounds_are_inclusive():
+    # lo = hi is allowed; lo = 0 is not; an image of exactly hi + 2 * 2 pixels is enough
+    scene = random_scene(random.Random(0), min_shapes=2, max_shapes=2, shape_size=(24, 24))
+    assert [s.size for s in scene.shapes] == [24.0, 24.0]
+    with pytest.raises(ValueError, match="shape_size"):
+        random_scene(random.Random(0), shape_size=(0, 5))
+    (s,) = random_scene(random.Random(0), size=36, min_shapes=1, max_shapes=1, shape_size=(32, 32)).shapes
+    assert s.box()[0] == 2 and s.box()[1] == 2  # the one place a side of 32 fits: [2, 34)
+    assert random_scene(random.Random(0), min_shapes=0, max_shapes=0).shapes == []
+
+
+def test_apart_needs_a_gap_of_four_pixels_along_x_or_y():
+    a = Shape("square", "red", x=10.0, y=10.0, size=20.0)  # box [0, 20) x [0, 20)
+    for dx, dy in [(24, 0), (-24, 0), (0, 24), (0, -24)]:  # a gap of exactly 4, each side
+        b = Shape("square", "blue", x=10.0 + dx, y=10.0 + dy, size=20.0)
+        assert _apart(a, b) and _apart(b, a), (dx, dy)
+    for dx, dy in [(23, 0), (-23, 0), (0, 23), (0, -23), (23, 23)]:  # a gap of 3
+        b = Shape("square", "blue", x=10.0 + dx, y=10.0 + dy, size=20.0)
+        assert not _apart(a, b) and not _apart(b, a), (dx, dy)
+
+
+def test_relations_use_the_larger_size_and_hold_at_the_margin():
+    big = Shape("circle", "red", x=20.0, y=20.0, size=40.0)
+    small = Shape("square", "blue", x=35.0, y=35.0, size=10.0)
+    # |d| = 15 < 0.5 * max(40, 10) = 20: too close to say (the smaller size's 5 would say)
+    assert is_left_of(big, small) is None and is_above(small, big) is None
+    c = Shape("square", "blue", x=35.0, y=35.0, size=30.0)
+    d = Shape("square", "blue", x=20.0, y=20.0, size=30.0)
+    # |d| = 15 = 0.5 * 30 exactly: the relation holds
+    assert is_left_of(d, c) is True and is_above(c, d) is False
+
+
+def test_describe_breaks_ties_top_to_bottom_and_render_refuses_unknown_colours():
+    scene = Scene([Shape("square", "blue", x=40.0, y=80.0, size=20.0),
+                   Shape("circle", "red", x=40.0, y=20.0, size=20.0)], 112)
+    assert describe(scene) == "a red circle , a blue square"  # same x: the upper one first
+    with pytest.raises(ValueError, match="unknown colour 'purple'"):
+        render(Scene([Shape("circle", "purple", 20.0, 20.0, 10.0)], 40))
