@@ -222,3 +222,41 @@ def test_resuming_a_run_saved_without_master_weights_starts_the_copies_from_its_
     assert any(not torch.equal(m, s) for m, s in zip(resumed.opt_params, start))
     for p, m, q in zip(resumed.params, resumed.opt_params, first.params):
         assert torch.equal(p, q) and torch.equal(m.detach(), q.detach().float())
+
+
+def test_each_parameter_keeps_one_hook_however_many_masters_it_had():
+    """One hook a parameter for the life of the process: three MasterWeights in turn (a second
+    and third Trainer) add none; the gradient goes to the newest one's copy only."""
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    masters = [MasterWeights(list(layer.parameters())) for _ in range(3)]
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in layer.parameters())
+    layer(torch.ones(2, 4).to(torch.bfloat16)).sum().backward()
+    assert all(m.grad is None for m in masters[0].masters + masters[1].masters)
+    assert torch.equal(masters[2].masters[1].grad, torch.full((3,), 2.0))  # d(sum)/d(bias): 2 rows
+
+
+def test_a_master_no_longer_used_is_freed_and_the_gradients_stay_on_the_parameters():
+    """The route holds its copy weakly: dropping the MasterWeights frees its float32 copies, and
+    a later backward leaves the gradient on the bfloat16 parameters (nothing to send it to)."""
+    import weakref
+
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = MasterWeights(list(layer.parameters()))
+    copies = [weakref.ref(m) for m in master.masters]
+    del master  # no cycle holds it: freed at once, without a garbage collection
+    assert all(c() is None for c in copies)
+    layer(torch.ones(2, 4).to(torch.bfloat16)).sum().backward()
+    assert torch.equal(layer.bias.grad, torch.full((3,), 2.0, dtype=torch.bfloat16))
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_a_checkpoint_missing_one_of_the_copies_loads_none_of_them():
+    """Two bfloat16 parameters, a checkpoint with master.0 only: False, and neither copy taken
+    from it (half the copies from a checkpoint and half from the model's rounding would mix two
+    states)."""
+    params = [torch.nn.Parameter(torch.zeros(2).to(torch.bfloat16)), torch.nn.Parameter(torch.zeros(3).to(torch.bfloat16))]
+    master = MasterWeights(params)
+    assert not master.load_state_dict({"master.0": torch.full((2,), 0.5)})
+    assert torch.equal(master.masters[0], torch.zeros(2)) and torch.equal(master.masters[1], torch.zeros(3))
+    assert master.load_state_dict({"master.0": torch.full((2,), 0.5), "master.1": torch.full((3,), 0.25)})
+    assert torch.equal(master.masters[0], torch.full((2,), 0.5)) and torch.equal(master.masters[1], torch.full((3,), 0.25))

@@ -102,6 +102,31 @@ def test_bad_plugins_are_one_line_errors(tmp_path, files, plugin_list, match):
     assert re.search(match, r.output), r.output[-2000:]
 
 
+def test_only_a_built_in_name_is_refused_and_the_newest_registration_wins(monkeypatch):
+    """register_method: a plugin may take over a name another plugin registered (the newer class
+    builds it), and a built-in package may take over a built-in name; only a plugin naming a
+    built-in method is refused, and the built-in one stays."""
+    from mmrl.core import method as core_method
+    from mmrl.core.method import Method, register_method
+
+    monkeypatch.setattr(core_method, "METHODS", dict(core_method.METHODS))  # this test's registrations only
+
+    def cls(module):
+        return type(f"From_{module.replace('.', '_')}", (Method,), {"__module__": module})
+
+    first, second = cls("plugin_a"), cls("plugin_b")
+    assert register_method("shared_only_here")(first) is first
+    assert register_method("shared_only_here")(second) is second
+    assert core_method.METHODS["shared_only_here"] is second
+    builtin, newer_builtin = cls("dllm_rl.one"), cls("mmrl.other")
+    register_method("built_in_only_here")(builtin)
+    register_method("built_in_only_here")(newer_builtin)
+    assert core_method.METHODS["built_in_only_here"] is newer_builtin
+    with pytest.raises(ValueError, match="'built_in_only_here' is built in"):
+        register_method("built_in_only_here")(cls("plugin_c"))
+    assert core_method.METHODS["built_in_only_here"] is newer_builtin
+
+
 def test_a_plugin_that_fails_after_registering_leaves_no_method_behind(tmp_path):
     from mmrl.core.method import METHODS
 

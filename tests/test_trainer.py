@@ -266,6 +266,15 @@ def test_refills_stop_after_max_rounds_and_not_without_dynamic_sampling(tmp_path
     assert metrics["rollout/rounds"] == 1 and metrics["rollout/groups_dropped"] == 2
 
 
+def test_one_process_deals_no_groups_out_and_logs_no_trimmed_count(tmp_path, monkeypatch):
+    """Balancing shares is for several processes: one process keeps its groups as rolled out and
+    its step logs no rollout/groups_trimmed (not even 0)."""
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "rollout/groups_trimmed" not in metrics
+
+
 def test_an_engine_returning_too_few_samples_is_an_error(tmp_path, monkeypatch):
     """Groups must be complete: a rollout with a sample missing stops the step."""
     trainer = make(tmp_path, "rollout.num_generations=2")
@@ -278,6 +287,54 @@ def test_an_engine_returning_too_few_samples_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.policy, "generate", one_short)
     with pytest.raises(RuntimeError, match="returned 7 samples for 4 prompts x 2 generations"):
         trainer.scheduler.next_groups(version=0)
+
+
+def test_an_engine_returning_too_many_samples_is_an_error(tmp_path, monkeypatch):
+    """A group is exactly num_generations samples: a rollout with one sample too many (9 for
+    4 prompts x 2) stops the step like one with a sample missing."""
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    generate = trainer.policy.generate
+
+    def one_over(*args):
+        batch = generate(*args)
+        return batch.select(torch.arange(len(batch) + 1) % len(batch))  # rows 0..7, then 0 again
+
+    monkeypatch.setattr(trainer.policy, "generate", one_over)
+    with pytest.raises(RuntimeError, match="returned 9 samples for 4 prompts x 2 generations"):
+        trainer.scheduler.next_groups(version=0)
+
+
+def test_decoded_tokens_sum_the_lengths_and_are_zero_without_them():
+    """What a round costs: the sum of its "stat/length" (3 + 4 + 0 = 7); a backend that does not
+    report lengths costs 0, not one token a sample or a round."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.core.scheduler import decoded_tokens
+
+    def batch(data):
+        return RolloutBatch(group_ids=torch.tensor([0, 0, 1]), samples=[Sample(1, [2])] * 3, data=data)
+
+    assert decoded_tokens(batch({"stat/length": torch.tensor([3, 4, 0])})) == 7.0
+    assert decoded_tokens(batch({})) == 0.0
+
+
+def test_round_metrics_log_the_mean_of_integer_and_bool_stats():
+    """rollout/<x> is the mean of "stat/<x>" whatever its dtype: lengths 3, 4, 6, 7 (long) give
+    5.0, truncated True, False, False, True (bool) 0.5; other data is not logged."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.core.scheduler import round_metrics
+
+    samples = [Sample(p, [(p + 1) % 10]) for p in range(4)]  # every answer right: reward/total 1
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0, 1, 1]), samples=samples,
+                         scores=toy.ToyTask().reward.score(samples),
+                         data={"stat/length": torch.tensor([3, 4, 6, 7]),
+                               "stat/truncated": torch.tensor([True, False, False, True]),
+                               "input_ids": torch.zeros(4, 3, dtype=torch.long)})
+    metrics = round_metrics(batch)
+    assert metrics["rollout/length"] == 5.0 and metrics["rollout/truncated"] == 0.5
+    assert metrics["reward/total"] == 1.0
+    assert not any("input_ids" in k for k in metrics)
 
 
 def _with_prune(trainer, prune):
@@ -309,6 +366,19 @@ def test_prune_answers_of_only_selections_leave_the_loss_weights_alone(tmp_path)
     batch, metrics = trainer.scheduler.next_groups(version=0)
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3] and SAMPLE_WEIGHT not in batch.data
     assert metrics["rollout/samples_pruned"] == 1
+
+
+def test_prune_weights_are_kept_in_float32(tmp_path):
+    """A weighted prune answer is a float32 loss weight as given: 0.1 stays float32's 0.1
+    (float16 would make it 0.0999755859375), and a None group weighs exactly 1."""
+    from mmrl.core.batch import SAMPLE_WEIGHT
+
+    trainer = make(tmp_path, "rollout.num_generations=2")
+    _with_prune(trainer, lambda group: torch.tensor([0.1, 0.3]) if int(group.group_ids[0]) == 0 else None)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    weight = batch.data[SAMPLE_WEIGHT]
+    assert weight.dtype == torch.float32 and metrics["rollout/samples_pruned"] == 0
+    assert torch.equal(weight, torch.tensor([0.1, 0.3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float32))
 
 
 def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monkeypatch):
@@ -347,6 +417,29 @@ def test_a_methods_extra_samples_join_their_group_and_are_counted(tmp_path, monk
     batch, _ = trainer.scheduler.next_groups(version=6)
     assert batch.group_ids.tolist() == [4, 4, 5, 5, 5, 5, 6, 6, 7, 7]
     assert scored == [8, 2, 8, 2] and len(seeds) == 2 and seeds[0] != seeds[1]
+
+
+def test_extra_samples_follow_their_groups_own_rows_in_order(tmp_path):
+    """8 groups of 2, one extra sample (tag 1) asked for each: every group is its 2 rows as rolled
+    out, in their order, then its extra one (a stable sort by group id; an unstable one mixes
+    them from about 6 groups on)."""
+    from mmrl.core.engine import Request
+
+    trainer = make(tmp_path, "rollout.num_generations=2", "rollout.prompts_per_step=8")
+
+    def extra_requests(self, group):
+        g = int(group.group_ids[0])
+        return [Request(g, group.prompts[g], 1, tag=1)]
+
+    trainer.method.__class__ = type("OneMore", (type(trainer.method),), {"extra_requests": extra_requests})
+    rolled = []
+    generate = trainer.policy.generate
+    trainer.policy.generate = lambda *a: rolled.append(generate(*a)) or rolled[-1]
+    batch, _ = trainer.scheduler.next_groups(version=0)
+    assert batch.group_ids.tolist() == [g for g in range(8) for _ in range(3)]
+    assert batch.data["request_tag"].tolist() == [0, 0, 1] * 8
+    own = [s.completion for s in rolled[0].samples]  # the round's 16 rows, group by group
+    assert [s.completion for i, s in enumerate(batch.samples) if i % 3 != 2] == own
 
 
 def test_a_batch_the_method_keeps_trains_without_a_rollout(tmp_path):
