@@ -266,6 +266,16 @@ def test_rgba_and_la_composite_on_white():
     assert rgb(to_rgb(la)).tolist() == [[[255, 255, 255], [100, 100, 100]]]
 
 
+def test_an_rgb_png_with_a_transparency_colour_composites_that_colour_on_white():
+    im = Image.new("RGB", (2, 1), (10, 20, 30))
+    im.putpixel((1, 0), (200, 100, 50))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", transparency=(10, 20, 30))  # a tRNS colour: pixels of it are transparent
+    buf.seek(0)
+    assert rgb(to_rgb(Image.open(buf)))[0].tolist() == [[255, 255, 255], [200, 100, 50]]
+    assert rgb(to_rgb(im))[0].tolist() == [[10, 20, 30], [200, 100, 50]]  # without one: as is
+
+
 def test_grey_and_palette_modes():
     assert rgb(to_rgb(Image.new("L", (1, 1), 77)))[0, 0].tolist() == [77, 77, 77]
     one = Image.new("1", (2, 1), 0)

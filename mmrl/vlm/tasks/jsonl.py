@@ -200,7 +200,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if img.format == "JPEG" or "exif" in img.info:
         img = ImageOps.exif_transpose(img)
     mode = img.mode
-    if mode == "RGB":
+    if mode == "RGB" and "transparency" not in img.info:  # an RGB PNG's transparency colour: composited below
         return img.copy()
     if mode.startswith("I;16") or mode in ("I", "F"):
         return _gray_to_rgb(np.asarray(img), mode)
