@@ -210,3 +210,15 @@ def test_a_config_class_that_is_not_a_class_is_a_config_error(tmp_path):
     (tmp_path / "five.py").write_text("CONFIG_CLASS = 5\n")
     with pytest.raises(plugins.ConfigError, match="five.py: CONFIG_CLASS must be a subclass of DLLMTrainConfig, got 5"):
         plugins.config_class(DLLMTrainConfig, None, [], {"plugins": [str(tmp_path / "five.py")]})
+
+
+def test_one_plugin_file_named_twice_is_one_plugin(tmp_path):
+    from dllm_rl.config import DLLMTrainConfig
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "twice.py").write_text("from dllm_rl.config import DLLMTrainConfig\n\n"
+                                       "class CONFIG_CLASS(DLLMTrainConfig):\n    pass\n")
+    names = ["twice.py", str(tmp_path / "twice.py"), "sub/../twice.py"]  # three spellings of one file
+    assert len(plugins.load(names, tmp_path)) == 1
+    cls = plugins.config_class(DLLMTrainConfig, None, [], {"plugins": [str(tmp_path / "twice.py")] * 2})
+    assert cls.__name__ == "CONFIG_CLASS" and issubclass(cls, DLLMTrainConfig)

@@ -51,7 +51,8 @@ def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
                 METHODS.clear()  # what it registered before failing goes with it
                 METHODS.update(registered)
                 raise ConfigError(str(e)) from None
-        modules.append(_imported[path])
+        if _imported[path] not in modules:  # one file named twice (or two spellings of it) is one plugin
+            modules.append(_imported[path])
     return modules
 
 
