@@ -123,6 +123,18 @@ def test_resume_and_eval_take_the_runs_own_settings(tmp_path, recwarn):
     assert code == 2 and "'bogus'" in text and f"come from {out / 'config.yaml'}" in text
 
 
+def test_auto_resume_takes_the_runs_own_settings_as_resume_does(tmp_path):
+    """--auto-resume where a checkpoint is: as --resume, the run's config.yaml is the base, so a
+    requeued job's shorter command (or a changed default) does not change the run's settings."""
+    out = tmp_path / "run"
+    code, text = invoke(app, "train", "--max-steps", "1", "-o", str(out), "--seed", "3", "--set", "optim.lr=0.005")
+    assert code == 0, text
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(out), "--auto-resume")
+    assert code == 0 and "resuming at step 1" in text, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["seed"] == 3 and summary["config"]["optim"]["lr"] == 0.005
+
+
 def test_a_runs_config_yaml_holds_absolute_paths(tmp_path, monkeypatch):
     from mmrl.core.runconfig import absolute_paths
 

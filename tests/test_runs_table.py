@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -160,3 +161,135 @@ def test_cli_runs_prints_markdown_json_and_refuses_an_unknown_metric(tmp_path):
     result = runner.invoke(app, ["runs", str(tmp_path), "-m", "acc"])
     assert result.exit_code == 2 and "--metric acc: no run reports it" in result.output
     assert "accuracy, reward" in result.output and "Traceback" not in result.output
+
+
+def test_a_run_without_metrics_yet_is_at_step_0(tmp_path):
+    make_run(tmp_path, "new", steps=8)  # started, no step logged: no metrics.jsonl, no summary.json
+    run = table.load(tmp_path / "new")
+    assert run.steps is None and run.status == "no summary.json (step 0 of 8)"
+
+
+def test_a_finished_runs_steps_are_its_summarys_not_the_last_metrics_row(tmp_path):
+    make_run(tmp_path, "r", before={}, after={}, steps=10, metrics_rows=4)  # summary.json: 10 steps; metrics end at 4
+    assert table.load(tmp_path / "r").steps == 10
+
+
+def test_only_top_level_per_seed_keys_are_left_out_of_the_settings():
+    flat = table.flatten({"seed": 1, "output_dir": "x", "logging": {"wandb": True}, "task": {"seed": 3}})
+    assert flat == {"task.seed": "3"}  # a task's own seed picks its data: a setting, not the run's seed
+
+
+def test_an_empty_section_is_a_value_of_its_own():
+    assert table.flatten({"rollout": {}, "optim": {"lr": 0.1}}) == {"rollout": "{}", "optim.lr": "0.1"}
+
+
+def test_lists_of_mappings_compare_whatever_their_key_order():
+    def run(name, atom):
+        return table.Run(Path(name), {"seed": 0, "reward": {"atoms": [atom]}, "optim": {"lr": 0.1}}, None, None)
+
+    same = [run("a", {"name": "acc", "weight": 1.0}), run("b", {"weight": 1.0, "name": "acc"})]
+    assert table.varying(same) == []
+    assert len(table.group_rows(same, [])) == 1  # one configuration, two seeds' worth
+
+
+def test_seeds_group_whatever_the_key_order_of_their_configs():
+    a = table.Run(Path("a"), {"seed": 0, "optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "train": {"max_steps": 4}}, None, 4)
+    b = table.Run(Path("b"), {"train": {"max_steps": 4}, "optim": {"betas": [0.9, 0.99], "lr": 0.1}, "seed": 1}, None, 4)
+    (row,) = table.group_rows([a, b], [])
+    assert row["seeds"] == [0, 1] and row["runs"] == ["a", "b"]
+
+
+def test_a_damaged_run_changes_no_label_and_no_group(tmp_path):
+    for seed in (0, 1):
+        make_run(tmp_path, f"ok{seed}", seed=seed, before={"m": 0.0}, after={"m": 1.0})
+    for name in ("bad1", "bad2"):
+        (make_run(tmp_path, name, before={}, after={}) / "summary.json").write_text("{not json")
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == []  # the damaged runs' empty configs do not make every key differ
+    rows = table.run_rows(runs, ["m"])
+    assert [r["config"] for r in rows] == [{}, {}, {}, {}]
+    assert table.markdown_runs(rows, ["m"]).splitlines()[0] == "| run | seed | steps | m | best | train s | status |"
+    groups = table.group_rows(runs, ["m"])
+    assert [(len(g["runs"]), g["finished"]) for g in groups] == [(1, 0), (1, 0), (2, 2)]  # each damaged run alone
+    assert all(g["status"].startswith("unreadable: ") for g in groups[:2])
+
+
+def test_the_config_column_shows_when_runs_differ_even_beside_a_damaged_run(tmp_path):
+    make_run(tmp_path, "a", lr=1e-4, before={}, after={})
+    make_run(tmp_path, "b", lr=1e-3, before={}, after={})
+    (make_run(tmp_path, "c", before={}, after={}) / "config.yaml").write_text("[not: a mapping")
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert runs[2].error
+    rows = table.run_rows(runs, [])
+    assert rows[2]["config"] == {}  # no settings known, not optim.lr=null
+    lines = table.markdown_runs(rows, []).splitlines()
+    assert lines[0] == "| run | config | seed | steps | best | train s | status |"
+    assert lines[2].startswith(f"| {tmp_path / 'a'} | optim.lr=0.0001 | 0 | 10 |")
+    assert lines[4].startswith(f"| {tmp_path / 'c'} |  |  |  |  |  | unreadable: ")
+
+
+def test_metric_names_come_from_before_and_after_and_skip_unfinished_runs(tmp_path):
+    make_run(tmp_path, "a", before={"kl": 0.0}, after={"accuracy": 0.5})
+    make_run(tmp_path, "b", metrics_rows=2)  # unfinished: no summary
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.metric_names(runs, []) == ["kl", "accuracy"]
+    assert table.metric_names(runs, ["kl"]) == ["kl"]
+
+
+def test_the_cli_lists_a_folder_with_an_unfinished_run(tmp_path):
+    make_run(tmp_path, "a", before={"accuracy": 0.5}, after={"accuracy": 0.75})
+    make_run(tmp_path, "b", seed=1, metrics_rows=2)
+    result = CliRunner().invoke(app, ["runs", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[2].endswith("| 0 | 10 | 0.500 → 0.750 |  | 60 | finished |")
+    assert lines[3].endswith("| 1 | 2 |  |  |  | no summary.json (step 2 of 10) |")
+    assert result.output.endswith("(step 2 of 10) |\n")  # the table's own last newline, no blank line after
+
+
+def test_numbers_that_are_not_finite_or_are_booleans_are_null(tmp_path):
+    path = make_run(tmp_path, "a", seed=0, before={"m": 1.0, "ok": 0.0}, after={"m": 2.0, "ok": 1.0}, seconds=30.0)
+    (path / "summary.json").write_text('{"eval_before": {"m": NaN, "ok": false}, "eval_after": {"m": Infinity, '
+                                       '"ok": true}, "steps": 10, "train_seconds": NaN}')
+    make_run(tmp_path, "b", seed=1, before={"m": 1.0}, after={"m": 4.0}, seconds=30.0)
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    row = table.run_rows(runs, ["m", "ok"])[0]
+    assert row["before"] == {"m": None, "ok": None} and row["after"] == {"m": None, "ok": None}
+    assert row["train_seconds"] is None
+    (g,) = table.group_rows(runs, ["m"])
+    s = g["metrics"]["m"]
+    assert s["n"] == 1 and s["after_mean"] == 4.0 and s["change_mean"] == 3.0  # run b alone: 4 - 1
+    assert g["train_seconds_mean"] == 30.0  # run a's NaN is not counted
+
+
+def test_a_run_without_training_time_is_left_out_of_the_mean_time(tmp_path):
+    make_run(tmp_path, "a", seed=0, before={}, after={}, seconds=40.0)
+    path = make_run(tmp_path, "b", seed=1, before={}, after={})
+    (path / "summary.json").write_text(json.dumps({"eval_before": {}, "eval_after": {}, "steps": 10}))
+    (g,) = table.group_rows([table.load(p) for p in table.find([tmp_path])], [])
+    assert g["finished"] == 2 and g["train_seconds_mean"] == 40.0
+
+
+def test_group_cells_with_no_finished_value_or_no_change(tmp_path):
+    make_run(tmp_path, "done", lr=1e-4, before={"m": None}, after={"m": 0.5})  # after, but no change
+    make_run(tmp_path, "going", lr=1e-3, metrics_rows=3)  # nothing finished
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    text = table.markdown_groups(table.group_rows(runs, ["m"]), ["m"])
+    assert "| optim.lr=0.0001 | 0 | 1 of 1 | 0.500 | 60 |" in text
+    assert "| optim.lr=0.001 | 0 | 0 of 1 |  |  |" in text
+
+
+def test_a_pipe_or_a_newline_in_a_cell_keeps_the_table_whole():
+    text = table._table(["a", "b"], [["x|y", "one\ntwo"]])
+    assert text == "| a | b |\n| --- | --- |\n| x\\|y | one two |\n"
+
+
+def test_a_label_of_exactly_four_settings_counts_none_more():
+    assert table._label({"a": 1, "b": 2, "c": 3, "d": 4}) == "a=1 b=2 c=3 d=4"
+
+
+def test_a_type_like_key_that_is_not_a_sections_type_hides_nothing(tmp_path):
+    make_run(tmp_path, "a", before={}, after={}, model={"dtype": "float32", "device": "cpu"})
+    make_run(tmp_path, "b", before={}, after={}, model={"dtype": "bfloat16", "device": "cuda"})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == ["model.device", "model.dtype"]  # config order (make_run's YAML is sorted)

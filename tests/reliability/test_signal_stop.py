@@ -15,11 +15,12 @@ import toy
 from runcompare import comparable
 from typer.testing import CliRunner
 
+from mmrl.core import stop as stop_module
 from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.cli import BackendSpec, make_app
 from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.logging import read_metrics
-from mmrl.core.stop import StoppedBySignal
+from mmrl.core.stop import SignalStop, StoppedBySignal
 from mmrl.core.trainer import Trainer
 
 ARGS = ("train.max_steps=5", "train.save_every=0", "optim.schedule=cosine", "optim.warmup_steps=2",
@@ -161,3 +162,26 @@ def test_two_processes_stop_after_the_same_step_when_one_is_signalled(ranks_ran)
     for rank in (0, 1):
         assert json.loads((ranks_ran / f"rank{rank}.json").read_text()) == {"step": 2, "signum": signal.SIGTERM}
     assert [s for s, _ in list_checkpoints(ranks_ran / "checkpoints")] == [2]
+
+
+def test_the_first_signal_is_announced_on_stderr_and_only_recorded(capfd):
+    with SignalStop() as stop:
+        signal.raise_signal(signal.SIGUSR1)  # the handler runs before raise_signal returns
+        assert stop.received == signal.SIGUSR1 and stop.requested() == signal.SIGUSR1
+    err = capfd.readouterr().err
+    assert "SIGUSR1: the run stops after the step it is in and saves it (send it again to stop at once)" in err
+
+
+def test_requested_is_the_signal_of_the_lowest_rank_that_got_one(monkeypatch):
+    sent = []
+
+    def gather(x):  # ranks 0..3: rank 0 (this one) got nothing, rank 2 SIGUSR1, rank 3 SIGTERM
+        sent.append(x)
+        return [float(x), 0.0, float(signal.SIGUSR1), float(signal.SIGTERM)]
+
+    monkeypatch.setattr(stop_module.distributed, "world_size", lambda: 4)
+    monkeypatch.setattr(stop_module.distributed, "gather_scalar", gather)
+    stop = SignalStop()
+    assert stop.requested() == signal.SIGUSR1 and sent == [0]  # an unsignalled rank sends 0
+    monkeypatch.setattr(stop_module.distributed, "gather_scalar", lambda x: [float(x)] * 4)
+    assert stop.requested() is None  # no rank signalled: go on
