@@ -135,6 +135,19 @@ def test_auto_resume_takes_the_runs_own_settings_as_resume_does(tmp_path):
     assert summary["steps"] == 2 and summary["config"]["seed"] == 3 and summary["config"]["optim"]["lr"] == 0.005
 
 
+def test_auto_resume_takes_an_override_of_a_key_only_the_runs_own_variant_has(tmp_path):
+    """As --resume does: the output directory is found from -o alone, so a --set naming a key of
+    the run's multi_stream advantage (not of the default group one) is not refused before it."""
+    out = tmp_path / "run"
+    code, text = invoke(app, "train", "--max-steps", "1", "-o", str(out), "--set", "method.advantage.type=multi_stream")
+    assert code == 0, text
+    code, text = invoke(app, "train", "--max-steps", "2", "-o", str(out), "--auto-resume",
+                        "--set", "method.advantage.mode=sum_then_normalize")
+    assert code == 0 and "resuming at step 1" in text, text
+    advantage = json.loads((out / "summary.json").read_text())["config"]["method"]["advantage"]
+    assert advantage["type"] == "multi_stream" and advantage["mode"] == "sum_then_normalize"
+
+
 def test_a_runs_config_yaml_holds_absolute_paths(tmp_path, monkeypatch):
     from mmrl.core.runconfig import absolute_paths
 

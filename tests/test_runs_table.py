@@ -293,3 +293,9 @@ def test_a_type_like_key_that_is_not_a_sections_type_hides_nothing(tmp_path):
     make_run(tmp_path, "b", before={}, after={}, model={"dtype": "bfloat16", "device": "cuda"})
     runs = [table.load(p) for p in table.find([tmp_path])]
     assert table.varying(runs) == ["model.device", "model.dtype"]  # config order (make_run's YAML is sorted)
+
+
+def test_a_metric_chosen_twice_is_one_column(tmp_path):
+    make_run(tmp_path, "a", before={"accuracy": 0.5, "reward": 1.0}, after={"accuracy": 0.75, "reward": 2.0})
+    runs = [table.load(tmp_path / "a")]
+    assert table.metric_names(runs, ["accuracy", "accuracy"]) == ["accuracy"]

@@ -133,6 +133,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except _runtime_errors() as e:
             fail(str(e), code=1)
 
+    def output_dir_of(config, overrides, backend, verb: str = "train") -> Path:
+        """Where the run is, from --config and -o / --set output_dir= alone: the other overrides
+        may name keys only the run's own config.yaml has (its method's variant, a plugin's)."""
+        where = [o for o in overrides if o.partition("=")[0].strip() == "output_dir"]
+        return Path(build_config(config, where, backend, verb).output_dir)
+
     def get_backend(config, overrides, verb: str = "train", checkpoint: Path | None = None, resume: bool = False):
         """Validate the config even before the backend exists, so config errors show first.
         With --resume, or a --checkpoint inside a run, the run's config.yaml is the base."""
@@ -148,11 +154,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             if not resume and checkpoint is None:
                 raise
             failed = e  # an override may name a key of the run's own method or task (its config.yaml below)
-        if cfg is not None:
-            out = cfg.output_dir
-        else:  # where the run is: --config and -o / --set output_dir= alone
-            where = [o for o in overrides if o.partition("=")[0].strip() == "output_dir"]
-            out = build_config(config, where, backend, verb).output_dir
+        out = cfg.output_dir if cfg is not None else output_dir_of(config, overrides, backend, verb)
         run = None
         if resume and (Path(out) / RUN_CONFIG).is_file():
             run = Path(out)
@@ -196,8 +198,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 if resume:
                     raise ConfigError("--resume and --auto-resume: give one (--auto-resume resumes where there is a "
                                       "checkpoint, and starts afresh where there is none)")
-                out = get_backend(config, overrides)[1].output_dir
-                go_on = latest_checkpoint(Path(out) / "checkpoints") is not None
+                out = output_dir_of(config, overrides, load_backend(spec))
+                go_on = latest_checkpoint(out / "checkpoints") is not None
                 if not go_on:
                     err_console.print(f"--auto-resume: no complete checkpoint in {out}; starting afresh", highlight=False,
                                       soft_wrap=True)

@@ -116,7 +116,7 @@ def metric_names(runs: list[Run], chosen: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"--metric {', '.join(unknown)}: no run reports it (the runs' held-out metrics: "
                          f"{', '.join(known) or 'none, as no run has finished'})")
-    return list(chosen) or known
+    return list(dict.fromkeys(chosen)) or known  # a metric named twice is one column
 
 
 def run_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
