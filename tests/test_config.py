@@ -628,3 +628,225 @@ def test_an_error_of_the_whole_config_is_named_top_level():
     msg = config_error(overrides=["rollout.max_new_tokens=2", "reward.overlong.buffer=3"])
     assert msg == ("invalid config: (top level): reward.overlong.buffer (3) is longer than "
                    "rollout.max_new_tokens (2): the penalty would start before the first token")
+
+
+# ---------------------------------------------------------------------------- each backend's own sections
+
+
+def test_vlm_min_pixels_may_equal_max_pixels_but_not_exceed_it():
+    from mmrl.vlm.config import VLMModelConfig
+
+    model = VLMModelConfig(min_pixels=1000, max_pixels=1000)  # one area, 1000 px, fits both
+    assert (model.min_pixels, model.max_pixels) == (1000, 1000)
+    with pytest.raises(ValueError, match=r"min_pixels \(1001\) is above max_pixels \(1000\)"):
+        VLMModelConfig(min_pixels=1001, max_pixels=1000)
+
+
+def test_vlm_task_and_rollout_defaults_are_the_documented_ones():
+    from mmrl.vlm.config import ShapesMoodTaskConfig, ToolsConfig, VLMTrainConfig
+
+    cfg = VLMTrainConfig()
+    assert (cfg.model.min_pixels, cfg.model.max_pixels) == (56 * 56, 112 * 112)
+    assert cfg.task.type == "shapes-qa" and cfg.task.image_size == 112
+    assert (cfg.task.min_shapes, cfg.task.max_shapes) == (1, 2) and cfg.task.shape_size == (36, 48)
+    assert cfg.rollout.max_new_tokens == 48 and cfg.rollout.eval_samples == 4
+    assert cfg.rollout.old_logprobs == "generate" and cfg.rollout.tools is None  # single-turn, free log-probs
+    mood = ShapesMoodTaskConfig()
+    assert mood.diversity_weight == 0.3  # DSPO's 0.3 R_div
+    assert (mood.min_shapes, mood.max_shapes, mood.num_ood) == (1, 3, 200)
+    tools = ToolsConfig()
+    assert tools.names == ["zoom", "calculator"] and (tools.max_turns, tools.max_tool_calls) == (3, 2)
+
+
+def test_vlm_method_defaults_are_the_papers():
+    from mmrl.vlm.config import AXPOConfig, CORAConfig, DSPOConfig, PACGConfig, VPPOConfig
+
+    axpo = AXPOConfig()
+    assert (axpo.resample.k, axpo.resample.budget, axpo.success) == (2, 0.25, 0.5)  # ~25% extra decoding
+    assert axpo.resample.force_call is False
+    vppo = VPPOConfig()  # p = 0.5, beta_min = 0.9, the top 40% of tokens, s_t clamped to 10
+    assert (vppo.intervention, vppo.mask_p, vppo.beta_min, vppo.top_frac, vppo.cap) == ("mask", 0.5, 0.9, 0.4, 10.0)
+    pacg = PACGConfig()  # z0 ~ 1, g_min ~ 0.5, on DAPO
+    assert (pacg.base, pacg.z0, pacg.eta, pacg.g_min) == ("dapo", 1.0, 0.5, 0.5)
+    cora = CORAConfig()  # alpha = 1, beta in 0.1-0.3
+    assert (cora.lam, cora.alpha, cora.beta, cora.warmup_steps) == (1.0, 1.0, 0.2, 20)
+    dspo = DSPOConfig()  # R = R_acc + 0.1 R_fmt + 0.1 R_cf + 0.3 R_div
+    assert (dspo.div_weight, dspo.cf_weight) == (0.3, 0.1)
+
+
+@pytest.mark.parametrize("section", [
+    {"rollout": {"tools": {"max_tool_calls": 0}}},  # tools offered, none run
+    {"method": {"type": "axpo", "resample": {"k": 2}}},  # two continuations: the fewest that z-score
+    {"method": {"type": "vppo", "mask_p": 1.0, "top_frac": 1.0, "beta_min": 1.0}},
+    {"method": {"type": "pacg", "g_min": 1.0, "eta": 0.0}},
+    {"method": {"type": "cora", "warmup_steps": 0, "alpha": 0.0}},
+    {"task": {"type": "shapes-qa", "image_size": 28}},
+    {"task": {"type": "shapes-mood", "num_ood": 0, "diversity_weight": 0.0}},
+])
+def test_vlm_a_value_at_its_bound_is_accepted(section):
+    from mmrl.vlm.config import VLMTrainConfig
+
+    VLMTrainConfig(**section)
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"rollout": {"tools": {"max_tool_calls": -1}}}, "max_tool_calls"),
+    ({"method": {"type": "axpo", "resample": {"k": 1}}}, "k"),  # one continuation has no z-score
+    ({"method": {"type": "vppo", "mask_p": 1.01}}, "mask_p"),
+    ({"method": {"type": "vppo", "top_frac": 0.0}}, "top_frac"),
+    ({"method": {"type": "pacg", "g_min": 1.01}}, "g_min"),
+    ({"method": {"type": "cora", "lam": 0.0}}, "lam"),  # r_cons = lambda P(consistent): 0 is no stream
+    ({"task": {"type": "shapes-qa", "image_size": 27}}, "image_size"),
+    ({"task": {"type": "shapes-zoom", "image_size": 55}}, "image_size"),
+])
+def test_vlm_a_value_just_past_its_bound_is_refused(section, key):
+    from mmrl.vlm.config import VLMTrainConfig
+
+    with pytest.raises(ValueError, match=key):
+        VLMTrainConfig(**section)
+
+
+def test_dllm_rollout_defaults_and_max_new_tokens_follow_gen_length():
+    import warnings
+
+    from dllm_rl.config import DLLMRolloutConfig, DLLMTrainConfig
+
+    r = DLLMTrainConfig().rollout
+    assert (r.gen_length, r.block_length, r.steps, r.strategy) == (16, 8, 16, "low_confidence")
+    assert (r.threshold, r.tau, r.m) == (0.8, 0.9, 1.0)  # Fork-dLLM's lambda; SLIM-RL's tau and m
+    assert r.eval_samples == 0 and r.max_new_tokens == 16
+    # 32 tokens in blocks of 8 (4 blocks) by 8 steps: max_new_tokens becomes 32, out of the dump
+    r = DLLMRolloutConfig(gen_length=32, block_length=8, steps=8)
+    assert r.max_new_tokens == 32 and "max_new_tokens" not in r.model_dump()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same value as gen_length (given or default) is no news
+        assert DLLMRolloutConfig(max_new_tokens=16).max_new_tokens == 16
+        assert DLLMRolloutConfig(gen_length=32, max_new_tokens=32).max_new_tokens == 32
+    with pytest.warns(UserWarning, match=r"max_new_tokens \(8\) is not a dLLM setting.*gen_length \(16\)"):
+        assert DLLMRolloutConfig(max_new_tokens=8).max_new_tokens == 16
+
+
+def test_dllm_threshold_and_tau_lie_strictly_inside_0_1():
+    from dllm_rl.config import DLLMRolloutConfig
+
+    assert DLLMRolloutConfig(threshold=0.999, tau=0.001).threshold == 0.999
+    for key in ("threshold", "tau"):
+        for value in (0.0, 1.0):
+            with pytest.raises(ValueError, match=key):
+                DLLMRolloutConfig(**{key: value})
+
+
+@pytest.mark.parametrize("band, ok", [
+    ((0.5, 0.5), True),  # one accuracy kept
+    ((0.0, 1.0), True),  # every group kept
+    ((0.6, 0.4), False),
+    ((-0.1, 0.5), False),
+    ((0.5, 1.1), False),
+])
+def test_dllm_accuracy_band_needs_0_le_lo_le_hi_le_1(band, ok):
+    from dllm_rl.config import SLIMRLConfig, TraceRLConfig
+
+    if ok:
+        assert SLIMRLConfig(accuracy_band=band).accuracy_band == band
+        assert TraceRLConfig(accuracy_band=band).accuracy_band == band
+    else:
+        with pytest.raises(ValueError, match=r"needs 0 <= lo <= hi <= 1"):
+            SLIMRLConfig(accuracy_band=band)
+
+
+def test_dllm_method_defaults_are_the_papers():
+    from dllm_rl.config import (
+        ARGRPOConfig,
+        DiffuGRPOConfig,
+        ForkGRPOConfig,
+        SLIMRLConfig,
+        TraceRLConfig,
+    )
+
+    d1 = DiffuGRPOConfig()  # p = 0.15, clip 0.5, beta 0.04, d1's code does not divide by the std
+    assert (d1.p_mask_prompt, d1.clip, d1.kl.beta, d1.scale) == (0.15, 0.5, 0.04, "none")
+    trace = TraceRLConfig()  # clip 0.2, k3 KL 0.01
+    assert (trace.clip, trace.kl.beta, trace.scale, trace.accuracy_band) == (0.2, 0.01, "group", None)
+    slim = SLIMRLConfig()  # 3 nodes, s <= 0.2, clip(s, 0.9, 1.1), +-10, Dr.GRPO, 0.01 KL, band [0.2, 0.8]
+    assert (slim.quadrature_points, slim.max_spread, slim.clip, slim.max_log_ratio) == (3, 0.2, 0.1, 10.0)
+    assert (slim.scale, slim.kl.beta, slim.accuracy_band, slim.length_limit_wrong) == ("none", 0.01, (0.2, 0.8), True)
+    fork = ForkGRPOConfig()  # beta = 0
+    assert (fork.rows, fork.clip, fork.kl.beta, fork.scale) == ("fallback", 0.2, 0.0, "group")
+    assert ARGRPOConfig().rows == "all"  # under strategy ar every token is a one-token step
+
+
+def test_diffusion_model_and_rollout_bounds():
+    from diffusion_rl.config import DiffusionModelConfig, DiffusionRolloutConfig
+
+    assert DiffusionModelConfig(height=8, width=8).height == 8
+    with pytest.raises(ValueError, match="height"):
+        DiffusionModelConfig(height=7)
+    with pytest.raises(ValueError, match="logprob_chunk chunks a language model's log-softmax"):
+        DiffusionModelConfig(logprob_chunk=4)
+    assert DiffusionRolloutConfig(num_steps=2, train_fraction=1.0).num_steps == 2
+    with pytest.raises(ValueError, match="num_steps"):
+        DiffusionRolloutConfig(num_steps=1)  # one step is the last, never stochastic
+    assert DiffusionRolloutConfig(kind="cps", noise_level=1.0).noise_level == 1.0  # sin(pi / 2) = 1: std sigma_next
+    with pytest.raises(ValueError, match=r"noise_level must lie in \[0, 1\] for kind cps, got 1.01"):
+        DiffusionRolloutConfig(kind="cps", noise_level=1.01)
+    assert DiffusionRolloutConfig(kind="sde", noise_level=1.5).noise_level == 1.5  # the SDE's a is unbounded
+
+
+def test_diffusion_window_stays_off_the_last_step():
+    from diffusion_rl.config import DiffusionRolloutConfig
+
+    # 10 steps (0..9), window 3: it may start at 0..6, so that it ends at step 8 at the latest
+    assert DiffusionRolloutConfig(num_steps=10, window_size=9).window_size == 9
+    assert DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(0, 6)).window_start == (0, 6)
+    assert DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(4, 4)).window_start == (4, 4)
+    with pytest.raises(ValueError, match=r"window_size \(10\) must be below num_steps \(10\)"):
+        DiffusionRolloutConfig(num_steps=10, window_size=10)
+    with pytest.raises(ValueError, match=r"window_start \[0, 7\] must be a range lo <= hi within 0..6"):
+        DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(0, 7))
+    with pytest.raises(ValueError, match=r"window_start \[5, 4\]"):
+        DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(5, 4))
+
+
+def test_diffusion_task_method_and_whole_config_checks():
+    from diffusion_rl.config import CASTConfig, DiffusionTrainConfig, ShapesGenevalTaskConfig
+
+    with pytest.raises(ValueError, match="unparsed=whole_prompt .* add an image atom"):
+        ShapesGenevalTaskConfig(unparsed="whole_prompt")
+    atoms = [{"type": "clip_score"}]
+    assert ShapesGenevalTaskConfig(unparsed="whole_prompt", image_atoms=atoms).unparsed == "whole_prompt"
+    assert ShapesGenevalTaskConfig(image_atoms=atoms).unparsed == "error"
+    assert CASTConfig(atoms="nodes").parser == "shapes-geneval"
+    assert CASTConfig(atoms="types", parser="mine.py:parse").atoms == "types"
+    with pytest.raises(ValueError, match="atoms=nodes .* parser 'mine.py:parse' cannot name them"):
+        CASTConfig(atoms="nodes", parser="mine.py:parse")
+    with pytest.raises(ValueError, match="a reward_model atom scores text"):
+        DiffusionTrainConfig(reward={"atoms": [{"reward_model": "some/model"}]})
+    assert DiffusionTrainConfig().reward.overlong is None
+
+
+def test_diffusion_method_defaults_are_flow_grpos():
+    from diffusion_rl.config import (
+        CASTConfig,
+        DiffusionTrainConfig,
+        EMAConfig,
+        FTFCConfig,
+        LoRAConfig,
+    )
+
+    cfg = DiffusionTrainConfig()
+    assert cfg.task.held_out == "disjoint"  # held-out prompts never trained on
+    r = cfg.rollout
+    assert (r.num_steps, r.noise_level, r.kind, r.train_fraction, r.window_size) == (10, 0.7, "sde", 1.0, None)
+    m = cfg.method  # A = (R - mean) / (std + 1e-4) clipped to +-5; ratio eps 1e-4; np.std's population std
+    assert (m.type, m.adv_clip, m.std_eps, m.clip_range, m.adv_std, m.kl.beta, m.ema) == (
+        "flow_grpo", 5.0, 1e-4, 1e-4, "population", 0.0, None)
+    ema = EMAConfig()  # Flow-GRPO's train.ema: 0.9 every 8 steps, with warm-up
+    assert (ema.decay, ema.update_every, ema.warmup) == (0.9, 8, True)
+    assert (LoRAConfig().r, LoRAConfig().alpha) == (8, 16.0)
+    ftfc = FTFCConfig()
+    assert (ftfc.beta, ftfc.cap, ftfc.divergence, ftfc.pool_refresh) == (0.5, 4.0, "kl", 0)
+    assert FTFCConfig(cap=1.0).cap == 1.0  # a cap of the mean weight: every group uniform
+    with pytest.raises(ValueError, match="cap"):
+        FTFCConfig(cap=0.99)
+    cast = CASTConfig()
+    assert (cast.window_from, cast.calibration_prompts, cast.global_weight, cast.atoms) == ("model", 32, 1.0, "types")
