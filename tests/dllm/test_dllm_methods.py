@@ -796,3 +796,80 @@ def test_a_copys_forwards_count_at_every_step_not_only_the_first():
         with torch.no_grad():
             copy_.logits(x, prompt_valid)
         assert policy.step_costs()["cost/forward_tokens"] == 2 * 8
+
+
+# ---------------------------------------------------------------------------- audit: the backend's build_task, checks and sample
+
+
+class _CharTok:
+    """One token per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(range(len(text)))}
+
+
+def _room_task():
+    from dllm_rl.tasks import Problem
+
+    return SimpleNamespace(train=[Problem("1+1=", "2", "12")], eval_problems=[Problem("9+9=", "18", "12345")])
+
+
+def test_answer_room_is_the_longest_reference_and_its_eos():
+    """The longest reference (12345, held out) is 5 tokens, 6 with <eos>: gen_length 6 holds it, 5 does not."""
+    backend.check_answer_room(_room_task(), _CharTok(), SimpleNamespace(gen_length=6, block_length=2))
+    with pytest.raises(ConfigError, match=r"'12345' is 5 tokens, 6 with its <eos>. Set rollout.gen_length to "
+                                          r"at least 6 \(a multiple of rollout.block_length 2"):
+        backend.check_answer_room(_room_task(), _CharTok(), SimpleNamespace(gen_length=5, block_length=2))
+
+
+def test_dllm_build_task_draws_held_out_problems_and_passes_the_settings():
+    from dllm_rl.tasks import split_of
+
+    cfg = load_config(DLLMTrainConfig, overrides=["task.num_train=6", "task.num_eval=4", "rollout.eval_samples=3",
+                                                  "rollout.eval_batch_size=5", "reward.on_error=zero"])
+    task = backend.build_task(cfg)
+    assert (len(task.train), len(task.eval_problems)) == (6, 4)
+    assert {split_of("arith", p.prompt) for p in task.eval_problems} == {"eval"}
+    assert {split_of("arith", p.prompt) for p in task.train} == {"train"}
+    assert (task.eval_samples, task.batch_size, task.answer_atom) == (3, 5, "answer")
+    assert task.reward.on_error == "zero"
+
+
+class _SampleDecoder:
+    """A stand-in policy for backend.sample: prompts of up to 20 characters fit; each answer
+    is its prompt's row number in the call; NFE 3 a row. It records each decode's arguments."""
+
+    def __init__(self):
+        self.predictor, self.prompt_length, self.calls = SimpleNamespace(tokenizer=_CharTok()), 20, []
+
+    def decode(self, texts, generator, temperature, strategy=None):
+        seed = None if generator is None else generator.initial_seed()
+        self.calls.append((list(texts), seed, temperature, strategy))
+        return SimpleNamespace(completion=[str(k) for k in range(len(texts))], nfe=torch.full((len(texts),), 3)), None
+
+    def answer_text(self, completion):
+        return list(completion)
+
+
+def test_dllm_sample_scores_prompts_in_the_tasks_format_for_each_of_n_answers():
+    """"12+3=" (arith: gold 15) and "hello" (not scored), n = 2: rows 0-1 the first, 2-3 the
+    second; answers are the row numbers, so none is 15: reward 0 (the format atom aside)."""
+    cfg = load_config(DLLMTrainConfig, overrides=["seed=7", "rollout.temperature=0.5", "rollout.eval_strategy=ar",
+                                                  "task.num_train=2", "task.num_eval=3"])
+    task, policy = backend.build_task(cfg), _SampleDecoder()
+    rows = backend.sample(cfg, policy, task, ["12+3=", "hello"], n=2)
+    assert [r["prompt"] for r in rows] == ["12+3=", "12+3=", "hello", "hello"]
+    assert [r.get("gold") for r in rows] == ["15", "15", None, None]
+    assert [r["completion"] for r in rows] == ["0", "1", "2", "3"] and {r["nfe"] for r in rows} == {3}
+    assert rows[0]["atoms"]["answer"] == 0.0 and "reward" not in rows[2]
+    assert policy.calls[-1][1:] == (7, 0.5, None)  # seeded by cfg.seed, at the rollout temperature
+    backend.sample(cfg, policy, task, ["12+3="], n=1, greedy=True)
+    assert policy.calls[-1][1:] == (None, 0.0, "ar")  # greedy: temperature 0, rollout.eval_strategy
+    rows = backend.sample(cfg, policy, task, [], n=1)  # no prompt: the first two held-out problems
+    assert [r["prompt"] for r in rows] == [p.prompt for p in task.eval_problems[:2]]
+    assert [r["gold"] for r in rows] == [p.answer for p in task.eval_problems[:2]]
+
+
+def test_fit_prompts_keeps_the_policy_for_prompts_no_longer_than_its_width():
+    policy = _SampleDecoder()  # width 20
+    assert backend.fit_prompts(policy, ["x" * 20, "y" * 3]) is policy

@@ -564,3 +564,129 @@ def test_an_integer_past_pythons_digit_limit_is_well_formed_and_wrong():
     scores = arith.arith_reward().score([Sample("1+0=", "9" * 5000, {"answer": "1"})])
     assert scores.values.tolist() == [[1.0, 0.0]]
     assert arith.parse_integer("9" * 5000) is None and arith.parse_integer(" -12 ") == -12
+
+
+# ---------------------------------------------------------------------------- audit: DLLMTask's held-out evaluation
+
+
+class _Decoder:
+    """A stand-in dLLM policy: the greedy answer to prompt q is greedy[q]; its j-th sampled
+    answer sampled[q][j]; each answer's NFE is nfe[q]. It records (rows, temperature,
+    strategy, model.training) of every decode call."""
+
+    def __init__(self, greedy, nfe, sampled=None):
+        self.greedy, self.nfe, self.sampled = greedy, nfe, sampled
+        self.model = torch.nn.Linear(1, 1)
+        self.calls, self.drawn = [], {}
+
+    def decode(self, prompts, generator, temperature, strategy=None):
+        from types import SimpleNamespace
+
+        self.calls.append((len(prompts), temperature, strategy, self.model.training))
+        if temperature == 0.0:
+            texts = [self.greedy[q] for q in prompts]
+        else:
+            texts = []
+            for q in prompts:
+                j = self.drawn[q] = self.drawn.get(q, -1) + 1
+                texts.append(self.sampled[q][j])
+        return SimpleNamespace(completion=texts, nfe=torch.tensor([self.nfe[q] for q in prompts])), None
+
+    def answer_text(self, completion):
+        return list(completion)
+
+
+def _dllm_reward():
+    """correct: 1 for the answer, 0.5 for "half", else 0; short: 1 for an answer under 3 characters."""
+    from mmrl.core.rewards import Reward, reward_atom
+
+    correct = reward_atom("correct")(lambda s: 1.0 if s.completion == s.meta["answer"] else
+                                     0.5 if s.completion == "half" else 0.0)
+    short = reward_atom("short", weight=0.5)(lambda s: float(len(s.completion) < 3))
+    return Reward([correct, short])
+
+
+PROBLEMS = [Problem("1+1=", "2", "ref 2", {"answer": "2"}), Problem("2+2=", "4", "ref 4", {"answer": "4"}),
+            Problem("3+3=", "6", "ref 6", {"answer": "6"})]
+
+
+def _dllm_task(eval_samples=0, batch_size=128):
+    from types import SimpleNamespace
+
+    from dllm_rl.task import DLLMTask
+
+    rollout = SimpleNamespace(eval_strategy="ar", temperature=0.7)
+    return DLLMTask("arith", PROBLEMS, PROBLEMS, _dllm_reward(), answer_atom="correct", rollout=rollout,
+                    batch_size=batch_size, eval_samples=eval_samples)
+
+
+def test_a_dllm_task_needs_both_training_and_held_out_problems():
+    from dllm_rl.task import DLLMTask
+
+    for train, evaluation in (([], PROBLEMS), (PROBLEMS, [])):
+        with pytest.raises(ValueError, match="needs training and held-out problems"):
+            DLLMTask("arith", train, evaluation, _dllm_reward(), answer_atom="correct", rollout=None)
+
+
+def test_greedy_evaluation_by_hand_in_batches_in_eval_mode():
+    """Greedy answers 2 (right), 5 (wrong), "half" to 3 problems: accuracy (the correct atom)
+    (1 + 0 + 0.5) / 3 = 0.5; short (1 + 1 + 0) / 3; reward (1.5 + 0.5 + 0.5) / 3 = 5/6;
+    nfe (4 + 6 + 8) / 3 = 6. Batches of 2: decode calls of 2 then 1 row, at temperature 0
+    with rollout.eval_strategy, with the model in eval mode, and its mode restored after."""
+    task = _dllm_task(batch_size=2)
+    policy = _Decoder({"1+1=": "2", "2+2=": "5", "3+3=": "half"}, {"1+1=": 4, "2+2=": 6, "3+3=": 8})
+    out = task.evaluate(policy)
+    assert out == pytest.approx({"reward": 5 / 6, "nfe": 6.0, "accuracy": 0.5, "short": 2 / 3})
+    assert policy.calls == [(2, 0.0, "ar", False), (1, 0.0, "ar", False)]
+    assert policy.model.training
+    policy.model.eval()
+    task.evaluate(policy)
+    assert not policy.model.training
+
+
+def test_pass_at_k_over_sampled_answers_by_hand():
+    """n = 4 samples each. 1+1=: right once (c = 1); 2+2=: never (c = 0); 3+3=: "half" twice
+    and right once (c = 3: an atom of 0.5 is a success).
+    pass@1 = (1/4 + 0 + 3/4) / 3 = 1/3; pass@2 = (1 - C(3,2)/C(4,2) + 0 + 1) / 3 = 1/2;
+    pass@3 = (1 - C(3,3)/C(4,3) + 0 + 1) / 3 = 7/12; pass@4 = (1 + 0 + 1) / 3 = 2/3."""
+    task = _dllm_task(eval_samples=4)
+    sampled = {"1+1=": ["2", "3", "3", "3"], "2+2=": ["1", "1", "1", "1"], "3+3=": ["half", "half", "6", "0"]}
+    policy = _Decoder({"1+1=": "2", "2+2=": "4", "3+3=": "6"}, {"1+1=": 4, "2+2=": 6, "3+3=": 11}, sampled)
+    out = task.evaluate(policy)
+    assert {k: v for k, v in out.items() if k.startswith("pass@")} == pytest.approx(
+        {"pass@1": 1 / 3, "pass@2": 1 / 2, "pass@3": 7 / 12, "pass@4": 2 / 3})
+    assert out["sampled_nfe"] == pytest.approx(7.0) and out["accuracy"] == 1.0  # (4 + 6 + 11) / 3
+    assert policy.calls[-1] == (12, 0.7, "ar", False)  # the 4 copies of each problem, at the rollout temperature
+
+
+def test_one_sample_per_problem_reports_pass_at_1():
+    task = _dllm_task(eval_samples=1)
+    policy = _Decoder({"1+1=": "2", "2+2=": "4", "3+3=": "6"}, dict.fromkeys(("1+1=", "2+2=", "3+3="), 2),
+                      {"1+1=": ["2"], "2+2=": ["0"], "3+3=": ["0"]})
+    out = task.evaluate(policy)
+    assert out["pass@1"] == pytest.approx(1 / 3) and "pass@2" not in out
+
+
+def test_save_samples_writes_the_first_count_greedy_answers_with_the_gold_answer(tmp_path):
+    import json
+
+    task = _dllm_task()
+    policy = _Decoder({"1+1=": "2", "2+2=": "5", "3+3=": "6"}, {"1+1=": 4, "2+2=": 6, "3+3=": 8})
+    path = task.save_samples(policy, tmp_path / "out", "before", count=2)
+    assert path == tmp_path / "out" / "samples_before.json"
+    assert json.loads(path.read_text()) == [{"prompt": "1+1=", "answer": "2", "completion": "2", "nfe": 4.0},
+                                            {"prompt": "2+2=", "answer": "4", "completion": "5", "nfe": 6.0}]
+
+
+def test_heldout_reward_and_nfe_are_exact_shares():
+    """Reward 1 on 105 of 200 problems and NFE 1 on the same 105 (else 0): reward and nfe 0.525,
+    float64 means as accuracy's, not float32's 0.52499998."""
+    from mmrl.core.rewards import Reward, reward_atom
+
+    task = _dllm_task()
+    task.eval_problems = [Problem(f"{i}=", "a", "a", {"answer": "a"}) for i in range(200)]
+    task.reward = Reward([reward_atom("correct")(lambda s: float(s.completion == s.meta["answer"]))])
+    task.answers = lambda policy, probs, temperature, generator=None: (
+        ["a" if i < 105 else "b" for i in range(200)], torch.tensor([1.0] * 105 + [0.0] * 95))
+    out = task._evaluate(policy=None)
+    assert out["reward"] == 0.525 and out["nfe"] == 0.525 and out["accuracy"] == 0.525

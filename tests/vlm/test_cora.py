@@ -148,3 +148,10 @@ def test_streams_without_the_consistency_atom_are_an_error_that_says_so(tmp_path
     reward, batch = _scored(["answer", "format"], [[1.0, 1.0]], [1.0, 0.1], [0])
     with pytest.raises(ValueError, match=r"CORA needs the 'consistency' reward atom; the reward has \['answer', 'format'\]"):
         CORA(cfg.method, cfg, reward).streams(batch)
+
+
+def test_the_consistency_atom_follows_shapes_qas_atoms_weighted_by_lambda(tmp_path):
+    """method.lam = 0.25: Reward([format 0.1, answer 1.0, consistency 0.25]), lambda its weight."""
+    reward = backend.build_task(_cfg(tmp_path, ["method.lam=0.25"])).reward
+    assert reward.names == ["format", "answer", "consistency"]
+    assert reward.weights.tolist() == pytest.approx([0.1, 1.0, 0.25])

@@ -3,11 +3,15 @@
 import random
 import re
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from mmrl.core.rewards import Reward, Sample
+from mmrl.core.rewards import Reward, Sample, reward_atom
+from mmrl.vlm.policy import to_sample as vlm_sample
+from mmrl.vlm.task import VLMTask
 from mmrl.vlm.tasks.scenes import COLOURS, SHAPES, Scene, Shape, describe, render
 from mmrl.vlm.tasks.shapes_qa import (
     KINDS,
@@ -376,3 +380,110 @@ def test_eval_counts_a_scene_as_a_train_scene_only_if_every_shape_matches():
                   Shape("circle", "red", 40.0, 41.0, 24.0)):
         assert _key(Scene([other], 112), qa) != _key(scene, qa)
     assert _key(scene, ("How many squares are there?", "0", {"shape": "square"})) != _key(scene, qa)
+
+
+# ---------------------------------------------------------------------------- audit: VLMTask's held-out evaluation
+
+
+class _Scripted:
+    """A stand-in policy: greedy answer `greedy[q]` to question q, and `sampled[q][j]` as its
+    j-th sampled completion; `called` marks tool calls the same way (None: no tool rollouts).
+    `sizes` records how many items each generate call was given."""
+
+    def __init__(self, greedy, sampled=None, called=None, sampled_called=None):
+        self.greedy, self.sampled, self.called, self.sampled_called = greedy, sampled, called, sampled_called
+        self.sizes = []
+
+    def greedy_batches(self, items, max_new_tokens, batch_size=64, stop=None):
+        data = {} if self.called is None else {"stat/called": torch.tensor([self.called[it.question] for it in items])}
+        return [SimpleNamespace(samples=[vlm_sample(it, self.greedy[it.question]) for it in items], data=data)]
+
+    def generate(self, items, k, rollout, generator):
+        self.sizes.append(len(items))
+        samples = [vlm_sample(it, self.sampled[it.question][j]) for it in items for j in range(k)]  # rows contiguous
+        data = {} if self.sampled_called is None else {
+            "stat/called": torch.tensor([self.sampled_called[it.question][j] for it in items for j in range(k)])}
+        return SimpleNamespace(samples=samples, data=data)
+
+
+def _items(n):
+    return [QAItem([], f"q{i}", "blue") for i in range(n)]
+
+
+def _answer_only():
+    """One atom named answer (weight 1): the total is the answer atom itself."""
+
+    return Reward([reward_atom("answer")(lambda s: float(s.completion == s.meta["answer"]))])
+
+
+def test_a_vlm_task_without_training_or_evaluation_items_is_refused():
+    with pytest.raises(ValueError, match="has no training items"):
+        VLMTask("qa", [], _items(1), _answer_only(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="has no evaluation items"):
+        VLMTask("qa", _items(1), [], _answer_only(), max_new_tokens=4)
+
+
+def test_an_empty_extra_evaluation_split_is_left_out():
+    items = _items(2)
+    task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, extra_eval={"ood": [], "far": items[:1]})
+    assert task.extra_eval == {"far": items[:1]}
+    out = task.evaluate(_Scripted({"q0": "blue", "q1": "red"}))
+    assert out["accuracy"] == 0.5 and out["far/accuracy"] == 1.0  # q0 alone: right
+    assert not any(k.startswith("ood/") for k in out)
+
+
+def test_stop_is_none_for_no_rollout_or_an_empty_stop_list():
+    items = _items(1)
+    assert VLMTask("qa", items, items, _answer_only(), max_new_tokens=4).stop is None
+    task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, rollout=SimpleNamespace(stop=[]))
+    assert task.stop is None
+    task.rollout = SimpleNamespace(stop=["</answer>"])
+    assert task.stop == ["</answer>"]
+
+
+def test_greedy_reward_and_tool_call_rate_are_exact_shares():
+    """105 of 200 right (and calling a tool) is 0.525 exactly, as accuracy is: float64 means."""
+    items = _items(200)
+    greedy = {it.question: "blue" if i < 105 else "red" for i, it in enumerate(items)}
+    called = {it.question: int(i < 105) for i, it in enumerate(items)}
+    out = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4).evaluate(_Scripted(greedy, called=called))
+    assert out["reward"] == 0.525 and out["accuracy"] == 0.525 and out["tool_call_rate"] == 0.525
+    assert "answer" not in out  # the answer atom is reported as accuracy
+
+
+def test_sampled_accuracy_and_pass_at_k_by_hand():
+    """3 items, k = 3 samples each: q0 right 1 of 3, q1 none, q2 all three. sampled_accuracy
+    = 4 / 9; pass@3 = 2 of 3 items with a right sample; tool calls 2 of 9. eval batch 6 rows
+    = 6 // 3 = 2 items per generate call: calls of 2 then 1 item."""
+    items = _items(3)
+    sampled = {"q0": ["blue", "red", "red"], "q1": ["red", "red", "red"], "q2": ["blue", "blue", "blue"]}
+    calls = {"q0": [1, 0, 0], "q1": [0, 0, 0], "q2": [0, 0, 1]}
+    task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, batch_size=6,
+                   rollout=SimpleNamespace(stop=None), eval_samples=3)
+    policy = _Scripted(dict.fromkeys(("q0", "q1", "q2"), "blue"), sampled, sampled_called=calls)
+    out = task.evaluate(policy)
+    assert out["sampled_accuracy"] == pytest.approx(4 / 9) and out["pass@3"] == pytest.approx(2 / 3)
+    assert out["sampled_tool_call_rate"] == pytest.approx(2 / 9)
+    assert policy.sizes == [2, 1]
+    # without tool rollouts there is no sampled tool-call rate
+    assert "sampled_tool_call_rate" not in task.evaluate(_Scripted(policy.greedy, sampled))
+
+
+def test_an_eval_batch_smaller_than_k_still_samples_one_item_per_call():
+    items = _items(2)
+    task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, batch_size=2,
+                   rollout=SimpleNamespace(stop=None), eval_samples=4)
+    policy = _Scripted({"q0": "blue", "q1": "blue"}, {"q0": ["blue"] * 4, "q1": ["red", "red", "red", "blue"]})
+    out = task.evaluate(policy)
+    assert policy.sizes == [1, 1]
+    assert out["sampled_accuracy"] == pytest.approx(5 / 8) and out["pass@4"] == 1.0
+
+
+def test_sampled_metrics_need_an_answer_atom_and_eval_samples():
+    items = _items(1)
+    policy = _Scripted({"q0": "blue"}, {"q0": ["blue"]})
+    other = Reward([reward_atom("match")(lambda s: 1.0)])
+    task = VLMTask("qa", items, items, other, max_new_tokens=4, rollout=SimpleNamespace(stop=None), eval_samples=1)
+    assert task.evaluate(policy) == {"reward": 1.0, "match": 1.0}
+    task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, rollout=SimpleNamespace(stop=None))
+    assert "sampled_accuracy" not in task.evaluate(policy)  # eval_samples 0: greedy only

@@ -994,3 +994,111 @@ def test_training_logprobs_are_zero_on_padding(qwen25_dir):
         plain = policy.logprobs(batch)
     assert (logp[~batch.mask] == 0).all() and (plain[~batch.mask] == 0).all()
     assert (logp[batch.mask] < 0).all()
+
+
+# ---------------------------------------------------------------------------- audit: the backend's build checks and sample
+
+
+class _Resizer:
+    """A stand-in policy whose resize refuses a ratio over 10 and takes a 30 x 10 image to no
+    width; it records each size it was asked to resize."""
+
+    def __init__(self):
+        self.asked = []
+
+    def resize_images(self, images):
+        (img,) = images
+        self.asked.append(img.size)
+        w, h = img.size
+        if max(w, h) > 10 * min(w, h):
+            raise ValueError("absolute aspect ratio must be smaller than 10")
+        return [Image.new("RGB", (0, 28) if (w, h) == (30, 10) else (28, 28))]
+
+
+def _shaped_task(train_sizes, eval_sizes):
+    from types import SimpleNamespace
+
+    def items(sizes, split):
+        return [QAItem([Image.new("RGB", s)], f"{split} {k}", "red") for k, s in enumerate(sizes)]
+
+    return SimpleNamespace(train=items(train_sizes, "train"), eval_items=items(eval_sizes, "eval"))
+
+
+def test_only_images_past_two_to_one_are_tried_each_size_once():
+    policy, task = _Resizer(), _shaped_task([(56, 28), (57, 28), (57, 28), (28, 84)], [(57, 28), (4, 4)])
+    backend._check_image_shapes(policy, task, "raise")  # all of them resize
+    assert policy.asked == [(57, 28), (28, 84)]  # 56 x 28 is exactly 2:1: not tried; 57 x 28 once
+
+
+def test_skip_leaves_out_train_and_eval_samples_with_an_image_resized_to_no_pixels():
+    policy = _Resizer()
+    task = _shaped_task([(30, 10), (28, 28), (110, 10)], [(28, 28), (30, 10), (10, 110)])
+    with pytest.warns(UserWarning, match=r"3 image size\(s\); first: train sample 0"):
+        backend._check_image_shapes(policy, task, "skip")
+    assert [it.question for it in task.train] == ["train 1"] and [it.question for it in task.eval_items] == ["eval 0"]
+
+
+def test_skip_refuses_a_split_whose_every_sample_is_unusable():
+    task = _shaped_task([(28, 28)], [(30, 10), (200, 10)])
+    with pytest.raises(ConfigError, match="no usable eval samples"):
+        backend._check_image_shapes(_Resizer(), task, "skip")
+    task = _shaped_task([(200, 10)], [(28, 28)])
+    with pytest.raises(ConfigError, match="no usable train samples"):
+        backend._check_image_shapes(_Resizer(), task, "skip")
+    with pytest.raises(ConfigError, match="train sample 0 .*a 30 x 10 image: the resized image has no pixels"):
+        backend._check_image_shapes(_Resizer(), _shaped_task([(30, 10)], [(28, 28)]), "raise")
+
+
+def test_vlm_build_task_passes_the_rollout_settings_and_shapes_qa_metrics():
+    cfg = load_config(VLMTrainConfig, overrides=["task.num_train=4", "task.num_eval=3", "rollout.eval_batch_size=5",
+                                                 "rollout.eval_samples=3", "rollout.max_new_tokens=11"])
+    task = backend.build_task(cfg)
+    assert (task.batch_size, task.eval_samples, task.max_new_tokens) == (5, 3, 11)
+    assert task.rollout is cfg.rollout and task.metrics is backend.qa_consistency
+    assert (len(task.train), len(task.eval_items)) == (4, 3)
+
+
+def test_qa_consistency_is_the_rate_among_checkable_and_their_share():
+    """Three completions to one colour_of question: reasoning "a red square" then answer red
+    (consistent), the same reasoning then another colour (inconsistent), and no reasoning
+    (not checkable): rate 1 of 2 checked, checked share 2 of 3."""
+    from mmrl.vlm.tasks.shapes_qa import generate_items
+
+    item = next(it for it in generate_items(40, seed=0) if it.meta["kind"] == "colour_of")
+    shape, colour = item.meta["params"]["shape"], item.answer
+    other = "blue" if colour != "blue" else "red"
+    texts = [f"a {colour} {shape} <answer>{colour}</answer>", f"a {colour} {shape} <answer>{other}</answer>",
+             f"<answer>{colour}</answer>"]
+    out = backend.qa_consistency(texts, [item] * 3)
+    assert out == {"inconsistency_rate": 0.5, "consistency_checked": pytest.approx(2 / 3)}
+
+
+def test_mood_coverage_reports_the_modes_accuracy_beside_coverage():
+    from mmrl.vlm.tasks.shapes_mood import ShapesMood
+
+    items = ShapesMood(seed=0, num_train=2, num_eval=2).eval_items()[:1]
+    mode = items[0].meta["answer"]
+    out = backend.mood_coverage([f"<answer>{mode}</answer>"], items)
+    assert out["mode_accuracy"] == 1.0 and set(out) == {"coverage", "mode_accuracy"}
+    assert 0.0 <= out["coverage"] < 1.0  # this scene spreads its label mass over 8 moods (awe: 0.27)
+
+
+
+def test_vlm_sample_draws_from_a_generator_seeded_by_the_config_and_scores_held_out_items():
+    """No --prompt: the first two held-out items, n = 2 each, sampled from a CPU generator
+    seeded by cfg.seed; each row scored by the task's atoms against its item's answer."""
+    from types import SimpleNamespace
+
+    seeds = []
+
+    def generate(items, n, rollout, gen):
+        seeds.append(gen.initial_seed())
+        return SimpleNamespace(samples=[to_sample(it, f"<answer>{it.answer}</answer>") for it in items for _ in range(n)])
+
+    items = [QAItem([], "q0", "red"), QAItem([], "q1", "blue"), QAItem([], "q2", "green")]
+    task = VLMTask("shapes-qa", items, items, shapes_qa_reward(), max_new_tokens=6)
+    cfg = load_config(VLMTrainConfig, overrides=["seed=5"])
+    rows = backend.sample(cfg, SimpleNamespace(generate=generate), task, [], n=2)
+    assert seeds == [5]
+    assert [(r["question"], r["gold"]) for r in rows] == [("q0", "red"), ("q0", "red"), ("q1", "blue"), ("q1", "blue")]
+    assert all(r["reward"] == pytest.approx(1.1) and r["atoms"] == {"format": 1.0, "answer": 1.0} for r in rows)
