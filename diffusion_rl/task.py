@@ -97,7 +97,8 @@ class DiffusionTask:
             out["hard/num_prompts"] = float(len({p for p, h in zip(prompts, hard) if h}))
         if not all(ok):
             out["unparsed_prompts"] = float(len({p for p, k in zip(prompts, ok) if not k}))
-            out["whole_prompt_reward"] = float(torch.tensor([r[1] for (_, r), k in zip(sampled, ok) if not k]).mean())
+            out["whole_prompt_reward"] = float(torch.tensor([r[1] for (_, r), k in zip(sampled, ok) if not k],
+                                                            dtype=torch.float32).double().mean())  # as "reward"
         if extra:  # scored as training scores them
             values = torch.tensor([r[0] for _, r in sampled], dtype=torch.float32).reshape(len(sampled), len(self.reward.names))
             out["reward"] = float(torch.tensor([r[1] for _, r in sampled], dtype=torch.float32).double().mean())

@@ -107,7 +107,8 @@ class VLMTask:
 
         answered = distributed.map_shards(sample, list(self.eval_items))
         hits_t = torch.tensor([h for h, _ in answered], dtype=torch.float64)  # [items, k]
-        out = {"sampled_accuracy": float(hits_t.mean()), f"pass@{k}": float((hits_t > 0.5).any(-1).double().mean())}
+        # a success: an answer score of at least 0.5 (a partial-credit check's half counts), as the dLLM's pass@k
+        out = {"sampled_accuracy": float(hits_t.mean()), f"pass@{k}": float((hits_t >= 0.5).any(-1).double().mean())}
         if answered and answered[0][1] is not None:
             out["sampled_tool_call_rate"] = float(torch.tensor([c for _, cs in answered for c in cs],
                                                                dtype=torch.float64).mean())

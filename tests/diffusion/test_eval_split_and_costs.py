@@ -137,6 +137,7 @@ def test_other_atoms_and_reward_are_exact_float64_means_over_every_image():
         task = DiffusionTask("clip", prompts, prompts, _clip_reward(set(prompts[:105])))
     out = task.evaluate(Blank(), batch_size=256)
     assert out["reward"] == 0.525 and out["clip"] == 0.525 and out["unparsed_prompts"] == 200.0
+    assert out["whole_prompt_reward"] == 0.525  # the unparsed prompts' mean total, in float64 too
 
 
 def test_save_samples_draws_the_first_grid_prompts_one_row_each_one_column_per_seed(tmp_path):

@@ -469,6 +469,17 @@ def test_sampled_accuracy_and_pass_at_k_by_hand():
     assert "sampled_tool_call_rate" not in task.evaluate(_Scripted(policy.greedy, sampled))
 
 
+def test_pass_at_k_counts_an_answer_score_of_one_half_as_a_success():
+    """A partial-credit answer check (0.5 for "purple", 0 otherwise): q0's best sample scores
+    0.5, q1's 0. pass@2 = 1 / 2, as the dLLM's pass@k counts a score of 0.5; sampled accuracy
+    0.5 / 4 samples = 0.125."""
+    items = _items(2)
+    half = Reward([reward_atom("answer")(lambda s: 0.5 if s.completion == "purple" else 0.0)])
+    task = VLMTask("qa", items, items, half, max_new_tokens=4, rollout=SimpleNamespace(stop=None), eval_samples=2)
+    out = task.evaluate(_Scripted({"q0": "red", "q1": "red"}, {"q0": ["purple", "red"], "q1": ["red", "red"]}))
+    assert out["pass@2"] == 0.5 and out["sampled_accuracy"] == pytest.approx(0.125)
+
+
 def test_an_eval_batch_smaller_than_k_still_samples_one_item_per_call():
     items = _items(2)
     task = VLMTask("qa", items, items, _answer_only(), max_new_tokens=4, batch_size=2,
