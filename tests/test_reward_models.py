@@ -169,9 +169,9 @@ def test_a_dllm_run_trains_on_a_reward_model_atom(tmp_path):
     assert "Traceback" not in result.output
 
 
-def test_a_chat_template_that_writes_the_start_token_is_not_given_a_second_one(tmp_path):
-    """A tokenizer that adds a start token ([CLS] here) with a chat template that writes it too:
-    the model sees it once, as apply_chat_template's own tokens have it."""
+def _cls_chat_template_model(tmp_path):
+    """A tiny Llama reward model in tmp_path/rm whose tokenizer adds [CLS] and whose chat
+    template writes [CLS] itself too; returns the tokenizer."""
     tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-consistency-modernbert")
     tok.chat_template = "{{ cls_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
     torch.manual_seed(0)
@@ -180,6 +180,13 @@ def test_a_chat_template_that_writes_the_start_token_is_not_given_a_second_one(t
                       num_labels=1, pad_token_id=tok.pad_token_id)
     LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
+    return tok
+
+
+def test_a_chat_template_that_writes_the_start_token_is_not_given_a_second_one(tmp_path):
+    """A tokenizer that adds a start token ([CLS] here) with a chat template that writes it too:
+    the model sees it once, as apply_chat_template's own tokens have it."""
+    tok = _cls_chat_template_model(tmp_path)
     rm = RewardModel(tmp_path / "rm")
     seen = []
     rm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][0].tolist()), with_kwargs=True)
@@ -241,14 +248,7 @@ def test_long_texts_are_counted_over_every_batch(tmp_path):
 def test_a_chat_text_of_exactly_max_length_tokens_is_not_counted_as_cut(tmp_path):
     """The count reads the tokens the model gets: a chat template's own, without the tokenizer's
     [CLS] and [SEP] added on top."""
-    tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-consistency-modernbert")
-    tok.chat_template = "{{ cls_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      num_labels=1, pad_token_id=tok.pad_token_id)
-    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
-    tok.save_pretrained(tmp_path / "rm")
+    tok = _cls_chat_template_model(tmp_path)
     sample = Sample("red circle", "yes")
     n = len(tok("[CLS]red circle yes ", add_special_tokens=False)["input_ids"])
     rm = RewardModel(tmp_path / "rm", max_length=n)

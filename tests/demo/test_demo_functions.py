@@ -4,6 +4,7 @@ the report page, the before/after comparisons of each modality, training a missi
 from __future__ import annotations
 
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -60,7 +61,7 @@ def test_runs_lists_real_runs_of_every_modality_with_their_summaries(tiny_runs):
         for when in ("before", "after"):
             got = {k: v for k, v in row[when].items() if v is not None}
             # a metric without data (NaN in summary.json) is null
-            assert got == {k: v for k, v in summary[f"eval_{when}"].items() if v is not None and v == v}
+            assert got == {k: v for k, v in summary[f"eval_{when}"].items() if v is not None and not math.isnan(v)}
         assert row["train_seconds"] == summary["train_seconds"]
     assert "method.type" in rows[0]["config"]  # grpo, flow_grpo, diffu_grpo tell the runs apart
     text = CliRunner().invoke(mmrl_app, ["runs", *map(str, tiny_runs.values()), "-m", "accuracy"]).output
