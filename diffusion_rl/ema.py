@@ -59,12 +59,14 @@ class ParameterEMA:
     @torch.no_grad()
     def update(self, params: Sequence[Tensor]) -> bool:
         """Count one optimizer step; move the average toward `params` on every update_every-th.
-        Returns whether it moved."""
+        Returns whether it moved. Parameters of another count are refused on every step, before
+        the step is counted."""
+        params = _checked(self.average, params)
         self.steps += 1
         if self.steps % self.update_every:
             return False
         d = ema_decay(self.steps, self.decay, self.warmup)
-        for avg, p in zip(self.average, _checked(self.average, params), strict=True):
+        for avg, p in zip(self.average, params, strict=True):
             avg.lerp_(p.detach(), 1.0 - d)  # avg + (1 - d) (p - avg)
         return True
 

@@ -85,11 +85,12 @@ class RewardModel:
                  max_length: int | None = None, dtype: str | None = None, template: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:  # True is an int
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if template is not None:
             _check_template(template)
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length < 1):
             raise ValueError(f"max_length must be an integer >= 1 (or None: the model's limit), got {max_length!r}")
         self.path = str(path)
         config = sequence_classifier_config(path, "reward model")

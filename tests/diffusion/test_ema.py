@@ -142,6 +142,15 @@ def test_parameters_of_another_count_are_refused_and_leave_everything_alone():
     other = torch.nn.Linear(2, 3)
     with pytest.raises(ValueError, match="do not match"), ema.applied(list(other.parameters())):
         pass
+    assert ema.steps == 0  # a refused update is not a step
+
+
+def test_parameters_are_checked_also_on_steps_that_do_not_update():
+    m = torch.nn.Linear(2, 2)
+    ema = ParameterEMA(list(m.parameters()), update_every=8)
+    with pytest.raises(ValueError, match="do not match"):
+        ema.update(list(m.parameters())[:1])  # step 1 of 8 moves nothing, but the list is still wrong
+    assert ema.steps == 0 and ema.update(list(m.parameters())) is False and ema.steps == 1
 
 
 def test_a_saved_average_with_a_tensor_too_many_or_too_few_is_refused():
