@@ -642,6 +642,20 @@ def test_vlm_min_pixels_may_equal_max_pixels_but_not_exceed_it():
         VLMModelConfig(min_pixels=1001, max_pixels=1000)
 
 
+def test_vlm_scene_ranges_are_checked_when_the_config_loads():
+    from mmrl.vlm.config import ShapesMoodTaskConfig, ShapesQATaskConfig, ShapesZoomTaskConfig
+
+    assert ShapesQATaskConfig(min_shapes=2, max_shapes=2, shape_size=(40, 40)).max_shapes == 2  # equal ends fit
+    for cls in (ShapesQATaskConfig, ShapesMoodTaskConfig):
+        with pytest.raises(ValueError, match=r"min_shapes \(4\) is above max_shapes \(3\)"):
+            cls(min_shapes=4, max_shapes=3)
+        with pytest.raises(ValueError, match=r"got \[48, 36\]"):
+            cls(shape_size=(48, 36))
+    with pytest.raises(ValueError, match=r"1 <= smallest <= largest, got \[0, 10\]"):
+        ShapesZoomTaskConfig(shape_size=(0, 10))
+    assert ShapesZoomTaskConfig(shape_size=(1, 1)).shape_size == (1, 1)
+
+
 def test_vlm_task_and_rollout_defaults_are_the_documented_ones():
     from mmrl.vlm.config import ShapesMoodTaskConfig, ToolsConfig, VLMTrainConfig
 

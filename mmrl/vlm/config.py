@@ -39,6 +39,17 @@ class VLMModelConfig(ModelConfig):
         return self
 
 
+def _check_scene(cfg, counts: bool = True):
+    """A scene's shape count and side ranges, at load with the key named (the task's own check
+    would come only when it is built)."""
+    lo, hi = cfg.shape_size
+    if not 1 <= lo <= hi:
+        raise ValueError(f"shape_size must be [smallest, largest] with 1 <= smallest <= largest, got [{lo}, {hi}]")
+    if counts and cfg.min_shapes > cfg.max_shapes:
+        raise ValueError(f"min_shapes ({cfg.min_shapes}) is above max_shapes ({cfg.max_shapes})")
+    return cfg
+
+
 class ShapesQATaskConfig(Section):
     """Synthetic images of coloured shapes with questions on counts, colours and positions."""
 
@@ -62,6 +73,10 @@ class ShapesQATaskConfig(Section):
     tokens learn to read objects this size quickly; much smaller ones it barely sees."""
     kinds: list[str] | None = None
     """Question kinds to draw from (None = all)."""
+
+    @model_validator(mode="after")
+    def _scene(self):
+        return _check_scene(self)
 
 
 class JSONLTaskConfig(Section):
@@ -99,6 +114,10 @@ class ShapesZoomTaskConfig(Section):
     kinds: list[str] | None = None
     """Question kinds (None = the task's default, colour_at)."""
 
+    @model_validator(mode="after")
+    def _scene(self):
+        return _check_scene(self, counts=False)
+
 
 class ShapesMoodTaskConfig(Section):
     """Subjective emotion labels for shapes scenes: a distribution over eight emotions, a
@@ -128,6 +147,10 @@ class ShapesMoodTaskConfig(Section):
     diversity_weight: float = Field(0.3, ge=0)
     """Weight of the task's DEDR atom (uniform candidate weights); 0 leaves it out (answer and
     format only: GRPO's reward in the DSPO comparison)."""
+
+    @model_validator(mode="after")
+    def _scene(self):
+        return _check_scene(self)
 
 
 TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | ShapesMoodTaskConfig | JSONLTaskConfig,
