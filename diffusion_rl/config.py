@@ -117,7 +117,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     """Flow-GRPO-Fast: SDE noise (and training) only on this many consecutive steps; None = every
     step but the last."""
     window_start: tuple[int, int] | None = None
-    """Range of the window's first step (inclusive); None = anywhere it fits."""
+    """Range of the window's first step (inclusive); None = anywhere it fits. Only with
+    window_size: without one every step but the last is in the window, and this is unused."""
     shared_noise: bool = False
     """The G samples of a prompt start from the same initial noise (DanceGRPO; Flow-GRPO's
     same_latent), so they differ only by the SDE window's noise and the group's reward spread is
