@@ -299,3 +299,12 @@ def test_a_metric_chosen_twice_is_one_column(tmp_path):
     make_run(tmp_path, "a", before={"accuracy": 0.5, "reward": 1.0}, after={"accuracy": 0.75, "reward": 2.0})
     runs = [table.load(tmp_path / "a")]
     assert table.metric_names(runs, ["accuracy", "accuracy"]) == ["accuracy"]
+
+
+def test_two_finished_runs_of_one_seed_in_a_group_are_warned_of(tmp_path):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        make_run(tmp_path, name, seed=seed, before={"m": 0.0}, after={"m": 1.0})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    with pytest.warns(UserWarning, match=r"share seed 0 \(.*/a, .*/b\)"):
+        (row,) = table.group_rows(runs, ["m"])
+    assert row["metrics"]["m"]["n"] == 3  # still counted, as the warning says

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,12 @@ def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
             after = [a for a in after if a is not None]
             stats[m] = {"n": len(after), "after_mean": _mean(after), "after_sd": _sd(after),
                         "change_mean": _mean(change), "change_sd": _sd(change)}
+        seeds = [r.config.get("seed") for r in done]
+        twice = sorted({str(x) for x in seeds if seeds.count(x) > 1})
+        if twice:  # a copied run, or one trained twice: not two draws of the spread
+            warnings.warn(f"runs of one configuration share seed {', '.join(twice)} "
+                          f"({', '.join(str(r.path) for r in done if str(r.config.get('seed')) in twice)}): "
+                          "the mean and standard deviation count each of them", stacklevel=2)
         first = members[0]
         rows.append({
             "config": {} if first.error else label(first, keys), "status": first.status if first.error else None,
