@@ -44,6 +44,37 @@ def test_each_start_of_a_run_appends_its_entry_with_its_step(tmp_path, monkeypat
     env = report.split("<h2>Environment</h2>")[1].split("<h2>")[0]
     assert env.count("<tr>") == 3  # the header and two starts
     assert "toy-rl train --max-steps 2" in env and metadata.version("torch") in env
+    assert [(e["ended"]["how"], e["ended"]["step"]) for e in entries] == [("finished", 2), ("finished", 3)]
+    assert "finished at step 3" in env  # the report says how each start ended
+
+
+@pytest.mark.parametrize(("error", "how"), [(KeyboardInterrupt(), "interrupted"),
+                                            (RuntimeError("disk\non fire"), "error: RuntimeError: disk on fire")])
+def test_a_start_stopped_by_ctrl_c_or_an_error_says_so_and_a_killed_one_says_nothing(tmp_path, error, how):
+    trainer = make(tmp_path, "train.max_steps=4")
+    generate, calls = trainer.policy.generate, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # in step 3's rollout
+            raise error
+        return generate(*args, **kwargs)
+
+    trainer.policy.generate = failing
+    with pytest.raises(type(error)):
+        trainer.train()
+    (entry,) = json.loads((tmp_path / "run" / ENVIRONMENT).read_text())
+    assert entry["ended"]["how"] == how and entry["ended"]["step"] == 2 and entry["ended"]["at"].endswith("Z")
+    record(tmp_path / "run", step=2)  # a start that was then killed outright: no "ended"
+    assert provenance.last_ending(tmp_path / "run") is None
+
+
+def test_ended_leaves_a_missing_or_damaged_file_alone(tmp_path):
+    provenance.ended(tmp_path, "finished", 1)
+    assert not (tmp_path / ENVIRONMENT).exists()
+    (tmp_path / ENVIRONMENT).write_text("{not json")
+    provenance.ended(tmp_path, "finished", 1)
+    assert (tmp_path / ENVIRONMENT).read_text() == "{not json" and provenance.last_ending(tmp_path) is None
 
 
 def test_a_report_says_an_environment_file_is_missing_or_damaged_and_is_still_written(tmp_path):

@@ -62,13 +62,13 @@ def test_an_unfinished_run_is_listed_and_counts_in_no_mean(tmp_path):
     make_run(tmp_path, "a", seed=0, before={"accuracy": 0.2}, after={"accuracy": 0.6})
     make_run(tmp_path, "b", seed=1, metrics_rows=4)  # killed at step 4: no summary.json
     runs = [table.load(p) for p in table.find([tmp_path])]
-    assert runs[1].status == "no summary.json (step 4 of 10)"
+    assert runs[1].status == "no summary.json (step 4 of 10): running, or killed"
     (row,) = table.group_rows(runs, ["accuracy"])
     assert row["finished"] == 1 and row["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.6)
     assert "| (one configuration) | 0, 1 | 1 of 2 | 0.600 (+0.400) |" in table.markdown_groups([row], ["accuracy"])
     lines = table.markdown_runs(table.run_rows(runs, ["accuracy"]), ["accuracy"]).splitlines()
     assert lines[0] == "| run | seed | steps | accuracy | best | train s | status |"  # no config column: one config
-    assert lines[3].endswith("| 1 | 4 |  |  |  | no summary.json (step 4 of 10) |")
+    assert lines[3].endswith("| 1 | 4 |  |  |  | no summary.json (step 4 of 10): running, or killed |")
 
 
 def test_run_rows_show_before_and_after_the_best_checkpoint_and_null_metrics(tmp_path):
@@ -166,7 +166,7 @@ def test_cli_runs_prints_markdown_json_and_refuses_an_unknown_metric(tmp_path):
 def test_a_run_without_metrics_yet_is_at_step_0(tmp_path):
     make_run(tmp_path, "new", steps=8)  # started, no step logged: no metrics.jsonl, no summary.json
     run = table.load(tmp_path / "new")
-    assert run.steps is None and run.status == "no summary.json (step 0 of 8)"
+    assert run.steps is None and run.status == "no summary.json (step 0 of 8): running, or killed"
 
 
 def test_a_finished_runs_steps_are_its_summarys_not_the_last_metrics_row(tmp_path):
@@ -243,8 +243,8 @@ def test_the_cli_lists_a_folder_with_an_unfinished_run(tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[2].endswith("| 0 | 10 | 0.500 → 0.750 |  | 60 | finished |")
-    assert lines[3].endswith("| 1 | 2 |  |  |  | no summary.json (step 2 of 10) |")
-    assert result.output.endswith("(step 2 of 10) |\n")  # the table's own last newline, no blank line after
+    assert lines[3].endswith("| 1 | 2 |  |  |  | no summary.json (step 2 of 10): running, or killed |")
+    assert result.output.endswith("running, or killed |\n")  # the table's own last newline, no blank line after
 
 
 def test_numbers_that_are_not_finite_or_are_booleans_are_null(tmp_path):
@@ -308,3 +308,15 @@ def test_two_finished_runs_of_one_seed_in_a_group_are_warned_of(tmp_path):
     with pytest.warns(UserWarning, match=r"share seed 0 \(.*/a, .*/b\)"):
         (row,) = table.group_rows(runs, ["m"])
     assert row["metrics"]["m"]["n"] == 3  # still counted, as the warning says
+
+
+def test_an_unfinished_run_says_how_its_last_start_ended_where_environment_json_records_it(tmp_path):
+    from mmrl.core import provenance
+
+    path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
+    provenance.record(path, step=0)
+    assert table.load(path).status == "no summary.json (step 3 of 10): running, or killed"  # no "ended" yet
+    provenance.ended(path, "stopped by SIGTERM", 3)
+    assert table.load(path).status == "stopped by SIGTERM (at step 3 of 10)"
+    provenance.record(path, step=3)  # a --resume: its start has not ended
+    assert table.load(path).status.endswith("running, or killed")

@@ -5,7 +5,8 @@ resume on other code is visible.
 Each entry: when it started (UTC) and at which step, the command line, mmrl's version and, in a
 source checkout, its git commit and whether tracked files had uncommitted changes; Python, the
 platform, the versions of the libraries that decide numbers, the accelerator and the number of
-processes. What cannot be read is null.
+processes. What cannot be read is null. When the start ends (finished, stopped by a signal,
+interrupted, stopped by an error) its entry gets "ended"; a start killed outright has none.
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def record(out: str | Path, step: int = 0, world_size: int = 1) -> dict[str, Any
     entry = environment(step, world_size)
     write_atomically(path, json.dumps([*entries, entry], indent=2))
     return entry
+
+
+def ended(out: str | Path, how: str, step: int) -> None:
+    """Mark how this start ended in its entry (the last): {"at", "step", "how"}, how being
+    "finished", "stopped by SIGTERM", "interrupted" or "error: ...". A start without it was
+    killed (kill -9, a lost node) or is still going. Best effort: a missing or unreadable file
+    is left as it is (its start warned already)."""
+    path = Path(out) / ENVIRONMENT
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+        if not (isinstance(entries, list) and entries and isinstance(entries[-1], dict)):
+            return
+        entries[-1]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
+                                "how": " ".join(how.split())[:500]}
+        write_atomically(path, json.dumps(entries, indent=2))
+    except (OSError, ValueError):
+        return
+
+
+def last_ending(out: str | Path) -> dict[str, Any] | None:
+    """The "ended" record of the run's newest start, or None (none yet, or no readable file)."""
+    try:
+        entries = json.loads((Path(out) / ENVIRONMENT).read_text(encoding="utf-8"))
+        last = entries[-1] if isinstance(entries, list) and entries else None
+        return last.get("ended") if isinstance(last, dict) and isinstance(last.get("ended"), dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _command(argv: list[str]) -> list[str]:

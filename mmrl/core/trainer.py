@@ -290,6 +290,10 @@ class Trainer:
             trained = signalled is None
         except Exception as e:
             self._save_after_failure(e, logger, self._unlogged)
+            self._ended(e)
+            raise
+        except KeyboardInterrupt as e:
+            self._ended(e)
             raise
         finally:
             if logger is not None:
@@ -299,13 +303,24 @@ class Trainer:
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         if signalled is not None:
+            self._ended(f"stopped by {signal.Signals(signalled).name}")
             raise self._stopped(signalled)
         try:
             return self._finish(logger, started)
-        except BaseException:  # the final evaluation failed, or Ctrl-C: the W&B run says so
+        except BaseException as e:  # the final evaluation failed, or Ctrl-C: the W&B run says so
             if logger is not None:
                 logger.finish(None, failed=True)
+            self._ended(e)
             raise
+
+    def _ended(self, how: str | BaseException) -> None:
+        """environment.json: how this start ended (mmrl.core.provenance.ended), from the main rank."""
+        if isinstance(how, KeyboardInterrupt):
+            how = "interrupted"
+        elif isinstance(how, BaseException):
+            how = f"error: {type(how).__name__}: {how}"
+        if distributed.is_main():
+            provenance.ended(self.out, how, self.step)
 
     def _train_steps(self, logger: RunLogger | None, stop: SignalStop) -> int | None:
         """Steps up to train.max_steps, or until a signal: then the signal's number."""
@@ -351,6 +366,7 @@ class Trainer:
         if len(set(checksums)) > 1:  # the ranks' updates were meant to be one: something made them differ
             warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
                           f"{checksums}); summary.json records them", stacklevel=3)
+        self._ended("finished")  # before summary.json and report.html, which shows it
         summary = self.write_summary(eval_after, time.perf_counter() - started, checksums)
         logger.finish(summary)
         return summary

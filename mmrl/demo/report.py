@@ -145,12 +145,20 @@ def _environment(run: RunInfo) -> str:
             rows.append({"started": e.get("started"), "at step": e.get("step"), "mmrl": code,
                          "torch": packages.get("torch"), "transformers": packages.get("transformers"),
                          "device": e.get("device"), "processes": e.get("processes"),
-                         "command": " ".join(map(str, e.get("command") or []))})
+                         "command": " ".join(map(str, e.get("command") or [])),
+                         "ended": _ending(e.get("ended"))})
     except FileNotFoundError:
         return "<p>(no environment.json: the run predates it)</p>"
     except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file
         return f"<p>(environment.json is unreadable: {html.escape(type(e).__name__)})</p>"
     return _table(rows)
+
+
+def _ending(ended: Any) -> str:
+    """How a start ended (environment.json's "ended"); none: killed outright, or still going."""
+    if not isinstance(ended, dict):
+        return "(no record: killed, or still going)"
+    return f"{ended.get('how')} at step {ended.get('step')}"
 
 
 def render(run: RunInfo) -> str:

@@ -9,7 +9,8 @@ label them, so a sweep's table reads without opening its configs (where method.t
 task.type differs, the type stands for that section's other settings).
 
 A run still going, or stopped before its final evaluation, has no summary.json: its row says
-so and it counts in no mean. A directory that cannot be read is a row with the reason, and the
+so (with how its last start ended, where environment.json records it: a signal, Ctrl-C, an
+error) and it counts in no mean. A directory that cannot be read is a row with the reason, and the
 other runs are still shown.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mmrl.core import provenance
 from mmrl.demo.runs import RunError, RunInfo
 
 # what the seeds of one configuration may differ in
@@ -44,7 +46,10 @@ class Run:
         if self.summary is not None:
             return "finished"
         total = (self.config.get("train") or {}).get("max_steps")
-        return f"no summary.json (step {self.steps or 0} of {total})"
+        ended = provenance.last_ending(self.path)  # how its newest start ended, where it says
+        if ended is not None and ended.get("how") != "finished":
+            return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
+        return f"no summary.json (step {self.steps or 0} of {total}): running, or killed"
 
 
 def find(paths: list[Path]) -> list[Path]:

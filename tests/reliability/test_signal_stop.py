@@ -69,6 +69,8 @@ def test_sigterm_mid_step_saves_that_step_and_resume_is_exact(tmp_path):
     assert e.checkpoint == tmp_path / "run" / "checkpoints" / "step-00000003"
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
     assert not (tmp_path / "run" / "summary.json").exists()  # not finished: no final evaluation
+    ended = json.loads((tmp_path / "run" / "environment.json").read_text())[-1]["ended"]
+    assert (ended["how"], ended["step"]) == ("stopped by SIGTERM", 3)  # what `runs` shows for it
 
     resumed = make(tmp_path, "run")
     resumed.train(resume=True)
