@@ -15,6 +15,7 @@ from mmrl.core.config import (
     TrainConfig,
 )
 from mmrl.core.lora import LoRAConfig
+from mmrl.vlm.tasks.scenes import check_ranges
 
 
 class VLMModelConfig(ModelConfig):
@@ -37,17 +38,6 @@ class VLMModelConfig(ModelConfig):
             raise ValueError(f"min_pixels ({self.min_pixels}) is above max_pixels ({self.max_pixels}): "
                              "no image size fits both")
         return self
-
-
-def _check_scene(cfg, counts: bool = True):
-    """A scene's shape count and side ranges, at load with the key named (the task's own check
-    would come only when it is built)."""
-    lo, hi = cfg.shape_size
-    if not 1 <= lo <= hi:
-        raise ValueError(f"shape_size must be [smallest, largest] with 1 <= smallest <= largest, got [{lo}, {hi}]")
-    if counts and cfg.min_shapes > cfg.max_shapes:
-        raise ValueError(f"min_shapes ({cfg.min_shapes}) is above max_shapes ({cfg.max_shapes})")
-    return cfg
 
 
 class ShapesQATaskConfig(Section):
@@ -75,8 +65,9 @@ class ShapesQATaskConfig(Section):
     """Question kinds to draw from (None = all)."""
 
     @model_validator(mode="after")
-    def _scene(self):
-        return _check_scene(self)
+    def _scene(self):  # at load, with the key named (the task would refuse them only when built)
+        check_ranges(self.shape_size, self.min_shapes, self.max_shapes)
+        return self
 
 
 class JSONLTaskConfig(Section):
@@ -115,8 +106,9 @@ class ShapesZoomTaskConfig(Section):
     """Question kinds (None = the task's default, colour_at)."""
 
     @model_validator(mode="after")
-    def _scene(self):
-        return _check_scene(self, counts=False)
+    def _scene(self):  # at load, with the key named (the task would refuse it only when built)
+        check_ranges(self.shape_size)
+        return self
 
 
 class ShapesMoodTaskConfig(Section):
@@ -149,8 +141,9 @@ class ShapesMoodTaskConfig(Section):
     format only: GRPO's reward in the DSPO comparison)."""
 
     @model_validator(mode="after")
-    def _scene(self):
-        return _check_scene(self)
+    def _scene(self):  # at load, with the key named (the task would refuse them only when built)
+        check_ranges(self.shape_size, self.min_shapes, self.max_shapes)
+        return self
 
 
 TaskConfig = Annotated[ShapesQATaskConfig | ShapesZoomTaskConfig | ShapesMoodTaskConfig | JSONLTaskConfig,

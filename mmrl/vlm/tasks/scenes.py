@@ -78,6 +78,20 @@ class Scene:
         return cls(shapes=[Shape(**s) for s in d["shapes"]], size=int(d["size"]))
 
 
+def check_ranges(shape_size: tuple[int, int], min_shapes: int = 0, max_shapes: int = 0) -> tuple[int, int]:
+    """shape_size's (lo, hi); ValueError unless 1 <= lo <= hi and 0 <= min_shapes <= max_shapes.
+    random_scene's check, which the task configs run when they load (mmrl.vlm.config)."""
+    lo, hi = shape_size
+    if not (1 <= lo <= hi):
+        raise ValueError(f"shape_size must be (lo, hi) with 1 <= lo <= hi, got {tuple(shape_size)!r}")
+    if not (0 <= min_shapes <= max_shapes):
+        raise ValueError(
+            f"need 0 <= min_shapes <= max_shapes, got min_shapes={min_shapes}, "
+            f"max_shapes={max_shapes}"
+        )
+    return lo, hi
+
+
 def random_scene(
     rng: random.Random,
     size: int = 112,
@@ -90,16 +104,9 @@ def random_scene(
     and not overlapping. A shape that cannot be placed in _PLACE_TRIES tries is dropped
     (the scene has fewer shapes); if that leaves fewer than min_shapes the scene is
     drawn again. Deterministic given the state of `rng`."""
-    lo, hi = shape_size
-    if not (1 <= lo <= hi):
-        raise ValueError(f"shape_size must be (lo, hi) with 1 <= lo <= hi, got {shape_size!r}")
+    lo, hi = check_ranges(shape_size, min_shapes, max_shapes)
     if size < hi + 2 * _EDGE:
         raise ValueError(f"image size {size} is too small for shapes of up to {hi} pixels")
-    if not (0 <= min_shapes <= max_shapes):
-        raise ValueError(
-            f"need 0 <= min_shapes <= max_shapes, got min_shapes={min_shapes}, "
-            f"max_shapes={max_shapes}"
-        )
     for _ in range(_SCENE_TRIES):
         n = rng.randint(min_shapes, max_shapes)
         shapes: list[Shape] = []
