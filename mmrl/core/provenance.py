@@ -76,26 +76,31 @@ def ended(out: str | Path, how: str, step: int) -> None:
     "finished", "stopped by SIGTERM", "interrupted" or "error: ...". A start without it was
     killed (kill -9, a lost node) or is still going. Best effort: a missing or unreadable file
     is left as it is (its start warned already)."""
-    path = Path(out) / ENVIRONMENT
+    entries = _entries(out)
+    if entries is None:
+        return
+    entries[-1]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
+                            "how": " ".join(how.split())[:500]}
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-        if not (isinstance(entries, list) and entries and isinstance(entries[-1], dict)):
-            return
-        entries[-1]["ended"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": step,
-                                "how": " ".join(how.split())[:500]}
-        write_atomically(path, json.dumps(entries, indent=2))
-    except (OSError, ValueError):
+        write_atomically(Path(out) / ENVIRONMENT, json.dumps(entries, indent=2))
+    except OSError:
         return
 
 
 def last_ending(out: str | Path) -> dict[str, Any] | None:
     """The "ended" record of the run's newest start, or None (none yet, or no readable file)."""
+    entries = _entries(out)
+    ended = entries[-1].get("ended") if entries is not None else None
+    return ended if isinstance(ended, dict) else None
+
+
+def _entries(out: str | Path) -> list | None:
+    """environment.json's entries where it is readable and its newest is an object, else None."""
     try:
         entries = json.loads((Path(out) / ENVIRONMENT).read_text(encoding="utf-8"))
-        last = entries[-1] if isinstance(entries, list) and entries else None
-        return last.get("ended") if isinstance(last, dict) and isinstance(last.get("ended"), dict) else None
     except (OSError, ValueError):
         return None
+    return entries if isinstance(entries, list) and entries and isinstance(entries[-1], dict) else None
 
 
 def _command(argv: list[str]) -> list[str]:

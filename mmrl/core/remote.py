@@ -147,8 +147,9 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
     (process, url) once it listens. `config` is a run config dict, merged over the backend's
     defaults; the child runs in `cwd` (default: ours), which is on its import path.
     The caller owns the process: kill it when done (it ignores SIGTERM and SIGUSR1, which a
-    cluster scheduler sends every process of a job: the trainer stops first). Raises EngineError, quoting the child's
-    stderr, if it exits or stays silent for `timeout` seconds during start-up.
+    cluster scheduler sends every process of a job: the trainer stops first). Raises
+    EngineError, quoting the child's stderr, if it exits or stays silent for `timeout` seconds
+    during start-up.
     `token`: the server's token, passed in the child's environment (not its command line,
     which any user of the machine can read); default: the child inherits $MMRL_SERVE_TOKEN."""
     fd, config_path = tempfile.mkstemp(prefix="mmrl-serve-", suffix=".json")

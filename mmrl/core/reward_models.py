@@ -78,6 +78,11 @@ def _check_template(template: str) -> None:
                          + (f" (fields {other}; write a literal brace as {{{{ or }}}})" if other else ""))
 
 
+def _count(v) -> bool:
+    """An integer >= 1 (a bool is an int in Python, and YAML reads `yes` as true)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 class RewardModel:
     """Scores text samples with a one-output sequence classifier (see the module docstring)."""
 
@@ -85,12 +90,11 @@ class RewardModel:
                  max_length: int | None = None, dtype: str | None = None, template: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:  # True is an int
+        if not _count(batch_size):
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if template is not None:
             _check_template(template)
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
-                                       or max_length < 1):
+        if max_length is not None and not _count(max_length):
             raise ValueError(f"max_length must be an integer >= 1 (or None: the model's limit), got {max_length!r}")
         self.path = str(path)
         config = sequence_classifier_config(path, "reward model")

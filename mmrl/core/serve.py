@@ -327,11 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.ignore_stop_signals:
         import signal
 
-        from mmrl.core.stop import SIGNALS
+        from mmrl.core.stop import stop_signals
 
-        for name in SIGNALS:
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        for sig in stop_signals():
+            signal.signal(sig, signal.SIG_IGN)
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0, got {args.read_timeout:g}")
 

@@ -30,6 +30,11 @@ from mmrl.core import distributed
 SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGINT (Ctrl-C) stays an interrupt: a person at the terminal means now
 
 
+def stop_signals() -> list[signal.Signals]:
+    """SIGNALS as this platform has them (no SIGUSR1 on Windows)."""
+    return [getattr(signal, name) for name in SIGNALS if hasattr(signal, name)]
+
+
 class StoppedBySignal(Exception):
     """The run stopped after `step` on `signum`; `checkpoint` holds that step (None at step 0)."""
 
@@ -52,10 +57,8 @@ class SignalStop:
 
     def __enter__(self):  # -> the entered SignalStop
         if threading.current_thread() is threading.main_thread():
-            for name in SIGNALS:
-                sig = getattr(signal, name, None)  # no SIGUSR1 on Windows
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in stop_signals():
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ other runs are still shown.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -50,6 +51,15 @@ class Run:
         if ended is not None and ended.get("how") != "finished":
             return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
         return f"no summary.json (step {self.steps or 0} of {total}): running, or killed"
+
+    @functools.cached_property
+    def flat(self) -> dict[str, str]:
+        """The config flattened (see flatten), read once however often rows and groups need it."""
+        return flatten(self.config)
+
+    def evaluation(self, when: str, metric: str) -> float | None:
+        """summary.json's eval_<when>[metric] ("before" / "after") where it is a finite number."""
+        return _number(((self.summary or {}).get(f"eval_{when}") or {}).get(metric))
 
 
 def find(paths: list[Path]) -> list[Path]:
@@ -99,7 +109,7 @@ def varying(runs: list[Run]) -> list[str]:
     counts as differing): `type` keys first (method.type, task.type), then in config order.
     Where a section's `type` differs, its other keys are left out: another method or task has
     other settings anyway, and its type says which."""
-    flats = [flatten(r.config) for r in runs if not r.error]
+    flats = [r.flat for r in runs if not r.error]
     keys = list(dict.fromkeys(k for f in flats for k in f))
     differ = [k for k in keys if len({f.get(k) for f in flats}) > 1]
     typed = [k[: -len("type")] for k in differ if k.endswith(".type")]  # "method.", "task."
@@ -109,8 +119,7 @@ def varying(runs: list[Run]) -> list[str]:
 
 def label(run: Run, keys: list[str]) -> dict[str, Any]:
     """The run's values of `keys` (None where its config lacks one)."""
-    flat = flatten(run.config)
-    return {k: json.loads(flat[k]) if k in flat else None for k in keys}
+    return {k: json.loads(run.flat[k]) if k in run.flat else None for k in keys}
 
 
 def metric_names(runs: list[Run], chosen: list[str]) -> list[str]:
@@ -134,8 +143,8 @@ def run_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
         rows.append({
             "run": str(r.path), "config": {} if r.error else label(r, keys), "seed": r.config.get("seed"),
             "steps": r.steps, "status": r.status,
-            "before": {m: _number((s.get("eval_before") or {}).get(m)) for m in metrics},
-            "after": {m: _number((s.get("eval_after") or {}).get(m)) for m in metrics},
+            "before": {m: r.evaluation("before", m) for m in metrics},
+            "after": {m: r.evaluation("after", m) for m in metrics},
             "best": s.get("best"), "train_seconds": _number(s.get("train_seconds")),
         })
     return rows
@@ -147,14 +156,14 @@ def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
     keys = varying(runs)
     groups: dict[str, list[Run]] = {}
     for r in runs:
-        groups.setdefault("\0" + str(r.path) if r.error else json.dumps(flatten(r.config), sort_keys=True), []).append(r)
+        groups.setdefault("\0" + str(r.path) if r.error else json.dumps(r.flat, sort_keys=True), []).append(r)
     rows = []
     for members in groups.values():
         done = [r for r in members if r.summary is not None]
         stats = {}
         for m in metrics:
-            after = [_number((r.summary.get("eval_after") or {}).get(m)) for r in done]
-            before = [_number((r.summary.get("eval_before") or {}).get(m)) for r in done]
+            after = [r.evaluation("after", m) for r in done]
+            before = [r.evaluation("before", m) for r in done]
             change = [a - b for a, b in zip(after, before) if a is not None and b is not None]
             after = [a for a in after if a is not None]
             stats[m] = {"n": len(after), "after_mean": _mean(after), "after_sd": _sd(after),
