@@ -11,7 +11,11 @@ finishes the step it is in, saves that step's checkpoint and stops with `Stopped
 the CLI exits with 128 + the signal's number (143 for SIGTERM), as a process the signal ended
 would. `--resume` then goes on as if the run had not stopped (the checkpoint is an ordinary
 one). A second signal acts as it did without the handler (ends the process now): a step too
-long for the grace period still leaves the previous checkpoint. Signals before the first step
+long for the grace period still leaves the previous checkpoint. Only a second signal
+REPEAT_WINDOW_S or more after the first does: under a launcher (torchrun, `accelerate launch`)
+a worker gets the scheduler's signal twice, once from the scheduler (SLURM signals every process
+of the job step) and once passed on by the launcher a moment later, and the repeat must not end
+the step the first one asked to finish. Signals before the first step
 (the evaluation before training) stop the run there, with nothing to save; the final
 evaluation runs with the default handlers again (its step is saved before it starts).
 
@@ -24,10 +28,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from time import monotonic
 
 from mmrl.core import distributed
 
 SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGINT (Ctrl-C) stays an interrupt: a person at the terminal means now
+# A signal this soon after the first is the same request arriving again (a launcher passes on
+# within milliseconds what the scheduler also sent the worker); later, it means "now".
+REPEAT_WINDOW_S = 10.0
 
 
 def stop_signals() -> list[signal.Signals]:
@@ -53,6 +61,7 @@ class SignalStop:
 
     def __init__(self):
         self.received: int | None = None
+        self._received_at = 0.0  # monotonic() when the first came
         self._previous: dict[int, object] = {}
 
     def __enter__(self):  # -> the entered SignalStop
@@ -67,14 +76,17 @@ class SignalStop:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:  # the second: as without us
-            self.__exit__()
+        now = monotonic()
+        if self.received is not None:
+            if now - self._received_at < REPEAT_WINDOW_S:  # the first one again, passed on by a launcher
+                return
+            self.__exit__()  # a later one: as without us
             signal.raise_signal(signum)
             return
-        self.received = signum
+        self.received, self._received_at = signum, now
         if distributed.is_main():  # os.write: print() may be in the middle of a line in this very thread
             os.write(2, f"\n{signal.Signals(signum).name}: the run stops after the step it is in and saves it "
-                        "(send it again to stop at once)\n".encode())
+                        f"(send it again, {REPEAT_WINDOW_S:g} s or more from now, to stop at once)\n".encode())
 
     def requested(self) -> int | None:
         """The signal any rank received (the lowest rank's that did), else None; a collective."""

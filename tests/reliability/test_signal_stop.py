@@ -6,7 +6,11 @@ chosen step); tests/reliability/test_kill_resume.py sends a real SIGTERM to a CL
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,8 +86,9 @@ def test_sigterm_mid_step_saves_that_step_and_resume_is_exact(tmp_path):
     assert a["eval_before"] == b["eval_before"] and a["eval_after"] == b["eval_after"]
 
 
-def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
-    seen = []
+def test_a_later_second_signal_goes_to_the_handler_before_the_run(tmp_path, monkeypatch):
+    seen, clock = [], iter([100.0, 100.0 + stop_module.REPEAT_WINDOW_S])  # the second at the window's end
+    monkeypatch.setattr(stop_module, "monotonic", lambda: next(clock))
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
         trainer = make(tmp_path, "run")
@@ -94,6 +99,25 @@ def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
         assert (info.value.step, info.value.exit_code) == (2, 138)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_repeat_within_the_window_is_the_same_request(tmp_path, monkeypatch):
+    """A launcher passes on the signal the scheduler also sent the worker: the repeat (any stop
+    signal, this soon) must not end the step the first one asked to finish."""
+    seen, clock = [], iter([100.0, 100.0 + stop_module.REPEAT_WINDOW_S - 0.01, 100.5])
+    monkeypatch.setattr(stop_module, "monotonic", lambda: next(clock))
+    previous = {s: signal.signal(s, lambda s, f: seen.append(s)) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        trainer = make(tmp_path, "run")
+        signal_on_call(trainer.policy, "generate", 2, signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1)
+        with pytest.raises(StoppedBySignal) as info:
+            trainer.train()
+        assert seen == []  # no repeat reached the handlers before the run
+        assert (info.value.step, info.value.exit_code) == (2, 143)
+        assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def test_a_signal_before_the_first_step_stops_with_nothing_saved(tmp_path):
@@ -166,12 +190,50 @@ def test_two_processes_stop_after_the_same_step_when_one_is_signalled(ranks_ran)
     assert [s for s, _ in list_checkpoints(ranks_ran / "checkpoints")] == [2]
 
 
+def test_under_torchrun_the_signal_passed_on_does_not_end_the_step(tmp_path):
+    """SLURM signals every process of the job step: each worker gets SIGUSR1 from it, and a
+    moment later again from torchrun, which passes on the signals it handles. Both workers still
+    finish the step, save it and exit 138 (before, the repeat ended them with nothing saved)."""
+    out = tmp_path / "run"
+    script = Path(__file__).with_name("toy_cli.py")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout", "120"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_ROLLOUT_SECONDS": "2"}
+    agent = subprocess.Popen([*launcher, str(script), "train", "--max-steps", "100000", "--save-every", "0",
+                              "--output-dir", str(out)], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_metrics(out / "metrics.jsonl")) < 1:  # step 2 has just begun its 2 s rollout
+            assert agent.poll() is None, agent.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run logged no step in time"
+            time.sleep(0.02)
+        workers = [int(p) for p in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()]
+        assert len(workers) == 2
+        for pid in workers:  # the scheduler's signal to each process of the step ...
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)  # ... the workers' handlers have run, mid-step; then the agent's, which passes it on
+        agent.send_signal(signal.SIGUSR1)
+        stderr = agent.communicate(timeout=180)[1]
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    ended = json.loads((out / "environment.json").read_text())[-1]["ended"]
+    assert ended["how"] == "stopped by SIGUSR1", stderr[-3000:]
+    assert ended["step"] == 2 and [s for s, _ in list_checkpoints(out / "checkpoints")] == [2]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert "stopped by SIGUSR1 after step 2 of 100000" in stderr
+    assert not (out / "summary.json").exists()
+
+
 def test_the_first_signal_is_announced_on_stderr_and_only_recorded(capfd):
     with SignalStop() as stop:
         signal.raise_signal(signal.SIGUSR1)  # the handler runs before raise_signal returns
         assert stop.received == signal.SIGUSR1 and stop.requested() == signal.SIGUSR1
     err = capfd.readouterr().err
-    assert "SIGUSR1: the run stops after the step it is in and saves it (send it again to stop at once)" in err
+    assert ("SIGUSR1: the run stops after the step it is in and saves it (send it again, 10 s or more from now, "
+            "to stop at once)") in err
 
 
 def test_requested_is_the_signal_of_the_lowest_rank_that_got_one(monkeypatch):
