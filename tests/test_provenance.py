@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import socket
 import subprocess
 import sys
 from importlib import metadata
@@ -151,3 +153,28 @@ def test_untracked_files_leave_a_checkout_clean_and_a_changed_tracked_file_does_
         assert provenance._git() == {"commit": head, "dirty": True}
     finally:
         provenance._git.cache_clear()
+
+
+def test_each_entry_names_its_process_so_a_start_still_going_is_told_from_a_killed_one(tmp_path):
+    entry = record(tmp_path)
+    assert entry["host"] == socket.gethostname() and entry["pid"] == os.getpid()
+    assert provenance.alive(entry) is True  # this very process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # gone, and reaped
+    assert provenance.alive({**entry, "pid": child.pid, "pid_started": None}) is False
+    assert provenance.alive({**entry, "pid": 2**22 + 1}) is False  # above Linux's largest PID: none such
+    assert provenance.alive({**entry, "host": "another-node"}) is None  # cannot be told from here
+    old = {k: v for k, v in entry.items() if k not in ("host", "pid", "pid_started")}
+    assert provenance.alive(old) is None  # an entry written before these fields
+    assert provenance.alive({**entry, "pid": "12"}) is None and provenance.alive({**entry, "pid": 2**70}) is None
+    if sys.platform.startswith("linux"):
+        assert isinstance(entry["pid_started"], int)
+        # this PID, but a process that started at another time: the PID was given to another one
+        assert provenance.alive({**entry, "pid_started": entry["pid_started"] + 1}) is False
+    # report.html's Environment table says the same
+    from mmrl.demo.report import _ending
+
+    assert _ending(entry) == f"running (pid {os.getpid()})"
+    assert _ending({**entry, "pid": child.pid, "pid_started": None}) == "killed (no ending recorded)"
+    assert _ending(old) == "(no record: killed, or still going)"
+    assert _ending({**entry, "ended": {"how": "finished", "step": 4}}) == "finished at step 4"

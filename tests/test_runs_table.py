@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -314,9 +318,37 @@ def test_an_unfinished_run_says_how_its_last_start_ended_where_environment_json_
     from mmrl.core import provenance
 
     path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
-    provenance.record(path, step=0)
-    assert table.load(path).status == "no summary.json (step 3 of 10): running, or killed"  # no "ended" yet
+    provenance.record(path, step=0)  # this process: still going
+    assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"  # no "ended" yet
     provenance.ended(path, "stopped by SIGTERM", 3)
     assert table.load(path).status == "stopped by SIGTERM (at step 3 of 10)"
     provenance.record(path, step=3)  # a --resume: its start has not ended
-    assert table.load(path).status.endswith("running, or killed")
+    assert table.load(path).status.startswith("running (pid ")
+
+
+def _newest_start(path, **fields):
+    """Rewrite the newest entry of path/environment.json with `fields` (None: drop the key)."""
+    env = path / "environment.json"
+    entries = json.loads(env.read_text())
+    entries[-1].update(fields)
+    entries[-1] = {k: v for k, v in entries[-1].items() if v is not None}
+    env.write_text(json.dumps(entries))
+
+
+def test_a_start_without_an_ending_is_running_or_killed_by_its_process_on_this_host(tmp_path):
+    from mmrl.core import provenance
+
+    path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
+    provenance.record(path, step=0)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its PID names no process now (or, reused, one that started later)
+    _newest_start(path, pid=child.pid)
+    assert table.load(path).status == "killed (no ending recorded; step 3 of 10)"
+    _newest_start(path, pid=os.getpid(), host="another-node")  # its process cannot be seen from here
+    assert table.load(path).status == "no summary.json (step 3 of 10): running, or killed"
+    _newest_start(path, host=None, pid=None, pid_started=None)  # written before environment.json had them
+    assert table.load(path).status == "no summary.json (step 3 of 10): running, or killed"
+    _newest_start(path, host=socket.gethostname(), pid=os.getpid())
+    assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"
+    (row,) = table.run_rows([table.load(path)], [])
+    assert row["status"] == f"running (pid {os.getpid()}; step 3 of 10)"  # --json says it too

@@ -5,7 +5,9 @@ resume on other code is visible.
 Each entry: when it started (UTC) and at which step, the command line, mmrl's version and, in a
 source checkout, its git commit and whether tracked files had uncommitted changes; Python, the
 platform, the versions of the libraries that decide numbers, the accelerator and the number of
-processes. What cannot be read is null. When the start ends (finished, stopped by a signal,
+processes; the host name and process id of the process that wrote it (the main one, rank 0) and,
+on Linux, that process's start time, so that `alive` can tell a start still going from one killed
+outright. What cannot be read is null. When the start ends (finished, stopped by a signal,
 interrupted, stopped by an error) its entry gets "ended"; a start killed outright has none.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +51,9 @@ def environment(step: int = 0, world_size: int = 1) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "cuda": torch.version.cuda if cuda else None,
         "processes": world_size,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_started": _process_start(os.getpid()),
     }
 
 
@@ -74,8 +81,8 @@ def record(out: str | Path, step: int = 0, world_size: int = 1) -> dict[str, Any
 def ended(out: str | Path, how: str, step: int) -> None:
     """Mark how this start ended in its entry (the last): {"at", "step", "how"}, how being
     "finished", "stopped by SIGTERM", "interrupted" or "error: ...". A start without it was
-    killed (kill -9, a lost node) or is still going. Best effort: a missing or unreadable file
-    is left as it is (its start warned already)."""
+    killed (kill -9, a lost node) or is still going (`alive` tells which on the host that ran it).
+    Best effort: a missing or unreadable file is left as it is (its start warned already)."""
     entries = _entries(out)
     if entries is None:
         return
@@ -87,11 +94,39 @@ def ended(out: str | Path, how: str, step: int) -> None:
         return
 
 
+def last_start(out: str | Path) -> dict[str, Any] | None:
+    """The entry of the run's newest start, or None (none yet, or no readable file)."""
+    entries = _entries(out)
+    return entries[-1] if entries is not None else None
+
+
 def last_ending(out: str | Path) -> dict[str, Any] | None:
     """The "ended" record of the run's newest start, or None (none yet, or no readable file)."""
-    entries = _entries(out)
-    ended = entries[-1].get("ended") if entries is not None else None
+    ended = (last_start(out) or {}).get("ended")
     return ended if isinstance(ended, dict) else None
+
+
+def alive(entry: dict[str, Any]) -> bool | None:
+    """Whether the process that wrote a start's entry still runs: True or False on the host that
+    ran it, None where this cannot be told (another host, an entry older than its "pid", not a
+    POSIX system). A PID the system has since given to another process counts as gone where the
+    entry has its start time (Linux). Meant for an entry without "ended": with it, the start is
+    over whatever its PID does now."""
+    pid = entry.get("pid")
+    if (type(pid) is not int or pid <= 0 or entry.get("host") != socket.gethostname()
+            or os.name != "posix"):  # on Windows os.kill(pid, 0) is not a probe: it sends CTRL_C_EVENT
+        return None
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    except (OSError, OverflowError):  # OverflowError: a damaged pid beyond a C int
+        return None
+    started = entry.get("pid_started")
+    now = _process_start(pid)
+    return started is None or now is None or now == started
 
 
 def _entries(out: str | Path) -> list | None:
@@ -116,6 +151,16 @@ def _command(argv: list[str]) -> list[str]:
             out.append(arg)
         hide = not hide and arg in _SECRET_FLAGS
     return out
+
+
+def _process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), so a
+    reused PID is not taken for the process that had it; None off Linux or where unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        return int(stat.rsplit(")", 1)[1].split()[19])  # after "(comm)", which may hold spaces: field 3 on
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _version(name: str) -> str | None:

@@ -6,7 +6,8 @@
     samples           the before/after sample grids an image task writes (samples/grid_*.png),
                       the before/after answers a text task writes (samples/samples_*.json), and
                       the last logged training samples (samples/step_*.jsonl)
-    environment       each start of the run (environment.json): code, libraries, device
+    environment       each start of the run (environment.json): code, libraries, device, and how
+                      it ended (or that its process still runs, or is gone, on this host)
 
 Images are embedded as base64 and the page has no script and no external link, so it opens
 offline and can be mailed as one file. The trainer writes it at the end of every run
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mmrl.core import provenance
 from mmrl.core.logging import write_atomically
 from mmrl.demo.runs import TITLES, RunError, RunInfo, plot_curves
 
@@ -146,7 +148,7 @@ def _environment(run: RunInfo) -> str:
                          "torch": packages.get("torch"), "transformers": packages.get("transformers"),
                          "device": e.get("device"), "processes": e.get("processes"),
                          "command": " ".join(map(str, e.get("command") or [])),
-                         "ended": _ending(e.get("ended"))})
+                         "ended": _ending(e)})
     except FileNotFoundError:
         return "<p>(no environment.json: the run predates it)</p>"
     except (OSError, ValueError, TypeError, AttributeError) as e:  # a damaged file
@@ -154,11 +156,16 @@ def _environment(run: RunInfo) -> str:
     return _table(rows)
 
 
-def _ending(ended: Any) -> str:
-    """How a start ended (environment.json's "ended"); none: killed outright, or still going."""
-    if not isinstance(ended, dict):
+def _ending(entry: dict[str, Any]) -> str:
+    """How a start ended (environment.json's "ended"); none: killed outright, or still going,
+    which its process tells where it ran on this host (provenance.alive)."""
+    ended = entry.get("ended")
+    if isinstance(ended, dict):
+        return f"{ended.get('how')} at step {ended.get('step')}"
+    alive = provenance.alive(entry)
+    if alive is None:
         return "(no record: killed, or still going)"
-    return f"{ended.get('how')} at step {ended.get('step')}"
+    return f"running (pid {entry['pid']})" if alive else "killed (no ending recorded)"
 
 
 def render(run: RunInfo) -> str:

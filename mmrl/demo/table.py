@@ -10,8 +10,11 @@ task.type differs, the type stands for that section's other settings).
 
 A run still going, or stopped before its final evaluation, has no summary.json: its row says
 so (with how its last start ended, where environment.json records it: a signal, Ctrl-C, an
-error) and it counts in no mean. A directory that cannot be read is a row with the reason, and the
-other runs are still shown.
+error) and it counts in no mean. A start with no ending recorded is "running (pid N)" where its
+process still runs on this host and "killed (no ending recorded)" where it is gone (kill -9, the
+OOM killer, a rebooted node); on another host, or for a start recorded before environment.json
+had its process, whether it runs cannot be told from here and the row says "running, or killed".
+A directory that cannot be read is a row with the reason, and the other runs are still shown.
 """
 
 from __future__ import annotations
@@ -47,9 +50,14 @@ class Run:
         if self.summary is not None:
             return "finished"
         total = (self.config.get("train") or {}).get("max_steps")
-        ended = provenance.last_ending(self.path)  # how its newest start ended, where it says
-        if ended is not None and ended.get("how") != "finished":
-            return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
+        start = provenance.last_start(self.path) or {}  # its newest start, where environment.json has it
+        ended = start.get("ended")
+        if isinstance(ended, dict):
+            if ended.get("how") != "finished":
+                return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
+        elif (alive := provenance.alive(start)) is not None:  # on the host that ran it
+            return (f"running (pid {start['pid']}; step {self.steps or 0} of {total})" if alive
+                    else f"killed (no ending recorded; step {self.steps or 0} of {total})")
         return f"no summary.json (step {self.steps or 0} of {total}): running, or killed"
 
     @functools.cached_property
