@@ -5,6 +5,7 @@ on either side, and one real offline run where wandb is installed."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import types
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 from mmrl.core.cli import BackendSpec, make_app
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.logging import read_metrics
+from mmrl.core.stop import StoppedBySignal
 from mmrl.core.trainer import Trainer
 
 app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
@@ -31,6 +33,9 @@ class FakeRun:
         if step == self.fail_log_at:
             raise ConnectionError("W&B is down")
         self.calls.append(("table", step, data["samples"]) if "samples" in data else ("log", step, data))
+
+    def mark_preempting(self):
+        self.calls.append(("preempting",))
 
     def finish(self, exit_code: int = 0):
         self.calls.append(("finish", exit_code, dict(self.summary)))
@@ -83,7 +88,7 @@ def test_the_config_each_steps_metrics_and_the_held_out_summary_reach_wandb(tmp_
         assert data["reward/total"] == row["reward/total"] and data["loss/total"] == row["loss/total"]
         assert all(isinstance(v, float) for v in data.values())
     summary = json.loads((out / "summary.json").read_text())
-    assert finish[:2] == ("finish", 0)
+    assert finish[:2] == ("finish", 0) and ("preempting",) not in fake_wandb.calls  # finished, not preempted
     assert finish[2]["eval_before/accuracy"] == summary["eval_before"]["accuracy"]
     assert finish[2]["eval_after/accuracy"] == summary["eval_after"]["accuracy"]
     assert json.loads((out / "wandb.json").read_text()) == {"id": init["id"], "project": "proj"}
@@ -147,6 +152,26 @@ def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path
     with pytest.raises(RuntimeError, match="the reward model is gone"):
         trainer.train()
     assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("log", 2), ("finish", 1)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1] if hasattr(signal, "SIGUSR1")
+                         else [signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+def test_a_run_stopped_by_a_scheduler_s_signal_is_preempted_in_wandb_not_failed(tmp_path, fake_wandb, signum):
+    trainer = wandb_trainer(tmp_path, max_steps=4)
+    step = trainer.train_step
+
+    def signalled_in_2(logger=None):
+        if trainer.step == 1:  # in step 2: it is finished and saved, then the run stops
+            signal.raise_signal(signum)
+        return step(logger)
+
+    trainer.train_step = signalled_in_2
+    with pytest.raises(StoppedBySignal):
+        trainer.train()
+    # W&B takes a preempting run that exits non-zero as preempted (and a sweep requeues it); the
+    # exit code is the one the CLI ends with, 128 + the signal's number
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("log", 2), ("preempting",),
+                                                                    ("finish", 128 + signum)]
 
 
 def test_wandb_failing_mid_run_is_warned_once_and_the_run_goes_on(tmp_path, fake_wandb):
@@ -254,3 +279,20 @@ def test_finish_sends_finite_held_out_metrics_and_train_seconds_then_nothing_mor
     (finish,) = [c for c in fake_wandb.calls if c[0] == "finish"]
     assert finish == ("finish", 0, {"eval_before/accuracy": 0.25, "eval_after/accuracy": 0.5, "train_seconds": 12.5})
     assert [c for c in fake_wandb.calls if c[0] == "log"] == []
+
+
+def test_a_real_offline_wandb_run_takes_a_signal_stop_s_preempting_mark(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    from mmrl.core.wandb_run import WandbRun
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    run = WandbRun(SETTINGS, tmp_path, {}, resume=False)
+    marked, mark = [], run.run.mark_preempting
+    monkeypatch.setattr(run.run, "mark_preempting", lambda: (marked.append(True), mark())[1])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="W&B logging stopped")  # a call real wandb refuses
+        run.finish(None, signum=signal.SIGTERM)
+    assert marked == [True]  # wandb's own mark_preempting ran, then finish, and neither was refused

@@ -120,11 +120,12 @@ class RunLogger:
             self._tb.close()
             self._tb = None
 
-    def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
+    def finish(self, summary: dict[str, Any] | None, failed: bool = False, signum: int | None = None) -> None:
         """After close: the run's summary.json (its held-out metrics) to W&B, and the W&B run
-        closed; `failed`: the run stopped on an error. Nothing without W&B."""
+        closed; `failed`: the run stopped on an error; `signum`: on that signal, its step saved
+        (W&B marks it preempted). Nothing without W&B."""
         if self._wandb is not None:
-            self._wandb.finish(summary, failed)
+            self._wandb.finish(summary, failed, signum)
             self._wandb = None
 
 

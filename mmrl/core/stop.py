@@ -9,7 +9,7 @@ process at once, so every step since the last checkpoint (`train.save_every`) wa
 During training, under `SignalStop`, the first such signal only sets a flag. The trainer
 finishes the step it is in, saves that step's checkpoint and stops with `StoppedBySignal`, and
 the CLI exits with 128 + the signal's number (143 for SIGTERM), as a process the signal ended
-would. `--resume` then goes on as if the run had not stopped (the checkpoint is an ordinary
+would; a W&B run ends preempted with that exit code (mmrl.core.wandb_run). `--resume` then goes on as if the run had not stopped (the checkpoint is an ordinary
 one). A second signal acts as it did without the handler (ends the process now): a step too
 long for the grace period still leaves the previous checkpoint. Only a second signal
 REPEAT_WINDOW_S or more after the first does: under a launcher (torchrun, `accelerate launch`)

@@ -279,6 +279,7 @@ class Trainer:
         self._unlogged = None  # a finished step's metrics until they are logged
         trained = False
         signalled = None  # SIGTERM / SIGUSR1 (mmrl.core.stop): the step it came in is finished and saved
+        preempted = None  # that signal, once its step is saved: the W&B run is preempted, not failed
         try:
             with SignalStop() as stop:
                 if self.eval_before is None:
@@ -287,7 +288,7 @@ class Trainer:
                 signalled = self._train_steps(logger, stop)
             if self.saved_step != self.step and (signalled is None or self.step > 0):
                 self.save()
-            trained = signalled is None
+            trained, preempted = signalled is None, signalled
         except Exception as e:
             self._save_after_failure(e, logger, self._unlogged)
             self._ended(e)
@@ -299,7 +300,7 @@ class Trainer:
             if logger is not None:
                 logger.close()
                 if not trained:  # stopped by an error, Ctrl-C or a signal: the W&B run says so
-                    logger.finish(None, failed=True)
+                    logger.finish(None, failed=preempted is None, signum=preempted)
             if isinstance(self.scheduler, PipelinedScheduler):
                 self.scheduler.close()
         if signalled is not None:

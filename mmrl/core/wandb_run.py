@@ -10,6 +10,12 @@ W&B run. Steps the interrupted attempt logged after its checkpoint are logged ag
 the values it has for them (a resumed run repeats them exactly: docs/reliability.md) and drops
 the repeats with a warning.
 
+How the W&B run ends: finished (exit code 0) after the final evaluation; failed (exit code 1)
+on an error or Ctrl-C; preempted on a scheduler's SIGTERM or SIGUSR1 (mmrl.core.stop), after
+the step it came in is saved: `run.mark_preempting()`, then the exit code the process ends with,
+128 + the signal's number. W&B shows such a run as preempted, not crashed or failed, and (in a
+sweep) requeues it; `train --resume` continues the same W&B run.
+
 A W&B that cannot start (not logged in, no network in online mode) is a ConfigError before the
 first step. One that fails mid-run is warned about once and left off: the run goes on.
 """
@@ -67,10 +73,12 @@ class WandbRun:
         self._call(lambda: self.run.log(
             {"samples": self._wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step))
 
-    def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
+    def finish(self, summary: dict[str, Any] | None, failed: bool = False, signum: int | None = None) -> None:
         """The held-out metrics before and after (eval_before/<name>, eval_after/<name>) and the
         best checkpoint's step and score (best/step, best/value) into the W&B run's summary, then
-        close it; `failed`: the run stopped on an error."""
+        close it; `failed`: the run stopped on an error; `signum`: it stopped on that signal with
+        its step saved, so the W&B run is marked preempting and ends with 128 + signum (W&B takes a
+        preempting run with a non-zero exit code as preempted; with 0 it would be finished)."""
         if summary is not None:
             flat = {f"{when}/{k}": v for when in ("eval_before", "eval_after")
                     for k, v in finite_scalars(summary.get(when) or {}).items()}
@@ -78,7 +86,9 @@ class WandbRun:
             if summary.get("best"):  # train.best_metric: the best checkpoint's step and score
                 flat.update({"best/step": summary["best"]["step"], "best/value": summary["best"]["value"]})
             self._call(self.run.summary.update, flat)
-        self._call(self.run.finish, exit_code=1 if failed else 0)
+        if signum is not None:
+            self._call(self.run.mark_preempting)
+        self._call(self.run.finish, exit_code=128 + signum if signum is not None else 1 if failed else 0)
         self._failed = True  # nothing more goes to a finished run
 
     def _call(self, fn, *args, **kwargs) -> None:
