@@ -38,7 +38,8 @@ from mmrl.core.advantages import group_stats
 def prompt_features(cond: dict[str, Tensor]) -> Tensor:
     """[N, D]: each float conditioning tensor reduced to one row per sample ([N, S, D] -> the mean
     over its S tokens, under `<name>_mask` where there is one), concatenated in name order.
-    Names ending in "ids" (positions) or "mask" are not features."""
+    Names ending in "ids" (positions) or "mask" are not features. A ValueError where a
+    `<name>_mask` is not [N, S] of its [N, S, D] tensor."""
     parts = []
     for name in sorted(cond):
         v = cond[name]
@@ -46,11 +47,14 @@ def prompt_features(cond: dict[str, Tensor]) -> Tensor:
             continue
         if v.dim() == 3:
             mask = cond.get(f"{name}_mask")
-            if mask is not None and mask.shape == v.shape[:2]:
+            if mask is None:
+                v = v.mean(1)
+            else:  # a mask of another [N, S] is a model's bug: a plain mean would hide it
+                if mask.shape != v.shape[:2]:
+                    raise ValueError(f"prompt conditioning {name}_mask has shape {tuple(mask.shape)}, but {name} "
+                                     f"{tuple(v.shape)} needs one of {tuple(v.shape[:2])} (its [N, S])")
                 m = mask.to(v).unsqueeze(-1)
                 v = (v * m).sum(1) / m.sum(1).clamp_min(1)
-            else:
-                v = v.mean(1)
         parts.append(v.reshape(len(v), -1).float())
     if not parts:
         raise ValueError(f"a learned effective reward needs a float prompt conditioning; got only {sorted(cond)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -729,14 +730,22 @@ def test_a_learned_run_on_the_tiny_model_logs_its_fit_and_resumes_exactly(flux_d
         assert torch.equal(a, b), k
 
 
-def test_prompt_features_skip_integer_conditioning_and_a_mask_of_another_shape():
+def test_prompt_features_skip_integer_conditioning():
     """Only float tensors are features: an integer conditioning row (token counts, say) is left out
-    whatever its name. A `<name>_mask` whose [N, S] is not the tensor's is not its mask: the tokens
-    are averaged plainly, (1 + 3 + 5) / 3 = 3 and (2 + 4 + 6) / 3 = 4."""
+    whatever its name; the tokens are averaged, (1 + 3 + 5) / 3 = 3 and (2 + 4 + 6) / 3 = 4."""
     embeds = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
-    feats = prompt_features({"prompt_embeds": embeds, "token_counts": torch.tensor([[3]]),
-                             "prompt_embeds_mask": torch.tensor([[1, 0]])})
+    feats = prompt_features({"prompt_embeds": embeds, "token_counts": torch.tensor([[3]])})
     assert feats.tolist() == [[3.0, 4.0]]
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([[1, 0]]), torch.ones(2, 3), torch.ones(1, 3, 1)])
+def test_prompt_features_refuse_a_mask_of_another_shape(mask):
+    """A `<name>_mask` whose shape is not the [N, S] of its [N, S, D] tensor (fewer tokens, more rows,
+    an extra dim) is refused with both shapes named, not replaced by a plain mean over the tokens."""
+    embeds = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
+    with pytest.raises(ValueError, match=rf"prompt_embeds_mask has shape {re.escape(str(tuple(mask.shape)))}, "
+                                         r"but prompt_embeds \(1, 3, 2\) needs one of \(1, 3\)"):
+        prompt_features({"prompt_embeds": embeds, "prompt_embeds_mask": mask})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
