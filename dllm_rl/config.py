@@ -13,6 +13,7 @@ from mmrl.core.config import (
     RolloutConfig,
     Section,
     TrainConfig,
+    config_warning,
 )
 from mmrl.core.lora import LoRAConfig
 
@@ -76,10 +77,8 @@ class DLLMRolloutConfig(RolloutConfig):
         if isinstance(data, dict) and "max_new_tokens" in data:
             given, length = data["max_new_tokens"], data.get("gen_length", cls.model_fields["gen_length"].default)
             if given != length:
-                import warnings
-
-                warnings.warn(f"rollout.max_new_tokens ({given}) is not a dLLM setting: an answer is "
-                              f"rollout.gen_length ({length}) tokens; max_new_tokens is ignored", stacklevel=2)
+                config_warning(f"rollout.max_new_tokens ({given}) is not a dLLM setting: an answer is "
+                               f"rollout.gen_length ({length}) tokens; max_new_tokens is ignored")
         return data
 
     @model_validator(mode="after")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -27,6 +29,23 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 class ConfigError(ValueError):
     """A bad config: the message is one paragraph, fit for a user."""
+
+
+def config_warning(message: str) -> None:
+    """A UserWarning from a config validator, attributed to the code that built or changed the
+    config: the first caller outside pydantic, this module and the validator's own module (a
+    fixed stacklevel would name pydantic's BaseModel.__init__, whose depth under the caller
+    differs between a section built directly and one validated inside load_config)."""
+    import pydantic
+    import pydantic_core
+
+    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (pydantic, pydantic_core))
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the validator that called us
+    own = {frame.f_code.co_filename, __file__}
+    while frame.f_back is not None and (frame.f_code.co_filename in own
+                                        or frame.f_code.co_filename.startswith(inside)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 class Section(BaseModel):

@@ -228,12 +228,16 @@ def test_max_new_tokens_is_gen_length_and_a_setting_of_it_is_said_to_be_ignored(
     import warnings
 
     from dllm_rl import backend
-    from dllm_rl.config import DLLMTrainConfig
+    from dllm_rl.config import DLLMRolloutConfig, DLLMTrainConfig
     from mmrl.core.config import load_config
 
-    with pytest.warns(UserWarning, match=r"rollout.max_new_tokens \(32\) is not a dLLM setting"):
+    with pytest.warns(UserWarning, match=r"rollout.max_new_tokens \(32\) is not a dLLM setting") as record:
         cfg = load_config(DLLMTrainConfig, None, ["rollout.max_new_tokens=32"], defaults=backend.DEFAULT_CONFIG)
     assert cfg.rollout.max_new_tokens == cfg.rollout.gen_length == 8
+    assert [r.filename for r in record] == [__file__]  # the caller's line, not pydantic's BaseModel.__init__
+    with pytest.warns(UserWarning, match=r"max_new_tokens \(4\) is not a dLLM setting") as record:
+        DLLMRolloutConfig(max_new_tokens=4)  # a section built directly: the same attribution
+    assert [r.filename for r in record] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config(DLLMTrainConfig, None, ["rollout.gen_length=16", "rollout.steps=16"],
