@@ -7,7 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from mmrl.core.config import KLConfig, ModelConfig, RolloutConfig, Section, TrainConfig
+from mmrl.core.config import (
+    KLConfig,
+    ModelConfig,
+    RolloutConfig,
+    Section,
+    TrainConfig,
+    config_warning,
+)
 
 
 class LoRAConfig(Section):
@@ -118,7 +125,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     step but the last."""
     window_start: tuple[int, int] | None = None
     """Range of the window's first step (inclusive); None = anywhere it fits. Only with
-    window_size: without one every step but the last is in the window, and this is unused."""
+    window_size: without one every step but the last is in the window, and this is unused (with a
+    warning)."""
     shared_noise: bool = False
     """The G samples of a prompt start from the same initial noise (DanceGRPO; Flow-GRPO's
     same_latent), so they differ only by the SDE window's noise and the group's reward spread is
@@ -151,7 +159,10 @@ class DiffusionRolloutConfig(RolloutConfig):
         if self.window_size is not None and self.window_size >= self.num_steps:
             raise ValueError(f"window_size ({self.window_size}) must be below num_steps ({self.num_steps}): "
                              "the last step is never stochastic")
-        if self.window_start is not None and self.window_size is not None:  # without a size it is unused
+        if self.window_start is not None and self.window_size is None:  # unused: said, not silent
+            config_warning(f"rollout.window_start {list(self.window_start)} is unused without rollout.window_size: "
+                           "every step but the last is in the window (set window_size, or window_start: null)")
+        if self.window_start is not None and self.window_size is not None:
             latest = self.num_steps - 1 - self.window_size  # the window stays off the last step
             lo, hi = self.window_start
             if not 0 <= lo <= hi <= latest:

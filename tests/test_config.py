@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,18 @@ def test_every_config_file_validates(path):
     # the validated config is a fixed point: dumping and re-validating changes nothing
     dumped = cfg.model_dump(mode="json")
     assert cls.model_validate(dumped).model_dump(mode="json") == dumped
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[str(p.relative_to(CONFIGS)) for p in CONFIG_FILES])
+def test_no_config_file_warns_as_the_cli_loads_it(path):
+    """A shipped config loads without a warning, on its own and over its backend's defaults (the CLI's)."""
+    cls = config_class_for(path)
+    module = BACKENDS.get(path.relative_to(CONFIGS).parts[0])
+    defaults = getattr(importlib.import_module(module), "DEFAULT_CONFIG", None) if module else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(cls, path)
+        load_config(cls, path, defaults=defaults)
 
 
 # ---------------------------------------------------------------------------- unknown keys
@@ -819,6 +832,30 @@ def test_diffusion_window_stays_off_the_last_step():
         DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(0, 7))
     with pytest.raises(ValueError, match=r"window_start \[5, 4\]"):
         DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(5, 4))
+
+
+def test_a_diffusion_window_start_without_a_window_size_is_said_to_be_unused():
+    """window_start only places a window of window_size steps; without one every step but the last
+    is stochastic and the start is ignored, with a warning that names the caller's line. The
+    default (None), and a start with a size, say nothing."""
+    from diffusion_rl import backend
+    from diffusion_rl.config import DiffusionRolloutConfig, DiffusionTrainConfig
+
+    with pytest.warns(UserWarning, match=r"rollout.window_start \[1, 2\] is unused without rollout.window_size: "
+                                         r"every step but the last") as record:
+        r = DiffusionRolloutConfig(num_steps=10, window_start=(1, 2))
+    assert r.window_start == (1, 2) and r.window_size is None
+    assert [w.filename for w in record] == [__file__]
+    with pytest.warns(UserWarning, match=r"window_start \[0, 1\] is unused") as record:  # the CLI's default start
+        load_config(DiffusionTrainConfig, None, ["rollout.window_size=null"], defaults=backend.DEFAULT_CONFIG)
+    assert [w.filename for w in record] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DiffusionRolloutConfig(num_steps=10)
+        DiffusionRolloutConfig(num_steps=10, window_size=2, window_start=(0, 1))
+        load_config(DiffusionTrainConfig, None, [], defaults=backend.DEFAULT_CONFIG)  # the default run
+        load_config(DiffusionTrainConfig, None, ["rollout.window_size=null", "rollout.window_start=null"],
+                    defaults=backend.DEFAULT_CONFIG)
 
 
 def test_diffusion_task_method_and_whole_config_checks():
