@@ -118,16 +118,22 @@ def build(cfg: DLLMTrainConfig):
 
 def check_answer_room(task: DLLMTask, tok, rollout) -> None:
     """A ConfigError where the longest reference answer and its <eos> do not fit gen_length:
-    no rollout could then be right on it (sudoku's 19-character grids at the default 8)."""
+    no rollout could then be right on it (sudoku's 19-character grids at the default 8). It names
+    that reference, or counts the references of that length and names the first three."""
     lengths = {p.reference: len(tok(p.reference, add_special_tokens=False)["input_ids"])
                for p in task.train + task.eval_problems}
-    answer = max(lengths, key=lengths.get)
-    need = lengths[answer] + 1
+    need = max(lengths.values()) + 1
     if need > rollout.gen_length:
+        longest = [text for text, n in lengths.items() if n == need - 1]  # ties: sudoku's grids all are
+        if len(longest) == 1:
+            which = f"{longest[0]!r} is {need - 1} tokens, {need} with its <eos>"
+        else:
+            shown = ", ".join(map(repr, longest[:3])) + (", ..." if len(longest) > 3 else "")
+            which = f"{len(longest)} references ({shown}) are {need - 1} tokens, {need} with their <eos>"
         raise ConfigError(
-            f"rollout.gen_length ({rollout.gen_length}) cannot hold the task's answers: {answer!r} is "
-            f"{need - 1} tokens, {need} with its <eos>. Set rollout.gen_length to at least {need} (a multiple "
-            f"of rollout.block_length {rollout.block_length}, with rollout.steps to match)"
+            f"rollout.gen_length ({rollout.gen_length}) cannot hold the task's answers: {which}. Set "
+            f"rollout.gen_length to at least {need} (a multiple of rollout.block_length {rollout.block_length}, "
+            "with rollout.steps to match)"
         )
 
 

@@ -424,10 +424,12 @@ def test_prompt_longer_than_the_context_fails_at_build(tmp_path, monkeypatch):
 
 def test_answers_longer_than_gen_length_fail_at_build(tiny_dllm):
     """sudoku's grids (19 characters and an <eos>) at arith's 8 positions: no rollout could be
-    right, so the config is refused before any decoding, naming the answer and the length needed."""
+    right, so the config is refused before any decoding, counting the answers (every grid is as long)
+    and naming the length needed."""
     cfg = _config(f"model.path={tiny_dllm}", "task.type=sudoku", "task.num_train=4", "task.num_eval=2", *BLOCKS)
-    with pytest.raises(ConfigError, match=r"rollout.gen_length \(8\) cannot hold the task's answers: '[1-4|]{19}' "
-                                          r"is 19 tokens, 20 with its <eos>. Set rollout.gen_length to at least 20"):
+    with pytest.raises(ConfigError, match=r"rollout.gen_length \(8\) cannot hold the task's answers: [2-6] references "
+                                          r"\('[1-4|]{19}', '[1-4|]{19}'.*\) are 19 tokens, 20 with their <eos>. "
+                                          r"Set rollout.gen_length to at least 20"):
         backend.build(cfg)
     backend.build(_config(f"model.path={tiny_dllm}", "task.type=sudoku", "task.num_train=4", "task.num_eval=2",
                           "rollout.gen_length=20", "rollout.block_length=4", "rollout.steps=20"))
@@ -820,6 +822,19 @@ def test_answer_room_is_the_longest_reference_and_its_eos():
     with pytest.raises(ConfigError, match=r"'12345' is 5 tokens, 6 with its <eos>. Set rollout.gen_length to "
                                           r"at least 6 \(a multiple of rollout.block_length 2"):
         backend.check_answer_room(_room_task(), _CharTok(), SimpleNamespace(gen_length=5, block_length=2))
+
+
+def test_answer_room_names_every_reference_of_the_longest_length():
+    """Where several references share the longest length (sudoku's 19-character grids all do), the
+    message counts them and names the first three, not one as if it were the only one."""
+    from dllm_rl.tasks import Problem
+
+    two = SimpleNamespace(train=[Problem("1+1=", "2", "12345")], eval_problems=[Problem("9+9=", "18", "54321")])
+    with pytest.raises(ConfigError, match=r"answers: 2 references \('12345', '54321'\) are 5 tokens, 6 with their <eos>"):
+        backend.check_answer_room(two, _CharTok(), SimpleNamespace(gen_length=5, block_length=2))
+    many = SimpleNamespace(train=[Problem(f"{i}=", str(i), f"{i}" * 4) for i in range(1, 6)], eval_problems=[])
+    with pytest.raises(ConfigError, match=r"answers: 5 references \('1111', '2222', '3333', \.\.\.\) are 4 tokens"):
+        backend.check_answer_room(many, _CharTok(), SimpleNamespace(gen_length=4, block_length=2))
 
 
 def test_dllm_build_task_draws_held_out_problems_and_passes_the_settings():
