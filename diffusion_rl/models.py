@@ -52,7 +52,7 @@ of the conditional prediction, as its pipeline does). Guidance-distilled transfo
 `distilled_guidance`, default the pipeline's (FLUX 3.5, FLUX.2 4.0).
 
 Pixel space: a directory whose model_index.json lists no VAE (`"vae": [null, null]`) and that
-holds `pixel_space.json` = {"patch_size": p, "channels": 3[, "sample_size": side]} is a
+holds `pixel_space.json` = {"patch_size": p, "channels": 3[, "sample_size": side or [height, width]]} is a
 pixel-space model (FLUX family): the latents ARE the image in [-1, 1], cut into p x p patches,
 (H/p)(W/p) tokens of 3 p^2 channels, position ids FLUX's latent-image ids on the (H/p, W/p)
 grid. `decode` just un-packs them. The project's bundled tiny model is one (see tiny.py).
@@ -63,7 +63,8 @@ Basics: Let Denoising Generative Models Denoise", 2025); `velocity` then returns
 v = (x - x0_hat) / max(sigma, 0.05), so every caller still sees a velocity.
 
 Image size: `height` / `width` when given; else a `sample_size` found in the directory
-(pixel_space.json in pixels; SD3's transformer config in latent units x the VAE factor; the
+(pixel_space.json in pixels, one side or [height, width]: save_pretrained writes the latter for a
+non-square model; SD3's transformer config in latent units x the VAE factor; the
 VAE config in pixels, which real FLUX.1 / FLUX.2 / SD3 VAEs carry = 1024); else 64, the tiny
 models' size. Qwen-Image's VAE has no sample_size: give its height / width explicitly.
 
@@ -448,8 +449,9 @@ class FlowModel:
                 comp.save_pretrained(out / name)
         (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if self.pixel_space:
-            spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": self.height,
-                    "prediction": self.prediction}
+            # one side for a square image (what older files hold), else [height, width] as diffusers writes it
+            size = self.height if self.height == self.width else [self.height, self.width]
+            spec = {"patch_size": self.pixel_patch, "channels": 3, "sample_size": size, "prediction": self.prediction}
             (out / "pixel_space.json").write_text(json.dumps(spec, indent=2) + "\n")
         self.copy_carried_files(out)
         return out
@@ -1076,6 +1078,9 @@ def load_flow_model(
             raise ConfigError(
                 f"{root / 'pixel_space.json'}: needs an integer patch_size >= 1 and channels 3"
             )
+        if pixel.get("sample_size") is not None and _sides(pixel["sample_size"]) is None:
+            raise ConfigError(f"{root / 'pixel_space.json'}: sample_size must be a side in pixels or [height, width], "
+                              f"not {pixel['sample_size']!r}")
         if index.get("vae") not in (None, [None, None]):
             raise ConfigError(
                 f"{root}: has both a vae and pixel_space.json; a pixel-space model has no vae"
@@ -1113,8 +1118,8 @@ def load_flow_model(
     components.setdefault("vae", None)
 
     if height is None or width is None:
-        side = _default_side(family, components, pixel)
-        height, width = side if height is None else height, side if width is None else width  # 0 stays 0: refused
+        h, w = _default_size(family, components, pixel)
+        height, width = h if height is None else height, w if width is None else width  # 0 stays 0: refused
     cls = _MODEL_CLASSES[family]
     return cls(
         components,
@@ -1127,16 +1132,29 @@ def load_flow_model(
     )
 
 
-def _default_side(family: str, components: dict, pixel: dict | None) -> int:
+def _sides(size) -> tuple[int, int] | None:
+    """A sample_size -> (height, width): one side (square) or [height, width]; None if it is neither."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size, size
+    if (isinstance(size, (list, tuple)) and len(size) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+        return int(size[0]), int(size[1])
+    return None
+
+
+def _default_size(family: str, components: dict, pixel: dict | None) -> tuple[int, int]:
+    """(height, width) of a model loaded without either (module docstring, "Image size")."""
     if pixel is not None and pixel.get("sample_size"):
-        return int(pixel["sample_size"])
+        return _sides(pixel["sample_size"])  # checked when the spec was read
     vae = components.get("vae")
     t = components["transformer"].config
     if family == "sd3" and t.get("sample_size") and vae is not None:
-        return int(t["sample_size"]) * 2 ** (len(vae.config.block_out_channels) - 1)
+        side = int(t["sample_size"]) * 2 ** (len(vae.config.block_out_channels) - 1)
+        return side, side
     if vae is not None and vae.config.get("sample_size"):
-        return int(vae.config["sample_size"])
-    return 64
+        side = int(vae.config["sample_size"])
+        return side, side
+    return 64, 64
 
 
 def build_tiny(family: str, out_dir: str | os.PathLike, **kwargs) -> Path:

@@ -903,6 +903,25 @@ def test_the_default_size_comes_from_pixel_space_json_and_sd3s_transformer(built
     assert (model.height, model.width) == (32, 32)
 
 
+def test_a_non_square_pixel_space_model_reloads_at_its_own_size(built, tmp_path):
+    """save_pretrained stores a non-square pixel-space model's [height, width] in pixel_space.json (a
+    square one keeps the single side older files hold), so it reloads at 32 x 64, not 32 x 32; a
+    sample_size that is neither is refused by name."""
+    tall = load_flow_model(built["flux_pixel"], height=32, width=64)
+    saved = tall.save_pretrained(tmp_path / "tall")
+    assert json.loads((saved / "pixel_space.json").read_text())["sample_size"] == [32, 64]
+    again = load_flow_model(saved)
+    assert (again.height, again.width, again.grid, again.seq_len) == (32, 64, (8, 16), 8 * 16)
+    square = load_flow_model(built["flux_pixel"]).save_pretrained(tmp_path / "square")
+    assert json.loads((square / "pixel_space.json").read_text())["sample_size"] == 64
+    spec = json.loads((saved / "pixel_space.json").read_text())
+    for bad in ([32], [32, 0], "64", [32, 64.0]):
+        (saved / "pixel_space.json").write_text(json.dumps({**spec, "sample_size": bad}))
+        with pytest.raises(ConfigError, match=r"pixel_space.json: sample_size must be a side in pixels or "
+                                              r"\[height, width\], not"):
+            load_flow_model(saved)
+
+
 def test_qwen_image_conditioning_of_padding_only_keeps_one_masked_column(loaded):
     """velocity trims the all-padding tail of prompt_embeds but keeps one column (masked out) where
     every row is padding: the transformer needs a text token, and what a masked one holds is unread."""
