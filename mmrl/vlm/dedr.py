@@ -13,7 +13,8 @@ The first factor rewards a set whose mean sits on the prior; the sum rewards set
 every candidate is needed to stay there (a collapsed set, K copies of one emotion, gets
 Delta_k = 0 and R_div = 0). As written the formula is not bounded below: a candidate whose
 removal brings the mean closer (Delta_k < 0) contributes 1 - exp(|Delta_k| / tau_div) < 0.
-We keep that, and R_div < 1 always.
+We keep that, and R_div < 1 always: each term is below 1 and the weights are non-negative and sum
+to at most 1 (CVIG's softmax and the task's uniform 1/K; `dedr` refuses others).
 
 Departures / our choices: tau_ctr = 1.0 and tau_div = 0.5 are our defaults (the paper's
 values are unknown to us); K = 1 gives 0 (no leave-one-out set exists).
@@ -39,7 +40,7 @@ def dedr(z, mu, sigma, w, tau_ctr: float = TAU_CTR, tau_div: float = TAU_DIV) ->
     """R_div of K candidates (see the module docstring).
 
     z [K, 3] candidate VADs; mu [3], sigma [3] (> 0) the prior; w [K] candidate weights
-    (uniform 1/K in the task reward, softmax_k(dP_ik / tau) from CVIG in DSPO).
+    (uniform 1/K in the task reward, softmax_k(dP_ik / tau) from CVIG in DSPO; w >= 0, sum <= 1).
     Computed in float64; returns a Python float."""
     z, mu, sigma, w = (torch.as_tensor(x, dtype=torch.float64) for x in (z, mu, sigma, w))
     if z.ndim != 2 or z.shape[0] == 0 or z.shape[1] != mu.numel() or mu.shape != sigma.shape:
@@ -48,6 +49,8 @@ def dedr(z, mu, sigma, w, tau_ctr: float = TAU_CTR, tau_div: float = TAU_DIV) ->
     k = z.shape[0]
     if w.shape != (k,):
         raise ValueError(f"dedr needs one weight per candidate: w {tuple(w.shape)} for K={k}")
+    if bool((w < 0).any()) or float(w.sum()) > 1 + 1e-6:  # what keeps R_div < 1; float32 softmax sums to 1 +- 1e-7
+        raise ValueError(f"dedr needs candidate weights w >= 0 summing to at most 1, got {w.tolist()}")
     if not bool((sigma > 0).all()):
         raise ValueError(f"dedr needs sigma > 0 in every dimension, got {sigma.tolist()}")
     if tau_ctr <= 0 or tau_div <= 0:

@@ -267,6 +267,19 @@ def test_dedr_refuses_shapes_that_would_broadcast(z, mu, sigma, w):
         dedr(z, mu, sigma, w)
 
 
+@pytest.mark.parametrize("w", [[0.7, 0.7], [1.5, -0.5], [-0.1, 0.1]])
+def test_dedr_refuses_weights_that_would_lift_r_div_to_1_or_above(w):
+    """R_div < 1 needs w >= 0 with sum(w) <= 1: the centred pair of test_dedr_by_hand (each term
+    1 - e^-2 = 0.865) would give 1.4 x 0.865 = 1.21 with [0.7, 0.7]; a negative weight is refused
+    too (on a term with Delta_k < 0 it would add). CVIG's float32 softmax weights pass."""
+    z, mu, sigma = [[0, 0, 0], [1, 0, 0]], [0.5, 0, 0], [0.5, 1, 1]
+    with pytest.raises(ValueError, match=r"dedr needs candidate weights w >= 0 summing to at most 1, got \["):
+        dedr(z, mu, sigma, w)
+    assert dedr(z, mu, sigma, [0.5, 0.5]) < 1 and dedr(z, mu, sigma, [0.3, 0.2]) < 1  # sum 1, and below 1
+    soft = torch.softmax(torch.tensor([0.3, -1.2, 0.05, 2.0, 0.7]) / 0.05, 0).tolist()  # CVIG's float32 weights
+    assert dedr([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0]], [0.4, 0.4, 0.2], [1, 1, 1], soft) < 1
+
+
 def test_dedr_refuses_a_zero_temperature_either_one():
     z, w = [[0, 0, 0], [1, 0, 0]], [0.5, 0.5]
     with pytest.raises(ValueError, match="tau_ctr and tau_div must be > 0, got 0.0, 0.5"):
