@@ -99,6 +99,57 @@ def test_resume_goes_on_from_the_recorded_best_and_spares_it(tmp_path):
     assert steps_on_disk(tmp_path) == [4, 8]
 
 
+class Killed(BaseException):
+    """A kill -9 stand-in: no handler of the trainer's catches it, so nothing more is written."""
+
+
+def killed_before_recording(trainer, at: int):
+    """The run dies once step `at`'s checkpoint is written, before best.json names it."""
+    update = trainer.best.update
+
+    def dies(step, metrics, checkpoint):
+        if step == at:
+            raise Killed
+        update(step, metrics, checkpoint)
+
+    trainer.best.update = dies
+    return trainer
+
+
+@pytest.mark.parametrize("save_every", [0, 4], ids=["saved-as-the-best", "saved-by-save_every"])
+def test_a_kill_between_the_best_checkpoint_and_best_json_loses_nothing_on_resume(tmp_path, save_every):
+    """Step 4 beats step 2; the run dies after writing checkpoint 4 (by _save_best, or by
+    save_every just before it) and before best.json names it. The resume from checkpoint 4
+    takes its evaluation from metrics.jsonl: step 6's 0.7 does not beat it, and keep_last
+    does not prune it."""
+    trainer = killed_before_recording(
+        scripted(make(tmp_path, "train.max_steps=8", f"train.save_every={save_every}"), {0: 0.1, 2: 0.5, 4: 0.9}),
+        at=4)
+    with pytest.raises(Killed):
+        trainer.train()
+    assert json.loads((tmp_path / "run" / BEST).read_text())["step"] == 2 and steps_on_disk(tmp_path) == [2, 4]
+    resumed = scripted(make(tmp_path, "train.max_steps=8", f"train.save_every={save_every}"), {6: 0.7, 8: 0.8})
+    summary = resumed.train(resume=True)
+    assert (summary["best"]["step"], summary["best"]["value"]) == (4, 0.9)
+    assert json.loads((tmp_path / "run" / BEST).read_text()) == summary["best"]
+    assert steps_on_disk(tmp_path) == [4, 8]  # step 2, the best it replaced, pruned
+
+
+def test_a_resumed_bad_step_or_a_nan_evaluation_is_not_adopted(tmp_path):
+    """As they ran: a bad step's evaluation never competed, and a NaN (logged as "nan") never beats."""
+    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    for row in (None, {"step": 4}, {"step": 4, "eval/accuracy": 0.9, "train/bad_step": 1.0},
+                {"step": 4, "eval/accuracy": "nan"}, {"step": 4, "eval/accuracy": 0.4}, {"step": 4, "eval/format": 1.0}):
+        best = BestCheckpoint(tmp_path, "accuracy")
+        best.record = _record()  # 0.5 at step 2
+        assert not best.adopt(4, row, ckpt) and best.step == 2
+    assert not (tmp_path / BEST).exists()
+    assert not BestCheckpoint(tmp_path, None).adopt(4, {"step": 4, "eval/accuracy": 0.9}, ckpt)
+    best = BestCheckpoint(tmp_path, "accuracy")  # no record yet: a finite score is the best
+    assert best.adopt(4, {"step": 4, "eval/accuracy": 0.25}, ckpt)
+    assert json.loads((tmp_path / BEST).read_text())["step"] == 4 == best.step
+
+
 @pytest.mark.filterwarnings("ignore:--resume at step 4 with settings that differ")
 def test_resume_ranking_by_another_metric_starts_afresh_with_a_warning(tmp_path):
     scripted(make(tmp_path, "train.max_steps=4"), {0: 0.1, 2: 0.5, 4: 0.9}).train()

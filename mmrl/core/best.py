@@ -7,7 +7,9 @@ far; a better one makes the step's checkpoint the best (written then if the step
 saved anyway), recorded in `<output_dir>/best.json` ({"metric", "mode", "value", "step",
 "checkpoint"}) and in summary.json. Checkpoint pruning spares it, so a run holds at most
 keep_last + 1 checkpoints. Only trained steps compete: the model before training is not a
-checkpoint of the run (its score is summary.json's eval_before).
+checkpoint of the run (its score is summary.json's eval_before). On --resume the resumed
+checkpoint's evaluation, as metrics.jsonl logged it, competes again (`adopt`): a kill between
+writing the best checkpoint and best.json otherwise left the record naming the older best.
 """
 
 from __future__ import annotations
@@ -65,6 +67,21 @@ class BestCheckpoint:
                           f"{self.metric} ({self.mode}): the best checkpoint is chosen afresh", stacklevel=3)
         else:
             self.record = record
+
+    def adopt(self, step: int, row: dict[str, Any] | None, checkpoint: Path) -> bool:
+        """On --resume from checkpoint `step`: its evaluation during training, as metrics.jsonl's
+        row of the step logged it (`eval/<metric>`), competes as it did when it ran; True where it
+        beats the record and is now the best. The row is logged before the step's checkpoint and
+        best.json are written, so a kill between the two (the checkpoint written, best.json still
+        naming the earlier best) loses nothing. Where best.json was written, the row does not beat
+        it (it is the record, or a better one came before) and nothing changes. A bad step's
+        (train/bad_step) never competed; the final evaluation, which no row holds, runs again on a
+        resume at max_steps."""
+        value = None if row is None or row.get("train/bad_step") else row.get(f"eval/{self.metric}")
+        if type(value) not in (int, float) or not self.improves({self.metric: value}):  # "nan": logged as text
+            return False
+        self.update(step, {self.metric: value}, checkpoint)
+        return True
 
     def improves(self, metrics: dict[str, float]) -> bool:
         """Whether `metrics` beat the best so far (strictly; a NaN never does)."""

@@ -59,6 +59,7 @@ from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import (
     CURVE,
+    METRICS,
     RunLogger,
     plot_reward_curve,
     read_finished_run,
@@ -262,6 +263,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if path is None:
                 self.best.start_fresh()
+            else:
+                self._adopt_best()
             config = absolute_paths(self.cfg.model_dump(mode="json"), self.cfg.base_dir)  # readable from anywhere
             config["output_dir"] = str(self.out.resolve())  # "-o run" and "-o /abs/run" are one run
             if resume:
@@ -698,6 +701,20 @@ class Trainer:
         """Whether `metrics` beat the best checkpoint's. The main rank keeps the record (it writes
         the checkpoints) and decides for every rank, as saving is a collective."""
         return bool(distributed.gather_objects(self.best.improves(metrics))[0])
+
+    def _adopt_best(self) -> None:
+        """On --resume (main rank): the resumed checkpoint's evaluation, logged in metrics.jsonl,
+        competes for the best (BestCheckpoint.adopt: a kill may have come between its checkpoint
+        and best.json); a best it replaces is pruned, as in _save_best."""
+        if not self.best.enabled:
+            return
+        try:
+            rows = read_metrics(self.out / METRICS)
+        except ValueError:  # RunLogger, next, says which line is bad
+            return
+        row = next((r for r in reversed(rows) if r.get("step") == self.step), None)
+        if self.best.adopt(self.step, row, ckpt.step_dir(self.checkpoint_dir, self.step)):
+            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, self.step)
 
     def _save_best(self, metrics: dict[str, float]) -> None:
         """This step's checkpoint (written now unless it is already) is the best by train.best_metric."""
