@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import warnings
 
@@ -732,6 +733,44 @@ def test_resume_with_another_lr_weight_decay_or_group_size_trains_with_them(tmp_
     assert (group["lr"], group["weight_decay"], group["betas"]) == (0.005, 0.5, (0.8, 0.99))
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(r["optim/lr"], r["rollout/group_size"]) for r in rows] == [(0.003, 2), (0.003, 2), (0.005, 4)]
+
+
+def test_resume_with_another_lr_gives_it_as_the_last_lr_before_any_update(tmp_path):
+    """The loaded schedule state carries the earlier run's last lr (0.003 x 0 at the end of its
+    linear decay): get_last_lr, which a step logs as optim/lr, gives the new one at once, so a
+    first step whose updates are all skipped (non-finite) does not log the old lr."""
+    make(tmp_path, "train.max_steps=2", "optim.lr=0.003", "optim.schedule=linear").train()
+    trainer = make(tmp_path, "train.max_steps=4", "optim.lr=0.005", "optim.schedule=linear")
+    trainer.load(list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1])
+    # 2 of 4 updates done: 0.005 x (1 - 2 / 4)
+    assert trainer.lr_scheduler.get_last_lr() == [pytest.approx(0.0025)] == [trainer.optimizer.param_groups[0]["lr"]]
+
+
+@pytest.mark.parametrize("tamper", ["missing", "shape"])
+def test_resume_refuses_raw_weights_that_do_not_fit_the_model(tmp_path, monkeypatch, tamper):
+    """An averaged run's checkpoint keeps the raw weights apart (model/ is the average). One
+    missing, or of another shape (a [1, 32] row would spread silently over the [12, 32]
+    embedding through copy_'s broadcasting), is refused naming the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    from diffusion_rl.ema import ParameterEMA
+    from mmrl.core.checkpoint import STATE_TENSORS
+    from mmrl.core.method import Method
+
+    monkeypatch.setattr(Method, "weight_average", lambda self, params: ParameterEMA(params, 0.5, 1, warmup=False))
+    make(tmp_path, "train.max_steps=1").train()
+    path = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
+    tensors = load_file(path / STATE_TENSORS)
+    assert tensors["weights.0"].shape == (12, 32)  # the embedding
+    if tamper == "missing":
+        del tensors["weights.0"]
+    else:
+        tensors["weights.0"] = tensors["weights.0"][:1].clone()
+    save_file(tensors, path / STATE_TENSORS)
+    trainer = make(tmp_path, "train.max_steps=2")
+    with pytest.raises(TrainingError, match=rf"--resume: the raw weights saved in {re.escape(str(path))} do not "
+                                            rf"fit the model's {len(trainer.params)} trainable parameters"):
+        trainer.load(path)
 
 
 def test_progress_without_a_terminal_is_a_plain_line_every_five_percent(tmp_path, capsys):
