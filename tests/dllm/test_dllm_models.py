@@ -654,6 +654,23 @@ def test_a_sidecar_mask_token_past_the_vocabulary_is_refused_before_the_weights_
         load_mask_predictor(bad)
 
 
+def test_a_runtime_error_other_than_a_shape_mismatch_is_raised_as_it_is(tiny_dirs, monkeypatch):
+    """Only transformers' shape check ("size mismatch") is said as config.json not fitting the
+    weights; any other RuntimeError in the load (CUDA out of memory, a kernel's own) goes up
+    unchanged, not reworded as a config problem."""
+    from transformers import AutoModelForCausalLM
+
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def out_of_memory(*a, **kw):
+        raise oom
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
+    with pytest.raises(RuntimeError) as raised:
+        load_mask_predictor(tiny_dirs["llada"])
+    assert raised.value is oom
+
+
 def test_a_tokenizer_with_its_own_code_needs_trust_remote_code(tiny_dirs, tmp_path):
     import shutil
 
