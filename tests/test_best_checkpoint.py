@@ -79,6 +79,28 @@ def test_a_nan_evaluation_is_never_the_best(tmp_path):
     assert not (tmp_path / "b" / "run" / "best.json").exists()
 
 
+def test_after_a_skipped_last_step_the_final_evaluation_of_the_same_weights_keeps_the_earlier_best(tmp_path):
+    """The last step's update is skipped (an inf gradient): its checkpoint, written at the end as
+    any run's is, holds step 2's weights, and the final evaluation scores them again. It still
+    competes (it scores that checkpoint's weights), but equal scores keep the earlier step, so it
+    only names checkpoint 3 where it beats every step evaluated before, as for any final step."""
+    trainer = make(tmp_path, "train.max_steps=3")  # the toy task's real, greedy evaluation
+    logprobs = trainer.policy.logprobs
+
+    def inf_gradient_in_step_3(batch):
+        out = logprobs(batch)
+        if torch.is_grad_enabled() and trainer.step + 1 == 3:
+            out.register_hook(lambda g: torch.full_like(g, math.inf))
+        return out
+
+    trainer.policy.logprobs = inf_gradient_in_step_3
+    with pytest.warns(UserWarning, match="step 3: 1 update"):
+        summary = trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train/bad_step"] == 1.0 and summary["eval_after"]["accuracy"] == rows[1]["eval/accuracy"]
+    assert summary["best"]["step"] == 2 and steps_on_disk(tmp_path) == [2, 3]
+
+
 def test_a_metric_the_task_does_not_report_stops_the_run_before_its_first_step(tmp_path):
     trainer = scripted(make(tmp_path, "train.max_steps=4", "train.best_metric=acc"), {0: 0.1})
     with pytest.raises(ConfigError, match=r"train.best_metric: 'acc' is not a held-out metric of this task; "
