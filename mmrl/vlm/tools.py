@@ -133,23 +133,19 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
     The closing tag may be missing (then everything after the last open tag is the
     call). The call is a JSON object with "name" (a non-empty string) and "arguments"
     (an object; a JSON string holding an object is accepted; missing or null -> {}).
-    Raises ToolCallError with a message a model could read."""
+    A tag inside a call's JSON strings (`{"arguments": {"expr": "</tool_call>"}}`) is
+    text, not a tag (`_last_call_body`). Raises ToolCallError with a message a model
+    could read."""
     if not isinstance(text, str):
         raise ToolCallError(f"tool call text must be a string, got {type(text).__name__}")
-    start = text.rfind(TOOL_CALL_OPEN)
-    if start < 0:
-        raise ToolCallError(f"no tool call found (expected {TOOL_CALL_OPEN} ... {TOOL_CALL_CLOSE})")
-    body = text[start + len(TOOL_CALL_OPEN) :]
-    end = body.find(TOOL_CALL_CLOSE)
-    if end >= 0:
-        body = body[:end]
-    body = body.strip()
-    if not body:
-        raise ToolCallError("tool call is empty")
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of over 4300 digits, deep nesting
-        raise ToolCallError(f"tool call is not valid JSON: {_json_error(e)}") from None
+    body, call = _last_call_body(text)
+    if call is _UNREAD:
+        if not body:
+            raise ToolCallError("tool call is empty")
+        try:
+            call = json.loads(body)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer of over 4300 digits, deep nesting
+            raise ToolCallError(f"tool call is not valid JSON: {_json_error(e)}") from None
     if not isinstance(call, dict):
         raise ToolCallError(
             f'tool call must be a JSON object with "name" and "arguments", got {_json_type(call)}'
@@ -174,6 +170,40 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
             f'tool call "arguments" must be a JSON object, got {_json_type(arguments)}'
         )
     return name.strip(), arguments
+
+
+_UNREAD = object()  # _last_call_body's mark for a body that is not one JSON value up to its close tag
+_DECODER = json.JSONDecoder()
+
+
+def _last_call_body(text: str) -> tuple[str, object]:
+    """The body of the last call in `text` and its JSON value (_UNREAD where it has none).
+
+    Read left to right: a call whose body is one JSON value followed by the close tag (or
+    by nothing) ends after that value, so a tag inside its strings is never taken for the
+    next call's opening tag or for its own close tag. Any other body ends at the first
+    close tag after its opening tag, as a model's malformed call is cut for the error
+    message; a later opening tag then still starts the next call."""
+    found, at = None, text.find(TOOL_CALL_OPEN)
+    if at < 0:
+        raise ToolCallError(f"no tool call found (expected {TOOL_CALL_OPEN} ... {TOOL_CALL_CLOSE})")
+    while at >= 0:
+        start = at + len(TOOL_CALL_OPEN)
+        begin = len(text) - len(text[start:].lstrip())
+        try:
+            value, end = _DECODER.raw_decode(text, begin)
+        except (ValueError, RecursionError):
+            value, end = _UNREAD, None
+        rest = text[end:].lstrip() if end is not None else None
+        if rest is not None and (not rest or rest.startswith(TOOL_CALL_CLOSE)):
+            found, after = (text[begin:end], value), end
+        else:
+            close = text.find(TOOL_CALL_CLOSE, start)
+            found = (text[start:close if close >= 0 else len(text)].strip(), _UNREAD)
+            # inside a JSON value that parsed, a tag is text: the next call opens after it
+            after = end if end is not None else start
+        at = text.find(TOOL_CALL_OPEN, after)
+    return found
 
 
 def _json_error(e: Exception) -> str:

@@ -1186,3 +1186,24 @@ def test_a_union_takes_a_whole_number_past_the_float_range_only_as_an_integer():
     with pytest.raises(ValueError, match=r'argument "z" must be a number or a string, got 1000'):
         t.bind({"z": huge})
     assert t.bind({"y": huge}) == {"y": huge}  # the int member takes it as it is
+
+
+@pytest.mark.parametrize("tag", [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, f"{TOOL_CALL_OPEN}{{}}{TOOL_CALL_CLOSE}"])
+def test_parse_a_tag_inside_a_json_string_is_text(tag):
+    # a call's own argument quoting the markup: neither the last <tool_call> nor the
+    # first </tool_call> in the text bounds the call
+    call = json.dumps({"name": "calc", "arguments": {"expr": tag}})
+    for text in (f"{TOOL_CALL_OPEN}{call}{TOOL_CALL_CLOSE}", f"{TOOL_CALL_OPEN}\n{call}\n"):
+        assert parse_tool_call(text) == ("calc", {"expr": tag})
+    # the same inside an OpenAI-style arguments string, after an earlier call
+    inner = json.dumps({"name": "calc", "arguments": json.dumps({"expr": tag})})
+    assert parse_tool_call(call_text("first") + f" {TOOL_CALL_OPEN}{inner}{TOOL_CALL_CLOSE}") == (
+        "calc", {"expr": tag})
+
+
+def test_parse_a_call_after_a_malformed_one_is_still_the_last():
+    # a malformed call ends at its first close tag (or runs on to the next opening tag's call)
+    assert parse_tool_call('<tool_call>{"name": "a", </tool_call> <tool_call>{"name": "b"}') == ("b", {})
+    assert parse_tool_call('<tool_call>{"name": "a"} junk <tool_call>{"name": "b"}</tool_call>') == ("b", {})
+    with pytest.raises(ToolCallError, match="not valid JSON: Extra data"):
+        parse_tool_call('<tool_call>{"name": "a"}</tool_call> <tool_call>{"name": "b"} junk</tool_call>')
