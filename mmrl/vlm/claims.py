@@ -45,9 +45,11 @@ _SPLIT = re.compile(r"[.,;!?\n]")
 
 def claim_spans(text: str, words: Iterable[str] = CLAIM_WORDS, answer_tag: str = "<answer>") -> list[tuple[int, int]]:
     """Character spans [start, end) of the claim segments of `text`'s reasoning (before
-    `answer_tag`; the whole text if it has none), whitespace trimmed."""
-    end = text.find(answer_tag) if answer_tag else -1
-    reasoning = text if end < 0 else text[:end]
+    `answer_tag`'s first occurrence in any case, as shapes-mood's format check and DSPO read
+    tags; the whole text if it has none), whitespace trimmed."""
+    # re's case folding, not text.lower(): "İ".lower() is two characters and would shift the cut
+    tag = re.search(re.escape(answer_tag), text, re.IGNORECASE) if answer_tag else None
+    reasoning = text if tag is None else text[: tag.start()]
     vocab = re.compile(r"\b(?:" + "|".join(re.escape(w) for w in sorted(set(words), key=len, reverse=True))
                        + r")s?\b|\d", re.IGNORECASE)
     spans, start = [], 0

@@ -265,7 +265,7 @@ class PACGConfig(VPPOConfig):
     claim_words: list[str] | None = None
     """Words that make a reasoning segment a visual claim (None = mmrl.vlm.claims.CLAIM_WORDS)."""
     answer_tag: str = "<answer>"
-    """The reasoning is the response's text before this tag."""
+    """The reasoning is the response's text before this tag (its first occurrence, in any case)."""
 
 
 class CORAConfig(GRPOConfig):

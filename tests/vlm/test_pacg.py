@@ -92,6 +92,14 @@ def test_claim_spans_answer_tag_at_the_start_or_empty_and_words_inside_words():
     assert claim_spans("I was bored, then scared") == []  # "red" ends both words, starts neither
 
 
+def test_claim_spans_read_the_answer_tag_in_any_case():
+    """As shapes-mood's format check and DSPO read tags: "<ANSWER>" ends the reasoning, so the
+    answer's "2 blue squares" is no claim; "İ" (two characters lower-cased) does not shift the cut."""
+    assert claim_spans("a red circle. <ANSWER>2 blue squares</ANSWER>") == [(0, 12)]
+    assert claim_spans("İ saw a red circle <Answer>2</Answer>") == [(0, 18)]
+    assert claim_spans("a red circle <FINAL>2", answer_tag="<final>") == [(0, 12)]
+
+
 class _PieceTokenizer:
     """Token id k decodes to PIECES[k]; id 0 is a special token (skipped when asked, as the
     rollout's text was decoded)."""
