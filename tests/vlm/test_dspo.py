@@ -228,7 +228,9 @@ def test_annotate_scores_each_candidate_after_the_answer_tag_with_its_groups_pro
     assert expected[0] != pytest.approx(diversity(resp[0], items[0].meta), rel=1e-3)  # the temperatures matter
 
 
-def test_annotate_cuts_the_prefix_at_an_upper_case_answer_tag(tmp_path, monkeypatch):
+# "İ".lower() is two characters: a cut found in the lower-cased text took one character too many
+@pytest.mark.parametrize("tag, reaction_start", [("<ANSWER>", ""), ("<Answer>", "İ ")])
+def test_annotate_cuts_the_prefix_at_an_upper_case_answer_tag(tmp_path, monkeypatch, tag, reaction_start):
     """The format check reads tags in any case, so "<ANSWER>" responses are scored: their CVIG
     prefix runs through that tag, as for "<answer>" (a case-sensitive search cut it at 7 characters)."""
     from mmrl.core.batch import RolloutBatch
@@ -237,7 +239,8 @@ def test_annotate_cuts_the_prefix_at_an_upper_case_answer_tag(tmp_path, monkeypa
     from mmrl.vlm.tasks.shapes_mood import format_problem
 
     item = ShapesMood(seed=2, num_train=3, num_eval=1, num_ood=1).train_items()[0]
-    text = item.reference.replace("<answer>", "<ANSWER>").replace("</answer>", "</ANSWER>")
+    text = item.reference.replace("<step2>", "<step2>" + reaction_start).replace("<answer>", tag)
+    text = text.replace("</answer>", tag.replace("<", "</"))
     assert format_problem(text) is None
     seen = {}
 
@@ -249,7 +252,7 @@ def test_annotate_cuts_the_prefix_at_an_upper_case_answer_tag(tmp_path, monkeypa
     cfg = _cfg(tmp_path, [])
     batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample(item.question, text, item.meta)], prompts={0: item})
     dspo.DSPO(cfg.method, cfg, None).annotate(None, batch)
-    assert set(seen["prefixes"]) == {text[: text.index("<ANSWER>") + len("<ANSWER>")]}
+    assert set(seen["prefixes"]) == {text[: text.index(tag) + len(tag)]}
 
 
 def _rewarded(total, group_ids):

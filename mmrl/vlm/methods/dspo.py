@@ -23,6 +23,8 @@ shapes_mood.MOOD_WARNINGS.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -91,8 +93,9 @@ class DSPO(GRPO):
             if format_problem(sample.completion) is not None:
                 continue  # no box or candidates to score: the format atom already says so
             scored[i] = True
-            # tags are read case-insensitively (format_problem): "<ANSWER>" ends the prefix too
-            cut = sample.completion.lower().rfind(ANSWER_TAG.lower()) + len(ANSWER_TAG)
+            # tags are read case-insensitively (format_problem): "<ANSWER>" ends the prefix too; re's
+            # case folding, as "İ".lower() is two characters and would shift a cut found in .lower()
+            cut = [*re.finditer(re.escape(ANSWER_TAG), sample.completion, re.IGNORECASE)][-1].end()
             for word in resp.candidates:
                 rows.append(i)
                 prompts.append(batch.prompts[int(batch.group_ids[i])])
