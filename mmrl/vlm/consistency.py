@@ -70,33 +70,55 @@ def parse_reasoning(reasoning: str) -> Objects | None:
     return objects
 
 
+# The params each question kind's template fills (shapes_qa.KINDS): a colour or shape name, or
+# for left_of the two objects, each {"colour": ..., "shape": ...}.
+_PARAMS = {"count_colour": ("colour",), "count_shape": ("shape",), "colour_of": ("shape",),
+           "shape_of": ("colour",), "left_of": ("a", "b")}
+
+
 def implied_answer(kind: str, params: dict, objects: Objects | None) -> str | None:
     """The answer to the item's question implied by `objects` alone (normalised like
     shapes_qa.normalize); None where they do not determine one: no objects parsed, no or
     several objects of the asked shape/colour (colour_of, shape_of), or a left_of object
-    missing or listed twice."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown question kind {kind!r} (known: {', '.join(KINDS)})")
+    missing or listed twice. `params` are checked against the kind first, whatever the
+    objects (ValueError naming the missing or ill-typed param)."""
+    _check_params(kind, params)
     if objects is None:
         return None
-    try:
-        if kind == "count_colour":
-            return str(sum(c == params["colour"] for c, _ in objects))
-        if kind == "count_shape":
-            return str(sum(s == params["shape"] for _, s in objects))
-        if kind == "colour_of":
-            found = [c for c, s in objects if s == params["shape"]]
-            return found[0] if len(found) == 1 else None
-        if kind == "shape_of":
-            found = [s for c, s in objects if c == params["colour"]]
-            return found[0] if len(found) == 1 else None
-        a = (params["a"]["colour"], params["a"]["shape"])
-        b = (params["b"]["colour"], params["b"]["shape"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"params {params!r} do not fit question kind {kind!r}") from e
+    if kind == "count_colour":
+        return str(sum(c == params["colour"] for c, _ in objects))
+    if kind == "count_shape":
+        return str(sum(s == params["shape"] for _, s in objects))
+    if kind == "colour_of":
+        found = [c for c, s in objects if s == params["shape"]]
+        return found[0] if len(found) == 1 else None
+    if kind == "shape_of":
+        found = [s for c, s in objects if c == params["colour"]]
+        return found[0] if len(found) == 1 else None
+    a = (params["a"]["colour"], params["a"]["shape"])
+    b = (params["b"]["colour"], params["b"]["shape"])
     if a == b or objects.count(a) != 1 or objects.count(b) != 1:
         return None
     return "yes" if objects.index(a) < objects.index(b) else "no"
+
+
+def _check_params(kind: str, params) -> None:
+    """Up front, not where a param is read: with no objects listed, a count never reads its
+    colour, and a params dict missing it would be answered "0"."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown question kind {kind!r} (known: {', '.join(KINDS)})")
+    misfit = f"params {params!r} do not fit question kind {kind!r}"
+    if not isinstance(params, dict):  # a ValueError as the rest: an item's meta, not a caller's type
+        raise ValueError(f"{misfit}: not a dict but {type(params).__name__}")  # noqa: TRY004
+    for key in _PARAMS[kind]:
+        if key not in params:
+            raise ValueError(f"{misfit}: no {key!r}")
+        value = params[key]
+        if kind == "left_of":
+            if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in ("colour", "shape")):
+                raise ValueError(f'{misfit}: {key!r} must be {{"colour": str, "shape": str}}, got {value!r}')
+        elif not isinstance(value, str):
+            raise ValueError(f"{misfit}: {key!r} must be a str, got {type(value).__name__}")
 
 
 def split_completion(completion: str) -> tuple[str, str | None]:

@@ -98,6 +98,23 @@ def test_implied_answer_bad_input():
         implied_answer("left_of", {"colour": "red"}, [("red", "circle")])
 
 
+@pytest.mark.parametrize("kind, params, objects, message", [
+    # nothing listed: the count never read its colour and answered "0"
+    ("count_colour", {}, [], "do not fit question kind 'count_colour': no 'colour'"),
+    ("count_shape", {"colour": "red"}, [("red", "circle")], "no 'shape'"),
+    ("colour_of", {"shape": 3}, [], "'shape' must be a str, got int"),
+    ("shape_of", {}, None, "no 'colour'"),  # an unparsed reasoning does not hide it either
+    ("left_of", {"a": {"colour": "red", "shape": "circle"}}, [], "no 'b'"),
+    ("left_of", {"a": {"colour": "red"}, "b": {"colour": "blue", "shape": "square"}}, [("red", "circle")],
+     "'a' must be {\"colour\": str, \"shape\": str}, got {'colour': 'red'}"),
+    ("count_colour", ["red"], [], "do not fit question kind 'count_colour': not a dict but list"),
+])
+def test_implied_answer_checks_its_params_up_front(kind, params, objects, message):
+    with pytest.raises(ValueError) as err:
+        implied_answer(kind, params, objects)
+    assert message in str(err.value)
+
+
 def test_reference_completions_are_consistent():
     """The SFT target describes the scene, so its reasoning implies the true answer."""
     items = generate_items(200, seed=5)
