@@ -435,3 +435,23 @@ def test_concat_keeps_every_batchs_prompts():
     c = make_batch(2, 2, gids=[2, 2])
     assert RolloutBatch.concat([a, b, c]).prompts == {0: "zero", 1: "one"}
     assert RolloutBatch.concat([c, b, a]).prompts == {1: "one", 0: "zero"}
+
+
+def test_concat_refuses_one_group_id_with_different_prompts():
+    """A group's parts (or its extra samples) carry its one prompt; two draws under one id are a
+    caller's bug, where keeping the later prompt paired the earlier rows with the wrong prompt."""
+    a = make_batch(2, 2, gids=[3, 3], prompts={3: "three"})
+    with pytest.raises(ValueError, match=r"group 3 different prompts \('three' and 'other'\)"):
+        RolloutBatch.concat([a, make_batch(2, 2, gids=[3, 3], prompts={3: "other"})])
+    # the same prompt again (one object, or an equal copy from another process) is fine
+    item = {"question": "q", "answer": 1}
+    for again in (item, dict(item)):
+        merged = RolloutBatch.concat([make_batch(2, 2, gids=[3, 3], prompts={3: item}),
+                                      make_batch(2, 2, gids=[3, 3], prompts={3: again})])
+        assert merged.prompts == {3: item} and len(merged) == 4
+    # a part without prompts (an engine's batch, labelled by the scheduler later) never clashes
+    assert RolloutBatch.concat([a, make_batch(2, 2, gids=[3, 3])]).prompts == {3: "three"}
+    # prompts holding tensors compare element-wise: no single truth value, so they pass
+    t = {3: torch.zeros(2)}
+    assert RolloutBatch.concat([make_batch(2, 2, gids=[3, 3], prompts=t),
+                                make_batch(2, 2, gids=[3, 3], prompts={3: torch.zeros(2)})]).prompts.keys() == {3}

@@ -145,7 +145,9 @@ class RolloutBatch:
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         """Stack batches row-wise. [N, T] fields of different T are right-padded with
-        zeros (mask False there), so rounds of different lengths can share one batch."""
+        zeros (mask False there), so rounds of different lengths can share one batch.
+        `prompts` are merged; two batches giving one group id different prompts is a
+        ValueError (group ids are the scheduler's draw indices: one prompt each)."""
         if not batches:
             raise ValueError("concat needs at least one batch")
         if len(batches) == 1:
@@ -190,11 +192,42 @@ class RolloutBatch:
             advantages=cat("advantages"),
             policy_version=min(b.policy_version for b in batches),
             data={k: _cat_padded([b.data[k] for b in batches]) for k in keys},
-            prompts={k: v for b in batches for k, v in b.prompts.items()},
+            prompts=_merged_prompts(batches),
         )
 
     def summary(self) -> dict[str, Any]:
         return {"samples": len(self), "groups": self.num_groups, "version": self.policy_version}
+
+
+def _merged_prompts(batches: list[RolloutBatch]) -> dict[int, Any]:
+    """Every batch's group id -> prompt. The same group in several batches (a group's parts,
+    its extra samples) must carry the same prompt: a clash means two draws got one id, and
+    keeping either prompt would pair some rows with a prompt they did not answer."""
+    out: dict[int, Any] = {}
+    for b in batches:
+        for gid, prompt in b.prompts.items():
+            if gid in out and not _same_prompt(out[gid], prompt):
+                raise ValueError(f"cannot concat batches that give group {gid} different prompts "
+                                 f"({_brief(out[gid])} and {_brief(prompt)})")
+            out[gid] = prompt
+    return out
+
+
+def _same_prompt(a: Any, b: Any) -> bool:
+    """The one object (as the scheduler hands a group's batches), else ==: a copy that crossed
+    processes. Where == has no single truth value (tensors inside), the prompts pass: a run is
+    not stopped on a comparison that cannot tell."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError, TypeError):
+        return True
+
+
+def _brief(prompt: Any, limit: int = 60) -> str:
+    text = repr(prompt)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _cat_padded(ts: list[Tensor]) -> Tensor:
