@@ -388,15 +388,22 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                                    "standard deviation after training and of its change."),
         metric: list[str] = typer.Option([], "--metric", "-m", help="A held-out metric to show (repeatable); default: all."),
         as_json: bool = typer.Option(False, "--json", help="JSON instead of a Markdown table."),
+        plot: Path | None = typer.Option(None, "--plot", help="Also draw the runs into this image (curves.png): "
+                                         "training reward per step, and the first --metric before, during and "
+                                         "after training; one colour per run (with --group: per configuration, "
+                                         "the mean over its seeds ± one sample standard deviation)."),
     ):
         """Finished runs side by side, as a Markdown table: held-out metrics before → after, steps,
         the best checkpoint and the training time; the settings that differ between runs label
         them. Runs of any modality; a run without summary.json is listed as unfinished."""
 
         def go():
+            from mmrl.demo import plot as curves
             from mmrl.demo import table
 
             try:
+                if plot is not None:  # before any run is read
+                    curves.check_output(plot)
                 runs = [table.load(p) for p in table.find(list(paths))]
                 metrics = table.metric_names(runs, list(metric))
             except ValueError as e:
@@ -406,6 +413,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 typer.echo(json.dumps(rows, indent=1))
             else:
                 typer.echo((table.markdown_groups if group else table.markdown_runs)(rows, metrics), nl=False)
+            if plot is not None:
+                shown = curves.metric_of(runs, metrics)
+                curves.draw((curves.group_series if group else curves.run_series)(runs, shown), shown, plot)
 
         run_verb(go)
 

@@ -24,7 +24,7 @@ import json
 import math
 import statistics
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Run:
     summary: dict[str, Any] | None
     steps: int | None  # done: summary.json's, else the last metrics.jsonl row's
     error: str | None = None  # why the directory could not be read
+    metrics: list[dict[str, Any]] = field(default_factory=list, repr=False)  # metrics.jsonl's rows (--plot)
 
     @property
     def status(self) -> str:
@@ -95,7 +96,7 @@ def load(path: Path) -> Run:
     steps = info.summary.get("steps") if info.summary else None
     if steps is None and info.metrics:
         steps = info.metrics[-1].get("step")
-    return Run(path, info.config, info.summary, steps)
+    return Run(path, info.config, info.summary, steps, metrics=info.metrics)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -158,15 +159,21 @@ def run_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def groups(runs: list[Run]) -> list[list[Run]]:
+    """The runs whose configs are equal but for PER_SEED, in order of first appearance; an
+    unreadable run is a group of its own."""
+    found: dict[str, list[Run]] = {}
+    for r in runs:
+        found.setdefault("\0" + str(r.path) if r.error else json.dumps(r.flat, sort_keys=True), []).append(r)
+    return list(found.values())
+
+
 def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
     """One record per configuration (runs equal but for PER_SEED): its seeds, runs, how many
     finished, and per metric the n, mean and sample sd after training and of the change."""
     keys = varying(runs)
-    groups: dict[str, list[Run]] = {}
-    for r in runs:
-        groups.setdefault("\0" + str(r.path) if r.error else json.dumps(r.flat, sort_keys=True), []).append(r)
     rows = []
-    for members in groups.values():
+    for members in groups(runs):
         done = [r for r in members if r.summary is not None]
         stats = {}
         for m in metrics:
