@@ -105,3 +105,13 @@ def test_a_plot_path_matplotlib_cannot_write_is_refused_before_any_run_is_read(t
     assert result.exit_code == 2, result.output
     assert message.format(tmp=tmp_path) in " ".join(result.output.split()) and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
+def test_the_running_mean_is_over_the_last_tenth_of_the_steps():
+    from mmrl.core.logging import running_mean
+
+    assert running_mean([4.0, 8.0]) == [4.0, 8.0]  # fewer than 20 values: a window of one
+    values = [float(v) for v in range(20)]  # a window of two
+    assert running_mean(values) == [0.0] + [v - 0.5 for v in values[1:]]
+    assert running_mean([float(v) for v in range(30)])[5] == 4.0  # (3 + 4 + 5) / 3
+    assert running_mean([]) == []

@@ -185,6 +185,14 @@ def truncate_metrics(path: Path, step: int) -> None:
         write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+def running_mean(values: list[float]) -> list[float]:
+    """The mean of the last tenth of the values (at least one) up to each point: the smoothed
+    reward of reward_curve.png and of `runs --plot`."""
+    window = max(1, len(values) // 10)
+    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+            for i in range(len(values))]
+
+
 def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: dict | None = None) -> Path:
     """reward/total per step (and its running mean); held-out metrics as markers if given."""
     import matplotlib
@@ -198,10 +206,7 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
         steps = [r["step"] for r in rows]
         rewards = [r["reward/total"] for r in rows]
         ax.plot(steps, rewards, alpha=0.4, label="reward (batch mean)")
-        window = max(1, len(rows) // 10)
-        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-                  for i in range(len(rewards))]
-        ax.plot(steps, smooth, label=f"running mean ({window})")
+        ax.plot(steps, running_mean(rewards), label=f"running mean ({max(1, len(rows) // 10)})")
     for label, (step, value) in (eval_points or {}).items():
         ax.scatter([step], [value], marker="o", zorder=3, label=label)
     ax.set_xlabel("step")

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmrl.core.logging import running_mean
 from mmrl.demo import table
 from mmrl.demo.table import Run
 
@@ -127,12 +128,6 @@ def mean_curve(curves: list[Curve]) -> Curve:
     columns = [[values[s] for values in by_step] for s in common]
     return Curve(common, [statistics.fmean(c) for c in columns],
                  [statistics.stdev(c) for c in columns] if len(curves) > 1 else None)
-
-
-def running_mean(values: list[float]) -> list[float]:
-    """The mean of the last tenth of the values (at least one) up to each point."""
-    window = max(1, len(values) // 10)
-    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
 def draw(series: list[Series], metric: str | None, out: Path) -> Path:
