@@ -20,6 +20,7 @@ cannot read, is left out with a warning naming it.
 from __future__ import annotations
 
 import statistics
+import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,9 +154,11 @@ def draw(series: list[Series], metric: str | None, out: Path) -> Path:
     right.set(title=f"held-out {metric}" if metric else "held-out metric (none evaluated)", xlabel="step")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    if series:
-        fig.legend(handles=[Line2D([], [], color=c, label=s.label) for s, c in zip(series, colours)],
-                   loc="outside lower center", ncols=min(3, len(series)), fontsize=8)
+    if series:  # one column where labels are long (many differing settings), so none is cut off
+        labels = [textwrap.shorten(s.label, 170, placeholder=" ...") for s in series]
+        fig.legend(handles=[Line2D([], [], color=c, label=lab) for lab, c in zip(labels, colours)],
+                   loc="outside lower center", fontsize=8,
+                   ncols=min(3, len(series)) if max(map(len, labels)) <= 50 else 1)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
