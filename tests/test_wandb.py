@@ -5,11 +5,15 @@ on either side, and one real offline run where wandb is installed."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import struct
+import subprocess
 import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import toy
@@ -174,6 +178,40 @@ def test_a_run_stopped_by_a_scheduler_s_signal_is_preempted_in_wandb_not_failed(
                                                                     ("finish", 128 + signum)]
 
 
+def test_a_signal_that_ended_wandb_s_service_too_ends_the_run_in_a_fresh_one(tmp_path, fake_wandb):
+    """SLURM signals every process of the job, W&B's service too, which ends at once: the log of
+    the step finished after the signal fails on the lost connection. The W&B run is started again
+    (same id), this start's steps are logged again from metrics.jsonl, then it is preempted."""
+    fake_wandb.fail_log_at = 2  # the service is gone when step 2 is logged
+
+    def teardown():  # of the lost service; the fresh one takes every step
+        fake_wandb.calls.append(("teardown",))
+        fake_wandb.fail_log_at = None
+
+    fake_wandb.teardown = teardown
+    trainer = wandb_trainer(tmp_path, max_steps=4)
+    step = trainer.train_step
+
+    def signalled_in_2(logger=None):
+        if trainer.step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return step(logger)
+
+    trainer.train_step = signalled_in_2
+    with pytest.warns(UserWarning) as caught, pytest.raises(StoppedBySignal):
+        trainer.train()
+    (_, init), *calls = fake_wandb.calls
+    assert init["resume"] == "allow"
+    assert [c[:2] for c in calls] == [("log", 1), ("teardown",), ("init", init), ("log", 1), ("log", 2),
+                                      ("preempting",), ("finish", 143)]  # init again: the same W&B run
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    logged = [c[2] for c in calls if c[0] == "log"]
+    assert logged[1:] == [{k: v for k, v in r.items() if k != "step"} for r in rows]  # as metrics.jsonl has them
+    assert logged[0] == logged[1]
+    assert any("W&B's service was stopped by the signal too" in str(w.message) and "steps 1-2" in str(w.message)
+               for w in caught)
+
+
 def test_wandb_failing_mid_run_is_warned_once_and_the_run_goes_on(tmp_path, fake_wandb):
     fake_wandb.fail_log_at = 2
     out = tmp_path / "run"
@@ -296,3 +334,67 @@ def test_a_real_offline_wandb_run_takes_a_signal_stop_s_preempting_mark(tmp_path
         warnings.filterwarnings("error", message="W&B logging stopped")  # a call real wandb refuses
         run.finish(None, signum=signal.SIGTERM)
     assert marked == [True]  # wandb's own mark_preempting ran, then finish, and neither was refused
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's .wandb file (wandb.proto's Record), read as wandb-core writes
+    them: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks, each a 7-byte header
+    (CRC-32, length, type: 1 whole, 2 first, 3 middle, 4 last part of a record) and its bytes."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, parts, records = path.read_bytes(), 7, [], []
+    assert raw[:4] == b":W&B", raw[:7]
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header: zeros
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0:
+            break
+        parts, pos = ([] if kind in (1, 2) else parts) + [raw[pos + 7:pos + 7 + length]], pos + 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(b"".join(parts)))
+    return records
+
+
+@pytest.mark.slow  # a child process: ~10 s to import torch and start, then 2 steps of 2 s
+def test_a_scheduler_s_sigterm_to_every_process_keeps_every_step_in_the_offline_wandb_run(tmp_path):
+    """SLURM signals every process of the job step (its cgroup), wandb-core included, which ends
+    at once on SIGTERM and takes with it what it had not written: the offline run folder kept its
+    header alone, no step and no exit. Now the run ends in a fresh service: a run folder holding
+    every step of the run, marked preempting, exit code 143."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_SILENT": "true", "TOY_ROLLOUT_SECONDS": "2", "OMP_NUM_THREADS": "1"}
+    # WANDB_SERVICE: the service of this process's earlier W&B runs, which the child would use
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_SERVICE"):
+        env.pop(key, None)
+    script = Path(__file__).parent / "reliability" / "toy_cli.py"
+    run = subprocess.Popen([sys.executable, str(script), "train", "--max-steps", "1000", "--save-every", "0",
+                            "-o", str(out), *ON, "--set", "logging.wandb.mode=offline"],
+                           env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_metrics(out / "metrics.jsonl")) < 1:
+            assert run.poll() is None, run.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run logged no step in time"
+            time.sleep(0.02)
+        time.sleep(0.3)  # into step 2's 2 s rollout
+        children = [int(p) for p in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+        assert any("wandb-core" in Path(f"/proc/{p}/cmdline").read_text() for p in children)
+        for pid in [run.pid, *children]:  # wandb-core runs in a session of its own: not in our group
+            os.kill(pid, signal.SIGTERM)
+        stderr = run.communicate(timeout=180)[1]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert run.returncode == 143, stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == [1, 2]
+    *_, folder = sorted((out / "wandb").glob("offline-run-*"))  # the newest: the fresh service's
+    records = wandb_records(next(folder.glob("*.wandb")))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert [r.history.step.num for r in records if r.HasField("history")] == steps
+    assert "preempting" in kinds and [r.exit.exit_code for r in records if r.HasField("exit")] == [143]
