@@ -436,3 +436,51 @@ def test_text_only_prompt(family, built):
         logits = model(**batch).logits
     assert logits.shape == (1, batch["input_ids"].shape[1], len(processor.tokenizer))
     assert torch.isfinite(logits).all()
+
+
+# --------------------------------------------------------------------------- values the builders write
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_config_writes_the_documented_layout(family, tokenizer):
+    """The values the module docstring and tiny_config's promise, not only their sums: mrope
+    2:3:3 (Qwen2/2.5) or interleaved 4:2:2 (Qwen3) of head_dim // 2 = 8; the text config says
+    tied too (vLLM reads the text config); the last vision block is the full-attention one and
+    Qwen3's deepstack taps every vision block but the last."""
+    cfg = tiny_config(family, tokenizer)
+    text, vision = cfg.text_config, cfg.vision_config
+    assert text.rope_parameters["mrope_section"] == ([4, 2, 2] if family == "qwen3_vl" else [2, 3, 3])
+    assert text.tie_word_embeddings and text.intermediate_size == 2 * text.hidden_size
+    if family == "qwen2_5_vl":
+        assert vision.fullatt_block_indexes == [1]
+        assert tiny_config(family, tokenizer, vision_depth=4).vision_config.fullatt_block_indexes == [3]
+    if family == "qwen3_vl":
+        assert vision.deepstack_visual_indexes == [0]
+        assert tiny_config(family, tokenizer, vision_depth=1).vision_config.deepstack_visual_indexes == []
+        assert tiny_config(family, tokenizer, vision_depth=4, num_layers=2).vision_config.deepstack_visual_indexes \
+            == [0, 1]  # at most one per text layer
+
+
+def test_tiny_config_refuses_an_odd_head_dim(tokenizer):
+    with pytest.raises(ValueError, match="hidden_size 60 must be num_heads x an even head_dim"):
+        tiny_config("qwen2_vl", tokenizer, hidden_size=60, num_heads=4)  # head_dim 15: no rotary pairs
+    with pytest.raises(ValueError, match="hidden_size 66 must be"):
+        tiny_config("qwen2_vl", tokenizer, hidden_size=66, num_heads=4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_build_processor_pixel_bounds(family, tokenizer):
+    """min/max_pixels reach both processors; Qwen3-VL's video bound is for a whole clip (16 frames)."""
+    proc = build_processor(family, tokenizer, min_pixels=28 * 28, max_pixels=56 * 56)
+    assert proc.image_processor.size == {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
+    video = 56 * 56 * (16 if family == "qwen3_vl" else 1)
+    assert proc.video_processor.size["longest_edge"] == video
+    assert proc.video_processor.size["shortest_edge"] == 28 * 28
+
+
+def test_build_tiny_vlm_saves_the_pixel_bounds_it_is_given(tmp_path):
+    path = build_tiny_vlm("qwen2_vl", tmp_path / "m", min_pixels=28 * 28, max_pixels=56 * 56, num_layers=1,
+                          vision_depth=1)
+    _, processor = load_tiny(path)
+    assert processor.image_processor.size == {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
+    assert processor.video_processor.size["longest_edge"] == 56 * 56
