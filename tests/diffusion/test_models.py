@@ -496,7 +496,10 @@ def test_pixel_space_x_prediction_returns_the_implied_velocity(tmp_path):
 
 
 def test_build_tiny_is_deterministic(built, tmp_path):
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
     again = build_tiny("flux", tmp_path / "a", seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left untouched
     other = build_tiny("flux", tmp_path / "b", seed=1)
     for sub in (
         "transformer/diffusion_pytorch_model.safetensors",
@@ -512,6 +515,59 @@ def test_build_tiny_is_deterministic(built, tmp_path):
         build_tiny("sd3", tmp_path / "c", pixel_space=True)
     with pytest.raises(ValueError, match="family"):
         build_tiny("sdxl", tmp_path / "d")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"height": 64, "width": 32}, "tiny models are square; got height=64, width=32"),
+    ({"height": 36, "width": 36}, "height/width 36 must be a multiple of 8"),  # 4x VAE, 2 x 2 packing
+    ({"height": 66, "width": 66, "pixel_space": True}, "height/width 66 must be a multiple of 4"),
+    ({"height": 40, "width": 40, "pixel_space": True, "patch_size": 16}, "must be a multiple of 16"),
+])
+def test_build_tiny_refuses_a_size_off_its_grid_before_building(kwargs, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        build_tiny("flux", tmp_path / "x", **kwargs)
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_each_family_has_its_released_scheduler_config(built):
+    def scheduler(key):
+        return json.loads((built[key] / "scheduler" / "scheduler_config.json").read_text())
+
+    assert scheduler("sd3")["shift"] == 3.0 and not scheduler("sd3")["use_dynamic_shifting"]
+    for key in ("flux", "flux2", "flux_pixel"):
+        got = scheduler(key)
+        assert got["use_dynamic_shifting"] and (got["base_shift"], got["max_shift"]) == (0.5, 1.15), key
+        assert (got["base_image_seq_len"], got["max_image_seq_len"]) == (256, 4096), key
+    got = scheduler("qwen_image")
+    assert got["use_dynamic_shifting"] and (got["base_shift"], got["max_shift"], got["shift_terminal"]) == (0.5, 0.9, 0.02)
+    assert got["max_image_seq_len"] == 8192
+
+
+def test_tiny_tokenizer_ids_scores_sd3_positions_and_vae_factors_are_the_documented_ones(built):
+    clip = build_clip_tokenizer()
+    assert (clip.bos_token_id, clip.eos_token_id) == (len(clip) - 2, len(clip) - 1)  # the last two, as in CLIP
+    assert clip.pad_token_id == clip.eos_token_id
+    pieces = json.loads(build_t5_tokenizer()._tokenizer.to_str())["model"]["vocab"]
+    assert [p for p, _ in pieces[:3]] == ["<pad>", "</s>", "<unk>"]
+    scores = dict(pieces)
+    words = [s for p, s in pieces[3:] if p.startswith("▁") and len(p) > 1]
+    # a corpus word beats "▁", which beats a single character: other words spell out
+    assert min(words) > scores["▁"] > scores["a"] == scores["Z"] == scores["7"]
+    sd3 = json.loads((built["sd3"] / "transformer" / "config.json").read_text())
+    assert sd3["sample_size"] == 16 and sd3["pos_embed_max_size"] == 16  # room for 128 px, not only 64
+    for key, factors in (("flux", (0.3611, 0.1159)), ("sd3", (1.5305, 0.0609))):  # the real VAEs' values
+        vae = json.loads((built[key] / "vae" / "config.json").read_text())
+        assert (vae["scaling_factor"], vae["shift_factor"]) == factors, key
+
+
+def test_qwen_image_pads_right_and_flux2_latent_statistics_are_not_the_identity(built):
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(built["qwen_image"] / "tokenizer").padding_side == "right"
+    vae = load_file(built["flux2"] / "vae" / "diffusion_pytorch_model.safetensors")
+    # made-up statistics, so that decode's de-normalisation does something a test can see
+    assert not torch.equal(vae["bn.running_mean"], torch.zeros(4 * 4))
+    assert not torch.equal(vae["bn.running_var"], torch.ones(4 * 4))
 
 
 def test_tiny_tokenizers_cover_the_task_vocabulary():
