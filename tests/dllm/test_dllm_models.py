@@ -74,6 +74,12 @@ def test_tokenizer_round_trip_after_save(tmp_path):
     assert tok.mask_token_id == 1
 
 
+def test_tokenizer_pads_on_the_left():
+    batch = build_tokenizer()(["7", "123"], padding=True)
+    assert batch.input_ids == [[0, 0, 10], [4, 5, 6]]  # "1" -> 4 (CHARSET[i] is id i + 3), <pad> 0
+    assert batch.attention_mask[0] == [0, 0, 1]
+
+
 # --------------------------------------------------------------------------- building / loading
 
 
@@ -87,6 +93,29 @@ def test_build_is_deterministic(tmp_path):
     assert digest(a) == digest(b)
     assert digest(a) != digest(c)
     assert json.loads((a / SIDECAR).read_text()) == json.loads((b / SIDECAR).read_text())
+
+
+def test_tiny_config_refuses_an_odd_head_dim_and_bert_has_no_dropout():
+    from dllm_rl.tiny import tiny_config
+
+    tok = build_tokenizer()
+    for hidden in (30, 60):  # 4 heads: head_dim 7.5 (no whole split) or 15 (no rotary pairs)
+        with pytest.raises(ValueError, match=f"hidden_size {hidden} must be num_heads x an even head_dim"):
+            tiny_config("llada", tok, hidden_size=hidden, num_heads=4)
+    with pytest.raises(ValueError, match="kind 'gpt' is not one of"):
+        tiny_config("gpt", tok)
+    bert = tiny_config("masked_lm", tok)
+    assert bert.hidden_dropout_prob == bert.attention_probs_dropout_prob == 0.0  # train-mode logits = eval's
+
+
+def test_sdar_takes_the_block_length_and_the_tokenizer_the_context_it_is_given(tmp_path):
+    from transformers import AutoTokenizer
+
+    small = {**TINY, "num_layers": 1}
+    a = build_tiny_dllm(tmp_path / "a", kind="sdar", block_length=8, max_position_embeddings=48, **small)
+    assert json.loads((a / SIDECAR).read_text())["block_length"] == 8
+    assert AutoTokenizer.from_pretrained(a).model_max_length == 48  # not the default 96
+    assert json.loads((build_tiny_dllm(tmp_path / "b", kind="sdar", **small) / SIDECAR).read_text())["block_length"] == 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
