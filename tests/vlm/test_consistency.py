@@ -412,3 +412,12 @@ def test_atom_puts_each_score_on_its_own_sample(model):
     assert scores[0] == 0 and scores[2] == 0
     assert scores[1] == pytest.approx(float(alone[0]), abs=1e-5) and scores[3] == pytest.approx(float(alone[1]), abs=1e-5)
     assert scores[1] > 0.5 > scores[3]
+
+
+def test_every_question_kind_has_its_params_listed():
+    """implied_answer checks params against a table of its own: a kind added to shapes_qa
+    without a row there would fail every item of that kind with a KeyError."""
+    from mmrl.vlm import consistency
+    from mmrl.vlm.tasks.shapes_qa import KINDS
+
+    assert set(consistency._PARAMS) == set(KINDS)
