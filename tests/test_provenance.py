@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -178,3 +180,50 @@ def test_each_entry_names_its_process_so_a_start_still_going_is_told_from_a_kill
     assert _ending({**entry, "pid": child.pid, "pid_started": None}) == "killed (no ending recorded)"
     assert _ending(old) == "(no record: killed, or still going)"
     assert _ending({**entry, "ended": {"how": "finished", "step": 4}}) == "finished at step 4"
+
+
+def test_alive_cannot_tell_from_a_damaged_pid_or_off_posix(tmp_path, monkeypatch):
+    entry = record(tmp_path)
+    # os.kill(0, 0) and os.kill(-1, 0) probe a process group or every process, and True is 1 (init)
+    for pid in (0, -1, True):
+        assert provenance.alive({**entry, "pid": pid}) is None, pid
+    with monkeypatch.context() as m:  # os.name back before pytest reports (its paths need it)
+        m.setattr(provenance.os, "name", "nt")  # there os.kill(pid, 0) would send CTRL_C_EVENT
+        off_posix = provenance.alive(entry)
+    assert off_posix is None
+
+
+def test_a_process_that_cannot_be_probed_or_read_counts_as_running(tmp_path, monkeypatch):
+    entry = record(tmp_path)
+
+    def not_permitted(pid, sig):
+        raise PermissionError(pid)
+
+    with monkeypatch.context() as m:
+        m.setattr(provenance.os, "kill", not_permitted)  # another user's process: it exists
+        assert provenance.alive(entry) is True
+    monkeypatch.setattr(provenance, "_process_start", lambda pid: None)  # /proc hidden (hidepid)
+    assert provenance.alive(entry) is True
+    assert provenance.alive({**entry, "pid_started": None}) is True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/stat is Linux's")
+def test_a_process_start_is_its_start_time_also_where_its_name_has_brackets_and_spaces(tmp_path):
+    """Two processes started about half a second apart start that far apart by _process_start,
+    also where the name in /proc/<pid>/stat's "(comm)" holds ")" and spaces."""
+    exe = tmp_path / "a) b c d"
+    exe.symlink_to(shutil.which("sleep"))
+    children = []
+    try:
+        children.append(subprocess.Popen([str(exe), "30"]))
+        first = time.monotonic()
+        time.sleep(0.5)
+        children.append(subprocess.Popen([str(exe), "30"]))
+        gap = time.monotonic() - first
+        ticks = [provenance._process_start(c.pid) for c in children]
+        assert all(isinstance(t, int) for t in ticks), ticks
+        assert abs((ticks[1] - ticks[0]) / os.sysconf("SC_CLK_TCK") - gap) < 0.3, (ticks, gap)
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
