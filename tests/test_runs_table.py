@@ -352,3 +352,15 @@ def test_a_start_without_an_ending_is_running_or_killed_by_its_process_on_this_h
     assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"
     (row,) = table.run_rows([table.load(path)], [])
     assert row["status"] == f"running (pid {os.getpid()}; step 3 of 10)"  # --json says it too
+
+
+def test_a_damaged_ending_counts_as_none(tmp_path):
+    from mmrl.core import provenance
+
+    path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
+    provenance.record(path, step=0)
+    _newest_start(path, ended="stopped by SIGTERM")  # not the {"at", "step", "how"} object
+    assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"
+    from mmrl.demo.report import _ending
+
+    assert _ending(json.loads((path / "environment.json").read_text())[-1]) == f"running (pid {os.getpid()})"
