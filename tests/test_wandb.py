@@ -398,3 +398,57 @@ def test_a_scheduler_s_sigterm_to_every_process_keeps_every_step_in_the_offline_
     kinds = [r.WhichOneof("record_type") for r in records]
     assert [r.history.step.num for r in records if r.HasField("history")] == steps
     assert "preempting" in kinds and [r.exit.exit_code for r in records if r.HasField("exit")] == [143]
+
+
+def _wandb_run(tmp_path):
+    from mmrl.core.wandb_run import WandbRun
+
+    settings = {"project": "p", "entity": None, "group": None, "name": "r", "tags": [], "mode": "offline"}
+    return WandbRun(settings, tmp_path, {}, resume=False)
+
+
+def _fails_with(error):
+    def log(*args, **kwargs):
+        raise error
+
+    return log
+
+
+def test_only_a_lost_connection_to_wandb_s_service_starts_it_again_on_a_signal(tmp_path, fake_wandb):
+    def teardown():  # the lost service's own teardown fails on its connection
+        fake_wandb.calls.append(("teardown",))
+        raise BrokenPipeError("the service is gone")
+
+    fake_wandb.teardown = teardown
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    run = _wandb_run(tmp_path)
+    run.run.log = _fails_with(ValueError("not a connection"))  # W&B refused a value: its service is fine
+    with pytest.warns(UserWarning, match="W&B logging stopped: ValueError"):
+        run.log(1, {"loss": 0.5})
+    run.finish(None, signum=signal.SIGTERM)
+    assert [c[0] for c in fake_wandb.calls] == ["init"]  # not started again, and nothing more sent
+    fake_wandb.calls.clear()
+    run = _wandb_run(tmp_path)
+    run.run.log = _fails_with(BrokenPipeError("the service is gone"))
+    with pytest.warns(UserWarning, match="W&B logging stopped: BrokenPipeError"):
+        run.log(1, {"loss": 0.5})
+    with pytest.warns(UserWarning) as caught:
+        run.finish(None, signum=signal.SIGTERM)
+    assert [c[:2] for c in fake_wandb.calls[1:]] == [("teardown",), ("init", fake_wandb.calls[0][1]),
+                                                     ("log", 1), ("preempting",), ("finish", 143)]
+    assert any("W&B was started again on the same run and steps 1-1" in str(w.message) for w in caught)
+
+
+def test_wandb_that_cannot_start_again_after_its_service_was_lost_is_warned_of(tmp_path, fake_wandb):
+    fake_wandb.teardown = lambda: None
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    run = _wandb_run(tmp_path)
+    run.run.log = _fails_with(ConnectionResetError("the service is gone"))
+    fake_wandb.init = _fails_with(RuntimeError("no service"))
+    with pytest.warns(UserWarning, match="W&B logging stopped: ConnectionResetError"):
+        run.log(1, {"loss": 0.5})
+    with pytest.warns(UserWarning) as caught:
+        run.finish(None, signum=signal.SIGUSR1)
+    assert any("W&B could not be started again after its service was lost: RuntimeError: no service"
+               in str(w.message) for w in caught)
+    assert [c[0] for c in fake_wandb.calls] == ["init"]  # the first; nothing went to the lost run
