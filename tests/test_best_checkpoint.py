@@ -13,7 +13,7 @@ import toy
 from transformers import LlamaForCausalLM
 
 from mmrl.core.best import BEST, BestCheckpoint
-from mmrl.core.checkpoint import list_checkpoints
+from mmrl.core.checkpoint import CheckpointError, list_checkpoints
 from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.trainer import Trainer
 
@@ -157,6 +157,29 @@ def test_a_kill_between_the_best_checkpoint_and_best_json_loses_nothing_on_resum
     assert steps_on_disk(tmp_path) == [4, 8]  # step 2, the best it replaced, pruned
 
 
+def test_the_best_a_resume_adopts_prunes_the_one_it_replaces_before_any_step(tmp_path):
+    trainer = killed_before_recording(scripted(make(tmp_path, "train.max_steps=8"), {0: 0.1, 2: 0.5, 4: 0.9}), at=4)
+    with pytest.raises(Killed):
+        trainer.train()
+    resumed = make(tmp_path, "train.max_steps=8")
+
+    def killed_at_once(logger=None):
+        raise Killed
+
+    resumed.train_step = killed_at_once  # no later save prunes it
+    with pytest.raises(Killed):
+        resumed.train(resume=True)
+    assert json.loads((tmp_path / "run" / BEST).read_text())["step"] == 4 and steps_on_disk(tmp_path) == [4]
+
+
+def test_a_resume_with_a_damaged_metrics_file_says_which_line_even_with_a_best_metric(tmp_path):
+    scripted(make(tmp_path, "train.max_steps=4", "train.save_every=2"), {0: 0.1, 2: 0.5, 4: 0.9}).train()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text("{bad\n" + metrics.read_text().split("\n", 1)[1])
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl, line 1: not a JSON metrics row .*fix or remove"):
+        scripted(make(tmp_path, "train.max_steps=6"), {6: 0.7}).train(resume=True)
+
+
 def test_a_resumed_bad_step_or_a_nan_evaluation_is_not_adopted(tmp_path):
     """As they ran: a bad step's evaluation never competed, and a NaN (logged as "nan") never beats."""
     ckpt = tmp_path / "checkpoints" / "step-00000004"
@@ -170,6 +193,7 @@ def test_a_resumed_bad_step_or_a_nan_evaluation_is_not_adopted(tmp_path):
     best = BestCheckpoint(tmp_path, "accuracy")  # no record yet: a finite score is the best
     assert best.adopt(4, {"step": 4, "eval/accuracy": 0.25}, ckpt)
     assert json.loads((tmp_path / BEST).read_text())["step"] == 4 == best.step
+    assert best.adopt(6, {"step": 6, "eval/accuracy": 1}, ckpt) and best.record["value"] == 1  # a whole number is a score
 
 
 @pytest.mark.filterwarnings("ignore:--resume at step 4 with settings that differ")
