@@ -111,7 +111,39 @@ def test_the_running_mean_is_over_the_last_tenth_of_the_steps():
     from mmrl.core.logging import running_mean
 
     assert running_mean([4.0, 8.0]) == [4.0, 8.0]  # fewer than 20 values: a window of one
+    assert running_mean([float(v) for v in range(19)]) == [float(v) for v in range(19)]
     values = [float(v) for v in range(20)]  # a window of two
     assert running_mean(values) == [0.0] + [v - 0.5 for v in values[1:]]
     assert running_mean([float(v) for v in range(30)])[5] == 4.0  # (3 + 4 + 5) / 3
     assert running_mean([]) == []
+
+
+def test_the_plotted_metric_is_the_first_asked_for_or_the_first_eval_slash_entry(tmp_path):
+    write_metrics(make_run(tmp_path, "a"), [{"step": 1, "reward/total": 0.0, "eval_seconds": 3.0, "eval/format": 0.5}])
+    runs = loaded(tmp_path)
+    assert plot.metric_of(runs, []) == "format"  # "eval_seconds" is no evaluation
+    assert plot.metric_of(runs, ["accuracy", "format"]) == "accuracy"
+
+
+def test_a_row_whose_step_is_not_a_whole_number_is_left_out(tmp_path):
+    write_metrics(make_run(tmp_path, "a"), [{"step": True, "reward/total": 5.0}, {"step": 2.0, "reward/total": 6.0},
+                                            {"step": 3, "reward/total": 0.5}])
+    (run,) = loaded(tmp_path)
+    assert (plot.reward_curve(run).steps, plot.reward_curve(run).values) == ([3], [0.5])
+
+
+def test_a_plot_suffix_in_capitals_is_written(tmp_path):
+    plot.check_output(tmp_path / "curves.PNG")  # matplotlib's file types are lower case; the check is not
+
+
+def test_the_cli_draws_the_runs_or_the_groups_and_the_first_metric(tmp_path, monkeypatch):
+    for seed in (0, 1):
+        write_metrics(make_run(tmp_path, f"s{seed}", seed=seed, before={"accuracy": 0.2, "format": 1.0},
+                               after={"accuracy": 0.5, "format": 1.0}, steps=2), rewards(0.1, 0.2))
+    drawn = []
+    monkeypatch.setattr(plot, "draw", lambda series, metric, out: drawn.append(([s.label for s in series], metric)))
+    for args in ([], ["--group"]):
+        result = CliRunner().invoke(app, ["runs", str(tmp_path), "--plot", str(tmp_path / "c.png"), "-m", "format",
+                                          "-m", "accuracy", *args])
+        assert result.exit_code == 0, result.output
+    assert drawn == [(["s0", "s1"], "format"), (["(one configuration) (2 seeds)"], "format")]
