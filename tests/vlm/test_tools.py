@@ -1207,3 +1207,13 @@ def test_parse_a_call_after_a_malformed_one_is_still_the_last():
     assert parse_tool_call('<tool_call>{"name": "a"} junk <tool_call>{"name": "b"}</tool_call>') == ("b", {})
     with pytest.raises(ToolCallError, match="not valid JSON: Extra data"):
         parse_tool_call('<tool_call>{"name": "a"}</tool_call> <tool_call>{"name": "b"} junk</tool_call>')
+
+
+def test_parse_a_malformed_call_is_cut_at_its_first_close_tag_and_a_tag_in_its_json_is_text():
+    # the error names where the body, cut at the first </tool_call>, went wrong: column 14 of
+    # '{"name": "a",' (a cut at the last close tag would add ' </tool_call> x' and say column 15)
+    with pytest.raises(ToolCallError, match=r"Expecting property name .*line 1 column 14 \(char 13\)$"):
+        parse_tool_call('<tool_call>{"name": "a", </tool_call> x </tool_call>')
+    # a JSON value followed by junk: the open tag inside its string does not start another call
+    with pytest.raises(ToolCallError, match=r"not valid JSON: Extra data: line 1 column 50"):
+        parse_tool_call('<tool_call>{"name": "a", "arguments": {"x": "<tool_call>"}} junk</tool_call>')
