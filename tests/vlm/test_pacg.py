@@ -98,6 +98,9 @@ def test_claim_spans_read_the_answer_tag_in_any_case():
     assert claim_spans("a red circle. <ANSWER>2 blue squares</ANSWER>") == [(0, 12)]
     assert claim_spans("İ saw a red circle <Answer>2</Answer>") == [(0, 18)]
     assert claim_spans("a red circle <FINAL>2", answer_tag="<final>") == [(0, 12)]
+    # the tag is text, not a pattern: "(answer)" is not found in "answer"
+    assert claim_spans("a red circle; answer: a blue square (answer) 2", answer_tag="(answer)") == [
+        (0, 12), (14, 35)]
 
 
 class _PieceTokenizer:
