@@ -452,6 +452,16 @@ def test_concat_refuses_one_group_id_with_different_prompts():
     # a part without prompts (an engine's batch, labelled by the scheduler later) never clashes
     assert RolloutBatch.concat([a, make_batch(2, 2, gids=[3, 3])]).prompts == {3: "three"}
     # prompts holding tensors compare element-wise: no single truth value, so they pass
+    class Undecidable:  # == that cannot answer with a TypeError (a third-party prompt type)
+        def __eq__(self, other):
+            raise TypeError("cannot compare")
+
+    assert RolloutBatch.concat([make_batch(2, 2, gids=[3, 3], prompts={3: Undecidable()}),
+                                make_batch(2, 2, gids=[3, 3], prompts={3: Undecidable()})]).prompts.keys() == {3}
+    # a long prompt is shortened in the message (its repr to 60 characters)
+    with pytest.raises(ValueError, match=r"group 3 different prompts \('x{56}\.\.\. and 'y{56}\.\.\.\)"):
+        RolloutBatch.concat([make_batch(2, 2, gids=[3, 3], prompts={3: "x" * 100}),
+                             make_batch(2, 2, gids=[3, 3], prompts={3: "y" * 100})])
     t = {3: torch.zeros(2)}
     assert RolloutBatch.concat([make_batch(2, 2, gids=[3, 3], prompts=t),
                                 make_batch(2, 2, gids=[3, 3], prompts={3: torch.zeros(2)})]).prompts.keys() == {3}

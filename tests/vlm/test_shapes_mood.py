@@ -276,6 +276,9 @@ def test_dedr_refuses_weights_that_would_lift_r_div_to_1_or_above(w):
     with pytest.raises(ValueError, match=r"dedr needs candidate weights w >= 0 summing to at most 1, got \["):
         dedr(z, mu, sigma, w)
     assert dedr(z, mu, sigma, [0.5, 0.5]) < 1 and dedr(z, mu, sigma, [0.3, 0.2]) < 1  # sum 1, and below 1
+    assert dedr(z, mu, sigma, [1.0, 0.0]) < 1  # a zero weight (a softmax that underflowed) is fine
+    with pytest.raises(ValueError, match="summing to at most 1"):  # float32 rounding is 1e-7, not this
+        dedr(z, mu, sigma, [0.5, 0.5001])
     soft = torch.softmax(torch.tensor([0.3, -1.2, 0.05, 2.0, 0.7]) / 0.05, 0).tolist()  # CVIG's float32 weights
     assert dedr([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0]], [0.4, 0.4, 0.2], [1, 1, 1], soft) < 1
 
