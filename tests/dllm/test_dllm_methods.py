@@ -835,6 +835,14 @@ def test_answer_room_names_every_reference_of_the_longest_length():
     many = SimpleNamespace(train=[Problem(f"{i}=", str(i), f"{i}" * 4) for i in range(1, 6)], eval_problems=[])
     with pytest.raises(ConfigError, match=r"answers: 5 references \('1111', '2222', '3333', \.\.\.\) are 4 tokens"):
         backend.check_answer_room(many, _CharTok(), SimpleNamespace(gen_length=4, block_length=2))
+    # exactly three: all named, no "..."; one a token shorter is not among them
+    three = SimpleNamespace(train=[Problem(f"{i}=", str(i), f"{i}" * 4) for i in range(1, 4)],
+                            eval_problems=[Problem("9=", "9", "999")])
+    with pytest.raises(ConfigError, match=r"answers: 3 references \('1111', '2222', '3333'\) are 4 tokens"):
+        backend.check_answer_room(three, _CharTok(), SimpleNamespace(gen_length=4, block_length=2))
+    one = SimpleNamespace(train=[Problem("1=", "1", "1111")], eval_problems=[Problem("9=", "9", "999")])
+    with pytest.raises(ConfigError, match=r"answers: '1111' is 4 tokens, 5 with its <eos>"):
+        backend.check_answer_room(one, _CharTok(), SimpleNamespace(gen_length=4, block_length=2))
 
 
 def test_dllm_build_task_draws_held_out_problems_and_passes_the_settings():
