@@ -971,7 +971,7 @@ def test_a_non_square_pixel_space_model_reloads_at_its_own_size(built, tmp_path)
     square = load_flow_model(built["flux_pixel"]).save_pretrained(tmp_path / "square")
     assert json.loads((square / "pixel_space.json").read_text())["sample_size"] == 64
     spec = json.loads((saved / "pixel_space.json").read_text())
-    for bad in ([32], [32, 0], "64", [32, 64.0]):
+    for bad in ([32], [32, 0], "64", [32, 64.0], 0, True):
         (saved / "pixel_space.json").write_text(json.dumps({**spec, "sample_size": bad}))
         with pytest.raises(ConfigError, match=r"pixel_space.json: sample_size must be a side in pixels or "
                                               r"\[height, width\], not"):
