@@ -364,3 +364,15 @@ def test_a_damaged_ending_counts_as_none(tmp_path):
     from mmrl.demo.report import _ending
 
     assert _ending(json.loads((path / "environment.json").read_text())[-1]) == f"running (pid {os.getpid()})"
+
+
+def test_a_start_that_logged_no_step_yet_is_at_step_0(tmp_path):
+    from mmrl.core import provenance
+
+    path = make_run(tmp_path, "r", seed=0)  # no metrics.jsonl: the evaluation before training, say
+    provenance.record(path, step=0)
+    assert table.load(path).status == f"running (pid {os.getpid()}; step 0 of 10)"
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    _newest_start(path, pid=child.pid)
+    assert table.load(path).status == "killed (no ending recorded; step 0 of 10)"
