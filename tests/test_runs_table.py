@@ -360,6 +360,7 @@ def test_a_damaged_ending_counts_as_none(tmp_path):
     path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
     provenance.record(path, step=0)
     _newest_start(path, ended="stopped by SIGTERM")  # not the {"at", "step", "how"} object
+    assert provenance.last_ending(path) is None
     assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"
     from mmrl.demo.report import _ending
 

@@ -452,3 +452,16 @@ def test_wandb_that_cannot_start_again_after_its_service_was_lost_is_warned_of(t
     assert any("W&B could not be started again after its service was lost: RuntimeError: no service"
                in str(w.message) for w in caught)
     assert [c[0] for c in fake_wandb.calls] == ["init"]  # the first; nothing went to the lost run
+
+
+def test_a_start_that_logged_no_step_logs_none_again_in_a_fresh_service(tmp_path, fake_wandb):
+    """A resumed start signalled before its first step: the earlier starts' steps in
+    metrics.jsonl are already in the W&B run and are not sent again."""
+    fake_wandb.teardown = lambda: None
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2)))
+    run = _wandb_run(tmp_path)
+    run.run.mark_preempting = _fails_with(BrokenPipeError("the service is gone"))
+    with pytest.warns(UserWarning) as caught:
+        run.finish(None, signum=signal.SIGTERM)
+    assert [c[:2] for c in fake_wandb.calls[1:]] == [("init", fake_wandb.calls[0][1]), ("preempting",), ("finish", 143)]
+    assert any("W&B was started again on the same run and no steps of this start" in str(w.message) for w in caught)
