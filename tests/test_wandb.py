@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import sys
 import time
 import types
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import toy
+from reliability.toy_cli import signalled_in_step_two
 from typer.testing import CliRunner
 
 from mmrl.core.cli import BackendSpec, make_app
@@ -370,27 +370,16 @@ def test_a_scheduler_s_sigterm_to_every_process_keeps_every_step_in_the_offline_
     for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_SERVICE"):
         env.pop(key, None)
     script = Path(__file__).parent / "reliability" / "toy_cli.py"
-    run = subprocess.Popen([sys.executable, str(script), "train", "--max-steps", "1000", "--save-every", "0",
-                            "-o", str(out), *ON, "--set", "logging.wandb.mode=offline"],
-                           env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while len(read_metrics(out / "metrics.jsonl")) < 1:
-            assert run.poll() is None, run.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the run logged no step in time"
-            time.sleep(0.02)
-        time.sleep(0.3)  # into step 2's 2 s rollout
-        children = [int(p) for p in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+
+    def send(run, children):
         assert any("wandb-core" in Path(f"/proc/{p}/cmdline").read_text() for p in children)
         for pid in [run.pid, *children]:  # wandb-core runs in a session of its own: not in our group
             os.kill(pid, signal.SIGTERM)
-        stderr = run.communicate(timeout=180)[1]
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait()
-    assert run.returncode == 143, stderr[-3000:]
+
+    returncode, stderr = signalled_in_step_two(
+        [sys.executable, str(script), "train", "--max-steps", "1000", "--save-every", "0", "-o", str(out), *ON,
+         "--set", "logging.wandb.mode=offline"], env, out, send)
+    assert returncode == 143, stderr[-3000:]
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     assert steps == [1, 2]
     *_, folder = sorted((out / "wandb").glob("offline-run-*"))  # the newest: the fresh service's

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.logging import read_metrics
 from mmrl.core.stop import SignalStop, StoppedBySignal
 from mmrl.core.trainer import Trainer
+from reliability.toy_cli import signalled_in_step_two
 
 ARGS = ("train.max_steps=5", "train.save_every=0", "optim.schedule=cosine", "optim.warmup_steps=2",
         "train.mini_batches=2")
@@ -199,27 +199,16 @@ def test_under_torchrun_the_signal_passed_on_does_not_end_the_step(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "--shutdown-timeout", "120"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_ROLLOUT_SECONDS": "3"}
-    agent = subprocess.Popen([*launcher, str(script), "train", "--max-steps", "100000", "--save-every", "0",
-                              "--output-dir", str(out)], env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while len(read_metrics(out / "metrics.jsonl")) < 1:
-            assert agent.poll() is None, agent.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the run logged no step in time"
-            time.sleep(0.02)
-        time.sleep(0.3)  # past step 1's end (a signal there stops before step 2), into step 2's 3 s rollout
-        workers = [int(p) for p in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()]
+
+    def send(agent, workers):
         assert len(workers) == 2
         for pid in workers:  # the scheduler's signal to each process of the step ...
             os.kill(pid, signal.SIGUSR1)
         time.sleep(0.5)  # ... the workers' handlers have run, mid-step; then the agent's, which passes it on
         agent.send_signal(signal.SIGUSR1)
-        stderr = agent.communicate(timeout=180)[1]
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+
+    _, stderr = signalled_in_step_two([*launcher, str(script), "train", "--max-steps", "100000", "--save-every",
+                                       "0", "--output-dir", str(out)], env, out, send)
     ended = json.loads((out / "environment.json").read_text())[-1].get("ended")  # None: killed outright
     assert ended is not None and ended["how"] == "stopped by SIGUSR1", stderr[-3000:]
     assert ended["step"] == 2 and [s for s, _ in list_checkpoints(out / "checkpoints")] == [2]
