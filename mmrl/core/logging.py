@@ -8,6 +8,7 @@ equals that of a run that was never interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -17,17 +18,25 @@ from pathlib import Path
 from typing import Any
 
 
-def write_atomically(path: str | Path, text: str) -> None:
-    """`text` into `path` whole: written to a temporary file beside it, then renamed into place,
-    so a reader or a crash never sees half of it (the temporary file is removed if that fails)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """A temporary path beside `path` for the block to write; renamed into place when the block
+    ends, so a reader or a crash never sees half a file (the temporary file is removed if the
+    block or the rename fails)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        yield tmp
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """`text` into `path` whole (atomic_path)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 METRICS = "metrics.jsonl"
 CURVE = "reward_curve.png"

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmrl.core.logging import running_mean
+from mmrl.core.logging import METRICS, atomic_path, running_mean
 from mmrl.demo import table
 from mmrl.demo.table import Run
 
@@ -76,7 +76,7 @@ def plotted(runs: list[Run]) -> list[Run]:
     for r in runs:
         if r.error:
             warnings.warn(f"{r.path} is not plotted: {r.error}", stacklevel=2)
-        elif not (r.path / "metrics.jsonl").is_file():
+        elif not (r.path / METRICS).is_file():
             warnings.warn(f"{r.path} is not plotted: it has no metrics.jsonl", stacklevel=2)
         else:
             kept.append(r)
@@ -132,7 +132,7 @@ def mean_curve(curves: list[Curve]) -> Curve:
 
 
 def draw(series: list[Series], metric: str | None, out: Path) -> Path:
-    """Both panels, one colour per series, written whole to `out` (temporary file, then rename)."""
+    """Both panels, one colour per series, written whole to `out` (logging.atomic_path)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,13 +160,9 @@ def draw(series: list[Series], metric: str | None, out: Path) -> Path:
                    loc="outside lower center", fontsize=8,
                    ncols=min(3, len(series)) if max(map(len, labels)) <= 50 else 1)
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
     try:
-        fig.savefig(tmp, format=out.suffix[1:].lower())
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with atomic_path(out) as tmp:  # the format from out's suffix: tmp's is ".tmp"
+            fig.savefig(tmp, format=out.suffix[1:].lower())
     finally:
         plt.close(fig)
     return out
