@@ -9,15 +9,16 @@ process at once, so every step since the last checkpoint (`train.save_every`) wa
 During training, under `SignalStop`, the first such signal only sets a flag. The trainer
 finishes the step it is in, saves that step's checkpoint and stops with `StoppedBySignal`, and
 the CLI exits with 128 + the signal's number (143 for SIGTERM), as a process the signal ended
-would; a W&B run ends preempted with that exit code (mmrl.core.wandb_run). `--resume` then goes on as if the run had not stopped (the checkpoint is an ordinary
-one). A second signal acts as it did without the handler (ends the process now): a step too
-long for the grace period still leaves the previous checkpoint. Only a second signal
-REPEAT_WINDOW_S or more after the first does: under a launcher (torchrun, `accelerate launch`)
-a worker gets the scheduler's signal twice, once from the scheduler (SLURM signals every process
-of the job step) and once passed on by the launcher a moment later, and the repeat must not end
-the step the first one asked to finish. Signals before the first step
-(the evaluation before training) stop the run there, with nothing to save; the final
-evaluation runs with the default handlers again (its step is saved before it starts).
+would; a W&B run ends preempted with that exit code (mmrl.core.wandb_run). `--resume` then goes
+on as if the run had not stopped (the checkpoint is an ordinary one). A second signal acts as it
+did without the handler (ends the process now): a step too long for the grace period still
+leaves the previous checkpoint. Only a second signal REPEAT_WINDOW_S or more after the first
+does: under a launcher (torchrun, `accelerate launch`) a worker gets the scheduler's signal
+twice, once from the scheduler (SLURM signals every process of the job step) and once passed on
+by the launcher a moment later, and the repeat must not end the step the first one asked to
+finish. Signals before the first step (the evaluation before training) stop the run there, with
+nothing to save; the final evaluation runs with the default handlers again (its step is saved
+before it starts).
 
 With several processes every rank asks, before each step, whether any rank got a signal (one
 all-gather of a number), so all stop after the same step: a checkpoint is a collective.
