@@ -186,6 +186,35 @@ def test_several_errors_are_joined_on_one_line():
     assert "; " in msg
 
 
+@pytest.mark.parametrize(("override", "needle"), [
+    ("train.max_steps=true", "train.max_steps: true is a boolean; this key takes a number"),
+    ("optim.lr=false", "optim.lr: false is a boolean"),  # float
+    ("train.micro_batch_size=true", "train.micro_batch_size: true is a boolean"),  # int | None
+    ("method.loss.clip_high=true", "method.loss.clip_high: true is a boolean"),  # inside a union's variant
+    ("optim.betas=[0.9, true]", "optim.betas: [0.9, true] holds a boolean where this key takes numbers"),
+])
+def test_a_boolean_for_a_number_is_refused_naming_the_key(override, needle):
+    # pydantic alone reads true as 1: max_steps: true trained one step
+    assert needle in config_error(overrides=[override])
+
+
+def test_a_boolean_for_a_number_in_a_file_or_a_mapping_or_an_assignment_is_refused(tmp_path):
+    from diffusion_rl import backend
+
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  eval_every: true\n")
+    msg = config_error(path=path)
+    assert str(path) in msg and "train.eval_every: true is a boolean" in msg
+    with pytest.raises(ConfigError, match=r"task.atom_weights: \{\"count\": true\} holds a boolean"):
+        load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=["task.atom_weights={count: true}"])
+    cfg = load_config(TrainConfig)
+    with pytest.raises(ValueError, match="true is a boolean"):
+        cfg.train.max_steps = True
+    cfg.train.max_steps = 5  # a number still goes in, and a bool key still takes a bool
+    cfg.logging.tensorboard = False
+    assert (cfg.train.max_steps, cfg.logging.tensorboard) == (5, False)
+
+
 # ---------------------------------------------------------------------------- bad overrides
 
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 import re
 import sys
 import threading
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,6 +58,55 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
                               use_attribute_docstrings=True)  # the docstrings under the keys: `<cli> config`
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        # pydantic reads true as 1 for an int or float key: `max_steps: true` would train one step. (A field validator cannot do this: a "before"
+        # field validator is refused on the `type` keys that pick a union's variant.)
+        for name, value in (data.items() if isinstance(data, dict) else ()):
+            field = cls.model_fields.get(name)
+            if field is not None and _takes_bool_for_number(field.annotation, value):
+                raise KeyValueError(name, f"{str(value).lower()} is a boolean; this key takes a number"
+                                    if isinstance(value, bool) else f"{json.dumps(value)} holds a boolean where this key takes numbers")
+        return data
+
+
+class KeyValueError(ValueError):
+    """A section validator's error about one of its keys: the message names `section.key`."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def _takes_bool_for_number(annotation: Any, value: Any) -> bool:
+    """Whether `value` holds a bool where `annotation` wants an int or float (and no bool): the
+    value itself, or an item of a list, tuple or mapping of numbers."""
+    if isinstance(value, bool):
+        kinds = _leaf_types(annotation)
+        return bool(kinds & {int, float}) and bool not in kinds
+    if isinstance(value, dict):
+        wanted = [typing.get_args(t)[1] for t in _members(annotation) if typing.get_origin(t) is dict]
+        return any(_takes_bool_for_number(a, v) for a in wanted for v in value.values())
+    if isinstance(value, list | tuple):
+        wanted = [a for t in _members(annotation) if typing.get_origin(t) in (list, tuple)
+                  for a in typing.get_args(t) if a is not Ellipsis]
+        return any(_takes_bool_for_number(a, v) for a in wanted for v in value)
+    return False
+
+
+def _members(annotation: Any) -> list:
+    """The alternatives of a union (Annotated and Optional unwrapped), else [annotation]."""
+    if typing.get_origin(annotation) is Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _leaf_types(annotation: Any) -> set:
+    return {m for m in _members(annotation) if isinstance(m, type)}
 
 
 # --------------------------------------------------------------------------- sections
@@ -679,7 +731,7 @@ def load_config(
         cfg = cls.model_validate(data)
     except ValidationError as e:
         set_keys = {".".join(parse_override(o)[0]) for o in overrides}
-        keys = [".".join(map(str, _clean_loc(err["loc"], data))) for err in e.errors()]
+        keys = [".".join(map(str, _error_loc(err, data))) for err in e.errors()]
         # an error of a whole section (a validator's) may come from a --set inside it: blame no one then
         from_file = any(not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in set_keys)
                         for k in keys)
@@ -696,7 +748,7 @@ def load_config(
 def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[str]:
     lines = []
     for err in error.errors():
-        loc = _clean_loc(err["loc"], data)
+        loc = _error_loc(err, data)
         key = ".".join(str(p) for p in loc) or "(top level)"
         if err["type"] == "extra_forbidden":
             known = _known_keys(cls, data, loc[:-1])
@@ -713,6 +765,13 @@ def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[
                 msg += f" (got {err['input']!r})"
         lines.append(msg)
     return lines
+
+
+def _error_loc(err: dict, data: Any) -> list:
+    """The key path of one pydantic error, down to the key a section validator named."""
+    loc = _clean_loc(err["loc"], data)
+    cause = (err.get("ctx") or {}).get("error")
+    return [*loc, cause.key] if isinstance(cause, KeyValueError) else loc
 
 
 def _clean_loc(loc: tuple, data: Any) -> list:

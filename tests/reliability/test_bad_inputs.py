@@ -144,6 +144,9 @@ CONFIG_ROWS = {
     "wrong-type-vlm": Row("vlm", lambda t: train(t, "optim.lr=abc"), lambda t: ["optim.lr", "'abc'"]),
     "wrong-type-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=many"),
                            lambda t: ["rollout.num_generations", "'many'"]),
+    # a boolean for a number (pydantic alone reads true as 1)
+    "boolean-for-a-number-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=true"),
+                                     lambda t: ["rollout.num_generations", "true is a boolean; this key takes a number"]),
     # out of range
     "out-of-range-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=0"),
                              lambda t: ["rollout.num_generations", "greater than or equal to 1"]),
