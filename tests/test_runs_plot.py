@@ -107,6 +107,39 @@ def test_a_plot_path_matplotlib_cannot_write_is_refused_before_any_run_is_read(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
 
 
+def test_a_pgf_plot_without_tex_is_refused_before_any_run_is_read(tmp_path, monkeypatch):
+    # matplotlib writes PGF by running TeX: without it, savefig's traceback came after the table
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    (tmp_path / "notes").mkdir()
+    result = CliRunner().invoke(app, ["runs", str(tmp_path / "notes"), "--plot", f"{tmp_path}/curves.PGF"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "matplotlib writes .pgf through xelatex, which is not installed" in " ".join(result.output.split())
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    plot.check_output(tmp_path / "curves.pgf")  # with TeX installed, it may be written
+
+
+def test_a_figure_that_cannot_be_written_is_a_user_error_after_the_table_and_keeps_the_old_file(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    write_metrics(make_run(tmp_path / "runs", "a", before={"accuracy": 0.2}, after={"accuracy": 0.5}, steps=2),
+                  rewards(0.1, 0.2))
+    out = tmp_path / "curves.png"
+    out.write_bytes(b"the figure of an earlier call")
+
+    def full_disk(self, fname, **kwargs):
+        open(fname, "wb").write(b"half a fig")  # noqa: SIM115 -- a half-written file, as a full disk leaves
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    result = CliRunner().invoke(app, ["runs", str(tmp_path / "runs"), "--plot", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.startswith("| run |")  # the table came out first
+    assert (f"--plot {out}: the figure could not be written: OSError: [Errno 28] No space left on device"
+            in " ".join(result.output.split()))
+    assert out.read_bytes() == b"the figure of an earlier call"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "runs"]  # no temporary file left
+
+
 def test_the_running_mean_is_over_the_last_tenth_of_the_steps():
     from mmrl.core.logging import running_mean
 

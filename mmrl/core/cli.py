@@ -415,7 +415,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 typer.echo((table.markdown_groups if group else table.markdown_runs)(rows, metrics), nl=False)
             if plot is not None:
                 shown = curves.metric_of(runs, metrics)
-                curves.draw((curves.group_series if group else curves.run_series)(runs, shown), shown, plot)
+                try:
+                    curves.draw((curves.group_series if group else curves.run_series)(runs, shown), shown, plot)
+                except ValueError as e:  # the table is out; the figure could not be written
+                    raise ConfigError(str(e)) from None
 
         run_verb(go)
 

@@ -59,6 +59,14 @@ def check_output(path: Path) -> None:
     if path.suffix[1:].lower() not in kinds:
         raise ValueError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without a suffix'} "
                          f"(it writes .{', .'.join(sorted(kinds))}); use .png")
+    if path.suffix.lower() == ".pgf":  # matplotlib runs TeX to write PGF
+        import shutil
+
+        from matplotlib import rcParams
+
+        if shutil.which(rcParams["pgf.texsystem"]) is None:
+            raise ValueError(f"--plot {path}: matplotlib writes .pgf through {rcParams['pgf.texsystem']}, "
+                             "which is not installed; use .pdf or .svg for a vector figure")
 
 
 def metric_of(runs: list[Run], metrics: list[str]) -> str | None:
@@ -132,7 +140,8 @@ def mean_curve(curves: list[Curve]) -> Curve:
 
 
 def draw(series: list[Series], metric: str | None, out: Path) -> Path:
-    """Both panels, one colour per series, written whole to `out` (logging.atomic_path)."""
+    """Both panels, one colour per series, written whole to `out` (logging.atomic_path).
+    ValueError where it cannot be written (the file as it was is kept)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,6 +172,8 @@ def draw(series: list[Series], metric: str | None, out: Path) -> Path:
     try:
         with atomic_path(out) as tmp:  # the format from out's suffix: tmp's is ".tmp"
             fig.savefig(tmp, format=out.suffix[1:].lower())
+    except (OSError, RuntimeError) as e:  # a full disk, a writer matplotlib lacks a library for
+        raise ValueError(f"--plot {out}: the figure could not be written: {type(e).__name__}: {e}") from e
     finally:
         plt.close(fig)
     return out
