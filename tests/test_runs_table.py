@@ -326,6 +326,16 @@ def test_an_unfinished_run_says_how_its_last_start_ended_where_environment_json_
     assert table.load(path).status.startswith("running (pid ")
 
 
+def test_a_finished_ending_without_summary_json_says_so(tmp_path):
+    from mmrl.core import provenance
+
+    path = make_run(tmp_path, "r", seed=0, metrics_rows=3)
+    provenance.record(path, step=0)
+    provenance.ended(path, "finished", 3)  # recorded, then the kill came before summary.json
+    assert table.load(path).status == ("finished at step 3 of 10, but no summary.json "
+                                       "(deleted, or killed as it was written)")
+
+
 def _newest_start(path, **fields):
     """Rewrite the newest entry of path/environment.json with `fields` (None: drop the key)."""
     env = path / "environment.json"

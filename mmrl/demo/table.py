@@ -54,8 +54,9 @@ class Run:
         start = provenance.last_start(self.path) or {}  # its newest start, where environment.json has it
         ended = start.get("ended")
         if isinstance(ended, dict):
-            if ended.get("how") != "finished":
-                return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
+            if ended.get("how") == "finished":  # recorded just before summary.json is written
+                return f"finished at step {ended.get('step')} of {total}, but no summary.json (deleted, or killed as it was written)"
+            return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
         elif (alive := provenance.alive(start)) is not None:  # on the host that ran it
             return (f"running (pid {start['pid']}; step {self.steps or 0} of {total})" if alive
                     else f"killed (no ending recorded; step {self.steps or 0} of {total})")
