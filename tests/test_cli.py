@@ -87,6 +87,27 @@ def test_resolve_checkpoint(tmp_path):
         assert resolve_checkpoint(path) == step / "model"
 
 
+@pytest.mark.parametrize("verb", [["eval"], ["sample"], ["serve", "--port", "0"], ["export", "--out", "exported"],
+                                  ["config"]])
+def test_a_checkpoint_that_is_not_there_is_named_before_the_model_is_built(tmp_path, monkeypatch, verb):
+    # loading a large model takes minutes: the error must not wait for it
+    import toy
+
+    def built(cfg):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(toy, "build", built)
+    monkeypatch.chdir(tmp_path)
+    code, text = invoke(app, *verb, "--checkpoint", "run/nope")
+    assert code == 2 and "checkpoint run/nope does not exist" in text and "Traceback" not in text, text
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run that has saved nothing yet
+    code, text = invoke(app, *verb, "--checkpoint", "run")
+    if verb == ["config"]:  # its settings are what is asked for: the default config, as there is no config.yaml
+        assert code == 0 and "seed:" in text, text
+    else:
+        assert code == 2 and "run holds no complete checkpoint" in text, text
+
+
 def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
     """Click's own handler would exit 130 without a word; the CLI names the checkpoint to resume."""
     import toy

@@ -160,9 +160,15 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             run = Path(out)
         elif checkpoint is not None and (found := best_alias(checkpoint)).exists():
             run = run_dir_of(found)
+        if run is None and failed is not None:  # no run to take keys from: the default config's error stands
+            raise failed
+        if checkpoint is not None:  # a wrong one named now, not after building the model (minutes for a large one)
+            if verb == "train":  # `config --checkpoint`: only its settings are read
+                if not best_alias(checkpoint).exists():
+                    raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+            else:
+                resolve_checkpoint(checkpoint)
         if run is None:
-            if failed is not None:  # no run to take keys from: the default config's error stands
-                raise failed
             return backend, cfg
         if checkpoint is not None:
             err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
