@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,30 @@ def test_a_checkpoint_that_is_not_there_is_named_before_the_model_is_built(tmp_p
         assert code == 0 and "seed:" in text, text
     else:
         assert code == 2 and "run holds no complete checkpoint" in text, text
+
+
+def test_the_libraries_progress_bars_follow_logging_progress_and_the_terminal(monkeypatch):
+    # transformers' "Loading weights" and "Writing model shards" bars filled a cluster job's log
+    import diffusers.utils.logging as diffusers_log
+    import transformers.utils.logging as transformers_log
+
+    from mmrl.core.logging import quiet_library_bars
+
+    transformers_log.enable_progress_bar()  # as a fresh process has them (earlier CLI tests turned them off)
+    diffusers_log.enable_progress_bar()
+    try:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+        assert not quiet_library_bars(True, diffusers=True)  # a terminal, and progress on: bars stay
+        assert transformers_log.is_progress_bar_enabled() and diffusers_log.is_progress_bar_enabled()
+        assert quiet_library_bars(False)
+        assert not transformers_log.is_progress_bar_enabled() and diffusers_log.is_progress_bar_enabled()
+        assert quiet_library_bars(False, diffusers=True) and not diffusers_log.is_progress_bar_enabled()
+        transformers_log.enable_progress_bar()
+        code, text = invoke(app, "config", "--keys", "seed")  # the CLI, its output not a terminal
+        assert code == 0 and not transformers_log.is_progress_bar_enabled(), text
+    finally:
+        transformers_log.enable_progress_bar()
+        diffusers_log.enable_progress_bar()
 
 
 def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from mmrl.core.best import BEST, read_record
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
+from mmrl.core.logging import quiet_library_bars
 from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
 from mmrl.core.stop import StoppedBySignal
@@ -168,12 +169,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
             else:
                 resolve_checkpoint(checkpoint)
-        if run is None:
-            return backend, cfg
-        if checkpoint is not None:
-            err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
-                              highlight=False, soft_wrap=True)
-        return backend, build_config(config, overrides, backend, verb, run)
+        if run is not None:
+            if checkpoint is not None:
+                err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
+                                  highlight=False, soft_wrap=True)
+            cfg = build_config(config, overrides, backend, verb, run)
+        quiet_library_bars(cfg.logging.progress, diffusers=spec.modality == "diffusion")
+        return backend, cfg
 
     @app.command()
     def train(

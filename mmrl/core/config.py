@@ -516,7 +516,8 @@ class LoggingConfig(Section):
     """Write TensorBoard event files to <output_dir>/tensorboard (metrics.jsonl is written either
     way)."""
     progress: bool = True
-    """Rich progress bar on a terminal (off automatically when output is not a terminal)."""
+    """Rich progress bar on a terminal (off automatically when output is not a terminal). The
+    libraries' own bars (transformers and diffusers loading and writing weights) follow it."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases logging, off by default."""
 

@@ -38,6 +38,25 @@ def write_atomically(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
+
+def quiet_library_bars(progress: bool, diffusers: bool = False) -> bool:
+    """Turn off the libraries' progress bars (transformers loading and writing weights, and with
+    `diffusers` diffusers loading a pipeline) where logging.progress is off or stderr is not a
+    terminal, as RunLogger's own bar is: in a cluster job's log every bar's carriage returns
+    leave a line per update, and each checkpoint adds one. Call it before the model is loaded.
+    Whether they were turned off."""
+    if progress and sys.stderr.isatty():
+        return False
+    import transformers.utils.logging  # its bars, and huggingface_hub's (every backend loads transformers)
+
+    transformers.utils.logging.disable_progress_bar()
+    if diffusers:  # diffusers keeps a switch of its own (and costs seconds to import where unused)
+        import diffusers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+    return True
+
+
 METRICS = "metrics.jsonl"
 CURVE = "reward_curve.png"
 
