@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import types
 import warnings
 
 import pytest
@@ -783,8 +784,25 @@ def test_progress_without_a_terminal_is_a_plain_line_every_five_percent(tmp_path
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[2] for line in lines] == [f"{s}/40" for s in range(2, 41, 2)]
     assert lines[-1].startswith("train step 40/40  reward 1.000  ") and lines[-1].endswith(" s/step")
+    assert all(re.search(r" s/step  ~\d+s left$", line) for line in lines[:-1])  # none after the last step
     RunLogger(tmp_path / "quiet", total_steps=40, tensorboard=False, progress=False).log(2, {})
     assert capsys.readouterr().err == ""
+
+
+def test_a_plain_progress_line_says_the_time_left_at_the_latest_pace(tmp_path, capsys, monkeypatch):
+    from mmrl.core import logging as run_logging
+
+    clock = iter([0.0, 30.0, 100.0, 3700.0])  # the logger's start, then after steps 1, 2 and 3
+    monkeypatch.setattr(run_logging, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    logger = run_logging.RunLogger(tmp_path, total_steps=4000, tensorboard=False, progress=True)
+    logger._every = 1
+    for step in (1, 2, 3):
+        logger.log(step, {})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["train step 1/4000  30.00 s/step  ~33h19m left",  # 3999 x 30 s
+                     "train step 2/4000  70.00 s/step  ~77h44m left",  # 3998 x 70 s
+                     "train step 3/4000  3600.00 s/step  ~3997h00m left"]
+    assert [run_logging._duration(s) for s in (0.4, 59.6, 187, 3599, 7500)] == ["0s", "1m00s", "3m07s", "59m59s", "2h05m"]
 
 
 def _grads_at_step(trainer):

@@ -123,8 +123,10 @@ class RunLogger:
         if self._plain and (step % self._every == 0 or step == self._total):
             reward = metrics.get("reward/total")
             per_step = (now - self._since) / max(step - self._since_step, 1)
+            left = self._total - step  # the bar's time remaining, from the latest steps' pace
             print(f"{self._description} step {step}/{self._total}"
-                  + ("" if reward is None else f"  reward {reward:.3f}") + f"  {per_step:.2f} s/step",
+                  + ("" if reward is None else f"  reward {reward:.3f}") + f"  {per_step:.2f} s/step"
+                  + (f"  ~{_duration(left * per_step)} left" if left > 0 else ""),
                   file=sys.stderr, flush=True)
             self._since, self._since_step = now, step
         self._last = now
@@ -247,6 +249,16 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _duration(seconds: float) -> str:
+    """45s, 3m07s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _tensorboard_writer(path: Path, first_step: int):
