@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import time
 import types
 import warnings
 
@@ -151,7 +152,7 @@ def test_a_failing_reward_atom_keeps_the_finished_steps(tmp_path, where):
     else:
         evaluate = failing.evaluate
         failing.evaluate = lambda **kw: (_ for _ in ()).throw(RewardError("judge down")) if (
-            failing.step == 3 and not kw) else evaluate(**kw)
+            failing.step == 3 and kw.get("samples_tag") is None) else evaluate(**kw)  # the periodic one
     with pytest.warns(UserWarning, match=r"RewardError stopped the run (in step 4|in the evaluation after step 3); the steps "
                                          r"finished before it are "
                                          r"saved as checkpoint .*step-00000003"), pytest.raises(RewardError):
@@ -803,6 +804,41 @@ def test_a_plain_progress_line_says_the_time_left_at_the_latest_pace(tmp_path, c
                      "train step 2/4000  70.00 s/step  ~77h44m left",  # 3998 x 70 s
                      "train step 3/4000  3600.00 s/step  ~3997h00m left"]
     assert [run_logging._duration(s) for s in (0.4, 59.6, 187, 3599, 7500)] == ["0s", "1m00s", "3m07s", "59m59s", "2h05m"]
+
+
+def test_each_held_out_evaluation_is_said_as_it_starts_and_ends_and_left_out_of_the_pace(tmp_path, capsys, monkeypatch):
+    # minutes on a large model: before, nothing was said, and the first s/step took the time in
+    from mmrl.core import logging as run_logging
+
+    trainer = make(tmp_path, "train.max_steps=4", "train.eval_every=2", "logging.progress=true",
+                   "logging.tensorboard=false")
+    evaluate, paused = trainer.evaluate, []
+    monkeypatch.setattr(run_logging.RunLogger, "pause", lambda self, seconds: paused.append(seconds))
+    monkeypatch.setattr(trainer, "evaluate", lambda **kw: (time.sleep(0.05), evaluate(**kw))[1])
+    trainer.train()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("held-out")]
+    assert [line.split(":")[0] for line in said] == [
+        "held-out evaluation before training ...", "held-out evaluation before training",
+        "held-out evaluation at step 2 ...", "held-out evaluation at step 2",
+        "held-out evaluation after training ...", "held-out evaluation after training"]
+    assert all(re.fullmatch(r"held-out evaluation .+: \d+\.\d s", line) for line in said[1::2])
+    assert len(paused) == 3 and all(s >= 0.05 for s in paused)  # each evaluation's time, out of the pace
+    make(tmp_path, "train.max_steps=1", "logging.progress=false", name="quiet").train()
+    assert "held-out" not in capsys.readouterr().err
+
+
+def test_time_spent_outside_the_steps_is_left_out_of_their_pace(tmp_path, capsys, monkeypatch):
+    from mmrl.core import logging as run_logging
+
+    clock = iter([0.0, 50.0, 60.0])  # the start; step 1 ends at 50 s, of which 40 s an evaluation; step 2 at 60 s
+    monkeypatch.setattr(run_logging, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    logger = run_logging.RunLogger(tmp_path, total_steps=10, tensorboard=False, progress=True)
+    logger._every = 1
+    logger.pause(40.0)
+    logger.log(1, {})
+    logger.log(2, {})
+    assert capsys.readouterr().err.splitlines() == ["train step 1/10  10.00 s/step  ~1m30s left",
+                                                    "train step 2/10  10.00 s/step  ~1m20s left"]
 
 
 def _grads_at_step(trainer):

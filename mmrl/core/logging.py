@@ -98,6 +98,7 @@ class RunLogger:
             self._progress.start()
         # without a terminal (nohup, CI, a pipe) a bar cannot redraw: a plain line every 5% instead
         self._plain = progress and self._progress is None
+        self._notes = progress
         self._every, self._total, self._description = max(1, total_steps // 20), total_steps, description
         self._last = self._since = time.perf_counter()
         self._since_step = start_step
@@ -130,6 +131,19 @@ class RunLogger:
                   file=sys.stderr, flush=True)
             self._since, self._since_step = now, step
         self._last = now
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` spent outside the steps (an evaluation) out of the s/step and time left."""
+        self._since += seconds
+        self._last += seconds
+
+    def note(self, text: str) -> None:
+        """A line on stderr beside the progress (above the bar on a terminal), where it is on;
+        also after close."""
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, markup=False)
+        elif self._notes:
+            print(text, file=sys.stderr, flush=True)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> Path:
         """A sample table: samples/step_00000010.jsonl, one row per sample."""

@@ -286,7 +286,7 @@ class Trainer:
         try:
             with SignalStop() as stop:
                 if self.eval_before is None:
-                    self.eval_before = self.evaluate(samples_tag="before")
+                    self.eval_before = self._evaluate_noted(logger, "before training", samples_tag="before")
                 self.best.check(self.eval_before)
                 signalled = self._train_steps(logger, stop)
             if self.saved_step != self.step and (signalled is None or self.step > 0):
@@ -336,7 +336,7 @@ class Trainer:
             self.step += 1
             evaluated = None
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
-                evaluated = self.evaluate()
+                evaluated = self._evaluate_noted(logger, f"at step {self.step}")
                 metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
             metrics = distributed.combine_metrics(metrics, self.method.count_metrics)  # every rank: a collective
             if logger is not None:
@@ -360,7 +360,7 @@ class Trainer:
 
     def _finish(self, logger: RunLogger | None, started: float) -> dict[str, Any]:
         """After the last step: the final evaluation, the best checkpoint, summary.json."""
-        eval_after = self.evaluate(samples_tag="after")
+        eval_after = self._evaluate_noted(logger, "after training", samples_tag="after")
         if self._improves(eval_after):  # the final step, saved above
             self._save_best(eval_after)
         checksums = (distributed.weights_checksum(self.params) if self.sharded is None
@@ -638,6 +638,19 @@ class Trainer:
             random.setstate(py_state)
             np.random.set_state(np_state)
         return {k: float(v) for k, v in result.items()}
+
+    def _evaluate_noted(self, logger: RunLogger | None, when: str, samples_tag: str | None = None) -> dict[str, float]:
+        """evaluate(), said on the progress's stderr as it starts and ends: on a large model it
+        takes minutes, which looked like a hang before the first step."""
+        if logger is not None:
+            logger.note(f"held-out evaluation {when} ...")
+        t0 = time.perf_counter()
+        result = self.evaluate(samples_tag=samples_tag)
+        if logger is not None:
+            took = time.perf_counter() - t0
+            logger.pause(took)  # the pace of the steps is the steps' own
+            logger.note(f"held-out evaluation {when}: {took:.1f} s")
+        return result
 
     def _save_after_failure(self, error: Exception, logger: RunLogger | None, unlogged: dict | None) -> None:
         """A run stopped by an error outside the update (a reward atom or tool that raises, an
