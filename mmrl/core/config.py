@@ -516,8 +516,10 @@ class LoggingConfig(Section):
     """Write TensorBoard event files to <output_dir>/tensorboard (metrics.jsonl is written either
     way)."""
     progress: bool = True
-    """Rich progress bar on a terminal (off automatically when output is not a terminal). The
-    libraries' own bars (transformers and diffusers loading and writing weights) follow it."""
+    """Rich progress bar on a terminal; where output is not one (a cluster job's log), a plain
+    line every 5% of the steps with the time left. Each held-out evaluation is said as it starts
+    and ends. The libraries' own bars (transformers and diffusers loading and writing weights)
+    follow it, off without a terminal."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases logging, off by default."""
 
