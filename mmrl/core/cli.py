@@ -163,17 +163,17 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             run = run_dir_of(found)
         if run is None and failed is not None:  # no run to take keys from: the default config's error stands
             raise failed
+        if run is not None:
+            if checkpoint is not None:
+                err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
+                                  highlight=False, soft_wrap=True)
+            cfg = build_config(config, overrides, backend, verb, run)  # a run of another modality is refused here
         if checkpoint is not None:  # a wrong one named now, not after building the model (minutes for a large one)
             if verb == "train":  # `config --checkpoint`: only its settings are read
                 if not best_alias(checkpoint).exists():
                     raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
             else:
                 resolve_checkpoint(checkpoint)
-        if run is not None:
-            if checkpoint is not None:
-                err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
-                                  highlight=False, soft_wrap=True)
-            cfg = build_config(config, overrides, backend, verb, run)
         quiet_library_bars(cfg.logging.progress, diffusers=spec.modality == "diffusion")
         return backend, cfg
 
