@@ -73,6 +73,9 @@ def build(cfg: DLLMTrainConfig):
     from dllm_rl.models import load_mask_predictor
 
     m = cfg.model
+    # The problems first: a data file that is missing or malformed is named in a second, not
+    # after the model has loaded (minutes for an 8B one).
+    task = build_task(cfg)
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory"
@@ -94,7 +97,6 @@ def build(cfg: DLLMTrainConfig):
     predictor.to(device)
     if m.gradient_checkpointing:
         enable_gradient_checkpointing(predictor.model)
-    task = build_task(cfg)
     tok = predictor.tokenizer
     lengths = {}
     for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout

@@ -690,3 +690,21 @@ def test_heldout_reward_and_nfe_are_exact_shares():
         ["a" if i < 105 else "b" for i in range(200)], torch.tensor([1.0] * 105 + [0.0] * 95))
     out = task._evaluate(policy=None)
     assert out["reward"] == 0.525 and out["nfe"] == 0.525 and out["accuracy"] == 0.525
+
+
+def test_jsonl_file_at_fault_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """A missing eval_path (or a bad line) is found in a second: before, the model loaded first
+    (minutes for an 8B one) and only then was the file read."""
+    from dllm_rl import backend, models
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the task's files were read")
+
+    monkeypatch.setattr(models, "load_mask_predictor", no_loading)
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n')
+    cfg = load_config(DLLMTrainConfig, overrides=["task.type=jsonl", f"task.train_path={tmp_path / 't.jsonl'}",
+                                                  f"task.eval_path={tmp_path / 'nope.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"nope.jsonl: cannot read the file: No such file"):
+        backend.build(cfg)
