@@ -143,6 +143,13 @@ class DLLMTaskConfig(Section):
                              "generates its problems")
         if self.type == "jsonl" and self.options:
             raise ValueError("task.options are the arith and sudoku generators' arguments; jsonl takes none")
+        if self.type == "jsonl":  # a warning, not an error: a run's config.yaml holds every key
+            ignored = [f"task.{k} ({getattr(self, k)})" for k in ("num_train", "num_eval", "seed")
+                       if getattr(self, k) != type(self).model_fields[k].default]
+            if ignored:
+                config_warning(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} for the arith and "
+                               "sudoku generators; task.type jsonl uses every line of task.train_path and "
+                               "task.eval_path (write shorter files to use fewer problems)")
         return self
 
 

@@ -2,6 +2,7 @@
 
 import operator
 import re
+import warnings
 
 import pytest
 import torch
@@ -708,3 +709,18 @@ def test_jsonl_file_at_fault_is_named_before_the_model_loads(tmp_path, monkeypat
                                                   f"task.eval_path={tmp_path / 'nope.jsonl'}"])
     with pytest.raises(ConfigError, match=r"nope.jsonl: cannot read the file: No such file"):
         backend.build(cfg)
+
+
+def test_jsonl_task_warns_that_the_generators_sizes_and_seed_are_not_used():
+    """task.num_train=8 with jsonl trained on every line, without a word: it is said now (a
+    warning, as a run's config.yaml holds every key, the defaults included, which pass quietly)."""
+    from dllm_rl.config import DLLMTaskConfig
+
+    files = {"type": "jsonl", "train_path": "a.jsonl", "eval_path": "b.jsonl"}
+    with pytest.warns(UserWarning, match=r"task.num_train \(8\), task.seed \(3\) are for the arith and sudoku "
+                                         r"generators; task.type jsonl uses every line"):
+        DLLMTaskConfig(**files, num_train=8, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DLLMTaskConfig(**files, num_train=4000, num_eval=200, seed=0)  # the defaults, as config.yaml writes them
+        DLLMTaskConfig(type="arith", num_train=8, seed=3)
