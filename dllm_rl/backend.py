@@ -103,35 +103,60 @@ def build(cfg: DLLMTrainConfig):
         for text, kind in ((p.prompt, "prompt"), (p.reference, "reference answer"), (p.answer, "answer")):
             if text not in lengths:
                 try:
-                    lengths[text] = len(tok(text, add_special_tokens=False)["input_ids"])
+                    lengths[text] = count_tokens(tok, text)
                 except Exception as e:  # a fast tokenizer raises a bare Exception
-                    what = f"prompt {text!r}" if kind == "prompt" else f"{kind} {text!r} of {p.prompt!r}"
-                    raise ConfigError(f"task: the model's tokenizer cannot encode the {what}: {e} (the tiny "
+                    what = f"prompt {shown(text)}" if kind == "prompt" else f"{kind} {shown(text)} of {shown(p.prompt)}"
+                    raise ConfigError(f"task: the model's tokenizer cannot encode the {what}{at(p)}: {e} (the tiny "
                                       f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
     longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])
     prompt_length = lengths[longest.prompt]
     try:
         policy = DLLMPolicy(predictor, cfg.rollout, prompt_length, estimator_for(cfg), cfg.model.logprob_chunk)
     except PromptTooLong as e:
-        raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {longest.prompt!r})") from e
+        raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {shown(longest.prompt)}"
+                          f"{at(longest)})") from e
     check_answer_room(task, tok, cfg.rollout)
     return policy, task
+
+
+def count_tokens(tok, text: str) -> int:
+    from transformers import PreTrainedTokenizerBase
+
+    # verbose=False: a text over the tokenizer's model_max_length is ours to refuse, naming it;
+    # transformers' own warning about it ("will result in indexing errors") came first.
+    # A tokenizer of another kind (remote code, the tests' stand-ins) may not take the argument.
+    quiet = {"verbose": False} if isinstance(tok, PreTrainedTokenizerBase) else {}
+    return len(tok(text, add_special_tokens=False, **quiet)["input_ids"])
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """repr(text), its middle cut where longer than `limit`: a prompt of pages is named, not printed."""
+    r = repr(text)
+    return r if len(r) <= limit else f"{r[:limit // 2]}...{r[-(limit // 2 - 3):]} ({len(text)} characters)"
+
+
+def at(problem) -> str:
+    """Where a problem read from a file is (" in train.jsonl, line 3"); "" for a generated one."""
+    return f" in {problem.where}" if problem.where else ""
 
 
 def check_answer_room(task: DLLMTask, tok, rollout) -> None:
     """A ConfigError where the longest reference answer and its <eos> do not fit gen_length:
     no rollout could then be right on it (sudoku's 19-character grids at the default 8). It names
-    that reference, or counts the references of that length and names the first three."""
-    lengths = {p.reference: len(tok(p.reference, add_special_tokens=False)["input_ids"])
-               for p in task.train + task.eval_problems}
+    that reference (and its file and line), or counts the references of that length and names
+    the first three."""
+    lengths, first = {}, {}
+    for p in task.train + task.eval_problems:
+        if p.reference not in lengths:
+            lengths[p.reference], first[p.reference] = count_tokens(tok, p.reference), p
     need = max(lengths.values()) + 1
     if need > rollout.gen_length:
         longest = [text for text, n in lengths.items() if n == need - 1]  # ties: sudoku's grids all are
         if len(longest) == 1:
-            which = f"{longest[0]!r} is {need - 1} tokens, {need} with its <eos>"
+            which = f"{shown(longest[0])}{at(first[longest[0]])} is {need - 1} tokens, {need} with its <eos>"
         else:
-            shown = ", ".join(map(repr, longest[:3])) + (", ..." if len(longest) > 3 else "")
-            which = f"{len(longest)} references ({shown}) are {need - 1} tokens, {need} with their <eos>"
+            names = ", ".join(map(shown, longest[:3])) + (", ..." if len(longest) > 3 else "")
+            which = f"{len(longest)} references ({names}) are {need - 1} tokens, {need} with their <eos>"
         raise ConfigError(
             f"rollout.gen_length ({rollout.gen_length}) cannot hold the task's answers: {which}. Set "
             f"rollout.gen_length to at least {need} (a multiple of rollout.block_length {rollout.block_length}, "
@@ -146,7 +171,7 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
     tok, width, longest = policy.predictor.tokenizer, policy.prompt_length, None
     for text in prompts:
         try:
-            n = len(tok(text, add_special_tokens=False)["input_ids"])
+            n = count_tokens(tok, text)
         except Exception:  # noqa: BLE001, S112  (encode_prompts names the prompt and the character)
             continue
         if n > width:
@@ -156,7 +181,7 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
     try:
         return DLLMPolicy(policy.predictor, policy.rollout, width, policy.estimator, policy.logprob_chunk)
     except PromptTooLong as e:
-        raise ConfigError(f"--prompt: {e} (longest prompt: {longest!r})") from e
+        raise ConfigError(f"--prompt: {e} (longest prompt: {shown(longest)})") from e
 
 
 def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int,

@@ -60,12 +60,14 @@ SPLITS = ("train", "eval")
 class Problem:
     """One task instance. `answer` is what the rewards check (also in meta["answer"]);
     `reference` is the SFT target completion (without <eos>); meta is what the rewards
-    read (the Sample's meta) plus generator details."""
+    read (the Sample's meta) plus generator details. `where` is the file and line of a
+    problem read from a file ("train.jsonl, line 3"), for the errors that name it."""
 
     prompt: str
     answer: str
     reference: str
     meta: dict = field(default_factory=dict)
+    where: str = field(default="", compare=False, repr=False)
 
 
 def split_of(task: str, prompt: str) -> str:

@@ -44,7 +44,7 @@ def _problem(obj: dict, path, lineno: int) -> Problem:
         raise error("reference", f"must be a non-empty string, got {json_type(reference)}")
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
-    return Problem(prompt, answer, reference, meta)
+    return Problem(prompt, answer, reference, meta, where=f"{path}, line {lineno}")
 
 
 @reward_atom("answer", weight=1.0)

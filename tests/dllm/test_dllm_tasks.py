@@ -724,3 +724,29 @@ def test_jsonl_task_warns_that_the_generators_sizes_and_seed_are_not_used():
         warnings.simplefilter("error")
         DLLMTaskConfig(**files, num_train=4000, num_eval=200, seed=0)  # the defaults, as config.yaml writes them
         DLLMTaskConfig(type="arith", num_train=8, seed=3)
+
+
+@pytest.mark.parametrize("line, needle", [
+    ({"prompt": "1+" * 80 + "1=", "answer": 81},  # 162 tokens: over the context of 96
+     r"\(longest prompt: '1\+1\+.*\.\.\..*1\+1=' \(162 characters\) in \S*t.jsonl, line 2\)"),
+    ({"prompt": "What?", "answer": 2}, r"cannot encode the prompt 'What\?' in \S*t.jsonl, line 2: "),
+    ({"prompt": "1+1=", "answer": "2" * 20}, r"'2{20}' in \S*t.jsonl, line 2 is 20 tokens, 21 with its <eos>"),
+])
+def test_jsonl_prompt_or_answer_the_model_cannot_take_is_named_by_file_and_line(tmp_path, capsys, line, needle):
+    """A prompt too long for the context, with a character the tokenizer lacks, or an answer
+    over gen_length: the error names its file and line (it named the text alone, which in a file
+    of thousands is a search), and cuts a long prompt's middle (it printed all of it) without
+    transformers' warning about its length first."""
+    import json
+
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n' + json.dumps(line) + "\n")
+    cfg = load_config(DLLMTrainConfig, overrides=["task.type=jsonl", f"task.train_path={tmp_path / 't.jsonl'}",
+                                                  f"task.eval_path={tmp_path / 't.jsonl'}"])
+    with pytest.raises(ConfigError, match=needle) as e:
+        backend.build(cfg)
+    assert len(str(e.value)) < 400
+    assert "Token indices sequence length" not in "".join(capsys.readouterr())
