@@ -48,7 +48,7 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
     t = cfg.task
     spec = get_task(t.type)
     if t.type == "jsonl":
-        from dllm_rl.tasks.jsonl import load_problems
+        from dllm_rl.tasks.jsonl import check_overlap, load_problems
         from mmrl.core.jsonl import DatasetError
 
         try:
@@ -56,6 +56,7 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
             evaluation = load_problems(resolve_file(t.eval_path, cfg.base_dir))
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
+        check_overlap(train, evaluation)
     else:
         try:
             train = spec.sample_problems(t.num_train, t.seed, "train", **t.options)

@@ -17,6 +17,7 @@ reward.atoms. Every error is a DatasetError naming the file, the line and the fi
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field, to_sample  # noqa: F401  (exposed)
@@ -32,6 +33,30 @@ def load_problems(path: str | os.PathLike) -> list[Problem]:
     if not problems:
         raise DatasetError(path, None, None, "empty dataset: no problems")
     return problems
+
+
+def check_overlap(train: Sequence[Problem], evaluation: Sequence[Problem]) -> None:
+    """Warn (one warning each, naming the first case) where held-out prompts are also training
+    prompts (held-out accuracy then counts problems the model trained on), and where one prompt
+    has two answers (the answer atom can reward only one of them on a given line). Both may
+    be meant; neither was said."""
+    first: dict[str, Problem] = {}
+    for p in train:
+        first.setdefault(p.prompt, p)
+    seen = [p for p in evaluation if p.prompt in first]
+    if seen:
+        p, n = seen[0], len(seen)
+        warnings.warn(f"{n} of the {len(evaluation)} held-out problems {'has' if n == 1 else 'have'} a training "
+                      f"problem's prompt (the first: {p.prompt!r}, {p.where}; {first[p.prompt].where}): held-out "
+                      "accuracy counts problems the model trains on", UserWarning, stacklevel=2)
+    for p in evaluation:
+        first.setdefault(p.prompt, p)
+    clash = [p for p in (*train, *evaluation) if p.answer != first[p.prompt].answer]
+    if clash:
+        p, q, n = clash[0], first[clash[0].prompt], len(clash)
+        warnings.warn(f"{n} problem{'s' if n > 1 else ''} repeat{'' if n > 1 else 's'} a prompt with another answer "
+                      f"(the first: {p.prompt!r}, answer {q.answer!r} on {q.where}; {p.answer!r} on {p.where}): "
+                      "a completion can be right on one of them only", UserWarning, stacklevel=2)
 
 
 def _problem(obj: dict, path, lineno: int) -> Problem:

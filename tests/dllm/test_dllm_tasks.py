@@ -750,3 +750,29 @@ def test_jsonl_prompt_or_answer_the_model_cannot_take_is_named_by_file_and_line(
         backend.build(cfg)
     assert len(str(e.value)) < 400
     assert "Token indices sequence length" not in "".join(capsys.readouterr())
+
+
+def test_jsonl_held_out_prompts_seen_in_training_and_prompts_with_two_answers_are_warned(tmp_path):
+    """A held-out prompt that is also a training prompt (its accuracy is then not held out), and
+    one prompt given two answers, each passed without a word; exact repeats stay quiet."""
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.config import load_config
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "3+4=", "answer": 7}\n{"prompt": "1+1=", "answer": 2}\n'
+                                          '{"prompt": "3+4=", "answer": "8"}\n{"prompt": "1+1=", "answer": 2}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "2+2=", "answer": 4}\n{"prompt": "1+1=", "answer": 2}\n')
+    cfg = load_config(DLLMTrainConfig, overrides=["task.type=jsonl", f"task.train_path={tmp_path / 'train.jsonl'}",
+                                                  f"task.eval_path={tmp_path / 'eval.jsonl'}"])
+    with pytest.warns(UserWarning) as caught:
+        task = backend.build_task(cfg)  # as train, eval and sample build it
+    train, evaluation = task.train, task.eval_problems
+    overlap, clash = (str(w.message) for w in caught)
+    assert overlap.startswith("1 of the 2 held-out problems has a training problem's prompt (the first: '1+1=', ")
+    assert "eval.jsonl, line 2; " in overlap and "train.jsonl, line 2)" in overlap
+    assert clash.startswith("1 problem repeats a prompt with another answer (the first: '3+4=', answer '7' on ")
+    assert "train.jsonl, line 1; '8' on " in clash and "train.jsonl, line 3)" in clash
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jsonl.check_overlap(train[1:2] * 2, evaluation[:1])
