@@ -189,11 +189,16 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
            greedy: bool = False) -> list[dict]:
     """n answers (rollout temperature and strategy, seeded) to each --prompt or held-out problem;
     greedy: the one answer held-out evaluation decodes (temperature 0, rollout.eval_strategy
-    where set). Held-out problems, and --prompt problems in the task's format ("12+3=", a
-    sudoku with one solution), are scored by the task's atoms."""
+    where set). Held-out problems, and --prompt problems of the task (a jsonl file's prompt, with
+    its answer and fields) or in its format ("12+3=", a sudoku with one solution), are scored
+    by the task's atoms."""
     from dllm_rl.tasks import Problem, parse_problem
 
-    problems = [parse_problem(task.name, p) or Problem(p, "", "", {}) for p in prompts] or task.eval_problems[:2]
+    known = {}  # a jsonl task's prompts have no format to parse: their answers are in the files
+    for q in (*task.eval_problems, *task.train):
+        known.setdefault(q.prompt, q)
+    problems = ([known.get(p) or parse_problem(task.name, p) or Problem(p, "", "", {}) for p in prompts]
+                or task.eval_problems[:2])
     policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
     # A CPU generator on any model.device: on the CPU the sampler draws its noise from it; on a

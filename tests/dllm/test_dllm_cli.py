@@ -243,3 +243,18 @@ def test_max_new_tokens_is_gen_length_and_a_setting_of_it_is_said_to_be_ignored(
         cfg = load_config(DLLMTrainConfig, None, ["rollout.gen_length=16", "rollout.steps=16"],
                           defaults=backend.DEFAULT_CONFIG)
     assert cfg.rollout.max_new_tokens == 16 and "max_new_tokens" not in cfg.model_dump()["rollout"]
+
+
+def test_sample_scores_a_prompt_of_the_jsonl_files(small_sets, tmp_path):
+    """A jsonl task's --prompt that is one of its files' prompts is scored against that line's
+    answer (a jsonl prompt has no format to parse: it was sampled unscored); other text is not."""
+    (tmp_path / "t.jsonl").write_text('{"prompt": "12+7=", "answer": 19, "source": "quiz"}\n')
+    (tmp_path / "e.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n')
+    sets = [a for flag, kv in zip(small_sets[::2], small_sets[1::2]) if not kv.startswith("task.num_")
+            for a in (flag, kv)]  # jsonl uses every line
+    rows = json_lines(ok(invoke("sample", *sets, "--set", "task.type=jsonl", "--set", f"task.train_path={tmp_path / 't.jsonl'}",
+                                "--set", f"task.eval_path={tmp_path / 'e.jsonl'}", "--prompt", "12+7=", "--prompt", "12+8=",
+                                "--greedy", "--set", f"output_dir={tmp_path}")).stdout)
+    assert [row["prompt"] for row in rows] == ["12+7=", "12+8="]
+    assert rows[0]["gold"] == "19" and rows[0]["atoms"] == {"answer": float(rows[0]["completion"].strip() == "19")}
+    assert "gold" not in rows[1]
