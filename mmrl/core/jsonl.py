@@ -90,6 +90,12 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
         raise error("answer", f"must be a string or a number, got {json_type(answer)}")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise error("answer", f"must be a finite number, got {answer}")
+    if isinstance(answer, float) and ("e" in repr(answer) or abs(answer) >= 2**53):
+        # the atoms compare text: 1e30 read as "1000000000000000019884624838656" (the float's
+        # digits, not the ones written) and 1e-7 as "1e-07", which no model writes
+        raise error("answer", f"the number {answer!r} has no exact plain text (a float this large or small is "
+                              "rounded or shown with an exponent): write the answer as a string, as the "
+                              "model should write it")
     # an integral float as the integer it is (pandas writes an int column holding a NaN as 2.0):
     # the answer atoms compare text, and "2" would never match "2.0"
     answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)

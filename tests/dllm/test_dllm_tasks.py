@@ -345,6 +345,10 @@ def test_jsonl_problems_their_fields_and_the_answer_atom(tmp_path):
     ('["1=", 1]', "line 1: expected a JSON object, got a list"),
     ('{"prompt": "1=", "answer": 1', "line 1: invalid JSON"),
     ("", "empty dataset"),
+    # a float whose text is not the number written: 1e30 read as "1000000000000000019884624838656"
+    ('{"prompt": "1=", "answer": 1e30}', "field 'answer': the number 1e+30 has no exact plain text"),
+    ('{"prompt": "1=", "answer": 1e-7}', "field 'answer': the number 1e-07 has no exact plain text"),
+    ('{"prompt": "1=", "answer": 9007199254740993.0}', "field 'answer': the number 9007199254740992.0 has no"),
 ])
 def test_jsonl_bad_lines_name_the_file_line_and_field(tmp_path, line, where):
     from dllm_rl.tasks import jsonl
