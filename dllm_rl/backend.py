@@ -69,14 +69,21 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
 
 
 def build(cfg: DLLMTrainConfig):
+    # The problems first: a data file that is missing or malformed is named in a second, not
+    # after the model has loaded (minutes for an 8B one).
+    task = build_task(cfg)
+    return build_policy(cfg, task), task
+
+
+def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPolicy:
+    """The policy, its prompt width that of the task's longest prompt, after checking that the
+    tokenizer encodes every prompt and answer and that they fit. No task (`export`, which
+    decodes nothing): no prompt width, and the task's data files are not read."""
     import dllm_rl.methods  # noqa: F401  (registers diffu_grpo and tracerl)
     from dllm_rl.methods import estimator_for
     from dllm_rl.models import load_mask_predictor
 
     m = cfg.model
-    # The problems first: a data file that is missing or malformed is named in a second, not
-    # after the model has loaded (minutes for an 8B one).
-    task = build_task(cfg)
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory"
@@ -98,6 +105,11 @@ def build(cfg: DLLMTrainConfig):
     predictor.to(device)
     if m.gradient_checkpointing:
         enable_gradient_checkpointing(predictor.model)
+    if task is None:
+        try:
+            return DLLMPolicy(predictor, cfg.rollout, 0, estimator_for(cfg), cfg.model.logprob_chunk)
+        except PromptTooLong as e:
+            raise ConfigError(f"rollout.gen_length: {e}") from e
     tok = predictor.tokenizer
     lengths = {}
     for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout
@@ -117,7 +129,7 @@ def build(cfg: DLLMTrainConfig):
         raise ConfigError(f"rollout.gen_length / task: {e} (longest prompt: {shown(longest.prompt)}"
                           f"{at(longest)})") from e
     check_answer_room(task, tok, cfg.rollout)
-    return policy, task
+    return policy
 
 
 def count_tokens(tok, text: str) -> int:

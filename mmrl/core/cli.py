@@ -5,7 +5,8 @@ modality's `BackendSpec`. A backend is a module exposing
     CONFIG_CLASS     its TrainConfig subclass
     DEFAULT_CONFIG   the embedded default run (a dict, merged under --config)
     build(cfg)       -> (policy, task), the protocols of mmrl.core.protocols
-and optionally `sample(cfg, policy, prompts, n) -> list[dict]`. User errors
+and optionally `sample(cfg, policy, prompts, n) -> list[dict]` and `build_policy(cfg) -> policy`
+(the policy without the task, for `export`: a run exported where its data files are not). User errors
 (bad config, missing file, nothing to resume) print one paragraph and exit
 non-zero; only bugs show a traceback.
 """
@@ -353,7 +354,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             if out.exists() and (not out.is_dir() or any(out.iterdir())):
                 raise ConfigError(f"--out {out} is not a new or empty directory; export writes nothing over files")
             backend, cfg = get_backend(config, list(set_), "export", checkpoint)
-            policy, _ = backend.build(cfg)
+            # export needs no task: where the backend can build its policy alone, the run's data
+            # files need not be there (a run copied to another machine, its data left behind)
+            policy = backend.build_policy(cfg) if hasattr(backend, "build_policy") else backend.build(cfg)[0]
             source = resolve_checkpoint(checkpoint)  # a run's newest checkpoint: found once, loaded and named
             load_checkpoint(policy, source)
             if not hasattr(policy, "export_pretrained"):

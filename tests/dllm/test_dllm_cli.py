@@ -258,3 +258,24 @@ def test_sample_scores_a_prompt_of_the_jsonl_files(small_sets, tmp_path):
     assert [row["prompt"] for row in rows] == ["12+7=", "12+8="]
     assert rows[0]["gold"] == "19" and rows[0]["atoms"] == {"answer": float(rows[0]["completion"].strip() == "19")}
     assert "gold" not in rows[1]
+
+
+def test_export_of_a_jsonl_run_needs_not_its_data_files(tiny_dllm, tmp_path):
+    """export decodes nothing: a run's checkpoint exports where its task.train_path and
+    task.eval_path are gone (a run copied to another machine); before, it stopped naming them."""
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from dllm_rl.models import load_mask_predictor
+    from mmrl.core.config import load_config
+
+    cfg = load_config(DLLMTrainConfig, None, [f"model.path={tiny_dllm}", "task.num_train=4", "task.num_eval=2"],
+                      defaults=backend.DEFAULT_CONFIG)
+    policy, _ = backend.build(cfg)
+    policy.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "run.yaml").write_text(f"model: {{path: {tiny_dllm}}}\n"
+                                       "task: {type: jsonl, train_path: gone/train.jsonl, eval_path: gone/eval.jsonl}\n")
+    r = ok(invoke("export", "--checkpoint", tmp_path / "ckpt", "--config", tmp_path / "run.yaml", "-o", tmp_path / "out"))
+    assert f"wrote {tmp_path / 'out'}" in " ".join(r.output.split())
+    loaded = load_mask_predictor(tmp_path / "out")
+    for (name, want), got in zip(policy.model.state_dict().items(), loaded.model.state_dict().values(), strict=True):
+        assert torch.equal(want, got), name
