@@ -32,7 +32,7 @@ class DatasetError(ValueError):
 
 def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a UTF-8 JSONL file (a byte-order mark
-    allowed); a DatasetError naming the line for text that is not one JSON object."""
+    allowed, at the start of any line); a DatasetError naming the line for text that is not one JSON object."""
     path = Path(path).expanduser()
     try:
         raw = path.read_bytes()
@@ -47,7 +47,9 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         ) from e
     # split on "\n" only: str.splitlines() would also split at U+2028 etc., which JSON
     # strings may hold unescaped, and the line numbers would drift from an editor's
-    for lineno, line in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        # a byte-order mark opens the file, or a line where files were joined (`cat a.jsonl b.jsonl`)
+        line = line.removeprefix("\ufeff")
         if not line.strip():
             continue
         try:

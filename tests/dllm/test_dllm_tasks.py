@@ -780,3 +780,15 @@ def test_jsonl_held_out_prompts_seen_in_training_and_prompts_with_two_answers_ar
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jsonl.check_overlap(train[1:2] * 2, evaluation[:1])
+
+
+def test_jsonl_files_joined_with_their_byte_order_marks_read_every_line(tmp_path):
+    """`cat a.jsonl b.jsonl` of two files saved with a BOM puts one at the start of a line inside:
+    it was "invalid JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)", advice that fits no
+    file; a BOM opening any line is read as the one opening the file is. CRLF ends are read too."""
+    from dllm_rl.tasks import jsonl
+
+    bom = "\ufeff".encode()
+    (tmp_path / "p.jsonl").write_bytes(bom + b'{"prompt": "1+1=", "answer": 2}\r\n' + bom + b'{"prompt": "1+2=", "answer": 3}\r\n')
+    assert [(p.prompt, p.answer, p.where[-6:]) for p in jsonl.load_problems(tmp_path / "p.jsonl")] == [
+        ("1+1=", "2", "line 1"), ("1+2=", "3", "line 2")]
