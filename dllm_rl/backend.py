@@ -199,9 +199,9 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
 
 def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: list[str], n: int,
            greedy: bool = False) -> list[dict]:
-    """n answers (rollout temperature and strategy, seeded) to each --prompt or held-out problem;
-    greedy: the one answer held-out evaluation decodes (temperature 0, rollout.eval_strategy
-    where set). Held-out problems, and --prompt problems of the task (a jsonl file's prompt, with
+    """n answers (rollout temperature and strategy, seeded; in batches of rollout.eval_batch_size)
+    to each --prompt or held-out problem; greedy: the one answer held-out evaluation decodes
+    (temperature 0, rollout.eval_strategy where set). Held-out problems, and --prompt problems of the task (a jsonl file's prompt, with
     its answer and fields) or in its format ("12+3=", a sudoku with one solution), are scored
     by the task's atoms."""
     from dllm_rl.tasks import Problem, parse_problem
@@ -217,14 +217,20 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
     # GPU from a GPU generator it seeds (samplers.decode). A seed fixes the answers on a device.
     gen = torch.Generator().manual_seed(cfg.seed)
     try:
-        if greedy:
-            result, _ = policy.decode(texts, None, temperature=0.0, strategy=cfg.rollout.eval_strategy)
-        else:
-            result, _ = policy.decode(texts, gen, temperature=cfg.rollout.temperature)
+        policy.encode_prompts(list(dict.fromkeys(texts)))  # every prompt checked before any decoding
     except PromptError as e:  # too long, or a character the tokenizer has no token for
         raise ConfigError(f"--prompt: {e}") from e
-    answers = policy.answer_text(result.completion)
-    nfe = result.nfe.tolist()  # one copy from the model's device, not one per row
+    answers, nfe = [], []
+    # in batches of rollout.eval_batch_size, as eval decodes: --num 64 of a few prompts was one
+    # batch of hundreds of rows, whose logits alone can fill a GPU at an 8B model's vocabulary
+    for start in range(0, len(texts), cfg.rollout.eval_batch_size):
+        chunk = texts[start:start + cfg.rollout.eval_batch_size]
+        if greedy:
+            result, _ = policy.decode(chunk, None, temperature=0.0, strategy=cfg.rollout.eval_strategy)
+        else:
+            result, _ = policy.decode(chunk, gen, temperature=cfg.rollout.temperature)
+        answers += policy.answer_text(result.completion)
+        nfe += result.nfe.tolist()  # one copy from the model's device per batch, not one per row
     rows = []
     for k, (text, answer) in enumerate(zip(texts, answers)):
         problem = problems[k // n]

@@ -279,3 +279,23 @@ def test_export_of_a_jsonl_run_needs_not_its_data_files(tiny_dllm, tmp_path):
     loaded = load_mask_predictor(tmp_path / "out")
     for (name, want), got in zip(policy.model.state_dict().items(), loaded.model.state_dict().values(), strict=True):
         assert torch.equal(want, got), name
+
+
+def test_sample_decodes_in_batches_of_eval_batch_size(small_sets, make_run, monkeypatch):
+    """`sample --num 5` of 2 prompts was one batch of 10 rows whatever rollout.eval_batch_size
+    said (hundreds of rows at a large --num: an 8B model's logits fill a GPU); it decodes in
+    batches as eval does, and greedily gives eval's answers."""
+    from dllm_rl import backend
+    from dllm_rl.policy import DLLMPolicy
+
+    cfg, policy, task = make_run("rollout.eval_batch_size=3")
+    sizes = []
+    decode = DLLMPolicy.decode
+    monkeypatch.setattr(DLLMPolicy, "decode", lambda self, texts, *a, **k: sizes.append(len(texts)) or
+                        decode(self, texts, *a, **k))
+    rows = backend.sample(cfg, policy, task, ["12+3=", "1+1="], 5)
+    assert sizes == [3, 3, 3, 1] and [r["prompt"] for r in rows] == ["12+3="] * 5 + ["1+1="] * 5
+    sizes.clear()
+    greedy = backend.sample(cfg, policy, task, [p.prompt for p in task.eval_problems[:4]], 1, greedy=True)
+    assert sizes == [3, 1]
+    assert [r["completion"] for r in greedy] == task.answers(policy, task.eval_problems[:4], 0.0)[0]

@@ -873,6 +873,9 @@ class _SampleDecoder:
     def answer_text(self, completion):
         return list(completion)
 
+    def encode_prompts(self, texts):  # sample checks every prompt first: these all encode
+        return None, None
+
 
 def test_dllm_sample_scores_prompts_in_the_tasks_format_for_each_of_n_answers():
     """"12+3=" (arith: gold 15) and "hello" (not scored), n = 2: rows 0-1 the first, 2-3 the
