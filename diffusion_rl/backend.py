@@ -68,18 +68,30 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
                                                    base_dir=cfg.base_dir)  # relative paths: the config's directory
         except ValueError as e:
             raise ConfigError(f"task.image_atoms: {e}") from e
+        for a in image_atoms:  # evaluation logs each atom's mean under its name, beside its own metrics
+            if a.name in DiffusionTask.metric_names or a.name.startswith(DiffusionTask.metric_prefixes):
+                raise ConfigError(f"task.image_atoms: atom name {a.name!r} is taken by an evaluation metric "
+                                  "(held-out evaluation logs each atom's mean under its name); give the spec "
+                                  "another 'name'")
+            if a.name in {s.name for s in shapes}:
+                raise ConfigError(f"task.image_atoms: atom name {a.name!r} is a shapes-geneval atom's "
+                                  f"({', '.join(s.name for s in shapes)}); give the spec another 'name'")
     whole = None  # the whole-prompt reward: image atoms not gated by a shapes atom (those score 0)
     if t.unparsed == "whole_prompt":
         whole = [a.name for a in image_atoms if not {s.name for s in shapes} & set(a.parents)]
         if not whole:
             raise ConfigError("task.unparsed=whole_prompt: every image atom is gated by a shapes atom, which "
                               "scores an undecomposable prompt 0; add an ungated one (e.g. type clip_score)")
+    try:  # an image atom gated on an atom that is not there
+        reward = Reward([*shapes, *image_atoms])
+    except ValueError as e:
+        raise ConfigError(f"task.image_atoms: {e}") from e
     disjoint = t.held_out == "disjoint"
     train = (_prompt_file(t.train_path, cfg.base_dir, "train_path", whole)
              or sample_prompts(t.num_train, t.seed, split="train", disjoint=disjoint))
     evaluation = (_prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole)
                   or sample_prompts(t.num_eval, t.seed, split="eval", disjoint=disjoint))
-    return DiffusionTask(t.type, train, evaluation, Reward([*shapes, *image_atoms]), eval_seeds=t.eval_seeds,
+    return DiffusionTask(t.type, train, evaluation, reward, eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
                          hard_min_atoms=t.hard_min_atoms)
 

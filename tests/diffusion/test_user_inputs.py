@@ -1,0 +1,43 @@
+"""A user's own inputs to the image backend, each checked where it is given: task.image_atoms
+specs whose names or parents do not fit the task's reward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffusion_rl import backend
+from diffusion_rl.config import DiffusionTrainConfig
+from mmrl.core.config import ConfigError, load_config
+
+SCORER = "def make(device):\n    return lambda images, prompts: [0.5] * len(images)\n"
+
+
+def _cfg(tmp_path, **task):
+    """The default run with these task keys, from a config file in tmp_path (beside scorer.py)."""
+    (tmp_path / "scorer.py").write_text(SCORER)
+    (tmp_path / "run.yaml").write_text(json.dumps({"task": {"num_train": 4, "num_eval": 8, **task}}))
+    return load_config(DiffusionTrainConfig, tmp_path / "run.yaml", defaults=backend.DEFAULT_CONFIG)
+
+
+def _atom(**extra):
+    return {"type": "preference", "kind": "custom", "path": "scorer.py:make", **extra}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    # evaluation's "reward" (the mean total) was overwritten by this atom's mean, silently
+    ({"name": "reward"}, r"task.image_atoms: atom name 'reward' is taken by an evaluation metric"),
+    ({"name": "hard/x"}, r"task.image_atoms: atom name 'hard/x' is taken by an evaluation metric"),
+    # these two were tracebacks from the core Reward
+    ({"name": "exist"}, r"task.image_atoms: atom name 'exist' is a shapes-geneval atom's \(exist, colour"),
+    ({"parents": ["nope"]}, r"task.image_atoms: reward atom 'preference': parent 'nope' is not an atom"),
+])
+def test_image_atom_names_and_parents_that_do_not_fit_are_config_errors(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        backend.build_task(_cfg(tmp_path, image_atoms=[_atom(**extra)]))
+
+
+def test_an_image_atom_may_be_gated_on_a_shapes_atom(tmp_path):
+    task = backend.build_task(_cfg(tmp_path, image_atoms=[_atom(parents=["exist"])]))
+    assert task.other_atoms() == ["preference"]
