@@ -217,8 +217,8 @@ def clip_score_atom(
         device=_check_device(device),
         batch_size=_check_batch_size(batch_size),
         scale=_check_scale(scale),
-        clamp=bool(clamp),
-        precision=precision,
+        clamp=_check_clamp(clamp),
+        precision=_check_precision(precision),
     )
     return RewardAtom(name, scorer, weight=weight, parents=parents, batched=True)
 
@@ -1028,6 +1028,24 @@ def _check_scale(scale) -> float:
     if isinstance(scale, bool) or not math.isfinite(value):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     return value
+
+
+def _check_clamp(clamp) -> bool:
+    # bool() read the string "false" (a quoted YAML value) as True
+    if not isinstance(clamp, (bool, np.bool_)):
+        raise ValueError(f"clamp must be true or false, got {clamp!r}")  # noqa: TRY004
+    return bool(clamp)
+
+
+OPEN_CLIP_PRECISIONS = ("fp32", "fp16", "bf16", "pure_fp16", "pure_bf16")
+
+
+def _check_precision(precision) -> str:
+    # open_clip loads any other name ("bfloat16", "fp8") in fp32, saying nothing
+    if precision not in OPEN_CLIP_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(OPEN_CLIP_PRECISIONS)} (open_clip's names), "
+                         f"got {precision!r}")
+    return precision
 
 
 def _resolve(path, base_dir) -> Path:

@@ -276,6 +276,18 @@ def test_scale_and_batch_size_must_be_finite_numbers_and_positive_ints(tiny_open
         clip_score_atom(f"local-dir:{Path(config).parent}", weights)
 
 
+@pytest.mark.parametrize(("key", "bad", "message"), [
+    ("clamp", "false", r"clamp must be true or false, got 'false'"),  # bool("false") was True
+    ("precision", "bfloat16", r"precision must be one of fp32, fp16, bf16.*got 'bfloat16'"),  # was fp32
+    ("precision", "fp8", r"precision must be one of .*got 'fp8'"),
+])
+def test_clamp_and_precision_of_a_spec_are_checked_not_coerced(tiny_open_clip, key, bad, message):
+    _, config, weights = tiny_open_clip
+    spec = {"type": "clip_score", "model": config, "pretrained": weights, key: bad}
+    with pytest.raises(ValueError, match=r"image reward spec 0 \(clip_score\): " + message):
+        build_image_reward_atoms([spec])
+
+
 # ---------------------------------------------------------------------------- inputs
 
 
