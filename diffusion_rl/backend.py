@@ -167,7 +167,7 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
 
 def build(cfg: DiffusionTrainConfig):
     import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
-    from diffusion_rl.models import load_flow_model
+    from diffusion_rl.models import ImageSizeError, load_flow_model
 
     m = cfg.model
     device = model_device(m.device)  # before any loading: a GPU asked for and absent is a ConfigError now
@@ -178,6 +178,8 @@ def build(cfg: DiffusionTrainConfig):
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
                                guidance_scale=m.guidance_scale, device=device)  # transformer, VAE, text encoders
+    except ImageSizeError as e:
+        raise ConfigError(f"model.height / model.width: {e}") from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
     from diffusion_rl.calibrate import MODEL_WINDOW_FILE

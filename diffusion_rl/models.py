@@ -186,6 +186,11 @@ def _class_of(family: str) -> str:
     return next(k for k, v in FAMILIES.items() if v == family)
 
 
+class ImageSizeError(ConfigError):
+    """An image height or width the model cannot draw (not a multiple of its pixels per token):
+    the config's model.height / model.width, not its model.path, are at fault."""
+
+
 class FlowModel:
     """A flow-matching text-to-image model: frozen text encoders and VAE around a trainable
     transformer. Build one with `load_flow_model`; the family subclasses differ only in
@@ -239,7 +244,7 @@ class FlowModel:
         self._setup()
         unit = self.token_unit
         if self.height % unit or self.width % unit or self.height <= 0 or self.width <= 0:
-            raise ConfigError(
+            raise ImageSizeError(
                 f"height x width = {self.height} x {self.width} must be positive multiples of {unit} "
                 f"for this {self.family} model (VAE factor x patch size)"
             )

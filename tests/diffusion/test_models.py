@@ -23,6 +23,7 @@ from diffusion_rl.models import (
     FlowModel,
     Flux2FlowModel,
     FluxFlowModel,
+    ImageSizeError,
     QwenImageFlowModel,
     SD3FlowModel,
     _load_component,
@@ -693,8 +694,9 @@ def test_a_pixel_space_prediction_other_than_velocity_or_sample_is_refused(loade
 
 @pytest.mark.parametrize("height, width", [(0, 64), (64, 0), (-8, 64), (64, 60), (60, 64)])
 def test_a_size_of_0_or_off_the_token_grid_is_refused(loaded, height, width):
-    """FLUX with the tiny 4x VAE: 8 pixels per token side; 0 is a multiple of 8 but no image."""
-    with pytest.raises(ConfigError, match="must be positive multiples of 8"):
+    """FLUX with the tiny 4x VAE: 8 pixels per token side; 0 is a multiple of 8 but no image. An
+    ImageSizeError: the CLI names model.height / model.width for it, not model.path."""
+    with pytest.raises(ImageSizeError, match="must be positive multiples of 8"):
         _fresh(loaded("flux"), height=height, width=width)
 
 

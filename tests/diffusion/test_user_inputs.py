@@ -41,3 +41,21 @@ def test_image_atom_names_and_parents_that_do_not_fit_are_config_errors(tmp_path
 def test_an_image_atom_may_be_gated_on_a_shapes_atom(tmp_path):
     task = backend.build_task(_cfg(tmp_path, image_atoms=[_atom(parents=["exist"])]))
     assert task.other_atoms() == ["preference"]
+
+
+
+def test_an_image_size_the_model_cannot_draw_names_model_height_and_width_not_the_path(tmp_path, monkeypatch):
+    """A size off the token grid is refused as model.height / model.width (it read `model.path:
+    cannot load .../tiny-flow: ...`, as if the model were at fault). The model's own refusal is
+    an ImageSizeError (tests/diffusion/test_models.py::test_a_size_of_0_or_off_the_token_grid_is_refused)."""
+    from diffusion_rl import models
+
+    def load(path, **kw):
+        raise models.ImageSizeError(f"height x width = {kw['height']} x 64 must be positive multiples of 8")
+
+    monkeypatch.setattr(models, "load_flow_model", load)
+    cfg = _cfg(tmp_path)
+    cfg.model.height = 30
+    with pytest.raises(ConfigError) as e:
+        backend.build(cfg)
+    assert str(e.value) == "model.height / model.width: height x width = 30 x 64 must be positive multiples of 8"
