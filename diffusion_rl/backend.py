@@ -175,6 +175,8 @@ def build(cfg: DiffusionTrainConfig):
     if m.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
         print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
               f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
+    # the prompt files and image atoms first: a bad line is named before a model of minutes' loading
+    task = build_task(cfg)
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
                                guidance_scale=m.guidance_scale, device=device)  # transformer, VAE, text encoders
@@ -199,7 +201,7 @@ def build(cfg: DiffusionTrainConfig):
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
     if m.gradient_checkpointing:
         enable_gradient_checkpointing(flow.transformer)
-    return DiffusionPolicy(flow, cfg.rollout), build_task(cfg)
+    return DiffusionPolicy(flow, cfg.rollout), task
 
 
 # `sample --greedy` (the language backends' greedy decode) is refused before the model is built, with this reason

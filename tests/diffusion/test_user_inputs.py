@@ -59,3 +59,17 @@ def test_an_image_size_the_model_cannot_draw_names_model_height_and_width_not_th
     with pytest.raises(ConfigError) as e:
         backend.build(cfg)
     assert str(e.value) == "model.height / model.width: height x width = 30 x 64 must be positive multiples of 8"
+
+
+def test_a_bad_prompt_file_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """build read the prompt files after loading the model (minutes for a FLUX checkpoint) only
+    to refuse line 2."""
+    from diffusion_rl import models
+
+    def load(path, **kw):
+        raise AssertionError("the model was loaded before the prompt file was read")
+
+    monkeypatch.setattr(models, "load_flow_model", load)
+    (tmp_path / "prompts.txt").write_text("a red circle\nthree pink clouds\n")
+    with pytest.raises(ConfigError, match=r"task.train_path: .*prompts.txt, line 2 \('three pink clouds'\)"):
+        backend.build(_cfg(tmp_path, train_path="prompts.txt"))
