@@ -102,7 +102,7 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
     checked by the shapes-geneval parser. A line it cannot decompose is a ConfigError naming
     the line and the unparsed words, or with `whole_prompt` (the names of the whole-prompt
     reward atoms: task.unparsed=whole_prompt) it is kept, and one warning names every such line."""
-    from diffusion_rl.tasks.shapes_geneval import parse_prompt
+    from diffusion_rl.tasks.shapes_geneval import parse_prompt, shorten
 
     if path is None:
         return None
@@ -126,7 +126,7 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
             parse_prompt(text)
         except ValueError as e:
             if whole_prompt is None:
-                raise ConfigError(f"task.{key}: {file}, line {n} ({text!r}): {e}; to score such prompts "
+                raise ConfigError(f"task.{key}: {file}, line {n} ({shorten(text)!r}): {e}; to score such prompts "
                                   "with a whole-prompt reward instead, set task.unparsed=whole_prompt") from e
             unparsed.append(f"line {n}: {e}")
         prompts.append(text)
@@ -214,7 +214,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
     (task.image_atoms, reward.atoms) each of those and the reward's total."""
-    from diffusion_rl.tasks.shapes_geneval import score_image
+    from diffusion_rl.tasks.shapes_geneval import score_image, shorten
     from mmrl.core.rewards import RewardError, Sample
 
     prompts = prompts or task.eval_prompts[:2]
@@ -234,8 +234,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
         try:
             atoms = score_image(image, text)
         except ValueError as e:  # a free-form prompt the shapes grammar does not cover
-            shown = text if len(text) <= 120 else text[:117] + "..."
-            warnings.warn(f"{shown!r}: not scored ({e})", stacklevel=2)
+            warnings.warn(f"{shorten(text)!r}: not scored ({e})", stacklevel=2)
             atoms = {}
         if extra:
             try:  # an unparsed prompt scores where task.unparsed=whole_prompt, as in evaluation

@@ -284,16 +284,22 @@ def _parse_objects(text: str, prompt: str) -> tuple[list[ObjectSpec], str | None
     try:
         objects, relation = _parse_cached(text)
     except _ParseError as e:
-        raise ValueError(f"cannot parse shapes-geneval prompt {prompt!r}: {e}") from None
+        raise ValueError(f"cannot parse shapes-geneval prompt {shorten(prompt)!r}: {e}") from None
     return list(objects), relation
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """text, cut to `limit` characters with "..." where longer: a long free-form prompt in a
+    message (a whole paragraph, repeated, drowned the words at fault)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _ParseError(Exception):
     def __init__(self, words: list[str], pos: int, expected: str):
         if pos < len(words):
-            what = f"unparsed words {' '.join(words[pos:])!r}"
+            what = f"unparsed words {shorten(' '.join(words[pos:]))!r}"
         else:
-            what = f"nothing after {' '.join(words)!r}"
+            what = f"nothing after {shorten(' '.join(words))!r}"
         super().__init__(f"{what}; expected {expected}")
 
 

@@ -73,3 +73,17 @@ def test_a_bad_prompt_file_is_named_before_the_model_loads(tmp_path, monkeypatch
     (tmp_path / "prompts.txt").write_text("a red circle\nthree pink clouds\n")
     with pytest.raises(ConfigError, match=r"task.train_path: .*prompts.txt, line 2 \('three pink clouds'\)"):
         backend.build(_cfg(tmp_path, train_path="prompts.txt"))
+
+
+def test_a_long_unparsable_prompt_line_is_shown_cut_not_three_times_whole(tmp_path):
+    """A paragraph of a prompt: the error named it whole three times (the line, the prompt, the
+    unparsed words), over 2,000 characters for a 100-word line; each is now cut at 80."""
+    from diffusion_rl.backend import _prompt_file
+
+    path = tmp_path / "p.txt"
+    path.write_text("a red circle\na " + "very " * 100 + "red circle\n")
+    with pytest.raises(ConfigError) as e:
+        _prompt_file(str(path), None, "train_path")
+    message = str(e.value)
+    assert "line 2 ('a very very" in message and "unparsed words 'very very" in message
+    assert "expected a colour" in message and message.count("...'") == 3 and len(message) - len(str(path)) < 500, message
