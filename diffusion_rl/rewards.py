@@ -1011,6 +1011,14 @@ def _check_device(device) -> str:
         torch.device(device)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"device {device!r} is not a torch device: {_describe(e)}") from e
+    where = torch.device(device)
+    if where.type == "cuda":  # checked now: the model loads at the first score, after a whole rollout
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: no CUDA device is visible to this process "
+                             "(torch.cuda.is_available() is False); use device cpu")
+        if (where.index or 0) >= count:
+            raise ValueError(f"device {device!r}: GPU {where.index} does not exist (this process sees {count})")
     return str(device)
 
 

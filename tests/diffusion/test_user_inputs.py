@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from diffusion_rl import backend
 from diffusion_rl.config import DiffusionTrainConfig
@@ -87,3 +88,13 @@ def test_a_long_unparsable_prompt_line_is_shown_cut_not_three_times_whole(tmp_pa
     message = str(e.value)
     assert "line 2 ('a very very" in message and "unparsed words 'very very" in message
     assert "expected a colour" in message and message.count("...'") == 3 and len(message) - len(str(path)) < 500, message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 3, reason="needs a machine with at most 3 GPUs")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_an_image_atom_on_a_gpu_this_machine_lacks_is_refused_when_built(tmp_path, device):
+    """It failed at the first score, when its model loaded, after a whole rollout."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=rf"task.image_atoms: image reward spec 0 \(preference\): device '{device}'"):
+        backend.build_task(_cfg(tmp_path, image_atoms=[_atom(device=device)]))
