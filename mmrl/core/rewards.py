@@ -578,6 +578,9 @@ def _a(noun: str) -> str:
 
 def _describe(exc: BaseException) -> str:
     msg = str(exc)
+    if isinstance(exc, AttributeError) and isinstance(getattr(exc, "obj", None), Sample):
+        # an atom reading sample.image or sample.answer: say which fields there are
+        msg += " (a Sample has prompt, completion and meta: the answer text, or the image, is sample.completion)"
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 

@@ -98,3 +98,17 @@ def test_an_image_atom_on_a_gpu_this_machine_lacks_is_refused_when_built(tmp_pat
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match=rf"task.image_atoms: image reward spec 0 \(preference\): device '{device}'"):
         backend.build_task(_cfg(tmp_path, image_atoms=[_atom(device=device)]))
+
+
+def test_an_atom_reading_sample_image_is_told_the_image_is_sample_completion():
+    """README says an image atom sees "the image", and the natural guess, sample.image, failed
+    with a bare AttributeError."""
+    from PIL import Image
+
+    from diffusion_rl.policy import to_sample
+    from mmrl.core.rewards import Reward, RewardAtom, RewardError
+
+    bright = RewardAtom("bright", lambda s: s.image.getpixel((0, 0))[0] > 100)
+    with pytest.raises(RewardError, match=r"AttributeError: 'Sample' object has no attribute 'image' \(a Sample "
+                                          r"has prompt, completion and meta: .* is sample.completion\)"):
+        Reward([bright]).score([to_sample("a red circle", Image.new("RGB", (8, 8)))])
