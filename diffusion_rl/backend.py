@@ -214,7 +214,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
     (task.image_atoms, reward.atoms) each of those and the reward's total."""
-    from diffusion_rl.tasks.shapes_geneval import score_image, shorten
+    from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image, shorten
     from mmrl.core.rewards import RewardError, Sample
 
     prompts = prompts or task.eval_prompts[:2]
@@ -231,16 +231,20 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     for k, (text, seed, image) in enumerate(zip(texts, seeds, images)):
         path = out / f"{k:03d}_seed{seed}.png"
         image.save(path)
+        parsed = True
         try:
             atoms = score_image(image, text)
         except ValueError as e:  # a free-form prompt the shapes grammar does not cover
-            warnings.warn(f"{shorten(text)!r}: not scored ({e})", stacklevel=2)
+            parsed = False
+            warnings.warn(f"{shorten(text)!r}: no scene-graph verdicts ({e})", stacklevel=2)
             atoms = {}
         if extra:
             try:  # an unparsed prompt scores where task.unparsed=whole_prompt, as in evaluation
                 scores = task.reward.score([Sample(text, image)])
-            except RewardError:  # its shapes atoms refuse it: the warning above said so
-                scores = None
+            except RewardError as e:
+                if parsed or e.atom not in (*ATOM_TYPES, "all"):
+                    raise  # another atom failed (reward.on_error=zero scores it 0), as it would in training
+                scores = None  # its shapes atoms refuse it: the warning above said so
             if scores is not None:
                 atoms.update({name: float(scores.values[0, scores.names.index(name)]) for name in extra})
                 atoms["reward"] = float(scores.total[0])

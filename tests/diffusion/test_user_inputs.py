@@ -112,3 +112,43 @@ def test_an_atom_reading_sample_image_is_told_the_image_is_sample_completion():
     with pytest.raises(RewardError, match=r"AttributeError: 'Sample' object has no attribute 'image' \(a Sample "
                                           r"has prompt, completion and meta: .* is sample.completion\)"):
         Reward([bright]).score([to_sample("a red circle", Image.new("RGB", (8, 8)))])
+
+
+def _sample(tmp_path, prompt, atom, **reward):
+    """backend.sample of one prompt drawn black, scored by the shapes atoms and `atom`."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from diffusion_rl.tasks.shapes_geneval import reward_atoms
+    from mmrl.core.rewards import Reward
+
+    policy = SimpleNamespace(sample_images=lambda texts, seeds, steps: [Image.new("RGB", (8, 8)) for _ in texts])
+    task = SimpleNamespace(reward=Reward([*reward_atoms(), atom], **reward), other_atoms=lambda: [atom.name])
+    cfg = SimpleNamespace(output_dir=str(tmp_path), rollout=SimpleNamespace(eval_steps=2, num_steps=4))
+    return backend.sample(cfg, policy, task, [prompt], 1)
+
+
+def _boom(sample):
+    raise RuntimeError("my atom broke")
+
+
+def test_sample_reports_a_config_atom_that_fails_as_training_would(tmp_path):
+    """`sample` swallowed every RewardError: a reward.atoms atom that raised left its row without
+    that atom and the reward, with no word; only the shapes atoms refusing a free-form prompt
+    (said in a warning) are passed over."""
+    from mmrl.core.rewards import RewardAtom, RewardError
+
+    boom = RewardAtom("boom", _boom)
+    with pytest.raises(RewardError, match="reward atom 'boom' failed on sample 0 .*my atom broke"):
+        _sample(tmp_path, "a red circle", boom)
+
+
+def test_sample_passes_over_the_shapes_atoms_refusing_a_free_form_prompt(tmp_path):
+    from mmrl.core.rewards import RewardAtom
+
+    with pytest.warns(UserWarning, match="'a cat': no scene-graph verdicts"):
+        (row,) = _sample(tmp_path, "a cat", RewardAtom("boom", _boom))
+    assert row["prompt"] == "a cat" and "boom" not in row and "reward" not in row
+    (row,) = _sample(tmp_path, "a red circle", RewardAtom("boom", _boom), on_error="zero")
+    assert row["boom"] == 0.0 and "colour[red circle]" in row
