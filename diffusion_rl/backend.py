@@ -91,6 +91,13 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
              or sample_prompts(t.num_train, t.seed, split="train", disjoint=disjoint))
     evaluation = (_prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole)
                   or sample_prompts(t.num_eval, t.seed, split="eval", disjoint=disjoint))
+    if t.train_path or t.eval_path:  # generated prompts keep their split (task.held_out); a file may not
+        shared = set(train) & set(evaluation)
+        if shared:
+            first = next(p for p in evaluation if p in shared)
+            warnings.warn(f"task.eval_path: {len(shared)} of {len(set(evaluation))} held-out prompts are training "
+                          f"prompts too ({first!r}{', ...' if len(shared) > 1 else ''}), so held-out evaluation "
+                          "scores them as trained on", stacklevel=2)
     return DiffusionTask(t.type, train, evaluation, reward, eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
                          hard_min_atoms=t.hard_min_atoms)
