@@ -217,14 +217,16 @@ NO_GREEDY = "an image model has no greedy decode; its samples are deterministic 
 
 def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTask, prompts: list[str],
            n: int) -> list[dict]:
-    """n images for each prompt (default: the first two held-out prompts), ODE from seeds 0..n-1,
+    """n images for each prompt (default: the first two distinct held-out prompts), ODE from seeds 0..n-1,
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
     (task.image_atoms, reward.atoms) each of those and the reward's total."""
     from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image, shorten
     from mmrl.core.rewards import RewardError, Sample
 
-    prompts = prompts or task.eval_prompts[:2]
+    # the first two distinct held-out prompts: the generated ones repeat ("three green circles" is the
+    # first two), and a repeat's images are its first's, drawn from the same seeds
+    prompts = prompts or list(dict.fromkeys(task.eval_prompts))[:2]
     texts = [p for p in prompts for _ in range(n)]
     seeds = [j for _ in prompts for j in range(n)]
     images = policy.sample_images(texts, seeds, cfg.rollout.eval_steps or cfg.rollout.num_steps)

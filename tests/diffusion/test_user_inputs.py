@@ -171,3 +171,21 @@ def test_held_out_prompts_that_are_training_prompts_too_are_said_to_be(tmp_path)
         backend.build_task(_cfg(tmp_path))
         # the generated held-out prompts are of the eval split, and both lines of train.txt of the train split
         backend.build_task(_cfg(tmp_path, train_path="train.txt"))
+
+
+def test_sample_without_prompts_draws_the_first_two_distinct_held_out_prompts(tmp_path):
+    """The generated held-out prompts repeat (the first two are both "three green circles"), and
+    `sample` drew the first two: the same prompt from the same seeds, twice the same images."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from diffusion_rl.tasks.shapes_geneval import sample_prompts
+
+    held_out = sample_prompts(8, 0, split="eval", disjoint=True)
+    assert held_out[0] == held_out[1]  # what made the default draw one prompt twice
+    policy = SimpleNamespace(sample_images=lambda texts, seeds, steps: [Image.new("RGB", (8, 8)) for _ in texts])
+    task = SimpleNamespace(eval_prompts=held_out, other_atoms=list)
+    cfg = SimpleNamespace(output_dir=str(tmp_path), rollout=SimpleNamespace(eval_steps=2, num_steps=4))
+    rows = backend.sample(cfg, policy, task, [], 1)
+    assert [r["prompt"] for r in rows] == [held_out[0], next(p for p in held_out if p != held_out[0])]
