@@ -70,6 +70,7 @@ from diffusion_rl.tasks.shapes_geneval import (
 )
 from mmrl.core.advantages import atom_advantages
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.losses import LossOutput, policy_loss
 from mmrl.core.method import register_method
 
@@ -128,12 +129,19 @@ class CAST(FlowGRPO):
         shapes-geneval grammar cannot parse (kept under task.unparsed=whole_prompt, warned about
         when the prompts were read) gets none: uniform maps."""
         if prompt not in self._spans:
+            builtin = self.parser is BUILTIN.get(self.cfg.parser)
             try:
-                self._spans[prompt] = checked_spans(self.parser, prompt)
-            except ValueError:
-                if self.parser is not BUILTIN.get(self.cfg.parser):
-                    raise
-                self._spans[prompt] = {}
+                spans = checked_spans(self.parser, prompt)
+            except ValueError as e:
+                if not builtin:  # the user's code: named as the config names it (exit 2, not a traceback)
+                    raise ConfigError(f"method.parser {self.cfg.parser!r}: {e}") from e
+                spans = {}
+            columns = getattr(self.reward, "names", None)
+            unknown = [name for name in spans if columns is not None and name not in columns]
+            if unknown:  # a name that is no column (a typo) would leave that column's map uniform, silently
+                raise ConfigError(f"method.parser {self.cfg.parser!r} gave {prompt!r} words for {unknown}, which "
+                                  f"are not atoms of the reward (its atoms: {', '.join(columns)})")
+            self._spans[prompt] = spans
         return self._spans[prompt]
 
     def loss(self, policy, batch: RolloutBatch, advantages: Tensor, denom: float | None = None) -> LossOutput:

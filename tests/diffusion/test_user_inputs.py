@@ -189,3 +189,25 @@ def test_sample_without_prompts_draws_the_first_two_distinct_held_out_prompts(tm
     cfg = SimpleNamespace(output_dir=str(tmp_path), rollout=SimpleNamespace(eval_steps=2, num_steps=4))
     rows = backend.sample(cfg, policy, task, [], 1)
     assert [r["prompt"] for r in rows] == [held_out[0], next(p for p in held_out if p != held_out[0])]
+
+
+def test_a_cast_parser_that_fails_or_names_no_atom_of_the_reward_is_a_config_error(tmp_path):
+    """method.parser is the user's code: one that raised was a traceback (exit 1), and one that
+    gave words to a name the reward has not ("colours") left that column's map uniform, silently."""
+    from types import SimpleNamespace
+
+    from diffusion_rl.config import CASTConfig
+    from diffusion_rl.methods.cast import CAST
+
+    (tmp_path / "p.py").write_text("def typo(prompt):\n    return {'colours': [(2, 5)], 'exist': [(6, 12)]}\n"
+                                   "def raises(prompt):\n    raise KeyError('x')\n")
+    run = SimpleNamespace(base_dir=str(tmp_path), rollout=SimpleNamespace(noise_level=0.7))
+    reward = SimpleNamespace(names=["exist", "colour", "count", "relation", "all"], weights=torch.ones(5))
+    typo = CAST(CASTConfig(parser="p.py:typo"), run, reward)
+    with pytest.raises(ConfigError, match=r"method.parser 'p.py:typo' gave 'a red circle' words for \['colours'\], "
+                                          r"which are not atoms of the reward \(its atoms: exist, colour, count"):
+        typo.atom_spans("a red circle")
+    with pytest.raises(ConfigError, match=r"method.parser 'p.py:raises': the prompt parser failed on 'a red circle': "
+                                          r"KeyError"):
+        CAST(CASTConfig(parser="p.py:raises"), run, reward).atom_spans("a red circle")
+    assert CAST(CASTConfig(), run, reward).atom_spans("a cat") == {}  # the built-in grammar: uniform maps
