@@ -257,7 +257,9 @@ class FlowModel:
         template is not measured.)"""
         fresh = [t for t in dict.fromkeys(texts) if (what, t) not in self._measured]
         self._measured.update((what, t) for t in fresh)
-        long = [t for t in fresh if len(tokenizer(t, truncation=False).input_ids) > max_length]
+        # verbose=False: the tokenizer would add that running such a sequence "will result in indexing
+        # errors", which it will not (the encoders get it cut)
+        long = [t for t in fresh if len(tokenizer(t, truncation=False, verbose=False).input_ids) > max_length]
         if long and not self._warned_cut:
             self._warned_cut = True
             warnings.warn(f"a prompt is longer than the {what}'s {max_length} tokens and is cut there "

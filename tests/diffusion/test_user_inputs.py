@@ -211,3 +211,21 @@ def test_a_cast_parser_that_fails_or_names_no_atom_of_the_reward_is_a_config_err
                                           r"KeyError"):
         CAST(CASTConfig(parser="p.py:raises"), run, reward).atom_spans("a red circle")
     assert CAST(CASTConfig(), run, reward).atom_spans("a cat") == {}  # the built-in grammar: uniform maps
+
+
+def test_a_prompt_over_the_text_encoders_length_is_warned_about_once_without_the_tokenizers_false_alarm(capfd):
+    """Measuring a long prompt made the tokenizer log that running it "will result in indexing
+    errors", which it does not (the encoders get it cut): beside our own warning, a false alarm."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from diffusion_rl.backend import bundled_model_dir
+    from diffusion_rl.models import FlowModel
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir() / "tokenizer")
+    capfd.readouterr()
+    model = SimpleNamespace(_measured=set(), _warned_cut=False)
+    with pytest.warns(UserWarning, match="longer than the CLIP text encoder's 32 tokens and is cut there"):
+        FlowModel._warn_cut(model, tokenizer, ["a red circle " * 40], 32, "CLIP text encoder")
+    assert "indexing errors" not in capfd.readouterr().err
