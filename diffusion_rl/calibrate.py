@@ -45,6 +45,7 @@ import torch
 
 from mmrl.core.config import ConfigError
 from mmrl.core.logging import write_atomically
+from mmrl.core.runconfig import resolve_file
 
 WINDOW_FILE = "window.json"
 MODEL_WINDOW_FILE = "cast_window.json"  # the calibrated window stored in a model directory
@@ -197,7 +198,9 @@ def apply_window_file(cfg, model_dir: str | Path) -> Path | None:
     if source is None:
         return None
     from_model = source == "model"
-    path = Path(model_dir) / MODEL_WINDOW_FILE if from_model else Path(source)
+    # a path: as the config's other files, from its directory, else the working directory (the
+    # run's config.yaml records it so resolved)
+    path = Path(model_dir) / MODEL_WINDOW_FILE if from_model else resolve_file(source, getattr(cfg, "base_dir", None))
     if from_model and not path.is_file():
         if cfg.rollout.window_start is None:
             warnings.warn(f"CAST: {model_dir} holds no calibrated window ({MODEL_WINDOW_FILE}): the rollout's own "

@@ -305,7 +305,7 @@ class CASTConfig(FlowGRPOConfig):
     (which always wins). "model": the cast_window.json that `diffusion-rl calibrate-window` stored
     in the model's directory, if there is one (one calibrated for another rollout.num_steps is
     skipped with a warning); a path: a window.json written by calibrate-window (relative to the
-    current directory, or absolute; a missing or malformed file, or one calibrated for another
+    config's directory, else the current one; a missing or malformed file, or one calibrated for another
     rollout.num_steps, is a ConfigError); None: the rollout's own window."""
     calibration_prompts: int = Field(32, ge=1)
     """Held-out prompts `calibrate-window` rolls out (its --prompts overrides)."""

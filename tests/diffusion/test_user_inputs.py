@@ -229,3 +229,21 @@ def test_a_prompt_over_the_text_encoders_length_is_warned_about_once_without_the
     with pytest.warns(UserWarning, match="longer than the CLIP text encoder's 32 tokens and is cut there"):
         FlowModel._warn_cut(model, tokenizer, ["a red circle " * 40], 32, "CLIP text encoder")
     assert "indexing errors" not in capfd.readouterr().err
+
+
+def test_a_cast_window_file_is_found_beside_the_config(tmp_path, monkeypatch):
+    """method.window_from resolved from the working directory alone, unlike every other file a
+    config names (and unlike the run's config.yaml, which records it resolved from the config's
+    directory): a window.json beside the config was "missing" when run from elsewhere."""
+    from diffusion_rl.calibrate import apply_window_file
+
+    (tmp_path / "window.json").write_text(json.dumps({"num_steps": 4, "window_start": 1, "window_size": 2}))
+    (tmp_path / "run.yaml").write_text(json.dumps({
+        "method": {"type": "cast", "window_from": "window.json"},
+        "rollout": {"num_steps": 4, "window_size": 2, "window_start": None}}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(DiffusionTrainConfig, tmp_path / "run.yaml", defaults=backend.DEFAULT_CONFIG)
+    assert apply_window_file(cfg, backend.bundled_model_dir()) == tmp_path / "window.json"
+    assert cfg.rollout.window_start == (1, 1) and cfg.rollout.window_size == 2
