@@ -216,11 +216,12 @@ NO_GREEDY = "an image model has no greedy decode; its samples are deterministic 
 
 
 def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTask, prompts: list[str],
-           n: int) -> list[dict]:
+           n: int, batch_size: int = 32) -> list[dict]:
     """n images for each prompt (default: the first two distinct held-out prompts), ODE from seeds 0..n-1,
     written to <output_dir>/cli_samples/NNN/ (a new NNN each call, so no call overwrites
     another's images) and scored: the scene-graph verdicts, and where the task has other atoms
-    (task.image_atoms, reward.atoms) each of those and the reward's total."""
+    (task.image_atoms, reward.atoms) each of those and the reward's total. Drawn batch_size
+    images at a time, as evaluation draws them."""
     from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image, shorten
     from mmrl.core.rewards import RewardError, Sample
 
@@ -229,7 +230,10 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     prompts = prompts or list(dict.fromkeys(task.eval_prompts))[:2]
     texts = [p for p in prompts for _ in range(n)]
     seeds = [j for _ in prompts for j in range(n)]
-    images = policy.sample_images(texts, seeds, cfg.rollout.eval_steps or cfg.rollout.num_steps)
+    steps = cfg.rollout.eval_steps or cfg.rollout.num_steps
+    images = []  # in batches: --num 64 of a few prompts in one batch would not fit a GPU at FLUX's sizes
+    for start in range(0, len(texts), batch_size):
+        images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size], steps)
     root = Path(cfg.output_dir) / "cli_samples"
     root.mkdir(parents=True, exist_ok=True)
     taken = [int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit()]

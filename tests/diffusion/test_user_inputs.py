@@ -247,3 +247,24 @@ def test_a_cast_window_file_is_found_beside_the_config(tmp_path, monkeypatch):
     cfg = load_config(DiffusionTrainConfig, tmp_path / "run.yaml", defaults=backend.DEFAULT_CONFIG)
     assert apply_window_file(cfg, backend.bundled_model_dir()) == tmp_path / "window.json"
     assert cfg.rollout.window_start == (1, 1) and cfg.rollout.window_size == 2
+
+
+def test_sample_draws_many_images_in_batches_as_evaluation_does(tmp_path):
+    """`sample --num 40` of two prompts drew its 80 images in one batch (evaluation draws 32 at
+    a time): more than a GPU holds at FLUX's image sizes."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    calls = []
+
+    def sample_images(texts, seeds, steps):
+        calls.append(list(zip(texts, seeds)))
+        return [Image.new("RGB", (8, 8)) for _ in texts]
+
+    task = SimpleNamespace(eval_prompts=[], other_atoms=list)
+    cfg = SimpleNamespace(output_dir=str(tmp_path), rollout=SimpleNamespace(eval_steps=2, num_steps=4))
+    rows = backend.sample(cfg, SimpleNamespace(sample_images=sample_images), task, ["a red circle", "a cat"], 40)
+    assert [len(c) for c in calls] == [32, 32, 16]
+    assert [(r["prompt"], r["seed"]) for r in rows] == [pair for c in calls for pair in c]
+    assert rows[40] == {**rows[40], "prompt": "a cat", "seed": 0} and len({r["image"] for r in rows}) == 80
