@@ -105,13 +105,17 @@ class DiffusionTask:
             out.update({name: float(values[:, self.reward.names.index(name)].double().mean()) for name in extra})
         return out
 
-    def save_samples(self, policy, out_dir: str | Path, tag: str) -> Path | None:
-        """A grid PNG (one row per prompt, one column per seed) and the prompts as JSON."""
+    def save_samples(self, policy, out_dir: str | Path, tag: str, batch_size: int = 32) -> Path | None:
+        """A grid PNG (one row per prompt, one column per seed) and the prompts as JSON; drawn
+        batch_size images at a time, as evaluate draws them (grid_prompts x eval_seeds may be many)."""
         prompts = self.eval_prompts[: self.grid_prompts]
         if not prompts:
             return None
         texts, seeds = self._jobs(prompts)
-        images = policy.sample_images(texts, seeds, self.eval_steps)
+        images = []
+        for start in range(0, len(texts), batch_size):
+            images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size],
+                                           self.eval_steps)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"grid_{tag}.png"

@@ -268,3 +268,27 @@ def test_sample_draws_many_images_in_batches_as_evaluation_does(tmp_path):
     assert [len(c) for c in calls] == [32, 32, 16]
     assert [(r["prompt"], r["seed"]) for r in rows] == [pair for c in calls for pair in c]
     assert rows[40] == {**rows[40], "prompt": "a cat", "seed": 0} and len({r["image"] for r in rows}) == 80
+
+
+def test_the_sample_grids_are_drawn_in_batches(tmp_path):
+    """task.grid_prompts x task.eval_seeds images were drawn in one batch."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from diffusion_rl.task import DiffusionTask
+    from diffusion_rl.tasks.shapes_geneval import sample_prompts, shapes_geneval_reward
+
+    calls = []
+
+    def sample_images(texts, seeds, steps):
+        calls.append(len(texts))
+        return [Image.new("RGB", (8, 8), (k % 251, 0, 0)) for k in seeds]
+
+    prompts = sample_prompts(20, 0, split="eval", disjoint=True)
+    task = DiffusionTask("shapes-geneval", [], prompts, shapes_geneval_reward(), eval_seeds=3, grid_prompts=20)
+    path = task.save_samples(SimpleNamespace(sample_images=sample_images), tmp_path, "before")
+    assert calls == [32, 28]
+    assert json.loads((tmp_path / "grid_before.json").read_text())["seeds"][:4] == [0, 1000, 2000, 1]
+    grid = Image.open(path)
+    assert grid.getpixel((10 + 2 + 8 + 2 + 1, 2 + 1)) == (1000 % 251, 0, 0)  # row 0, column 1: seed 1000, in place
