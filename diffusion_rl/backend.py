@@ -275,6 +275,7 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     method.window_from nor a stored window is read (the window is what is being made).
     -> (WindowCalibration, [paths written])."""
     from diffusion_rl.calibrate import calibrate_window, store_in_model, write_window
+    from diffusion_rl.tasks.shapes_geneval import can_parse
 
     if cfg.rollout.window_size is None:
         raise ConfigError("calibrate-window: rollout.window_size must be set (the size of the window to place)")
@@ -286,10 +287,15 @@ def calibrate(cfg: DiffusionTrainConfig, out_dir: str | Path | None = None, num_
     n = num_prompts or getattr(method, "calibration_prompts", 32)
     seeds = getattr(method, "calibration_seeds", 1)
     policy, task = build(cfg)
-    if n > len(task.eval_prompts):
-        raise ConfigError(f"calibrate-window: {n} calibration prompts asked, but the task holds "
-                          f"{len(task.eval_prompts)} held-out prompts (task.num_eval, or task.eval_path)")
-    cal = calibrate_window(policy, task.eval_prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
+    # the atoms are checked on every step's image: only prompts the shapes grammar decomposes say
+    # anything (calibrate_window would drop the others, leaving fewer than n, or none)
+    prompts = [p for p in task.eval_prompts if can_parse(p)]
+    if n > len(prompts):
+        unparsed = len(task.eval_prompts) - len(prompts)
+        raise ConfigError(f"calibrate-window: {n} calibration prompts asked, but the task holds {len(prompts)} "
+                          f"held-out prompts (task.num_eval, or task.eval_path)"
+                          + (f" the shapes grammar decomposes ({unparsed} it cannot)" if unparsed else ""))
+    cal = calibrate_window(policy, prompts[:n], cfg.rollout.num_steps, cfg.rollout.window_size,
                            seeds=seeds, offset=getattr(method, "window_offset", 0))
     written = [write_window(cal, out_dir if out_dir is not None else cfg.output_dir)]
     if into_model is None:  # the bundled model's files belong to the package: rewritten only on request

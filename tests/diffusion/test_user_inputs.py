@@ -292,3 +292,25 @@ def test_the_sample_grids_are_drawn_in_batches(tmp_path):
     assert json.loads((tmp_path / "grid_before.json").read_text())["seeds"][:4] == [0, 1000, 2000, 1]
     grid = Image.open(path)
     assert grid.getpixel((10 + 2 + 8 + 2 + 1, 2 + 1)) == (1000 % 251, 0, 0)  # row 0, column 1: seed 1000, in place
+
+
+def test_calibrate_window_counts_only_the_held_out_prompts_the_grammar_decomposes(tmp_path, monkeypatch):
+    """Held-out prompts of a whole-prompt reward (task.unparsed=whole_prompt) have no atoms to
+    check: with none left, calibrate_window's ValueError was a traceback; with some, fewer than
+    the prompts asked for were calibrated on, silently."""
+    from types import SimpleNamespace
+
+    from diffusion_rl import calibrate
+
+    used = []
+    monkeypatch.setattr(calibrate, "calibrate_window", lambda policy, prompts, *a, **k: used.append(prompts))
+    monkeypatch.setattr(calibrate, "write_window", lambda cal, out: None)
+    task = SimpleNamespace(eval_prompts=["a cat", "a red circle", "a dog", "two blue squares"])
+    monkeypatch.setattr(backend, "build", lambda cfg: (None, task))
+    cfg = _cfg(tmp_path)
+    backend.calibrate(cfg, tmp_path, 2, into_model=False)
+    assert used == [["a red circle", "two blue squares"]]
+    with pytest.raises(ConfigError, match=r"calibrate-window: 3 calibration prompts asked, but the task holds 2 "
+                                          r"held-out prompts \(task.num_eval, or task.eval_path\) the shapes grammar "
+                                          r"decomposes \(2 it cannot\)"):
+        backend.calibrate(cfg, tmp_path, 3, into_model=False)
