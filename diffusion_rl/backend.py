@@ -118,6 +118,9 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
         raw = file.read_bytes()
     except OSError as e:
         raise ConfigError(f"task.{key}: cannot read {file}: {e.strerror or e}") from e
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # Windows Notepad's "Unicode": not a stray byte on line 1
+        raise ConfigError(f"task.{key}: {file} is UTF-16 (it starts with a UTF-16 byte-order mark); save the "
+                          "file as UTF-8")
     try:
         lines = raw.decode("utf-8-sig").splitlines()  # a byte-order mark (Windows editors) is not line 1's text
     except UnicodeDecodeError as e:  # a user's file, not a bug: name the file and the line

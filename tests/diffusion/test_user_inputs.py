@@ -314,3 +314,15 @@ def test_calibrate_window_counts_only_the_held_out_prompts_the_grammar_decompose
                                           r"held-out prompts \(task.num_eval, or task.eval_path\) the shapes grammar "
                                           r"decomposes \(2 it cannot\)"):
         backend.calibrate(cfg, tmp_path, 3, into_model=False)
+
+
+def test_a_utf16_prompt_file_is_named_as_such(tmp_path):
+    """Notepad's "Unicode" (UTF-16 with a byte-order mark) read as 'line 1: not valid UTF-8 (byte 0xff)'."""
+    from diffusion_rl.backend import _prompt_file
+
+    for bom, encoding in ((b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be")):
+        path = tmp_path / "p.txt"
+        path.write_bytes(bom + "a red circle\n".encode(encoding))
+        with pytest.raises(ConfigError, match=r"task.train_path: .*p.txt is UTF-16 \(it starts with a UTF-16 "
+                                              r"byte-order mark\); save the file as UTF-8"):
+            _prompt_file(str(path), None, "train_path")
