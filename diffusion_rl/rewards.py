@@ -1008,10 +1008,9 @@ def _tiny_corpus() -> list[str]:
 
 def _check_device(device) -> str:
     try:
-        torch.device(device)
+        where = torch.device(device)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"device {device!r} is not a torch device: {_describe(e)}") from e
-    where = torch.device(device)
     if where.type == "cuda":  # checked now: the model loads at the first score, after a whole rollout
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
