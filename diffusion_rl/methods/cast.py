@@ -137,8 +137,8 @@ class CAST(FlowGRPO):
                     raise ConfigError(f"method.parser {self.cfg.parser!r}: {e}") from e
                 spans = {}
             columns = getattr(self.reward, "names", None)
-            unknown = [name for name in spans if columns is not None and name not in columns]
-            if unknown:  # a name that is no column (a typo) would leave that column's map uniform, silently
+            unknown = [name for name in spans if not builtin and columns is not None and name not in columns]
+            if unknown:  # a name of the user's that is no column (a typo) would leave that column's map uniform, silently
                 raise ConfigError(f"method.parser {self.cfg.parser!r} gave {prompt!r} words for {unknown}, which "
                                   f"are not atoms of the reward (its atoms: {', '.join(columns)})")
             self._spans[prompt] = spans
