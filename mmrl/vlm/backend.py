@@ -140,8 +140,6 @@ def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
     Qwen's resize refuses an aspect ratio over 200, and makes the short side 0 once the ratio is
     past about max_pixels / 28^2 (16:1 at the default 112 x 112). Only elongated images are
     tried (on a blank of their size); with task.on_bad_image=skip their samples are left out."""
-    from PIL import Image
-
     bad: dict[tuple, str] = {}
     tried: set[tuple] = set()  # sizes already resized: a dataset's images often share one
     for split, items in (("train", task.train), ("eval", task.eval_items)):
@@ -151,12 +149,9 @@ def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
                 if (w, h) in tried or max(w, h) <= 2 * min(w, h):
                     continue
                 tried.add((w, h))
-                try:
-                    (out,) = policy.resize_images([Image.new("RGB", (w, h))])
-                    if min(out.size) < 1:
-                        raise ValueError("the resized image has no pixels")
-                except Exception as e:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
-                    bad[(w, h)] = f"{split} sample {i} ({item.question[:40]!r}): a {w} x {h} image: {e}"
+                problem = _resize_problem(policy, w, h)
+                if problem:
+                    bad[(w, h)] = f"{split} sample {i} ({item.question[:40]!r}): a {w} x {h} image: {problem}"
     if not bad:
         return
     if on_bad_image == "raise":
@@ -172,6 +167,19 @@ def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
         setattr(task, split, kept)
     warnings.warn(f"task: left out the samples with images the model's resizing cannot take "
                   f"({len(shapes)} image size(s); first: {next(iter(bad.values()))})", UserWarning, stacklevel=2)
+
+
+def _resize_problem(policy: VLMPolicy, w: int, h: int) -> str | None:
+    """Why the model's resizing cannot take a w x h image (tried on a blank of that size), or None."""
+    from PIL import Image
+
+    try:
+        (out,) = policy.resize_images([Image.new("RGB", (w, h))])
+        if min(out.size) < 1:
+            return "the resized image has no pixels"
+    except Exception as e:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
+        return str(e) or type(e).__name__
+    return None
 
 
 def build_tools(cfg: VLMTrainConfig):
@@ -215,6 +223,11 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
                           "(give one image for them all, or one per question)")
     asks = [images[min(k, len(images) - 1)] for k in range(len(prompts))] if images else []  # each question's image
     pictures = {path: _read_image(path) for path in asks}  # each file read once
+    for path, picture in pictures.items():  # as training checks a dataset's: an error, not a traceback mid-generation
+        problem = _resize_problem(policy, *picture.size)
+        if problem:
+            raise ConfigError(f"--image: {path}: a {picture.width} x {picture.height} image the model's resizing, "
+                              f"within model.min_pixels and model.max_pixels, cannot take: {problem}")
     items = [QAItem(images=[pictures[asks[k]]] if asks else [], question=p, answer="", reference="", meta={})
              for k, p in enumerate(prompts)]
     asked = items or task.eval_items[:2]

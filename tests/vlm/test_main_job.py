@@ -101,6 +101,18 @@ def test_mmrl_sample_asks_free_questions_of_given_images(tmp_path):
     assert result.exit_code == 2 and "--image: cannot read" in result.output and "Traceback" not in result.output
 
 
+def test_mmrl_sample_refuses_an_image_the_model_cannot_resize(tmp_path):
+    """An --image too elongated for Qwen's resize (aspect ratio over 200) is an error naming
+    the file, as such a dataset image is at train: it was a traceback from inside generation."""
+    from PIL import Image
+
+    Image.new("RGB", (4000, 10), "red").save(tmp_path / "strip.png")
+    result = CliRunner().invoke(app, ["sample", "-n", "1", "-p", "q?", "-i", str(tmp_path / "strip.png")])
+    assert result.exit_code == 2, result.output
+    assert f"--image: {tmp_path / 'strip.png'}: a 4000 x 10 image" in result.output
+    assert "aspect ratio must be smaller than 200" in result.output and "Traceback" not in result.output
+
+
 def test_mmrl_sample_of_a_free_question_is_not_scored():
     """A --prompt question has no gold answer: its samples carry no reward rather than a 0."""
     result = CliRunner().invoke(app, ["sample", "--prompt", "What colour is the circle?", "--num", "2"])
