@@ -62,6 +62,9 @@ _END = "<|im_end|>"
 _OBS_OPEN = _END + "\n<|im_start|>user\n<tool_response>\n"
 _OBS_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 _TYPE_IDS = {"<|image_pad|>": 1, "<|video_pad|>": 2}  # mm_token_type_ids of vision placeholders
+# Characters of a tool's text tokenised, beyond 32 per token of the budget: tokenising a text of
+# megabytes takes seconds per call (10 MB: 24 s), and all but the budget's start is cut anyway.
+_TOKENIZED_CHARS = 100_000
 
 
 @dataclass
@@ -248,26 +251,35 @@ class ToolRollout:
         if kind != "ok":
             row.errors[kind] += 1
 
-    def _literal_text(self, content: list) -> tuple[list, int]:
+    def _literal_text(self, content: list) -> tuple[list, str]:
         """The content's text as text: markup it quotes (an unknown tool's name echoed back, a
         tool's own output) must not become the chat format's special tokens (an <|image_pad|>
         with no image crashes the next turn), so a zero-width word joiner goes after each such
         string's first character. Text past tools.max_observation_tokens in all is cut, and the
-        number of tokens it had comes back (0 if none was cut)."""
+        number of tokens it had comes back as text ("" if none was cut; "more than N" where a
+        text past _TOKENIZED_CHARS was cut unread)."""
         tok, budget, total, out = self.policy.tokenizer, self.cfg.max_observation_tokens, 0, []
+        limit, unread = _TOKENIZED_CHARS + 32 * budget, False
         for part in content:
             if not isinstance(part, str):
                 out.append(part)
                 continue
+            rest = max(len(part) - limit, 0)
+            part = part[:limit]
             for m in self.markup:
                 part = part.replace(m, m[0] + "\u2060" + m[1:])
             ids = tok(part, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than the model" note
             total += len(ids)
-            if len(ids) > budget:
-                part = tok.decode(ids[:budget]) + f" ... [cut: {len(ids) - budget} more tokens]"
+            if len(ids) > budget or rest:
+                more = [f"{len(ids) - budget} more tokens"] if len(ids) > budget else []
+                more += [f"{rest} more characters"] if rest else []
+                part = tok.decode(ids[:budget]) + f" ... [cut: {' and '.join(more)}]"
+                unread = unread or bool(rest)
             budget = max(budget - len(ids), 0)
             out.append(part)
-        return out, total if total > self.cfg.max_observation_tokens else 0
+        if unread:
+            return out, f"more than {total}"
+        return out, str(total) if total > self.cfg.max_observation_tokens else ""
 
     def _warn_failure(self, name: str | None, kind: str, error: str | None,
                       reads: str = "reads it as an error observation") -> None:

@@ -17,6 +17,7 @@ import torch
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.rewards import Reward, reward_atom
+from mmrl.vlm.agent import _TOKENIZED_CHARS
 from mmrl.vlm.config import ToolsConfig, VLMModelConfig, VLMTrainConfig
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import PromptTooLong, VLMPolicy
@@ -304,6 +305,29 @@ def test_a_tools_long_text_is_cut_and_counted(qwen25_dir):
     total = int(str(said[0].message).split()[3])
     assert total >= 5000 and f"[cut: {total - 64} more tokens]" in batch.samples[0].completion
     assert batch.data["completion_attention"][0].sum() < 200  # not 5000 tokens to train on
+    assert batch.data["stat/tool_failures"].tolist() == [1.0] and batch.data["stat/turns"].tolist() == [2.0]
+
+
+def test_a_tools_text_of_megabytes_is_cut_before_it_is_tokenised(qwen25_dir):
+    """Tokenising 10 MB took 24 s a call: past agent._TOKENIZED_CHARS (and 32 characters a token
+    of the budget) the text is cut unread, and the observation and the warning say so."""
+    registry = build_registry([], timeout=5.0)
+    words = "word " * 2_000_000  # 10 MB
+
+    @registry.register
+    def dump() -> str:
+        return words
+
+    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=64)
+    Scripted(policy, [['<tool_call>\n{"name": "dump", "arguments": {}}\n</tool_call>',
+                       "<answer>circle</answer><|im_end|>"]]).install()
+    with pytest.warns(UserWarning, match=r"tool dump: returned more than \d+ tokens of text, cut to "
+                                         r"tools.max_observation_tokens 64") as said:
+        batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    read = int(str(said[0].message).split()[5])  # the tokens of the part tokenised
+    limit = _TOKENIZED_CHARS + 32 * 64
+    assert abs(read - limit / 5) < 5  # about one token a "word "
+    assert f"[cut: {read - 64} more tokens and {len(words) - limit} more characters]" in batch.samples[0].completion
     assert batch.data["stat/tool_failures"].tolist() == [1.0] and batch.data["stat/turns"].tolist() == [2.0]
 
 
