@@ -115,7 +115,7 @@ class VLMPolicy:
     def messages(self, item) -> list[dict[str, Any]]:
         content: list[dict[str, Any]] = []
         for image in item.images:
-            part = {"type": "image", "image": image}
+            part = {"type": "image", "image": _rgb(image)}
             if self.min_pixels is not None:
                 part["min_pixels"] = self.min_pixels
             if self.max_pixels is not None:
@@ -176,7 +176,7 @@ class VLMPolicy:
         from qwen_vl_utils import process_vision_info
 
         most = max_pixels or self.max_pixels
-        parts = [{"type": "image", "image": im, **({"min_pixels": self.min_pixels} if self.min_pixels else {}),
+        parts = [{"type": "image", "image": _rgb(im), **({"min_pixels": self.min_pixels} if self.min_pixels else {}),
                   **({"max_pixels": most} if most else {})} for im in images]
         found, _ = process_vision_info([{"role": "user", "content": parts}])
         return found
@@ -653,6 +653,17 @@ def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
                 and rows[i].shape == rows[j].shape and torch.equal(rows[i], rows[j]))
         first.append(j if same else i)
     return first
+
+
+def _rgb(image: Any) -> Any:
+    """A PIL image in 8-bit RGB (mmrl.vlm.tasks.jsonl.to_rgb), as a dataset's images are
+    loaded: qwen-vl-utils' own convert("RGB") clips a 16-bit image (a tool's depth map, a
+    Python item's scan) to white and drops an LA or P image's transparency to black."""
+    from PIL import Image
+
+    from mmrl.vlm.tasks.jsonl import to_rgb
+
+    return to_rgb(image) if isinstance(image, Image.Image) and image.mode != "RGB" else image
 
 
 def has_images(data: dict[str, Tensor]) -> bool:

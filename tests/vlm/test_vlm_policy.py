@@ -836,6 +836,24 @@ def test_tool_images_are_resized_within_min_pixels_and_the_max_asked_for(qwen25_
     assert [im.size for im in policy.resize_images([big], max_pixels=120 * 120)] == [(112, 112)]
 
 
+def test_tool_and_prompt_images_of_other_modes_are_shown_as_a_datasets_are(qwen25_dir):
+    """A 16-bit image (a tool's depth map) was clipped to white by qwen-vl-utils' convert("RGB"),
+    and a grey image with alpha lost its transparency to black; both now go through jsonl's
+    to_rgb, for a tool's result (resize_images) and for a prompt's own images (messages)."""
+    import numpy as np
+
+    policy = make_policy(qwen25_dir)
+    deep = Image.fromarray(np.full((56, 56), 1000, np.uint16))  # 1000 / 65535 of white: near black
+    clear = Image.new("LA", (56, 56), (0, 0))  # fully transparent: white, as a dataset's is
+    dark, light = (np.asarray(im) for im in policy.resize_images([deep, clear]))
+    assert dark.max() <= 5 and light.min() == 255
+    item = QAItem(images=[deep], question="q", answer="a", reference="", meta={})
+    (shown,) = [part["image"] for part in policy.messages(item)[0]["content"] if part["type"] == "image"]
+    assert shown.mode == "RGB" and np.asarray(shown).max() <= 5
+    red = Image.new("RGB", (56, 56), "red")
+    assert policy.messages(QAItem([red], "q", "a", "", {}))[0]["content"][0]["image"] is red  # RGB as it is
+
+
 def test_a_tokenizer_with_an_unknown_token_keeps_its_eos_and_bans_only_real_placeholders():
     """A tokenizer that maps tokens it lacks to its unk id (0 here) and has no pad: no
     <|im_end|> means its own eos (2) ends turns and pads; of the vision placeholders only the
