@@ -355,6 +355,7 @@ def _read_signature(fn: Callable, name: str) -> tuple[list[_Param], bool, bool]:
             continue
         annotation = hints.get(p.name, p.annotation)
         json_types, nullable = _json_types_of(annotation)
+        nullable = nullable or p.default is None  # `x: int = None` means `int | None`: the model may pass null
         required = p.default is p.empty
         params.append(
             _Param(p.name, json_types, nullable, required, None if required else p.default)

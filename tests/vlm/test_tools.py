@@ -234,6 +234,20 @@ def test_string_bool_list_checks():
         assert_error(reg.call(call_text("f", args), NO_CTX), "bad_arguments", word, name="f")
 
 
+def test_a_none_default_lets_the_model_pass_null():
+    """`limit: int = None` is Python's old spelling of `int | None = None`: the schema offered
+    null as its default, yet the model's null was refused as "must be an integer"."""
+    def top(q: str, limit: int = None) -> str:  # noqa: RUF013 -- the spelling under test
+        return f"{q} {limit}"
+
+    reg = ToolRegistry([top])
+    assert Tool(top).parameters["properties"]["limit"] == {"type": ["integer", "null"], "default": None}
+    assert reg.call(call_text("top", {"q": "a", "limit": None}), NO_CTX).content == ["a None"]
+    assert reg.call(call_text("top", {"q": "a", "limit": 3}), NO_CTX).content == ["a 3"]
+    assert_error(reg.call(call_text("top", {"q": "a", "limit": "x"}), NO_CTX), "bad_arguments",
+                 'argument "limit" must be an integer or null', name="top")
+
+
 def test_tool_that_raises():
     def explode(x: int) -> str:
         raise ValueError(f"no good: {x}")
