@@ -290,6 +290,9 @@ class CORAConfig(GRPOConfig):
         if self.advantage != GroupAdvantageConfig():  # it would be ignored
             raise ValueError("CORA's advantages are HRAS's (each stream z-scored in its group, weighted by alpha "
                              "and beta): method.advantage is not used; leave it unset")
+        if self.alpha == 0 and self.beta == 0:  # every advantage 0: the run would train nothing, silently
+            raise ValueError("alpha and beta are both 0: every advantage is 0 and nothing is learnt; give the "
+                             "task stream (alpha) or the consistency stream (beta) a weight")
         return self
 
 

@@ -99,6 +99,15 @@ def test_advantage_settings_cora_would_ignore_are_refused(tmp_path):
             _cfg(tmp_path, [extra])
 
 
+def test_both_stream_weights_zero_is_refused(tmp_path):
+    """alpha 0 and beta 0 make every advantage 0: a run that trains nothing, which went on silently."""
+    from mmrl.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"invalid config: method: alpha and beta are both 0: every advantage is 0"):
+        _cfg(tmp_path, ["method.alpha=0", "method.beta=0"])
+    assert _cfg(tmp_path, ["method.alpha=0"]).method.beta == 0.2  # one stream alone still trains
+
+
 def test_a_relative_consistency_model_is_found_from_the_configs_directory(tmp_path, monkeypatch):
     """method.consistency_model, like model.path: relative to the config file's directory first."""
     import shutil
