@@ -798,13 +798,25 @@ def build_registry(
     builtins = ", ".join(BUILTIN_TOOLS)
     registry = ToolRegistry(timeout=timeout, max_stuck=max_stuck)
     modules: dict[Path, object] = {}
+    given: dict[str, str] = {}  # tool name -> the spec that registered it, for a clash's message
+
+    def add(spec: str, tool, name: str) -> None:
+        if name in given:
+            first = given[name]
+            by = f"the builtin {first}" if first in BUILTIN_TOOLS else repr(first)
+            same = " (named twice)" if first == spec else ""
+            raise ValueError(f"tool {spec!r}: the name {name!r} is taken by {by}{same}; tools need "
+                             "distinct names (rename the function, or give it one with Tool(fn, name=...))")
+        registry.register(tool, name=None if isinstance(tool, Tool) else name)
+        given[name] = spec
+
     for spec in names:
         if not isinstance(spec, str):
             raise ValueError(  # noqa: TRY004 -- a config error, like the others here
                 f"tool names must be strings, got {spec!r} (builtins: {builtins})"
             )
         if spec in BUILTIN_TOOLS:
-            registry.register(BUILTIN_TOOLS[spec])
+            add(spec, BUILTIN_TOOLS[spec], spec)
             continue
         file_part, _, attr = spec.rpartition(":")
         if not file_part or not attr:
@@ -820,9 +832,9 @@ def build_registry(
             modules[path] = import_python_file(path, what)
         obj = module_attribute(modules[path], attr, what, path.name)
         if isinstance(obj, Tool):
-            registry.register(obj)
+            add(spec, obj, obj.name)
         elif callable(obj):
-            registry.register(obj, name=attr)
+            add(spec, obj, attr)
         else:
             raise ValueError(  # noqa: TRY004 -- a config error, like the others here
                 f"{what}: {attr!r} is not callable (it is {type(obj).__name__})"

@@ -636,8 +636,18 @@ def test_build_registry_bad_names(tmp_path):
         build_registry(["t.py:g"], base_dir=tmp_path)
     with pytest.raises(ValueError, match=r"'X' is not callable \(it is int\)"):
         build_registry(["t.py:X"], base_dir=tmp_path)
-    with pytest.raises(ValueError, match="'zoom' is already registered"):
+    with pytest.raises(ValueError, match=r"tool 'zoom': the name 'zoom' is taken by the builtin zoom \(named twice\)"):
         build_registry(["zoom", "zoom"])
+
+
+def test_a_tool_named_like_another_says_which_two_clash(tmp_path):
+    """A file's `zoom` beside the builtin was "a tool named 'zoom' is already registered", which
+    named neither the file nor the builtin it clashed with."""
+    (tmp_path / "t.py").write_text("def zoom(x: int):\n    return 'mine'\n")
+    with pytest.raises(ValueError, match=r"^tool 't.py:zoom': the name 'zoom' is taken by the builtin zoom; tools need "
+                                         r"distinct names \(rename the function"):
+        build_registry(["zoom", "t.py:zoom"], base_dir=tmp_path)
+    assert build_registry(["t.py:zoom"], base_dir=tmp_path).names() == ["zoom"]  # alone it is fine
 
 
 def test_rollout_tools_config_reaches_the_registry():
