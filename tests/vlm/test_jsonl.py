@@ -166,7 +166,10 @@ GOOD = {"question": "q", "answer": "a"}
         ),
         ({"question": "q", "answer": "a", "image": "corrupt.png"}, "image", "cannot read image"),
         ({"question": "q", "answer": "a", "image_b64": "%%%"}, "image_b64", "not valid base64"),
-        ({"question": "q", "answer": "a", "image_b64": "aGVsbG8="}, "image_b64", "cannot decode"),
+        ({"question": "q", "answer": "a", "image_b64": "aGVsbG8="}, "image_b64",
+         "cannot decode the image (5 bytes): not an image format Pillow reads (it starts b'hello')"),  # no BytesIO repr
+        ({"question": "q", "answer": "a", "image_b64": "imgs/cat.png"}, "image_b64",
+         "(it looks like a path or URL: a file goes in the image field)"),
         # data already formatted for Qwen: the processor would count the placeholder as an image
         ({"question": "<|vision_start|><|image_pad|><|vision_end|>q", "answer": "a", "image": "red.png"},
          "question", "image placeholder <|vision_start|>"),

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
@@ -171,13 +171,21 @@ def _decode_b64(field: str, value: str) -> Image.Image:
     try:
         raw = base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError) as e:
-        raise _BadImage(field, f"not valid base64: {e}") from e
+        looks = data.lower().startswith(("http://", "https://")) or data.lower().endswith(_IMAGE_SUFFIXES)
+        hint = " (it looks like a path or URL: a file goes in the image field)" if looks else ""
+        raise _BadImage(field, f"not valid base64: {e}{hint}") from e
     try:
         with Image.open(io.BytesIO(raw)) as img:
             return to_rgb(img)
+    except UnidentifiedImageError as e:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
+        problem = f"cannot decode the image ({len(raw)} bytes): not an image format Pillow reads (it starts {raw[:16]!r})"
+        raise _BadImage(field, problem) from e
     except Exception as e:  # decoders raise many kinds of errors
         problem = f"cannot decode the image ({len(raw)} bytes): {_describe(e)}"
         raise _BadImage(field, problem) from e
+
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 
 
 def _describe(e: BaseException) -> str:
