@@ -246,6 +246,13 @@ class VPPOConfig(GRPOConfig):
     cap: float = Field(10.0, gt=0)
     """Clamp of the token visual dependency s_t."""
 
+    @model_validator(mode="after")
+    def _something_masked(self):
+        if self.intervention == "mask" and self.mask_p == 0:  # the re-scoring would see the image unchanged
+            raise ValueError("mask_p 0 blacks out no patch: every token's visual dependency is 0, so the method "
+                             "shapes and filters by nothing; give mask_p in (0, 1] (VPPO's is 0.5)")
+        return self
+
 
 class PACGConfig(VPPOConfig):
     """PACG (mmrl.vlm.methods.pacg): positive credit of unusually persistent visual claims

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmrl.core.config import load_config
@@ -104,6 +105,19 @@ def _vppo(tmp_path, extra=()):
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / "vppo.yaml", [
         f"output_dir={tmp_path}", *extra], defaults=backend.DEFAULT_CONFIG)
     return VPPO(cfg.method, cfg, None)
+
+
+def test_mask_p_0_is_refused_where_the_patches_are_masked(tmp_path):
+    """mask_p 0 re-scored the image unchanged: every visual dependency 0 (logged so) and the method
+    shaped and filtered by nothing. With intervention blur mask_p is not read, so 0 is fine there."""
+    from mmrl.core.config import ConfigError
+
+    for config in ("vppo", "pacg", "pacg_vppo"):
+        with pytest.raises(ConfigError, match=r"invalid config: method: mask_p 0 blacks out no patch"):
+            load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{config}.yaml",
+                        [f"output_dir={tmp_path}", "method.mask_p=0"], defaults=backend.DEFAULT_CONFIG)
+    assert _vppo(tmp_path, ["method.mask_p=0", "method.intervention=blur"]).cfg.mask_p == 0
+    assert _vppo(tmp_path, ["method.mask_p=1"]).cfg.mask_p == 1
 
 
 def _image_batch(group_ids, t=3):
