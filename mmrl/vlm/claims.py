@@ -50,8 +50,9 @@ def claim_spans(text: str, words: Iterable[str] = CLAIM_WORDS, answer_tag: str =
     # re's case folding, not text.lower(): "İ".lower() is two characters and would shift the cut
     tag = re.search(re.escape(answer_tag), text, re.IGNORECASE) if answer_tag else None
     reasoning = text if tag is None else text[: tag.start()]
-    vocab = re.compile(r"\b(?:" + "|".join(re.escape(w) for w in sorted(set(words), key=len, reverse=True))
-                       + r")s?\b|\d", re.IGNORECASE)
+    words = sorted({w.strip() for w in words if w.strip()}, key=len, reverse=True)  # a blank word matches anywhere
+    vocab = re.compile((r"\b(?:" + "|".join(map(re.escape, words)) + r")s?\b|" if words else "") + r"\d",
+                       re.IGNORECASE)
     spans, start = [], 0
     for m in [*_SPLIT.finditer(reasoning), None]:
         stop = m.start() if m else len(reasoning)

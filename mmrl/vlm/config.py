@@ -274,6 +274,15 @@ class PACGConfig(VPPOConfig):
     answer_tag: str = "<answer>"
     """The reasoning is the response's text before this tag (its first occurrence, in any case)."""
 
+    @model_validator(mode="after")
+    def _claim_words_named(self):
+        words = self.claim_words
+        if words is not None and (not words or any(not w.strip() for w in words)):
+            # [] fell back to the default vocabulary, and a blank word made every segment a claim
+            raise ValueError(f"claim_words {words!r}: give claim words, none blank (leave it unset for the default "
+                             "vocabulary, mmrl.vlm.claims.CLAIM_WORDS)")
+        return self
+
 
 class CORAConfig(GRPOConfig):
     """CORA (mmrl.vlm.methods.cora): a consistency reward model's stream beside the task's,

@@ -253,6 +253,20 @@ def _pacg_method(tmp_path, config="pacg.yaml", extra=()):
     return PACG(cfg.method, cfg, None)
 
 
+def test_empty_or_blank_claim_words_are_refused(tmp_path):
+    """claim_words [] fell back to the default vocabulary (`or`), and a blank word matched at
+    every word boundary, making every segment a claim; both are errors now."""
+    from mmrl.core.config import ConfigError
+
+    for words in ("[]", "['', red]"):
+        with pytest.raises(ConfigError, match=r"invalid config: method: claim_words .*: give claim words, none blank"):
+            _pacg_method(tmp_path, extra=[f"method.claim_words={words}"])
+    assert _pacg_method(tmp_path, extra=["method.claim_words=[red]"]).cfg.claim_words == ["red"]
+    text = "I think so, 2 reds here. A circle. <answer>x</answer>"
+    assert claim_spans(text, ["", "red"]) == claim_spans(text, ["red"]) == [(12, 23)]  # Python callers
+    assert claim_spans(text, []) == [(12, 23)]  # digits alone
+
+
 def _claims_batch():
     """Two samples of one group, rewards [1, 0] -> A = +-1/sqrt(2). Claims (0, 0), (0, 1), (1, 0),
     (1, 1) with re-scored log-probs log 0.9, log 0.1, ... against old_logp 0 -> persistence
