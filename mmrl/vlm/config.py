@@ -207,7 +207,8 @@ class AXPOResampleConfig(Section):
     k: int = Field(2, ge=2)
     """K: continuations resampled from each selected prefix (z-scored among themselves)."""
     budget: float = Field(0.25, ge=0)
-    """Extra decoding per group as a fraction of G: M = max(1, round(budget * G / K)) prefixes."""
+    """Extra decoding per group as a fraction of G: M = max(1, round(budget * G / K)) prefixes.
+    0 turns resampling off (GRPO, with AXPO's metrics: an ablation)."""
     force_call: bool = False
     """False: the kept prefix ends before the first call's opening tag, so a continuation may
     not call the tool at all. True: the prefix keeps that tag, so every continuation is a call

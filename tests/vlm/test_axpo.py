@@ -107,6 +107,14 @@ def test_m_is_budget_times_g_over_k_rounded_and_at_least_one():
                                         g.data["completion_ids"][0, :1].tolist()]  # u = 0.3
 
 
+def test_a_budget_of_0_resamples_nothing():
+    # max(1, round(0)) resampled one prefix: 0 read as "at least one"
+    g = group([0, 0, 0, 0], [1, 2, -1, -1], [[0.3, 0.3], [0.6, 0.6], [1, 1], [1, 1]])
+    m = method(k=2, budget=0.0)
+    assert m.extra_requests(g) == []
+    assert m.batch_metrics(g)["axpo/all_wrong_tool_groups"] == 1  # still counted, as GRPO with AXPO's metrics
+
+
 def test_each_prefix_asks_for_k_continuations():
     """K = 3: G = 8, budget 0.25 -> M = max(1, round(0.67)) = 1 request, for 3 continuations."""
     g = group([0] * 8, [1, -1, -1, -1, -1, -1, -1, -1], [[0.3, 0.3]] + [[1, 1]] * 7)

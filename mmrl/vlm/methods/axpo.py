@@ -7,7 +7,7 @@ learning is needed. AXPO changes which rollouts exist (docs/methods.md section 2
     T = rollouts of the group that made >= 1 tool call
     if T is non-empty and every rollout in T is wrong:
         u_i = mean pi_old(token) over the tokens of rollout i's first tool call   (confidence)
-        take the M rollouts of T with the lowest u_i; M = max(1, round(budget * G / K))
+        take the M rollouts of T with the lowest u_i; M = max(1, round(budget * G / K)) (budget 0: none)
         for each: keep p_i (the tokens before its first tool call) fixed and resample K
                   continuations that start at the tool call (resample.force_call: p_i keeps
                   the call's opening tag, so that every continuation is a call)
@@ -58,6 +58,8 @@ class AXPO(GRPO):
         if not bool(used.any()) or bool(self.right(group)[used].any()):
             return []
         rc = self.cfg.resample
+        if rc.budget == 0:  # resampling off: GRPO with AXPO's metrics (an ablation), not max(1, 0) = 1 prefix
+            return []
         size = int(own.sum())
         m = min(int(used.sum()), max(1, round(rc.budget * size / rc.k)))
         rows = used.nonzero(as_tuple=True)[0]
