@@ -104,6 +104,7 @@ def load_jsonl(
 
 
 _VISION_MARKS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")  # Qwen's
+_TURN_MARKS = ("<|im_start|>", "<|im_end|>")  # Qwen's (ChatML)
 
 
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
@@ -115,6 +116,11 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     if marks:  # the processor would count them as images: a mismatch at the first rollout
         raise error("question", f"holds the chat format's image placeholder {marks[0]}: give the images in the "
                                 "image or images field, and the chat template places them")
+    turns = sorted((m for m in _TURN_MARKS if m in question), key=question.index)  # the first in the text
+    if turns:  # read as one token: the text after it is a turn of its own, an assistant's if it says so
+        raise error("question", f"holds the chat format's turn marker {turns[0]}, which would end the user's turn "
+                                "inside the question: give the question's text alone, and the chat template "
+                                "writes the turns")
     reference = obj.get("reference", "")
     if not isinstance(reference, str):
         raise error("reference", f"must be a string, got {json_type(reference)}")
