@@ -343,6 +343,15 @@ class CASTConfig(FlowGRPOConfig):
     atoms of that type); the reward's other columns ("all", image atoms) as with types."""
 
     @model_validator(mode="after")
+    def _unused_with_projection_none(self):  # said, not silently ignored
+        unused = [f"{k} {getattr(self, k)}" for k in ("global_weight", "patch_clip_range", "attention_layers")
+                  if getattr(self, k) != type(self).model_fields[k].default]
+        if self.projection == "none" and unused:
+            config_warning(f"method.{', method.'.join(unused)} unused with method.projection none: its scalar "
+                           "advantage has no maps to mix in, nor per-patch ratios to clip")
+        return self
+
+    @model_validator(mode="after")
     def _nodes_need_the_shapes_parser(self):
         if self.atoms == "nodes" and self.parser != "shapes-geneval":
             raise ValueError(f"atoms=nodes takes each atom's verdict and words from the shapes-geneval scene "
@@ -363,6 +372,13 @@ class DiffusionTrainConfig(TrainConfig):
     """SDE sampling of the rollouts: steps, noise, time shift, the Flow-GRPO-Fast window."""
     method: MethodConfig = Field(default_factory=FlowGRPOConfig)
     """The RL algorithm: type flow_grpo, ftfc or cast."""
+
+    @model_validator(mode="after")
+    def _guided_fit_needs_guidance(self):
+        if getattr(self.method, "guided", False) and self.model.guidance_scale == 1:  # said, not silently ignored
+            config_warning("method.guided true is unused with model.guidance_scale 1: without classifier-free "
+                           "guidance the guided velocity is the conditional one")
+        return self
 
     @model_validator(mode="after")
     def _text_reward_models(self):

@@ -863,6 +863,25 @@ def test_diffusion_window_stays_off_the_last_step():
         DiffusionRolloutConfig(num_steps=10, window_size=3, window_start=(5, 4))
 
 
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["method.type=cast", "method.projection=none", "method.global_weight=0.5", "method.patch_clip_range=0.1"],
+     r"method.global_weight 0.5, method.patch_clip_range 0.1 unused with method.projection none"),
+    (["method.type=ftfc", "method.guided=true"], r"method.guided true is unused with model.guidance_scale 1"),
+])
+def test_diffusion_settings_their_method_does_not_read_are_said_to_be_unused(overrides, said):
+    from diffusion_rl import backend
+    from diffusion_rl.config import DiffusionTrainConfig
+
+    with pytest.warns(UserWarning, match=said):
+        load_config(DiffusionTrainConfig, None, overrides, defaults=backend.DEFAULT_CONFIG)
+    with warnings.catch_warnings():  # where they are read, or left at their defaults: nothing said
+        warnings.simplefilter("error")
+        for quiet in (["method.type=cast", "method.global_weight=0.5", "method.patch_clip_range=0.1"],
+                      ["method.type=cast", "method.projection=none"],
+                      ["method.type=ftfc", "method.guided=true", "model.guidance_scale=3.5"]):
+            load_config(DiffusionTrainConfig, None, quiet, defaults=backend.DEFAULT_CONFIG)
+
+
 def test_a_diffusion_window_start_without_a_window_size_is_said_to_be_unused():
     """window_start only places a window of window_size steps; without one every step but the last
     is stochastic and the start is ignored, with a warning that names the caller's line. The
