@@ -72,6 +72,20 @@ def test_a_vlm_lora_checkpoint_exports_as_one_plain_transformers_model(tmp_path)
                        AutoModelForImageTextToText.from_pretrained(bundled_model_dir()))
 
 
+def test_a_vlm_jsonl_run_exports_without_its_data_files(tmp_path):
+    # export decodes nothing: a run copied to another machine without its train.jsonl exports
+    from transformers import AutoModelForImageTextToText
+
+    policy, _ = lora_policy("vlm", tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  lora: {r: 4, alpha: 8}\n"
+                                       "task: {type: jsonl, train_path: gone/train.jsonl, eval_path: gone/eval.jsonl}\n")
+    out = exported("vlm", tmp_path)
+    plain = AutoModelForImageTextToText.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(input_ids=IDS).logits, policy.model.eval()(input_ids=IDS).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
     from dllm_rl.models import load_mask_predictor
 

@@ -119,6 +119,19 @@ def mood_coverage(texts, items) -> dict[str, float]:
 
 
 def build(cfg: VLMTrainConfig):
+    model_device(cfg.model.device)  # a ConfigError for a GPU this machine lacks, before any reading
+    # The data first: a missing or malformed jsonl file (or image) is named in a second, not
+    # after the model has loaded (minutes for a 7B one).
+    task = build_task(cfg)
+    policy = build_policy(cfg)
+    if cfg.task.type == "jsonl":  # the synthetic tasks draw images the model takes
+        _check_image_shapes(policy, task, cfg.task.on_bad_image)
+    return policy, task
+
+
+def build_policy(cfg: VLMTrainConfig) -> VLMPolicy:
+    """The policy alone: `export` decodes nothing, so it needs not the task's data files (a run
+    copied to another machine without them)."""
     device = model_device(cfg.model.device)  # a ConfigError for a GPU this machine lacks, before any loading
     tools = build_tools(cfg)
     model, processor = load_vlm(cfg.model, seed=cfg.seed, base_dir=cfg.base_dir)
@@ -126,13 +139,9 @@ def build(cfg: VLMTrainConfig):
     # The KL reference (adapters off, or a copy) and rollout copies follow the policy's device.
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    policy = VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
-                       min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
-                       tools=tools, tools_cfg=cfg.rollout.tools, logprob_chunk=cfg.model.logprob_chunk)
-    task = build_task(cfg)
-    if cfg.task.type == "jsonl":  # the synthetic tasks draw images the model takes
-        _check_image_shapes(policy, task, cfg.task.on_bad_image)
-    return policy, task
+    return VLMPolicy(model.to(device), processor, temperature=cfg.rollout.temperature,
+                     min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels,
+                     tools=tools, tools_cfg=cfg.rollout.tools, logprob_chunk=cfg.model.logprob_chunk)
 
 
 def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:

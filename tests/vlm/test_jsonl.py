@@ -421,3 +421,20 @@ def test_save_writes_reference_only_when_given_text_as_is_and_refuses_bad_meta(t
     assert json.loads(lines[1])["reference"] == "r"
     with pytest.raises(ValueError, match="item 0: meta is not JSON-serialisable"):
         save_jsonl([QAItem([], "q", "a", meta={"when": object()})], tmp_path / "b.jsonl", tmp_path / "imgs")
+
+
+def test_a_jsonl_file_at_fault_is_named_before_the_model_loads(tmp_path, red_png, monkeypatch):
+    # the model loaded first (minutes for a 7B one), and only then was the file read
+    from mmrl.core.config import ConfigError, load_config
+    from mmrl.vlm import backend
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the task's files were read")
+
+    monkeypatch.setattr(backend, "load_vlm", loaded)
+    write_lines(tmp_path / "train.jsonl", [GOOD])
+    cfg = load_config(backend.CONFIG_CLASS, None, ["task.type=jsonl", f"task.train_path={tmp_path / 'train.jsonl'}",
+                                                   f"task.eval_path={tmp_path / 'nope.jsonl'}"],
+                      defaults=backend.DEFAULT_CONFIG)
+    with pytest.raises(ConfigError, match=r"nope.jsonl: cannot read the file"):
+        backend.build(cfg)
