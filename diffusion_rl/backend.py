@@ -176,17 +176,33 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
 
 
 def build(cfg: DiffusionTrainConfig):
+    path, device = _settings(cfg)
+    # the prompt files and image atoms first: a bad line is named before a model of minutes' loading
+    task = build_task(cfg)
+    return _load_policy(cfg, path, device), task
+
+
+def build_policy(cfg: DiffusionTrainConfig) -> DiffusionPolicy:
+    """The policy alone: `export` draws nothing, so it needs not the task's prompt files (a run
+    copied to another machine without them) nor its image atoms' models."""
+    return _load_policy(cfg, *_settings(cfg))
+
+
+def _settings(cfg: DiffusionTrainConfig):
+    """(the model's directory, the device), checked before any loading, with build's notices."""
+    device = model_device(cfg.model.device)  # a GPU asked for and absent is a ConfigError now
+    path = resolve_settings(cfg)
+    if cfg.model.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
+        print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
+              f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
+    return path, device
+
+
+def _load_policy(cfg: DiffusionTrainConfig, path: Path, device) -> DiffusionPolicy:
     import diffusion_rl.methods  # noqa: F401  (registers flow_grpo)
     from diffusion_rl.models import ImageSizeError, load_flow_model
 
     m = cfg.model
-    device = model_device(m.device)  # before any loading: a GPU asked for and absent is a ConfigError now
-    path = resolve_settings(cfg)
-    if m.trust_remote_code:  # say so: the flag does nothing here (security row of docs/errors.md)
-        print(f"notice: model.trust_remote_code has no effect for diffusion pipelines: only diffusers and "
-              f"transformers classes are loaded, never Python code from {path}", file=sys.stderr, flush=True)
-    # the prompt files and image atoms first: a bad line is named before a model of minutes' loading
-    task = build_task(cfg)
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
                                guidance_scale=m.guidance_scale, device=device)  # transformer, VAE, text encoders
@@ -211,7 +227,7 @@ def build(cfg: DiffusionTrainConfig):
         flow.add_lora(m.lora.r, m.lora.alpha, m.lora.target_modules, seed=cfg.seed)
     if m.gradient_checkpointing:
         enable_gradient_checkpointing(flow.transformer)
-    return DiffusionPolicy(flow, cfg.rollout), task
+    return DiffusionPolicy(flow, cfg.rollout)
 
 
 # `sample --greedy` (the language backends' greedy decode) is refused before the model is built, with this reason

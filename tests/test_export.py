@@ -86,6 +86,19 @@ def test_a_vlm_jsonl_run_exports_without_its_data_files(tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_an_image_run_of_prompt_files_exports_without_them(tmp_path):
+    # export draws nothing: a run copied to another machine without its prompt files exports
+    from diffusion_rl.models import load_flow_model
+
+    policy, _ = lora_policy("diffusion", tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  lora: {r: 4, alpha: 8}\n"
+                                       "task: {train_path: gone/train.txt, eval_path: gone/eval.txt}\n")
+    plain = dict(load_flow_model(exported("diffusion", tmp_path)).transformer.named_parameters())
+    own = dict(policy.flow.transformer.named_parameters())
+    untouched = [n for n in plain if n in own]  # the layers LoRA left alone (its layers' names have base_layer)
+    assert untouched and len(untouched) < len(plain) and all(torch.equal(plain[n], own[n]) for n in untouched)
+
+
 def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
     from dllm_rl.models import load_mask_predictor
 
