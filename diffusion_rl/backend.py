@@ -15,7 +15,7 @@ from pathlib import Path
 
 from diffusion_rl.config import DiffusionTrainConfig
 from diffusion_rl.policy import DiffusionPolicy
-from diffusion_rl.task import DiffusionTask
+from diffusion_rl.task import DiffusionTask, draw
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
 from mmrl.core.memory import enable_gradient_checkpointing
@@ -249,10 +249,8 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     prompts = prompts or list(dict.fromkeys(task.eval_prompts))[:2]
     texts = [p for p in prompts for _ in range(n)]
     seeds = [j for _ in prompts for j in range(n)]
-    steps = cfg.rollout.eval_steps or cfg.rollout.num_steps
-    images = []  # in batches: --num 64 of a few prompts in one batch would not fit a GPU at FLUX's sizes
-    for start in range(0, len(texts), batch_size):
-        images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size], steps)
+    # in batches: --num 64 of a few prompts in one batch would not fit a GPU at FLUX's sizes
+    images = draw(policy, texts, seeds, cfg.rollout.eval_steps or cfg.rollout.num_steps, batch_size)
     root = Path(cfg.output_dir) / "cli_samples"
     root.mkdir(parents=True, exist_ok=True)
     taken = [int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit()]

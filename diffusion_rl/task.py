@@ -68,10 +68,7 @@ class DiffusionTask:
         extra = self.other_atoms()
 
         def sample(jobs):  # each image's noise is fixed by its seed: any rank draws it alike
-            images = []
-            for start in range(0, len(jobs), batch_size):
-                chunk = jobs[start: start + batch_size]
-                images += policy.sample_images([p for p, _ in chunk], [s for _, s in chunk], self.eval_steps)
+            images = draw(policy, [p for p, _ in jobs], [s for _, s in jobs], self.eval_steps, batch_size)
             # the reward's scores where evaluation reports them (below), each rank its share's:
             # every image for the other atoms (a CLIP or reward model), else the unparsed prompts'
             scored = [k for k, (p, _) in enumerate(jobs) if extra or not can_parse(p)]
@@ -112,16 +109,22 @@ class DiffusionTask:
         if not prompts:
             return None
         texts, seeds = self._jobs(prompts)
-        images = []
-        for start in range(0, len(texts), batch_size):
-            images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size],
-                                           self.eval_steps)
+        images = draw(policy, texts, seeds, self.eval_steps, batch_size)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"grid_{tag}.png"
         grid(images, len(prompts), self.eval_seeds).save(path)
         (out / f"grid_{tag}.json").write_text(json.dumps({"rows": prompts, "seeds": seeds}, indent=1))
         return path
+
+
+def draw(policy, texts: list[str], seeds: list[int], steps: int, batch_size: int = 32) -> list[Image.Image]:
+    """policy.sample_images of each (text, seed), batch_size images at a time: evaluation's, the
+    grids' and `sample`'s draws may be many more than a GPU holds at once at FLUX's sizes."""
+    images = []
+    for start in range(0, len(texts), batch_size):
+        images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size], steps)
+    return images
 
 
 def grid(images: Sequence[Image.Image], rows: int, cols: int, pad: int = 2, label: int = 10) -> Image.Image:
