@@ -62,13 +62,15 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_boolean_numbers(cls, data: Any) -> Any:
-        # pydantic reads true as 1 for an int or float key: `max_steps: true` would train one step. (A field validator cannot do this: a "before"
-        # field validator is refused on the `type` keys that pick a union's variant.)
+        # pydantic reads true as 1 for an int or float key: `max_steps: true` would train one step.
+        # (Not a field validator: a "before" one is refused on the `type` keys that pick a variant.)
         for name, value in (data.items() if isinstance(data, dict) else ()):
             field = cls.model_fields.get(name)
-            if field is not None and _takes_bool_for_number(field.annotation, value):
-                raise KeyValueError(name, f"{str(value).lower()} is a boolean; this key takes a number"
-                                    if isinstance(value, bool) else f"{json.dumps(value)} holds a boolean where this key takes numbers")
+            if field is None or not _takes_bool_for_number(field.annotation, value):
+                continue
+            if isinstance(value, bool):
+                raise KeyValueError(name, f"{str(value).lower()} is a boolean; this key takes a number")
+            raise KeyValueError(name, f"{json.dumps(value)} holds a boolean where this key takes numbers")
         return data
 
 

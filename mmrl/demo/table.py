@@ -55,7 +55,8 @@ class Run:
         ended = start.get("ended")
         if isinstance(ended, dict):
             if ended.get("how") == "finished":  # recorded just before summary.json is written
-                return f"finished at step {ended.get('step')} of {total}, but no summary.json (deleted, or killed as it was written)"
+                return (f"finished at step {ended.get('step')} of {total}, but no summary.json "
+                        "(deleted, or killed as it was written)")
             return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
         elif (alive := provenance.alive(start)) is not None:  # on the host that ran it
             return (f"running (pid {start['pid']}; step {self.steps or 0} of {total})" if alive
