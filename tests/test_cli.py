@@ -126,7 +126,9 @@ def test_the_libraries_progress_bars_follow_logging_progress_and_the_terminal(mo
         assert not transformers_log.is_progress_bar_enabled() and diffusers_log.is_progress_bar_enabled()
         assert quiet_library_bars(False, diffusers=True) and not diffusers_log.is_progress_bar_enabled()
         transformers_log.enable_progress_bar()
-        code, text = invoke(app, "config", "--keys", "seed")  # the CLI, its output not a terminal
+        code, text = invoke(app, "config", "--keys", "seed")  # builds nothing: transformers is not even imported for it
+        assert code == 0 and transformers_log.is_progress_bar_enabled(), text
+        code, text = invoke(app, "eval")  # the CLI before it loads a model, its output not a terminal
         assert code == 0 and not transformers_log.is_progress_bar_enabled(), text
     finally:
         transformers_log.enable_progress_bar()

@@ -141,9 +141,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         where = [o for o in overrides if o.partition("=")[0].strip() == "output_dir"]
         return Path(build_config(config, where, backend, verb).output_dir)
 
-    def get_backend(config, overrides, verb: str = "train", checkpoint: Path | None = None, resume: bool = False):
+    def get_backend(config, overrides, verb: str = "train", checkpoint: Path | None = None, resume: bool = False,
+                    builds: bool = True):
         """Validate the config even before the backend exists, so config errors show first.
-        With --resume, or a --checkpoint inside a run, the run's config.yaml is the base."""
+        With --resume, or a --checkpoint inside a run, the run's config.yaml is the base. `builds`:
+        the verb loads the model next (not `config`), whose libraries' bars are then set."""
         try:
             backend = load_backend(spec)
         except BackendUnavailable:
@@ -175,7 +177,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
             else:
                 resolve_checkpoint(checkpoint)
-        quiet_library_bars(cfg.logging.progress, diffusers=spec.modality == "diffusion")
+        if builds:  # importing transformers (and diffusers) to do so costs `config` seconds otherwise
+            quiet_library_bars(cfg.logging.progress, diffusers=spec.modality == "diffusion")
         return backend, cfg
 
     @app.command()
@@ -386,7 +389,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         def go():
             from mmrl.core.config_doc import commented_config
 
-            _, cfg = get_backend(config, list(set_), "train", checkpoint)
+            _, cfg = get_backend(config, list(set_), "train", checkpoint, builds=False)
             typer.echo(commented_config(cfg, keys), nl=False)
 
         run_verb(go)
