@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 from diffusion_rl.policy import to_sample
 from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
 from mmrl.core import distributed
+from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.rewards import Reward
 
 
@@ -43,7 +44,7 @@ class DiffusionTask:
         if self.eval_prompts and not any(can_parse(p) and len(parse_prompt(p)) >= hard_min_atoms
                                          for p in self.eval_prompts):
             warnings.warn(f"task.hard_min_atoms={hard_min_atoms}: no held-out prompt has that many atoms, so "
-                          "evaluation reports no hard/* metrics", stacklevel=2)
+                          "evaluation reports no hard/* metrics", HeldOutWarning, stacklevel=2)
 
     # what evaluate() logs beside each atom's mean (a config atom may not take these names)
     metric_names = ("reward", "atom_accuracy", "prompt_accuracy", "unparsed_prompts", "whole_prompt_reward")

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 
 from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field, to_sample  # noqa: F401  (exposed)
-from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
+from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
 RESERVED_FIELDS = ("prompt", "answer", "reference")
@@ -48,7 +48,7 @@ def check_overlap(train: Sequence[Problem], evaluation: Sequence[Problem]) -> No
         p, n = seen[0], len(seen)
         warnings.warn(f"{n} of the {len(evaluation)} held-out problems {'has' if n == 1 else 'have'} a training "
                       f"problem's prompt (the first: {p.prompt!r}, {p.where}; {first[p.prompt].where}): held-out "
-                      "accuracy counts problems the model trains on", UserWarning, stacklevel=2)
+                      "accuracy counts problems the model trains on", HeldOutWarning, stacklevel=2)
     for p in evaluation:
         first.setdefault(p.prompt, p)
     clash = [p for p in (*train, *evaluation) if p.answer != first[p.prompt].answer]

@@ -33,6 +33,7 @@ from mmrl.core.best import BEST, read_record
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
 from mmrl.core.engine import EngineError
+from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import quiet_library_bars
 from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
@@ -274,6 +275,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         def go():
             if greedy and (num or 1) > 1:
                 raise ConfigError(f"--greedy decodes one answer per prompt, --num {num} draws {num} samples: give one or the other")
+            blank = [i for i, p in enumerate(prompt, 1) if not p.strip()]
+            if blank:  # most often an unset shell variable: `--prompt "$Q"`
+                raise ConfigError(f"--prompt: prompt {blank[0]} of {len(prompt)} is empty; give the text to sample from")
             backend, cfg = get_backend(config, list(set_), "sample", checkpoint)
             if not hasattr(backend, "sample"):
                 raise BackendUnavailable(f"`{spec.command} sample` is not available for this backend yet")
@@ -291,7 +295,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 raise BackendUnavailable(f"`{spec.command} sample --image`: this backend's prompts are text only")
             from mmrl.core.trainer import with_config_atoms
 
-            policy, task = backend.build(cfg)
+            with warnings.catch_warnings():  # what held-out metrics measure: sample reports none
+                warnings.simplefilter("ignore", HeldOutWarning)
+                policy, task = backend.build(cfg)
             with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)

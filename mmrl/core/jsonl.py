@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatasetError", "json_type", "read_objects", "text_and_answer"]
+__all__ = ["DatasetError", "HeldOutWarning", "json_type", "read_objects", "text_and_answer"]
 
 
 class DatasetError(ValueError):
@@ -28,6 +28,12 @@ class DatasetError(ValueError):
         self.line = line
         self.field = field
         self.problem = problem
+
+
+class HeldOutWarning(UserWarning):
+    """A warning about what held-out evaluation measures (held-out items that are training
+    items too). Only verbs that evaluate show it: `sample` and `serve` build the same task but
+    report no held-out metric, so there it is noise."""
 
 
 def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:

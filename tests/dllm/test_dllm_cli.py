@@ -5,6 +5,7 @@ run bit for bit, pass@k from eval, and user errors as one clean paragraph."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,12 @@ def test_sample_with_a_character_outside_the_vocabulary_is_a_clean_error(small_s
     assert "--prompt: prompt 'Hello=' cannot be encoded" in r.stderr and "Traceback" not in r.output
 
 
+def test_sample_refuses_an_empty_prompt(small_sets, tmp_path):
+    """`--prompt "$Q"` with Q unset sampled from nothing and printed empty completions."""
+    r = invoke("sample", *small_sets, "--prompt", "1+1=", "--prompt", " ", "--set", f"output_dir={tmp_path}")
+    assert r.exit_code == 2 and "--prompt: prompt 2 of 2 is empty" in r.stderr and "Traceback" not in r.output
+
+
 def test_bad_config_is_one_paragraph_naming_gen_length(small_sets, tmp_path):
     r = invoke("train", *small_sets, "--set", "rollout.gen_length=7", "--output-dir", tmp_path / "x")
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
@@ -225,7 +232,6 @@ def test_eval_and_sample_score_the_configs_own_atoms(small_sets, tmp_path):
 def test_max_new_tokens_is_gen_length_and_a_setting_of_it_is_said_to_be_ignored():
     """The core's max_new_tokens (Dr.GRPO's length constant) is the dLLM's gen_length; a user's
     own other value is ignored with a warning, and config dumps leave it out."""
-    import warnings
 
     from dllm_rl import backend
     from dllm_rl.config import DLLMRolloutConfig, DLLMTrainConfig
@@ -249,15 +255,21 @@ def test_sample_scores_a_prompt_of_the_jsonl_files(small_sets, tmp_path):
     """A jsonl task's --prompt that is one of its files' prompts is scored against that line's
     answer (a jsonl prompt has no format to parse: it was sampled unscored); other text is not."""
     (tmp_path / "t.jsonl").write_text('{"prompt": "12+7=", "answer": 19, "source": "quiz"}\n')
-    (tmp_path / "e.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n')
+    (tmp_path / "e.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "12+7=", "answer": 19}\n')
     sets = [a for flag, kv in zip(small_sets[::2], small_sets[1::2]) if not kv.startswith("task.num_")
             for a in (flag, kv)]  # jsonl uses every line
-    rows = json_lines(ok(invoke("sample", *sets, "--set", "task.type=jsonl", "--set", f"task.train_path={tmp_path / 't.jsonl'}",
-                                "--set", f"task.eval_path={tmp_path / 'e.jsonl'}", "--prompt", "12+7=", "--prompt", "12+8=",
-                                "--greedy", "--set", f"output_dir={tmp_path}")).stdout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = ok(invoke("sample", *sets, "--set", "task.type=jsonl", "--set", f"task.train_path={tmp_path / 't.jsonl'}",
+                      "--set", f"task.eval_path={tmp_path / 'e.jsonl'}", "--prompt", "12+7=", "--prompt", "12+8=",
+                      "--greedy", "--set", f"output_dir={tmp_path}"))
+    rows = json_lines(r.stdout)
     assert [row["prompt"] for row in rows] == ["12+7=", "12+8="]
     assert rows[0]["gold"] == "19" and rows[0]["atoms"] == {"answer": float(rows[0]["completion"].strip() == "19")}
     assert "gold" not in rows[1]
+    # the eval file repeats a training prompt: a warning about held-out accuracy, which eval
+    # reports and sample does not (it was printed by every sample too)
+    assert [str(w.message) for w in caught if "held-out" in str(w.message)] == []
 
 
 def test_export_of_a_jsonl_run_needs_not_its_data_files(tiny_dllm, tmp_path):
