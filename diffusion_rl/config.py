@@ -56,7 +56,9 @@ class ShapesGenevalTaskConfig(Section):
     num_train: int = Field(2000, ge=1)
     """Training prompts generated (unused with train_path)."""
     num_eval: int = Field(64, ge=1)
-    """Held-out prompts generated (unused with eval_path)."""
+    """Held-out prompts generated (unused with eval_path). They are independent draws of the
+    generator, as training's are, so a prompt can come more than once and counts as often as it
+    comes: 64 hold 37 distinct prompts at seed 0 (one-phrase prompts are few)."""
     eval_seeds: int = Field(1, ge=1)
     """Images per held-out prompt (fixed noise seeds, the same before and after)."""
     grid_prompts: int = Field(8, ge=0)
