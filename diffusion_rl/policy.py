@@ -197,6 +197,14 @@ class DiffusionPolicy:
         the transformer's weights (`export`)."""
         self.flow.save_pretrained(path)
 
+    def export_usage(self) -> str:
+        """The pipeline arguments that sample an export at this run's size and steps: a diffusers
+        pipeline's own defaults are its full-size model's (FluxPipeline draws the bundled tiny
+        model's images at 512 x 512 px, eight times the side it was trained at)."""
+        f, steps = self.flow, self.rollout.eval_steps or self.rollout.num_steps
+        return (f"this run samples {f.height}x{f.width} px in {steps} steps: call the pipeline with "
+                f"height={f.height}, width={f.width}, num_inference_steps={steps}")
+
     def save_pretrained(self, path: str | Path) -> None:
         """The whole pipeline directory (from_pretrained loads it as is); under LoRA the adapter
         alone (adapter_config.json, adapter_model.safetensors), as the VLM and dLLM backends save

@@ -99,6 +99,22 @@ def test_an_image_run_of_prompt_files_exports_without_them(tmp_path):
     assert untouched and len(untouched) < len(plain) and all(torch.equal(plain[n], own[n]) for n in untouched)
 
 
+def test_an_image_export_says_how_to_sample_it_at_the_runs_size(tmp_path):
+    """FluxPipeline draws the exported tiny model at its own default, 512 x 512 px, where the run
+    sampled 64 x 64: export prints the arguments that sample it as the run did, and they do."""
+    from diffusers import DiffusionPipeline
+
+    from diffusion_rl.backend import bundled_model_dir
+
+    code, text = export("diffusion", "--checkpoint", str(bundled_model_dir()), "--set", "rollout.eval_steps=3",
+                        "-o", str(tmp_path / "out"))
+    assert code == 0, text
+    assert "this run samples 64x64 px in 3 steps: call the pipeline with height=64, width=64, num_inference_steps=3" in text
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "out")
+    image = pipe("a red circle", height=64, width=64, num_inference_steps=3, output_type="pil").images[0]
+    assert image.size == (64, 64)
+
+
 def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
     from dllm_rl.models import load_mask_predictor
 

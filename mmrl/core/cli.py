@@ -379,6 +379,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 shutil.rmtree(partial, ignore_errors=True)
                 raise CheckpointError(f"export to {out} failed, nothing was written there: {e}") from e
             console.print(f"wrote {out} (from {source})", highlight=False)
+            if hasattr(policy, "export_usage"):  # what the model's own library would not guess
+                console.print(policy.export_usage(), highlight=False)
 
         run_verb(go)
 
