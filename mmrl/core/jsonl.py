@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,14 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
+        line = len(re.split(rb"\r\n|\r|\n", raw[:e.start]))  # the lines' ends as below
         raise DatasetError(
             path, line, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
         ) from e
-    # split on "\n" only: str.splitlines() would also split at U+2028 etc., which JSON
-    # strings may hold unescaped, and the line numbers would drift from an editor's
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    # Lines end in LF, CRLF or a lone CR (old Mac files, which read as one line with "Extra
+    # data"); JSON text holds a CR only escaped. Not str.splitlines(): it would also split at
+    # U+2028 etc., which JSON strings may hold unescaped, and line numbers would drift from an editor's.
+    for lineno, line in enumerate(re.split(r"\r\n|\r|\n", text), start=1):
         # a byte-order mark opens the file, or a line where files were joined (`cat a.jsonl b.jsonl`)
         line = line.removeprefix("\ufeff")
         if not line.strip():

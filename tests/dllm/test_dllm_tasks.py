@@ -792,3 +792,20 @@ def test_jsonl_files_joined_with_their_byte_order_marks_read_every_line(tmp_path
     (tmp_path / "p.jsonl").write_bytes(bom + b'{"prompt": "1+1=", "answer": 2}\r\n' + bom + b'{"prompt": "1+2=", "answer": 3}\r\n')
     assert [(p.prompt, p.answer, p.where[-6:]) for p in jsonl.load_problems(tmp_path / "p.jsonl")] == [
         ("1+1=", "2", "line 1"), ("1+2=", "3", "line 2")]
+
+
+def test_jsonl_lines_ending_in_a_lone_cr_are_lines(tmp_path):
+    """A file saved with old Mac line ends (CR alone) read as one line: "invalid JSON: Extra
+    data at column 33"; its lines are read, and an error names the line an editor shows."""
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import DatasetError
+
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": 2}\r{"prompt": "1+2=", "answer": 3}\r')
+    assert [(p.prompt, p.where[-6:]) for p in jsonl.load_problems(tmp_path / "p.jsonl")] == [
+        ("1+1=", "line 1"), ("1+2=", "line 2")]
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": 2}\r\r{"prompt": "1+2=", "answer": 3,}\r')
+    with pytest.raises(DatasetError, match=r"p.jsonl, line 3: invalid JSON"):
+        jsonl.load_problems(tmp_path / "p.jsonl")
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": 2}\r{"prompt": "\xff"}\r')
+    with pytest.raises(DatasetError, match=r"p.jsonl, line 2: not valid UTF-8"):
+        jsonl.load_problems(tmp_path / "p.jsonl")
