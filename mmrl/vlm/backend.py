@@ -160,7 +160,8 @@ def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
                 tried.add((w, h))
                 problem = _resize_problem(policy, w, h)
                 if problem:
-                    bad[(w, h)] = f"{split} sample {i} ({item.question[:40]!r}): a {w} x {h} image: {problem}"
+                    sample = item.where or f"{split} sample {i} ({item.question[:40]!r})"
+                    bad[(w, h)] = f"{sample}: a {w} x {h} image: {problem}"
     if not bad:
         return
     if on_bad_image == "raise":

@@ -294,7 +294,7 @@ def test_dataset_images_the_models_resizing_cannot_take_fail_at_build(tmp_path, 
     save_jsonl(ITEMS[4:6], tmp_path / "eval.jsonl", tmp_path / "img")
     (tmp_path / "run.yaml").write_text(
         f"model: {{path: {qwen25_dir}}}\ntask: {{type: jsonl, train_path: train.jsonl, eval_path: eval.jsonl}}\n")
-    with pytest.raises(ConfigError, match=r"train sample 0 .*a 1700 x 100 image.*task.on_bad_image=skip"):
+    with pytest.raises(ConfigError, match=r"train.jsonl, line 1: a 1700 x 100 image.*task.on_bad_image=skip"):
         backend.build(load_config(VLMTrainConfig, tmp_path / "run.yaml"))
     with pytest.warns(UserWarning, match="left out the samples with images the model's resizing cannot take"):
         _policy, task = backend.build(load_config(VLMTrainConfig, tmp_path / "run.yaml",

@@ -148,7 +148,8 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
 
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
-    return QAItem(images=images, question=question, answer=answer, reference=reference, meta=meta)
+    return QAItem(images=images, question=question, answer=answer, reference=reference, meta=meta,
+                  where=f"{path}, line {lineno}")
 
 
 def _open(field: str, value: str, root: Path) -> Image.Image:

@@ -61,6 +61,7 @@ class QAItem:
     answer: str
     reference: str = ""
     meta: dict = field(default_factory=dict)
+    where: str = ""  # a data file's item: "FILE, line N", for the messages that name it
 
 
 # ---------------------------------------------------------------------------- question kinds
