@@ -75,13 +75,14 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
         reward = shapes_mood_reward(diversity_weight=t.diversity_weight)
         extra["metrics"], extra["extra_eval"] = mood_coverage, {"ood": data.ood_items()}
     else:
-        from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
+        from mmrl.vlm.tasks.jsonl import DatasetError, check_overlap, load_jsonl
 
         try:
             train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), on_bad_image=t.on_bad_image)
             evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), on_bad_image=t.on_bad_image)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
+        check_overlap(train, evaluation)
     if cfg.method.type == "cora":  # CORA's second reward stream: P(the reasoning supports the answer)
         from mmrl.core.rewards import Reward
         from mmrl.vlm.consistency import ConsistencyModel, consistency_atom

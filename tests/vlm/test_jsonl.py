@@ -438,3 +438,29 @@ def test_a_jsonl_file_at_fault_is_named_before_the_model_loads(tmp_path, red_png
                       defaults=backend.DEFAULT_CONFIG)
     with pytest.raises(ConfigError, match=r"nope.jsonl: cannot read the file"):
         backend.build(cfg)
+
+
+def test_held_out_samples_that_are_training_samples_are_warned_once(tmp_path, red_png):
+    """The same question on the same pixels in both files (one file given as both, or an image
+    saved twice under two names) passed without a word, where the dLLM jsonl task warns; the
+    same question on another image is another sample."""
+    from mmrl.core.jsonl import HeldOutWarning
+    from mmrl.vlm.tasks.jsonl import check_overlap
+
+    png(tmp_path / "copy.png", Image.open(red_png))
+    png(tmp_path / "blue.png", Image.new("RGB", (4, 3), (0, 0, 200)))
+    train = load_jsonl(write_lines(tmp_path / "train.jsonl", [
+        {"question": "What colour?", "answer": "blue", "image": "blue.png"},
+        {"question": "What colour?", "answer": "red", "image": "red.png"}]))
+    evaluation = load_jsonl(write_lines(tmp_path / "eval.jsonl", [
+        {"question": "What colour?", "answer": "red", "image": "copy.png"},
+        {"question": "What shape?", "answer": "red", "image": "red.png"}]))
+    with pytest.warns(HeldOutWarning) as caught:
+        check_overlap(train, evaluation)
+    (message,) = (str(w.message) for w in caught)
+    assert message.startswith("1 of the 2 held-out samples is a training sample too, the same question on the same "
+                              "images (the first: 'What colour?', ")
+    assert "eval.jsonl, line 1; " in message and "train.jsonl, line 2)" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_overlap(train[:1], evaluation)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import json
 import os
@@ -40,10 +41,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from mmrl.core.jsonl import DatasetError, json_type, read_objects, text_and_answer
+from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
-__all__ = ["DatasetError", "QADataset", "load_jsonl", "save_jsonl", "to_rgb"]
+__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "save_jsonl", "to_rgb"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
@@ -105,6 +106,30 @@ def load_jsonl(
 
 _VISION_MARKS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")  # Qwen's
 _TURN_MARKS = ("<|im_start|>", "<|im_end|>")  # Qwen's (ChatML)
+
+
+def check_overlap(train: Sequence[QAItem], evaluation: Sequence[QAItem]) -> None:
+    """Warn, as the dLLM jsonl task does (one warning, naming the first case), where held-out
+    samples are training samples too: the same question on the same images (compared by their
+    pixels, so one file given as both, or an image saved twice, is found). Held-out accuracy
+    then counts samples the model trained on. It may be meant; it was not said."""
+    def key(item: QAItem) -> tuple:
+        return item.question, tuple(hashlib.sha256(im.tobytes()).hexdigest() + f"{im.size}" for im in item.images)
+
+    asked = {it.question for it in train}
+    candidates = [e for e in evaluation if e.question in asked]  # pixels hashed only for these
+    questions = {e.question for e in candidates}
+    first: dict[tuple, QAItem] = {}
+    for it in train:
+        if it.question in questions:
+            first.setdefault(key(it), it)
+    seen = [(e, first[k]) for e in candidates if (k := key(e)) in first]
+    if seen:
+        (e, t), n = seen[0], len(seen)
+        warnings.warn(f"{n} of the {len(evaluation)} held-out samples {'is a' if n == 1 else 'are'} training "
+                      f"sample{'' if n == 1 else 's'} too, the same question on the same images (the first: "
+                      f"{e.question[:60]!r}, {e.where or 'held-out'}; {t.where or 'train'}): held-out accuracy "
+                      "counts samples the model trains on", HeldOutWarning, stacklevel=2)
 
 
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
