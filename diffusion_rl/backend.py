@@ -18,6 +18,7 @@ from diffusion_rl.policy import DiffusionPolicy
 from diffusion_rl.task import DiffusionTask, draw
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
+from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.rewards import Reward
 from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
@@ -97,7 +98,7 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
             first = next(p for p in evaluation if p in shared)
             warnings.warn(f"task.eval_path: {len(shared)} of {len(set(evaluation))} held-out prompts are training "
                           f"prompts too ({first!r}{', ...' if len(shared) > 1 else ''}), so held-out evaluation "
-                          "scores them as trained on", stacklevel=2)
+                          "scores them as trained on", HeldOutWarning, stacklevel=2)
     return DiffusionTask(t.type, train, evaluation, reward, eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,
                          hard_min_atoms=t.hard_min_atoms)

@@ -157,9 +157,11 @@ def test_sample_passes_over_the_shapes_atoms_refusing_a_free_form_prompt(tmp_pat
 def test_held_out_prompts_that_are_training_prompts_too_are_said_to_be(tmp_path):
     """The same file as train_path and eval_path (or a line in both) trained on the held-out
     prompts without a word; generated prompts keep their split and are not checked."""
+    from mmrl.core.jsonl import HeldOutWarning
+
     (tmp_path / "train.txt").write_text("a red circle\ntwo blue squares\n")
     (tmp_path / "eval.txt").write_text("a green circle\ntwo blue squares\n")
-    with pytest.warns(UserWarning, match=r"task.eval_path: 1 of 2 held-out prompts are training prompts too "
+    with pytest.warns(HeldOutWarning, match=r"task.eval_path: 1 of 2 held-out prompts are training prompts too "
                                          r"\('two blue squares'\), so held-out evaluation scores them as trained on"):
         backend.build_task(_cfg(tmp_path, train_path="train.txt", eval_path="eval.txt"))
     with pytest.warns(UserWarning, match=r"2 of 2 held-out prompts .*\('a red circle', \.\.\.\)"):
