@@ -31,7 +31,14 @@ from rich.table import Table
 from mmrl.core import plugins
 from mmrl.core.best import BEST, read_record
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
-from mmrl.core.config import ConfigError, TrainConfig, deep_merge, load_config
+from mmrl.core.config import (
+    ConfigError,
+    TrainConfig,
+    deep_merge,
+    load_config,
+    parse_override,
+    read_yaml,
+)
 from mmrl.core.engine import EngineError
 from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import quiet_library_bars
@@ -108,16 +115,19 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             cfg.plugins = plugins.absolute(cfg.plugins, cfg.base_dir)  # e.g. for a process engine elsewhere
             return cfg
         except ConfigError as e:
+            # a method of another modality (a run's, a config file's, a --set) fails on every key
+            # that differs: name the command it is for instead
+            what, method = method_given(run, config, overrides)
+            if isinstance(method, str) and not method_fits(cls, method):
+                other = command_of_method(method, spec.command)
+                if other is not None:
+                    raise ConfigError(f"{what}, a `{other}` method, not one of `{spec.command}`'s: run it with "
+                                      f"`{other} {verb}` ({str(e).split('; ')[0]})") from None
+                if what.startswith("the run"):  # not a misspelling of the user's: a plugin's, or another modality's
+                    raise ConfigError(f"{what}, which is not one of `{spec.command}`'s: a run of another modality? "
+                                      f"({str(e).split('; ')[0]})") from None
             if run is None:
                 raise
-            method = read_run_config(run).get("method")
-            method = method.get("type") if isinstance(method, dict) else None
-            try:  # is the run's method one of this command line's at all?
-                if method is not None:
-                    load_config(cls, None, [], defaults={"method": {"type": method}})
-            except ConfigError:
-                raise ConfigError(f"the run in {run} trains method {method!r}, which is not one of `{spec.command}`'s: "
-                                  f"a run of another modality? ({str(e).split('; ')[0]})") from None
             raise ConfigError(f"{e} (the run's settings come from {run / RUN_CONFIG})") from None
 
     def run_verb(fn, interrupted: str = "interrupted"):
@@ -445,6 +455,45 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         run_verb(go)
 
     return app
+
+
+# Each console script's config class, to name the command a run or config of another modality is for.
+CONFIG_CLASSES = {"mmrl": ("mmrl.vlm.config", "VLMTrainConfig"),
+                  "diffusion-rl": ("diffusion_rl.config", "DiffusionTrainConfig"),
+                  "dllm-rl": ("dllm_rl.config", "DLLMTrainConfig")}
+
+
+def method_given(run: Path | None, config: Path | None, overrides: list[str]) -> tuple[str, Any]:
+    """(who gave it, method.type) from the last --set of it, else the config file, else the run."""
+    for item in reversed(overrides):
+        if item.partition("=")[0].strip() == "method.type":
+            method = parse_override(item)[1]
+            return f"--set method.type asks for method {method!r}", method
+    for what, read, where in ((f"{config} sets", read_yaml, config), (f"the run in {run} trains", read_run_config, run)):
+        if where is not None:
+            method = read(where).get("method")
+            if isinstance(method, dict) and "type" in method:
+                return f"{what} method {method['type']!r}", method["type"]
+    return "", None
+
+
+def method_fits(cls: type[TrainConfig], method: str) -> bool:
+    try:
+        load_config(cls, None, [], defaults={"method": {"type": method}})
+    except ConfigError:
+        return False
+    return True
+
+
+def command_of_method(method: str, this: str) -> str | None:
+    """The other console script whose built-in methods include `method` (None: no such one)."""
+    for command, (module, name) in CONFIG_CLASSES.items():
+        try:
+            if command != this and method_fits(getattr(importlib.import_module(module), name), method):
+                return command
+        except ImportError:  # a backend this installation lacks
+            continue
+    return None
 
 
 def best_alias(path: Path) -> Path:

@@ -36,6 +36,7 @@ transformers.utils.logging.get_logger("transformers")
 diffusers.utils.logging.get_logger("diffusers")
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 APPS = {"vlm": vlm_app, "diffusion": diffusion_app, "dllm": dllm_app}
 MODULES = {"vlm": "mmrl", "diffusion": "diffusion_rl", "dllm": "dllm_rl"}
 
@@ -163,11 +164,16 @@ CONFIG_ROWS = {
                            lambda t: ["bad.yaml", "not valid YAML"]),
     # a method of another modality
     "method-of-another-modality-vlm": Row("vlm", lambda t: train(t, "method.type=flow_grpo"),
-                                          lambda t: ["method", "flow_grpo"]),
+                                          lambda t: ["method 'flow_grpo', a `diffusion-rl` method, not one of `mmrl`'s"]),
     "method-of-another-modality-diffusion": Row("diffusion", lambda t: train(t, "method.type=diffu_grpo"),
-                                                lambda t: ["method", "diffu_grpo"]),
+                                                lambda t: ["method 'diffu_grpo', a `dllm-rl` method", "`dllm-rl train`"]),
     "method-of-another-modality-dllm": Row("dllm", lambda t: train(t, "method.type=flow_grpo"),
-                                           lambda t: ["method", "flow_grpo"]),
+                                           lambda t: ["method", "flow_grpo", "`diffusion-rl train`"]),
+    "config-of-another-modality-vlm": Row("vlm", lambda t: ["train", "--config", CONFIGS / "dllm" / "slim_rl.yaml"],
+                                          lambda t: ["slim_rl.yaml sets method 'slim_rl', a `dllm-rl` method",
+                                                     "not one of `mmrl`'s: run it with `dllm-rl train`"]),
+    "method-misspelt-vlm": Row("vlm", lambda t: train(t, "method.type=grpoo"),
+                               lambda t: ["method: Input tag 'grpoo' found", "'grpo', 'axpo'"]),
     # reward atoms that do not import
     "atom-file-missing": Row("dllm", lambda t: train(t, 'reward.atoms=["nope.py:f"]'),
                              lambda t: ["reward.atoms", "nope.py", "file not found"]),
@@ -551,7 +557,12 @@ RUN_ROWS = {
     "checkpoint-of-another-modality-vlm": Row(
         "vlm", lambda t: ["eval", "--checkpoint", _run_of(t, {"method": {"type": "diffu_grpo"}, "model": {"kind": "llada"}}),
                           *sets(f"output_dir={t / 'run'}")],
-        lambda t: [str(t / "other"), "method 'diffu_grpo', which is not one of `mmrl`'s: a run of another modality?"]),
+        lambda t: [str(t / "other"), "method 'diffu_grpo', a `dllm-rl` method, not one of `mmrl`'s",
+                   "run it with `dllm-rl eval`"]),
+    "checkpoint-of-an-unknown-method-vlm": Row(
+        "vlm", lambda t: ["eval", "--checkpoint", _run_of(t, {"method": {"type": "mine"}, "model": {"kind": "llada"}}),
+                          *sets(f"output_dir={t / 'run'}")],
+        lambda t: [str(t / "other"), "method 'mine', which is not one of `mmrl`'s: a run of another modality?"]),
     # eval does not train: what only training refuses is let through
     "eval-with-one-sample-per-group-in-float16-dllm": Row(
         "dllm", lambda t: ["eval", *sets(f"output_dir={t / 'run'}", "rollout.num_generations=1", "model.dtype=float16")],
