@@ -763,6 +763,10 @@ def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[
                 msg += f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])!r}?)"
             elif known:
                 msg += f" (allowed here: {', '.join(sorted(known))})"
+        elif (err["type"] in ("model_attributes_type", "model_type") and isinstance(err.get("input"), str)
+              and "type" in _known_keys(cls, data, loc)):  # `method: axpo`, for `method: {type: axpo}`
+            got = err["input"]
+            msg = f"{key}: {got!r} is given where a mapping is due: write `{key}: {{type: {got}}}` in a file, or --set {key}.type={got}"
         else:
             text = err["msg"].removeprefix("Value error, ")  # pydantic's prefix to a validator's message
             msg = f"{key}: {text}"

@@ -172,6 +172,12 @@ CONFIG_ROWS = {
     "config-of-another-modality-vlm": Row("vlm", lambda t: ["train", "--config", CONFIGS / "dllm" / "slim_rl.yaml"],
                                           lambda t: ["slim_rl.yaml sets method 'slim_rl', a `dllm-rl` method",
                                                      "not one of `mmrl`'s: run it with `dllm-rl train`"]),
+    "section-given-as-its-type-vlm": Row("vlm", lambda t: train(t, "method=axpo"),
+                                         lambda t: ["method: 'axpo' is given where a mapping is due",
+                                                    "write `method: {type: axpo}` in a file, or --set method.type=axpo"]),
+    "section-given-as-its-type-in-a-file-dllm": Row("dllm", lambda t: ["train", "--config", config_file(t, "task: jsonl\n")],
+                                                    lambda t: ["bad.yaml", "task: 'jsonl' is given where a mapping is due"],
+                                                    tiny=None),  # the tiny settings' task.num_train would fail first
     "method-misspelt-vlm": Row("vlm", lambda t: train(t, "method.type=grpoo"),
                                lambda t: ["method: Input tag 'grpoo' found", "'grpo', 'axpo'"]),
     # reward atoms that do not import
