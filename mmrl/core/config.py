@@ -717,6 +717,34 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+_ENV_VAR = re.compile(r"\$([A-Za-z_]\w*|\{[A-Za-z_]\w*\})")
+
+
+def expand_env(data: Any, path: str | Path) -> Any:
+    """A config file's values with $NAME and ${NAME} replaced by set environment variables, as
+    a shell would (`output_dir: $SCRATCH/runs/axpo` on a cluster; a --set value the shell has
+    expanded already). An unset one stays as written, with one warning: it would otherwise
+    become a directory named "$SCRATCH" without a word."""
+    unset: dict[str, str] = {}
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, str) and "$" in value:
+            value = os.path.expandvars(value)
+            for m in _ENV_VAR.finditer(value):
+                unset.setdefault(m.group(1).strip("{}"), key)
+        return value
+
+    data = walk(data, "")
+    if unset:
+        name, key = next(iter(unset.items()))
+        config_warning(f"{path}: {key} names the environment variable ${name}, which is not set: kept as written")
+    return data
+
+
 def load_config(
     cls: type[TrainConfig] = TrainConfig,
     path: str | Path | None = None,
@@ -730,7 +758,7 @@ def load_config(
         from mmrl.core.runconfig import resolve_config_file  # runconfig imports this module
 
         path = resolve_config_file(path)
-        data = deep_merge(data, read_yaml(path))
+        data = deep_merge(data, expand_env(read_yaml(path), path))
     data = apply_overrides(data, overrides)
     try:
         cfg = cls.model_validate(data)
