@@ -1354,3 +1354,14 @@ def test_a_call_left_on_the_loop_is_cancelled_again_when_the_reward_is_gone():
     del reward
     gc.collect()
     assert finished.wait(5) and cancels == [1, 1]  # cancelled again (not only closed with its loop)
+
+
+def test_a_boolean_weight_is_refused_not_read_as_one(atoms_file):
+    """float(True) is 1.0: `weight: true` in a spec weighed 1 silently (config keys refuse a
+    boolean for a number the same way); numpy's bool too."""
+    for bad in (True, False, np.bool_(True)):
+        with pytest.raises(ValueError, match=r"reward atom 'a': weight must be a number, got .* \(a boolean\)"):
+            RewardAtom("a", lambda s: 1.0, weight=bad)
+    with pytest.raises(ValueError, match="weight must be a number, got True"):
+        Reward.from_config([{"path": f"{atoms_file}:plain", "weight": True}])
+    assert RewardAtom("a", lambda s: 1.0, weight=np.float32(0.5)).weight == 0.5  # a numpy number is one

@@ -116,6 +116,9 @@ class RewardAtom:
             raise ValueError(f"reward atom name must be a non-empty string, got {name!r}")
         if not callable(fn):
             raise TypeError(f"reward atom {name!r}: fn must be callable, got {type(fn).__name__}")
+        # float(True) is 1.0: `weight: true` in a config would weigh 1, silently (as config keys refuse it)
+        if isinstance(weight, bool) or (_is_numpy(weight) and weight.dtype == bool):
+            raise ValueError(f"reward atom {name!r}: weight must be a number, got {weight!r} (a boolean)")
         try:
             weight = float(weight)
         except (TypeError, ValueError):
