@@ -1365,3 +1365,31 @@ def test_a_boolean_weight_is_refused_not_read_as_one(atoms_file):
     with pytest.raises(ValueError, match="weight must be a number, got True"):
         Reward.from_config([{"path": f"{atoms_file}:plain", "weight": True}])
     assert RewardAtom("a", lambda s: 1.0, weight=np.float32(0.5)).weight == 0.5  # a numpy number is one
+
+
+def test_a_missing_atom_function_suggests_the_near_name_and_the_function_of_an_atom_name(tmp_path):
+    """A spec names the function, not the name @reward_atom gives it: 'has_len' is found as
+    'length_fn'; a typo gets the nearest name; what the file imports is not listed as its own."""
+    (tmp_path / "mine.py").write_text(textwrap.dedent(
+        """
+        from math import floor
+        from mmrl.core.rewards import Sample, reward_atom
+
+        @reward_atom("has_len")
+        def length_fn(s):
+            return 1.0
+
+        def length(s):
+            return 0.5
+        """
+    ))
+    cases = {
+        "lenght": "has no attribute 'lenght'; did you mean 'length'? (callables defined: length, length_fn)",
+        "has_len": "has no attribute 'has_len', the name the atom 'length_fn' is given (a spec names the "
+                   "function); did you mean 'length_fn'? (callables defined: length, length_fn)",
+        "zzz": "has no attribute 'zzz' (callables defined: length, length_fn)",  # no near name: no guess
+    }
+    for attr, message in cases.items():
+        with pytest.raises(ValueError) as info:
+            load_atom(f"{tmp_path}/mine.py:{attr}")
+        assert str(info.value).endswith(f"mine.py {message}"), str(info.value)

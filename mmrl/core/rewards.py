@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import decimal
+import difflib
 import importlib.util
 import inspect
 import itertools
@@ -771,14 +772,27 @@ def _import_file(spec: str, path: Path):
 def module_attribute(module, attr: str, what: str, where: str):
     """`module.attr`, or a ValueError starting with `what` that lists the callables `where` defines."""
     if not hasattr(module, attr):
-        defined = sorted(
-            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-        )
+        defined = sorted(n for n, v in vars(module).items() if _defined_in(module, n, v))
+        # @reward_atom("has_answer") on `def check` is found as file.py:check, not by its atom name
+        named = [n for n, v in vars(module).items() if isinstance(v, RewardAtom) and v.name == attr and n != attr]
+        close = named[:1] or difflib.get_close_matches(attr, defined, n=1)
+        hint = f", the name the atom {named[0]!r} is given (a spec names the function)" if named else ""
+        hint += f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"{what}: {where} has no attribute {attr!r} "
+            f"{what}: {where} has no attribute {attr!r}{hint} "
             f"(callables defined: {', '.join(defined) or 'none'})"
         )
     return getattr(module, attr)
+
+
+def _defined_in(module, name: str, value) -> bool:
+    """A public callable of the file itself: not a function or class it imports (from
+    mmrl.core.rewards import reward_atom), which would only crowd the list of what it defines."""
+    if name.startswith("_") or not callable(value):
+        return False
+    if inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value):
+        return getattr(value, "__module__", None) == module.__name__
+    return True  # an object: an atom, a scorer instance
 
 
 # files imported as plugins (mmrl.core.plugins), by resolved path, once per process
