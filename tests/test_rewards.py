@@ -662,12 +662,35 @@ def test_config_atoms_may_be_gated_by_task_atoms(atoms_file):
         combined(["anwser"])
 
 
+def test_config_atoms_named_like_a_task_atom_or_like_each_other_say_which(atoms_file, tmp_path):
+    """Both were a bare "duplicate reward atom name": which spec, and whose the name is."""
+    import toy
+
+    from mmrl.core.config import ConfigError, TrainConfig, load_config
+    from mmrl.core.trainer import combined_reward
+
+    def combined(specs):
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"reward.atoms={specs}"])
+        return combined_reward(toy.ToyTask().reward, cfg)
+
+    with pytest.raises(ConfigError, match=r"reward.atoms: atom name 'answer' is taken by one of the task's atoms "
+                                          r"\(answer, stop\); give the spec another 'name'"):
+        combined([{"path": f"{atoms_file}:plain", "name": "answer"}])
+    (tmp_path / "more.py").write_text("from mmrl.core.rewards import reward_atom\n"
+                                      "plain = reward_atom('plain')(len)\n")
+    with pytest.raises(ConfigError, match=r"reward.atoms: reward specs 0 and 2 \(.*my_atoms.py:plain, .*more.py:plain\) "
+                                          r"both give an atom named 'plain'"):
+        combined([f"{atoms_file}:plain", f"{atoms_file}:decorated", f"{tmp_path}/more.py:plain"])
+    assert combined([f"{atoms_file}:plain", {"path": f"{tmp_path}/more.py:plain", "name": "p2"}]).names[-1] == "p2"
+
+
 def test_from_config_errors(atoms_file, tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
         Reward.from_config([{"path": "my_atoms.py:plain", "wieght": 2}], base_dir=tmp_path)
     with pytest.raises(ValueError, match="must be a list"):
         Reward.from_config("my_atoms.py:plain", base_dir=tmp_path)
-    with pytest.raises(ValueError, match="duplicate reward atom name 'plain'"):
+    with pytest.raises(ValueError, match=r"reward specs 0 and 1 \(my_atoms.py:plain, my_atoms.py:plain\) both give "
+                                         r"an atom named 'plain'; give one of them another 'name'"):
         Reward.from_config(["my_atoms.py:plain", "my_atoms.py:plain"], base_dir=tmp_path)
 
 

@@ -722,7 +722,18 @@ def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = Non
                 batched=atom.batched,
             )
         )
+    first: dict[str, int] = {}  # two specs giving one name: say which, not just "duplicate name" later
+    for i, atom in enumerate(atoms):
+        if atom.name in first:
+            j = first[atom.name]
+            raise ValueError(f"reward specs {j} and {i} ({_spec_text(specs[j])}, {_spec_text(specs[i])}) both give "
+                             f"an atom named {atom.name!r}; give one of them another 'name'")
+        first[atom.name] = i
     return atoms
+
+
+def _spec_text(spec) -> str:
+    return spec if isinstance(spec, str) else str(spec.get("path") or spec.get("reward_model"))
 
 
 def load_atom(spec: str, base_dir: str | Path | None = None) -> RewardAtom:

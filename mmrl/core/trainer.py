@@ -980,7 +980,11 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
             extra = load_atoms(rc.atoms, base_dir=cfg.base_dir, device=cfg.model.device)  # a reward model's default
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
+        task_names = [a.name for a in atoms]
         for a in extra:
+            if a.name in task_names:  # Reward() would only say "duplicate name"
+                raise ConfigError(f"reward.atoms: atom name {a.name!r} is taken by one of the task's atoms "
+                                  f"({', '.join(task_names)}); give the spec another 'name'")
             if a.name in metric_names or a.name.startswith(tuple(metric_prefixes)):
                 raise ConfigError(f"reward.atoms: atom name {a.name!r} is taken by an evaluation metric "
                                   f"(held-out evaluation logs each atom's mean under its name); rename the atom")
