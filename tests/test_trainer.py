@@ -664,6 +664,25 @@ def test_one_sample_per_group_is_a_config_error_before_any_rollout(tmp_path):
     make(tmp_path, "rollout.num_generations=2")
 
 
+def test_a_reward_whose_atoms_all_weigh_zero_is_a_config_error_before_any_rollout(tmp_path):
+    """Every weight 0: the total, and so every advantage, is 0 for every sample, and the run
+    learnt nothing, silently. Training refuses it; evaluation (training=False) still reports
+    the atoms' values."""
+    from mmrl.core.config import ConfigError
+    from mmrl.core.rewards import Reward, RewardAtom
+
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path / 'run'}"])
+    policy, task = toy.build(cfg)
+    task.reward = Reward([RewardAtom(a.name, a.fn, weight=0, parents=a.parents) for a in task.reward.atoms])
+    with pytest.raises(ConfigError, match=r"every reward atom has weight 0 \(answer, stop\): the reward's total is 0 "
+                                          r"for every sample, so every advantage is 0 and nothing is learnt"):
+        Trainer(cfg, policy, task)
+    assert not (tmp_path / "run").exists()
+    assert Trainer(cfg, policy, task, training=False).reward.names == ["answer", "stop"]
+    task.reward = task.base_reward = Reward([RewardAtom("answer", task.reward.atoms[0].fn, weight=-1.0)])  # a negative one trains
+    assert Trainer(cfg, policy, task).reward.weights.tolist() == [-1.0]
+
+
 def test_resume_with_other_settings_keeps_the_earlier_config_and_says_what_changed(tmp_path):
     """--resume rewrites config.yaml with the settings it runs under. Where they differ from the
     run's in more than its length, the earlier record is kept beside it and a warning names the

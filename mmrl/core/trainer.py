@@ -144,6 +144,8 @@ class Trainer:
         check_config(cfg, self.world, training)
         seed_everything(cfg.seed)
         self.reward = with_config_atoms(task, cfg)
+        if training:
+            check_weights(self.reward)
         self.method = build_method(cfg, self.reward)
         # built before the model is sharded (a copy of the whole starting weights)
         self.reference = policy.reference() if self.method.needs_reference else None
@@ -996,6 +998,16 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
         return Reward(atoms, on_error=rc.on_error, timeout=rc.timeout, max_stuck=rc.max_stuck)
     except ValueError as e:  # e.g. a config atom named like a task atom
         raise ConfigError(f"reward.atoms: {e}") from e
+
+
+def check_weights(reward: Reward) -> None:
+    """Training needs an atom that weighs: with every weight 0 the total is 0 for every sample, so
+    every advantage is 0 and a run would spend its compute learning nothing (as with one sample
+    per group). Evaluation and `sample` may still report such atoms' values."""
+    if not any(a.weight for a in reward.atoms):
+        raise ConfigError(f"every reward atom has weight 0 ({', '.join(reward.names)}): the reward's total is 0 for "
+                          "every sample, so every advantage is 0 and nothing is learnt; give at least one atom a "
+                          "nonzero weight (reward.atoms' weight; the image backend's task.atom_weights)")
 
 
 def with_config_atoms(task, cfg: TrainConfig) -> Reward:
