@@ -1416,3 +1416,25 @@ def test_a_missing_atom_function_suggests_the_near_name_and_the_function_of_an_a
         with pytest.raises(ValueError) as info:
             load_atom(f"{tmp_path}/mine.py:{attr}")
         assert str(info.value).endswith(f"mine.py {message}"), str(info.value)
+
+
+def test_a_tensor_whose_values_cannot_be_read_fails_its_atom_not_score():
+    """.item() / .tolist() of a meta tensor raise: that was a RuntimeError traceback out of
+    score(), not a RewardError naming the atom (nor a 0 under on_error="zero")."""
+    meta = torch.tensor(1.0, device="meta")
+    single = RewardAtom("single", lambda s: meta)
+    batched = RewardAtom("batched", lambda ss: torch.ones(len(ss), device="meta"), batched=True)
+    with pytest.raises(RewardError, match=r"reward atom 'single' failed on sample 0 .*: returned a Tensor on device "
+                                          r"meta whose values cannot be read: (RuntimeError|NotImplementedError)"):
+        Reward([single]).score(make_samples([1]))
+    with pytest.raises(RewardError, match=r"reward atom 'batched' failed on a batch of 2 samples .*: returned a "
+                                          r"Tensor on device meta whose values cannot be read"):
+        Reward([batched]).score(make_samples([1, 2]))
+    with pytest.warns(RuntimeWarning, match="2 reward evaluation"):
+        scores = Reward([single, value_atom("ok")], on_error="zero").score(make_samples([1, 2]))
+    assert scores.values.tolist() == [[0.0, 1.0], [0.0, 2.0]]
+
+
+def test_a_batched_atom_with_one_value_for_several_samples_says_value():
+    with pytest.raises(RewardError, match="returned 1 value for 3 samples"):
+        Reward([RewardAtom("one", lambda ss: [1.0], batched=True)]).score(make_samples([1, 2, 3]))

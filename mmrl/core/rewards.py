@@ -524,7 +524,7 @@ def _to_float(value) -> float:
                 f"returned {_a(type(value).__name__)} of shape {tuple(value.shape)}, "
                 "expected a number"
             )
-        value = value.item()
+        value = _read(value, "item")
     if not isinstance(value, numbers.Real | decimal.Decimal):  # Decimal is no numbers.Real, but a real number
         got = "None" if value is None else _a(type(value).__name__)
         raise _BadValue(f"returned {got}, expected a number")
@@ -559,13 +559,23 @@ def _as_list(result, n: int) -> list:
                 f"returned {_a(type(result).__name__)} of shape {tuple(result.shape)}, "
                 f"expected {n} values"
             )
-        result = result.tolist()
+        result = _read(result, "tolist")
     elif isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
         got = "None" if result is None else _a(type(result).__name__)
         raise _BadValue(f"returned {got}, expected a sequence of {n} numbers")
     if len(result) != n:
-        raise _BadValue(f"returned {len(result)} values for {_plural(n, 'sample')}")
+        raise _BadValue(f"returned {_plural(len(result), 'value')} for {_plural(n, 'sample')}")
     return list(result)
+
+
+def _read(array, method: str):
+    """A tensor's or ndarray's .item() / .tolist(), which can fail (a tensor on the meta device, one
+    on a GPU that has failed): the atom's failure, named, rather than a traceback out of score()."""
+    try:
+        return getattr(array, method)()
+    except Exception as e:  # whatever the array's library raises
+        where = f" on device {array.device}" if isinstance(array, Tensor) else ""
+        raise _BadValue(f"returned {_a(type(array).__name__)}{where} whose values cannot be read: {_describe(e)}") from e
 
 
 def _is_numpy(x) -> bool:
