@@ -1438,3 +1438,23 @@ def test_a_tensor_whose_values_cannot_be_read_fails_its_atom_not_score():
 def test_a_batched_atom_with_one_value_for_several_samples_says_value():
     with pytest.raises(RewardError, match="returned 1 value for 3 samples"):
         Reward([RewardAtom("one", lambda ss: [1.0], batched=True)]).score(make_samples([1, 2, 3]))
+
+
+def test_a_spec_naming_a_class_is_refused_when_loaded(tmp_path):
+    """A class is callable, so it was taken as the atom: each sample made an instance, and the
+    run stopped at its first score ("Judge() takes no arguments"). Its instance is the atom."""
+    (tmp_path / "judges.py").write_text(textwrap.dedent(
+        """
+        class Judge:
+            def __call__(self, sample):
+                return 0.5
+
+        judge = Judge()
+        """
+    ))
+    with pytest.raises(ValueError, match=r"reward atom spec 'judges.py:Judge': 'Judge' is a class; name a function or "
+                                         r"an instance of it \(e.g. add `judge = Judge\(\)` to judges.py and name "
+                                         r"'judges.py:judge'\)"):
+        load_atom("judges.py:Judge", base_dir=tmp_path)
+    atom = load_atom("judges.py:judge", base_dir=tmp_path)
+    assert Reward([atom]).score(make_samples([1])).total.tolist() == [0.5]

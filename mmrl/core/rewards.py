@@ -779,6 +779,9 @@ def _load_atom(spec: str, base_dir, modules: dict) -> RewardAtom:
     obj = module_attribute(modules[path], attr, f"reward atom spec {spec!r}", path.name)
     if isinstance(obj, RewardAtom):
         return obj
+    if inspect.isclass(obj):  # called with a sample it would make an instance, failing at the first score
+        raise ValueError(f"reward atom spec {spec!r}: {attr!r} is a class; name a function or an instance of it "
+                         f"(e.g. add `{attr.lower()} = {attr}()` to {path.name} and name '{file_part}:{attr.lower()}')")
     if not callable(obj):
         raise ValueError(  # noqa: TRY004 -- a config error, like the others here
             f"reward atom spec {spec!r}: {attr!r} is {_a(type(obj).__name__)}, not callable"
