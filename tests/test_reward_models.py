@@ -120,6 +120,20 @@ def test_bad_reward_model_specs_name_the_spec_and_the_problem(tmp_path, spec, ma
         load_atoms([spec], base_dir=tmp_path)
 
 
+def test_a_bad_name_weight_or_parents_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """They were checked once the weights had loaded (minutes for a 7B reward model)."""
+    import mmrl.core.reward_models as rm
+
+    build_rm(tmp_path / "rm")
+    monkeypatch.setattr(rm, "load_sequence_classifier", lambda *a, **k: pytest.fail("the model was loaded"))
+    for spec, match in [({"weight": "heavy"}, "weight must be a number, got 'heavy'"),
+                        ({"weight": True}, "weight must be a number, got True"),
+                        ({"name": ""}, "name must be a non-empty string"),
+                        ({"parents": [3]}, "parents must be a list of atom names")]:
+        with pytest.raises(ValueError, match=f"reward spec 0 \\(rm\\): .*{match}"):
+            load_atoms([{"reward_model": "rm", **spec}], base_dir=tmp_path)
+
+
 def test_the_text_limit_is_the_smaller_real_limit_else_512():
     from types import SimpleNamespace
 

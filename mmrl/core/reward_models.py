@@ -153,6 +153,7 @@ def reward_model_atom(path: str | Path, *, name: str = "reward_model", weight: f
                       parents: Sequence[str] | str = (), **kwargs: Any) -> RewardAtom:
     """A batched atom scoring each sample with the reward model in `path` (RewardModel's
     keyword arguments: device, batch_size, max_length, dtype, template)."""
+    RewardAtom(name, len, weight=weight, parents=parents)  # a bad name, weight or parents: before minutes of loading
     scorer = RewardModel(path, **kwargs)
     return RewardAtom(name, scorer, weight=weight, parents=parents, batched=True)
 
