@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from diffusion_rl.config import DiffusionTrainConfig
-from diffusion_rl.policy import DiffusionPolicy
+from diffusion_rl.policy import DiffusionPolicy, to_sample
 from diffusion_rl.task import DiffusionTask, draw
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
@@ -243,7 +243,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
     (task.image_atoms, reward.atoms) each of those and the reward's total. Drawn batch_size
     images at a time, as evaluation draws them."""
     from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, score_image, shorten
-    from mmrl.core.rewards import RewardError, Sample
+    from mmrl.core.rewards import RewardError
 
     # the first two distinct held-out prompts: the generated ones repeat ("three green circles" is the
     # first two), and a repeat's images are its first's, drawn from the same seeds
@@ -271,7 +271,7 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
             atoms = {}
         if extra:
             try:  # an unparsed prompt scores where task.unparsed=whole_prompt, as in evaluation
-                scores = task.reward.score([Sample(text, image)])
+                scores = task.reward.score([to_sample(text, image)])  # as training makes it: meta {}, not None
             except RewardError as e:
                 if parsed or e.atom not in (*ATOM_TYPES, "all"):
                     raise  # another atom failed (reward.on_error=zero scores it 0), as it would in training

@@ -144,6 +144,15 @@ def test_sample_reports_a_config_atom_that_fails_as_training_would(tmp_path):
         _sample(tmp_path, "a red circle", boom)
 
 
+def test_sample_shows_an_atom_the_sample_training_shows_it(tmp_path):
+    """Training's samples have meta {} (policy.to_sample, README: "an empty meta"); `sample`
+    gave None, so an atom reading sample.meta.get(...) failed there alone."""
+    from mmrl.core.rewards import RewardAtom
+
+    (row,) = _sample(tmp_path, "a red circle", RewardAtom("bonus", lambda s: s.meta.get("bonus", 0.25)))
+    assert row["bonus"] == 0.25
+
+
 def test_sample_passes_over_the_shapes_atoms_refusing_a_free_form_prompt(tmp_path):
     from mmrl.core.rewards import RewardAtom
 
