@@ -1458,3 +1458,35 @@ def test_a_spec_naming_a_class_is_refused_when_loaded(tmp_path):
         load_atom("judges.py:Judge", base_dir=tmp_path)
     atom = load_atom("judges.py:judge", base_dir=tmp_path)
     assert Reward([atom]).score(make_samples([1])).total.tolist() == [0.5]
+
+
+def test_a_function_that_cannot_take_one_sample_is_refused_when_made_an_atom(tmp_path):
+    """TRL's reward_func(prompts, completions, **kwargs), or a second required argument, failed
+    only at the first score (after the model loaded and rolled out): now when the atom is made."""
+    def trl_style(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def needs_keyword(sample, *, tokenizer):
+        return 1.0
+
+    def no_argument():
+        return 1.0
+
+    for fn, sig in [(trl_style, r"\(prompts, completions, \*\*kwargs\)"),
+                    (needs_keyword, r"\(sample, \*, tokenizer\)"), (no_argument, r"\(\)")]:
+        with pytest.raises(ValueError, match=rf"reward atom 'x': its function takes {sig}, and an atom is called as "
+                                             r"fn\(sample\) with one Sample"):
+            RewardAtom("x", fn)
+    with pytest.raises(ValueError, match=r"called as fn\(samples\) with the list of samples"):
+        reward_atom("x", batched=True)(trl_style)
+
+    class Judge:
+        def __call__(self, sample, temperature=0.0, **options):
+            return 0.5
+
+    # one argument, with or without optional others, *args, an object's __call__, a builtin: fine
+    for fn in [Judge(), lambda *args: 0.5, lambda s, scale=1.0: 0.5 * scale, float]:
+        assert RewardAtom("ok", fn).name == "ok"
+    (tmp_path / "trl.py").write_text("def f(prompts, completions):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"reward atom 'f': its function takes \(prompts, completions\)"):
+        load_atom(f"{tmp_path}/trl.py:f")

@@ -131,6 +131,7 @@ class RewardAtom:
             parents = (parents,)
         if not isinstance(parents, Sequence) or not all(isinstance(p, str) for p in parents):
             raise ValueError(f"reward atom {name!r}: parents must be a list of atom names, got {parents!r}")
+        _check_signature(name, fn, batched)
         self.name = name
         self.fn = fn
         self.weight = weight
@@ -153,6 +154,25 @@ class RewardAtom:
             ]
         )
         return f"RewardAtom({self.name!r}, weight={self.weight}{extra})"
+
+
+def _check_signature(name: str, fn: Callable, batched: bool) -> None:
+    """An atom is called with one argument, the Sample (batched: the list of them). A function
+    that cannot take it (TRL's reward_func(prompts, completions, **kwargs), one with a second
+    required argument) failed only at the first score, after the model had loaded and rolled out."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: found out when called
+        return
+    params = sig.parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    required += [p for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    takes_one = bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) > 1 or not takes_one:
+        called = "fn(samples) with the list of samples" if batched else "fn(sample) with one Sample"
+        raise ValueError(f"reward atom {name!r}: its function takes {sig}, and an atom is called as {called} "
+                         "(the prompt, completion and meta are fields of a Sample)")
 
 
 def reward_atom(
