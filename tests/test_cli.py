@@ -321,6 +321,17 @@ def test_sample_help_says_which_samples_each_modality_scores(monkeypatch):
     assert code == 0 and "in the task's own format, carry their reward atoms" in text
 
 
+def test_train_help_names_every_file_a_run_writes(monkeypatch):
+    """`train --help` lists what the README says every run writes, report.html and the
+    TensorBoard events included (they were missing from it)."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line per sentence: the asserts read whole phrases
+    code, text = invoke(app, "train", "--help")
+    assert code == 0, text
+    for written in ("summary.json", "metrics.jsonl", "reward_curve.png", "report.html", "environment.json",
+                    "TensorBoard events", "checkpoints"):
+        assert written in text, written
+
+
 def test_a_relative_config_the_working_directory_lacks_comes_from_the_repository(tmp_path, monkeypatch):
     """`--config configs/vlm/dapo.yaml` works from any directory, as model.path "assets/..." does; a
     file the working directory holds wins, and a path neither holds stays as given (for the error)."""

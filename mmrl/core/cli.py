@@ -208,7 +208,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             "one command for a job a cluster scheduler may requeue (its SIGTERM saves the step in progress).")),
     ):
         """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
-        sample tables, reward_curve.png, environment.json and checkpoints into the output directory."""
+        sample tables, reward_curve.png, report.html, environment.json, TensorBoard events and
+        checkpoints into the output directory."""
         overrides = list(set_) + _flag_overrides(
             {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir, "train.save_every": save_every}
         )
