@@ -277,6 +277,16 @@ class DLLMTrainConfig(TrainConfig):
     """The RL algorithm: type diffu_grpo, tracerl, slim_rl, fork_grpo or ar_grpo."""
 
     @model_validator(mode="after")
+    def _sampler_fits_method(self):  # here, not when the estimator is built: `config` shows it, and
+        strategy = self.rollout.strategy  # train says it before the model loads
+        if getattr(self.method, "rows", None) == "fallback" and strategy != "fork":
+            raise ValueError(f"method.rows: fallback trains on the fork sampler's fallback steps, but "
+                             f"rollout.strategy is {strategy!r} (set it to fork, or rows: all)")
+        if self.method.type == "ar_grpo" and strategy != "ar":
+            raise ValueError(f"method.type ar_grpo decodes left to right: rollout.strategy must be ar, got {strategy!r}")
+        return self
+
+    @model_validator(mode="after")
     def _overlong_buffer_fits(self):  # in place of the core's check of the buffer: no budget here
         if self.reward.overlong is not None:
             raise ValueError("reward.overlong (DAPO's length penalty) is for the VLM backend: a masked diffusion "

@@ -56,7 +56,6 @@ from dllm_rl.methods.common import ESTIMATORS, DLLMMethod, EstimatorBase, scatte
 from dllm_rl.samplers import state_at
 from mmrl.core.advantages import zero_variance_groups
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.config import ConfigError
 from mmrl.core.fsdp import is_sharded
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, policy_loss
 from mmrl.core.method import register_method
@@ -124,14 +123,7 @@ class ForkEstimator(EstimatorBase):
     """Exact single-token log-probs at the rows' targets; batch.data["fork_row"] [N, C]."""
 
     def __init__(self, run):
-        self.rows = run.method.rows
-        strategy = run.rollout.strategy
-        if self.rows == "fallback" and strategy != "fork":
-            raise ConfigError(f"method.rows: fallback trains on the fork sampler's fallback steps, but "
-                              f"rollout.strategy is {strategy!r} (set it to fork, or rows: all)")
-        if run.method.type == "ar_grpo" and strategy != "ar":
-            raise ConfigError(f"method.type ar_grpo decodes left to right: rollout.strategy must be ar, "
-                              f"got {strategy!r}")
+        self.rows = run.method.rows  # its fit to rollout.strategy: DLLMTrainConfig checks it
 
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         target = row_targets(batch.data["commit_step"], batch.data["fallback"], self.rows)

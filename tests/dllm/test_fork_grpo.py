@@ -270,6 +270,14 @@ def test_bad_configs_are_errors():
         config_run("fork_grpo", "rollout.strategy=threshold")
     with pytest.raises(ConfigError, match="ar_grpo decodes left to right: rollout.strategy must be ar"):
         config_run("ar_grpo", "rollout.strategy=fork")
+    # by the config itself, before any model: `dllm-rl config` printed these, and train loaded the model first
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    for overrides in (["method.type=fork_grpo", "rollout.strategy=threshold"],
+                      ["method.type=ar_grpo", "rollout.strategy=fork"]):
+        with pytest.raises(ConfigError, match="rollout.strategy"):
+            load_config(DLLMTrainConfig, None, overrides)
 
 
 # --------------------------------------------------------------------------- one training step
