@@ -486,3 +486,19 @@ def test_read_run_config_refuses_a_file_that_is_not_a_mapping(tmp_path):
         read_run_config(tmp_path)
     with pytest.raises(ConfigError, match="cannot read the run's config"):
         read_run_config(tmp_path / "nope")
+
+
+def test_settings_train_refuses_are_named_by_config_and_by_train_before_the_model_is_built(tmp_path, monkeypatch):
+    """The whole-config checks (pipelined needs an engine beside the trainer) ran when the Trainer
+    was made, after the model had loaded, and `config` printed the settings without a word."""
+    import toy
+
+    bad = ["--set", "rollout.scheduler.mode=pipelined", "--set", "rollout.scheduler.placement=inline"]
+    result = runner.invoke(app, ["config", *bad])
+    assert result.exit_code == 0 and "placement: inline" in result.stdout
+    assert "warning: `toy-rl train` refuses these settings: rollout.scheduler.placement=inline cannot pipeline" in " ".join(
+        result.stderr.split())
+    monkeypatch.setattr(toy, "build", lambda cfg: pytest.fail("the model was built"))
+    code, text = invoke(app, "train", *bad, "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and "placement=inline cannot pipeline" in text and "Traceback" not in text
+    assert runner.invoke(app, ["config"]).stderr == ""  # a config train takes: nothing said

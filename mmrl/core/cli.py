@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import math
+import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -215,6 +216,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         )
 
         def go():
+            from mmrl.core.pipeline import check_config
             from mmrl.core.trainer import Trainer, check_output_dir
 
             go_on = resume
@@ -229,6 +231,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                                       soft_wrap=True)
             backend, cfg = get_backend(config, overrides, resume=go_on)
             check_output_dir(cfg.output_dir, go_on)  # before the model is built
+            check_config(cfg, world_size())  # the config as a whole, before the model too (the Trainer checks it again)
             source = f" ({config})" if config is not None else ""
             console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}{source}, output {cfg.output_dir}",
                           highlight=False)
@@ -407,9 +410,15 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
         def go():
             from mmrl.core.config_doc import commented_config
+            from mmrl.core.pipeline import check_config
 
             _, cfg = get_backend(config, list(set_), "train", checkpoint, builds=False)
             typer.echo(commented_config(cfg, keys), nl=False)
+            try:  # what train refuses of the config as a whole: shown, yet the dump is still printed to edit
+                check_config(cfg, world_size())
+            except ConfigError as e:
+                err_console.print(f"warning: `{spec.command} train` refuses these settings: {escape(str(e))}",
+                                  highlight=False, soft_wrap=True)
 
         run_verb(go)
 
@@ -462,6 +471,14 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 CONFIG_CLASSES = {"mmrl": ("mmrl.vlm.config", "VLMTrainConfig"),
                   "diffusion-rl": ("diffusion_rl.config", "DiffusionTrainConfig"),
                   "dllm-rl": ("dllm_rl.config", "DLLMTrainConfig")}
+
+
+def world_size() -> int:
+    """The trainer processes a launcher (torchrun, accelerate) starts, before any process group."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def method_given(run: Path | None, config: Path | None, overrides: list[str]) -> tuple[str, Any]:
