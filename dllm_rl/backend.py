@@ -68,6 +68,11 @@ def build_task(cfg: DLLMTrainConfig) -> DLLMTask:
                     batch_size=cfg.rollout.eval_batch_size, eval_samples=cfg.rollout.eval_samples)
 
 
+# `serve` builds the policy with its task (mmrl.core.serve.served_policy): the prompt width is the
+# task's longest prompt, and a trainer using the server computes log-probs at that width.
+SERVE_READS_TASK = True
+
+
 def build(cfg: DLLMTrainConfig):
     # The problems first: a data file that is missing or malformed is named in a second, not
     # after the model has loaded (minutes for an 8B one).

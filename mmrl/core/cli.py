@@ -341,6 +341,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 ServedPolicyEngine,
                 check_bind,
                 resolve_token,
+                served_policy,
             )
             from mmrl.core.serve import serve as serve_engine
 
@@ -350,7 +351,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             except InsecureServeError as e:
                 fail(str(e))
             backend, cfg = get_backend(config, list(set_), "serve", checkpoint)
-            policy, _ = backend.build(cfg)
+            policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
             try:

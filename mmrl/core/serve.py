@@ -281,6 +281,16 @@ class _Handler(BaseHTTPRequestHandler):
 # --------------------------------------------------------------------------- command line
 
 
+def served_policy(backend, cfg):
+    """The policy to serve. Serving needs the model only: where the backend builds its policy
+    alone (`build_policy`, as for export), the run's data files need not be there (a run copied
+    to another machine without them). A backend whose policy takes a setting from its task (the
+    dLLM's prompt width, which a trainer's batches must share) says so with SERVE_READS_TASK."""
+    if hasattr(backend, "build_policy") and not getattr(backend, "SERVE_READS_TASK", False):
+        return backend.build_policy(cfg)
+    return backend.build(cfg)[0]
+
+
 def build_policy(backend_module: str, config: dict, checkpoint: str | None = None):
     """The backend's policy for a config dict (merged over the backend's defaults) and its config."""
     import importlib
@@ -292,7 +302,7 @@ def build_policy(backend_module: str, config: dict, checkpoint: str | None = Non
     defaults = deep_merge(dict(getattr(backend, "DEFAULT_CONFIG", {})), config)
     cls = plugins.config_class(getattr(backend, "CONFIG_CLASS", TrainConfig), None, [], defaults)  # a plugin's method
     cfg = load_config(cls, defaults=defaults)
-    policy = backend.build(cfg)[0]
+    policy = served_policy(backend, cfg)
     if checkpoint is not None:
         from mmrl.core.cli import load_checkpoint
 
