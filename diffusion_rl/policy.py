@@ -62,6 +62,11 @@ class DiffusionPolicy:
         s.set_timesteps(num_steps, shift=shift, image_seq_len=self.flow.seq_len)
         return s
 
+    def serve_prompt(self, prompt: Any, rollout):
+        """A served request's prompt (mmrl.core.serve): text, checked before the engine runs."""
+        prompt_text(prompt)  # TypeError (the server's 400) for anything that is not text
+        return prompt
+
     def generate(self, prompts: Sequence[Any], num_generations: int, rollout, generator: torch.Generator
                  ) -> RolloutBatch:
         texts = [prompt_text(p) for p in prompts for _ in range(num_generations)]

@@ -65,6 +65,21 @@ class DLLMPolicy:
 
     # ------------------------------------------------------------------ tokens
 
+    def serve_prompt(self, prompt: Any, rollout):
+        """A served request's prompt as generate takes it (mmrl.core.serve): a Problem, or a
+        plain string (the problem's text); TypeError or ValueError (the server's 400) for
+        anything else, or for a prompt this policy's width cannot hold, before the engine runs."""
+        from dllm_rl.tasks import Problem
+        from mmrl.core.wire import describe
+
+        if isinstance(prompt, str):
+            prompt = Problem(prompt=prompt, answer="", reference="")
+        if not isinstance(prompt, Problem) or not isinstance(prompt.prompt, str):
+            raise TypeError(f"expected a string or a dllm_rl.tasks:Problem dataclass, got {describe(prompt)}")
+        self.encode_prompts([prompt.prompt])  # PromptError (a ValueError): a character without a token, too long
+        return prompt
+
+
     def encode_prompts(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Left-padded prompt ids [B, P] and their validity [B, P], on the model's device."""
         tok, p = self.predictor.tokenizer, self.prompt_length

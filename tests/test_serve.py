@@ -1,12 +1,113 @@
-"""`serve` as a client author meets it: a served run whose data files are gone."""
+"""`serve` as a client author meets it: requests written by hand (a plain string as the prompt,
+the wrong prompt form) against the three backends' bundled policies served on a real local
+port; a served run whose data files are gone."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import urllib.error
+import urllib.request
 
 import pytest
+from PIL import Image
 
-from mmrl.core import serve
+from mmrl.core import serve, wire
+from mmrl.core.config import load_config
+
+BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
+TINY = {"vlm": {"max_new_tokens": 4}, "dllm": {"gen_length": 4, "steps": 2, "block_length": 4},
+        "diffusion": {"num_steps": 2}}
+
+
+def post(server, obj) -> tuple[int, dict]:
+    """(status, JSON reply) of POST /generate with `obj` as its JSON body."""
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(obj).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def by_hand(*prompts, seed: int = 0) -> dict:
+    """A /generate body as a client writes it: each Request's fields, its prompt as given."""
+    requests = [{"__t": "dataclass", "cls": "mmrl.core.engine:Request", "fields": {"group": k, "prompt": p, "n": 2}}
+                for k, p in enumerate(prompts)]
+    return {"requests": {"value": requests, "tensors": None}, "rollout": {}, "seed": seed}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def served(request):
+    """(modality, server) of the backend's bundled policy, at tiny rollout settings."""
+    backend = importlib.import_module(BACKENDS[request.param])
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(serve.served_policy(backend, cfg)),
+                                   type(cfg.rollout))
+    server.tiny = TINY[request.param]
+    yield request.param, server
+    server.close()
+
+
+def test_a_plain_string_prompt_is_served_as_the_backends_text_prompt(served):
+    # it used to be a 500 (AttributeError: 'str' object has no attribute 'images') for the VLM and dLLM
+    modality, server = served
+    first, second = ("12+3=", "7*4=") if modality == "dllm" else ("two red circles", "a blue square")  # arith's width: 6
+    status, reply = post(server, {**by_hand(first, second), "rollout": server.tiny})
+    assert status == 200, reply
+    batch = wire.decode_batch(reply)
+    assert [s.prompt for s in batch.samples] == [first] * 2 + [second] * 2
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+
+
+def test_a_prompt_of_the_wrong_form_is_a_400_naming_the_request_and_the_form(served):
+    modality, server = served
+    status, reply = post(server, by_hand("fine", {"question": "a dict"}))
+    form = {"vlm": "a string (a question without an image) or a mmrl.vlm.tasks.shapes_qa:QAItem",
+            "dllm": "a string or a dllm_rl.tasks:Problem", "diffusion": "a diffusion prompt must be text"}[modality]
+    assert status == 400 and reply["error"].startswith("bad request to /generate: requests[1].prompt: "), reply
+    assert form in reply["error"] and ("got a dict" in reply["error"] or "got dict" in reply["error"]), reply
+
+
+def qa_item(images) -> dict:
+    return {"__t": "dataclass", "cls": "mmrl.vlm.tasks.shapes_qa:QAItem",
+            "fields": {"images": images, "question": "What colour is the circle?", "answer": ""}}
+
+
+def test_a_vlm_prompt_the_model_cannot_take_is_a_400_before_the_engine_runs():
+    backend = importlib.import_module(BACKENDS["vlm"])
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(backend.build_policy(cfg)), type(cfg.rollout))
+    try:
+        # an image by URL or path: the server opens neither (a wire image carries its pixels)
+        for image in ("http://example.com/a.png", "/etc/passwd"):
+            status, reply = post(server, by_hand(qa_item([image])))
+            assert status == 400 and "requests[0].prompt: images[0] must be a wire image" in reply["error"], reply
+            assert "opens no paths or URLs), got a string" in reply["error"]
+        thin = wire.pack(Image.new("RGB", (4000, 10)))["value"]  # an aspect ratio Qwen's resizing refuses
+        status, reply = post(server, by_hand(qa_item([thin])))
+        assert status == 400 and "images[0]: a 4000 x 10 image the model's resizing cannot take" in reply["error"]
+        status, reply = post(server, by_hand("why " * 3000))  # past the model's context of 2048
+        assert status == 400 and "requests[0].prompt: prompt 0 of this batch ('why why" in reply["error"], reply
+        assert "exceeds the model's context of 2048" in reply["error"]
+        good = wire.pack(Image.new("RGB", (112, 112), "red"))["value"]
+        status, reply = post(server, {**by_hand(qa_item([good])), "rollout": TINY["vlm"]})
+        assert status == 200 and len(wire.decode_batch(reply)) == 2
+    finally:
+        server.close()
+
+
+def test_a_dllm_prompt_wider_than_the_served_width_is_a_400():
+    backend = importlib.import_module(BACKENDS["dllm"])
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
+    policy = serve.served_policy(backend, cfg)
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(policy), type(cfg.rollout))
+    try:
+        status, reply = post(server, by_hand("1+" * 200 + "1"))
+        assert status == 400 and reply["error"].startswith("bad request to /generate: requests[0].prompt: prompt "), reply
+        assert f"this run's prompts may have at most {policy.prompt_length}" in reply["error"]
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("modality, task", [

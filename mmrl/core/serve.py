@@ -85,6 +85,19 @@ class ServedPolicyEngine(PolicyEngine):
         load_named(self.policy.model, weights)
         self.version = version
 
+    def check_requests(self, requests: list, rollout) -> None:
+        """Each prompt in the form the policy's generate takes, through its `serve_prompt` hook
+        (a plain string becomes the backend's prompt item); a prompt it refuses is the client's
+        error (400), named here, not an engine failure (500) met mid-generation."""
+        convert = getattr(self.policy, "serve_prompt", None)
+        if convert is None:
+            return
+        for i, r in enumerate(requests):
+            try:
+                r.prompt = convert(r.prompt, rollout)
+            except (TypeError, ValueError) as e:
+                raise wire.WireError(f"requests[{i}].prompt: {e}") from None
+
 
 def check_bind(host: str, token: str | None) -> None:
     """InsecureServeError unless `host` is loopback or there is a token."""
@@ -237,6 +250,9 @@ class _Handler(BaseHTTPRequestHandler):
         seed = body["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise _BadInput(400, f"seed must be an integer, got {seed!r}")
+        check = getattr(self.server.engine, "check_requests", None)
+        if check is not None:
+            check(requests, rollout)
         with self.server.lock:
             batch = self.server.engine.generate(requests, rollout, seed)
         self._reply(200, wire.encode_batch(batch))

@@ -210,6 +210,15 @@ def _b64(text: Any, what: str) -> bytes:
         raise WireError(f"{what} is not valid base64") from None
 
 
+def describe(value: Any) -> str:
+    """What a decoded value is, for an error telling a client what it sent ("a string", "a dict")."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"a {_class_name(type(value))} dataclass"
+    name = {str: "string", int: "integer", float: "number", bool: "boolean", list: "list", dict: "dict",
+            tuple: "tuple", bytes: "bytes", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 # --------------------------------------------------------------------------- images
 
 
@@ -247,10 +256,17 @@ def encode_requests(requests: Sequence[Request]) -> dict:
     return pack(list(requests))
 
 
+REQUESTS_FORM = ('{"value": [{"__t": "dataclass", "cls": "mmrl.core.engine:Request", "fields": {"group": 0, '
+                 '"prompt": "...", "n": 4}}], "tensors": null} (what encode_requests makes)')
+
+
 def decode_requests(message: Any) -> list[Request]:
+    if not isinstance(message, dict) or set(message) != {"value", "tensors"}:  # a client writing it by hand
+        raise WireError(f"requests must be {REQUESTS_FORM}, got {describe(message)}")
     requests = unpack(message)
     if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
-        raise WireError("expected a list of Request")
+        raise WireError(f"expected a list of Request (mmrl.core.engine:Request), got {describe(requests)}: "
+                        f"requests must be {REQUESTS_FORM}")
     for r in requests:  # what label() and the engines count on
         if not all(type(x) is int for x in (r.group, r.n, r.tag)) or r.n < 1:
             raise WireError("bad request: group, n and tag must be integers and n >= 1, "
@@ -307,6 +323,7 @@ __all__ = [
     "decode_requests",
     "decode_rollout",
     "decode_weights",
+    "describe",
     "encode_batch",
     "encode_requests",
     "encode_rollout",

@@ -112,6 +112,36 @@ class VLMPolicy:
 
     # ------------------------------------------------------------------ prompts
 
+    def serve_prompt(self, prompt: Any, rollout):
+        """A served request's prompt as generate takes it (mmrl.core.serve): a QAItem, or a
+        plain string, asked without an image as `sample --prompt` asks it; TypeError or
+        ValueError (the server's 400) for anything else, or for a prompt that with
+        rollout.max_new_tokens exceeds the model's context, before the engine runs."""
+        from PIL import Image
+
+        from mmrl.core.wire import describe
+        from mmrl.vlm.tasks.shapes_qa import QAItem
+
+        if isinstance(prompt, str):
+            prompt = QAItem(images=[], question=prompt, answer="")
+        form = ("a string (a question without an image) or a mmrl.vlm.tasks.shapes_qa:QAItem dataclass whose "
+                'images are wire images ({"__t": "image", ...}: the server opens no paths or URLs)')
+        if not isinstance(prompt, QAItem) or not isinstance(prompt.question, str):
+            raise TypeError(f"expected {form}, got {describe(prompt)}")
+        if not isinstance(prompt.images, list):
+            raise TypeError(f"images must be a list of wire images, got {describe(prompt.images)}")
+        for k, image in enumerate(prompt.images):
+            if not isinstance(image, Image.Image):
+                raise TypeError(f"images[{k}] must be a wire image ({{\"__t\": \"image\", ...}}: the server "
+                                f"opens no paths or URLs), got {describe(image)}")
+            try:  # what generate would meet mid-batch: the model's resizing refusing its shape
+                self.resize_images([image])
+            except Exception as e:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
+                raise ValueError(f"images[{k}]: a {image.width} x {image.height} image the model's resizing "
+                                 f"cannot take: {e or type(e).__name__}") from None
+        self._check_length(self.encode([prompt]), [prompt], rollout.max_new_tokens)  # PromptTooLong: a ValueError
+        return prompt
+
     def messages(self, item) -> list[dict[str, Any]]:
         content: list[dict[str, Any]] = []
         for image in item.images:
