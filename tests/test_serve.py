@@ -1,6 +1,6 @@
 """`serve` as a client author meets it: requests written by hand (a plain string as the prompt,
-the wrong prompt form) against the three backends' bundled policies served on a real local
-port; a served run whose data files are gone."""
+the wrong prompt form, no requests, a seed out of range) against the three backends' bundled
+policies served on a real local port; a served run whose data files are gone."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import urllib.request
 
 import pytest
 from PIL import Image
+from toy import ToyPolicy
 
 from mmrl.core import serve, wire
-from mmrl.core.config import load_config
+from mmrl.core.config import RolloutConfig, load_config
+from mmrl.core.engine import Request
 
 BACKENDS = {"vlm": "mmrl.vlm.backend", "dllm": "dllm_rl.backend", "diffusion": "diffusion_rl.backend"}
 TINY = {"vlm": {"max_new_tokens": 4}, "dllm": {"gen_length": 4, "steps": 2, "block_length": 4},
@@ -106,6 +108,23 @@ def test_a_dllm_prompt_wider_than_the_served_width_is_a_400():
         status, reply = post(server, by_hand("1+" * 200 + "1"))
         assert status == 400 and reply["error"].startswith("bad request to /generate: requests[0].prompt: prompt "), reply
         assert f"this run's prompts may have at most {policy.prompt_length}" in reply["error"]
+    finally:
+        server.close()
+
+
+def test_no_requests_and_a_seed_torch_cannot_take_are_400s():
+    # both were 500s: an IndexError in the engine, and "Overflow when unpacking long long"
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    try:
+        good = {"requests": wire.encode_requests([Request(group=0, prompt=1, n=2)]), "rollout": {}, "seed": 0}
+        assert post(server, good)[0] == 200
+        assert post(server, {**good, "requests": wire.encode_requests([])}) == (
+            400, {"error": "requests is an empty list: send at least one Request"})
+        for seed in (2**64, -(2**63) - 1):
+            assert post(server, {**good, "seed": seed}) == (
+                400, {"error": f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}"})
+        for seed in (2**64 - 1, -(2**63)):  # the ends of torch's range are served
+            assert post(server, {**good, "seed": seed})[0] == 200
     finally:
         server.close()
 

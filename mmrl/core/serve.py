@@ -250,6 +250,10 @@ class _Handler(BaseHTTPRequestHandler):
         seed = body["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise _BadInput(400, f"seed must be an integer, got {seed!r}")
+        if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise _BadInput(400, f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
+        if not requests:  # an engine batch of no rows is no batch
+            raise _BadInput(400, "requests is an empty list: send at least one Request")
         check = getattr(self.server.engine, "check_requests", None)
         if check is not None:
             check(requests, rollout)
