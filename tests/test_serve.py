@@ -144,3 +144,32 @@ def test_serve_needs_no_data_files(tmp_path, monkeypatch, modality, task):
     result = CliRunner().invoke(app, ["serve", "--config", str(tmp_path / "run.yaml"), "--port", "0"])
     assert result.exit_code == 0, result.output
     assert len(served) == 1 and served[0].policy.model is not None
+
+
+def test_ctrl_c_ends_serve_with_status_130(monkeypatch, capsys):
+    # serve() swallowed it: `serve` exited 0 without a word (docs/errors.md: 130 on Ctrl-C), and with
+    # a request in the engine the interpreter's exit under its thread aborted (SIGABRT)
+    from typer.testing import CliRunner
+
+    from dllm_rl.cli import app
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.EngineServer, "serve_forever", interrupted)
+    result = CliRunner().invoke(app, ["serve", "--port", "0"])
+    assert result.exit_code == 130 and result.output.strip().endswith("interrupted"), result.output
+    with pytest.raises(SystemExit) as stop:
+        serve.main(["--backend", "toy", "--port", "0"])
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+    def busy(self, *args):
+        self.lock.acquire()  # as a request inside the engine holds it
+        raise KeyboardInterrupt
+
+    exits = []
+    monkeypatch.setattr(serve.EngineServer, "serve_forever", busy)
+    monkeypatch.setattr(serve.os, "_exit", exits.append)  # the real one would end pytest
+    with pytest.raises(KeyboardInterrupt):  # only because the stand-in _exit returns
+        serve.serve(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, port=0)
+    assert exits == [130] and "the request in the engine was dropped" in capsys.readouterr().err

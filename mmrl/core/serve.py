@@ -160,14 +160,23 @@ class EngineServer(ThreadingHTTPServer):
 
 def serve(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 8400, *,
           ready: Callable[[str], Any] | None = None, **limits) -> None:
-    """Serve `engine` until interrupted; `ready(url)` is called once the port is bound."""
+    """Serve `engine` until interrupted; `ready(url)` is called once the port is bound. Ctrl-C
+    raises KeyboardInterrupt on (the CLIs exit 130); with a request inside the engine the
+    process ends at once, with status 130."""
     server = EngineServer(engine, rollout_cls, host, port, **limits)
     if ready is not None:
         ready(server.url)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        if server.lock.locked():
+            # The request runs in the engine on a daemon thread: the interpreter finalizing under
+            # it aborted the process ("terminate called without an active exception", SIGABRT).
+            # Its client sees the connection close, as for any server that stops.
+            server.server_close()
+            print("interrupted: the request in the engine was dropped", file=sys.stderr, flush=True)
+            os._exit(130)
+        raise
     finally:
         server.server_close()
 
@@ -375,10 +384,14 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
-    serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
-          ready=lambda url: print(READY + url, flush=True), token=token,
-          max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
-          read_timeout=args.read_timeout)
+    try:
+        serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
+              ready=lambda url: print(READY + url, flush=True), token=token,
+              max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
+              read_timeout=args.read_timeout)
+    except KeyboardInterrupt:  # exit 130 as the CLIs do, without a traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
