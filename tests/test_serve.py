@@ -173,3 +173,28 @@ def test_ctrl_c_ends_serve_with_status_130(monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):  # only because the stand-in _exit returns
         serve.serve(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, port=0)
     assert exits == [130] and "the request in the engine was dropped" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_named_before_the_model_is_built(monkeypatch, capsys):
+    # it was named only once the model had loaded (minutes for a large one)
+    from typer.testing import CliRunner
+
+    from dllm_rl.cli import app
+
+    def built(*args):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(serve, "served_policy", built)
+    monkeypatch.setattr(serve, "build_policy", built)
+    taken = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    port = taken.server_address[1]
+    try:
+        result = CliRunner().invoke(app, ["serve", "--port", str(port)])
+        assert result.exit_code == 2, result.output
+        assert f"error: cannot serve on 127.0.0.1:{port}: Address already in use" in result.output
+        with pytest.raises(SystemExit) as stop:
+            serve.main(["--backend", "toy", "--port", str(port)])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == f"error: cannot serve on 127.0.0.1:{port}: Address already in use\n"
+    finally:
+        taken.close()

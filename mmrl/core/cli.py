@@ -340,6 +340,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 InsecureServeError,
                 ServedPolicyEngine,
                 check_bind,
+                check_port,
                 resolve_token,
                 served_policy,
             )
@@ -348,7 +349,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             secret = resolve_token(token)
             try:
                 check_bind(host, secret)  # before building the model
+                check_port(host, port)
             except InsecureServeError as e:
+                fail(str(e))
+            except OSError as e:  # the address is taken or not ours: said now, not after minutes of loading
                 fail(str(e))
             backend, cfg = get_backend(config, list(set_), "serve", checkpoint)
             policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read

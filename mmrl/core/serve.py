@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -110,6 +111,19 @@ def check_bind(host: str, token: str | None) -> None:
             "give the same token to the clients (RemoteEngine(token=...) or that variable), "
             "or bind 127.0.0.1"
         )
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError naming the address if `host:port` cannot be bound (taken, or not this machine's),
+    tried before the model loads (minutes for a large one) rather than after. Port 0 always binds."""
+    if port == 0:
+        return
+    with socket.socket(EngineServer.address_family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds (allow_reuse_address)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
 
 
 class EngineServer(ThreadingHTTPServer):
@@ -379,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     token = resolve_token(args.token)
     try:
         check_bind(args.host, token)  # before building a model, not after
+        check_port(args.host, args.port)
         config = json.loads(args.config_json.read_text()) if args.config_json else {}
         policy, cfg = build_policy(args.backend, config, args.checkpoint)
     except (ConfigError, CheckpointError, OSError, ValueError, ImportError) as e:
