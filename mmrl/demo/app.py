@@ -142,7 +142,10 @@ def shown_errors(gr, fn):
     return wrapper
 
 
-def _number(gr, value, name: str, least: int = 0) -> int:
+SEED_MAX = 2**63 - 1  # the largest seed every generator takes (a larger one was "Overflow when unpacking long long")
+
+
+def _number(gr, value, name: str, least: int = 0, most: int = SEED_MAX) -> int:
     """A Number or Slider's value as an int; a cleared field (None) is an error that names it."""
     try:
         out = int(value)
@@ -150,6 +153,8 @@ def _number(gr, value, name: str, least: int = 0) -> int:
         raise gr.Error(f"{name} must be a whole number; got {value!r}") from None
     if out < least:
         raise gr.Error(f"{name} must be at least {least}; got {out}")
+    if out > most:
+        raise gr.Error(f"{name} must be at most {most}; got {out}")
     return out
 
 
@@ -195,6 +200,8 @@ def build_app(demo: Demo):
             seed_list = [int(s) for s in str(seeds or "").replace(",", " ").split()] or [0]
         except ValueError:
             raise gr.Error(f"seeds must be integers separated by commas; got {seeds!r}") from None
+        for s in seed_list:
+            _number(gr, s, "each seed", -SEED_MAX - 1)
         pair = demo.pair("diffusion", progress)
         with demo.lock:
             out = compare_diffusion(pair, prompt, seed_list)

@@ -162,6 +162,21 @@ def test_a_seed_and_a_sample_count_of_zero_are_accepted(fns, recorded):
         handlers["dllm_run"]("12+7=", -1, 0, "fork")
 
 
+def test_a_seed_no_generator_takes_is_named_not_an_overflow(fns, recorded):
+    # a seed past 2**63 - 1 reached the page as "Overflow when unpacking long long"
+    demo, handlers = fns
+    demo.pairs["dllm"] = fake_pair(eval_problems=[])
+    demo.pairs["diffusion"] = fake_pair()
+    handlers["dllm_run"]("12+7=", 1, 2**63 - 1, "fork")
+    assert recorded["dllm"][3] == 2**63 - 1
+    with pytest.raises(gr.Error, match=f"seed must be at most {2**63 - 1}; got {2**63}"):
+        handlers["dllm_run"]("12+7=", 1, 2**63, "fork")
+    handlers["diffusion_run"]("a red circle", f"-1, {2**63 - 1}")
+    assert recorded["diffusion"][2] == [-1, 2**63 - 1]
+    with pytest.raises(gr.Error, match=f"each seed must be at most {2**63 - 1}; got {10**23}"):
+        handlers["diffusion_run"]("a red circle", f"1, {10**23}")
+
+
 def test_a_held_out_problem_keeps_its_answer_and_an_empty_decoder_is_the_runs(fns, recorded):
     demo, handlers = fns
     held = SimpleNamespace(prompt="12+7=", answer="19")
