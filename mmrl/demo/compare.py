@@ -173,11 +173,17 @@ def compare_dllm(pair: ModelPair, problem, n: int = 4, seed: int = 0, strategy: 
                  ) -> dict[str, list[Shown]]:
     """Greedy plus n answers at the rollout temperature (one seeded generator, the same for
     both models), each with its denoising order and NFE."""
+    from dllm_rl.backend import fit_prompts
     from dllm_rl.policy import to_sample
+    from mmrl.core.config import ConfigError
 
     out = {}
     for which in ("before", "after"):
         policy, task = pair.get(which)
+        try:  # a typed problem longer than the task's (123+456=) widens the prompt, as `sample --prompt` does
+            policy = fit_prompts(policy, [problem.prompt])
+        except ConfigError as e:  # past the model's context: said without sample's flag name
+            raise ValueError(str(e).removeprefix("--prompt: ")) from None
         shown = []
         for label, temperature, gen, count in (("greedy", 0.0, None, 1),
                                                 ("sample", policy.rollout.temperature,

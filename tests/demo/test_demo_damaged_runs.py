@@ -469,7 +469,7 @@ def test_compare_dllm_labels_samples_by_seed_and_hides_only_the_answer_atom_with
         return SimpleNamespace(completion=torch.tensor([[5, 0]] * n), commit_step=torch.tensor([[0, 0]] * n),
                                fallback=torch.zeros(n, 0, dtype=torch.bool), nfe=torch.tensor([3] * n)), None
 
-    policy = SimpleNamespace(rollout=SimpleNamespace(temperature=0.7), decode=decode,
+    policy = SimpleNamespace(rollout=SimpleNamespace(temperature=0.7), decode=decode, prompt_length=8,
                              answer_text=lambda completion: ["4"] * len(completion),
                              predictor=SimpleNamespace(tokenizer=StandInTokenizer(), eos_token_id=0))
     task = SimpleNamespace(reward=SimpleNamespace(score=stand_in_scores), answer_atom="answer")
@@ -482,6 +482,25 @@ def test_compare_dllm_labels_samples_by_seed_and_hides_only_the_answer_atom_with
         assert shown[1].extra == {"nfe": 3, "fallback_steps": 0}
     known = compare_dllm(pair, SimpleNamespace(prompt="2+2=", answer="4", meta={}), n=0)["after"]
     assert [(s.label, s.atoms, s.total) for s in known] == [("greedy", {"format": 1.0, "answer": 0.0}, 0.1)]
+
+
+def test_compare_dllm_takes_a_problem_longer_than_the_tasks_prompts():
+    # the arith task's prompts are 6 tokens wide: "123+456=" (8) was refused ("this run's prompts may
+    # have at most 6"), though `dllm-rl sample --prompt` widens for it
+    from dllm_rl import backend
+    from mmrl.core.config import load_config
+    from mmrl.demo.compare import compare_dllm, dllm_problem
+
+    cfg = load_config(backend.CONFIG_CLASS, None, ["task.num_train=8", "task.num_eval=4"],
+                      defaults=backend.DEFAULT_CONFIG)
+    policy, task = backend.build(cfg)
+    assert policy.prompt_length == 6
+    pair = SimpleNamespace(get=lambda which: (policy, task))
+    out = compare_dllm(pair, dllm_problem("123+456="), n=1, seed=0)
+    assert [s.label for s in out["after"]] == ["greedy", "sample 1 (seed 0)"]
+    assert all(s.total is not None for s in out["after"])  # the answer 579 is known, so scored
+    with pytest.raises(ValueError, match=r"^prompts of up to \d+ tokens plus gen_length \d+ exceed the model's context"):
+        compare_dllm(pair, dllm_problem("1+" * 100 + "1"), n=1, seed=0)
 
 
 def test_compare_vlm_hides_only_the_answer_atom_of_an_uploaded_image():
