@@ -198,3 +198,28 @@ def test_a_port_in_use_is_named_before_the_model_is_built(monkeypatch, capsys):
         assert capsys.readouterr().err == f"error: cannot serve on 127.0.0.1:{port}: Address already in use\n"
     finally:
         taken.close()
+
+
+def test_rollout_keys_a_request_leaves_out_are_the_served_runs(monkeypatch):
+    # they were the rollout class's defaults: a client asking only for a temperature got
+    # max_new_tokens 32, not the served run's 3
+    run = RolloutConfig(max_new_tokens=3, temperature=0.5)
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, rollout=run)
+    try:
+        requests = wire.encode_requests([Request(group=0, prompt=1, n=2)])
+        for sent, tokens in (({}, 3), ({"temperature": 2.0}, 3), ({"max_new_tokens": 1}, 1)):
+            status, reply = post(server, {"requests": requests, "rollout": sent, "seed": 0})
+            assert status == 200 and wire.decode_batch(reply).old_logp.shape == (2, tokens), (sent, reply)
+    finally:
+        server.close()
+    assert wire.decode_rollout({"top_p": 0.5}, RolloutConfig, run) == run.model_copy(update={"top_p": 0.5})
+    assert wire.decode_rollout({}, RolloutConfig) == RolloutConfig()  # no run: the class defaults
+
+    from typer.testing import CliRunner
+
+    from dllm_rl.cli import app
+
+    kwargs = []
+    monkeypatch.setattr(serve, "serve", lambda *args, **kw: kwargs.append(kw))
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--set", "rollout.temperature=0.25"])
+    assert result.exit_code == 0 and kwargs[0]["rollout"].temperature == 0.25, result.output

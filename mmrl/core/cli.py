@@ -360,7 +360,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 load_checkpoint(policy, checkpoint)
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
-                             read_timeout=read_timeout,
+                             read_timeout=read_timeout, rollout=cfg.rollout,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")

@@ -4,6 +4,9 @@
     POST /weights   safetensors bytes, version in the X-MMRL-Version header -> {"ok", "version"}
     GET  /health                                                            -> {"name", "version", "busy"}
 
+A request's rollout keys that it leaves out take the served run's values (`rollout=`), and a
+prompt may be a plain string: the backend's text prompt (its policy's `serve_prompt` hook).
+
 An error inside the engine answers 500 with {"error": "..."}; input that cannot
 be decoded answers 400, an over-long body 413, a body that stalls for
 `read_timeout` seconds 408 (stalled headers: the connection is closed), so a
@@ -133,11 +136,12 @@ class EngineServer(ThreadingHTTPServer):
 
     def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
                  max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES,
-                 token: str | None = None, read_timeout: float | None = READ_TIMEOUT):
+                 token: str | None = None, read_timeout: float | None = READ_TIMEOUT, rollout: Any = None):
         """`token`: required of every request (Authorization: Bearer); None or "" = no check,
         allowed only on a loopback address. (The environment is read by the CLIs, not here.)
         `read_timeout`: seconds each read of a request (and write of its reply) may wait on the
-        client; None waits forever."""
+        client; None waits forever. `rollout`: the served run's rollout config, whose values
+        fill what a request's rollout leaves out (None: the rollout class's defaults)."""
         check_bind(host, token)  # before binding
         if read_timeout is not None and not read_timeout > 0:
             raise ValueError(f"read_timeout must be > 0 seconds (or None), got {read_timeout!r}")
@@ -145,6 +149,7 @@ class EngineServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.rollout_cls = rollout_cls
+        self.rollout = rollout
         self.max_request_bytes = max_request_bytes
         self.max_weights_bytes = max_weights_bytes
         self.read_timeout = read_timeout
@@ -269,7 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict) or set(body) != {"requests", "rollout", "seed"}:
             raise _BadInput(400, "body of /generate must be an object with keys requests, rollout, seed")
         requests = wire.decode_requests(body["requests"])
-        rollout = wire.decode_rollout(body["rollout"], self.server.rollout_cls)
+        rollout = wire.decode_rollout(body["rollout"], self.server.rollout_cls, self.server.rollout)
         seed = body["seed"]
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise _BadInput(400, f"seed must be an integer, got {seed!r}")
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
               ready=lambda url: print(READY + url, flush=True), token=token,
               max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
-              read_timeout=args.read_timeout)
+              read_timeout=args.read_timeout, rollout=cfg.rollout)
     except KeyboardInterrupt:  # exit 130 as the CLIs do, without a traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -294,10 +294,16 @@ def encode_rollout(rollout: Any) -> dict:
     raise WireError(f"cannot send a rollout config of type {type(rollout).__name__}")
 
 
-def decode_rollout(data: Any, cls: type) -> Any:
-    """Rebuild a rollout config with the receiver's own class (which validates it)."""
+def decode_rollout(data: Any, cls: type, base: Any = None) -> Any:
+    """Rebuild a rollout config with the receiver's own class (which validates it). `base`: the
+    served run's rollout config, whose values fill the keys `data` leaves out (a client that
+    sends {"temperature": 0.5} gets the run's other settings, not the class defaults)."""
     if not isinstance(data, dict):
         raise WireError("the rollout config must be a JSON object")
+    if base is not None:
+        from mmrl.core.config import deep_merge
+
+        data = deep_merge(encode_rollout(base), data)
     try:
         return cls.model_validate(data) if hasattr(cls, "model_validate") else cls(**data)
     except (TypeError, ValueError) as e:
