@@ -223,3 +223,19 @@ def test_rollout_keys_a_request_leaves_out_are_the_served_runs(monkeypatch):
     monkeypatch.setattr(serve, "serve", lambda *args, **kw: kwargs.append(kw))
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--set", "rollout.temperature=0.25"])
     assert result.exit_code == 0 and kwargs[0]["rollout"].temperature == 0.25, result.output
+
+
+def test_a_bad_rollout_value_is_named_by_its_key_without_pydantics_boilerplate():
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    try:
+        requests = wire.encode_requests([Request(group=0, prompt=1, n=2)])
+        for sent, why in (({"temperature": "hot"}, ("rollout.temperature: Input should be a valid number, unable to "
+                                                   "parse string as a number (got 'hot')")),
+                          ({"temperature": -1}, "rollout.temperature: Input should be greater than 0 (got -1)"),
+                          ({"max_new_tokens": 0, "nope": 1}, ("rollout.max_new_tokens: Input should be greater than "
+                                                             "or equal to 1 (got 0); rollout.nope: Extra inputs are "
+                                                             "not permitted (got 1)"))):
+            status, reply = post(server, {"requests": requests, "rollout": sent, "seed": 0})
+            assert (status, reply) == (400, {"error": f"bad request to /generate: invalid rollout config: {why}"})
+    finally:
+        server.close()

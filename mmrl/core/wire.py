@@ -307,7 +307,12 @@ def decode_rollout(data: Any, cls: type, base: Any = None) -> Any:
     try:
         return cls.model_validate(data) if hasattr(cls, "model_validate") else cls(**data)
     except (TypeError, ValueError) as e:
-        raise WireError(f"invalid rollout config: {' '.join(str(e).split())}") from None
+        if callable(getattr(e, "errors", None)):  # pydantic's: each key, what is wrong, what was sent
+            why = "; ".join(f"rollout.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
+                            for err in e.errors())
+        else:
+            why = " ".join(str(e).split())
+        raise WireError(f"invalid rollout config: {why}") from None
 
 
 def encode_weights(weights: dict[str, Tensor]) -> bytes:
