@@ -946,7 +946,7 @@ def test_serve_module_checks_read_timeout_and_hands_it_to_the_server(monkeypatch
             serve.main(["--backend", "toy", "--read-timeout", bad])
         assert exit_.value.code == 2 and "--read-timeout must be > 0" in capsys.readouterr().err
     assert built == [] and served == []
-    serve.main(["--backend", "toy", "--read-timeout", "7.5", "--max-request-bytes", "1000",
+    serve.main(["--backend", "toy", "--port", "0", "--read-timeout", "7.5", "--max-request-bytes", "1000",
                 "--max-weights-bytes", "2000"])
     assert len(built) == 1 and served[0]["read_timeout"] == 7.5
     assert served[0]["max_request_bytes"] == 1000 and served[0]["max_weights_bytes"] == 2000

@@ -349,12 +349,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             secret = resolve_token(token)
             try:
                 check_bind(host, secret)  # before building the model
-                check_port(host, port)
             except InsecureServeError as e:
                 fail(str(e))
-            except OSError as e:  # the address is taken or not ours: said now, not after minutes of loading
-                fail(str(e))
             backend, cfg = get_backend(config, list(set_), "serve", checkpoint)
+            try:
+                check_port(host, port)  # the address is taken or not ours: said now, not after minutes of loading
+            except OSError as e:
+                fail(str(e))
             policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
