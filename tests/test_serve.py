@@ -239,3 +239,20 @@ def test_a_bad_rollout_value_is_named_by_its_key_without_pydantics_boilerplate()
             assert (status, reply) == (400, {"error": f"bad request to /generate: invalid rollout config: {why}"})
     finally:
         server.close()
+
+
+def test_a_route_asked_with_the_wrong_method_is_a_405_saying_which():
+    # both were 404 "no such endpoint", as if the route did not exist
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    try:
+        for path, method, allow in (("/generate", "GET", "POST"), ("/weights", "GET", "POST"), ("/health", "POST", "GET")):
+            req = urllib.request.Request(server.url + path, data=b"{}" if method == "POST" else None, method=method)
+            with pytest.raises(urllib.error.HTTPError) as reply:
+                urllib.request.urlopen(req, timeout=10)
+            assert reply.value.code == 405 and reply.value.headers["Allow"] == allow
+            assert json.loads(reply.value.read()) == {"error": f"{path} takes {allow}, not {method}"}
+        with pytest.raises(urllib.error.HTTPError) as reply:
+            urllib.request.urlopen(server.url + "/nope", timeout=10)
+        assert reply.value.code == 404
+    finally:
+        server.close()

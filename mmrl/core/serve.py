@@ -244,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
+        if self.path in ("/generate", "/weights"):
+            return self._reply(405, {"error": f"{self.path} takes POST, not GET"}, {"Allow": "POST"})
         if self.path != "/health":
             return self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
         s = self.server
@@ -254,6 +256,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         route = {"/generate": self._generate, "/weights": self._weights}.get(self.path)
         if route is None:
+            self.close_connection = True  # its body is not read: it must not be taken for the next request
+            if self.path == "/health":
+                return self._reply(405, {"error": "/health takes GET, not POST"}, {"Allow": "GET"})
             return self._reply(404, {"error": f"no such endpoint: POST {self.path}"})
         try:
             route()
