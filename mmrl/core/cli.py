@@ -356,7 +356,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 check_port(host, port)  # the address is taken or not ours: said now, not after minutes of loading
             except OSError as e:
                 fail(str(e))
-            policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
+            with warnings.catch_warnings():  # what held-out metrics measure: serve reports none
+                warnings.simplefilter("ignore", HeldOutWarning)
+                policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
             try:
