@@ -304,6 +304,12 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
     runs = [RunInfo.load(d) for d in run_dirs]
     app = build_app(Demo(runs, train_missing))
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
-    app.queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, share=False, prevent_thread_lock=not block,
-                       ssr_mode=False, theme=theme, css=CSS, footer_links=[], quiet=False)
+    # quiet: Gradio's own lines end with "To create a public link, set `share=True`", which the
+    # demo has not (docs: it serves this machine alone); the address is printed here instead
+    app.queue(default_concurrency_limit=1).launch(
+        server_name=host, server_port=port, share=False, prevent_thread_lock=True, ssr_mode=False, theme=theme, css=CSS,
+        footer_links=[], quiet=True)
+    print(f"demo at {app.local_url} (Ctrl-C stops it)", flush=True)
+    if block:
+        app.block_thread()
     return app

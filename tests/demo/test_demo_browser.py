@@ -1,7 +1,7 @@
 """End to end in a real headless Chromium: `mmrl demo` on a free port with a tiny finished run
 of each modality; in every tab, draw a held-out prompt, press Generate and wait for both the
 before and the after samples; a screenshot of each tab is kept as a test artifact (and, with
-MMRL_SCREENSHOT_DIR set, copied there: that is how docs/demo.png is made).
+MMRL_SCREENSHOT_DIR set, copied there: that is how docs/images/demo_*.png are made).
 
 Needs the `demo` extra (Gradio), Playwright's Python package and a system Chromium (Debian's
 `chromium`; .ci/run installs both). It skips, saying which is missing, only when they cannot
@@ -62,6 +62,11 @@ def server(tiny_runs, tmp_path_factory):
                 if time.time() > deadline:
                     pytest.fail(f"mmrl demo did not answer on {url} in 120 s:\n{log.read_text()}")
                 time.sleep(0.5)
+        # the address, once, and not Gradio's "To create a public link, set `share=True`": the
+        # demo serves this machine alone
+        time.sleep(0.5)
+        said = log.read_text()
+        assert f"demo at {url}" in said and "share=True" not in said, said
         yield url
     finally:
         proc.terminate()
