@@ -42,7 +42,7 @@ from mmrl.core.config import (
 )
 from mmrl.core.engine import EngineError
 from mmrl.core.jsonl import HeldOutWarning
-from mmrl.core.logging import quiet_library_bars
+from mmrl.core.logging import quiet_library_bars, survive_reader_gone
 from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
 from mmrl.core.stop import StoppedBySignal
@@ -609,8 +609,10 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
 def run(app: typer.Typer) -> None:
     """Entry point: run the app (a verb interrupted by Ctrl-C says so and exits 130).
     Warnings print as one "warning:" line: the source line they were raised from says
-    nothing to a user."""
+    nothing to a user. Where the console's reader goes away (`train | head`), every verb goes
+    on without a word more on that stream (mmrl.core.logging.ReaderGoneSafe)."""
     warnings.formatwarning = _warning_line
+    survive_reader_gone()
     app()
 
 

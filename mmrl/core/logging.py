@@ -9,8 +9,10 @@ equals that of a run that was never interrupted.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -55,6 +57,71 @@ def quiet_library_bars(progress: bool, diffusers: bool = False) -> bool:
 
         diffusers.utils.logging.disable_progress_bar()
     return True
+
+
+class ReaderGoneSafe:
+    """sys.stdout or sys.stderr of a command: where the stream's reader goes away (`| head`, a
+    `less` quit early, a closed terminal), what is written to it from then on is dropped without
+    a word, instead of a BrokenPipeError in the middle of a step (which stopped `train 2>&1 |
+    head` at step 0) or click's silent exit 1 (`train | head`): the run goes on writing its files
+    and ends with the code it would have had. The stream's descriptor is pointed at /dev/null,
+    so the text still buffered, Python's flush at exit and whatever else writes to the
+    descriptor (a library, a child process) are dropped as well."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a descriptor's stream
+            pass
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):  # encoding, isatty, fileno, buffer, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+def survive_reader_gone() -> None:
+    """sys.stdout and sys.stderr as ReaderGoneSafe streams (the command line's entry point). One
+    closed at the start (`2>&-`: Python's is None, which `sys.stderr.isatty()` failed on) is
+    /dev/null, at its descriptor where that is free: a file the run opens later (metrics.jsonl)
+    cannot take descriptor 1 or 2 and receive what is written there."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        if stream is None:
+            try:
+                os.fstat(fd)
+            except OSError:  # closed: /dev/null in its place
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                if devnull != fd:
+                    os.dup2(devnull, fd)
+                    os.close(devnull)
+            stream = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 -- for the process's life
+        if not isinstance(stream, ReaderGoneSafe):
+            setattr(sys, name, ReaderGoneSafe(stream))
 
 
 METRICS = "metrics.jsonl"

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where to
 
 import toy  # after the path it needs
 
-from mmrl.core.cli import BackendSpec, make_app
+from mmrl.core.cli import BackendSpec, make_app, run
 
 if os.environ.get("TOY_ROLLOUT_SECONDS"):
     generate, pause = toy.ToyPolicy.generate, float(os.environ["TOY_ROLLOUT_SECONDS"])
@@ -52,4 +52,4 @@ def signalled_in_step_two(command: list[str], env: dict[str, str], out: Path, se
             proc.wait()
 
 if __name__ == "__main__":
-    app()
+    run(app)  # as the console scripts do

@@ -1,0 +1,87 @@
+"""What a command prints, where its reader goes away (`train | head`, `2>&1 | head`, a `less`
+quit early) or its streams are closed: mmrl.core.logging.ReaderGoneSafe, installed by the
+command line's entry point (mmrl.core.cli.run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+# Lines on both streams long after the reader has gone, then a file: what a run does.
+SCRIPT = """
+import sys
+from pathlib import Path
+from mmrl.core.logging import survive_reader_gone
+survive_reader_gone()
+print("first", flush=True)
+sys.stdin.readline()  # the test has closed its end of the pipe
+for i in range(3000):
+    print("row", i, flush=i % 7 == 0)
+    print("note", i, file=sys.stderr, flush=True)
+Path(sys.argv[1]).write_text("written after the reader went away")
+"""
+
+
+def start_then_close_the_reader(command: list[str], both: bool, **kw) -> subprocess.Popen:
+    """`command | head -1` (`both`: `command 2>&1 | head -1`): its first line read, the pipe
+    closed; stderr otherwise to a pipe of its own (proc.stderr)."""
+    read, write = os.pipe()
+    proc = subprocess.Popen(command, stdout=write, stderr=write if both else subprocess.PIPE, env=ENV,
+                            text=True, **kw)
+    os.close(write)
+    with os.fdopen(read) as reader:
+        assert reader.readline()  # the first line, as head -1
+    return proc
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["stdout-closed", "stdout-and-stderr-closed"])
+def test_a_command_whose_reader_went_away_goes_on_silently(tmp_path, both):
+    out = tmp_path / "file"
+    proc = start_then_close_the_reader([sys.executable, "-c", SCRIPT, str(out)], both, stdin=subprocess.PIPE)
+    proc.stdin.close()
+    err = "" if both else proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err[-2000:]
+    assert out.read_text() == "written after the reader went away"
+    if not both:  # the other stream is whole, and says nothing of the pipe
+        assert err.splitlines() == [f"note {i}" for i in range(3000)]
+
+
+def test_closed_streams_are_dev_null_and_not_reused_by_later_files(tmp_path):
+    """`train >&- 2>&-`: Python's sys.stderr is None (`sys.stderr.isatty()` failed on it), and
+    the next file opened would take descriptor 1 and receive whatever is written there."""
+    code = ("import os, sys\nfrom mmrl.core.logging import survive_reader_gone\nsurvive_reader_gone()\n"
+            "sys.stderr.isatty(); print('dropped'); print('dropped', file=sys.stderr)\n"
+            "f = open(sys.argv[1], 'w'); os.write(1, b'stdout'); os.write(2, b'stderr'); f.write('mine'); f.close()")
+    out = tmp_path / "file"
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], check=False, env=ENV, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, close_fds=True, timeout=60,
+                          preexec_fn=lambda: (os.close(1), os.close(2)))
+    assert proc.returncode == 0
+    assert out.read_text() == "mine"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("both", [False, True], ids=["train|head", "train 2>&1|head"])
+def test_train_goes_on_and_finishes_when_the_console_reader_goes_away(tmp_path, both):
+    """`train 2>&1 | head` stopped at step 0 with a BrokenPipeError (recorded in
+    environment.json); `train | head` finished and exited 1 without a word."""
+    run = tmp_path / "run"
+    script = ROOT / "tests" / "reliability" / "toy_cli.py"
+    proc = start_then_close_the_reader([sys.executable, str(script), "train", "--max-steps", "3", "--set",
+                                        "train.eval_every=1", "--set", "logging.progress=true", "-o", str(run)],
+                                       both)
+    err = "" if both else proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert json.loads((run / "environment.json").read_text())[-1]["ended"]["how"] == "finished"
+    assert (run / "report.html").is_file()
+    if not both:
+        assert "Traceback" not in err and "held-out evaluation after training" in err
