@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import time
 import types
 import warnings
@@ -1478,3 +1479,21 @@ def test_a_sample_table_shows_a_tensor_as_its_values_up_to_512_and_an_image_as_i
     assert _show(torch.tensor([1, 2, 3])) == [1, 2, 3]  # a tensor has .size and .mode methods: not an image
     assert _show(torch.zeros(512)) == [0.0] * 512 and _show(torch.zeros(2, 257)) == "<tensor (2, 257)>"
     assert _show(Image.new("RGB", (4, 3))) == "<image 4x3 RGB>"
+
+
+def test_summary_is_strict_json_and_says_when_how_long_and_by_what_command(tmp_path, monkeypatch):
+    """A held-out metric without data is NaN: summary.json held a bare NaN, which is not JSON
+    (jq, JavaScript and strict parsers refuse the whole file), where `eval` prints null. It also
+    says when the run started and finished, its starts, its steps' own time and the command."""
+    monkeypatch.setattr(sys, "argv", ["toy-rl", "train", "-o", "run dir"])
+    trainer = make(tmp_path, "train.max_steps=2")
+    evaluate = trainer.task.evaluate
+    monkeypatch.setattr(trainer.task, "evaluate", lambda policy: {**evaluate(policy), "empty": float("nan")})
+    trainer.train()
+    text = (tmp_path / "run" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert summary["eval_before"]["empty"] is None and summary["eval_after"]["empty"] is None
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert summary["step_seconds"] == pytest.approx(sum(r["time/step"] for r in rows))
+    assert summary["starts"] == 1 and summary["command"] == "toy-rl train -o 'run dir'"
+    assert summary["started"] <= summary["finished"] and summary["finished"].endswith("Z")

@@ -37,6 +37,7 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import signal
 import sys
 import time
@@ -247,6 +248,14 @@ class Trainer:
         kept = self.out / f"summary.step-{steps}.json"
         if not kept.exists():
             path.replace(kept)
+
+    def _starts(self) -> list[dict]:
+        """environment.json's entries (mmrl.core.provenance), for summary.json; [] where unreadable."""
+        try:
+            entries = json.loads((self.out / provenance.ENVIRONMENT).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
     def train(self, resume: bool = False) -> dict[str, Any]:
         tc = self.cfg.train
@@ -873,14 +882,22 @@ class Trainer:
     def write_summary(self, eval_after: dict[str, float], seconds: float,
                       checksums: list[float] | None = None) -> dict[str, Any]:
         rows = read_metrics(self.out / "metrics.jsonl")
+        starts = self._starts()
         summary = {
-            "eval_before": self.eval_before,
-            "eval_after": eval_after,
+            # a metric without data (NaN: no held-out item had it) is null, as `eval` prints it: NaN is not JSON
+            "eval_before": _finite_or_null(self.eval_before),
+            "eval_after": _finite_or_null(eval_after),
             "steps": self.step,
             "steps_without_update": sum(1 for r in rows if r.get("train/skipped")),
             "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
             "final_metrics": rows[-1] if rows else {},
-            "train_seconds": seconds,
+            "train_seconds": seconds,  # this start's, evaluations and saves included
+            # every step's own time (time/step), over all the starts of a resumed run
+            "step_seconds": sum(r["time/step"] for r in rows if isinstance(r.get("time/step"), int | float)),
+            "started": starts[0].get("started") if starts else None,  # the run's first start (UTC)
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "starts": len(starts),  # 1, plus each --resume (environment.json has each one's command and versions)
+            "command": shlex.join(starts[-1].get("command") or []) if starts else None,  # the start that finished it
             "processes": self.world,
             "weights_checksums": checksums,
             "best": self.best.record,
@@ -895,6 +912,12 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
             warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary
+
+
+def _finite_or_null(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def config_changes(before: dict, after: dict, prefix: str = "", default=None) -> list[str]:
