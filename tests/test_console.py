@@ -85,3 +85,15 @@ def test_train_goes_on_and_finishes_when_the_console_reader_goes_away(tmp_path, 
     assert (run / "report.html").is_file()
     if not both:
         assert "Traceback" not in err and "held-out evaluation after training" in err
+
+
+def test_a_non_ascii_path_on_an_ascii_console_is_escaped_not_a_traceback(tmp_path):
+    """LANG=C PYTHONIOENCODING=ascii with `-o runs/rüné`: rich raised UnicodeEncodeError on
+    `train`'s first line and the run stopped before it began."""
+    code = ("from rich.console import Console\nfrom mmrl.core.logging import survive_reader_gone\n"
+            "survive_reader_gone()\nConsole().print('output runs/r\\u00fcn\\u00e9', highlight=False)\n"
+            "print('prompt \\u00bfqu\\u00e9?')")
+    proc = subprocess.run([sys.executable, "-c", code], env={**ENV, "LANG": "C", "LC_ALL": "C",
+                          "PYTHONIOENCODING": "ascii"}, capture_output=True, check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert proc.stdout.decode("ascii").splitlines() == ["output runs/r\\xfcn\\xe9", "prompt \\xbfqu\\xe9?"]

@@ -66,14 +66,21 @@ class ReaderGoneSafe:
     head` at step 0) or click's silent exit 1 (`train | head`): the run goes on writing its files
     and ends with the code it would have had. The stream's descriptor is pointed at /dev/null,
     so the text still buffered, Python's flush at exit and whatever else writes to the
-    descriptor (a library, a child process) are dropped as well."""
+    descriptor (a library, a child process) are dropped as well. Text the stream's encoding
+    cannot hold is written with backslash escapes."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text):
         try:
-            return self._stream.write(text)
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:  # a non-ASCII path or prompt on an ASCII console (LANG=C,
+                # PYTHONIOENCODING=ascii): escaped as Python's stderr escapes it, not a traceback
+                encoding = self._stream.encoding or "ascii"
+                self._stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+                return len(text)
         except BrokenPipeError:
             self._reader_gone()
             return len(text)
