@@ -23,9 +23,14 @@ def invoke(application, *args):
 
 
 def test_train_resume_eval_sample(tmp_path):
-    out = tmp_path / "run"
-    code, text = invoke(app, "train", "--max-steps", "2", "--output-dir", str(out), "--seed", "3")
+    out = tmp_path / "[red]run"  # not rich markup
+    result = runner.invoke(app, ["train", "--max-steps", "2", "--output-dir", str(out), "--seed", "3"],
+                           env={"COLUMNS": "40"})
+    code, text = result.exit_code, result.output
     assert code == 0, text
+    # the lines that name paths are whole on a narrow console (and in a log file: 80 columns)
+    assert f"toy-rl train: method grpo, output {out}" in text.splitlines()
+    assert f"wrote {out}/summary.json; checkpoint {out}/checkpoints/step-00000002/model" in text.splitlines()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["config"]["seed"] == 3
     assert "accuracy" in text  # the before/after table

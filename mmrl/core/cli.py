@@ -51,6 +51,11 @@ err_console = Console(stderr=True)
 console = Console()
 
 USER_ERRORS = (ConfigError, CheckpointError, RewardError, EngineError, FileNotFoundError)
+# A line that names paths: never broken (a console 40 columns wide, or 80 in a log file, broke
+# checkpoints/step-0000000 / 3/model across lines, which a copy or grep then missed); PLAIN also
+# prints a "[" in a path or message as it is, not as rich markup.
+LINE = {"highlight": False, "soft_wrap": True}
+PLAIN = {**LINE, "markup": False}
 
 
 @dataclass
@@ -135,7 +140,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         try:
             return fn()
         except KeyboardInterrupt:  # here: click's own handler would exit 130 without a word
-            err_console.print(interrupted, highlight=False)
+            err_console.print(interrupted, **PLAIN)
             raise typer.Exit(130) from None
         except StoppedBySignal as e:  # a scheduler's SIGTERM / SIGUSR1: the finished steps are saved
             err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
@@ -181,7 +186,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if run is not None:
             if checkpoint is not None:
                 err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
-                                  highlight=False, soft_wrap=True)
+                                  **PLAIN)
             cfg = build_config(config, overrides, backend, verb, run)  # a run of another modality is refused here
         if checkpoint is not None:  # a wrong one named now, not after building the model (minutes for a large one)
             if verb == "train":  # `config --checkpoint`: only its settings are read
@@ -227,14 +232,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 out = output_dir_of(config, overrides, load_backend(spec))
                 go_on = latest_checkpoint(out / "checkpoints") is not None
                 if not go_on:
-                    err_console.print(f"--auto-resume: no complete checkpoint in {out}; starting afresh", highlight=False,
-                                      soft_wrap=True)
+                    err_console.print(f"--auto-resume: no complete checkpoint in {out}; starting afresh", **PLAIN)
             backend, cfg = get_backend(config, overrides, resume=go_on)
             check_output_dir(cfg.output_dir, go_on)  # before the model is built
             check_config(cfg, world_size())  # the config as a whole, before the model too (the Trainer checks it again)
             source = f" ({config})" if config is not None else ""
-            console.print(f"[bold]{spec.command} train[/]: method {cfg.method.type}{source}, output {cfg.output_dir}",
-                          highlight=False)
+            console.print(f"[bold]{spec.command} train[/]: "
+                          + escape(f"method {cfg.method.type}{source}, output {cfg.output_dir}"), **LINE)
             policy, task = backend.build(cfg)
             summary = Trainer(cfg, policy, task, backend=backend).train(resume=go_on)
             from mmrl.core import distributed
@@ -243,12 +247,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
                 if summary.get("steps_without_update"):
                     console.print(f"{summary['steps_without_update']} of {summary['steps']} steps did not update: "
-                                  "their groups were all dropped (method's group filter)")
-                console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}")
+                                  "their groups were all dropped (method's group filter)", **PLAIN)
+                console.print(f"wrote {cfg.output_dir}/summary.json; checkpoint {summary['checkpoint']}", **PLAIN)
                 if summary.get("best"):
                     b = summary["best"]
                     console.print(f"best checkpoint by held-out {b['metric']} ({b['value']:.4g}, step {b['step']}): "
-                                  f"{b['checkpoint']}/model (--checkpoint {cfg.output_dir}/best)")
+                                  f"{b['checkpoint']}/model (--checkpoint {cfg.output_dir}/best)", **PLAIN)
 
         run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
 
@@ -364,7 +368,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
                              read_timeout=read_timeout, rollout=cfg.rollout,
-                             ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", highlight=False))
+                             ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", **PLAIN))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
 
@@ -400,9 +404,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             except OSError as e:  # a full disk, a read-only folder
                 shutil.rmtree(partial, ignore_errors=True)
                 raise CheckpointError(f"export to {out} failed, nothing was written there: {e}") from e
-            console.print(f"wrote {out} (from {source})", highlight=False)
+            console.print(f"wrote {out} (from {source})", **PLAIN)
             if hasattr(policy, "export_usage"):  # what the model's own library would not guess
-                console.print(policy.export_usage(), highlight=False)
+                console.print(policy.export_usage(), **PLAIN)
 
         run_verb(go)
 
