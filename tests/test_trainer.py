@@ -1497,3 +1497,18 @@ def test_summary_is_strict_json_and_says_when_how_long_and_by_what_command(tmp_p
     assert summary["step_seconds"] == pytest.approx(sum(r["time/step"] for r in rows))
     assert summary["starts"] == 1 and summary["command"] == "toy-rl train -o 'run dir'"
     assert summary["started"] <= summary["finished"] and summary["finished"].endswith("Z")
+
+
+def test_train_seconds_of_a_resumed_run_count_its_earlier_starts(tmp_path):
+    """summary.json's train_seconds (report.html's "N s of training", `runs`' "train s") was the
+    last start's alone: a run resumed for its last step reported seconds for hours of training."""
+    make(tmp_path, "train.max_steps=2").train()
+    state_path = tmp_path / "run" / "checkpoints" / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    assert 0 < state["seconds"] < 1000  # saved with the checkpoint
+    state["seconds"] = 1000.0  # as if the first start had trained for 1000 s
+    state_path.write_text(json.dumps(state))
+    resumed = make(tmp_path, "train.max_steps=3")
+    summary = resumed.train(resume=True)
+    assert 1000 < summary["train_seconds"] < 1100
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train_seconds"] == summary["train_seconds"]

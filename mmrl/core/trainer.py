@@ -209,6 +209,9 @@ class Trainer:
         self.warned_empty = False  # "every group was dropped" is warned once; the summary counts them
         self.eval_before: dict[str, float] | None = None
         self.saved_step: int | None = None
+        # wall seconds of training: the earlier starts' up to the checkpoint resumed from (its
+        # "seconds"), and this start's since _since; summary.json's train_seconds
+        self.seconds_before, self._since = 0.0, time.perf_counter()
         self.best = BestCheckpoint(self.out, cfg.train.best_metric, cfg.train.best_mode)
         self._before_rollout: tuple | None = None  # (generator state, stream state) during a rollout
         self._updating = False
@@ -249,6 +252,11 @@ class Trainer:
         if not kept.exists():
             path.replace(kept)
 
+    def seconds(self) -> float:
+        """Wall seconds of training so far: a resumed run's earlier starts count up to the
+        checkpoint it resumed from (a killed start's steps after it were trained again)."""
+        return self.seconds_before + time.perf_counter() - self._since
+
     def _starts(self) -> list[dict]:
         """environment.json's entries (mmrl.core.provenance), for summary.json; [] where unreadable."""
         try:
@@ -283,7 +291,7 @@ class Trainer:
                 self._keep_finished_summary()
             (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             provenance.record(self.out, self.step, self.world)  # the code and libraries of this start
-        started = time.perf_counter()
+        self._since = time.perf_counter()
         wandb = self.cfg.logging.wandb
         logger = RunLogger(
             self.out, total_steps=tc.max_steps, start_step=self.step,
@@ -321,7 +329,7 @@ class Trainer:
             self._ended(f"stopped by {signal.Signals(signalled).name}")
             raise self._stopped(signalled)
         try:
-            return self._finish(logger, started)
+            return self._finish(logger)
         except BaseException as e:  # the final evaluation failed, or Ctrl-C: the W&B run says so
             if logger is not None:
                 logger.finish(None, failed=True)
@@ -369,7 +377,7 @@ class Trainer:
         return StoppedBySignal(f"stopped by {name} after step {self.step} of {tc.max_steps}; checkpoint {where} "
                                f"holds it: `--resume` goes on from there", signum, self.step, where)
 
-    def _finish(self, logger: RunLogger | None, started: float) -> dict[str, Any]:
+    def _finish(self, logger: RunLogger | None) -> dict[str, Any]:
         """After the last step: the final evaluation, the best checkpoint, summary.json."""
         eval_after = self._evaluate_noted(logger, "after training", samples_tag="after")
         if self._improves(eval_after):  # the final step, saved above
@@ -382,7 +390,7 @@ class Trainer:
             warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
                           f"{checksums}); summary.json records them", stacklevel=3)
         self._ended("finished")  # before summary.json and report.html, which shows it
-        summary = self.write_summary(eval_after, time.perf_counter() - started, checksums)
+        summary = self.write_summary(eval_after, self.seconds(), checksums)
         logger.finish(summary)
         return summary
 
@@ -761,6 +769,7 @@ class Trainer:
             "step": self.step,
             "bad_steps": self.bad_steps,
             "eval_before": self.eval_before,
+            "seconds": self.seconds(),
             "optimizer": opt_meta,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": rng_meta,
@@ -843,6 +852,7 @@ class Trainer:
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.eval_before = state["eval_before"]
+        self.seconds_before = float(state.get("seconds", 0.0))  # none in a checkpoint before 2026-12-07
         self.saved_step = self.step
 
     def _apply_optim_config(self) -> None:
@@ -891,7 +901,7 @@ class Trainer:
             "steps_without_update": sum(1 for r in rows if r.get("train/skipped")),
             "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
             "final_metrics": rows[-1] if rows else {},
-            "train_seconds": seconds,  # this start's, evaluations and saves included
+            "train_seconds": seconds,  # over every start (self.seconds), evaluations and saves included
             # every step's own time (time/step), over all the starts of a resumed run
             "step_seconds": sum(r["time/step"] for r in rows if isinstance(r.get("time/step"), int | float)),
             "started": starts[0].get("started") if starts else None,  # the run's first start (UTC)
