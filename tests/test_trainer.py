@@ -1485,7 +1485,7 @@ def test_summary_is_strict_json_and_says_when_how_long_and_by_what_command(tmp_p
     """A held-out metric without data is NaN: summary.json held a bare NaN, which is not JSON
     (jq, JavaScript and strict parsers refuse the whole file), where `eval` prints null. It also
     says when the run started and finished, its starts, its steps' own time and the command."""
-    monkeypatch.setattr(sys, "argv", ["toy-rl", "train", "-o", "run dir"])
+    monkeypatch.setattr(sys, "argv", ["/src/dllm_rl/__main__.py", "train", "-o", "run dir"])  # python -m dllm_rl
     trainer = make(tmp_path, "train.max_steps=2")
     evaluate = trainer.task.evaluate
     monkeypatch.setattr(trainer.task, "evaluate", lambda policy: {**evaluate(policy), "empty": float("nan")})
@@ -1495,7 +1495,7 @@ def test_summary_is_strict_json_and_says_when_how_long_and_by_what_command(tmp_p
     assert summary["eval_before"]["empty"] is None and summary["eval_after"]["empty"] is None
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert summary["step_seconds"] == pytest.approx(sum(r["time/step"] for r in rows))
-    assert summary["starts"] == 1 and summary["command"] == "toy-rl train -o 'run dir'"
+    assert summary["starts"] == 1 and summary["command"] == "python -m dllm_rl train -o 'run dir'"
     assert summary["started"] <= summary["finished"] and summary["finished"].endswith("Z")
 
 

@@ -907,7 +907,7 @@ class Trainer:
             "started": starts[0].get("started") if starts else None,  # the run's first start (UTC)
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "starts": len(starts),  # 1, plus each --resume (environment.json has each one's command and versions)
-            "command": shlex.join(starts[-1].get("command") or []) if starts else None,  # the start that finished it
+            "command": _command_line(starts[-1].get("command")) if starts else None,  # the start that finished it
             "processes": self.world,
             "weights_checksums": checksums,
             "best": self.best.record,
@@ -922,6 +922,17 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
             warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary
+
+
+def _command_line(argv: Any) -> str | None:
+    """environment.json's command as one line to paste into a shell; `python -m dllm_rl` ran
+    it where argv[0] is the package's __main__.py (a path that runs nothing as typed)."""
+    if not isinstance(argv, list) or not argv:
+        return None
+    argv = [str(a) for a in argv]
+    first = Path(argv[0])
+    head = ["python", "-m", first.parent.name] if first.name == "__main__.py" else [argv[0]]
+    return shlex.join(head + argv[1:])
 
 
 def _finite_or_null(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
