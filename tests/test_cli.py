@@ -507,3 +507,15 @@ def test_settings_train_refuses_are_named_by_config_and_by_train_before_the_mode
     code, text = invoke(app, "train", *bad, "--output-dir", str(tmp_path / "run"))
     assert code == 2 and "placement=inline cannot pipeline" in text and "Traceback" not in text
     assert runner.invoke(app, ["config"]).stderr == ""  # a config train takes: nothing said
+
+
+def test_the_evaluation_table_is_whole_on_a_narrow_console(monkeypatch, capsys):
+    """Rich cut a long metric name to "consist…" at the console's width, and below ~25
+    columns dropped the name column altogether: which metric was it?"""
+    from mmrl.core.cli import print_eval
+
+    monkeypatch.setenv("COLUMNS", "20")
+    print_eval({"consistency_checked": 1.0, "pass@4": 0.5}, {"consistency_checked": 0.75, "pass@4": None}, 3)
+    lines = capsys.readouterr().out.splitlines()
+    assert any("consistency_checked" in line and "1.0000" in line and "0.7500" in line for line in lines)
+    assert any("pass@4" in line and "0.5000" in line and line.rstrip(" │").endswith("-") for line in lines)

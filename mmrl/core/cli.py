@@ -27,6 +27,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from mmrl.core import plugins
@@ -588,7 +589,10 @@ def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> Non
     table.add_column("after", justify="right")
     for k in sorted(set(before) | set(after)):
         table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
-    console.print(table)
+    # whole however narrow the console (COLUMNS=40, a log file's 80): rich cut a long name to
+    # "consist…" and dropped the metric column altogether below ~25 columns; a terminal wraps it
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    Console(width=max(console.width, needed)).print(table)  # console.print(width=) is capped at its width
 
 
 def _fmt(v: Any) -> str:
