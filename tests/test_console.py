@@ -97,3 +97,19 @@ def test_a_non_ascii_path_on_an_ascii_console_is_escaped_not_a_traceback(tmp_pat
                           "PYTHONIOENCODING": "ascii"}, capture_output=True, check=False, timeout=60)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert proc.stdout.decode("ascii").splitlines() == ["output runs/r\\xfcn\\xe9", "prompt \\xbfqu\\xe9?"]
+
+
+def test_the_reward_curve_marks_whole_steps(tmp_path, monkeypatch):
+    """A short run's reward_curve.png had ticks at steps 1.5, 2.5, ... that no step has."""
+    import matplotlib.figure
+
+    from mmrl.core.logging import plot_reward_curve
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "reward/total": s / 10}) + "\n" for s in (1, 2, 3)))
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), savefig(fig, *a, **k)))
+    plot_reward_curve(metrics, tmp_path / "curve.png")
+    ticks = [t for t in drawn[0].axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks == [1, 2, 3] and (tmp_path / "curve.png").stat().st_size > 0

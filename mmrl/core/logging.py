@@ -317,6 +317,7 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in read_metrics(metrics_path) if "reward/total" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
@@ -327,6 +328,7 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
         ax.plot(steps, running_mean(rewards), label=f"running mean ({max(1, len(rows) // 10)})")
     for label, (step, value) in (eval_points or {}).items():
         ax.scatter([step], [value], marker="o", zorder=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 1.5 or 2.5 on a short run's axis
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
