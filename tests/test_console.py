@@ -113,3 +113,25 @@ def test_the_reward_curve_marks_whole_steps(tmp_path, monkeypatch):
     plot_reward_curve(metrics, tmp_path / "curve.png")
     ticks = [t for t in drawn[0].axes[0].get_xticks() if 1 <= t <= 3]
     assert ticks == [1, 2, 3] and (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_a_stop_signal_with_the_console_reader_gone_still_stops_after_the_step():
+    """SIGTERM to `train 2>&1 | head` whose reader had gone: the handler's line to stderr raised
+    BrokenPipeError in the middle of the step, which then stopped the run as an error (exit 1,
+    environment.json "error: BrokenPipeError") instead of saving it and exiting 143."""
+    import signal
+
+    from mmrl.core.stop import SignalStop
+
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        os.dup2(write, 2)  # stderr: a pipe nobody reads any more
+        with SignalStop() as stop:
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+    assert stop.received == signal.SIGTERM

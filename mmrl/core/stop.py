@@ -86,8 +86,11 @@ class SignalStop:
             return
         self.received, self._received_at = signum, now
         if distributed.is_main():  # os.write: print() may be in the middle of a line in this very thread
-            os.write(2, f"\n{signal.Signals(signum).name}: the run stops after the step it is in and saves it "
-                        f"(send it again, {REPEAT_WINDOW_S:g} s or more from now, to stop at once)\n".encode())
+            try:
+                os.write(2, f"\n{signal.Signals(signum).name}: the run stops after the step it is in and saves it "
+                            f"(send it again, {REPEAT_WINDOW_S:g} s or more from now, to stop at once)\n".encode())
+            except OSError:  # stderr's reader is gone (`2>&1 | head`): raised here, it ended the step as an error
+                pass
 
     def requested(self) -> int | None:
         """The signal any rank received (the lowest rank's that did), else None; a collective."""
