@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from mmrl.core.cli import USER_ERRORS, BackendSpec, console, fail, make_app, run
+from mmrl.core.cli import PLAIN, USER_ERRORS, BackendSpec, console, fail, make_app, run
 
 SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend",
                    scored_prompts="Held-out prompts, and --prompt prompts in shapes-geneval's "
@@ -43,7 +43,7 @@ def calibrate_window(
     print(json.dumps(cal.to_dict()))
     console.print(summary_line(cal), highlight=False)
     for path in paths:
-        console.print(f"wrote {path}", highlight=False)
+        console.print(f"wrote {path}", **PLAIN)  # a path: never broken across lines, "[" as it is
 
 
 def main() -> None:
