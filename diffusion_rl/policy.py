@@ -207,8 +207,31 @@ class DiffusionPolicy:
         pipeline's own defaults are its full-size model's (FluxPipeline draws the bundled tiny
         model's images at 512 x 512 px, eight times the side it was trained at)."""
         f, steps = self.flow, self.rollout.eval_steps or self.rollout.num_steps
-        return (f"this run samples {f.height}x{f.width} px in {steps} steps: call the pipeline with "
+        text = (f"this run samples {f.height}x{f.width} px in {steps} steps: call the pipeline with "
                 f"height={f.height}, width={f.width}, num_inference_steps={steps}")
+        if f.pixel_space:  # FluxPipeline needs a VAE; our pixel-space layout is not a diffusers one
+            return (text.split(":")[0] + "; diffusers cannot sample this pixel-space model (FluxPipeline needs "
+                    "a vae): load it with diffusion_rl.models.load_flow_model")
+        # the text length: each pipeline pads to its own default (FLUX 512 T5 tokens), which a model
+        # whose tokenizer reads fewer (the tiny ones) does not pad to
+        default_length = {"flux": 512, "flux2": 512, "sd3": 256}.get(f.family)
+        if default_length is not None and f.max_sequence_length != default_length:
+            text += f", max_sequence_length={f.max_sequence_length}"
+        # the guidance: SD3's guidance_scale is CFG at 7.0 by default; FLUX and Qwen-Image take
+        # true_cfg_scale with a negative prompt (the run's unconditional prompt is the empty one)
+        s = f.guidance_scale
+        if f.family == "sd3":
+            text += f", guidance_scale={s:g}"
+            if self.rollout.shift in ("auto", "sd3"):
+                # SD3Pipeline's own schedule runs from linspace(1, 1/1000): give it ours, unshifted
+                # (its scheduler applies the same shift 3), as FluxPipeline does by itself
+                text += f", sigmas=[{', '.join(f'{1 - i / steps:.4g}' for i in range(steps))}]"
+        elif s > 1 and f.family in ("flux", "qwen_image"):
+            text += f', true_cfg_scale={s:g}, negative_prompt=""'
+        elif s > 1:  # flux2: Flux2Pipeline's guidance_scale is the embedded one alone
+            text += (f" (Flux2Pipeline has no classifier-free guidance: its images are not this run's, which "
+                     f"used model.guidance_scale={s:g})")
+        return text
 
     def save_pretrained(self, path: str | Path) -> None:
         """The whole pipeline directory (from_pretrained loads it as is); under LoRA the adapter

@@ -1046,3 +1046,46 @@ def test_a_lora_model_given_an_empty_directory_is_told_it_holds_neither(loaded, 
     model.add_lora(r=2, alpha=2)
     with pytest.raises(ConfigError, match="holds neither a transformer .* nor a LoRA adapter"):
         model.load_transformer_weights(tmp_path)
+
+
+# --------------------------------------------------------------------------- a user's own pipeline
+
+
+def _printed_kwargs(text: str) -> dict:
+    """The keyword arguments an export's usage line names ("... call the pipeline with a=1, b=\"\"")."""
+    import ast
+    import re
+
+    args = text.split("call the pipeline with ", 1)[1]
+    return {k: ast.literal_eval(v) for k, v in re.findall(r'(\w+)=("[^"]*"|\[[^]]*\]|[^,\s]+)', args)}
+
+
+@pytest.mark.parametrize("family, guidance_scale", [("sd3", 1.0), ("flux", 3.0)])
+def test_an_exports_printed_arguments_make_its_pipeline_sample_as_the_run_did(built, loaded, family, guidance_scale):
+    """The run's image, not the pipeline's defaults: SD3's guidance_scale is CFG at 7.0 and FLUX
+    takes CFG as true_cfg_scale with a negative prompt, and the tiny models read 32 text tokens
+    where the pipelines pad to 512 (FLUX) or 256 (SD3). The usage line said height, width and
+    steps alone, so the export sampled another image than the run's. (SD3Pipeline also gets the
+    run's sigmas: its own schedule runs from linspace(1, 1/1000) where FluxPipeline's is ours.)"""
+    import diffusers
+
+    from diffusion_rl.policy import DiffusionPolicy
+
+    model = _fresh(loaded(family), guidance_scale=guidance_scale)
+    policy = DiffusionPolicy(model, SimpleNamespace(eval_steps=None, num_steps=3, shift="auto"))
+    kwargs = _printed_kwargs(policy.export_usage())
+    assert kwargs["max_sequence_length"] == 32
+    pipe = diffusers.DiffusionPipeline.from_pretrained(built[family], local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt=PROMPTS[:1], generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs).images
+    ours = pil_to_tensor(policy.sample_images(PROMPTS[:1], [0], 3)) / 2 + 0.5  # the run's ODE sample, seed 0
+    torch.testing.assert_close(ours, ref, atol=1 / 255 + 1e-3, rtol=0)  # PNG's rounding, 4-digit sigmas
+
+
+def test_a_pixel_space_exports_usage_says_diffusers_cannot_sample_it(loaded):
+    """FluxPipeline refuses a directory without a vae: the usage line said to call it all the same."""
+    from diffusion_rl.policy import DiffusionPolicy
+
+    usage = DiffusionPolicy(loaded("flux_pixel"), SimpleNamespace(eval_steps=None, num_steps=3, shift="auto")).export_usage()
+    assert usage == ("this run samples 64x64 px in 3 steps; diffusers cannot sample this pixel-space model "
+                     "(FluxPipeline needs a vae): load it with diffusion_rl.models.load_flow_model")
