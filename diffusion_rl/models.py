@@ -1122,6 +1122,8 @@ def load_flow_model(
                 f"{class_name} directory {str(root)!r} is incomplete: the {name}/ folder is missing"
             )
         components[name] = _load_component(root, name, entry, dtype)
+        if name == "scheduler":  # before the transformer and text encoders (minutes, for a real model)
+            _check_flow_matching(root, components[name])
     components.setdefault("vae", None)
 
     if height is None or width is None:
@@ -1136,6 +1138,23 @@ def load_flow_model(
         distilled_guidance=distilled_guidance,
         pixel_space=pixel,
         device=device,
+    )
+
+
+def _check_flow_matching(root: Path, scheduler) -> None:
+    """Refuse a scheduler that is not flow matching (DDIM, DDPM, an epsilon-prediction DPM-Solver):
+    the sampler never calls it, so its model would be sampled and trained as a velocity predictor
+    it is not, without a word."""
+    config = getattr(scheduler, "config", {}) or {}
+    name = type(scheduler).__name__
+    if (name.startswith("FlowMatch") or config.get("prediction_type") == "flow_prediction"
+            or config.get("use_flow_sigmas")):
+        return
+    raise ConfigError(
+        f"{root / 'scheduler'}: {name} is not a flow-matching scheduler; these models are sampled as "
+        "flow matching (x_sigma = (1 - sigma) x0 + sigma eps, the transformer predicting eps - x0), "
+        "which a model trained for this scheduler is not. If the transformer is a flow-matching one, "
+        "save the pipeline with its FlowMatchEulerDiscreteScheduler"
     )
 
 

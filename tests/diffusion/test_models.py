@@ -1089,3 +1089,29 @@ def test_a_pixel_space_exports_usage_says_diffusers_cannot_sample_it(loaded):
     usage = DiffusionPolicy(loaded("flux_pixel"), SimpleNamespace(eval_steps=None, num_steps=3, shift="auto")).export_usage()
     assert usage == ("this run samples 64x64 px in 3 steps; diffusers cannot sample this pixel-space model "
                      "(FluxPipeline needs a vae): load it with diffusion_rl.models.load_flow_model")
+
+
+def _with_scheduler(built, tmp_path, scheduler):
+    """A copy of the tiny FLUX with `scheduler` saved in place of its own."""
+    root = tmp_path / "model"
+    shutil.copytree(built["flux"], root)
+    shutil.rmtree(root / "scheduler")
+    scheduler.save_pretrained(root / "scheduler")
+    index = json.loads((root / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", type(scheduler).__name__]
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_a_scheduler_that_is_not_flow_matching_is_refused_by_name(built, tmp_path):
+    """The sampler never calls the pipeline's scheduler: a DDIM pipeline was sampled and trained as
+    a velocity predictor without a word. A flow-matching multistep solver (UniPC with flow sigmas,
+    as Wan and SANA ship) is one."""
+    from diffusers import DDIMScheduler, UniPCMultistepScheduler
+
+    with pytest.raises(ConfigError, match=r"model/scheduler: DDIMScheduler is not a flow-matching scheduler; .* "
+                                          "save the pipeline with its FlowMatchEulerDiscreteScheduler"):
+        load_flow_model(_with_scheduler(built, tmp_path, DDIMScheduler()))
+    shutil.rmtree(tmp_path / "model")
+    flow = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True)
+    assert load_flow_model(_with_scheduler(built, tmp_path, flow)).family == "flux"
