@@ -397,7 +397,8 @@ class FlowModel:
         """PEFT LoRA adapters on the transformer (diffusers' `add_adapter`); afterwards only the
         adapters are trainable. B starts at zero, so the model is unchanged until trained; A is
         drawn from `seed` (the run's). target_modules: module-name suffixes, default
-        DEFAULT_LORA_TARGETS."""
+        DEFAULT_LORA_TARGETS (FLUX.2 adds attn.to_qkv_mlp_proj where they name to_q, to_k or
+        to_v: its single-stream blocks' fused projection, with a warning)."""
         from peft import LoraConfig
 
         if self.has_lora:
@@ -406,7 +407,7 @@ class FlowModel:
             r=r,
             lora_alpha=alpha,
             lora_dropout=dropout,
-            target_modules=list(target_modules or DEFAULT_LORA_TARGETS),
+            target_modules=self._lora_targets(list(target_modules or DEFAULT_LORA_TARGETS)),
             init_lora_weights=True,
         )
         try:
@@ -416,6 +417,11 @@ class FlowModel:
             raise ConfigError(f"LoRA target_modules {config.target_modules}: {e}") from e
         for name, param in self.transformer.named_parameters():
             param.requires_grad_(".lora_" in name)
+
+    def _lora_targets(self, targets: list[str]) -> list[str]:
+        """The module-name suffixes PEFT gets for `targets` (a family whose layers other names
+        fuse extends them)."""
+        return targets
 
     @contextlib.contextmanager
     def disable_adapter(self):
@@ -903,6 +909,20 @@ class Flux2FlowModel(FlowModel):
     @property
     def token_unit(self) -> int:
         return 2 * self._vae_scale()
+
+    def _lora_targets(self, targets):
+        # FLUX.2's single-stream blocks (48 of FLUX.2-dev's 56) have no to_q / to_k / to_v: they
+        # fuse q, k, v and the MLP's input into attn.to_qkv_mlp_proj, so those names left every
+        # one of them without an adapter. FLUX.1's single blocks have to_q / to_k / to_v.
+        fused = "to_qkv_mlp_proj"
+        if fused in targets or not {"to_q", "to_k", "to_v"} & set(targets):
+            return targets
+        blocks = len(self.transformer.single_transformer_blocks)
+        warnings.warn(f"LoRA target_modules {targets}: FLUX.2's {blocks} single-stream block(s) fuse q, k, v "
+                      f"(and the MLP's input) into attn.{fused}, which gets adapters too; name the "
+                      "double-stream layers alone (attn.to_q, ...) to leave those blocks without",
+                      stacklevel=3)
+        return [*targets, fused]
 
     def _encode(self, prompts):
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input

@@ -1115,3 +1115,27 @@ def test_a_scheduler_that_is_not_flow_matching_is_refused_by_name(built, tmp_pat
     shutil.rmtree(tmp_path / "model")
     flow = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True)
     assert load_flow_model(_with_scheduler(built, tmp_path, flow)).family == "flux"
+
+
+def test_flux2_lora_on_q_k_v_reaches_the_single_stream_blocks_fused_projection(loaded, tmp_path):
+    """FLUX.2's single-stream blocks have no to_q / to_k / to_v (one fused attn.to_qkv_mlp_proj):
+    the CLI's default targets left every one of them (48 of FLUX.2-dev's 56 blocks) without an
+    adapter, without a word. Now the fused projection gets one too, said in a warning; the saved
+    adapter reloads into a model built the same way; naming attn.to_q keeps them off."""
+    def blocks_with_adapters(model):
+        return {n.split(".attn.")[0] for n, p in model.transformer.named_parameters() if p.requires_grad}
+
+    model = _fresh(loaded("flux2"), copy_transformer=True)
+    with pytest.warns(UserWarning, match=r"FLUX.2's 1 single-stream block\(s\) fuse q, k, v .* attn.to_qkv_mlp_proj"):
+        model.add_lora(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    assert blocks_with_adapters(model) == {"transformer_blocks.0", "single_transformer_blocks.0"}
+    model.save_transformer_weights(tmp_path / "adapter")
+    again = _fresh(loaded("flux2"), copy_transformer=True)
+    with pytest.warns(UserWarning, match="fuse q, k, v"):  # resuming: the run's model.lora, then its adapter
+        again.add_lora(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    again.load_transformer_weights(tmp_path / "adapter")
+    alone = _fresh(loaded("flux2"), copy_transformer=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alone.add_lora(r=4, target_modules=["attn.to_q", "attn.to_k"])
+    assert blocks_with_adapters(alone) == {"transformer_blocks.0"}
