@@ -160,6 +160,10 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
     from diffusion_rl.models import FAMILY_SHIFT, pipeline_family
 
     path = model_dir(cfg)
+    if path.is_file():  # a downloaded checkpoint file: say how to make the directory, not just "not one"
+        from diffusion_rl.models import single_file_message
+
+        raise ConfigError(f"model.path: {single_file_message(path)}")
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory"
                           f"{not_installed_note(cfg.model.path or path) or ' (a diffusers pipeline directory is expected)'}")

@@ -1066,6 +1066,8 @@ def load_flow_model(
     pipeline class) are ConfigError (a ValueError) with a message that names the problem.
     """
     root = Path(path)
+    if root.is_file():
+        raise ConfigError(single_file_message(root))
     if not root.is_dir():
         raise ConfigError(f"model path {str(root)!r} is not a directory")
     index_path = root / "model_index.json"
@@ -1159,6 +1161,17 @@ def load_flow_model(
         pixel_space=pixel,
         device=device,
     )
+
+
+def single_file_message(file: Path) -> str:
+    """Why a single file (a checkpoint as the hubs and UIs hand them out) is not a model path,
+    and how to make the pipeline directory that is."""
+    return (f"{file} is a single file; a diffusers pipeline directory is expected (model_index.json and "
+            "a folder per component: transformer, vae, text encoders, tokenizers, scheduler). A single-file "
+            "checkpoint becomes one through diffusers: load the base pipeline with this transformer, e.g. "
+            "FluxPipeline.from_pretrained(BASE, transformer=FluxTransformer2DModel.from_single_file(FILE)) "
+            "(or the pipeline's own from_single_file where the file holds every component), then "
+            "save_pretrained(DIR) and set model.path to DIR")
 
 
 def _check_flow_matching(root: Path, scheduler) -> None:

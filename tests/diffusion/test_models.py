@@ -1139,3 +1139,20 @@ def test_flux2_lora_on_q_k_v_reaches_the_single_stream_blocks_fused_projection(l
         warnings.simplefilter("error")
         alone.add_lora(r=4, target_modules=["attn.to_q", "attn.to_k"])
     assert blocks_with_adapters(alone) == {"transformer_blocks.0"}
+
+
+def test_a_single_safetensors_file_as_model_path_says_how_to_make_a_pipeline_directory(built, tmp_path):
+    """Checkpoints are often downloaded as one .safetensors file: 'is not a directory' gave no way on."""
+    from diffusion_rl import backend
+    from mmrl.core.config import load_config
+
+    file = tmp_path / "flux1-dev.safetensors"
+    shutil.copyfile(built["flux"] / "transformer" / "diffusion_pytorch_model.safetensors", file)
+    said = (r"flux1-dev.safetensors is a single file; a diffusers pipeline directory is expected \(model_index.json "
+            r"and a folder per component: .*from_single_file\(FILE\)\).* then save_pretrained\(DIR\) and set "
+            "model.path to DIR")
+    with pytest.raises(ConfigError, match=said):
+        load_flow_model(file)
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"model.path={file}"])
+    with pytest.raises(ConfigError, match="^model.path: .*" + said):
+        backend.build(cfg)
