@@ -66,7 +66,7 @@ Image size: `height` / `width` when given; else a `sample_size` found in the dir
 (pixel_space.json in pixels, one side or [height, width]: save_pretrained writes the latter for a
 non-square model; SD3's transformer config in latent units x the VAE factor; the
 VAE config in pixels, which real FLUX.1 / FLUX.2 / SD3 VAEs carry = 1024); else 64, the tiny
-models' size. Qwen-Image's VAE has no sample_size: give its height / width explicitly.
+models' size, with a warning. Qwen-Image's VAE has no sample_size: give its height / width explicitly.
 
 Training: `transformer` is the only module with gradients (full fine-tuning), or only its
 LoRA adapters after `add_lora`; text encoders and VAE are frozen and in eval mode; the
@@ -1149,7 +1149,14 @@ def load_flow_model(
     components.setdefault("vae", None)
 
     if height is None or width is None:
-        h, w = _default_size(family, components, pixel)
+        found = _default_size(family, components, pixel)
+        if found is None:  # say it: a real model (Qwen-Image's VAE carries no size) would draw 64 px thumbnails
+            found = (64, 64)
+            unset = " and ".join(k for k, v in (("height", height), ("width", width)) if v is None)
+            warnings.warn(f"{root} names no image size (no sample_size in its vae or transformer config): "
+                          f"{unset} default{'' if ' and ' in unset else 's'} to 64 px, the tiny models' size; set model.height and model.width "
+                          f"({class_name} draws a full-size model at 1024 x 1024 by default)", stacklevel=2)
+        h, w = found
         height, width = h if height is None else height, w if width is None else width  # 0 stays 0: refused
     cls = _MODEL_CLASSES[family]
     return cls(
@@ -1201,8 +1208,9 @@ def _sides(size) -> tuple[int, int] | None:
     return None
 
 
-def _default_size(family: str, components: dict, pixel: dict | None) -> tuple[int, int]:
-    """(height, width) of a model loaded without either (module docstring, "Image size")."""
+def _default_size(family: str, components: dict, pixel: dict | None) -> tuple[int, int] | None:
+    """(height, width) of a model loaded without either (module docstring, "Image size"); None
+    where the directory names none."""
     if pixel is not None and pixel.get("sample_size"):
         return _sides(pixel["sample_size"])  # checked when the spec was read
     vae = components.get("vae")
@@ -1213,7 +1221,7 @@ def _default_size(family: str, components: dict, pixel: dict | None) -> tuple[in
     if vae is not None and vae.config.get("sample_size"):
         side = int(vae.config["sample_size"])
         return side, side
-    return 64, 64
+    return None
 
 
 def build_tiny(family: str, out_dir: str | os.PathLike, **kwargs) -> Path:

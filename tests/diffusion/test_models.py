@@ -1156,3 +1156,18 @@ def test_a_single_safetensors_file_as_model_path_says_how_to_make_a_pipeline_dir
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[f"model.path={file}"])
     with pytest.raises(ConfigError, match="^model.path: .*" + said):
         backend.build(cfg)
+
+
+def test_a_directory_that_names_no_image_size_is_drawn_at_64_px_with_a_warning(built):
+    """Qwen-Image's VAE carries no sample_size: a real Qwen-Image loaded without model.height /
+    model.width was drawn at 64 x 64 px without a word. Sizes given, or found, say nothing."""
+    with pytest.warns(UserWarning, match=r"qwen_image names no image size .*: height and width default to 64 px, "
+                                         r"the tiny models' size; set model.height and model.width \(QwenImagePipeline"):
+        model = load_flow_model(built["qwen_image"])
+    assert (model.height, model.width) == (64, 64)
+    with pytest.warns(UserWarning, match=r": width defaults to 64 px"):
+        assert load_flow_model(built["qwen_image"], height=32).width == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_flow_model(built["qwen_image"], height=32, width=48)
+        assert load_flow_model(built["sd3"]).height == 64  # SD3's transformer sample_size x the VAE's factor
