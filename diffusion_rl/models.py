@@ -250,6 +250,7 @@ class FlowModel:
             )
         self.grid = (self.height // unit, self.width // unit)  # image-token grid
         self.seq_len = self.grid[0] * self.grid[1]
+        self._check_grid()
 
     def _warn_cut(self, tokenizer, texts: list[str], max_length: int, what: str) -> None:
         """Say once per model where a prompt is longer than an encoder reads (it is cut there,
@@ -274,6 +275,9 @@ class FlowModel:
     def token_unit(self) -> int:
         """Pixels per image token along each side."""
         raise NotImplementedError
+
+    def _check_grid(self) -> None:
+        """Refuse (ImageSizeError) a token grid the transformer cannot take."""
 
     def _encode(self, prompts: list[str]) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -732,6 +736,17 @@ class SD3FlowModel(FlowModel):
     @property
     def token_unit(self) -> int:
         return self.patch * self._vae_scale()
+
+    def _check_grid(self) -> None:
+        # SD3's learned position embedding is cropped from a pos_embed_max_size square: a larger
+        # grid failed at the first forward, a diffusers traceback after the whole load
+        most = self.transformer.config.get("pos_embed_max_size")
+        if most is not None and max(self.grid) > most:
+            side = most * self.token_unit
+            raise ImageSizeError(
+                f"height x width = {self.height} x {self.width} exceeds this sd3 model's largest side, {side} px "
+                f"(its transformer's pos_embed_max_size {most} x {self.token_unit} px per token)"
+            )
 
     @property
     def channels(self) -> int:

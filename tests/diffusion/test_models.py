@@ -1171,3 +1171,14 @@ def test_a_directory_that_names_no_image_size_is_drawn_at_64_px_with_a_warning(b
         warnings.simplefilter("error")
         load_flow_model(built["qwen_image"], height=32, width=48)
         assert load_flow_model(built["sd3"]).height == 64  # SD3's transformer sample_size x the VAE's factor
+
+
+def test_an_sd3_size_past_its_position_embedding_is_refused_as_an_image_size(loaded):
+    """SD3 crops its position embedding from a pos_embed_max_size square (16 tokens of 8 px for
+    the tiny one): a larger side was a diffusers ValueError traceback at the first forward."""
+    sd3 = loaded("sd3")
+    with pytest.raises(ImageSizeError, match=r"height x width = 136 x 64 exceeds this sd3 model's largest side, "
+                                             r"128 px \(its transformer's pos_embed_max_size 16 x 8 px per token\)"):
+        _fresh(sd3, height=136, width=64)
+    model = _fresh(sd3, height=64, width=128)  # the largest side: drawn
+    assert model.velocity(model.noise(1), 0.5, model.encode_prompt("a red circle")).shape == (1, 128, 16)
