@@ -1039,6 +1039,8 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
         kwargs["output_loading_info"] = True
         kwargs["use_safetensors"] = True  # never unpickle: a .bin-only component is refused
         refuse_pickled_weights(root / name, f"component {name!r}")
+        if library == "diffusers":
+            _check_saved_class(root, name, class_name)
     try:
         loaded = cls.from_pretrained(str(root), **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -1058,6 +1060,21 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
             raise ConfigError(f"component {name!r} ({class_name}) in {root / name} does not fit its config.json: "
                               f"{len(keys)} weight(s) {what} ({', '.join(keys[:3])}{more})")
     return comp
+
+
+def _check_saved_class(root: Path, name: str, class_name: str) -> None:
+    """Refuse a model_index.json entry whose diffusers class is not the one its folder's
+    config.json was saved from (_class_name): loading would build the named class and report the
+    weights as not fitting it, hiding that the index names the wrong class. (transformers'
+    `architectures` is not held to this: an encoder loads from a checkpoint saved as a bigger model.)"""
+    try:
+        saved = json.loads((root / name / "config.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return  # loading says what is wrong with it
+    if isinstance(saved, str) and saved != class_name:
+        raise ConfigError(f"model_index.json names {class_name} for component {name!r}, but "
+                          f"{root / name / 'config.json'} was saved from {saved}: if that is the model, list "
+                          f'"{name}": ["diffusers", "{saved}"] in model_index.json')
 
 
 def load_flow_model(

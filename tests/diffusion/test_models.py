@@ -1182,3 +1182,18 @@ def test_an_sd3_size_past_its_position_embedding_is_refused_as_an_image_size(loa
         _fresh(sd3, height=136, width=64)
     model = _fresh(sd3, height=64, width=128)  # the largest side: drawn
     assert model.velocity(model.noise(1), 0.5, model.encode_prompt("a red circle")).shape == (1, 128, 16)
+
+
+@pytest.mark.parametrize("name, wrong", [("transformer", "SD3Transformer2DModel"), ("vae", "AutoencoderTiny")])
+def test_an_index_naming_another_diffusers_class_than_the_folder_was_saved_from_says_so(built, tmp_path, name, wrong):
+    """The index's class was built and its weights reported as not fitting it (shapes, or 134
+    weights missing): the user looked for a damaged checkpoint where one word was wrong."""
+    root = tmp_path / "model"
+    shutil.copytree(built["flux"], root)
+    index = json.loads((root / "model_index.json").read_text())
+    right, index[name] = index[name][1], ["diffusers", wrong]
+    (root / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=rf"model_index.json names {wrong} for component '{name}', but .*model/{name}/"
+                                          rf'config.json was saved from {right}: if that is the model, list "{name}": '
+                                          rf'\["diffusers", "{right}"\] in model_index.json'):
+        load_flow_model(root)
