@@ -63,6 +63,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     if family in SUPPORTED:
         cls = getattr(transformers, SUPPORTED[family])
     else:
+        _check_best_effort(config, path)  # before the weights: a model the policy cannot feed fails now
         warnings.warn(
             f"model family {family!r} is not one mmrl tests (supported: {', '.join(SUPPORTED)}); "
             "trying AutoModelForImageTextToText",
@@ -93,6 +94,31 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     if mcfg.freeze_vision:
         vision_tower(model).requires_grad_(False)
     return model, processor
+
+
+def _check_best_effort(config, path) -> None:
+    """A ConfigError for a family outside SUPPORTED that cannot work: a text-only model
+    (AutoModelForImageTextToText has no class for it), or one whose forward does not take the
+    Qwen-VL image inputs the policy feeds it (image_grid_thw: LLaVA, Idefics, ...). Either
+    loaded, then failed at the first generate with a traceback. Remote-code classes are let
+    through: their forward is not known before their code runs."""
+    import inspect
+
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    family = getattr(config, "model_type", "?")
+    supported = ", ".join(SUPPORTED)
+    if "AutoModelForImageTextToText" in (getattr(config, "auto_map", None) or {}):
+        return
+    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        raise ConfigError(f"model.path: {path} holds a {family!r} model, not a vision-language one "
+                          f"(transformers' AutoModelForImageTextToText has no class for it); mmrl's VLM "
+                          f"backend trains vision-language checkpoints (supported families: {supported})")
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    if "image_grid_thw" not in inspect.signature(cls.forward).parameters:
+        raise ConfigError(f"model.path: {path} holds a {family!r} model ({cls.__name__}), which does not take "
+                          "the Qwen-VL image inputs (image_grid_thw) that mmrl's VLM policy feeds it; "
+                          f"supported families: {supported}")
 
 
 def _check_processor(processor, path) -> None:
