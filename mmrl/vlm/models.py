@@ -86,6 +86,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json (tensor shapes "
                           f"differ; the load report above lists them): {e}") from e
     _check_processor(processor, path)
+    _fill_pad_token(processor.tokenizer, path)
     if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
                           f"{missing_weights(info['missing_keys'])}")
@@ -134,6 +135,23 @@ def _check_processor(processor, path) -> None:
     if not (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)):
         raise ConfigError(f"model.path: {path} has no chat template (chat_template.json or the tokenizer's "
                           "chat_template), which writes the prompts")
+
+
+def _fill_pad_token(tok, path) -> None:
+    """A tokenizer without a pad token pads with the end-of-turn token, as VLMPolicy's generate
+    already did (its pad_id); batched prompts are left-padded and the attention mask hides the
+    padding, so which token fills it does not matter. Unset, the processor refused to pad the
+    first batch of prompts with a traceback."""
+    if tok.pad_token is not None:
+        return
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    fill = "<|im_end|>" if isinstance(im_end, int) and im_end != tok.unk_token_id else tok.eos_token
+    if fill is None:
+        raise ConfigError(f"model.path: the tokenizer in {path} has neither a pad token nor an end token "
+                          "(pad_token, eos_token in tokenizer_config.json), which batched prompts are padded with")
+    tok.pad_token = fill
+    warnings.warn(f"model.path: the tokenizer in {path} has no pad token (pad_token in tokenizer_config.json): "
+                  f"prompts are left-padded with {fill!r}, which the attention mask hides", stacklevel=3)
 
 
 def vision_tower(model) -> torch.nn.Module:

@@ -26,3 +26,28 @@ def test_a_family_the_policy_cannot_feed_is_refused_before_its_weights(tmp_path,
     with pytest.raises(ConfigError) as e:
         load_vlm(VLMModelConfig(path=str(tmp_path)))
     assert str(tmp_path) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_the_end_token(tmp_path):
+    import json
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+    from mmrl.vlm.policy import VLMPolicy
+    from mmrl.vlm.tasks.shapes_qa import QAItem
+
+    model = tmp_path / "model"
+    shutil.copytree(bundled_model_dir(), model)
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tc, "pad_token": None}))
+    with pytest.warns(UserWarning, match="has no pad token .* left-padded with '<\\|im_end\\|>'"):
+        vlm, processor = load_vlm(VLMModelConfig(path=str(model)))
+    tok = processor.tokenizer
+    assert tok.pad_token == "<|im_end|>"
+    # two prompts of different lengths: padding them raised "Asking to pad but the tokenizer
+    # does not have a padding token" at the first rollout
+    policy = VLMPolicy(vlm, processor)
+    items = [QAItem(images=[], question=q, answer="", reference="", meta={}) for q in ("red?", "what colour is it?")]
+    enc = policy.encode(items)
+    assert enc["input_ids"][0, 0].item() == tok.convert_tokens_to_ids("<|im_end|>")
+    assert enc["attention_mask"][0, 0].item() == 0 and enc["attention_mask"][1].all()
