@@ -447,6 +447,12 @@ def load_mask_predictor(
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{root}: could not load the tokenizer: {e}") from e
 
+    if _token_id(tokenizer, config, "eos_token_id") is None:  # before the weights, as the mask token below
+        raise ValueError(
+            f"{root}: no end-of-text token: the tokenizer has no eos_token (tokenizer_config.json) and "
+            "config.json no eos_token_id; every answer ends with it and is padded with it to gen_length. "
+            "Set eos_token in tokenizer_config.json (a BERT-style tokenizer's \"[SEP]\" serves)"
+        )
     given = mask_token_id
     if mask_token_id is None:
         mask_token_id = sidecar.get("mask_token_id")

@@ -708,3 +708,20 @@ def test_a_tokenizer_with_its_own_code_needs_trust_remote_code(tiny_dirs, tmp_pa
     (remote / "tokenizer_config.json").write_text(json.dumps({**conf, "auto_map": {"AutoTokenizer": ["t.T", None]}}))
     with pytest.raises(ValueError, match=r"ships its own Python code .*model\.trust_remote_code=true"):
         load_mask_predictor(remote)
+
+
+def test_a_model_without_an_end_token_is_refused_at_load(tiny_dirs, tmp_path):
+    """Answers end with <eos> and are padded with it: without one the first rollout raised
+    AttributeError ('bool' object has no attribute 'long') in DLLMPolicy.completion_mask."""
+    import shutil
+
+    bare = shutil.copytree(tiny_dirs["llada"], tmp_path / "bare")
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        data = json.loads((bare / name).read_text())
+        (bare / name).write_text(json.dumps({**data, key: None}))  # null: LlamaConfig's default eos is 2
+    with pytest.raises(ValueError, match=r"bare: no end-of-text token: the tokenizer has no eos_token .*"
+                                         r"Set eos_token in tokenizer_config.json"):
+        load_mask_predictor(bare)
+    (bare / "model.safetensors").unlink()  # refused before the weights are read
+    with pytest.raises(ValueError, match="no end-of-text token"):
+        load_mask_predictor(bare)
