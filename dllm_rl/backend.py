@@ -21,7 +21,13 @@ from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.device import model_device
 from mmrl.core.lora import add_lora
 from mmrl.core.memory import enable_gradient_checkpointing
-from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
+from mmrl.core.runconfig import (
+    bundled,
+    model_dir_note,
+    not_installed_note,
+    resolve_dir,
+    resolve_file,
+)
 
 CONFIG_CLASS = DLLMTrainConfig
 DEFAULT_CONFIG = {
@@ -92,7 +98,7 @@ def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPoli
     path = resolve_dir(m.path, cfg.base_dir) if m.path else bundled_model_dir()  # config dir, cwd, repo
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a directory"
-                          f"{not_installed_note(m.path or path) or ' (a from_pretrained model directory is expected)'}")
+                          f"{not_installed_note(m.path or path) or model_dir_note(path) or ' (a from_pretrained model directory is expected)'}")
     check_remote_code(path, m.trust_remote_code)  # refuse, or name the directory whose code runs
     device = model_device(m.device)  # a GPU that is not there is a ConfigError before any loading
     try:

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.device import module_device
+from mmrl.core.runconfig import model_dir_note
 
 __all__ = [
     "ATTENTIONS",
@@ -396,6 +397,7 @@ def load_mask_predictor(
     if not config_file.is_file():
         raise ValueError(
             f"model path {str(root)!r} has no config.json; is it a from_pretrained directory?"
+            f"{model_dir_note(root)}"
         )
     raw_config = _read_json(config_file)
     auto_map = dict(raw_config.get("auto_map") or {})

@@ -121,6 +121,28 @@ def not_installed_note(path: str | Path) -> str:
             f"`pip install -e .` there{other})")
 
 
+def model_dir_note(path: str | Path) -> str:
+    """What model.path likely meant where `path` is no from_pretrained directory: the directory
+    of a file given (its config.json, a weights file), or a snapshot of a Hugging Face cache
+    entry given whole (models--org--name holds blobs/, refs/ and snapshots/<commit>/, the
+    from_pretrained directory). "" for any other path."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return (f" (it is a file: model.path takes the directory that holds config.json, the weights and "
+                f"the tokenizer; this file's is {p.parent})")
+    snapshots = p / "snapshots"
+    if not snapshots.is_dir():
+        return ""
+    ref = p / "refs" / "main"  # the commit that "main" resolved to when the model was downloaded
+    main = snapshots / ref.read_text().strip() if ref.is_file() else None
+    if main is not None and main.is_dir():
+        return f" (a Hugging Face cache entry: its model directory is the snapshot {main})"
+    found = sorted(d for d in snapshots.iterdir() if d.is_dir())
+    if not found:
+        return " (a Hugging Face cache entry with no snapshot downloaded)"
+    return f" (a Hugging Face cache entry: its model directory is one of its snapshots, e.g. {found[0]})"
+
+
 def run_dir_of(path: str | Path) -> Path | None:
     """The run directory `path` lies in: a run, its checkpoints/, a step-*/ or its model/;
     the nearest of them and their parents that holds config.yaml and checkpoints/."""

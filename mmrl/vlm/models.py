@@ -16,7 +16,7 @@ import torch
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.lora import add_lora
-from mmrl.core.runconfig import REPOSITORY, bundled, not_installed_note, resolve_dir
+from mmrl.core.runconfig import REPOSITORY, bundled, model_dir_note, not_installed_note, resolve_dir
 
 SUPPORTED = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -46,11 +46,12 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     initial adapters (model.lora)."""
     path = resolve_model_path(mcfg.path, base_dir)
     if not path.is_dir():
-        hint = not_installed_note(mcfg.path or path) or (
+        hint = not_installed_note(mcfg.path or path) or model_dir_note(path) or (
             " (rebuild it with `python scripts/pretrain_tiny_vlm.py`)" if mcfg.path is None else "")
         raise ConfigError(f"model.path: {str(path)!r} is not a directory{hint}")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path: {str(path)!r} has no config.json; is it a from_pretrained directory?")
+        raise ConfigError(f"model.path: {str(path)!r} has no config.json; is it a from_pretrained directory?"
+                          f"{model_dir_note(path)}")
     import transformers  # after the checks: a wrong path is told before seconds of imports
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 

@@ -725,3 +725,19 @@ def test_a_model_without_an_end_token_is_refused_at_load(tiny_dirs, tmp_path):
     (bare / "model.safetensors").unlink()  # refused before the weights are read
     with pytest.raises(ValueError, match="no end-of-text token"):
         load_mask_predictor(bare)
+
+
+def test_a_file_or_a_hub_cache_entry_given_as_model_path_names_the_directory_meant(tmp_path):
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.safetensors").write_bytes(b"")
+    cfg = load_config(DLLMTrainConfig, overrides=[f"model.path={tmp_path}/mine/model.safetensors"])
+    with pytest.raises(ConfigError, match=rf"is not a directory \(it is a file: .*this file's is {tmp_path}/mine\)"):
+        backend.build_policy(cfg)
+    snapshot = tmp_path / "models--me--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"has no config.json; .* one of its snapshots, e.g. {snapshot}\)"):
+        load_mask_predictor(tmp_path / "models--me--tiny")

@@ -51,3 +51,33 @@ def test_a_tokenizer_without_a_pad_token_pads_with_the_end_token(tmp_path):
     enc = policy.encode(items)
     assert enc["input_ids"][0, 0].item() == tok.convert_tokens_to_ids("<|im_end|>")
     assert enc["attention_mask"][0, 0].item() == 0 and enc["attention_mask"][1].all()
+
+
+def _hf_cache_entry(root):
+    """models--me--tiny as huggingface_hub lays it out: the files are links into blobs/."""
+    entry = root / "models--me--tiny"
+    snapshot = entry / "snapshots" / "abc123"
+    (entry / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("abc123")
+    (entry / "blobs" / "f00d").write_text("{}")
+    (snapshot / "config.json").symlink_to(entry / "blobs" / "f00d")
+    return entry, snapshot
+
+
+def test_a_file_or_a_hub_cache_entry_given_as_model_path_names_the_directory_meant(tmp_path):
+    """A config.json given for its directory, and a cache entry given for its snapshot, were told
+    only "is not a directory" / "has no config.json"."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is not a directory \(it is a file: model.path takes the directory "
+                                          rf"that holds config.json, .*this file's is {tmp_path}/mine\)"):
+        load_vlm(VLMModelConfig(path=str(tmp_path / "mine" / "config.json")))
+    entry, snapshot = _hf_cache_entry(tmp_path)
+    with pytest.raises(ConfigError, match=r"has no config.json; is it a from_pretrained directory\? \(a Hugging "
+                                          rf"Face cache entry: its model directory is the snapshot {snapshot}\)"):
+        load_vlm(VLMModelConfig(path=str(entry)))
+    (entry / "refs" / "main").unlink()  # no ref: any snapshot is named
+    with pytest.raises(ConfigError, match=rf"one of its snapshots, e.g. {snapshot}\)"):
+        load_vlm(VLMModelConfig(path=str(entry)))
