@@ -121,17 +121,21 @@ def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPoli
             return DLLMPolicy(predictor, cfg.rollout, 0, estimator_for(cfg), cfg.model.logprob_chunk)
         except PromptTooLong as e:
             raise ConfigError(f"rollout.gen_length: {e}") from e
-    tok = predictor.tokenizer
+    tok, vocab = predictor.tokenizer, predictor.vocab_size
     lengths = {}
     for p in task.train + task.eval_problems:  # every prompt and answer, before any rollout
         for text, kind in ((p.prompt, "prompt"), (p.reference, "reference answer"), (p.answer, "answer")):
             if text not in lengths:
+                what = f"prompt {shown(text)}" if kind == "prompt" else f"{kind} {shown(text)} of {shown(p.prompt)}"
                 try:
-                    lengths[text] = count_tokens(tok, text)
+                    ids = token_ids(tok, text)
                 except Exception as e:  # a fast tokenizer raises a bare Exception
-                    what = f"prompt {shown(text)}" if kind == "prompt" else f"{kind} {shown(text)} of {shown(p.prompt)}"
                     raise ConfigError(f"task: the model's tokenizer cannot encode the {what}{at(p)}: {e} (the tiny "
                                       f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
+                past = past_vocab(tok, ids, vocab)
+                if past:
+                    raise ConfigError(f"model.path: the tokenizer in {path} encodes the {what}{at(p)} {past}")
+                lengths[text] = len(ids)
     longest = max(task.train + task.eval_problems, key=lambda p: lengths[p.prompt])
     prompt_length = lengths[longest.prompt]
     try:
@@ -144,13 +148,28 @@ def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPoli
 
 
 def count_tokens(tok, text: str) -> int:
+    return len(token_ids(tok, text))
+
+
+def token_ids(tok, text: str) -> list[int]:
     from transformers import PreTrainedTokenizerBase
 
     # verbose=False: a text over the tokenizer's model_max_length is ours to refuse, naming it;
     # transformers' own warning about it ("will result in indexing errors") came first.
     # A tokenizer of another kind (remote code, the tests' stand-ins) may not take the argument.
     quiet = {"verbose": False} if isinstance(tok, PreTrainedTokenizerBase) else {}
-    return len(tok(text, add_special_tokens=False, **quiet)["input_ids"])
+    return list(tok(text, add_special_tokens=False, **quiet)["input_ids"])
+
+
+def past_vocab(tok, ids: list[int], vocab: int) -> str:
+    """Why `ids` cannot go into the model ("" where they can): a token past its vocabulary, which
+    the embedding has no row for. That was an IndexError (a device assert on a GPU) mid-rollout."""
+    if not ids or max(ids) < vocab:
+        return ""
+    bad = max(ids)
+    return (f"with token {bad} ({tok.convert_ids_to_tokens(bad)!r}), past the model's vocabulary of {vocab} ids: "
+            "the tokenizer holds tokens the model has no embedding for. Tokens added to a tokenizer need the "
+            "model's embeddings resized too (model.resize_token_embeddings(len(tokenizer)))")
 
 
 def shown(text: str, limit: int = 80) -> str:
@@ -195,9 +214,13 @@ def fit_prompts(policy: DLLMPolicy, prompts: list[str]) -> DLLMPolicy:
     tok, width, longest = policy.predictor.tokenizer, policy.prompt_length, None
     for text in prompts:
         try:
-            n = count_tokens(tok, text)
+            ids = token_ids(tok, text)
         except Exception:  # noqa: BLE001, S112  (encode_prompts names the prompt and the character)
             continue
+        past = past_vocab(tok, ids, policy.predictor.vocab_size)
+        if past:
+            raise ConfigError(f"--prompt: the model's tokenizer encodes {shown(text)} {past}")
+        n = len(ids)
         if n > width:
             width, longest = n, text
     if longest is None:

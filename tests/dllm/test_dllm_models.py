@@ -741,3 +741,40 @@ def test_a_file_or_a_hub_cache_entry_given_as_model_path_names_the_directory_mea
     snapshot.mkdir(parents=True)
     with pytest.raises(ValueError, match=rf"has no config.json; .* one of its snapshots, e.g. {snapshot}\)"):
         load_mask_predictor(tmp_path / "models--me--tiny")
+
+
+def test_a_tokenizer_with_tokens_past_the_models_vocabulary_is_named_before_any_rollout(tmp_path):
+    """Tokens added to the tokenizer without resizing the model's embeddings: a prompt using one
+    raised IndexError ('index out of range in self') in the embedding at the first rollout (a
+    device assert on a GPU). The tiny tokenizer's letters are ids 29..52; this model has 40."""
+    import shutil
+
+    import transformers
+
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError, load_config
+
+    model = tmp_path / "model"
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=96,
+                                      pad_token_id=0, eos_token_id=2, bos_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json", SIDECAR):
+        shutil.copy(backend.bundled_model_dir() / name, model / name)
+    rows = [{"prompt": f"opposite of {w}:", "answer": a} for w, a in (("up", "down"), ("in", "out"), ("on", "off"))]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (tmp_path / "eval.jsonl").write_text(json.dumps(rows[2]) + "\n")
+
+    def cfg(*sets):
+        return load_config(DLLMTrainConfig, None, [f"model.path={model}", *sets], defaults=backend.DEFAULT_CONFIG)
+
+    jsonl = cfg("task.type=jsonl", f"task.train_path={tmp_path}/train.jsonl", f"task.eval_path={tmp_path}/eval.jsonl")
+    with pytest.raises(ConfigError, match=rf"model.path: the tokenizer in {model} encodes the prompt 'opposite of up:' "
+                                          r"in .*train.jsonl, line 1 with token 4\d \('.'\), past the model's "
+                                          r"vocabulary of 40 ids: .*resize_token_embeddings"):
+        backend.build(jsonl)
+    arith = cfg("task.num_train=4", "task.num_eval=2")  # digits only: ids under 40, the policy builds
+    policy, _task = backend.build(arith)
+    with pytest.raises(ConfigError, match=r"--prompt: the model's tokenizer encodes 'opposite of up:' with token"):
+        backend.fit_prompts(policy, ["opposite of up:"])
