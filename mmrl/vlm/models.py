@@ -87,6 +87,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json (tensor shapes "
                           f"differ; the load report above lists them): {e}") from e
     _check_processor(processor, path)
+    _check_patches(processor, config, path)
     _fill_pad_token(processor.tokenizer, path)
     if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
@@ -136,6 +137,25 @@ def _check_processor(processor, path) -> None:
     if not (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)):
         raise ConfigError(f"model.path: {path} has no chat template (chat_template.json or the tokenizer's "
                           "chat_template), which writes the prompts")
+
+
+def _check_patches(processor, config, path) -> None:
+    """The image processor must cut the patches the vision encoder was built for: a processor
+    copied from another family (Qwen2.5-VL's 14-pixel patches for Qwen3-VL's 16) loaded, then
+    failed in the first forward with a tensor-size RuntimeError."""
+    images = getattr(processor, "image_processor", None)
+    vision = getattr(config, "vision_config", None)
+    if images is None or vision is None:
+        return
+    for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+        cut, built = getattr(images, ours, None), getattr(vision, theirs, None)
+        if isinstance(cut, int) and isinstance(built, int) and cut != built:
+            raise ConfigError(
+                f"model.path: the image processor in {path} (processor_config.json or preprocessor_config.json) "
+                f"has {ours} {cut}, but the model's vision encoder takes {built} (config.json "
+                f"vision_config.{theirs}): the processor files are another model's. Save this model's own "
+                "processor beside it (AutoProcessor.from_pretrained(<its source>).save_pretrained(<dir>))")
 
 
 def _fill_pad_token(tok, path) -> None:

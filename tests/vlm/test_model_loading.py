@@ -81,3 +81,25 @@ def test_a_file_or_a_hub_cache_entry_given_as_model_path_names_the_directory_mea
     (entry / "refs" / "main").unlink()  # no ref: any snapshot is named
     with pytest.raises(ConfigError, match=rf"one of its snapshots, e.g. {snapshot}\)"):
         load_vlm(VLMModelConfig(path=str(entry)))
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("patch_size", 16, "has patch_size 16, but the model's vision encoder takes 14 (config.json vision_config.patch_size)"),
+    ("merge_size", 4, ("has merge_size 4, but the model's vision encoder takes 2 (config.json "
+                       "vision_config.spatial_merge_size)")),
+])
+def test_an_image_processor_of_another_model_is_refused_at_load(tmp_path, key, value, words):
+    """A Qwen2.5-VL processor (14-pixel patches) copied beside a Qwen3-VL (16) loaded, then failed
+    in the first forward: 'The size of tensor a (98) must match the size of tensor b (128)'."""
+    import json
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
+    config = json.loads((model / "processor_config.json").read_text())
+    config["image_processor"][key] = value
+    (model / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        load_vlm(VLMModelConfig(path=str(model)))
+    assert f"the image processor in {model}" in str(e.value) and words in str(e.value), str(e.value)
