@@ -88,6 +88,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
                           f"differ; the load report above lists them): {e}") from e
     _check_processor(processor, path)
     _check_patches(processor, config, path)
+    _check_vision_tokens(processor.tokenizer, config, path)
     _fill_pad_token(processor.tokenizer, path)
     if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
@@ -156,6 +157,19 @@ def _check_patches(processor, config, path) -> None:
                 f"has {ours} {cut}, but the model's vision encoder takes {built} (config.json "
                 f"vision_config.{theirs}): the processor files are another model's. Save this model's own "
                 "processor beside it (AutoProcessor.from_pretrained(<its source>).save_pretrained(<dir>))")
+
+
+def _check_vision_tokens(tok, config, path) -> None:
+    """config.json's image_token_id and vision_start_token_id must be the tokenizer's ids of
+    <|image_pad|> and <|vision_start|>: the model finds the image slots (and their positions) by
+    those ids. A tokenizer of another checkpoint, or a config left at the released ids, loaded,
+    then failed in the first forward ('Image features and image tokens do not match, tokens: 0')."""
+    for key, token in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>")):
+        want, got = getattr(config, key, None), tok.convert_tokens_to_ids(token)
+        if isinstance(want, int) and isinstance(got, int) and want != got:
+            raise ConfigError(f"model.path: config.json in {path} has {key} {want}, but its tokenizer's {token} "
+                              f"is id {got}: the model finds image slots by that id. Are the tokenizer files "
+                              f"another model's? Else set {key} to {got} in config.json")
 
 
 def _fill_pad_token(tok, path) -> None:

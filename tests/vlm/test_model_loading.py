@@ -103,3 +103,20 @@ def test_an_image_processor_of_another_model_is_refused_at_load(tmp_path, key, v
     with pytest.raises(ConfigError) as e:
         load_vlm(VLMModelConfig(path=str(model)))
     assert f"the image processor in {model}" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_an_image_token_id_other_than_the_tokenizers_is_refused_at_load(tmp_path):
+    """config.json's image_token_id not the tokenizer's <|image_pad|>: the model found no image
+    slot and the first forward raised 'Image features and image tokens do not match, tokens: 0'."""
+    import json
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "image_token_id": 151655}))  # Qwen2.5-VL's released id
+    with pytest.raises(ConfigError) as e:
+        load_vlm(VLMModelConfig(path=str(model)))
+    assert (f"config.json in {model} has image_token_id 151655, but its tokenizer's <|image_pad|> is id "
+            f"{config['image_token_id']}") in str(e.value), str(e.value)
