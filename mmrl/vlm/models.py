@@ -136,8 +136,9 @@ def _check_processor(processor, path) -> None:
         raise ConfigError(f"model.path: the tokenizer in {path} ({len(tok)} tokens) lacks the image placeholder "
                           "<|image_pad|>: are its tokenizer files (tokenizer.json, tokenizer_config.json) there?")
     if not (getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)):
-        raise ConfigError(f"model.path: {path} has no chat template (chat_template.json or the tokenizer's "
-                          "chat_template), which writes the prompts")
+        raise ConfigError(f"model.path: {path} has no chat template, which writes the prompts: transformers reads "
+                          "chat_template.jinja or chat_template.json beside config.json, or chat_template in "
+                          "tokenizer_config.json. Copy the file of the checkpoint this model comes from")
 
 
 def _check_patches(processor, config, path) -> None:

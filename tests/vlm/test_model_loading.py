@@ -120,3 +120,18 @@ def test_an_image_token_id_other_than_the_tokenizers_is_refused_at_load(tmp_path
         load_vlm(VLMModelConfig(path=str(model)))
     assert (f"config.json in {model} has image_token_id 151655, but its tokenizer's <|image_pad|> is id "
             f"{config['image_token_id']}") in str(e.value), str(e.value)
+
+
+def test_a_model_without_a_chat_template_is_told_the_files_transformers_reads(tmp_path):
+    """The message named chat_template.json alone, while transformers saves (and the bundled
+    models ship) chat_template.jinja."""
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
+    (model / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError) as e:
+        load_vlm(VLMModelConfig(path=str(model)))
+    assert f"{model} has no chat template" in str(e.value)
+    assert all(name in str(e.value) for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"))
