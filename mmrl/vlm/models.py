@@ -72,13 +72,19 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
         )
         cls = AutoModelForImageTextToText
     refuse_pickled_weights(path, "model.path")
+    # The processor first: its files missing is told in a second, not after the weights have
+    # loaded, and as the processor's fault (it read "could not load the model").
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: could not load the processor in {path} (the image processor's "
+                          f"processor_config.json or preprocessor_config.json, and the tokenizer files): {e}") from e
     try:
         model, info = cls.from_pretrained(
             path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
             trust_remote_code=mcfg.trust_remote_code, output_loading_info=True,
             use_safetensors=True,  # never unpickle: a .bin-only directory is refused
         )
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: could not load the model in {path}: {e}") from e
     except RuntimeError as e:  # transformers' shape check: config.json does not fit the weights

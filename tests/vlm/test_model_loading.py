@@ -135,3 +135,18 @@ def test_a_model_without_a_chat_template_is_told_the_files_transformers_reads(tm
         load_vlm(VLMModelConfig(path=str(model)))
     assert f"{model} has no chat template" in str(e.value)
     assert all(name in str(e.value) for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"))
+
+
+def test_a_model_without_its_image_processor_file_is_told_so_before_the_weights_load(tmp_path):
+    """Without processor_config.json the error read "could not load the model in ...", though
+    the model was there, and came after its weights had loaded."""
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
+    (model / "processor_config.json").unlink()
+    (model / "model.safetensors").unlink()  # the processor is named first, before the weights are looked for
+    with pytest.raises(ConfigError, match=rf"model.path: could not load the processor in {model} \(the image "
+                                          r"processor's processor_config.json or preprocessor_config.json"):
+        load_vlm(VLMModelConfig(path=str(model)))
