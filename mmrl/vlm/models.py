@@ -79,6 +79,11 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: could not load the processor in {path} (the image processor's "
                           f"processor_config.json or preprocessor_config.json, and the tokenizer files): {e}") from e
+    # what the policy needs of the processor, checked before the weights load
+    _check_processor(processor, path)
+    _check_patches(processor, config, path)
+    _check_vision_tokens(processor.tokenizer, config, path)
+    _fill_pad_token(processor.tokenizer, path)
     try:
         model, info = cls.from_pretrained(
             path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
@@ -92,10 +97,6 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
             raise
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json (tensor shapes "
                           f"differ; the load report above lists them): {e}") from e
-    _check_processor(processor, path)
-    _check_patches(processor, config, path)
-    _check_vision_tokens(processor.tokenizer, config, path)
-    _fill_pad_token(processor.tokenizer, path)
     if info.get("missing_keys"):  # config.json asks for weights the checkpoint lacks: they would be random
         raise ConfigError(f"model.path: the weights in {path} do not fit its config.json: "
                           f"{missing_weights(info['missing_keys'])}")

@@ -100,6 +100,7 @@ def test_an_image_processor_of_another_model_is_refused_at_load(tmp_path, key, v
     config = json.loads((model / "processor_config.json").read_text())
     config["image_processor"][key] = value
     (model / "processor_config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").unlink()  # told before the weights are read
     with pytest.raises(ConfigError) as e:
         load_vlm(VLMModelConfig(path=str(model)))
     assert f"the image processor in {model}" in str(e.value) and words in str(e.value), str(e.value)
@@ -116,6 +117,7 @@ def test_an_image_token_id_other_than_the_tokenizers_is_refused_at_load(tmp_path
     model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "image_token_id": 151655}))  # Qwen2.5-VL's released id
+    (model / "model.safetensors").unlink()  # told before the weights are read
     with pytest.raises(ConfigError) as e:
         load_vlm(VLMModelConfig(path=str(model)))
     assert (f"config.json in {model} has image_token_id 151655, but its tokenizer's <|image_pad|> is id "
