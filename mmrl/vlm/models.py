@@ -84,6 +84,7 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
     _check_patches(processor, config, path)
     _check_vision_tokens(processor.tokenizer, config, path)
     _fill_pad_token(processor.tokenizer, path)
+    _check_vocab(processor.tokenizer, config, path)
     try:
         model, info = cls.from_pretrained(
             path, dtype=getattr(torch, mcfg.dtype), attn_implementation=mcfg.attn_implementation,
@@ -178,6 +179,24 @@ def _check_vision_tokens(tok, config, path) -> None:
             raise ConfigError(f"model.path: config.json in {path} has {key} {want}, but its tokenizer's {token} "
                               f"is id {got}: the model finds image slots by that id. Are the tokenizer files "
                               f"another model's? Else set {key} to {got} in config.json")
+
+
+def _check_vocab(tok, config, path) -> None:
+    """The tokens every prompt holds (the chat template's, the image slots', the padding) must
+    have rows in the model's embedding: a tokenizer of a larger model, or tokens added without
+    resizing the embeddings, loaded, then failed in the first forward with IndexError (a device
+    assert on a GPU)."""
+    text = getattr(config, "text_config", None) or config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for token in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", tok.pad_token):
+        i = tok.convert_tokens_to_ids(token)
+        if isinstance(i, int) and i >= vocab:
+            raise ConfigError(f"model.path: the tokenizer in {path} gives {token} id {i}, past the model's vocabulary "
+                              f"of {vocab} ids (config.json vocab_size): the tokenizer files are another model's, or "
+                              "tokens were added to them without resizing the model's embeddings "
+                              "(model.resize_token_embeddings(len(tokenizer)))")
 
 
 def _fill_pad_token(tok, path) -> None:

@@ -152,3 +152,22 @@ def test_a_model_without_its_image_processor_file_is_told_so_before_the_weights_
     with pytest.raises(ConfigError, match=rf"model.path: could not load the processor in {model} \(the image "
                                           r"processor's processor_config.json or preprocessor_config.json"):
         load_vlm(VLMModelConfig(path=str(model)))
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_refused_at_load(tmp_path):
+    """A tokenizer of a larger model (or with added tokens, the embeddings not resized): the
+    first forward raised IndexError ('index out of range in self'); with config.json's
+    pad_token_id past the vocabulary too, from_pretrained raised an AssertionError."""
+    import json
+    import shutil
+
+    from mmrl.vlm.models import bundled_model_dir
+
+    model = shutil.copytree(bundled_model_dir(), tmp_path / "model")
+    (model / "model.safetensors").unlink()  # told before the weights are read
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 560  # the bundled tokenizer's special tokens are ids 567..582
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"model.path: the tokenizer in {model} gives <\|im_start\|> id 568, past "
+                                          r"the model's vocabulary of 560 ids \(config.json vocab_size\)"):
+        load_vlm(VLMModelConfig(path=str(model)))
