@@ -220,7 +220,7 @@ class VLMPolicy:
             if n + max_new_tokens > self.max_context:
                 raise PromptTooLong(
                     f"prompt {i // repeats} of this batch ({items[i].question[:60]!r}) has {n} tokens; with "
-                    f"max_new_tokens {max_new_tokens} it exceeds the model's context of {self.max_context}"
+                    f"rollout.max_new_tokens {max_new_tokens} it exceeds the model's context of {self.max_context}"
                 )
 
     # ------------------------------------------------------------------ rollout

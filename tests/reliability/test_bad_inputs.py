@@ -335,7 +335,7 @@ DATA_ROWS = {
     "non-utf8-dataset": jrow(lambda t: vlm_data(t, b'{"question": "caf\xe9?", "answer": "a"}\n\xff\xfe\n'),
                             lambda t: ["train.jsonl, line 1", "not valid UTF-8"]),
     "prompt-over-context-vlm": jrow(lambda t: vlm_data(t, {"question": "two " * 2100, "answer": "2"}),
-                                   lambda t: ["two two two", "exceeds the model's context of 2048"]),
+                                   lambda t: ["two two two", "with rollout.max_new_tokens", "exceeds the model's context of 2048"]),
     "image-far-above-max-pixels": Row("vlm", huge_image_args, lambda t: ['"completion"'], code=0,
                                       extra=_resized_to_max_pixels, tiny=None),
     "image-above-decompression-limit": jrow(
