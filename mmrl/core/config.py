@@ -121,7 +121,8 @@ class ModelConfig(Section):
     """Parameter dtype. The CPU default is float32; float16 is for eval and sample only (training
     refuses it: plain AdamW without loss scaling underflows in float16)."""
     trust_remote_code: bool = False
-    """Run the model directory's own Python code (LLaDA, Dream, SDAR). Off unless set."""
+    """Run the model directory's own Python code (its config.json's auto_map: the released LLaDA,
+    Dream and SDAR checkpoints ship theirs). Off unless set; the CLI names the directory first."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (less
     memory, about a third more compute). The update's forwards then run in training mode with
