@@ -127,7 +127,9 @@ def _samples(run: RunInfo) -> str:
             parts.append(f"<h3>{tag}</h3>" + _sample_table(answers))
     logged = sorted(root.glob("step_*.jsonl")) if root.is_dir() else []
     if logged:
-        parts.append(f"<h3>training samples, {html.escape(logged[-1].stem.replace('_', ' '))}</h3>"
+        step = logged[-1].stem.removeprefix("step_")  # step_00000005.jsonl: step 5
+        step = str(int(step)) if step.isdigit() else step
+        parts.append(f"<h3>training samples, step {html.escape(step)}</h3>"
                      + _sample_table(logged[-1], ["group", "prompt", "completion", "reward", "atoms", "advantage"],
                                      lines=True))
     return "".join(parts) or "<p>(this run saved no samples)</p>"

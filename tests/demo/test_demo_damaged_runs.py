@@ -374,7 +374,7 @@ def test_the_report_shows_the_newest_training_samples_or_says_there_are_none(tmp
     for step in (2, 10):
         (run / "samples" / f"step_{step:08d}.jsonl").write_text(json.dumps({"prompt": f"at {step}"}) + "\n")
     page = render(RunInfo.load(run))
-    assert "<h3>training samples, step 00000010</h3>" in page and "<td>at 10</td>" in page and "at 2<" not in page
+    assert "<h3>training samples, step 10</h3>" in page and "<td>at 10</td>" in page and "at 2<" not in page
 
 
 def test_the_environment_rows_show_the_commit_dirty_flag_and_command(tmp_path, no_curves):
