@@ -863,7 +863,7 @@ class _SampleDecoder:
     is its prompt's row number in the call; NFE 3 a row. It records each decode's arguments."""
 
     def __init__(self):
-        self.predictor, self.prompt_length, self.calls = SimpleNamespace(tokenizer=_CharTok()), 20, []
+        self.predictor, self.prompt_length, self.calls = SimpleNamespace(tokenizer=_CharTok(), vocab_size=1000), 20, []
 
     def decode(self, texts, generator, temperature, strategy=None):
         seed = None if generator is None else generator.initial_seed()
