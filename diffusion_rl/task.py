@@ -41,6 +41,7 @@ class DiffusionTask:
         self.eval_steps = eval_steps
         self.grid_prompts = grid_prompts
         self.hard_min_atoms = hard_min_atoms
+        self._grid_drawn = None  # (policy, images): the grid's images as evaluate last drew them
         if self.eval_prompts and not any(can_parse(p) and len(parse_prompt(p)) >= hard_min_atoms
                                          for p in self.eval_prompts):
             warnings.warn(f"task.hard_min_atoms={hard_min_atoms}: no held-out prompt has that many atoms, so "
@@ -82,6 +83,9 @@ class DiffusionTask:
 
         sampled = distributed.map_shards(sample, list(zip(prompts, seeds)))  # each rank samples and scores its share
         images = [i for i, _ in sampled]
+        # The grid's (prompt, seed) jobs are the first ones here: save_samples, which the trainer
+        # calls next under the same weights, takes these images instead of drawing them again.
+        self._grid_drawn = (policy, images[: len(self.eval_prompts[: self.grid_prompts]) * self.eval_seeds])
         ok = [can_parse(p) for p in prompts]
         if any(ok):
             acc = atom_accuracy([i for i, k in zip(images, ok) if k], [p for p, k in zip(prompts, ok) if k])
@@ -110,7 +114,11 @@ class DiffusionTask:
         if not prompts:
             return None
         texts, seeds = self._jobs(prompts)
-        images = draw(policy, texts, seeds, self.eval_steps, batch_size)
+        drawn, self._grid_drawn = self._grid_drawn, None  # taken once: later weights draw afresh
+        if drawn is not None and drawn[0] is policy and len(drawn[1]) == len(texts):
+            images = drawn[1]  # the evaluation just before drew these (a second draw took ~10% of it)
+        else:
+            images = draw(policy, texts, seeds, self.eval_steps, batch_size)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"grid_{tag}.png"

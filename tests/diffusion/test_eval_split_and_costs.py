@@ -150,6 +150,24 @@ def test_save_samples_draws_the_first_grid_prompts_one_row_each_one_column_per_s
         "rows": PROMPTS[:2], "seeds": [0, 1000, 2000, 1, 1001, 2001]}
 
 
+def test_save_samples_right_after_evaluate_takes_its_images_instead_of_drawing_them_again(tmp_path):
+    """The trainer saves the grid just after evaluating, under the same weights: the grid's 2 x 2
+    images are the evaluation's (one call of 8), the same sheet as a fresh draw of them; taken
+    once (a second save draws again: 4 images), and never for another policy."""
+    task = DiffusionTask("shapes-geneval", PROMPTS, PROMPTS, shapes_geneval_reward(), eval_seeds=2, grid_prompts=2)
+    policy = Blank()
+    task.evaluate(policy, batch_size=8)
+    task.save_samples(policy, tmp_path, "before")
+    assert [len(p) for p, _ in policy.calls] == [8]
+    task.save_samples(policy, tmp_path, "again")
+    assert [len(p) for p, _ in policy.calls] == [8, 4] and policy.calls[1][1] == [0, 1000, 1, 1001]
+    assert (tmp_path / "grid_before.png").read_bytes() == (tmp_path / "grid_again.png").read_bytes()
+    other = Blank()
+    task.evaluate(policy, batch_size=8)
+    task.save_samples(other, tmp_path, "other")
+    assert [len(p) for p, _ in other.calls] == [4]
+
+
 def test_grid_places_images_row_major_and_labels_every_row():
     """Four 16 x 16 images in 3 columns (pad 2, label 10): image k at (12 + 18 c, 2 + 18 r)
     for (r, c) = divmod(k, 3); the sheet 10 + 3 * 18 + 2 = 66 by 2 * 18 + 2 = 38; a row number
