@@ -45,6 +45,7 @@ class DLLMTask:
         self.rollout = rollout
         self.batch_size = batch_size
         self.eval_samples = eval_samples
+        self._greedy_drawn = None  # (policy, texts, nfe): the greedy answers evaluate last decoded
 
     # what evaluate() logs beside each atom's mean (a config atom may not take these names)
     metric_names = ("reward", "accuracy", "nfe", "sampled_nfe")
@@ -85,6 +86,9 @@ class DLLMTask:
 
     def _evaluate(self, policy) -> dict[str, float]:
         texts, nfe = self.dealt_answers(policy, self.eval_problems, 0.0)
+        # save_samples, which the trainer calls next under the same weights, takes the first of
+        # these instead of decoding them again
+        self._greedy_drawn = (policy, texts, nfe)
         scores = self.reward.score([to_sample(p, t) for p, t in zip(self.eval_problems, texts)])
         # Means in float64: in float32, 105 right of 200 reads 0.52499998, under a 0.525 target.
         out = {"reward": float(scores.total.double().mean()), "nfe": float(nfe.double().mean())}
@@ -107,7 +111,11 @@ class DLLMTask:
     def save_samples(self, policy, out_dir: str | Path, tag: str, count: int = 16) -> Path:
         """The greedy answers to the first held-out problems, as JSON, for before/after comparison."""
         problems = self.eval_problems[:count]
-        texts, nfe = self.answers(policy, problems, 0.0)
+        drawn, self._greedy_drawn = self._greedy_drawn, None  # taken once: later weights decode afresh
+        if drawn is not None and drawn[0] is policy:
+            texts, nfe = drawn[1][:count], drawn[2][:count]  # the evaluation just before decoded them
+        else:
+            texts, nfe = self.answers(policy, problems, 0.0)
         rows = [{"prompt": p.prompt, "answer": p.answer, "completion": t, "nfe": float(f)}
                 for p, t, f in zip(problems, texts, nfe)]
         out = Path(out_dir)

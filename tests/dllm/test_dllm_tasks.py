@@ -683,6 +683,29 @@ def test_save_samples_writes_the_first_count_greedy_answers_with_the_gold_answer
                                             {"prompt": "2+2=", "answer": "4", "completion": "5", "nfe": 6.0}]
 
 
+def test_save_samples_right_after_evaluate_takes_its_greedy_answers_instead_of_decoding_again(tmp_path):
+    """The trainer saves the samples just after evaluating, under the same weights: the first 2 of
+    the evaluation's 3 greedy answers, with no decode of their own, the same rows as a fresh
+    decode; taken once (a second save decodes again), and never for another policy."""
+    import json
+
+    task = _dllm_task()
+    answers = ({"1+1=": "2", "2+2=": "5", "3+3=": "6"}, {"1+1=": 4, "2+2=": 6, "3+3=": 8})
+    policy = _Decoder(*answers)
+    task.evaluate(policy)
+    first = task.save_samples(policy, tmp_path, "before", count=2)
+    assert [n for n, *_ in policy.calls] == [3]
+    again = task.save_samples(policy, tmp_path, "again", count=2)
+    assert [n for n, *_ in policy.calls] == [3, 2]
+    assert json.loads(first.read_text()) == json.loads(again.read_text()) == [
+        {"prompt": "1+1=", "answer": "2", "completion": "2", "nfe": 4.0},
+        {"prompt": "2+2=", "answer": "4", "completion": "5", "nfe": 6.0}]
+    other = _Decoder(*answers)
+    task.evaluate(policy)
+    task.save_samples(other, tmp_path, "other", count=2)
+    assert [n for n, *_ in other.calls] == [2]
+
+
 def test_heldout_reward_and_nfe_are_exact_shares():
     """Reward 1 on 105 of 200 problems and NFE 1 on the same 105 (else 0): reward and nfe 0.525,
     float64 means as accuracy's, not float32's 0.52499998."""
