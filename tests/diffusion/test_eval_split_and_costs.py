@@ -52,6 +52,19 @@ def test_hard_split_scores_the_relational_prompts_alone():
     assert not any(k.startswith("hard/") for k in none.evaluate(Renderer()))
 
 
+def test_evaluation_detects_each_image_once_though_the_hard_split_scores_it_again(monkeypatch):
+    """4 prompts, 2 of them relational (the hard/ split): 4 detections, not 4 + 2; the same metrics."""
+    from diffusion_rl.tasks import shapes_geneval
+
+    task = DiffusionTask("shapes-geneval", PROMPTS, PROMPTS, shapes_geneval_reward())
+    expected = task.evaluate(Renderer())
+    calls = []
+    monkeypatch.setattr(shapes_geneval, "_OBJECT_CACHE", {})  # nothing detected yet
+    monkeypatch.setattr(shapes_geneval, "detect", lambda image, detect=shapes_geneval.detect: calls.append(1) or detect(image))
+    assert task.evaluate(Renderer()) == expected and expected["hard/num_prompts"] == 2
+    assert len(calls) == 4
+
+
 def test_model_evaluations_are_counted_per_step(tmp_path):
     path = build_tiny("flux", tmp_path / "flux", seed=0, pixel_space=True)
     cfg = load_config(DiffusionTrainConfig, None, defaults=backend.DEFAULT_CONFIG, overrides=[
