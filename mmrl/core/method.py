@@ -168,6 +168,52 @@ def register_method(name: str):
     return wrap
 
 
+def checked_advantages(method: Method, batch: RolloutBatch) -> Tensor:
+    """method.advantages(batch), refused with a MethodError naming the method where it is not a
+    tensor of finite values: a NaN would only skip every update with a warning, and a list
+    or a row too few fail deep inside the loop without naming the method."""
+    adv = method.advantages(batch)
+    where = f"{type(method).__qualname__}.advantages"
+    if not isinstance(adv, Tensor):
+        raise _method_error(f"{where} returned a {type(adv).__name__}; it must return a tensor "
+                            f"[N], [N, T] or [N, regions] (N = {len(batch)} samples)")
+    if adv.dim() == 0 or adv.shape[0] != len(batch):
+        raise _method_error(f"{where} returned shape {tuple(adv.shape)}; it must have one row per sample "
+                            f"(N = {len(batch)}): [N], [N, T] or [N, regions]")
+    if adv.is_floating_point() and not bool(torch.isfinite(adv).all()):
+        rows = (~torch.isfinite(adv.reshape(len(adv), -1))).any(dim=1).nonzero().flatten().tolist()
+        more = " ..." if len(rows) > 8 else ""
+        raise _method_error(f"{where} returned non-finite values (NaN or inf) in {len(rows)} of {len(adv)} rows "
+                            f"({rows[:8]}{more})")
+    return adv
+
+
+def checked_loss(method: Method, out) -> LossOutput:
+    """method.loss's answer, refused with a MethodError naming the method where backward()
+    cannot run on it: not a LossOutput, or a .loss that is not a one-element tensor with a
+    gradient (a Python float, a detached tensor, a per-sample vector)."""
+    where = f"{type(method).__qualname__}.loss"
+    want = "it must return a LossOutput(loss, metrics) whose .loss is a scalar tensor with a gradient"
+    if not isinstance(out, LossOutput):
+        raise _method_error(f"{where} returned a {type(out).__name__}; {want}")
+    loss = out.loss
+    if not isinstance(loss, Tensor):
+        raise _method_error(f"{where} returned a LossOutput whose .loss is a {type(loss).__name__}; {want}")
+    if loss.numel() != 1:
+        raise _method_error(f"{where} returned a .loss of shape {tuple(loss.shape)}; {want} (reduce it, "
+                            "e.g. with .mean())")
+    if not loss.requires_grad:
+        raise _method_error(f"{where} returned a .loss without a gradient (detached, or computed under "
+                            f"torch.no_grad); {want}")
+    return out
+
+
+def _method_error(message: str) -> Exception:
+    from mmrl.core.trainer import MethodError  # the trainer imports this module
+
+    return MethodError(message)
+
+
 def build_method(run: TrainConfig, reward: Reward) -> Method:
     import mmrl.core.grpo  # noqa: F401  (registers the GRPO family)
 

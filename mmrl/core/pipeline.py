@@ -53,7 +53,7 @@ from mmrl.core.engine import (
     Worker,
     trainable_weights,
 )
-from mmrl.core.method import Method, apply_prune
+from mmrl.core.method import Method, apply_prune, checked_advantages
 from mmrl.core.rewards import Reward
 from mmrl.core.scheduler import decoded_tokens, round_metrics
 
@@ -393,7 +393,7 @@ class Round:
                 self.metrics["rollout/samples_extra"] += sum(r.n for r in extra)
                 return
         g.done = True
-        batch.advantages = s.method.advantages(batch)
+        batch.advantages = checked_advantages(s.method, batch)
         keep = s.method.prune(batch)
         if keep is not None:
             self.metrics["rollout/samples_pruned"] += int((keep <= 0).sum())  # bool or weights

@@ -22,7 +22,7 @@ from mmrl.core.advantages import batch_across
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, TrainConfig
 from mmrl.core.engine import PolicyEngine
-from mmrl.core.method import Method, apply_prune
+from mmrl.core.method import Method, apply_prune, checked_advantages
 from mmrl.core.rewards import Reward
 
 
@@ -154,7 +154,7 @@ class SyncScheduler:
         with torch.no_grad():
             self.method.annotate(self.policy, batch)
         with batch_across(distributed.sum_tensor) if distributed.world_size() > 1 else contextlib.nullcontext():
-            batch.advantages = self.method.advantages(batch)  # scale=batch: the std of every rank's rows
+            batch.advantages = checked_advantages(self.method, batch)  # scale=batch: the std of every rank's rows
         batch = self._prune(batch, metrics)
         if distributed.sum_scalar(float(len(batch))) == 0:  # every rank joins: one rank's empty share still trains
             return None, metrics  # every sample pruned on every rank (DAPO's overlong filter): a step without update

@@ -70,7 +70,7 @@ from mmrl.core.logging import (
 from mmrl.core.losses import DENOM_SHARES
 from mmrl.core.master import MasterWeights, release
 from mmrl.core.memory import update_mode
-from mmrl.core.method import build_method
+from mmrl.core.method import build_method, checked_loss
 from mmrl.core.overlong import overlong_atom
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
@@ -81,6 +81,11 @@ from mmrl.core.stop import SignalStop, StoppedBySignal
 
 class TrainingError(RuntimeError):
     """The run cannot go on (non-finite training, nothing to resume); the message says why."""
+
+
+class MethodError(TrainingError):
+    """A method's hook returned what the loop cannot use (mmrl.core.method.checked_loss and
+    checked_advantages): the message names the hook and what it must return."""
 
 
 class OutputDirError(TrainingError, ckpt.CheckpointError):
@@ -475,7 +480,7 @@ class Trainer:
                     micro = mini.select(micro_idx)
                     share = len(micro) / len(mini)
                     with update_mode(self.policy.model):  # training mode where checkpointing needs it
-                        out = self.method.loss(self.policy, micro, micro.advantages, denom=denom)
+                        out = checked_loss(self.method, self.method.loss(self.policy, micro, micro.advantages, denom=denom))
                         # With a (global) mini-batch denominator the micro losses already sum to
                         # the mini-batch loss; without one each is its own mean and is weighted.
                         loss = out.loss if denom is not None else out.loss * share / self.world
@@ -496,7 +501,8 @@ class Trainer:
         for _ in range(extra):
             row = batch.select(torch.arange(1))
             with update_mode(self.policy.model):
-                (self.method.loss(self.policy, row, row.advantages, denom=denom).loss * 0.0).backward()
+                out = checked_loss(self.method, self.method.loss(self.policy, row, row.advantages, denom=denom))
+                (out.loss * 0.0).backward()
 
     def streamed_step(self) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pipelined: train on each group as it arrives; step the optimizer every U groups.
@@ -559,7 +565,8 @@ class Trainer:
             micro = group.select(idx)
             denom = self.method.loss_denominator(micro)
             with update_mode(self.policy.model):  # training mode where checkpointing needs it
-                out = self.method.loss(self.policy, micro, micro.advantages, denom=None if denom is None else 1.0)
+                out = checked_loss(self.method, self.method.loss(self.policy, micro, micro.advantages,
+                                                                 denom=None if denom is None else 1.0))
                 loss = out.loss if denom is not None else out.loss * len(micro)  # a sum either way
                 loss.backward()
             acc["denom"] += denom if denom is not None else len(micro)
