@@ -111,6 +111,24 @@ def test_no_config_file_warns_as_the_cli_loads_it(path):
 # ---------------------------------------------------------------------------- unknown keys
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # one string was read character by character: "override 't' must look like key.path=value"
+    ("train.max_steps=3", "not one string: write ['train.max_steps=3']"),
+    ({"train.max_steps": 3}, "not a dict: write ['train.max_steps=3']"),
+    ([("train.max_steps", 3)], "('train.max_steps', 3) is not a string (tuple)"),
+    ([3], "3 is not a string (int)"),  # was a TypeError from inside the parser
+])
+def test_overrides_from_python_must_be_a_list_of_strings(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, overrides=overrides)
+    assert message in str(e.value) and "key.path=value" in str(e.value)
+
+
+def test_overrides_none_and_a_tuple_are_fine():
+    assert load_config(TrainConfig, overrides=None).seed == TrainConfig().seed
+    assert load_config(TrainConfig, overrides=("seed=5",)).seed == 5
+
+
 def test_unknown_top_level_key_names_key_and_suggestion():
     msg = config_error(overrides=["seeed=3"])
     assert "'seeed'" in msg

@@ -671,6 +671,25 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _override_list(overrides) -> tuple[str, ...]:
+    """load_config's `overrides` from Python: a list of strings. One string would be read
+    character by character ("override 't' must look like ..."), and a dict's keys without
+    their values, so both are refused with the list to write instead."""
+    if overrides is None:
+        return ()
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'key.path=value' strings, not one string: "
+                          f"write [{overrides!r}]")
+    if isinstance(overrides, dict):
+        hint = ", ".join(repr(f"{k}={v}") for k, v in list(overrides.items())[:2])
+        raise ConfigError(f"overrides must be a list of 'key.path=value' strings, not a dict: write [{hint}]")
+    bad = [o for o in overrides if not isinstance(o, str)]
+    if bad:
+        raise ConfigError(f"overrides must be a list of 'key.path=value' strings; {bad[0]!r} is not a string ("
+                          f"{type(bad[0]).__name__})")
+    return tuple(overrides)
+
+
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     data = copy.deepcopy(data)
     done: list[tuple[list[str], str]] = []  # (key, override) applied so far
@@ -752,7 +771,9 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     defaults: dict | None = None,
 ) -> TrainConfig:
-    """Build a validated config: `defaults` <- YAML file at `path` <- dotted `overrides`."""
+    """Build a validated config: `defaults` <- YAML file at `path` <- dotted `overrides`, a list
+    of "key.path=value" strings as --set takes them (the value read as YAML)."""
+    overrides = _override_list(overrides)
     # Start from the full default dump, so every union section carries its `type`.
     data = deep_merge(cls().model_dump(mode="json"), defaults or {})
     if path is not None:
