@@ -8,7 +8,7 @@ import pytest
 import torch
 import toy
 
-from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.losses import LossOutput
 from mmrl.core.trainer import MethodError, Trainer, TrainingError
 
@@ -64,3 +64,23 @@ def test_a_good_method_still_trains(tmp_path):
     metrics = t.train_step()
     assert metrics["train/updates"] >= 1 and not metrics.get("train/bad_step")
     assert any(not torch.equal(a, p) for a, p in zip(before, t.params))
+
+
+# ------------------------------------------------------------ a config changed after it was built
+
+
+def test_a_config_changed_by_model_copy_is_validated_again_by_the_trainer(tmp_path):
+    """pydantic's model_copy(update=...) does not validate: a dict for a section failed with an
+    AttributeError inside the trainer, and max_steps=-3 trained nothing without a word."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}"])
+    policy, task = toy.build(cfg)
+    with pytest.raises(ConfigError, match=r"section train is a dict, not a TrainLoopConfig.*'train': cfg\.train"):
+        Trainer(cfg.model_copy(update={"train": {"max_steps": 1}}), policy, task)
+    negative = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": -3})})
+    with pytest.raises(ConfigError, match=r"train\.max_steps: Input should be greater than or equal to 0 \(got -3\)"):
+        Trainer(negative, policy, task)
+    nested = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"scheduler": {"mode": "sync"}})})
+    with pytest.raises(ConfigError, match=r"section rollout\.scheduler is a dict"):
+        Trainer(nested, policy, task)
+    good = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 1}), "seed": 3})
+    assert Trainer(good, policy, task).cfg is good  # validated, not replaced

@@ -797,6 +797,36 @@ def load_config(
     return cfg
 
 
+def check_built(cfg: BaseModel) -> None:
+    """A config that a Trainer is handed, validated again: pydantic's model_copy(update=...)
+    does not validate, so `cfg.model_copy(update={"train": {"max_steps": 5}})` put a dict where
+    the section was (an AttributeError deep in the trainer) and a max_steps of -3 trained
+    nothing without a word. ConfigError naming the key; the config itself is not replaced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a validator's warnings were shown when it was built
+        data = cfg.model_dump(mode="json", warnings=False)
+        try:
+            fresh = type(cfg).model_validate(data)
+        except ValidationError as e:
+            raise ConfigError("invalid config (model_copy(update=...) does not validate what it sets): "
+                              + "; ".join(_describe(e, type(cfg), data))) from None
+    _check_sections(cfg, fresh, "")
+
+
+def _check_sections(cfg: BaseModel, fresh: BaseModel, prefix: str) -> None:
+    for name in type(fresh).model_fields:
+        top = (prefix + name).split(".")[0]  # the example below updates a top-level section
+        want, got = getattr(fresh, name), getattr(cfg, name, None)
+        if isinstance(want, BaseModel):
+            if not isinstance(got, type(want)):
+                raise ConfigError(f"config section {prefix}{name} is a {type(got).__name__}, not a "
+                                  f"{type(want).__name__}: model_copy(update=...) sets values as given; "
+                                  f"update a section with its own model_copy, e.g. "
+                                  f"cfg.model_copy(update={{{top!r}: cfg.{top}.model_copy(update={{...}})}}), "
+                                  f"or build the config with load_config(..., overrides=[...])")
+            _check_sections(got, want, f"{prefix}{name}.")
+
+
 # --------------------------------------------------------------------------- error messages
 
 

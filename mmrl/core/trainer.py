@@ -55,7 +55,7 @@ from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed, fsdp, provenance
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.best import BestCheckpoint
-from mmrl.core.config import ConfigError, OptimConfig, TrainConfig
+from mmrl.core.config import ConfigError, OptimConfig, TrainConfig, check_built
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import (
@@ -139,6 +139,7 @@ class Trainer:
         `engines`: rollout engines to use instead of those the config describes (not inline).
         `training=False`: only to evaluate (the eval verb), so the settings that only training
         refuses (one sample per group, float16 weights) are let through."""
+        check_built(cfg)  # a config changed after it was built (model_copy) is validated again
         self.cfg = cfg
         self.out = Path(output_dir or cfg.output_dir)
         self.policy = policy
