@@ -32,14 +32,43 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def problems_of(name: str, split: str, items: Sequence) -> list:
+    """A task's problems from Python: each a dllm_rl.tasks.Problem, or a dict read as a line of
+    a JSONL file is ({"prompt": ..., "answer": ...}, other fields into meta). A ValueError names
+    the item, where a dict failed as `'dict' object has no attribute 'prompt'` deep in the
+    backend and a number answer as the tokenizer's own error."""
+    from dllm_rl.tasks import Problem
+    from dllm_rl.tasks.jsonl import _problem
+    from mmrl.core.jsonl import DatasetError
+
+    problems = []
+    for i, item in enumerate(items):
+        where = f"task {name!r}: {split} item {i}"
+        if isinstance(item, dict):
+            try:
+                item = _problem(item, f"{split} problems", i)
+            except DatasetError as e:
+                raise ValueError(f"{where}, field {e.field!r}: {e.problem}") from None
+            item.where = f"{split} item {i}"
+        if not isinstance(item, Problem):
+            raise TypeError(f"{where} is a {type(item).__name__}: give a dllm_rl.tasks.Problem or a dict "
+                             "{'prompt': ..., 'answer': ...}")
+        for field in ("prompt", "answer", "reference"):
+            value = getattr(item, field)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{where}: Problem.{field} must be a non-empty string, got {value!r}")
+        problems.append(item)
+    return problems
+
+
 class DLLMTask:
     def __init__(self, name: str, train: Sequence, evaluation: Sequence, reward: Reward, *,
                  answer_atom: str, rollout, batch_size: int = 128, eval_samples: int = 0):
         if not train or not evaluation:
             raise ValueError(f"task {name!r} needs training and held-out problems")
         self.name = name
-        self.train = list(train)
-        self.eval_problems = list(evaluation)
+        self.train = problems_of(name, "train", train)
+        self.eval_problems = problems_of(name, "evaluation", evaluation)
         self.reward = reward
         self.answer_atom = answer_atom
         self.rollout = rollout

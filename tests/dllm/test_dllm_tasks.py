@@ -633,6 +633,29 @@ def test_a_dllm_task_needs_both_training_and_held_out_problems():
             DLLMTask("arith", train, evaluation, _dllm_reward(), answer_atom="correct", rollout=None)
 
 
+def test_a_dllm_task_from_python_takes_problems_or_jsonl_like_dicts():
+    """From Python a task's problems may be Problems or dicts read as JSONL lines; anything
+    else is a ValueError (TypeError for the wrong kind of item) naming the item (a dict was `'dict' object has no attribute 'prompt'`
+    inside the backend, a number answer the tokenizer's error)."""
+    from dllm_rl.task import DLLMTask
+
+    def task(train):
+        return DLLMTask("mine", train, PROBLEMS, _dllm_reward(), answer_atom="correct", rollout=None)
+
+    made = task([{"prompt": "1+1=", "answer": 2, "source": "quiz"}, PROBLEMS[0]])
+    first = made.train[0]
+    assert (first.prompt, first.answer, first.reference) == ("1+1=", "2", "2")  # a number answer as text
+    assert first.meta == {"source": "quiz", "answer": "2"} and made.train[1] is PROBLEMS[0]
+    for train, message in (
+        ([PROBLEMS[0], {"answer": "2"}], "task 'mine': train item 1, field 'prompt': "),
+        ([Problem("1+1=", 2, "2")], "train item 0: Problem.answer must be a non-empty string, got 2"),
+        ([Problem("", "2", "2")], "train item 0: Problem.prompt must be a non-empty string"),
+        (["1+1="], "train item 0 is a str: give a dllm_rl.tasks.Problem or a dict"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+            task(train)
+
+
 def test_greedy_evaluation_by_hand_in_batches_in_eval_mode():
     """Greedy answers 2 (right), 5 (wrong), "half" to 3 problems: accuracy (the correct atom)
     (1 + 0 + 0.5) / 3 = 0.5; short (1 + 1 + 0) / 3; reward (1.5 + 0.5 + 0.5) / 3 = 5/6;
