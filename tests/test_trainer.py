@@ -22,6 +22,7 @@ from transformers import LlamaForCausalLM
 from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.config import TrainConfig, load_config
 from mmrl.core.logging import read_metrics
+from mmrl.core.rewards import Reward, reward_atom
 from mmrl.core.trainer import Trainer, TrainingError
 
 
@@ -1469,6 +1470,25 @@ def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on
     second = Trainer(cfg, policy, task)
     assert second.reward.names == task.reward.names == ["answer", "stop", "even_first"]
     assert task.base_reward.names == ["answer", "stop"]
+
+
+def test_a_task_reward_set_between_two_trainers_is_the_new_base(tmp_path):
+    """From Python, `task.reward = Reward([...])` after a first trainer: the second trainer scores
+    with it (plus the config's atoms), where it was replaced by the first trainer's base without
+    a word."""
+    write_even_first_atom(tmp_path)
+    (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n")
+    cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'out'}"])
+    policy, task = toy.build(cfg)
+    Trainer(cfg, policy, task)
+    own = reward_atom("own")(lambda s: 1.0)
+    task.reward = Reward([*task.base_reward.atoms, own])
+    second = Trainer(cfg, policy, task)
+    assert second.reward.names == task.reward.names == ["answer", "stop", "own", "even_first"]
+    assert task.base_reward.names == ["answer", "stop", "own"]
+    third = Trainer(cfg, policy, task)  # and no second copy of the config's atom
+    assert third.reward.names == ["answer", "stop", "own", "even_first"]
 
 
 def test_a_sample_table_shows_a_tensor_as_its_values_up_to_512_and_an_image_as_its_size():

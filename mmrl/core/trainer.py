@@ -1065,11 +1065,15 @@ def check_weights(reward: Reward) -> None:
 def with_config_atoms(task, cfg: TrainConfig) -> Reward:
     """The run's reward (combined_reward), made the task's too, so that held-out evaluation and
     `sample` score what training scores. The task's own reward is kept as `task.base_reward`,
-    so a second trainer on the same task adds the config's atoms once."""
-    base = getattr(task, "base_reward", task.reward)
+    so a second trainer on the same task adds the config's atoms once. A task.reward set since
+    (from Python, between two trainers: `task.reward = Reward([...])`) is the new base; it was
+    dropped without a word for the earlier base."""
+    base = task.reward
+    if getattr(task, "base_reward", None) is not None and task.reward is getattr(task, "run_reward", None):
+        base = task.base_reward  # the reward an earlier trainer made: start again from the task's own
     reward = combined_reward(base, cfg, getattr(task, "metric_names", EVAL_METRIC_NAMES),
                              getattr(task, "metric_prefixes", EVAL_METRIC_PREFIXES))
-    task.base_reward, task.reward = base, reward
+    task.base_reward, task.reward, task.run_reward = base, reward, reward
     return reward
 
 
