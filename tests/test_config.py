@@ -124,6 +124,15 @@ def test_overrides_from_python_must_be_a_list_of_strings(overrides, message):
     assert message in str(e.value) and "key.path=value" in str(e.value)
 
 
+def test_a_mapping_given_as_the_path_or_defaults_not_a_mapping_is_a_config_error():
+    # the path was a TypeError from pathlib, a list of defaults an AttributeError from deep_merge
+    with pytest.raises(ConfigError, match=r"path is a dict: pass a mapping as defaults=\.\.\."):
+        load_config(TrainConfig, {"train": {"max_steps": 2}})
+    with pytest.raises(ConfigError, match="defaults must be a mapping of sections, got a list"):
+        load_config(TrainConfig, defaults=["train.max_steps=2"])
+    assert load_config(TrainConfig, defaults={"train": {"max_steps": 2}}).train.max_steps == 2
+
+
 def test_overrides_none_and_a_tuple_are_fine():
     assert load_config(TrainConfig, overrides=None).seed == TrainConfig().seed
     assert load_config(TrainConfig, overrides=("seed=5",)).seed == 5

@@ -774,6 +774,11 @@ def load_config(
     """Build a validated config: `defaults` <- YAML file at `path` <- dotted `overrides`, a list
     of "key.path=value" strings as --set takes them (the value read as YAML)."""
     overrides = _override_list(overrides)
+    if isinstance(path, dict):  # load_config(Cfg, {...}): the second argument is the file's path
+        raise ConfigError("load_config's path is a dict: pass a mapping as defaults=..., e.g. "
+                          "load_config(cls, defaults={'train': {'max_steps': 2}})")
+    if defaults is not None and not isinstance(defaults, dict):
+        raise ConfigError(f"load_config's defaults must be a mapping of sections, got a {type(defaults).__name__}")
     # Start from the full default dump, so every union section carries its `type`.
     data = deep_merge(cls().model_dump(mode="json"), defaults or {})
     if path is not None:
