@@ -11,6 +11,7 @@ import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,15 @@ def test_run_writes_its_outputs(tmp_path):
     loaded = LlamaForCausalLM.from_pretrained(summary["checkpoint"])
     for k, v in trainer.policy.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_train_returns_the_keys_its_docstring_names(tmp_path):
+    """help(Trainer.train) in a notebook: the summary keys it names are the ones returned."""
+    named = re.findall(r"`(\w+)`", Trainer.train.__doc__.split("`resume`")[0])
+    assert {"eval_before", "eval_after", "steps", "checkpoint", "final_metrics", "config"} <= set(named)
+    summary = make(tmp_path, "train.max_steps=1").train()
+    assert set(named) <= set(summary) and summary["steps"] == 1
+    assert Path(summary["checkpoint"]).is_dir() and summary["final_metrics"]["step"] == 1
 
 
 def test_resume_2_plus_2_equals_4_steps(tmp_path):

@@ -133,6 +133,15 @@ def lr_factor(cfg: OptimConfig, total: int):
 
 
 class Trainer:
+    """The one RL loop over a backend's policy and task (README "The Python API"):
+
+        policy, task = backend.build(cfg)
+        summary = Trainer(cfg, policy, task).train()     # .train(resume=True) is --resume
+
+    It trains `policy` in place, so a second Trainer on the same policy starts from the
+    weights the first left (build the policy again for an independent run), and it seeds
+    Python's, NumPy's and torch's global generators with cfg.seed."""
+
     def __init__(self, cfg: TrainConfig, policy, task, output_dir: str | Path | None = None, backend=None,
                  engines: list | None = None, training: bool = True):
         """`backend`: the backend module (its `build_engine` makes engines of its own, e.g. vLLM).
@@ -272,6 +281,12 @@ class Trainer:
         return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
     def train(self, resume: bool = False) -> dict[str, Any]:
+        """Evaluate, train train.max_steps steps, evaluate again; the summary.json it writes:
+        `eval_before` and `eval_after` (held-out metrics), `steps`, `checkpoint` (the final
+        weights' directory), `final_metrics` (the last step's metrics.jsonl row), `config`.
+        `resume`: go on from the newest complete checkpoint in the output directory (an
+        OutputDirError where there is none); without it, a directory that holds a run's
+        checkpoints is an OutputDirError."""
         tc = self.cfg.train
         path = check_output_dir(self.out, resume)
         if path is not None:
