@@ -42,8 +42,12 @@ def test_bad_advantages_name_the_method(tmp_path, what, mode):
     t = trainer(tmp_path, f"rollout.scheduler.mode={mode}")
     change, message = ADVANTAGES[what]
     wrap(t.method, "advantages", change)
-    with pytest.raises(MethodError, match=f"{type(t.method).__qualname__}.advantages {message}"):
-        t.train_step()
+    try:
+        with pytest.raises(MethodError, match=f"{type(t.method).__qualname__}.advantages {message}"):
+            t.train_step()
+    finally:  # train() closes a pipelined scheduler's engine threads; a bare train_step() does not
+        if hasattr(t.scheduler, "close"):
+            t.scheduler.close()
     assert issubclass(MethodError, TrainingError)  # the CLI's error paragraph, not a traceback
 
 
