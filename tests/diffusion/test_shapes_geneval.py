@@ -877,6 +877,9 @@ def test_reward_scores_samples_by_atom_type(monkeypatch):
     calls = []
     real_detect = sg.detect
     monkeypatch.setattr(sg, "detect", lambda img, **kw: calls.append(1) or real_detect(img, **kw))
+    # empty caches: an earlier test (evaluation's atom_accuracy) may have detected these images
+    monkeypatch.setattr(sg, "_OBJECT_CACHE", {})
+    monkeypatch.setattr(sg, "_ATOM_CACHE", {})
     reward = shapes_geneval_reward()
     assert isinstance(reward, Reward)
     scores = reward.score(samples)
