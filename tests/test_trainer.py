@@ -1468,15 +1468,21 @@ def test_a_sample_table_shows_a_repr_up_to_2000_characters_then_cuts_it():
     assert _show("x" * 5000) == "x" * 5000 and _show(None) is None
 
 
-def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on_it(tmp_path):
-    """A second trainer on the same task starts from the task's own reward (base_reward), not
-    from the first trainer's, which already holds the config's atom."""
+def _trained_once_with_a_config_atom(tmp_path):
+    """A toy run whose config adds the even_first atom, with one Trainer already built on its task."""
     write_even_first_atom(tmp_path)
     (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n")
     cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
                       overrides=[f"output_dir={tmp_path / 'out'}"])
     policy, task = toy.build(cfg)
     Trainer(cfg, policy, task)
+    return cfg, policy, task
+
+
+def test_a_config_atom_joins_the_task_reward_once_whatever_the_trainers_built_on_it(tmp_path):
+    """A second trainer on the same task starts from the task's own reward (base_reward), not
+    from the first trainer's, which already holds the config's atom."""
+    cfg, policy, task = _trained_once_with_a_config_atom(tmp_path)
     second = Trainer(cfg, policy, task)
     assert second.reward.names == task.reward.names == ["answer", "stop", "even_first"]
     assert task.base_reward.names == ["answer", "stop"]
@@ -1486,12 +1492,7 @@ def test_a_task_reward_set_between_two_trainers_is_the_new_base(tmp_path):
     """From Python, `task.reward = Reward([...])` after a first trainer: the second trainer scores
     with it (plus the config's atoms), where it was replaced by the first trainer's base without
     a word."""
-    write_even_first_atom(tmp_path)
-    (tmp_path / "run.yaml").write_text("reward:\n  atoms: [atoms.py:even_first]\n")
-    cfg = load_config(TrainConfig, tmp_path / "run.yaml", defaults=toy.DEFAULT_CONFIG,
-                      overrides=[f"output_dir={tmp_path / 'out'}"])
-    policy, task = toy.build(cfg)
-    Trainer(cfg, policy, task)
+    cfg, policy, task = _trained_once_with_a_config_atom(tmp_path)
     own = reward_atom("own")(lambda s: 1.0)
     task.reward = Reward([*task.base_reward.atoms, own])
     second = Trainer(cfg, policy, task)
