@@ -13,6 +13,7 @@ non-zero; only bugs show a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -314,8 +315,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 raise BackendUnavailable(f"`{spec.command} sample --image`: this backend's prompts are text only")
             from mmrl.core.trainer import with_config_atoms
 
-            with warnings.catch_warnings():  # what held-out metrics measure: sample reports none
-                warnings.simplefilter("ignore", HeldOutWarning)
+            with no_held_out_warnings():  # sample reports no held-out metric
                 policy, task = backend.build(cfg)
             with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
@@ -361,8 +361,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 check_port(host, port)  # the address is taken or not ours: said now, not after minutes of loading
             except OSError as e:
                 fail(str(e))
-            with warnings.catch_warnings():  # what held-out metrics measure: serve reports none
-                warnings.simplefilter("ignore", HeldOutWarning)
+            with no_held_out_warnings():  # serve reports no held-out metric
                 policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
@@ -484,6 +483,15 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 CONFIG_CLASSES = {"mmrl": ("mmrl.vlm.config", "VLMTrainConfig"),
                   "diffusion-rl": ("diffusion_rl.config", "DiffusionTrainConfig"),
                   "dllm-rl": ("dllm_rl.config", "DLLMTrainConfig")}
+
+
+@contextlib.contextmanager
+def no_held_out_warnings():
+    """Building for a verb that reports no held-out metric (sample, serve): warnings about what
+    those metrics measure (HeldOutWarning) would be noise there."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeldOutWarning)
+        yield
 
 
 def world_size() -> int:
