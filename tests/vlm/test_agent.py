@@ -289,16 +289,23 @@ def test_markup_in_a_tools_text_stays_text(qwen25_dir):
     assert "image_pad" in batch.samples[0].completion and batch.samples[0].completion.rstrip().endswith("</answer>")
 
 
-def test_a_tools_long_text_is_cut_and_counted(qwen25_dir):
-    registry = build_registry([], timeout=2.0)
+def _calls_dump(qwen25_dir, text: str, timeout: float):
+    """A policy (observations cut at 64 tokens) scripted to call the tool `dump`, which returns
+    `text`, then answer."""
+    registry = build_registry([], timeout=timeout)
 
     @registry.register
     def dump() -> str:
-        return "word " * 5000
+        return text
 
     policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=64)
     Scripted(policy, [['<tool_call>\n{"name": "dump", "arguments": {}}\n</tool_call>',
                        "<answer>circle</answer><|im_end|>"]]).install()
+    return policy
+
+
+def test_a_tools_long_text_is_cut_and_counted(qwen25_dir):
+    policy = _calls_dump(qwen25_dir, "word " * 5000, timeout=2.0)
     with pytest.warns(UserWarning, match=r"tool dump: returned \d+ tokens of text, cut to tools.max_observation_tokens "
                                          r"64 \(the rollout reads the text up to there") as said:
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
@@ -311,16 +318,8 @@ def test_a_tools_long_text_is_cut_and_counted(qwen25_dir):
 def test_a_tools_text_of_megabytes_is_cut_before_it_is_tokenised(qwen25_dir):
     """Tokenising 10 MB took 24 s a call: past agent._TOKENIZED_CHARS (and 32 characters a token
     of the budget) the text is cut unread, and the observation and the warning say so."""
-    registry = build_registry([], timeout=5.0)
     words = "word " * 2_000_000  # 10 MB
-
-    @registry.register
-    def dump() -> str:
-        return words
-
-    policy = make_policy(qwen25_dir, registry=registry, max_observation_tokens=64)
-    Scripted(policy, [['<tool_call>\n{"name": "dump", "arguments": {}}\n</tool_call>',
-                       "<answer>circle</answer><|im_end|>"]]).install()
+    policy = _calls_dump(qwen25_dir, words, timeout=5.0)
     with pytest.warns(UserWarning, match=r"tool dump: returned more than \d+ tokens of text, cut to "
                                          r"tools.max_observation_tokens 64") as said:
         batch = policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
