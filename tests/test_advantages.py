@@ -547,3 +547,20 @@ def test_grpo_dynamic_sampling_keeps_only_the_groups_whose_rewards_differ():
     assert GRPO(cfg.method, cfg, None).keep_groups(batch).tolist() == [False, False, True, True, False, False]
     cfg = load_config(VLMTrainConfig)
     assert GRPO(cfg.method, cfg, None).keep_groups(batch) is None  # off: every group trains
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_float32_rewards_whose_squares_overflow_still_get_their_advantages(scale):
+    # (4e19)^2 is past float32's 3.4e38: the std read inf and every advantage 0, silently
+    ids = torch.zeros(4, dtype=torch.long)
+    small = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    big = group_advantages(small * 1e19, ids, scale=scale)
+    assert big.dtype == torch.float32
+    torch.testing.assert_close(big, group_advantages(small, ids, scale=scale))
+    atoms = atom_advantages((small * 1e19)[:, None], ids, scale=scale)
+    torch.testing.assert_close(atoms[:, 0], group_advantages(small, ids, scale=scale))
+
+
+def test_rewards_beyond_float64_statistics_are_refused_with_their_size():
+    with pytest.raises(ValueError, match=r"too large .* 1e\+200"):
+        group_advantages(torch.tensor([1e200, -1e200], dtype=torch.float64), torch.tensor([0, 0]))

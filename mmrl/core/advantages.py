@@ -172,11 +172,18 @@ def _normalised(values: Tensor, group_ids, scale: str, eps: float, population: b
         if population:
             g = stats.count.to(v.dtype).view((-1,) + (1,) * (v.dim() - 1))
             std = std * ((g - 1) / g).sqrt()
-        adv = centred / (std + eps)
     elif scale == "batch":
-        adv = centred / (_batch_std(v) + eps)
+        std = _batch_std(v)
     else:  # "none" (Dr.GRPO)
-        adv = centred
+        std = v.new_zeros(())
+    if not (bool(torch.isfinite(std).all()) and bool(torch.isfinite(centred).all())):
+        # Squared deviations of rewards beyond ~1e19 overflow float32: the std would read inf
+        # and every advantage 0, without a word. float64 holds them; past it, say so.
+        if v.dtype == torch.float32:
+            return _normalised(values.double(), group_ids, scale, eps, population)
+        raise ValueError(f"rewards too large for their group statistics (largest magnitude "
+                         f"{v.abs().max().item():.3g}): scale them down")
+    adv = centred if scale == "none" else centred / (std + eps)
     # All-equal groups: exactly 0, not rounding noise / (tiny std + eps), nor 0 / 0 at eps = 0.
     return adv.masked_fill(stats.zero_var, 0.0)
 
