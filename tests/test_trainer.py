@@ -82,6 +82,14 @@ def test_run_writes_its_outputs(tmp_path):
     rows = [json.loads(x) for x in (out / "samples" / "step_00000003.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 8 and {"prompt", "completion", "reward", "atoms", "advantage"} <= set(rows[0])
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    # TensorBoard's held-out curve spans the run: the evaluations before and after it, as summary.json
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    curve = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
+    assert curve == [(0, pytest.approx(summary["eval_before"]["accuracy"])),
+                     (3, pytest.approx(summary["eval_after"]["accuracy"]))]
     # The checkpoint loads through the real from_pretrained and equals the trained weights.
     loaded = LlamaForCausalLM.from_pretrained(summary["checkpoint"])
     for k, v in trainer.policy.model.state_dict().items():

@@ -151,6 +151,7 @@ class RunLogger:
 
             self._wandb = WandbRun(wandb, self.dir, config or {}, resume=start_step > 0)
         self._tb = _tensorboard_writer(self.dir / "tensorboard", start_step + 1) if tensorboard else None
+        self._tensorboard = self._tb is not None
         self._progress = None
         if progress and sys.stderr.isatty():
             from rich.progress import (
@@ -205,6 +206,22 @@ class RunLogger:
                   file=sys.stderr, flush=True)
             self._since, self._since_step = now, step
         self._last = now
+
+    def held_out(self, step: int, metrics: dict[str, float]) -> None:
+        """The held-out evaluations before and after training, which metrics.jsonl leaves to
+        summary.json, as TensorBoard's eval/* scalars at step 0 and the last step: its held-out
+        curves then span the run, as the evaluations during it (eval/* in `log`) do not."""
+        if not self._tensorboard:
+            return
+        writer = self._tb
+        if writer is None:  # after close (the final evaluation): a writer of its own, briefly
+            writer = _tensorboard_writer(self.dir / "tensorboard", None)
+            if writer is None:
+                return
+        for k, v in finite_scalars(metrics).items():
+            writer.add_scalar(f"eval/{k}", v, step)
+        if writer is not self._tb:
+            writer.close()
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` spent outside the steps (an evaluation) out of the s/step and time left."""
@@ -351,7 +368,7 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _tensorboard_writer(path: Path, first_step: int):
+def _tensorboard_writer(path: Path, first_step: int | None):
     """A writer whose steps from `first_step` on replace the earlier event files' (TensorBoard's
     purge_step): a resumed run's plots drop the steps after its checkpoint, as metrics.jsonl does."""
     try:

@@ -327,6 +327,8 @@ class Trainer:
             with SignalStop() as stop:
                 if self.eval_before is None:
                     self.eval_before = self._evaluate_noted(logger, "before training", samples_tag="before")
+                    if logger is not None:
+                        logger.held_out(0, self.eval_before)
                 self.best.check(self.eval_before)
                 signalled = self._train_steps(logger, stop)
             if self.saved_step != self.step and (signalled is None or self.step > 0):
@@ -410,6 +412,7 @@ class Trainer:
         if len(set(checksums)) > 1:  # the ranks' updates were meant to be one: something made them differ
             warnings.warn(f"the {self.world} processes end with different weights (sum |w| per rank: "
                           f"{checksums}); summary.json records them", stacklevel=3)
+        logger.held_out(self.step, eval_after)
         self._ended("finished")  # before summary.json and report.html, which shows it
         summary = self.write_summary(eval_after, self.seconds(), checksums)
         logger.finish(summary)
