@@ -88,7 +88,7 @@ def test_a_plugin_method_trains_resumes_elsewhere_and_evaluates(tmp_path, monkey
     ({}, "half_neg.py", "plugins: a list of Python file paths is needed"),
     ({"mine.py": "from dllm_rl.methods.diffu_grpo import DiffuGRPO\nfrom mmrl.core.method import register_method\n"
                  "register_method('diffu_grpo')(type('Mine', (DiffuGRPO,), {}))\n"}, ["mine.py"],
-     r"method 'diffu_grpo' is built in \(dllm_rl.methods.diffu_grpo.DiffuGRPO\): register Mine under a name"),
+     r"method 'diffu_grpo' is built in \(dllm_rl.methods.diffu_grpo.DiffuGRPO\): register Mine \(in .*\) under a name"),
     ({"script.py": "import sys\nsys.exit('usage: script.py ARG')\n"}, ["script.py"],
      "plugins: 'script.py': importing .*usage: script.py ARG"),
 ])
@@ -125,6 +125,10 @@ def test_only_a_built_in_name_is_refused_and_the_newest_registration_wins(monkey
     with pytest.raises(ValueError, match="'built_in_only_here' is built in"):
         register_method("built_in_only_here")(cls("plugin_c"))
     assert core_method.METHODS["built_in_only_here"] is newer_builtin
+    # the other order: a plugin registered before its backend's methods were imported
+    register_method("plugin_first_here")(cls("plugin_d"))
+    with pytest.raises(ValueError, match=r"'plugin_first_here' is built in \(mmrl.late.*From_plugin_d \(in plugin_d\)"):
+        register_method("plugin_first_here")(cls("mmrl.late"))
 
 
 def test_a_plugin_that_fails_after_registering_leaves_no_method_behind(tmp_path):

@@ -158,10 +158,13 @@ def register_method(name: str):
 
     def wrap(cls):
         old = METHODS.get(name)
-        if (old is not None and old.__module__ != cls.__module__ and old.__module__.startswith(BUILT_IN)
-                and not cls.__module__.startswith(BUILT_IN)):
-            raise ValueError(f"method {name!r} is built in ({old.__module__}.{old.__qualname__}): register "
-                             f"{cls.__qualname__} under a name of its own")
+        if old is not None and old.__module__ != cls.__module__:
+            built_in, plugin = (old, cls) if old.__module__.startswith(BUILT_IN) else (cls, old)
+            # either order: a plugin imported before its backend's methods was replaced by the
+            # built-in without a word, and the config ran the built-in
+            if built_in.__module__.startswith(BUILT_IN) and not plugin.__module__.startswith(BUILT_IN):
+                raise ValueError(f"method {name!r} is built in ({built_in.__module__}.{built_in.__qualname__}): "
+                                 f"register {plugin.__qualname__} (in {plugin.__module__}) under a name of its own")
         METHODS[name] = cls
         return cls
 
