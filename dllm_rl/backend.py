@@ -109,6 +109,13 @@ def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPoli
                                             dtype=m.dtype)
     except (OSError, ValueError) as e:  # the loader's messages mostly start with the directory: not twice
         raise ConfigError(f"model.path: cannot load {path}: {str(e).removeprefix(f'{path}: ')}") from e
+    if predictor.attention == "block_causal" and predictor.block_length != cfg.rollout.block_length:
+        # A block-diffusion model (SDAR) learned to fill one attention block at a time: decoding
+        # blocks of another length run, but not as the model was trained, and silently so before.
+        warnings.warn(f"rollout.block_length {cfg.rollout.block_length} differs from the attention block "
+                      f"({predictor.block_length}) of the block-causal model in {path}: decoding blocks then "
+                      f"span or split its attention blocks; set rollout.block_length: {predictor.block_length} "
+                      "(and rollout.gen_length a multiple of it)", stacklevel=2)
     if m.lora is not None:  # before the policy, which keeps predictor.model
         predictor.model = add_lora(predictor.model, m.lora, seed=cfg.seed)
     # After LoRA, whose adapters are drawn on the CPU: a seed makes the same ones on any device.

@@ -727,6 +727,27 @@ def test_a_model_without_an_end_token_is_refused_at_load(tiny_dirs, tmp_path):
         load_mask_predictor(bare)
 
 
+def test_decoding_blocks_unlike_a_block_causal_models_attention_block_are_warned_of(tiny_dirs):
+    import warnings
+
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    def built(kind, block):
+        cfg = load_config(DLLMTrainConfig, overrides=[f"model.path={tiny_dirs[kind]}", "rollout.gen_length=8",
+                                                      f"rollout.block_length={block}"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            backend.build_policy(cfg)
+        return [str(w.message) for w in seen if "attention block" in str(w.message)]
+
+    assert built("sdar", 4) == [] and built("llada", 8) == []  # its own block; a full-attention model
+    (message,) = built("sdar", 8)
+    assert message.startswith("rollout.block_length 8 differs from the attention block (4) of the block-causal")
+    assert "set rollout.block_length: 4" in message
+
+
 def test_a_file_or_a_hub_cache_entry_given_as_model_path_names_the_directory_meant(tmp_path):
     from dllm_rl import backend
     from dllm_rl.config import DLLMTrainConfig
