@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -157,7 +158,7 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
     -> the model family's, and CAST's calibrated window (method.window_from). -> the model's
     directory (model.path: the config's directory, the working directory or the repo's)."""
     from diffusion_rl.calibrate import apply_window_file
-    from diffusion_rl.models import FAMILY_SHIFT, pipeline_family
+    from diffusion_rl.models import pipeline_family, time_shift
 
     path = model_dir(cfg)
     if path.is_file():  # a downloaded checkpoint file: say how to make the directory, not just "not one"
@@ -170,7 +171,11 @@ def resolve_settings(cfg: DiffusionTrainConfig) -> Path:
     if cfg.rollout.shift == "auto":
         family = pipeline_family(path)
         if family is not None:
-            cfg.rollout.shift = FAMILY_SHIFT[family]
+            try:  # the scheduler's config says which; loading the model says what is wrong with it
+                scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                scheduler = {}
+            cfg.rollout.shift = time_shift(family, scheduler if isinstance(scheduler, dict) else {})
     if cfg.method.type == "cast":  # the calibrated SDE window (method.window_from) sets the rollout's
         used = apply_window_file(cfg, path)
         if used is not None:

@@ -114,8 +114,11 @@ class DiffusionRolloutConfig(RolloutConfig):
     eval_steps: int | None = Field(None, ge=1)
     """Denoising steps of evaluation (ODE); None = num_steps."""
     shift: Literal["auto", "sd3", "flux", "none"] = "auto"
-    """Time shift of the sigma schedule (docs/methods.md section 4); auto: the model family's
-    (SD3 / SD3.5: sd3; FLUX, FLUX.2, Qwen-Image: flux), set when the model is built."""
+    """Time shift of the sigma schedule (docs/methods.md section 4); auto: the one the model's
+    pipeline samples with, from its scheduler's config (use_dynamic_shifting, as FLUX, FLUX.2
+    and Qwen-Image: flux; else sd3 with the config's shift, as SD3 / SD3.5, or none at shift 1,
+    as FLUX.1-schnell), set when the model is built. The shift's parameters (mu's line, the
+    sd3 shift) always come from the scheduler's config."""
     kind: Literal["sde", "cps"] = "sde"
     """The stochastic step (diffusion_rl.sde): sde, Flow-GRPO's reverse-time SDE (Euler-Maruyama),
     or cps, coefficients-preserving sampling (Flow-CPS; noise_level must lie in [0, 1])."""

@@ -113,8 +113,48 @@ FAMILIES = {
     "StableDiffusion3Pipeline": "sd3",
     "QwenImagePipeline": "qwen_image",
 }
-# The time shift each family's sampler uses (rollout.shift auto; diffusion_rl.sde)
+# The time shift each family's sampler uses where its scheduler's config does not say (rollout.shift
+# auto; diffusion_rl.sde); time_shift reads the config, as the family's pipeline does
 FAMILY_SHIFT = {"flux": "flux", "flux2": "flux", "sd3": "sd3", "qwen_image": "flux"}
+
+
+def time_shift(family: str, scheduler: dict) -> str:
+    """rollout.shift auto: the shift the family's diffusers pipeline samples with, from its
+    scheduler's config: resolution-dependent ("flux") where use_dynamic_shifting (FLUX.2's
+    pipeline always), else the static shift ("sd3": s sigma / (1 + (s - 1) sigma), s = the
+    config's `shift`), none at s = 1 (FLUX.1-schnell)."""
+    if family == "flux2" or scheduler.get("use_dynamic_shifting"):
+        return "flux"
+    if "use_dynamic_shifting" not in scheduler:  # not a FlowMatchEulerDiscreteScheduler config
+        return FAMILY_SHIFT[family]
+    return "none" if float(scheduler.get("shift", 1.0)) == 1.0 else "sd3"
+
+
+def time_shift_settings(family: str, scheduler: dict, seq_len: int, num_steps: int) -> dict:
+    """FlowSDESampler.set_timesteps's shift parameters as the pipeline computes them from the
+    scheduler's config (before, FLUX's were used for every model: Qwen-Image's max_shift 0.9 up
+    to 8192 tokens was read as 1.15 up to 4096). Not applied: Qwen-Image's `shift_terminal`,
+    which ends the pipeline's schedule at 0.02, where this sampler's ends at 0 (diffusion_rl.sde)."""
+    settings = {"image_seq_len": seq_len}
+    if not scheduler.get("use_dynamic_shifting") and "shift" in scheduler:
+        settings["shift_value"] = float(scheduler["shift"])  # an explicit sd3 shift keeps 3.0 otherwise
+    for ours, theirs in (("base_seq_len", "base_image_seq_len"), ("max_seq_len", "max_image_seq_len"),
+                         ("base_shift", "base_shift"), ("max_shift", "max_shift")):
+        if scheduler.get(theirs) is not None:
+            settings[ours] = scheduler[theirs]
+    if family == "flux2":  # Flux2Pipeline's own mu, fitted to image tokens and steps
+        settings["mu"] = flux2_mu(seq_len, num_steps)
+    return settings
+
+
+def flux2_mu(seq_len: int, num_steps: int) -> float:
+    """FLUX.2's empirical mu: linear in the image tokens L, on two lines fitted at 10 and 200
+    steps; between them linear in the steps; past 4300 tokens the 200-step line alone."""
+    at_200 = 0.00016927 * seq_len + 0.45666666
+    if seq_len > 4300:
+        return at_200
+    at_10 = 8.73809524e-05 * seq_len + 1.89833333
+    return at_200 + (num_steps - 200) * (at_200 - at_10) / 190.0
 
 
 def pipeline_family(root: str | os.PathLike) -> str | None:

@@ -55,11 +55,12 @@ class DiffusionPolicy:
     def sampler(self, num_steps: int) -> FlowSDESampler:
         """The sampler of `num_steps` steps. Its sigmas stay on the CPU (so do a batch's "sigma",
         "sigma_next"): the step checks them there without a device sync and moves them itself."""
-        from diffusion_rl.models import FAMILY_SHIFT
+        from diffusion_rl.models import time_shift, time_shift_settings
 
         s = FlowSDESampler()
-        shift = FAMILY_SHIFT[self.flow.family] if self.rollout.shift == "auto" else self.rollout.shift
-        s.set_timesteps(num_steps, shift=shift, image_seq_len=self.flow.seq_len)
+        family, config = self.flow.family, dict(getattr(self.flow.scheduler, "config", None) or {})
+        shift = time_shift(family, config) if self.rollout.shift == "auto" else self.rollout.shift
+        s.set_timesteps(num_steps, shift=shift, **time_shift_settings(family, config, self.flow.seq_len, num_steps))
         return s
 
     def serve_prompt(self, prompt: Any, rollout):

@@ -379,13 +379,14 @@ class FlowSDESampler:
         max_seq_len: int = 4096,
         base_shift: float = 0.5,
         max_shift: float = 1.15,
+        mu: float | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         """``sigmas = shift(linspace(1, 0, num_steps + 1))``.
 
         shift: "sd3" (``shift_value``, SD3 / SD3.5's 3.0), "flux" (FLUX / Qwen-Image; needs
         ``image_seq_len``, the number of image tokens, and takes diffusers' ``calculate_shift``
-        parameters) or "none" (uniform sigmas).
+        parameters, or ``mu`` itself, as FLUX.2's pipeline computes it) or "none" (uniform sigmas).
         """
         _check_choice(shift, SHIFTS, "shift")
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
@@ -394,9 +395,10 @@ class FlowSDESampler:
         if shift == "sd3":
             sigmas = sd3_shift(sigmas, shift_value)
         elif shift == "flux":
-            if image_seq_len is None:
+            if mu is None and image_seq_len is None:
                 raise ValueError('shift="flux" needs image_seq_len (the number of image tokens)')
-            mu = flux_mu(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
+            if mu is None:
+                mu = flux_mu(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
             sigmas = flux_shift(sigmas, mu)
         self.sigmas = sigmas.to(dtype=torch.float32, device=device)
         self.timesteps = self.sigmas[:-1] * self.num_train_timesteps

@@ -512,3 +512,35 @@ def test_zero_steps_integer_velocity_and_vector_noise_level_are_refused():
         sde_step_with_logprob(torch.zeros(2, 3, dtype=torch.long), x, 0.5, 0.4, noise_level=0.7)
     with pytest.raises(ValueError, match="noise_level must be a scalar"):
         sde_step_with_logprob(x, x, 0.5, 0.4, noise_level=torch.tensor([0.7, 0.7]))
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "schnell", "sd3"])
+def test_auto_shift_samples_the_sigmas_each_familys_pipeline_does(family):
+    """rollout.shift auto reads the scheduler's config as the family's pipeline does: before, every
+    model took FLUX.1's mu line (Qwen-Image's max_shift 0.9 to 8192 tokens read as 1.15 to 4096;
+    FLUX.2's empirical mu and FLUX.1-schnell's no shift ignored)."""
+    from types import SimpleNamespace
+
+    diffusers = pytest.importorskip("diffusers")
+    np = pytest.importorskip("numpy")
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from diffusion_rl.policy import DiffusionPolicy
+    from diffusion_rl.tiny import _scheduler
+
+    n, seq_len = 10, 1024
+    ref = (diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0) if family == "schnell"
+           else _scheduler("flux" if family == "flux2" else family))
+    config = dict(ref.config)
+    ref = diffusers.FlowMatchEulerDiscreteScheduler.from_config({**config, "shift_terminal": None})  # see time_shift_settings
+    if family == "flux2":
+        mu = compute_empirical_mu(seq_len, n)
+    else:
+        mu = calculate_shift(seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
+                             config["base_shift"], config["max_shift"])
+    ref.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
+    flow = SimpleNamespace(family="flux" if family == "schnell" else family, transformer=None, seq_len=seq_len,
+                           scheduler=SimpleNamespace(config=config))
+    ours = DiffusionPolicy(flow, SimpleNamespace(shift="auto")).sampler(n)
+    torch.testing.assert_close(ours.sigmas, ref.sigmas, atol=1e-6, rtol=0)
