@@ -215,11 +215,16 @@ def _load_policy(cfg: DiffusionTrainConfig, path: Path, device) -> DiffusionPoli
     m = cfg.model
     try:
         flow = load_flow_model(path, dtype=m.dtype, height=m.height, width=m.width,
-                               guidance_scale=m.guidance_scale, device=device)  # transformer, VAE, text encoders
+                               guidance_scale=m.guidance_scale, distilled_guidance=m.distilled_guidance,
+                               device=device)  # transformer, VAE, text encoders
     except ImageSizeError as e:
         raise ConfigError(f"model.height / model.width: {e}") from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path}: {e}") from e
+    if m.distilled_guidance is not None and not flow.transformer.config.get("guidance_embeds", False):
+        warnings.warn(f"model.distilled_guidance {m.distilled_guidance} is unused: the transformer in {path} has "
+                      "no guidance embedding (config guidance_embeds); model.guidance_scale is classifier-free "
+                      "guidance", stacklevel=2)
     from diffusion_rl.calibrate import MODEL_WINDOW_FILE
 
     flow.carried_files.append(path / MODEL_WINDOW_FILE)  # checkpoints keep the model's calibrated window

@@ -35,6 +35,10 @@ class DiffusionModelConfig(ModelConfig):
     """Image width in pixels; None = the model directory's default."""
     guidance_scale: float = Field(1.0, ge=1.0)
     """Classifier-free guidance; 1.0 = off (one forward per step)."""
+    distilled_guidance: float | None = Field(None, ge=0)
+    """The guidance value given to a guidance-distilled transformer (config guidance_embeds, as
+    FLUX.1-dev and FLUX.2-dev; the pipelines' `guidance_scale` for them), in one forward per step;
+    None = the pipeline's default (FLUX 3.5, FLUX.2 4.0). Unused by other transformers (a warning)."""
     lora: LoRAConfig | None = None
     """None = train every transformer weight (the default for the tiny model)."""
 

@@ -221,6 +221,8 @@ class DiffusionPolicy:
         # the guidance: SD3's guidance_scale is CFG at 7.0 by default; FLUX and Qwen-Image take
         # true_cfg_scale with a negative prompt (the run's unconditional prompt is the empty one)
         s = f.guidance_scale
+        if f._guidance(1) is not None and f.distilled_guidance != f.default_distilled_guidance:
+            text += f", guidance_scale={f.distilled_guidance:g}"  # a distilled transformer's embedded guidance
         if f.family == "sd3":
             text += f", guidance_scale={s:g}"
             if self.rollout.shift in ("auto", "sd3"):

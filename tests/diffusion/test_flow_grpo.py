@@ -743,3 +743,17 @@ def test_attention_maps_under_cfg_keep_the_conditional_rows(flux_dir, tmp_path):
     batch = guided.generate(task.train[:1], 2, cfg.rollout, torch.Generator().manual_seed(0))
     outs, maps = guided.sde_outputs(batch, attention=None)
     assert len(outs) == len(maps) == 2 and all(m.shape[:2] == (2, guided.flow.seq_len) for m in maps)
+
+
+def test_model_distilled_guidance_reaches_a_guidance_distilled_transformer(flux_dir, tmp_path):
+    """FLUX.1-dev's embedded guidance had no config key: every run used the pipeline's 3.5 (the
+    export line that samples with it: test_models)."""
+    _, policy, _ = make(flux_dir, tmp_path, "model.distilled_guidance=2.5")
+    assert policy.flow._guidance(2).tolist() == [2.5, 2.5]
+
+
+def test_model_distilled_guidance_for_a_transformer_without_it_is_warned(tmp_path):
+    path = build_tiny("sd3", tmp_path / "sd3", seed=0)
+    with pytest.warns(UserWarning, match=r"model.distilled_guidance 2.5 is unused: the transformer in .* has no "
+                                         r"guidance embedding"):
+        make(path, tmp_path, "model.distilled_guidance=2.5", "task.num_eval=1", "task.grid_prompts=0")

@@ -1060,8 +1060,10 @@ def _printed_kwargs(text: str) -> dict:
     return {k: ast.literal_eval(v) for k, v in re.findall(r'(\w+)=("[^"]*"|\[[^]]*\]|[^,\s]+)', args)}
 
 
-@pytest.mark.parametrize("family, guidance_scale", [("sd3", 1.0), ("flux", 3.0)])
-def test_an_exports_printed_arguments_make_its_pipeline_sample_as_the_run_did(built, loaded, family, guidance_scale):
+@pytest.mark.parametrize("family, guidance_scale, distilled", [("sd3", 1.0, None), ("flux", 3.0, None),
+                                                               ("flux", 1.0, 2.5)])  # model.distilled_guidance
+def test_an_exports_printed_arguments_make_its_pipeline_sample_as_the_run_did(built, loaded, family, guidance_scale,
+                                                                             distilled):
     """The run's image, not the pipeline's defaults: SD3's guidance_scale is CFG at 7.0 and FLUX
     takes CFG as true_cfg_scale with a negative prompt, and the tiny models read 32 text tokens
     where the pipelines pad to 512 (FLUX) or 256 (SD3). The usage line said height, width and
@@ -1071,7 +1073,7 @@ def test_an_exports_printed_arguments_make_its_pipeline_sample_as_the_run_did(bu
 
     from diffusion_rl.policy import DiffusionPolicy
 
-    model = _fresh(loaded(family), guidance_scale=guidance_scale)
+    model = _fresh(loaded(family), guidance_scale=guidance_scale, distilled_guidance=distilled)
     policy = DiffusionPolicy(model, SimpleNamespace(eval_steps=None, num_steps=3, shift="auto"))
     kwargs = _printed_kwargs(policy.export_usage())
     assert kwargs["max_sequence_length"] == 32
