@@ -58,7 +58,7 @@ class DiffusionPolicy:
         from diffusion_rl.models import time_shift, time_shift_settings
 
         s = FlowSDESampler()
-        family, config = self.flow.family, dict(getattr(self.flow.scheduler, "config", None) or {})
+        family, config = self.flow.family, dict(getattr(getattr(self.flow, "scheduler", None), "config", None) or {})
         shift = time_shift(family, config) if self.rollout.shift == "auto" else self.rollout.shift
         s.set_timesteps(num_steps, shift=shift, **time_shift_settings(family, config, self.flow.seq_len, num_steps))
         return s
