@@ -108,6 +108,22 @@ class ShapesGenevalTaskConfig(Section):
                              "{type: clip_score, ...} to task.image_atoms")
         return self
 
+    @model_validator(mode="after")
+    def _generator_keys_unused_with_files(self):
+        """The generator's keys a prompt file replaces, set away from their defaults: said, as the
+        dLLM's jsonl task says it (task.num_train=8 with train_path trained on every line, silently).
+        A warning, not an error: a run's config.yaml holds every key, the defaults included."""
+        fields = type(self).model_fields
+        unused = [k for k, path in (("num_train", self.train_path), ("num_eval", self.eval_path)) if path]
+        if self.train_path and self.eval_path:  # nothing is generated: the seed and the split are unused too
+            unused += ["seed", "held_out"]
+        unused = [f"task.{k} ({getattr(self, k)})" for k in unused if getattr(self, k) != fields[k].default]
+        if unused:
+            config_warning(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for the generated prompts, "
+                           "unused where task.train_path / task.eval_path give them: every line of the file is used "
+                           "(write a shorter file to use fewer prompts)")
+        return self
+
 
 TaskConfig = Annotated[ShapesGenevalTaskConfig, Field(discriminator="type")]
 

@@ -337,3 +337,23 @@ def test_a_utf16_prompt_file_is_named_as_such(tmp_path):
         with pytest.raises(ConfigError, match=r"task.train_path: .*p.txt is UTF-16 \(it starts with a UTF-16 "
                                               r"byte-order mark\); save the file as UTF-8"):
             _prompt_file(str(path), None, "train_path")
+
+
+def test_the_generators_sizes_seed_and_split_unused_with_prompt_files_are_said_to_be():
+    """task.num_train=8 with train_path trained on every line of the file without a word (the
+    dLLM's jsonl task warns of the same); the defaults, as a run's config.yaml writes them, pass
+    quietly, and a key that still drives a generated half (num_eval beside train_path) too."""
+    import warnings
+
+    from diffusion_rl.config import ShapesGenevalTaskConfig
+
+    with pytest.warns(UserWarning, match=r"^task.num_train \(8\) is for the generated prompts, unused where "
+                                         r"task.train_path / task.eval_path give them"):
+        ShapesGenevalTaskConfig(train_path="p.txt", num_train=8)
+    with pytest.warns(UserWarning, match=r"^task.num_eval \(5\), task.seed \(3\), task.held_out \(overlapping\) are"):
+        ShapesGenevalTaskConfig(train_path="p.txt", eval_path="q.txt", num_eval=5, seed=3, held_out="overlapping")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShapesGenevalTaskConfig(train_path="p.txt", eval_path="q.txt", num_train=2000, num_eval=64, seed=0)
+        ShapesGenevalTaskConfig(train_path="p.txt", num_eval=8, seed=3)  # the held-out prompts are generated
+        ShapesGenevalTaskConfig(num_train=8, seed=3)
