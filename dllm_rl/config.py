@@ -126,7 +126,8 @@ class DLLMTaskConfig(Section):
     num_eval: int = Field(200, ge=1)
     """Held-out problems generated (arith, sudoku; jsonl uses every line of its file)."""
     options: dict = Field(default_factory=dict)
-    """Extra arguments of the task's generator (arith: digits; sudoku: blanks)."""
+    """Extra arguments of the task's generator (arith: digits, mul_digits, ops; sudoku: blanks),
+    e.g. {digits: 3, ops: ["+", "-"]} or {blanks: [4, 8]}."""
     train_path: str | None = None
     """jsonl: the training problems, one {"prompt", "answer"} object per line."""
     eval_path: str | None = None

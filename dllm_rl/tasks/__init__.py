@@ -30,7 +30,9 @@ Problems may repeat within a split where the problem space is small (1-digit ari
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -130,13 +132,30 @@ class Task:
     parse_problem: Callable[[str], Problem | None]  # a free prompt in the task's format, with its answer
 
 
+def _named_options(task: str, sample_problems: Callable[..., list[Problem]]) -> Callable[..., list[Problem]]:
+    """`sample_problems` refusing an option it does not take by name, listing those it takes
+    (task.options reaches it as keywords: a misspelt or guessed one read as Python's
+    "sample_problems() got an unexpected keyword argument 'difficulty'")."""
+    known = [p.name for p in inspect.signature(sample_problems).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(sample_problems)
+    def checked(*args, **options):
+        unknown = [k for k in options if k not in known]
+        if unknown:
+            raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                             f"(the {task} generator takes {', '.join(known)})")
+        return sample_problems(*args, **options)
+
+    return checked
+
+
 # The task modules import Problem and the helpers above, so they come after them.
 from dllm_rl.tasks import arith, jsonl, sudoku
 
 TASKS: dict[str, Task] = {
     "arith": Task(
         "arith",
-        arith.sample_problems,
+        _named_options("arith", arith.sample_problems),
         arith.arith_reward,
         arith.to_sample,
         arith.accuracy,
@@ -145,7 +164,7 @@ TASKS: dict[str, Task] = {
     ),
     "sudoku": Task(
         "sudoku",
-        sudoku.sample_problems,
+        _named_options("sudoku", sudoku.sample_problems),
         sudoku.sudoku_reward,
         sudoku.to_sample,
         sudoku.accuracy,

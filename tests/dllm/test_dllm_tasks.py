@@ -855,3 +855,19 @@ def test_jsonl_lines_ending_in_a_lone_cr_are_lines(tmp_path):
     (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": 2}\r{"prompt": "\xff"}\r')
     with pytest.raises(DatasetError, match=r"p.jsonl, line 2: not valid UTF-8"):
         jsonl.load_problems(tmp_path / "p.jsonl")
+
+
+def test_an_option_the_generator_does_not_take_is_named_with_those_it_takes():
+    """task.options {difficulty: 2} read as Python's "sample_problems() got an unexpected keyword
+    argument 'difficulty'", which named no option the generator takes."""
+    from dllm_rl import backend
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import ConfigError
+
+    cfg = DLLMTrainConfig(task={"type": "arith", "num_train": 2, "num_eval": 2, "options": {"difficulty": 2}})
+    with pytest.raises(ConfigError, match=r"^task.options: arith cannot use \{'difficulty': 2\}: unknown option "
+                                          r"'difficulty' \(the arith generator takes digits, mul_digits, ops\)$"):
+        backend.build_task(cfg)
+    with pytest.raises(ValueError, match=r"^unknown options 'digits', 'blank' \(the sudoku generator takes blanks\)$"):
+        get_task("sudoku").sample_problems(2, 0, "train", digits=2, blank=3)
+    assert get_task("sudoku").sample_problems(2, 0, "train", blanks=4) == sudoku.sample_problems(2, 0, "train", blanks=4)
