@@ -33,9 +33,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.rewards import Reward, Sample
 
 __all__ = [
@@ -132,19 +134,29 @@ class Task:
     parse_problem: Callable[[str], Problem | None]  # a free prompt in the task's format, with its answer
 
 
-def _named_options(task: str, sample_problems: Callable[..., list[Problem]]) -> Callable[..., list[Problem]]:
-    """`sample_problems` refusing an option it does not take by name, listing those it takes
-    (task.options reaches it as keywords: a misspelt or guessed one read as Python's
-    "sample_problems() got an unexpected keyword argument 'difficulty'")."""
+def _generator(task: str, sample_problems: Callable[..., list[Problem]]) -> Callable[..., list[Problem]]:
+    """`sample_problems` as the registry gives it: an option it does not take is refused by name,
+    listing those it takes (task.options reaches it as keywords: a misspelt or guessed one read as
+    Python's "sample_problems() got an unexpected keyword argument 'difficulty'"), and held-out
+    problems that are mostly repeats are warned of (HeldOutWarning)."""
     known = [p.name for p in inspect.signature(sample_problems).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
     @functools.wraps(sample_problems)
-    def checked(*args, **options):
+    def checked(n, seed, split="train", **options):
         unknown = [k for k in options if k not in known]
         if unknown:
             raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
                              f"(the {task} generator takes {', '.join(known)})")
-        return sample_problems(*args, **options)
+        problems = sample_problems(n, seed, split, **options)
+        # A small problem space (1-digit arith, sudoku without blanks) holds few held-out prompts,
+        # drawn again and again: accuracy over 200 draws of 32 prompts weighs each by its draws.
+        distinct = len({p.prompt for p in problems})
+        if split == "eval" and 2 * distinct < n:
+            warnings.warn(f"{n} held-out {task} problems drawn (task.num_eval) hold only {distinct} distinct prompts "
+                          f"({f'options {options}' if options else 'the default options'} leave few in the held-out "
+                          f"split), so held-out accuracy counts each about {round(n / distinct)} times; lower "
+                          "task.num_eval or widen the problems (task.options)", HeldOutWarning, stacklevel=2)
+        return problems
 
     return checked
 
@@ -155,7 +167,7 @@ from dllm_rl.tasks import arith, jsonl, sudoku
 TASKS: dict[str, Task] = {
     "arith": Task(
         "arith",
-        _named_options("arith", arith.sample_problems),
+        _generator("arith", arith.sample_problems),
         arith.arith_reward,
         arith.to_sample,
         arith.accuracy,
@@ -164,7 +176,7 @@ TASKS: dict[str, Task] = {
     ),
     "sudoku": Task(
         "sudoku",
-        _named_options("sudoku", sudoku.sample_problems),
+        _generator("sudoku", sudoku.sample_problems),
         sudoku.sudoku_reward,
         sudoku.to_sample,
         sudoku.accuracy,

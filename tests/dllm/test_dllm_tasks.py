@@ -871,3 +871,23 @@ def test_an_option_the_generator_does_not_take_is_named_with_those_it_takes():
     with pytest.raises(ValueError, match=r"^unknown options 'digits', 'blank' \(the sudoku generator takes blanks\)$"):
         get_task("sudoku").sample_problems(2, 0, "train", digits=2, blank=3)
     assert get_task("sudoku").sample_problems(2, 0, "train", blanks=4) == sudoku.sample_problems(2, 0, "train", blanks=4)
+
+
+def test_held_out_problems_that_are_mostly_repeats_are_warned_of():
+    """1-digit arith holds 32 held-out prompts: task.num_eval=200 drew each about 6 times and
+    reported accuracy over "200 problems" without a word. Training draws repeat quietly (RL on a
+    repeated problem is meant), and so do held-out sets with most of their prompts distinct."""
+    from mmrl.core.jsonl import HeldOutWarning
+
+    with pytest.warns(HeldOutWarning, match=r"^200 held-out arith problems drawn \(task.num_eval\) hold only 32 "
+                                            r"distinct prompts \(options \{'digits': 1\} leave few in the held-out "
+                                            r"split\), so held-out accuracy counts each about 6 times"):
+        problems = get_task("arith").sample_problems(200, 0, "eval", digits=1)
+    assert problems == arith.sample_problems(200, 0, "eval", digits=1)  # the same draws, said of
+    with pytest.warns(HeldOutWarning, match=r"hold only 26 distinct prompts \(options \{'blanks': 0\}"):
+        get_task("sudoku").sample_problems(200, 0, "eval", blanks=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_task("arith").sample_problems(200, 0, "eval")  # 166 distinct
+        get_task("arith").sample_problems(400, 0, "train", digits=1)
+        get_task("arith").sample_problems(1, 0, "eval", digits=1)
