@@ -63,12 +63,36 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         try:
             obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
-            raise DatasetError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}") from e
+            raise DatasetError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}"
+                                                   f"{_not_json_lines(text, line)}") from e
         except _RepeatedKey as e:  # json keeps the last silently: an answer given twice is a data error
             raise DatasetError(path, lineno, e.key, "given twice on this line") from None
         if not isinstance(obj, dict):
-            raise DatasetError(path, lineno, None, f"expected a JSON object, got {json_type(obj)}")
+            hint = _not_json_lines(text, line) if isinstance(obj, list) else ""
+            raise DatasetError(path, lineno, None, f"expected a JSON object, got {json_type(obj)}{hint}")
         yield lineno, obj
+
+
+def _not_json_lines(text: str, line: str) -> str:
+    """Why a line does not parse where the file is JSON laid out otherwise: one array of the
+    objects (a .json file), or an object pretty-printed over several lines. Both read as
+    "Expecting value at column 2", as if the data were broken. Else ""."""
+    try:
+        whole = json.loads(text.removeprefix("\ufeff"))
+    except (json.JSONDecodeError, RecursionError):
+        whole = None
+    if isinstance(whole, list) and whole and all(isinstance(o, dict) for o in whole):
+        return (f" (the file is one JSON array of {len(whole)} objects, not JSON lines: write each object on a "
+                "line of its own, e.g. with `jq -c '.[]' FILE`)")
+    start = text.find(line)  # the line's first occurrence: enough for a hint
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, start + len(line) - len(line.lstrip()))
+    except (json.JSONDecodeError, RecursionError):
+        return ""
+    if isinstance(obj, dict) and ("\n" in text[start:end] or "\r" in text[start:end]):
+        return (" (an object spread over several lines: JSON lines hold each object on one line, e.g. written "
+                "by `jq -c . FILE`)")
+    return ""
 
 
 class _RepeatedKey(Exception):

@@ -891,3 +891,27 @@ def test_held_out_problems_that_are_mostly_repeats_are_warned_of():
         get_task("arith").sample_problems(200, 0, "eval")  # 166 distinct
         get_task("arith").sample_problems(400, 0, "train", digits=1)
         get_task("arith").sample_problems(1, 0, "eval", digits=1)
+
+
+def test_a_json_array_or_pretty_printed_objects_are_named_as_not_json_lines(tmp_path):
+    """A .json file (one array of the problems) or objects pretty-printed over several lines
+    read as "invalid JSON: Expecting value at column 2", as if the data were broken; the error
+    now says what layout the file has. A broken line of a JSON-lines file gets no such hint."""
+    import json
+
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import DatasetError
+
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    array = r"line 1: invalid JSON: Expecting value at column 2 \(the file is one JSON array of 2 objects, not JSON lines"
+    spread = r"line 1: invalid JSON: .*\(an object spread over several lines: JSON lines hold each object on one"
+    cases = [(json.dumps(rows, indent=2), array),
+             (json.dumps(rows), r"line 1: expected a JSON object, got a list \(the file is one JSON array of 2"),
+             ("\n".join(json.dumps(r, indent=1) for r in rows), spread),
+             ('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=",\n "answer": 4}\n', r"line 2: .*\(an object spread"),
+             ('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n', r"line 2: invalid JSON: [^(]*$"),
+             ('["1=", 1]\n', r"line 1: expected a JSON object, got a list$")]
+    for text, message in cases:
+        (tmp_path / "p.jsonl").write_text(text)
+        with pytest.raises(DatasetError, match=message):
+            jsonl.load_problems(tmp_path / "p.jsonl")
