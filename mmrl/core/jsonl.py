@@ -113,8 +113,10 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
     """A line's `text_field` (a non-empty string: the question or prompt) and its "answer" (a
     non-empty string or a finite number, as a string); `error(field, problem)` makes the error."""
     for name in (text_field, "answer"):
-        if name not in obj:
-            raise error(name, f"missing (each line needs a {text_field} and an answer)")
+        if name not in obj:  # the line's own keys show a "Prompt", an "answer " or a "question"
+            keys = ", ".join(repr(k) for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
+            raise error(name, f"missing (each line needs a {text_field} and an answer, named in lower case; "
+                              f"the keys given: {keys or 'none'})")
     text, answer = obj[text_field], obj["answer"]
     if not isinstance(text, str):
         raise error(text_field, f"must be a string, got {json_type(text)}")

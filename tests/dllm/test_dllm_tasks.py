@@ -915,3 +915,16 @@ def test_a_json_array_or_pretty_printed_objects_are_named_as_not_json_lines(tmp_
         (tmp_path / "p.jsonl").write_text(text)
         with pytest.raises(DatasetError, match=message):
             jsonl.load_problems(tmp_path / "p.jsonl")
+
+
+def test_a_missing_prompt_or_answer_names_the_keys_the_line_has():
+    """{"Prompt": ...} or {"question": ..., "solution": ...} read as "field 'prompt': missing",
+    the key the line does have (a capital, another name) left for the user to spot."""
+    from dllm_rl.task import problems_of
+
+    capital = r"field 'prompt': missing \(each line needs a prompt and an answer, named in lower case; the keys given: "
+    for item, message in [({"Prompt": "1+1=", "answer": 2}, capital + r"'Prompt', 'answer'\)$"),
+                          ({"prompt": "1+1=", "solution": 2}, r"field 'answer': .*the keys given: 'prompt', 'solution'"),
+                          ({}, r"field 'prompt': .*the keys given: none\)$")]:
+        with pytest.raises(ValueError, match=message):
+            problems_of("mine", "train", [item])
