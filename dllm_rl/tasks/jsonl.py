@@ -6,7 +6,8 @@
 - "prompt": a non-empty string (required), in characters the model's tokenizer can encode
   (the bundled tiny model's are `dllm_rl.tasks.CHARSET`; the backend checks every prompt).
 - "answer": a non-empty string or a number (required); meta["answer"] = str(answer).
-- "reference": the SFT target completion (optional; default: the answer).
+- "reference": the SFT target completion (optional; default: the answer), a non-empty string
+  or a number read as the answer is.
 - every other field is copied into meta, where reward atoms read it.
 
 One atom scores: `answer` (weight 1), 1 where the decoded completion equals the answer,
@@ -21,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 
 from dllm_rl.tasks import Problem, atom_accuracy, completion_text, meta_field, to_sample  # noqa: F401  (exposed)
-from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
+from mmrl.core.jsonl import DatasetError, HeldOutWarning, answer_text, read_objects, text_and_answer
 from mmrl.core.rewards import Reward, Sample, reward_atom
 
 RESERVED_FIELDS = ("prompt", "answer", "reference")
@@ -65,8 +66,10 @@ def _problem(obj: dict, path, lineno: int) -> Problem:
 
     prompt, answer = text_and_answer(obj, "prompt", error)
     reference = obj.get("reference", answer)
-    if not isinstance(reference, str) or not reference.strip():
-        raise error("reference", f"must be a non-empty string, got {json_type(reference)}")
+    if isinstance(reference, str) and not reference.strip():
+        raise error("reference", f"must be a non-empty string, got {reference!r}")
+    # a number as the answer is read: {"answer": 19, "reference": 19} was refused as "not a string"
+    reference = answer_text(reference, "reference", error)
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
     return Problem(prompt, answer, reference, meta, where=f"{path}, line {lineno}")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatasetError", "HeldOutWarning", "json_type", "read_objects", "text_and_answer"]
+__all__ = ["DatasetError", "HeldOutWarning", "answer_text", "json_type", "read_objects", "text_and_answer"]
 
 
 class DatasetError(ValueError):
@@ -117,27 +117,34 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
             keys = ", ".join(repr(k) for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
             raise error(name, f"missing (each line needs a {text_field} and an answer, named in lower case; "
                               f"the keys given: {keys or 'none'})")
-    text, answer = obj[text_field], obj["answer"]
+    text = obj[text_field]
     if not isinstance(text, str):
         raise error(text_field, f"must be a string, got {json_type(text)}")
     if not text.strip():
         raise error(text_field, "is empty")
+    return text, answer_text(obj["answer"], "answer", error)
+
+
+def answer_text(answer: Any, field: str, error: Callable[[str, str], Exception]) -> str:
+    """A line's answer (or a dLLM line's reference, `field`) as the text the model should write:
+    a non-empty string, or a finite number whose plain text is exact; `error(field, problem)`
+    makes the error."""
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise error("answer", f"must be a string or a number, got {json_type(answer)}")
+        raise error(field, f"must be a string or a number, got {json_type(answer)}")
     if isinstance(answer, float) and not math.isfinite(answer):
-        raise error("answer", f"must be a finite number, got {answer}")
+        raise error(field, f"must be a finite number, got {answer}")
     if isinstance(answer, float) and ("e" in repr(answer) or abs(answer) >= 2**53):
         # the atoms compare text: 1e30 read as "1000000000000000019884624838656" (the float's
         # digits, not the ones written) and 1e-7 as "1e-07", which no model writes
-        raise error("answer", f"the number {answer!r} has no exact plain text (a float this large or small is "
-                              "rounded or shown with an exponent): write the answer as a string, as the "
-                              "model should write it")
+        raise error(field, f"the number {answer!r} has no exact plain text (a float this large or small is "
+                           f"rounded or shown with an exponent): write the {field} as a string, as the "
+                           "model should write it")
     # an integral float as the integer it is (pandas writes an int column holding a NaN as 2.0):
     # the answer atoms compare text, and "2" would never match "2.0"
     answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
     if not answer.strip():
-        raise error("answer", "is empty")
-    return text, answer
+        raise error(field, "is empty")
+    return answer
 
 
 def json_type(v: Any) -> str:

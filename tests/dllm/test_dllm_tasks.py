@@ -928,3 +928,21 @@ def test_a_missing_prompt_or_answer_names_the_keys_the_line_has():
                           ({}, r"field 'prompt': .*the keys given: none\)$")]:
         with pytest.raises(ValueError, match=message):
             problems_of("mine", "train", [item])
+
+
+def test_jsonl_reference_may_be_a_number_as_the_answer_may(tmp_path):
+    """{"answer": 19, "reference": 19} was refused ("must be a non-empty string, got a number")
+    where the answer beside it took the same number; it is read as the answer is."""
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import DatasetError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "12+7=", "answer": 19, "reference": 19}\n{"prompt": "9*9=", "answer": "81", '
+                    '"reference": 81.0}\n')
+    assert [(p.answer, p.reference) for p in jsonl.load_problems(path)] == [("19", "19"), ("81", "81")]
+    for value, message in [("1e30", r"field 'reference': the number 1e\+30 has no exact .* write the reference as"),
+                           ("[19]", r"field 'reference': must be a string or a number, got a list"),
+                           ('""', r"field 'reference': must be a non-empty string, got ''")]:
+        path.write_text(f'{{"prompt": "1=", "answer": 1, "reference": {value}}}\n')
+        with pytest.raises(DatasetError, match=message):
+            jsonl.load_problems(path)
