@@ -109,6 +109,7 @@ from __future__ import annotations
 import colorsys
 import functools
 import hashlib
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -284,8 +285,21 @@ def _parse_objects(text: str, prompt: str) -> tuple[list[ObjectSpec], str | None
     try:
         objects, relation = _parse_cached(text)
     except _ParseError as e:
-        raise ValueError(f"cannot parse shapes-geneval prompt {shorten(prompt)!r}: {e}") from None
+        raise ValueError(f"cannot parse shapes-geneval prompt {shorten(prompt)!r}: {e}{_json_hint(prompt)}") from None
     return list(objects), relation
+
+
+def _json_hint(prompt: str) -> str:
+    """What a prompt that is JSON text is (a JSON-lines file, or a CSV's quotes, given as a prompt
+    file): the grammar's "expected a count" alone says nothing of the file's format."""
+    try:
+        value = json.loads(prompt)
+    except ValueError:
+        return ""
+    if isinstance(value, dict):
+        return (" (a JSON object: a prompt file holds plain text, one prompt per line, such as "
+                "'two red circles left of a blue square')")
+    return " (in quotes: write the prompt without them)" if isinstance(value, str) else ""
 
 
 def shorten(text: str, limit: int = 80) -> str:

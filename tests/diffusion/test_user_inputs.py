@@ -357,3 +357,21 @@ def test_the_generators_sizes_seed_and_split_unused_with_prompt_files_are_said_t
         ShapesGenevalTaskConfig(train_path="p.txt", eval_path="q.txt", num_train=2000, num_eval=64, seed=0)
         ShapesGenevalTaskConfig(train_path="p.txt", num_eval=8, seed=3)  # the held-out prompts are generated
         ShapesGenevalTaskConfig(num_train=8, seed=3)
+
+
+def test_a_json_lines_or_quoted_prompt_file_line_is_named_as_such(tmp_path):
+    """A prompt file written as JSON lines ({"prompt": "two red circles"}) or with a CSV's quotes
+    read as "unparsed words ...; expected a count", as if the words were wrong, not the format."""
+    from diffusion_rl.backend import _prompt_file
+
+    path = tmp_path / "p.jsonl"
+    json_object = r"\(a JSON object: a prompt file holds plain text, one prompt per line, such as 'two red circles"
+    for line, hint in [('{"prompt": "two red circles"}', json_object),
+                       ('"two red circles"', r"\(in quotes: write the prompt without them\)")]:
+        path.write_text(f"a red circle\n{line}\n")
+        with pytest.raises(ConfigError, match=r"p.jsonl, line 2 .*expected a count \(a, an, one, two, three, four\) "
+                                              + hint):
+            _prompt_file(str(path), None, "train_path")
+    path.write_text("a red circle\ndeux cercles rouges\n")  # no JSON, no hint
+    with pytest.raises(ConfigError, match=r"expected a count \(a, an, one, two, three, four\); to score"):
+        _prompt_file(str(path), None, "train_path")
