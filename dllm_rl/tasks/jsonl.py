@@ -47,9 +47,12 @@ def check_overlap(train: Sequence[Problem], evaluation: Sequence[Problem]) -> No
     seen = [p for p in evaluation if p.prompt in first]
     if seen:
         p, n = seen[0], len(seen)
+        # one file given as both (its "line 1; line 1" read as a typo): say so
+        where = (f"{p.where}, the training file itself: task.eval_path is task.train_path"
+                 if p.where and p.where == first[p.prompt].where else f"{p.where}; {first[p.prompt].where}")
         warnings.warn(f"{n} of the {len(evaluation)} held-out problems {'has' if n == 1 else 'have'} a training "
-                      f"problem's prompt (the first: {p.prompt!r}, {p.where}; {first[p.prompt].where}): held-out "
-                      "accuracy counts problems the model trains on", HeldOutWarning, stacklevel=2)
+                      f"problem's prompt (the first: {p.prompt!r}, {where}): held-out accuracy counts problems the "
+                      "model trains on", HeldOutWarning, stacklevel=2)
     for p in evaluation:
         first.setdefault(p.prompt, p)
     clash = [p for p in (*train, *evaluation) if p.answer != first[p.prompt].answer]

@@ -946,3 +946,17 @@ def test_jsonl_reference_may_be_a_number_as_the_answer_may(tmp_path):
         path.write_text(f'{{"prompt": "1=", "answer": 1, "reference": {value}}}\n')
         with pytest.raises(DatasetError, match=message):
             jsonl.load_problems(path)
+
+
+def test_one_jsonl_file_as_training_and_held_out_problems_is_said_to_be_one_file(tmp_path):
+    """The warning named the same file and line twice ("t.jsonl, line 1; t.jsonl, line 1"),
+    which read as a typo; it now says that the two keys name one file."""
+    from dllm_rl.tasks import jsonl
+    from mmrl.core.jsonl import HeldOutWarning
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4}\n')
+    problems = jsonl.load_problems(tmp_path / "t.jsonl")
+    with pytest.warns(HeldOutWarning, match=r"^2 of the 2 held-out problems have a training problem's prompt \(the "
+                                            r"first: '1\+1=', \S*t.jsonl, line 1, the training file itself: "
+                                            r"task.eval_path is task.train_path\): held-out accuracy counts"):
+        jsonl.check_overlap(problems, jsonl.load_problems(tmp_path / "t.jsonl"))
