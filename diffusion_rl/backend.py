@@ -94,11 +94,16 @@ def build_task(cfg: DiffusionTrainConfig) -> DiffusionTask:
     evaluation = (_prompt_file(t.eval_path, cfg.base_dir, "eval_path", whole)
                   or sample_prompts(t.num_eval, t.seed, split="eval", disjoint=disjoint))
     if t.train_path or t.eval_path:  # generated prompts keep their split (task.held_out); a file may not
-        shared = set(train) & set(evaluation)
+        from diffusion_rl.tasks.shapes_geneval import prompt_key
+
+        # "A red circle." in a file is the generated "a red circle": compared as the parser reads them
+        trained = {prompt_key(p) for p in train}
+        shared = {prompt_key(p) for p in evaluation} & trained
         if shared:
-            first = next(p for p in evaluation if p in shared)
-            warnings.warn(f"task.eval_path: {len(shared)} of {len(set(evaluation))} held-out prompts are training "
-                          f"prompts too ({first!r}{', ...' if len(shared) > 1 else ''}), so held-out evaluation "
+            first = next(p for p in evaluation if prompt_key(p) in shared)
+            warnings.warn(f"task.eval_path: {len(shared)} of {len({prompt_key(p) for p in evaluation})} held-out "
+                          f"prompts are training prompts too ({first!r}{', ...' if len(shared) > 1 else ''}), as the "
+                          "reward reads prompts (case, spacing and a final period aside), so held-out evaluation "
                           "scores them as trained on", HeldOutWarning, stacklevel=2)
     return DiffusionTask(t.type, train, evaluation, reward, eval_seeds=t.eval_seeds,
                          eval_steps=cfg.rollout.eval_steps or cfg.rollout.num_steps, grid_prompts=t.grid_prompts,

@@ -260,6 +260,12 @@ def _normalise(prompt) -> str:
     return " ".join(text.split())
 
 
+def prompt_key(prompt: str) -> str:
+    """The prompt as the parser reads it: two prompts that differ only in case, spacing or a
+    final period are one prompt to the reward (and, for a held-out check, one prompt)."""
+    return _normalise(prompt)
+
+
 def parse_objects(prompt: str) -> tuple[list[ObjectSpec], str | None]:
     """The prompt's phrases (one, or subject and object) and its relation (or None).
     TypeError for a non-string; ValueError naming the words it cannot parse."""

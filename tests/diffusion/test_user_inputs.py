@@ -169,9 +169,10 @@ def test_held_out_prompts_that_are_training_prompts_too_are_said_to_be(tmp_path)
     from mmrl.core.jsonl import HeldOutWarning
 
     (tmp_path / "train.txt").write_text("a red circle\ntwo blue squares\n")
-    (tmp_path / "eval.txt").write_text("a green circle\ntwo blue squares\n")
+    (tmp_path / "eval.txt").write_text("a green circle\nTwo blue  squares.\n")  # the same prompt to the reward
     with pytest.warns(HeldOutWarning, match=r"task.eval_path: 1 of 2 held-out prompts are training prompts too "
-                                         r"\('two blue squares'\), so held-out evaluation scores them as trained on"):
+                                         r"\('Two blue  squares.'\), as the reward reads prompts \(case, spacing and a "
+                                         r"final period aside\), so held-out evaluation scores them as trained on"):
         backend.build_task(_cfg(tmp_path, train_path="train.txt", eval_path="eval.txt"))
     with pytest.warns(UserWarning, match=r"2 of 2 held-out prompts .*\('a red circle', \.\.\.\)"):
         backend.build_task(_cfg(tmp_path, train_path="train.txt", eval_path="train.txt"))
