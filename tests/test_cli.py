@@ -154,6 +154,21 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
     assert code == 130 and text.strip() == "interrupted"
 
 
+def test_a_world_size_set_by_hand_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    """WORLD_SIZE exported without a launcher's RANK and MASTER_ADDR exits 2 naming it."""
+    import toy
+
+    def built(cfg):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(toy, "build", built)
+    for name in ("RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and "error: the environment's WORLD_SIZE=2 asks for 2 processes" in text, text
+
+
 def test_resume_and_eval_take_the_runs_own_settings(tmp_path, recwarn):
     """`train --resume -o RUN` continues the run as configured, and `eval --checkpoint RUN` uses
     the run's config.yaml, without repeating a flag; --set still overrides it."""

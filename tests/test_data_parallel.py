@@ -513,6 +513,32 @@ def test_a_rank_whose_every_sample_was_pruned_still_joins_the_step(tmp_path, mon
     assert batch is not None and len(batch) == 0 and metrics["rollout/samples_pruned"] == 4
 
 
+def test_the_world_a_launcher_did_not_describe_is_a_config_error(monkeypatch):
+    """WORLD_SIZE exported by hand without RANK and MASTER_ADDR (which torchrun and accelerate set
+    with it) is refused by name before any group is joined (before, accelerate's ValueError
+    traceback about MASTER_ADDR; with MASTER_ADDR set, rank 0 waited 30 minutes for the others),
+    as is a WORLD_SIZE that is not a number; a launcher's whole environment passes."""
+    from mmrl.core.config import ConfigError
+
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 asks for 2 processes, but RANK and MASTER_ADDR are not "
+                                          r"set.*torchrun --nproc_per_node 2"):
+        distributed.init()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="but MASTER_ADDR is not set"):
+        distributed.launched_world()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert distributed.launched_world() == 2
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not a number of processes"):
+        distributed.launched_world()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK")
+    assert distributed.launched_world() == 1  # one process needs nothing else
+
+
 def _simulated(monkeypatch, rank: int = 0, world: int = 2):
     """This process as rank `rank` of `world` on gloo; each test stands in for the collectives."""
     monkeypatch.setattr(distributed, "world_size", lambda: world)

@@ -18,7 +18,6 @@ import importlib
 import inspect
 import json
 import math
-import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -495,11 +494,11 @@ def no_held_out_warnings():
 
 
 def world_size() -> int:
-    """The trainer processes a launcher (torchrun, accelerate) starts, before any process group."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """The trainer processes a launcher (torchrun, accelerate) starts, before any process group
+    (a ConfigError for a WORLD_SIZE that no launcher set, before the model is built)."""
+    from mmrl.core.distributed import launched_world
+
+    return launched_world()
 
 
 def method_given(run: Path | None, config: Path | None, overrides: list[str]) -> tuple[str, Any]:

@@ -23,10 +23,36 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
+# where a launcher (torchrun, accelerate launch, mpirun) puts this process's rank
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def launched_world() -> int:
+    """The processes a launcher described in the environment (WORLD_SIZE), 1 without one. A
+    ConfigError where WORLD_SIZE is not a number, or asks for several processes without the
+    rank and address a launcher sets with it (WORLD_SIZE exported by hand): joining would stop
+    on accelerate's traceback, or wait half an hour for ranks that were never started."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(text)
+    except ValueError:
+        raise ConfigError(f"the environment's WORLD_SIZE={text!r} is not a number of processes; "
+                          "unset it (one process) or start the run with torchrun or accelerate launch") from None
+    missing = [name for name, there in (("RANK", any(v in os.environ for v in RANK_VARIABLES)),
+                                        ("MASTER_ADDR", "MASTER_ADDR" in os.environ)) if not there]
+    if world > 1 and missing:
+        raise ConfigError(f"the environment's WORLD_SIZE={world} asks for {world} processes, but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set, as a launcher sets them: start the run "
+                          f"with `torchrun --nproc_per_node {world} -m ...` or `accelerate launch`, or unset "
+                          "WORLD_SIZE to run one process")
+    return max(1, world)
+
 
 def init() -> None:
     """Join the process group that a launcher described in the environment."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if launched_world() > 1 and not dist.is_initialized():
         from accelerate import PartialState
 
         PartialState(cpu=not torch.cuda.is_available())  # sets up gloo / nccl from the env
@@ -62,8 +88,6 @@ def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if dist.get_backend() == "nccl" and any(p.device.type == "cpu" for p in params):
-            from mmrl.core.config import ConfigError
-
             raise ConfigError("optim.shard_state broadcasts the parameters between ranks, which NCCL (a GPU "
                               "launch) cannot do for a model on the CPU: set model.device=cuda, or "
                               "optim.shard_state=false")
