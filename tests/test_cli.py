@@ -154,6 +154,21 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
     assert code == 130 and text.strip() == "interrupted"
 
 
+def test_another_ranks_failure_is_an_error_line(monkeypatch):
+    """A RankError (another data-parallel rank failed; that rank reports its own error) exits 1 with
+    an error line, not a traceback."""
+    import toy
+
+    from mmrl.core.distributed import RankError
+
+    def other_rank_failed(cfg):
+        raise RankError("data-parallel rank 1 failed: RewardError: atom 'bad'")
+
+    monkeypatch.setattr(toy, "build", other_rank_failed)
+    code, text = invoke(app, "eval")
+    assert code == 1 and text.strip() == "error: data-parallel rank 1 failed: RewardError: atom 'bad'", text
+
+
 def test_a_world_size_set_by_hand_is_named_before_the_model_is_built(tmp_path, monkeypatch):
     """WORLD_SIZE exported without a launcher's RANK and MASTER_ADDR exits 2 naming it."""
     import toy

@@ -616,9 +616,10 @@ def _flag_overrides(flags: dict[str, Any]) -> list[str]:
 
 
 def _runtime_errors() -> tuple[type[BaseException], ...]:
+    from mmrl.core.distributed import RankError
     from mmrl.core.trainer import TrainingError
 
-    return (TrainingError,)
+    return (TrainingError, RankError)  # RankError: another rank's failure, which that rank reports too
 
 
 def run(app: typer.Typer) -> None:
