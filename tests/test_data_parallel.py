@@ -507,10 +507,46 @@ def test_a_rank_whose_every_sample_was_pruned_still_joins_the_step(tmp_path, mon
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 0)
     monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, x])
+    monkeypatch.setattr(distributed, "gather_objects", lambda obj: [obj, None])  # the round's errors: none
     monkeypatch.setattr(distributed, "sum_scalar", lambda x: x + 4.0)
     monkeypatch.setattr(distributed, "sum_tensor", lambda t: t)
     batch, metrics = trainer.scheduler.next_groups(version=0)
     assert batch is not None and len(batch) == 0 and metrics["rollout/samples_pruned"] == 4
+
+
+def _failing_round(tmp_path, monkeypatch, other_error: str | None, score=None):
+    """Rank 0 of two rolls out a round whose reward `score` (default: the toy's) it runs, while
+    the other rank reports `other_error` from its own round; what rank 0 sent comes back too."""
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={tmp_path}",
+                                                                           "rollout.num_generations=2"])
+    trainer = Trainer(cfg, *toy.build(cfg))
+    if score is not None:
+        monkeypatch.setattr(trainer.scheduler.reward, "score", score)
+    _simulated(monkeypatch)
+    monkeypatch.setattr(distributed, "gather_scalar", lambda x: [x, x])
+    sent = _shares(monkeypatch, lambda mine: [mine, other_error])
+    return trainer, sent
+
+
+def test_a_rank_whose_reward_fails_in_a_rollout_stops_the_others_with_its_error(tmp_path, monkeypatch):
+    """A reward function that raises on one rank only: that rank shares its error before it raises
+    it, and the other rank raises a RankError naming it, both in the same round, so neither
+    waits at the step's next collective for the other (before, rank 1 exited on its RewardError
+    and rank 0 stopped on gloo's "Connection closed by peer" traceback, or waited there on NCCL)."""
+    from mmrl.core.rewards import RewardError
+
+    trainer, sent = _failing_round(tmp_path, monkeypatch, "RewardError: atom 'bad' failed on sample 0")
+    with pytest.raises(distributed.RankError, match="^data-parallel rank 1 failed: RewardError: atom 'bad' failed"):
+        trainer.scheduler.next_groups(version=0)
+    assert sent == [None]  # rank 0 scored its share and said so
+
+    def fails(samples):
+        raise RewardError("atom 'bad' failed on sample 0")
+
+    trainer, sent = _failing_round(tmp_path, monkeypatch, None, score=fails)
+    with pytest.raises(RewardError, match="atom 'bad'"):  # the failing rank's own error, unchanged
+        trainer.scheduler.next_groups(version=0)
+    assert sent == ["RewardError: atom 'bad' failed on sample 0"]
 
 
 def test_the_world_a_launcher_did_not_describe_is_a_config_error(monkeypatch):

@@ -16,6 +16,7 @@ One process (the default) touches none of this: every function is a no-op.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import warnings
 import zlib
@@ -180,12 +181,8 @@ def map_shards(fn, items: list) -> list:
             raise RuntimeError(f"map_shards: {len(part)} results for {len(mine)} items")
     except Exception as e:  # noqa: BLE001 -- raised again below, and named on every other rank
         failure = e
-    shared = gather_objects((part, None if failure is None else f"{type(failure).__name__}: {failure}"))
-    if failure is not None:
-        raise failure
-    for other, (_, error) in enumerate(shared):
-        if error is not None:  # every rank stops alike; the failing rank raises the error itself
-            raise RankError(f"data-parallel rank {other} failed: {error}")
+    shared = gather_objects((part, _said_of(failure)))
+    _raise_any(failure, [error for _, error in shared])
     out: list = [None] * len(items)
     for k, (got, _) in enumerate(shared):
         out[k::n] = got
@@ -194,6 +191,38 @@ def map_shards(fn, items: list) -> list:
 
 class RankError(RuntimeError):
     """Another data-parallel rank failed in a collective step (its message says how)."""
+
+
+@contextlib.contextmanager
+def failing_together():
+    """A block of rank-local work (no collectives in it) that every rank leaves alike: where it
+    raises on some ranks, each of those raises its error and every other a RankError naming the
+    first, once all have finished the block (a collective). Without it, a rank whose reward
+    function raised exits, and the others stop at their next collective on the backend's
+    traceback (gloo: "Connection closed by peer"), or wait there (NCCL) until the launcher
+    kills them. With one process, the block as it is."""
+    if world_size() == 1:
+        yield
+        return
+    failure = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- raised again below, and named on every other rank
+        failure = e
+    _raise_any(failure, gather_objects(_said_of(failure)))
+
+
+def _said_of(failure: BaseException | None) -> str | None:
+    return None if failure is None else f"{type(failure).__name__}: {failure}"
+
+
+def _raise_any(failure: BaseException | None, errors: list[str | None]) -> None:
+    """Every rank stops alike: the failing rank raises its own error, the others the first rank's."""
+    if failure is not None:
+        raise failure
+    for other, error in enumerate(errors):
+        if error is not None:
+            raise RankError(f"data-parallel rank {other} failed: {error}")
 
 
 # Metrics that count what a rank did: the step's value is their sum over ranks.

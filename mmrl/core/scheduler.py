@@ -105,22 +105,24 @@ class SyncScheduler:
             rounds += 1
             prompts, ids = distributed.shard(*self.stream.take(need * world))  # this rank's share
             t0 = time.perf_counter()
-            with torch.no_grad():
-                batch = self.policy.generate(prompts, num_generations, rc, self.generator)
-            t1 = time.perf_counter()
-            if len(batch) != len(prompts) * num_generations:
-                raise RuntimeError(
-                    f"the rollout engine returned {len(batch)} samples for {len(prompts)} prompts "
-                    f"x {num_generations} generations"
-                )
+            # a rank whose rollout or reward fails stops every rank with its error, not a hang
+            with distributed.failing_together():
+                with torch.no_grad():
+                    batch = self.policy.generate(prompts, num_generations, rc, self.generator)
+                t1 = time.perf_counter()
+                if len(batch) != len(prompts) * num_generations:
+                    raise RuntimeError(
+                        f"the rollout engine returned {len(batch)} samples for {len(prompts)} prompts "
+                        f"x {num_generations} generations"
+                    )
+                batch.scores = self.reward.score(batch.samples)
+                t_reward += time.perf_counter() - t1  # not the wait for the other ranks at the block's end
             batch.data["request_tag"] = torch.zeros(len(batch), dtype=torch.long)
             # Relabel groups by draw index: unique across rounds and steps.
             batch.group_ids = torch.tensor(ids)[batch.group_ids]
             batch.prompts = dict(zip(ids, prompts))
             batch.policy_version = version
-            batch.scores = self.reward.score(batch.samples)
             rolled = batch  # where this rank's rollouts live (for groups from other ranks)
-            t_reward += time.perf_counter() - t1
             if rounds == 1:  # the policy's reward and rollout stats: before any group is dropped
                 reward_metrics = round_metrics(batch)
             t_rollout += t1 - t0
