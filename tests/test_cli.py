@@ -184,6 +184,25 @@ def test_a_world_size_set_by_hand_is_named_before_the_model_is_built(tmp_path, m
     assert code == 2 and "error: the environment's WORLD_SIZE=2 asks for 2 processes" in text, text
 
 
+def test_only_the_launchs_main_rank_prints_the_train_header(tmp_path, monkeypatch):
+    """Under torchrun, before the Trainer joins the group, every rank printed the "train: method ..."
+    line (and eval's "settings:" line): now only RANK 0 of WORLD_SIZE 2 does; one process always."""
+    import toy
+
+    from mmrl.core.distributed import RankError
+
+    def stop(cfg):  # the header is printed before the model is built
+        raise RankError("stop here")
+
+    monkeypatch.setattr(toy, "build", stop)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for world, rank, printed in (("2", "1", False), ("2", "0", True), ("1", "1", True)):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("RANK", rank)
+        code, text = invoke(app, "train", "--output-dir", str(tmp_path / "run"))
+        assert code == 1 and ("toy-rl train: method" in text) == printed, (world, rank, text)
+
+
 def test_resume_and_eval_take_the_runs_own_settings(tmp_path, recwarn):
     """`train --resume -o RUN` continues the run as configured, and `eval --checkpoint RUN` uses
     the run's config.yaml, without repeating a flag; --set still overrides it."""

@@ -30,7 +30,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from mmrl.core import plugins
+from mmrl.core import distributed, plugins
 from mmrl.core.best import BEST, read_record
 from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import (
@@ -185,7 +185,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if run is None and failed is not None:  # no run to take keys from: the default config's error stands
             raise failed
         if run is not None:
-            if checkpoint is not None:
+            if checkpoint is not None and distributed.launched_main():  # once, not once per rank
                 err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
                                   **PLAIN)
             cfg = build_config(config, overrides, backend, verb, run)  # a run of another modality is refused here
@@ -238,12 +238,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             check_output_dir(cfg.output_dir, go_on)  # before the model is built
             check_config(cfg, world_size())  # the config as a whole, before the model too (the Trainer checks it again)
             source = f" ({config})" if config is not None else ""
-            console.print(f"[bold]{spec.command} train[/]: "
-                          + escape(f"method {cfg.method.type}{source}, output {cfg.output_dir}"), **LINE)
+            if distributed.launched_main():  # once, not once per rank
+                console.print(f"[bold]{spec.command} train[/]: "
+                              + escape(f"method {cfg.method.type}{source}, output {cfg.output_dir}"), **LINE)
             policy, task = backend.build(cfg)
             summary = Trainer(cfg, policy, task, backend=backend).train(resume=go_on)
-            from mmrl.core import distributed
-
             if distributed.is_main():
                 print_eval(summary["eval_before"], summary["eval_after"], summary["steps"])
                 if summary.get("steps_without_update"):
@@ -270,7 +269,6 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
-            from mmrl.core import distributed
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False).evaluate()

@@ -80,6 +80,15 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def launched_main() -> bool:
+    """Whether this process is its launch's main one, also before the process group is joined
+    (is_main() is True on every rank then): what the CLI prints before the Trainer starts (the
+    run's header, where its settings come from) is printed once per launch, not once per rank."""
+    if dist.is_available() and dist.is_initialized():
+        return is_main()
+    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1") or os.environ.get("RANK", "0") == "0"
+
+
 def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard: bool = False):
     """AdamW over `params`. With `shard` and several processes, ZeRO stage 1: each rank keeps
     the moments of its own share of the parameters, steps that share and broadcasts it, so the
