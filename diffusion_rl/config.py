@@ -314,6 +314,19 @@ class FTFCConfig(Section):
     fraction of its prompts and reports how well it tilts the held-out ones (ftfc/g_heldout_*).
     The weights always come from the fit on the whole pool. 0 = no check."""
 
+    @model_validator(mode="after")
+    def _unused_settings(self):  # said, not silently ignored
+        unused_by = {"t_sampling uniform": (self.t_sampling == "uniform", ("logit_mean", "logit_std")),
+                     "effective_reward observed": (self.effective_reward == "observed",
+                                                   ("g_hidden", "g_steps", "g_lr", "g_weight_decay", "g_heldout"))}
+        for setting, (applies, keys) in unused_by.items():
+            unused = [f"{k} {getattr(self, k)}" for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            if applies and unused:
+                config_warning(f"method.{', method.'.join(unused)} unused with method.{setting}"
+                               + (": t is drawn from U(0, 1)" if setting.startswith("t_") else
+                                  ": the weights come from the pool's own rewards, no g_phi is fitted"))
+        return self
+
 
 class CASTConfig(FlowGRPOConfig):
     """CAST, Causal Advantage-Structured Training (docs/methods.md section 4; a RECONSTRUCTION, see
@@ -368,12 +381,16 @@ class CASTConfig(FlowGRPOConfig):
     atoms of that type); the reward's other columns ("all", image atoms) as with types."""
 
     @model_validator(mode="after")
-    def _unused_with_projection_none(self):  # said, not silently ignored
-        unused = [f"{k} {getattr(self, k)}" for k in ("global_weight", "patch_clip_range", "attention_layers")
-                  if getattr(self, k) != type(self).model_fields[k].default]
-        if self.projection == "none" and unused:
-            config_warning(f"method.{', method.'.join(unused)} unused with method.projection none: its scalar "
-                           "advantage has no maps to mix in, nor per-patch ratios to clip")
+    def _unused_by_projection(self):  # said, not silently ignored
+        keys, why = {
+            "none": (("global_weight", "patch_clip_range", "attention_layers", "map_norm", "parser"),
+                     "its scalar advantage has no maps to mix in, nor per-patch ratios to clip"),
+            "detector": (("attention_layers", "parser"),
+                         "its maps are the boxes of the objects the detector found, not the attention to the atoms' words"),
+        }.get(self.projection, ((), ""))
+        unused = [f"{k} {getattr(self, k)}" for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+        if unused:
+            config_warning(f"method.{', method.'.join(unused)} unused with method.projection {self.projection}: {why}")
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ specs whose names or parents do not fit the task's reward."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -376,3 +377,39 @@ def test_a_json_lines_or_quoted_prompt_file_line_is_named_as_such(tmp_path):
     path.write_text("a red circle\ndeux cercles rouges\n")  # no JSON, no hint
     with pytest.raises(ConfigError, match=r"expected a count \(a, an, one, two, three, four\); to score"):
         _prompt_file(str(path), None, "train_path")
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    # map_norm and parser were ignored without a word under projection none
+    (["method.projection=none", "method.map_norm=max", "method.parser=p.py:f"],
+     r"method.map_norm max, method.parser p.py:f unused with method.projection none: its scalar advantage"),
+    # the detector's maps are boxes: the attention layers and the words' parser are not read
+    (["method.projection=detector", "method.attention_layers=[1]", "method.parser=p.py:f"],
+     r"method.attention_layers \[1\], method.parser p.py:f unused with method.projection detector: its maps"),
+])
+def test_cast_settings_its_projection_does_not_read_are_said_to_be_unused(overrides, said):
+    with pytest.warns(UserWarning, match=said):
+        load_config(DiffusionTrainConfig, None, ["method.type=cast", *overrides], defaults=backend.DEFAULT_CONFIG)
+    with warnings.catch_warnings():  # read by attention projection: nothing said
+        warnings.simplefilter("error")
+        load_config(DiffusionTrainConfig, None, ["method.type=cast", "method.map_norm=max", "method.attention_layers=[1]"],
+                    defaults=backend.DEFAULT_CONFIG)
+        load_config(DiffusionTrainConfig, None, ["method.type=cast", "method.projection=detector", "method.map_norm=max"],
+                    defaults=backend.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["method.t_sampling=uniform", "method.logit_std=2"],
+     r"method.logit_std 2.0 unused with method.t_sampling uniform: t is drawn from U\(0, 1\)"),
+    (["method.g_steps=50", "method.g_heldout=0.5"],
+     r"method.g_steps 50, method.g_heldout 0.5 unused with method.effective_reward observed: the weights come"),
+])
+def test_ftfc_settings_it_does_not_read_are_said_to_be_unused(overrides, said):
+    """They were ignored without a word (a g_phi ablation on the default observed rewards ran
+    the observed tilt)."""
+    with pytest.warns(UserWarning, match=said):
+        load_config(DiffusionTrainConfig, None, ["method.type=ftfc", *overrides], defaults=backend.DEFAULT_CONFIG)
+    with warnings.catch_warnings():  # where they are read: nothing said
+        warnings.simplefilter("error")
+        load_config(DiffusionTrainConfig, None, ["method.type=ftfc", "method.logit_std=2", "method.effective_reward=learned",
+                                                 "method.g_steps=50"], defaults=backend.DEFAULT_CONFIG)
