@@ -51,11 +51,14 @@ class DLLMRolloutConfig(RolloutConfig):
     compare methods whose rollouts decode differently (ForkGRPO's fork, AR-GRPO's ar) on one
     held-out decoder, so that the comparison measures their training, not their samplers."""
     threshold: float = Field(0.8, gt=0, lt=1)
-    """lambda of threshold (Fast-dLLM) and fork (Fork-dLLM)."""
+    """lambda of threshold (Fast-dLLM) and fork (Fork-dLLM): a step commits every masked position
+    of the block whose confidence exceeds it (none: one fallback position). Unused by the others."""
     tau: float = Field(0.9, gt=0, lt=1)
-    """tau of SLIM-RL's tau_budget."""
+    """tau of SLIM-RL's tau_budget: only positions with confidence above it may exceed the static
+    per-step count, within the risk budget. Unused by the other strategies."""
     m: float = Field(1.0, gt=0)
-    """Risk budget scale of tau_budget: b = m (1 - tau)."""
+    """Risk budget scale of tau_budget: b = m (1 - tau), the summed 1 - confidence a step may
+    commit beyond the static count (SLIM-RL's 1). Unused by the other strategies."""
     stop_at_eos: bool = False
     """Stop decoding an answer once its <eos> is committed with every position before it
     filled (LLaDA2's eos_early_stop): the same answers, fewer NFE. Off: the whole gen_length
@@ -91,6 +94,21 @@ class DLLMRolloutConfig(RolloutConfig):
             raise ValueError(f"steps ({self.steps}) must be divisible by the number of blocks "
                              f"(gen_length / block_length = {blocks})")
         self.__dict__["max_new_tokens"] = self.gen_length  # not setattr: that re-validates
+        return self
+
+    @model_validator(mode="after")
+    def _commit_settings_read(self):
+        """threshold, tau and m belong to some commit rules only: one set away from its default
+        for none of the run's decoders (rollout.strategy, rollout.eval_strategy) is said, not
+        silently ignored (a run's config.yaml, which holds every key at its value, stays quiet)."""
+        used = {self.strategy, self.eval_strategy or self.strategy}
+        readers = {"threshold": ("threshold", "fork"), "tau": ("tau_budget",), "m": ("tau_budget",)}
+        unused = [f"rollout.{k} ({getattr(self, k)})" for k, by in readers.items()
+                  if getattr(self, k) != type(self).model_fields[k].default and not used & set(by)]
+        if unused:
+            decoders = " and ".join(sorted(used))
+            config_warning(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} unused by the {decoders} "
+                           "decoder (threshold: threshold and fork; tau and m: tau_budget)")
         return self
 
     @model_validator(mode="after")

@@ -626,3 +626,24 @@ def test_a_commit_rule_that_commits_nothing_is_an_error_not_a_hang(strategy, mon
     with pytest.raises(RuntimeError, match=f"block 0 (still has|left) masked positions after {bound} "):
         run(strategy=strategy)
     assert len(calls) == bound
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({"strategy": "low_confidence", "threshold": 0.5}, r"rollout.threshold \(0.5\) is unused by the low_confidence"),
+    ({"strategy": "fork", "tau": 0.5, "m": 2.0}, r"rollout.tau \(0.5\), rollout.m \(2.0\) are unused by the fork"),
+])
+def test_commit_settings_no_decoder_of_the_run_reads_are_said_to_be_unused(settings, said):
+    """A sampler knob of another strategy was ignored without a word: an ablation over
+    rollout.threshold under low_confidence decoded the same answers at every value."""
+    import warnings
+
+    from dllm_rl.config import DLLMRolloutConfig
+
+    with pytest.warns(UserWarning, match=said):
+        DLLMRolloutConfig(**settings)
+    with warnings.catch_warnings():  # read by the rollout's or the evaluation's decoder, or at defaults: quiet
+        warnings.simplefilter("error")
+        DLLMRolloutConfig(strategy="fork", threshold=0.5)
+        DLLMRolloutConfig(strategy="ar", eval_strategy="threshold", threshold=0.5)
+        DLLMRolloutConfig(strategy="tau_budget", tau=0.5, m=2.0)
+        DLLMRolloutConfig(strategy="low_confidence")
