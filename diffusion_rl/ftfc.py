@@ -113,10 +113,20 @@ def primal_value(g: Tensor, r: Tensor, group_ids: Tensor, beta: float, divergenc
     for k in range(int(inverse.max()) + 1):
         rows = inverse == k
         gk = g[rows].double()
-        w = tilt_weights(gk, solve_lambda(gk.detach(), beta, divergence, max_iter=max_iter), beta, divergence)
-        w = w / w.mean()
+        w = group_weights(gk, solve_lambda(gk.detach(), beta, divergence, max_iter=max_iter), beta, divergence)
         values.append((w * r[rows].double()).mean() - beta * generator(w, divergence).mean())
     return torch.stack(values).mean()
+
+
+def group_weights(r: Tensor, lam: Tensor | float, beta: float, divergence: str) -> Tensor:
+    """One group's weights w = (f*)'((r - lambda) / beta) [G], lambda its `solve_lambda`,
+    self-normalised to mean 1 (which removes the solver's residual only). kl in its closed form
+    G softmax(r / beta): exp((r - lambda) / beta - 1) multiplies lambda's rounding error by
+    1 / beta, and at beta 1e-20 every weight underflowed to 0 and the group's came out NaN (0 / 0)."""
+    if divergence == "kl":
+        return len(r) * torch.softmax((r - r.max()) / beta, 0)
+    w = tilt_weights(r, lam, beta, divergence)
+    return w / w.mean()
 
 
 def _mean_weight(r: Tensor, lam: float, beta: float, divergence: str) -> float:
@@ -131,8 +141,9 @@ def solve_lambda(r: Tensor, beta: float, divergence: str, *, max_iter: int = 200
     """The lambda of one group's rewards r [G] with mean_i w(r_i, lambda) = 1 (float64 scalar)."""
     _check(divergence, beta)
     r = r.double()
-    if divergence == "kl":
-        return beta * (torch.logsumexp(r / beta, 0) - math.log(len(r))) - beta
+    if divergence == "kl":  # about max r: r / beta itself overflows at a tiny beta (lambda -> max r)
+        top = r.max()
+        return top + beta * (torch.logsumexp((r - top) / beta, 0) - math.log(len(r))) - beta
     mean, top = float(r.mean()), float(r.max())
     # Brackets [lo, hi] with mean w >= 1 at lo and <= 1 at hi. Jensen (each w convex in r) puts the
     # root at or above lo; at hi every single weight is <= 1.
@@ -207,8 +218,8 @@ def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: st
                  cap: float | None = None) -> tuple[Tensor, FTFCStats]:
     """rewards [N], group_ids [N] -> weights [N] (float32) with mean 1 in every group, and stats.
 
-    Per group: lambda by `solve_lambda`, w = (f*)'((r - lambda) / beta), self-normalised to mean 1
-    (removes the solver's residual only), then `cap_weights` when cap is given."""
+    Per group: `group_weights` (lambda by `solve_lambda`, w = (f*)'((r - lambda) / beta), mean 1),
+    then `cap_weights` when cap is given."""
     _check(divergence, beta)
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards and group_ids must both be [N]; got {tuple(rewards.shape)} and "
@@ -222,8 +233,7 @@ def ftfc_weights(rewards: Tensor, group_ids: Tensor, beta: float, divergence: st
         rows = (inverse == g).nonzero().flatten()
         r = rewards[rows].double()
         lam = solve_lambda(r, beta, divergence)
-        wg = tilt_weights(r, lam, beta, divergence)
-        wg = wg / wg.mean()
+        wg = group_weights(r, lam, beta, divergence)
         if cap is not None:
             wg, k = cap_weights(wg, cap)
             capped += k

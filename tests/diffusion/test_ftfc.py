@@ -879,3 +879,22 @@ def test_the_held_out_prompts_are_scored_on_g_phis_prediction(monkeypatch):
     assert same["ftfc/g_heldout_recovered"] == pytest.approx(1.0) and same["ftfc/g_heldout_corr"] == pytest.approx(1.0)
     flipped = heldout_metrics(x, cond, -x[:, 0, 0], groups, 0.5, **kw)
     assert flipped["ftfc/g_heldout_corr"] == pytest.approx(-1.0) and flipped["ftfc/g_heldout_recovered"] < 0
+
+
+def test_kl_weights_at_a_tiny_beta_are_the_argmax_not_nan():
+    """beta -> 0 tilts all the weight onto a group's best samples. At beta 1e-20 the KL weights
+    exp((r - lambda) / beta - 1) came out NaN: lambda's rounding error (~1e-16) times 1 / beta
+    underflowed every weight to 0, then 0 / 0; and r / beta overflowed lambda at beta 1e-310."""
+    from diffusion_rl.ftfc import ftfc_weights, primal_value
+
+    r = torch.tensor([0.0, 0.2, 1.0, 1.0, 0.6, 0.6, 0.6, 0.6])
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    for beta in (1e-20, 1e-310):
+        w, stats = ftfc_weights(r, ids, beta, "kl")
+        # group 0: its two best (r = 1) share G = 4 (2 each); group 1 is constant: uniform
+        assert w.tolist() == [0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+        assert stats.lam.tolist() == pytest.approx([1.0, 0.6])  # lambda -> max r (+ beta (log 2/4 - 1))
+        assert math.isfinite(stats.ess_total)
+        assert math.isfinite(float(primal_value(r, r, ids, beta, "kl")))
+    w, _ = ftfc_weights(r, ids, 0.5, "kl")  # an ordinary beta: 4 softmax(r / 0.5) in group 0
+    assert w[:4].tolist() == pytest.approx((4 * torch.softmax(r[:4] / 0.5, 0)).tolist(), rel=1e-6)
