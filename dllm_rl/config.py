@@ -175,7 +175,9 @@ class DLLMTaskConfig(Section):
 class KLOldConfig(Section):
     beta: float = Field(0.0, ge=0)
     """Coefficient of the k3 KL to the pre-update policy (the weights that made the rollout);
-    no reference model is loaded."""
+    no reference model is loaded. It acts from a batch's second pass or mini-batch on: with
+    train.ppo_epochs 1 and train.mini_batches 1 the policy is the pre-update one throughout,
+    so the term (loss/kl) and its gradient are exactly 0 whatever beta."""
 
 
 class DiffuGRPOConfig(Section):

@@ -315,3 +315,13 @@ def test_sequence_ratio_low_clip_and_kl_term_by_hand():
     assert float(out.loss) == pytest.approx(policy + 0.5 * kl, abs=1e-6)
     with pytest.raises(ValueError, match="advantages must be"):  # one A per answer, not per row
         slim_loss(old + d, old, mask, torch.tensor([-1.0, 1.0]), w, clip=0.1, max_log_ratio=10.0, beta=0.5)
+
+
+def test_the_kl_description_says_a_single_pass_makes_it_zero():
+    """method.kl.beta of SLIM-RL's config (0.01, train.ppo_epochs 1) weighs a KL to the
+    pre-update policy that is exactly 0 in a batch's only pass (the loss by hand above: 0 at the
+    first pass); its description said nothing of it, so `config --keys method` read as a live KL."""
+    from dllm_rl.config import KLOldConfig
+
+    said = " ".join(KLOldConfig.model_fields["beta"].description.split())
+    assert "train.ppo_epochs 1 and train.mini_batches 1" in said and "exactly 0" in said
