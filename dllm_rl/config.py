@@ -42,8 +42,10 @@ class DLLMRolloutConfig(RolloutConfig):
     block_length: int = Field(8, ge=1)
     """Decoding block: blocks are filled left to right, each by `steps / blocks` steps."""
     steps: int = Field(16, ge=1)
-    """Denoising steps over the whole answer (fixed for low_confidence; an upper guide for
-    threshold, fork and tau_budget, which stop a block once it is filled)."""
+    """Denoising steps over the whole answer, steps / blocks per block. low_confidence runs that
+    many (the LLaDA schedule: block_length / that tokens a step); tau_budget commits at least the
+    schedule's count a step and stops a block once it is filled. threshold, fork and ar do not
+    read it: they decode a block until it is filled (ar: one token a step, block_length steps)."""
     strategy: Strategy = "low_confidence"
     """Which masked positions a step commits (dllm_rl.samplers.select_commits)."""
     eval_strategy: Strategy | None = None

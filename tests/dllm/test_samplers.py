@@ -647,3 +647,25 @@ def test_commit_settings_no_decoder_of_the_run_reads_are_said_to_be_unused(setti
         DLLMRolloutConfig(strategy="ar", eval_strategy="threshold", threshold=0.5)
         DLLMRolloutConfig(strategy="tau_budget", tau=0.5, m=2.0)
         DLLMRolloutConfig(strategy="low_confidence")
+
+
+def test_steps_is_read_by_low_confidence_and_tau_budget_only_as_its_description_says():
+    """rollout.steps' description called it an upper guide for threshold and fork: they (and ar)
+    do not read it at all, decoding each block until it is filled, so a sweep over steps with
+    them decodes the same answers with the same NFE."""
+    from dllm_rl.config import DLLMRolloutConfig
+
+    table = torch.randn(20, 30)
+    prompt = torch.randint(2, 20, (4, 5))
+
+    def run(strategy, steps):
+        return decode(lambda x: table[x % 20] * 3, prompt, gen_length=8, block_length=4, steps=steps, mask_id=0,
+                      strategy=strategy, temperature=0.8, threshold=0.5, tau=0.5,
+                      generator=torch.Generator().manual_seed(0))
+
+    for strategy in ("threshold", "fork", "ar"):
+        a, b = run(strategy, 2), run(strategy, 8)
+        assert torch.equal(a.completion, b.completion) and torch.equal(a.nfe, b.nfe)
+    assert run("low_confidence", 2).nfe.tolist() == [2, 2, 2, 2]  # one step per block: 4 tokens each
+    said = " ".join(DLLMRolloutConfig.model_fields["steps"].description.split())
+    assert "threshold, fork and ar do not read it" in said
