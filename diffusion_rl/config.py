@@ -239,6 +239,13 @@ class FlowGRPOConfig(Section):
     """An EMA of the trainable weights for evaluation and checkpoints (Flow-GRPO's train.ema),
     e.g. `{decay: 0.9, update_every: 8}` as Flow-GRPO's scripts set it; None = off."""
 
+    @model_validator(mode="after")
+    def _kl_kind_unused(self):  # the core's KLConfig brings kind: said, not silently ignored
+        if self.kl.kind != KLConfig.model_fields["kind"].default:
+            config_warning(f"method.kl.kind {self.kl.kind} is unused by method {self.type}: its KL is the Gaussian "
+                           "steps' closed form, mean((mean_theta - mean_ref)^2) / (2 std_t^2), not a per-token estimator")
+        return self
+
 
 class FTFCConfig(Section):
     """FTFC, Fenchel Tilt Flow Control (docs/methods.md section 4; a RECONSTRUCTION, see

@@ -757,3 +757,16 @@ def test_model_distilled_guidance_for_a_transformer_without_it_is_warned(tmp_pat
     with pytest.warns(UserWarning, match=r"model.distilled_guidance 2.5 is unused: the transformer in .* has no "
                                          r"guidance embedding"):
         make(path, tmp_path, "model.distilled_guidance=2.5", "task.num_eval=1", "task.grid_prompts=0")
+
+
+@pytest.mark.parametrize("method", ["flow_grpo", "cast"])
+def test_a_kl_kind_the_method_does_not_read_is_said_to_be_unused(method):
+    """Flow-GRPO's (and CAST's) KL is the Gaussian steps' closed form; method.kl.kind, which
+    `config --keys method` shows with the core's k1/k2/k3 description, was ignored without a word."""
+    with pytest.warns(UserWarning, match=rf"method.kl.kind k1 is unused by method {method}: its KL is the Gaussian"):
+        load_config(DiffusionTrainConfig, None, [f"method.type={method}", "method.kl.beta=0.01", "method.kl.kind=k1"],
+                    defaults=backend.DEFAULT_CONFIG)
+    with warnings.catch_warnings():  # the default kind: nothing said
+        warnings.simplefilter("error")
+        load_config(DiffusionTrainConfig, None, [f"method.type={method}", "method.kl.beta=0.01"],
+                    defaults=backend.DEFAULT_CONFIG)
