@@ -307,6 +307,15 @@ class DLLMTrainConfig(TrainConfig):
                              f"rollout.strategy is {strategy!r} (set it to fork, or rows: all)")
         if self.method.type == "ar_grpo" and strategy != "ar":
             raise ValueError(f"method.type ar_grpo decodes left to right: rollout.strategy must be ar, got {strategy!r}")
+        r = self.rollout
+        per_step = r.block_length // (r.steps // (r.gen_length // r.block_length))  # the LLaDA schedule's least count
+        if getattr(self.method, "rows", None) == "all" and strategy == "low_confidence" and per_step >= 2:
+            # every step commits that many or more: no single-token step, so no row would ever train
+            raise ValueError(f"method.rows: all trains on the steps that commit exactly one token, but rollout.strategy "
+                             f"low_confidence with rollout.steps {r.steps} commits at least {per_step} tokens at every "
+                             f"step (block_length {r.block_length} over {r.steps // (r.gen_length // r.block_length)} "
+                             f"steps a block): no row would train; set rollout.steps to gen_length ({r.gen_length}) or "
+                             "more, or rollout.strategy ar")
         return self
 
     @model_validator(mode="after")

@@ -250,13 +250,16 @@ def test_ar_grpo_rows_are_every_answer_step():
 
 
 def test_rows_all_skips_steps_that_commit_several_tokens():
-    # low_confidence with 4 steps for 8 tokens commits 2 per step: no step has an exact ratio
+    # low_confidence with 6 steps for one block of 8 commits 2, 2, then 1 a step: the two-token
+    # steps have no exact ratio (2 a step throughout is a config error: test_rows_all_on_low_...)
     cfg, policy, task = config_run("fork_grpo", "method.rows=all", "rollout.strategy=low_confidence",
-                                   "rollout.steps=4")
+                                   "rollout.block_length=8", "rollout.steps=6")
     batch = rollout(policy, task, cfg, prompts=1)
-    counts = commits_per_step(batch.data["commit_step"], batch.data["active"].shape[1])  # [N, S]
-    assert counts.shape[1] == 4 and (counts == 2).all()
-    assert batch.data["fork_row"].sum() == 0 and (batch.old_logp == 0).all()
+    cs = batch.data["commit_step"]
+    counts = commits_per_step(cs, batch.data["active"].shape[1])  # [N, S]
+    assert counts.shape[1] == 6 and (counts[:, :2] == 2).all() and (counts[:, 2:] == 1).all()
+    assert batch.data["fork_row"].equal((cs >= 2) & batch.mask)  # the single-token steps' answer tokens alone
+    assert (batch.old_logp[cs < 2] == 0).all()
     # with a fork rollout, rows: all adds the single-token threshold steps to the fallback rows
     cfg, policy, task = config_run("fork_grpo", "method.rows=all")
     batch = rollout(policy, task, cfg)
@@ -354,3 +357,19 @@ def test_a_micro_batch_without_rows_still_backpropagates(fork_batch):
     out = ForkGRPO(cfg.method, cfg, task.reward).loss(policy, empty, torch.linspace(-1, 1, len(batch)), denom=0.0)
     assert float(out.loss.detach()) == 0.0
     out.loss.backward()
+
+
+def test_rows_all_on_low_confidence_rollouts_that_never_commit_one_token_is_an_error():
+    """fork_grpo rows: all under low_confidence with 2 tokens a step (gen_length 8, block 4, steps 4)
+    has no single-token step: every step of the run trained no row (loss 0, grad 0) without a word."""
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    base = ["method.type=fork_grpo", "method.rows=all", "rollout.strategy=low_confidence",
+            "rollout.gen_length=8", "rollout.block_length=4"]
+    with pytest.raises(ConfigError, match=r"low_confidence with rollout.steps 4 commits at least 2 tokens at every "
+                                          r"step .* no row would train; set rollout.steps to gen_length \(8\)"):
+        load_config(DLLMTrainConfig, None, [*base, "rollout.steps=4"])
+    # one token a step (steps = gen_length), or a 4-3 split (1 or 2 a step): rows exist, no error
+    assert load_config(DLLMTrainConfig, None, [*base, "rollout.steps=8"]).rollout.steps == 8
+    assert load_config(DLLMTrainConfig, None, [*base, "rollout.block_length=8", "rollout.steps=6"]).rollout.steps == 6
