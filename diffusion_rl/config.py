@@ -233,8 +233,9 @@ class FlowGRPOConfig(Section):
     fast configs use 1e-5; 1e-4 learns faster at this model's small batches."""
     kl: KLConfig = Field(default_factory=lambda: KLConfig(beta=0.0))
     """beta > 0: KL = mean((mean_theta - mean_ref)^2) / (2 std_t^2) per step, std_t = a sqrt(sigma /
-    (1 - sigma)) as in Flow-GRPO's code (kind is ignored). Off by default (METHODS.md gives
-    0.01-0.04): no reference pass, the larger share of a step's time on a CPU."""
+    (1 - sigma)) as in Flow-GRPO's code (rollout.kind cps: the CPS step's std, sigma_next sin(a pi / 2));
+    kl.kind is not read. Off by default (METHODS.md gives 0.01-0.04): no reference pass, the larger
+    share of a step's time on a CPU."""
     ema: EMAConfig | None = None
     """An EMA of the trainable weights for evaluation and checkpoints (Flow-GRPO's train.ema),
     e.g. `{decay: 0.9, update_every: 8}` as Flow-GRPO's scripts set it; None = off."""

@@ -770,3 +770,18 @@ def test_a_kl_kind_the_method_does_not_read_is_said_to_be_unused(method):
         warnings.simplefilter("error")
         load_config(DiffusionTrainConfig, None, [f"method.type={method}", "method.kl.beta=0.01"],
                     defaults=backend.DEFAULT_CONFIG)
+
+
+def test_the_kl_description_gives_the_std_each_step_kind_divides_by():
+    """The KL divides by 2 std^2 with std_t = a sqrt(sigma / (1 - sigma)) for sde steps, and the
+    CPS step's own std sigma_next sin(a pi / 2) for cps ones; the description gave the first alone."""
+    from diffusion_rl.config import FlowGRPOConfig
+    from diffusion_rl.sde import sde_step_with_logprob
+
+    x, v = torch.zeros(1, 2, 2), torch.ones(1, 2, 2)
+    sde = sde_step_with_logprob(v, x, 0.5, 0.4, noise_level=0.5, kind="sde", generator=torch.Generator())
+    cps = sde_step_with_logprob(v, x, 0.5, 0.4, noise_level=0.5, kind="cps", generator=torch.Generator())
+    assert float(sde.kl_std) == pytest.approx(0.5)  # 0.5 sqrt(0.5 / 0.5)
+    assert float(cps.kl_std) == pytest.approx(0.4 * math.sin(0.25 * math.pi))  # 0.2828
+    said = " ".join(FlowGRPOConfig.model_fields["kl"].description.split())
+    assert "rollout.kind cps: the CPS step's std, sigma_next sin(a pi / 2)" in said
