@@ -236,7 +236,8 @@ class SLIMRLConfig(Section):
     """Gauss-Legendre nodes over the masking level t in (0, 1): rows per rollout (3: t = 0.1127,
     0.5, 0.8873 with weights 0.2778, 0.4444, 0.2778)."""
     max_spread: float = Field(0.2, ge=0, lt=1)
-    """Cap of the per-block schedule's spread s = min(max_spread, 2 min(t, 1 - t) - 1e-6)."""
+    """Cap of the per-block schedule's spread s = min(max_spread, 2 min(t, 1 - t) - 1e-6): block j of
+    B is masked at rate t + (s/2) cos(pi j / (B - 1)). 0 = every block at t; unused with one block."""
     clip: float = Field(0.1, gt=0)
     """eps of the sequence-ratio clip: clip(s, 1 - eps, 1 + eps) (0.9 / 1.1)."""
     max_log_ratio: float = Field(10.0, gt=0)
@@ -316,6 +317,15 @@ class DLLMTrainConfig(TrainConfig):
                              f"step (block_length {r.block_length} over {r.steps // (r.gen_length // r.block_length)} "
                              f"steps a block): no row would train; set rollout.steps to gen_length ({r.gen_length}) or "
                              "more, or rollout.strategy ar")
+        return self
+
+    @model_validator(mode="after")
+    def _spread_needs_blocks(self):  # said, not silently ignored
+        m, r = self.method, self.rollout
+        if m.type == "slim_rl" and r.gen_length == r.block_length and m.max_spread != type(m).model_fields["max_spread"].default:
+            config_warning(f"method.max_spread {m.max_spread} is unused with one decoding block (rollout.gen_length = "
+                           f"block_length = {r.block_length}): the schedule spreads the mask rate across blocks, and "
+                           "one block is masked at t itself")
         return self
 
     @model_validator(mode="after")

@@ -325,3 +325,22 @@ def test_the_kl_description_says_a_single_pass_makes_it_zero():
 
     said = " ".join(KLOldConfig.model_fields["beta"].description.split())
     assert "train.ppo_epochs 1 and train.mini_batches 1" in said and "exactly 0" in said
+
+
+def test_max_spread_with_one_decoding_block_is_said_to_be_unused():
+    """With gen_length = block_length the schedule has one block, masked at t itself
+    (block_mask_rates(t, 1, ...) = [t]): a max_spread sweep trained alike without a word."""
+    import warnings
+
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    slim = ["method.type=slim_rl", "rollout.strategy=tau_budget", "rollout.gen_length=8", "rollout.steps=8"]
+    with pytest.warns(UserWarning, match=r"method.max_spread 0.5 is unused with one decoding block \(rollout.gen_length "
+                                         r"= block_length = 8\)"):
+        load_config(DLLMTrainConfig, None, [*slim, "rollout.block_length=8", "method.max_spread=0.5"])
+    assert block_mask_rates(0.3, 1, 0.5).tolist() == [0.3]
+    with warnings.catch_warnings():  # two blocks read it; one block at the default says nothing
+        warnings.simplefilter("error")
+        load_config(DLLMTrainConfig, None, [*slim, "rollout.block_length=4", "method.max_spread=0.5"])
+        load_config(DLLMTrainConfig, None, [*slim, "rollout.block_length=8"])
