@@ -495,6 +495,20 @@ def test_grpo_ars_never_shrinks_the_group_below_the_configured_min_group_size(tm
     assert method.group_size(1, 8) == 6
 
 
+def test_an_ars_floor_above_num_generations_is_refused(tmp_path):
+    """ARS shrinks the group from num_generations; a floor above it grew the group to the floor at
+    the first shrink (a tiny run went from 2 rollouts per prompt to 100). Unread without ARS."""
+    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.min_group_size=9",
+                     "rollout.num_generations=8")
+    with pytest.raises(ConfigError, match=r"method.fastrl.min_group_size \(9\) is above rollout.num_generations "
+                                          r"\(8\).*give min_group_size in \[2, 8\]"):
+        build_method(cfg, toy.ToyTask().reward)
+    for fine in (("method.fastrl.min_group_size=8",), ("method.fastrl.ars=false", "method.fastrl.min_group_size=9")):
+        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "rollout.num_generations=8",
+                         *fine)
+        build_method(cfg, toy.ToyTask().reward)
+
+
 def test_grpo_ars_weighs_the_kept_counts_by_step_over_max_steps(tmp_path):
     def size_at(step):
         cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true",
