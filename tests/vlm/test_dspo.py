@@ -316,3 +316,32 @@ def test_dspo_rewards_replace_the_uniform_diversity_atom_by_hand(tmp_path):
     plain.data.update({"dspo/r_div": torch.tensor([0.8]), "dspo/r_cf": torch.tensor([0.2])})
     torch.testing.assert_close(DSPO(cfg.method, cfg, SimpleNamespace(atoms=[SimpleNamespace(weight=1.0)])).rewards(plain),
                                torch.tensor([1.26]))
+
+
+def _annotate_with(tmp_path, monkeypatch, extra):
+    """DSPO.annotate of item 1's reference with CVIG's probability drop all on candidate 3
+    ('contentment', whose removal brings the set's mean closer to the prior: Delta_3 = -0.055)."""
+    from mmrl.core.batch import RolloutBatch
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.methods import dspo
+
+    item = ShapesMood(seed=2, num_train=3, num_eval=1, num_ood=1).train_items()[1]
+    resp = parse_mood(item.reference)
+    assert resp.candidates[3] == "contentment"
+    p, p_cf = torch.tensor([0.1, 0.1, 0.1, 0.6, 0.1]), torch.full((5,), 0.1)
+    monkeypatch.setattr(dspo, "emotion_probs", lambda *args: (p, p_cf))
+    cfg = _cfg(tmp_path, extra)
+    batch = RolloutBatch(group_ids=torch.tensor([0]), samples=[Sample(item.question, item.reference, item.meta)],
+                         prompts={0: item})
+    dspo.DSPO(cfg.method, cfg, None).annotate(None, batch)
+    return batch, resp, item, cfg
+
+
+def test_a_tiny_tau_weighs_the_largest_drop_alone_not_nan(tmp_path, monkeypatch):
+    """dP / tau overflowed to inf at tau 1e-40, and softmax([.., inf, ..]) is NaN: the run stopped on
+    NaN rewards. tau -> 0 is the argmax: all the weight on the candidate of the largest drop."""
+    batch, resp, item, cfg = _annotate_with(tmp_path, monkeypatch, ["method.tau=1e-40"])
+    expected = diversity(resp, item.meta, w=[0, 0, 0, 1, 0], tau_ctr=cfg.method.tau_ctr, tau_div=cfg.method.tau_div)
+    assert expected < 0  # 1 - exp(0.055 / 0.5) weighed by the centring factor
+    assert float(batch.data["dspo/r_div"][0]) == pytest.approx(expected, rel=1e-6)
+

@@ -109,7 +109,9 @@ class DSPO(GRPO):
             for i in torch.unique(idx).tolist():
                 dp = (p[idx == i] - p_cf[idx == i]) * (1 - box_area_fraction(responses[i].box))
                 r_cf[i] = dp.mean()
-                w = torch.softmax(dp / self.cfg.tau, 0).tolist()
+                # shifted before dividing: dp / tau overflows to inf at a tiny tau, and softmax([inf, ..])
+                # is NaN; shifted, tau -> 0 is the argmax, the limit of the softmax
+                w = torch.softmax((dp - dp.max()) / self.cfg.tau, 0).tolist()
                 r_div[i] = diversity(responses[i], batch.samples[i].meta, w=w, tau_ctr=self.cfg.tau_ctr,
                                      tau_div=self.cfg.tau_div)
         batch.data.update({"dspo/r_cf": r_cf, "dspo/r_div": r_div, "dspo/scored": scored})
