@@ -345,3 +345,14 @@ def test_a_tiny_tau_weighs_the_largest_drop_alone_not_nan(tmp_path, monkeypatch)
     assert expected < 0  # 1 - exp(0.055 / 0.5) weighed by the centring factor
     assert float(batch.data["dspo/r_div"][0]) == pytest.approx(expected, rel=1e-6)
 
+
+def test_a_tau_div_that_overflows_r_div_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    """At tau_div 1e-3, Delta_3 = -0.055 adds 1 - exp(55) ~ -8e23 to R_div: its square overflows the
+    group's float32 std, and the advantages were NaN (a traceback). tau_div 0.5 is fine."""
+    from mmrl.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"method.tau_div 0.001 \(with tau_ctr 1.0\) makes R_div -\d.*e\+2\d for "
+                                          r"response 0: .*raise tau_div \(DSPO's default is 0.5\)"):
+        _annotate_with(tmp_path, monkeypatch, ["method.tau_div=1e-3"])
+    batch, *_ = _annotate_with(tmp_path, monkeypatch, [])
+    assert math.isfinite(float(batch.data["dspo/r_div"][0]))

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from mmrl.core.advantages import group_advantages
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.grpo import GRPO
 from mmrl.core.method import register_method
 from mmrl.vlm.interventions import black_row, mask_box
@@ -114,6 +115,15 @@ class DSPO(GRPO):
                 w = torch.softmax((dp - dp.max()) / self.cfg.tau, 0).tolist()
                 r_div[i] = diversity(responses[i], batch.samples[i].meta, w=w, tau_ctr=self.cfg.tau_ctr,
                                      tau_div=self.cfg.tau_div)
+        # float32 rewards: an inf or NaN R_div, or one whose squared deviations (at most (2 |R_div|)^2 each)
+        # overflow in the group's std, would make the advantages NaN
+        if not bool(torch.isfinite(4 * r_div.square().sum())):
+            i = int(r_div.abs().nan_to_num(nan=float("inf")).argmax())
+            raise ConfigError(
+                f"method.tau_div {self.cfg.tau_div} (with tau_ctr {self.cfg.tau_ctr}) makes R_div {float(r_div[i])} "
+                f"for response {i}: a candidate whose removal would bring the set's mean closer to the prior, "
+                f"by |Delta|, adds 1 - exp(|Delta| / tau_div), which overflows when tau_div is small; raise tau_div "
+                f"(DSPO's default is {type(self.cfg).model_fields['tau_div'].default})")
         batch.data.update({"dspo/r_cf": r_cf, "dspo/r_div": r_div, "dspo/scored": scored})
 
     def rewards(self, batch: RolloutBatch) -> Tensor:
