@@ -13,6 +13,7 @@ from mmrl.core.config import (
     RolloutConfig,
     Section,
     TrainConfig,
+    config_warning,
 )
 from mmrl.core.lora import LoRAConfig
 from mmrl.vlm.tasks.scenes import check_ranges
@@ -203,6 +204,12 @@ class VLMRolloutConfig(RolloutConfig):
     """Rows per teacher-forced pass when old_logprobs is forward."""
 
 
+def _changed(section: Section, keys: tuple[str, ...]) -> list[str]:
+    """`key value` of each of `keys` set away from its default (what a warning names)."""
+    fields = type(section).model_fields
+    return [f"{k} {getattr(section, k)}" for k in keys if getattr(section, k) != fields[k].default]
+
+
 class AXPOResampleConfig(Section):
     k: int = Field(2, ge=2)
     """K: continuations resampled from each selected prefix (z-scored among themselves)."""
@@ -214,6 +221,14 @@ class AXPOResampleConfig(Section):
     not call the tool at all. True: the prefix keeps that tag, so every continuation is a call
     whose arguments (and what follows) are re-drawn. AXPO's "resample K continuations starting
     at the tool call" (docs/methods.md section 2) reads either way."""
+
+    @model_validator(mode="after")
+    def _unused_without_budget(self):  # said, not silently ignored
+        unused = _changed(self, ("k", "force_call"))
+        if self.budget == 0 and unused:
+            config_warning(f"method.resample.{', method.resample.'.join(unused)} unused with method.resample.budget 0: "
+                           "nothing is resampled (GRPO with AXPO's metrics)")
+        return self
 
 
 class AXPOConfig(GRPOConfig):
@@ -254,6 +269,15 @@ class VPPOConfig(GRPOConfig):
                              "shapes and filters by nothing; give mask_p in (0, 1] (VPPO's is 0.5)")
         return self
 
+    @model_validator(mode="after")
+    def _unused_by_the_intervention(self):  # said, not silently ignored
+        other = {"mask": "blur_sigma", "blur": "mask_p"}[self.intervention]
+        for setting in _changed(self, (other,)):
+            config_warning(f"method.{setting} unused with method.intervention {self.intervention}: "
+                           + ("the patches are masked, not blurred" if self.intervention == "mask"
+                              else "the whole image is blurred, no patch is masked"))
+        return self
+
 
 class PACGConfig(VPPOConfig):
     """PACG (mmrl.vlm.methods.pacg): positive credit of unusually persistent visual claims
@@ -284,6 +308,14 @@ class PACGConfig(VPPOConfig):
                              "vocabulary, mmrl.vlm.claims.CLAIM_WORDS)")
         return self
 
+    @model_validator(mode="after")
+    def _vppo_settings_unused_on_dapo(self):  # said, not silently ignored
+        unused = _changed(self, ("beta_min", "top_frac", "cap"))
+        if self.base == "dapo" and unused:
+            config_warning(f"method.{', method.'.join(unused)} unused with method.base dapo: VPPO's advantage "
+                           "shaping and token filter run only with base vppo")
+        return self
+
 
 class CORAConfig(GRPOConfig):
     """CORA (mmrl.vlm.methods.cora): a consistency reward model's stream beside the task's,
@@ -310,6 +342,9 @@ class CORAConfig(GRPOConfig):
         if self.alpha == 0 and self.beta == 0:  # every advantage 0: the run would train nothing, silently
             raise ValueError("alpha and beta are both 0: every advantage is 0 and nothing is learnt; give the "
                              "task stream (alpha) or the consistency stream (beta) a weight")
+        if self.beta == 0 and _changed(self, ("warmup_steps",)):  # said, not silently ignored
+            config_warning(f"method.warmup_steps {self.warmup_steps} unused with method.beta 0: there is no "
+                           "consistency weight to warm up")
         return self
 
 
@@ -335,6 +370,14 @@ class DSPOConfig(GRPOConfig):
         if self.advantage.type != "group":
             raise ValueError(f"DSPO normalises its rewards in each group (advantage.type group, with its scale and "
                              f"eps); advantage.type {self.advantage.type!r} is not supported")
+        return self
+
+    @model_validator(mode="after")
+    def _dedr_settings_unused_without_its_weight(self):  # said, not silently ignored
+        unused = _changed(self, ("tau", "tau_ctr", "tau_div"))
+        if self.div_weight == 0 and unused:
+            config_warning(f"method.{', method.'.join(unused)} unused with method.div_weight 0: each shapes R_div "
+                           "(DEDR and its CVIG weights), which then counts for nothing")
         return self
 
 

@@ -1,0 +1,56 @@
+"""VLM method settings at their edges: a setting the method does not read under the others is
+said (a warning), not silently ignored; the bundled configs, and settings that are read, say nothing."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from mmrl.core.config import load_config
+from mmrl.vlm import backend
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+
+
+def _load(config, overrides):
+    return load_config(backend.CONFIG_CLASS, CONFIGS / config, overrides, defaults=backend.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize("config, overrides, said", [
+    ("vppo.yaml", ["method.intervention=blur", "method.mask_p=0.3"],
+     r"method.mask_p 0.3 unused with method.intervention blur: the whole image is blurred"),
+    ("vppo.yaml", ["method.blur_sigma=2"], r"method.blur_sigma 2.0 unused with method.intervention mask"),
+    ("pacg.yaml", ["method.top_frac=0.1", "method.cap=5"],
+     (r"method.top_frac 0.1, method.cap 5.0 unused with method.base dapo: VPPO's advantage shaping and token "
+      r"filter run only with base vppo")),
+    ("axpo.yaml", ["method.resample.budget=0", "method.resample.force_call=true"],
+     r"method.resample.force_call True unused with method.resample.budget 0: nothing is resampled"),
+    ("cora.yaml", ["method.beta=0", "method.warmup_steps=50"],
+     r"method.warmup_steps 50 unused with method.beta 0: there is no consistency weight to warm up"),
+    ("dspo.yaml", ["method.div_weight=0", "method.tau_div=0.1"],
+     r"method.tau_div 0.1 unused with method.div_weight 0: each shapes R_div"),
+], ids=["vppo-mask_p-with-blur", "vppo-blur_sigma-with-mask", "pacg-vppo-shaping-on-dapo", "axpo-no-budget",
+        "cora-no-beta", "dspo-no-div-weight"])
+def test_settings_their_method_does_not_read_are_said_to_be_unused(config, overrides, said):
+    with pytest.warns(UserWarning, match=said) as record:
+        _load(config, overrides)
+    assert [w.filename for w in record] == [__file__]  # the caller's line, not the validator's
+
+
+@pytest.mark.parametrize("config, overrides", [
+    *[(p.name, []) for p in sorted(CONFIGS.glob("*.yaml"))],
+    ("vppo.yaml", ["method.intervention=blur", "method.blur_sigma=2"]),
+    ("pacg_vppo.yaml", ["method.top_frac=0.1", "method.beta_min=0.5", "method.cap=5"]),
+    ("axpo.yaml", ["method.resample.budget=0"]),
+    ("axpo.yaml", ["method.resample.k=4", "method.resample.force_call=true"]),
+    ("cora.yaml", ["method.beta=0"]),
+    ("cora.yaml", ["method.warmup_steps=50"]),
+    ("dspo.yaml", ["method.div_weight=0"]),
+    ("dspo.yaml", ["method.tau=0.1", "method.tau_div=0.1"]),
+])
+def test_settings_that_are_read_say_nothing(config, overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _load(config, overrides)
