@@ -258,7 +258,8 @@ class VPPOConfig(GRPOConfig):
     beta_min: float = Field(0.9, ge=0, le=1)
     """Smallest trajectory advantage scale."""
     top_frac: float = Field(0.4, gt=0, le=1)
-    """Share of each response's tokens (highest visual dependency) that keep their gradient."""
+    """Share of each response's tokens (highest visual dependency) that keep their gradient,
+    rounded up: at least one token per response."""
     cap: float = Field(10.0, gt=0)
     """Clamp of the token visual dependency s_t."""
 
@@ -281,7 +282,8 @@ class VPPOConfig(GRPOConfig):
 
 class PACGConfig(VPPOConfig):
     """PACG (mmrl.vlm.methods.pacg): positive credit of unusually persistent visual claims
-    attenuated, on DAPO or on VPPO; the intervention is VPPO's patch masking (mask_p)."""
+    attenuated, on DAPO or on VPPO; the intervention is VPPO's (patch masking with mask_p, or
+    intervention: blur)."""
 
     type: Literal["pacg"] = "pacg"
     """The method: pacg (persistence-gated credit on DAPO or VPPO)."""
@@ -326,7 +328,9 @@ class CORAConfig(GRPOConfig):
     consistency_model: str = "assets/tiny-consistency-modernbert"
     """The consistency classifier (a local sequence-classification model with a "consistent" label)."""
     lam: float = Field(1.0, gt=0)
-    """lambda: r_cons = lambda * P(consistent), the consistency atom's weight in the reward."""
+    """lambda: r_cons = lambda * P(consistent), the consistency atom's weight in the run's reward (its
+    total: reward metrics, dynamic sampling). HRAS z-scores the stream in its group, so lam does not
+    change CORA's advantages (but for the z-score's eps): beta weighs the stream there."""
     alpha: float = Field(1.0, ge=0)
     """Weight of the task stream's group z-score."""
     beta: float = Field(0.2, ge=0)
@@ -359,11 +363,14 @@ class DSPOConfig(GRPOConfig):
     cf_weight: float = Field(0.1, ge=0)
     """Weight of R_cf (CVIG's mean probability drop of the candidates with the box masked)."""
     tau: float = Field(0.05, gt=0)
-    """Temperature of the candidate weights w_k = softmax_k(dP_k / tau) in DEDR."""
+    """Temperature of the candidate weights w_k = softmax_k(dP_k / tau) in DEDR (tau -> 0: all the
+    weight on the candidate of the largest drop)."""
     tau_ctr: float = Field(1.0, gt=0)
     """DEDR's centring temperature (mmrl.vlm.dedr)."""
     tau_div: float = Field(0.5, gt=0)
-    """DEDR's per-candidate contribution temperature."""
+    """DEDR's per-candidate contribution temperature: candidate k adds 1 - exp(-Delta_k / tau_div),
+    unbounded below where removing it would centre the set (Delta_k < 0), so a small tau_div lets
+    one such candidate outweigh every other atom (an R_div that overflows is refused)."""
 
     @model_validator(mode="after")
     def _group_advantages(self):

@@ -164,3 +164,19 @@ def test_the_consistency_atom_follows_shapes_qas_atoms_weighted_by_lambda(tmp_pa
     reward = backend.build_task(_cfg(tmp_path, ["method.lam=0.25"])).reward
     assert reward.names == ["format", "answer", "consistency"]
     assert reward.weights.tolist() == pytest.approx([0.1, 1.0, 0.25])
+
+
+
+def test_lam_scales_the_consistency_stream_out_of_hras():
+    """lam multiplies P(consistent) in the reward, and HRAS z-scores the stream in its group: the
+    advantages are the same for every lam (to the z-score's eps), and method.lam's description,
+    which `mmrl config` prints, says so (it read as the stream's weight, which beta is)."""
+    from mmrl.core.config_doc import _description
+    from mmrl.vlm.config import CORAConfig
+
+    task, cons = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.9, 0.2, 0.5, 0.7])
+    gid = torch.tensor([0, 0, 1, 1])
+    base = hras_advantages(task, cons, gid, alpha=1.0, beta=0.2)
+    for lam in (0.01, 10.0, 1e6):
+        assert torch.allclose(hras_advantages(task, lam * cons, gid, alpha=1.0, beta=0.2), base, atol=1e-4)
+    assert "lam does not change CORA's advantages" in " ".join(_description(CORAConfig, "lam").split())
