@@ -318,6 +318,18 @@ def test_pacg_metrics_without_claims_are_left_out(tmp_path):
     assert method.batch_metrics(batch) == {}
 
 
+
+def test_pacg_metrics_of_a_batch_without_images_are_not_the_last_batchs(tmp_path):
+    """A batch without images gets no claims (annotate re-scores nothing): its metrics are empty, where
+    they were the previous batch's persistence and gates, reported again."""
+    method = _pacg_method(tmp_path)
+    method.advantages(_claims_batch())
+    assert method.batch_metrics(_claims_batch())["pacg/claims"] == 2.0
+    plain = _claims_batch()
+    del plain.data["claim_ids"], plain.data["logp_intervened"]
+    method.advantages(plain)
+    assert method.batch_metrics(plain) == {}
+
 def test_annotate_reads_claims_with_the_configured_words_and_answer_tag(tmp_path, monkeypatch):
     """claim_words [zebra], answer_tag <final>: "a zebra here, a red circle <final>2 zebras</final>"
     has one claim, "a zebra here" = [0, 12) (no colour word, nothing after the tag). On VPPO,

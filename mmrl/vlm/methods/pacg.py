@@ -75,6 +75,7 @@ class PACG(VPPO):
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N, T]
         # the GRPO family's [N], from the config (the rewards' device: the CPU), to the tokens' device
         adv = super(VPPO, self).advantages(batch).to(batch.mask.device)
+        self._last = None  # this batch's claims only: one without images must not report the last one's
         s = batch.data.get("visual_dependency")
         if s is not None:
             adv = shape_advantages(adv, s, batch.mask, beta_min=self.cfg.beta_min, top_frac=self.cfg.top_frac)
