@@ -403,6 +403,16 @@ class VLMTrainConfig(TrainConfig):
     dspo."""
 
     @model_validator(mode="after")
+    def _dspo_scores_mood_responses(self):
+        if self.method.type == "dspo" and self.task.type in ("shapes-qa", "shapes-zoom"):
+            # no response of these tasks is in DSPO's template: R_cf = R_div = 0 for all, silently GRPO
+            raise ValueError(f"method.type dspo scores shapes-mood's responses (a trigger box, candidate emotions "
+                             f"and the item's VAD prior); task.type {self.task.type} has none, so every R_cf and "
+                             f"R_div would be 0 (GRPO, at the cost of CVIG's passes): use task.type shapes-mood, "
+                             f"or a jsonl task of mood items with mu and sigma")
+        return self
+
+    @model_validator(mode="after")
     def _overlong_budget(self):
         ol = self.reward.overlong
         if ol is not None and ol.max_len is None and self.rollout.tools is not None:

@@ -54,3 +54,15 @@ def test_settings_that_are_read_say_nothing(config, overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _load(config, overrides)
+
+
+@pytest.mark.parametrize("task", ["shapes-qa", "shapes-zoom"])
+def test_dspo_on_a_task_without_mood_responses_is_refused(task):
+    """DSPO on shapes-qa ran as GRPO: no response is in its template, so R_cf = R_div = 0 for all
+    (dspo/cvig_scored 0), at the cost of CVIG's passes."""
+    from mmrl.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"method.type dspo scores shapes-mood's responses .*task.type {task} has "
+                                          r"none, so every R_cf and R_div would be 0"):
+        _load("grpo.yaml", ["method.type=dspo", f"task.type={task}"])
+    assert _load("dspo.yaml", []).task.type == "shapes-mood"
