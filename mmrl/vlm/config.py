@@ -244,6 +244,9 @@ class AXPOConfig(GRPOConfig):
     """A rollout is right when its `answer` atom (else its total reward) is at least this."""
 
 
+BLUR_SIGMA_MIN = 0.2  # pixels: below about 0.17 a float32 Gaussian blur is the identity
+
+
 class VPPOConfig(GRPOConfig):
     """VPPO (mmrl.vlm.methods.vppo): visual-dependency advantage shaping and token filtering."""
 
@@ -254,7 +257,8 @@ class VPPOConfig(GRPOConfig):
     mask_p: float = Field(0.5, ge=0, le=1)
     """Chance that each image patch is blacked out in the re-scoring pass."""
     blur_sigma: float = Field(4.0, gt=0)
-    """intervention: blur -- the blur's std in pixels of the image the model sees."""
+    """intervention: blur -- the blur's std in pixels of the image the model sees (at least 0.2:
+    a narrower Gaussian leaves a float32 image unchanged)."""
     beta_min: float = Field(0.9, ge=0, le=1)
     """Smallest trajectory advantage scale."""
     top_frac: float = Field(0.4, gt=0, le=1)
@@ -268,6 +272,16 @@ class VPPOConfig(GRPOConfig):
         if self.intervention == "mask" and self.mask_p == 0:  # the re-scoring would see the image unchanged
             raise ValueError("mask_p 0 blacks out no patch: every token's visual dependency is 0, so the method "
                              "shapes and filters by nothing; give mask_p in (0, 1] (VPPO's is 0.5)")
+        return self
+
+    @model_validator(mode="after")
+    def _something_blurred(self):
+        # the kernel's radius is at least 1 pixel, but a neighbour's weight exp(-1 / (2 sigma^2)) falls below
+        # float32's resolution (2^-24) under sigma 0.17: the image comes back unchanged, as with mask_p 0
+        if self.intervention == "blur" and self.blur_sigma < BLUR_SIGMA_MIN:
+            raise ValueError(f"blur_sigma {self.blur_sigma} blurs nothing (a neighbouring pixel's weight "
+                             f"exp(-1 / (2 sigma^2)) is below float32's resolution): every token's visual dependency "
+                             f"is 0; give blur_sigma >= {BLUR_SIGMA_MIN} pixels (the default is 4)")
         return self
 
     @model_validator(mode="after")

@@ -66,3 +66,23 @@ def test_dspo_on_a_task_without_mood_responses_is_refused(task):
                                           r"none, so every R_cf and R_div would be 0"):
         _load("grpo.yaml", ["method.type=dspo", f"task.type={task}"])
     assert _load("dspo.yaml", []).task.type == "shapes-mood"
+
+
+def test_a_blur_too_narrow_to_change_the_image_is_refused():
+    """blur_sigma 1e-6 left the image as it was (vppo/visual_dependency exactly 0, as with mask_p 0):
+    refused under intervention blur, with the bound; unread (and allowed) under mask."""
+    import torch
+
+    from mmrl.core.config import ConfigError
+    from mmrl.vlm.interventions import gaussian_blur
+
+    image = torch.rand(1, 8, 8)
+    assert torch.equal(gaussian_blur(image, 0.1), image)  # the identity in float32
+    assert not torch.equal(gaussian_blur(image, 0.2), image)
+    for sigma in (1e-6, 0.1):
+        with pytest.raises(ConfigError, match=rf"method: blur_sigma {sigma} blurs nothing .*every token's visual "
+                                              r"dependency is 0; give blur_sigma >= 0.2 pixels"):
+            _load("vppo.yaml", ["method.intervention=blur", f"method.blur_sigma={sigma}"])
+    assert _load("pacg.yaml", ["method.intervention=blur", "method.blur_sigma=0.2"]).method.blur_sigma == 0.2
+    with pytest.warns(UserWarning, match="blur_sigma 0.1 unused with method.intervention mask"):
+        _load("vppo.yaml", ["method.blur_sigma=0.1"])
