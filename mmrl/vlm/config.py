@@ -243,6 +243,15 @@ class AXPOConfig(GRPOConfig):
     success: float = Field(0.5, ge=0)
     """A rollout is right when its `answer` atom (else its total reward) is at least this."""
 
+    @model_validator(mode="after")
+    def _dynamic_sampling_drops_first(self):
+        if self.dynamic_sampling.enabled and self.resample.budget > 0:  # said: it quietly undoes AXPO's point
+            config_warning("method.dynamic_sampling drops a group whose rewards are all equal before AXPO looks at "
+                           "it: a group whose rollouts are all wrong (and score alike) is dropped, never resampled, "
+                           "so AXPO resamples only groups whose rewards differ (a right rollout without a tool call, "
+                           "or another format score)")
+        return self
+
 
 BLUR_SIGMA_MIN = 0.2  # pixels: below about 0.17 a float32 Gaussian blur is the identity
 

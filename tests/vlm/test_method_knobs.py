@@ -31,8 +31,11 @@ def _load(config, overrides):
      r"method.warmup_steps 50 unused with method.beta 0: there is no consistency weight to warm up"),
     ("dspo.yaml", ["method.div_weight=0", "method.tau_div=0.1"],
      r"method.tau_div 0.1 unused with method.div_weight 0: each shapes R_div"),
+    ("axpo.yaml", ["method.dynamic_sampling.enabled=true"],
+     (r"method.dynamic_sampling drops a group whose rewards are all equal before AXPO looks at it: a group whose "
+      r"rollouts are all wrong \(and score alike\) is dropped, never resampled")),
 ], ids=["vppo-mask_p-with-blur", "vppo-blur_sigma-with-mask", "pacg-vppo-shaping-on-dapo", "axpo-no-budget",
-        "cora-no-beta", "dspo-no-div-weight"])
+        "cora-no-beta", "dspo-no-div-weight", "axpo-dynamic-sampling"])
 def test_settings_their_method_does_not_read_are_said_to_be_unused(config, overrides, said):
     with pytest.warns(UserWarning, match=said) as record:
         _load(config, overrides)
@@ -44,6 +47,7 @@ def test_settings_their_method_does_not_read_are_said_to_be_unused(config, overr
     ("vppo.yaml", ["method.intervention=blur", "method.blur_sigma=2"]),
     ("pacg_vppo.yaml", ["method.top_frac=0.1", "method.beta_min=0.5", "method.cap=5"]),
     ("axpo.yaml", ["method.resample.budget=0"]),
+    ("axpo.yaml", ["method.resample.budget=0", "method.dynamic_sampling.enabled=true"]),  # GRPO-like: DAPO's rule
     ("axpo.yaml", ["method.resample.k=4", "method.resample.force_call=true"]),
     ("cora.yaml", ["method.beta=0"]),
     ("cora.yaml", ["method.warmup_steps=50"]),
