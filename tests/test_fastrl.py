@@ -509,6 +509,20 @@ def test_an_ars_floor_above_num_generations_is_refused(tmp_path):
         build_method(cfg, toy.ToyTask().reward)
 
 
+def test_a_pad_multiple_of_the_whole_group_is_refused(tmp_path):
+    """Padding to a multiple of pad_multiple >= G can only reach G: every dropped rollout came back and
+    MDAP pruned nothing (a run with pad_multiple 1000 matched plain GRPO), silently."""
+    for pad in (8, 1000):
+        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", f"method.fastrl.pad_multiple={pad}",
+                         "rollout.num_generations=8")
+        with pytest.raises(ConfigError, match=rf"method.fastrl.pad_multiple \({pad}\) is not below "
+                                              r"rollout.num_generations \(8\): .* MDAP prunes nothing"):
+            build_method(cfg, toy.ToyTask().reward)
+    for fine in (("method.fastrl.pad_multiple=7",), ("method.fastrl.enabled=false", "method.fastrl.pad_multiple=8")):
+        build_method(toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=8", *fine),
+                     toy.ToyTask().reward)
+
+
 def test_grpo_ars_weighs_the_kept_counts_by_step_over_max_steps(tmp_path):
     def size_at(step):
         cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true",

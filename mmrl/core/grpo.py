@@ -51,6 +51,12 @@ class GRPO(Method):
             raise ConfigError(f"method.fastrl.min_group_size ({fastrl.min_group_size}) is above "
                               f"rollout.num_generations ({g}): ARS only shrinks the group from num_generations, "
                               f"so give min_group_size in [2, {g}]")
+        if self.fastrl is not None and fastrl.pad_multiple is not None and 1 < g <= fastrl.pad_multiple:
+            # the only multiple of it a group's kept count can reach is the whole group: silently no pruning
+            raise ConfigError(f"method.fastrl.pad_multiple ({fastrl.pad_multiple}) is not below "
+                              f"rollout.num_generations ({g}): every group's kept rollouts would be padded back "
+                              f"to all {g}, so MDAP prunes nothing; give pad_multiple below {g} (or null: the "
+                              f"data-parallel world size)")
         self.ars = (AdaptiveGroupSize(run.rollout.num_generations, fastrl.min_group_size)
                     if self.fastrl is not None and fastrl.ars else None)
 
