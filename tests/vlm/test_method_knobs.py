@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmrl.core.config import load_config
 from mmrl.vlm import backend
@@ -75,7 +76,6 @@ def test_dspo_on_a_task_without_mood_responses_is_refused(task):
 def test_a_blur_too_narrow_to_change_the_image_is_refused():
     """blur_sigma 1e-6 left the image as it was (vppo/visual_dependency exactly 0, as with mask_p 0):
     refused under intervention blur, with the bound; unread (and allowed) under mask."""
-    import torch
 
     from mmrl.core.config import ConfigError
     from mmrl.vlm.interventions import gaussian_blur
@@ -90,3 +90,26 @@ def test_a_blur_too_narrow_to_change_the_image_is_refused():
     assert _load("pacg.yaml", ["method.intervention=blur", "method.blur_sigma=0.2"]).method.blur_sigma == 0.2
     with pytest.warns(UserWarning, match="blur_sigma 0.1 unused with method.intervention mask"):
         _load("vppo.yaml", ["method.blur_sigma=0.1"])
+
+
+def test_edge_values_that_make_vppo_and_pacg_their_base_method():
+    """beta_min 1 and top_frac 1 leave VPPO's advantages as DAPO's on every response token; eta 0,
+    g_min 1 or an unreachable z0 gate no claim (PACG = its base). Runs of configs/vlm/vppo.yaml and
+    pacg.yaml so set gave dapo.yaml's per-step losses exactly."""
+    from mmrl.vlm.methods.pacg import pacg_gate
+    from mmrl.vlm.methods.vppo import shape_advantages
+
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.tensor([0.7, -0.7, 1.2])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    s = torch.rand(3, 4, generator=gen) * mask
+    torch.testing.assert_close(shape_advantages(adv, s, mask, beta_min=1.0, top_frac=1.0), adv[:, None] * mask)
+    full = adv[:, None].expand(3, 4).clone()
+    claim_ids = torch.tensor([[0, 0, 1, -1], [0, 0, -1, -1], [0, 1, 1, 2]])
+    index = torch.tensor([[0, 0], [0, 1], [1, 0], [2, 0], [2, 1], [2, 2]])
+    persistence = torch.tensor([0.99, 0.1, 0.2, 0.15, 0.1, 0.12])  # claim (0, 0) stands out: z ~ 2
+    gated, _ = pacg_gate(full, persistence, index, claim_ids, z0=1.0, eta=0.5, g_min=0.5)
+    assert not torch.equal(gated, full)  # the defaults gate it
+    for z0, eta, g_min in ((1.0, 0.0, 0.5), (1.0, 0.5, 1.0), (1e9, 0.5, 0.5)):
+        out, gates = pacg_gate(full, persistence, index, claim_ids, z0=z0, eta=eta, g_min=g_min)
+        assert torch.equal(out, full) and bool((gates == 1).all())
