@@ -348,11 +348,14 @@ def test_a_tiny_tau_weighs_the_largest_drop_alone_not_nan(tmp_path, monkeypatch)
 
 def test_a_tau_div_that_overflows_r_div_is_a_config_error_naming_it(tmp_path, monkeypatch):
     """At tau_div 1e-3, Delta_3 = -0.055 adds 1 - exp(55) ~ -8e23 to R_div: its square overflows the
-    group's float32 std, and the advantages were NaN (a traceback). tau_div 0.5 is fine."""
+    group's float32 std, and the advantages were NaN (a traceback); at 1e-4, ~ -1e239 failed to be stored
+    in the float32 rewards (a RuntimeError). tau_div 0.5 is fine."""
     from mmrl.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"method.tau_div 0.001 \(with tau_ctr 1.0\) makes R_div -\d.*e\+2\d for "
                                           r"response 0: .*raise tau_div \(DSPO's default is 0.5\)"):
         _annotate_with(tmp_path, monkeypatch, ["method.tau_div=1e-3"])
+    with pytest.raises(ConfigError, match=r"method.tau_div 0.0001 .* makes R_div -\d.*e\+23\d"):  # past float32's range
+        _annotate_with(tmp_path, monkeypatch, ["method.tau_div=1e-4"])
     batch, *_ = _annotate_with(tmp_path, monkeypatch, [])
     assert math.isfinite(float(batch.data["dspo/r_div"][0]))

@@ -87,7 +87,8 @@ class DSPO(GRPO):
     def annotate(self, policy, batch: RolloutBatch) -> None:
         """R_cf and the CVIG-weighted R_div of every response in the template (0 elsewhere)."""
         n = len(batch)
-        r_cf, r_div, scored = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+        # R_div in float64 until checked: a value past float32's range would fail to be stored
+        r_cf, r_div, scored = torch.zeros(n), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
         rows, prompts, prefixes, words, boxes = [], [], [], [], []
         responses = [parse_mood(s.completion) for s in batch.samples]
         for i, (sample, resp) in enumerate(zip(batch.samples, responses)):
@@ -117,14 +118,14 @@ class DSPO(GRPO):
                                      tau_div=self.cfg.tau_div)
         # float32 rewards: an inf or NaN R_div, or one whose squared deviations (at most (2 |R_div|)^2 each)
         # overflow in the group's std, would make the advantages NaN
-        if not bool(torch.isfinite(4 * r_div.square().sum())):
+        if not bool(4 * r_div.square().sum() <= torch.finfo(torch.float32).max):  # NaN fails it too
             i = int(r_div.abs().nan_to_num(nan=float("inf")).argmax())
             raise ConfigError(
                 f"method.tau_div {self.cfg.tau_div} (with tau_ctr {self.cfg.tau_ctr}) makes R_div {float(r_div[i])} "
                 f"for response {i}: a candidate whose removal would bring the set's mean closer to the prior, "
                 f"by |Delta|, adds 1 - exp(|Delta| / tau_div), which overflows when tau_div is small; raise tau_div "
                 f"(DSPO's default is {type(self.cfg).model_fields['tau_div'].default})")
-        batch.data.update({"dspo/r_cf": r_cf, "dspo/r_div": r_div, "dspo/scored": scored})
+        batch.data.update({"dspo/r_cf": r_cf, "dspo/r_div": r_div.float(), "dspo/scored": scored})
 
     def rewards(self, batch: RolloutBatch) -> Tensor:
         """[N] R = the task's atoms (a uniform-weight "diversity" atom, if the task has one,
