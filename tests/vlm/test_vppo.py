@@ -109,14 +109,16 @@ def _vppo(tmp_path, extra=()):
 
 def test_mask_p_0_is_refused_where_the_patches_are_masked(tmp_path):
     """mask_p 0 re-scored the image unchanged: every visual dependency 0 (logged so) and the method
-    shaped and filtered by nothing. With intervention blur mask_p is not read, so 0 is fine there."""
+    shaped and filtered by nothing. With intervention blur mask_p is not read, so 0 runs there (with
+    the warning that says so)."""
     from mmrl.core.config import ConfigError
 
     for config in ("vppo", "pacg", "pacg_vppo"):
         with pytest.raises(ConfigError, match=r"invalid config: method: mask_p 0 blacks out no patch"):
             load_config(backend.CONFIG_CLASS, ROOT / "configs" / "vlm" / f"{config}.yaml",
                         [f"output_dir={tmp_path}", "method.mask_p=0"], defaults=backend.DEFAULT_CONFIG)
-    assert _vppo(tmp_path, ["method.mask_p=0", "method.intervention=blur"]).cfg.mask_p == 0
+    with pytest.warns(UserWarning, match="method.mask_p 0.0 unused with method.intervention blur"):  # said, not read
+        assert _vppo(tmp_path, ["method.mask_p=0", "method.intervention=blur"]).cfg.mask_p == 0
     assert _vppo(tmp_path, ["method.mask_p=1"]).cfg.mask_p == 1
 
 
