@@ -16,12 +16,11 @@ Prints Markdown.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter, defaultdict
 
 import torch
 
-from mmrl.core.config import load_config
+from mmrl.core.config import ConfigError, load_config
 
 
 def _config(backend, args):
@@ -36,7 +35,7 @@ def vlm(args) -> None:
 
     cfg = _config(backend, args)
     if cfg.task.type != "shapes-qa":
-        sys.exit("the VLM breakdown reads shapes-qa items (task.type=shapes-qa)")
+        raise ConfigError("the VLM breakdown reads shapes-qa items (task.type=shapes-qa)")
     policy, task = backend.build(cfg)
     items = task.eval_items
     texts = [s.completion for b in policy.greedy_batches(items, cfg.rollout.max_new_tokens, 50, task.stop) for s in b.samples]
@@ -68,7 +67,7 @@ def dllm(args) -> None:
 
     cfg = _config(backend, args)
     if cfg.task.type != "arith":
-        sys.exit("the dLLM breakdown reads arith problems (task.type=arith)")
+        raise ConfigError("the dLLM breakdown reads arith problems (task.type=arith)")
     policy, task = backend.build(cfg)
     policy.model.eval()
     problems = task.eval_problems
@@ -108,4 +107,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from diffusion_rl import backend
 from diffusion_rl.ftfc import DIVERGENCES
-from mmrl.core.config import load_config
+from mmrl.core.config import ConfigError, load_config
 from mmrl.core.logging import read_metrics
 from mmrl.core.trainer import Trainer, read_reused_run
 
@@ -47,8 +47,10 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str],
                       [f"seed={seed}", f"train.max_steps={steps}", f"output_dir={out}", "logging.progress=false",
                        "logging.tensorboard=false", *extra], defaults=backend.DEFAULT_CONFIG)
     backend.resolve_settings(cfg)  # rollout.shift auto, CAST's stored window: as the run recorded them
-    # ValueError for a run still going or stopped, or made with other settings
-    done = read_reused_run(out, cfg) if reuse else None
+    try:  # a run still going or stopped, or made with other settings: the user's to sort out
+        done = read_reused_run(out, cfg) if reuse else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if done:
         return done
     policy, task = backend.build(cfg)
@@ -167,4 +169,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

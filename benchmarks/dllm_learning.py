@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from dllm_rl import backend
@@ -65,4 +64,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -48,7 +48,7 @@ import torch
 from dllm_rl import backend
 from dllm_rl.policy import to_sample
 from dllm_rl.task import pass_at_k
-from mmrl.core.config import load_config
+from mmrl.core.config import ConfigError, load_config
 from mmrl.core.logging import read_metrics
 from mmrl.core.trainer import Trainer, read_reused_run
 
@@ -140,8 +140,10 @@ def train_run(method: str, seed: int, args) -> tuple[dict, list[dict]]:
         overrides.append(f"train.max_steps={args.steps}")
     cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "dllm" / f"{method}.yaml", overrides,
                       defaults=backend.DEFAULT_CONFIG)
-    # ValueError for a run still going or stopped, or made with other settings
-    done = read_reused_run(out, cfg) if args.reuse else None
+    try:  # a run still going or stopped, or made with other settings: the user's to sort out
+        done = read_reused_run(out, cfg) if args.reuse else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if done:
         return done
     policy, task = backend.build(cfg)
@@ -182,7 +184,7 @@ def compare(args, methods: list[str], baseline: str, what: str) -> None:
     if args.methods:
         unknown = sorted(set(args.methods) - set(methods))
         if unknown:
-            raise SystemExit(f"--methods: {', '.join(unknown)} not in this comparison ({', '.join(methods)})")
+            raise ConfigError(f"--methods: {', '.join(unknown)} not in this comparison ({', '.join(methods)})")
         methods = [m for m in methods if m in args.methods]
     curves, decoders = {}, {}
     for seed in args.seeds:
@@ -294,4 +296,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -77,4 +77,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -109,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="extra", action="append", default=[], help="config override (repeatable)")
     args = ap.parse_args(argv)
     if args.eval_every < 1 or (args.steps is not None and args.steps < 1):
-        raise SystemExit(f"--eval-every and --steps must be >= 1, got {args.eval_every} and {args.steps}")
+        ap.error(f"--eval-every and --steps must be >= 1, got {args.eval_every} and {args.steps}")
     steps = args.steps if args.steps is not None else load_config(backend.CONFIG_CLASS, args.config, args.extra,
                                       defaults=backend.DEFAULT_CONFIG).train.max_steps
     results = [run(args.config, lr, args.targets, steps, args.eval_every, args.seed, args.extra) for lr in args.lrs]
@@ -123,4 +122,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

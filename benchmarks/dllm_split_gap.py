@@ -8,7 +8,6 @@ draw from) against the held-out split: how much of a model's accuracy is memory.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from dllm_rl import backend
@@ -42,4 +41,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

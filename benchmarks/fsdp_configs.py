@@ -64,4 +64,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -23,16 +23,17 @@ import torch
 from safetensors.torch import load as st_load
 
 from diffusion_rl.effective_reward import heldout_metrics
+from mmrl.core.config import ConfigError
 
 
 def load_pool(checkpoint: Path) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor, dict]:
     state_path = checkpoint / "trainer_state.json"
     if not state_path.is_file():
-        raise SystemExit(f"no trainer_state.json in {checkpoint}: give a checkpoint directory of an FTFC run")
+        raise ConfigError(f"no trainer_state.json in {checkpoint}: give a checkpoint directory of an FTFC run")
     state = json.loads(state_path.read_text())
     method = state.get("method") or {}
     if "tensors" not in method:
-        raise SystemExit(f"{state_path} holds no FTFC pool (method state keys: {sorted(method)})")
+        raise ConfigError(f"{state_path} holds no FTFC pool (method state keys: {sorted(method)})")
     t = st_load(base64.b64decode(method["tensors"]))
     cond = {k[len("data/cond/"):]: v for k, v in t.items() if k.startswith("data/cond/")}
     return t["data/final_latents"], cond, t["total"], t["group_ids"], state["config"]["method"]
@@ -65,4 +66,6 @@ def _cell(rows: list[dict], key: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -21,7 +21,6 @@ The last line reads `trainer waiting ratio: sync X, pipelined Y` (Y: CGP + FGD).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -92,4 +91,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

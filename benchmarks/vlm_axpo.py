@@ -85,4 +85,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

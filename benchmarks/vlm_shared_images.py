@@ -93,4 +93,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import bench_cli
+
+    raise SystemExit(bench_cli.run(main))

@@ -1,0 +1,88 @@
+"""The benchmark scripts' command lines (benchmarks/*.py): a bad input ends in one `error:` line
+and exit status 2 (benchmarks/bench_cli.py), not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mmrl.core.config import ConfigError
+from mmrl.core.rewards import import_python_file
+from mmrl.core.trainer import OutputDirError
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def bench(name: str):
+    return import_python_file(BENCH / f"{name}.py", f"bench_{name}")
+
+
+def test_every_script_ends_through_bench_cli():
+    """A script whose __main__ block calls main() itself prints a traceback on a missing config."""
+    for path in sorted(BENCH.glob("*.py")):
+        text = path.read_text()
+        if 'if __name__ == "__main__":' in text:
+            assert "raise SystemExit(bench_cli.run(main))" in text, path.name
+
+
+def test_user_errors_are_one_error_line_and_exit_2(capsys):
+    cli = bench("bench_cli")
+
+    def bad_config():
+        raise ConfigError("config file 'configs/dllm/nosuch.yaml' does not exist")
+
+    assert cli.run(bad_config) == 2
+    assert capsys.readouterr().err == "error: config file 'configs/dllm/nosuch.yaml' does not exist\n"
+
+    def taken():
+        raise OutputDirError("runs/x/diffu_grpo-seed0 already holds checkpoints of a run; pass --resume ...")
+
+    assert cli.run(taken) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: runs/x/diffu_grpo-seed0 already holds") and "give another --out" in err
+    assert cli.run(lambda: 0) == 0 and cli.run(lambda: None) == 0
+
+    def bug():
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        cli.run(bug)
+
+
+def test_a_missing_method_config_is_an_error_line(capsys):
+    """dllm_learning.py --methods nosuch: the config file it names, before anything trains."""
+    main = bench("dllm_learning").main
+    assert bench("bench_cli").run(lambda: main(["--methods", "nosuch", "--seeds", "0", "--steps", "1"])) == 2
+    assert re.fullmatch(r"error: config file '.*configs/dllm/nosuch\.yaml' does not exist\n", capsys.readouterr().err)
+
+
+def test_script_own_checks_are_error_lines(tmp_path, capsys):
+    """Checks the scripts made with SystemExit(text) (exit status 1) are user errors too."""
+    cli = bench("bench_cli")
+    ftfc = bench("ftfc_effective_reward").main
+    assert cli.run(lambda: ftfc([str(tmp_path)])) == 2
+    assert capsys.readouterr().err == f"error: no trainer_state.json in {tmp_path}: give a checkpoint directory of an FTFC run\n"
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"method": {"step": 3}}))
+    assert cli.run(lambda: ftfc([str(tmp_path)])) == 2
+    assert "holds no FTFC pool (method state keys: ['step'])" in capsys.readouterr().err
+    dllm = bench("dllm_methods")
+    args = argparse.Namespace(methods=["nosuch"])
+    assert cli.run(lambda: dllm.compare(args, ["tracerl", "slim_rl"], "tracerl", "best")) == 2
+    assert capsys.readouterr().err == "error: --methods: nosuch not in this comparison (tracerl, slim_rl)\n"
+
+
+def test_reuse_of_an_unfinished_run_is_an_error_line(tmp_path, capsys):
+    """diffusion_methods.py --reuse on a run that has metrics but no summary.json (still going or
+    stopped): mmrl's ValueError names the folder; here it is an error line, not a traceback."""
+    run = tmp_path / "flow_grpo-seed0"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/total": 0.5}) + "\n")
+    main = bench("diffusion_methods").main
+    argv = ["--methods", "flow_grpo", "--seeds", "0", "--steps", "1", "--reuse", "--out", str(tmp_path)]
+    assert bench("bench_cli").run(lambda: main(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run} has metrics but no summary.json")
