@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=0, help="dLLM: sampled answers per problem (0: greedy only)")
     ap.add_argument("--seed", type=int, default=1, help="dLLM: the sampling generator's seed")
     args = ap.parse_args(argv)
+    if args.samples < 0:
+        ap.error(f"--samples must be >= 0 (0: greedy only), got {args.samples}")
     vlm(args) if args.backend == "vlm" else dllm(args)
     return 0
 

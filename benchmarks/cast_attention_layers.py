@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sigmas", type=float, nargs="+", default=[0.95, 0.85, 0.7])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.prompts < 1:
+        ap.error(f"--prompts must be >= 1, got {args.prompts}")
     flow = load_flow_model(args.model or backend.bundled_model_dir())
     n = args.prompts
     prompts = sample_prompts(n, 1, split="eval")

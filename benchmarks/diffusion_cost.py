@@ -29,6 +29,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="/tmp/mmrl-diffusion-cost", help="the trainer's output directory (nothing is saved)")
     args = p.parse_args(argv)
+    if args.repeats < 1 or args.group < 1:
+        p.error(f"--repeats and --group must be >= 1, got {args.repeats} and {args.group}")
+    if args.batch < args.group or args.batch % args.group:  # else it would time fewer images than it reports
+        p.error(f"--batch ({args.batch}) must be a multiple of --group ({args.group}): prompts x G images")
     # the default run's window starts in steps 0-1; with fewer steps it starts anywhere that fits
     start = [] if args.steps >= args.window + 2 else ["rollout.window_start=null"]
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG, overrides=[

@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--divergences", nargs="+", default=None, choices=DIVERGENCES,
                     help="run FTFC once per divergence, as ftfc-<divergence> (default: the config's alone, as ftfc)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.window < 1:  # the tables read the last --window steps' rewards
+        ap.error(f"--steps and --window must be >= 1, got {args.steps} and {args.window}")
     only: dict[str, list[str]] = {}
     for item in args.only:
         method, sep, override = item.partition(":")

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=123, help="seed of the problem draw")
     ap.add_argument("--digits", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.problems < 1:
+        ap.error(f"--problems must be >= 1, got {args.problems}")
     arith = get_task("arith")
     print("| model | train split | held-out split | gap (points) |\n|---|---|---|---|")
     for model in args.models:

@@ -65,6 +65,9 @@ def main() -> None:
                     help="contiguous logits (default: a [:, :-1] slice, as the VLM and dLLM pass them)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process's own run
     args = ap.parse_args()
+    if min(args.rows, args.tokens, args.vocab, args.chunk) < 1:  # else each child process fails with a traceback
+        ap.error(f"--rows, --tokens, --vocab and --chunk must be >= 1, got {args.rows}, {args.tokens}, {args.vocab} "
+                 f"and {args.chunk}")
     if args.one is not None:
         print(json.dumps(one(args.rows, args.tokens, args.vocab, None if args.one == "plain" else args.chunk,
                              not args.contiguous)))

@@ -64,6 +64,9 @@ def main() -> None:
     steps = args.steps or [20 if b == "vlm" else 5 for b in args.backends]
     if len(steps) == 1:
         steps = steps * len(args.backends)
+    if len(steps) != len(args.backends):  # zip would drop a backend or a count without a word
+        ap.error(f"--steps: give one count, or one per backend ({len(args.backends)}: {' '.join(args.backends)}); "
+                 f"got {len(steps)}")
     warnings.filterwarnings("ignore")
     for name, n in zip(args.backends, steps):
         rows = {arm: run(name, over, args.lr, n, args.seed, args.set) for arm, over in ARMS.items()}

@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="extra", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="write the measurements as JSON here")
     args = ap.parse_args(argv)
+    if min(args.repeats, args.rollouts, args.threads) < 1:  # no timing to take a median of
+        ap.error(f"--repeats, --rollouts and --threads must be >= 1, got {args.repeats}, {args.rollouts} and "
+                 f"{args.threads}")
     torch.set_num_threads(args.threads)
 
     sets = [f"seed={args.seed}", "optim.lr=5e-4", "output_dir=/tmp/mmrl-update-cost", "logging.progress=false",

@@ -58,6 +58,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each path per batch")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.batches < 1 or args.repeats < 1:  # no timing to take a mean of
+        ap.error(f"--batches and --repeats must be >= 1, got {args.batches} and {args.repeats}")
 
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
     policy, task = backend.build(cfg)

@@ -86,3 +86,29 @@ def test_reuse_of_an_unfinished_run_is_an_error_line(tmp_path, capsys):
     assert bench("bench_cli").run(lambda: main(argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run} has metrics but no summary.json")
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("vlm_shared_images", ["--batches", "0"], "--batches and --repeats must be >= 1, got 0 and 3"),
+    ("update_cost", ["--repeats", "0"], "--repeats, --rollouts and --threads must be >= 1, got 0, 3 and 1"),
+    ("cast_attention_layers", ["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    ("breakdown", ["dllm", "--samples", "-1"], "--samples must be >= 0 (0: greedy only), got -1"),
+    ("dllm_split_gap", ["--problems", "-5"], "--problems must be >= 1, got -5"),
+    ("logprob_memory", ["--rows", "-1"], "--rows, --tokens, --vocab and --chunk must be >= 1, got -1, 1024"),
+    ("diffusion_cost", ["--repeats", "0"], "--repeats and --group must be >= 1, got 0 and 8"),
+    ("diffusion_cost", ["--batch", "12"], "--batch (12) must be a multiple of --group (8)"),
+    ("master_weights", ["--backends", "dllm", "--steps", "1", "2"], "--steps: give one count, or one per backend "
+                                                                      "(1: dllm); got 2"),
+    ("diffusion_methods", ["--window", "0"], "--steps and --window must be >= 1, got 30 and 0"),
+    ("diffusion_methods", ["--steps", "0"], "--steps and --window must be >= 1, got 0 and 5"),
+])
+def test_counts_out_of_range_are_usage_errors(script, argv, message, monkeypatch, capsys):
+    """A zero or negative count was a StatisticsError / IndexError / a child process's traceback
+    after the model was built, or (diffusion_cost --batch 12) timed 8 images and reported 12;
+    master_weights --steps 1 2 with one backend dropped the 2 without a word."""
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])  # logprob_memory and master_weights read sys.argv
+    main = bench(script).main
+    with pytest.raises(SystemExit) as e:
+        main(argv) if "argv" in main.__code__.co_varnames else main()
+    assert e.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
