@@ -52,10 +52,14 @@ def main() -> None:
     ap.add_argument("configs", nargs="*", help="config files (default: every file in configs/*/)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides, for every config")
     args = ap.parse_args()
+    for path in args.configs:  # the backend is the folder's name: anything else failed in both ranks (KeyError)
+        if not Path(path).is_file() or Path(path).parent.name not in BACKENDS:
+            ap.error(f"{path}: not a config file in a folder named for its backend "
+                     f"({', '.join(f'configs/{b}/' for b in BACKENDS)})")
     for path in args.configs or sorted(map(str, ROOT.glob("configs/*/*.yaml"))):
         r = two_ranks.run(_rank, path, args.set, timeout=90)[0]
         whole, sharded = r["False"], r["True"]
-        print(json.dumps({"config": str(Path(path).relative_to(ROOT) if Path(path).is_absolute() else path),
+        print(json.dumps({"config": str(Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path),
                           "moved": largest(whole["start"], whole["end"]),
                           "sharded_vs_whole": largest(whole["end"], sharded["end"]),
                           "same_start": largest(whole["start"], sharded["start"]) == 0.0,

@@ -97,8 +97,7 @@ def test_reuse_of_an_unfinished_run_is_an_error_line(tmp_path, capsys):
     ("logprob_memory", ["--rows", "-1"], "--rows, --tokens, --vocab and --chunk must be >= 1, got -1, 1024"),
     ("diffusion_cost", ["--repeats", "0"], "--repeats and --group must be >= 1, got 0 and 8"),
     ("diffusion_cost", ["--batch", "12"], "--batch (12) must be a multiple of --group (8)"),
-    ("master_weights", ["--backends", "dllm", "--steps", "1", "2"], "--steps: give one count, or one per backend "
-                                                                      "(1: dllm); got 2"),
+    ("master_weights", ["--backends", "dllm", "--steps", "1", "2"], "--steps: give one count, or one per backend"),
     ("diffusion_methods", ["--window", "0"], "--steps and --window must be >= 1, got 30 and 0"),
     ("diffusion_methods", ["--steps", "0"], "--steps and --window must be >= 1, got 0 and 5"),
 ])
@@ -112,3 +111,17 @@ def test_counts_out_of_range_are_usage_errors(script, argv, message, monkeypatch
         main(argv) if "argv" in main.__code__.co_varnames else main()
     assert e.value.code == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_fsdp_configs_names_a_config_it_cannot_place(tmp_path, monkeypatch, capsys):
+    """fsdp_configs.py picks the backend by the config's folder (configs/<backend>/): a missing
+    file, or one elsewhere, was a KeyError traceback from each of its two processes."""
+    main = bench("fsdp_configs").main
+    elsewhere = tmp_path / "my.yaml"
+    elsewhere.write_text("seed: 0\n")
+    for path in ("configs/dllm/nosuch.yaml", str(elsewhere)):
+        monkeypatch.setattr("sys.argv", ["fsdp_configs.py", path])
+        with pytest.raises(SystemExit) as e:
+            main()
+        assert e.value.code == 2
+        assert f"error: {path}: not a config file in a folder named for its backend (configs/vlm/" in capsys.readouterr().err
