@@ -89,7 +89,11 @@ def main(argv=None) -> int:
         speedup = t_off / t_on if t_off and t_on else float("nan")
         rows.append((base, off, on, target, t_off, t_on, speedup))
         print(json.dumps({"base": base, "off": off, "on": on, "target": target, "speedup": speedup}), flush=True)
-    print("\n| base | target acc | time to target off / on (s) | speed-up | final acc off / on "
+    # the table alone did not say which run made it: its settings, and where the runs are
+    print(f"\nseed {args.seed}, {args.steps} steps, lr {args.lr}, held-out accuracy every {args.eval_every} steps "
+          f"on {args.num_eval} items, {args.num_train} training items{''.join(f', --set {e}' for e in args.extra)}; "
+          f"runs in {args.out}")
+    print("| base | target acc | time to target off / on (s) | speed-up | final acc off / on "
           "| train s off / on | update s off / on | rollout s off / on | samples trained off / on | G on |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for base, off, on, target, t_off, t_on, speedup in rows:

@@ -125,3 +125,18 @@ def test_fsdp_configs_names_a_config_it_cannot_place(tmp_path, monkeypatch, caps
             main()
         assert e.value.code == 2
         assert f"error: {path}: not a config file in a folder named for its backend (configs/vlm/" in capsys.readouterr().err
+
+
+def test_fastrl_table_says_which_runs_made_it(tmp_path, monkeypatch, capsys):
+    """benchmarks/fastrl.py's table named the base method only: not the seed, steps, lr or the
+    overrides, so two tables from two seeds could not be told apart."""
+    bench_fastrl = bench("fastrl")
+    arm = {"curve": [(0, 0.0, 0.3), (5, 9.0, 0.5)], "final": 0.5, "train_seconds": 9.0, "rollout": 6.0,
+           "reward": 0.0, "update": 3.0, "samples": 320, "pruned": 0, "group_sizes": [8]}
+    monkeypatch.setattr(bench_fastrl, "run", lambda base, fastrl, args, out: arm)
+    assert bench_fastrl.main(["--bases", "grpo", "--seed", "3", "--steps", "5", "--out", str(tmp_path),
+                              "--set", "method.kl.beta=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert (f"seed 3, 5 steps, lr 0.001, held-out accuracy every 10 steps on 100 items, 160 training items, "
+            f"--set method.kl.beta=0.01; runs in {tmp_path}\n| base | target acc |") in out
+    assert "| grpo | 0.500 | 9 / 9 | 1.00x | 0.500 / 0.500 |" in out
