@@ -51,17 +51,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: the bundled tiny dLLM)")
     ap.add_argument("--task", default="arith")
-    ap.add_argument("--problems", type=int, default=200)
-    ap.add_argument("--n", type=int, default=16, help="answers per problem")
+    ap.add_argument("--problems", type=int, default=None, help="held-out problems (default 200; --quick: 40)")
+    ap.add_argument("--n", type=int, default=None, help="answers per problem (default 16; --quick: 8)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--gen-length", type=int, default=8)
     ap.add_argument("--block-length", type=int, default=4)
     ap.add_argument("--threshold", type=float, default=0.8)
     ap.add_argument("--tau", type=float, default=0.9)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="40 problems x 8 answers, about a minute; an explicit --problems or --n still counts")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.problems, args.n = 40, 8
+    # --quick used to overwrite an explicit --problems / --n, so the table's header named counts not asked for
+    problems, n = (40, 8) if args.quick else (200, 16)
+    args.problems = problems if args.problems is None else args.problems
+    args.n = n if args.n is None else args.n
     torch.set_num_threads(min(2, torch.get_num_threads()))
     rows = table(args)
     print(f"\n{args.task}, {args.problems} held-out problems, n={args.n} answers each at temperature "

@@ -140,3 +140,16 @@ def test_fastrl_table_says_which_runs_made_it(tmp_path, monkeypatch, capsys):
     assert (f"seed 3, 5 steps, lr 0.001, held-out accuracy every 10 steps on 100 items, 160 training items, "
             f"--set method.kl.beta=0.01; runs in {tmp_path}\n| base | target acc |") in out
     assert "| grpo | 0.500 | 9 / 9 | 1.00x | 0.500 / 0.500 |" in out
+
+
+def test_dllm_samplers_quick_keeps_explicit_counts(monkeypatch, capsys):
+    """dllm_samplers.py --quick --problems 100 ran 40 problems (--quick overwrote the flag)."""
+    samplers = bench("dllm_samplers")
+    seen = []
+    row = {"strategy": "ar", "pass@1": 0.5, "pass@8": 0.75, "NFE": 8.0, "greedy accuracy": 0.5, "greedy NFE": 8.0}
+    monkeypatch.setattr(samplers, "table", lambda args: seen.append((args.problems, args.n)) or [row])
+    for argv, counts in ((["--quick", "--problems", "100"], (100, 8)), (["--quick"], (40, 8)), ([], (200, 16)),
+                         (["--n", "4"], (200, 4))):
+        assert samplers.main(argv) == 0
+        assert seen.pop() == counts
+        assert f"arith, {counts[0]} held-out problems, n={counts[1]} answers each" in capsys.readouterr().out
