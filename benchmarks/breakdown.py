@@ -95,7 +95,7 @@ def dllm(args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("backend", choices=["vlm", "dllm"])
     ap.add_argument("--model", default=None, help="a checkpoint's model directory (default: the bundled model)")
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. task.kinds=null (repeatable)")

@@ -29,7 +29,7 @@ from diffusion_rl.tasks.shapes_geneval import make_scene, render, sample_prompts
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the bundled tiny flow model)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--sigmas", type=float, nargs="+", default=[0.95, 0.85, 0.7])

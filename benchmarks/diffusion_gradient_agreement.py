@@ -40,7 +40,7 @@ VARIANTS = {  # name -> (config, overrides)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--batches", type=int, default=6)

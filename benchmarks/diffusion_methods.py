@@ -101,12 +101,13 @@ def gain(summary: dict, key: str) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["flow_grpo", "cast", "ftfc"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--window", type=int, default=5, help="steps of the trailing mean reward")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "diffusion-methods")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "diffusion-methods",
+                    help="each run's output directory goes under it (default: the repository's runs/diffusion-methods/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     ap.add_argument("--reuse", action="store_true", help="table runs already finished in --out, train the rest")
     ap.add_argument("--only", action="append", default=[], metavar="METHOD:KEY=VALUE",

@@ -61,7 +61,7 @@ def conventions(problems, texts, other: str = "reversed", task: str = "arith") -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=[str(ROOT / "assets" / "tiny-dllm")])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "dllm" / "diffu_grpo.yaml",
                     help="the sampler settings (rollout block) of this config are used")

@@ -31,11 +31,12 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["diffu_grpo", "tracerl"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None, help="default: the config's train.max_steps")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "dllm-learning")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "dllm-learning",
+                    help="each run's output directory goes under it (default: the repository's runs/dllm-learning/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     args = ap.parse_args(argv)
     results = {}

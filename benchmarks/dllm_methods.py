@@ -262,7 +262,7 @@ def reach_rows(seed: str, curves: dict[str, list[tuple]], baseline: str, what: s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["samplers", "budget", "fork", "slim"])
     ap.add_argument("--problems", type=int, default=200, help="held-out problems (sampling parts)")
     ap.add_argument("--n", type=int, default=16, help="answers per problem (sampling parts)")
@@ -272,7 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: each config's)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "dllm-methods")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "dllm-methods",
+                    help="each run's output directory goes under it (default: the repository's runs/dllm-methods/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     ap.add_argument("--methods", nargs="+", default=None,
                     help="train (or, with --reuse, table) only these of the comparison's methods")

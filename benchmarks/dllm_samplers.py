@@ -48,7 +48,7 @@ def table(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the bundled tiny dLLM)")
     ap.add_argument("--task", default="arith")
     ap.add_argument("--problems", type=int, default=None, help="held-out problems (default 200; --quick: 40)")

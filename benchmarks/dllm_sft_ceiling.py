@@ -97,7 +97,7 @@ def run(cfg_path: Path | None, lr: float, targets: str, steps: int, eval_every: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "dllm" / "diffu_grpo.yaml",
                     help="the RL config whose prompts, batch and steps are matched")
     ap.add_argument("--lrs", nargs="+", type=float, default=[3e-5, 1e-4, 3e-4, 1e-3])

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=[str(ROOT / "assets" / "tiny-dllm")])
     ap.add_argument("--problems", type=int, default=400, help="problems per split")
     ap.add_argument("--seed", type=int, default=123, help="seed of the problem draw")

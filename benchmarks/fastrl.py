@@ -64,7 +64,7 @@ def time_to(curve, target: float) -> float | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bases", nargs="+", default=["grpo", "dapo", "gspo"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=100)
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-eval", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-3, help="RESULTS.md's first tables ran at 1e-3")
     ap.add_argument("--target", type=float, help="held-out accuracy to time (default: the lower best)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "fastrl")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "fastrl",
+                    help="each run's output directory goes under it (default: the repository's runs/fastrl/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     args = ap.parse_args(argv)
     rows = []

@@ -40,7 +40,7 @@ def load_pool(checkpoint: Path) -> tuple[torch.Tensor, dict, torch.Tensor, torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path, help="an FTFC run's checkpoint directory (holds trainer_state.json)")
     ap.add_argument("--g-steps", type=int, nargs="+", default=[30, 100, 300], help="fit lengths to try")
     ap.add_argument("--split-seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the held-out choice")

@@ -56,7 +56,7 @@ def fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "vlm" / "grpo.yaml")
     ap.add_argument("--repeats", type=int, default=5, help="timings per subset (the median is kept)")
     ap.add_argument("--rollouts", type=int, default=3, help="rollout steps timed for R")

@@ -49,12 +49,13 @@ def run(arm: str, seed: int, steps: int, g: int, out: Path, extra: list[str]) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--g", type=int, default=8, help="num_generations of grpo and axpo (grpo_2x: twice)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-axpo")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-axpo",
+                    help="each run's output directory goes under it (default: the repository's runs/vlm-axpo/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     args = ap.parse_args(argv)
     results = {}

@@ -44,11 +44,12 @@ def run(method: str, seed: int, steps: int, out: Path, extra: list[str], claims:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["dapo", "vppo"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-methods")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vlm-methods",
+                    help="each run's output directory goes under it (default: the repository's runs/vlm-methods/)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override (repeatable)")
     ap.add_argument("--claims", action="store_true", help="also measure claim persistence (PACG's check)")
     ap.add_argument("--columns", nargs="+", default=list(COLUMNS),

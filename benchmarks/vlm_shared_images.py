@@ -53,7 +53,7 @@ def timed(fn, *args):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=20, help="rollout batches to time on")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each path per batch")
     ap.add_argument("--seed", type=int, default=0)

@@ -153,3 +153,23 @@ def test_dllm_samplers_quick_keeps_explicit_counts(monkeypatch, capsys):
         assert samplers.main(argv) == 0
         assert seen.pop() == counts
         assert f"arith, {counts[0]} held-out problems, n={counts[1]} answers each" in capsys.readouterr().out
+
+
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_the_whole_docstring(script, monkeypatch, capsys):
+    """--help of most scripts showed the docstring's first paragraph only: not its example
+    commands, quick settings or how to read the table (dllm_methods' stopped at "one run per
+    comparison:"); and where --out writes was not said."""
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--help"])
+    module = bench(script)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"]) if "argv" in module.main.__code__.co_varnames else module.main()
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for paragraph in module.__doc__.split("\n\n"):
+        assert " ".join(paragraph.split()).replace("\\\\", "\\") in text
+    if "--out OUT" in text and "runs/" in module.__doc__ + text:
+        assert "(default: the repository's runs/" in text
