@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,25 @@ def test_help_shows_the_whole_docstring(script, monkeypatch, capsys):
         assert " ".join(paragraph.split()).replace("\\\\", "\\") in text
     if "--out OUT" in text and "runs/" in module.__doc__ + text:
         assert "(default: the repository's runs/" in text
+
+
+def test_vlm_learning_sh_checks_its_arguments_before_training(tmp_path):
+    """vlm_learning.sh took --help for OUT_DIR: it made a folder named after dirname's usage
+    text and a --help.seed0.log in the current directory, then trained; a seed typo in the last
+    seed failed only after the others had trained. `mmrl` here is a stub that records a call."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mmrl").write_text("#!/bin/sh\ntouch \"$(dirname \"$0\")/called\"\nexit 1\n")
+    (tmp_path / "bin" / "mmrl").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+
+    def sh(*args):
+        return subprocess.run(["bash", str(BENCH / "vlm_learning.sh"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=10, check=False)
+
+    r = sh("--help")
+    assert r.returncode == 0 and "bash benchmarks/vlm_learning.sh [OUT_DIR [SEED ...]]" in r.stdout
+    r = sh("runs/x", "0", "1,2")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: seed '1,2' is not a non-negative integer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # nothing written, nothing trained
+    assert not (tmp_path / "bin" / "called").exists()
