@@ -50,16 +50,19 @@ def run(mode: str, seed: int, steps: int, out: Path, args) -> list[dict]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1 seed x 4 steps per mode (under 2 minutes)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--quick", action="store_true", help="1 seed x 4 steps per mode (under 2 minutes); an explicit "
+                   "--seeds or --steps still counts")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
+    p.add_argument("--steps", type=int, default=None, help="default 12 (--quick: 4)")
     p.add_argument("--prompts", type=int, default=8, help="prompts (groups) per round")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per round (U = prompts / this)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args(argv)
-    if args.quick:
-        args.seeds, args.steps = [0], 4
+    # --quick used to overwrite an explicit --seeds / --steps: it only sets their defaults
+    seeds, steps = ([0], 4) if args.quick else ([0, 1, 2], 12)
+    args.seeds = seeds if args.seeds is None else args.seeds
+    args.steps = steps if args.steps is None else args.steps
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step warms up and is left out of the means)")
     print(f"tiny Qwen2.5-VL, shapes-qa: {args.prompts} prompts x G {args.group}, {args.mini_batches} "

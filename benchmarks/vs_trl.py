@@ -85,13 +85,16 @@ def trl_run(steps: int, seed: int, out: Path, train_items, lr: float):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=None, help="training steps each (default 100; --quick: 10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3, help="constant, both sides (the main job's: 5e-4)")
-    ap.add_argument("--quick", action="store_true", help="10 steps each")
+    ap.add_argument("--quick", action="store_true", help="10 steps each (an explicit --steps still counts)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
-    steps = 10 if args.quick else args.steps
+    # --quick used to overwrite an explicit --steps: it only sets the default
+    steps = args.steps if args.steps is not None else 10 if args.quick else 100
+    if steps < 1:  # throughput divides by the steps' seconds
+        ap.error(f"--steps must be >= 1, got {steps}")
 
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
     task = backend.build_task(cfg)  # the same held-out items for both

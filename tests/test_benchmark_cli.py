@@ -196,3 +196,35 @@ def test_vlm_learning_sh_checks_its_arguments_before_training(tmp_path):
     assert r.stderr.startswith("error: seed '1,2' is not a non-negative integer")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # nothing written, nothing trained
     assert not (tmp_path / "bin" / "called").exists()
+
+
+class Stop(Exception):
+    pass
+
+
+def test_scheduler_and_vs_trl_quick_keep_explicit_counts(monkeypatch, capsys):
+    """scheduler.py --quick --seeds 1 2 ran seed 0, and vs_trl.py --quick --steps 5 ran 10 steps:
+    --quick overwrote the flags given with it."""
+    sched = bench("scheduler")
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(sched.tempfile, "TemporaryDirectory", stop)  # right after the header line
+    for argv, said in ((["--quick", "--seeds", "1", "2"], "4 steps, seeds [1, 2]"), (["--quick"], "4 steps, seeds [0]"),
+                       ([], "12 steps, seeds [0, 1, 2]"), (["--quick", "--steps", "6"], "6 steps, seeds [0]")):
+        with pytest.raises(Stop):
+            sched.main(argv)
+        assert said in capsys.readouterr().out
+    monkeypatch.undo()  # the tempfile module is vs_trl's too
+    trl = bench("vs_trl")
+    seen = []
+    monkeypatch.setattr(trl.backend, "build_task", lambda cfg: None)
+    monkeypatch.setattr(trl, "mmrl_run", lambda steps, *a: seen.append(steps) or stop())
+    for argv, steps in ((["--quick", "--steps", "5"], 5), (["--quick"], 10), ([], 100)):
+        with pytest.raises(Stop):
+            trl.main(argv)
+        assert seen.pop() == steps
+    with pytest.raises(SystemExit) as e:
+        trl.main(["--steps", "0"])
+    assert e.value.code == 2 and "error: --steps must be >= 1, got 0" in capsys.readouterr().err
