@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     if args.task == "sudoku" and args.other != "marked":
         ap.error("--task sudoku has one other convention: --other marked")
     problems = get_task(args.task).sample_problems(args.problems, seed=args.seed, split="eval")
+    # the table alone did not say what it was measured on
+    print(f"{args.task}: {args.problems} held-out problems (seed {args.seed}), greedy and {args.samples} sampled "
+          f"answers each, sampler settings of {args.config}{''.join(f', --set {e}' for e in args.extra)}\n")
     print(f"| model | greedy forward | greedy {args.other} | greedy either | sampled forward | sampled {args.other} "
           "| sampled either |")
     print("|---|---|---|---|---|---|---|")

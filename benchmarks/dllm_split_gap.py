@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     if args.problems < 1:
         ap.error(f"--problems must be >= 1, got {args.problems}")
     arith = get_task("arith")
+    # the table alone did not say what it was measured on
+    print(f"arith, {args.digits}-digit operands: {args.problems} problems per split (seed {args.seed}), greedy "
+          "accuracy\n")
     print("| model | train split | held-out split | gap (points) |\n|---|---|---|---|")
     for model in args.models:
         cfg = load_config(backend.CONFIG_CLASS, ROOT / "configs" / "dllm" / "diffu_grpo.yaml",

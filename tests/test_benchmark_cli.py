@@ -228,3 +228,21 @@ def test_scheduler_and_vs_trl_quick_keep_explicit_counts(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         trl.main(["--steps", "0"])
     assert e.value.code == 2 and "error: --steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_dllm_tables_say_what_they_were_measured_on(monkeypatch, capsys):
+    """dllm_conventions.py and dllm_split_gap.py printed a bare table: not the number of problems,
+    their seed or the samples, so a row could not be matched to its command."""
+    def stop(*a, **k):
+        raise Stop
+
+    conv, gap = bench("dllm_conventions"), bench("dllm_split_gap")
+    monkeypatch.setattr(conv.backend, "build", stop)  # the model: after the header
+    with pytest.raises(Stop):
+        conv.main(["--problems", "7", "--samples", "3", "--seed", "5", "--set", "rollout.temperature=0.5"])
+    assert capsys.readouterr().out.startswith("arith: 7 held-out problems (seed 5), greedy and 3 sampled answers "
+                                              "each, sampler settings of ")
+    with pytest.raises(Stop):
+        gap.main(["--problems", "9", "--seed", "4", "--digits", "1"])
+    assert capsys.readouterr().out.startswith("arith, 1-digit operands: 9 problems per split (seed 4), greedy "
+                                              "accuracy\n\n| model | train split |")
