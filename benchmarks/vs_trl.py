@@ -16,6 +16,7 @@ models are scored by the same held-out evaluation (greedy and sampled accuracy).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -95,6 +96,13 @@ def main(argv=None) -> int:
     steps = args.steps if args.steps is not None else 10 if args.quick else 100
     if steps < 1:  # throughput divides by the steps' seconds
         ap.error(f"--steps must be >= 1, got {steps}")
+    # checked first: the TRL side runs second, so a missing package surfaced as a traceback
+    # only after the mmrl side had trained all its steps. Exit 3: an optional extra is missing.
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: vs_trl.py needs {' and '.join(missing)}, the bench extra: pip install -e \".[bench]\"",
+              file=sys.stderr)
+        return 3
 
     cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
     task = backend.build_task(cfg)  # the same held-out items for both

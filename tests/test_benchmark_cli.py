@@ -220,6 +220,7 @@ def test_scheduler_and_vs_trl_quick_keep_explicit_counts(monkeypatch, capsys):
     trl = bench("vs_trl")
     seen = []
     monkeypatch.setattr(trl.backend, "build_task", lambda cfg: None)
+    monkeypatch.setattr(trl.importlib.util, "find_spec", lambda name: object())  # as if the bench extra were there
     monkeypatch.setattr(trl, "mmrl_run", lambda steps, *a: seen.append(steps) or stop())
     for argv, steps in ((["--quick", "--steps", "5"], 5), (["--quick"], 10), ([], 100)):
         with pytest.raises(Stop):
@@ -246,3 +247,13 @@ def test_dllm_tables_say_what_they_were_measured_on(monkeypatch, capsys):
         gap.main(["--problems", "9", "--seed", "4", "--digits", "1"])
     assert capsys.readouterr().out.startswith("arith, 1-digit operands: 9 problems per split (seed 4), greedy "
                                               "accuracy\n\n| model | train split |")
+
+
+def test_vs_trl_without_its_extra_stops_before_training(monkeypatch, capsys):
+    """vs_trl.py imported trl and datasets only for its second side: without the bench extra it
+    trained the mmrl side for --steps, then failed with ModuleNotFoundError."""
+    trl = bench("vs_trl")
+    monkeypatch.setattr(trl.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(trl, "mmrl_run", lambda *a: pytest.fail("trained before checking the extra"))
+    assert trl.main(["--quick"]) == 3
+    assert capsys.readouterr().err == 'error: vs_trl.py needs trl and datasets, the bench extra: pip install -e ".[bench]"\n'
