@@ -50,8 +50,13 @@ def largest(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="*", help="config files (default: every file in configs/*/)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides, for every config")
+    # one override per --set, as in the other benchmarks: nargs="*" took the config files after it as overrides
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every config (repeatable)")
     args = ap.parse_args()
+    for override in args.set:
+        if "=" not in override:
+            ap.error(f"--set takes KEY=VALUE, got {override!r}")
     for path in args.configs:  # the backend is the folder's name: anything else failed in both ranks (KeyError)
         if not Path(path).is_file() or Path(path).parent.name not in BACKENDS:
             ap.error(f"{path}: not a config file in a folder named for its backend "

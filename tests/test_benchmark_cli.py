@@ -257,3 +257,18 @@ def test_vs_trl_without_its_extra_stops_before_training(monkeypatch, capsys):
     monkeypatch.setattr(trl, "mmrl_run", lambda *a: pytest.fail("trained before checking the extra"))
     assert trl.main(["--quick"]) == 3
     assert capsys.readouterr().err == 'error: vs_trl.py needs trl and datasets, the bench extra: pip install -e ".[bench]"\n'
+
+
+def test_fsdp_configs_set_takes_one_override(monkeypatch, capsys):
+    """fsdp_configs.py --set a=1 configs/dllm/x.yaml: --set (nargs="*") swallowed the config, so
+    the script ran every config in configs/ with the path as an override, failing in each rank."""
+    main = bench("fsdp_configs").main
+    monkeypatch.setattr("sys.argv", ["fsdp_configs.py", "--set", "nosuch"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and "error: --set takes KEY=VALUE, got 'nosuch'" in capsys.readouterr().err
+    # the config after --set is a config again: checked (and refused here) as one
+    monkeypatch.setattr("sys.argv", ["fsdp_configs.py", "--set", "seed=1", "configs/dllm/nosuch.yaml"])
+    with pytest.raises(SystemExit):
+        main()
+    assert "error: configs/dllm/nosuch.yaml: not a config file" in capsys.readouterr().err
