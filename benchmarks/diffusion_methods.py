@@ -125,6 +125,11 @@ def main(argv=None) -> int:
         only.setdefault(method, []).append(override)
     if "flow_grpo" not in args.methods:
         ap.error("the comparison is against flow_grpo: include it in --methods")
+    # both were ignored without a word for a method not run (a typo: --only fftc:...)
+    if stray := sorted(set(only) - set(args.methods)):
+        ap.error(f"--only names {', '.join(stray)}, not in --methods ({' '.join(args.methods)})")
+    if args.divergences and "ftfc" not in args.methods:
+        ap.error("--divergences runs FTFC once per divergence: include ftfc in --methods")
     arms = []  # (label, config name, its own overrides)
     for method in args.methods:
         if method == "ftfc" and args.divergences:

@@ -272,3 +272,17 @@ def test_fsdp_configs_set_takes_one_override(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main()
     assert "error: configs/dllm/nosuch.yaml: not a config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "flow_grpo", "ftfc", "--only", "fftc:train.max_steps=100"],
+     "--only names fftc, not in --methods (flow_grpo ftfc)"),
+    (["--methods", "flow_grpo", "cast", "--divergences", "kl"],
+     "--divergences runs FTFC once per divergence: include ftfc in --methods"),
+])
+def test_diffusion_methods_refuses_settings_for_a_method_not_run(argv, message, capsys):
+    """A typo in --only's method, or --divergences without ftfc, was ignored: the run went ahead
+    without the override it was given."""
+    with pytest.raises(SystemExit) as e:
+        bench("diffusion_methods").main(argv)
+    assert e.value.code == 2 and f"error: {message}" in capsys.readouterr().err
