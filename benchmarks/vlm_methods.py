@@ -6,6 +6,9 @@ start, same seeds and steps; held-out greedy and sampled accuracy before and aft
     python benchmarks/vlm_methods.py --methods grpo_mood dspo --columns accuracy mode_accuracy coverage \
         ood/mode_accuracy ood/coverage
 
+Every run trains at optim.lr=1e-3 (the rate RESULTS.md's tables ran at), not its config's own,
+unless --set optim.lr=X says otherwise; the line above the table gives the rate used.
+
 --claims adds PACG's measure (mmrl.vlm.methods.pacg.claim_report): how persistent the
 greedy reasoning's claims are when half the image patches are blacked out, for claims
 false of the scene and claims true of it.
@@ -63,7 +66,11 @@ def main(argv=None) -> int:
             results[(method, seed)] = s
             print(json.dumps({"method": method, "seed": seed, "before": s["eval_before"], "after": s["eval_after"],
                               "seconds": s.get("train_seconds")}), flush=True)
-    print("\n| method | seed | " + " | ".join(columns) + " | seconds |")
+    # the table alone did not say its steps, learning rate (1e-3 by this script, not the config's) or overrides
+    lrs = sorted({s["config"]["optim"]["lr"] for s in results.values()})
+    print(f"\n{args.steps} steps, optim.lr {' / '.join(map(str, lrs))}{''.join(f', --set {e}' for e in args.extra)}; "
+          f"runs in {args.out}")
+    print("| method | seed | " + " | ".join(columns) + " | seconds |")
     print("|---|---|" + "---|" * len(columns) + "---|")
     for (method, seed), s in results.items():
         cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" if c in s["eval_after"] else "-"

@@ -286,3 +286,18 @@ def test_diffusion_methods_refuses_settings_for_a_method_not_run(argv, message, 
     with pytest.raises(SystemExit) as e:
         bench("diffusion_methods").main(argv)
     assert e.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+
+
+def test_vlm_methods_table_says_its_learning_rate(tmp_path, monkeypatch, capsys):
+    """vlm_methods.py trains at optim.lr=1e-3 whatever the config says; neither --help nor the
+    table said so, nor the steps and overrides behind the table."""
+    vm = bench("vlm_methods")
+    summary = {"eval_before": {"accuracy": 0.3, "sampled_accuracy": 0.2}, "train_seconds": 5.0,
+               "eval_after": {"accuracy": 0.4, "sampled_accuracy": 0.3}, "config": {"optim": {"lr": 0.001}}}
+    monkeypatch.setattr(vm, "run", lambda *a: json.loads(json.dumps(summary)))
+    assert vm.main(["--methods", "grpo", "--seeds", "0", "--steps", "7", "--out", str(tmp_path),
+                    "--set", "task.num_eval=50"]) == 0
+    out = capsys.readouterr().out
+    assert f"\n7 steps, optim.lr 0.001, --set task.num_eval=50; runs in {tmp_path}\n| method | seed |" in out
+    assert "| grpo | 0 | 0.300 -> 0.400 | 0.200 -> 0.300 | 5 |" in out
+    assert "trains at optim.lr=1e-3" in " ".join(vm.__doc__.split())
