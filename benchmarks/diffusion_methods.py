@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 from diffusion_rl import backend
@@ -144,7 +146,9 @@ def main(argv=None) -> int:
             results[(label, seed)] = (summary, rows)
             print(json.dumps({"method": label, "seed": seed, "before": summary["eval_before"],
                               "after": summary["eval_after"], "seconds": summary.get("train_seconds")}), flush=True)
-    print("\n| method | seed | " + " | ".join(COLUMNS) + " | train s | model evals | steps (s, evals) to "
+    # the table alone did not say which command (steps, --set overrides, --out) made it
+    print(f"\nfrom: python benchmarks/diffusion_methods.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print("| method | seed | " + " | ".join(COLUMNS) + " | train s | model evals | steps (s, evals) to "
           "Flow-GRPO's final reward | to its final held-out atom accuracy |")
     print("|---|---|" + "---|" * len(COLUMNS) + "---|---|---|---|")
     for (method, seed), (s, rows) in results.items():

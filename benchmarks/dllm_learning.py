@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 from dllm_rl import backend
@@ -50,7 +52,9 @@ def main(argv=None) -> int:
             results[(method, seed)] = s
             print(json.dumps({"method": method, "seed": seed, "before": s["eval_before"],
                               "after": s["eval_after"], "seconds": s.get("train_seconds")}), flush=True)
-    print("\n| method | seed | accuracy before | accuracy after | gain (points) | format after | seconds |")
+    # the table alone did not say which command (steps, --set overrides, --out) made it
+    print(f"\nfrom: python benchmarks/dllm_learning.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print("| method | seed | accuracy before | accuracy after | gain (points) | format after | seconds |")
     print("|---|---|---|---|---|---|---|")
     for (method, seed), s in results.items():
         b, a = s["eval_before"]["accuracy"], s["eval_after"]["accuracy"]

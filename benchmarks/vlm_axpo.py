@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
                               "seconds": s.get("train_seconds")}), flush=True)
     k = next(iter(results.values()))["config"]["rollout"]["eval_samples"]
     cols = ["sampled_tool_call_rate", "sampled_accuracy", f"pass@{k}", "accuracy"]
-    print(f"\n| arm | seed | tool calls (sampled) | Pass@1 | Pass@{k} | greedy acc | decoded tokens | resampled | seconds |")
+    # the table alone did not say which command (steps, --set overrides, --out) made it
+    print(f"\nfrom: python benchmarks/vlm_axpo.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print(f"| arm | seed | tool calls (sampled) | Pass@1 | Pass@{k} | greedy acc | decoded tokens | resampled | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (arm, seed), s in results.items():
         b, a = s["eval_before"], s["eval_after"]

@@ -301,3 +301,24 @@ def test_vlm_methods_table_says_its_learning_rate(tmp_path, monkeypatch, capsys)
     assert f"\n7 steps, optim.lr 0.001, --set task.num_eval=50; runs in {tmp_path}\n| method | seed |" in out
     assert "| grpo | 0 | 0.300 -> 0.400 | 0.200 -> 0.300 | 5 |" in out
     assert "trains at optim.lr=1e-3" in " ".join(vm.__doc__.split())
+
+
+def test_training_tables_name_the_command_that_made_them(tmp_path, monkeypatch, capsys):
+    """dllm_learning.py, vlm_axpo.py and diffusion_methods.py printed seeds in the table but not
+    the steps or the --set overrides (RESULTS.md's runs differ by those): the table now follows
+    the command line that made it."""
+    before = {"accuracy": 0.2, "format": 1.0, "sampled_accuracy": 0.1, "atom_accuracy": 0.3, "exist": 0.5,
+              "colour": 0.4, "count": 0.2, "relation": 0.1, "prompt_accuracy": 0.0}
+    summary = {"eval_before": before, "eval_after": before, "train_seconds": 3.0,
+               "config": {"rollout": {"eval_samples": 4}}, "decoded_tokens": 10, "resampled": 0}
+    rows = [{"step": 1, "reward/total": 0.5, "time/step": 1.0}]
+    for name, argv in (("dllm_learning", ["--methods", "diffu_grpo", "--seeds", "0", "--steps", "2"]),
+                       ("vlm_axpo", ["--arms", "grpo", "--seeds", "0", "--steps", "2"]),
+                       ("diffusion_methods", ["--methods", "flow_grpo", "--steps", "2"])):
+        module = bench(name)
+        result = (summary, rows) if name == "diffusion_methods" else summary
+        monkeypatch.setattr(module, "run", lambda *a, result=result, **k: result)
+        argv = [*argv, "--out", str(tmp_path), "--set", "optim.lr=1e-4"]
+        assert module.main(argv) == 0
+        line = f"\nfrom: python benchmarks/{name}.py {' '.join(argv)}\n| "
+        assert line in capsys.readouterr().out, name
