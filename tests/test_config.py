@@ -999,3 +999,26 @@ def test_a_config_files_environment_variables_are_expanded_and_an_unset_one_is_s
                                          "which is not set: kept as written"):
         cfg = load_config(TrainConfig, tmp_path / "env.yaml")
     assert cfg.output_dir == "$MMRL_TEST_UNSET/runs/x"
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["method.loss.max_len=64"], (r"method.loss.max_len 64 unused with method.loss.aggregation seq_mean_token_mean: "
+                                 r"only seq_mean_token_sum_norm")),
+    (["method.kl.kind=k1"], r"method.kl.kind k1 unused with method.kl.beta 0: there is no KL term"),
+    (["method.dynamic_sampling.max_rounds=5"], (r"method.dynamic_sampling.max_rounds 5 unused with "
+                                               r"method.dynamic_sampling.enabled false")),
+    (["method.fastrl.tau=0.5", "method.fastrl.ars=true"], (r"method.fastrl.tau 0.5, method.fastrl.ars True unused "
+                                                          r"with method.fastrl.enabled false: nothing is pruned")),
+])
+def test_grpo_settings_their_switch_leaves_off_are_said_to_be_unused(overrides, said):
+    from mmrl.vlm.config import VLMTrainConfig
+
+    with pytest.warns(UserWarning, match=said):
+        load_config(VLMTrainConfig, None, overrides)
+    with warnings.catch_warnings():  # switched on, they are read: nothing said
+        warnings.simplefilter("error")
+        for quiet in (["method.loss.max_len=64", "method.loss.aggregation=seq_mean_token_sum_norm"],
+                      ["method.kl.kind=k1", "method.kl.beta=0.01"],
+                      ["method.dynamic_sampling.max_rounds=5", "method.dynamic_sampling.enabled=true"],
+                      ["method.fastrl.tau=0.5", "method.fastrl.enabled=true"]):
+            load_config(VLMTrainConfig, None, quiet)

@@ -275,6 +275,12 @@ AdvantageConfig = Annotated[
 ]
 
 
+def _changed(section: Section, keys: tuple[str, ...]) -> list[str]:
+    """`key value` of each of `keys` set away from its default (what a warning names)."""
+    fields = type(section).model_fields
+    return [f"{k} {getattr(section, k)}" for k in keys if getattr(section, k) != fields[k].default]
+
+
 class LossConfig(Section):
     clip_low: float = Field(0.2, ge=0, lt=1)
     """eps_low of the PPO clip: rho is clipped below at 1 - clip_low."""
@@ -290,7 +296,15 @@ class LossConfig(Section):
     GRPO) or seq_mean_token_sum_norm (each sample's token sum / max_len, averaged over
     samples, Dr.GRPO)."""
     max_len: int | None = Field(None, ge=1)
-    """Dr.GRPO's constant divisor; None = rollout.max_new_tokens."""
+    """Dr.GRPO's constant divisor (aggregation seq_mean_token_sum_norm only); None =
+    rollout.max_new_tokens."""
+
+    @model_validator(mode="after")
+    def _max_len_unused(self):  # said, not silently ignored
+        if self.max_len is not None and self.aggregation != "seq_mean_token_sum_norm":
+            config_warning(f"method.loss.max_len {self.max_len} unused with method.loss.aggregation "
+                           f"{self.aggregation}: only seq_mean_token_sum_norm (Dr.GRPO) divides by it")
+        return self
 
 
 class KLConfig(Section):
@@ -309,6 +323,13 @@ class DynamicSamplingConfig(Section):
     max_rounds, to refill the batch. Off by default."""
     max_rounds: int = Field(3, ge=1)
     """Extra rollout rounds allowed per step to refill; a batch still short after them trains as is."""
+
+    @model_validator(mode="after")
+    def _unused_when_off(self):
+        if not self.enabled and _changed(self, ("max_rounds",)):
+            config_warning(f"method.dynamic_sampling.max_rounds {self.max_rounds} unused with "
+                           "method.dynamic_sampling.enabled false: no group is dropped, nothing refilled")
+        return self
 
 
 class FastRLConfig(Section):
@@ -346,6 +367,14 @@ class FastRLConfig(Section):
     min_group_size: int = Field(2, ge=2)
     """ARS never shrinks the group below this (a group of one sample has no advantage)."""
 
+    @model_validator(mode="after")
+    def _unused_when_off(self):
+        unused = _changed(self, tuple(k for k in type(self).model_fields if k != "enabled"))
+        if not self.enabled and unused:
+            config_warning(f"method.fastrl.{', method.fastrl.'.join(unused)} unused with method.fastrl.enabled "
+                           "false: nothing is pruned")
+        return self
+
 
 class GRPOConfig(Section):
     """The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, RLOO) as one method with dials."""
@@ -367,6 +396,12 @@ class GRPOConfig(Section):
     overlong_filter: bool = False
     """DAPO's overlong filtering: completions that spent their token budget without ending
     (rollout/truncated) carry no loss; they still count in their group's advantages."""
+
+    @model_validator(mode="after")
+    def _kl_kind_unused(self):
+        if self.kl.beta == 0 and _changed(self.kl, ("kind",)):
+            config_warning(f"method.kl.kind {self.kl.kind} unused with method.kl.beta 0: there is no KL term")
+        return self
 
 
 MethodConfig = Annotated[GRPOConfig, Field(discriminator="type")]

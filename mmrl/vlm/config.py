@@ -13,6 +13,7 @@ from mmrl.core.config import (
     RolloutConfig,
     Section,
     TrainConfig,
+    _changed,
     config_warning,
 )
 from mmrl.core.lora import LoRAConfig
@@ -202,12 +203,6 @@ class VLMRolloutConfig(RolloutConfig):
     the cost of that pass (a tool rollout's whole transcript, once it is complete)."""
     score_batch_size: int = Field(16, ge=1)
     """Rows per teacher-forced pass when old_logprobs is forward."""
-
-
-def _changed(section: Section, keys: tuple[str, ...]) -> list[str]:
-    """`key value` of each of `keys` set away from its default (what a warning names)."""
-    fields = type(section).model_fields
-    return [f"{k} {getattr(section, k)}" for k in keys if getattr(section, k) != fields[k].default]
 
 
 class AXPOResampleConfig(Section):
