@@ -28,13 +28,14 @@ from mmrl.core.config import load_config
 def table(args) -> list[dict]:
     overrides = [f"task.type={args.task}", f"task.num_eval={args.problems}", f"rollout.eval_samples={args.n}",
                  f"rollout.temperature={args.temperature}", f"rollout.gen_length={args.gen_length}",
-                 f"rollout.block_length={args.block_length}", f"rollout.steps={args.gen_length}",
-                 f"rollout.threshold={args.threshold}", f"rollout.tau={args.tau}"]
+                 f"rollout.block_length={args.block_length}", f"rollout.steps={args.gen_length}"]
+    own = {"threshold": [f"rollout.threshold={args.threshold}"], "fork": [f"rollout.threshold={args.threshold}"],
+           "tau_budget": [f"rollout.tau={args.tau}"]}  # each to the decoders that read it (no unused-key warning)
     if args.model:
         overrides.append(f"model.path={args.model}")
     rows = []
     for strategy in STRATEGIES:
-        cfg = load_config(backend.CONFIG_CLASS, None, overrides + [f"rollout.strategy={strategy}"],
+        cfg = load_config(backend.CONFIG_CLASS, None, overrides + own.get(strategy, []) + [f"rollout.strategy={strategy}"],
                           defaults=backend.DEFAULT_CONFIG)
         policy, task = backend.build(cfg)
         t0 = time.perf_counter()
