@@ -227,3 +227,16 @@ def test_a_process_start_is_its_start_time_also_where_its_name_has_brackets_and_
         for c in children:
             c.kill()
             c.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc (Linux)")
+def test_a_worker_of_a_launcher_records_the_launchers_command_line(monkeypatch):
+    """Under torchrun a worker's argv is the module's path and its flags alone: how many
+    processes, and with which launcher settings, was nowhere in environment.json."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert provenance.environment()["launcher"] is None  # no launcher: nothing to say
+    parent = os.getpid()  # this process stands in for the launcher: its command line is known
+    own = [a.decode() for a in Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0") if a]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(os, "getppid", lambda: parent)
+    assert provenance.environment()["launcher"] == own

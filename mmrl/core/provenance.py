@@ -2,7 +2,9 @@
 first, then each --resume), so a result can be traced to its code and library versions, and a
 resume on other code is visible.
 
-Each entry: when it started (UTC) and at which step, the command line, mmrl's version and, in a
+Each entry: when it started (UTC) and at which step, the command line (and, under torchrun or
+`accelerate launch`, the launcher's: the workers' own argv is only the module's path and the
+flags), mmrl's version and, in a
 source checkout, its git commit and whether tracked files had uncommitted changes; Python, the
 platform, the versions of the libraries that decide numbers, the accelerator and the number of
 processes; the host name and process id of the process that wrote it (the main one, rank 0) and,
@@ -43,6 +45,7 @@ def environment(step: int = 0, world_size: int = 1) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "step": step,
         "command": _command(sys.argv),
+        "launcher": _launcher(),
         "mmrl": _version("mmrl"),
         "git": _git(),
         "python": platform.python_version(),
@@ -151,6 +154,19 @@ def _command(argv: list[str]) -> list[str]:
             out.append(arg)
         hide = not hide and arg in _SECRET_FLAGS
     return out
+
+
+def _launcher() -> list[str] | None:
+    """The command line of the launcher (torchrun, `accelerate launch`) that started this
+    worker, the parent process: its --nproc_per_node and settings are the run's too. None
+    without one (TORCHELASTIC_RUN_ID, which torchrun sets in its workers) or off Linux."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return _command([a.decode(errors="replace") for a in raw.split(b"\0") if a]) or None
 
 
 def _process_start(pid: int) -> int | None:
