@@ -1551,3 +1551,14 @@ def test_train_seconds_of_a_resumed_run_count_its_earlier_starts(tmp_path):
     summary = resumed.train(resume=True)
     assert 1000 < summary["train_seconds"] < 1100
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["train_seconds"] == summary["train_seconds"]
+
+
+def test_summary_command_of_a_launched_run_is_the_launchers_line():
+    """Under torchrun the workers' argv is `.../dllm_rl/__main__.py train ...`: summary.json's
+    command read `python -m dllm_rl train ...`, one process, not what was run."""
+    from mmrl.core.trainer import _command_line
+
+    launcher = ["/venv/bin/python3", "/venv/bin/torchrun", "--nproc_per_node", "2", "-m", "dllm_rl", "train"]
+    assert _command_line(launcher) == "/venv/bin/torchrun --nproc_per_node 2 -m dllm_rl train"
+    assert _command_line(["/venv/bin/accelerate", "launch", "-m", "mmrl", "train"]) == \
+        "/venv/bin/accelerate launch -m mmrl train"

@@ -933,7 +933,8 @@ class Trainer:
             "started": starts[0].get("started") if starts else None,  # the run's first start (UTC)
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "starts": len(starts),  # 1, plus each --resume (environment.json has each one's command and versions)
-            "command": _command_line(starts[-1].get("command")) if starts else None,  # the start that finished it
+            # the start that finished it; under torchrun, the launcher's line (the workers' lacks it)
+            "command": _command_line(starts[-1].get("launcher") or starts[-1].get("command")) if starts else None,
             "processes": self.world,
             "weights_checksums": checksums,
             "best": self.best.record,
@@ -956,6 +957,8 @@ def _command_line(argv: Any) -> str | None:
     if not isinstance(argv, list) or not argv:
         return None
     argv = [str(a) for a in argv]
+    if len(argv) > 1 and Path(argv[0]).name.startswith("python") and Path(argv[1]).name in ("torchrun", "accelerate"):
+        argv = argv[1:]  # a launcher's script run by the interpreter: as it was typed
     first = Path(argv[0])
     head = ["python", "-m", first.parent.name] if first.name == "__main__.py" else [argv[0]]
     return shlex.join(head + argv[1:])
