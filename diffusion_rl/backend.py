@@ -116,7 +116,7 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
     checked by the shapes-geneval parser. A line it cannot decompose is a ConfigError naming
     the line and the unparsed words, or with `whole_prompt` (the names of the whole-prompt
     reward atoms: task.unparsed=whole_prompt) it is kept, and one warning names every such line."""
-    from diffusion_rl.tasks.shapes_geneval import parse_prompt, shorten
+    from diffusion_rl.tasks.shapes_geneval import json_hint, parse_prompt, shorten
 
     if path is None:
         return None
@@ -143,8 +143,10 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
             parse_prompt(text)
         except ValueError as e:
             if whole_prompt is None:
-                raise ConfigError(f"task.{key}: {file}, line {n} ({shorten(text)!r}): {e}; to score such prompts "
-                                  "with a whole-prompt reward instead, set task.unparsed=whole_prompt") from e
+                # a JSON line is the file's format at fault, not words a whole-prompt reward could score
+                advice = "" if json_hint(text) else ("; to score such prompts with a whole-prompt reward instead, "
+                                                     "set task.unparsed=whole_prompt")
+                raise ConfigError(f"task.{key}: {file}, line {n} ({shorten(text)!r}): {e}{advice}") from e
             unparsed.append(f"line {n}: {e}")
         prompts.append(text)
     if not prompts:

@@ -291,11 +291,11 @@ def _parse_objects(text: str, prompt: str) -> tuple[list[ObjectSpec], str | None
     try:
         objects, relation = _parse_cached(text)
     except _ParseError as e:
-        raise ValueError(f"cannot parse shapes-geneval prompt {shorten(prompt)!r}: {e}{_json_hint(prompt)}") from None
+        raise ValueError(f"cannot parse shapes-geneval prompt {shorten(prompt)!r}: {e}{json_hint(prompt)}") from None
     return list(objects), relation
 
 
-def _json_hint(prompt: str) -> str:
+def json_hint(prompt: str) -> str:
     """What a prompt that is JSON text is (a JSON-lines file, or a CSV's quotes, given as a prompt
     file): the grammar's "expected a count" alone says nothing of the file's format."""
     try:

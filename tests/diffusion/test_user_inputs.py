@@ -372,8 +372,9 @@ def test_a_json_lines_or_quoted_prompt_file_line_is_named_as_such(tmp_path):
                        ('"two red circles"', r"\(in quotes: write the prompt without them\)")]:
         path.write_text(f"a red circle\n{line}\n")
         with pytest.raises(ConfigError, match=r"p.jsonl, line 2 .*expected a count \(a, an, one, two, three, four\) "
-                                              + hint):
+                                              + hint) as raised:
             _prompt_file(str(path), None, "train_path")
+        assert "whole_prompt" not in str(raised.value)  # the format is at fault: no reward would read it
     path.write_text("a red circle\ndeux cercles rouges\n")  # no JSON, no hint
     with pytest.raises(ConfigError, match=r"expected a count \(a, an, one, two, three, four\); to score"):
         _prompt_file(str(path), None, "train_path")
