@@ -136,3 +136,35 @@ def test_a_dropout_named_anywhere_in_a_key_is_refused():
 
     with pytest.raises(ConfigError, match=r"sets dropout \(\{'hidden_dropout_prob': 0.1\}\)"):
         enable_gradient_checkpointing(BertStyle())
+
+
+def test_a_transformers_or_diffusers_class_without_checkpointing_is_a_config_error():
+    """Both libraries give every model the method and raise ValueError where the class does not
+    support it (remote code often does not): a ConfigError naming the key, not a traceback."""
+    from diffusers import ConfigMixin, ModelMixin
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from mmrl.core.memory import enable_gradient_checkpointing
+
+    class NoCheckpointing(PreTrainedModel):
+        config_class = PretrainedConfig
+        supports_gradient_checkpointing = False
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = torch.nn.Linear(2, 2)
+
+    class NoCheckpointingFlow(ModelMixin, ConfigMixin):
+        _supports_gradient_checkpointing = False
+
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    for model in (NoCheckpointing(PretrainedConfig()), NoCheckpointingFlow()):
+        name = type(model).__name__
+        with pytest.raises(ConfigError, match=rf"^model.gradient_checkpointing: {name} supports no gradient "
+                                              rf"checkpointing \({name} does not support .*\); set "
+                                              "model.gradient_checkpointing: false$"):
+            enable_gradient_checkpointing(model)
+        assert not getattr(model, "_mmrl_checkpointing", False)  # update_mode leaves it as it is

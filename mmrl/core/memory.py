@@ -27,14 +27,20 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     if dropouts:
         raise ConfigError(f"model.gradient_checkpointing: the model's config sets dropout ({dropouts}); the "
                           "update would run it (checkpointing needs training mode). Set those to 0 in config.json")
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (and PEFT's wrapper)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):  # transformers before 5
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "enable_gradient_checkpointing"):  # diffusers
-        model.enable_gradient_checkpointing()
-    else:
-        raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} supports no gradient checkpointing")
+    none = f"model.gradient_checkpointing: {type(model).__name__} supports no gradient checkpointing"
+    try:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (and PEFT's wrapper)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):  # transformers before 5
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "enable_gradient_checkpointing"):  # diffusers
+            model.enable_gradient_checkpointing()
+        else:
+            raise ConfigError(none)
+    except ValueError as e:
+        # every transformers and diffusers model has the method; a class (often a checkpoint's own
+        # remote code) without support for it raises ValueError, which would be a traceback
+        raise ConfigError(f"{none} ({str(e).rstrip('. ')}); set model.gradient_checkpointing: false") from None
     model._mmrl_checkpointing = True
 
 
