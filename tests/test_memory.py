@@ -168,3 +168,23 @@ def test_a_transformers_or_diffusers_class_without_checkpointing_is_a_config_err
                                               "model.gradient_checkpointing: false$"):
             enable_gradient_checkpointing(model)
         assert not getattr(model, "_mmrl_checkpointing", False)  # update_mode leaves it as it is
+
+
+def test_stochastic_depth_in_the_config_is_refused_as_dropout_is():
+    """Drop path and LayerDrop skip layers at random in training mode, by code or modules that
+    are no nn.Dropout (update_mode cannot turn them off): checkpointing would change the update."""
+    from mmrl.core.memory import enable_gradient_checkpointing
+
+    class StochasticDepth(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+        def activation_checkpointing_enable(self, **kw):
+            raise AssertionError("not reached")
+
+    for config, named in [({"vision_config": {"drop_path_rate": 0.1}}, "'vision_config.drop_path_rate': 0.1"),
+                          ({"encoder_layerdrop": 0.05, "decoder_layerdrop": 0.0}, "'encoder_layerdrop': 0.05"),
+                          ({"drop_connect_rate": 0.2}, "'drop_connect_rate': 0.2")]:
+        with pytest.raises(ConfigError, match=rf"sets dropout \(\{{{named}\}}\)"):
+            enable_gradient_checkpointing(StochasticDepth(config))

@@ -5,7 +5,9 @@ transformers checkpoints a layer only while the layer is in training mode, and t
 keeps the model in eval mode (no dropout: the on-policy ratio is exactly 1). So the update's
 forwards run under `update_mode`: training mode, with every dropout module still in eval mode;
 a model whose config asks for dropout anywhere is refused (attention code reads its own
-`training` flag, not a module's). diffusers checkpoints whenever gradients are on."""
+`training` flag, not a module's), stochastic depth too (drop path, LayerDrop: layers skipped at
+random in training mode, by code or modules that are no nn.Dropout). diffusers checkpoints
+whenever gradients are on."""
 
 from __future__ import annotations
 
@@ -21,9 +23,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     a ConfigError for a model that supports neither, or whose config sets a dropout."""
     config = getattr(model, "config", None)
     items = config.to_dict().items() if hasattr(config, "to_dict") else dict(config or {}).items()
-    # "dropout" (most configs) or GPT-style "*_pdrop" (attn_pdrop, resid_pdrop, embd_pdrop)
-    dropouts = {k: v for k, v in _flat(items) if ("dropout" in k or k.endswith("pdrop"))
-                and isinstance(v, float) and v > 0}
+    dropouts = {k: v for k, v in _flat(items) if _is_dropout(k) and isinstance(v, float) and v > 0}
     if dropouts:
         raise ConfigError(f"model.gradient_checkpointing: the model's config sets dropout ({dropouts}); the "
                           "update would run it (checkpointing needs training mode). Set those to 0 in config.json")
@@ -42,6 +42,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         # remote code) without support for it raises ValueError, which would be a traceback
         raise ConfigError(f"{none} ({str(e).rstrip('. ')}); set model.gradient_checkpointing: false") from None
     model._mmrl_checkpointing = True
+
+
+def _is_dropout(key: str) -> bool:
+    """"dropout" (most configs), GPT-style "*_pdrop" (attn_pdrop, resid_pdrop), or stochastic
+    depth: "drop_path_rate" (vision towers), "layerdrop" (encoder_layerdrop), "drop_connect_rate"."""
+    return ("dropout" in key or key.endswith("pdrop") or "drop_path" in key or "layerdrop" in key
+            or "drop_connect" in key)
 
 
 def _flat(items, prefix=""):
