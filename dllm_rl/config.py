@@ -69,7 +69,8 @@ class DLLMRolloutConfig(RolloutConfig):
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set."""
     eval_batch_size: int = Field(128, ge=1)
-    """Problems per decoding batch in held-out evaluation (greedy and sampled)."""
+    """Problems per decoding batch in held-out evaluation (greedy and sampled). The sampled
+    pass@k draw their samples batch by batch, so another value draws other samples."""
     max_new_tokens: int = Field(16, exclude=True)  # the core's Dr.GRPO length constant: set to gen_length
     # (out of config dumps, so that only a user's own setting reaches the check below)
     """Not a dLLM setting: always gen_length (the core's Dr.GRPO length constant). Left out of

@@ -127,7 +127,8 @@ class ModelConfig(Section):
     """Recompute each layer's activations in the backward pass instead of keeping them (less
     memory, about a third more compute). The update's forwards then run in training mode with
     every dropout off (transformers checkpoints only in training mode); a model whose config
-    sets a dropout above 0 is refused. mmrl.core.memory."""
+    sets a dropout or stochastic depth (drop_path_rate, layerdrop) above 0 is refused, as is a
+    model class without checkpointing. mmrl.core.memory."""
     logprob_chunk: int | None = Field(None, ge=1)
     """Language models: token positions per chunk of the training log-probabilities. Set, the
     log-softmax over the vocabulary is computed a chunk at a time and recomputed in the backward
@@ -497,7 +498,10 @@ class TrainLoopConfig(Section):
     on-policy. With mini_batches 1 and sync, inline rollouts the first pass is: the dLLM
     methods take its log-probs as the old ones instead of scoring them in a pass of their own."""
     mini_batches: int = Field(1, ge=1)
-    """Optimizer steps per pass: the batch is split into this many mini-batches."""
+    """Optimizer steps per pass: the batch is split into this many mini-batches (shuffled; their
+    sizes differ by at most one). Fewer samples than this (a batch pruned, or a setting above
+    prompts_per_step x num_generations) leave mini-batches empty, which are skipped: fewer steps
+    than asked, while a learning-rate schedule counts mini_batches per pass."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Samples per forward/backward (gradient accumulation); None = the whole mini-batch."""
     save_every: int = Field(0, ge=0)
