@@ -260,3 +260,23 @@ def test_a_checkpoint_missing_one_of_the_copies_loads_none_of_them():
     assert torch.equal(master.masters[0], torch.zeros(2)) and torch.equal(master.masters[1], torch.zeros(3))
     assert master.load_state_dict({"master.0": torch.full((2,), 0.5), "master.1": torch.full((3,), 0.25)})
     assert torch.equal(master.masters[0], torch.full((2,), 0.5)) and torch.equal(master.masters[1], torch.full((3,), 0.25))
+
+
+def test_a_bfloat16_runs_copies_become_the_weights_of_a_float32_resume():
+    """A checkpoint of bfloat16 weights (model/ their rounding) with their float32 copies,
+    resumed with model.dtype float32: the weights are their own masters and take the copies,
+    not the rounding (the updates since the copies' last representable change were lost)."""
+    torch.manual_seed(0)
+    bf16 = [torch.nn.Parameter(torch.randn(3).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(2, 2).to(torch.bfloat16))]
+    saving = MasterWeights(bf16)
+    with torch.no_grad():
+        for m in saving.masters:
+            m.add_(1e-3)  # float32 values the bfloat16 weights cannot hold
+    saved = saving.state_dict()
+    resumed = [torch.nn.Parameter(p.detach().float()) for p in bf16]  # model/ loaded in float32
+    assert MasterWeights(resumed).load_state_dict(saved)
+    for p, m in zip(resumed, saving.masters):
+        assert torch.equal(p.detach(), m.detach())
+    other = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))]  # master.0 does not fit
+    assert not MasterWeights(other).load_state_dict(saved)
+    assert all(float(p.abs().sum()) == 0.0 for p in other)

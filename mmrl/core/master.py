@@ -107,10 +107,19 @@ class MasterWeights:
     @torch.no_grad()
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> bool:
         """The copies saved by `state_dict`; False (and the model's rounding kept) where the
-        checkpoint has none, e.g. one saved with master weights off."""
+        checkpoint has none, e.g. one saved with master weights off. A float32 parameter (its own
+        master) takes a saved copy too: a bfloat16 run resumed in float32 goes on from its
+        float32 weights, not from their bfloat16 rounding in model/ (which lost up to the last
+        few steps' updates). A float32 parameter without one was float32 there: model/ had it."""
+        own = [(tensors.get(f"master.{i}"), p) for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is p]
+        own = [(t, p) for t, p in own if t is not None]
+        if any(t.shape != p.shape for t, p in own):  # another model's: none of them (as for the copies)
+            own = []
+        for t, p in own:
+            p.copy_(t)
         saved = [(tensors.get(f"master.{i}"), m) for i, _, m in self.copied]
         if not saved or any(t is None or t.shape != m.shape for t, m in saved):
-            return False
+            return bool(own)
         for t, m in saved:
             m.copy_(t)
         return True
