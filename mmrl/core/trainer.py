@@ -506,7 +506,8 @@ class Trainer:
                         loss.backward()
                     loss_value += float(loss.detach())
                     for k, v in out.metrics.items():  # a share of the global term: the ranks' mean x world is their sum
-                        sums[k] += v * self.world if denom is not None and k in DENOM_SHARES else v * share
+                        if not _extremum(sums, k, v):
+                            sums[k] += v * self.world if denom is not None and k in DENOM_SHARES else v * share
                 self._optimizer_step(loss_value, sums, tally)
 
     def _filler_passes(self, batch: RolloutBatch, micros: int, denom: float | None) -> None:
@@ -591,6 +592,8 @@ class Trainer:
             acc["denom"] += denom if denom is not None else len(micro)
             acc["loss"] += float(loss.detach())
             for k, v in out.metrics.items():
+                if _extremum(sums, k, v):
+                    continue
                 if denom is not None and k in DENOM_SHARES:  # a sum (denom 1): normalised as the gradient is
                     acc["shares"][k] = acc["shares"].get(k, 0.0) + v
                 else:
@@ -634,7 +637,8 @@ class Trainer:
     def _update_metrics(self, batch: RolloutBatch, sums: dict, tally: dict, passes: int) -> dict[str, float]:
         tc = self.cfg.train
         updates, bad = tally["updates"], tally["bad"]
-        metrics = {k: v / passes for k, v in sums.items()}
+        metrics = {k: v / passes for k, v in sums.items() if not k.startswith("x:")}
+        metrics.update({k.removeprefix("x:"): v for k, v in sums.items() if k.startswith("x:")})
         for k in ("loss/total", "loss/grad_norm"):
             metrics[k] = sums.get(k, 0.0) / updates if updates else float("nan")
         metrics["optim/lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -949,6 +953,22 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
             warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary
+
+
+def _extremum(sums: dict, key: str, value: float) -> bool:
+    """A minimum or maximum metric (loss/ratio_min, loss/ratio_max) is the step's extreme over
+    its micro-batches, mini-batches and epochs, as distributed.combine_metrics takes it over the
+    ranks, kept in `sums` as "x:<key>"; a mean of the micro-batches' extremes moved with
+    train.micro_batch_size. False for any other metric."""
+    if key.endswith(("_min", "/min")):
+        pick = min
+    elif key.endswith(("_max", "/max")):
+        pick = max
+    else:
+        return False
+    slot = "x:" + key
+    sums[slot] = value if slot not in sums else pick(sums[slot], value)
+    return True
 
 
 def _command_line(argv: Any) -> str | None:
