@@ -1412,3 +1412,15 @@ def test_a_stopped_round_sends_no_more_calls(tmp_path):
     made, alive = len(engine.calls), rnd._thread.is_alive()
     sched.close()
     assert not alive and made < 4 and "time/rollout" not in rnd.metrics
+
+
+def test_more_mini_batches_than_a_steps_samples_is_a_config_error(tmp_path):
+    """The empty mini-batches were skipped: fewer optimizer steps than the lr schedule counts."""
+    sync = ("rollout.scheduler.mode=sync", "rollout.scheduler.placement=inline")  # 8 prompts x 4 = 32 samples
+    check_config(config(tmp_path, *sync, "train.mini_batches=32"), 1)
+    with pytest.raises(ConfigError, match=r"train.mini_batches \(33\) is more than the samples each process trains "
+                                          r"on in a step \(rollout.prompts_per_step x num_generations = 32\).*at most 32"):
+        check_config(config(tmp_path, *sync, "train.mini_batches=33"), 1)
+    with pytest.raises(ConfigError, match=r"num_generations / 2 processes = 16\).*at most 16"):
+        check_config(config(tmp_path, *sync, "train.mini_batches=17"), 2)
+    check_config(config(tmp_path, *sync, "train.mini_batches=33"), 1, training=False)  # eval, sample: no update

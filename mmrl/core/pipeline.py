@@ -79,6 +79,14 @@ def check_config(cfg: TrainConfig, world: int, training: bool = True) -> None:
         if cfg.rollout.prompts_per_step % tc.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of "
                               f"train.mini_batches ({tc.mini_batches}) in pipelined mode (whole groups per step)")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.num_generations // max(1, world)  # a process's, a step
+    if training and sc.mode == "sync" and tc.mini_batches > samples:
+        # the empty mini-batches are skipped: fewer optimizer steps than the lr schedule counts
+        raise ConfigError(f"train.mini_batches ({tc.mini_batches}) is more than the samples each process trains on "
+                          f"in a step (rollout.prompts_per_step x num_generations"
+                          f"{f' / {world} processes' if world > 1 else ''} = {samples}): the rest would be empty "
+                          f"and skipped, and the learning-rate schedule would count optimizer steps that never "
+                          f"come; set train.mini_batches to at most {samples}")
     adv = getattr(cfg.method, "advantage", None)
     if getattr(adv, "scale", None) == "batch" and placement(cfg) != "inline":
         # engines beside the trainer complete groups one at a time, so each is normalised alone
