@@ -499,9 +499,9 @@ class TrainLoopConfig(Section):
     methods take its log-probs as the old ones instead of scoring them in a pass of their own."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass: the batch is split into this many mini-batches (shuffled; their
-    sizes differ by at most one). Fewer samples than this (a batch pruned, or a setting above
-    prompts_per_step x num_generations) leave mini-batches empty, which are skipped: fewer steps
-    than asked, while a learning-rate schedule counts mini_batches per pass."""
+    sizes differ by at most one). At most prompts_per_step x num_generations (per process) in
+    sync mode; a batch a method pruned below this leaves mini-batches empty, which are skipped:
+    fewer steps than asked, while a learning-rate schedule counts mini_batches per pass."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Samples per forward/backward (gradient accumulation); None = the whole mini-batch."""
     save_every: int = Field(0, ge=0)
