@@ -1576,3 +1576,27 @@ def test_ratio_extremes_are_the_steps_own_whatever_the_micro_batch_size(tmp_path
     assert whole["loss/ratio_min"] < whole["loss/ratio_mean"] < whole["loss/ratio_max"]  # off-policy passes
     for k in ("loss/ratio_min", "loss/ratio_max"):
         assert micro[k] == pytest.approx(whole[k], rel=1e-5), k
+
+
+@pytest.mark.parametrize("damage", ["model-deleted", "weights-cut-short", "state-emptied"])
+def test_resume_from_a_damaged_newest_checkpoint_names_it_and_the_one_before(tmp_path, damage):
+    """A newest checkpoint damaged by hand (its model/ deleted, its weights cut short, its state
+    file emptied; a crash never leaves one listed) is a CheckpointError naming it and the older
+    checkpoint to resume from, not from_pretrained's traceback (a hub name) or a KeyError."""
+    from mmrl.core.checkpoint import CheckpointError
+
+    make(tmp_path, "train.max_steps=2", "train.save_every=1").train()
+    newest = tmp_path / "run" / "checkpoints" / "step-00000002"
+    if damage == "model-deleted":
+        shutil.rmtree(newest / "model")
+    elif damage == "weights-cut-short":
+        (weights_file,) = (newest / "model").glob("*.safetensors")
+        weights_file.write_bytes(weights_file.read_bytes()[:100])
+    else:
+        (newest / "trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(newest))} is (damaged|unreadable): .*"
+                                              r"; remove it to resume from step-00000001 \(the steps after it"):
+        make(tmp_path, "train.max_steps=3").train(resume=True)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000001")
+    with pytest.raises(CheckpointError, match="it is the run's only checkpoint: start the run afresh"):
+        make(tmp_path, "train.max_steps=3").train(resume=True)

@@ -41,6 +41,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path."""
 
 
+class UnreadableError(CheckpointError):
+    """Weights files missing or cut short (not weights that do not fit the model)."""
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
@@ -171,13 +175,13 @@ def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no .safetensors weights in {path}")
+        raise UnreadableError(f"no .safetensors weights in {path}")
     loaded: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             loaded.update(load_file(f))
         except (OSError, SafetensorError) as e:
-            raise CheckpointError(f"weights file {f} is unreadable: {e}") from e
+            raise UnreadableError(f"weights file {f} is unreadable: {e}") from e
     own = module.state_dict()
     unexpected = sorted(set(loaded) - set(own))
     if unexpected:

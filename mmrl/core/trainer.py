@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from safetensors import SafetensorError
 
 from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed, fsdp, provenance
@@ -108,6 +109,19 @@ def check_output_dir(out: str | Path, resume: bool) -> Path | None:
         raise OutputDirError(f"{out} already holds checkpoints of a run; pass --resume to continue it "
                              "or choose another --output-dir")
     return None
+
+
+# what every checkpoint's trainer_state.json holds (Trainer._write; keys added later are read with a default)
+STATE_KEYS = ("step", "bad_steps", "eval_before", "optimizer", "lr_scheduler", "rng", "data")
+
+
+def _older_checkpoint_note(path: Path) -> str:
+    """What to do about a damaged newest checkpoint `path`: remove it to resume from the one
+    before it (--resume never skips one silently: the steps after the older one train again)."""
+    older = [d for _, d in ckpt.list_checkpoints(path.parent) if d != path]
+    if older:
+        return f"; remove it to resume from {older[-1].name} (the steps after it train again)"
+    return "; it is the run's only checkpoint: start the run afresh in another --output-dir"
 
 
 def seed_everything(seed: int) -> None:
@@ -852,12 +866,28 @@ class Trainer:
         self.sharded.load_params(self.params, whole)
 
     def load(self, path: Path) -> None:
-        tensors, state = ckpt.load_checkpoint(path)
+        try:
+            tensors, state = ckpt.load_checkpoint(path)
+            missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+            if missing:  # a file edited or replaced by hand: _write always writes each
+                raise ckpt.CheckpointError(f"checkpoint {path} is unreadable: its {ckpt.STATE_JSON} lacks "
+                                           f"{', '.join(missing)}")
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(f"{e}{_older_checkpoint_note(path)}") from e
         # The KL reference stays as built in __init__: the starting weights, not the checkpoint's.
         if self.sharded is not None:
             self._load_sharded(path, tensors)
         else:
-            self.policy.load_weights(path / "model")
+            # model/ deleted or cut short by hand (a crash never leaves such a checkpoint listed)
+            def damaged(what: str) -> ckpt.CheckpointError:
+                return ckpt.CheckpointError(f"checkpoint {path} is damaged: its model/ {what}{_older_checkpoint_note(path)}")
+
+            if not (path / "model").is_dir():  # from_pretrained would take the path for a hub name
+                raise damaged("is missing")
+            try:
+                self.policy.load_weights(path / "model")
+            except (OSError, SafetensorError, ckpt.UnreadableError) as e:
+                raise damaged(f"does not load ({type(e).__name__}: {e})") from e
         self._load_averaged(path, tensors, state)
         if self.master is not None:  # the float32 copies as saved; else the loaded weights
             self.master.pull()
