@@ -1600,3 +1600,32 @@ def test_resume_from_a_damaged_newest_checkpoint_names_it_and_the_one_before(tmp
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000001")
     with pytest.raises(CheckpointError, match="it is the run's only checkpoint: start the run afresh"):
         make(tmp_path, "train.max_steps=3").train(resume=True)
+
+
+def test_a_run_still_training_on_this_host_is_not_started_again_beside_it(tmp_path):
+    """A second start (--resume, or a fresh run before the first checkpoint) while environment.json's
+    newest start has no ending and its process is alive is refused, naming the process, and
+    changes nothing: it trained the same steps into the same metrics.jsonl, and its clean-up of
+    half-written checkpoints deleted the checkpoint the first start was writing."""
+    import os
+    import socket
+
+    from mmrl.core import provenance
+    from mmrl.core.trainer import OutputDirError
+
+    make(tmp_path, "train.max_steps=1").train()
+    env = tmp_path / "run" / "environment.json"
+    entries = json.loads(env.read_text())
+    other = os.getppid()  # a live process that is not this one, as a start still going
+    entries.append({"started": "2026-12-07T05:00:00Z", "step": 1, "host": socket.gethostname(), "pid": other,
+                    "pid_started": provenance._process_start(other)})
+    env.write_text(json.dumps(entries))
+    files = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    for resume in (True, False):
+        with pytest.raises(OutputDirError, match=rf"run is being trained by process {other} on this host \(started "
+                                                 r"2026-12-07T05:00:00Z at step 1\); wait for it to end"):
+            make(tmp_path, "train.max_steps=2").train(resume=resume)
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+    entries[-1]["ended"] = {"how": "finished"}  # once it ended, the run goes on
+    env.write_text(json.dumps(entries))
+    assert make(tmp_path, "train.max_steps=2").train(resume=True)["steps"] == 2

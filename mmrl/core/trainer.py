@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shlex
 import signal
@@ -113,6 +114,19 @@ def check_output_dir(out: str | Path, resume: bool) -> Path | None:
 
 # what every checkpoint's trainer_state.json holds (Trainer._write; keys added later are read with a default)
 STATE_KEYS = ("step", "bad_steps", "eval_before", "optimizer", "lr_scheduler", "rng", "data")
+
+
+def running_start(out: str | Path) -> str | None:
+    """Why `out` cannot be trained now, where an earlier start of it still runs on this host (its
+    environment.json entry has no ending and its process is alive); None where none does or this
+    cannot be told (another host). Two starts at once would train the same steps into one
+    metrics.jsonl and checkpoints/, and the second's clean-up of half-written checkpoints
+    deletes the one the first is writing."""
+    entry = provenance.last_start(out)
+    if entry is None or "ended" in entry or entry.get("pid") == os.getpid() or provenance.alive(entry) is not True:
+        return None
+    return (f"{out} is being trained by process {entry['pid']} on this host (started {entry.get('started')} at "
+            f"step {entry.get('step')}); wait for it to end, or stop it (its checkpoints stay), then start again")
 
 
 def _older_checkpoint_note(path: Path) -> str:
@@ -302,6 +316,10 @@ class Trainer:
         OutputDirError where there is none); without it, a directory that holds a run's
         checkpoints is an OutputDirError."""
         tc = self.cfg.train
+        # the main rank looks, every rank refuses (the others would wait for it in a collective)
+        running = distributed.gather_objects(running_start(self.out) if distributed.is_main() else None)[0]
+        if running is not None:
+            raise OutputDirError(running)
         path = check_output_dir(self.out, resume)
         if path is not None:
             self.load(path)
