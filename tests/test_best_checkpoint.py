@@ -388,3 +388,25 @@ def test_a_fresh_run_removes_an_earlier_runs_best_json(tmp_path):
     cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[f"output_dir={run}", "train.max_steps=2"])
     assert Trainer(cfg, *toy.build(cfg)).train()["best"] is None
     assert not (run / BEST).exists()
+
+
+def test_a_resume_from_before_the_recorded_best_chooses_it_afresh_among_the_checkpoints_left(tmp_path):
+    """best.json names step 4; the user deletes checkpoints 4 and 6 and resumes from 2, so steps 3-6
+    train again (to other weights, as with other settings). The record of the old step 4 is dropped
+    with a warning, not kept as the bar (0.9) and the name of the new step 4's checkpoint: step 2's
+    logged 0.5 competes again and stays the best over the new 0.4 and 0.3."""
+    import shutil
+
+    scripted(make(tmp_path, "train.max_steps=6", "train.save_every=2", "train.keep_last=3"),
+             {0: 0.1, 2: 0.5, 4: 0.9, 6: 0.3}).train()
+    assert json.loads((tmp_path / "run" / BEST).read_text())["step"] == 4 and steps_on_disk(tmp_path) == [2, 4, 6]
+    for step in (4, 6):
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / f"step-{step:08d}")
+    trainer = scripted(make(tmp_path, "train.max_steps=6", "train.save_every=2", "train.keep_last=1"),
+                       {4: 0.4, 6: 0.3})
+    with pytest.warns(UserWarning, match=r"best.json names step 4, past the checkpoint resumed from \(step 2\), "
+                                         r"whose steps train again: the best checkpoint is chosen afresh"):
+        summary = trainer.train(resume=True)
+    assert (summary["best"]["step"], summary["best"]["value"]) == (2, 0.5)
+    assert json.loads((tmp_path / "run" / BEST).read_text()) == summary["best"]
+    assert steps_on_disk(tmp_path) == [2, 6]  # the best spared by keep_last 1

@@ -52,9 +52,12 @@ class BestCheckpoint:
         where that run's checkpoints are gone): the record names none of this run's checkpoints."""
         self.path.unlink(missing_ok=True)
 
-    def resume(self) -> None:
-        """On --resume: the record of the earlier attempts, where it is for the same metric and
-        mode (another one starts afresh, with a warning)."""
+    def resume(self, step: int | None = None) -> None:
+        """On --resume from checkpoint `step`: the record of the earlier attempts, where it is for
+        the same metric and mode (another one starts afresh, with a warning), and names a step up
+        to `step`. One past it (the newer checkpoints deleted by hand) names a checkpoint whose
+        step trains again, to other weights: it is removed, with a warning, and the best chosen
+        afresh (the trainer lets the checkpoints on disk compete, `adopt`)."""
         if not self.enabled or not self.path.is_file():
             return
         try:
@@ -65,6 +68,10 @@ class BestCheckpoint:
         if (record.get("metric"), record.get("mode")) != (self.metric, self.mode):
             warnings.warn(f"{self.path} ranks by {record.get('metric')} ({record.get('mode')}), this run by "
                           f"{self.metric} ({self.mode}): the best checkpoint is chosen afresh", stacklevel=3)
+        elif step is not None and record["step"] > step:
+            warnings.warn(f"{self.path} names step {record['step']}, past the checkpoint resumed from (step {step}), "
+                          "whose steps train again: the best checkpoint is chosen afresh", stacklevel=3)
+            self.path.unlink()
         else:
             self.record = record
 

@@ -328,7 +328,7 @@ class Trainer:
             if self.step >= tc.max_steps:
                 warnings.warn(f"--resume: the run is at step {self.step} and train.max_steps is {tc.max_steps}: "
                               "nothing to train (raise --max-steps to go on)", stacklevel=2)
-            self.best.resume()
+            self.best.resume(self.step)
         main = distributed.is_main()
         if main:
             ckpt.clean_partial(self.checkpoint_dir)
@@ -799,16 +799,19 @@ class Trainer:
     def _adopt_best(self) -> None:
         """On --resume (main rank): the resumed checkpoint's evaluation, logged in metrics.jsonl,
         competes for the best (BestCheckpoint.adopt: a kill may have come between its checkpoint
-        and best.json); a best it replaces is pruned, as in _save_best."""
+        and best.json), and so do the earlier checkpoints' (where BestCheckpoint.resume dropped a
+        best.json that named a step after the resumed one); a best it replaces is pruned, as in
+        _save_best."""
         if not self.best.enabled:
             return
         try:
             rows = read_metrics(self.out / METRICS)
         except ValueError:  # RunLogger, next, says which line is bad
             return
-        row = next((r for r in reversed(rows) if r.get("step") == self.step), None)
-        if self.best.adopt(self.step, row, ckpt.step_dir(self.checkpoint_dir, self.step)):
-            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, self.step)
+        last = {r.get("step"): r for r in rows}  # each step's last row
+        adopted = [self.best.adopt(n, last.get(n), d) for n, d in ckpt.list_checkpoints(self.checkpoint_dir)]
+        if any(adopted):
+            ckpt.prune(self.checkpoint_dir, self.cfg.train.keep_last, self.step, self.best.step)
 
     def _save_best(self, metrics: dict[str, float]) -> None:
         """This step's checkpoint (written now unless it is already) is the best by train.best_metric."""
