@@ -1629,3 +1629,16 @@ def test_a_run_still_training_on_this_host_is_not_started_again_beside_it(tmp_pa
     entries[-1]["ended"] = {"how": "finished"}  # once it ended, the run goes on
     env.write_text(json.dumps(entries))
     assert make(tmp_path, "train.max_steps=2").train(resume=True)["steps"] == 2
+
+
+def test_resume_without_the_run_s_config_yaml_compares_with_the_checkpoint_s_settings(tmp_path):
+    """A run whose config.yaml is gone (its checkpoints/ copied alone) resumed with the defaults
+    instead of its settings, without a word: the checkpoint's own record of them is the
+    comparison then, and is kept as config.before-step-N.yaml."""
+    make(tmp_path, "train.max_steps=1", "optim.lr=0.004").train()
+    (tmp_path / "run" / "config.yaml").unlink()
+    with pytest.warns(UserWarning, match=r"--resume at step 1 with settings that differ from the checkpoint's \(the "
+                                         r"run's config.yaml is missing\): optim.lr: 0.004 -> 0.003\. The checkpoint's "
+                                         r"settings are kept as config.before-step-1.yaml"):
+        make(tmp_path, "train.max_steps=2").train(resume=True)
+    assert "lr: 0.004" in (tmp_path / "run" / "config.before-step-1.yaml").read_text()

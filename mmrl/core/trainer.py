@@ -252,6 +252,7 @@ class Trainer:
         self.warned_empty = False  # "every group was dropped" is warned once; the summary counts them
         self.eval_before: dict[str, float] | None = None
         self.saved_step: int | None = None
+        self._loaded_config: dict | None = None  # the config of the checkpoint resumed from
         # wall seconds of training: the earlier starts' up to the checkpoint resumed from (its
         # "seconds"), and this start's since _since; summary.json's train_seconds
         self.seconds_before, self._since = 0.0, time.perf_counter()
@@ -272,16 +273,21 @@ class Trainer:
         config.yaml of the attempt in between), and keeps it."""
         kept = self.out / f"config.before-step-{self.step}.yaml"
         path = kept if kept.is_file() else self.out / "config.yaml"
-        if not path.is_file():
+        whose, record = "the run's", "The earlier config.yaml is"
+        if path.is_file():
+            text = path.read_text()
+        elif self._loaded_config is not None:  # config.yaml lost (checkpoints/ copied alone): the checkpoint's
+            text = yaml.safe_dump(absolute_paths(self._loaded_config, self.cfg.base_dir), sort_keys=False)
+            whose, record = "the checkpoint's (the run's config.yaml is missing)", "The checkpoint's settings are"
+        else:
             return
-        text = path.read_text()
         changed = [c for c in config_changes(yaml.safe_load(text) or {}, config,  # a run's folder is itself
                                              default=lambda key: field_default(self.cfg, key))
                    if not c.startswith(("train.max_steps:", "output_dir:"))]
         if changed:
             kept.write_text(text)
-            warnings.warn(f"--resume at step {self.step} with settings that differ from the run's: "
-                          f"{'; '.join(changed)}. The earlier config.yaml is kept as {kept.name}", stacklevel=3)
+            warnings.warn(f"--resume at step {self.step} with settings that differ from {whose}: "
+                          f"{'; '.join(changed)}. {record} kept as {kept.name}", stacklevel=3)
 
     def _keep_finished_summary(self) -> None:
         """On --resume of a finished run (its max_steps raised): its summary.json, with the final
@@ -935,6 +941,7 @@ class Trainer:
         self.eval_before = state["eval_before"]
         self.seconds_before = float(state.get("seconds", 0.0))  # none in a checkpoint before 2026-12-07
         self.saved_step = self.step
+        self._loaded_config = state.get("config")  # what trained up to here, for --resume's comparison
 
     def _apply_optim_config(self) -> None:
         """The loaded optimizer and schedule state carry the run's earlier lr, weight decay,
