@@ -119,11 +119,13 @@ STATE_KEYS = ("step", "bad_steps", "eval_before", "optimizer", "lr_scheduler", "
 def running_start(out: str | Path) -> str | None:
     """Why `out` cannot be trained now, where an earlier start of it still runs on this host (its
     environment.json entry has no ending and its process is alive); None where none does or this
-    cannot be told (another host). Two starts at once would train the same steps into one
+    cannot be told (another host; no process start time, as off Linux, where a reused PID would
+    refuse the run for good). Two starts at once would train the same steps into one
     metrics.jsonl and checkpoints/, and the second's clean-up of half-written checkpoints
     deletes the one the first is writing."""
     entry = provenance.last_start(out)
-    if entry is None or "ended" in entry or entry.get("pid") == os.getpid() or provenance.alive(entry) is not True:
+    if (entry is None or "ended" in entry or entry.get("pid") == os.getpid() or entry.get("pid_started") is None
+            or provenance.alive(entry) is not True):
         return None
     return (f"{out} is being trained by process {entry['pid']} on this host (started {entry.get('started')} at "
             f"step {entry.get('step')}); wait for it to end, or stop it (its checkpoints stay), then start again")
