@@ -1609,6 +1609,7 @@ def test_a_run_still_training_on_this_host_is_not_started_again_beside_it(tmp_pa
     half-written checkpoints deleted the checkpoint the first start was writing."""
     import os
     import socket
+    import subprocess
 
     from mmrl.core import provenance
     from mmrl.core.trainer import OutputDirError
@@ -1626,9 +1627,20 @@ def test_a_run_still_training_on_this_host_is_not_started_again_beside_it(tmp_pa
                                                  r"2026-12-07T05:00:00Z at step 1\); wait for it to end"):
             make(tmp_path, "train.max_steps=2").train(resume=resume)
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+    if sys.platform == "linux":  # a start killed by a script that never waited for it: signal 0 finds it
+        dead = subprocess.Popen(["true"])
+        while not (zombie := Path(f"/proc/{dead.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"):
+            time.sleep(0.01)
+        entries[-1].update(pid=dead.pid, pid_started=provenance._process_start(dead.pid))
+        env.write_text(json.dumps(entries))
+        assert zombie and make(tmp_path, "train.max_steps=2").train(resume=True)["steps"] == 2
+        dead.wait()
+        entries = json.loads(env.read_text())
+        entries.append({**entries[-1], "pid": other, "pid_started": provenance._process_start(other)})
+        del entries[-1]["ended"]
     del entries[-1]["pid_started"]  # written off Linux: a reused PID cannot be told apart, so no refusal
     env.write_text(json.dumps(entries))
-    assert make(tmp_path, "train.max_steps=2").train(resume=True)["steps"] == 2
+    assert make(tmp_path, "train.max_steps=3").train(resume=True)["steps"] == 3
 
 
 def test_resume_without_the_run_s_config_yaml_compares_with_the_checkpoint_s_settings(tmp_path):
