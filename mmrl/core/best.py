@@ -10,6 +10,8 @@ keep_last + 1 checkpoints. Only trained steps compete: the model before training
 checkpoint of the run (its score is summary.json's eval_before). On --resume the resumed
 checkpoint's evaluation, as metrics.jsonl logged it, competes again (`adopt`): a kill between
 writing the best checkpoint and best.json otherwise left the record naming the older best.
+A record of a step after the resumed checkpoint (newer ones deleted by hand) is dropped, and
+the checkpoints on disk compete by their logged evaluations: that step trains again.
 """
 
 from __future__ import annotations
