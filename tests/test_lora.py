@@ -213,3 +213,29 @@ def test_the_adapter_config_is_checked_for_rslora_and_dora_and_may_lack_them(tmp
     config_file.write_text("{not json")
     with pytest.raises(ConfigError, match="adapter_config.json is unreadable"):
         load_adapter(model, tmp_path)
+
+
+def test_a_target_that_is_not_a_linear_layer_is_named_with_its_type_not_printed_whole():
+    """PEFT's message printed the whole module (an attention block: every layer in it, over
+    many lines); the error names the module's type and the linear layers there are."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.norm = Tiny(), torch.nn.LayerNorm(8)
+            self.out = torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+    with pytest.raises(ConfigError) as err:
+        add_lora(Block(), LoRAConfig(target_modules=["attn", "q_proj"]))
+    msg = str(err.value)
+    assert "\n" not in msg and "Linear(" not in msg
+    assert "'attn' names Tiny, not a linear layer" in msg
+    assert "(its linear layers: out.0, q_proj, v_proj)" in msg  # a Sequential's layer by its index
+    with pytest.raises(ConfigError, match="'norm' names LayerNorm, not a linear layer"):
+        add_lora(Block(), LoRAConfig(target_modules=["norm"]))
+
+
+def test_an_empty_target_list_and_any_dropout_say_what_to_set():
+    with pytest.raises(ValueError, match=r"empty list gives no layer an adapter.*\[q_proj"):
+        LoRAConfig(target_modules=[])
+    with pytest.raises(ValueError, match="set it to 0"):  # was "should be less than 1"
+        LoRAConfig(dropout=1)

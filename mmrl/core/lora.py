@@ -32,11 +32,22 @@ class LoRAConfig(Section):
     """Rank of each adapter's low-rank update."""
     alpha: float = Field(16.0, gt=0)
     """LoRA's scale: the adapter's update is multiplied by alpha / r."""
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0)
     """Must stay 0: every forward, the update's included, runs with dropout off, so that the
     importance ratio is exactly 1 on-policy; a LoRA dropout would never run."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Names of the linear layers (of the language model) that get adapters."""
+    """Names of the linear layers that get adapters: each matches every layer whose name ends with
+    it (`q_proj`, every layer's; `layers.0.self_attn.q_proj`, one), not as a regular expression.
+    In a VLM a name its vision encoder shares (gate_proj, up_proj, down_proj) adapts that too
+    (model.freeze_vision keeps those adapters fixed)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: list[str]) -> list[str]:
+        if not value:  # PEFT's own message speaks of target_parameters, which are not ours
+            raise ValueError("an empty list gives no layer an adapter; name the linear layers to adapt, "
+                             "e.g. [q_proj, k_proj, v_proj, o_proj]")
+        return value
 
     @field_validator("dropout")
     @classmethod
@@ -68,10 +79,33 @@ def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.n
             # after its rollouts: LoRA dropout in the old log-probs)
             return get_peft_model(model, config).train(model.training)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"model.lora.target_modules {list(lcfg.target_modules)} do not name layers "
-                          f"of {type(model).__name__} (its linear layers: {', '.join(linear)}): {e}") from e
+        raise target_modules_error(model, lcfg.target_modules, e) from e
+
+
+def _short_name(name: str) -> str:
+    """How target_modules names a layer: its last name (`q_proj`), with its parent's where that is
+    an index (`to_out.0`, a Sequential's first layer)."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+
+def target_modules_error(model: torch.nn.Module, targets, error: Exception) -> ConfigError:
+    """The ConfigError for target_modules PEFT refused with `error`: the model's linear layers,
+    and where a name matches modules LoRA cannot adapt (an attention block, a norm), which ones,
+    instead of PEFT's printout of the whole module."""
+    linear = sorted({_short_name(name) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    name, listing = type(model).__name__, f"(its linear layers: {', '.join(linear)})"
+    # PEFT matches a name against the end of each module's name, at a dot
+    other = {t: sorted({type(m).__name__ for name, m in model.named_modules()
+                        if (name == t or name.endswith("." + t)) and not isinstance(m, torch.nn.Linear)})
+             for t in targets}
+    other = {t: kinds for t, kinds in other.items() if kinds}
+    if other and "is not supported" in str(error):
+        what = "; ".join(f"{t!r} names {', '.join(kinds)}" for t, kinds in other.items())
+        return ConfigError(f"model.lora.target_modules {list(targets)}: {what}, not a linear layer; LoRA "
+                           f"adapts linear layers: name those of {name} instead {listing}")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(f"model.lora.target_modules {list(targets)} do not name layers of {name} {listing}: {first}")
 
 
 @contextlib.contextmanager
