@@ -94,7 +94,7 @@ from torch import Tensor
 
 from mmrl.core.checkpoint import refuse_pickled_weights
 from mmrl.core.config import ConfigError
-from mmrl.core.lora import check_adapter_config, seeded
+from mmrl.core.lora import check_adapter_config, seeded, target_modules_error
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -457,8 +457,12 @@ class FlowModel:
         try:
             with seeded(seed):
                 self.transformer.add_adapter(config, adapter_name=_ADAPTER)
-        except ValueError as e:
-            raise ConfigError(f"LoRA target_modules {config.target_modules}: {e}") from e
+        except ValueError as e:  # PEFT: no layer matched, or one LoRA cannot adapt (its whole printout)
+            if not any(".lora_" in name for name, _ in self.transformer.named_parameters()):
+                # diffusers marks the model as holding adapters before PEFT refuses: unmark it, so that
+                # add_lora with other targets works (else an AttributeError on peft_config)
+                self.transformer._hf_peft_config_loaded = False
+            raise target_modules_error(self.transformer, list(target_modules or DEFAULT_LORA_TARGETS), e) from e
         for name, param in self.transformer.named_parameters():
             param.requires_grad_(".lora_" in name)
 

@@ -790,6 +790,22 @@ def test_add_lora_twice_is_refused(loaded):
     assert model.transformer.peft_config["default"].r == 2
 
 
+def test_lora_targets_that_are_not_linear_layers_name_the_key_and_the_layers(loaded):
+    """Was `LoRA target_modules {'attn'}: Target module FluxAttention(` and then the whole
+    attention block printed over many lines; a name matching nothing did not list the layers;
+    and add_lora after a refusal failed with an AttributeError (diffusers' half-set state)."""
+    model = _fresh(loaded("flux"), copy_transformer=True)
+    with pytest.raises(ConfigError) as err:
+        model.add_lora(r=2, target_modules=["attn"])
+    msg = str(err.value)
+    assert msg.startswith("model.lora.target_modules ['attn']: 'attn' names FluxAttention") and "\n" not in msg
+    assert "to_out.0" in msg and "to_q" in msg  # the layers it could name
+    with pytest.raises(ConfigError, match=r"\['nothing'\] do not name layers of FluxTransformer2DModel .*to_q"):
+        model.add_lora(r=2, target_modules=["nothing"])
+    model.add_lora(r=2, target_modules=["to_q"])  # a refusal leaves the model as it was: this one works
+    assert model.has_lora
+
+
 def test_copy_carried_files_skips_a_file_that_is_gone(loaded, tmp_path):
     model = _fresh(loaded("flux"))
     (tmp_path / "cast_window.json").write_text('{"window": [0, 1]}')
