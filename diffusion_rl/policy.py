@@ -34,7 +34,8 @@ from torch import Tensor
 
 from diffusion_rl.sde import FlowSDESampler, SDEStep, sde_step_with_logprob
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.lora import is_lora
+from mmrl.core.config import ConfigError
+from mmrl.core.lora import check_not_adapter, is_adapter_dir, is_lora
 from mmrl.core.rewards import Sample
 from mmrl.core.trainer import TrainingError
 
@@ -254,6 +255,13 @@ class DiffusionPolicy:
         path = Path(path)
         if self.flow.has_lora and (path / "lora" / "adapter_config.json").is_file():
             path = path / "lora"
+        if not self.flow.has_lora:
+            # the model's own load would add the adapter: a run without model.lora would then hold
+            # adapters its optimizer was not built over (resuming failed in the optimizer's load)
+            check_not_adapter(path)
+        elif not is_adapter_dir(path):
+            raise ConfigError(f"{path} holds no LoRA adapter (adapter_config.json), but this run's model has "
+                              "model.lora set: point at a checkpoint of a LoRA run, or unset model.lora")
         self.flow.load_transformer_weights(path)
 
     def reference(self) -> _Reference:

@@ -155,6 +155,21 @@ def test_an_old_lora_checkpoint_a_pipeline_with_its_adapter_in_lora_still_loads(
         assert torch.equal(a, b), k
 
 
+def test_a_checkpoint_loads_only_into_a_run_with_its_lora_setting(flux_dir, tmp_path):
+    """An adapter into a run without model.lora added the adapter (the model's own load does):
+    resuming then failed with a traceback in the optimizer's load, built over the full weights.
+    A pipeline into a LoRA run said to call save_transformer_weights, not which setting to change."""
+    _, lora, _ = make(flux_dir, tmp_path, "model.lora.r=4")
+    lora.save_pretrained(tmp_path / "adapter")
+    _, full, _ = make(flux_dir, tmp_path)
+    with pytest.raises(ConfigError, match="holds a LoRA adapter, not full weights: set model.lora as the run did"):
+        full.load_weights(tmp_path / "adapter")
+    assert not full.flow.has_lora
+    full.save_pretrained(tmp_path / "pipeline")
+    with pytest.raises(ConfigError, match="holds no LoRA adapter .*model.lora set: .*or unset model.lora"):
+        lora.load_weights(tmp_path / "pipeline")
+
+
 def test_a_lora_checkpoint_as_model_path_is_refused_with_what_to_do(flux_dir, tmp_path):
     _, policy, _ = make(flux_dir, tmp_path, "model.lora.r=4")
     policy.save_pretrained(tmp_path / "adapter")
