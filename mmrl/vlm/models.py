@@ -105,6 +105,11 @@ def load_vlm(mcfg, seed: int = 0, base_dir: str | None = None):
         model = add_lora(model, mcfg.lora, seed=seed)
     if mcfg.freeze_vision:
         vision_tower(model).requires_grad_(False)
+        if mcfg.lora is not None and not any(p.requires_grad for p in model.parameters()):
+            # else the trainer's "no trainable parameters", which names neither setting
+            raise ConfigError(f"model.lora.target_modules {list(mcfg.lora.target_modules)} name layers of the vision "
+                              "encoder alone, which model.freeze_vision keeps fixed: nothing would train; name "
+                              "language-model layers too (q_proj, ...), or unset freeze_vision")
     return model, processor
 
 

@@ -265,6 +265,15 @@ def test_freeze_vision_leaves_only_the_language_side_to_the_optimizer(qwen25_dir
         vision_tower(torch.nn.Linear(2, 2))
 
 
+def test_lora_on_the_frozen_vision_encoder_alone_names_both_settings(qwen25_dir):
+    """Was the trainer's "no trainable parameters", which named neither setting."""
+    mcfg = load_config(VLMTrainConfig, overrides=[
+        f"model.path={qwen25_dir}", "model.freeze_vision=true", "model.lora.target_modules=[qkv]"]).model
+    with pytest.raises(ConfigError, match=r"target_modules \['qkv'\] name layers of the vision encoder alone.*"
+                                          "freeze_vision"):
+        load_vlm(mcfg)
+
+
 def test_jsonl_task_through_the_backend(tmp_path, qwen25_dir):
     from mmrl.vlm.tasks.jsonl import save_jsonl
 
