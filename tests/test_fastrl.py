@@ -498,11 +498,10 @@ def test_grpo_ars_never_shrinks_the_group_below_the_configured_min_group_size(tm
 def test_an_ars_floor_above_num_generations_is_refused(tmp_path):
     """ARS shrinks the group from num_generations; a floor above it grew the group to the floor at
     the first shrink (a tiny run went from 2 rollouts per prompt to 100). Unread without ARS."""
-    cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.min_group_size=9",
-                     "rollout.num_generations=8")
     with pytest.raises(ConfigError, match=r"method.fastrl.min_group_size \(9\) is above rollout.num_generations "
-                                          r"\(8\).*give min_group_size in \[2, 8\]"):
-        build_method(cfg, toy.ToyTask().reward)
+                                          r"\(8\).*give min_group_size in \[2, 8\]"):  # with the config, before a model
+        toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "method.fastrl.min_group_size=9",
+                   "rollout.num_generations=8")
     for fine in (("method.fastrl.min_group_size=8",), ("method.fastrl.ars=false", "method.fastrl.min_group_size=9")):
         cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true", "rollout.num_generations=8",
                          *fine)
@@ -513,11 +512,10 @@ def test_a_pad_multiple_of_the_whole_group_is_refused(tmp_path):
     """Padding to a multiple of pad_multiple >= G can only reach G: every dropped rollout came back and
     MDAP pruned nothing (a run with pad_multiple 1000 matched plain GRPO), silently."""
     for pad in (8, 1000):
-        cfg = toy_config(tmp_path, "method.fastrl.enabled=true", f"method.fastrl.pad_multiple={pad}",
-                         "rollout.num_generations=8")
         with pytest.raises(ConfigError, match=rf"method.fastrl.pad_multiple \({pad}\) is not below "
                                               r"rollout.num_generations \(8\): .* MDAP prunes nothing"):
-            build_method(cfg, toy.ToyTask().reward)
+            toy_config(tmp_path, "method.fastrl.enabled=true", f"method.fastrl.pad_multiple={pad}",
+                       "rollout.num_generations=8")
     for fine in (("method.fastrl.pad_multiple=7",), ("method.fastrl.enabled=false", "method.fastrl.pad_multiple=8")):
         build_method(toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=8", *fine),
                      toy.ToyTask().reward)

@@ -610,6 +610,24 @@ class TrainConfig(Section):
                              "penalty would start before the first token")
         return self
 
+    @model_validator(mode="after")
+    def _fastrl_fits_the_group(self):  # with the config, not after the model has loaded
+        fastrl, g = getattr(self.method, "fastrl", None), self.rollout.num_generations
+        if fastrl is None or not fastrl.enabled:
+            return self
+        if fastrl.ars and fastrl.min_group_size > g:
+            # ARS's floor would not keep the group from shrinking but grow it past G_1 at the first shrink
+            raise ValueError(f"method.fastrl.min_group_size ({fastrl.min_group_size}) is above "
+                             f"rollout.num_generations ({g}): ARS only shrinks the group from num_generations, "
+                             f"so give min_group_size in [2, {g}]")
+        if fastrl.pad_multiple is not None and 1 < g <= fastrl.pad_multiple:
+            # the only multiple of it a group's kept count can reach is the whole group: silently no pruning
+            raise ValueError(f"method.fastrl.pad_multiple ({fastrl.pad_multiple}) is not below "
+                             f"rollout.num_generations ({g}): every group's kept rollouts would be padded back "
+                             f"to all {g}, so MDAP prunes nothing; give pad_multiple below {g} (or null: the "
+                             f"data-parallel world size)")
+        return self
+
     @property
     def base_dir(self) -> str | None:
         """Directory of the YAML file this config came from: relative atom paths start there."""

@@ -31,7 +31,6 @@ from mmrl.core.advantages import (
     zero_variance_groups,
 )
 from mmrl.core.batch import RolloutBatch
-from mmrl.core.config import ConfigError
 from mmrl.core.fastrl import AdaptiveGroupSize, mdap_counts, sample_advantages, sequences_of
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import SAMPLE_WEIGHT, Method, register_method
@@ -45,18 +44,6 @@ class GRPO(Method):
         self.max_len = cfg.loss.max_len or run.rollout.max_new_tokens
         fastrl = getattr(cfg, "fastrl", None)
         self.fastrl = fastrl if fastrl is not None and fastrl.enabled else None
-        g = run.rollout.num_generations
-        if self.fastrl is not None and fastrl.ars and fastrl.min_group_size > g:
-            # ARS's floor would not keep the group from shrinking but grow it past G_1 at the first shrink
-            raise ConfigError(f"method.fastrl.min_group_size ({fastrl.min_group_size}) is above "
-                              f"rollout.num_generations ({g}): ARS only shrinks the group from num_generations, "
-                              f"so give min_group_size in [2, {g}]")
-        if self.fastrl is not None and fastrl.pad_multiple is not None and 1 < g <= fastrl.pad_multiple:
-            # the only multiple of it a group's kept count can reach is the whole group: silently no pruning
-            raise ConfigError(f"method.fastrl.pad_multiple ({fastrl.pad_multiple}) is not below "
-                              f"rollout.num_generations ({g}): every group's kept rollouts would be padded back "
-                              f"to all {g}, so MDAP prunes nothing; give pad_multiple below {g} (or null: the "
-                              f"data-parallel world size)")
         self.ars = (AdaptiveGroupSize(run.rollout.num_generations, fastrl.min_group_size)
                     if self.fastrl is not None and fastrl.ars else None)
 
