@@ -338,6 +338,9 @@ def test_config_keys_prints_one_part_under_its_parents_and_names_a_bad_path():
     assert "Traceback" not in text
     code, text = invoke(vlm, "config", "--keys", "seed.x")
     assert code == 2 and "seed is 0, not a section" in text
+    code, text = invoke(vlm, "config", "--keys", "model.lora.r")  # a section that is off: its keys, how to see them
+    assert code == 2 and ("model.lora is null (off) in this config; its keys once set: r, alpha, dropout, "
+                          "target_modules (with --set model.lora.r=..., --keys model.lora shows them") in text
 
 
 def test_a_field_redefined_without_a_docstring_keeps_its_base_classs_description():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import textwrap
+import typing
 from typing import Any
 
 import yaml
@@ -41,9 +42,17 @@ def commented_config(cfg: BaseModel, keys: str | None = None) -> str:
                 _field(lines, model, values, name, indent)
                 return "\n".join(lines) + "\n"
             lines.append(f"{indent}{name}:")
+            parent = model
             model, values, indent = getattr(model, name), values[name], indent + "  "
             if not isinstance(model, BaseModel):
-                raise ConfigError(f"--keys {keys}: {'.'.join(path[:depth + 1])} is {model!r}, not a section")
+                where = ".".join(path[:depth + 1])
+                section = _section_class(type(parent), name)
+                if model is None and section is not None:  # a section that is off (model.lora: null)
+                    first = _shown(section)[0]
+                    raise ConfigError(f"--keys {keys}: {where} is null (off) in this config; its keys once set: "
+                                      f"{', '.join(_shown(section))} (with --set {where}.{first}=..., --keys "
+                                      f"{where} shows them with their defaults)")
+                raise ConfigError(f"--keys {keys}: {where} is {model!r}, not a section")
     for name in _shown(model):
         _field(lines, model, values, name, indent)
     return "\n".join(lines) + "\n"
@@ -64,6 +73,15 @@ def _field(lines: list[str], model: BaseModel, values: dict, name: str, indent: 
         lines.append(f"{indent}{name}: {_flow(values[name])}")
 
 
+def _section_class(cls: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The section class a field `X | None` takes (None for a plain value)."""
+    annotation = cls.model_fields[name].annotation
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
 def _description(cls: type[BaseModel], name: str) -> str | None:
     """The field's docstring, or, where a subclass redefines the field without one (a new
     default or type), the nearest base class's."""
@@ -76,7 +94,8 @@ def _description(cls: type[BaseModel], name: str) -> str | None:
 
 def _shown(model: BaseModel) -> list[str]:
     """The fields a config file sets (not those excluded from dumps: derived from others)."""
-    return [name for name, info in type(model).model_fields.items() if not info.exclude]
+    cls = model if isinstance(model, type) else type(model)
+    return [name for name, info in cls.model_fields.items() if not info.exclude]
 
 
 def _flow(value: Any) -> str:
