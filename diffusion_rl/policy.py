@@ -91,8 +91,12 @@ class DiffusionPolicy:
                 out = sampler.step(v, x, i, noise_level=rollout.noise_level, kind=rollout.kind,
                                    sde=i in window, generator=generator)
                 if not (torch.isfinite(out.prev_sample).all() and torch.isfinite(out.log_prob).all()):
+                    cause = ("the model's velocity was not finite (diverged weights, or latents out of range)"
+                             if not torch.isfinite(v).all() else
+                             f"from a finite velocity: the step's noise at rollout.noise_level {rollout.noise_level:g} "
+                             f"({rollout.kind}) over- or underflows; set rollout.noise_level nearer the default 0.7")
                     raise NonFiniteRollout(f"sampling step {i} (sigma {float(sampler.sigmas[i]):.3f}) produced "
-                                           "non-finite latents or log-probs; the step is not trained")
+                                           f"non-finite latents or log-probs, {cause}; the step is not trained")
                 if i in trained:
                     xs.append(x)
                     nexts.append(out.prev_sample)

@@ -800,3 +800,14 @@ def test_the_kl_description_gives_the_std_each_step_kind_divides_by():
     assert float(cps.kl_std) == pytest.approx(0.4 * math.sin(0.25 * math.pi))  # 0.2828
     said = " ".join(FlowGRPOConfig.model_fields["kl"].description.split())
     assert "rollout.kind cps: the CPS step's std, sigma_next sin(a pi / 2)" in said
+
+
+def test_a_noise_level_that_overflows_the_step_is_named_in_the_non_finite_rollout_error():
+    """At rollout.noise_level 1e-30 the step's log-prob is NaN from a finite velocity: the error
+    said only 'non-finite latents or log-probs', as for a diverged model, naming no setting."""
+    from diffusion_rl.policy import NonFiniteRollout
+
+    policy, rollout = hand_policy(noise_level=1e-30)
+    with pytest.raises(NonFiniteRollout, match=r"from a finite velocity: the step's noise at rollout.noise_level "
+                                               r"1e-30 \(sde\) over- or underflows"):
+        policy.generate(["a red circle"], 2, rollout, torch.Generator().manual_seed(0))

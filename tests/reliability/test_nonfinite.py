@@ -221,7 +221,8 @@ def test_non_finite_diffusion_rollout_in_a_later_step_never_reaches_a_checkpoint
         return v * float("nan") if rollouts["n"] >= 2 else v
 
     policy.generate, policy.flow.velocity = counted, broken
-    with pytest.raises(NonFiniteRollout, match=r"sampling step 0 .*non-finite latents or log-probs"):
+    with pytest.raises(NonFiniteRollout, match=r"sampling step 0 .*non-finite latents or log-probs, the model's velocity was "
+                                               r"not finite"):
         trainer.train()
     assert rollouts["n"] == 2
     root = tmp_path / "run" / "checkpoints"
