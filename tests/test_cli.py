@@ -571,3 +571,16 @@ def test_the_evaluation_table_is_whole_on_a_narrow_console(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert any("consistency_checked" in line and "1.0000" in line and "0.7500" in line for line in lines)
     assert any("pass@4" in line and "0.5000" in line and line.rstrip(" │").endswith("-") for line in lines)
+
+
+def test_a_config_that_fails_says_why_not_which_settings_it_would_ignore(recwarn):
+    """A VLM config given to dllm-rl warned that rollout.max_new_tokens is not a dLLM setting,
+    then named the command to run it with; a config that loads still says what it ignores."""
+    from dllm_rl.cli import app as dllm_app
+
+    repo = Path(__file__).resolve().parents[1]
+    code, text = invoke(dllm_app, "config", "-c", str(repo / "configs" / "vlm" / "axpo.yaml"))
+    assert code == 2 and "run it with `mmrl train`" in text
+    assert not [w for w in recwarn if "max_new_tokens" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"rollout.threshold \(0.5\) is unused by the low_confidence decoder"):
+        assert invoke(dllm_app, "config", "--set", "rollout.threshold=0.5")[0] == 0

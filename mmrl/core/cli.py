@@ -118,7 +118,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if backend is not None:  # a plugin's own method (and config class) before anything is validated
             cls = plugins.config_class(cls, config, overrides, defaults)
         try:
-            cfg = load_config(cls, config, overrides, defaults=defaults)
+            # a config that fails says why, not which of its settings would have been ignored (a
+            # VLM config given to dllm-rl warned of max_new_tokens before naming the right command)
+            with warnings.catch_warnings(record=True) as said:
+                cfg = load_config(cls, config, overrides, defaults=defaults)
+            for w in said:  # it loads: what it said, as it said it
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             cfg.plugins = plugins.absolute(cfg.plugins, cfg.base_dir)  # e.g. for a process engine elsewhere
             return cfg
         except ConfigError as e:
