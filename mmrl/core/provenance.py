@@ -127,6 +127,9 @@ def alive(entry: dict[str, Any]) -> bool | None:
         pass
     except (OSError, OverflowError):  # OverflowError: a damaged pid beyond a C int
         return None
+    fields = _stat_fields(pid)
+    if fields and fields[0] == "Z":  # ended, not yet reaped by its parent: signal 0 still finds it
+        return False
     started = entry.get("pid_started")
     now = _process_start(pid)
     return started is None or now is None or now == started
@@ -169,13 +172,21 @@ def _launcher() -> list[str] | None:
     return _command([a.decode(errors="replace") for a in raw.split(b"\0") if a]) or None
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3 on of /proc/<pid>/stat (the state first), after "(comm)", which may hold spaces;
+    None off Linux or where unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _process_start(pid: int) -> int | None:
     """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), so a
     reused PID is not taken for the process that had it; None off Linux or where unreadable."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
-        return int(stat.rsplit(")", 1)[1].split()[19])  # after "(comm)", which may hold spaces: field 3 on
-    except (OSError, ValueError, IndexError):
+        return int(_stat_fields(pid)[19])
+    except (TypeError, ValueError, IndexError):
         return None
 
 
