@@ -125,20 +125,10 @@ def running_start(out: str | Path) -> str | None:
     deletes the one the first is writing."""
     entry = provenance.last_start(out)
     if (entry is None or "ended" in entry or entry.get("pid") == os.getpid() or entry.get("pid_started") is None
-            or provenance.alive(entry) is not True or _zombie(entry["pid"])):
+            or provenance.alive(entry) is not True):
         return None
     return (f"{out} is being trained by process {entry['pid']} on this host (started {entry.get('started')} at "
             f"step {entry.get('step')}); wait for it to end, or stop it (its checkpoints stay), then start again")
-
-
-def _zombie(pid: int) -> bool:
-    """Whether `pid` has ended but its parent has not reaped it (Linux): a start killed by a
-    script that launched it and did not wait for it, which signal 0 still finds."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name's ")"
 
 
 def _older_checkpoint_note(path: Path) -> str:
