@@ -499,9 +499,7 @@ def no_held_out_warnings():
 def world_size() -> int:
     """The trainer processes a launcher (torchrun, accelerate) starts, before any process group
     (a ConfigError for a WORLD_SIZE that no launcher set, before the model is built)."""
-    from mmrl.core.distributed import launched_world
-
-    return launched_world()
+    return distributed.launched_world()
 
 
 def method_given(run: Path | None, config: Path | None, overrides: list[str]) -> tuple[str, Any]:

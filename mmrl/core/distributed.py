@@ -86,7 +86,8 @@ def launched_main() -> bool:
     run's header, where its settings come from) is printed once per launch, not once per rank."""
     if dist.is_available() and dist.is_initialized():
         return is_main()
-    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1") or os.environ.get("RANK", "0") == "0"
+    rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")  # as launched_world reads it
+    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1") or rank.strip() == "0"
 
 
 def adamw(params: list, lr: float, betas, eps: float, weight_decay: float, shard: bool = False):
@@ -273,9 +274,9 @@ def combine_metrics(metrics: dict[str, float], counts: tuple[str, ...] | frozens
         col = values[:, j, 0][values[:, j, 1] > 0]  # the ranks that logged it
         if k in COUNTS or k in counts or k.startswith("cost/"):
             v = col.sum()
-        elif k.endswith(("_max", "/max")) or k.startswith("train/") or (k.startswith("time/") and "ratio" not in k):
+        elif extreme(k) is max or k.startswith("train/") or (k.startswith("time/") and "ratio" not in k):
             v = col.max()
-        elif k.endswith(("_min", "/min")):
+        elif extreme(k) is min:
             v = col.min()
         else:
             v = col.mean()
@@ -284,6 +285,16 @@ def combine_metrics(metrics: dict[str, float], counts: tuple[str, ...] | frozens
 
 
 _said = {"keys": False}
+
+
+def extreme(key: str):
+    """`min` or `max` for a metric named as a minimum or maximum ("loss/ratio_min"), else None:
+    its value over ranks, micro-batches and passes is that extreme, not a mean."""
+    if key.endswith(("_min", "/min")):
+        return min
+    if key.endswith(("_max", "/max")):
+        return max
+    return None
 
 
 def sum_gradients(params: list[torch.nn.Parameter]) -> None:

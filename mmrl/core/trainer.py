@@ -1020,11 +1020,8 @@ def _extremum(sums: dict, key: str, value: float) -> bool:
     its micro-batches, mini-batches and epochs, as distributed.combine_metrics takes it over the
     ranks, kept in `sums` as "x:<key>"; a mean of the micro-batches' extremes moved with
     train.micro_batch_size. False for any other metric."""
-    if key.endswith(("_min", "/min")):
-        pick = min
-    elif key.endswith(("_max", "/max")):
-        pick = max
-    else:
+    pick = distributed.extreme(key)
+    if pick is None:
         return False
     slot = "x:" + key
     sums[slot] = value if slot not in sums else pick(sums[slot], value)
