@@ -13,6 +13,7 @@ from mmrl.core.config import (
     RolloutConfig,
     Section,
     TrainConfig,
+    changed_settings,
     config_warning,
 )
 
@@ -328,7 +329,7 @@ class FTFCConfig(Section):
                      "effective_reward observed": (self.effective_reward == "observed",
                                                    ("g_hidden", "g_steps", "g_lr", "g_weight_decay", "g_heldout"))}
         for setting, (applies, keys) in unused_by.items():
-            unused = [f"{k} {getattr(self, k)}" for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+            unused = changed_settings(self, keys)
             if applies and unused:
                 config_warning(f"method.{', method.'.join(unused)} unused with method.{setting}"
                                + (": t is drawn from U(0, 1)" if setting.startswith("t_") else
@@ -396,7 +397,7 @@ class CASTConfig(FlowGRPOConfig):
             "detector": (("attention_layers", "parser"),
                          "its maps are the boxes of the objects the detector found, not the attention to the atoms' words"),
         }.get(self.projection, ((), ""))
-        unused = [f"{k} {getattr(self, k)}" for k in keys if getattr(self, k) != type(self).model_fields[k].default]
+        unused = changed_settings(self, keys)
         if unused:
             config_warning(f"method.{', method.'.join(unused)} unused with method.projection {self.projection}: {why}")
         return self

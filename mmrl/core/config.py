@@ -276,7 +276,7 @@ AdvantageConfig = Annotated[
 ]
 
 
-def _changed(section: Section, keys: tuple[str, ...]) -> list[str]:
+def changed_settings(section: Section, keys: tuple[str, ...]) -> list[str]:
     """`key value` of each of `keys` set away from its default (what a warning names)."""
     fields = type(section).model_fields
     return [f"{k} {getattr(section, k)}" for k in keys if getattr(section, k) != fields[k].default]
@@ -327,7 +327,7 @@ class DynamicSamplingConfig(Section):
 
     @model_validator(mode="after")
     def _unused_when_off(self):
-        if not self.enabled and _changed(self, ("max_rounds",)):
+        if not self.enabled and changed_settings(self, ("max_rounds",)):
             config_warning(f"method.dynamic_sampling.max_rounds {self.max_rounds} unused with "
                            "method.dynamic_sampling.enabled false: no group is dropped, nothing refilled")
         return self
@@ -370,7 +370,7 @@ class FastRLConfig(Section):
 
     @model_validator(mode="after")
     def _unused_when_off(self):
-        unused = _changed(self, tuple(k for k in type(self).model_fields if k != "enabled"))
+        unused = changed_settings(self, tuple(k for k in type(self).model_fields if k != "enabled"))
         if not self.enabled and unused:
             config_warning(f"method.fastrl.{', method.fastrl.'.join(unused)} unused with method.fastrl.enabled "
                            "false: nothing is pruned")
@@ -400,7 +400,7 @@ class GRPOConfig(Section):
 
     @model_validator(mode="after")
     def _kl_kind_unused(self):
-        if self.kl.beta == 0 and _changed(self.kl, ("kind",)):
+        if self.kl.beta == 0 and changed_settings(self.kl, ("kind",)):
             config_warning(f"method.kl.kind {self.kl.kind} unused with method.kl.beta 0: there is no KL term")
         return self
 

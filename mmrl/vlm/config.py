@@ -13,7 +13,7 @@ from mmrl.core.config import (
     RolloutConfig,
     Section,
     TrainConfig,
-    _changed,
+    changed_settings,
     config_warning,
 )
 from mmrl.core.lora import LoRAConfig
@@ -222,7 +222,7 @@ class AXPOResampleConfig(Section):
 
     @model_validator(mode="after")
     def _unused_without_budget(self):  # said, not silently ignored
-        unused = _changed(self, ("k", "force_call"))
+        unused = changed_settings(self, ("k", "force_call"))
         if self.budget == 0 and unused:
             config_warning(f"method.resample.{', method.resample.'.join(unused)} unused with method.resample.budget 0: "
                            "nothing is resampled (GRPO with AXPO's metrics)")
@@ -294,7 +294,7 @@ class VPPOConfig(GRPOConfig):
     @model_validator(mode="after")
     def _unused_by_the_intervention(self):  # said, not silently ignored
         other = {"mask": "blur_sigma", "blur": "mask_p"}[self.intervention]
-        for setting in _changed(self, (other,)):
+        for setting in changed_settings(self, (other,)):
             config_warning(f"method.{setting} unused with method.intervention {self.intervention}: "
                            + ("the patches are masked, not blurred" if self.intervention == "mask"
                               else "the whole image is blurred, no patch is masked"))
@@ -333,7 +333,7 @@ class PACGConfig(VPPOConfig):
 
     @model_validator(mode="after")
     def _vppo_settings_unused_on_dapo(self):  # said, not silently ignored
-        unused = _changed(self, ("beta_min", "top_frac", "cap"))
+        unused = changed_settings(self, ("beta_min", "top_frac", "cap"))
         if self.base == "dapo" and unused:
             config_warning(f"method.{', method.'.join(unused)} unused with method.base dapo: VPPO's advantage "
                            "shaping and token filter run only with base vppo")
@@ -367,7 +367,7 @@ class CORAConfig(GRPOConfig):
         if self.alpha == 0 and self.beta == 0:  # every advantage 0: the run would train nothing, silently
             raise ValueError("alpha and beta are both 0: every advantage is 0 and nothing is learnt; give the "
                              "task stream (alpha) or the consistency stream (beta) a weight")
-        if self.beta == 0 and _changed(self, ("warmup_steps",)):  # said, not silently ignored
+        if self.beta == 0 and changed_settings(self, ("warmup_steps",)):  # said, not silently ignored
             config_warning(f"method.warmup_steps {self.warmup_steps} unused with method.beta 0: there is no "
                            "consistency weight to warm up")
         return self
@@ -402,7 +402,7 @@ class DSPOConfig(GRPOConfig):
 
     @model_validator(mode="after")
     def _dedr_settings_unused_without_its_weight(self):  # said, not silently ignored
-        unused = _changed(self, ("tau", "tau_ctr", "tau_div"))
+        unused = changed_settings(self, ("tau", "tau_ctr", "tau_div"))
         if self.div_weight == 0 and unused:
             config_warning(f"method.{', method.'.join(unused)} unused with method.div_weight 0: each shapes R_div "
                            "(DEDR and its CVIG weights), which then counts for nothing")
