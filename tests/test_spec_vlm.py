@@ -185,6 +185,16 @@ def test_vppo_shaping_filter_and_denominator_by_hand():
     close(policy_loss(logp, logp, adv, mask, clip_high=0.28).loss, -0.29)
 
 
+def test_vppo_min_max_reads_only_responses_with_tokens():
+    """Responses with mean s [0.6, 0.5] and one without tokens: n = [1, 0] over the two,
+    scale = 0.9 + n * 0.1 / 0.5 = [1.1, 0.9]. (Counting the empty one as a mean of 0 stretched
+    the range to [0, 0.6]: n = [1, 0.833, 0], scale[0] = 1.064.)"""
+    s = torch.tensor([[0.6, 0.6], [0.5, 0.5], [0.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, True], [False, False]])
+    adv = shape_advantages(torch.ones(3), s, mask, top_frac=1.0)
+    close(adv, [[1.1, 1.1], [0.9, 0.9], [0.0, 0.0]])
+
+
 # --------------------------------------------------------------------------- PACG
 
 

@@ -77,14 +77,14 @@ def test_visual_dependency_clamps_at_the_given_cap():
 
 def test_shape_advantages_reads_only_the_masked_tokens():
     """Padding dependencies count neither in the means nor in the top-k, and a response with no
-    tokens has mean 0. Means over the mask: [(1 + 3 + 0) / 3, 0, 0] -> n = [1, 0, 0], mean(n) = 1/3,
-    scale = 0.9 + n * 0.1 * 3 = [1.2, 0.9, 0.9]. k = ceil(0.4 * 3) = 2 of the 3 tokens (not 1):
+    tokens is left out of the normalisation (as VPPO's code). Means over the mask: [(1 + 3 + 0) / 3,
+    0] -> n = [1, 0], mean(n) = 1/2, scale = 0.9 + n * 0.1 * 2 = [1.1, 0.9]. k = ceil(0.4 * 3) = 2 of the 3 tokens (not 1):
     sample 0 keeps s = 3 and s = 1; sample 1 two of its three tied tokens, never its padding."""
     adv = torch.tensor([1.0, -1.0, 1.0])
     s = torch.tensor([[1.0, 3.0, 0.0, 9.0], [0.0, 0.0, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
     mask = torch.tensor([[True, True, True, False], [True, True, True, False], [False] * 4])
     out = shape_advantages(adv, s, mask)
-    torch.testing.assert_close(out[0], torch.tensor([1.2, 1.2, 0.0, 0.0]))
+    torch.testing.assert_close(out[0], torch.tensor([1.1, 1.1, 0.0, 0.0]))
     assert float(out[1, 3]) == 0.0 and int((out[1] != 0).sum()) == 2
     torch.testing.assert_close(out[1][out[1] != 0], torch.tensor([-0.9, -0.9]))
     assert not bool(out[2].any())

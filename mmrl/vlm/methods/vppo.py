@@ -15,7 +15,8 @@ patches on Qwen2/2.5-VL, 16-px on Qwen3-VL). Per token,
 
 logp_t is the rollout's own log-prob (old_logp: the same weights, exact). Departures:
 the min-max normalisation runs over the step's rollout batch (the paper: the
-mini-batch), so that advantages exist before the batch is split; the mask draw is
+mini-batch), so that advantages exist before the batch is split, and over the responses
+with at least one token (one without any has no mean s_t, and trains nothing); the mask draw is
 seeded by the run's seed and the batch's first group id, so resuming reproduces it.
 A batch without images gets plain GRPO-family advantages. `intervention: blur` replaces
 the masking with a Gaussian blur of the whole image (an option of ours, for comparison).
@@ -47,8 +48,15 @@ def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 
     top-`top_frac` token filter of each response."""
     lengths = mask.sum(-1)
     mean_s = (s * mask).sum(-1) / lengths.clamp(min=1)  # [N]
-    n = (mean_s - mean_s.min()) / (mean_s.max() - mean_s.min() + eps)
-    scale = beta_min + n * (1 - beta_min) / (n.mean() + eps) if float(n.mean()) > 0 else torch.ones_like(n)
+    # a response without tokens has no mean dependency: its 0 would stretch the min-max range of
+    # the others (and it trains nothing whatever its scale), so only responses with tokens count
+    has = lengths > 0
+    scale = torch.ones_like(mean_s)
+    if bool(has.any()):
+        lo, hi = mean_s[has].min(), mean_s[has].max()
+        n = (mean_s[has] - lo) / (hi - lo + eps)
+        if float(n.mean()) > 0:
+            scale[has] = beta_min + n * (1 - beta_min) / (n.mean() + eps)
     keep = torch.zeros_like(mask)
     for i in range(len(adv)):
         k = math.ceil(top_frac * int(lengths[i]))
