@@ -195,6 +195,14 @@ def test_vppo_min_max_reads_only_responses_with_tokens():
     close(adv, [[1.1, 1.1], [0.9, 0.9], [0.0, 0.0]])
 
 
+def test_vppo_a_range_of_rounding_noise_leaves_the_advantages_unscaled():
+    """Mean s [0.3, 0.3 + 5e-7]: a spread under VPPO's 1e-6 -> scale 1 for both. (Min-max
+    stretched it to n = [0, 1], scale [0.9, 1.1]: rounding noise decided the credit.)"""
+    s = torch.tensor([[0.3], [0.3000005]])
+    adv = shape_advantages(torch.ones(2), s, torch.ones((2, 1), dtype=torch.bool), top_frac=1.0)
+    close(adv, [[1.0], [1.0]], atol=1e-7)
+
+
 # --------------------------------------------------------------------------- PACG
 
 

@@ -9,6 +9,7 @@ patches on Qwen2/2.5-VL, 16-px on Qwen3-VL). Per token,
 
 (1) trajectory advantage shaping: n_i = min-max normalised mean_t s_t over the batch;
     A_i <- A_i * (beta_min + n_i * (1 - beta_min) / mean(n)),  beta_min = 0.9
+    (means that span 1e-6 or less are not shaped, as in VPPO's code)
 (2) token gradient filtering: only the top 40% tokens of each response by s_t keep their
     policy-gradient term; the loss denominator still counts every response token
     (advantages [N, T] with zeros, through the shared loss).
@@ -43,9 +44,10 @@ def visual_dependency(logp_aug: Tensor, logp: Tensor, mask: Tensor, cap: float =
 
 
 def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 0.9,
-                     top_frac: float = 0.4, eps: float = 1e-8) -> Tensor:
+                     top_frac: float = 0.4, eps: float = 1e-8, range_min: float = 1e-6) -> Tensor:
     """[N] advantages and [N, T] dependencies -> [N, T]: trajectory shaping, then the
-    top-`top_frac` token filter of each response."""
+    top-`top_frac` token filter of each response. Mean dependencies that span no more than
+    `range_min` leave every scale at 1."""
     lengths = mask.sum(-1)
     mean_s = (s * mask).sum(-1) / lengths.clamp(min=1)  # [N]
     # a response without tokens has no mean dependency: its 0 would stretch the min-max range of
@@ -54,8 +56,10 @@ def shape_advantages(adv: Tensor, s: Tensor, mask: Tensor, *, beta_min: float = 
     scale = torch.ones_like(mean_s)
     if bool(has.any()):
         lo, hi = mean_s[has].min(), mean_s[has].max()
-        n = (mean_s[has] - lo) / (hi - lo + eps)
-        if float(n.mean()) > 0:
+        # a spread of rounding noise is no signal: min-max would stretch it to [0, 1] and scale one
+        # response up to 1 + (N - 1)(1 - beta_min); VPPO's code leaves a range <= 1e-6 unscaled
+        if float(hi - lo) > range_min:
+            n = (mean_s[has] - lo) / (hi - lo)
             scale[has] = beta_min + n * (1 - beta_min) / (n.mean() + eps)
     keep = torch.zeros_like(mask)
     for i in range(len(adv)):
