@@ -7,7 +7,8 @@ learning is needed. AXPO changes which rollouts exist (docs/methods.md section 2
     T = rollouts of the group that made >= 1 tool call
     if T is non-empty and every rollout in T is wrong:
         u_i = mean pi_old(token) over the tokens of rollout i's first tool call   (confidence)
-        take the M rollouts of T with the lowest u_i; M = max(1, round(budget * G / K)) (budget 0: none)
+        take the M rollouts of T with the lowest u_i; M = max(1, round(budget * G / K)) (budget 0: none;
+            round is Python's, ties to even: budget 0.25, G = 20, K = 2 give round(2.5) = 2)
         for each: keep p_i (the tokens before its first tool call) fixed and resample K
                   continuations that start at the tool call (resample.force_call: p_i keeps
                   the call's opening tag, so that every continuation is a call)

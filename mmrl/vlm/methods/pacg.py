@@ -10,7 +10,7 @@ attenuates positive credit only for unusually persistent claims, without labels:
                   shared with VPPO's visual dependency when base = vppo)
     claims c      segments of the reasoning naming image content (mmrl.vlm.claims)
     persistence   P(c) = mean_{t in c} min(1, exp(l'_t - l_t))
-    z_c           (P(c) - mean) / std over every claim of the step's batch
+    z_c           (P(c) - mean) / std over every claim of the step's batch (unbiased std)
     gate          where A_{i,t} > 0 and z_c > z0: A_{i,t in c} <- A_{i,t} * max(g_min, 1 - eta (z_c - z0))
 Negative advantages and tokens outside claims are never touched.
 
