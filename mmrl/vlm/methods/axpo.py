@@ -23,7 +23,8 @@ by whichever engine rolled out the group, in both scheduler modes, and scored li
 
 RECONSTRUCTED (docs/methods.md section 2 marks AXPO partly reconstructed): the choice of M from a budget
 ("extra decoding ~ 25% of G"), u_i over the first call's tokens only (the call the prefix
-ends before), and "wrong" as the `answer` atom (else the total reward) below `success`.
+ends before), "wrong" as the `answer` atom (else the total reward) below `success`, and the
+default K = 2 continuations per prefix (the method's description gives no K; budget 0.25 is its 25%).
 Departures: a rollout counts as tool-using when it emitted a complete tool call, whether
 or not the call succeeded; resampled continuations are never resampled again.
 """
