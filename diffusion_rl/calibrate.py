@@ -15,7 +15,10 @@ itself (the last Euler step goes to sigma = 0), so the verdicts end at the final
 
 Commit step (`commit_step`): for a sample's verdict sequence V_0 .. V_{N-1}, t* is the smallest
 i with V_i = V_{i+1} = ... = V_{N-1} (the first step after which its verdicts no longer change);
-0 if they never change.
+0 if they never change. V_i is judged on x_i, before step i's update, so the last change was
+made by step t* - 1 (x_{t*-1} -> x_{t*}). "The window ends at t*" is read literally: a window of
+W >= 2 steps holds that step and the one after it, W = 1 only the step after it
+(method.window_offset = -1 ends the window at the changing step instead).
 
 Window (`window_from_commits`): with m = the lower median of the samples' t* plus `offset`, the
 window is W consecutive SDE steps whose last step is m, clamped so that it fits and the last
