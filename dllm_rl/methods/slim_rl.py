@@ -3,7 +3,8 @@
     rollout    G answers per prompt by the tau-budget decoder (rollout.strategy tau_budget,
                tau 0.9, m 1): each step commits the confident tokens whose summed risk
                sum(1 - c) fits the budget m (1 - tau); the policy logs that risk per rollout
-               as rollout/expected_wrong
+               as rollout/expected_wrong (summed over the rollout's steps, not per step as the
+               method's summary has it; per step it is the sampler's DecodeResult.expected_wrong)
     rows       trace-free: Q-point Gauss-Legendre quadrature over the masking level t in
                (0, 1) (Q = 3: t = 0.1127, 0.5, 0.8873, w = 0.2778, 0.4444, 0.2778), one
                training row per node: Q rows per rollout, whatever path the decoder took
