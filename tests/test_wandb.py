@@ -87,11 +87,15 @@ def test_the_config_each_steps_metrics_and_the_held_out_summary_reach_wandb(tmp_
     config = json.loads((out / "summary.json").read_text())["config"]
     assert init["config"]["optim"] == config["optim"] and init["config"]["output_dir"] == str(out.resolve())
     rows = read_metrics(out / "metrics.jsonl")
-    assert [(c[0], c[1]) for c in logs] == [("log", 1), ("log", 2), ("log", 3)]
+    # the held-out evaluations before and after training at steps 0 and 3, as TensorBoard has them
+    assert [(c[0], c[1]) for c in logs] == [("log", 0), ("log", 1), ("log", 2), ("log", 3), ("log", 3)]
+    (*_, before), *logs, (*_, after) = logs
     for (_, step, data), row in zip(logs, rows):
         assert data["reward/total"] == row["reward/total"] and data["loss/total"] == row["loss/total"]
         assert all(isinstance(v, float) for v in data.values())
     summary = json.loads((out / "summary.json").read_text())
+    assert before == {f"eval/{k}": v for k, v in summary["eval_before"].items()} and "eval/accuracy" in before
+    assert after == {f"eval/{k}": v for k, v in summary["eval_after"].items()}
     assert finish[:2] == ("finish", 0) and ("preempting",) not in fake_wandb.calls  # finished, not preempted
     assert finish[2]["eval_before/accuracy"] == summary["eval_before"]["accuracy"]
     assert finish[2]["eval_after/accuracy"] == summary["eval_after"]["accuracy"]
@@ -116,7 +120,8 @@ def test_resume_continues_the_same_wandb_run_and_a_fresh_run_starts_its_own(tmp_
     assert code == 0, text
     first, again = (c[1]["id"] for c in fake_wandb.calls if c[0] == "init")
     assert first == again == json.loads((out / "wandb.json").read_text())["id"]
-    assert [c[1] for c in fake_wandb.calls if c[0] == "log"] == [1, 2, 3, 4]
+    # steps 0 and 2 (4 after the resume): the held-out evaluations before and after training
+    assert [c[1] for c in fake_wandb.calls if c[0] == "log"] == [0, 1, 2, 2, 3, 4, 4]
     assert train("--max-steps", "1", "-o", str(tmp_path / "other"), *ON)[0] == 0
     assert [c[1]["id"] for c in fake_wandb.calls if c[0] == "init"][-1] != first
 
@@ -140,7 +145,7 @@ def test_a_run_stopped_by_an_error_finishes_its_wandb_run_as_failed(tmp_path, fa
     monkeypatch.setattr(trainer, "train_step", breaks_at_2)
     with pytest.raises(RuntimeError, match="a tool broke"), pytest.warns(UserWarning, match="stopped the run"):
         trainer.train()
-    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("finish", 1)]
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 0), ("log", 1), ("finish", 1)]
 
 
 def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path, fake_wandb, monkeypatch):
@@ -155,7 +160,7 @@ def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path
     monkeypatch.setattr(trainer, "evaluate", breaks_after)
     with pytest.raises(RuntimeError, match="the reward model is gone"):
         trainer.train()
-    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("log", 2), ("finish", 1)]
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 0), ("log", 1), ("log", 2), ("finish", 1)]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1] if hasattr(signal, "SIGUSR1")
@@ -174,7 +179,7 @@ def test_a_run_stopped_by_a_scheduler_s_signal_is_preempted_in_wandb_not_failed(
         trainer.train()
     # W&B takes a preempting run that exits non-zero as preempted (and a sweep requeues it); the
     # exit code is the one the CLI ends with, 128 + the signal's number
-    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1), ("log", 2), ("preempting",),
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 0), ("log", 1), ("log", 2), ("preempting",),
                                                                     ("finish", 128 + signum)]
 
 
@@ -202,12 +207,13 @@ def test_a_signal_that_ended_wandb_s_service_too_ends_the_run_in_a_fresh_one(tmp
         trainer.train()
     (_, init), *calls = fake_wandb.calls
     assert init["resume"] == "allow"
-    assert [c[:2] for c in calls] == [("log", 1), ("teardown",), ("init", init), ("log", 1), ("log", 2),
-                                      ("preempting",), ("finish", 143)]  # init again: the same W&B run
+    # step 0: the held-out evaluation before training, which metrics.jsonl lacks, logged again too
+    assert [c[:2] for c in calls] == [("log", 0), ("log", 1), ("teardown",), ("init", init), ("log", 0), ("log", 1),
+                                      ("log", 2), ("preempting",), ("finish", 143)]  # init again: the same W&B run
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     logged = [c[2] for c in calls if c[0] == "log"]
-    assert logged[1:] == [{k: v for k, v in r.items() if k != "step"} for r in rows]  # as metrics.jsonl has them
-    assert logged[0] == logged[1]
+    assert logged[3:] == [{k: v for k, v in r.items() if k != "step"} for r in rows]  # as metrics.jsonl has them
+    assert logged[0] == logged[2] and logged[1] == logged[3] and set(logged[0]) == {"eval/accuracy"}
     assert any("W&B's service was stopped by the signal too" in str(w.message) and "steps 1-2" in str(w.message)
                for w in caught)
 
@@ -218,7 +224,7 @@ def test_wandb_failing_mid_run_is_warned_once_and_the_run_goes_on(tmp_path, fake
     with pytest.warns(UserWarning, match="W&B logging stopped: ConnectionError: W&B is down"):
         code, text = train("--max-steps", "3", "-o", str(out), *ON)
     assert code == 0, text
-    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 1)]  # nothing after the failure
+    assert [c[:2] for c in fake_wandb.calls if c[0] != "init"] == [("log", 0), ("log", 1)]  # nothing after the failure
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]  # the run's own logs are whole
 
 
@@ -385,7 +391,8 @@ def test_a_scheduler_s_sigterm_to_every_process_keeps_every_step_in_the_offline_
     *_, folder = sorted((out / "wandb").glob("offline-run-*"))  # the newest: the fresh service's
     records = wandb_records(next(folder.glob("*.wandb")))
     kinds = [r.WhichOneof("record_type") for r in records]
-    assert [r.history.step.num for r in records if r.HasField("history")] == steps
+    # step 0: the held-out evaluation before training (eval/*), which metrics.jsonl leaves to summary.json
+    assert [r.history.step.num for r in records if r.HasField("history")] == [0, *steps]
     assert "preempting" in kinds and [r.exit.exit_code for r in records if r.HasField("exit")] == [143]
 
 

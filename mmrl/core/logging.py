@@ -209,8 +209,12 @@ class RunLogger:
 
     def held_out(self, step: int, metrics: dict[str, float]) -> None:
         """The held-out evaluations before and after training, which metrics.jsonl leaves to
-        summary.json, as TensorBoard's eval/* scalars at step 0 and the last step: its held-out
-        curves then span the run, as the evaluations during it (eval/* in `log`) do not."""
+        summary.json, as TensorBoard's and W&B's eval/* scalars at step 0 and the last step: their
+        held-out curves then span the run, as the evaluations during it (eval/* in `log`) do not.
+        W&B merges the last step's into that step's row (it is still open: no later step came)."""
+        scalars = {f"eval/{k}": v for k, v in finite_scalars(metrics).items()}
+        if self._wandb is not None:
+            self._wandb.held_out(step, scalars)
         if not self._tensorboard:
             return
         writer = self._tb
@@ -218,8 +222,8 @@ class RunLogger:
             writer = _tensorboard_writer(self.dir / "tensorboard", None)
             if writer is None:
                 return
-        for k, v in finite_scalars(metrics).items():
-            writer.add_scalar(f"eval/{k}", v, step)
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, step)
         if writer is not self._tb:
             writer.close()
 

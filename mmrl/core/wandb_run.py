@@ -1,8 +1,9 @@
 """Weights & Biases logging of a run (`logging.wandb`; the `wandb` extra), on the main process.
 
 What goes there: the run's config, each step's finite scalar metrics at their step (as
-metrics.jsonl has them), the sample tables (train.log_samples_every) as W&B tables, and at the
-end the held-out metrics before and after training in the W&B run's summary. metrics.jsonl and
+metrics.jsonl has them), the held-out evaluations before and after training as eval/* at step 0
+and the last step (as TensorBoard has them), the sample tables (train.log_samples_every) as W&B
+tables, and at the end the held-out metrics before and after training in the W&B run's summary. metrics.jsonl and
 TensorBoard are written either way; W&B is a copy.
 
 Resume: the W&B run's id is kept in <output_dir>/wandb.json, and `train --resume` continues that
@@ -72,6 +73,7 @@ class WandbRun:
         write_atomically(record, json.dumps({"id": run_id, "project": settings["project"]}))
         self._metrics = output_dir / METRICS
         self._first_step: int | None = None  # the first step this start logged
+        self._held_out: list[tuple[int, dict[str, float]]] = []  # held_out's, which metrics.jsonl lacks
         self._failed = False
         self._lost = False  # a call failed on the connection to W&B's service: the service is gone
 
@@ -80,6 +82,12 @@ class WandbRun:
         if self._first_step is None:
             self._first_step = step
         self._call(self.run.log, scalars, step=step)
+
+    def held_out(self, step: int, scalars: dict[str, float]) -> None:
+        """A held-out evaluation before or after training (eval/* scalars) at `step`: logged as a
+        step's metrics are, and kept to be logged again in a fresh service (_restart)."""
+        self._held_out.append((step, scalars))
+        self.log(step, scalars)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A sample table (the rows of samples/step_*.jsonl) as the W&B table "samples" at `step`;
@@ -129,8 +137,11 @@ class WandbRun:
             self.run = wandb.init(**self._init)
             rows = [r for r in read_metrics(self._metrics)
                     if self._first_step is not None and r["step"] >= self._first_step]
-            for row in rows:
-                self.run.log({k: v for k, v in finite_scalars(row).items() if k != "step"}, step=row["step"])
+            logs = [(row["step"], 1, {k: v for k, v in finite_scalars(row).items() if k != "step"}) for row in rows]
+            # the evaluation before training (step 0) first: W&B drops a step below one it has
+            for step, _, scalars in sorted(logs + [(step, 0, scalars) for step, scalars in self._held_out],
+                                           key=lambda log: log[:2]):
+                self.run.log(scalars, step=step)
         except Exception as e:  # noqa: BLE001 -- as _call: W&B is a copy
             warnings.warn(f"W&B could not be started again after its service was lost: {type(e).__name__}: "
                           f"{e} (the W&B run shows as crashed; metrics.jsonl has every step)", stacklevel=3)
