@@ -340,7 +340,8 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    rows = [r for r in read_metrics(metrics_path) if "reward/total" in r]
+    # a step whose reward was not finite holds the string "nan" (_clean): a gap, not a TypeError
+    rows = [r for r in read_metrics(metrics_path) if _finite(r.get("reward/total"))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     if rows:
         steps = [r["step"] for r in rows]
@@ -360,6 +361,10 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _duration(seconds: float) -> str:
