@@ -24,3 +24,20 @@ def test_the_reward_curve_leaves_out_a_step_whose_reward_was_not_finite(tmp_path
     line = drawn[0].axes[0].get_lines()[0]
     assert list(line.get_xdata()) == [1, 3, 4] and list(line.get_ydata()) == [0.1, 0.3, 0.5]
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reports_curves_mark_whole_steps_only(tmp_path, monkeypatch):
+    """report.html's curves (runs.plot_curves) had ticks at steps 1.25, 1.5, ... on a short run."""
+    import matplotlib.figure
+    from test_runs_table import make_run
+
+    from mmrl.demo.runs import RunInfo, plot_curves
+
+    run = make_run(tmp_path, "r", before={"accuracy": 0.2}, after={"accuracy": 0.5}, steps=3, metrics_rows=3)
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), savefig(fig, *a, **k)))
+    plot_curves(RunInfo.load(run))
+    left, right = drawn[0].axes
+    assert [t for t in left.get_xticks() if 1 <= t <= 3] == [1, 2, 3]
+    assert all(t == int(t) for t in right.get_xticks()) and 1 in right.get_xticks()

@@ -180,3 +180,17 @@ def test_the_cli_draws_the_runs_or_the_groups_and_the_first_metric(tmp_path, mon
                                           "-m", "accuracy", *args])
         assert result.exit_code == 0, result.output
     assert drawn == [(["s0", "s1"], "format"), (["(one configuration) (2 seeds)"], "format")]
+
+
+def test_both_panels_mark_whole_steps_only(tmp_path, monkeypatch):
+    """A short run's axes had ticks at steps 1.25, 1.5, ... which no step has."""
+    import matplotlib.figure
+
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), savefig(fig, *a, **k)))
+    series = [plot.Series("a", plot.Curve([1, 2, 3], [0.1, 0.2, 0.3]), plot.Curve([0, 3], [0.2, 0.5]))]
+    plot.draw(series, "accuracy", tmp_path / "c.png")
+    left, right = drawn[0].axes
+    assert [t for t in left.get_xticks() if 1 <= t <= 3] == [1, 2, 3]
+    assert all(t == int(t) for t in right.get_xticks()) and 1 in right.get_xticks()

@@ -147,6 +147,7 @@ def draw(series: list[Series], metric: str | None, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=100, layout="constrained")
     colours = [f"C{i}" for i in range(10)] if len(series) <= 10 else \
@@ -162,6 +163,7 @@ def draw(series: list[Series], metric: str | None, out: Path) -> Path:
     left.set(title="training reward (reward/total; bold: running mean)", xlabel="step")
     right.set(title=f"held-out {metric}" if metric else "held-out metric (none evaluated)", xlabel="step")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 1.25 or 2.5 on short runs' axes
         ax.grid(alpha=0.3)
     if series:  # one column where labels are long (many differing settings), so none is cut off
         labels = [textwrap.shorten(s.label, 170, placeholder=" ...") for s in series]

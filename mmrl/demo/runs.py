@@ -140,6 +140,7 @@ def plot_curves(run: RunInfo, out: str | Path | None = None):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     from PIL import Image
 
     curves = run.curves()
@@ -159,6 +160,7 @@ def plot_curves(run: RunInfo, out: str | Path | None = None):
         right.legend(fontsize=8)
     right.set(title="held-out accuracy", xlabel="step")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 1.25 or 2.5 on a short run's axes
         ax.grid(alpha=0.3)
     fig.suptitle(f"{run.name} ({TITLES[run.modality]})", fontsize=10)
     fig.tight_layout()
