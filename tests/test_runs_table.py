@@ -120,6 +120,19 @@ def test_where_a_sections_type_differs_only_the_type_labels_it_first(tmp_path):
     assert table.varying(runs)[:2] == ["method.type", "task.type"] and "task" not in table.varying(runs)
 
 
+def test_runs_of_several_backends_are_labelled_by_the_modality_not_by_settings_one_backend_lacks(tmp_path):
+    # model.kind: a dLLM setting the VLM run lacks, which labelled both runs "model.kind=null" first
+    make_run(tmp_path, "d", before={}, after={}, rollout={"gen_length": 8, "num_generations": 4}, model={"kind": None})
+    make_run(tmp_path, "v", before={}, after={}, rollout={"num_generations": 8}, model={})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == ["modality", "rollout.num_generations"]
+    rows = table.markdown_runs(table.run_rows(runs, []), [])
+    assert "| modality=dllm rollout.num_generations=4 |" in rows and "| modality=vlm rollout.num_generations=8 |" in rows
+    make_run(tmp_path, "v2", before={}, after={}, rollout={"num_generations": 8, "max_rounds": 2})
+    vlm = [table.load(tmp_path / n) for n in ("v", "v2")]  # one backend: a key one run lacks still counts
+    assert table.varying(vlm) == ["model", "rollout.max_rounds"]
+
+
 def test_a_label_shows_four_settings_and_counts_the_rest():
     config = {f"k{i}": i for i in range(6)}
     assert table._label(config) == "k0=0 k1=1 k2=2 k3=3 (+2 more)"

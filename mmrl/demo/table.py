@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core import provenance
-from mmrl.demo.runs import RunError, RunInfo
+from mmrl.demo.runs import RunError, RunInfo, modality_of
 
 # what the seeds of one configuration may differ in
 PER_SEED = ("seed", "output_dir", "logging")
@@ -65,8 +65,9 @@ class Run:
 
     @functools.cached_property
     def flat(self) -> dict[str, str]:
-        """The config flattened (see flatten), read once however often rows and groups need it."""
-        return flatten(self.config)
+        """The config flattened (see flatten) after its modality (vlm, diffusion, dllm), read once
+        however often rows and groups need it."""
+        return {"modality": json.dumps(modality_of(self.config)), **flatten(self.config)}
 
     def evaluation(self, when: str, metric: str) -> float | None:
         """summary.json's eval_<when>[metric] ("before" / "after") where it is a finite number."""
@@ -117,15 +118,19 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def varying(runs: list[Run]) -> list[str]:
     """The config keys whose value is not the same in every readable run (a key one run lacks
-    counts as differing): `type` keys first (method.type, task.type), then in config order.
-    Where a section's `type` differs, its other keys are left out: another method or task has
-    other settings anyway, and its type says which."""
+    counts as differing): `modality` and `type` keys first (method.type, task.type), then in
+    config order. Where a section's `type` differs, its other keys are left out: another method or
+    task has other settings anyway, and its type says which. Where the modality differs, so are
+    the keys some run lacks: another backend's settings, which read as `model.kind=null` in the
+    label of every run (a key a run lacks is None) and took the label's first places."""
     flats = [r.flat for r in runs if not r.error]
     keys = list(dict.fromkeys(k for f in flats for k in f))
     differ = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+    if "modality" in differ:
+        differ = [k for k in differ if all(k in f for f in flats)]
     typed = [k[: -len("type")] for k in differ if k.endswith(".type")]  # "method.", "task."
     differ = [k for k in differ if not any(k.startswith(p) and k != p + "type" or k + "." == p for p in typed)]
-    return sorted(differ, key=lambda k: not k.endswith(".type"))  # stable: config order otherwise
+    return sorted(differ, key=lambda k: (k != "modality", not k.endswith(".type")))  # stable: config order otherwise
 
 
 def label(run: Run, keys: list[str]) -> dict[str, Any]:
