@@ -153,6 +153,18 @@ def test_find_takes_runs_and_folders_of_runs_and_refuses_anything_else(tmp_path)
         table.find([tmp_path / "file"])
 
 
+def test_a_run_named_by_two_spellings_counts_once_in_its_groups_mean(tmp_path, monkeypatch):
+    # a relative and an absolute path, a "..", a symlink in the sweep: each made the run a second seed
+    a = make_run(tmp_path / "sweep", "a", seed=0, before={"accuracy": 0.0}, after={"accuracy": 0.2})
+    make_run(tmp_path / "sweep", "b", seed=1, before={"accuracy": 0.0}, after={"accuracy": 0.6})
+    (tmp_path / "sweep" / "z").symlink_to(a)
+    monkeypatch.chdir(tmp_path)
+    found = table.find([Path("sweep"), a, Path("sweep/b/../a")])
+    assert found == [Path("sweep/a"), Path("sweep/b")]
+    (row,) = table.group_rows([table.load(p) for p in found], ["accuracy"])
+    assert row["seeds"] == [0, 1] and row["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.4)  # (0.2 + 0.6) / 2
+
+
 def test_a_damaged_run_is_a_row_with_the_reason_and_the_others_still_show(tmp_path):
     make_run(tmp_path, "good", before={"accuracy": 0.1}, after={"accuracy": 0.2})
     bad = make_run(tmp_path, "bad", before={"accuracy": 0.1}, after={"accuracy": 0.9})

@@ -76,7 +76,9 @@ class Run:
 
 def find(paths: list[Path]) -> list[Path]:
     """Run directories: each path holding a config.yaml, else the subdirectories of it that hold
-    one (sorted by name). ValueError for a path that is neither."""
+    one (sorted by name). ValueError for a path that is neither. A run named twice (`runs sweep
+    sweep/s0`, a relative and an absolute path, a symlink to it) is shown once, as first named:
+    twice, it counted twice in its group's mean and standard deviation."""
     found = []
     for path in map(Path, paths):
         if not path.is_dir():
@@ -88,7 +90,10 @@ def find(paths: list[Path]) -> list[Path]:
         if not inside:
             raise ValueError(f"{path} is not a run directory (no config.yaml) and holds none one level down")
         found += inside
-    return list(dict.fromkeys(found))  # a run named twice is shown once
+    first: dict[Path, Path] = {}
+    for path in found:
+        first.setdefault(path.resolve(), path)
+    return list(first.values())
 
 
 def load(path: Path) -> Run:
