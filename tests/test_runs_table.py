@@ -93,6 +93,8 @@ def test_a_null_metric_is_left_out_of_the_mean_and_the_change(tmp_path):
     s = row["metrics"]["m"]
     assert s["n"] == 2 and s["after_mean"] == pytest.approx(3.0) and s["after_sd"] == pytest.approx(math.sqrt(2))
     assert s["change_mean"] == pytest.approx(1.0) and s["change_sd"] is None  # only run a has both
+    # the cell says the mean is over 2 of the 3 finished runs
+    assert "| 0, 1, 2 | 3 of 3 | 3.000 ± 1.414 (+1.000) [2 of 3] |" in table.markdown_groups([row], ["m"])
 
 
 def test_varying_keys_label_rows_and_a_key_one_run_lacks_counts(tmp_path):

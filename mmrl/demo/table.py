@@ -228,7 +228,8 @@ def markdown_runs(rows: list[dict[str, Any]], metrics: list[str]) -> str:
 
 def markdown_groups(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     """A Markdown table of group_rows: a metric's cell is `mean ± sd (change mean ± sd)` after
-    training, over the finished runs (no ± where one run finished)."""
+    training, over the finished runs (no ± where one run finished), and `[n of N]` where only n
+    of the N finished runs have a value for it (null in the others' summary.json)."""
     head = ["config", "seeds", "finished"] + metrics + ["train s"]
     body = []
     for r in rows:
@@ -238,6 +239,8 @@ def markdown_groups(rows: list[dict[str, Any]], metrics: list[str]) -> str:
             cell = _pm(s["after_mean"], s["after_sd"]) if s["n"] else ""
             if s["change_mean"] is not None:
                 cell += f" ({_pm(s['change_mean'], s['change_sd'], signed=True)})"
+            if 0 < s["n"] < r["finished"]:  # else "finished 3 of 3" read as a mean over all three
+                cell += f" [{s['n']} of {r['finished']}]"
             cells.append(cell)
         body.append([r["status"] or _label(r["config"]) or "(one configuration)", ", ".join(map(_cell, r["seeds"])),
                      f"{r['finished']} of {len(r['runs'])}"] + cells + [_seconds(r["train_seconds_mean"])])
