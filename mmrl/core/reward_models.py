@@ -112,6 +112,10 @@ class RewardModel:
         self.model = model.to(self.device)
         self.max_length = max_length or text_limit(model, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # keep the completion's end
+        # Pad on the right, whatever the tokenizer's own side (a generator's is often left): left
+        # padding shifts a shorter text's positions, which changes its score under absolute
+        # position embeddings (GPT-2, BERT), so a text would score differently batched than alone.
+        self.tokenizer.padding_side = "right"
         self.template = template
         # a chat template writes the special tokens itself (a second BOS changes the score)
         self.chat = template is None and bool(self.tokenizer.chat_template)
