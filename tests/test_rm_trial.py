@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_reward_models import ROOT, SAMPLES
+from test_reward_models import ROOT, SAMPLES, build_rm
 from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
 from mmrl.core.reward_models import RewardModel
+from mmrl.core.rewards import load_atoms
 
 
 def build_gpt2_rm(out):
@@ -32,3 +33,15 @@ def test_a_left_padding_tokenizer_scores_a_text_batched_as_alone(tmp_path):
     batched = RewardModel(path, batch_size=3)(SAMPLES)
     alone = [RewardModel(path, batch_size=1)([s])[0] for s in SAMPLES]
     assert batched == pytest.approx(alone, abs=1e-5)
+
+
+def test_weights_with_nan_are_named_when_the_model_loads(tmp_path):
+    """They scored every sample nan, found as a failed atom only after the first rollout."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_rm(tmp_path / "rm")
+    weights = load_file(path / "model.safetensors")
+    weights["score.weight"][0, 3] = float("nan")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"reward spec 0 \(rm\): .*weights hold NaN or inf values \(score.weight\)"):
+        load_atoms([{"reward_model": "rm"}], base_dir=tmp_path)

@@ -102,6 +102,11 @@ class RewardModel:
             raise ValueError(f"reward model {self.path!r} has {config.num_labels} outputs; a reward "
                              "model has one (num_labels 1), whose logit is the score")
         model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
+        # NaN or inf weights (a diverged or badly converted checkpoint) score every sample nan: say
+        # so now, naming the tensor, rather than as a failed atom after the first rollout
+        broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if broken is not None:
+            raise ValueError(f"reward model {self.path!r}: its weights hold NaN or inf values ({broken})")
         tok = self.tokenizer
         # A classifier scores the last token that is not padding. Where the pad token is missing or
         # is the end-of-sequence token a template ends with, padding would hide that token: score
