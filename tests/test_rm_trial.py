@@ -45,3 +45,22 @@ def test_weights_with_nan_are_named_when_the_model_loads(tmp_path):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"reward spec 0 \(rm\): .*weights hold NaN or inf values \(score.weight\)"):
         load_atoms([{"reward_model": "rm"}], base_dir=tmp_path)
+
+
+def test_the_same_reward_model_in_two_atoms_is_loaded_once(tmp_path, monkeypatch):
+    """Two atoms on one directory (two templates here) held two copies of the weights."""
+    import mmrl.core.reward_models as rm
+
+    build_rm(tmp_path / "rm")
+    loads = []
+    real = rm.load_sequence_classifier
+    monkeypatch.setattr(rm, "load_sequence_classifier", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    a, b = load_atoms([{"reward_model": "rm", "name": "a"},
+                       {"reward_model": "rm", "name": "b", "template": "Q: {prompt} A: {completion}"}],
+                      base_dir=tmp_path)
+    assert a.fn.model is b.fn.model and len(loads) == 1
+    assert a.fn(SAMPLES[:1]) != b.fn(SAMPLES[:1])  # each reads through its own template
+    assert load_atoms([{"reward_model": "rm", "dtype": "bfloat16"}], base_dir=tmp_path)[0].fn.model is not a.fn.model
+    build_rm(tmp_path / "rm", seed=1)  # saved over: loads afresh
+    assert load_atoms([{"reward_model": "rm"}], base_dir=tmp_path)[0].fn.model is not a.fn.model
+    assert len(loads) == 3

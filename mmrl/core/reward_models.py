@@ -21,6 +21,7 @@ token would hide the last token the classifier reads.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,15 @@ def _check_template(template: str) -> None:
                          + (f" (fields {other}; write a literal brace as {{{{ or }}}})" if other else ""))
 
 
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (path, dtype, device, _stamp) -> model
+
+
+def _stamp(path: str | Path) -> tuple:
+    """The names, sizes and modification times of a model directory's files."""
+    stats = [(f.name, f.stat()) for f in Path(path).iterdir() if f.is_file()]
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
+
+
 def _count(v) -> bool:
     """An integer >= 1 (a bool is an int in Python, and YAML reads `yes` as true)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -101,20 +111,31 @@ class RewardModel:
         if config.num_labels != 1:
             raise ValueError(f"reward model {self.path!r} has {config.num_labels} outputs; a reward "
                              "model has one (num_labels 1), whose logit is the score")
-        model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
-        # NaN or inf weights (a diverged or badly converted checkpoint) score every sample nan: say
-        # so now, naming the tensor, rather than as a failed atom after the first rollout
-        broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-        if broken is not None:
-            raise ValueError(f"reward model {self.path!r}: its weights hold NaN or inf values ({broken})")
+        self.device = model_device(device, make_current=False)
+        # One model however many atoms use it (two templates, two weights): a second copy of a 7B
+        # reward model is 14 GB more. Shared while one of them lives; the key has the files' times,
+        # so a directory saved over since loads afresh.
+        key = (str(Path(path).resolve()), DTYPES[dtype], str(self.device), _stamp(path))
+        model = _LOADED.get(key)
+        if model is None:
+            model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
+            # NaN or inf weights (a diverged or badly converted checkpoint) score every sample nan:
+            # say so now, naming the tensor, rather than as a failed atom after the first rollout
+            broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+            if broken is not None:
+                raise ValueError(f"reward model {self.path!r}: its weights hold NaN or inf values ({broken})")
+            _LOADED[key] = model = model.to(self.device)
+        else:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
         tok = self.tokenizer
         # A classifier scores the last token that is not padding. Where the pad token is missing or
         # is the end-of-sequence token a template ends with, padding would hide that token: score
         # one text at a time, unpadded (pad_token_id None: the last token).
         self.padded = tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
         model.config.pad_token_id = tok.pad_token_id if self.padded else None
-        self.device = model_device(device, make_current=False)
-        self.model = model.to(self.device)
+        self.model = model
         self.max_length = max_length or text_limit(model, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # keep the completion's end
         # Pad on the right, whatever the tokenizer's own side (a generator's is often left): left
