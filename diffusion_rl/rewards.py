@@ -823,10 +823,26 @@ def _clip_spec_paths(spec, i: int, base_dir) -> tuple[Any, Any]:
         model = str(_spec_path(spec, i, "model", base_dir, "file"))
     pretrained = spec.get("pretrained")
     if pretrained is not None:
+        # open_clip's README writes `pretrained: laion2b_s34b_b79k`, a tag it downloads: say that,
+        # rather than that <config dir>/laion2b_s34b_b79k is not found
+        missing = isinstance(pretrained, str) and not _resolve(pretrained, base_dir).exists()
+        if missing and _open_clip_tag(pretrained):
+            raise _SpecError(
+                f"image reward spec {i} (clip_score): key 'pretrained': {pretrained!r} is an open_clip "
+                "tag, which downloads, and nothing downloads here: give a local weights file or "
+                "open_clip model directory (fetched beforehand, e.g. with huggingface-cli download)"
+            )
         pretrained = str(_spec_path(spec, i, "pretrained", base_dir, "any"))
     elif not (isinstance(model, str) and model.startswith("local-dir:")):
         raise _SpecError(f"image reward spec {i} (clip_score): missing key 'pretrained'")
     return model, pretrained
+
+
+def _open_clip_tag(name: str) -> bool:
+    """Whether `name` is one of open_clip's pretrained tags ("openai", "laion2b_s34b_b79k")."""
+    import open_clip
+
+    return any(name == tag for _, tag in open_clip.list_pretrained())
 
 
 def _preference_spec_paths(spec, i: int, base_dir) -> tuple[Any, Any]:

@@ -64,3 +64,16 @@ def test_the_same_reward_model_in_two_atoms_is_loaded_once(tmp_path, monkeypatch
     build_rm(tmp_path / "rm", seed=1)  # saved over: loads afresh
     assert load_atoms([{"reward_model": "rm"}], base_dir=tmp_path)[0].fn.model is not a.fn.model
     assert len(loads) == 3
+
+
+def test_an_open_clip_tag_as_pretrained_is_named_as_a_download(tmp_path):
+    """`pretrained: laion2b_s34b_b79k` (open_clip's README) was "file or directory not found:
+    <config dir>/laion2b_s34b_b79k"."""
+    from diffusion_rl.rewards import build_image_reward_atoms
+
+    spec = {"type": "clip_score", "model": "ViT-B-32", "pretrained": "laion2b_s34b_b79k"}
+    with pytest.raises(ValueError, match=r"spec 0 \(clip_score\): key 'pretrained': 'laion2b_s34b_b79k' is an "
+                                         r"open_clip tag, which downloads, and nothing downloads here"):
+        build_image_reward_atoms([spec], base_dir=tmp_path)
+    (tmp_path / "laion2b_s34b_b79k").write_bytes(b"")  # a local file of that name is that file (read lazily)
+    assert build_image_reward_atoms([spec], base_dir=tmp_path)[0].fn.source.weights == str(tmp_path / "laion2b_s34b_b79k")
