@@ -77,3 +77,23 @@ def test_an_open_clip_tag_as_pretrained_is_named_as_a_download(tmp_path):
         build_image_reward_atoms([spec], base_dir=tmp_path)
     (tmp_path / "laion2b_s34b_b79k").write_bytes(b"")  # a local file of that name is that file (read lazily)
     assert build_image_reward_atoms([spec], base_dir=tmp_path)[0].fn.source.weights == str(tmp_path / "laion2b_s34b_b79k")
+
+
+def test_a_checkpoint_without_the_score_head_is_refused(tmp_path):
+    """A causal LM whose config was edited to name a classifier loaded with a random score head:
+    scores that changed from one load to the next, behind a load report easily missed."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-qwen2.5-vl")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"reward spec 0 \(base\): reward model '.*base': its checkpoint lacks "
+                                         r"score.weight \(missing weights start random"):
+        load_atoms([{"reward_model": "base"}], base_dir=tmp_path)

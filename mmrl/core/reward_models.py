@@ -49,12 +49,21 @@ def sequence_classifier_config(path: str | Path, what: str):
     return config
 
 
-def load_sequence_classifier(path: str | Path, config, dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer) of a directory whose `config` was checked."""
+def load_sequence_classifier(path: str | Path, config, dtype: torch.dtype = torch.float32,
+                             what: str = "sequence classifier"):
+    """(model in eval mode, tokenizer) of a directory whose `config` was checked. Weights the
+    checkpoint lacks are a ValueError naming `what`: transformers would start them random (a
+    base model whose config was edited to name a classifier gets a random score head, and
+    scores that change from one load to the next), with a load report easily missed in a log."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                               use_safetensors=True)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"{what} {str(path)!r}: its checkpoint lacks {', '.join(missing[:4])}"
+                         + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                         + " (missing weights start random: is it a base model rather than a trained classifier?)")
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -118,7 +127,7 @@ class RewardModel:
         key = (str(Path(path).resolve()), DTYPES[dtype], str(self.device), _stamp(path))
         model = _LOADED.get(key)
         if model is None:
-            model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype])
+            model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype], "reward model")
             # NaN or inf weights (a diverged or badly converted checkpoint) score every sample nan:
             # say so now, naming the tensor, rather than as a failed atom after the first rollout
             broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
