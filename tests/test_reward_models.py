@@ -106,6 +106,8 @@ def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path
     ({"reward_model": "rm", "batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
     ({"reward_model": "rm", "batch_size": True}, "batch_size must be an integer >= 1, got True"),  # YAML's yes
     ({"reward_model": "rm", "max_length": True}, "max_length must be an integer >= 1"),
+    # past the position table it failed when scoring, with "IndexError: index out of range in self"
+    ({"reward_model": "rm", "max_length": 129}, "max_length 129 is more than .* \\(max_position_embeddings 128\\)"),
     ({"reward_model": "rm", "template": 5}, "expected str, got int"),  # a TypeError, named like the others
     ({"reward_model": "two"}, "has 2 outputs"),
     ({"reward_model": "notrm"}, "is not a sequence classifier"),

@@ -120,6 +120,12 @@ class RewardModel:
         if config.num_labels != 1:
             raise ValueError(f"reward model {self.path!r} has {config.num_labels} outputs; a reward "
                              "model has one (num_labels 1), whose logit is the score")
+        # past its position table a model fails at the first long text, after a rollout, with
+        # "IndexError: index out of range in self" (GPT-2's absolute positions)
+        positions = getattr(config, "max_position_embeddings", None)
+        if max_length is not None and positions is not None and max_length > positions:
+            raise ValueError(f"max_length {max_length} is more than reward model {self.path!r} takes "
+                             f"(max_position_embeddings {positions})")
         self.device = model_device(device, make_current=False)
         # One model however many atoms use it (two templates, two weights): a second copy of a 7B
         # reward model is 14 GB more. Shared while one of them lives; the key has the files' times,
