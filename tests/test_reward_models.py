@@ -109,6 +109,10 @@ def test_config_spec_resolves_against_the_config_dir_and_joins_a_reward(tmp_path
     # past the position table it failed when scoring, with "IndexError: index out of range in self"
     ({"reward_model": "rm", "max_length": 129}, "max_length 129 is more than .* \\(max_position_embeddings 128\\)"),
     ({"reward_model": "rm", "template": 5}, "expected str, got int"),  # a TypeError, named like the others
+    ({"reward_model": "rm", "device": "gpu"}, "device must be cpu, auto, cuda or cuda:N, got 'gpu'"),
+    ({"reward_model": "rm", "device": 0}, "device must be cpu, auto, cuda or cuda:N, got 0"),
+    # the spec's key, where model_device's words named model.device (on a GPU machine: no GPU 99)
+    ({"reward_model": "rm", "device": "cuda:99"}, "(?<!model\\.)device cuda:99: (no CUDA device|GPU 99)"),
     ({"reward_model": "two"}, "has 2 outputs"),
     ({"reward_model": "notrm"}, "is not a sequence classifier"),
 ])

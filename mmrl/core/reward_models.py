@@ -20,6 +20,7 @@ token would hide the last token the classifier reads.
 
 from __future__ import annotations
 
+import re
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -97,6 +98,17 @@ def _stamp(path: str | Path) -> tuple:
     return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
+def _device(spec) -> torch.device:
+    """A spec's `device`, in words that name that key: model_device's name model.device."""
+    if not (isinstance(spec, str) and re.fullmatch(r"cpu|auto|cuda(:\d+)?", spec)):  # "gpu" was an IndexError
+        raise ValueError(f"device must be cpu, auto, cuda or cuda:N, got {spec!r}")
+    try:
+        return model_device(spec, make_current=False)
+    except ValueError as e:
+        raise ValueError(str(e).replace(f"model.device {spec}", f"device {spec}", 1)
+                         .replace("use model.device=", "use device ")) from None
+
+
 def _count(v) -> bool:
     """An integer >= 1 (a bool is an int in Python, and YAML reads `yes` as true)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -126,7 +138,7 @@ class RewardModel:
         if max_length is not None and positions is not None and max_length > positions:
             raise ValueError(f"max_length {max_length} is more than reward model {self.path!r} takes "
                              f"(max_position_embeddings {positions})")
-        self.device = model_device(device, make_current=False)
+        self.device = _device(device)
         # One model however many atoms use it (two templates, two weights): a second copy of a 7B
         # reward model is 14 GB more. Shared while one of them lives; the key has the files' times,
         # so a directory saved over since loads afresh.
