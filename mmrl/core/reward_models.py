@@ -15,7 +15,10 @@ conversations), else `template` ("{prompt}\\n{completion}" by default). A text l
 `max_length` (default: the model's limit) keeps its end, where the answer is, and a warning
 counts such texts once. A tokenizer without a pad token of its own (none, or the end-of-sequence
 token) scores one text at a time, unpadded, whatever `batch_size` says: padding with the end
-token would hide the last token the classifier reads.
+token would hide the last token the classifier reads. Batches pad on the right, whatever the
+tokenizer's side. Atoms on the same directory (with the same dtype and device) share one copy
+of the model. Refused when the spec loads: a checkpoint lacking weights the classifier needs
+(its score head would start random), NaN or inf weights, a max_length past the model's positions.
 """
 
 from __future__ import annotations
@@ -146,12 +149,13 @@ class RewardModel:
         model = _LOADED.get(key)
         if model is None:
             model, self.tokenizer = load_sequence_classifier(path, config, DTYPES[dtype], "reward model")
+            model = model.to(self.device)  # then checked there (a GPU reads 16 GB in a blink)
             # NaN or inf weights (a diverged or badly converted checkpoint) score every sample nan:
             # say so now, naming the tensor, rather than as a failed atom after the first rollout
             broken = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
             if broken is not None:
                 raise ValueError(f"reward model {self.path!r}: its weights hold NaN or inf values ({broken})")
-            _LOADED[key] = model = model.to(self.device)
+            _LOADED[key] = model
         else:
             from transformers import AutoTokenizer
 
