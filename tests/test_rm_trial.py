@@ -97,3 +97,14 @@ def test_a_checkpoint_without_the_score_head_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"reward spec 0 \(base\): reward model '.*base': its checkpoint lacks "
                                          r"score.weight \(missing weights start random"):
         load_atoms([{"reward_model": "base"}], base_dir=tmp_path)
+
+
+def test_a_spec_without_a_dtype_takes_the_default_given_and_its_own_wins(tmp_path):
+    """load_atoms(dtype=model.dtype): the trainer can load a reward model as the policy is."""
+    build_rm(tmp_path / "rm")
+    atom, = load_atoms([{"reward_model": "rm"}], base_dir=tmp_path, dtype="bfloat16")
+    assert atom.fn.model.dtype == torch.bfloat16
+    atom, = load_atoms([{"reward_model": "rm", "dtype": "float32"}], base_dir=tmp_path, dtype="bfloat16")
+    assert atom.fn.model.dtype == torch.float32
+    atom, = load_atoms([{"reward_model": "rm"}], base_dir=tmp_path)
+    assert atom.fn.model.dtype == torch.float32  # float32 where nothing is said

@@ -219,9 +219,11 @@ def reward_model_atom(path: str | Path, *, name: str = "reward_model", weight: f
     return RewardAtom(name, scorer, weight=weight, parents=parents, batched=True)
 
 
-def atom_from_spec(spec: Mapping, index: int, base_dir: str | Path | None, device: str | None) -> RewardAtom:
+def atom_from_spec(spec: Mapping, index: int, base_dir: str | Path | None, device: str | None,
+                   dtype: str | None = None) -> RewardAtom:
     """A `reward.atoms` entry {reward_model: DIR, ...}; a relative DIR resolves against base_dir
-    (the config's directory), and `device` is the default where the entry names none."""
+    (the config's directory), and `device` and `dtype` are the defaults where the entry names none
+    (a float32 reward model beside a bfloat16 policy held twice the memory it needed)."""
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise ValueError(f"reward spec {index} ({spec['reward_model']}): unknown keys {unknown} "
@@ -229,6 +231,7 @@ def atom_from_spec(spec: Mapping, index: int, base_dir: str | Path | None, devic
     path = spec_file(str(spec["reward_model"]), base_dir)
     kwargs = {k: spec[k] for k in SPEC_KEYS[1:] if k in spec}
     kwargs.setdefault("device", device or "cpu")
+    kwargs.setdefault("dtype", dtype)
     try:
         return reward_model_atom(path, **kwargs)
     except (ValueError, TypeError) as e:

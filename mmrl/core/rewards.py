@@ -714,11 +714,12 @@ _module_counter = itertools.count()
 
 
 def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = None,
-               device: str | None = None) -> list[RewardAtom]:
+               device: str | None = None, dtype: str | None = None) -> list[RewardAtom]:
     """The atoms of a list of specs, each "file.py:fn" or a dict
     {"path": "file.py:fn", "weight": w, "name": new_name, "parents": [names]}
     (all but "path" optional; given fields override the loaded atom's), or a learned reward
-    model {"reward_model": DIR, ...} (mmrl.core.reward_models; `device` is its default).
+    model {"reward_model": DIR, ...} (mmrl.core.reward_models; `device` and `dtype` are its
+    defaults where the spec names none).
     Parents are not checked here: they may name atoms of the Reward these are added to (a task's)."""
     if isinstance(specs, (str, Mapping)) or not isinstance(specs, Sequence):
         raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")  # noqa: TRY004
@@ -731,7 +732,7 @@ def load_atoms(specs: Sequence[str | Mapping], base_dir: str | Path | None = Non
         if isinstance(item, Mapping) and "reward_model" in item:
             from mmrl.core.reward_models import atom_from_spec  # transformers, only when asked for
 
-            atoms.append(atom_from_spec(item, i, base_dir, device))
+            atoms.append(atom_from_spec(item, i, base_dir, device, dtype))
             continue
         if not isinstance(item, Mapping) or "path" not in item:
             raise ValueError(
