@@ -300,3 +300,20 @@ def test_the_model_gets_only_input_ids_and_the_attention_mask(tmp_path):
     rm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True)
     rm(SAMPLES[:1])
     assert seen == [["attention_mask", "input_ids"]]
+
+
+def test_a_config_reward_model_follows_the_policys_dtype_unless_its_spec_names_one(tmp_path):
+    """TRL loads a reward model with the policy's init kwargs: a bfloat16 run's reward model is
+    bfloat16 (it was float32, twice the memory), and a spec's own dtype still wins."""
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+    from mmrl.core.rewards import Reward, RewardAtom
+    from mmrl.core.trainer import combined_reward
+
+    build_rm(tmp_path / "rm")
+    atoms = [{"reward_model": str(tmp_path / "rm"), "name": "rm"},
+             {"reward_model": str(tmp_path / "rm"), "name": "rm32", "dtype": "float32"}]
+    cfg = load_config(DLLMTrainConfig, None, ["model.dtype=bfloat16"], defaults={"reward": {"atoms": atoms}})
+    reward = combined_reward(Reward([RewardAtom("task", len)]), cfg)
+    dtypes = {a.name: next(a.fn.model.parameters()).dtype for a in reward.atoms if a.name != "task"}
+    assert dtypes == {"rm": torch.bfloat16, "rm32": torch.float32}

@@ -427,7 +427,7 @@ class RewardConfig(Section):
     {path, weight, name, parents}; parents may name the task's atoms (gate a partial-credit
     atom on the task's format atom). Or a learned reward model scoring the text, {reward_model:
     DIR, weight, name, parents, device, batch_size, max_length, dtype, template}
-    (mmrl.core.reward_models; device defaults to model.device). Relative paths start at the
+    (mmrl.core.reward_models; device and dtype default to model.device and model.dtype). Relative paths start at the
     config file's directory."""
     on_error: Literal["raise", "zero"] = "raise"
     """An atom that raises or returns NaN: stop with an error naming it ("raise"), or

@@ -1129,7 +1129,9 @@ def combined_reward(task_reward: Reward, cfg: TrainConfig, metric_names: Sequenc
     atoms = list(task_reward.atoms)
     if rc.atoms:
         try:
-            extra = load_atoms(rc.atoms, base_dir=cfg.base_dir, device=cfg.model.device)  # a reward model's default
+            # a reward model's defaults: the policy's device and dtype (TRL loads one with the policy's
+            # init kwargs; a float32 one beside a bfloat16 policy held twice the memory it needs)
+            extra = load_atoms(rc.atoms, base_dir=cfg.base_dir, device=cfg.model.device, dtype=cfg.model.dtype)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.atoms: {e}") from e
         task_names = [a.name for a in atoms]
