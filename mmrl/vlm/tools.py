@@ -611,7 +611,18 @@ async def _await_with_timeout(awaitable, timeout: float):
 
 
 def _error(message: str, kind: str, name: str | None = None) -> ToolResult:
+    message = _utf8(message)  # an exception's message may quote undecodable bytes too
     return ToolResult(content=[f"error: {message}"], error=message, name=name, kind=kind)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: bytes read with errors="surrogateescape"
+    (os.listdir, subprocess output, a file of another encoding) leave them in a str, and no
+    tokenizer takes such a str (a TypeError that stopped the run)."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _describe(exc: BaseException) -> str:
@@ -626,7 +637,9 @@ def _as_content(value) -> list:
         raise ValueError("an empty list")
     content = []
     for part in parts:
-        if isinstance(part, (str, Image.Image)):
+        if isinstance(part, str):
+            content.append(_utf8(part))
+        elif isinstance(part, Image.Image):
             content.append(part)
         elif isinstance(part, bool):  # the model writes JSON: true, not Python's True
             content.append(json.dumps(part))
