@@ -22,7 +22,8 @@ counted (data["stat/tool_errors"]). Where the tool itself fails (it raises, outl
 timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
 warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
-instead of running, and a call in the last turn is counted but not run. An observation's text
+instead of running, and a call in the last turn is counted but not run (a budget,
+rollout.max_new_tokens, shorter than any call is warned about once). An observation's text
 stays text (special tokens it quotes, e.g. <|image_pad|>, are broken by a word joiner) and is
 cut at tools.max_observation_tokens (a tool failure, too_long).
 
@@ -97,6 +98,7 @@ class ToolRollout:
         self.policy = policy
         self.registry = registry
         self.warned: set[tuple[str | None, str]] = set()  # (tool, kind) failures already warned about
+        self.budgets_checked: set[int] = set()  # rollout.max_new_tokens values _check_budget has seen
         self.cfg = cfg
         tok = policy.tokenizer
         # The loop writes Qwen's chat format and stops a turn at the closing tag's token: in a
@@ -123,6 +125,7 @@ class ToolRollout:
         """One rollout per item (repeat items for G per prompt); `prefixes`: fixed completion
         starts (no loss). Sampling draws only from `generator` (None with greedy)."""
         pol = self.policy
+        self._check_budget(rollout)
         enc = pol.encode(items)
         prefixes = prefixes or [[] for _ in items]
         pol._check_length(enc, items, rollout.max_new_tokens + max(map(len, prefixes), default=0))
@@ -289,6 +292,22 @@ class ToolRollout:
             self.warned.add((name, kind))
             warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout {reads}; "
                           "counted in rollout/tool_failures; said once per tool and kind)", stacklevel=2)
+
+    def _check_budget(self, rollout) -> None:
+        """Warn (once) where rollout.max_new_tokens is shorter than the shortest call a model could
+        write: every call would be cut before its closing tag and no tool would ever run, which
+        showed only as a tool-call rate of 0 and every rollout truncated."""
+        if not len(self.registry) or rollout.max_new_tokens in self.budgets_checked:
+            return
+        self.budgets_checked.add(rollout.max_new_tokens)
+        tok = self.policy.tokenizer
+        calls = (f'{TOOL_CALL_OPEN}\n{{"name": "{n}", "arguments": {{}}}}\n{TOOL_CALL_CLOSE}' for n in self.registry.names())
+        need, shortest = min((len(tok(c, add_special_tokens=False)["input_ids"]), c) for c in calls)
+        if rollout.max_new_tokens < need:
+            warnings.warn(f"rollout.max_new_tokens ({rollout.max_new_tokens}), each turn's budget, is shorter than "
+                          f"the shortest tool call ({need} tokens: {shortest!r}): every call is cut before its "
+                          "end and not run, and its rollout truncated; raise rollout.max_new_tokens",
+                          stacklevel=3)
 
     def _observe(self, row: _Row, content: list, ended: bool = False) -> None:
         """Append the observation tokens (and images) of one tool result; `ended`: the model's

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from mmrl.vlm.tools import ToolContext, ToolRegistry
+import warnings
+
+import torch
+from test_agent import ITEMS, Scripted, make_policy, rollout_cfg
+
+from mmrl.vlm.tools import ToolContext, ToolRegistry, build_registry
 
 UNDECODABLE = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # a Latin-1 file read as UTF-8
 
@@ -29,3 +34,22 @@ def test_text_with_undecodable_bytes_becomes_replacement_characters():
     assert bad.kind == "raised" and bad.content == ["error: tool failing raised OSError: caf\ufffd \ufffd"]
     for part in ok.content + bad.content + [bad.error]:
         part.encode("utf-8")  # what every tokenizer needs
+
+
+def test_a_budget_shorter_than_any_call_is_said_once(qwen25_dir):
+    """rollout.max_new_tokens below the tokens of the shortest call a model could write (no
+    arguments, the shortest tool name): every call is cut before its closing tag, so no tool
+    can ever run, which showed only as a tool_call_rate of 0. Said once per budget, and not for
+    a budget a call fits."""
+    policy = make_policy(qwen25_dir, registry=build_registry(["zoom", "calculator"]))
+    shortest = '<tool_call>\n{"name": "zoom", "arguments": {}}\n</tool_call>'
+    need = len(policy.tokenizer(shortest, add_special_tokens=False)["input_ids"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for budget in (need - 1, need - 1, need):
+            Scripted(policy, [["<answer>6</answer><|im_end|>"]]).install()
+            policy.generate([ITEMS[0]], 1, rollout_cfg(max_new_tokens=budget), torch.Generator().manual_seed(0))
+    message = (f"rollout.max_new_tokens ({need - 1}), each turn's budget, is shorter than the shortest tool call "
+               f"({need} tokens: {shortest!r}): every call is cut before its end and not run, and its rollout "
+               "truncated; raise rollout.max_new_tokens")
+    assert [str(w.message) for w in said if "max_new_tokens" in str(w.message)] == [message]
