@@ -63,7 +63,7 @@ from pathlib import Path
 from PIL import Image
 
 from mmrl.core.jsonl import json_type
-from mmrl.core.rewards import import_python_file, module_attribute, spec_file
+from mmrl.core.rewards import PLUGIN_MODULES, import_python_file, module_attribute, spec_file
 from mmrl.core.timeouts import Stuck, StuckCalls
 
 __all__ = [
@@ -804,8 +804,9 @@ def build_registry(
     """A registry of the named tools. Each name is a builtin (BUILTIN_TOOLS) or
     "path/to/file.py:function" for a user's sync or async function (or Tool object);
     a relative path resolves against base_dir (default: the current directory), as
-    for reward atoms. Each file is imported once. An unknown builtin or a bad path
-    -> ValueError naming it and listing the builtins."""
+    for reward atoms. Each file is imported once, a plugin's file (`plugins:`) not again:
+    its tools share the module (and its state) with the plugin's other code. An unknown
+    builtin or a bad path -> ValueError naming it and listing the builtins."""
     if isinstance(names, str):
         names = [names]
     builtins = ", ".join(BUILTIN_TOOLS)
@@ -841,8 +842,8 @@ def build_registry(
         path = spec_file(file_part, base_dir)
         if not path.is_file():
             raise ValueError(f"{what}: file not found: {path} (builtins: {builtins})")
-        if path not in modules:
-            modules[path] = import_python_file(path, what)
+        if path not in modules:  # a plugin's file is that module, as for reward atoms: imported once
+            modules[path] = PLUGIN_MODULES.get(path) or import_python_file(path, what)
         obj = module_attribute(modules[path], attr, what, path.name)
         if isinstance(obj, Tool):
             add(spec, obj, obj.name)

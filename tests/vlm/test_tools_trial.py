@@ -53,3 +53,19 @@ def test_a_budget_shorter_than_any_call_is_said_once(qwen25_dir):
                f"({need} tokens: {shortest!r}): every call is cut before its end and not run, and its rollout "
                "truncated; raise rollout.max_new_tokens")
     assert [str(w.message) for w in said if "max_new_tokens" in str(w.message)] == [message]
+
+
+def test_a_tool_in_a_plugins_file_is_the_plugins_function(tmp_path, monkeypatch):
+    """A file both in `plugins:` and in rollout.tools.names was imported a second time for its
+    tools: the plugin's registrations ran again and the tool kept state of its own, apart from
+    the plugin's (what its reward atoms read, which do use the plugin's module)."""
+    from mmrl.core.rewards import PLUGIN_MODULES, import_python_file
+
+    path = tmp_path / "plug.py"
+    path.write_text("SEEN = []\n\ndef lookup(key: str) -> str:\n    SEEN.append(key)\n    return key\n")
+    plugin = import_python_file(path.resolve(), "plugins")
+    monkeypatch.setitem(PLUGIN_MODULES, path.resolve(), plugin)
+    registry = build_registry(["plug.py:lookup"], base_dir=tmp_path)
+    assert registry.get("lookup").fn is plugin.lookup
+    assert registry.invoke("lookup", {"key": "a"}, ToolContext(images=[])).content == ["a"]
+    assert plugin.SEEN == ["a"]
