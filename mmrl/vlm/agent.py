@@ -49,6 +49,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from mmrl.core.batch import RolloutBatch
@@ -236,7 +237,11 @@ class ToolRollout:
         elif row.calls >= self.cfg.max_tool_calls:
             content, kind = [f"error: at most {self.cfg.max_tool_calls} tool calls per answer"], "limit"
         else:
-            result = self.registry.call(text, ToolContext(images=list(row.item.images), meta=dict(row.item.meta)))
+            # copies: a tool that draws on its image in place (ImageDraw) changed the task's own item, and
+            # so what every later rollout, epoch and evaluation of that prompt saw
+            images = [im.copy() if isinstance(im, Image.Image) else im for im in row.item.images]
+            ctx = ToolContext(images=images, meta=dict(row.item.meta))
+            result = self.registry.call(text, ctx)
             content, kind, name = result.content, result.kind, result.name
             self._warn_failure(name, kind, result.error)
         row.calls += 1

@@ -102,7 +102,7 @@ _SHOWN = 60  # characters of a model's value quoted back in an error message
 class ToolContext:
     """What a tool may see of the prompt besides its arguments."""
 
-    images: list  # the prompt's original full-resolution PIL images (may be empty)
+    images: list  # the prompt's original full-resolution PIL images (may be empty; the rollout's are copies)
     meta: dict = field(default_factory=dict)  # anything else (e.g. the task item's meta)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from test_agent import ITEMS, Scripted, make_policy, rollout_cfg
+from test_agent import ITEMS, Scripted, make_policy, rollout_cfg, tool_call
 
+from mmrl.vlm.tasks.shapes_zoom import ShapesZoom
 from mmrl.vlm.tools import ToolContext, ToolRegistry, build_registry
 
 UNDECODABLE = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # a Latin-1 file read as UTF-8
@@ -69,3 +70,25 @@ def test_a_tool_in_a_plugins_file_is_the_plugins_function(tmp_path, monkeypatch)
     assert registry.get("lookup").fn is plugin.lookup
     assert registry.invoke("lookup", {"key": "a"}, ToolContext(images=[])).content == ["a"]
     assert plugin.SEEN == ["a"]
+
+
+def test_a_tool_drawing_on_its_image_leaves_the_tasks_image_alone(qwen25_dir):
+    """ctx.images were the task item's own PIL images: a tool that marked a box on one in place
+    changed the dataset, for every later rollout, epoch and evaluation of that prompt."""
+    from PIL import ImageDraw
+
+    registry = ToolRegistry()
+
+    @registry.register
+    def mark(*, ctx: ToolContext):
+        ImageDraw.Draw(ctx.images[0]).rectangle((0, 0, 200, 200), fill="white")
+        return ctx.images[0]
+
+    item = ShapesZoom(seed=1, num_train=1, num_eval=1).train_items()[0]
+    before = item.images[0].tobytes()
+    policy = make_policy(qwen25_dir, registry=registry)
+    Scripted(policy, [[tool_call("mark"), "<answer>red</answer><|im_end|>"]]).install()
+    batch = policy.generate([item], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    assert batch.data["stat/tool_calls"].tolist() == [1.0] and batch.data["stat/tool_errors"].tolist() == [0.0]
+    assert batch.data["image_grid_thw"][0].prod(-1).gt(0).sum() == 2  # the marked copy was shown
+    assert item.images[0].tobytes() == before
