@@ -22,8 +22,9 @@ counted (data["stat/tool_errors"]). Where the tool itself fails (it raises, outl
 timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
 warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
-instead of running, and a call in the last turn is counted but not run (a budget,
-rollout.max_new_tokens, shorter than any call is warned about once). An observation's text
+instead of running, and a call in the last turn is counted but not run (settings that let no
+tool run, max_turns 1, max_tool_calls 0 or a rollout.max_new_tokens shorter than any call, are
+warned about once). An observation's text
 stays text (special tokens it quotes, e.g. <|image_pad|>, are broken by a word joiner) and is
 cut at tools.max_observation_tokens (a tool failure, too_long).
 
@@ -99,7 +100,7 @@ class ToolRollout:
         self.policy = policy
         self.registry = registry
         self.warned: set[tuple[str | None, str]] = set()  # (tool, kind) failures already warned about
-        self.budgets_checked: set[int] = set()  # rollout.max_new_tokens values _check_budget has seen
+        self.checked: set[tuple] = set()  # settings checks done: ("limits",), ("budget", max_new_tokens)
         self.cfg = cfg
         tok = policy.tokenizer
         # The loop writes Qwen's chat format and stops a turn at the closing tag's token: in a
@@ -126,6 +127,7 @@ class ToolRollout:
         """One rollout per item (repeat items for G per prompt); `prefixes`: fixed completion
         starts (no loss). Sampling draws only from `generator` (None with greedy)."""
         pol = self.policy
+        self._check_limits()
         self._check_budget(rollout)
         enc = pol.encode(items)
         prefixes = prefixes or [[] for _ in items]
@@ -298,13 +300,27 @@ class ToolRollout:
             warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout {reads}; "
                           "counted in rollout/tool_failures; said once per tool and kind)", stacklevel=2)
 
+    def _check_limits(self) -> None:
+        """Warn (once) where tools.max_turns or tools.max_tool_calls leave no call able to run: each
+        is a valid setting (an ablation that counts calls), but also what max_turns 1, read as "one
+        round of tool use", gives without a word: a rollout whose tools never run."""
+        if ("limits",) in self.checked:
+            return
+        self.checked.add(("limits",))
+        why = ("tools.max_turns is 1: a call ends the rollout, with no turn left to read its observation"
+               if self.cfg.max_turns < 2 else
+               "tools.max_tool_calls is 0: every call gets an error observation" if self.cfg.max_tool_calls < 1 else None)
+        if why and len(self.registry):
+            warnings.warn(f"{why}, so no tool ever runs (calls are counted); for one call and an answer after "
+                          "its observation, set max_turns: 2 and max_tool_calls: 1", stacklevel=3)
+
     def _check_budget(self, rollout) -> None:
         """Warn (once) where rollout.max_new_tokens is shorter than the shortest call a model could
         write: every call would be cut before its closing tag and no tool would ever run, which
         showed only as a tool-call rate of 0 and every rollout truncated."""
-        if not len(self.registry) or rollout.max_new_tokens in self.budgets_checked:
+        if not len(self.registry) or ("budget", rollout.max_new_tokens) in self.checked:
             return
-        self.budgets_checked.add(rollout.max_new_tokens)
+        self.checked.add(("budget", rollout.max_new_tokens))
         tok = self.policy.tokenizer
         calls = (f'{TOOL_CALL_OPEN}\n{{"name": "{n}", "arguments": {{}}}}\n{TOOL_CALL_CLOSE}' for n in self.registry.names())
         need, shortest = min((len(tok(c, add_special_tokens=False)["input_ids"]), c) for c in calls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from test_agent import ITEMS, Scripted, make_policy, rollout_cfg, tool_call
 
@@ -92,3 +93,22 @@ def test_a_tool_drawing_on_its_image_leaves_the_tasks_image_alone(qwen25_dir):
     assert batch.data["stat/tool_calls"].tolist() == [1.0] and batch.data["stat/tool_errors"].tolist() == [0.0]
     assert batch.data["image_grid_thw"][0].prod(-1).gt(0).sum() == 2  # the marked copy was shown
     assert item.images[0].tobytes() == before
+
+
+@pytest.mark.parametrize(("limits", "why"), [
+    ({"max_turns": 1}, "tools.max_turns is 1: a call ends the rollout, with no turn left to read its observation"),
+    ({"max_tool_calls": 0}, "tools.max_tool_calls is 0: every call gets an error observation"),
+    ({"max_turns": 2, "max_tool_calls": 1}, None),
+])
+def test_limits_that_let_no_tool_run_are_said_once(qwen25_dir, limits, why):
+    """max_turns 1 (read as "one round of tool use") or max_tool_calls 0: valid, but no tool
+    can ever run, which before showed only as calls that never got an observation."""
+    policy = make_policy(qwen25_dir, **limits)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            Scripted(policy, [["<answer>6</answer><|im_end|>"]]).install()
+            policy.generate([ITEMS[0]], 1, rollout_cfg(), torch.Generator().manual_seed(0))
+    message = (f"{why}, so no tool ever runs (calls are counted); for one call and an answer after its "
+               "observation, set max_turns: 2 and max_tool_calls: 1")
+    assert [str(w.message) for w in said if "no tool ever runs" in str(w.message)] == ([] if why is None else [message])
