@@ -160,7 +160,7 @@ class ToolsConfig(Section):
     max_turns: int = Field(3, ge=1)
     """Model turns per rollout (a turn ends at a tool call or at the end of the answer)."""
     max_tool_calls: int = Field(2, ge=0)
-    """Tool calls run per rollout; later calls get an error observation."""
+    """Tool calls per rollout, failed ones (malformed, unknown tool) included; later calls get an error observation."""
     timeout: float = Field(10.0, gt=0)
     """Seconds a tool may take; a slower call returns a timeout observation. A tool stuck in C
     code that holds Python's GIL (a regex that backtracks for ever) cannot be interrupted:
