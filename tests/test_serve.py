@@ -200,6 +200,21 @@ def test_a_port_in_use_is_named_before_the_model_is_built(monkeypatch, capsys):
         taken.close()
 
 
+def test_a_port_out_of_range_or_an_address_not_ours_is_named_before_the_model_is_built(monkeypatch, capsys):
+    # --port 99999 was an OverflowError traceback; --port 0 on another machine's address was
+    # not probed, so it failed with a traceback once the model had loaded
+    def built(*args):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(serve, "build_policy", built)
+    for host, port, why in (("127.0.0.1", "99999", "a port is from 0 to 65535 (0 picks a free one)"),
+                            ("192.0.2.1", "0", "Cannot assign requested address")):  # TEST-NET-1: no one's
+        with pytest.raises(SystemExit) as stop:
+            serve.main(["--backend", "toy", "--host", host, "--port", port, "--token", "t"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == f"error: cannot serve on {host}:{port}: {why}\n"
+
+
 def test_rollout_keys_a_request_leaves_out_are_the_served_runs(monkeypatch):
     # they were the rollout class's defaults: a client asking only for a temperature got
     # max_new_tokens 32, not the served run's 3

@@ -117,10 +117,11 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def check_port(host: str, port: int) -> None:
-    """OSError naming the address if `host:port` cannot be bound (taken, or not this machine's),
-    tried before the model loads (minutes for a large one) rather than after. Port 0 always binds."""
-    if port == 0:
-        return
+    """OSError naming the address if `host:port` cannot be bound (taken, not this machine's, or
+    no port), tried before the model loads (minutes for a large one) rather than after. Port 0
+    is probed too: it always finds a port, but not on an address that is not this machine's."""
+    if not 0 <= port <= 65535:  # bind() raises OverflowError, a traceback past the CLIs' OSError
+        raise OSError(f"cannot serve on {host}:{port}: a port is from 0 to 65535 (0 picks a free one)")
     with socket.socket(EngineServer.address_family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds (allow_reuse_address)
         try:
