@@ -945,9 +945,13 @@ def test_serve_module_checks_read_timeout_and_hands_it_to_the_server(monkeypatch
         with pytest.raises(SystemExit) as exit_:
             serve.main(["--backend", "toy", "--read-timeout", bad])
         assert exit_.value.code == 2 and "--read-timeout must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--backend", "toy", "--max-samples", "0"])
+    assert exit_.value.code == 2 and "--max-samples must be at least 1, got 0" in capsys.readouterr().err
     assert built == [] and served == []
     serve.main(["--backend", "toy", "--port", "0", "--read-timeout", "7.5", "--max-request-bytes", "1000",
-                "--max-weights-bytes", "2000"])
+                "--max-weights-bytes", "2000", "--max-samples", "64"])
     assert len(built) == 1 and served[0]["read_timeout"] == 7.5
     assert served[0]["max_request_bytes"] == 1000 and served[0]["max_weights_bytes"] == 2000
+    assert served[0]["max_samples"] == 64
 

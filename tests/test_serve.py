@@ -215,6 +215,36 @@ def test_a_port_out_of_range_or_an_address_not_ours_is_named_before_the_model_is
         assert capsys.readouterr().err == f"error: cannot serve on {host}:{port}: {why}\n"
 
 
+def test_a_client_asking_for_more_samples_than_the_cap_is_a_400_before_the_engine_runs():
+    # there was no cap: one call for a million samples held the engine (and its memory) for hours
+    class Counting(ToyPolicy):
+        calls = 0
+
+        def generate(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().generate(*args, **kwargs)
+
+    ask = lambda *ns: {"requests": wire.encode_requests([Request(group=k, prompt=1, n=n) for k, n in enumerate(ns)]),
+                       "rollout": {"max_new_tokens": 1}, "seed": 0}
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(Counting()), RolloutConfig)
+    small = serve.serve_in_thread(serve.ServedPolicyEngine(Counting()), RolloutConfig, max_samples=5)
+    try:
+        status, reply = post(server, ask(1_000_000))
+        assert status == 400 and reply["error"] == (
+            "the requests ask for 1000000 samples in all (their n, summed), over this server's limit of 65536 per "
+            "call (its --max-samples): split them into several calls (a trainer: lower "
+            "rollout.scheduler.engine_batch)"), reply
+        assert post(small, ask(3, 3))[0] == 400  # the requests' n together
+        status, reply = post(small, ask(3, 2))
+        assert status == 200 and len(wire.decode_batch(reply)) == 5
+        assert Counting.calls == 1  # only the call within the cap reached the engine
+    finally:
+        server.close()
+        small.close()
+    with pytest.raises(ValueError, match="max_samples must be at least 1, got 0"):
+        serve.EngineServer(serve.ServedPolicyEngine(ToyPolicy()), RolloutConfig, max_samples=0)
+
+
 def test_rollout_keys_a_request_leaves_out_are_the_served_runs(monkeypatch):
     # they were the rollout class's defaults: a client asking only for a temperature got
     # max_new_tokens 32, not the served run's 3

@@ -8,7 +8,8 @@ A request's rollout keys that it leaves out take the served run's values (`rollo
 prompt may be a plain string: the backend's text prompt (its policy's `serve_prompt` hook).
 
 An error inside the engine answers 500 with {"error": "..."}; input that cannot
-be decoded answers 400, an over-long body 413, a body that stalls for
+be decoded answers 400, as do requests for more than `max_samples` samples in all (MAX_SAMPLES
+by default, `--max-samples`), an over-long body 413, a body that stalls for
 `read_timeout` seconds 408 (stalled headers: the connection is closed), so a
 client that stops sending does not hold a server thread forever. Calls into the engine are
 serialized with one lock (an engine runs one job at a time; a publish never
@@ -53,6 +54,10 @@ READY = "mmrl-serve listening on "  # the stdout line a parent process waits for
 VERSION_HEADER = "X-MMRL-Version"
 MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
 MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
+# /generate: samples one call may ask for (the requests' n, summed). A trainer's call is a round's
+# or a mini-batch's share (rollout.scheduler.engine_batch), far below; a client asking for millions
+# would hold the engine (and its memory) for hours, with every other client waiting behind it.
+MAX_SAMPLES = 1 << 16
 TOKEN_ENV = "MMRL_SERVE_TOKEN"  # the token, when --token / token= is not given
 READ_TIMEOUT = 60.0  # seconds a client may stay silent while sending a request (each wait, not the total)
 _DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401) up to this
@@ -137,15 +142,19 @@ class EngineServer(ThreadingHTTPServer):
 
     def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
                  max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES,
-                 token: str | None = None, read_timeout: float | None = READ_TIMEOUT, rollout: Any = None):
+                 token: str | None = None, read_timeout: float | None = READ_TIMEOUT, rollout: Any = None,
+                 max_samples: int = MAX_SAMPLES):
         """`token`: required of every request (Authorization: Bearer); None or "" = no check,
         allowed only on a loopback address. (The environment is read by the CLIs, not here.)
         `read_timeout`: seconds each read of a request (and write of its reply) may wait on the
         client; None waits forever. `rollout`: the served run's rollout config, whose values
-        fill what a request's rollout leaves out (None: the rollout class's defaults)."""
+        fill what a request's rollout leaves out (None: the rollout class's defaults).
+        `max_samples`: the most samples one /generate may ask for, all its requests' n together."""
         check_bind(host, token)  # before binding
         if read_timeout is not None and not read_timeout > 0:
             raise ValueError(f"read_timeout must be > 0 seconds (or None), got {read_timeout!r}")
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be at least 1, got {max_samples!r}")
         self.token = token or None
         super().__init__((host, port), _Handler)
         self.engine = engine
@@ -153,6 +162,7 @@ class EngineServer(ThreadingHTTPServer):
         self.rollout = rollout
         self.max_request_bytes = max_request_bytes
         self.max_weights_bytes = max_weights_bytes
+        self.max_samples = max_samples
         self.read_timeout = read_timeout
         self.version = getattr(engine, "version", 0)
         self.lock = threading.Lock()
@@ -288,6 +298,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadInput(400, f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
         if not requests:  # an engine batch of no rows is no batch
             raise _BadInput(400, "requests is an empty list: send at least one Request")
+        samples = sum(r.n for r in requests)
+        if samples > self.server.max_samples:
+            raise _BadInput(400, f"the requests ask for {samples} samples in all (their n, summed), over this "
+                                 f"server's limit of {self.server.max_samples} per call (its --max-samples): "
+                                 "split them into several calls (a trainer: lower rollout.scheduler.engine_batch)")
         check = getattr(self.server.engine, "check_requests", None)
         if check is not None:
             check(requests, rollout)
@@ -382,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="served", help="engine name in /health and error messages")
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="largest /generate body")
     parser.add_argument("--max-weights-bytes", type=int, default=MAX_WEIGHTS_BYTES, help="largest /weights body")
+    parser.add_argument("--max-samples", type=int, default=MAX_SAMPLES,
+                        help=f"most samples one /generate may ask for, its requests' n summed (default: {MAX_SAMPLES})")
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
                         help=f"seconds a client may stay silent while sending a request (default: {READ_TIMEOUT:g})")
     parser.add_argument("--ignore-stop-signals", action="store_true",
@@ -397,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(sig, signal.SIG_IGN)
     if not args.read_timeout > 0:
         parser.error(f"--read-timeout must be > 0, got {args.read_timeout:g}")
+    if args.max_samples < 1:
+        parser.error(f"--max-samples must be at least 1, got {args.max_samples}")
 
     from mmrl.core.checkpoint import CheckpointError
     from mmrl.core.config import ConfigError
@@ -414,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
               ready=lambda url: print(READY + url, flush=True), token=token,
               max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
-              read_timeout=args.read_timeout, rollout=cfg.rollout)
+              read_timeout=args.read_timeout, rollout=cfg.rollout, max_samples=args.max_samples)
     except KeyboardInterrupt:  # exit 130 as the CLIs do, without a traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
