@@ -834,6 +834,38 @@ def test_health_reports_the_engine_version_and_publish_sets_it():
         server.close()
 
 
+def test_a_server_that_restarted_or_took_another_trainers_weights_refuses_to_sample_with_them():
+    # both used to answer with samples of other weights than the trainer's, without a word: a
+    # restarted server with those it started with, a shared one with the other trainer's
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig)
+    port = server.server_address[1]
+    mine, theirs = remote.RemoteEngine(server.url, timeout=5), remote.RemoteEngine(server.url, timeout=5)
+    try:
+        mine.publish(trainable_weights(ToyPolicy(seed=1).model), version=1)
+        want = PolicyEngine(ToyPolicy(seed=1), own_weights=False).generate(REQUESTS, ROLLOUT, seed=3)
+        assert mine.generate(REQUESTS, ROLLOUT, seed=3).samples == want.samples
+        theirs.publish(trainable_weights(ToyPolicy(seed=2).model), version=1)  # the same version, other weights
+        with pytest.raises(EngineError, match=rf"answered HTTP 409: this server would sample with other weights than "
+                                              rf"the client's: it holds version 1 of client {theirs._client}, published "
+                                              rf"after this client's version 1 of client {mine._client}: another "
+                                              r"trainer .* a server serves one trainer, start one for each"):
+            mine.generate(REQUESTS, ROLLOUT, seed=3)
+        assert len(theirs.generate(REQUESTS, ROLLOUT, seed=3)) == 4  # the latest to publish samples on
+    finally:
+        server.close()
+    restarted = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, port=port)
+    try:
+        with pytest.raises(EngineError, match=r"HTTP 409: .*it holds the weights it started with, not version 1 of "
+                                              rf"client {mine._client} that this client published: it restarted since"):
+            mine.generate(REQUESTS, ROLLOUT, seed=3)
+        fresh = remote.RemoteEngine(restarted.url, timeout=5)  # a client that never published: no check
+        assert len(fresh.generate(REQUESTS, ROLLOUT, seed=3)) == 4
+        mine.publish(trainable_weights(ToyPolicy(seed=1).model), version=2)  # publishing again makes it ours
+        assert mine.generate(REQUESTS, ROLLOUT, seed=3).samples == want.samples
+    finally:
+        restarted.close()
+
+
 def test_serve_calls_ready_with_the_url_it_bound(monkeypatch):
     urls = []
     monkeypatch.setattr(serve.EngineServer, "serve_forever", lambda self, *a: urls.append(self.url))

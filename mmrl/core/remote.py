@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Sequence
 from http.client import HTTPException
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch import Tensor
 from mmrl.core import wire
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label
-from mmrl.core.serve import READY, TOKEN_ENV, VERSION_HEADER, resolve_token
+from mmrl.core.serve import READY, TOKEN_ENV, VERSION_HEADER, WEIGHTS_HEADER, resolve_token
 
 
 class RemoteEngine:
@@ -57,11 +58,15 @@ class RemoteEngine:
         # No proxies: rollout servers are on this machine or the cluster's network, and a
         # proxy from the environment would turn "server down" into a confusing proxy error.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        # Tags the weights this client publishes; each generate asks the server to sample with
+        # exactly those (a 409 if it restarted or another trainer published since: mmrl.core.serve).
+        self._client = uuid.uuid4().hex[:8]
+        self._weights: dict[str, str] = {}  # the header generate sends, once weights were published
 
     def generate(self, requests: Sequence[Request], rollout, seed: int) -> RolloutBatch:
         body = {"requests": wire.encode_requests(requests), "rollout": wire.encode_rollout(rollout),
                 "seed": int(seed)}
-        reply = self._call("/generate", json.dumps(body).encode(), "application/json")
+        reply = self._call("/generate", json.dumps(body).encode(), "application/json", self._weights)
         try:
             batch = wire.decode_batch(json.loads(reply))
         except Exception as e:  # a reply that does not decode is this server's failure: the
@@ -71,8 +76,10 @@ class RemoteEngine:
         return label(batch, requests, self.name)
 
     def publish(self, weights: dict[str, Tensor], version: int) -> None:
+        tag = {WEIGHTS_HEADER: f"{self._client}/{int(version)}"}
         self._call("/weights", wire.encode_weights(weights), "application/octet-stream",
-                   {VERSION_HEADER: str(int(version))})
+                   {VERSION_HEADER: str(int(version)), **tag})
+        self._weights = tag
 
     def health(self) -> dict[str, Any]:
         """The server's {"name", "version", "busy"}."""

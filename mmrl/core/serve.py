@@ -15,6 +15,12 @@ client that stops sending does not hold a server thread forever. Calls into the 
 serialized with one lock (an engine runs one job at a time; a publish never
 lands in the middle of a generation). Nothing a client sends is unpickled.
 
+A RemoteEngine tags the weights it publishes (X-MMRL-Weights: "<client>/<version>") and sends
+the tag again with each /generate; a server whose weights are not those answers 409 instead of
+sampling: it restarted since (the weights it started with), or another trainer published its
+own (a server serves one trainer). Either would train on samples of other weights without a
+word. A client that sends no tag (a script, curl) gets whatever weights the server holds.
+
 Access: it binds 127.0.0.1 unless told otherwise. With a token (`--token`, or the
 MMRL_SERVE_TOKEN environment variable, which keeps it out of `ps`), every request
 must carry `Authorization: Bearer <token>` (else 401; compared in constant time).
@@ -52,6 +58,7 @@ log = logging.getLogger("mmrl.serve")
 
 READY = "mmrl-serve listening on "  # the stdout line a parent process waits for, then the URL
 VERSION_HEADER = "X-MMRL-Version"
+WEIGHTS_HEADER = "X-MMRL-Weights"  # "<client>/<version>": whose weights, set by /weights, checked by /generate
 MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
 MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
 # /generate: samples one call may ask for (the requests' n, summed). A trainer's call is a round's
@@ -165,6 +172,7 @@ class EngineServer(ThreadingHTTPServer):
         self.max_samples = max_samples
         self.read_timeout = read_timeout
         self.version = getattr(engine, "version", 0)
+        self.weights: str | None = None  # the tag of the weights last published; None: those it started with
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -306,7 +314,8 @@ class _Handler(BaseHTTPRequestHandler):
         check = getattr(self.server.engine, "check_requests", None)
         if check is not None:
             check(requests, rollout)
-        with self.server.lock:
+        with self.server.lock:  # checked under the lock: no publish lands between the check and the call
+            self._check_weights(self.headers.get(WEIGHTS_HEADER))
             batch = self.server.engine.generate(requests, rollout, seed)
         self._reply(200, wire.encode_batch(batch))
 
@@ -319,7 +328,23 @@ class _Handler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.engine.publish(weights, version)
             self.server.version = version
+            self.server.weights = self.headers.get(WEIGHTS_HEADER) or None
         self._reply(200, {"ok": True, "version": version})
+
+    def _check_weights(self, expected: str | None) -> None:
+        """409 unless the weights held are those the client says it published (no tag: no check)."""
+        held = self.server.weights
+        if expected is None or expected == held:
+            return
+        mine = _describe_tag(expected)
+        if held is None:
+            why = (f"it holds the weights it started with, not {mine} that this client published: "
+                   "it restarted since (publish again to use it)")
+        else:
+            why = (f"it holds {_describe_tag(held)}, published after this client's {mine}: another trainer "
+                   "(or a second engine of this one) publishes to the same server; a server serves one "
+                   "trainer, start one for each")
+        raise _BadInput(409, f"this server would sample with other weights than the client's: {why}")
 
     def _body(self, limit: int) -> bytes:
         length = self.headers.get("Content-Length")
@@ -345,6 +370,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+
+def _describe_tag(tag: str) -> str:
+    client, _, version = tag.rpartition("/")
+    return f"version {version} of client {client}" if client else repr(tag)
 
 
 # --------------------------------------------------------------------------- command line
