@@ -544,7 +544,8 @@ def test_publish_changes_the_server_weights(served):
     assert not torch.equal(after.old_logp, before.old_logp)
     assert client.health()["version"] == 7
 
-    with pytest.raises(EngineError, match=r"HTTP 500: .*unknown \['nope'\]"):
+    with pytest.raises(EngineError, match=r"HTTP 400: bad request to /weights: .*unknown \['nope'\]\. This server "
+                                          r"serves toy\.ToyPolicy \(LlamaForCausalLM\): serve the trainer's backend"):
         client.publish({"nope": torch.zeros(1)}, version=8)
     assert client.health()["version"] == 7
 
@@ -556,7 +557,7 @@ def test_weights_that_do_not_fit_change_nothing(served):
     first, second = list(before)[:2]
     # The first tensor fits, the second does not: nothing may be copied (the first used to be).
     bad = {first: torch.full_like(before[first], 7.0), second: torch.zeros(3, 3, 3)}
-    with pytest.raises(EngineError, match=rf"HTTP 500: .*{re.escape(second)}: \(3, 3, 3\) float32, "
+    with pytest.raises(EngineError, match=rf"HTTP 400: .*{re.escape(second)}: \(3, 3, 3\) float32, "
                                           r"the model's is \(32, 32\) float32"):
         client.publish(bad, version=5)
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())

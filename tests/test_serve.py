@@ -71,6 +71,24 @@ def test_a_prompt_of_the_wrong_form_is_a_400_naming_the_request_and_the_form(ser
     assert form in reply["error"] and ("got a dict" in reply["error"] or "got dict" in reply["error"]), reply
 
 
+def test_weights_of_another_backend_are_a_400_naming_what_the_server_serves(served):
+    # they were a 500 ("engine served failed"), with a traceback in the server's log, that named
+    # neither side: a toy trainer's weights against each backend's server
+    from mmrl.core.engine import EngineError, trainable_weights
+    from mmrl.core.remote import RemoteEngine
+
+    modality, server = served
+    served_as = {"vlm": "mmrl.vlm.policy.VLMPolicy (Qwen2_5_VLForConditionalGeneration from ",
+                 "dllm": "dllm_rl.policy.DLLMPolicy (LlamaForCausalLM from ",
+                 "diffusion": "diffusion_rl.policy.DiffusionPolicy (FluxTransformer2DModel from "}[modality]
+    with pytest.raises(EngineError) as caught:
+        RemoteEngine(server.url, timeout=30).publish(trainable_weights(ToyPolicy(seed=0).model), version=1)
+    message = str(caught.value)
+    assert "answered HTTP 400: bad request to /weights: published weights do not fit the engine's model" in message
+    assert f"This server serves {served_as}" in message and "serve the trainer's backend and model" in message
+    assert "model.layers.0." in message  # the trainer's weights, by name (and shape where the names fit)
+
+
 def qa_item(images) -> dict:
     return {"__t": "dataclass", "cls": "mmrl.vlm.tasks.shapes_qa:QAItem",
             "fields": {"images": images, "question": "What colour is the circle?", "answer": ""}}

@@ -52,7 +52,7 @@ from typing import Any
 from torch import Tensor
 
 from mmrl.core import wire
-from mmrl.core.engine import Engine, PolicyEngine, load_named
+from mmrl.core.engine import Engine, EngineError, PolicyEngine, load_named
 
 log = logging.getLogger("mmrl.serve")
 
@@ -98,7 +98,11 @@ class ServedPolicyEngine(PolicyEngine):
         super().__init__(policy, own_weights=False, name=name)
 
     def publish(self, weights: dict[str, Tensor], version: int) -> None:
-        load_named(self.policy.model, weights)
+        try:
+            load_named(self.policy.model, weights)
+        except EngineError as e:  # the client's weights are of another model: its error (400), not the engine's
+            raise wire.WireError(f"{e}. This server serves {describe_policy(self.policy)}: serve the trainer's "
+                                 "backend and model (its config), or train the served one") from None
         self.version = version
 
     def check_requests(self, requests: list, rollout) -> None:
@@ -113,6 +117,15 @@ class ServedPolicyEngine(PolicyEngine):
                 r.prompt = convert(r.prompt, rollout)
             except (TypeError, ValueError) as e:
                 raise wire.WireError(f"requests[{i}].prompt: {e}") from None
+
+
+def describe_policy(policy) -> str:
+    """What a server serves, for a client whose weights do not fit: "dllm_rl.policy.DLLMPolicy
+    (LlamaForCausalLM from /models/llada)"."""
+    model = policy.model
+    path = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return (f"{type(policy).__module__}.{type(policy).__qualname__} "
+            f"({type(model).__name__}{f' from {path}' if path else ''})")
 
 
 def check_bind(host: str, token: str | None) -> None:
