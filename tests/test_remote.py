@@ -7,6 +7,7 @@ import base64
 import collections
 import io
 import json
+import os
 import pickle
 import queue
 import re
@@ -902,6 +903,11 @@ def test_spawned_server_serves_and_its_death_is_an_engine_error():
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert proc.poll() is None and client.generate(REQUESTS, ROLLOUT, seed=3).samples == want.samples
+        # its parent gone without killing it (SIGKILL, OOM: its end of the stdin pipe closes), it
+        # exits by itself (it stayed, an orphan holding its memory and GPU)
+        proc.stdin.close()
+        assert proc.wait(timeout=10) == 0
+        assert "exiting: stdin closed: the process that started this server is gone" in "".join(proc.stderr_tail)
     finally:
         proc.kill()
         proc.wait()
@@ -909,6 +915,31 @@ def test_spawned_server_serves_and_its_death_is_an_engine_error():
     with pytest.raises(EngineError, match=f"cannot reach {url}/generate"):
         client.generate(REQUESTS, ROLLOUT, seed=3)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_server_whose_starter_is_gone_exits_even_with_no_one_to_read_its_stderr(monkeypatch):
+    # a trainer killed outright (SIGKILL, OOM) left its spawned server running for good; and once
+    # the watcher was there, saying why on a stderr pipe with no reader raised BrokenPipeError and
+    # ended the watcher instead of the process
+    class Broken:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        flush = write
+
+    exits = []
+    monkeypatch.setattr(serve.os, "_exit", exits.append)
+    monkeypatch.setattr(serve.sys, "stderr", Broken())
+    read, write = os.pipe()
+    try:
+        watcher = serve.exit_when_closed(read, "stdin closed")
+        time.sleep(0.05)
+        assert exits == [] and watcher.is_alive()  # waits while the other end is open
+        os.close(write)
+        watcher.join(5)
+        assert exits == [0]
+    finally:
+        os.close(read)
 
 
 def test_spawn_server_passes_the_checkpoint_and_removes_its_config_file(monkeypatch):

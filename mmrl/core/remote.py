@@ -92,6 +92,8 @@ class RemoteEngine:
         if self.process is not None and self.process.poll() is None:  # otherwise: whoever started it
             self.process.kill()
             self.process.wait()
+        if self.process is not None and self.process.stdin is not None:
+            self.process.stdin.close()  # spawn_server's pipe, which kept it alive
 
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
               headers: dict[str, str] | None = None) -> bytes:
@@ -154,7 +156,9 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
     (process, url) once it listens. `config` is a run config dict, merged over the backend's
     defaults; the child runs in `cwd` (default: ours), which is on its import path.
     The caller owns the process: kill it when done (it ignores SIGTERM and SIGUSR1, which a
-    cluster scheduler sends every process of a job: the trainer stops first). Raises
+    cluster scheduler sends every process of a job: the trainer stops first). It ends by itself
+    once the caller is gone (it holds the write end of the child's stdin, `proc.stdin`: a caller
+    killed outright leaves no orphan server), or once proc.stdin is closed. Raises
     EngineError, quoting the child's stderr, if it exits or stays silent for `timeout` seconds
     during start-up.
     `token`: the server's token, passed in the child's environment (not its command line,
@@ -164,11 +168,12 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
         json.dump(config, f, default=str)
     cmd = [sys.executable, "-m", "mmrl.core.serve", "--backend", backend_module, "--config-json", config_path,
            "--host", host, "--port", "0", "--name", name,
-           "--ignore-stop-signals"]  # the caller kills it; a scheduler's SIGTERM to the job is the trainer's (mmrl.core.stop)
+           "--ignore-stop-signals",  # the caller kills it; a scheduler's SIGTERM to the job is the trainer's (mmrl.core.stop)
+           "--exit-with-stdin"]  # and if the caller dies without killing it (SIGKILL, OOM), its end of the pipe closes
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})}
-    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     # Both pipes are drained for the child's whole life, so it can never block on a full pipe;
     # the last lines of stderr stay on proc.stderr_tail for error messages.
@@ -186,11 +191,13 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
             except queue.Empty:
                 pass
             if proc.poll() is not None:
+                proc.stdin.close()
                 stderr_reader.join(timeout=2)  # the child's last words
                 raise EngineError(f"{what} exited with code {proc.returncode} during start-up:\n" + "".join(tail))
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
+                proc.stdin.close()
                 raise EngineError(f"{what} did not start within {timeout:g} s; its stderr:\n" + "".join(tail))
     finally:
         os.unlink(config_path)  # the child read it before printing its URL, or is gone

@@ -422,6 +422,26 @@ def build_policy(backend_module: str, config: dict, checkpoint: str | None = Non
     return policy, cfg
 
 
+def exit_when_closed(fd: int, why: str) -> threading.Thread:
+    """End the process once file descriptor `fd` (the read end of a pipe) reaches its end: its writer, the
+    process that started this server, is gone, even if it was killed (SIGKILL, out of memory)
+    and could not stop the server itself, which would otherwise hold its memory and GPU for good."""
+    def watch() -> None:
+        # os.read, not sys.stdin's buffered reader: a daemon thread blocked holding its lock
+        # aborts the interpreter's shutdown ("could not acquire lock ... at interpreter shutdown")
+        while os.read(fd, 1 << 16):  # nothing is ever sent: b"" once the writer is gone
+            pass
+        try:
+            print(f"exiting: {why}", file=sys.stderr, flush=True)
+        except OSError:  # stderr was a pipe to that process too: no one reads it any more
+            pass
+        os._exit(0)  # from a thread: the main one is in serve_forever (or still loading the model)
+
+    thread = threading.Thread(target=watch, name="mmrl-serve-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mmrl.core.serve",
@@ -447,7 +467,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ignore-stop-signals", action="store_true",
                         help="ignore SIGTERM and SIGUSR1: a trainer's engine, which the trainer kills itself once it "
                         "has saved the step it was in (a cluster scheduler signals every process of a job)")
+    parser.add_argument("--exit-with-stdin", action="store_true",
+                        help="exit once stdin closes: a server that spawn_server started ends with the trainer "
+                        "that holds the other end of the pipe, however that ends")
     args = parser.parse_args(argv)
+    if args.exit_with_stdin:
+        exit_when_closed(0, "stdin closed: the process that started this server is gone")
     if args.ignore_stop_signals:
         import signal
 
