@@ -741,6 +741,29 @@ def test_engine_errors_timeouts_and_bad_input_become_engine_errors():
         client.generate(REQUESTS, ROLLOUT, seed=0)
 
 
+def test_a_client_that_hangs_up_during_a_generation_costs_the_server_no_traceback(capsys, caplog):
+    # its timeout ran out: the reply then failed with BrokenPipeError, logged as the engine's
+    # failure, and the 500 sent in its place failed too, with a traceback from the server loop
+    class Slow(ToyPolicy):
+        def generate(self, *args, **kwargs):
+            time.sleep(0.4)
+            return super().generate(*args, **kwargs)
+
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(Slow()), RolloutConfig)
+    try:
+        with pytest.raises(EngineError, match="within 0.1 s"):
+            remote.RemoteEngine(server.url, timeout=0.1).generate(REQUESTS, ROLLOUT, seed=0)
+        deadline = time.monotonic() + 5
+        while server.lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the engine finishes, then tries to answer
+        time.sleep(0.1)
+        assert len(remote.RemoteEngine(server.url, timeout=5).generate(REQUESTS, ROLLOUT, seed=0)) == 4
+    finally:
+        server.close()
+    assert "Traceback" not in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_a_client_that_stops_sending_is_dropped():
     server = serve.serve_in_thread(serve.ServedPolicyEngine(ToyPolicy(seed=0)), RolloutConfig, read_timeout=0.3)
     host, port = server.server_address[:2]

@@ -378,8 +378,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client hung up first (its timeout ran out during a long generation): nothing to
+            # answer, and not the engine's failure (it was logged as one, with a 500 that failed
+            # to send in turn and a second traceback from the server loop).
+            self.close_connection = True
+            log.info("%s hung up before the reply to %s (%d)", self.address_string(), self.path, status)
 
     def log_message(self, format: str, *args) -> None:
         log.debug("%s " + format, self.address_string(), *args)
