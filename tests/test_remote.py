@@ -1009,11 +1009,14 @@ def test_serve_verb_and_module_help(capsys):
     app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
     result = runner.invoke(app, ["serve", "--help"])
     assert result.exit_code == 0
-    assert all(flag in result.output for flag in ("--checkpoint", "--host", "--port", "--set", "--read-timeout"))
+    assert all(flag in result.output for flag in ("--checkpoint", "--host", "--port", "--set", "--read-timeout",
+                                                  "--max-samples"))
     result = runner.invoke(app, ["serve", "--read-timeout", "0"])
     assert result.exit_code == 2 and "--read-timeout" in result.output
     result = runner.invoke(app, ["serve", "--set", "rollout.temperature=0"])
     assert result.exit_code == 2 and "rollout.temperature" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["serve", "--max-samples", "0"])
+    assert result.exit_code == 2 and "--max-samples" in result.output
 
     with pytest.raises(SystemExit) as exit_:
         serve.main(["--help"])

@@ -157,11 +157,14 @@ def test_serve_needs_no_data_files(tmp_path, monkeypatch, modality, task):
 
     app = importlib.import_module({"vlm": "mmrl.cli", "diffusion": "diffusion_rl.cli"}[modality]).app
     served = []
-    monkeypatch.setattr(serve, "serve", lambda engine, *a, **kw: served.append(engine))
+    served, limits = [], []
+    monkeypatch.setattr(serve, "serve", lambda engine, *a, **kw: (served.append(engine), limits.append(kw["max_samples"])))
     (tmp_path / "run.yaml").write_text(task)
-    result = CliRunner().invoke(app, ["serve", "--config", str(tmp_path / "run.yaml"), "--port", "0"])
+    result = CliRunner().invoke(app, ["serve", "--config", str(tmp_path / "run.yaml"), "--port", "0",
+                                      "--max-samples", "12"])
     assert result.exit_code == 0, result.output
     assert len(served) == 1 and served[0].policy.model is not None
+    assert limits == [12]  # the verb's cap reaches the server
 
 
 def test_ctrl_c_ends_serve_with_status_130(monkeypatch, capsys):

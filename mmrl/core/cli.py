@@ -46,6 +46,7 @@ from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import quiet_library_bars, survive_reader_gone
 from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
+from mmrl.core.serve import MAX_SAMPLES
 from mmrl.core.stop import StoppedBySignal
 
 err_console = Console(stderr=True)
@@ -339,6 +340,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         read_timeout: float = typer.Option(60.0, "--read-timeout", min=0.001,
                                            help="Seconds each read of a request may wait on the client before the "
                                                 "server gives up on it (408)."),
+        max_samples: int = typer.Option(MAX_SAMPLES, "--max-samples", min=1,
+                                        help="Most samples one /generate may ask for, its requests' n summed "
+                                             "(more is a 400 before the engine runs)."),
     ):
         """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
 
@@ -369,7 +373,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 load_checkpoint(policy, checkpoint)
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
-                             read_timeout=read_timeout, rollout=cfg.rollout,
+                             read_timeout=read_timeout, max_samples=max_samples, rollout=cfg.rollout,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", **PLAIN))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
