@@ -561,6 +561,11 @@ def resolve_checkpoint(path: Path) -> Path:
     the best checkpoint's model (best_alias); a checkpoint -> its model; else as is."""
     path = best_alias(path)
     if not path.exists():
+        if path.name == "best" and (path.parent / RUN_CONFIG).is_file():  # a run with no best.json (best_alias)
+            raise FileNotFoundError(
+                f"checkpoint {path} does not exist: the run {path.parent} keeps no best checkpoint (its best.json "
+                f"is written at an evaluation during training where train.best_metric is set); --checkpoint "
+                f"{path.parent} takes its newest")
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a file; give a directory: a run, its checkpoints/, "
@@ -569,6 +574,10 @@ def resolve_checkpoint(path: Path) -> Path:
         root = path / "checkpoints"
     elif any(path.glob("step-*")):  # a run's checkpoints/ itself
         root = path
+    elif (path / RUN_CONFIG).is_file() and not any(path.glob("*.safetensors")):
+        # a run stopped before its first save (config.yaml is written at the start): said so, where
+        # loading it as a model directory failed on a missing model.safetensors
+        raise CheckpointError(f"{path} holds no complete checkpoint (a run that has saved no step yet)")
     else:
         root = None
     if root is not None:
