@@ -39,8 +39,9 @@ DEFAULT_CONFIG = {
     "train": {"max_steps": 300, "ppo_epochs": 2, "log_samples_every": 50},
     "task": {"type": "arith", "num_train": 4000, "num_eval": 200},
 }
-# `dllm-rl eval` samples 16 answers per problem for pass@1..16 unless the config or --set
-# says otherwise; training keeps eval_samples 0 (greedy only), for the cost of its evaluations.
+# `dllm-rl eval` samples 16 answers per problem for pass@1..16 unless the config, --set or the
+# evaluated run (an n > 0 it trained with) says otherwise; training keeps eval_samples 0 (greedy
+# only), for the cost of its evaluations.
 EVAL_DEFAULTS = {"rollout": {"eval_samples": 16}}
 
 

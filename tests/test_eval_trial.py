@@ -3,6 +3,7 @@ ones it cannot (mmrl.core.cli); the held-out metrics of each backend's task."""
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from mmrl.core.cli import BackendSpec, make_app
@@ -46,3 +47,30 @@ def test_run_slash_best_of_a_run_without_a_best_metric_says_why_and_what_to_give
     assert code == 2, text
     assert f"checkpoint {run}/best does not exist: the run {run} keeps no best checkpoint" in text
     assert "train.best_metric" in text and f"--checkpoint {run} takes its newest" in text
+
+
+@pytest.mark.parametrize("ran, given, n", [
+    (4, [], 4),  # the run's own n: its logged pass@k are redrawn alike
+    (0, [], 16),  # a run that evaluated greedily: dllm-rl eval's own 16
+    (4, ["--set", "rollout.eval_samples=2"], 2),  # --set over both
+])
+def test_dllm_eval_of_a_run_keeps_the_eval_samples_it_trained_with(tmp_path, monkeypatch, ran, given, n):
+    """EVAL_DEFAULTS (16 samples) went over the run's config.yaml: a run that logged pass@1..4
+    from 4 samples per problem was evaluated from 16, and its pass@1 did not match its logs."""
+    from dllm_rl import backend
+    from dllm_rl.cli import app as dllm_app
+    from mmrl.core.checkpoint import STATE_JSON
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001" / "model").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001" / STATE_JSON).write_text("{}")
+    (run / "config.yaml").write_text(f"rollout: {{eval_samples: {ran}}}\n")
+    seen = []
+
+    def build(cfg):
+        seen.append(cfg.rollout.eval_samples)
+        raise KeyboardInterrupt  # stop here: the settings are what is tested
+
+    monkeypatch.setattr(backend, "build", build)
+    result = runner.invoke(dllm_app, ["eval", "--checkpoint", str(run), *given])
+    assert result.exit_code == 130 and seen == [n], result.output

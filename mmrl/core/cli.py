@@ -110,10 +110,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
         defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
         defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
+        ran = read_run_config(run) if run is not None else {}
         if run is not None:
-            defaults = deep_merge(defaults, {**read_run_config(run), "output_dir": str(run)})  # where it is now
+            defaults = deep_merge(defaults, {**ran, "output_dir": str(run)})  # where it is now
         if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
-            defaults = deep_merge(defaults, getattr(backend, "EVAL_DEFAULTS", {}))
+            # but not over a run's own setting: a run that trained with eval_samples 4 logged pass@1..4
+            # from 4 samples, which `eval --checkpoint RUN` then redrew from 16 (other numbers)
+            defaults = deep_merge(defaults, _unset_in(getattr(backend, "EVAL_DEFAULTS", {}), ran))
         if config is not None:  # configs/<modality>/... from the repository where the working directory has none
             config = resolve_config_file(config)
         if backend is not None:  # a plugin's own method (and config class) before anything is validated
@@ -618,6 +621,13 @@ def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> Non
 
 def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _unset_in(extra: dict[str, Any], given: Any) -> dict[str, Any]:
+    """The keys of `extra` that `given` (a run's config) leaves unset, 0, null or empty."""
+    given = given if isinstance(given, dict) else {}
+    return {k: _unset_in(v, given.get(k)) if isinstance(v, dict) else v
+            for k, v in extra.items() if isinstance(v, dict) or not given.get(k)}
 
 
 def _finite_or_null(metrics: dict[str, Any]) -> dict[str, Any]:
