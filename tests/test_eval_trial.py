@@ -74,3 +74,29 @@ def test_dllm_eval_of_a_run_keeps_the_eval_samples_it_trained_with(tmp_path, mon
     monkeypatch.setattr(backend, "build", build)
     result = runner.invoke(dllm_app, ["eval", "--checkpoint", str(run), *given])
     assert result.exit_code == 130 and seen == [n], result.output
+
+
+def test_a_model_directory_of_another_architecture_is_named_before_it_is_loaded(tmp_path):
+    """A dLLM's export (a Llama) given to a Qwen-VL run failed as `'dict' object has no attribute
+    'to_dict'`, or listed the VLM's own vision blocks as the directory's unexpected weights."""
+    import json
+    from types import SimpleNamespace
+
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.cli import load_checkpoint
+
+    loaded = []
+    policy = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl")),
+                             load_weights=loaded.append)
+    other = tmp_path / "exported"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=r"exported: it holds a 'llama' model \(its config.json\), and the model "
+                                              r"it is loaded into is a 'qwen2_5_vl'"):
+        load_checkpoint(policy, other)
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    adapter = tmp_path / "adapter"  # a LoRA checkpoint has no config.json: loaded as before
+    adapter.mkdir()
+    load_checkpoint(policy, other)
+    load_checkpoint(policy, adapter)
+    assert loaded == [other, adapter]

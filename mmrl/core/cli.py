@@ -597,6 +597,7 @@ def load_checkpoint(policy, path: Path) -> None:
     """--checkpoint: the weights of `path` (see resolve_checkpoint) into the policy, or a
     CheckpointError naming the directory where they cannot be read or do not fit."""
     model = resolve_checkpoint(path)
+    check_model_type(policy, path, model)
     try:
         policy.load_weights(model)
     except ConfigError as e:  # ours: already says what is wrong with the directory
@@ -604,6 +605,20 @@ def load_checkpoint(policy, path: Path) -> None:
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:  # from_pretrained's, on a wrong directory
         raise CheckpointError(f"--checkpoint {path}: cannot load this model's weights from {model} "
                               f"({type(e).__name__}: {e})") from e
+
+
+def check_model_type(policy, path: Path, model: Path) -> None:
+    """A model directory of another architecture (another backend's export: a dLLM's Llama for
+    a Qwen-VL run) is named as such: loading it failed with `'dict' object has no attribute
+    'to_dict'`, or listed as unexpected weights those of the model built from it."""
+    ours = getattr(getattr(getattr(policy, "model", None), "config", None), "model_type", None)
+    try:
+        theirs = json.loads((model / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):  # none (a LoRA adapter, a diffusers pipeline), or not ours to judge
+        return
+    if isinstance(ours, str) and isinstance(theirs, str) and ours != theirs:
+        raise CheckpointError(f"--checkpoint {path}: cannot load {model}: it holds a {theirs!r} model (its config.json), "
+                              f"and the model it is loaded into is a {ours!r}: a checkpoint of another model or backend?")
 
 
 def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
