@@ -4,6 +4,7 @@ ones it cannot (mmrl.core.cli); the held-out metrics of each backend's task."""
 from __future__ import annotations
 
 import pytest
+import toy  # the toy backend (tests/toy.py); imported at collection, not in a test's time
 from typer.testing import CliRunner
 
 from mmrl.core.cli import BackendSpec, make_app
@@ -18,8 +19,6 @@ def invoke(*args):
 
 
 def _not_built(monkeypatch):
-    import toy
-
     def built(cfg):
         raise AssertionError("the model was built")
 
@@ -100,3 +99,26 @@ def test_a_model_directory_of_another_architecture_is_named_before_it_is_loaded(
     load_checkpoint(policy, other)
     load_checkpoint(policy, adapter)
     assert loaded == [other, adapter]
+
+
+def test_eval_names_the_checkpoint_a_run_resolves_to_on_stderr_and_prints_json_alone_on_stdout(tmp_path, monkeypatch):
+    """`eval --checkpoint RUN` evaluated the run's newest checkpoint without saying which step."""
+    import json
+    from types import SimpleNamespace
+
+    from mmrl.core import trainer
+    from mmrl.core.checkpoint import STATE_JSON
+
+    out = tmp_path / "run"
+    for step in (1, 2):
+        (out / "checkpoints" / f"step-0000000{step}" / "model").mkdir(parents=True)
+        (out / "checkpoints" / f"step-0000000{step}" / STATE_JSON).write_text("{}")
+    (out / "config.yaml").write_text("seed: 0\n")
+    loaded = []
+    monkeypatch.setattr(toy, "build", lambda cfg: (SimpleNamespace(load_weights=loaded.append), None))
+    monkeypatch.setattr(trainer, "Trainer", lambda *a, **k: SimpleNamespace(evaluate=lambda: {"accuracy": 0.5}))
+    result = runner.invoke(app, ["eval", "--checkpoint", str(out)])
+    assert result.exit_code == 0, result.output
+    newest = out / "checkpoints" / "step-00000002" / "model"
+    assert loaded == [newest] and f"evaluating {newest}" in result.stderr.splitlines()
+    assert json.loads(result.stdout) == {"accuracy": 0.5}  # stdout is the one JSON line, for `> metrics.json`

@@ -278,6 +278,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
+                if distributed.launched_main():  # which step RUN or RUN/best is, beside the metrics (stdout: JSON alone)
+                    err_console.print(f"evaluating {resolve_checkpoint(checkpoint)}", **PLAIN)
             from mmrl.core.trainer import Trainer
 
             metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False).evaluate()
