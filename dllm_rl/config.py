@@ -67,7 +67,7 @@ class DLLMRolloutConfig(RolloutConfig):
     is decoded, as LLaDA does."""
     eval_samples: int = Field(0, ge=0)
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
-    the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set."""
+    the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set (or, on a run, unless the run set n > 0)."""
     eval_batch_size: int = Field(128, ge=1)
     """Problems per decoding batch in held-out evaluation (greedy and sampled). The sampled
     pass@k draw their samples batch by batch, so another value draws other samples."""
