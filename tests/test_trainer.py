@@ -778,8 +778,8 @@ def test_resume_with_another_lr_weight_decay_or_group_size_trains_with_them(tmp_
 
 def test_resume_with_another_lr_gives_it_as_the_last_lr_before_any_update(tmp_path):
     """The loaded schedule state carries the earlier run's last lr (0.003 x 0 at the end of its
-    linear decay): get_last_lr, which a step logs as optim/lr, gives the new one at once, so a
-    first step whose updates are all skipped (non-finite) does not log the old lr."""
+    linear decay): get_last_lr and the optimizer's lr, which a step whose updates are all
+    skipped (non-finite) logs as optim/lr, give the new one at once, not the old lr."""
     make(tmp_path, "train.max_steps=2", "optim.lr=0.003", "optim.schedule=linear").train()
     trainer = make(tmp_path, "train.max_steps=4", "optim.lr=0.005", "optim.schedule=linear")
     trainer.load(list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1])
@@ -1216,13 +1216,16 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 def test_the_lr_schedule_spans_every_optimizer_step_of_the_run(tmp_path):
     """max_steps x ppo_epochs x mini_batches optimizer steps: a linear schedule over 2 x 2 x 2 = 8
-    is half-way down after the first step's 4 updates, and at 0 after the last."""
+    is at 0 after the last update. optim/lr is the mean lr of a step's updates: step 1's are
+    0.002 x (8, 7, 6, 5) / 8, mean 0.002 x 26/32 = 0.001625; step 2's 0.002 x (4, 3, 2, 1) / 8,
+    mean 0.002 x 10/32 = 0.000625."""
     trainer = make(tmp_path, "train.max_steps=2", "train.mini_batches=2", "train.ppo_epochs=2",
                    "optim.schedule=linear", "optim.lr=0.002")
     trainer.train()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["train/updates"] for r in rows] == [4, 4]
-    assert [r["optim/lr"] for r in rows] == [pytest.approx(0.001), pytest.approx(0.0, abs=1e-12)]
+    assert [r["optim/lr"] for r in rows] == [pytest.approx(0.001625), pytest.approx(0.000625)]
+    assert trainer.lr_scheduler.get_last_lr() == [pytest.approx(0.0, abs=1e-12)]
 
 
 def test_a_finished_runs_kept_summary_is_never_overwritten(tmp_path):

@@ -663,6 +663,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             tally["bad"] += 1
             return
+        sums["optim/lr"] += self.optimizer.param_groups[0]["lr"]  # the lr this update uses, before the schedule moves
         self.optimizer.step()
         if self.master is not None:
             self.master.push()
@@ -681,7 +682,9 @@ class Trainer:
         metrics.update({k.removeprefix("x:"): v for k, v in sums.items() if k.startswith("x:")})
         for k in ("loss/total", "loss/grad_norm"):
             metrics[k] = sums.get(k, 0.0) / updates if updates else float("nan")
-        metrics["optim/lr"] = self.lr_scheduler.get_last_lr()[0]
+        # the lr the step's updates used (their mean), not the schedule's next one (get_last_lr
+        # after the step: one update late); with none, the lr a skipped update would have used
+        metrics["optim/lr"] = sums["optim/lr"] / updates if updates else self.optimizer.param_groups[0]["lr"]
         metrics["train/updates"] = updates
         metrics["reward/advantage_abs"] = float(batch.advantages.abs().mean())
         metrics.update(self.method.batch_metrics(batch))
