@@ -4,6 +4,8 @@ Llama run; each test a few updates)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from test_trainer import make
 
@@ -20,3 +22,15 @@ def test_optim_lr_is_the_lr_each_step_trained_with(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     # 0.004 x (1, 2, 2) / 2; before, (2, 2, 2) / 2: the warm-up's first step was never shown
     assert [r["optim/lr"] for r in rows] == [pytest.approx(v) for v in (0.002, 0.004, 0.004)]
+
+
+def test_a_warmup_as_long_as_the_run_is_warned(tmp_path):
+    """3 steps x 1 epoch x 2 mini-batches = 6 optimizer steps under an 8-step warm-up: the lr
+    peaks at lr x 6/8 and the cosine decay never starts, which a trial run of a long run's
+    config would otherwise do silently. A warm-up shorter than the run says nothing."""
+    with pytest.warns(UserWarning, match=r"warmup_steps 8 spans the whole run \(6 optimizer steps.*lr x 6/8 at "
+                                         r"most and the cosine decay never starts"):
+        make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_steps=8", "optim.schedule=cosine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_steps=5", name="shorter")

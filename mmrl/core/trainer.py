@@ -235,6 +235,12 @@ class Trainer:
         self.optimizer = distributed.adamw(self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                            weight_decay=oc.weight_decay, shard=oc.shard_state)
         updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+        if training and 0 < updates <= oc.warmup_steps:  # e.g. a short trial run of a long run's config
+            warnings.warn(f"optim.warmup_steps {oc.warmup_steps} spans the whole run ({updates} optimizer steps: "
+                          f"train.max_steps x ppo_epochs x mini_batches): the learning rate rises to lr x "
+                          f"{updates}/{oc.warmup_steps} at most"
+                          + (f" and the {oc.schedule} decay never starts" if oc.schedule != "constant" else ""),
+                          stacklevel=2)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
         # rollouts and mini-batch shuffles: each rank its own (it rolls out its own prompts)
         self.generator = torch.Generator().manual_seed(distributed.rank_seed(cfg.seed))
