@@ -313,7 +313,8 @@ def test_config_prints_every_key_with_its_description_and_loads_back(module, con
     backend = importlib.import_module(cli.SPEC.module)
     code, text = invoke(cli.app, "config", "--config", str(root / config), "--set", "optim.lr=3e-4")
     assert code == 0, text
-    assert "  # Clip the global gradient norm to this; None = no clipping.\n  max_grad_norm: 1.0\n" in text
+    assert ("  # Clip the global gradient norm to this; None = no clipping (0 and inf are refused, not read\n"
+            "  # as off). loss/grad_norm logs the norm before clipping.\n  max_grad_norm: 1.0\n") in text
     assert ("max_new_tokens:" in text) == (module != "dllm_rl.cli")  # dLLM: derived from gen_length, not set
     (tmp_path / "printed.yaml").write_text(text)
     cls = backend.CONFIG_CLASS

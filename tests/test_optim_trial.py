@@ -9,6 +9,7 @@ import warnings
 import pytest
 from test_trainer import make
 
+from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.logging import read_metrics
 
 SMALL = ("rollout.prompts_per_step=2", "rollout.num_generations=2")  # a quicker run
@@ -34,3 +35,14 @@ def test_a_warmup_as_long_as_the_run_is_warned(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_steps=5", name="shorter")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", ".inf"])
+def test_max_grad_norm_0_or_inf_is_refused_saying_null_turns_clipping_off(value):
+    """transformers reads max_grad_norm 0 as no clipping, and inf means none in effect; here
+    both are refused (null is how to say it), with a message that says so instead of pydantic's
+    bare "greater than 0" / "a finite number"."""
+    with pytest.raises(ConfigError, match=r"optim\.max_grad_norm: .* is not a positive, finite norm; for no clipping "
+                                          r"set it to null \(--set optim\.max_grad_norm=null\)"):
+        load_config(TrainConfig, overrides=[f"optim.max_grad_norm={value}"])
+    assert load_config(TrainConfig, overrides=["optim.max_grad_norm=null"]).optim.max_grad_norm is None

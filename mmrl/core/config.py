@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -455,7 +456,8 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0)
     """AdamW's epsilon, added to the root of the second moment in the update's denominator."""
     max_grad_norm: float | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this; None = no clipping."""
+    """Clip the global gradient norm to this; None = no clipping (0 and inf are refused, not read
+    as off). loss/grad_norm logs the norm before clipping."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """The learning rate after the warm-up: constant, or decayed from lr toward 0 linearly or
     along a half cosine over the rest of the run's optimizer steps (train.max_steps x
@@ -482,6 +484,23 @@ class OptimConfig(Section):
     evaluation gather the whole weights for their duration. For full fine-tuning with sync,
     inline rollouts: refused with LoRA, method.ema, pipelined or remote engines, shard_state.
     No effect in one process (a warning says so). mmrl.core.fsdp."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clipping_off_is_null(cls, data: Any) -> Any:
+        # Other trainers read max_grad_norm 0 (transformers) or inf as "no clipping": say how it is
+        # said here, where pydantic alone would answer "should be greater than 0" or "finite".
+        value = data.get("max_grad_norm") if isinstance(data, dict) else None
+        if isinstance(value, bool):
+            return data  # the base's message: a boolean where a number is due
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return data  # None, or not a number: pydantic's own message
+        if not 0 < number < math.inf:
+            raise KeyValueError("max_grad_norm", f"{value} is not a positive, finite norm; for no clipping set it to "
+                                "null (--set optim.max_grad_norm=null)")
+        return data
 
     @model_validator(mode="after")
     def _betas_in_range(self):
