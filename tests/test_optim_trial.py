@@ -9,6 +9,7 @@ import warnings
 import pytest
 from test_trainer import make
 
+from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.logging import read_metrics
 
@@ -46,3 +47,22 @@ def test_max_grad_norm_0_or_inf_is_refused_saying_null_turns_clipping_off(value)
                                           r"set it to null \(--set optim\.max_grad_norm=null\)"):
         load_config(TrainConfig, overrides=[f"optim.max_grad_norm={value}"])
     assert load_config(TrainConfig, overrides=["optim.max_grad_norm=null"]).optim.max_grad_norm is None
+
+
+def test_a_resume_that_stretches_a_decaying_schedule_says_the_lr_jumps(tmp_path):
+    """A finished 1-step linear run (lr 0.004) ends with its schedule at 0; resumed with
+    max_steps 2 (extending a run, which the changed-settings warning leaves out) the same
+    schedule spans 2 updates and goes on at 0.004 x (1 - 1/2) = 0.002: said, not silent. A
+    constant schedule, or a resume of the same length, changes no lr and says nothing."""
+    make(tmp_path, *SMALL, "train.max_steps=1", "optim.schedule=linear", "optim.lr=0.004").train()
+    longer = make(tmp_path, *SMALL, "train.max_steps=2", "optim.schedule=linear", "optim.lr=0.004")
+    path = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
+    with pytest.warns(UserWarning, match=r"optimizer step 1: the learning rate goes from 0 \(the checkpoint's "
+                                         r"schedule\) to 0.002, as the linear schedule now spans 2 optimizer steps"):
+        longer.load(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(tmp_path, *SMALL, "train.max_steps=1", "optim.schedule=linear", "optim.lr=0.004").load(path)
+        make(tmp_path, *SMALL, "train.max_steps=1", name="flat").train()
+        make(tmp_path, *SMALL, "train.max_steps=2", name="flat").load(
+            list_checkpoints(tmp_path / "flat" / "checkpoints")[-1][1])

@@ -234,7 +234,7 @@ class Trainer:
         self.ema = self.method.weight_average(self.opt_params)
         self.optimizer = distributed.adamw(self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                            weight_decay=oc.weight_decay, shard=oc.shard_state)
-        updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
+        self.updates = updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
         if training and 0 < updates <= oc.warmup_steps:  # e.g. a short trial run of a long run's config
             warnings.warn(f"optim.warmup_steps {oc.warmup_steps} spans the whole run ({updates} optimizer steps: "
                           f"train.max_steps x ppo_epochs x mini_batches): the learning rate rises to lr x "
@@ -960,7 +960,15 @@ class Trainer:
         config.yaml) trains with the new ones, at the schedule's current step. With the same
         values this changes nothing."""
         oc, groups = self.cfg.optim, self.optimizer.param_groups
+        saved_lr, saved_base = self.lr_scheduler.get_last_lr()[0], self.lr_scheduler.base_lrs[0]
         lr = oc.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)  # as LambdaLR computes it
+        if oc.lr == saved_base and not math.isclose(lr, saved_lr, rel_tol=1e-9, abs_tol=1e-15):
+            # A new optim.lr is said with the other changed settings; a new train.max_steps (which that
+            # comparison leaves out: extending a run) stretches a decaying schedule, and the lr jumps.
+            warnings.warn(f"--resume at optimizer step {self.lr_scheduler.last_epoch}: the learning rate goes from "
+                          f"{saved_lr:.4g} (the checkpoint's schedule) to {lr:.4g}, as the {oc.schedule} schedule now "
+                          f"spans {self.updates} optimizer steps (train.max_steps x ppo_epochs x mini_batches)",
+                          stacklevel=3)
         for group in groups:
             group.update(lr=lr, weight_decay=oc.weight_decay, betas=tuple(oc.betas), eps=oc.eps, initial_lr=oc.lr)
         self.lr_scheduler.base_lrs = [oc.lr] * len(groups)
