@@ -66,3 +66,21 @@ def test_a_resume_that_stretches_a_decaying_schedule_says_the_lr_jumps(tmp_path)
         make(tmp_path, *SMALL, "train.max_steps=1", name="flat").train()
         make(tmp_path, *SMALL, "train.max_steps=2", name="flat").load(
             list_checkpoints(tmp_path / "flat" / "checkpoints")[-1][1])
+
+
+def test_min_lr_ratio_is_where_the_decay_ends():
+    """f' = r + (1 - r) f: linear over 10 steps with r 0.1 is 0.1 + 0.9 x (1 - 5/10) = 0.55
+    half-way and 0.1 at the end (and past it); cosine half-way 0.1 + 0.9 x 0.5 = 0.55; the
+    warm-up still rises from lr / warmup_steps. Set with a constant schedule it is said unused."""
+    from mmrl.core.config import OptimConfig
+    from mmrl.core.trainer import lr_factor
+
+    linear = lr_factor(OptimConfig(schedule="linear", min_lr_ratio=0.1, warmup_steps=2), 12)
+    assert [linear(n) for n in (0, 2, 7, 12, 20)] == [0.5, 1.0, pytest.approx(0.55), pytest.approx(0.1),
+                                                      pytest.approx(0.1)]
+    cosine = lr_factor(OptimConfig(schedule="cosine", min_lr_ratio=0.1), 10)
+    assert [cosine(n) for n in (0, 5, 10)] == [1.0, pytest.approx(0.55), pytest.approx(0.1)]
+    with pytest.warns(UserWarning, match="optim.min_lr_ratio 0.1 is unused with optim.schedule constant"):
+        OptimConfig(min_lr_ratio=0.1)
+    with pytest.raises(ConfigError, match=r"optim\.min_lr_ratio: Input should be less than or equal to 1"):
+        load_config(TrainConfig, overrides=["optim.schedule=linear", "optim.min_lr_ratio=2"])

@@ -462,6 +462,9 @@ class OptimConfig(Section):
     """The learning rate after the warm-up: constant, or decayed from lr toward 0 linearly or
     along a half cosine over the rest of the run's optimizer steps (train.max_steps x
     ppo_epochs x mini_batches)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where the linear or cosine decay ends, as a fraction of lr: the schedule's factor f (from 1
+    to 0) becomes min_lr_ratio + (1 - min_lr_ratio) f; 0 = decay to 0. Unused with constant."""
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps (not training steps) over which the learning rate rises linearly to lr
     (optimizer step n, from 0, uses lr x (n + 1) / warmup_steps); 0 = no warm-up."""
@@ -501,6 +504,13 @@ class OptimConfig(Section):
             raise KeyValueError("max_grad_norm", f"{value} is not a positive, finite norm; for no clipping set it to "
                                 "null (--set optim.max_grad_norm=null)")
         return data
+
+    @model_validator(mode="after")
+    def _min_lr_unused(self):  # said, not silently ignored
+        if self.schedule == "constant" and changed_settings(self, ("min_lr_ratio",)):
+            config_warning(f"optim.min_lr_ratio {self.min_lr_ratio} is unused with optim.schedule constant "
+                           "(it is where a linear or cosine decay ends)")
+        return self
 
     @model_validator(mode="after")
     def _betas_in_range(self):

@@ -155,9 +155,8 @@ def lr_factor(cfg: OptimConfig, total: int):
         if cfg.schedule == "constant":
             return 1.0
         frac = min(1.0, (n - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        if cfg.schedule == "linear":
-            return 1.0 - frac
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
+        decay = 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
     return factor
 
