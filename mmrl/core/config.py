@@ -685,11 +685,14 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 class _Loader(yaml.SafeLoader):
     """safe_load with YAML 1.2 floats (`1e-5` is a float, not the string '1e-5') and no
-    duplicate keys: plain YAML keeps the last silently, and a config would lose a section."""
+    duplicate keys: plain YAML keeps the last silently, and a config would lose a section.
+    Anchors and merge keys (`<<: *anchor`) work as in safe_load."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: flatten_mapping (in the base) merges it, the keys written here winning
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             try:

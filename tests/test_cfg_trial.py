@@ -1,0 +1,25 @@
+"""A researcher's own config files and --set lines (mmrl/core/config.py): YAML features and
+edge cases that a hand-written config meets."""
+
+import pytest
+
+from mmrl.core.config import ConfigError, TrainConfig, load_config, read_yaml
+
+
+def test_merge_keys_take_an_anchored_mapping_and_the_keys_written_beside_them_win(tmp_path):
+    # `<<: *anchor` was refused as "could not determine a constructor for the tag ...merge":
+    # the duplicate-key check constructed the merge key itself before the base merged it
+    path = tmp_path / "run.yaml"
+    path.write_text("method:\n  loss: &loss {clip_low: 0.1, clip_high: 0.3}\n"
+                    "  kl:\n    beta: 0.01\n"
+                    "optim:\n  <<: {lr: 3.0e-6, weight_decay: 0.1}\n  weight_decay: 0.2\n")
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (3e-6, 0.2)  # the key written beside << wins
+    assert (cfg.method.loss.clip_low, cfg.method.loss.clip_high) == (0.1, 0.3)
+
+
+def test_a_key_written_twice_beside_a_merge_key_is_still_a_duplicate(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  <<: {lr: 3.0e-6}\n  lr: 1.0e-6\n  lr: 2.0e-6\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'lr' \(lines 3 and 4\)"):
+        read_yaml(path)
