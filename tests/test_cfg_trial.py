@@ -23,3 +23,11 @@ def test_a_key_written_twice_beside_a_merge_key_is_still_a_duplicate(tmp_path):
     path.write_text("optim:\n  <<: {lr: 3.0e-6}\n  lr: 1.0e-6\n  lr: 2.0e-6\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'lr' \(lines 3 and 4\)"):
         read_yaml(path)
+
+
+def test_a_yaml_error_points_into_the_file_not_into_a_unicode_string(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n\tlr: 1.0e-6\n")  # a tab indents
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    assert f'in "{path}", line 2, column 1' in str(e.value) and "<unicode string>" not in str(e.value)

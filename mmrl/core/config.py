@@ -737,8 +737,16 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+def _yaml(text: str, name: str | None = None) -> Any:
+    """`text` read as YAML; an error's marks name `name` (a file's path) where yaml's would
+    say "<unicode string>"."""
+    loader = _Loader(text)
+    if name is not None:
+        loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _one_line(e: Exception) -> str:
@@ -754,7 +762,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key in {key!r}")
     try:
-        value = _yaml(raw) if raw.strip() else ""
+        value = _yaml(raw, "the value") if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({_one_line(e)})") from None
     return parts, value
@@ -816,7 +824,7 @@ def read_yaml(path: str | Path) -> dict:
 
         raise ConfigError(f"config file {str(path)!r} does not exist{not_installed_note(path)}")
     try:
-        data = _yaml(path.read_text(encoding="utf-8"))
+        data = _yaml(path.read_text(encoding="utf-8"), str(path))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_one_line(e)}") from None
     if data is None:
