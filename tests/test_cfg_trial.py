@@ -31,3 +31,16 @@ def test_a_yaml_error_points_into_the_file_not_into_a_unicode_string(tmp_path):
     with pytest.raises(ConfigError) as e:
         read_yaml(path)
     assert f'in "{path}", line 2, column 1' in str(e.value) and "<unicode string>" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["1e5", "1e-5", "-2E+3", "0o17", "0x1F", "1_000", "no", "on", "010", "20:00",
+                                  "True", "~", "null", ".inf", "3.0", "lr1e-5", "plain"])
+def test_dump_yaml_quotes_each_string_a_loader_would_read_as_another_type(text):
+    import yaml
+
+    from mmrl.core.config import _yaml, dump_yaml
+
+    # yaml.safe_dump wrote "1e-5" and "0o17" plain; read_yaml (YAML 1.2) loads those as numbers
+    dumped = dump_yaml({"name": text, "lr": 1e-5, "n": 8, "on": True, "none": None})
+    for load in (_yaml, yaml.safe_load):
+        assert load(dumped) == {"name": text, "lr": 1e-5, "n": 8, "on": True, "none": None}, dumped

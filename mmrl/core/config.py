@@ -737,6 +737,23 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump that quotes every string _Loader or safe_load would read as something else:
+    safe_dump knows YAML 1.1 only, so it wrote the strings "1e-5" and "0o17" plain, and a
+    dumped config (`config`, a run's config.yaml) loaded back with a float and an int there."""
+
+
+for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
+    for _tag, _regexp in _resolvers:
+        _Dumper.add_implicit_resolver(_tag, _regexp, [_first])
+
+
+def dump_yaml(data: Any, **kwargs: Any) -> str:
+    """yaml.safe_dump(data, **kwargs) that loads back as it was by load_config (read_yaml) and
+    by yaml.safe_load alike."""
+    return yaml.dump(data, Dumper=_Dumper, **kwargs)
+
+
 def _yaml(text: str, name: str | None = None) -> Any:
     """`text` read as YAML; an error's marks name `name` (a file's path) where yaml's would
     say "<unicode string>"."""
