@@ -44,3 +44,12 @@ def test_dump_yaml_quotes_each_string_a_loader_would_read_as_another_type(text):
     dumped = dump_yaml({"name": text, "lr": 1e-5, "n": 8, "on": True, "none": None})
     for load in (_yaml, yaml.safe_load):
         assert load(dumped) == {"name": text, "lr": 1e-5, "n": 8, "on": True, "none": None}, dumped
+
+
+@pytest.mark.parametrize("override, key", [("output_dir=", "output_dir"), ("output_dir=' '", "output_dir"),
+                                           ("model.path=", "model.path")])
+def test_an_empty_output_dir_or_model_path_is_refused_naming_the_key(override, key):
+    # `--set output_dir=$OUT` with OUT unset: "" wrote the run into the working directory, and
+    # a model.path of "" resolved to the config file's directory
+    with pytest.raises(ConfigError, match=rf"invalid config: {key}: '\s*' is empty"):
+        load_config(TrainConfig, overrides=[override])

@@ -147,6 +147,14 @@ class ModelConfig(Section):
             raise ValueError(f"device {self.device!r} is not one of cpu, cuda, cuda:N, auto")
         return self
 
+    @model_validator(mode="after")
+    def _path_not_empty(self):
+        # `--set model.path=$MODEL` with MODEL unset: "" resolved to the config file's directory
+        if self.path is not None and not self.path.strip():
+            raise KeyValueError("path", f"{self.path!r} is empty: give a model directory, or null for the "
+                                        "backend's bundled tiny model (was a --set value's variable unset?)")
+        return self
+
 
 # Files of a from_pretrained directory whose "auto_map" makes transformers import the
 # directory's own Python code.
@@ -628,6 +636,15 @@ class TrainConfig(Section):
     """What the run logs besides metrics.jsonl: TensorBoard, the progress bar, Weights & Biases."""
 
     _base_dir: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _output_dir_not_empty(self):
+        # `--set output_dir=$RUNS/x` is caught by the shell; `output_dir=$OUT` with OUT unset is "",
+        # which wrote the run's checkpoints and logs into the working directory
+        if not self.output_dir.strip():
+            raise KeyValueError("output_dir", f"{self.output_dir!r} is empty: give a directory for the run "
+                                              "(was a --set value's variable unset?)")
+        return self
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self):
