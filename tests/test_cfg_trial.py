@@ -53,3 +53,27 @@ def test_an_empty_output_dir_or_model_path_is_refused_naming_the_key(override, k
     # a model.path of "" resolved to the config file's directory
     with pytest.raises(ConfigError, match=rf"invalid config: {key}: '\s*' is empty"):
         load_config(TrainConfig, overrides=[override])
+
+
+@pytest.mark.parametrize("given", ["optim=null", "rollout.scheduler=~"])
+def test_a_section_given_as_null_says_to_leave_it_out(given, tmp_path):
+    key = given.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"invalid config: {key} is empty \(null\) where a section is due: "
+                                          rf"leave {key} out for its defaults$"):
+        load_config(TrainConfig, overrides=[given])
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  # lr: 1.0e-6\n")  # every key under it commented out: null
+    with pytest.raises(ConfigError, match=r"optim is empty \(null\) where a section is due"):
+        load_config(TrainConfig, path)
+
+
+@pytest.mark.parametrize("given, note", [
+    ("optim.max_grad_norm=None", r"\(got 'None'\): 'None' is a string in YAML; null \(or ~\) is none"),
+    ("logging.wandb.name=1e-5", r"\(got 1e-05\): YAML read it as a number; quote it to give a string"),
+    ("logging.wandb.tags=[2024]", r"tags.0: .*\(got 2024\): YAML read it as an integer; quote it"),
+    ("output_dir=true", r"\(got True\): YAML read it as a boolean; quote it"),
+])
+def test_a_value_yaml_read_otherwise_than_meant_says_how_to_write_it(given, note):
+    with pytest.raises(ConfigError, match=note):
+        load_config(TrainConfig, overrides=[given])
+    assert load_config(TrainConfig, overrides=["logging.wandb.name='1e-5'"]).logging.wandb.name == "1e-5"

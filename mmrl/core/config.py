@@ -983,13 +983,27 @@ def _describe(error: ValidationError, cls: type[BaseModel], data: dict) -> list[
               and "type" in _known_keys(cls, data, loc)):  # `method: axpo`, for `method: {type: axpo}`
             got = err["input"]
             msg = f"{key}: {got!r} is given where a mapping is due: write `{key}: {{type: {got}}}` in a file, or --set {key}.type={got}"
+        elif err["type"] in ("model_type", "model_attributes_type") and err.get("input", "") is None:
+            # `optim:` with every key under it commented out, or --set optim=null
+            msg = f"{key} is empty (null) where a section is due: leave {key} out for its defaults"
         else:
             text = err["msg"].removeprefix("Value error, ")  # pydantic's prefix to a validator's message
             msg = f"{key}: {text}"
             if err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], dict):
-                msg += f" (got {err['input']!r})"
+                msg += f" (got {err['input']!r}){_input_note(err['type'], err['input'])}"
         lines.append(msg)
     return lines
+
+
+def _input_note(kind: str, got: Any) -> str:
+    """Why a value YAML read is not the one meant, where that shows: a Python None (YAML's null
+    is null or ~), or a name or tag YAML read as a number or a boolean (2024, 1e-5, true)."""
+    if got in ("None", "none"):
+        return ": 'None' is a string in YAML; null (or ~) is none"
+    if kind == "string_type" and isinstance(got, int | float):  # bool is an int
+        read = "a boolean" if isinstance(got, bool) else "an integer" if isinstance(got, int) else "a number"
+        return f": YAML read it as {read}; quote it to give a string (\"...\")"
+    return ""
 
 
 def _error_loc(err: dict, data: Any) -> list:
