@@ -77,3 +77,11 @@ def test_a_value_yaml_read_otherwise_than_meant_says_how_to_write_it(given, note
     with pytest.raises(ConfigError, match=note):
         load_config(TrainConfig, overrides=[given])
     assert load_config(TrainConfig, overrides=["logging.wandb.name='1e-5'"]).logging.wandb.name == "1e-5"
+
+
+def test_a_key_path_into_a_list_says_to_give_the_whole_list():
+    # was "reward.atoms is a value, not a section": a list is none of the two
+    with pytest.raises(ConfigError, match=r"override 'reward.atoms.0.weight=2': reward.atoms is a list, and --set "
+                                          r"reaches into sections only: give the whole list, e.g. "
+                                          r"--set 'reward.atoms=\[...\]'"):
+        load_config(TrainConfig, overrides=["reward.atoms=[{path: a.py:f}]", "reward.atoms.0.weight=2"])

@@ -831,6 +831,10 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
+            if isinstance(child, list):  # `reward.atoms.0.weight=2`: items have no key path
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {where} is a list, and --set reaches into sections "
+                                  f"only: give the whole list, e.g. --set '{where}=[...]'")
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
                 raise ConfigError(f"override {item!r}: {where} is a value, not a section")
