@@ -85,3 +85,23 @@ def test_a_key_path_into_a_list_says_to_give_the_whole_list():
                                           r"reaches into sections only: give the whole list, e.g. "
                                           r"--set 'reward.atoms=\[...\]'"):
         load_config(TrainConfig, overrides=["reward.atoms=[{path: a.py:f}]", "reward.atoms.0.weight=2"])
+
+
+def test_plugins_in_a_config_file_take_environment_variables_as_its_other_paths_do(tmp_path, monkeypatch):
+    import warnings
+
+    from mmrl.core import plugins
+
+    # the CLI reads `plugins` before the config (plugins.requested): "$PROJECT/my_method.py"
+    # stayed as written there, "file not found: <config dir>/$PROJECT/my_method.py"
+    monkeypatch.setenv("MMRL_TEST_PROJECT", str(tmp_path))
+    path = tmp_path / "run.yaml"
+    path.write_text("plugins: [$MMRL_TEST_PROJECT/my_method.py]\n")
+    assert plugins.requested(path, [], {}) == [f"{tmp_path}/my_method.py"]
+    monkeypatch.delenv("MMRL_TEST_PROJECT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unset: said once, when load_config reads the file
+        assert plugins.requested(path, [], {}) == ["$MMRL_TEST_PROJECT/my_method.py"]
+    with pytest.raises(ConfigError, match=r"file not found: .*my_method.py \(it names an environment variable "
+                                          r"that is not set\)"):
+        plugins.config_class(TrainConfig, path, [], {})

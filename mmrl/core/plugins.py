@@ -13,10 +13,18 @@ process, also where a reward atom spec names it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
-from mmrl.core.config import ConfigError, TrainConfig, apply_overrides, deep_merge, read_yaml
+from mmrl.core.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    deep_merge,
+    expand_env,
+    read_yaml,
+)
 from mmrl.core.method import METHODS
 from mmrl.core.rewards import PLUGIN_MODULES, import_python_file
 from mmrl.core.runconfig import resolve_file
@@ -26,7 +34,11 @@ _imported: dict[Path, Any] = PLUGIN_MODULES  # shared: a reward atom spec naming
 
 def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> list[str]:
     """The `plugins` the raw settings name: --set over the config file over the defaults."""
-    data = deep_merge(dict(defaults), read_yaml(path)) if path is not None else dict(defaults)
+    data = dict(defaults)
+    if path is not None:
+        with warnings.catch_warnings():  # an unset variable is said once, by load_config
+            warnings.simplefilter("ignore")
+            data = deep_merge(data, expand_env(read_yaml(path), path))  # `plugins: [$PROJECT/my_method.py]`
     plugins = apply_overrides(data, [o for o in overrides if o.split("=", 1)[0].strip() == "plugins"]).get("plugins")
     if plugins in (None, []):
         return []
@@ -42,7 +54,8 @@ def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
     for name, found in zip(plugins, absolute(plugins, base_dir)):
         path = Path(found)
         if not path.is_file():
-            raise ConfigError(f"plugins: {name!r}: file not found: {path}")
+            unset = " (it names an environment variable that is not set)" if "$" in name else ""
+            raise ConfigError(f"plugins: {name!r}: file not found: {path}{unset}")
         if path not in _imported:
             registered = dict(METHODS)
             try:
