@@ -105,3 +105,26 @@ def test_plugins_in_a_config_file_take_environment_variables_as_its_other_paths_
     with pytest.raises(ConfigError, match=r"file not found: .*my_method.py \(it names an environment variable "
                                           r"that is not set\)"):
         plugins.config_class(TrainConfig, path, [], {})
+
+
+def test_a_whole_section_given_by_set_says_which_keys_it_returned_to_their_defaults(tmp_path):
+    import warnings
+
+    # --set replaces a section given as a mapping (a file's merges): DAPO's token_mean went back
+    # to seq_mean_token_mean without a word
+    path = tmp_path / "dapo.yaml"
+    path.write_text("method: {loss: {clip_high: 0.28, aggregation: token_mean}}\n")
+    with pytest.warns(UserWarning, match=r"--set method.loss=\{clip_high: 0.3\} replaces the whole method.loss "
+                                         r"section: method.loss.aggregation \"token_mean\" -> \"seq_mean_token_mean\" "
+                                         r"\(its defaults\); give only the keys to change"):
+        cfg = load_config(TrainConfig, path, ["method.loss={clip_high: 0.3}"])
+    assert (cfg.method.loss.clip_high, cfg.method.loss.aggregation) == (0.3, "seq_mean_token_mean")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing lost: every key given, or set again after, or a new type
+        load_config(TrainConfig, path, ["method.loss={clip_high: 0.3, aggregation: token_mean}"])
+        load_config(TrainConfig, path, ["method.loss={clip_high: 0.3}", "method.loss.aggregation=token_mean"])
+        load_config(TrainConfig, None, ["optim={lr: 2e-6}", "method.advantage={type: rloo}"])
+    with warnings.catch_warnings(record=True) as said:  # a later type change: only that is said
+        warnings.simplefilter("always")
+        load_config(TrainConfig, None, ["method.advantage={scale: none}", "method.advantage.type=rloo"])
+    assert [str(w.message) for w in said if "replaces the whole" in str(w.message)] == []

@@ -921,7 +921,7 @@ def load_config(
 
         path = resolve_config_file(path)
         data = deep_merge(data, expand_env(read_yaml(path), path))
-    data = apply_overrides(data, overrides)
+    before, data = data, apply_overrides(data, overrides)
     try:
         cfg = cls.model_validate(data)
     except ValidationError as e:
@@ -932,9 +932,32 @@ def load_config(
                         for k in keys)
         where = f" in {path}" if path is not None and from_file else ""  # a --set value is not the file's fault
         raise ConfigError(f"invalid config{where}: " + "; ".join(_describe(e, cls, data))) from None
+    _say_replaced_sections(cfg, before, overrides)
     if path is not None:
         cfg._base_dir = str(Path(path).resolve().parent)
     return cfg
+
+
+def _say_replaced_sections(cfg: BaseModel, before: dict, overrides: tuple[str, ...]) -> None:
+    """A warning where a --set gave a whole section as a mapping (`method.loss={clip_high: 0.3}`)
+    and so returned keys the file or the backend's defaults had set (DAPO's token_mean) to their
+    class defaults: the section is replaced, not merged as a file's is, and that went unsaid."""
+    after = cfg.model_dump(mode="json", warnings=False)
+    for item in overrides:
+        parts, value = parse_override(item)
+        old, new, section = before, after, cfg
+        for part in parts:
+            old, new = (d.get(part) if isinstance(d, dict) else None for d in (old, new))
+            section = getattr(section, part, None)
+        if not (isinstance(value, dict) and isinstance(section, BaseModel) and isinstance(old, dict)
+                and isinstance(new, dict)) or new.get("type") != old.get("type"):
+            continue  # a new variant (given here or by a later --set) starts from its own defaults
+        where = ".".join(parts)
+        lost = [f"{where}.{k} {json.dumps(v)} -> {json.dumps(new[k])}" for k, v in old.items()
+                if k not in value and v != new.get(k)]
+        if lost:
+            config_warning(f"--set {item.strip()} replaces the whole {where} section: {', '.join(lost)} (its "
+                           f"defaults); give only the keys to change (--set {where}.KEY=VALUE) to keep the others")
 
 
 def check_built(cfg: BaseModel) -> None:
