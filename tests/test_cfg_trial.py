@@ -128,3 +128,24 @@ def test_a_whole_section_given_by_set_says_which_keys_it_returned_to_their_defau
         warnings.simplefilter("always")
         load_config(TrainConfig, None, ["method.advantage={scale: none}", "method.advantage.type=rloo"])
     assert [str(w.message) for w in said if "replaces the whole" in str(w.message)] == []
+
+
+def test_a_name_that_looks_like_a_number_round_trips_through_config_and_a_runs_config_yaml(tmp_path):
+    # `config` (commented_config) and the run's config.yaml wrote "1e-5" plain with safe_dump, and
+    # the config loader's YAML 1.2 rules read it back as a float: exit 2 on the printed file
+    from mmrl.core.config_doc import commented_config
+    from mmrl.core.trainer import Trainer
+
+    overrides = ["logging.wandb={name: '1e-5', tags: ['0o17', '2e3']}"]
+    cfg = load_config(TrainConfig, overrides=overrides)
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(commented_config(cfg))
+    again = load_config(TrainConfig, printed)
+    assert (again.logging.wandb.name, again.logging.wandb.tags) == ("1e-5", ["0o17", "2e3"])
+    # the run's config.yaml, as a 1-step toy run writes it, loads back as its --config
+    from tests import toy
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                      overrides=[f"output_dir={tmp_path / 'run'}", "train.max_steps=1", *overrides])
+    Trainer(cfg, *toy.build(cfg)).train()
+    run = load_config(TrainConfig, tmp_path / "run" / "config.yaml")
+    assert (run.logging.wandb.name, run.logging.wandb.tags) == ("1e-5", ["0o17", "2e3"])

@@ -12,10 +12,9 @@ import textwrap
 import typing
 from typing import Any
 
-import yaml
 from pydantic import BaseModel
 
-from mmrl.core.config import ConfigError
+from mmrl.core.config import ConfigError, dump_yaml
 from mmrl.core.runconfig import absolute_paths
 
 __all__ = ["commented_config"]
@@ -100,5 +99,5 @@ def _shown(model: BaseModel) -> list[str]:
 
 def _flow(value: Any) -> str:
     """One value in YAML's flow style, on one line."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), sort_keys=False).strip()
+    text = dump_yaml(value, default_flow_style=True, width=float("inf"), sort_keys=False).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()

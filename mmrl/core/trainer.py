@@ -57,7 +57,7 @@ from mmrl.core import checkpoint as ckpt
 from mmrl.core import distributed, fsdp, provenance
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.best import BestCheckpoint
-from mmrl.core.config import ConfigError, OptimConfig, TrainConfig, check_built
+from mmrl.core.config import ConfigError, OptimConfig, TrainConfig, check_built, dump_yaml
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
 from mmrl.core.logging import (
@@ -284,7 +284,7 @@ class Trainer:
         if path.is_file():
             text = path.read_text()
         elif self._loaded_config is not None:  # config.yaml lost (checkpoints/ copied alone): the checkpoint's
-            text = yaml.safe_dump(absolute_paths(self._loaded_config, self.cfg.base_dir), sort_keys=False)
+            text = dump_yaml(absolute_paths(self._loaded_config, self.cfg.base_dir), sort_keys=False)
             whose, record = "the checkpoint's (the run's config.yaml is missing)", "The checkpoint's settings are"
         else:
             return
@@ -355,7 +355,7 @@ class Trainer:
             if resume:
                 self._keep_changed_config(config)
                 self._keep_finished_summary()
-            (self.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (self.out / "config.yaml").write_text(dump_yaml(config, sort_keys=False))
             provenance.record(self.out, self.step, self.world)  # the code and libraries of this start
         self._since = time.perf_counter()
         wandb = self.cfg.logging.wandb
