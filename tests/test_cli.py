@@ -141,15 +141,28 @@ def test_the_libraries_progress_bars_follow_logging_progress_and_the_terminal(mo
 
 
 def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, monkeypatch):
-    """Click's own handler would exit 130 without a word; the CLI names the checkpoint to resume."""
+    """Click's own handler would exit 130 without a word; the CLI names the checkpoint to resume
+    and the command that resumes it, or says there is none. It said "the newest complete
+    checkpoint is kept (resume with --resume)" also where the run had saved none (the default
+    saves only at the end), and `--resume` without -o resumes the default output directory."""
     import toy
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(toy, "build", interrupted)
-    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "run"))
-    assert code == 130 and "interrupted; the newest complete checkpoint is kept (resume with --resume)" in text
+    run = tmp_path / "my run"  # a run stopped after its step-1 checkpoint
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001" / STATE_JSON).write_text("{}")
+    (run / "config.yaml").write_text("seed: 0\n")
+    code, text = invoke(app, "train", "--output-dir", str(run), "--resume")
+    assert code == 130, text
+    assert f"{run}/checkpoints/step-00000001, is kept: resume with `toy-rl train -o '{run}' --resume`" in text
+    # before any checkpoint: nothing to resume, and why (save_every 0 saves only at the end)
+    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "new"))
+    assert code == 130 and "nothing to resume" in text and "--save-every" in text and "--resume`" not in text
+    code, text = invoke(app, "train", "--output-dir", str(tmp_path / "new"), "--save-every", "5")
+    assert code == 130 and "nothing to resume" in text and "--save-every" not in text
     code, text = invoke(app, "eval")
     assert code == 130 and text.strip() == "interrupted"
 

@@ -18,6 +18,7 @@ import importlib
 import inspect
 import json
 import math
+import shlex
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -146,11 +147,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 raise
             raise ConfigError(f"{e} (the run's settings come from {run / RUN_CONFIG})") from None
 
-    def run_verb(fn, interrupted: str = "interrupted"):
+    def run_verb(fn, interrupted=lambda: "interrupted"):
         try:
             return fn()
         except KeyboardInterrupt:  # here: click's own handler would exit 130 without a word
-            err_console.print(interrupted, **PLAIN)
+            err_console.print(interrupted(), **PLAIN)
             raise typer.Exit(130) from None
         except StoppedBySignal as e:  # a scheduler's SIGTERM / SIGUSR1: the finished steps are saved
             err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
@@ -230,6 +231,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir, "train.save_every": save_every}
         )
 
+        started: list[TrainConfig] = []  # the run's config, once read: what Ctrl-C leaves depends on it
+
         def go():
             from mmrl.core.pipeline import check_config
             from mmrl.core.trainer import Trainer, check_output_dir
@@ -244,6 +247,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 if not go_on:
                     err_console.print(f"--auto-resume: no complete checkpoint in {out}; starting afresh", **PLAIN)
             backend, cfg = get_backend(config, overrides, resume=go_on)
+            started.append(cfg)
             check_output_dir(cfg.output_dir, go_on)  # before the model is built
             check_config(cfg, world_size())  # the config as a whole, before the model too (the Trainer checks it again)
             source = f" ({config})" if config is not None else ""
@@ -263,7 +267,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     console.print(f"best checkpoint by held-out {b['metric']} ({b['value']:.4g}, step {b['step']}): "
                                   f"{b['checkpoint']}/model (--checkpoint {cfg.output_dir}/best)", **PLAIN)
 
-        run_verb(go, "interrupted; the newest complete checkpoint is kept (resume with --resume)")
+        run_verb(go, lambda: interrupted_note(spec.command, started[0] if started else None))
 
     @app.command("eval")
     def evaluate(
@@ -621,6 +625,23 @@ def check_model_type(policy, path: Path, model: Path) -> None:
     if isinstance(ours, str) and isinstance(theirs, str) and ours != theirs:
         raise CheckpointError(f"--checkpoint {path}: cannot load {model}: it holds a {theirs!r} model (its config.json), "
                               f"and the model it is loaded into is a {ours!r}: a checkpoint of another model or backend?")
+
+
+def interrupted_note(command: str, cfg: TrainConfig | None) -> str:
+    """What Ctrl-C in `train` leaves: the checkpoint to resume from and the command that does, or
+    that there is none (the default run saves only at its end, so Ctrl-C at step 300 of 500 keeps
+    nothing: "the newest checkpoint is kept, resume with --resume" then sent the user to an
+    error). The command names the output directory: `--resume` alone resumes the default one."""
+    if cfg is None:  # before the config was read: nothing was written
+        return "interrupted"
+    out = Path(cfg.output_dir)
+    found = latest_checkpoint(out / "checkpoints")
+    if found is not None:
+        return (f"interrupted; the newest complete checkpoint, {found}, is kept: resume with "
+                f"`{command} train -o {shlex.quote(str(out))} --resume`")
+    every = "" if cfg.train.save_every else (" (this run saves only at its end; --save-every N saves every N "
+                                              "steps)")
+    return f"interrupted before any checkpoint was saved{every}: nothing to resume; start again as before"
 
 
 def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
