@@ -31,6 +31,11 @@ def test_train_resume_eval_sample(tmp_path):
     # the lines that name paths are whole on a narrow console (and in a log file: 80 columns)
     assert f"toy-rl train: method grpo, output {out}" in text.splitlines()
     assert f"wrote {out}/summary.json; checkpoint {out}/checkpoints/step-00000002/model" in text.splitlines()
+    # and where to look next, with commands that work as printed (the path quoted for a shell)
+    q = f"'{out}'"
+    assert (f"see {out}/report.html (curves, samples, config) or `toy-rl runs {q}`; next: `toy-rl sample "
+            f"--checkpoint {q}`, `toy-rl eval --checkpoint {q}`, `toy-rl export --checkpoint {q} -o DIR`"
+            in text.splitlines())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["config"]["seed"] == 3
     assert "accuracy" in text  # the before/after table

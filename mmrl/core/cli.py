@@ -266,6 +266,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     b = summary["best"]
                     console.print(f"best checkpoint by held-out {b['metric']} ({b['value']:.4g}, step {b['step']}): "
                                   f"{b['checkpoint']}/model (--checkpoint {cfg.output_dir}/best)", **PLAIN)
+                console.print(next_steps(spec.command, Path(cfg.output_dir)), **PLAIN)
 
         run_verb(go, lambda: interrupted_note(spec.command, started[0] if started else None))
 
@@ -642,6 +643,17 @@ def interrupted_note(command: str, cfg: TrainConfig | None) -> str:
     every = "" if cfg.train.save_every else (" (this run saves only at its end; --save-every N saves every N "
                                               "steps)")
     return f"interrupted before any checkpoint was saved{every}: nothing to resume; start again as before"
+
+
+def next_steps(command: str, out: Path) -> str:
+    """The lines that end `train`: where to look at the run and the verbs that use what it made
+    (a first run ended on a checkpoint path and left the reader to find report.html and the
+    other verbs in the README)."""
+    run = shlex.quote(str(out))
+    report = out / "report.html"
+    look = f"see {report} (curves, samples, config) or `{command} runs {run}`; " if report.is_file() else ""
+    return (f"{look}next: `{command} sample --checkpoint {run}`, `{command} eval --checkpoint {run}`, "
+            f"`{command} export --checkpoint {run} -o DIR`")
 
 
 def print_eval(before: dict[str, Any], after: dict[str, Any], steps: int) -> None:
