@@ -408,6 +408,22 @@ def test_train_help_names_every_file_a_run_writes(monkeypatch):
         assert written in text, written
 
 
+def test_train_help_names_each_flags_default_and_the_set_syntax(monkeypatch):
+    """The flags whose default is the config's say so (--help showed none: where a first run
+    writes, how many steps, that it saves only at the end); --set shows KEY=VALUE, not
+    typer's `<list[str]>`, and `runs` names what it takes, not `{paths}`."""
+    monkeypatch.setenv("COLUMNS", "400")
+    code, text = invoke(app, "train", "--help")
+    assert code == 0, text
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("│ --")}
+    for flag in ("--max-steps", "--seed", "--output-dir", "--save-every"):
+        assert "default:" in lines[flag], lines[flag]
+    assert "runs/toy-default" in lines["--output-dir"] and "only the final step" in lines["--save-every"]
+    assert "KEY=VALUE" in lines["--set"]
+    code, text = invoke(app, "runs", "--help")
+    assert code == 0 and "RUN_OR_FOLDER" in text and "{paths}" not in text
+
+
 def test_a_relative_config_the_working_directory_lacks_comes_from_the_repository(tmp_path, monkeypatch):
     """`--config configs/vlm/dapo.yaml` works from any directory, as model.path "assets/..." does; a
     file the working directory holds wins, and a path neither holds stays as given (for the error)."""

@@ -214,11 +214,17 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         config: Path | None = typer.Option(None, "--config", "-c", help=(
             f"YAML config, e.g. `configs/{spec.modality}/<method>.yaml` (from the repository where the working "
             "directory has none); default: the embedded default run.")),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
-        max_steps: int | None = typer.Option(None, "--max-steps", help="Training steps (train.max_steps)."),
-        seed: int | None = typer.Option(None, "--seed", help="Seed of every RNG of the run."),
-        output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Where the run writes."),
-        save_every: int | None = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key: --set optim.lr=1e-5 (repeatable)."),
+        # defaults are the config's (the embedded default's where no --config sets them): named, not shown
+        max_steps: int | None = typer.Option(None, "--max-steps", help=(
+            f"Training steps (train.max_steps); default: the config's (`{spec.command} config -k train` shows it).")),
+        seed: int | None = typer.Option(None, "--seed", help="Seed of every RNG of the run; default: the config's "
+                                        "seed, 0 unless it sets one."),
+        output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help=(
+            f"Where the run writes; default: the config's output_dir, else runs/{spec.modality}-default.")),
+        save_every: int | None = typer.Option(None, "--save-every", help=(
+            "Checkpoint every N steps (train.save_every); default: the config's, 0 unless it sets one: only the "
+            "final step is saved, so an interrupted run has nothing to resume.")),
         resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in the output directory."),
         auto_resume: bool = typer.Option(False, "--auto-resume", help=(
             "Continue as --resume where the output directory holds a complete checkpoint, else start afresh: "
@@ -296,13 +302,13 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     @app.command(help=f"Sample a model and print one JSON line per sample. {spec.scored_prompts}")
     def sample(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best."),
-        prompt: list[str] = typer.Option([], "--prompt", "-p", help="Prompt (repeatable); default: the first two held-out items."),
+        prompt: list[str] = typer.Option([], "--prompt", "-p", metavar="TEXT", help="Prompt (repeatable); default: the first two held-out items."),
         num: int | None = typer.Option(None, "--num", "-n", min=1, help="Samples per prompt (default 4)."),
         greedy: bool = typer.Option(False, "--greedy", help="Decode greedily: one answer per prompt, as held-out "
                                     "evaluation decodes (language backends; diffusion samples are ODE draws already)."),
-        image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False, help=(
+        image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False, metavar="FILE", help=(
             "An image the --prompt questions ask about (vision-language; one for every question, or one per question).")),
     ):
         def go():
@@ -341,7 +347,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     @app.command()
     def serve(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model and rollout)."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default. Any other address needs a token."),
         port: int = typer.Option(8400, "--port", help="Port to serve on; 0 picks a free one."),
@@ -395,7 +401,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         checkpoint: Path = typer.Option(..., "--checkpoint", help="A run directory (its newest checkpoint), RUN/best (train.best_metric's), a checkpoint or its model directory."),
         out: Path = typer.Option(..., "--out", "-o", help="The directory to write; a new or empty one."),
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run; inside a run, its config.yaml is the base."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
     ):
         """Write a checkpoint as a standalone model directory that transformers, diffusers or vLLM
         load without mmrl: a LoRA run's adapters merged into its base weights, with the processor or
@@ -429,7 +435,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     @app.command("config")
     def show_config(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
         keys: str | None = typer.Option(None, "--keys", "-k", help="Only this part, e.g. --keys rollout or --keys method."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
     ):
@@ -452,7 +458,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
 
     @app.command("runs")
     def list_runs(
-        paths: list[Path] = typer.Argument(..., help="Run directories, or directories that hold runs one level down."),
+        paths: list[Path] = typer.Argument(..., metavar="RUN_OR_FOLDER", help="Run directories, or directories that hold runs one level down."),
         group: bool = typer.Option(False, "--group", "-g", help="One row per configuration: runs whose configs "
                                    "differ only in seed (and output_dir, logging), with each metric's mean ± sample "
                                    "standard deviation after training and of its change."),
