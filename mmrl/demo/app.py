@@ -299,6 +299,12 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
            block: bool = True) -> Any:
     """Build and serve the app; returns the Blocks (block=False leaves it serving in a thread)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from mmrl.core.serve import check_port
+
+    try:  # before Gradio is imported and the app built (tens of seconds): Gradio's own OSError was a traceback
+        check_port(host, port)
+    except OSError as e:
+        raise RunError(f"the demo {e}; choose another --port") from None
     import gradio as gr
 
     runs = [RunInfo.load(d) for d in run_dirs]
@@ -306,9 +312,12 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
     # quiet: Gradio's own lines end with "To create a public link, set `share=True`", which the
     # demo has not (docs: it serves this machine alone); the address is printed here instead
-    app.queue(default_concurrency_limit=1).launch(
-        server_name=host, server_port=port, share=False, prevent_thread_lock=True, ssr_mode=False, theme=theme, css=CSS,
-        footer_links=[], quiet=True)
+    try:
+        app.queue(default_concurrency_limit=1).launch(
+            server_name=host, server_port=port, share=False, prevent_thread_lock=True, ssr_mode=False, theme=theme,
+            css=CSS, footer_links=[], quiet=True)
+    except OSError as e:  # taken since the check above (Gradio binds without SO_REUSEADDR)
+        raise RunError(f"the demo cannot serve on {host}:{port}: {e}") from None
     print(f"demo at {app.local_url} (Ctrl-C stops it)", flush=True)
     if block:
         app.block_thread()

@@ -1,0 +1,27 @@
+"""What a first user meets on a laptop, following the README: the demo on a port in use."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mmrl.demo import app
+from mmrl.demo.runs import RunError
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_the_demo_on_a_port_in_use_is_named_before_the_app_is_built(taken_port, monkeypatch):
+    """Gradio's 'Cannot find empty port' OSError came out as a traceback, after the app was
+    built (tens of seconds); now a RunError, which `mmrl demo` prints as its exit-2 error line,
+    names the port first (Gradio's import is left out: a CLI test spent 12 s on it)."""
+    monkeypatch.setattr(app, "build_app", lambda demo: pytest.fail("built the app before checking the port"))
+    with pytest.raises(RunError, match=f"127.0.0.1:{taken_port}: .*choose another --port"):
+        app.launch([], port=taken_port, train_missing=False)
