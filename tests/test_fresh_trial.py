@@ -25,3 +25,28 @@ def test_the_demo_on_a_port_in_use_is_named_before_the_app_is_built(taken_port, 
     monkeypatch.setattr(app, "build_app", lambda demo: pytest.fail("built the app before checking the port"))
     with pytest.raises(RunError, match=f"127.0.0.1:{taken_port}: .*choose another --port"):
         app.launch([], port=taken_port, train_missing=False)
+
+
+def test_ctrl_c_on_the_demo_closes_it_and_exits_130(capsys):
+    """Gradio's block_thread caught Ctrl-C, printed its own line and let `mmrl demo` exit 0, as
+    if it had finished; every other verb (`serve` too) says "interrupted" and exits 130."""
+
+    class Served:
+        closed = False
+        polls = 0
+
+        @property
+        def is_running(self):
+            self.polls += 1
+            if self.polls == 2:
+                raise KeyboardInterrupt
+            return True
+
+        def close(self):
+            self.closed = True
+
+    served = Served()
+    with pytest.raises(SystemExit) as stop:
+        app.wait_until_interrupted(served)
+    assert stop.value.code == 130 and served.closed
+    assert capsys.readouterr().err == "interrupted\n"

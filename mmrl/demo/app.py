@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import html
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -320,5 +322,18 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
         raise RunError(f"the demo cannot serve on {host}:{port}: {e}") from None
     print(f"demo at {app.local_url} (Ctrl-C stops it)", flush=True)
     if block:
-        app.block_thread()
+        wait_until_interrupted(app)
     return app
+
+
+def wait_until_interrupted(app) -> None:
+    """Serve until Ctrl-C, then close the server and exit 130 with "interrupted", as `serve` and
+    every other verb do: Gradio's block_thread printed its own "Keyboard interruption in main
+    thread... closing server." and let the demo exit 0, as if it had finished."""
+    try:
+        while app.is_running:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        app.close()
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
