@@ -619,3 +619,16 @@ def test_a_config_that_fails_says_why_not_which_settings_it_would_ignore(recwarn
     assert not [w for w in recwarn if "max_new_tokens" in str(w.message)]
     with pytest.warns(UserWarning, match=r"rollout.threshold \(0.5\) is unused by the low_confidence decoder"):
         assert invoke(dllm_app, "config", "--set", "rollout.threshold=0.5")[0] == 0
+
+
+def test_an_empty_output_dir_flag_and_a_second_keys_are_refused(tmp_path, monkeypatch):
+    # -o "" (an unset $OUT) was Path("."): the run wrote its checkpoints and logs into the working
+    # directory; a second --keys replaced the first without a word
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["train", "-o", "", "--max-steps", "1"])
+    assert result.exit_code == 2 and "--output-dir is empty" in result.output
+    assert list(tmp_path.iterdir()) == []
+    result = runner.invoke(app, ["config", "--keys", "optim", "--keys", "seed"])
+    assert result.exit_code == 2 and "--keys takes one part, got 2 (optim, seed)" in result.output
+    result = runner.invoke(app, ["config", "--keys", "optim"])
+    assert result.exit_code == 0 and result.output.startswith("optim:") or "\noptim:" in result.output

@@ -220,7 +220,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             f"Training steps (train.max_steps); default: the config's (`{spec.command} config -k train` shows it).")),
         seed: int | None = typer.Option(None, "--seed", help="Seed of every RNG of the run; default: the config's "
                                         "seed, 0 unless it sets one."),
-        output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help=(
+        # a str, not a Path: typer reads -o "" (an unset $OUT) as Path("."), the working directory
+        output_dir: str | None = typer.Option(None, "--output-dir", "-o", metavar="DIR", help=(
             f"Where the run writes; default: the config's output_dir, else runs/{spec.modality}-default.")),
         save_every: int | None = typer.Option(None, "--save-every", help=(
             "Checkpoint every N steps (train.save_every); default: the config's, 0 unless it sets one: only the "
@@ -233,8 +234,11 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         """Train: rollout -> reward -> advantage -> update; writes summary.json, metrics.jsonl,
         sample tables, reward_curve.png, report.html, environment.json, TensorBoard events and
         checkpoints into the output directory."""
+        if output_dir is not None and not output_dir.strip():
+            fail("--output-dir is empty: give a directory for the run (was the variable it names unset?)")
         overrides = list(set_) + _flag_overrides(
-            {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir, "train.save_every": save_every}
+            {"train.max_steps": max_steps, "seed": seed, "output_dir": output_dir and Path(output_dir),
+             "train.save_every": save_every}
         )
 
         started: list[TrainConfig] = []  # the run's config, once read: what Ctrl-C leaves depends on it
@@ -436,18 +440,23 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def show_config(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
         set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
-        keys: str | None = typer.Option(None, "--keys", "-k", help="Only this part, e.g. --keys rollout or --keys method."),
+        # a list only to refuse a second --keys, which typer kept in place of the first without a word
+        keys: list[str] = typer.Option([], "--keys", "-k", metavar="PART",
+                                       help="Only this part, e.g. --keys rollout or --keys method."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
     ):
         """Print the config a run would use (the embedded default, --config, --set) as YAML, every
         key with its description and value; it loads back as a --config file. Nothing is built."""
+        if len(keys) > 1:
+            fail(f"--keys takes one part, got {len(keys)} ({', '.join(keys)}): run `config` once for each, or "
+                 "--keys on their common section")
 
         def go():
             from mmrl.core.config_doc import commented_config
             from mmrl.core.pipeline import check_config
 
             _, cfg = get_backend(config, list(set_), "train", checkpoint, builds=False)
-            typer.echo(commented_config(cfg, keys), nl=False)
+            typer.echo(commented_config(cfg, keys[0] if keys else None), nl=False)
             try:  # what train refuses of the config as a whole: shown, yet the dump is still printed to edit
                 check_config(cfg, world_size())
             except ConfigError as e:
