@@ -95,6 +95,16 @@ def check_config(cfg: TrainConfig, world: int, training: bool = True) -> None:
                           "rollout.scheduler.mode=sync with placement inline and engine hf)")
     if placement(cfg) == "remote" and not sc.servers:
         raise ConfigError("rollout.scheduler.placement=remote needs rollout.scheduler.servers (a list of URLs)")
+    if placement(cfg) == "remote":
+        # A server holds the weights of the one engine that publishes to it: a second engine on it
+        # would get 409s (its weights replaced by the other's) and be dropped mid-round.
+        seen: dict[str, int] = {}
+        for i, url in enumerate(sc.servers):
+            key = url.removeprefix("vllm+").rstrip("/")
+            if key in seen:
+                raise ConfigError(f"rollout.scheduler.servers[{i}] is {url!r} again (as servers[{seen[key]}]): a "
+                                  "server serves one engine; start one server per engine, or list it once")
+            seen[key] = i
     if placement(cfg) != "inline" and world > 1:
         raise ConfigError("rollout.scheduler.placement other than inline with several trainer processes "
                           "is not supported yet")

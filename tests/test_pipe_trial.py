@@ -1,0 +1,26 @@
+"""What a trial of rollout servers found: a server listed twice, engines dropped without a word
+or for good, a dLLM server of another prompt width, a LoRA server on another base model."""
+
+from __future__ import annotations
+
+import pytest
+import toy
+
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.pipeline import check_config
+
+
+def remote_config(tmp_path, servers: str):
+    return load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
+        f"output_dir={tmp_path / 'run'}", "rollout.prompts_per_step=8", "rollout.num_generations=4",
+        "rollout.scheduler.mode=pipelined", "train.mini_batches=4", "rollout.scheduler.placement=remote",
+        f"rollout.scheduler.servers={servers}"])
+
+
+def test_a_server_listed_twice_is_a_config_error_naming_it(tmp_path):
+    # before: both engines published to it, and one of them was dropped with a 409 mid-round
+    with pytest.raises(ConfigError, match=r"servers\[2\] is 'http://b:1/' again \(as servers\[1\]\)"):
+        check_config(remote_config(tmp_path, "[http://a:1, http://b:1, http://b:1/]"), 1)
+    with pytest.raises(ConfigError, match=r"servers\[1\]"):  # an mmrl and a vLLM engine on one server, too
+        check_config(remote_config(tmp_path, "[http://a:1, vllm+http://a:1]"), 1)
+    check_config(remote_config(tmp_path, "[http://a:1, http://a:2]"), 1)  # two servers on one host
