@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import toy
+from test_pipeline import FakeEngine, SeededToy, config, round_over
 
 from mmrl.core.config import ConfigError, TrainConfig, load_config
 from mmrl.core.pipeline import check_config
@@ -24,3 +25,16 @@ def test_a_server_listed_twice_is_a_config_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"servers\[1\]"):  # an mmrl and a vLLM engine on one server, too
         check_config(remote_config(tmp_path, "[http://a:1, vllm+http://a:1]"), 1)
     check_config(remote_config(tmp_path, "[http://a:1, http://a:2]"), 1)  # two servers on one host
+
+
+def test_an_engine_dropped_mid_round_is_warned_of_once_naming_it_its_error_and_the_engines_left(tmp_path):
+    # before: dropped without a word, counted only in rollout/redispatched
+    cfg = config(tmp_path)
+    bad = FakeEngine(SeededToy(), name="bad", fail_after=0)  # its running and its queued call both fail
+    good = FakeEngine(SeededToy(), name="good")
+    with pytest.warns(UserWarning) as caught:
+        _, rnd, groups = round_over(cfg, [bad, good])
+    assert len(groups) == 8 and rnd.metrics["rollout/redispatched"] >= 1
+    dropped = [str(w.message) for w in caught if "dropped" in str(w.message)]
+    assert dropped == [("rollout engine bad failed: engine bad crashed; dropped: the run goes on with the "
+                        "other 1 of 2 engines")]

@@ -24,7 +24,7 @@ trainer consumed every group, so every sample's old log-probs come from the weig
 the trainer held at the round's start (staleness 0, checked by the trainer).
 
 Faults: a call that raises an engine fault or takes longer than `timeout` marks its
-worker dead; its unfinished calls go to the other workers (at most `max_redispatch`
+worker dead (one warning names it, the error, and the engines left); its unfinished calls go to the other workers (at most `max_redispatch`
 times) or the round stops with an EngineError. Errors in the input (a prompt too long,
 a reward atom that fails) stop the round with the original error.
 """
@@ -161,6 +161,12 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
         proc, url = spawn_server(backend.__name__, cfg.model_dump(mode="json"), timeout=sc.timeout)
         return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc)]
     return [PolicyEngine(policy, own_weights=True, name="thread")]
+
+
+def describe_engine(w: Worker) -> str:
+    """A worker's engine for a message: its name, and its server's URL where it has one."""
+    url = getattr(w.engine, "url", None)
+    return f"{w.name} ({url})" if url and url.split("//")[-1] != w.name else w.name
 
 
 @dataclass
@@ -342,7 +348,13 @@ class Round:
                 self._fail_worker(w, f"did not answer within {self.s.timeout:g} s (hung)")
 
     def _fail_worker(self, w: Worker, why: str) -> None:
-        for job in w.mark_dead(why):
+        was_alive = w.alive
+        jobs = w.mark_dead(why)
+        left = sum(x.alive for x in self.s.workers)
+        if was_alive and left:  # with none left the round stops with an EngineError naming every engine
+            warnings.warn(f"rollout engine {describe_engine(w)} {why}; dropped: the run goes on with the "
+                          f"other {left} of {len(self.s.workers)} engines", stacklevel=2)
+        for job in jobs:
             self.metrics["rollout/redispatched"] += 1
             tried = job.started is not None  # a call still queued never ran: moving it is no retry
             for r in job.requests:  # back to the front of their group's queue
