@@ -180,6 +180,15 @@ class DLLMPolicy:
                 self.estimator.prepare(self, batch, generator)
         return batch
 
+    def check_rollout(self, batch: RolloutBatch) -> None:
+        """ValueError unless a batch from an engine in another process fits this policy: a server
+        built with other task settings pads prompts to another width, which fails deep in the
+        model at training time (mmrl.core.remote.RemoteEngine calls this on each batch)."""
+        width = batch.data["prompt_ids"].shape[1] if "prompt_ids" in batch.data else None
+        if width is not None and width != self.prompt_length:
+            raise ValueError(f"its prompts are {width} tokens wide, this trainer's {self.prompt_length} (the width "
+                             "is the task's longest prompt): serve with the trainer's task settings")
+
     def logprobs(self, batch: RolloutBatch, iteration: int = 0) -> Tensor:
         if self.estimator is None:
             raise ValueError("this policy has no log-prob estimator (it is built by the run's method)")

@@ -38,3 +38,38 @@ def test_an_engine_dropped_mid_round_is_warned_of_once_naming_it_its_error_and_t
     dropped = [str(w.message) for w in caught if "dropped" in str(w.message)]
     assert dropped == [("rollout engine bad failed: engine bad crashed; dropped: the run goes on with the "
                         "other 1 of 2 engines")]
+
+
+def test_a_dllm_server_of_another_prompt_width_is_an_engine_error_naming_it_and_both_widths(tmp_path):
+    # before: the batch went on to training, which failed deep in the model with
+    # "ValueError: valid has shape (4, 18), input_ids (4, 16)", naming neither the server nor the setting
+    import copy
+    import importlib
+
+    from mmrl.core import serve
+    from mmrl.core.engine import EngineError, Request
+    from mmrl.core.pipeline import build_engines
+    from mmrl.core.remote import RemoteEngine
+
+    backend = importlib.import_module("dllm_rl.backend")
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG)
+    tiny = cfg.rollout.model_copy(update={"gen_length": 4, "block_length": 4, "steps": 2})
+    policy = serve.served_policy(backend, cfg)
+    width = policy.prompt_length
+    trainer = copy.copy(policy)  # a trainer whose task's longest prompt is 2 tokens shorter
+    trainer.prompt_length = width - 2
+    # the trainer's engines check each batch with its policy
+    (engine,) = build_engines(remote_config(tmp_path, "[http://a:1]"), trainer)
+    assert engine.check == trainer.check_rollout
+    server = serve.serve_in_thread(serve.ServedPolicyEngine(policy), type(cfg.rollout))
+    try:
+        requests = [Request(0, "12+3=", 2)]
+        assert len(RemoteEngine(server.url, timeout=30, check=policy.check_rollout)
+                   .generate(requests, tiny, seed=0)) == 2  # the same width: fine
+        with pytest.raises(EngineError) as caught:
+            RemoteEngine(server.url, timeout=30, check=trainer.check_rollout).generate(requests, tiny, seed=0)
+    finally:
+        server.close()
+    assert str(caught.value) == (f"engine {server.url[7:]}: the batch from {server.url} does not fit the trainer's "
+                                 f"policy: its prompts are {width} tokens wide, this trainer's {width - 2} (the "
+                                 "width is the task's longest prompt): serve with the trainer's task settings")

@@ -137,6 +137,7 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
     `build_engine(kind, cfg, policy, url=None)` for engines of its own (vLLM)."""
     where, sc = placement(cfg), cfg.rollout.scheduler
     own = getattr(backend, "build_engine", None)
+    check = getattr(policy, "check_rollout", None)  # a server's batches against the trainer's policy
     if where == "remote":
         engines = []
         for i, url in enumerate(sc.servers):
@@ -147,7 +148,7 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
             else:
                 from mmrl.core.remote import RemoteEngine
 
-                engines.append(RemoteEngine(url, timeout=sc.timeout))
+                engines.append(RemoteEngine(url, timeout=sc.timeout, check=check))
         return engines
     if cfg.rollout.engine != "hf":
         if own is None:
@@ -159,7 +160,7 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
         from mmrl.core.remote import RemoteEngine, spawn_server
 
         proc, url = spawn_server(backend.__name__, cfg.model_dump(mode="json"), timeout=sc.timeout)
-        return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc)]
+        return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc, check=check)]
     return [PolicyEngine(policy, own_weights=True, name="thread")]
 
 

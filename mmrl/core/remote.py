@@ -28,7 +28,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,14 @@ class RemoteEngine:
     the server: connecting, and each read of its reply (a generation must answer within it)."""
 
     def __init__(self, url: str, *, timeout: float, name: str | None = None,
-                 process: subprocess.Popen | None = None, token: str | None = None):
+                 process: subprocess.Popen | None = None, token: str | None = None,
+                 check: Callable[[RolloutBatch], None] | None = None):
         """`process`: a server this engine owns (from spawn_server); close() stops it.
         `token`: sent as `Authorization: Bearer <token>` (the server's --token); default
-        $MMRL_SERVE_TOKEN; none sends no header."""
+        $MMRL_SERVE_TOKEN; none sends no header. `check`: the trainer's policy's `check_rollout`,
+        a ValueError for a batch that does not fit it (a server built with other settings)."""
         self.process = process
+        self.check = check
         self._auth = {"Authorization": f"Bearer {t}"} if (t := resolve_token(token)) else {}
         self.url = url.rstrip("/")
         self.timeout = timeout
@@ -73,7 +76,14 @@ class RemoteEngine:
             # scheduler drops the server (anything but an EngineError would stop the run)
             raise EngineError(f"engine {self.name}: bad reply from {self.url}/generate: "
                               f"{type(e).__name__}: {e}") from e
-        return label(batch, requests, self.name)
+        batch = label(batch, requests, self.name)
+        if self.check is not None:
+            try:
+                self.check(batch)
+            except ValueError as e:  # this server's settings: the scheduler drops it, naming it
+                raise EngineError(f"engine {self.name}: the batch from {self.url} does not fit the trainer's "
+                                  f"policy: {e}") from None
+        return batch
 
     def publish(self, weights: dict[str, Tensor], version: int) -> None:
         tag = {WEIGHTS_HEADER: f"{self._client}/{int(version)}"}
