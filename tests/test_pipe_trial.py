@@ -3,7 +3,10 @@ or for good, a dLLM server of another prompt width, a LoRA server on another bas
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 import toy
 from test_pipeline import FakeEngine, SeededToy, config, round_over
 
@@ -73,3 +76,59 @@ def test_a_dllm_server_of_another_prompt_width_is_an_engine_error_naming_it_and_
     assert str(caught.value) == (f"engine {server.url[7:]}: the batch from {server.url} does not fit the trainer's "
                                  f"policy: its prompts are {width} tokens wide, this trainer's {width - 2} (the "
                                  "width is the task's longest prompt): serve with the trainer's task settings")
+
+
+def lora_like(seed: int, dtype=torch.float32) -> toy.ToyPolicy:
+    """A toy policy whose lm_head alone trains (as LoRA's adapters): the rest is its base model."""
+    policy = toy.ToyPolicy(seed=seed)
+    policy.model.to(dtype).requires_grad_(False).lm_head.requires_grad_(True)
+    policy.model.name_or_path = f"/models/base-{seed}"
+    return policy
+
+
+def test_a_server_on_another_base_model_refuses_the_adapters_with_a_400_naming_both(tmp_path):
+    # before: under LoRA only the adapters are published, and a server started from another base
+    # checkpoint of the same architecture took them and sampled with the wrong base without a word
+    from mmrl.core import serve
+    from mmrl.core.config import RolloutConfig
+    from mmrl.core.engine import EngineError, trainable_weights
+    from mmrl.core.pipeline import build_engines
+    from mmrl.core.remote import RemoteEngine
+
+    trainer = lora_like(seed=1)
+    (engine,) = build_engines(remote_config(tmp_path, "[http://a:1]"), trainer)  # the trainer's engines send it
+    assert engine._base == {serve.BASE_HEADER: json.dumps(serve.base_fingerprint(trainer.model))}
+    weights = trainable_weights(trainer.model)
+    assert list(weights) == ["lm_head.weight"]
+    other = serve.serve_in_thread(serve.ServedPolicyEngine(lora_like(seed=0)), RolloutConfig)
+    same = serve.serve_in_thread(serve.ServedPolicyEngine(lora_like(seed=1, dtype=torch.bfloat16)), RolloutConfig)
+    try:
+        with pytest.raises(EngineError) as caught:
+            RemoteEngine(other.url, timeout=30, base=serve.base_fingerprint(trainer.model)).publish(weights, 1)
+        # the same base, held in bfloat16 by the server (a float32 trainer): compared at bfloat16
+        RemoteEngine(same.url, timeout=30, base=serve.base_fingerprint(trainer.model)).publish(weights, 1)
+        RemoteEngine(other.url, timeout=30).publish(weights, 1)  # a client that sends none is not checked
+    finally:
+        other.close()
+        same.close()
+    message = str(caught.value)
+    assert "answered HTTP 400: bad request to /weights: the trainer's base model (the weights it does not " \
+           "publish) is not this server's: other values in model.embed_tokens.weight (" in message
+    assert "the trainer's is from /models/base-1, this server's from /models/base-0. This server serves " \
+           "toy.ToyPolicy (LlamaForCausalLM from /models/base-0): start it from the trainer's model" in message
+
+
+def test_a_base_fingerprint_tells_names_shapes_and_values_apart():
+    from mmrl.core.serve import base_fingerprint, base_mismatch
+
+    a = base_fingerprint(lora_like(seed=0).model)
+    assert a["tensors"] == 11 and len(a["values"]) == 6 and base_mismatch(a, a) is None  # every 2nd of 11
+    # all but lm_head published: the server's count, shapes and values are of what is left
+    model = lora_like(seed=0).model
+    assert base_mismatch(a, base_fingerprint(model, published=["lm_head.weight"])) is None
+    fewer = base_fingerprint(model, published=["lm_head.weight", "model.norm.weight"])
+    assert base_mismatch(a, fewer) == "11 tensors that are not published, of other names or shapes than this server's 10"
+    half = base_fingerprint(lora_like(seed=0, dtype=torch.float16).model)
+    assert base_mismatch(a, half) is None and base_mismatch(half, a) is None
+    brain = base_fingerprint(lora_like(seed=0, dtype=torch.bfloat16).model)
+    assert base_mismatch(half, brain) is None  # neither holds the other's values: not compared

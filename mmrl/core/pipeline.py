@@ -138,6 +138,12 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
     where, sc = placement(cfg), cfg.rollout.scheduler
     own = getattr(backend, "build_engine", None)
     check = getattr(policy, "check_rollout", None)  # a server's batches against the trainer's policy
+    if where in ("remote", "process") and policy is not None:
+        from mmrl.core.serve import base_fingerprint
+
+        base = base_fingerprint(policy.model)  # a server checks that it holds the same frozen (LoRA base) weights
+    else:
+        base = None
     if where == "remote":
         engines = []
         for i, url in enumerate(sc.servers):
@@ -148,7 +154,7 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
             else:
                 from mmrl.core.remote import RemoteEngine
 
-                engines.append(RemoteEngine(url, timeout=sc.timeout, check=check))
+                engines.append(RemoteEngine(url, timeout=sc.timeout, check=check, base=base))
         return engines
     if cfg.rollout.engine != "hf":
         if own is None:
@@ -160,7 +166,7 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
         from mmrl.core.remote import RemoteEngine, spawn_server
 
         proc, url = spawn_server(backend.__name__, cfg.model_dump(mode="json"), timeout=sc.timeout)
-        return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc, check=check)]
+        return [RemoteEngine(url, timeout=sc.timeout, name="process", process=proc, check=check, base=base)]
     return [PolicyEngine(policy, own_weights=True, name="thread")]
 
 

@@ -38,7 +38,14 @@ from torch import Tensor
 from mmrl.core import wire
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.engine import EngineError, Request, label
-from mmrl.core.serve import READY, TOKEN_ENV, VERSION_HEADER, WEIGHTS_HEADER, resolve_token
+from mmrl.core.serve import (
+    BASE_HEADER,
+    READY,
+    TOKEN_ENV,
+    VERSION_HEADER,
+    WEIGHTS_HEADER,
+    resolve_token,
+)
 
 
 class RemoteEngine:
@@ -47,13 +54,16 @@ class RemoteEngine:
 
     def __init__(self, url: str, *, timeout: float, name: str | None = None,
                  process: subprocess.Popen | None = None, token: str | None = None,
-                 check: Callable[[RolloutBatch], None] | None = None):
+                 check: Callable[[RolloutBatch], None] | None = None, base: dict[str, Any] | None = None):
         """`process`: a server this engine owns (from spawn_server); close() stops it.
         `token`: sent as `Authorization: Bearer <token>` (the server's --token); default
         $MMRL_SERVE_TOKEN; none sends no header. `check`: the trainer's policy's `check_rollout`,
-        a ValueError for a batch that does not fit it (a server built with other settings)."""
+        a ValueError for a batch that does not fit it (a server built with other settings).
+        `base`: the trainer's serve.base_fingerprint, sent with each publish; a server whose
+        weights that are not published (LoRA's base model) differ refuses them (400)."""
         self.process = process
         self.check = check
+        self._base = {BASE_HEADER: json.dumps(base)} if base is not None else {}
         self._auth = {"Authorization": f"Bearer {t}"} if (t := resolve_token(token)) else {}
         self.url = url.rstrip("/")
         self.timeout = timeout
@@ -88,7 +98,7 @@ class RemoteEngine:
     def publish(self, weights: dict[str, Tensor], version: int) -> None:
         tag = {WEIGHTS_HEADER: f"{self._client}/{int(version)}"}
         self._call("/weights", wire.encode_weights(weights), "application/octet-stream",
-                   {VERSION_HEADER: str(int(version)), **tag})
+                   {VERSION_HEADER: str(int(version)), **tag, **self._base})
         self._weights = tag
 
     def health(self) -> dict[str, Any]:

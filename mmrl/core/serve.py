@@ -20,6 +20,9 @@ the tag again with each /generate; a server whose weights are not those answers 
 sampling: it restarted since (the weights it started with), or another trainer published its
 own (a server serves one trainer). Either would train on samples of other weights without a
 word. A client that sends no tag (a script, curl) gets whatever weights the server holds.
+It also sends (X-MMRL-Base) a fingerprint of the weights it does not publish (LoRA's base model:
+path, names, shapes, a few values); a server whose own differ answers the publish with a 400, as
+it does weights of another shape, instead of sampling with adapters on another base.
 
 Access: it binds 127.0.0.1 unless told otherwise. With a token (`--token`, or the
 MMRL_SERVE_TOKEN environment variable, which keeps it out of `ps`), every request
@@ -36,6 +39,7 @@ run config, and `mmrl.core.remote.spawn_server` starts it as a child process.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -44,11 +48,12 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from mmrl.core import wire
@@ -59,6 +64,7 @@ log = logging.getLogger("mmrl.serve")
 READY = "mmrl-serve listening on "  # the stdout line a parent process waits for, then the URL
 VERSION_HEADER = "X-MMRL-Version"
 WEIGHTS_HEADER = "X-MMRL-Weights"  # "<client>/<version>": whose weights, set by /weights, checked by /generate
+BASE_HEADER = "X-MMRL-Base"  # /weights: JSON base_fingerprint of the weights the client does not publish
 MAX_REQUEST_BYTES = 1 << 30  # /generate: prompts (images included)
 MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter bf16 model
 # /generate: samples one call may ask for (the requests' n, summed). A trainer's call is a round's
@@ -105,6 +111,18 @@ class ServedPolicyEngine(PolicyEngine):
                                  "backend and model (its config), or train the served one") from None
         self.version = version
 
+    def check_base(self, theirs: dict[str, Any], weights: dict[str, Tensor]) -> None:
+        """WireError (a 400) unless the weights a publish leaves as they are (LoRA's base model)
+        are the trainer's: `theirs` is its base_fingerprint, sent with the weights."""
+        mine = base_fingerprint(self.policy.model, published=weights.keys())
+        why = base_mismatch(theirs, mine)
+        if why is not None:
+            raise wire.WireError(
+                f"the trainer's base model (the weights it does not publish) is not this server's: {why}; the "
+                f"trainer's is from {theirs.get('path') or 'an unnamed path'}, this server's from "
+                f"{mine['path'] or 'an unnamed path'}. This server serves {describe_policy(self.policy)}: "
+                "start it from the trainer's model (its model.path)")
+
     def check_requests(self, requests: list, rollout) -> None:
         """Each prompt in the form the policy's generate takes, through its `serve_prompt` hook
         (a plain string becomes the backend's prompt item); a prompt it refuses is the client's
@@ -123,9 +141,53 @@ def describe_policy(policy) -> str:
     """What a server serves, for a client whose weights do not fit: "dllm_rl.policy.DLLMPolicy
     (LlamaForCausalLM from /models/llada)"."""
     model = policy.model
-    path = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    path = model_path(model)
     return (f"{type(policy).__module__}.{type(policy).__qualname__} "
             f"({type(model).__name__}{f' from {path}' if path else ''})")
+
+
+def model_path(model) -> str | None:
+    """Where a Hugging Face model was loaded from, if it says."""
+    return getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+
+
+def base_fingerprint(model: torch.nn.Module, published: Collection[str] | None = None) -> dict[str, Any]:
+    """A cheap fingerprint of the weights a publish leaves as they are: those not in `published`
+    (None: the frozen ones, requires_grad False), i.e. LoRA's base model. Under LoRA only the
+    adapters travel, so a server started from another base checkpoint of the same architecture
+    would take them and sample with the wrong base without a word. It holds the model's path,
+    a digest of every such tensor's name and shape, and a few values of a few tensors (each
+    with its dtype, so that a bfloat16 server and a float32 trainer compare at bfloat16)."""
+    params = [(n, p) for n, p in model.named_parameters()
+              if (not p.requires_grad if published is None else n not in published)]
+    shapes = hashlib.sha256("".join(f"{n}{tuple(p.shape)};" for n, p in params).encode()).hexdigest()[:16]
+    values = {}
+    for n, p in params[:: -(-len(params) // 8) or 1]:  # 8 tensors spread over the model
+        flat = p.detach().reshape(-1)
+        if not flat.numel():
+            continue
+        at = torch.linspace(0, flat.numel() - 1, 4).round().long().to(flat.device)  # 4 values, first to last
+        values[n] = [str(p.dtype).removeprefix("torch."), flat[at].double().tolist()]
+    return {"path": model_path(model), "tensors": len(params), "shapes": shapes, "values": values}
+
+
+def base_mismatch(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """How the trainer's fingerprint (`theirs`) differs from this server's, or None."""
+    if theirs.get("shapes") != mine["shapes"]:
+        return (f"{theirs.get('tensors')} tensors that are not published, of other names or shapes than "
+                f"this server's {mine['tensors']}")
+    fine = {"float64": 3, "float32": 2, "bfloat16": 1, "float16": 1}  # how many bits a value keeps, in order
+    for name, (dtype, values) in theirs.get("values", {}).items():
+        my_dtype, my_values = mine["values"].get(name, (None, None))
+        if my_dtype is None or fine.get(dtype, 0) == fine.get(my_dtype, 0) and dtype != my_dtype:
+            continue  # bfloat16 against float16: neither holds the other's values exactly
+        coarse = getattr(torch, min((dtype, my_dtype), key=lambda d: fine.get(d, 0)))
+        same = (torch.tensor(values, dtype=torch.float64).to(coarse)
+                == torch.tensor(my_values, dtype=torch.float64).to(coarse)).tolist()
+        if not all(same):
+            i = same.index(False)
+            return f"other values in {name} ({values[i]:.6g} in the trainer's, {my_values[i]:.6g} in this server's)"
+    return None
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -338,6 +400,15 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise _BadInput(400, f"/weights needs an integer {VERSION_HEADER} header") from None
         weights = wire.decode_weights(self._body(self.server.max_weights_bytes))
+        base, check = self.headers.get(BASE_HEADER), getattr(self.server.engine, "check_base", None)
+        if base is not None and check is not None:
+            try:
+                base = json.loads(base)
+            except ValueError as e:
+                raise _BadInput(400, f"the {BASE_HEADER} header is not valid JSON: {e}") from None
+            if not isinstance(base, dict):
+                raise _BadInput(400, f"the {BASE_HEADER} header must be a JSON object (a base_fingerprint)")
+            check(base, weights)
         with self.server.lock:
             self.server.engine.publish(weights, version)
             self.server.version = version
