@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 import toy
-from test_pipeline import FakeEngine, SeededToy, config, round_over
+from test_pipeline import FakeEngine, SeededToy, config, round_over, scheduler
 
 from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.engine import EngineError
 from mmrl.core.pipeline import check_config
 
 
@@ -132,3 +133,71 @@ def test_a_base_fingerprint_tells_names_shapes_and_values_apart():
     assert base_mismatch(a, half) is None and base_mismatch(half, a) is None
     brain = base_fingerprint(lora_like(seed=0, dtype=torch.bfloat16).model)
     assert base_mismatch(half, brain) is None  # neither holds the other's values: not compared
+
+
+def test_a_server_that_comes_back_is_taken_back_at_the_next_round(tmp_path):
+    # before: an engine dropped once was never used again, even once its server was restarted
+    from mmrl.core.remote import RemoteEngine, UnreachableError
+    from mmrl.core.serve import ServedPolicyEngine, serve_in_thread
+
+    cfg = config(tmp_path)
+    servers = [serve_in_thread(ServedPolicyEngine(toy.ToyPolicy()), type(cfg.rollout)) for _ in range(2)]
+    port = servers[0].server_address[1]
+    engines = [RemoteEngine(s.url, timeout=30) for s in servers]
+    sched, _ = scheduler(cfg, engines)
+    try:
+        servers[0].close()  # down when the round's weights are published: dropped
+        with pytest.warns(UserWarning, match="cannot reach"):
+            rnd, _ = sched.start_round(0, 4)
+        assert len(list(rnd)) == 8 and not sched.workers[0].alive
+        rnd, _ = sched.start_round(1, 4)  # still down: it stays out, at the cost of one refused /health
+        assert len(list(rnd)) == 8 and not sched.workers[0].alive
+        servers[0] = serve_in_thread(ServedPolicyEngine(toy.ToyPolicy()), type(cfg.rollout), port=port)
+        with pytest.warns(UserWarning, match=r"rollout engine 127.0.0.1:\d+ answers again \(it was dropped: failed "
+                                             r"to take new weights: .*cannot reach.*\): it has this round's weights "
+                                             r"and rolls out again; 2 of 2 engines"):
+            rnd, _ = sched.start_round(2, 4)
+        assert len(list(rnd)) == 8 and sched.workers[0].alive
+        assert servers[0].version == 2 and servers[0].engine.version == 2  # the restarted server has the weights
+        assert sched.workers[0].busy_seconds > 0
+    finally:
+        sched.close()
+        for s in servers:
+            s.close()
+    assert issubclass(UnreachableError, EngineError)
+
+
+class Comeback(FakeEngine):
+    """A thread engine with a server to ask: `busy` is what its /health says."""
+
+    busy = False
+    asked = 0
+
+    def health(self, timeout=None):
+        self.asked += 1
+        return {"busy": self.busy}
+
+
+def test_only_an_engine_dropped_for_a_fault_a_restart_cures_is_tried_again_and_not_while_busy(tmp_path):
+    from mmrl.core.remote import HTTPStatusError
+
+    cfg = config(tmp_path)
+    refused = Comeback(SeededToy(), name="refused", fail_after=0, error=HTTPStatusError("HTTP 400: no", 400))
+    down = Comeback(SeededToy(), name="down", fail_after=0, error=ConnectionRefusedError("refused"))
+    good = FakeEngine(SeededToy(), name="good")
+    sched, _ = scheduler(cfg, [refused, down, good])
+    try:
+        with pytest.warns(UserWarning, match="dropped"):
+            assert len(list(sched.start_round(0, 4)[0])) == 8
+        assert sched.gone == {sched.workers[1]}  # a 400 would come again: not tried again
+        refused_calls = len(refused.calls)
+        down.fail_after, down.busy = None, True
+        assert len(list(sched.start_round(1, 4)[0])) == 8  # busy: perhaps still in a call of ours
+        assert not sched.workers[1].alive and down.asked == 1 and refused.asked == 0
+        down.busy, calls = False, len(down.calls)
+        with pytest.warns(UserWarning, match="rollout engine down answers again"):
+            assert len(list(sched.start_round(2, 4)[0])) == 8
+        assert sched.workers[1].alive and len(down.calls) > calls and down.version == 2
+        assert not sched.workers[0].alive and len(refused.calls) == refused_calls
+    finally:
+        sched.close()

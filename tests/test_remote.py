@@ -672,7 +672,7 @@ def test_error_text_reads_mmrl_vllm_and_fastapi_error_bodies():
 
 def test_a_health_reply_that_is_not_json_is_an_engine_error(monkeypatch):
     client = remote.RemoteEngine("http://127.0.0.1:9", timeout=1, name="h")
-    monkeypatch.setattr(client, "_call", lambda path: b"<html>proxy</html>")
+    monkeypatch.setattr(client, "_call", lambda path, **kw: b"<html>proxy</html>")
     with pytest.raises(EngineError, match=r"engine h: bad reply from http://127\.0\.0\.1:9/health: "):
         client.health()
 

@@ -26,7 +26,9 @@ the trainer held at the round's start (staleness 0, checked by the trainer).
 Faults: a call that raises an engine fault or takes longer than `timeout` marks its
 worker dead (one warning names it, the error, and the engines left); its unfinished calls go to the other workers (at most `max_redispatch`
 times) or the round stops with an EngineError. Errors in the input (a prompt too long,
-a reward atom that fails) stop the round with the original error.
+a reward atom that fails) stop the round with the original error. An engine dropped for a
+fault that a restarted server cures (no answer, or a 409: it restarted) is tried again at
+each round's start, once its server answers /health and is idle.
 """
 
 from __future__ import annotations
@@ -170,6 +172,16 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
     return [PolicyEngine(policy, own_weights=True, name="thread")]
 
 
+def server_may_come_back(error: BaseException) -> bool:
+    """Whether an engine fault is one that a restarted server cures: no answer (down, restarting,
+    hung) or a server that says it restarted (409); not an answer that refuses or does not fit,
+    which the same server would give again."""
+    from mmrl.core.remote import HTTPStatusError, UnreachableError
+
+    return (isinstance(error, (OSError, UnreachableError))
+            or isinstance(error, HTTPStatusError) and error.code == 409)
+
+
 def describe_engine(w: Worker) -> str:
     """A worker's engine for a message: its name, and its server's URL where it has one."""
     url = getattr(w.engine, "url", None)
@@ -193,6 +205,7 @@ class _End:
 
 
 _STOP = object()  # put in the engines' inbox to wake a dispatcher that should stop
+HEALTH_TIMEOUT = 5.0  # seconds a dropped engine's server has to answer /health at a round's start
 
 
 class Round:
@@ -354,9 +367,11 @@ class Round:
             if any(j.started is not None and now - j.started > self.s.timeout for j in list(w.outstanding.values())):
                 self._fail_worker(w, f"did not answer within {self.s.timeout:g} s (hung)")
 
-    def _fail_worker(self, w: Worker, why: str) -> None:
+    def _fail_worker(self, w: Worker, why: str, error: BaseException | None = None) -> None:
+        """`error`: the call's (None: it hung)."""
         was_alive = w.alive
         jobs = w.mark_dead(why)
+        self.s.note_gone(w, error)
         left = sum(x.alive for x in self.s.workers)
         if was_alive and left:  # with none left the round stops with an EngineError naming every engine
             warnings.warn(f"rollout engine {describe_engine(w)} {why}; dropped: the run goes on with the "
@@ -381,7 +396,7 @@ class Round:
         if result.error is not None:
             if not isinstance(result.error, (EngineError, OSError)):
                 raise result.error  # bad input: the same call would fail anywhere
-            self._fail_worker(w, f"failed: {result.error}")
+            self._fail_worker(w, f"failed: {result.error}", result.error)
             return
         del w.outstanding[job.id]
         batch = result.batch
@@ -481,6 +496,7 @@ class PipelinedScheduler:
         self.inbox: queue.Queue = queue.Queue()
         self.workers = [Worker(e, self.inbox) for e in engines]
         self.published: int | None = None
+        self.gone: set[Worker] = set()  # dropped for a fault that a restarted server cures: tried each round
         self.round: Round | None = None  # the latest round (close() stops its dispatcher)
 
     def start_round(self, version: int, num_generations: int) -> tuple[Round, float]:
@@ -496,11 +512,43 @@ class PipelinedScheduler:
                     except EngineError as e:  # that engine is out (marked dead); the others go on
                         if not any(x.alive for x in self.workers):
                             raise
+                        self.note_gone(w, e.__cause__ or e)
                         warnings.warn(f"{e}; the run goes on with the other engines", stacklevel=2)
             self.published = version
+        seconds += self._revive(version)
         prompts, ids = self.stream.take(self.cfg.rollout.prompts_per_step)
         self.round = Round(self, version, prompts, ids, num_generations)
         return self.round, seconds
+
+    def note_gone(self, w: Worker, error: BaseException | None) -> None:
+        """A worker just dropped for `error` (None: a hung call): to be tried again if its engine
+        has a server to ask (a thread engine's fault is its own) and a restart may cure the fault."""
+        if hasattr(w.engine, "health") and (error is None or server_may_come_back(error)):
+            self.gone.add(w)
+
+    def _revive(self, version: int) -> float:
+        """Take back the engines dropped for a fault that a restarted server cures, once their
+        server answers /health and is idle (not still in a call of ours given up on): they get
+        the round's weights, then calls again. Returns the seconds spent publishing."""
+        seconds = 0.0
+        for w in [w for w in self.workers if w in self.gone]:
+            try:
+                health = w.engine.health(timeout=min(self.timeout, HEALTH_TIMEOUT))
+                if not isinstance(health, dict) or health.get("busy", True):
+                    continue  # tried again next round
+                seconds += w.publish(trainable_weights(self.model), version, self.timeout)
+            except EngineError as e:
+                if not server_may_come_back(e.__cause__ or e):  # it answers, and refuses: for good
+                    self.gone.discard(w)
+                continue
+            self.gone.discard(w)
+            # The worker skipped every call queued while it was dead, before this publish (its
+            # queue is FIFO), and no dispatcher runs between rounds: it may take calls again.
+            was, w.dead = w.dead, None
+            warnings.warn(f"rollout engine {describe_engine(w)} answers again (it was dropped: {was}): it has this "
+                          f"round's weights and rolls out again; {sum(x.alive for x in self.workers)} of "
+                          f"{len(self.workers)} engines", stacklevel=3)
+        return seconds
 
     def next_groups(self, version: int, num_generations: int | None = None,
                     ) -> tuple[RolloutBatch | None, dict[str, float]]:

@@ -101,10 +101,10 @@ class RemoteEngine:
                    {VERSION_HEADER: str(int(version)), **tag, **self._base})
         self._weights = tag
 
-    def health(self) -> dict[str, Any]:
-        """The server's {"name", "version", "busy"}."""
+    def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """The server's {"name", "version", "busy"}; `timeout`: this call's, instead of the engine's."""
         try:
-            return json.loads(self._call("/health"))
+            return json.loads(self._call("/health", timeout=timeout))
         except ValueError as e:
             raise EngineError(f"engine {self.name}: bad reply from {self.url}/health: {e}") from e
 
@@ -116,10 +116,16 @@ class RemoteEngine:
             self.process.stdin.close()  # spawn_server's pipe, which kept it alive
 
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
-              headers: dict[str, str] | None = None) -> bytes:
-        return http_call(self._opener, self.url + path, engine=self.name, timeout=self.timeout, body=body,
+              headers: dict[str, str] | None = None, timeout: float | None = None) -> bytes:
+        return http_call(self._opener, self.url + path, engine=self.name, timeout=timeout or self.timeout, body=body,
                          headers={**({"Content-Type": content_type} if content_type else {}), **(headers or {}),
                                   **self._auth})
+
+
+class UnreachableError(EngineError):
+    """No answer from the server: it cannot be reached, the connection broke, or it did not
+    answer in time. Unlike an answer that refuses, a server that restarts cures it, so the
+    scheduler tries a dropped engine again once its server answers (mmrl.core.pipeline)."""
 
 
 class HTTPStatusError(EngineError):
@@ -133,7 +139,8 @@ class HTTPStatusError(EngineError):
 def http_call(opener, where: str, *, engine: str, timeout: float, body: bytes | None = None,
               headers: dict[str, str] | None = None) -> bytes:
     """GET (no body) or POST `where`; the reply's bytes. Every failure is an EngineError
-    naming the engine and the URL (HTTPStatusError for an error status)."""
+    naming the engine and the URL (HTTPStatusError for an error status, UnreachableError for
+    no answer)."""
     request = urllib.request.Request(where, data=body, method="GET" if body is None else "POST",
                                      headers=headers or {})
     try:
@@ -143,12 +150,12 @@ def http_call(opener, where: str, *, engine: str, timeout: float, body: bytes | 
         raise HTTPStatusError(f"engine {engine}: {where} answered HTTP {e.code}: {_error_text(e)}", e.code) from None
     except urllib.error.URLError as e:
         if isinstance(e.reason, TimeoutError):
-            raise EngineError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
-        raise EngineError(f"engine {engine}: cannot reach {where}: {e.reason}") from e
+            raise UnreachableError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
+        raise UnreachableError(f"engine {engine}: cannot reach {where}: {e.reason}") from e
     except TimeoutError as e:
-        raise EngineError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
+        raise UnreachableError(f"engine {engine}: no answer from {where} within {timeout:g} s") from e
     except (HTTPException, OSError) as e:  # reset, closed mid-reply, ...
-        raise EngineError(f"engine {engine}: connection to {where} failed: {type(e).__name__}: {e}") from e
+        raise UnreachableError(f"engine {engine}: connection to {where} failed: {type(e).__name__}: {e}") from e
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
