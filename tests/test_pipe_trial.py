@@ -172,10 +172,11 @@ class Comeback(FakeEngine):
 
     busy = False
     asked = 0
+    weights = None  # the tag of the weights its server holds (None: those it started with)
 
     def health(self, timeout=None):
         self.asked += 1
-        return {"busy": self.busy}
+        return {"busy": self.busy, "weights": self.weights}
 
 
 def test_only_an_engine_dropped_for_a_fault_a_restart_cures_is_tried_again_and_not_while_busy(tmp_path):
@@ -184,20 +185,23 @@ def test_only_an_engine_dropped_for_a_fault_a_restart_cures_is_tried_again_and_n
     cfg = config(tmp_path)
     refused = Comeback(SeededToy(), name="refused", fail_after=0, error=HTTPStatusError("HTTP 400: no", 400))
     down = Comeback(SeededToy(), name="down", fail_after=0, error=ConnectionRefusedError("refused"))
+    taken = Comeback(SeededToy(), name="taken", fail_after=0, error=HTTPStatusError("HTTP 409: it holds ...", 409))
+    taken.weights = "0123abcd/4"  # another trainer published to its server since
     good = FakeEngine(SeededToy(), name="good")
-    sched, _ = scheduler(cfg, [refused, down, good])
+    sched, _ = scheduler(cfg, [refused, down, good, taken])
     try:
         with pytest.warns(UserWarning, match="dropped"):
             assert len(list(sched.start_round(0, 4)[0])) == 8
-        assert sched.gone == {sched.workers[1]}  # a 400 would come again: not tried again
+        assert sched.gone == {sched.workers[1], sched.workers[3]}  # a 400 would come again: not tried again
         refused_calls = len(refused.calls)
         down.fail_after, down.busy = None, True
         assert len(list(sched.start_round(1, 4)[0])) == 8  # busy: perhaps still in a call of ours
         assert not sched.workers[1].alive and down.asked == 1 and refused.asked == 0
+        assert taken.asked == 1 and sched.gone == {sched.workers[1]}  # another trainer's now: for good
         down.busy, calls = False, len(down.calls)
         with pytest.warns(UserWarning, match="rollout engine down answers again"):
             assert len(list(sched.start_round(2, 4)[0])) == 8
         assert sched.workers[1].alive and len(down.calls) > calls and down.version == 2
-        assert not sched.workers[0].alive and len(refused.calls) == refused_calls
+        assert not sched.workers[0].alive and len(refused.calls) == refused_calls and not sched.workers[3].alive
     finally:
         sched.close()

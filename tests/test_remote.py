@@ -531,7 +531,7 @@ def test_generate_matches_the_local_engine(served):
     want = local.generate(REQUESTS, ROLLOUT, seed=3)
     assert same_batch(got, want)
     assert got.group_ids.tolist() == [5, 5, 9, 9] and got.data["request_tag"].tolist() == [0, 0, 1, 1]
-    assert client.health() == {"name": "served", "version": 0, "busy": False}
+    assert client.health() == {"name": "served", "version": 0, "busy": False, "weights": None}
 
 
 def test_publish_changes_the_server_weights(served):
@@ -850,10 +850,11 @@ def test_health_reports_the_engine_version_and_publish_sets_it():
     server = serve.serve_in_thread(engine, RolloutConfig)
     try:
         client = remote.RemoteEngine(server.url, timeout=5)
-        assert client.health() == {"name": "toy-7", "version": 3, "busy": False}
+        assert client.health() == {"name": "toy-7", "version": 3, "busy": False, "weights": None}
         other = ToyPolicy(seed=1)
         client.publish(trainable_weights(other.model), version=9)
         assert engine.version == 9 and client.health()["version"] == 9
+        assert client.health()["weights"] == client.published_tag == f"{client._client}/9"  # whose weights
         assert all(torch.equal(p, q) for p, q in zip(engine.policy.model.parameters(), other.model.parameters()))
     finally:
         server.close()

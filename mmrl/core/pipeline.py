@@ -536,6 +536,9 @@ class PipelinedScheduler:
                 health = w.engine.health(timeout=min(self.timeout, HEALTH_TIMEOUT))
                 if not isinstance(health, dict) or health.get("busy", True):
                     continue  # tried again next round
+                if health.get("weights") not in (None, getattr(w.engine, "published_tag", None)):
+                    self.gone.discard(w)  # another trainer's weights: a server serves one trainer (its 409s)
+                    continue
                 seconds += w.publish(trainable_weights(self.model), version, self.timeout)
             except EngineError as e:
                 if not server_may_come_back(e.__cause__ or e):  # it answers, and refuses: for good

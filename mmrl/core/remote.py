@@ -101,8 +101,13 @@ class RemoteEngine:
                    {VERSION_HEADER: str(int(version)), **tag, **self._base})
         self._weights = tag
 
+    @property
+    def published_tag(self) -> str | None:
+        """The tag of the weights this client last published (the server's /health "weights" while it holds them)."""
+        return self._weights.get(WEIGHTS_HEADER)
+
     def health(self, timeout: float | None = None) -> dict[str, Any]:
-        """The server's {"name", "version", "busy"}; `timeout`: this call's, instead of the engine's."""
+        """The server's {"name", "version", "busy", "weights"}; `timeout`: this call's, instead of the engine's."""
         try:
             return json.loads(self._call("/health", timeout=timeout))
         except ValueError as e:

@@ -2,7 +2,7 @@
 
     POST /generate  JSON {"requests", "rollout", "seed"} (mmrl.core.wire)  -> a packed RolloutBatch
     POST /weights   safetensors bytes, version in the X-MMRL-Version header -> {"ok", "version"}
-    GET  /health                                                            -> {"name", "version", "busy"}
+    GET  /health                                                 -> {"name", "version", "busy", "weights"}
 
 A request's rollout keys that it leaves out take the served run's values (`rollout=`), and a
 prompt may be a plain string: the backend's text prompt (its policy's `serve_prompt` hook).
@@ -343,7 +343,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/health":
             return self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
         s = self.server
-        self._reply(200, {"name": s.engine.name, "version": s.version, "busy": s.lock.locked()})
+        # weights: the tag of the weights last published (None: those it started with), so a trainer
+        # can tell a restarted server, which it may take back, from one another trainer took
+        self._reply(200, {"name": s.engine.name, "version": s.version, "busy": s.lock.locked(), "weights": s.weights})
 
     def do_POST(self) -> None:
         if not self._authorized():
