@@ -18,9 +18,9 @@ app = make_app(SPEC)
 @app.command("calibrate-window")
 def calibrate_window(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (model, task, rollout)."),
-    set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+    set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Directory for window.json; default: the run's output_dir."),
-    prompts: int | None = typer.Option(None, "--prompts", min=1, help="Held-out calibration prompts (method.calibration_prompts)."),
+    prompts: int | None = typer.Option(None, "--prompts", min=1, help="Held-out calibration prompts (method.calibration_prompts, 32 unless the config sets it)."),
     into_model: bool | None = typer.Option(
         None, "--into-model/--no-into-model",
         help="Also store the window in the model's directory (cast_window.json); default: yes for a "

@@ -17,7 +17,7 @@ app = make_app(SPEC)
 
 @app.command()
 def demo(
-    run: list[Path] = typer.Option(None, "--run", help="A run directory whose final checkpoint is the 'after' "
+    run: list[Path] = typer.Option(None, "--run", metavar="RUN", help="A run directory whose final checkpoint is the 'after' "
                                    "model of its modality (repeatable; the last one of a modality wins). "
                                    "Without one, a modality uses its embedded default run."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback by default."),
@@ -34,7 +34,8 @@ def demo(
     try:
         import gradio  # noqa: F401
     except ModuleNotFoundError:
-        fail('the demo needs Gradio: pip install -e ".[demo]"', code=3)
+        fail('the demo needs Gradio: pip install "mmrl[demo]" (in a source checkout: pip install -e ".[demo]")',
+             code=3)
     from mmrl.demo.app import launch
     from mmrl.demo.runs import RunError
 

@@ -50,3 +50,17 @@ def test_ctrl_c_on_the_demo_closes_it_and_exits_130(capsys):
         app.wait_until_interrupted(served)
     assert stop.value.code == 130 and served.closed
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_every_verbs_set_and_the_demos_run_show_what_they_take_in_help():
+    # typer showed `<list[str]>` / `<list[Path]>` where eval's and calibrate-window's --set and the
+    # demo's --run take KEY=VALUE and a run directory
+    from typer.testing import CliRunner
+
+    from diffusion_rl.cli import app as diffusion_app
+    from mmrl.cli import app as mmrl_app
+
+    for app, verb in ((mmrl_app, "eval"), (diffusion_app, "calibrate-window"), (mmrl_app, "demo")):
+        out = CliRunner().invoke(app, [verb, "--help"], env={"COLUMNS": "200"}).output
+        assert "<list[" not in out, (verb, out)
+    assert "KEY=VALUE" in CliRunner().invoke(mmrl_app, ["eval", "--help"], env={"COLUMNS": "200"}).output

@@ -3,6 +3,8 @@ metrics.jsonl rows a run writes, non-finite values included."""
 
 from __future__ import annotations
 
+import pytest
+
 from mmrl.core.logging import RunLogger, plot_reward_curve, read_metrics
 
 
@@ -41,3 +43,14 @@ def test_the_reports_curves_mark_whole_steps_only(tmp_path, monkeypatch):
     left, right = drawn[0].axes
     assert [t for t in left.get_xticks() if 1 <= t <= 3] == [1, 2, 3]
     assert all(t == int(t) for t in right.get_xticks()) and 1 in right.get_xticks()
+
+
+def test_a_broken_tensorboard_install_says_how_to_mend_or_silence_it(tmp_path, monkeypatch):
+    import sys
+
+    from mmrl.core.logging import _tensorboard_writer
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as an uninstalled one does
+    with pytest.warns(UserWarning, match=r"TensorBoard logging is off \(pip install tensorboard; "
+                                         r"--set logging.tensorboard=false turns it off without this warning\)"):
+        assert _tensorboard_writer(tmp_path / "tb", None) is None

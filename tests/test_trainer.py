@@ -173,9 +173,10 @@ def test_a_failing_reward_atom_keeps_the_finished_steps(tmp_path, where):
         evaluate = failing.evaluate
         failing.evaluate = lambda **kw: (_ for _ in ()).throw(RewardError("judge down")) if (
             failing.step == 3 and kw.get("samples_tag") is None) else evaluate(**kw)  # the periodic one
-    with pytest.warns(UserWarning, match=r"RewardError stopped the run (in step 4|in the evaluation after step 3); the steps "
+    with (pytest.warns(UserWarning, match=r"RewardError stopped the run (in step 4|in the evaluation after step 3); the steps "
                                          r"finished before it are "
-                                         r"saved as checkpoint .*step-00000003"), pytest.raises(RewardError):
+                                         r"saved as checkpoint .*step-00000003: `train -o \S+fail --resume`"),
+          pytest.raises(RewardError)):
         failing.train()
     assert [s for s, _ in list_checkpoints(tmp_path / "fail" / "checkpoints")] == [2, 3]
     assert [r["step"] for r in read_metrics(tmp_path / "fail" / "metrics.jsonl")] == [1, 2, 3]

@@ -283,7 +283,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     @app.command("eval")
     def evaluate(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
-        set_: list[str] = typer.Option([], "--set", "-s", help="Override a key (repeatable)."),
+        set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best (train.best_metric's); default: the config's model."),
     ):
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""

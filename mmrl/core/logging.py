@@ -383,7 +383,8 @@ def _tensorboard_writer(path: Path, first_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a core dependency, but a broken install must not stop a run
-        warnings.warn("tensorboard is not importable; TensorBoard logging is off", stacklevel=3)
+        warnings.warn("tensorboard is not importable; TensorBoard logging is off (pip install tensorboard; "
+                      "--set logging.tensorboard=false turns it off without this warning)", stacklevel=3)
         return None
     return SummaryWriter(log_dir=str(path), purge_step=first_step)
 

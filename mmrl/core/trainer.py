@@ -443,7 +443,8 @@ class Trainer:
                                    "the run again)", signum, 0, None)
         where = ckpt.step_dir(self.checkpoint_dir, self.step)
         return StoppedBySignal(f"stopped by {name} after step {self.step} of {tc.max_steps}; checkpoint {where} "
-                               f"holds it: `--resume` goes on from there", signum, self.step, where)
+                               f"holds it: `train -o {shlex.quote(str(self.out))} --resume` goes on from there", signum,
+                               self.step, where)
 
     def _finish(self, logger: RunLogger | None) -> dict[str, Any]:
         """After the last step: the final evaluation, the best checkpoint, summary.json."""
@@ -773,7 +774,8 @@ class Trainer:
             return
         where = f"in step {self.step + 1}" if unlogged is None else f"in the evaluation after step {self.step}"
         warnings.warn(f"{type(error).__name__} stopped the run {where}; the steps finished before it are saved "
-                      f"as checkpoint {path}: --resume goes on from there", stacklevel=3)
+                      f"as checkpoint {path}: `train -o {shlex.quote(str(self.out))} --resume` goes on from there",
+                      stacklevel=3)
 
     def _sharded_reference_pass(self, batch: RolloutBatch | None) -> None:
         """Under FSDP, the scheduler's last stage, the KL reference's pass (as SyncScheduler._prepare

@@ -68,7 +68,8 @@ def test_sigterm_mid_step_saves_that_step_and_resume_is_exact(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the process's again
     e = info.value
     assert (e.signum, e.step, e.exit_code) == (signal.SIGTERM, 3, 143)
-    assert "stopped by SIGTERM after step 3 of 5" in str(e) and "--resume" in str(e)
+    assert "stopped by SIGTERM after step 3 of 5" in str(e)
+    assert f"`train -o {tmp_path / 'run'} --resume` goes on from there" in str(e)  # the run's own directory
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [3]  # save_every 0: only for the stop
     assert e.checkpoint == tmp_path / "run" / "checkpoints" / "step-00000003"
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
