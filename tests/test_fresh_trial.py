@@ -60,7 +60,7 @@ def test_every_verbs_set_and_the_demos_run_show_what_they_take_in_help():
     from diffusion_rl.cli import app as diffusion_app
     from mmrl.cli import app as mmrl_app
 
-    for app, verb in ((mmrl_app, "eval"), (diffusion_app, "calibrate-window"), (mmrl_app, "demo")):
-        out = CliRunner().invoke(app, [verb, "--help"], env={"COLUMNS": "200"}).output
+    for cli, verb in ((mmrl_app, "eval"), (diffusion_app, "calibrate-window"), (mmrl_app, "demo")):
+        out = CliRunner().invoke(cli, [verb, "--help"], env={"COLUMNS": "200"}).output
         assert "<list[" not in out, (verb, out)
     assert "KEY=VALUE" in CliRunner().invoke(mmrl_app, ["eval", "--help"], env={"COLUMNS": "200"}).output

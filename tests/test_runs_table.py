@@ -341,6 +341,15 @@ def test_two_finished_runs_of_one_seed_in_a_group_are_warned_of(tmp_path):
     assert row["metrics"]["m"]["n"] == 3  # still counted, as the warning says
 
 
+def _checkpoint(run, step):
+    """A complete checkpoint of `step` in `run` (as list_checkpoints sees one: its trainer state)."""
+    from mmrl.core.checkpoint import STATE_JSON, step_dir
+
+    d = step_dir(run / "checkpoints", step)
+    d.mkdir(parents=True)
+    (d / STATE_JSON).write_text("{}")
+
+
 def test_an_unfinished_run_says_how_its_last_start_ended_where_environment_json_records_it(tmp_path):
     from mmrl.core import provenance
 
@@ -348,7 +357,11 @@ def test_an_unfinished_run_says_how_its_last_start_ended_where_environment_json_
     provenance.record(path, step=0)  # this process: still going
     assert table.load(path).status == f"running (pid {os.getpid()}; step 3 of 10)"  # no "ended" yet
     provenance.ended(path, "stopped by SIGTERM", 3)
+    assert table.load(path).status == "stopped by SIGTERM (at step 3 of 10; no checkpoint to resume from)"
+    _checkpoint(path, 3)  # what SIGTERM saves: the step it came in
     assert table.load(path).status == "stopped by SIGTERM (at step 3 of 10)"
+    provenance.ended(path, "interrupted", 5)  # Ctrl-C at step 5 keeps step 3's checkpoint, not step 5
+    assert table.load(path).status == "interrupted (at step 5 of 10; --resume goes on from step 3)"
     provenance.record(path, step=3)  # a --resume: its start has not ended
     assert table.load(path).status.startswith("running (pid ")
 
@@ -380,7 +393,7 @@ def test_a_start_without_an_ending_is_running_or_killed_by_its_process_on_this_h
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its PID names no process now (or, reused, one that started later)
     _newest_start(path, pid=child.pid)
-    assert table.load(path).status == "killed (no ending recorded; step 3 of 10)"
+    assert table.load(path).status == "killed (no ending recorded; step 3 of 10; no checkpoint to resume from)"
     _newest_start(path, pid=os.getpid(), host="another-node")  # its process cannot be seen from here
     assert table.load(path).status == "no summary.json (step 3 of 10): running, or killed"
     _newest_start(path, host=None, pid=None, pid_started=None)  # written before environment.json had them
@@ -413,4 +426,4 @@ def test_a_start_that_logged_no_step_yet_is_at_step_0(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     _newest_start(path, pid=child.pid)
-    assert table.load(path).status == "killed (no ending recorded; step 0 of 10)"
+    assert table.load(path).status == "killed (no ending recorded; step 0 of 10; no checkpoint to resume from)"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core import provenance
+from mmrl.core.checkpoint import list_checkpoints
 from mmrl.demo.runs import RunError, RunInfo, modality_of
 
 # what the seeds of one configuration may differ in
@@ -57,11 +58,19 @@ class Run:
             if ended.get("how") == "finished":  # recorded just before summary.json is written
                 return (f"finished at step {ended.get('step')} of {total}, but no summary.json "
                         "(deleted, or killed as it was written)")
-            return f"{ended.get('how')} (at step {ended.get('step')} of {total})"
+            return f"{ended.get('how')} (at step {ended.get('step')} of {total}{self._resumes(ended.get('step'))})"
         elif (alive := provenance.alive(start)) is not None:  # on the host that ran it
             return (f"running (pid {start['pid']}; step {self.steps or 0} of {total})" if alive
-                    else f"killed (no ending recorded; step {self.steps or 0} of {total})")
+                    else f"killed (no ending recorded; step {self.steps or 0} of {total}{self._resumes(self.steps)})")
         return f"no summary.json (step {self.steps or 0} of {total}): running, or killed"
+
+    def _resumes(self, step: Any) -> str:
+        """Where --resume would go on from, where that is not the step the run reached (a Ctrl-C
+        or a kill keeps the newest checkpoint, not the step in progress)."""
+        found = list_checkpoints(self.path / "checkpoints")
+        if not found:
+            return "; no checkpoint to resume from"
+        return "" if found[-1][0] == step else f"; --resume goes on from step {found[-1][0]}"
 
     @functools.cached_property
     def flat(self) -> dict[str, str]:
