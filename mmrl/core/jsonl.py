@@ -45,13 +45,20 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         raw = path.read_bytes()
     except OSError as e:
         raise DatasetError(path, None, None, f"cannot read the file: {e.strerror or e}") from e
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw[:4]:
+        # Notepad's "Unicode", PowerShell's `>`: UTF-16, whose ASCII half-bytes read as NULs
+        # (or, with its byte-order mark, as "line 1: not valid UTF-8 (byte 0xff)")
+        raise DatasetError(path, None, None, "is UTF-16 (or another encoding of two or more bytes a "
+                                             "character, with NUL bytes between the letters); save the file as UTF-8")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = len(re.split(rb"\r\n|\r|\n", raw[:e.start]))  # the lines' ends as below
-        raise DatasetError(
-            path, line, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
-        ) from e
+        *before, start = re.split(rb"\r\n|\r|\n", raw[:e.start])  # the lines' ends as below
+        column = len(start.decode("utf-8")) + 1  # in characters, as an editor counts
+        legacy = raw[e.start:e.start + 1].decode("cp1252", errors="ignore")  # the usual other encoding
+        guess = f": {legacy!r} in Latin-1 or Windows-1252" if legacy.isprintable() and legacy else ""
+        raise DatasetError(path, len(before) + 1, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                                        f"{column}{guess}); save the file as UTF-8") from e
     # Lines end in LF, CRLF or a lone CR (old Mac files, which read as one line with "Extra
     # data"); JSON text holds a CR only escaped. Not str.splitlines(): it would also split at
     # U+2028 etc., which JSON strings may hold unescaped, and line numbers would drift from an editor's.
