@@ -3,6 +3,8 @@ control characters, unpaired surrogates, and text in report.html. CPU, no model.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mmrl.core.jsonl import DatasetError, read_objects
@@ -28,3 +30,34 @@ def test_a_latin1_file_names_the_line_the_column_and_the_character(tmp_path):
     with pytest.raises(DatasetError, match=r"^\S*d.jsonl, line 3: not valid UTF-8 \(byte 0xef at column 10: 'ï' in "
                                            r"Latin-1 or Windows-1252\); save the file as UTF-8$"):
         _read(tmp_path, data)
+
+
+@pytest.mark.parametrize("char, escaped", [("\t", r'"\\t"'), ("\x00", r'"\\u0000"'), ("\x1b", r'"\\u001b"')])
+def test_a_raw_control_character_in_a_string_is_named(tmp_path, char, escaped):
+    """It read as "invalid JSON: Invalid control character at at column 12" (json's message
+    ends in "at"): which character, and how JSON writes it, were left to guess."""
+    with pytest.raises(DatasetError, match=rf"line 2: invalid JSON: a raw control character \(U\+{ord(char):04X}\) "
+                                           rf"inside a string at column 11; JSON writes it escaped, as {escaped}$"):
+        _read(tmp_path, b'{"q": 1}\n{"q": "tab' + char.encode() + b'"}\n')
+
+
+def test_a_lone_cr_inside_a_string_is_said_and_json_messages_read_once(tmp_path):
+    """A raw CR in a string ends the line there (lone CRs end lines, as old Mac files' do), so
+    it read as "Unterminated string starting at at column 7"."""
+    with pytest.raises(DatasetError, match=r"line 1: invalid JSON: Unterminated string starting at column 7 \(the "
+                                           r"line ends at a lone carriage return, CR, inside the string"):
+        _read(tmp_path, b'{"q": "a\rb", "answer": 1}\n')
+    with pytest.raises(DatasetError, match=r"line 1: invalid JSON: Unterminated string starting at column 7$"):
+        _read(tmp_path, b'{"q": "ab}\n')
+
+
+def test_unusual_text_reads_intact(tmp_path):
+    """What is valid JSON lines stays as written: a BOM, CRLF and lone CR ends, blank lines in the
+    middle and at the end, U+2028 and U+0085 inside strings (line ends to str.splitlines), escaped
+    NUL/tab/CR, combining and zero-width characters, right-to-left text, emoji, a long line."""
+    texts = ["caf\u0065\u0301 \u200b\u200d 猫 🐱 שלום \u202eabc\u202c", "a\u2028b\u0085c", "nul\x00 tab\t cr\r lf\n",
+             "x" * 200_000]
+    lines = [json.dumps({"q": t}, ensure_ascii=False).encode() for t in texts]
+    data = b"\xef\xbb\xbf" + lines[0] + b"\r\n\r\n" + lines[1] + b"\r" + lines[2] + b"\n\n" + lines[3] + b"\n\n"
+    assert _read(tmp_path, data) == [(1, {"q": texts[0]}), (3, {"q": texts[1]}), (4, {"q": texts[2]}),
+                                     (6, {"q": texts[3]})]

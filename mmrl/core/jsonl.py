@@ -62,7 +62,8 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
     # Lines end in LF, CRLF or a lone CR (old Mac files, which read as one line with "Extra
     # data"); JSON text holds a CR only escaped. Not str.splitlines(): it would also split at
     # U+2028 etc., which JSON strings may hold unescaped, and line numbers would drift from an editor's.
-    for lineno, line in enumerate(re.split(r"\r\n|\r|\n", text), start=1):
+    parts = re.split(r"(\r\n|\r|\n)", text)  # lines, each followed by its end
+    for lineno, (line, end) in enumerate(zip(parts[0::2], [*parts[1::2], ""]), start=1):
         # a byte-order mark opens the file, or a line where files were joined (`cat a.jsonl b.jsonl`)
         line = line.removeprefix("\ufeff")
         if not line.strip():
@@ -70,7 +71,16 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
         try:
             obj = json.loads(line, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
-            raise DatasetError(path, lineno, None, f"invalid JSON: {e.msg} at column {e.colno}"
+            if e.msg.startswith("Invalid control character"):  # "... at": an editor's tab or a pasted NUL
+                raise DatasetError(path, lineno, None, f"invalid JSON: a raw control character "
+                                   f"(U+{ord(line[e.pos]):04X}) inside a string at column {e.colno}; JSON writes it "
+                                   f"escaped, as {json.dumps(line[e.pos])}") from e
+            msg = e.msg.removesuffix(" at")  # json's "Unterminated string starting at", then ours
+            if msg.startswith("Unterminated string") and end == "\r":  # a raw CR in a string ends the line
+                msg += (f" at column {e.colno} (the line ends at a lone carriage return, CR, inside the string; JSON "
+                        "writes it escaped, as \"\\r\")")
+                raise DatasetError(path, lineno, None, f"invalid JSON: {msg}") from e
+            raise DatasetError(path, lineno, None, f"invalid JSON: {msg} at column {e.colno}"
                                                    f"{_not_json_lines(text, line)}") from e
         except _RepeatedKey as e:  # json keeps the last silently: an answer given twice is a data error
             raise DatasetError(path, lineno, e.key, "given twice on this line") from None
