@@ -61,3 +61,29 @@ def test_unusual_text_reads_intact(tmp_path):
     data = b"\xef\xbb\xbf" + lines[0] + b"\r\n\r\n" + lines[1] + b"\r" + lines[2] + b"\n\n" + lines[3] + b"\n\n"
     assert _read(tmp_path, data) == [(1, {"q": texts[0]}), (3, {"q": texts[1]}), (4, {"q": texts[2]}),
                                      (6, {"q": texts[3]})]
+
+
+@pytest.mark.parametrize("line, field", [(rb'{"prompt": "1+1=\ud800", "answer": 2}', "prompt"),
+                                         (rb'{"prompt": "1+1=", "answer": "\udc00"}', "answer"),
+                                         (rb'{"prompt": "1+1=", "answer": 2, "reference": "x\udfff"}', "reference")])
+def test_an_unpaired_surrogate_is_refused_naming_the_field(tmp_path, line, field):
+    """"\\ud800" alone (half of a UTF-16 pair, as a UTF-16 program escapes it) is read by json as
+    it is; the VLM tokenizer then stopped the run with `TypeError: TextEncodeInput must be
+    Union[...]`. A whole pair ("\\ud83d\\ude00", an emoji) is fine."""
+    from dllm_rl.tasks import jsonl
+
+    (tmp_path / "p.jsonl").write_bytes(rb'{"prompt": "\ud83d\ude00=", "answer": 1}' + b"\n" + line + b"\n")
+    with pytest.raises(DatasetError, match=rf"p.jsonl, line 2, field '{field}': holds an unpaired surrogate, "
+                                           r"\\u[0-9a-f]{4} at character \d: half of a UTF-16 pair"):
+        jsonl.load_problems(tmp_path / "p.jsonl")
+    (tmp_path / "p.jsonl").write_bytes(rb'{"prompt": "\ud83d\ude00=", "answer": 1}' + b"\n")
+    assert jsonl.load_problems(tmp_path / "p.jsonl")[0].prompt == "\U0001f600="
+
+
+def test_an_unpaired_surrogate_in_a_vlm_question_is_refused(tmp_path):
+    from mmrl.vlm.tasks.jsonl import load_jsonl
+
+    (tmp_path / "q.jsonl").write_bytes(rb'{"question": "hi \ud800", "answer": 1}' + b"\n")
+    with pytest.raises(DatasetError, match=r"q.jsonl, line 1, field 'question': holds an unpaired surrogate, "
+                                           r"\\ud800 at character 4"):
+        load_jsonl(tmp_path / "q.jsonl")

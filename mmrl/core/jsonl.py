@@ -139,7 +139,17 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
         raise error(text_field, f"must be a string, got {json_type(text)}")
     if not text.strip():
         raise error(text_field, "is empty")
+    _check_surrogates(text, text_field, error)
     return text, answer_text(obj["answer"], "answer", error)
+
+
+def _check_surrogates(text: str, field: str, error: Callable[[str, str], Exception]) -> None:
+    """An unpaired surrogate ("\\ud800" in the file, half of a UTF-16 pair; json reads it as it is)
+    is refused here: the tokenizer stops on it with `TypeError: TextEncodeInput must be ...`."""
+    half = re.search("[\ud800-\udfff]", text)
+    if half:
+        raise error(field, f"holds an unpaired surrogate, \\u{ord(half[0]):04x} at character {half.start() + 1}: half "
+                           "of a UTF-16 pair, which no tokenizer encodes; write the character itself, or both halves")
 
 
 def answer_text(answer: Any, field: str, error: Callable[[str, str], Exception]) -> str:
@@ -161,6 +171,7 @@ def answer_text(answer: Any, field: str, error: Callable[[str, str], Exception])
     answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
     if not answer.strip():
         raise error(field, "is empty")
+    _check_surrogates(answer, field, error)
     return answer
 
 
