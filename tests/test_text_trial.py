@@ -87,3 +87,22 @@ def test_an_unpaired_surrogate_in_a_vlm_question_is_refused(tmp_path):
     with pytest.raises(DatasetError, match=r"q.jsonl, line 1, field 'question': holds an unpaired surrogate, "
                                            r"\\ud800 at character 4"):
         load_jsonl(tmp_path / "q.jsonl")
+
+
+def test_report_sample_tables_show_text_as_written(tmp_path):
+    """samples/step_*.jsonl as report.html shows it: markup escaped (a "<script>" prompt must not
+    run), right-to-left, CJK, emoji and combining text intact, line breaks and tabs kept (td's
+    pre-wrap), and control characters shown as their pictures: a browser drops a NUL, so
+    "a\\x00b" read as "ab". A long unbroken line may wrap (overflow-wrap), not widen the page."""
+    from mmrl.demo.report import _STYLE, _sample_table
+
+    prompt = "<script>alert('x')</script> & \"q\" 猫 🐱 e\u0301 שלום?\nline\ttab nul\x00 esc\x1b del\x7f"
+    rows = [{"group": 0, "prompt": prompt, "completion": "</td></table><b>", "reward": 1.0, "atoms": {"<a>": 1.0}}]
+    path = tmp_path / "step_00000002.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    page = _sample_table(path, ["group", "prompt", "completion", "reward", "atoms"], lines=True)
+    assert "<script>" not in page and "<b>" not in page and "<a>" not in page and "</table><" not in page[:-8]
+    assert ("<td>&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &quot;q&quot; 猫 🐱 e\u0301 שלום?\nline\ttab "
+            "nul\u2400 esc\u241b del\u2421</td><td>&lt;/td&gt;&lt;/table&gt;&lt;b&gt;</td>") in page
+    assert "\x00" not in page and "&lt;a&gt;: 1" in page
+    assert "td{white-space:pre-wrap;overflow-wrap:anywhere;unicode-bidi:plaintext}" in _STYLE

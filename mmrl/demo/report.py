@@ -34,6 +34,7 @@ MAX_ROWS = 24  # rows of a sample table
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}
+td{white-space:pre-wrap;overflow-wrap:anywhere;unicode-bidi:plaintext}
 th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow:auto;font-size:12px;max-height:420px}
 .up{color:#070}.down{color:#a00}img{max-width:100%}h2{border-bottom:1px solid #ddd}
 """
@@ -49,14 +50,25 @@ def _file_png(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+# C0 controls but tab, LF and CR, and DEL, as their Unicode pictures ("\x00" -> "␀"): a browser
+# drops a NUL and shows the others as nothing, so a prompt holding one read as if it did not
+_CONTROLS = {c: 0x2400 + c for c in (*range(0x09), 0x0b, 0x0c, *range(0x0e, 0x20))} | {0x7f: 0x2421}
+
+
+def _text(value: str) -> str:
+    """A model's or a dataset's text as HTML: escaped (a "<script>" prompt is text, not a
+    script), its control characters shown; its line breaks and tabs kept by td's pre-wrap."""
+    return html.escape(value.translate(_CONTROLS))
+
+
 def _cell(value: Any) -> str:
     if value is None:  # a metric without data (null in summary.json), as the demo's runs tab shows it
         return "n/a"
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return ", ".join(f"{html.escape(str(k))}: {_cell(v)}" for k, v in value.items())
-    return html.escape(str(value))
+        return ", ".join(f"{_text(str(k))}: {_cell(v)}" for k, v in value.items())
+    return _text(str(value))
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
