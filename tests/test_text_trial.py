@@ -106,3 +106,17 @@ def test_report_sample_tables_show_text_as_written(tmp_path):
             "nul\u2400 esc\u241b del\u2421</td><td>&lt;/td&gt;&lt;/table&gt;&lt;b&gt;</td>") in page
     assert "\x00" not in page and "&lt;a&gt;: 1" in page
     assert "td{white-space:pre-wrap;overflow-wrap:anywhere;unicode-bidi:plaintext}" in _STYLE
+
+
+def test_vlm_overlap_warning_says_one_file_was_given_as_both(tmp_path):
+    """task.eval_path = task.train_path (a path with spaces and non-ASCII letters) read as
+    "(the first: ..., <file>, line 1; <file>, line 1)", a typo to the eye; the dLLM task says it."""
+    from mmrl.core.jsonl import HeldOutWarning
+    from mmrl.vlm.tasks.jsonl import check_overlap, load_jsonl
+
+    path = tmp_path / "dä ta" / "q ü.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"question": "猫は何匹?", "answer": 2}\n', encoding="utf-8")
+    with pytest.warns(HeldOutWarning, match=r"\(the first: '猫は何匹\?', \S*/dä ta/q ü.jsonl, line 1, the training file "
+                                            r"itself: task.eval_path is task.train_path\)"):
+        check_overlap(load_jsonl(path), load_jsonl(path))

@@ -126,10 +126,13 @@ def check_overlap(train: Sequence[QAItem], evaluation: Sequence[QAItem]) -> None
     seen = [(e, first[k]) for e in candidates if (k := key(e)) in first]
     if seen:
         (e, t), n = seen[0], len(seen)
+        # one file given as both (its "line 1; line 1" read as a typo): say so, as the dLLM task does
+        where = (f"{e.where}, the training file itself: task.eval_path is task.train_path" if e.where and
+                 e.where == t.where else f"{e.where or 'held-out'}; {t.where or 'train'}")
         warnings.warn(f"{n} of the {len(evaluation)} held-out samples {'is a' if n == 1 else 'are'} training "
                       f"sample{'' if n == 1 else 's'} too, the same question on the same images (the first: "
-                      f"{e.question[:60]!r}, {e.where or 'held-out'}; {t.where or 'train'}): held-out accuracy "
-                      "counts samples the model trains on", HeldOutWarning, stacklevel=2)
+                      f"{e.question[:60]!r}, {where}): held-out accuracy counts samples the model trains on",
+                      HeldOutWarning, stacklevel=2)
 
 
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
