@@ -120,3 +120,24 @@ def test_vlm_overlap_warning_says_one_file_was_given_as_both(tmp_path):
     with pytest.warns(HeldOutWarning, match=r"\(the first: '猫は何匹\?', \S*/dä ta/q ü.jsonl, line 1, the training file "
                                             r"itself: task.eval_path is task.train_path\)"):
         check_overlap(load_jsonl(path), load_jsonl(path))
+
+
+@pytest.mark.parametrize("folder_form, file_form, in_file", [("NFC", "NFC", "NFD"), ("NFD", "NFD", "NFC"),
+                                                             ("NFC", "NFD", "NFC")])
+def test_vlm_image_names_match_across_unicode_normalisation(tmp_path, folder_form, file_form, in_file):
+    """"café.png" typed (one code point for "é") and the same name as macOS writes it ("e" and a
+    combining accent) look the same, yet read as "image file not found: <the very name shown>".
+    Each name is matched on its own: a folder and a file in it may come from two systems."""
+    from unicodedata import normalize
+
+    from PIL import Image
+
+    from mmrl.vlm.tasks.jsonl import load_jsonl
+
+    folder = tmp_path / normalize(folder_form, "imgs ü")
+    folder.mkdir()
+    Image.new("RGB", (4, 4), "red").save(folder / normalize(file_form, "café 猫.png"))
+    line = {"question": "colour?", "answer": "red", "image": normalize(in_file, "imgs ü/café 猫.png")}
+    (tmp_path / "q.jsonl").write_text(json.dumps(line, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_jsonl(tmp_path / "q.jsonl")[0].images[0].getpixel((0, 0)) == (255, 0, 0)
+

@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import os
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,6 +187,8 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
         p = root / p
     if value.startswith(("http://", "https://")):
         raise _BadImage(field, f"{value[:80]} is a URL; images are read from local files or base64 (no downloads)")
+    if not p.exists():
+        p = _normalised(p)
     if p.is_dir():
         raise _BadImage(field, f"{p} is a directory, not an image file")
     if not p.is_file():
@@ -195,6 +198,19 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
             return to_rgb(img)
     except Exception as e:  # decoders raise many kinds of errors
         raise _BadImage(field, f"cannot read image {p}: {_describe(e)}") from e
+
+
+def _normalised(p: Path) -> Path:
+    """p with each name that is not there in the other Unicode normal form where that one is:
+    "é" typed (NFC, one code point) names a file or folder that macOS wrote as "e" and an accent
+    (NFD), or the other way round. The two look the same in any message."""
+    out = Path(p.anchor)
+    for part in p.parts[len(out.parts):]:
+        here = out / part
+        if not here.exists():
+            here = next((q for form in ("NFC", "NFD") if (q := out / unicodedata.normalize(form, part)).exists()), here)
+        out = here
+    return out
 
 
 def _decode_b64(field: str, value: str) -> Image.Image:
