@@ -141,3 +141,19 @@ def test_vlm_image_names_match_across_unicode_normalisation(tmp_path, folder_for
     (tmp_path / "q.jsonl").write_text(json.dumps(line, ensure_ascii=False) + "\n", encoding="utf-8")
     assert load_jsonl(tmp_path / "q.jsonl")[0].images[0].getpixel((0, 0)) == (255, 0, 0)
 
+
+@pytest.mark.parametrize("name, hint", [
+    ("a.png ", r" \(the name has spaces around it: 'a.png '; without them it is a file\)$"),
+    ("a\u200b.png", r" \(the name holds invisible characters: 'a\\u200b.png'\)$"),
+    ("b.png", r"b.png$")])
+def test_vlm_missing_image_says_what_its_name_hides(tmp_path, name, hint):
+    """A trailing space or a pasted zero-width space read as "image file not found: .../a.png",
+    the name of a file that is there."""
+    from PIL import Image
+
+    from mmrl.vlm.tasks.jsonl import load_jsonl
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "q?", "answer": 1, "image": name}) + "\n")
+    with pytest.raises(DatasetError, match=r"line 1, field 'image': image file not found: .*" + hint):
+        load_jsonl(tmp_path / "q.jsonl")

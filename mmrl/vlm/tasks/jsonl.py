@@ -192,7 +192,7 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
     if p.is_dir():
         raise _BadImage(field, f"{p} is a directory, not an image file")
     if not p.is_file():
-        raise _BadImage(field, f"image file not found: {p}")
+        raise _BadImage(field, f"image file not found: {p}{_unseen(value, root)}")
     try:
         with Image.open(p) as img:
             return to_rgb(img)
@@ -211,6 +211,16 @@ def _normalised(p: Path) -> Path:
             here = next((q for form in ("NFC", "NFD") if (q := out / unicodedata.normalize(form, part)).exists()), here)
         out = here
     return out
+
+
+def _unseen(value: str, root: Path) -> str:
+    """What a missing file's name holds that its message would not show: surrounding spaces
+    (where the name without them is a file) or invisible characters (a zero-width space
+    pasted with it). Else ""."""
+    bare = Path(value.strip()).expanduser()
+    if value != value.strip() and (bare if bare.is_absolute() else root / bare).is_file():
+        return f" (the name has spaces around it: {value!r}; without them it is a file)"
+    return "" if value.isprintable() else f" (the name holds invisible characters: {value!r})"
 
 
 def _decode_b64(field: str, value: str) -> Image.Image:
