@@ -157,3 +157,34 @@ def test_vlm_missing_image_says_what_its_name_hides(tmp_path, name, hint):
     (tmp_path / "q.jsonl").write_text(json.dumps({"question": "q?", "answer": 1, "image": name}) + "\n")
     with pytest.raises(DatasetError, match=r"line 1, field 'image': image file not found: .*" + hint):
         load_jsonl(tmp_path / "q.jsonl")
+
+
+def test_report_names_the_prompt_of_each_grid_row(tmp_path):
+    """An image run's grid numbers its rows only, and report.html did not say which prompt each
+    row draws (grid_before.json holds them): the page's reader could not tell."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from mmrl.demo.report import _samples
+
+    root = tmp_path / "samples"
+    root.mkdir()
+    for tag in ("before", "after"):
+        Image.new("RGB", (4, 4)).save(root / f"grid_{tag}.png")
+    prompts = ["a red circle", "<script>x</script> 猫 שלום"]
+    (root / "grid_before.json").write_text(json.dumps({"rows": prompts, "seeds": [0, 1]}))
+    (root / "grid_after.json").write_text('{"rows": ')  # cut short
+    page = _samples(SimpleNamespace(path=tmp_path))
+    assert ("<table><tr><th>row</th><th>prompt</th></tr><tr><td>0</td><td>a red circle</td></tr><tr><td>1</td>"
+            "<td>&lt;script&gt;x&lt;/script&gt; 猫 שלום</td></tr></table>") in page
+    assert "<p>(unreadable: grid_after.json: JSONDecodeError " in page
+    (root / "grid_after.json").unlink()  # a run from before the file: the grid alone
+    assert _samples(SimpleNamespace(path=tmp_path)).endswith("<h3>after</h3><img alt='samples after' src='data:image/"
+                                                             "png;base64," + _png_b64(root / "grid_after.png") + "'>")
+
+
+def _png_b64(path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()

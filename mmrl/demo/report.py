@@ -3,7 +3,8 @@
     config            the run's config.yaml
     before / after    every held-out metric of summary.json, with the change
     curves            training reward and held-out accuracies (mmrl.demo.runs.plot_curves)
-    samples           the before/after sample grids an image task writes (samples/grid_*.png),
+    samples           the before/after sample grids an image task writes (samples/grid_*.png,
+                      with the prompt of each row),
                       the before/after answers a text task writes (samples/samples_*.json), and
                       the last logged training samples (samples/step_*.jsonl)
     environment       each start of the run (environment.json): code, libraries, device, and how
@@ -128,12 +129,27 @@ def _sample_table(path: Path, columns: list[str] | None = None, lines: bool = Fa
         return f"<p>(unreadable: {html.escape(f'{path.name}: {e}')})</p>"
 
 
+def _grid_prompts(path: Path) -> str:
+    """The prompt of each row of a sample grid (its grid_*.json): the image numbers its rows
+    only. "" where there is no such file (a run that predates it); said where it is unreadable."""
+    try:
+        prompts = json.loads(path.read_text(encoding="utf-8"))["rows"]
+        if not isinstance(prompts, list):
+            raise TypeError("its rows are not a list")
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged file
+        return f"<p>(unreadable: {html.escape(f'{path.name}: {type(e).__name__} {e}')})</p>"
+    return _table([{"row": i, "prompt": p} for i, p in enumerate(prompts)])
+
+
 def _samples(run: RunInfo) -> str:
     root, parts = run.path / "samples", []
     for tag in ("before", "after"):
         grid = root / f"grid_{tag}.png"
         if grid.is_file():
-            parts.append(f"<h3>{tag}</h3><img alt='samples {tag}' src='{_file_png(grid)}'>")
+            parts.append(f"<h3>{tag}</h3><img alt='samples {tag}' src='{_file_png(grid)}'>"
+                         + _grid_prompts(grid.with_suffix(".json")))
         answers = root / f"samples_{tag}.json"
         if answers.is_file():
             parts.append(f"<h3>{tag}</h3>" + _sample_table(answers))
