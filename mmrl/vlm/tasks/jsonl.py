@@ -45,7 +45,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
-__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "save_jsonl", "to_rgb"]
+__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "question_problem", "save_jsonl", "to_rgb"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
@@ -136,20 +136,29 @@ def check_overlap(train: Sequence[QAItem], evaluation: Sequence[QAItem]) -> None
                       HeldOutWarning, stacklevel=2)
 
 
+def question_problem(question: str) -> str | None:
+    """Why `question` cannot go to the chat template as the user's text, or None: it holds the
+    chat format's image placeholder or turn marker, each read as one token. A JSONL line with it
+    is refused; a question from elsewhere (`sample --prompt`) may be checked here too."""
+    marks = [m for m in _VISION_MARKS if m in question]
+    if marks:  # the processor would count them as images: a mismatch at the first rollout
+        return (f"holds the chat format's image placeholder {marks[0]}: give the images in the image or images "
+                "field, and the chat template places them")
+    turns = sorted((m for m in _TURN_MARKS if m in question), key=question.index)  # the first in the text
+    if turns:  # read as one token: the text after it is a turn of its own, an assistant's if it says so
+        return (f"holds the chat format's turn marker {turns[0]}, which would end the user's turn inside the "
+                "question: give the question's text alone, and the chat template writes the turns")
+    return None
+
+
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
     question, answer = text_and_answer(obj, "question", error)
-    marks = [m for m in _VISION_MARKS if m in question]
-    if marks:  # the processor would count them as images: a mismatch at the first rollout
-        raise error("question", f"holds the chat format's image placeholder {marks[0]}: give the images in the "
-                                "image or images field, and the chat template places them")
-    turns = sorted((m for m in _TURN_MARKS if m in question), key=question.index)  # the first in the text
-    if turns:  # read as one token: the text after it is a turn of its own, an assistant's if it says so
-        raise error("question", f"holds the chat format's turn marker {turns[0]}, which would end the user's turn "
-                                "inside the question: give the question's text alone, and the chat template "
-                                "writes the turns")
+    problem = question_problem(question)
+    if problem:
+        raise error("question", problem)
     reference = obj.get("reference", "")
     if not isinstance(reference, str):
         raise error("reference", f"must be a string, got {json_type(reference)}")
