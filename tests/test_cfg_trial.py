@@ -149,3 +149,13 @@ def test_a_name_that_looks_like_a_number_round_trips_through_config_and_a_runs_c
     Trainer(cfg, *toy.build(cfg)).train()
     run = load_config(TrainConfig, tmp_path / "run" / "config.yaml")
     assert (run.logging.wandb.name, run.logging.wandb.tags) == ("1e-5", ["0o17", "2e3"])
+
+
+@pytest.mark.parametrize("given, expected", [("~/runs/x", "{home}/runs/x"), ("runs/x/", "runs/x"), ("/", "/")])
+def test_output_dir_takes_a_home_folder_and_no_trailing_slash(given, expected):
+    # a file's or a quoted --set's "~/runs" made a folder named "~" in the working directory (no
+    # shell expanded it), and "run/" printed its files as run//summary.json
+    import os
+
+    cfg = load_config(TrainConfig, overrides=[f"output_dir={given}"])
+    assert cfg.output_dir == expected.format(home=os.path.expanduser("~"))

@@ -644,6 +644,12 @@ class TrainConfig(Section):
         if not self.output_dir.strip():
             raise KeyValueError("output_dir", f"{self.output_dir!r} is empty: give a directory for the run "
                                               "(was a --set value's variable unset?)")
+        # "~/runs" in a file or a quoted --set (no shell expands it) made a folder named "~" here,
+        # and "run/" printed as run//summary.json
+        expanded = os.path.expanduser(self.output_dir)
+        expanded = expanded.rstrip("/") or expanded
+        if expanded != self.output_dir:
+            object.__setattr__(self, "output_dir", expanded)
         return self
 
     @model_validator(mode="after")
