@@ -99,6 +99,11 @@ def test_mmrl_sample_asks_free_questions_of_given_images(tmp_path):
     (tmp_path / "bad.png").write_text("not an image")
     result = CliRunner().invoke(app, ["sample", "-p", "q?", "-i", str(tmp_path / "bad.png")])
     assert result.exit_code == 2 and "--image: cannot read" in result.output and "Traceback" not in result.output
+    # a question holding the chat format's image placeholder is refused, as in a data file (was the
+    # processor's traceback on the image count)
+    result = CliRunner().invoke(app, ["sample", "-p", "a <|image_pad|> b"])
+    assert result.exit_code == 2 and "--prompt 1 ('a <|image_pad|> b') holds the chat format's image placeholder" \
+        in result.output and "Traceback" not in result.output
 
 
 def test_mmrl_sample_refuses_an_image_the_model_cannot_resize(tmp_path):
