@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dllm_rl.config import DLLMTrainConfig
-from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong
+from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong, unencodable
 from dllm_rl.task import DLLMTask
 from dllm_rl.tasks import CHARSET
 from mmrl.core.config import ConfigError, check_remote_code
@@ -138,7 +138,8 @@ def build_policy(cfg: DLLMTrainConfig, task: DLLMTask | None = None) -> DLLMPoli
                 try:
                     ids = token_ids(tok, text)
                 except Exception as e:  # a fast tokenizer raises a bare Exception
-                    raise ConfigError(f"task: the model's tokenizer cannot encode the {what}{at(p)}: {e} (the tiny "
+                    raise ConfigError(f"task: the model's tokenizer cannot encode the {what}{at(p)}: "
+                                      f"{unencodable(tok, text, e)} (the tiny "
                                       f"models' characters are dllm_rl.tasks.CHARSET: {CHARSET!r})") from e
                 past = past_vocab(tok, ids, vocab)
                 if past:

@@ -36,6 +36,18 @@ class PromptTooLong(PromptError):
     """A prompt and its answer do not fit the model's context."""
 
 
+def unencodable(tokenizer, text: str, error: Exception) -> str:
+    """The first character of `text` the tokenizer cannot encode, by its code point and place
+    ("'é' (U+00E9) at character 4"), where one alone fails; else the tokenizer's own error (a
+    character-level one says only "WordLevel error: Missing [UNK] token")."""
+    for k, ch in enumerate(text):
+        try:
+            tokenizer(ch, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 -- a fast tokenizer raises a bare Exception
+            return f"{ch!r} (U+{ord(ch):04X}) at character {k + 1} has no token"
+    return str(error)
+
+
 class Estimator(Protocol):
     def prepare(self, policy: DLLMPolicy, batch: RolloutBatch, generator: torch.Generator) -> None:
         """Fill batch.old_logp (and whatever logprobs needs in batch.data) under the rollout's
@@ -92,7 +104,8 @@ class DLLMPolicy:
             try:
                 row = tok(text, add_special_tokens=False)["input_ids"]
             except Exception as e:  # a fast tokenizer raises a bare Exception, e.g. for a character without a token
-                raise PromptError(f"prompt {text!r} cannot be encoded by the model's tokenizer: {e}") from e
+                raise PromptError(f"prompt {text!r} cannot be encoded by the model's tokenizer: "
+                                  f"{unencodable(tok, text, e)}") from e
             if len(row) > p:
                 raise PromptTooLong(f"prompt {text!r} has {len(row)} tokens; this run's prompts may have "
                                     f"at most {p} (the model's context is {self.predictor.max_length})")

@@ -397,8 +397,18 @@ def test_jsonl_answer_outside_the_models_characters_is_refused_before_training(t
     (tmp_path / "t.jsonl").write_text('{"prompt": "opposite of up:", "answer": "Down", "reference": "down"}\n')
     cfg = load_config(DLLMTrainConfig, overrides=["task.type=jsonl", f"task.train_path={tmp_path / 't.jsonl'}",
                                                   f"task.eval_path={tmp_path / 't.jsonl'}"])
-    with pytest.raises(ConfigError, match=r"cannot encode the answer 'Down' of 'opposite of up:'"):
+    with pytest.raises(ConfigError, match=r"cannot encode the answer 'Down' of 'opposite of up:'.*: 'D' \(U\+0044\) "
+                                          r"at character 1 has no token \(the tiny"):  # not "Missing \[UNK\] token"
         backend.build(cfg)
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_the_character(make_run):
+    from dllm_rl.policy import PromptError
+
+    _, policy, _ = make_run()
+    with pytest.raises(PromptError, match=r"prompt 'caf\u00e9 2\+2=' cannot be encoded by the model's tokenizer: "
+                                          r"'\u00e9' \(U\+00E9\) at character 4 has no token"):
+        policy.encode_prompts(["caf\u00e9 2+2="])
 
 
 # ---------------------------------------------------------------------------- audit: what the suite let through
