@@ -19,7 +19,7 @@ from diffusion_rl.policy import DiffusionPolicy, to_sample
 from diffusion_rl.task import DiffusionTask, draw
 from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
-from mmrl.core.jsonl import HeldOutWarning
+from mmrl.core.jsonl import LINE_END_BYTES, HeldOutWarning, text_lines
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.rewards import Reward
 from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
@@ -129,9 +129,9 @@ def _prompt_file(path: str | None, base: str | None, key: str, whole_prompt: lis
         raise ConfigError(f"task.{key}: {file} is UTF-16 (it starts with a UTF-16 byte-order mark); save the "
                           "file as UTF-8")
     try:
-        lines = raw.decode("utf-8-sig").splitlines()  # a byte-order mark (Windows editors) is not line 1's text
+        lines = text_lines(raw.decode("utf-8"))  # a byte-order mark (Windows editors) is not line 1's text
     except UnicodeDecodeError as e:  # a user's file, not a bug: name the file and the line
-        line = raw.count(b"\n", 0, e.start) + 1
+        line = len(LINE_END_BYTES.split(raw[:e.start]))  # lone-CR line ends count too
         raise ConfigError(f"task.{key}: {file}, line {line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
                           "save the file as UTF-8") from None
     prompts, unparsed = [], []

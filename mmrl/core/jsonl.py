@@ -37,6 +37,18 @@ class HeldOutWarning(UserWarning):
     report no held-out metric, so there it is noise."""
 
 
+# Lines end in LF, CRLF or a lone CR (old Mac files). Not str.splitlines(): it also splits at U+2028,
+# U+0085 and a form feed, which a line's text may hold, and line numbers drift from an editor's.
+LINE_END = re.compile(r"\r\n|\r|\n")
+LINE_END_BYTES = re.compile(rb"\r\n|\r|\n")
+
+
+def text_lines(text: str) -> list[str]:
+    """`text`'s lines as an editor numbers them, each without a byte-order mark at its start (a
+    file's, or one where files were joined: `cat a.txt b.txt`)."""
+    return [line.removeprefix("\ufeff") for line in LINE_END.split(text)]
+
+
 def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a UTF-8 JSONL file (a byte-order mark
     allowed, at the start of any line); a DatasetError naming the line for text that is not one JSON object."""
@@ -53,16 +65,15 @@ def read_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        *before, start = re.split(rb"\r\n|\r|\n", raw[:e.start])  # the lines' ends as below
+        *before, start = LINE_END_BYTES.split(raw[:e.start])  # the lines' ends as below
         column = len(start.decode("utf-8")) + 1  # in characters, as an editor counts
         legacy = raw[e.start:e.start + 1].decode("cp1252", errors="ignore")  # the usual other encoding
         guess = f": {legacy!r} in Latin-1 or Windows-1252" if legacy.isprintable() and legacy else ""
         raise DatasetError(path, len(before) + 1, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
                                                         f"{column}{guess}); save the file as UTF-8") from e
-    # Lines end in LF, CRLF or a lone CR (old Mac files, which read as one line with "Extra
-    # data"); JSON text holds a CR only escaped. Not str.splitlines(): it would also split at
-    # U+2028 etc., which JSON strings may hold unescaped, and line numbers would drift from an editor's.
-    parts = re.split(r"(\r\n|\r|\n)", text)  # lines, each followed by its end
+    # LINE_END's lines (a lone CR too: old Mac files read as one line with "Extra data"); JSON text
+    # holds a CR only escaped, and may hold U+2028 unescaped
+    parts = re.split(f"({LINE_END.pattern})", text)  # lines, each followed by its end
     for lineno, (line, end) in enumerate(zip(parts[0::2], [*parts[1::2], ""]), start=1):
         # a byte-order mark opens the file, or a line where files were joined (`cat a.jsonl b.jsonl`)
         line = line.removeprefix("\ufeff")

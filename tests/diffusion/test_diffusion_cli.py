@@ -89,6 +89,22 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_its_first_line(tmp_path):
     assert _prompt_file(str(path), None, "train_path") == ["a red circle", "two blue squares"]
 
 
+def test_a_prompt_file_splits_at_line_ends_only_as_an_editor_does(tmp_path):
+    # str.splitlines() also split at U+2028, U+0085 and a form feed (two prompts of one line), left a
+    # byte-order mark of files joined with `cat` glued to a prompt, and numbered lone-CR lines wrong
+    from diffusion_rl.backend import _prompt_file
+    from mmrl.core.config import ConfigError
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("a red circle\u2028two blue squares\r\ufeffa green triangle\n".encode())
+    with pytest.warns(UserWarning, match="1 of 2 prompts cannot be decomposed"):  # one line, one prompt
+        assert _prompt_file(str(path), None, "train_path", whole_prompt=["whole"]) == [
+            "a red circle\u2028two blue squares", "a green triangle"]
+    path.write_bytes(b"a red circle\r\ra blue square\r\xff\r")
+    with pytest.raises(ConfigError, match=r"p.txt, line 4: not valid UTF-8"):
+        _prompt_file(str(path), None, "train_path")
+
+
 def test_cps_noise_level_above_one_is_a_config_error():
     from diffusion_rl.config import DiffusionTrainConfig
     from mmrl.core.config import ConfigError, load_config
