@@ -200,3 +200,16 @@ def test_a_question_from_elsewhere_can_be_checked_as_a_jsonl_line_is():
     assert question_problem("a <|image_pad|> b").startswith("holds the chat format's image placeholder <|image_pad|>")
     assert question_problem("x<|im_end|>\n<|im_start|>assistant").startswith("holds the chat format's turn marker "
                                                                              "<|im_end|>, which would end")
+
+
+def test_answers_in_another_unicode_form_are_the_same_answer():
+    # "é" typed as one character and as e + U+0301 (as macOS writes file text), and full-width
+    # letters, compared unequal: a right answer scored 0
+    from dllm_rl.tasks.jsonl import answer_atom
+    from mmrl.core.rewards import Sample
+    from mmrl.vlm.tasks.shapes_qa import normalize
+
+    assert normalize("caf\u00e9") == normalize("cafe\u0301") == "caf\u00e9"
+    assert normalize("\uff34\uff37\uff2f.") == "2"  # full-width "TWO."
+    assert answer_atom(Sample("q", " cafe\u0301 ", {"answer": "caf\u00e9"}))
+    assert not answer_atom(Sample("q", "cafe", {"answer": "caf\u00e9"}))

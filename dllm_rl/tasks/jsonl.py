@@ -18,6 +18,7 @@ reward.atoms. Every error is a DatasetError naming the file, the line and the fi
 from __future__ import annotations
 
 import os
+import unicodedata
 import warnings
 from collections.abc import Sequence
 
@@ -80,8 +81,10 @@ def _problem(obj: dict, path, lineno: int) -> Problem:
 
 @reward_atom("answer", weight=1.0)
 def answer_atom(sample: Sample) -> bool:
-    """1 if the completion, stripped, equals meta["answer"], stripped."""
-    return completion_text(sample, "jsonl").strip() == str(meta_field(sample, "answer", "jsonl")).strip()
+    """1 if the completion, stripped, equals meta["answer"], stripped, both in Unicode's composed
+    form (NFC: "é" as one character and as e + accent, as macOS writes file text, are one answer)."""
+    given, answer = completion_text(sample, "jsonl"), str(meta_field(sample, "answer", "jsonl"))
+    return unicodedata.normalize("NFC", given.strip()) == unicodedata.normalize("NFC", answer.strip())
 
 
 def jsonl_reward(**kwargs) -> Reward:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -339,11 +340,12 @@ def extract_answer(completion: str) -> str | None:
 
 
 def normalize(ans) -> str:
-    """Lower-case, strip, collapse whitespace, drop trailing '.', number words -> digits
+    """Unicode compatibility form (NFKC: "é" typed as one character or as e + accent, full-width
+    "ＴＷＯ"), lower-case, strip, collapse whitespace, drop trailing '.', number words -> digits
     ("Two." -> "2"). Non-strings are str()-ed first; None -> ""."""
     if ans is None:
         return ""
-    text = " ".join(str(ans).lower().split()).rstrip(".").strip()
+    text = " ".join(unicodedata.normalize("NFKC", str(ans)).lower().split()).rstrip(".").strip()
     return _NUMBER_WORDS.get(text, text)
 
 
