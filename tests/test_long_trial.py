@@ -5,8 +5,10 @@ shows a quadratic)."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
+import tracemalloc
 
 import pytest
 import toy
@@ -29,6 +31,31 @@ def test_running_mean_matches_the_window_mean_and_is_linear_in_the_steps():
     out = running_mean(long)
     assert time.perf_counter() - t0 < 0.5
     assert out[-1] == pytest.approx(sum(long[-4000:]) / 4000)
+
+
+def test_read_metrics_never_holds_the_whole_file(tmp_path):
+    # rows padded with blanks: large as text, small as dicts. Reading the text whole (and then
+    # its lines) held twice the file; line by line holds one line beside the rows.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i}) + " " * 4000 + "\n" for i in range(1, 501)))
+    size = path.stat().st_size  # ~2 MB
+    tracemalloc.start()
+    try:
+        rows = read_metrics(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r["step"] for r in rows] == list(range(1, 501))
+    assert peak < size / 4, (peak, size)
+
+
+def test_a_torn_last_line_is_still_dropped_and_a_bad_terminated_one_still_refused(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "los')  # a kill mid-write
+    assert mlog._read_metrics(path) == ([{"step": 1}, {"step": 2}], True)
+    path.write_text('{"step": 1}\nnot json\n')  # ended by a newline: written whole, so damaged
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON metrics row"):
+        read_metrics(path)
 
 
 def test_the_steps_never_reread_metrics_and_checkpoints_stay_bounded(tmp_path, monkeypatch):
