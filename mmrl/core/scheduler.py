@@ -36,20 +36,23 @@ class PromptStream:
         self.prompts = prompts
         self.seed = seed
         self.position = 0
+        self._cached: tuple[int, torch.Tensor] | None = None  # (epoch, its order)
 
-    def _order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(len(self.prompts), generator=g).tolist()
+    def _order(self, epoch: int) -> torch.Tensor:
+        """Epoch `epoch`'s permutation of the prompts, made once per epoch: drawn afresh at every
+        step it cost a permutation of the whole dataset per step (70 ms at a million prompts)."""
+        cached = self._cached
+        if cached is None or cached[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            cached = self._cached = (epoch, torch.randperm(len(self.prompts), generator=g))
+        return cached[1]
 
     def take(self, n: int) -> tuple[list[Any], list[int]]:
         """The next n prompts and their global draw indices (unique across the run)."""
         out, ids = [], []
-        order, epoch = None, -1
         for pos in range(self.position, self.position + n):
             e, i = divmod(pos, len(self.prompts))
-            if e != epoch:
-                order, epoch = self._order(e), e
-            out.append(self.prompts[order[i]])
+            out.append(self.prompts[int(self._order(e)[i])])
             ids.append(pos)
         self.position += n
         return out, ids
