@@ -23,7 +23,8 @@ from mmrl.core.trainer import Trainer
 
 
 def test_running_mean_matches_the_window_mean_and_is_linear_in_the_steps():
-    values = [random.Random(0).uniform(-1, 1) for _ in range(95)]
+    rng = random.Random(0)
+    values = [rng.uniform(-1, 1) for _ in range(95)]
     window = 9  # 95 // 10
     expected = [sum(values[max(0, i - window + 1): i + 1]) / min(i + 1, window) for i in range(len(values))]
     assert running_mean(values) == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -98,3 +99,17 @@ def test_the_steps_never_reread_metrics_and_checkpoints_stay_bounded(tmp_path, m
     assert during == [0]  # no step reads the growing metrics.jsonl; the end reads it a fixed few times
     assert len(list_checkpoints(tmp_path / "run" / "checkpoints")) <= 3  # keep_last + the best
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 12
+
+
+def test_the_reports_reward_curve_takes_the_linear_running_mean_and_skips_a_json_nan(tmp_path, monkeypatch):
+    # report.html's curve (mmrl.demo.runs.plot_curves) summed each window afresh too: 23 s of the
+    # end of a 100,000-step run; a NaN written as JSON's NaN would spread over every later prefix sum
+    from mmrl.demo import runs
+
+    calls = []
+    monkeypatch.setattr(runs, "running_mean", lambda values: calls.append(list(values)) or running_mean(values))
+    rows = [{"step": k, "reward/total": float(k % 3)} for k in range(1, 41)] + [{"step": 41, "reward/total": float("nan")}]
+    run = runs.RunInfo(path=tmp_path, config={}, modality="dllm", metrics=rows)
+    assert run.curves()["reward/total"][0] == list(range(1, 41))  # the NaN step is a gap
+    runs.plot_curves(run, tmp_path / "curve.png")
+    assert calls == [[float(k % 3) for k in range(1, 41)]] and (tmp_path / "curve.png").stat().st_size > 0

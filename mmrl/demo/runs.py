@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import yaml
 
 from mmrl.core.checkpoint import latest_checkpoint
-from mmrl.core.logging import read_metrics
+from mmrl.core.logging import read_metrics, running_mean
 
 MODALITIES = ("vlm", "diffusion", "dllm")
 BACKENDS = {"vlm": "mmrl.vlm.backend", "diffusion": "diffusion_rl.backend", "dllm": "dllm_rl.backend"}
@@ -110,7 +111,7 @@ class RunInfo:
         for row in rows:
             for key, value in row.items():
                 if (key == "reward/total" or (key.startswith("eval/") and "accuracy" in key)) \
-                        and isinstance(value, int | float):
+                        and isinstance(value, int | float) and math.isfinite(value):  # a JSON NaN: a gap
                     steps, values = out.setdefault(key, ([], []))
                     steps.append(row["step"])
                     values.append(float(value))
@@ -148,9 +149,7 @@ def plot_curves(run: RunInfo, out: str | Path | None = None):
     if "reward/total" in curves:
         steps, values = curves["reward/total"]
         left.plot(steps, values, alpha=0.5, label="batch mean", marker="." if len(values) < 30 else None)
-        w = max(1, len(values) // 10)
-        left.plot(steps, [sum(values[max(0, i - w + 1): i + 1]) / len(values[max(0, i - w + 1): i + 1])
-                          for i in range(len(values))], label=f"running mean ({w})")
+        left.plot(steps, running_mean(values), label=f"running mean ({max(1, len(values) // 10)})")
         left.legend(fontsize=8)
     left.set(title="training reward", xlabel="step")
     for key, (steps, values) in sorted(curves.items()):
