@@ -143,15 +143,23 @@ class VLMPolicy:
         return prompt
 
     def messages(self, item) -> list[dict[str, Any]]:
-        content: list[dict[str, Any]] = []
-        for image in item.images:
+        """The user's turn: the images, then the question; where the question holds one "<image>"
+        placeholder per image (LLaVA-format data), each image goes in its placeholder's place."""
+        from mmrl.vlm.tasks.jsonl import IMAGE_PLACEHOLDER
+
+        texts = item.question.split(IMAGE_PLACEHOLDER)
+        if not item.images or len(texts) != len(item.images) + 1:
+            texts = [""] * len(item.images) + [item.question]
+        content: list[dict[str, Any]] = [{"type": "text", "text": texts[0]}] if texts[0] else []
+        for image, text in zip(item.images, texts[1:]):
             part = {"type": "image", "image": _rgb(image)}
             if self.min_pixels is not None:
                 part["min_pixels"] = self.min_pixels
             if self.max_pixels is not None:
                 part["max_pixels"] = self.max_pixels
             content.append(part)
-        content.append({"type": "text", "text": item.question})
+            if text:
+                content.append({"type": "text", "text": text})
         return [{"role": "user", "content": content}]
 
     def encode(self, items: Sequence[Any]):

@@ -12,7 +12,9 @@ One JSON object per line (blank lines are ignored):
 - images, at most one of: "image" (a path), "images" (a list of paths), "image_b64"
   (base64 PNG/JPEG/..., a "data:image/...;base64," prefix allowed; or a list of them).
   None: a text-only prompt. Relative paths resolve against base_dir (default: the
-  JSONL file's directory).
+  JSONL file's directory). The question may place them with "<image>" placeholders
+  (LLaVA's and LLaMA-Factory's format), one per image in order; without any, the
+  images come before the text.
 - "reference": the SFT target completion (optional, default "").
 - every other field is copied into meta.
 
@@ -48,6 +50,7 @@ from mmrl.vlm.tasks.shapes_qa import QAItem
 __all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "question_problem", "save_jsonl", "to_rgb"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
+IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
 RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
 _SKIP_NAMED = 5  # skipped samples named in the warning
 
@@ -183,6 +186,11 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
                 raise error(field, "is empty")
         for field, v in entries:
             images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
+    marks = question.count(IMAGE_PLACEHOLDER)
+    if marks and marks != len(images):  # else the placeholders would reach the model as the text "<image>"
+        raise error("question", f"holds {marks} {IMAGE_PLACEHOLDER} placeholder{'s' if marks > 1 else ''} for "
+                                f"{len(images)} image{'' if len(images) == 1 else 's'}: give one per image, where "
+                                "it goes in the text, or none (the images then come before the text)")
 
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer

@@ -1,0 +1,55 @@
+"""Images as researchers bring them to the VLM backend's JSONL task: placeholders, odd files."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
+from mmrl.vlm.tasks.shapes_qa import QAItem
+
+
+def write(tmp_path, *objs):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def two_pngs(tmp_path):
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "a.png")
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(tmp_path / "b.png")
+    return ["a.png", "b.png"]
+
+
+def parts(question, images):
+    """The user's turn as VLMPolicy.messages builds it: ("text", str) and ("image", colour)."""
+    policy = SimpleNamespace(min_pixels=None, max_pixels=None)  # all messages() reads of the policy
+    (turn,) = VLMPolicy.messages(policy, QAItem(images=images, question=question, answer=""))
+    return [("text", p["text"]) if p["type"] == "text" else ("image", p["image"].getpixel((0, 0)))
+            for p in turn["content"]]
+
+
+def test_image_placeholders_place_each_image_where_it_stands():
+    red, blue = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+    # LLaVA's form: the placeholder does not reach the model as the text "<image>"
+    assert parts("<image>\nWhat colour?", [red]) == [("image", (255, 0, 0)), ("text", "\nWhat colour?")]
+    assert parts("Is <image> redder than <image>?", [red, blue]) == [
+        ("text", "Is "), ("image", (255, 0, 0)), ("text", " redder than "), ("image", (0, 0, 255)), ("text", "?")]
+    # no placeholder: the images first, then the question, as before
+    assert parts("Which is red?", [red, blue]) == [("image", (255, 0, 0)), ("image", (0, 0, 255)),
+                                                   ("text", "Which is red?")]
+
+
+def test_a_jsonl_placeholder_count_that_is_not_the_image_count_names_the_line(tmp_path, two_pngs):
+    ok = {"question": "<image> or <image>?", "answer": "a", "images": two_pngs}
+    assert len(load_jsonl(write(tmp_path, ok))[0].images) == 2
+    for bad, words in (({**ok, "question": "<image>\nWhich is red?"}, "holds 1 <image> placeholder for 2 images"),
+                       ({"question": "<image> What?", "answer": "a"}, "holds 1 <image> placeholder for 0 images"),
+                       ({"question": "<image><image>", "answer": "a", "image": "a.png"}, "2 <image> placeholders for 1 image:")):
+        with pytest.raises(DatasetError, match=r"line 2.*question.*" + words):
+            load_jsonl(write(tmp_path, ok, bad))
