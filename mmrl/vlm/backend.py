@@ -262,12 +262,9 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
 
 
 def _read_image(path: Path):
-    from PIL import Image
-
-    from mmrl.vlm.tasks.jsonl import to_rgb
+    from mmrl.vlm.tasks.jsonl import _describe, open_rgb
 
     try:
-        with Image.open(path) as img:
-            return to_rgb(img)
+        return open_rgb(path)
     except Exception as e:  # decoders raise many kinds of errors
-        raise ConfigError(f"--image: cannot read {path}: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"--image: cannot read {path}: {_describe(e)}") from e

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
 from PIL import Image
 
+from mmrl.core.config import ConfigError
+from mmrl.vlm import backend
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.tasks.jsonl import DatasetError, load_jsonl
 from mmrl.vlm.tasks.shapes_qa import QAItem
@@ -53,3 +56,18 @@ def test_a_jsonl_placeholder_count_that_is_not_the_image_count_names_the_line(tm
                        ({"question": "<image><image>", "answer": "a", "image": "a.png"}, "2 <image> placeholders for 1 image:")):
         with pytest.raises(DatasetError, match=r"line 2.*question.*" + words):
             load_jsonl(write(tmp_path, ok, bad))
+
+
+def test_a_large_image_reads_without_pillows_unnamed_bomb_warning_and_a_huge_one_says_what_to_do(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a 12 x 12 image stands for a 10000 x 10000 photo
+    Image.new("RGB", (12, 12), (0, 255, 0)).save(tmp_path / "large.png")  # 144 pixels: over 100, under 200
+    Image.new("RGB", (15, 15)).save(tmp_path / "huge.png")  # 225 pixels: over twice the limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's "could be decompression bomb DOS attack", naming no file
+        (item,) = load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": "large.png"}))
+    assert item.images[0].size == (12, 12) and item.images[0].getpixel((5, 5)) == (0, 255, 0)
+    with pytest.raises(DatasetError, match=r"line 1.*huge\.png: DecompressionBombError: .*give a smaller copy"):
+        load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": "huge.png"}))
+    with pytest.raises(ConfigError, match=r"--image: cannot read .*huge\.png: DecompressionBombError.*smaller copy"):
+        backend._read_image(tmp_path / "huge.png")

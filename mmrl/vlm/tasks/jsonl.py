@@ -47,7 +47,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
-__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "question_problem", "save_jsonl", "to_rgb"]
+__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "open_rgb", "question_problem", "save_jsonl", "to_rgb"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
@@ -211,8 +211,7 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
     if not p.is_file():
         raise _BadImage(field, f"image file not found: {p}{_unseen(value, root)}")
     try:
-        with Image.open(p) as img:
-            return to_rgb(img)
+        return open_rgb(p)
     except Exception as e:  # decoders raise many kinds of errors
         raise _BadImage(field, f"cannot read image {p}: {_describe(e)}") from e
 
@@ -253,8 +252,7 @@ def _decode_b64(field: str, value: str) -> Image.Image:
         hint = " (it looks like a path or URL: a file goes in the image field)" if looks else ""
         raise _BadImage(field, f"not valid base64: {e}{hint}") from e
     try:
-        with Image.open(io.BytesIO(raw)) as img:
-            return to_rgb(img)
+        return open_rgb(io.BytesIO(raw))
     except UnidentifiedImageError as e:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
         problem = f"cannot decode the image ({len(raw)} bytes): not an image format Pillow reads (it starts {raw[:16]!r})"
         raise _BadImage(field, problem) from e
@@ -267,7 +265,21 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".t
 
 
 def _describe(e: BaseException) -> str:
+    if isinstance(e, Image.DecompressionBombError):  # its "could be decompression bomb DOS attack" says no way out
+        return (f"{type(e).__name__}: {e} (Pillow refuses images over twice PIL.Image.MAX_IMAGE_PIXELS: "
+                "give a smaller copy)")
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def open_rgb(source) -> Image.Image:
+    """to_rgb of an image file (a path or a file object). Pillow's DecompressionBombWarning
+    (over Image.MAX_IMAGE_PIXELS, 89 megapixels: a 10000 x 10000 photo) is silenced: the
+    user's own image is no attack, the image reads, and the warning would not say which
+    file it means. Over twice that Pillow raises DecompressionBombError (see _describe)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(source) as img:
+            return to_rgb(img)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
