@@ -71,3 +71,13 @@ def test_a_large_image_reads_without_pillows_unnamed_bomb_warning_and_a_huge_one
         load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": "huge.png"}))
     with pytest.raises(ConfigError, match=r"--image: cannot read .*huge\.png: DecompressionBombError.*smaller copy"):
         backend._read_image(tmp_path / "huge.png")
+
+
+def test_a_file_pillow_cannot_identify_says_what_it_holds(tmp_path):
+    (tmp_path / "empty.png").write_bytes(b"")  # an interrupted copy
+    (tmp_path / "page.jpg").write_bytes(b"<!DOCTYPE html><html>404 Not Found</html>")  # a scraper's error page
+    for name, words in (("empty.png", r"empty\.png: the file is empty \(0 bytes\)"),
+                        ("page.jpg", (r"page\.jpg: not an image format Pillow reads \(41 bytes; it starts "
+                                      r"b'<!DOCTYPE html><'\)"))):
+        with pytest.raises(DatasetError, match=r"line 1, field 'image': cannot read image .*" + words):
+            load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": name}))

@@ -212,8 +212,20 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
         raise _BadImage(field, f"image file not found: {p}{_unseen(value, root)}")
     try:
         return open_rgb(p)
+    except UnidentifiedImageError as e:  # "cannot identify image file": what the file holds says why
+        raise _BadImage(field, f"cannot read image {p}: {_not_an_image(p)}") from e
     except Exception as e:  # decoders raise many kinds of errors
         raise _BadImage(field, f"cannot read image {p}: {_describe(e)}") from e
+
+
+def _not_an_image(p: Path) -> str:
+    """What a file Pillow cannot identify holds: nothing (an interrupted copy), or its first
+    bytes (an HTML error page saved as .jpg, a HEIC photo where Pillow has no HEIF plugin)."""
+    with open(p, "rb") as f:
+        head = f.read(16)
+    if not head:
+        return "the file is empty (0 bytes)"
+    return f"not an image format Pillow reads ({p.stat().st_size} bytes; it starts {head!r})"
 
 
 def _normalised(p: Path) -> Path:
