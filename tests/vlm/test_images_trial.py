@@ -81,3 +81,15 @@ def test_a_file_pillow_cannot_identify_says_what_it_holds(tmp_path):
                                       r"b'<!DOCTYPE html><'\)"))):
         with pytest.raises(DatasetError, match=r"line 1, field 'image': cannot read image .*" + words):
             load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": name}))
+
+
+def test_sample_refuses_placeholders_its_images_cannot_fill_and_names_an_empty_image(tmp_path):
+    (tmp_path / "empty.png").write_bytes(b"")
+    red = tmp_path / "red.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(red)
+    for prompts, images, words in ((["ok", "a <image> b <image>"], [red], "--prompt 2 .*2 <image> placeholders for 1 image"),
+                                   (["<image> what?"], [], "--prompt 1 .*holds 1 <image> placeholder for 0 images")):
+        with pytest.raises(ConfigError, match=words):  # checked before the policy is asked anything
+            backend.sample(None, None, None, prompts, 1, images=images)
+    with pytest.raises(ConfigError, match=r"--image: cannot read .*empty\.png: the file is empty \(0 bytes\)"):
+        backend._read_image(tmp_path / "empty.png")

@@ -47,7 +47,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
-__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "open_rgb", "question_problem", "save_jsonl", "to_rgb"]
+__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "open_rgb", "placeholder_problem",
+           "question_problem", "save_jsonl", "to_rgb"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
@@ -154,6 +155,17 @@ def question_problem(question: str) -> str | None:
     return None
 
 
+def placeholder_problem(question: str, images: int) -> str | None:
+    """Why the "<image>" placeholders of `question` cannot place its `images` images, or None:
+    their count differs (VLMPolicy.messages would leave them as the text "<image>")."""
+    marks = question.count(IMAGE_PLACEHOLDER)
+    if not marks or marks == images:
+        return None
+    return (f"holds {marks} {IMAGE_PLACEHOLDER} placeholder{'s' if marks > 1 else ''} for {images} "
+            f"image{'' if images == 1 else 's'}: give one per image, where it goes in the text, or none "
+            "(the images then come before the text)")
+
+
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
@@ -186,11 +198,9 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
                 raise error(field, "is empty")
         for field, v in entries:
             images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
-    marks = question.count(IMAGE_PLACEHOLDER)
-    if marks and marks != len(images):  # else the placeholders would reach the model as the text "<image>"
-        raise error("question", f"holds {marks} {IMAGE_PLACEHOLDER} placeholder{'s' if marks > 1 else ''} for "
-                                f"{len(images)} image{'' if len(images) == 1 else 's'}: give one per image, where "
-                                "it goes in the text, or none (the images then come before the text)")
+    problem = placeholder_problem(question, len(images))
+    if problem:
+        raise error("question", problem)
 
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
@@ -212,15 +222,16 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
         raise _BadImage(field, f"image file not found: {p}{_unseen(value, root)}")
     try:
         return open_rgb(p)
-    except UnidentifiedImageError as e:  # "cannot identify image file": what the file holds says why
-        raise _BadImage(field, f"cannot read image {p}: {_not_an_image(p)}") from e
     except Exception as e:  # decoders raise many kinds of errors
-        raise _BadImage(field, f"cannot read image {p}: {_describe(e)}") from e
+        raise _BadImage(field, f"cannot read image {p}: {unreadable(p, e)}") from e
 
 
-def _not_an_image(p: Path) -> str:
-    """What a file Pillow cannot identify holds: nothing (an interrupted copy), or its first
+def unreadable(p: Path, e: BaseException) -> str:
+    """Why the image file p did not read (open_rgb raised e). For a file Pillow cannot identify
+    ("cannot identify image file"), what it holds: nothing (an interrupted copy), or its first
     bytes (an HTML error page saved as .jpg, a HEIC photo where Pillow has no HEIF plugin)."""
+    if not isinstance(e, UnidentifiedImageError):
+        return _describe(e)
     with open(p, "rb") as f:
         head = f.read(16)
     if not head:
