@@ -93,3 +93,11 @@ def test_sample_refuses_placeholders_its_images_cannot_fill_and_names_an_empty_i
             backend.sample(None, None, None, prompts, 1, images=images)
     with pytest.raises(ConfigError, match=r"--image: cannot read .*empty\.png: the file is empty \(0 bytes\)"):
         backend._read_image(tmp_path / "empty.png")
+
+
+def test_a_served_question_whose_placeholders_its_images_cannot_fill_is_a_400():
+    policy = SimpleNamespace()  # refused before the policy is asked anything
+    red = Image.new("RGB", (8, 8), (255, 0, 0))
+    for prompt in ("<image> what?", QAItem(images=[red], question="<image> or <image>?", answer="")):
+        with pytest.raises(ValueError, match="the question holds .* <image> placeholders? for .* images?: give one"):
+            VLMPolicy.serve_prompt(policy, prompt, rollout=None)
