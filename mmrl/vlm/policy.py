@@ -700,12 +700,18 @@ def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
 def _rgb(image: Any) -> Any:
     """A PIL image in 8-bit RGB (mmrl.vlm.tasks.jsonl.to_rgb), as a dataset's images are
     loaded: qwen-vl-utils' own convert("RGB") clips a 16-bit image (a tool's depth map, a
-    Python item's scan) to white and drops an LA or P image's transparency to black."""
+    Python item's scan) to white and drops an LA or P image's transparency to black. An RGB
+    image goes as it is unless it has a transparency colour or an EXIF rotation (a photo
+    opened with Image.open in Python): qwen-vl-utils would show it sideways. A dataset's
+    images, loaded by to_rgb, have neither, so they are not copied at every rollout."""
     from PIL import Image
 
     from mmrl.vlm.tasks.jsonl import to_rgb
 
-    return to_rgb(image) if isinstance(image, Image.Image) and image.mode != "RGB" else image
+    if not isinstance(image, Image.Image):
+        return image
+    rotated = image.getexif().get(0x0112, 1) != 1  # the Orientation tag; parsed once per image
+    return to_rgb(image) if image.mode != "RGB" or "transparency" in image.info or rotated else image
 
 
 def has_images(data: dict[str, Tensor]) -> bool:

@@ -101,3 +101,17 @@ def test_a_served_question_whose_placeholders_its_images_cannot_fill_is_a_400():
     for prompt in ("<image> what?", QAItem(images=[red], question="<image> or <image>?", answer="")):
         with pytest.raises(ValueError, match="the question holds .* <image> placeholders? for .* images?: give one"):
             VLMPolicy.serve_prompt(policy, prompt, rollout=None)
+
+
+def test_an_rgb_photo_opened_in_python_reaches_the_model_upright_and_a_loaded_one_uncopied(tmp_path):
+    photo = Image.new("RGB", (80, 40), (255, 0, 0))
+    exif = photo.getexif()
+    exif[0x0112] = 6  # "rotate 90 clockwise to view": a phone held upright
+    photo.save(tmp_path / "phone.jpg", exif=exif)
+    policy = SimpleNamespace(min_pixels=None, max_pixels=None)
+    with Image.open(tmp_path / "phone.jpg") as opened:  # as a Python caller passes it
+        (turn,) = VLMPolicy.messages(policy, QAItem(images=[opened], question="q", answer=""))
+        assert turn["content"][0]["image"].size == (40, 80)  # as a viewer shows it, not (80, 40)
+    (item,) = load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": "phone.jpg"}))
+    (turn,) = VLMPolicy.messages(policy, item)
+    assert turn["content"][0]["image"] is item.images[0] and item.images[0].size == (40, 80)
