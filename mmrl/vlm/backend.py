@@ -262,9 +262,10 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
 
 
 def _read_image(path: Path):
-    from mmrl.vlm.tasks.jsonl import open_rgb, unreadable
+    from mmrl.vlm.tasks.jsonl import open_rgb, unreadable, warnings_named
 
     try:
-        return open_rgb(path)
+        with warnings_named(f"--image {path}"):
+            return open_rgb(path)
     except Exception as e:  # decoders raise many kinds of errors
         raise ConfigError(f"--image: cannot read {path}: {unreadable(path, e)}") from e

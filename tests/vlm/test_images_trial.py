@@ -115,3 +115,15 @@ def test_an_rgb_photo_opened_in_python_reaches_the_model_upright_and_a_loaded_on
     (item,) = load_jsonl(write(tmp_path, {"question": "q", "answer": "a", "image": "phone.jpg"}))
     (turn,) = VLMPolicy.messages(policy, item)
     assert turn["content"][0]["image"] is item.images[0] and item.images[0].size == (40, 80)
+
+
+def test_pillows_warning_about_a_photos_corrupt_exif_names_the_file_line_and_field(tmp_path):
+    # an Orientation entry (6) whose IFD ends before its next-IFD pointer: "Corrupt EXIF data"
+    exif = b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\x00\x01\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00"
+    Image.new("RGB", (80, 40), (255, 0, 0)).save(tmp_path / "odd.jpg", exif=exif)
+    rows = [{"question": "q", "answer": "a"}, {"question": "q2", "answer": "a", "images": ["odd.jpg"]}]
+    with pytest.warns(UserWarning, match=r"data\.jsonl, line 2, field 'images\[0\]': Corrupt EXIF data"):
+        (_, item) = load_jsonl(write(tmp_path, *rows))
+    assert item.images[0].size == (40, 80)  # the orientation it could read is still applied
+    with pytest.warns(UserWarning, match=r"--image .*odd\.jpg: Corrupt EXIF data"):
+        backend._read_image(tmp_path / "odd.jpg")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import json
@@ -48,7 +49,7 @@ from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_object
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
 __all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "open_rgb", "placeholder_problem",
-           "question_problem", "save_jsonl", "to_rgb"]
+           "question_problem", "save_jsonl", "to_rgb", "warnings_named"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
@@ -197,7 +198,8 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
             if not v.strip():
                 raise error(field, "is empty")
         for field, v in entries:
-            images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
+            with warnings_named(f"{path}, line {lineno}, field {field!r}"):
+                images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
     problem = placeholder_problem(question, len(images))
     if problem:
         raise error("question", problem)
@@ -292,6 +294,17 @@ def _describe(e: BaseException) -> str:
         return (f"{type(e).__name__}: {e} (Pillow refuses images over twice PIL.Image.MAX_IMAGE_PIXELS: "
                 "give a smaller copy)")
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+@contextlib.contextmanager
+def warnings_named(where: str):
+    """Warnings raised inside (Pillow's "Corrupt EXIF data", which names no file) are issued
+    again, once it ends, prefixed by `where`: the file and line at fault."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        warnings.warn(f"{where}: {w.message}", w.category, stacklevel=3)
 
 
 def open_rgb(source) -> Image.Image:
