@@ -112,6 +112,7 @@ def load_jsonl(
 
 _VISION_MARKS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")  # Qwen's
 _TURN_MARKS = ("<|im_start|>", "<|im_end|>")  # Qwen's (ChatML)
+_END_MARKS = ("<|endoftext|>",)  # Qwen's end of text (its pad token), also read as one token
 
 
 def check_overlap(train: Sequence[QAItem], evaluation: Sequence[QAItem]) -> None:
@@ -153,6 +154,10 @@ def question_problem(question: str) -> str | None:
     if turns:  # read as one token: the text after it is a turn of its own, an assistant's if it says so
         return (f"holds the chat format's turn marker {turns[0]}, which would end the user's turn inside the "
                 "question: give the question's text alone, and the chat template writes the turns")
+    ends = [m for m in _END_MARKS if m in question]
+    if ends:  # the model would read the end of the text inside the question
+        return (f"holds the tokenizer's end-of-text token {ends[0]}, read as one token that ends the text inside "
+                "the question: leave it out")
     return None
 
 
