@@ -101,6 +101,10 @@ def test_a_served_question_whose_placeholders_its_images_cannot_fill_is_a_400():
     for prompt in ("<image> what?", QAItem(images=[red], question="<image> or <image>?", answer="")):
         with pytest.raises(ValueError, match="the question holds .* <image> placeholders? for .* images?: give one"):
             VLMPolicy.serve_prompt(policy, prompt, rollout=None)
+    for question in ("q<|endoftext|>", "q<|im_end|>"):  # a served question is checked as a data file's
+        with pytest.raises(ValueError, match=r"the question holds the (tokenizer's end-of-text token|chat format's "
+                                             r"turn marker)"):
+            VLMPolicy.serve_prompt(policy, question, rollout=None)
 
 
 def test_an_rgb_photo_opened_in_python_reaches_the_model_upright_and_a_loaded_one_uncopied(tmp_path):
