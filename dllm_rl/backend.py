@@ -282,7 +282,6 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
             from dllm_rl.policy import to_sample
 
             scores = task.reward.score([to_sample(problem, answer)])
-            row.update({"gold": problem.answer, "reward": float(scores.total[0]),
-                        "atoms": dict(zip(scores.names, scores.values[0].tolist()))})
+            row.update({"gold": problem.answer, "reward": scores.totals()[0], "atoms": scores.per_sample()[0]})
         rows.append(row)
     return rows

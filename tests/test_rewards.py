@@ -1490,3 +1490,15 @@ def test_a_function_that_cannot_take_one_sample_is_refused_when_made_an_atom(tmp
     (tmp_path / "trl.py").write_text("def f(prompts, completions):\n    return 1.0\n")
     with pytest.raises(ValueError, match=r"reward atom 'f': its function takes \(prompts, completions\)"):
         load_atom(f"{tmp_path}/trl.py:f")
+
+
+def test_sample_tables_show_float32_scores_as_their_shortest_decimals():
+    # float() of a float32 0.1 is 0.10000000149011612: `sample` printed a weight-0.1 atom's score so
+    from mmrl.core.rewards import AtomScores, shortest
+
+    scores = AtomScores(["a", "b"], torch.tensor([[0.1, 1.0], [0.3, 0.0]]), torch.tensor([0.2, 0.03]))
+    assert scores.per_sample() == [{"a": 0.1, "b": 1.0}, {"a": 0.3, "b": 0.0}]
+    assert scores.totals() == [0.2, 0.03]
+    assert all(torch.tensor(shortest(v), dtype=torch.float32) == torch.tensor(v, dtype=torch.float32)
+               for v in (0.1, 1 / 3, 1e-30, 3.4e38, -2.5))  # the same float32, read back
+    assert math.isnan(shortest(float("nan"))) and shortest(0.1) == 0.1  # a float64 value: kept

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -209,7 +210,11 @@ class AtomScores:
 
     def per_sample(self) -> list[dict[str, float]]:
         """One {atom name: value} dict per sample, for sample tables."""
-        return [dict(zip(self.names, row)) for row in self.values.tolist()]
+        return [dict(zip(self.names, map(shortest, row))) for row in self.values.tolist()]
+
+    def totals(self) -> list[float]:
+        """Each sample's total, as sample tables and `sample` print it."""
+        return [shortest(v) for v in self.total.tolist()]
 
     def select(self, idx: Tensor) -> AtomScores:
         """The rows `idx` (indices or a bool mask [N]) as a new AtomScores."""
@@ -217,6 +222,14 @@ class AtomScores:
         failed = self.failed[idx] if self.failed is not None else None
         errors = int(failed.sum()) if failed is not None else self.errors
         return AtomScores(list(self.names), self.values[idx], self.total[idx], errors, failed)
+
+
+def shortest(value: float) -> float:
+    """A float32 value as the shortest decimal that reads back as it: 0.1 where float() of the
+    float32 gives 0.10000000149011612 (so `sample` printed a weight of 0.1 scored). A value that
+    is no float32 (a float64 total) is kept as it is."""
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value else value
 
 
 class Reward:

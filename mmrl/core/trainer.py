@@ -1198,6 +1198,7 @@ def with_config_atoms(task, cfg: TrainConfig) -> Reward:
 def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
     """One row per sample for a sample table: prompt, completion, atoms, total, advantage."""
     atoms = batch.scores.per_sample() if batch.scores is not None else [{}] * len(batch)
+    totals = batch.scores.totals() if batch.scores is not None else []
     adv = batch.advantages
     rows = []
     for i, s in enumerate(batch.samples):
@@ -1205,7 +1206,7 @@ def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
             "group": int(batch.group_ids[i]),
             "prompt": _show(s.prompt),
             "completion": _show(s.completion),
-            "reward": float(batch.rewards[i]) if batch.scores is not None else None,
+            "reward": totals[i] if batch.scores is not None else None,
             "atoms": atoms[i],
             "advantage": None if adv is None else float(adv[i].float().mean()),
         })

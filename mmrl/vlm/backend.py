@@ -258,7 +258,7 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
     scores = task.reward.score(samples)
     return [{"question": s.prompt, "gold": s.meta.get("answer"), "completion": s.completion,
              "reward": float(total), "atoms": atoms}
-            for s, atoms, total in zip(samples, scores.per_sample(), scores.total.tolist())]
+            for s, atoms, total in zip(samples, scores.per_sample(), scores.totals())]
 
 
 def _read_image(path: Path):
