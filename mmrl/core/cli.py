@@ -648,13 +648,15 @@ def interrupted_note(command: str, cfg: TrainConfig | None) -> str:
     that there is none (the default run saves only at its end, so Ctrl-C at step 300 of 500 keeps
     nothing: "the newest checkpoint is kept, resume with --resume" then sent the user to an
     error). The command names the output directory: `--resume` alone resumes the default one."""
+    from mmrl.core.trainer import resume_command
+
     if cfg is None:  # before the config was read: nothing was written
         return "interrupted"
     out = Path(cfg.output_dir)
     found = latest_checkpoint(out / "checkpoints")
     if found is not None:
         return (f"interrupted; the newest complete checkpoint, {found}, is kept: resume with "
-                f"`{command} train -o {shlex.quote(str(out))} --resume`")
+                f"`{resume_command(out, command)}`")
     every = "" if cfg.train.save_every else (" (this run saves only at its end; --save-every N saves every N "
                                               "steps)")
     return f"interrupted before any checkpoint was saved{every}: nothing to resume; start again as before"

@@ -140,6 +140,12 @@ def _older_checkpoint_note(path: Path) -> str:
     return "; it is the run's only checkpoint: start the run afresh in another --output-dir"
 
 
+def resume_command(out: str | Path, command: str = "") -> str:
+    """The command line that resumes the run in `out` (`--resume` alone resumes the default
+    output directory, not this one); `command`: the CLI's name, where known."""
+    return f"{command + ' ' if command else ''}train -o {shlex.quote(str(out))} --resume"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -443,8 +449,7 @@ class Trainer:
                                    "the run again)", signum, 0, None)
         where = ckpt.step_dir(self.checkpoint_dir, self.step)
         return StoppedBySignal(f"stopped by {name} after step {self.step} of {tc.max_steps}; checkpoint {where} "
-                               f"holds it: `train -o {shlex.quote(str(self.out))} --resume` goes on from there", signum,
-                               self.step, where)
+                               f"holds it: `{resume_command(self.out)}` goes on from there", signum, self.step, where)
 
     def _finish(self, logger: RunLogger | None) -> dict[str, Any]:
         """After the last step: the final evaluation, the best checkpoint, summary.json."""
@@ -774,8 +779,7 @@ class Trainer:
             return
         where = f"in step {self.step + 1}" if unlogged is None else f"in the evaluation after step {self.step}"
         warnings.warn(f"{type(error).__name__} stopped the run {where}; the steps finished before it are saved "
-                      f"as checkpoint {path}: `train -o {shlex.quote(str(self.out))} --resume` goes on from there",
-                      stacklevel=3)
+                      f"as checkpoint {path}: `{resume_command(self.out)}` goes on from there", stacklevel=3)
 
     def _sharded_reference_pass(self, batch: RolloutBatch | None) -> None:
         """Under FSDP, the scheduler's last stage, the KL reference's pass (as SyncScheduler._prepare
@@ -1198,7 +1202,7 @@ def with_config_atoms(task, cfg: TrainConfig) -> Reward:
 def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
     """One row per sample for a sample table: prompt, completion, atoms, total, advantage."""
     atoms = batch.scores.per_sample() if batch.scores is not None else [{}] * len(batch)
-    totals = batch.scores.totals() if batch.scores is not None else []
+    totals = batch.scores.totals() if batch.scores is not None else [None] * len(batch)
     adv = batch.advantages
     rows = []
     for i, s in enumerate(batch.samples):
@@ -1206,7 +1210,7 @@ def sample_rows(batch: RolloutBatch) -> list[dict[str, Any]]:
             "group": int(batch.group_ids[i]),
             "prompt": _show(s.prompt),
             "completion": _show(s.completion),
-            "reward": totals[i] if batch.scores is not None else None,
+            "reward": totals[i],
             "atoms": atoms[i],
             "advantage": None if adv is None else float(adv[i].float().mean()),
         })
