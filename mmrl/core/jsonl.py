@@ -154,10 +154,15 @@ def text_and_answer(obj: dict[str, Any], text_field: str, error: Callable[[str, 
     return text, answer_text(obj["answer"], "answer", error)
 
 
+# Half of a UTF-16 pair alone in a str (json's "\\ud800", bytes read with errors="surrogateescape"):
+# no tokenizer encodes it (`TypeError: TextEncodeInput must be ...`)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _check_surrogates(text: str, field: str, error: Callable[[str, str], Exception]) -> None:
     """An unpaired surrogate ("\\ud800" in the file, half of a UTF-16 pair; json reads it as it is)
     is refused here: the tokenizer stops on it with `TypeError: TextEncodeInput must be ...`."""
-    half = re.search("[\ud800-\udfff]", text)
+    half = LONE_SURROGATE.search(text)
     if half:
         raise error(field, f"holds an unpaired surrogate, \\u{ord(half[0]):04x} at character {half.start() + 1}: half "
                            "of a UTF-16 pair, which no tokenizer encodes; write the character itself, or both halves")

@@ -62,7 +62,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmrl.core.jsonl import json_type
+from mmrl.core.jsonl import LONE_SURROGATE, json_type
 from mmrl.core.rewards import PLUGIN_MODULES, import_python_file, module_attribute, spec_file
 from mmrl.core.timeouts import Stuck, StuckCalls
 
@@ -615,14 +615,11 @@ def _error(message: str, kind: str, name: str | None = None) -> ToolResult:
     return ToolResult(content=[f"error: {message}"], error=message, name=name, kind=kind)
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _utf8(text: str) -> str:
     """`text` with each lone surrogate replaced by U+FFFD: bytes read with errors="surrogateescape"
     (os.listdir, subprocess output, a file of another encoding) leave them in a str, and no
     tokenizer takes such a str (a TypeError that stopped the run)."""
-    return _SURROGATE.sub("\ufffd", text)
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _describe(exc: BaseException) -> str:
