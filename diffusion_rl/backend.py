@@ -298,7 +298,8 @@ def sample(cfg: DiffusionTrainConfig, policy: DiffusionPolicy, task: DiffusionTa
                     raise  # another atom failed (reward.on_error=zero scores it 0), as it would in training
                 scores = None  # its shapes atoms refuse it: the warning above said so
             if scores is not None:
-                atoms.update({name: scores.per_sample()[0][name] for name in extra})
+                scored = scores.per_sample()[0]
+                atoms.update({name: scored[name] for name in extra})
                 atoms["reward"] = scores.totals()[0]
         rows.append({"prompt": text, "seed": seed, "image": str(path), **atoms})
     return rows

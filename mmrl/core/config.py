@@ -948,15 +948,18 @@ def _say_replaced_sections(cfg: BaseModel, before: dict, overrides: tuple[str, .
     """A warning where a --set gave a whole section as a mapping (`method.loss={clip_high: 0.3}`)
     and so returned keys the file or the backend's defaults had set (DAPO's token_mean) to their
     class defaults: the section is replaced, not merged as a file's is, and that went unsaid."""
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    mappings = [(item, parts, value) for item, parts, value in parsed if isinstance(value, dict)]
+    if not mappings:  # the usual case: no dump of the whole config
+        return
     after = cfg.model_dump(mode="json", warnings=False)
-    for item in overrides:
-        parts, value = parse_override(item)
+    for item, parts, value in mappings:
         old, new, section = before, after, cfg
         for part in parts:
             old, new = (d.get(part) if isinstance(d, dict) else None for d in (old, new))
             section = getattr(section, part, None)
-        if not (isinstance(value, dict) and isinstance(section, BaseModel) and isinstance(old, dict)
-                and isinstance(new, dict)) or new.get("type") != old.get("type"):
+        if not (isinstance(section, BaseModel) and isinstance(old, dict) and isinstance(new, dict)) \
+                or new.get("type") != old.get("type"):
             continue  # a new variant (given here or by a later --set) starts from its own defaults
         where = ".".join(parts)
         lost = [f"{where}.{k} {json.dumps(v)} -> {json.dumps(new[k])}" for k, v in old.items()
