@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from test_trainer import make
 
 from mmrl.core.checkpoint import list_checkpoints
@@ -84,3 +85,17 @@ def test_min_lr_ratio_is_where_the_decay_ends():
         OptimConfig(min_lr_ratio=0.1)
     with pytest.raises(ConfigError, match=r"optim\.min_lr_ratio: Input should be less than or equal to 1"):
         load_config(TrainConfig, overrides=["optim.schedule=linear", "optim.min_lr_ratio=2"])
+
+
+def test_lr_0_is_a_control_run_that_changes_no_weight(tmp_path):
+    """optim.lr=0 (a no-learning baseline beside a run) trains: the steps log their rewards,
+    losses and gradient norms, and every weight ends as it began (AdamW's decoupled weight
+    decay is lr x weight_decay: 0 too). Before, pydantic refused it ('greater than 0')."""
+    trainer = make(tmp_path, "train.max_steps=2", "optim.lr=0", "optim.weight_decay=0.1")
+    before = {k: v.detach().clone() for k, v in trainer.policy.model.named_parameters()}
+    trainer.train()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["optim/lr"] for r in rows] == [0.0, 0.0]
+    assert any(r["loss/grad_norm"] > 0 for r in rows)  # the gradients were made, only not applied
+    after = dict(trainer.policy.model.named_parameters())
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -454,8 +454,10 @@ class RewardConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    """Peak learning rate of AdamW (after the warm-up; the schedule decays from it)."""
+    lr: float = Field(1e-5, ge=0)
+    """Peak learning rate of AdamW (after the warm-up; the schedule decays from it). 0 = a
+    control run: rollouts, rewards, losses and gradient norms logged as the method makes them,
+    and no weight changed (a no-learning baseline to set a run's reward curve against)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay, applied to every trained parameter; 0 = none."""
     betas: tuple[float, float] = (0.9, 0.999)

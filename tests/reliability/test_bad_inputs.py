@@ -152,7 +152,7 @@ CONFIG_ROWS = {
     "out-of-range-dllm": Row("dllm", lambda t: train(t, "rollout.num_generations=0"),
                              lambda t: ["rollout.num_generations", "greater than or equal to 1"]),
     "out-of-range-diffusion": Row("diffusion", lambda t: train(t, "optim.lr=-1"),
-                                  lambda t: ["optim.lr", "greater than 0"]),
+                                  lambda t: ["optim.lr", "greater than or equal to 0"]),
     # missing, unreadable config file
     "missing-config-file": Row("vlm", lambda t: ["train", "--config", t / "nope.yaml"],
                                lambda t: ["nope.yaml", "does not exist"]),
