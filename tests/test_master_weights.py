@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import toy
@@ -46,6 +48,7 @@ def test_float32_parameters_are_their_own_master(tmp_path):
     assert all(m is p for m, p in zip(trainer.opt_params, trainer.params))
 
 
+@pytest.mark.filterwarnings("ignore:optim.master_weights is off")  # its plain arm, on purpose
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 @pytest.mark.parametrize("lr", [1e-6])
 def test_a_fine_tuning_step_in_bfloat16_moves_every_master_weight_by_lr(tmp_path, lr):
@@ -213,7 +216,8 @@ def test_resuming_a_run_saved_without_master_weights_starts_the_copies_from_its_
     the loaded bfloat16 weights, not from the weights the model had before loading."""
     from mmrl.core.checkpoint import latest_checkpoint
 
-    first = make_bf16(tmp_path, "train.max_steps=1", "optim.lr=1e-2", "optim.master_weights=false", name="run")
+    with pytest.warns(UserWarning, match="master_weights is off"):
+        first = make_bf16(tmp_path, "train.max_steps=1", "optim.lr=1e-2", "optim.master_weights=false", name="run")
     first.train()
     resumed = make_bf16(tmp_path, "train.max_steps=2", "optim.lr=1e-2", name="run")
     assert resumed.master.active
@@ -280,3 +284,18 @@ def test_a_bfloat16_runs_copies_become_the_weights_of_a_float32_resume():
     other = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))]  # master.0 does not fit
     assert not MasterWeights(other).load_state_dict(saved)
     assert all(float(p.abs().sum()) == 0.0 for p in other)
+
+
+def test_bfloat16_weights_without_master_weights_are_warned(tmp_path):
+    """optim.master_weights=false on bfloat16 weights steps them in bfloat16, where a fine-tuning
+    lr's updates mostly round away: said, where it trained on as a near no-op without a word.
+    Float32 weights, or the copies on, say nothing."""
+    with pytest.warns(UserWarning, match=r"optim\.master_weights is off and \d+ trainable parameters are "
+                                         r"torch\.bfloat16: .* at lr 1e-05 round away"):
+        make_bf16(tmp_path, "optim.master_weights=false", "optim.lr=1e-5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_bf16(tmp_path, name="on")
+        cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG,
+                          overrides=[f"output_dir={tmp_path / 'f32'}", "optim.master_weights=false"])
+        Trainer(cfg, *toy.build(cfg))

@@ -232,6 +232,12 @@ class Trainer:
         self.master = MasterWeights(self.params) if oc.master_weights and training and self.sharded is None else None
         if training and self.master is None:  # gradients stay on the parameters (an older trainer's
             release(self.params)                # copies stop taking them); eval allocates no copies
+        low = [p for p in self.params if p.dtype in (torch.bfloat16, torch.float16)]
+        if training and not oc.master_weights and self.sharded is None and low and oc.lr > 0:
+            # the one setting that makes a bfloat16 full fine-tune a near no-op, so said once
+            warnings.warn(f"optim.master_weights is off and {len(low)} trainable parameters are {low[0].dtype}: "
+                          f"AdamW steps them in that precision, where most updates at lr {oc.lr:g} round away "
+                          "(mmrl.core.master); leave it on unless that is what you measure", stacklevel=2)
         # What the optimizer steps and where gradients land: float32 copies of bfloat16 weights
         self.opt_params = self.master.masters if self.master is not None else self.params
         # e.g. Flow-GRPO's EMA (usually None), of the float32 copies: a bfloat16 average would
