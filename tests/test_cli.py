@@ -628,7 +628,32 @@ def test_an_empty_output_dir_flag_and_a_second_keys_are_refused(tmp_path, monkey
     result = runner.invoke(app, ["train", "-o", "", "--max-steps", "1"])
     assert result.exit_code == 2 and "--output-dir is empty" in result.output
     assert list(tmp_path.iterdir()) == []
-    result = runner.invoke(app, ["config", "--keys", "optim", "--keys", "seed"])
-    assert result.exit_code == 2 and "--keys takes one part, got 2 (optim, seed)" in result.output
+    result = runner.invoke(app, ["config", "--keys", "optim", "-k", "seed"])
+    assert result.exit_code == 2 and "--keys/-k given 2 times (optim, seed): it takes one value" in result.output
     result = runner.invoke(app, ["config", "--keys", "optim"])
     assert result.exit_code == 0 and result.output.startswith("optim:") or "\noptim:" in result.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["train", "-c", "a.yaml", "--config=b.yaml"], ("--config/-c given 2 times (a.yaml, b.yaml): it takes one value, "
+                                                   "and the command line would keep the last without a word; give it "
+                                                   "once (one config file a run: put the other's keys in it")),
+    (["eval", "--checkpoint", "r1", "--set", "seed=1", "--checkpoint", "r2"], "--checkpoint given 2 times (r1, r2)"),
+    (["train", "--max-steps", "2", "--resume", "--max-steps", "3"], "--max-steps given 2 times (2, 3)"),
+])
+def test_an_option_of_one_value_given_twice_is_refused_before_anything_runs(tmp_path, monkeypatch, args, said):
+    """`-c axpo.yaml -c mine.yaml` read only mine.yaml (click keeps an option's last value
+    without a word): refused with exit 2 before any file is read or folder made. Repeatable
+    options (--set), flags given twice, and an option's value that looks like an option are not."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    assert list(tmp_path.iterdir()) == []
+    result = runner.invoke(app, ["config", "--set", "seed=1", "--set", "seed=2", "-k", "seed"])
+    assert result.exit_code == 0 and "seed: 2" in result.output
+    import typer.main
+
+    from mmrl.core.cli import refuse_repeated_options
+
+    sample = typer.main.get_command(app).get_command(None, "sample")  # --prompt's value, then one --checkpoint
+    refuse_repeated_options(sample, ["--prompt", "--checkpoint", "--checkpoint", "r", "--greedy", "--greedy"])

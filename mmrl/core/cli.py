@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
+from typer.core import TyperGroup
 
 from mmrl.core import distributed, plugins
 from mmrl.core.best import BEST, read_record
@@ -92,8 +93,43 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+class OnceGroup(TyperGroup):
+    """The verbs' group, which refuses an option of one value given twice (`-c a.yaml -c b.yaml`,
+    `-o a -o b`): click keeps the last without a word, so a run read one config file of two."""
+
+    def parse_args(self, ctx, args):
+        verb = next((a for a in args if not a.startswith("-")), None)  # the group takes no values
+        cmd = self.get_command(ctx, verb) if verb is not None else None
+        if cmd is not None:
+            refuse_repeated_options(cmd, args[args.index(verb) + 1:])
+        return super().parse_args(ctx, args)
+
+
+def refuse_repeated_options(cmd, args: list[str]) -> None:
+    options = [p for p in cmd.params if p.param_type_name == "option"]  # typer's own click or click's
+    takes_value = {o for p in options if not p.is_flag for o in p.opts}
+    once = {o: p for p in options if not (p.is_flag or p.multiple) for o in p.opts}
+    given: dict[str, list[str]] = {}
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        name, eq, value = token.partition("=") if token.startswith("--") else (token, "", "")
+        if name in takes_value and not eq:
+            value = next(tokens, "")  # an option's value is not an option, even "-o" after --prompt
+        if name in once:
+            given.setdefault(name if len(once[name].opts) == 1 else "/".join(once[name].opts), []).append(value)
+    for name, values in given.items():
+        if len(values) > 1:
+            hint = " (one config file a run: put the other's keys in it, or give them with --set)" \
+                if "--config" in name else ""
+            fail(f"{name} given {len(values)} times ({', '.join(values)}): it takes one value, and the command line "
+                 f"would keep the last without a word; give it once{hint}")
+
+
 def make_app(spec: BackendSpec) -> typer.Typer:
     app = typer.Typer(
+        cls=OnceGroup,
         name=spec.command,
         help=f"RL fine-tuning of {spec.title} models with mmrl. "
         f"Runnable configs: configs/{spec.modality}/*.yaml; with no --config, `train` runs the "
@@ -440,23 +476,19 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def show_config(
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config; default: the embedded default run."),
         set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
-        # a list only to refuse a second --keys, which typer kept in place of the first without a word
-        keys: list[str] = typer.Option([], "--keys", "-k", metavar="PART",
-                                       help="Only this part, e.g. --keys rollout or --keys method."),
+        keys: str | None = typer.Option(None, "--keys", "-k", metavar="PART",
+                                        help="Only this part, e.g. --keys rollout or --keys method."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A run directory or checkpoint: its settings."),
     ):
         """Print the config a run would use (the embedded default, --config, --set) as YAML, every
         key with its description and value; it loads back as a --config file. Nothing is built."""
-        if len(keys) > 1:
-            fail(f"--keys takes one part, got {len(keys)} ({', '.join(keys)}): run `config` once for each, or "
-                 "--keys on their common section")
 
         def go():
             from mmrl.core.config_doc import commented_config
             from mmrl.core.pipeline import check_config
 
             _, cfg = get_backend(config, list(set_), "train", checkpoint, builds=False)
-            typer.echo(commented_config(cfg, keys[0] if keys else None), nl=False)
+            typer.echo(commented_config(cfg, keys), nl=False)
             try:  # what train refuses of the config as a whole: shown, yet the dump is still printed to edit
                 check_config(cfg, world_size())
             except ConfigError as e:
