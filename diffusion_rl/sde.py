@@ -54,9 +54,10 @@ Where we depart from Flow-GRPO's code (``flow_grpo/diffusers_patch/sd3_sde_with_
 - ``log_prob`` scores the sample that is *returned*, i.e. after rounding to the input dtype
   (bf16 rollouts), so re-scoring the stored sample reproduces ``log_prob`` bit for bit (the
   ratio is exactly 1 on-policy). Flow-GRPO scores the float32 sample before any rounding.
-- ``noise_level = 0`` is an exact Euler step with ``log_prob = 0`` (Flow-GRPO's formula would
-  divide by zero), and the noise comes from ``generator`` when given, from torch's global RNG
-  otherwise (in Flow-GRPO, no generator means a deterministic step).
+- ``noise_level = 0`` is an exact Euler step with ``log_prob = 0``; Flow-GRPO's formula makes the
+  same step with a log-prob of 0 / 0 (NaN), which it never reads. (The noise comes from
+  ``generator`` when given, from torch's global RNG otherwise: the same as Flow-GRPO, whose
+  diffusers ``randn_tensor`` draws from the global RNG when no generator is given.)
 - The schedule is ``shift(linspace(1, 0, N + 1))`` for every shift, which is exactly what
   diffusers' FLUX / Qwen-Image pipelines build. diffusers' SD3 pipeline (so Flow-GRPO's SD3
   runs) instead spaces its N sigmas from 1 down to the shifted training minimum (~0.003),
