@@ -20,11 +20,21 @@ weights (diffusion_rl.ema), which the core loop updates after every optimizer st
 in for evaluation, the sample grids and the checkpoint's model; rollouts and the loss use the
 raw weights.
 
-Departures: the trained steps of a batch are drawn once per rollout (with the rollout
-generator) instead of per epoch, so a resumed run replays them exactly; the EMA moves once
-per update_every optimizer steps (Flow-GRPO steps it per micro-batch, so gradient
-accumulation can move it several times in one optimizer step), and a checkpoint also keeps
-the raw weights and the average, so a resumed run goes on exactly.
+Departures (checked against yifan123/flow_grpo, tests/diffusion/test_reference_formulas.py):
+- the advantage's std is the group's. Most of Flow-GRPO's SD3 / FLUX configs set
+  sample.global_std = True (config/grpo.py; a few, e.g. pickscore_flux_fast, False), dividing each prompt's centred rewards by the population std of the
+  whole round's rewards instead (flow_grpo/stat_tracking.py); only the scale per group differs.
+- samples whose advantage is 0 (groups whose rewards are all equal) stay in the batch: they
+  count in the loss's denominator and carry the KL term. Flow-GRPO drops them before training
+  (scripts/train_sd3.py, `mask = advantages.abs().sum(dim=1) != 0`), so its mean runs over the
+  remaining samples only.
+- rollout.train_fraction < 1 trains a random subset of the window's steps, drawn once per
+  rollout (with the rollout generator, so a resumed run replays it); Flow-GRPO's
+  timestep_fraction trains the first int(N * fraction) steps in order (0.99 at N = 10: steps
+  0..8, our window at train_fraction 1).
+- the EMA moves once per update_every optimizer steps (Flow-GRPO steps it per micro-batch, so
+  gradient accumulation can move it several times in one optimizer step), and a checkpoint also
+  keeps the raw weights and the average, so a resumed run goes on exactly.
 """
 
 from __future__ import annotations
