@@ -341,7 +341,7 @@ def test_slim_loss_sequence_ratio_clip_and_kl_by_hand():
     def k3(d):  # exp(-d) + d - 1, d = logp - old
         return math.exp(-d) + d - 1
 
-    kl = ((k3(0.2) + k3(0.0)) / 2 + k3(-0.05)) / 2  # mean within each row, then / rows
+    kl = (0.25 * (k3(0.2) + k3(0.0)) / 3 + 0.75 * k3(-0.05) / 3) / 2  # w_q * row sum / C = 3, then / rows
     assert float(out.loss) == pytest.approx(pg + 0.5 * kl, rel=1e-5)
     # the mean log-ratio is clamped to +-max_log_ratio before exp; A < 0: min(sA, clip(s)A) = s A
     big = slim_loss(torch.full((1, 1, 1), 30.0), torch.zeros(1, 1, 1), torch.ones(1, 1, 1, dtype=torch.bool),

@@ -17,22 +17,26 @@
     ratio      s = exp(clamp(mean over the row's masked tokens of (logp - old_logp), +-max_log_ratio))
     advantage  A = r - group mean (Dr.GRPO; scale "group" also divides by the group std)
     loss       -sum over rows of w_q min(s A, clip(s, 1 - eps, 1 + eps) A) / rows
-               + beta k3 KL to the pre-update policy (eps 0.1, beta 0.01)
+               + beta sum over rows of w_q (k3 summed over the row's masked tokens) / C / rows,
+               k3 to the pre-update policy (eps 0.1, beta 0.01, C the answer length)
     groups     drop groups whose accuracy lies outside accuracy_band = [0.2, 0.8]; the step
                trains on the rest, as the code does (dynamic_sampling.enabled refills them
                with extra rollout rounds, as DAPO); an answer with no <eos> within gen_length
                scores 0 on every atom before that
 
 RECONSTRUCTED from the code and the method summary (the paper itself was not available):
-the exact normalisation and KL aggregation, the at-least-one-mask rule's choice of position,
-the accuracy definition and where the length rule applies. Choices made here:
+the at-least-one-mask rule's choice of position, the accuracy definition and where the length
+rule applies. The normalisation and the KL's aggregation follow the code (checked against it,
+tests/dllm/test_reference_formulas.py). Choices made here:
 
 - Normalisation: rows = N * Q of the whole mini-batch (`loss_denominator`), so the loss is the
   mean over rows of the w_q-weighted terms, i.e. (1 / Q) x the quadrature estimate of the
   integral over t averaged over samples (a constant factor). The trainer passes this global
   row count to every micro-batch, so micro-batch losses sum to the mini-batch's exactly.
-- KL: k3 per masked token, averaged within each row, then summed over rows / rows (the same
-  denominator, so it too is exact under micro-batching); not weighted by w_q.
+- KL, as SLIM-RL's code (train/slim_rl_sdar.py, read 2026-12-07): k3 per masked token, summed
+  within each row and divided by the answer length C (the code's L1, its batch's padded answer
+  length), weighted by w_q, then summed over rows / rows (the same denominator, so it too is
+  exact under micro-batching). Until 2026-12-07 it was each row's masked-token mean, unweighted.
 - A row whose Bernoulli draws mask nothing masks one uniformly chosen answer position.
 - Masks are drawn at rollout time from the rollout generator and stored (batch.data
   "slim/mask" [N, Q, C]), so old and new log-probs see the same inputs for every PPO pass
@@ -219,7 +223,8 @@ class SLIMRL(DLLMMethod):
 def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, weights: Tensor, *,
               clip: float, max_log_ratio: float, beta: float, denom: float | None = None) -> LossOutput:
     """-sum over rows (i, q) of w_q min(s A_i, clip(s, 1 - clip, 1 + clip) A_i) / denom
-    + beta * sum over rows of (row's mean k3 KL) / denom; denom = rows N * Q when None.
+    + beta * sum over rows of w_q (row's k3 summed over its masked tokens) / C / denom;
+    denom = rows N * Q when None, C the answer length.
 
     logp, old_logp [N, Q, C]; mask [N, Q, C] bool (the rows' masked positions); advantages [N];
     weights [Q] (> 0, so w_q min(s A, clip(s) A) = min(s w_q A, clip(s) w_q A): GSPO's
@@ -238,8 +243,11 @@ def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, 
                       level="sequence", aggregation="seq_mean_token_mean", denom=denom,
                       max_log_ratio=max_log_ratio)
     if beta > 0:
+        # SLIM-RL's code (train/slim_rl_sdar.py): a row's k3 summed over its masked tokens / the
+        # answer length, weighted by w_q like the surrogate, then summed over rows / rows
         kl = kl_penalty(rows_logp, rows_old, kind="k3")  # [N*Q, C], 0 at the first pass
-        kl_term = aggregate(kl, rows_mask, "seq_mean_token_mean", denom=denom)
+        w_row = weights.to(kl.dtype).repeat(n)  # [N*Q]: row (i, q) weighs w_q
+        kl_term = aggregate(kl * w_row[:, None], rows_mask, "seq_mean_token_sum_norm", max_len=c, denom=denom)
         out.loss = out.loss + beta * kl_term
         out.metrics["loss/kl"] = float(kl_term.detach())
     return out

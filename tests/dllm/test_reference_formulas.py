@@ -29,7 +29,7 @@ from dllm_rl.config import DiffuGRPOConfig, ForkGRPOConfig, TraceRLConfig
 from dllm_rl.logprob import d1_masked_input, token_logprobs, trace_rows
 from dllm_rl.methods.diffu_grpo import DiffuGRPO
 from dllm_rl.methods.fork_grpo import ForkGRPO
-from dllm_rl.methods.slim_rl import block_mask_rates, quadrature
+from dllm_rl.methods.slim_rl import block_mask_rates, quadrature, slim_loss
 from dllm_rl.methods.tracerl import TraceRL
 from dllm_rl.samplers import _draw, num_transfer_tokens
 from mmrl.core.advantages import group_advantages
@@ -323,6 +323,44 @@ def test_slim_quadrature_and_block_rates_are_slim_rls():
                 x = torch.linspace(0, 1, num_blocks, dtype=torch.float64)
                 theirs = (t_node + spread * (0.5 * (1 - torch.cos(np.pi * x)) - 0.5)).flip(0)
             torch.testing.assert_close(block_mask_rates(t_node, num_blocks, 0.2), theirs, rtol=0, atol=1e-12)
+
+
+def slim_reference_loss(logp, old, p_mask, adv_rows, w_rows, *, clip, beta):
+    """slim_rl_sdar.py forward_process, importance_sampling_level "sequence", k3: the clamped
+    mean log-ratio per row, w_q * min(s A, clip(s) A) summed over rows / rows; the KL
+    exp(clamp(-d, +-10)) - 1 + d summed over the row's masked tokens / L1, w_q-weighted, / rows."""
+    n_rows, length = p_mask.shape
+    log_ratios = torch.where(p_mask, logp - old, torch.zeros_like(logp))
+    mean_log_ratio = (log_ratios.sum(1) / p_mask.sum(1).clamp(min=1)).clamp(-10.0, 10.0)
+    ratio = torch.exp(mean_log_ratio)
+    surrogate = torch.min(ratio * adv_rows, ratio.clamp(1 - clip, 1 + clip) * adv_rows)
+    policy = -(surrogate * w_rows).sum() / n_rows
+    d = torch.where(p_mask, logp - old, torch.zeros_like(logp))
+    kl = ((-d).clamp(-10.0, 10.0).exp() - 1.0 + d)
+    kl_seq = (kl * p_mask).sum(1) / length
+    return policy + beta * (kl_seq * w_rows).sum() / n_rows
+
+
+def test_slim_loss_is_slim_rls_sequence_level_loss_with_its_kl():
+    """Same loss and gradient, the KL term included: each row's k3 summed over its masked
+    tokens / the answer length, weighted by w_q (fixed 2026-12-07: it was the row's mean, unweighted)."""
+    n, q, c = 4, 3, 7
+    t, w = quadrature(q)
+    mask = torch.rand(n, q, c, generator=_gen(80)) < t.float()[None, :, None]
+    mask[..., 0] |= ~mask.any(-1)  # every row masks something, as draw_masks makes sure
+    old = -2 * torch.rand(n, q, c, generator=_gen(81), dtype=torch.float64)
+    logp = old + 0.3 * torch.randn(n, q, c, generator=_gen(82), dtype=torch.float64)
+    adv = torch.randn(n, generator=_gen(83))
+    a = logp.clone().requires_grad_()
+    ours = slim_loss(a, old, mask, adv, w, clip=0.1, max_log_ratio=10.0, beta=0.5)
+    b = logp.clone().requires_grad_()
+    theirs = slim_reference_loss(b.reshape(n * q, c), old.reshape(n * q, c), mask.reshape(n * q, c),
+                                 adv.double().repeat_interleave(q), w.repeat(n), clip=0.1, beta=0.5)
+    torch.testing.assert_close(ours.loss.double(), theirs, rtol=1e-5, atol=1e-6)
+    assert ours.metrics["loss/clip_frac"] > 0 and ours.metrics["loss/kl"] > 0
+    ours.loss.backward()
+    theirs.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
 # =================================================================== ForkGRPO (no public code)

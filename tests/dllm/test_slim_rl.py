@@ -297,8 +297,8 @@ def test_row_logprobs_equal_a_brute_force_recomputation(make_run):
 
 def test_sequence_ratio_low_clip_and_kl_term_by_hand():
     """A < 0 with s < 1 - eps takes the lower clip bound (min(-s, -0.9) = -0.9), and the k3 KL
-    term is exp(-d) + d - 1 per masked token, averaged within each row, summed over rows / rows
-    and added as + beta * KL (rows of 2 and 1 masked tokens: a token-level mean would differ)."""
+    term is exp(-d) + d - 1 per masked token, summed within each row / the answer length C = 2,
+    weighted by w_q, summed over rows / rows and added as + beta * KL (SLIM-RL's code)."""
     w = torch.tensor([0.5, 0.5])
     mask = torch.tensor([[[True, True], [True, False]]])  # N = 1, Q = 2, C = 2
     old = torch.zeros(1, 2, 2)
@@ -310,7 +310,7 @@ def test_sequence_ratio_low_clip_and_kl_term_by_hand():
     def k3(x):
         return math.exp(-x) + x - 1
 
-    kl = ((k3(-0.2) + k3(-0.4)) / 2 + k3(0.1)) / 2
+    kl = (0.5 * (k3(-0.2) + k3(-0.4)) / 2 + 0.5 * k3(0.1) / 2) / 2
     assert out.metrics["loss/kl"] == pytest.approx(kl, abs=1e-6)
     assert float(out.loss) == pytest.approx(policy + 0.5 * kl, abs=1e-6)
     with pytest.raises(ValueError, match="advantages must be"):  # one A per answer, not per row
