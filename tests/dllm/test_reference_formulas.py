@@ -363,6 +363,34 @@ def test_slim_loss_is_slim_rls_sequence_level_loss_with_its_kl():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
+def slim_tau_budget(confidence, mask_index, num_to_transfer, tau, m):
+    """SLIM-RL sample/jetengine_ext/engine/scheduler.py, "tau_budget_dynamic", one row."""
+    confidence = torch.where(mask_index, confidence, torch.tensor(-np.inf, dtype=confidence.dtype))
+    above_conf = confidence[confidence > tau]
+    k_budget = 0
+    if above_conf.numel() > 0:
+        sorted_conf = torch.sort(above_conf, descending=True).values
+        k_budget = int((torch.cumsum(1.0 - sorted_conf, 0) <= m * (1.0 - tau)).sum())
+    k = min(max(k_budget, num_to_transfer), int(mask_index.sum()))
+    out = torch.zeros_like(mask_index)
+    out[torch.topk(confidence, k).indices] = True
+    return out
+
+
+def test_tau_budget_commits_are_slim_rls():
+    """Same commits: the confident tokens whose summed risk fits m (1 - tau), at least n_s."""
+    from dllm_rl.samplers import select_commits
+
+    g = _gen(100)
+    conf = 1 - 0.12 * torch.rand(64, 8, generator=g, dtype=torch.float64) ** 2  # many above tau = 0.9
+    masked = torch.rand(64, 8, generator=g) < 0.8
+    for n_s, m in ((1, 1.0), (2, 1.0), (1, 2.5)):
+        ours = select_commits(conf, masked, strategy="tau_budget", num_commit=n_s, tau=0.9, m=m).mask
+        theirs = torch.stack([slim_tau_budget(conf[i], masked[i], n_s, 0.9, m) for i in range(64)])
+        assert torch.equal(ours, theirs)
+        assert (ours.sum(1) > n_s).any()  # the budget did commit more than n_s somewhere
+
+
 # =================================================================== ForkGRPO (no public code)
 
 
