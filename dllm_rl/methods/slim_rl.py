@@ -246,7 +246,7 @@ def slim_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, advantages: Tensor, 
         # SLIM-RL's code (train/slim_rl_sdar.py): a row's k3 summed over its masked tokens / the
         # answer length, weighted by w_q like the surrogate, then summed over rows / rows
         kl = kl_penalty(rows_logp, rows_old, kind="k3")  # [N*Q, C], 0 at the first pass
-        w_row = weights.to(kl.dtype).repeat(n)  # [N*Q]: row (i, q) weighs w_q
+        w_row = weights.to(device=kl.device, dtype=kl.dtype).repeat(n)  # [N*Q]: row (i, q) weighs w_q
         kl_term = aggregate(kl * w_row[:, None], rows_mask, "seq_mean_token_sum_norm", max_len=c, denom=denom)
         out.loss = out.loss + beta * kl_term
         out.metrics["loss/kl"] = float(kl_term.detach())

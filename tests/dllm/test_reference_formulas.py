@@ -414,3 +414,16 @@ def test_fork_grpo_loss_is_the_spec_formula():
             rho = torch.exp(logp[i][rows[i]] - old[i][rows[i]])
             per_rollout.append(torch.min(rho * adv[i], rho.clamp(0.8, 1.2) * adv[i]).mean())
     torch.testing.assert_close(ours.double(), -torch.stack(per_rollout).mean(), rtol=1e-6, atol=1e-7)
+
+
+def test_slim_loss_kl_weights_follow_the_log_probs_device():
+    """The KL's w_q (made on the CPU) meet the log-probs on their device, the advantages on the
+    CPU (the scheduler's): on a simulated accelerator nothing mixes devices."""
+    from simdevice import simulated_device
+
+    _, w = quadrature(3)
+    with simulated_device() as sim:
+        logp = torch.randn(2, 3, 4).to(sim)
+        out = slim_loss(logp, logp - 0.1, torch.ones(2, 3, 4, dtype=torch.bool).to(sim), torch.ones(2), w,
+                        clip=0.1, max_log_ratio=10.0, beta=0.5)
+        assert out.metrics["loss/kl"] > 0
