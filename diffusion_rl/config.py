@@ -226,9 +226,11 @@ class FlowGRPOConfig(Section):
     sum and each patch's advantage so too."""
     std_eps: float = Field(1e-4, gt=0)
     """A = (R - group mean) / (group std + std_eps)."""
-    adv_std: Literal["population", "unbiased"] = "population"
-    """The group std: population (np.std, divides by G), as Flow-GRPO's stat tracker; unbiased
-    (G - 1), as GRPO's and as this backend used before 2026-12-05 (RESULTS.md's earlier runs)."""
+    adv_std: Literal["population", "unbiased", "global"] = "population"
+    """The std each group's centred rewards are divided by: population (the group's np.std,
+    divides by G), as Flow-GRPO's stat tracker; unbiased (G - 1), as GRPO's and as this backend
+    used before 2026-12-05 (RESULTS.md's earlier runs); global, the np.std of the whole step's
+    rewards (every process's), as most of Flow-GRPO's SD3 / FLUX configs (sample.global_std)."""
     clip_range: float = Field(1e-4, gt=0)
     """eps of the ratio clip (tiny: the log-prob is a mean over latent elements). Flow-GRPO's
     fast configs use 1e-5; 1e-4 learns faster at this model's small batches."""

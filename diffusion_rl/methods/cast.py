@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from diffusion_rl.attention_maps import atom_maps, region_maps, text_key_spans
-from diffusion_rl.methods.flow_grpo import FlowGRPO
+from diffusion_rl.methods.flow_grpo import FlowGRPO, std_of
 from diffusion_rl.scene_graph import BUILTIN, checked_spans, load_parser, shapes_geneval_atom_spans
 from diffusion_rl.tasks.shapes_geneval import (
     ATOM_TYPES,
@@ -85,13 +85,13 @@ class CASTAdvantages:
 
 
 def cast_advantages(scores: Tensor, group_ids: Tensor, weights: Tensor, *, eps: float = 1e-4,
-                    clip: float | None = None, population: bool = False) -> CASTAdvantages:
+                    clip: float | None = None, population: bool = False, scale: str = "group") -> CASTAdvantages:
     """Per-atom signed group advantages and their weighted sum, a pure tensor function.
 
     scores [N, K] atom scores (already gated), group_ids [N], weights [K] or per sample [N, K].
     A column that is constant within a group (a gated child at 0 for every sample, a vacuous
     atom at 1, a padding column, a group of one) gives exactly 0 there."""
-    atom = atom_advantages(scores.float(), group_ids, scale="group", eps=eps, population=population)  # [N, K]
+    atom = atom_advantages(scores.float(), group_ids, scale=scale, eps=eps, population=population)  # [N, K]
     w = torch.as_tensor(weights, dtype=atom.dtype, device=atom.device)
     if w.shape not in ((atom.shape[1],), tuple(atom.shape)):
         raise ValueError(f"weights must have shape [{atom.shape[1]}] (one per atom) or {list(atom.shape)} "
@@ -190,7 +190,7 @@ class CAST(FlowGRPO):
             values, weights = self.node_columns(batch)
             batch.data[ATOM_WEIGHTS] = weights
         out = cast_advantages(values, batch.group_ids, weights, eps=self.cfg.std_eps, clip=self.cfg.adv_clip,
-                              population=self.cfg.adv_std == "population")
+                              **std_of(self.cfg.adv_std))
         batch.data[ATOM_ADVANTAGES] = out.atom
         return out.total
 

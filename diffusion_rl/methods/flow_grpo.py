@@ -21,9 +21,10 @@ in for evaluation, the sample grids and the checkpoint's model; rollouts and the
 raw weights.
 
 Departures (checked against yifan123/flow_grpo, tests/diffusion/test_reference_formulas.py):
-- the advantage's std is the group's. Most of Flow-GRPO's SD3 / FLUX configs set
-  sample.global_std = True (config/grpo.py; a few, e.g. pickscore_flux_fast, False), dividing each prompt's centred rewards by the population std of the
-  whole round's rewards instead (flow_grpo/stat_tracking.py); only the scale per group differs.
+- the advantage's std is the group's by default. Most of Flow-GRPO's SD3 / FLUX configs set
+  sample.global_std = True (config/grpo.py; a few, e.g. pickscore_flux_fast, False), dividing
+  each prompt's centred rewards by the population std of the whole round's rewards instead
+  (flow_grpo/stat_tracking.py): method.adv_std: global.
 - samples whose advantage is 0 (groups whose rewards are all equal) stay in the batch: they
   count in the loss's denominator and carry the KL term. Flow-GRPO drops them before training
   (scripts/train_sd3.py, `mask = advantages.abs().sum(dim=1) != 0`), so its mean runs over the
@@ -50,6 +51,12 @@ from mmrl.core.losses import LossOutput, aggregate, loss_denominator, policy_los
 from mmrl.core.method import Method, register_method
 
 
+def std_of(adv_std: str) -> dict:
+    """The core's advantage scale for method.adv_std: the group's std (population or unbiased),
+    or the population std of the whole step's rewards ("global", Flow-GRPO's global_std)."""
+    return {"scale": "batch" if adv_std == "global" else "group", "population": adv_std != "unbiased"}
+
+
 @register_method("flow_grpo")
 class FlowGRPO(Method):
     def __init__(self, cfg, run, reward):
@@ -66,8 +73,7 @@ class FlowGRPO(Method):
         return None if e is None else ParameterEMA(params, e.decay, e.update_every, e.warmup)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:  # [N]
-        adv = group_advantages(batch.rewards, batch.group_ids, scale="group", eps=self.cfg.std_eps,
-                               population=self.cfg.adv_std == "population")
+        adv = group_advantages(batch.rewards, batch.group_ids, eps=self.cfg.std_eps, **std_of(self.cfg.adv_std))
         return adv.clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
 
     def loss_denominator(self, batch: RolloutBatch) -> float:

@@ -144,23 +144,24 @@ def batch_across(sum_over_processes: Callable[[Tensor], Tensor]) -> Iterator[Non
         _ACROSS.pop()
 
 
-def _batch_std(values: Tensor) -> Tensor:
-    """Unbiased std over the whole batch (per column for [N, K]); 0 for fewer than 2 samples."""
+def _batch_std(values: Tensor, population: bool = False) -> Tensor:
+    """Unbiased std over the whole batch (per column for [N, K]), or with ``population`` the
+    one that divides by N (np.std); 0 for fewer than 2 samples."""
     if _ACROSS:  # the same two passes over every process's rows
         total = _ACROSS[-1]
         n = float(total(values.new_tensor([values.shape[0]])))
         if n < 2:
             return values.new_zeros(values.shape[1:])
         mean = total(values.sum(dim=0)) / n
-        return (total(((values - mean) ** 2).sum(dim=0)) / (n - 1)).sqrt()
+        return (total(((values - mean) ** 2).sum(dim=0)) / (n if population else n - 1)).sqrt()
     if values.shape[0] < 2:
         return values.new_zeros(values.shape[1:])
-    return values.std(dim=0)  # [] or [K]
+    return values.std(dim=0, correction=0 if population else 1)  # [] or [K]
 
 
 def _normalised(values: Tensor, group_ids, scale: str, eps: float, population: bool = False) -> Tensor:
     """Shared body of group_advantages / atom_advantages; ``values`` [N] or [N, K]. With
-    ``population`` the group std divides by G, not G - 1 (NumPy's np.std, as Flow-GRPO)."""
+    ``population`` the std divides by G (or the batch's N), not G - 1 (NumPy's np.std, as Flow-GRPO)."""
     _check_choice(scale, SCALES, "scale")
     if not eps >= 0:  # also refuses NaN
         raise ValueError(f"eps must be >= 0; got {eps}")
@@ -173,7 +174,7 @@ def _normalised(values: Tensor, group_ids, scale: str, eps: float, population: b
             g = stats.count.to(v.dtype).view((-1,) + (1,) * (v.dim() - 1))
             std = std * ((g - 1) / g).sqrt()
     elif scale == "batch":
-        std = _batch_std(v)
+        std = _batch_std(v, population)
     else:  # "none" (Dr.GRPO)
         std = v.new_zeros(())
     if not (bool(torch.isfinite(std).all()) and bool(torch.isfinite(centred).all())):
@@ -217,7 +218,7 @@ def group_advantages(
     """GRPO family. A_i = r_i - mean_g; then / (std_g + eps) for scale="group" (GRPO),
     / (std of the rewards over the whole batch + eps) for "batch", nothing for "none" (Dr.GRPO).
     std is the unbiased sample std (torch.std default), as TRL and verl compute it; with
-    ``population`` (scale "group" only) the population std (np.std), as Flow-GRPO computes it.
+    ``population`` the population std (np.std), as Flow-GRPO computes it.
     A group of one sample gets advantage 0.
 
     Args:

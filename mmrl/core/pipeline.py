@@ -90,9 +90,11 @@ def check_config(cfg: TrainConfig, world: int, training: bool = True) -> None:
                           f"and skipped, and the learning-rate schedule would count optimizer steps that never "
                           f"come; set train.mini_batches to at most {samples}")
     adv = getattr(cfg.method, "advantage", None)
-    if getattr(adv, "scale", None) == "batch" and placement(cfg) != "inline":
+    whole_round = ("method.advantage.scale=batch" if getattr(adv, "scale", None) == "batch" else
+                   "method.adv_std=global" if getattr(cfg.method, "adv_std", None) == "global" else None)
+    if whole_round and placement(cfg) != "inline":
         # engines beside the trainer complete groups one at a time, so each is normalised alone
-        raise ConfigError("method.advantage.scale=batch needs the whole round at once: it runs with the inline "
+        raise ConfigError(f"{whole_round} needs the whole round at once: it runs with the inline "
                           f"scheduler only (here rollout.scheduler.placement is {placement(cfg)!r}; use "
                           "rollout.scheduler.mode=sync with placement inline and engine hf)")
     if placement(cfg) == "remote" and not sc.servers:

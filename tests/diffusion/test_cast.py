@@ -74,6 +74,11 @@ def test_per_atom_advantages_by_hand():
         assert abs(float(out.total[batch.group_ids == g].sum())) < 1e-5
     assert (out.atom[:, 2:] == 0).all()  # constant columns are exactly 0
     assert cast_advantages(batch.scores.values, batch.group_ids, w, clip=1.0).total.abs().max() <= 1.0
+    # method.adv_std=global: each atom's group-centred scores over that atom's np.std of the whole batch
+    v = batch.scores.values.double()
+    glob = cast_advantages(batch.scores.values, batch.group_ids, w, eps=1e-4, scale="batch", population=True)
+    exist = v[:, 0] - torch.tensor([2 / 3] * 3 + [0.5] * 2 + [float(v[5, 0])], dtype=torch.float64)
+    torch.testing.assert_close(glob.atom[:, 0].double(), exist / (v[:, 0].std(correction=0) + 1e-4), rtol=1e-5, atol=1e-6)
 
 
 def test_cast_method_stores_atom_advantages_and_logs_per_atom():

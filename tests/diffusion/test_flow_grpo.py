@@ -435,6 +435,10 @@ def test_flow_grpo_advantages_use_the_population_std_as_flow_grpos_stat_tracker(
         want = np.concatenate([(g - g.mean()) / (np.std(g, ddof=ddof) + 1e-4) for g in (r[:8], r[8:])])
         got = FlowGRPO(FlowGRPOConfig(adv_std=std), None, None).advantages(batch)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+    # global (Flow-GRPO's sample.global_std): each group centred, over np.std of the whole step's rewards
+    want = np.concatenate([(g - g.mean()) / (np.std(r) + 1e-4) for g in (r[:8], r[8:])])
+    got = FlowGRPO(FlowGRPOConfig(adv_std="global"), None, None).advantages(batch)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
 
 
 def test_flow_grpo_kl_is_the_squared_mean_gap_over_two_sigma_squared():
@@ -811,3 +815,20 @@ def test_a_noise_level_that_overflows_the_step_is_named_in_the_non_finite_rollou
     with pytest.raises(NonFiniteRollout, match=r"from a finite velocity: the step's noise at rollout.noise_level "
                                                r"1e-30 \(sde\) over- or underflows"):
         policy.generate(["a red circle"], 2, rollout, torch.Generator().manual_seed(0))
+
+
+def test_global_std_needs_the_whole_round_so_the_inline_scheduler():
+    """method.adv_std=global divides by the std of the step's rewards: an engine beside the
+    trainer completes groups one at a time, each of which would be normalised alone. Refused
+    there, as the core's advantage.scale=batch is; the inline scheduler takes it."""
+    from diffusion_rl import backend
+    from mmrl.core.config import ConfigError, load_config
+    from mmrl.core.pipeline import check_config
+
+    def cfg(*sets):
+        return load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG,
+                           overrides=["method.adv_std=global", *sets])
+
+    with pytest.raises(ConfigError, match=r"method\.adv_std=global needs the whole round at once.*'thread'"):
+        check_config(cfg("rollout.scheduler.mode=sync", "rollout.scheduler.placement=thread"), 1)
+    check_config(cfg(), 1)
