@@ -56,7 +56,7 @@ from mmrl.core.engine import (
     trainable_weights,
 )
 from mmrl.core.method import Method, apply_prune, checked_advantages
-from mmrl.core.rewards import Reward
+from mmrl.core.rewards import Reward, add_atom_times, atom_times
 from mmrl.core.scheduler import decoded_tokens, round_metrics
 
 
@@ -225,7 +225,8 @@ class Round:
         self.ready: queue.Queue = queue.Queue()
         self.metrics: dict[str, float] = {"rollout/groups_dropped": 0, "rollout/groups_refilled": 0,
                                           "rollout/groups_extra": 0, "rollout/samples_extra": 0,
-                                          "rollout/samples_pruned": 0, "rollout/redispatched": 0}
+                                          "rollout/samples_pruned": 0, "rollout/redispatched": 0,
+                                          "time/reward": 0.0, **atom_times(sched.reward.names)}
         self.handed = 0
         self.refills_left = self.want * sched.max_refill_rounds
         self.first_pass: list[RolloutBatch] = []  # every group as first scored, for reward metrics
@@ -419,7 +420,10 @@ class Round:
         unscored = [p for p in g.parts if p.scores is None]
         if unscored:  # one reward call for the group's new samples
             new = RolloutBatch.concat(unscored)
+            t = time.perf_counter()
             new.scores = s.reward.score(new.samples)
+            self.metrics["time/reward"] += time.perf_counter() - t  # the dispatcher's: engines go on meanwhile
+            add_atom_times(self.metrics, new.scores)
             g.parts = [*scored, new]
         batch = RolloutBatch.concat(g.parts)
         batch.prompts = {g.gid: g.prompt}

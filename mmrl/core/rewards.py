@@ -33,6 +33,9 @@ Rules:
   `on_error="zero"` scores that entry 0, counts it in `AtomScores.errors` and
   warns once per `score()` call.
 - Configs name atoms as "path/to/file.py:function" (`load_atom`, `Reward.from_config`).
+- Time: `AtomScores.seconds` holds each atom's wall seconds in the score() call (an async
+  atom's calls overlap: until its last one ended); a training step logs their sums as
+  `time/reward/<atom>` beside `time/reward`, so a slow atom (an OCR model, a judge) shows.
 """
 
 from __future__ import annotations
@@ -198,6 +201,9 @@ class AtomScores:
     total: Tensor  # [N] float32 = sum_k weight_k * values[:, k]
     errors: int = 0  # evaluations that failed and were scored 0 (on_error="zero")
     failed: Tensor | None = None  # [N, K] bool: which entries those were
+    # atom name -> wall seconds its calls took in the score() call that made these scores (an async
+    # atom: from its level's start to the end of its last call, as its calls overlap); see add_atom_times
+    seconds: dict[str, float] | None = None
 
     def metrics(self) -> dict[str, float]:
         """`reward/<atom>` and `reward/total` means, `reward/total_std` (unbiased;
@@ -221,7 +227,22 @@ class AtomScores:
         idx = torch.as_tensor(idx)
         failed = self.failed[idx] if self.failed is not None else None
         errors = int(failed.sum()) if failed is not None else self.errors
-        return AtomScores(list(self.names), self.values[idx], self.total[idx], errors, failed)
+        return AtomScores(list(self.names), self.values[idx], self.total[idx], errors, failed, self.seconds)
+
+
+def atom_times(names: Sequence[str]) -> dict[str, float]:
+    """`time/reward/<atom>` of every atom, at 0: a step's per-atom reward seconds start here
+    (an atom gated off everywhere, or a step without rollouts, still logs its 0)."""
+    return {f"time/reward/{n}": 0.0 for n in names}
+
+
+def add_atom_times(times: dict[str, float], scores: AtomScores) -> None:
+    """Add the seconds each atom took in the score() call that made `scores` to `times`
+    (`time/reward/<atom>`): which atom of a slow reward (an OCR model, a judge, a sandbox)
+    the step's time/reward went to."""
+    for name, s in (scores.seconds or {}).items():
+        key = f"time/reward/{name}"
+        times[key] = times.get(key, 0.0) + s
 
 
 def shortest(value: float) -> float:
@@ -327,10 +348,10 @@ class Reward:
                 if atom.is_async:
                     async_jobs.append((atom, idx))
                 elif atom.batched:
-                    run.settle(atom, idx, self._call(atom, [run.samples[i] for i in idx]))
+                    run.settle(atom, idx, self._timed_call(run, atom, [run.samples[i] for i in idx]))
                 else:
                     for i in idx:
-                        run.settle(atom, [i], self._call(atom, run.samples[i]))
+                        run.settle(atom, [i], self._timed_call(run, atom, run.samples[i]))
             if async_jobs:
                 self._run_async(run, async_jobs)
         return run.result()
@@ -338,6 +359,14 @@ class Reward:
     def stuck(self, name: str) -> int:
         """Calls of sync atom `name` left running past the timeout, now."""
         return self._stuck(name)
+
+    def _timed_call(self, run: _ScoreRun, atom: RewardAtom, arg) -> tuple[Any, BaseException | None]:
+        """_call, its seconds added to the atom's in `run`."""
+        t0 = time.perf_counter()
+        try:
+            return self._call(atom, arg)
+        finally:
+            run.seconds[atom.name] += time.perf_counter() - t0
 
     def _call(self, atom: RewardAtom, arg) -> tuple[Any, BaseException | None]:
         """A sync atom's call: (result, None) or (None, what it raised, or an _AtomTimeout)."""
@@ -369,7 +398,15 @@ class Reward:
         if getattr(self, "_loop", None) is None or self._loop.pid != os.getpid():  # a forked child has no loop thread
             self._loop = _EventLoop()
         clock = _Clock()
-        outcomes = self._loop.run([_call_async(a.fn, arg, self.timeout, clock) for a, _, arg in calls])
+        ends = [0.0] * len(calls)  # when each call finished (perf_counter, as the loop's thread reads it)
+        t0 = time.perf_counter()
+        outcomes = self._loop.run([_ended(_call_async(a.fn, arg, self.timeout, clock), ends, k)
+                                   for k, (a, _, arg) in enumerate(calls)])
+        last: dict[str, float] = {}
+        for (atom, _, _), end in zip(calls, ends):
+            last[atom.name] = max(last.get(atom.name, t0), end)
+        for name, end in last.items():  # the calls overlap: an atom took until its last one ended
+            run.seconds[name] += end - t0
         for (atom, idx, _), outcome in zip(calls, outcomes):
             if isinstance(outcome, BaseException):  # _call_async reports its own; this is a safety net
                 outcome = (None, outcome)
@@ -431,6 +468,14 @@ async def _call_async(fn: Callable, arg, timeout: float | None, clock: _Clock) -
         return None, e                                 # atom, a cancellation it raised or awaited included
 
 
+async def _ended(coro, ends: list, k: int):
+    """Await `coro` and write the time it finished to ends[k]."""
+    try:
+        return await coro
+    finally:
+        ends[k] = time.perf_counter()
+
+
 class _Clock:
     """The time the event loop has spent running atoms' own code in one score() call."""
 
@@ -480,6 +525,7 @@ class _ScoreRun:
         self.values = [[0.0] * k for _ in range(n)]
         self.failed = [[False] * k for _ in range(n)]
         self.failures: dict[str, list] = {}  # atom name -> [(sample index or None, message)]
+        self.seconds = dict.fromkeys(self.col, 0.0)  # atom name -> wall seconds of its calls
 
     def open_indices(self, atom: RewardAtom) -> list[int]:
         """Samples on which no parent of `atom` scored below 0.5."""
@@ -542,7 +588,7 @@ class _ScoreRun:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return AtomScores(self.reward.names, values, total, errors, failed)
+        return AtomScores(self.reward.names, values, total, errors, failed, dict(self.seconds))
 
 
 def _to_float(value) -> float:

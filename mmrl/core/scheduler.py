@@ -23,7 +23,7 @@ from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError, TrainConfig
 from mmrl.core.engine import PolicyEngine
 from mmrl.core.method import Method, apply_prune, checked_advantages
-from mmrl.core.rewards import Reward
+from mmrl.core.rewards import Reward, add_atom_times, atom_times
 
 
 class PromptStream:
@@ -87,7 +87,8 @@ class SyncScheduler:
         stored = self.method.stored_batch()
         if stored is not None:  # no rollout this step: the method trains on a batch it keeps
             return self._prepare(stored, {"rollout/rounds": 0, "rollout/groups_dropped": 0, "time/rollout": 0.0,
-                                          "time/reward": 0.0, "rollout/decoded_tokens": 0.0})
+                                          "time/reward": 0.0, **atom_times(self.reward.names),
+                                          "rollout/decoded_tokens": 0.0})
         rc = self.cfg.rollout
         num_generations = num_generations or rc.num_generations
         world = distributed.world_size()
@@ -96,6 +97,7 @@ class SyncScheduler:
         have = dropped = rounds = 0
         decoded = 0.0
         t_rollout = t_reward = 0.0
+        t_atoms = atom_times(self.reward.names)  # time/reward/<atom>: where time/reward went
         max_rounds = 1 + (self.cfg.method.dynamic_sampling.max_rounds
                           if getattr(self.cfg.method, "dynamic_sampling", None)
                           and self.cfg.method.dynamic_sampling.enabled else 0)
@@ -120,6 +122,7 @@ class SyncScheduler:
                     )
                 batch.scores = self.reward.score(batch.samples)
                 t_reward += time.perf_counter() - t1  # not the wait for the other ranks at the block's end
+                add_atom_times(t_atoms, batch.scores)
             batch.data["request_tag"] = torch.zeros(len(batch), dtype=torch.long)
             # Relabel groups by draw index: unique across rounds and steps.
             batch.group_ids = torch.tensor(ids)[batch.group_ids]
@@ -144,6 +147,7 @@ class SyncScheduler:
             "rollout/groups_dropped": dropped,
             "time/rollout": t_rollout,
             "time/reward": t_reward,
+            **t_atoms,
             "rollout/decoded_tokens": decoded,  # the extra samples add theirs
         }
         if world > 1:  # equal shares (a filter may keep more on one rank): the ranks' steps match
