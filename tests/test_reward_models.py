@@ -36,9 +36,13 @@ SAMPLES = [Sample("12+7=", "19", {"answer": "19"}), Sample("3*4=", "12", {"answe
            Sample("99-9=", "90 and more words to make it longer", {"answer": "90"})]
 
 
-def by_hand(path, text):
+def by_hand(path, text, last=False):
+    """The model's score of `text` alone; `last`: read at its last token, even one that is the
+    config's pad token (which the model's own pooling would pass over)."""
     tok = AutoTokenizer.from_pretrained(path)
     model = LlamaForSequenceClassification.from_pretrained(path).eval()
+    if last:
+        model.config.pad_token_id = None
     with torch.no_grad():
         return float(model(**tok(text, return_tensors="pt")).logits[0, 0])
 
@@ -216,20 +220,25 @@ def test_a_chat_template_that_writes_the_start_token_is_not_given_a_second_one(t
     assert seen[0].count(tok.cls_token_id) == 1 and seen[0][0] == tok.cls_token_id
 
 
-@pytest.mark.parametrize("pad", ["none", "eos"])
-def test_without_a_distinct_pad_token_each_text_is_scored_whole(tmp_path, pad):
-    """No pad token, or the end-of-sequence token as pad: a text that ends with that token is
-    scored at it, not at the token before (texts go one at a time, unpadded)."""
+@pytest.mark.parametrize("pad", ["none", "eos", "in_text"])
+def test_a_batch_scores_each_text_at_its_own_last_token_whatever_the_pad_token(tmp_path, pad):
+    """No pad token, the end-of-sequence token as pad, or a pad token the texts hold: texts of
+    different lengths ending with that token are scored batched, in one forward of the model (the
+    first two once went one at a time), each at its last real token, that token included."""
     path = build_rm(tmp_path / "rm")
     tok = AutoTokenizer.from_pretrained(path)
-    tok.pad_token = None if pad == "none" else tok.eos_token
-    tok.save_pretrained(path)
-    template = "{prompt}\n{completion}" + tok.eos_token
+    if pad != "in_text":
+        tok.pad_token = None if pad == "none" else tok.eos_token
+        tok.save_pretrained(path)
+    template = "{prompt}\n{completion}" + (tok.eos_token if pad != "in_text" else tok.pad_token)
     rm = RewardModel(path, template=template, batch_size=4)
-    assert not rm.padded
+    forwards = []
+    rm.model.register_forward_pre_hook(lambda m, a, kw: forwards.append(kw["input_ids"].shape), with_kwargs=True)
     scores = rm(SAMPLES)
-    expected = [by_hand(path, template.format(prompt=s.prompt, completion=s.completion)) for s in SAMPLES]
+    expected = [by_hand(path, template.format(prompt=s.prompt, completion=s.completion), last=True) for s in SAMPLES]
+    assert len(forwards) == 1 and forwards[0][0] == 3
     assert scores == pytest.approx(expected, abs=1e-5)
+    assert scores == pytest.approx([rm([s])[0] for s in SAMPLES], abs=1e-5)  # batched == one by one
 
 
 def test_a_config_without_architectures_is_not_a_sequence_classifier(tmp_path):

@@ -13,10 +13,10 @@ What it reads: the sample's prompt and completion as a user turn and an assistan
 the reward model's chat template, when its tokenizer has one (reward models are trained on
 conversations), else `template` ("{prompt}\\n{completion}" by default). A text longer than
 `max_length` (default: the model's limit) keeps its end, where the answer is, and a warning
-counts such texts once. A tokenizer without a pad token of its own (none, or the end-of-sequence
-token) scores one text at a time, unpadded, whatever `batch_size` says: padding with the end
-token would hide the last token the classifier reads. Batches pad on the right, whatever the
-tokenizer's side. Atoms on the same directory (with the same dtype and device) share one copy
+counts such texts once. Texts go `batch_size` at a time, padded on the right (whatever the
+tokenizer's side) with an attention mask, and each is scored at its own last token: the padding
+id is one that no text of the batch holds, so a tokenizer whose pad token is its end-of-sequence
+token (or that has none) still batches, and a text that ends with that token is read at it. Atoms on the same directory (with the same dtype and device) share one copy
 of the model. Refused when the spec loads: a checkpoint lacking weights the classifier needs
 (its score head would start random), NaN or inf weights, a max_length past the model's positions.
 """
@@ -24,6 +24,7 @@ of the model. Refused when the spec loads: a checkpoint lacking weights the clas
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -92,6 +93,7 @@ def _check_template(template: str) -> None:
                          + (f" (fields {other}; write a literal brace as {{{{ or }}}})" if other else ""))
 
 
+_PAD_LOCK = threading.Lock()  # see RewardModel.__call__
 _LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (path, dtype, device, _stamp) -> model
 
 
@@ -160,19 +162,9 @@ class RewardModel:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-        tok = self.tokenizer
-        # A classifier scores the last token that is not padding. Where the pad token is missing or
-        # is the end-of-sequence token a template ends with, padding would hide that token: score
-        # one text at a time, unpadded (pad_token_id None: the last token).
-        self.padded = tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
-        model.config.pad_token_id = tok.pad_token_id if self.padded else None
         self.model = model
         self.max_length = max_length or text_limit(model, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # keep the completion's end
-        # Pad on the right, whatever the tokenizer's own side (a generator's is often left): left
-        # padding shifts a shorter text's positions, which changes its score under absolute
-        # position embeddings (GPT-2, BERT), so a text would score differently batched than alone.
-        self.tokenizer.padding_side = "right"
         self.template = template
         # a chat template writes the special tokens itself (a second BOS changes the score)
         self.chat = template is None and bool(self.tokenizer.chat_template)
@@ -190,19 +182,37 @@ class RewardModel:
         return (self.template or "{prompt}\n{completion}").format(prompt=sample.prompt,
                                                                    completion=sample.completion)
 
+    def _pad(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(input_ids [B, T], attention_mask [B, T], the pad id) of a batch's token ids, padded on
+        the right, whatever the tokenizer's own side (a generator's is often left): left padding
+        shifts a shorter text's positions, which changes its score under absolute position
+        embeddings (GPT-2, BERT). A sequence classifier reads the last token that is not its
+        config's pad id, so the pad id is one that no text holds: the tokenizer's pad token where
+        none does, else the smallest id none does (padding with an end-of-sequence token that a
+        text ends with would have it read at the token before)."""
+        present = {t for row in ids for t in row}
+        pad = self.tokenizer.pad_token_id
+        if pad is None or pad in present:
+            pad = next(t for t in range(len(present) + 1) if t not in present)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in ids])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+        return input_ids, mask, pad
+
     @torch.no_grad()
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         texts = [self.text(s) for s in samples]
         out, cut = [], 0
-        size = self.batch_size if self.padded else 1
         special = {"add_special_tokens": not self.chat}
-        for i in range(0, len(texts), size):
-            chunk = texts[i: i + size]
-            enc = self.tokenizer(chunk, padding=self.padded, truncation=True, max_length=self.max_length,
-                                 return_tensors="pt", **special)
-            cut += sum(len(ids) > self.max_length for ids in self.tokenizer(chunk, **special)["input_ids"])  # to warn
-            enc = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-            out += self.model(**enc).logits[:, 0].float().cpu().tolist()
+        for i in range(0, len(texts), self.batch_size):
+            chunk = texts[i: i + self.batch_size]
+            ids = self.tokenizer(chunk, truncation=True, max_length=self.max_length, **special)["input_ids"]
+            cut += sum(len(row) > self.max_length for row in self.tokenizer(chunk, **special)["input_ids"])  # to warn
+            input_ids, mask, pad = self._pad(ids)
+            with _PAD_LOCK:  # the pad id is the shared model's config: one batch at a time sets and reads it
+                self.model.config.pad_token_id = pad
+                logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            out += logits[:, 0].float().cpu().tolist()
         if cut and not self.warned:
             warnings.warn(f"reward model {self.path!r}: {cut} of {len(texts)} texts were longer than "
                           f"max_length {self.max_length} and lost their beginning (warned once)", stacklevel=2)
