@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from mmrl.core.config import (
     GroupAdvantageConfig,
@@ -180,6 +180,19 @@ class ToolsConfig(Section):
     schema_in_prompt: bool = True
     """Render the tools' JSON schemas into the system prompt (Qwen's chat template). Off for
     models that learned the tools from demonstrations (the bundled tiny tool VLM)."""
+
+    @field_validator("names")
+    @classmethod
+    def _some_tool(cls, names: list[str]) -> list[str]:
+        # Refused, not warned: a tools section turns on multi-turn rollouts, and with no tool every
+        # call the model writes fails as unknown, so a run would train the tool format on nothing
+        # but error observations, looking like a tool run in every metric but the tool-call rate.
+        # Single-turn rollouts are the tools section left out, which says what it means.
+        if not names:
+            raise ValueError("no tools: a tools section turns on multi-turn tool rollouts, and with no tool every "
+                             "call fails; name one (builtins: zoom, calculator; or path/to/file.py:function), or "
+                             "leave rollout.tools out (--set rollout.tools=null) for single-turn rollouts")
+        return names
 
 
 class VLMRolloutConfig(RolloutConfig):

@@ -434,6 +434,16 @@ def test_tool_rollouts_config_errors():
         backend.build_engine("vllm", cfg, policy=None)
 
 
+def test_a_tools_section_without_tools_is_refused_with_the_way_to_single_turn():
+    """rollout.tools.names: [] ran multi-turn rollouts in which every call failed as unknown, without
+    a word; refused at load, naming the key, with the way to mean single-turn (tools: null)."""
+    from mmrl.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.tools\.names: no tools: .*--set rollout\.tools=null"):
+        load_config(VLMTrainConfig, overrides=["rollout.tools.names=[]"])
+    assert load_config(VLMTrainConfig, overrides=["rollout.tools=null"]).rollout.tools is None
+
+
 def test_a_frozen_copy_rolls_out_with_its_own_weights(qwen25_dir):
     """policy.rollout_copy() (a background engine's own weights; also the KL reference without
     LoRA): its tool rollouts use the copy's model, so the trainer's updates do not leak into them."""
