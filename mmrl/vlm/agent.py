@@ -18,7 +18,9 @@ id) or at rollout.max_new_tokens (the rollout is then truncated).
 Bad tool calls never stop a run: a malformed call (a turn that ends inside an unclosed
 <tool_call> is one), an unknown tool, wrong arguments, a tool that raises or outlasts its
 timeout all come back as an observation "error: ..." and the rollout goes on; they are
-counted (data["stat/tool_errors"]). Where the tool itself fails (it raises, outlasts its
+counted (data["stat/tool_errors"]). A call that rollout.max_new_tokens cuts off is counted as a
+call and an error, and in data["stat/tool_cut"] (rollout/tool_cut: the turn budget is too short
+for the model's calls). Where the tool itself fails (it raises, outlasts its
 timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
 warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
@@ -33,8 +35,8 @@ Extra data of a tool batch (beside VLMPolicy.generate's layout):
     data["first_call"]          [N] long     position of the first <tool_call> token, -1 if none
     data["completion/<key>"]    [N, T]       per-token processor outputs on the completion side
                                              (mm_token_type_ids: 1 on observation image tokens)
-    data["stat/tool_calls"], ["stat/tool_errors"], ["stat/tool_failures"], ["stat/turns"],
-        ["stat/called"]   [N]
+    data["stat/tool_calls"], ["stat/tool_errors"], ["stat/tool_failures"], ["stat/tool_cut"],
+        ["stat/turns"], ["stat/called"]   [N]
 Each sample's meta gets "tool_calls" and "tool_errors" (reward atoms may use them).
 As VLMPolicy.generate's, the batch's tensors are on the model's device and group_ids on the CPU;
 a turn's tokens, log-probs and entropies come back to Python lists (the rows grow there).
@@ -216,6 +218,11 @@ class ToolRollout:
         row.entropy += ent
         if not new or new[-1] not in self.stop_ids:  # a stop string or the token budget ended it
             row.done, row.truncated = True, len(new) >= rollout.max_new_tokens
+            if row.truncated and self._last_call_tag(row.ids[row.turn_start:])[1]:
+                # the budget ran out inside a call: a call made, not run, counted (as "cut") so
+                # that a budget too short for the model's calls shows in the tool metrics
+                row.calls += 1
+                row.errors["cut"] += 1
             return
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]
@@ -491,6 +498,7 @@ class ToolRollout:
             "stat/called": torch.tensor([float(r.calls > 0) for r in rows]),
             "stat/tool_errors": torch.tensor([float(sum(r.errors.values())) for r in rows]),
             "stat/tool_failures": torch.tensor([float(sum(r.errors[k] for k in TOOL_FAILURES)) for r in rows]),
+            "stat/tool_cut": torch.tensor([float(r.errors["cut"]) for r in rows]),
             "stat/turns": torch.tensor([float(r.turns) for r in rows]),
         })
         mask = mask.to(pol.device)

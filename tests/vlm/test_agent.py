@@ -196,6 +196,26 @@ def test_an_unclosed_call_is_a_malformed_call(qwen25_dir):
     assert not batch.mask[0, calls[-1] + 2]  # the observation is not
 
 
+def test_a_call_cut_off_by_the_token_budget_is_counted(qwen25_dir):
+    """A turn whose budget (rollout.max_new_tokens 20) runs out inside <tool_call>: the rollout
+    ends truncated, and the call is counted (a call, an error, and stat/tool_cut -> rollout/tool_cut)
+    where it was counted nowhere; a row that answers within the budget counts none."""
+    from mmrl.core.scheduler import round_metrics
+
+    policy = make_policy(qwen25_dir)
+    long_call = tool_call("zoom", x0=0.125, y0=0.25, x1=0.875, y1=0.9375, note="a rather long argument")
+    Scripted(policy, [[long_call], ["<answer>circle</answer><|im_end|>"]]).install()
+    batch = policy.generate(ITEMS[:2], 1, rollout_cfg(max_new_tokens=20), torch.Generator().manual_seed(0))
+    data = batch.data
+    assert "</tool_call>" not in batch.samples[0].completion  # cut before its end
+    assert data["stat/truncated"].tolist() == [1.0, 0.0] and data["stat/turns"].tolist() == [1.0, 1.0]
+    assert data["stat/tool_cut"].tolist() == [1.0, 0.0]
+    assert data["stat/tool_calls"].tolist() == [1.0, 0.0] and data["stat/tool_errors"].tolist() == [1.0, 0.0]
+    assert data["stat/tool_failures"].tolist() == [0.0, 0.0]  # the budget's fault, not the tool's
+    batch.scores = Reward([reward_atom("one")(lambda s: 1.0)]).score(batch.samples)
+    assert round_metrics(batch)["rollout/tool_cut"] == 0.5
+
+
 def test_limits_on_turns_and_tool_calls(qwen25_dir):
     """max_tool_calls: a second call gets an error observation; max_turns: a call in the
     last turn ends the rollout (truncated)."""
