@@ -158,7 +158,9 @@ class DiffusionRolloutConfig(RolloutConfig):
     same_latent), so they differ only by the SDE window's noise and the group's reward spread is
     the window's doing."""
     train_fraction: float = Field(1.0, gt=0, le=1)
-    """Fraction of the SDE steps each update trains on (Flow-GRPO's timestep_fraction), drawn per batch."""
+    """Fraction of the window's SDE steps each update trains on: a random subset, drawn per
+    rollout. Flow-GRPO's timestep_fraction trains its first int(N x fraction) steps in order
+    instead (its 0.99 at 10 steps is our 1 on the default window)."""
     max_new_tokens: int = 1  # unused by images; kept for the core's defaults
     """Unused by image rollouts (their length is num_steps); must stay 1. Kept for the core's
     defaults."""
