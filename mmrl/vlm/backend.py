@@ -77,9 +77,13 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, check_overlap, load_jsonl
 
+        # Without tools the model only ever sees an image within model.max_pixels: keep that, not
+        # a photo's full resolution (3000 12-megapixel photos are 100 GiB decoded). A tool (zoom)
+        # crops the full-resolution original, in its pixel coordinates: with tools it is kept.
+        fit = None if cfg.rollout.tools is not None else model_view(cfg.model.min_pixels, cfg.model.max_pixels)
         try:
-            train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), on_bad_image=t.on_bad_image)
-            evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), on_bad_image=t.on_bad_image)
+            train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), on_bad_image=t.on_bad_image, fit=fit)
+            evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), on_bad_image=t.on_bad_image, fit=fit)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
         check_overlap(train, evaluation)
@@ -98,6 +102,28 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     return VLMTask(t.type, train, evaluation, reward,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.rollout.eval_batch_size,
                    rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples, **extra)
+
+
+def model_view(min_pixels: int, max_pixels: int):
+    """A jsonl image -> the image as the model sees it (the policy's resize, qwen-vl-utils',
+    within model.min_pixels and model.max_pixels), for an image over max_pixels; else the image
+    itself. The policy's resize of the smaller image is that same image (a copy, the same
+    pixels), so rollouts, training and evaluation see exactly what they saw of the original.
+    An image the resize refuses, or would resize again, is kept whole: _check_image_shapes
+    then names it by its own size, as before."""
+    from mmrl.vlm.policy import resize_for_model
+
+    def fit(image):
+        if image.width * image.height <= max_pixels:  # no smaller than the model's view: as it is
+            return image
+        try:
+            (seen,) = resize_for_model([image], min_pixels, max_pixels)
+            (again,) = resize_for_model([seen], min_pixels, max_pixels)
+        except Exception:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
+            return image
+        return seen if min(seen.size) >= 1 and again.size == seen.size else image
+
+    return fit
 
 
 def qa_consistency(texts, items) -> dict[str, float]:

@@ -215,13 +215,7 @@ class VLMPolicy:
 
     def resize_images(self, images: Sequence[Any], max_pixels: int | None = None) -> list:
         """Images as the prompt's are: resized by qwen-vl-utils within min/max pixels."""
-        from qwen_vl_utils import process_vision_info
-
-        most = max_pixels or self.max_pixels
-        parts = [{"type": "image", "image": _rgb(im), **({"min_pixels": self.min_pixels} if self.min_pixels else {}),
-                  **({"max_pixels": most} if most else {})} for im in images]
-        found, _ = process_vision_info([{"role": "user", "content": parts}])
-        return found
+        return resize_for_model(images, self.min_pixels, max_pixels or self.max_pixels)
 
     def _check_length(self, enc, items, max_new_tokens: int, repeats: int = 1) -> None:
         """`items` may repeat each prompt `repeats` times (a group's rows): the error counts prompts."""
@@ -695,6 +689,18 @@ def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
                 and rows[i].shape == rows[j].shape and torch.equal(rows[i], rows[j]))
         first.append(j if same else i)
     return first
+
+
+def resize_for_model(images: Sequence[Any], min_pixels: int | None, max_pixels: int | None) -> list:
+    """`images` as a prompt's reach the model: in RGB (`_rgb`), resized by qwen-vl-utils within
+    min/max pixels, as messages() asks it. No policy needed: the jsonl task keeps each image at
+    this size from the start (mmrl.vlm.backend.model_view)."""
+    from qwen_vl_utils import process_vision_info
+
+    parts = [{"type": "image", "image": _rgb(im), **({"min_pixels": min_pixels} if min_pixels else {}),
+              **({"max_pixels": max_pixels} if max_pixels else {})} for im in images]
+    found, _ = process_vision_info([{"role": "user", "content": parts}])
+    return found
 
 
 def _rgb(image: Any) -> Any:

@@ -20,7 +20,8 @@ One JSON object per line (blank lines are ignored):
 
 Images are converted to 8-bit RGB: transparency is composited on white; 16-bit
 images are scaled (65535 -> 255), not clipped; see `to_rgb`. JPEG EXIF orientation
-is applied.
+is applied. `fit` (load_jsonl's argument) may then shrink each image, once: the VLM
+backend keeps only the size the model sees, not a photo's full resolution (backend.model_view).
 
 Every error is a DatasetError naming the file, the 1-based line and the field.
 With on_bad_image="skip", a sample whose image is missing or unreadable is left out
@@ -39,7 +40,7 @@ import json
 import os
 import unicodedata
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +81,11 @@ def load_jsonl(
     *,
     base_dir: str | os.PathLike | None = None,
     on_bad_image: str = "raise",
+    fit: Callable[[Image.Image], Image.Image] | None = None,
 ) -> QADataset:
-    """Load a JSONL file of visual questions (see the module docstring) as QAItems."""
+    """Load a JSONL file of visual questions (see the module docstring) as QAItems. `fit`, if
+    given, replaces each image once it has been read (whole, so a bad file is refused as without
+    it): what the items keep. Only one image at a time is then held at full resolution."""
     if on_bad_image not in ("raise", "skip"):
         raise ValueError(f'on_bad_image must be "raise" or "skip", got {on_bad_image!r}')
     path = Path(path).expanduser()
@@ -90,7 +94,7 @@ def load_jsonl(
     items, skipped = [], []
     for lineno, obj in read_objects(path):
         try:
-            items.append(_parse_object(obj, path, lineno, root))
+            items.append(_parse_object(obj, path, lineno, root, fit))
         except _BadImage as e:
             if on_bad_image == "raise":
                 raise DatasetError(path, lineno, e.field, e.problem) from e.__cause__
@@ -172,7 +176,7 @@ def placeholder_problem(question: str, images: int) -> str | None:
             "(the images then come before the text)")
 
 
-def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
+def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
@@ -204,7 +208,8 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path) -> QAItem:
                 raise error(field, "is empty")
         for field, v in entries:
             with warnings_named(f"{path}, line {lineno}, field {field!r}"):
-                images.append(_decode_b64(field, v) if name == "image_b64" else _open(field, v, root))
+                image = _decode_b64(field, v) if name == "image_b64" else _open(field, v, root)
+                images.append(fit(image) if fit is not None else image)
     problem = placeholder_problem(question, len(images))
     if problem:
         raise error("question", problem)
