@@ -212,6 +212,9 @@ class TraceRLConfig(Section):
     """s: consecutive decoding steps merged into one training row (<= ceil(K/s) rows per rollout)."""
     clip: float = Field(0.2, gt=0)
     """eps of the PPO clip: the ratio is clipped to [1 - clip, 1 + clip]."""
+    logprob_temperature: float | None = Field(None, gt=0)
+    """Temperature of the log-probs; None: rollout.temperature (the sampling policy's).
+    dLLM-RL's code samples at its rollout temperature and scores the unscaled logits (1.0)."""
     scale: Literal["group", "none"] = "group"
     """Advantage: r - group mean, divided by the group std ("group") or not ("none")."""
     kl: KLOldConfig = Field(default_factory=lambda: KLOldConfig(beta=0.01))

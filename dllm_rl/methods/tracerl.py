@@ -39,6 +39,7 @@ from mmrl.core.method import register_method
 class Trace(EstimatorBase):
     def __init__(self, run):
         self.s = run.method.merge_steps
+        self.temperature = run.method.logprob_temperature  # None: the rollout's
 
     def prepare(self, policy, batch: RolloutBatch, generator: torch.Generator) -> None:
         if not self.skip_old(batch):
@@ -58,7 +59,8 @@ class Trace(EstimatorBase):
                             completion)
         x = torch.cat([batch.data["prompt_ids"][sample], noisy], 1)
         logits = policy.logits(x, batch.data["prompt_valid"][sample])[:, policy.prompt_length:]
-        logp = token_logprobs(logits, completion, policy.rollout.temperature, policy.logprob_chunk)  # [R, C]
+        temperature = self.temperature or policy.rollout.temperature
+        logp = token_logprobs(logits, completion, temperature, policy.logprob_chunk)  # [R, C]
         return scatter_rows(logp, sample, target, len(batch))
 
 

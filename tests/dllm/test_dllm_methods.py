@@ -206,6 +206,24 @@ def test_diffu_grpo_logprob_temperature(make_run, logprob_temperature):
     assert not torch.allclose(expected, other, atol=1e-3)
 
 
+@pytest.mark.parametrize("logprob_temperature", [None, 1.0])
+def test_tracerl_logprob_temperature(make_run, monkeypatch, logprob_temperature):
+    """TraceRL's rows are scored at method.logprob_temperature, or at the rollout's temperature
+    when it is unset (dLLM-RL's code samples at its rollout temperature and scores at 1.0)."""
+    from dllm_rl.methods import tracerl
+
+    sets = ["method.type=tracerl", "rollout.temperature=0.5"] + (
+        [f"method.logprob_temperature={logprob_temperature}"] if logprob_temperature else [])
+    cfg, policy, task = make_run(*sets)
+    used = []
+    real = tracerl.token_logprobs
+    monkeypatch.setattr(tracerl, "token_logprobs", lambda *a, **k: used.append(a[2]) or real(*a, **k))
+    batch = rollout(policy, task, cfg)
+    with torch.no_grad():
+        policy.estimator.logprobs(policy, batch, 0)
+    assert used and set(used) == {logprob_temperature or 0.5}
+
+
 def mean_field_batch(p: float, mu: int = 1, n: int = 500):
     """MeanField at p_mask_prompt = p and mu passes, and a hand-made batch (no model): n rows of 8
     prompt tokens, the first 2 padding, and 4 answer tokens."""
