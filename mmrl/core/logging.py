@@ -335,8 +335,11 @@ def running_mean(values: list[float]) -> list[float]:
     return [(sums[i + 1] - sums[max(0, i - window + 1)]) / min(i + 1, window) for i in range(len(values))]
 
 
-def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: dict | None = None) -> Path:
-    """reward/total per step (and its running mean); held-out metrics as markers if given."""
+def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: dict | None = None,
+                      rows: list[dict] | None = None) -> Path:
+    """reward/total per step (and its running mean); held-out metrics as markers if given.
+    `rows`: metrics_path's rows where the caller has read them (the end of a run reads them once
+    for summary.json, this plot and report.html: each parse took 5 s at 100,000 steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -344,7 +347,7 @@ def plot_reward_curve(metrics_path: str | Path, out: str | Path, eval_points: di
     from matplotlib.ticker import MaxNLocator
 
     # a step whose reward was not finite holds the string "nan" (_clean): a gap, not a TypeError
-    rows = [r for r in read_metrics(metrics_path) if _finite(r.get("reward/total"))]
+    rows = [r for r in (read_metrics(metrics_path) if rows is None else rows) if _finite(r.get("reward/total"))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     if rows:
         steps = [r["step"] for r in rows]

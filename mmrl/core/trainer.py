@@ -1009,7 +1009,9 @@ class Trainer:
 
     def write_summary(self, eval_after: dict[str, float], seconds: float,
                       checksums: list[float] | None = None) -> dict[str, Any]:
-        rows = read_metrics(self.out / "metrics.jsonl")
+        # read once, for summary.json, reward_curve.png and report.html alike: a parse of a
+        # 100,000-step metrics.jsonl takes seconds
+        rows = read_metrics(self.out / METRICS)
         starts = self._starts()
         summary = {
             # a metric without data (NaN: no held-out item had it) is null, as `eval` prints it: NaN is not JSON
@@ -1033,11 +1035,11 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
         }
         write_atomically(self.out / "summary.json", json.dumps(summary, indent=2, default=str))
-        plot_reward_curve(self.out / "metrics.jsonl", self.out / CURVE)
+        plot_reward_curve(self.out / METRICS, self.out / CURVE, rows=rows)
         try:  # the one-page report; a finished run must not fail on it
             from mmrl.demo.report import write_report
 
-            write_report(self.out)
+            write_report(self.out, rows)
         except Exception as e:  # noqa: BLE001 -- reported, the summary and weights are already written
             warnings.warn(f"{self.out}: report.html not written: {type(e).__name__}: {e}", stacklevel=2)
         return summary

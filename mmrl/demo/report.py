@@ -225,9 +225,10 @@ def render(run: RunInfo) -> str:
 """
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write <run_dir>/report.html (atomically: a reader never sees half a page)."""
-    run = RunInfo.load(run_dir)
+def write_report(run_dir: str | Path, metrics: list[dict[str, Any]] | None = None) -> Path:
+    """Write <run_dir>/report.html (atomically: a reader never sees half a page). `metrics`: its
+    metrics.jsonl rows where the caller has them (RunInfo.load)."""
+    run = RunInfo.load(run_dir, metrics)
     out = run.path / REPORT
     write_atomically(out, render(run))
     return out

@@ -59,7 +59,9 @@ class RunInfo:
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def load(cls, path: str | Path) -> RunInfo:
+    def load(cls, path: str | Path, metrics: list[dict[str, Any]] | None = None) -> RunInfo:
+        """`metrics`: the run's metrics.jsonl rows where the caller has read them already (the
+        trainer's end of run), so the file is not parsed again."""
         path = Path(path)
         cfg_file = path / "config.yaml"
         if not cfg_file.is_file():
@@ -75,7 +77,7 @@ class RunInfo:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RunError(f"{path / 'summary.json'}: not valid JSON: {e}") from e
         try:  # a torn last line (a run killed mid-write) is dropped, as the trainer's resume drops it
-            metrics = read_metrics(path / "metrics.jsonl")
+            metrics = read_metrics(path / "metrics.jsonl") if metrics is None else metrics
         except ValueError as e:  # a bad line before the last: names the file and line
             raise RunError(str(e)) from None
         return cls(path, config, modality_of(config), summary, metrics)
