@@ -3,27 +3,27 @@ and what piles up while they run (sample tables), kept to a fixed cost."""
 
 from __future__ import annotations
 
+import pytest
 import toy
 
 from mmrl.core import logging as mlog
-from mmrl.core.config import TrainConfig, load_config
+from mmrl.core.config import ConfigError, TrainConfig, load_config
+from mmrl.core.logging import RunLogger
 from mmrl.core.trainer import Trainer
 
 
-def toy_trainer(out, *overrides: str) -> Trainer:
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 3-step toy run that logs samples every step and keeps the last 2 tables: (its directory,
+    its summary, the metrics.jsonl parses each write_summary call made)."""
+    out = tmp_path_factory.mktemp("long_end") / "run"
     cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=[
-        f"output_dir={out}", "train.max_steps=1", "rollout.prompts_per_step=2", "rollout.num_generations=2",
-        "logging.tensorboard=false", "logging.progress=false", *overrides])
-    return Trainer(cfg, *toy.build(cfg))
-
-
-def test_the_end_of_a_run_parses_metrics_jsonl_once(tmp_path, monkeypatch):
-    # summary.json, reward_curve.png and report.html each parsed it: 3 x 5 s of a 100,000-row file
-    trainer = toy_trainer(tmp_path / "run")
+        f"output_dir={out}", "train.max_steps=3", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+        "logging.tensorboard=false", "logging.progress=false", "train.log_samples_every=1",
+        "logging.keep_last_samples=2"])
+    trainer = Trainer(cfg, *toy.build(cfg))
     reads, during = [], []
-    read = mlog._read_metrics
-    monkeypatch.setattr(mlog, "_read_metrics", lambda path: reads.append(path) or read(path))
-    write_summary = trainer.write_summary
+    read, write_summary = mlog._read_metrics, trainer.write_summary
 
     def counted(*a, **kw):
         before = len(reads)
@@ -32,10 +32,56 @@ def test_the_end_of_a_run_parses_metrics_jsonl_once(tmp_path, monkeypatch):
         finally:
             during.append(len(reads) - before)
 
-    monkeypatch.setattr(trainer, "write_summary", counted)
-    summary = trainer.train()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mlog, "_read_metrics", lambda path: reads.append(path) or read(path))
+        mp.setattr(trainer, "write_summary", counted)
+        summary = trainer.train()
+    return out, summary, during
+
+
+def test_the_end_of_a_run_parses_metrics_jsonl_once(finished):
+    # summary.json, reward_curve.png and report.html each parsed it: 3 x 5 s of a 100,000-row file
+    out, summary, during = finished
     assert during == [1]
-    run = tmp_path / "run"
-    assert summary["final_metrics"]["step"] == 1
-    assert (run / "reward_curve.png").stat().st_size > 0
-    assert "1 steps" in (run / "report.html").read_text()
+    assert summary["final_metrics"]["step"] == 3
+    assert (out / "reward_curve.png").stat().st_size > 0
+    assert "3 steps" in (out / "report.html").read_text()
+
+
+def test_logging_keep_last_samples_keeps_the_newest_sample_tables(finished):
+    out, _, _ = finished
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_00000002.jsonl", "step_00000003.jsonl"]
+    assert "training samples, step 3" in (out / "report.html").read_text()
+
+
+def tables(root):
+    return sorted(p.name for p in (root / "samples").glob("step_*.jsonl"))
+
+
+def test_sample_tables_are_all_kept_by_default_and_other_samples_files_always(tmp_path):
+    logger = RunLogger(tmp_path, total_steps=40, tensorboard=False, progress=False)
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "grid_before.png").write_bytes(b"png")
+    for step in (10, 20, 30):
+        logger.samples(step, [{"prompt": "p", "reward": 1.0}])
+    assert tables(tmp_path) == ["step_00000010.jsonl", "step_00000020.jsonl", "step_00000030.jsonl"]
+    kept = RunLogger(tmp_path, total_steps=40, tensorboard=False, progress=False, keep_samples=1)
+    kept.samples(40, [{"prompt": "p", "reward": 1.0}])
+    assert tables(tmp_path) == ["step_00000040.jsonl"]
+    assert (tmp_path / "samples" / "grid_before.png").read_bytes() == b"png"
+
+
+def test_a_resumed_run_keeps_its_new_table_not_the_killed_starts_later_ones(tmp_path):
+    # the killed start logged steps 10-30 and saved step 10: the resume writes step 20 again.
+    # Newest by name would keep the stale step 30 and delete the step 20 just written.
+    for step in (10, 20, 30):
+        RunLogger(tmp_path, total_steps=40, tensorboard=False, progress=False).samples(step, [{"reward": 0.0}])
+    resumed = RunLogger(tmp_path, total_steps=40, start_step=10, tensorboard=False, progress=False, keep_samples=2)
+    resumed.samples(20, [{"reward": 1.0}])
+    assert tables(tmp_path) == ["step_00000010.jsonl", "step_00000020.jsonl"]
+    assert '"reward": 1.0' in (tmp_path / "samples" / "step_00000020.jsonl").read_text()
+
+
+def test_keep_last_samples_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"logging.keep_last_samples: Input should be greater than or equal to 1"):
+        load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=["logging.keep_last_samples=0"])

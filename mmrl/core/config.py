@@ -601,6 +601,10 @@ class LoggingConfig(Section):
     line every 5% of the steps with the time left. Each held-out evaluation is said as it starts
     and ends. The libraries' own bars (transformers and diffusers loading and writing weights)
     follow it, off without a terminal."""
+    keep_last_samples: int | None = Field(None, ge=1)
+    """Sample tables (samples/step_*.jsonl, one every train.log_samples_every steps) kept on disk;
+    older ones are deleted once a newer one is written, as train.keep_last does for checkpoints.
+    None = keep them all (a long run writes one per log_samples_every steps)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases logging, off by default."""
 

@@ -139,10 +139,13 @@ CURVE = "reward_curve.png"
 class RunLogger:
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, progress: bool = True, description: str = "train",
+                 keep_samples: int | None = None,
                  wandb: dict[str, Any] | None = None, config: dict[str, Any] | None = None):
-        """`wandb`: logging.wandb's settings where enabled (mmrl.core.wandb_run), with the run's
+        """`keep_samples`: the sample tables kept (logging.keep_last_samples; None: all).
+        `wandb`: logging.wandb's settings where enabled (mmrl.core.wandb_run), with the run's
         `config`; a start_step above 0 continues the W&B run of the directory."""
         self.dir = Path(output_dir)
+        self._keep_samples = keep_samples
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / METRICS
         truncate_metrics(self.metrics_path, start_step)
@@ -242,12 +245,15 @@ class RunLogger:
             print(text, file=sys.stderr, flush=True)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> Path:
-        """A sample table: samples/step_00000010.jsonl, one row per sample."""
+        """A sample table: samples/step_00000010.jsonl, one row per sample; then the older ones
+        past keep_samples are deleted."""
         path = self.dir / "samples" / f"step_{step:08d}.jsonl"
         path.parent.mkdir(exist_ok=True)
         rows = [{k: _clean(v) for k, v in row.items()} for row in rows]
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
+        if self._keep_samples is not None:
+            prune_samples(path.parent, self._keep_samples, step)
         if self._wandb is not None:
             self._wandb.samples(step, rows)
         return path
@@ -267,6 +273,18 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish(summary, failed, signum)
             self._wandb = None
+
+
+def prune_samples(root: Path, keep: int, step: int) -> None:
+    """Delete all sample tables of `root` (step_*.jsonl) but the newest `keep` up to `step`, the
+    one just written. Those after it go too: a resumed run's killed start wrote them, and the
+    steps are being trained again (a resume with fewer kept would otherwise keep them as newest
+    and delete the new ones). The before/after grids and answers (grid_*, samples_*) stay."""
+    tables = {int(p.stem[5:]): p for p in root.glob("step_*.jsonl") if p.stem[5:].isdigit()}
+    kept = sorted(s for s in tables if s <= step)[-keep:]
+    for s, p in tables.items():
+        if s not in kept:
+            p.unlink(missing_ok=True)
 
 
 def finite_scalars(metrics: dict[str, Any]) -> dict[str, float]:

@@ -374,6 +374,7 @@ class Trainer:
         logger = RunLogger(
             self.out, total_steps=tc.max_steps, start_step=self.step,
             tensorboard=self.cfg.logging.tensorboard, progress=self.cfg.logging.progress,
+            keep_samples=self.cfg.logging.keep_last_samples,
             wandb=wandb.model_dump() if wandb.enabled else None, config=config,
         ) if main else None
         self._unlogged = None  # a finished step's metrics until they are logged
