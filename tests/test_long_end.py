@@ -3,12 +3,14 @@ and what piles up while they run (sample tables), kept to a fixed cost."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import toy
 
 from mmrl.core import logging as mlog
 from mmrl.core.config import ConfigError, TrainConfig, load_config
-from mmrl.core.logging import RunLogger
+from mmrl.core.logging import RunLogger, read_finished_run, read_metrics
 from mmrl.core.trainer import Trainer
 
 
@@ -22,6 +24,8 @@ def finished(tmp_path_factory):
         "logging.tensorboard=false", "logging.progress=false", "train.log_samples_every=1",
         "logging.keep_last_samples=2"])
     trainer = Trainer(cfg, *toy.build(cfg))
+    toy.log_constant(trainer.method, "x/nan", float("nan"))  # a metric without a finite value
+    toy.log_constant(trainer.method, "x/inf", float("inf"))
     reads, during = [], []
     read, write_summary = mlog._read_metrics, trainer.write_summary
 
@@ -85,3 +89,44 @@ def test_a_resumed_run_keeps_its_new_table_not_the_killed_starts_later_ones(tmp_
 def test_keep_last_samples_below_one_is_refused():
     with pytest.raises(ConfigError, match=r"logging.keep_last_samples: Input should be greater than or equal to 1"):
         load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=["logging.keep_last_samples=0"])
+
+
+def strict(text: str):
+    """json.loads as jq and JavaScript parse: a bare NaN or Infinity is an error."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+
+def test_summary_json_holds_null_for_a_metric_without_a_finite_value(finished):
+    # final_metrics held metrics.jsonl's text "nan": pandas read the column as text, jq's
+    # `.final_metrics["x/nan"] == null` was false; eval_before / eval_after already held null
+    out, summary, _ = finished
+    written = strict((out / "summary.json").read_text())
+    assert written["final_metrics"]["x/nan"] is None and written["final_metrics"]["x/inf"] is None
+    assert summary["final_metrics"]["x/nan"] is None
+    assert written["final_metrics"]["loss/total"] == summary["final_metrics"]["loss/total"]
+    last = read_metrics(out / "metrics.jsonl")[-1]  # the log keeps which non-finite value it was
+    assert (last["x/nan"], last["x/inf"]) == ("nan", "inf")
+
+
+def test_an_older_summary_with_nan_texts_and_bare_nans_reads_as_null_everywhere(tmp_path):
+    from mmrl.demo import report, runs, table
+
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/total": 0.5}\n{"step": 2, "reward/total": "nan"}\n')
+    (run / "summary.json").write_text(  # as written before: a bare NaN in eval_*, "nan" in final_metrics
+        '{"steps": 2, "eval_before": {"accuracy": NaN, "format": 0.5}, "eval_after": {"accuracy": "nan", '
+        '"format": 0.75}, "final_metrics": {"step": 2, "reward/total": "nan", "loss/total": "-inf"}}')
+    info = runs.RunInfo.load(run)
+    assert info.summary["eval_before"] == {"accuracy": None, "format": 0.5}
+    assert info.summary["eval_after"] == {"accuracy": None, "format": 0.75}
+    assert info.summary["final_metrics"] == {"step": 2, "reward/total": None, "loss/total": None}
+    assert read_finished_run(run)[0] == info.summary  # a benchmark's --reuse reads it so too
+    assert "eval/accuracy" not in info.curves()  # no NaN point at step 0
+    loaded = table.load(run)
+    assert (loaded.evaluation("before", "accuracy"), loaded.evaluation("after", "format")) == (None, 0.75)
+    rows = table.run_rows([loaded], ["accuracy", "format"])
+    assert strict(json.dumps(rows))[0]["after"] == {"accuracy": None, "format": 0.75}  # `runs --json`
+    metrics = report.render(info).split("<h2>Curves</h2>")[0]  # before the base64 images
+    assert "<td>accuracy</td><td>n/a</td><td>n/a</td><td></td>" in metrics and "nan" not in metrics.lower()

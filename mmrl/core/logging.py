@@ -287,6 +287,28 @@ def prune_samples(root: Path, keep: int, step: int) -> None:
             p.unlink(missing_ok=True)
 
 
+NON_FINITE = ("nan", "inf", "-inf")  # a non-finite float as metrics.jsonl holds it (_clean)
+
+
+def nulled(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A metrics dict as summary.json holds it: a value without a finite number (NaN, an
+    infinity, or its text in a metrics.jsonl row: "nan") is JSON null, which json.load, jq and
+    pandas read as missing (a bare NaN is not JSON; "nan" made pandas' column text). Readers of
+    an older summary.json apply it too, so its "nan" strings and bare NaNs read the same."""
+    if not isinstance(metrics, dict):
+        return metrics
+    return {k: None if (isinstance(v, float) and not math.isfinite(v)) or (isinstance(v, str) and v in NON_FINITE)
+            else v for k, v in metrics.items()}
+
+
+def nulled_summary(summary: Any) -> Any:
+    """A summary.json as read: its metrics (eval_before, eval_after, final_metrics) `nulled`, so
+    that one written before they were null reads as a new one."""
+    if not isinstance(summary, dict):
+        return summary
+    return {k: nulled(v) if k in ("eval_before", "eval_after", "final_metrics") else v for k, v in summary.items()}
+
+
 def finite_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """What TensorBoard and W&B plot of a metrics dict: its finite numbers, as floats."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
@@ -302,7 +324,7 @@ def read_finished_run(out: str | Path) -> tuple[dict, list[dict]] | None:
     ValueError: whoever would train there again would overwrite it."""
     out = Path(out)
     if (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+        return nulled_summary(json.loads((out / "summary.json").read_text())), read_metrics(out / "metrics.jsonl")
     if (out / "metrics.jsonl").exists():
         raise ValueError(f"{out} has metrics but no summary.json: a run still going or stopped; "
                          "wait for it, or remove the directory to train it again")
@@ -414,7 +436,8 @@ def _tensorboard_writer(path: Path, first_step: int | None):
 
 
 def _clean(v: Any) -> Any:
-    """JSON-safe: tensors to numbers, non-finite floats to strings (JSON has no NaN)."""
+    """JSON-safe: tensors to numbers, non-finite floats to strings (JSON has no NaN; metrics.jsonl
+    keeps which of NaN and an infinity it was; summary.json makes them null, `nulled`)."""
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

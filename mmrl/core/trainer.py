@@ -64,6 +64,7 @@ from mmrl.core.logging import (
     CURVE,
     METRICS,
     RunLogger,
+    nulled,
     plot_reward_curve,
     read_finished_run,
     read_metrics,
@@ -1016,12 +1017,12 @@ class Trainer:
         starts = self._starts()
         summary = {
             # a metric without data (NaN: no held-out item had it) is null, as `eval` prints it: NaN is not JSON
-            "eval_before": _finite_or_null(self.eval_before),
-            "eval_after": _finite_or_null(eval_after),
+            "eval_before": nulled(self.eval_before),
+            "eval_after": nulled(eval_after),
             "steps": self.step,
             "steps_without_update": sum(1 for r in rows if r.get("train/skipped")),
             "checkpoint": str(ckpt.step_dir(self.checkpoint_dir, self.step) / "model"),
-            "final_metrics": rows[-1] if rows else {},
+            "final_metrics": nulled(rows[-1]) if rows else {},  # its "nan" texts null, as eval_* hold them
             "train_seconds": seconds,  # over every start (self.seconds), evaluations and saves included
             # every step's own time (time/step), over all the starts of a resumed run
             "step_seconds": sum(r["time/step"] for r in rows if isinstance(r.get("time/step"), int | float)),
@@ -1070,12 +1071,6 @@ def _command_line(argv: Any) -> str | None:
     first = Path(argv[0])
     head = ["python", "-m", first.parent.name] if first.name == "__main__.py" else [argv[0]]
     return shlex.join(head + argv[1:])
-
-
-def _finite_or_null(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
-    if metrics is None:
-        return None
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def config_changes(before: dict, after: dict, prefix: str = "", default=None) -> list[str]:

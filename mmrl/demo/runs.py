@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from mmrl.core.checkpoint import latest_checkpoint
-from mmrl.core.logging import read_metrics, running_mean
+from mmrl.core.logging import nulled_summary, read_metrics, running_mean
 
 MODALITIES = ("vlm", "diffusion", "dllm")
 BACKENDS = {"vlm": "mmrl.vlm.backend", "diffusion": "diffusion_rl.backend", "dllm": "dllm_rl.backend"}
@@ -76,6 +76,7 @@ class RunInfo:
                 summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RunError(f"{path / 'summary.json'}: not valid JSON: {e}") from e
+            summary = nulled_summary(summary)  # an older run's "nan" texts and bare NaNs: null, as a new run's
         try:  # a torn last line (a run killed mid-write) is dropped, as the trainer's resume drops it
             metrics = read_metrics(path / "metrics.jsonl") if metrics is None else metrics
         except ValueError as e:  # a bad line before the last: names the file and line
