@@ -130,3 +130,29 @@ def test_an_older_summary_with_nan_texts_and_bare_nans_reads_as_null_everywhere(
     assert strict(json.dumps(rows))[0]["after"] == {"accuracy": None, "format": 0.75}  # `runs --json`
     metrics = report.render(info).split("<h2>Curves</h2>")[0]  # before the base64 images
     assert "<td>accuracy</td><td>n/a</td><td>n/a</td><td></td>" in metrics and "nan" not in metrics.lower()
+
+
+def test_runs_plot_and_the_report_show_the_final_evaluation_of_a_resumed_runs_earlier_end(tmp_path):
+    # trained to step 4 (its final evaluation, 0.6, only in summary.json), then --resume with
+    # max_steps=6: summary.json moved to summary.step-4.json, and the plots lost the step-4 point
+    from mmrl.demo import plot, runs, table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    evals = {2: 0.5, 5: 0.7}
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward/total": 0.1, **({"eval/accuracy": evals[s]} if s in evals else {})}) + "\n"
+        for s in range(1, 7)))
+    (run / "summary.step-4.json").write_text(json.dumps(
+        {"steps": 4, "eval_before": {"accuracy": 0.2}, "eval_after": {"accuracy": 0.6, "format": 1.0}}))
+    (run / "summary.step-3.json").write_text("{damaged")  # left out, not an error
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 6, "eval_before": {"accuracy": 0.2}, "eval_after": {"accuracy": 0.9}}))
+    curve = plot.metric_curve(table.load(run), "accuracy")
+    assert (curve.steps, curve.values) == ([0, 2, 4, 5, 6], [0.2, 0.5, 0.6, 0.7, 0.9])
+    assert runs.RunInfo.load(run).curves()["eval/accuracy"] == ([0, 2, 4, 5, 6], [0.2, 0.5, 0.6, 0.7, 0.9])
+    (run / "summary.json").unlink()  # the resumed start still going: what it has, with step 4's
+    curve = plot.metric_curve(table.load(run), "accuracy")
+    assert (curve.steps, curve.values) == ([2, 4, 5], [0.5, 0.6, 0.7])
+    assert runs.RunInfo.load(run).curves()["eval/accuracy"] == ([2, 4, 5], [0.5, 0.6, 0.7])

@@ -3,8 +3,9 @@
 Left, the training reward: `reward/total` of each metrics.jsonl row, a light line and its running
 mean (over a tenth of the steps, as logging.plot_reward_curve draws a run's reward_curve.png).
 Right, one held-out metric M: summary.json's eval_before[M] at step 0, the evaluations during
-training (the `eval/M` entries of metrics.jsonl, every train.eval_every steps) and eval_after[M]
-at the run's last step. One colour per run, labelled by the settings that tell the table's rows
+training (the `eval/M` entries of metrics.jsonl, every train.eval_every steps), the final ones of
+the earlier ends of a run --resume took further (summary.step-N.json's eval_after[M] at step N)
+and eval_after[M] at the run's last step. One colour per run, labelled by the settings that tell the table's rows
 apart.
 
 With group=True, one curve per configuration (the table's groups): the mean over its seeds at each
@@ -99,10 +100,13 @@ def reward_curve(run: Run) -> Curve:
 
 def metric_curve(run: Run, metric: str) -> Curve:
     """`metric` before training (step 0), at each evaluation during it, and after it (the
-    summary's steps), where those are finite numbers."""
+    summary's steps), where those are finite numbers. A run that --resume took past a finished
+    end also has that end's final evaluation (its summary.step-N.json), which no row holds."""
     points = {0: run.evaluation("before", metric)}
     points.update({s: table._number(row.get(f"eval/{metric}")) for row in run.metrics
                    if (s := _step(row)) is not None and f"eval/{metric}" in row})
+    points.update({s: table._number((kept.get("eval_after") or {}).get(metric)) for s, kept in run.kept.items()
+                   if s not in points and isinstance(run.steps, int) and s <= run.steps})
     if run.summary is not None and isinstance(run.steps, int):
         points[run.steps] = run.evaluation("after", metric)
     return _curve({s: v for s, v in points.items() if v is not None})

@@ -8,6 +8,7 @@ what is there (a run still going has no summary yet) and tells its modality from
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import json
 import math
@@ -57,6 +58,7 @@ class RunInfo:
     modality: str
     summary: dict[str, Any] | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    kept: dict[int, dict[str, Any]] = field(default_factory=dict)  # kept_summaries: step -> its summary
 
     @classmethod
     def load(cls, path: str | Path, metrics: list[dict[str, Any]] | None = None) -> RunInfo:
@@ -81,7 +83,7 @@ class RunInfo:
             metrics = read_metrics(path / "metrics.jsonl") if metrics is None else metrics
         except ValueError as e:  # a bad line before the last: names the file and line
             raise RunError(str(e)) from None
-        return cls(path, config, modality_of(config), summary, metrics)
+        return cls(path, config, modality_of(config), summary, metrics, kept_summaries(path))
 
     @property
     def name(self) -> str:
@@ -118,8 +120,16 @@ class RunInfo:
                     steps, values = out.setdefault(key, ([], []))
                     steps.append(row["step"])
                     values.append(float(value))
+        last = int((self.summary or {}).get("steps") or (rows[-1]["step"] if rows else 0))
+        for step, kept in self.kept.items():  # the final evaluation of an earlier end (no row holds it)
+            for key, value in (kept.get("eval_after") or {}).items():
+                if step <= last and key in _accuracy_keys({key: value}):
+                    steps, values = out.setdefault(f"eval/{key}", ([], []))
+                    if step not in steps:
+                        at = bisect.bisect(steps, step)
+                        steps.insert(at, step)
+                        values.insert(at, float(value))
         if self.summary:
-            last = int(self.summary.get("steps") or (rows[-1]["step"] if rows else 0))
             for key in _accuracy_keys(self.summary.get("eval_before") or {}):
                 steps, values = out.setdefault(f"eval/{key}", ([], []))
                 before, after = self.summary["eval_before"][key], (self.summary.get("eval_after") or {}).get(key)
@@ -129,6 +139,23 @@ class RunInfo:
                     steps.append(last)
                     values.append(float(after))
         return out
+
+
+def kept_summaries(path: Path) -> dict[int, dict[str, Any]]:
+    """The summaries of the run's earlier ends, by step: --resume of a finished run (max_steps
+    raised) keeps its summary.json as summary.step-N.json, whose eval_after is the evaluation at
+    step N that no metrics.jsonl row holds. One that cannot be read is left out (the curves lack
+    its point, nothing else)."""
+    out = {}
+    for p in path.glob("summary.step-*.json"):
+        step = p.name.removeprefix("summary.step-").removesuffix(".json")
+        try:
+            summary = json.loads(p.read_text(encoding="utf-8")) if step.isdigit() else None
+        except (OSError, ValueError):  # a damaged file; UnicodeDecodeError is a ValueError
+            continue
+        if isinstance(summary, dict):
+            out[int(step)] = nulled_summary(summary)
+    return dict(sorted(out.items()))
 
 
 def _accuracy_keys(metrics: dict[str, Any]) -> list[str]:

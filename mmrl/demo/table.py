@@ -44,6 +44,7 @@ class Run:
     steps: int | None  # done: summary.json's, else the last metrics.jsonl row's
     error: str | None = None  # why the directory could not be read
     metrics: list[dict[str, Any]] = field(default_factory=list, repr=False)  # metrics.jsonl's rows (--plot)
+    kept: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)  # earlier ends' summaries (--plot)
 
     @property
     def status(self) -> str:
@@ -113,7 +114,7 @@ def load(path: Path) -> Run:
     steps = info.summary.get("steps") if info.summary else None
     if steps is None and info.metrics:
         steps = info.metrics[-1].get("step")
-    return Run(path, info.config, info.summary, steps, metrics=info.metrics)
+    return Run(path, info.config, info.summary, steps, metrics=info.metrics, kept=info.kept)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
