@@ -54,3 +54,21 @@ def test_a_broken_tensorboard_install_says_how_to_mend_or_silence_it(tmp_path, m
     with pytest.warns(UserWarning, match=r"TensorBoard logging is off \(pip install tensorboard; "
                                          r"--set logging.tensorboard=false turns it off without this warning\)"):
         assert _tensorboard_writer(tmp_path / "tb", None) is None
+
+
+def test_sample_tables_keep_text_readable_and_a_lone_surrogate_escaped(tmp_path):
+    """A sample table is read by people (`less samples/step_*.jsonl`): "é" and "加" are written
+    as themselves in UTF-8, where json.dumps wrote \\u00e9 and \\u52a0. A row holding a lone
+    surrogate (no UTF-8 form) is escaped, not an encoding error; both read back the same."""
+    import json
+
+    from mmrl.core.logging import RunLogger
+
+    logger = RunLogger(tmp_path, total_steps=4, tensorboard=False, progress=False)
+    rows = [{"prompt": "3+4=加", "completion": "café"}, {"prompt": "x", "completion": "bad \ud800 byte"}]
+    path = logger.samples(1, rows)
+    logger.close()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == '{"prompt": "3+4=加", "completion": "café"}'
+    assert "\\ud800" in lines[1]
+    assert [json.loads(line) for line in lines] == rows

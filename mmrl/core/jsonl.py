@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatasetError", "HeldOutWarning", "answer_text", "json_type", "read_objects", "text_and_answer"]
+__all__ = ["DatasetError", "HeldOutWarning", "answer_text", "json_line", "json_type", "read_objects", "text_and_answer"]
 
 
 class DatasetError(ValueError):
@@ -204,3 +204,13 @@ def json_type(v: Any) -> str:
     if isinstance(v, list):
         return "a list"
     return "an object" if isinstance(v, dict) else type(v).__name__
+
+
+def json_line(obj: Any) -> str:
+    """One JSONL line of a file the run writes for people to read (sample tables): text as it
+    is in UTF-8, so a Chinese prompt or an accented answer reads in `less`, not as \\u escapes.
+    A lone surrogate (no UTF-8 form) keeps its row escaped, as json.dumps writes by default."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if LONE_SURROGATE.search(text):
+        text = json.dumps(obj)
+    return text + "\n"

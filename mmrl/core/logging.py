@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from mmrl.core.jsonl import json_line
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
@@ -251,7 +253,7 @@ class RunLogger:
         path.parent.mkdir(exist_ok=True)
         rows = [{k: _clean(v) for k, v in row.items()} for row in rows]
         with open(path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+            f.writelines(json_line(row) for row in rows)
         if self._keep_samples is not None:
             prune_samples(path.parent, self._keep_samples, step)
         if self._wandb is not None:
