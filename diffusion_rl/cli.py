@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from mmrl.core.cli import PLAIN, USER_ERRORS, BackendSpec, console, fail, make_app, run
+from mmrl.core.cli import PLAIN, BackendSpec, console, fail, make_app, run, user_errors
 
 SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend",
                    scored_prompts="Held-out prompts, and --prompt prompts in shapes-geneval's "
@@ -38,7 +38,7 @@ def calibrate_window(
     try:
         cfg = load_config(backend.CONFIG_CLASS, config, list(set_), defaults=dict(backend.DEFAULT_CONFIG))
         cal, paths = backend.calibrate(cfg, out, prompts, into_model=into_model)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e))
     print(json.dumps(cal.to_dict()))
     console.print(summary_line(cal), highlight=False)

@@ -32,9 +32,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from typer.core import TyperGroup
 
-from mmrl.core import distributed, plugins
+# Only modules that import no torch (nor transformers, diffusers) here: importing torch took
+# seconds of the 4 that `--help`, `runs` and a mistyped flag made a user wait. Those that do
+# (distributed, plugins, checkpoint, engine, rewards, serve, stop, trainer, the backends) are
+# imported in the functions that use them (tests/test_cli_imports.py).
 from mmrl.core.best import BEST, read_record
-from mmrl.core.checkpoint import CheckpointError, latest_checkpoint, step_dir
 from mmrl.core.config import (
     ConfigError,
     TrainConfig,
@@ -43,18 +45,14 @@ from mmrl.core.config import (
     parse_override,
     read_yaml,
 )
-from mmrl.core.engine import EngineError
 from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import quiet_library_bars, survive_reader_gone
-from mmrl.core.rewards import RewardError
 from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
-from mmrl.core.serve import MAX_SAMPLES
-from mmrl.core.stop import StoppedBySignal
 
 err_console = Console(stderr=True)
 console = Console()
 
-USER_ERRORS = (ConfigError, CheckpointError, RewardError, EngineError, FileNotFoundError)
+MAX_SAMPLES = 1 << 16  # mmrl.core.serve.MAX_SAMPLES, serve --max-samples' default (tests/test_cli_imports.py)
 # A line that names paths: never broken (a console 40 columns wide, or 80 in a log file, broke
 # checkpoints/step-0000000 / 3/model across lines, which a copy or grep then missed); PLAIN also
 # prints a "[" in a path or message as it is, not as rich markup.
@@ -144,6 +142,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
     def build_config(config: Path | None, overrides: list[str], backend, verb: str = "train",
                      run: Path | None = None) -> TrainConfig:
         """defaults <- the run's config.yaml (mmrl.core.runconfig) <- the verb's defaults <- --config <- --set."""
+        from mmrl.core import plugins
+
         cls = getattr(backend, "CONFIG_CLASS", TrainConfig)
         defaults = dict(getattr(backend, "DEFAULT_CONFIG", {}))
         defaults.setdefault("output_dir", f"runs/{spec.modality}-default")
@@ -189,12 +189,14 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         except KeyboardInterrupt:  # here: click's own handler would exit 130 without a word
             err_console.print(interrupted(), **PLAIN)
             raise typer.Exit(130) from None
-        except StoppedBySignal as e:  # a scheduler's SIGTERM / SIGUSR1: the finished steps are saved
-            err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code) from None
         except BackendUnavailable as e:
             fail(str(e) + ".", code=3)
-        except USER_ERRORS as e:
+        except (ConfigError, FileNotFoundError) as e:  # first: the clauses below import torch (`runs /typo`)
+            fail(str(e))
+        except _stopped_by_signal() as e:  # a scheduler's SIGTERM / SIGUSR1: the finished steps are saved
+            err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except user_errors() as e:
             fail(str(e))
         except _runtime_errors() as e:
             fail(str(e), code=1)
@@ -231,6 +233,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if run is None and failed is not None:  # no run to take keys from: the default config's error stands
             raise failed
         if run is not None:
+            from mmrl.core import distributed
+
             if checkpoint is not None and distributed.launched_main():  # once, not once per rank
                 err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
                                   **PLAIN)
@@ -280,6 +284,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         started: list[TrainConfig] = []  # the run's config, once read: what Ctrl-C leaves depends on it
 
         def go():
+            from mmrl.core import distributed
+            from mmrl.core.checkpoint import latest_checkpoint
             from mmrl.core.pipeline import check_config
             from mmrl.core.trainer import Trainer, check_output_dir
 
@@ -325,6 +331,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         """Evaluate a model on the config's held-out task and print its metrics as JSON."""
 
         def go():
+            from mmrl.core import distributed
+
             backend, cfg = get_backend(config, list(set_), "eval", checkpoint)
             policy, task = backend.build(cfg)
             if checkpoint is not None:
@@ -448,6 +456,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         tokenizer (a dLLM's dllm.json; an image model's whole diffusers pipeline)."""
 
         def go():
+            from mmrl.core.checkpoint import CheckpointError
+
             if out.exists() and (not out.is_dir() or any(out.iterdir())):
                 raise ConfigError(f"--out {out} is not a new or empty directory; export writes nothing over files")
             backend, cfg = get_backend(config, list(set_), "export", checkpoint)
@@ -560,6 +570,8 @@ def no_held_out_warnings():
 def world_size() -> int:
     """The trainer processes a launcher (torchrun, accelerate) starts, before any process group
     (a ConfigError for a WORLD_SIZE that no launcher set, before the model is built)."""
+    from mmrl.core import distributed
+
     return distributed.launched_world()
 
 
@@ -599,6 +611,8 @@ def command_of_method(method: str, this: str) -> str | None:
 def best_alias(path: Path) -> Path:
     """RUN/best, where RUN has no such directory but a best.json (train.best_metric) -> the
     checkpoint it names; any other path as is. CheckpointError where that checkpoint is gone."""
+    from mmrl.core.checkpoint import CheckpointError, step_dir
+
     path = Path(path)
     record = path.parent / BEST
     if path.name != "best" or path.exists() or not record.is_file():
@@ -616,6 +630,8 @@ def best_alias(path: Path) -> Path:
 def resolve_checkpoint(path: Path) -> Path:
     """A run directory, or its checkpoints/ directory -> the newest checkpoint's model; RUN/best ->
     the best checkpoint's model (best_alias); a checkpoint -> its model; else as is."""
+    from mmrl.core.checkpoint import CheckpointError, latest_checkpoint
+
     path = best_alias(path)
     if not path.exists():
         if path.name == "best" and (path.parent / RUN_CONFIG).is_file():  # a run with no best.json (best_alias)
@@ -650,6 +666,8 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_checkpoint(policy, path: Path) -> None:
     """--checkpoint: the weights of `path` (see resolve_checkpoint) into the policy, or a
     CheckpointError naming the directory where they cannot be read or do not fit."""
+    from mmrl.core.checkpoint import CheckpointError
+
     model = resolve_checkpoint(path)
     check_model_type(policy, path, model)
     try:
@@ -665,6 +683,8 @@ def check_model_type(policy, path: Path, model: Path) -> None:
     """A model directory of another architecture (another backend's export: a dLLM's Llama for
     a Qwen-VL run) is named as such: loading it failed with `'dict' object has no attribute
     'to_dict'`, or listed as unexpected weights those of the model built from it."""
+    from mmrl.core.checkpoint import CheckpointError
+
     ours = getattr(getattr(getattr(policy, "model", None), "config", None), "model_type", None)
     try:
         theirs = json.loads((model / "config.json").read_text(encoding="utf-8")).get("model_type")
@@ -680,6 +700,7 @@ def interrupted_note(command: str, cfg: TrainConfig | None) -> str:
     that there is none (the default run saves only at its end, so Ctrl-C at step 300 of 500 keeps
     nothing: "the newest checkpoint is kept, resume with --resume" then sent the user to an
     error). The command names the output directory: `--resume` alone resumes the default one."""
+    from mmrl.core.checkpoint import latest_checkpoint
     from mmrl.core.trainer import resume_command
 
     if cfg is None:  # before the config was read: nothing was written
@@ -736,6 +757,29 @@ def _finite_or_null(metrics: dict[str, Any]) -> dict[str, Any]:
 def _flag_overrides(flags: dict[str, Any]) -> list[str]:
     # a path is a string even where YAML would read it otherwise (-o 2024, -o true, -o '#1')
     return [f"{k}={json.dumps(str(v)) if isinstance(v, Path) else v}" for k, v in flags.items() if v is not None]
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a user's input (a bad config, a missing file, nothing to resume): one
+    `error:` paragraph and exit 2, no traceback. A function: most of their modules import torch."""
+    from mmrl.core.checkpoint import CheckpointError
+    from mmrl.core.engine import EngineError
+    from mmrl.core.rewards import RewardError
+
+    return (ConfigError, CheckpointError, RewardError, EngineError, FileNotFoundError)
+
+
+def __getattr__(name: str) -> Any:
+    """`from mmrl.core.cli import USER_ERRORS` (benchmarks/bench_cli.py) as when it was a constant."""
+    if name == "USER_ERRORS":
+        return user_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _stopped_by_signal() -> type[BaseException]:
+    from mmrl.core.stop import StoppedBySignal  # imports torch (mmrl.core.distributed)
+
+    return StoppedBySignal
 
 
 def _runtime_errors() -> tuple[type[BaseException], ...]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from mmrl.core.checkpoint import latest_checkpoint
 from mmrl.core.logging import nulled_summary, read_metrics, running_mean
 
 MODALITIES = ("vlm", "diffusion", "dllm")
@@ -100,6 +99,9 @@ class RunInfo:
             for final in (own, stored if stored.is_absolute() else self.path / stored):
                 if final.is_dir():
                     return final
+        # here, not at the top: it imports torch, which `runs` (mmrl.demo.table) need not wait for
+        from mmrl.core.checkpoint import latest_checkpoint
+
         step = latest_checkpoint(self.path / "checkpoints") if (self.path / "checkpoints").is_dir() else None
         return step / "model" if step is not None and (step / "model").is_dir() else None
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmrl.core import provenance
-from mmrl.core.checkpoint import list_checkpoints
+# mmrl.core.provenance and checkpoint are imported where an unfinished run needs them: they
+# import torch, seconds that `runs` over finished runs need not wait for (tests/test_cli_imports.py)
 from mmrl.demo.runs import RunError, RunInfo, modality_of
 
 # what the seeds of one configuration may differ in
@@ -52,6 +52,8 @@ class Run:
             return f"unreadable: {self.error}"
         if self.summary is not None:
             return "finished"
+        from mmrl.core import provenance
+
         total = (self.config.get("train") or {}).get("max_steps")
         start = provenance.last_start(self.path) or {}  # its newest start, where environment.json has it
         ended = start.get("ended")
@@ -68,6 +70,8 @@ class Run:
     def _resumes(self, step: Any) -> str:
         """Where --resume would go on from, where that is not the step the run reached (a Ctrl-C
         or a kill keeps the newest checkpoint, not the step in progress)."""
+        from mmrl.core.checkpoint import list_checkpoints
+
         found = list_checkpoints(self.path / "checkpoints")
         if not found:
             return "; no checkpoint to resume from"

@@ -1,0 +1,63 @@
+"""The verbs that need no model answer at once: `--help` of every verb, `runs` and a mistyped
+flag import neither torch nor transformers or diffusers (their import took seconds of the 4 that
+`mmrl --help` made a user wait). The imports that do are in the functions that use them
+(mmrl/core/cli.py, mmrl/demo/table.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+# Each CLI's --help and every verb's, `runs` over a finished run, and two bad inputs, in one
+# fresh interpreter (torch is imported in this one already); prints what got imported.
+SCRIPT = """
+import json, sys
+from typer.testing import CliRunner
+import diffusion_rl.cli, dllm_rl.cli, mmrl.cli
+
+codes = []
+for cli in (mmrl.cli, diffusion_rl.cli, dllm_rl.cli):
+    verbs = [c.name or c.callback.__name__.replace("_", "-") for c in cli.app.registered_commands]
+    for args in [["--help"]] + [[verb, "--help"] for verb in verbs] + [["train", "--bogus"], ["runs", sys.argv[1]]]:
+        result = CliRunner().invoke(cli.app, args)
+        codes.append([args, result.exit_code, result.output[:300]])
+codes.append([["runs", "/no/such/run"], CliRunner().invoke(mmrl.cli.app, ["runs", "/no/such/run"]).exit_code, ""])
+print(json.dumps({"codes": codes, "heavy": [m for m in ("torch", "transformers", "diffusers") if m in sys.modules]}))
+"""
+
+
+def test_help_runs_and_bad_flags_import_no_torch(tmp_path):
+    run = tmp_path / "grpo-0"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\nmethod: {type: grpo}\ntrain: {max_steps: 2}\n")
+    (run / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.25}, "eval_after": {"accuracy": 0.5},
+                                                  "steps": 2, "train_seconds": 3.0}))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(run)], check=False, env=ENV, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    codes = {" ".join(args): (code, text) for args, code, text in got["codes"]}
+    helps = [args for args, code, text in got["codes"] if args[-1] == "--help" and code == 0 and "Usage:" in text]
+    assert len(helps) == 3 + 8 + 8 + 7  # each CLI's, and its verbs': mmrl's demo, diffusion-rl's calibrate-window
+    code, text = codes[f"runs {run}"]
+    assert code == 0 and "0.250 → 0.500" in text
+    assert codes["train --bogus"][0] == 2 and codes["runs /no/such/run"][0] == 2
+    assert got["heavy"] == []
+
+
+def test_serve_max_samples_default_is_the_servers():
+    """cli.py states serve --max-samples' default itself: mmrl.core.serve imports torch."""
+    from mmrl.core import serve
+    from mmrl.core.cli import MAX_SAMPLES, BackendSpec, make_app
+
+    command = typer.main.get_command(make_app(BackendSpec(modality="toy", title="toy", command="toy-rl",
+                                                          module="toy"))).commands["serve"]
+    assert MAX_SAMPLES == serve.MAX_SAMPLES == next(p.default for p in command.params if p.name == "max_samples")
