@@ -28,8 +28,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mmrl.core.logging import write_atomically
 
 ENVIRONMENT = "environment.json"
@@ -40,6 +38,8 @@ _SECRET_FLAGS = ("--token",)  # their values are never written down
 
 def environment(step: int = 0, world_size: int = 1) -> dict[str, Any]:
     """This process's entry (see the module docstring)."""
+    import torch  # here, not at the top: `runs` reads provenance files without torch
+
     cuda = torch.cuda.is_available()
     return {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
