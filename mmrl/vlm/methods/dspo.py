@@ -80,8 +80,22 @@ def _word_tokens(tokenizer, prefixes: list[str], texts: list[str], mask: Tensor)
 
 @register_method("dspo")
 class DSPO(GRPO):
+    _step = 0
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._warned = MOOD_WARNINGS.copy()
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        # The trainer sets it as each step begins: count MOOD_WARNINGS from here, so the held-out
+        # evaluations before it (scored by the same task) stay out of the step's warnings, and a
+        # resumed run, which skips the evaluation at its checkpoint, logs what an uninterrupted one does.
+        self._step = value
         self._warned = MOOD_WARNINGS.copy()
 
     def annotate(self, policy, batch: RolloutBatch) -> None:

@@ -1,0 +1,33 @@
+"""Reproducibility fixes found by running each CLI's configs twice, with another seed, and
+stopped and resumed (the runs themselves are in tests/reliability/test_kill_resume.py and the
+methods' own resume tests; these pin the bugs those runs found)."""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import load_config
+from mmrl.core.rewards import AtomScores, Sample
+from mmrl.vlm import backend
+from mmrl.vlm.methods.dspo import DSPO
+from mmrl.vlm.tasks.shapes_mood import MOOD_WARNINGS
+
+
+def test_dspo_step_warnings_leave_out_the_evaluation_before_the_step(monkeypatch):
+    """An evaluation between steps scores shapes-mood too; its bad outputs were logged as the
+    next training step's, so the step after an evaluation differed between an uninterrupted
+    run and one resumed from that step's checkpoint (which runs no evaluation there)."""
+    cfg = load_config(backend.CONFIG_CLASS, None, ["method.type=dspo", "task.type=shapes-mood"],
+                      defaults=backend.DEFAULT_CONFIG)
+    method = DSPO(cfg.method, cfg, None)
+    total = torch.tensor([1.0, 0.0])
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[Sample("q", "a")] * 2,
+                         scores=AtomScores(names=["answer"], values=total[:, None], total=total))
+    batch.data.update({"dspo/r_cf": torch.zeros(2), "dspo/r_div": torch.zeros(2),
+                       "dspo/scored": torch.tensor([True, False])})
+    monkeypatch.setitem(MOOD_WARNINGS, "bad_box", MOOD_WARNINGS["bad_box"] + 50)  # the evaluation's
+    method.step = 3  # the trainer, as step 4 begins
+    monkeypatch.setitem(MOOD_WARNINGS, "bad_box", MOOD_WARNINGS["bad_box"] + 2)  # the step's rollouts'
+    assert method.batch_metrics(batch)["dspo/warnings/bad_box"] == 2.0
+    assert method.step == 3
