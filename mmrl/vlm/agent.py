@@ -246,11 +246,8 @@ class ToolRollout:
         elif row.calls >= self.cfg.max_tool_calls:
             content, kind = [f"error: at most {self.cfg.max_tool_calls} tool calls per answer"], "limit"
         else:
-            # copies: a tool that draws on its image in place (ImageDraw) changed the task's own item, and
-            # so what every later rollout, epoch and evaluation of that prompt saw
-            images = [im.copy() if isinstance(im, Image.Image) else im for im in row.item.images]
-            ctx = ToolContext(images=images, meta=dict(row.item.meta))
-            result = self.registry.call(text, ctx)
+            item = row.item
+            result = self.registry.call(text, lambda: ToolContext(images=_tool_images(item), meta=dict(item.meta)))
             content, kind, name = result.content, result.kind, result.name
             self._warn_failure(name, kind, result.error)
         row.calls += 1
@@ -551,6 +548,16 @@ def _turn_lengths(new: Tensor, stop_ids: list[int], pad_id: int, trailing_pads: 
                 cut -= 1
         out.append(cut)
     return out
+
+
+def _tool_images(item) -> list:
+    """ctx.images of a tool call on `item`: its images at full resolution, where a jsonl task kept
+    only the model's view the original decoded again (JsonlItem.full_images: held decoded for the
+    whole run, 3000 12-megapixel photos were 100 GiB), and copies: a tool that draws on its image in
+    place (ImageDraw) changed the task's own item, and so what every later rollout, epoch and
+    evaluation of that prompt saw."""
+    images = item.full_images() if hasattr(item, "full_images") else item.images
+    return [im.copy() if isinstance(im, Image.Image) else im for im in images]
 
 
 def _single_id(tok, text: str) -> int | None:

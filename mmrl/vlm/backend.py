@@ -77,13 +77,15 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
     else:
         from mmrl.vlm.tasks.jsonl import DatasetError, check_overlap, load_jsonl
 
-        # Without tools the model only ever sees an image within model.max_pixels: keep that, not
-        # a photo's full resolution (3000 12-megapixel photos are 100 GiB decoded). A tool (zoom)
-        # crops the full-resolution original, in its pixel coordinates: with tools it is kept.
-        fit = None if cfg.rollout.tools is not None else model_view(cfg.model.min_pixels, cfg.model.max_pixels)
+        # The model only ever sees an image within model.max_pixels: keep that, not a photo's full
+        # resolution (3000 12-megapixel photos are 100 GiB decoded). A tool (zoom) crops the
+        # full-resolution original, in its pixel coordinates: with tools each item also says where
+        # its original is, decoded again when a tool asks (JsonlItem.full_images).
+        fit = model_view(cfg.model.min_pixels, cfg.model.max_pixels)
+        kw = {"on_bad_image": t.on_bad_image, "fit": fit, "originals": cfg.rollout.tools is not None}
         try:
-            train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), on_bad_image=t.on_bad_image, fit=fit)
-            evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), on_bad_image=t.on_bad_image, fit=fit)
+            train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), **kw)
+            evaluation = load_jsonl(resolve_file(t.eval_path, cfg.base_dir), **kw)
         except DatasetError as e:
             raise ConfigError(f"task: {e}") from e
         check_overlap(train, evaluation)

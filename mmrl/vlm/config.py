@@ -156,7 +156,9 @@ class ToolsConfig(Section):
     """Multi-turn tool rollouts (mmrl.vlm.agent): the model may call tools between turns."""
 
     names: list[str] = Field(default_factory=lambda: ["zoom", "calculator"])
-    """Builtin tools (zoom, calculator) or your own, as "path/to/file.py:function" (sync or async def)."""
+    """Builtin tools (zoom, calculator) or your own, as "path/to/file.py:function" (sync or async def).
+    A function's `ctx` parameter gets the prompt's images at full resolution (ctx.images; a jsonl
+    task keeps only the model's view and decodes the original from its file for the call)."""
     max_turns: int = Field(3, ge=1)
     """Model turns per rollout (a turn ends at a tool call or at the end of the answer)."""
     max_tool_calls: int = Field(2, ge=0)

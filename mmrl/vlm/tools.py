@@ -16,7 +16,11 @@ missing at the very end (generation stopped at "</tool_call>" and dropped it).
 A tool is a plain Python function, sync or `async def`. Its name, its docstring's
 first paragraph and its signature give the JSON schema shown to the model
 (`Tool.schema`). A keyword parameter named `ctx` is not shown to the model; it
-receives the `ToolContext` of the prompt (its original full-resolution images).
+receives the `ToolContext` of the prompt: ctx.images are its images at full resolution
+(a jsonl task keeps each at the size the model sees and decodes the original again for
+the call; each a copy the tool may change), ctx.meta the task item's meta. The
+rollout makes the context only for a tool that takes `ctx` (`ToolRegistry.call` takes a
+function that makes it).
 
 Error policy: `ToolRegistry.call` never raises. Every failure of the model or of the
 tool becomes a ToolResult with `error` set, a `kind` saying which failure, and the
@@ -102,7 +106,11 @@ _SHOWN = 60  # characters of a model's value quoted back in an error message
 class ToolContext:
     """What a tool may see of the prompt besides its arguments."""
 
-    images: list  # the prompt's original full-resolution PIL images (may be empty; the rollout's are copies)
+    # The prompt's images (may be empty), in order, at full resolution: the model saw them resized
+    # within model.max_pixels, and a box it names is in these images' own pixel coordinates (zoom's).
+    # In a rollout they are 8-bit RGB PIL images, copies, each the file's decoded original also where
+    # a jsonl task keeps only the model's view (mmrl.vlm.tasks.jsonl.JsonlItem.full_images).
+    images: list
     meta: dict = field(default_factory=dict)  # anything else (e.g. the task item's meta)
 
 
@@ -535,9 +543,10 @@ class ToolRegistry:
         """Calls of tool `name` abandoned at their timeout and still running."""
         return self._stuck(name)
 
-    def call(self, text: str, ctx: ToolContext) -> ToolResult:
-        """Parse the last tool call in `text` and run it (see the module docstring).
-        Never raises."""
+    def call(self, text: str, ctx: ToolContext | Callable[[], ToolContext]) -> ToolResult:
+        """Parse the last tool call in `text` and run it (see the module docstring). `ctx` may be
+        a function that makes the context, called only for a tool that takes one (a rollout's
+        decodes full-resolution images). Never raises."""
         try:
             name, arguments = parse_tool_call(text)
         except ToolCallError as e:
@@ -546,8 +555,8 @@ class ToolRegistry:
             return _error(f"the tool call could not be read: {_describe(e)}", "malformed")
         return self.invoke(name, arguments, ctx)
 
-    def invoke(self, name: str, arguments: dict, ctx: ToolContext) -> ToolResult:
-        """Run tool `name` with already parsed `arguments`. Never raises."""
+    def invoke(self, name: str, arguments: dict, ctx: ToolContext | Callable[[], ToolContext]) -> ToolResult:
+        """Run tool `name` with already parsed `arguments` (`ctx` as for `call`). Never raises."""
         try:
             if name not in self._tools:
                 available = ", ".join(self._tools) or "none"
@@ -559,8 +568,12 @@ class ToolRegistry:
                 kwargs = tool.bind(arguments)
             except ValueError as e:
                 return _error(str(e), "bad_arguments", name)
-            if tool.wants_context:
-                kwargs[_CTX] = ctx
+            if tool.wants_context:  # made here, outside the tool's timeout: decoding is not the tool's time
+                try:
+                    kwargs[_CTX] = ctx() if callable(ctx) else ctx
+                except Exception as e:  # noqa: BLE001 -- e.g. an image file changed since load
+                    return _error(f"tool {name} not run: the prompt's images could not be read: {_describe(e)}",
+                                  "raised", name)
             try:
                 value = self._run(tool, kwargs)
             except _ToolTimeout:
@@ -660,7 +673,9 @@ def zoom(x0: int, y0: int, x1: int, y1: int, *, ctx: ToolContext) -> Image.Image
     inside the box from (x0, y0) to (x1, y1), in that image's pixel coordinates
     (right and bottom edges excluded).
 
-    Uses the first image of the prompt. A box partly outside the image is clipped to it.
+    Uses the first image of the prompt (ctx.images[0], at full resolution). The crop is
+    shown to the model resized within tools.image_max_pixels. A box partly outside the
+    image is clipped to it.
     ValueError: no image in the prompt, x1 <= x0 or y1 <= y0, a box outside the image.
     """
     x0, y0, x1, y1 = (_as_int(v, n) for v, n in ((x0, "x0"), (y0, "y0"), (x1, "x1"), (y1, "y1")))

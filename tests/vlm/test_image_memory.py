@@ -1,5 +1,6 @@
 """A jsonl dataset's images are kept at the size the model sees (mmrl.vlm.backend.model_view),
-not decoded at full resolution for the whole run; with tools (zoom crops the original) they are."""
+not decoded at full resolution for the whole run; with tools too (zoom decodes the original again:
+tests/vlm/test_tool_images.py)."""
 
 import io
 import json
@@ -52,7 +53,7 @@ def test_a_large_photo_is_kept_as_the_model_sees_it_with_the_same_pixels(tmp_pat
     assert task.eval_items[0].images[0].size == (112, 84)  # held-out images too
 
 
-def test_small_images_stay_as_they_are_and_tools_keep_the_full_resolution(tmp_path):
+def test_small_images_stay_as_they_are_with_tools_too(tmp_path):
     photo(100, 90).save(tmp_path / "small.png")
     photo(600, 400).save(tmp_path / "big.png")
     lines = [{"question": "a?", "answer": "x", "image": "small.png"},
@@ -60,9 +61,9 @@ def test_small_images_stay_as_they_are_and_tools_keep_the_full_resolution(tmp_pa
     small = task_of(tmp_path, lines).train[0].images[0]
     assert small.size == (100, 90)  # 9000 pixels, under max_pixels: the model's resize does the rest, as before
     assert np.array_equal(np.asarray(small), np.asarray(Image.open(tmp_path / "small.png")))
-    # zoom crops the original image in its own pixel coordinates: with tools nothing is shrunk
-    zoomed = task_of(tmp_path, lines, "rollout.tools.names=[zoom]").train[1].images[0]
-    assert zoomed.size == (600, 400)
+    # with tools as without: zoom gets the original, decoded again when called (tests/vlm/test_tool_images.py)
+    small, big = task_of(tmp_path, lines, "rollout.tools.names=[zoom]").train
+    assert small.images[0].size == (100, 90) and big.images[0].size == (112, 84)
 
 
 def test_exif_orientation_and_transparency_come_before_the_shrinking(tmp_path):

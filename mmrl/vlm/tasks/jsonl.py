@@ -22,6 +22,9 @@ Images are converted to 8-bit RGB: transparency is composited on white; 16-bit
 images are scaled (65535 -> 255), not clipped; see `to_rgb`. JPEG EXIF orientation
 is applied. `fit` (load_jsonl's argument) may then shrink each image, once: the VLM
 backend keeps only the size the model sees, not a photo's full resolution (backend.model_view).
+With `originals=True` (tool rollouts: zoom crops the original) the items are JsonlItems that
+also say where each shrunk image's original is (`ImageFile`): its file, or an image_b64
+field's bytes, decoded again when a tool asks, not held decoded for the whole run.
 
 Every error is a DatasetError naming the file, the 1-based line and the field.
 With on_bad_image="skip", a sample whose image is missing or unreadable is left out
@@ -34,6 +37,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -41,6 +45,7 @@ import os
 import unicodedata
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -49,13 +54,16 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_objects, text_and_answer
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
-__all__ = ["DatasetError", "QADataset", "check_overlap", "load_jsonl", "open_rgb", "placeholder_problem",
-           "question_problem", "save_jsonl", "to_rgb", "warnings_named"]
+__all__ = ["DatasetError", "ImageFile", "JsonlItem", "QADataset", "check_overlap", "load_jsonl", "open_rgb",
+           "placeholder_problem", "question_problem", "save_jsonl", "to_rgb", "warnings_named"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
 RESERVED_FIELDS = ("question", "answer", "reference", *IMAGE_FIELDS)
 _SKIP_NAMED = 5  # skipped samples named in the warning
+# Originals kept decoded (ImageFile.open): a group's rollouts call tools on one prompt in a row,
+# so a few spare most decodes, at 36 MB each for a 12-megapixel photo.
+ORIGINALS_CACHED = 4
 
 
 class _BadImage(Exception):
@@ -76,16 +84,69 @@ class QADataset(list):
         self.skipped: list[tuple[int, str]] = list(skipped)
 
 
+@dataclass(frozen=True)
+class ImageFile:
+    """Where the full-resolution original of a jsonl image kept smaller (load_jsonl's `fit`) is:
+    its file, with the size and modification time it had at load, or an image_b64 field's bytes
+    (held as given: the compressed size). `open()` decodes it as load_jsonl did (open_rgb: EXIF
+    orientation, 8-bit RGB), so a tool gets the very pixels it got of an image kept whole.
+    It crosses the wire to a rollout server (placement process or remote), which then reads
+    the file at the same path."""
+
+    # "FILE, line N, field F", for the messages; not compared: the questions of one photo share its decode
+    where: str = field(compare=False)
+    path: str | None = None  # absolute; a str, not a Path: mmrl.core.wire sends it to rollout servers
+    data: bytes | None = field(default=None, repr=False)
+    stamp: tuple[int, int] | None = None  # the file's (size, mtime_ns) at load
+
+    def open(self) -> Image.Image:
+        """The original image, from a cache of the last ORIGINALS_CACHED opened: shared, so copy
+        it before changing it. A file that changed since load is refused (ValueError): its
+        pixels, even its size, may not be the ones the model saw."""
+        if self.path is not None:  # checked on every open, a cached one's too: a stat is microseconds
+            try:
+                st = os.stat(self.path)
+            except FileNotFoundError:
+                raise ValueError(f"{self.path} ({self.where}) is gone: a tool reads the full-resolution image from "
+                                 "its file (a rollout server too, at the same path)") from None
+            if (st.st_size, st.st_mtime_ns) != self.stamp:
+                raise ValueError(f"{self.path} ({self.where}) changed since the task was loaded, so its full-"
+                                 "resolution image may not be the one the model sees; restore it, or restart the run")
+        return _decoded(self)
+
+
+@functools.lru_cache(maxsize=ORIGINALS_CACHED)
+def _decoded(source: ImageFile) -> Image.Image:
+    with warnings.catch_warnings():  # what decoding it says (corrupt EXIF) was said, named, at load
+        warnings.simplefilter("ignore")
+        return open_rgb(io.BytesIO(source.data) if source.data is not None else source.path)
+
+
+@dataclass
+class JsonlItem(QAItem):
+    """A QAItem of load_jsonl(originals=True): originals[i] is where images[i]'s full-resolution
+    original is (an ImageFile) where `fit` kept a smaller image, else None (images[i] is it)."""
+
+    originals: list = field(default_factory=list, repr=False, compare=False)
+
+    def full_images(self) -> list[Image.Image]:
+        """The images at full resolution (an original from ImageFile.open is shared: copy it
+        before changing it)."""
+        return [o.open() if o is not None else im for im, o in zip(self.images, self.originals)]
+
+
 def load_jsonl(
     path: str | os.PathLike,
     *,
     base_dir: str | os.PathLike | None = None,
     on_bad_image: str = "raise",
     fit: Callable[[Image.Image], Image.Image] | None = None,
+    originals: bool = False,
 ) -> QADataset:
     """Load a JSONL file of visual questions (see the module docstring) as QAItems. `fit`, if
     given, replaces each image once it has been read (whole, so a bad file is refused as without
-    it): what the items keep. Only one image at a time is then held at full resolution."""
+    it): what the items keep. Only one image at a time is then held at full resolution.
+    `originals`: the items are JsonlItems that say where each replaced image's original is."""
     if on_bad_image not in ("raise", "skip"):
         raise ValueError(f'on_bad_image must be "raise" or "skip", got {on_bad_image!r}')
     path = Path(path).expanduser()
@@ -94,7 +155,7 @@ def load_jsonl(
     items, skipped = [], []
     for lineno, obj in read_objects(path):
         try:
-            items.append(_parse_object(obj, path, lineno, root, fit))
+            items.append(_parse_object(obj, path, lineno, root, fit, originals))
         except _BadImage as e:
             if on_bad_image == "raise":
                 raise DatasetError(path, lineno, e.field, e.problem) from e.__cause__
@@ -176,7 +237,7 @@ def placeholder_problem(question: str, images: int) -> str | None:
             "(the images then come before the text)")
 
 
-def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None) -> QAItem:
+def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None, originals=False) -> QAItem:
     def error(field, problem):
         return DatasetError(path, lineno, field, problem)
 
@@ -191,7 +252,7 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None) -> Q
     given = [f for f in IMAGE_FIELDS if f in obj]
     if len(given) > 1:
         raise error(given[1], f"give only one of {', '.join(IMAGE_FIELDS)} (found {given})")
-    images = []
+    images, sources = [], []
     if given:
         name = given[0]
         value = obj[name]
@@ -207,20 +268,26 @@ def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None) -> Q
             if not v.strip():
                 raise error(field, "is empty")
         for field, v in entries:
-            with warnings_named(f"{path}, line {lineno}, field {field!r}"):
-                image = _decode_b64(field, v) if name == "image_b64" else _open(field, v, root)
-                images.append(fit(image) if fit is not None else image)
+            where = f"{path}, line {lineno}, field {field!r}"
+            with warnings_named(where):
+                image, source = _decode_b64(field, v, where) if name == "image_b64" else _open(field, v, root, where)
+                kept = fit(image) if fit is not None else image
+            images.append(kept)
+            sources.append(source if kept is not image else None)  # None: the item keeps the original
     problem = placeholder_problem(question, len(images))
     if problem:
         raise error("question", problem)
 
     meta = {k: v for k, v in obj.items() if k not in RESERVED_FIELDS}
     meta["answer"] = answer
+    if originals:
+        return JsonlItem(images=images, question=question, answer=answer, reference=reference, meta=meta,
+                         where=f"{path}, line {lineno}", originals=sources)
     return QAItem(images=images, question=question, answer=answer, reference=reference, meta=meta,
                   where=f"{path}, line {lineno}")
 
 
-def _open(field: str, value: str, root: Path) -> Image.Image:
+def _open(field: str, value: str, root: Path, where: str) -> tuple[Image.Image, ImageFile]:
     p = Path(value).expanduser()
     if not p.is_absolute():
         p = root / p
@@ -233,9 +300,11 @@ def _open(field: str, value: str, root: Path) -> Image.Image:
     if not p.is_file():
         raise _BadImage(field, f"image file not found: {p}{_unseen(value, root)}")
     try:
-        return open_rgb(p)
+        image = open_rgb(p)
     except Exception as e:  # decoders raise many kinds of errors
         raise _BadImage(field, f"cannot read image {p}: {unreadable(p, e)}") from e
+    st = p.stat()
+    return image, ImageFile(where, path=os.path.abspath(p), stamp=(st.st_size, st.st_mtime_ns))
 
 
 def unreadable(p: Path, e: BaseException) -> str:
@@ -274,7 +343,7 @@ def _unseen(value: str, root: Path) -> str:
     return "" if value.isprintable() else f" (the name holds invisible characters: {value!r})"
 
 
-def _decode_b64(field: str, value: str) -> Image.Image:
+def _decode_b64(field: str, value: str, where: str) -> tuple[Image.Image, ImageFile]:
     data = value.strip()
     if data.startswith("data:"):
         _, sep, data = data.partition(",")
@@ -287,7 +356,7 @@ def _decode_b64(field: str, value: str) -> Image.Image:
         hint = " (it looks like a path or URL: a file goes in the image field)" if looks else ""
         raise _BadImage(field, f"not valid base64: {e}{hint}") from e
     try:
-        return open_rgb(io.BytesIO(raw))
+        return open_rgb(io.BytesIO(raw)), ImageFile(where, data=raw)
     except UnidentifiedImageError as e:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
         problem = f"cannot decode the image ({len(raw)} bytes): not an image format Pillow reads (it starts {raw[:16]!r})"
         raise _BadImage(field, problem) from e
