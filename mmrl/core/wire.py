@@ -11,7 +11,8 @@ message is JSON. Values are encoded by kind:
     PIL image                             base64 PNG with its mode (modes PNG cannot hold,
                                           such as "I" or "F", go as raw pixel bytes instead)
     dataclass                             its class name and fields, for public classes defined in
-                                          the project's packages only (ALLOWED_PACKAGES)
+                                          the project's packages only (ALLOWED_PACKAGES); one with
+                                          a wire_form() method sends what that returns
 
 Tagged values are objects with a "__t" key. Decoding rebuilds a dataclass only
 after checking that the named class is a dataclass defined in an allowed
@@ -106,6 +107,8 @@ def _encode(v: Any, tensors: dict[str, Tensor]) -> Any:
         return {"__t": "tensor", "key": key}
     if isinstance(v, Image.Image):
         return _encode_image(v)
+    if hasattr(v, "wire_form"):  # what it sends of itself (a jsonl image's original: its file's bytes)
+        v = v.wire_form()
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         name = _class_name(type(v))
         if not _allowed(type(v)):

@@ -100,12 +100,16 @@ def test_a_file_changed_since_load_is_an_error_observation_that_names_it(tmp_pat
 def test_a_gone_file_is_named_and_an_item_crosses_the_wire_to_a_rollout_server(tmp_path):
     photo(600, 400).save(tmp_path / "big.png")
     (item,) = task_of(tmp_path, [{"question": "a?", "answer": "x", "image": "big.png"}], TOOLS).train
-    sent = unpack(pack(item))  # placement process or remote: the server reads the same file
-    assert sent.originals == item.originals and sent.images[0].size == (112, 84)
-    assert np.array_equal(pixels(_tool_images(sent)[0]), pixels(_tool_images(item)[0]))
+    # placement process or remote: the original goes as its file's bytes, so a server on another
+    # machine needs no copy of the dataset
+    sent = unpack(pack(item))
+    assert sent.originals[0].path is None and sent.images[0].size == (112, 84)
+    assert sent.originals[0].data == (tmp_path / "big.png").read_bytes()
     (tmp_path / "big.png").unlink()
+    assert np.array_equal(pixels(_tool_images(sent)[0]), pixels(photo(600, 400)))
     with pytest.raises(ValueError, match=r"big.png \(.*data.jsonl, line 1, field 'image'\) is gone: a tool reads"):
-        _tool_images(sent)
+        _tool_images(item)
+    assert unpack(pack(item)).originals == item.originals  # a gone file goes as its path: the server names it
 
 
 def test_a_tool_drawing_on_its_image_leaves_the_original_as_it_was(tmp_path):

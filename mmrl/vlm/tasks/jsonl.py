@@ -90,8 +90,8 @@ class ImageFile:
     its file, with the size and modification time it had at load, or an image_b64 field's bytes
     (held as given: the compressed size). `open()` decodes it as load_jsonl did (open_rgb: EXIF
     orientation, 8-bit RGB), so a tool gets the very pixels it got of an image kept whole.
-    It crosses the wire to a rollout server (placement process or remote), which then reads
-    the file at the same path."""
+    It crosses the wire to a rollout server (placement process or remote) as the file's bytes
+    (wire_form), so a server on another machine needs no copy of the dataset."""
 
     # "FILE, line N, field F", for the messages; not compared: the questions of one photo share its decode
     where: str = field(compare=False)
@@ -113,6 +113,18 @@ class ImageFile:
                 raise ValueError(f"{self.path} ({self.where}) changed since the task was loaded, so its full-"
                                  "resolution image may not be the one the model sees; restore it, or restart the run")
         return _decoded(self)
+
+    def wire_form(self) -> ImageFile:
+        """What mmrl.core.wire sends: the file's bytes (its compressed size, read now) where it is
+        as it was at load; else the path, so the server's tool call names the file at fault."""
+        if self.path is None:
+            return self
+        try:
+            if (st := os.stat(self.path)) and (st.st_size, st.st_mtime_ns) == self.stamp:
+                return ImageFile(self.where, data=Path(self.path).read_bytes())
+        except OSError:
+            pass
+        return self
 
 
 @functools.lru_cache(maxsize=ORIGINALS_CACHED)
