@@ -917,7 +917,9 @@ def test_spawned_server_serves_and_its_death_is_an_engine_error():
     proc, url = remote.spawn_server("tests.toy", {"seed": 0, "rollout": {"max_new_tokens": 2}}, cwd=ROOT, timeout=60)
     try:
         assert url.startswith("http://127.0.0.1:")
-        client = remote.RemoteEngine(url, timeout=30)
+        client = remote.RemoteEngine(url, timeout=30, token=proc.mmrl_token)  # spawn_server's random one
+        with pytest.raises(remote.HTTPStatusError, match="HTTP 401"):  # anyone else on the machine
+            remote.RemoteEngine(url, timeout=30, token="").health()
         got = client.generate(REQUESTS, ROLLOUT, seed=3)
         want = PolicyEngine(ToyPolicy(seed=0), own_weights=False).generate(REQUESTS, ROLLOUT, seed=3)
         assert got.samples == want.samples  # the same tiny model, built from the same seed

@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ class RemoteEngine:
         self.process = process
         self.check = check
         self._base = {BASE_HEADER: json.dumps(base)} if base is not None else {}
+        token = token if token is not None else getattr(process, "mmrl_token", None)
         self._auth = {"Authorization": f"Bearer {t}"} if (t := resolve_token(token)) else {}
         self.url = url.rstrip("/")
         self.timeout = timeout
@@ -194,7 +196,8 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
     EngineError, quoting the child's stderr, if it exits or stays silent for `timeout` seconds
     during start-up.
     `token`: the server's token, passed in the child's environment (not its command line,
-    which any user of the machine can read); default: the child inherits $MMRL_SERVE_TOKEN."""
+    which any user of the machine can read); default: $MMRL_SERVE_TOKEN, else a random one.
+    It is kept on `proc.mmrl_token`, where RemoteEngine(process=proc) finds it."""
     fd, config_path = tempfile.mkstemp(prefix="mmrl-serve-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f, default=str)
@@ -204,13 +207,18 @@ def spawn_server(backend_module: str, config: dict, *, checkpoint: str | Path | 
            "--exit-with-stdin"]  # and if the caller dies without killing it (SIGKILL, OOM), its end of the pipe closes
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})}
+    # Security: loopback is not private on a shared machine (every user of a cluster node can
+    # reach 127.0.0.1), and without a token any of them could publish weights to this trainer's
+    # engine or run its model. The trainer is the only client, so a random token costs nothing.
+    token = resolve_token(token) or secrets.token_urlsafe(32)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     # Both pipes are drained for the child's whole life, so it can never block on a full pipe;
     # the last lines of stderr stay on proc.stderr_tail for error messages.
     urls: queue.Queue = queue.Queue()
     proc.stderr_tail = tail = collections.deque(maxlen=30)
+    proc.mmrl_token = token
     threading.Thread(target=_drain, args=(proc.stdout, urls, None), daemon=True).start()
     stderr_reader = threading.Thread(target=_drain, args=(proc.stderr, None, tail), daemon=True)
     stderr_reader.start()
