@@ -42,3 +42,33 @@ def test_a_spawned_server_gets_a_random_token_that_its_engine_sends(monkeypatch)
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _classifier_dir(directory: Path, files: dict[str, dict]) -> Path:
+    """A model directory of JSON files alone: what is checked before any weights are read."""
+    import json
+
+    directory.mkdir()
+    config = {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "num_labels": 1}
+    for name, data in {"config.json": config, "tokenizer_config.json": {}, **files}.items():
+        (directory / name).write_text(json.dumps({**(config if name == "config.json" else {}), **data}))
+    return directory
+
+
+def test_a_reward_model_that_ships_code_is_refused_before_transformers_reads_it(tmp_path):
+    # no config key lets a reward (or consistency) model run its directory's code, but transformers
+    # asked "Do you wish to run the custom code? [y/N]" on a terminal and ran it on a "y"; a
+    # tokenizer's auto_map on a built-in architecture was not checked at all
+    import pytest
+
+    from mmrl.core.reward_models import RewardModel
+
+    ran = tmp_path / "ran"
+    for file, auto_map in (("config.json", {"AutoConfig": "evil.EvilConfig"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": ["evil.EvilTokenizer", None]})):
+        rm = _classifier_dir(tmp_path / file, {file: {"auto_map": auto_map}})
+        (rm / "evil.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+        with pytest.raises(ValueError, match=rf"reward model '.*{file}' ships its own Python code "
+                                             rf"\(auto_map in {file}\); mmrl never runs a scorer's code"):
+            RewardModel(rm)
+    assert not ran.exists()

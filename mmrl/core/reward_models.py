@@ -43,11 +43,20 @@ SPEC_KEYS = ("reward_model", "name", "weight", "parents", "device", "batch_size"
 def sequence_classifier_config(path: str | Path, what: str):
     """The config of a local AutoModelForSequenceClassification directory, checked before any
     weights load (ValueError naming `what`)."""
-    from transformers import AutoConfig
+    from mmrl.core.config import remote_code_maps
 
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{what} {str(path)!r}: no config.json there (a from_pretrained directory is needed)")
-    config = AutoConfig.from_pretrained(path)
+    # Security: a scorer never runs a directory's own code (no config key opts in, as
+    # model.trust_remote_code does for the policy); transformers would ask on a terminal instead
+    # ("Do you wish to run the custom code? [y/N]"), mid-run, and run it on a "y".
+    maps = remote_code_maps(path)
+    if maps:
+        raise ValueError(f"{what} {str(path)!r} ships its own Python code (auto_map in {', '.join(maps)}); mmrl "
+                         "never runs a scorer's code: use a classifier of an architecture transformers has built in")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     archs = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(f"{what} {str(path)!r} is not a sequence classifier (architectures: {archs})")
@@ -63,13 +72,13 @@ def load_sequence_classifier(path: str | Path, config, dtype: torch.dtype = torc
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True)
+        path, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True, trust_remote_code=False)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise ValueError(f"{what} {str(path)!r}: its checkpoint lacks {', '.join(missing[:4])}"
                          + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
                          + " (missing weights start random: is it a base model rather than a trained classifier?)")
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+    return model.eval(), AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def text_limit(model, tokenizer) -> int:
@@ -161,7 +170,7 @@ class RewardModel:
         else:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         self.model = model
         self.max_length = max_length or text_limit(model, self.tokenizer)
         self.tokenizer.truncation_side = "left"  # keep the completion's end
