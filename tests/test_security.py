@@ -72,3 +72,35 @@ def test_a_reward_model_that_ships_code_is_refused_before_transformers_reads_it(
                                              rf"\(auto_map in {file}\); mmrl never runs a scorer's code"):
             RewardModel(rm)
     assert not ran.exists()
+
+
+def test_a_raw_image_is_checked_against_its_bytes_before_it_is_allocated():
+    # 2 bytes claiming a 16384 x 16384 RGBA image made the decoder allocate 1 GiB (1.8 s, 1.5 GB
+    # resident) before Pillow said "not enough image data": a few such requests at once, from
+    # any client, took the server's memory
+    import base64
+
+    import numpy as np
+    import pytest
+    from PIL import Image
+
+    from mmrl.core import wire
+
+    def message(mode: str, size: list[int], raw: bytes) -> dict:
+        return {"value": {"__t": "image", "mode": mode, "size": size, "raw": base64.b64encode(raw).decode()},
+                "tensors": None}
+
+    with pytest.raises(wire.WireError, match="raw image data is 2 bytes, a 16384 x 16384 RGBA image is 1073741824"):
+        wire.unpack(message("RGBA", [16384, 16384], b"xx"))
+    with pytest.raises(wire.WireError, match="raw image data is 7 bytes, a 10 x 3 1 image is 6"):
+        wire.unpack(message("1", [10, 3], bytes(7)))  # a bit a pixel, rows padded to a byte
+    with pytest.raises(wire.WireError, match="malformed 'image' value: ValueError: unrecognized image mode"):
+        wire.unpack(message("nope", [1, 1], b"x"))
+    rng = np.random.default_rng(0)
+    for im in (Image.fromarray(rng.random((3, 5), dtype=np.float32), mode="F"),
+               Image.frombytes("1", (10, 3), bytes([0xA5, 0xC0] * 3)),
+               Image.fromarray(rng.integers(0, 256, (2, 3, 3), dtype=np.uint8)).convert("YCbCr")):
+        sent = {"__t": "image", "mode": im.mode, "size": list(im.size),
+                "raw": base64.b64encode(im.tobytes()).decode()}  # each as raw bytes, as encode sends "F"
+        back = wire.unpack({"value": sent, "tensors": None})
+        assert (back.mode, back.size, back.tobytes()) == (im.mode, im.size, im.tobytes())

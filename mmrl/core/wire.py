@@ -242,7 +242,10 @@ def _decode_image(v: dict) -> Image.Image:
         raise WireError(f"bad image size {v['size']!r}")
     try:
         if "png" not in v:
-            return Image.frombytes(mode, (w, h), _b64(v["raw"], "raw"))
+            raw, size = _b64(v["raw"], "raw"), _raw_size(mode, w, h)
+            if len(raw) != size:  # before frombytes allocates the image: 2 bytes claimed 1 GiB of RGBA
+                raise WireError(f"raw image data is {len(raw)} bytes, a {w} x {h} {mode} image is {size}")
+            return Image.frombytes(mode, (w, h), raw)
         im = Image.open(io.BytesIO(_b64(v["png"], "png")), formats=["PNG"])  # no other decoder
         if im.size != (w, h):  # checked before the pixels are decoded
             raise WireError(f"image is {im.size}, its header says {(w, h)}")
@@ -250,6 +253,14 @@ def _decode_image(v: dict) -> Image.Image:
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise WireError(f"bad image: {e}") from None
     return im if im.mode == mode else im.convert(mode)
+
+
+def _raw_size(mode: str, w: int, h: int) -> int:
+    """The bytes of a w x h image of `mode` as tobytes() gives them, found without allocating
+    it (a 1 x 1 image of the mode; an unknown mode is Pillow's ValueError)."""
+    if mode == "1":  # a bit a pixel, each row padded to a byte
+        return (w + 7) // 8 * h
+    return len(Image.new(mode, (1, 1)).tobytes()) * w * h
 
 
 # --------------------------------------------------------------------------- typed messages
