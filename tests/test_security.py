@@ -104,3 +104,23 @@ def test_a_raw_image_is_checked_against_its_bytes_before_it_is_allocated():
                 "raw": base64.b64encode(im.tobytes()).decode()}  # each as raw bytes, as encode sends "F"
         back = wire.unpack({"value": sent, "tensors": None})
         assert (back.mode, back.size, back.tobytes()) == (im.mode, im.size, im.tobytes())
+
+
+def test_the_pixel_bound_is_on_all_the_images_of_a_request_together(monkeypatch):
+    # each image was bounded alone: a PNG of a few kilobytes may be 12000 x 12000 (576 MB of RGBA
+    # decoded), so one request of many such images took tens of gigabytes
+    import pytest
+    from PIL import Image
+
+    from mmrl.core import wire
+    from mmrl.core.engine import Request
+
+    monkeypatch.setattr(wire, "MAX_RAW_PIXELS", 250)
+    request = [Request(group=0, prompt=[Image.new("RGB", (10, 10))] * 2, n=1)]
+    assert len(wire.decode_requests(wire.encode_requests(request))[0].prompt) == 2  # 200 pixels
+    request[0].prompt.append(Image.new("RGB", (10, 10)))
+    with pytest.raises(wire.WireError, match=r"the images of this message have more than 250 pixels in all "
+                                             r"\(the 10 x 10 image is past that\)"):
+        wire.decode_requests(wire.encode_requests(request))
+    # a trainer's own server's batch of images is not bounded in all (a diffusion batch is images)
+    assert len(wire.unpack(wire.pack(request), max_pixels=float("inf"))[0].prompt) == 3

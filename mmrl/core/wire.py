@@ -46,7 +46,8 @@ from mmrl.core.engine import Request
 
 ALLOWED_PACKAGES = ("mmrl", "diffusion_rl", "dllm_rl")
 PNG_MODES = {"1", "L", "LA", "P", "RGB", "RGBA", "I;16"}  # those PNG round-trips exactly
-MAX_RAW_PIXELS = 1 << 28  # a raw image is allocated before its bytes are checked: bound it
+MAX_RAW_PIXELS = 1 << 28  # pixels of all the images of one message, together: each is allocated as it decodes,
+# and a PNG of a few kilobytes may be a 12000 x 12000 image (576 MB of RGBA), so a message's bytes do not bound them
 
 
 class WireError(ValueError):
@@ -69,8 +70,10 @@ def pack(value: Any) -> dict:
     return {"value": encoded, "tensors": blob}
 
 
-def unpack(message: Any) -> Any:
-    """Decode a message made by `pack`; raises WireError on anything malformed or not allowed."""
+def unpack(message: Any, max_pixels: float | None = None) -> Any:
+    """Decode a message made by `pack`; raises WireError on anything malformed or not allowed.
+    `max_pixels`: the most pixels its images may have together (default MAX_RAW_PIXELS, what a
+    server takes from any client; a trainer takes its own server's batches of images unbounded)."""
     if not isinstance(message, dict) or set(message) != {"value", "tensors"}:
         raise WireError("a message must be an object with exactly the keys 'value' and 'tensors'")
     tensors: dict[str, Tensor] = {}
@@ -82,7 +85,8 @@ def unpack(message: Any) -> Any:
         except Exception as e:  # noqa: BLE001 -- any parse failure of client bytes is bad input
             raise WireError(f"the tensor blob is not valid safetensors: {e}") from None
     try:
-        return _decode(message["value"], tensors)
+        limit = MAX_RAW_PIXELS if max_pixels is None else max_pixels
+        return _decode(message["value"], tensors, [limit, limit])
     except RecursionError:
         raise WireError("message is nested too deeply") from None
 
@@ -119,29 +123,30 @@ def _encode(v: Any, tensors: dict[str, Tensor]) -> Any:
     raise WireError(f"cannot send a value of type {_class_name(type(v))}")
 
 
-def _decode(v: Any, tensors: dict[str, Tensor]) -> Any:
+def _decode(v: Any, tensors: dict[str, Tensor], pixels: list[int]) -> Any:
+    """`pixels`: [how many more image pixels this message may decode, how many it may in all]."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, list):
-        return [_decode(x, tensors) for x in v]
+        return [_decode(x, tensors, pixels) for x in v]
     if not isinstance(v, dict):
         raise WireError(f"unexpected JSON value of type {type(v).__name__}")
     if "__t" not in v:
-        return {k: _decode(x, tensors) for k, x in v.items()}
+        return {k: _decode(x, tensors, pixels) for k, x in v.items()}
     tag = v["__t"]
     try:
         if tag == "tuple":
-            return tuple(_decode(x, tensors) for x in v["items"])
+            return tuple(_decode(x, tensors, pixels) for x in v["items"])
         if tag == "dict":
-            return {_decode(k, tensors): _decode(x, tensors) for k, x in v["items"]}
+            return {_decode(k, tensors, pixels): _decode(x, tensors, pixels) for k, x in v["items"]}
         if tag == "bytes":
             return _b64(v["b64"], "bytes")
         if tag == "tensor":
             return tensors[v["key"]]
         if tag == "image":
-            return _decode_image(v)
+            return _decode_image(v, pixels)
         if tag == "dataclass":
-            return _decode_dataclass(v, tensors)
+            return _decode_dataclass(v, tensors, pixels)
     except (WireError, RecursionError):
         raise
     except Exception as e:  # noqa: BLE001 -- whatever a sender's value breaks (a dataclass that does not
@@ -150,14 +155,14 @@ def _decode(v: Any, tensors: dict[str, Tensor]) -> Any:
     raise WireError(f"unknown value tag {tag!r}")
 
 
-def _decode_dataclass(v: dict, tensors: dict[str, Tensor]) -> Any:
+def _decode_dataclass(v: dict, tensors: dict[str, Tensor], pixels: list[int]) -> Any:
     cls = resolve_class(v["cls"])
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = v["fields"]
     unknown = set(values) - set(fields)
     if unknown:
         raise WireError(f"{v['cls']} has no fields {sorted(unknown)}")
-    decoded = {k: _decode(x, tensors) for k, x in values.items()}
+    decoded = {k: _decode(x, tensors, pixels) for k, x in values.items()}
     obj = cls(**{k: x for k, x in decoded.items() if fields[k].init})
     for k, x in decoded.items():  # init=False fields, set as the sender had them
         if not fields[k].init:
@@ -236,10 +241,16 @@ def _encode_image(im: Image.Image) -> dict:
     return out
 
 
-def _decode_image(v: dict) -> Image.Image:
+def _decode_image(v: dict, pixels: list[int]) -> Image.Image:
+    """The image, its size (from the message, checked against a PNG's own header) counted
+    against `pixels` before any pixel buffer is made."""
     mode, (w, h) = v["mode"], v["size"]
     if not (isinstance(w, int) and isinstance(h, int) and w >= 0 and h >= 0 and w * h <= MAX_RAW_PIXELS):
         raise WireError(f"bad image size {v['size']!r}")
+    if w * h > pixels[0]:
+        raise WireError(f"the images of this message have more than {pixels[1]} pixels in all (the {w} x {h} "
+                        "image is past that): send them in several messages")
+    pixels[0] -= w * h
     try:
         if "png" not in v:
             raw, size = _b64(v["raw"], "raw"), _raw_size(mode, w, h)
@@ -293,7 +304,7 @@ def encode_batch(batch: RolloutBatch) -> dict:
 
 
 def decode_batch(message: Any) -> RolloutBatch:
-    batch = unpack(message)
+    batch = unpack(message, max_pixels=float("inf"))  # a server's reply: a diffusion batch is many images
     if not isinstance(batch, RolloutBatch):
         raise WireError(f"expected a RolloutBatch, got {type(batch).__name__}")
     return batch
