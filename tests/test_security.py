@@ -124,3 +124,55 @@ def test_the_pixel_bound_is_on_all_the_images_of_a_request_together(monkeypatch)
         wire.decode_requests(wire.encode_requests(request))
     # a trainer's own server's batch of images is not bounded in all (a diffusion batch is images)
     assert len(wire.unpack(wire.pack(request), max_pixels=float("inf"))[0].prompt) == 3
+
+
+def test_a_demo_that_other_machines_reach_reads_only_its_own_runs_in_the_runs_tab(tmp_path):
+    # the Runs tab reads any directory a client types (config.yaml, summary.json, metrics.jsonl,
+    # and a YAML error quotes the file); with --host 0.0.0.0 that was anyone's, with no password
+    import json
+
+    import pytest
+
+    from mmrl.demo.app import Demo
+    from mmrl.demo.runs import RunError, RunInfo
+
+    runs = []
+    for name in ("mine", "elsewhere"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("rollout: {gen_length: 8}\n")
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/total": 0.5}) + "\n")
+        runs.append(tmp_path / name)
+    served = Demo([RunInfo.load(runs[0])], train_missing=False, any_path=False)
+    assert served.run_info(f"{runs[0]}/").modality == "dllm"  # a run it was started with, however spelled
+    with pytest.raises(RunError, match=r"elsewhere: this demo serves other machines, so its Runs tab shows only "
+                                       r"the runs it was started with \(mmrl demo --run DIR\)"):
+        served.run_info(str(runs[1]))
+    local = Demo([RunInfo.load(runs[0])], train_missing=False)  # on loopback (the default): any run, as documented
+    assert local.run_info(str(runs[1])).path == runs[1]
+
+
+def test_the_demo_on_another_address_says_it_has_no_password_and_limits_the_runs_tab(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from mmrl.demo import app
+
+    built = []
+
+    class FakeApp:
+        local_url = "http://0.0.0.0:7860/"
+
+        def queue(self, **kwargs):
+            return self
+
+        def launch(self, **kwargs):
+            built.append(kwargs["server_name"])
+
+    monkeypatch.setitem(sys.modules, "gradio", SimpleNamespace(themes=SimpleNamespace(Default=lambda **kw: None)))
+    monkeypatch.setattr(app, "build_app", lambda demo: built.append(demo.any_path) or FakeApp())
+    monkeypatch.setattr("mmrl.core.serve.check_port", lambda host, port: None)
+    app.launch([], host="0.0.0.0", block=False)
+    assert built == [False, "0.0.0.0"]
+    assert ("warning: the demo on 0.0.0.0:7860 has no password: anyone who can reach it can sample its models; "
+            "its Runs tab shows only the runs it was started with") in capsys.readouterr().err
+    app.launch([], block=False)  # loopback: the documented any-path Runs tab, no warning
+    assert built[2:] == [True, "127.0.0.1"] and "warning" not in capsys.readouterr().err

@@ -67,9 +67,12 @@ def samples_html(shown: list[Shown], kind: str) -> str:
 class Demo:
     """The app's state: one run per modality (its pair built on first use) and the run list."""
 
-    def __init__(self, runs: list[RunInfo], train_missing: bool = True):
+    def __init__(self, runs: list[RunInfo], train_missing: bool = True, any_path: bool = True):
+        """`any_path`: the Runs tab reads any directory typed into it; else only these runs and
+        the default ones (a demo that other machines reach: nothing asks who types)."""
         self.runs = runs
         self.train_missing = train_missing
+        self.any_path = any_path
         self.chosen: dict[str, Path] = {m: default_run_dir(m) for m in MODALITIES}
         for run in runs:  # the last run of each modality wins
             self.chosen[run.modality] = run.path
@@ -100,6 +103,16 @@ class Demo:
                 run = ensure_default_run(modality, track, path)
             self.pairs[modality] = ModelPair(run)
         return self.pairs[modality]
+
+    def run_info(self, path: str | Path) -> RunInfo:
+        """The run at `path` for the Runs tab; a RunError for a path it may not read."""
+        listed = {Path(p).resolve() for p in [*(r.path for r in self.runs), *self.chosen.values()]}
+        if not self.any_path and Path(path).resolve() not in listed:
+            # Security: every client may type a path, and the demo has no password; reading any
+            # directory's config.yaml, summary.json and metrics.jsonl is for its owner's browser.
+            raise RunError(f"{path}: this demo serves other machines, so its Runs tab shows only the runs it was "
+                           "started with (mmrl demo --run DIR), not any path typed in")
+        return RunInfo.load(path)
 
     def held_out(self, modality: str, index: int):
         with self.lock:
@@ -229,7 +242,7 @@ def build_app(demo: Demo):
         if not path:
             return None, ""
         try:
-            run = RunInfo.load(path)
+            run = demo.run_info(path)
         except (RunError, OSError) as e:
             raise gr.Error(str(e)) from None
         s = run.summary or {}
@@ -301,7 +314,7 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
            block: bool = True) -> Any:
     """Build and serve the app; returns the Blocks (block=False leaves it serving in a thread)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from mmrl.core.serve import check_port
+    from mmrl.core.serve import check_port, is_loopback
 
     try:  # before Gradio is imported and the app built (tens of seconds): Gradio's own OSError was a traceback
         check_port(host, port)
@@ -310,7 +323,8 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
     import gradio as gr
 
     runs = [RunInfo.load(d) for d in run_dirs]
-    app = build_app(Demo(runs, train_missing))
+    local = is_loopback(host)
+    app = build_app(Demo(runs, train_missing, any_path=local))
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
     # quiet: Gradio's own lines end with "To create a public link, set `share=True`", which the
     # demo has not (docs: it serves this machine alone); the address is printed here instead
@@ -320,6 +334,9 @@ def launch(run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 7860
             css=CSS, footer_links=[], quiet=True)
     except OSError as e:  # taken since the check above (Gradio binds without SO_REUSEADDR)
         raise RunError(f"the demo cannot serve on {host}:{port}: {e}") from None
+    if not local:
+        print(f"warning: the demo on {host}:{port} has no password: anyone who can reach it can sample its models; "
+              "its Runs tab shows only the runs it was started with", file=sys.stderr, flush=True)
     print(f"demo at {app.local_url} (Ctrl-C stops it)", flush=True)
     if block:
         wait_until_interrupted(app)
