@@ -6,6 +6,12 @@ config class whose `method` union takes the method's config class (README, "a me
 own"). A config names its plugins (`plugins: [my_method.py]`), so `--resume`, `eval` and
 `sample` on the run find them again in its config.yaml, where the path is stored absolute.
 
+Security: a config file is code. Importing a plugin runs it with the user's rights, as do
+the Python files a config names for reward atoms ("file.py:fn") and tools, and the model code
+that `model.trust_remote_code: true` lets a model directory bring. A run directory's
+config.yaml is a config too: `train --resume`, `eval`, `sample`, `serve` and `demo` on a run
+(or on any checkpoint inside one) import what it names. Use configs and runs you trust.
+
 The plugin list is read from the raw settings (defaults, the config file, --set) before they
 are validated, since validation needs the plugin's config class. Each file is imported once per
 process, also where a reward atom spec names it.
