@@ -251,6 +251,7 @@ class DiffusionPolicy:
             self.flow.save_pretrained(path)
             return
         self.flow.save_transformer_weights(path)
+        describe_adapter(Path(path), self.flow.transformer)
         self.flow.copy_carried_files(path)  # the record of the window the base was calibrated to
 
     def load_weights(self, path: str | Path) -> None:
@@ -276,6 +277,27 @@ class DiffusionPolicy:
         """A pipelined engine's own weights (mmrl.core.engine.PolicyEngine): a frozen copy of
         the current ones, adapters included, that samples; publish loads new weights into it."""
         return _Reference(self, share_base=False)
+
+
+def describe_adapter(path: Path, transformer: torch.nn.Module) -> None:
+    """Make a LoRA checkpoint's adapter loadable without mmrl: adapter_config.json names its base
+    (the transformer folder it was loaded from; PEFT leaves it null for a diffusers model), and the
+    safetensors carry the LoRA config as diffusers' `lora_adapter_metadata`, without which
+    `transformer.load_lora_adapter(path, weight_name="adapter_model.safetensors", prefix=None)`
+    silently scales the update by 1, not by alpha / r."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    config = json.loads(config_file.read_text())
+    base = Path(str(getattr(transformer.config, "_name_or_path", "") or ""))  # the pipeline it was loaded from
+    if config.get("base_model_name_or_path") is None and (base / "transformer").is_dir():
+        config["base_model_name_or_path"] = str((base / "transformer").resolve())
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp = weights.with_suffix(".tmp")  # written aside: the tensors read may still map the old file
+    save_file(load_file(weights), tmp, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
+    tmp.replace(weights)
 
 
 class _Reference:

@@ -175,3 +175,32 @@ def test_a_lora_checkpoint_without_its_lora_settings_is_one_clear_error(modality
     code, text = export(modality, "--checkpoint", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"))
     assert code == 2 and "holds a LoRA adapter, not full weights" in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists()
+
+
+def test_an_image_lora_checkpoint_loads_with_diffusers_alone(tmp_path):
+    """A LoRA run's checkpoint holds the adapter alone: its adapter_config.json names the base
+    transformer (PEFT leaves it null for a diffusers model), and diffusers' load_lora_adapter
+    gives the run's transformer, scaled by alpha / r (without the safetensors' LoRA metadata it
+    scaled by 1, a silently other model)."""
+    import json
+
+    from diffusers import FluxTransformer2DModel
+
+    from diffusion_rl.backend import bundled_model_dir
+
+    policy, _ = lora_policy("diffusion", tmp_path)
+    saved = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str((bundled_model_dir() / "transformer").resolve())
+    plain = FluxTransformer2DModel.from_pretrained(saved["base_model_name_or_path"])
+    plain.load_lora_adapter(tmp_path / "ckpt", weight_name="adapter_model.safetensors", prefix=None)
+    g, c = torch.Generator().manual_seed(0), plain.config
+    inputs = {"hidden_states": torch.randn(1, 16, c.in_channels, generator=g), "timestep": torch.tensor([0.5]),
+              "encoder_hidden_states": torch.randn(1, 5, c.joint_attention_dim, generator=g),
+              "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
+              "img_ids": torch.randn(16, 3, generator=g), "txt_ids": torch.zeros(5, 3), "guidance": torch.tensor([3.5])}
+    with torch.no_grad():
+        want, got = policy.flow.transformer.eval()(**inputs)[0], plain.eval()(**inputs)[0]
+        with policy.flow.disable_adapter():
+            before = policy.flow.transformer(**inputs)[0]
+    assert (want - before).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
