@@ -72,6 +72,27 @@ def test_a_vlm_lora_checkpoint_exports_as_one_plain_transformers_model(tmp_path)
                        AutoModelForImageTextToText.from_pretrained(bundled_model_dir()))
 
 
+def test_a_vlm_export_shows_a_plain_processor_images_at_the_runs_size(tmp_path):
+    """The run saw each image within model.max_pixels (qwen-vl-utils' resize); the exported
+    processor keeps that bound, where the base's own (12544 px for the bundled model) gave a
+    plain AutoProcessor, or vLLM, other pixels. The image processor is also written alone
+    (preprocessor_config.json), where tools built on transformers 4 look for it."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    policy, _ = lora_policy("vlm", tmp_path, "model.max_pixels=6272")
+    (tmp_path / "run.yaml").write_text("model:\n  lora: {r: 4, alpha: 8}\n  max_pixels: 6272\n")
+    image = Image.new("RGB", (112, 112), (200, 30, 30))  # 12544 px: within the base's bound, not the run's
+    want = policy.processor.image_processor(images=policy.resize_images([image]), return_tensors="pt")
+    out = exported("vlm", tmp_path)
+    got = AutoProcessor.from_pretrained(out).image_processor(images=[image], return_tensors="pt")
+    assert want["image_grid_thw"].prod() < 64  # 112 x 112 px is 8 x 8 patches: the run's bound shrank it
+    assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+    torch.testing.assert_close(got["pixel_values"], want["pixel_values"])
+    alone = AutoImageProcessor.from_pretrained(out)
+    assert (out / "preprocessor_config.json").is_file() and alone.size["longest_edge"] == 6272
+
+
 def test_a_vlm_jsonl_run_exports_without_its_data_files(tmp_path):
     # export decodes nothing: a run copied to another machine without its train.jsonl exports
     from transformers import AutoModelForImageTextToText

@@ -632,9 +632,22 @@ class VLMPolicy:
 
     def export_pretrained(self, path: str | Path) -> None:
         """A standalone from_pretrained directory (weights and processor): under LoRA the adapters
-        merged into the base weights, in place (the policy's last use: `export`)."""
+        merged into the base weights, in place (the policy's last use: `export`). The processor
+        keeps images within the run's model.min_pixels / max_pixels (the base's own bounds would
+        show a plain AutoProcessor or vLLM other image sizes than the run's), and its image and
+        video processors are also written on their own (preprocessor_config.json,
+        video_preprocessor_config.json), as tools built on transformers 4 look them up."""
         self.model = merge_lora(self.model)
+        image = self.processor.image_processor
+        size = dict(image.size)
+        if "shortest_edge" in size and "longest_edge" in size:  # Qwen-VL's bounds in pixels
+            # the run's images went through qwen-vl-utils' resize, then the processor's: both bounds held
+            image.size = {"shortest_edge": max(size["shortest_edge"], self.min_pixels or 0),
+                          "longest_edge": min(size["longest_edge"], self.max_pixels or size["longest_edge"])}
         self.save_pretrained(path)
+        for part in ("image_processor", "video_processor"):
+            if getattr(self.processor, part, None) is not None:
+                getattr(self.processor, part).save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
         load_model_weights(self.model, path)
