@@ -196,7 +196,7 @@ def test_user_python_files_are_imported_only_at_known_call_sites():
         ("mmrl/core/rewards.py", "import_python_file", "exec_module"),
         ("mmrl/vlm/tools.py", "build_registry", "import_python_file"),  # task tools: "file.py:fn"
         ("diffusion_rl/scene_graph.py", "load_parser", "import_python_file"),  # method.parser
-        ("diffusion_rl/rewards.py", "_load_factory", "import_python_file"),  # preference kind "custom"
+        ("diffusion_rl/image_rewards/preference.py", "_load_factory", "import_python_file"),  # preference kind "custom"
         ("mmrl/core/plugins.py", "load", "import_python_file"),  # a config's plugins: [file.py]
     }, f"a new place imports user files: review it, then list it here: {sorted(sites)}"
 
