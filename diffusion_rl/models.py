@@ -112,7 +112,7 @@ from diffusion_rl.flow_model import (  # noqa: F401 (re-exported)
     unpack,
 )
 from mmrl.core.checkpoint import refuse_pickled_weights
-from mmrl.core.config import ConfigError
+from mmrl.core.config import ConfigError, remote_code_maps
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -219,6 +219,11 @@ def _load_component(root: Path, name: str, entry, dtype: torch.dtype):
         raise ConfigError(
             f"model_index.json: {library} has no class {class_name!r} (component {name!r})"
         )
+    maps = remote_code_maps(root / name)
+    if maps:  # transformers' Auto classes would ask on a terminal whether to run it, and run it on "y"
+        raise ConfigError(f"component {name!r} in {root / name} ships its own Python code (auto_map in "
+                          f"{', '.join(maps)}); diffusion pipelines never run a model directory's code: use a "
+                          "component of a class diffusers or transformers has built in")
     kwargs: dict = {"subfolder": name, "local_files_only": True}
     module = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
     if module:

@@ -1215,3 +1215,18 @@ def test_an_index_naming_another_diffusers_class_than_the_folder_was_saved_from_
                                           rf'config.json was saved from {right}: if that is the model, list "{name}": '
                                           rf'\["diffusers", "{right}"\] in model_index.json'):
         load_flow_model(root)
+
+
+def test_a_pipeline_component_that_ships_code_is_refused_before_transformers_reads_it(tmp_path):
+    """A text encoder listed as ["transformers", "AutoModel"] whose config.json has an auto_map:
+    transformers asked on a terminal whether to run its code (and ran it on "y"), where the
+    docs say diffusion pipelines never run a model directory's code. Refused, named."""
+    import json
+
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "text_encoder" / "config.json").write_text(json.dumps(
+        {"model_type": "mine", "auto_map": {"AutoModel": "modeling_mine.MineModel"}}))
+    (tmp_path / "text_encoder" / "modeling_mine.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(ConfigError, match=r"component 'text_encoder' in .*text_encoder ships its own Python code "
+                                          r"\(auto_map in config.json\); diffusion pipelines never run"):
+        _load_component(tmp_path, "text_encoder", ["transformers", "AutoModel"], torch.float32)
