@@ -657,3 +657,23 @@ def test_an_option_of_one_value_given_twice_is_refused_before_anything_runs(tmp_
 
     sample = typer.main.get_command(app).get_command(None, "sample")  # --prompt's value, then one --checkpoint
     refuse_repeated_options(sample, ["--prompt", "--checkpoint", "--checkpoint", "r", "--greedy", "--greedy"])
+
+
+def test_a_runs_config_naming_code_is_said_before_that_code_runs(tmp_path):
+    """eval / sample / serve / export on a run (perhaps someone else's) import what its
+    config.yaml names: a notice lists it first, as trust_remote_code's does, with how to load
+    the weights alone. A run naming no code says nothing."""
+    from mmrl.core.runconfig import code_named
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001" / STATE_JSON).write_text("{}")  # a complete checkpoint, as found
+    (run / "plug.py").write_text("print('PLUGIN RAN')\n")
+    (run / "config.yaml").write_text(f"plugins: [{run / 'plug.py'}]\nreward: {{atoms: [{{name: mine, fn: atoms.py:score}}]}}\n")
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run)])
+    text = " ".join(result.output.split())
+    assert f"notice: {run / 'config.yaml'} names Python code that runs now: plugins[0] {run / 'plug.py'}; " \
+           "reward.atoms[0].fn atoms.py:score (to load its weights alone, copy" in text
+    assert text.index("notice:") < text.index("PLUGIN RAN")
+    assert code_named({"model": {"trust_remote_code": True, "path": "m"}, "seed": 1}) == ["model.trust_remote_code true"]
+    assert code_named({"model": {"trust_remote_code": False}, "task": {"train_path": "a.jsonl"}}) == []

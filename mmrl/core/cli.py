@@ -47,7 +47,13 @@ from mmrl.core.config import (
 )
 from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import quiet_library_bars, survive_reader_gone
-from mmrl.core.runconfig import RUN_CONFIG, read_run_config, resolve_config_file, run_dir_of
+from mmrl.core.runconfig import (
+    RUN_CONFIG,
+    code_named,
+    read_run_config,
+    resolve_config_file,
+    run_dir_of,
+)
 
 err_console = Console(stderr=True)
 console = Console()
@@ -150,6 +156,12 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         ran = read_run_config(run) if run is not None else {}
         if run is not None:
             defaults = deep_merge(defaults, {**ran, "output_dir": str(run)})  # where it is now
+            code = code_named(ran)
+            if code and verb in ("eval", "sample", "serve", "export"):  # perhaps someone else's run
+                # said before it runs (as trust_remote_code is): a run's config.yaml is code, as a config file is
+                err_console.print(f"notice: {run / RUN_CONFIG} names Python code that runs now: {'; '.join(code)} "
+                                  f"(to load its weights alone, copy the checkpoint's model/ folder out of the run "
+                                  f"and pass that)", **PLAIN)
         if verb == "eval":  # under the config file and --set: e.g. dllm's pass@k samples
             # but not over a run's own setting: a run that trained with eval_samples 4 logged pass@1..4
             # from 4 samples, which `eval --checkpoint RUN` then redrew from 16 (other numbers)

@@ -14,6 +14,7 @@ every such path that exists, made absolute (`absolute_paths`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,24 @@ def read_run_config(run_dir: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the run's config is not a mapping")
     return data
+
+
+def code_named(data: Any, key: str = "") -> list[str]:
+    """What a run's config (a dict) names that runs Python code when it is loaded: its plugins,
+    `file.py` / `file.py:name` values (reward atoms, tools) and trust_remote_code, as
+    "key value" strings. A run directory's config.yaml is code, as a config file is."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            path = f"{key}.{k}" if key else str(k)
+            if path.endswith("trust_remote_code") and v is True:
+                found.append(f"{path} true")
+            else:
+                found += code_named(v, path)
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            found += code_named(v, f"{key}[{i}]")
+    elif isinstance(data, str) and (key == "plugins" or key.startswith("plugins[")
+                                    or re.search(r"\.py(:\w+)?$", data)):
+        found.append(f"{key} {data}")
+    return found
