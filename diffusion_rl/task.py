@@ -24,7 +24,14 @@ import torch
 from PIL import Image, ImageDraw
 
 from diffusion_rl.policy import to_sample
-from diffusion_rl.tasks.shapes_geneval import ATOM_TYPES, atom_accuracy, can_parse, parse_prompt
+from diffusion_rl.tasks.shapes_geneval import (
+    ATOM_TYPES,
+    atom_accuracy,
+    cached_detect,
+    can_parse,
+    evaluate_atoms,
+    parse_prompt,
+)
 from mmrl.core import distributed
 from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.rewards import Reward
@@ -64,13 +71,18 @@ class DiffusionTask:
         pairs = [(p, 1000 * j + i) for i, p in enumerate(prompts) for j in range(self.eval_seeds)]
         return [p for p, _ in pairs], [s for _, s in pairs]
 
-    def evaluate(self, policy, batch_size: int = 32) -> dict[str, float]:
+    def evaluate(self, policy, batch_size: int = 32, progress=None, rows: list | None = None) -> dict[str, float]:
+        """The metrics above; `progress` (mmrl.core.held_out.EvalProgress) counts the images, and
+        `rows` gets one dict per image: prompt, seed, atoms (each scene-graph atom's verdict, for a
+        prompt the grammar parses) and prompt_correct (all of them pass), scores and total (the reward's, where evaluation scores the
+        image with it). The images are not kept: at FLUX's sizes a held-out set's are gigabytes
+        (the grid, save_samples, keeps the first prompts')."""
         prompts, seeds = self._jobs(self.eval_prompts)
 
         extra = self.other_atoms()
 
         def sample(jobs):  # each image's noise is fixed by its seed: any rank draws it alike
-            images = draw(policy, [p for p, _ in jobs], [s for _, s in jobs], self.eval_steps, batch_size)
+            images = draw(policy, [p for p, _ in jobs], [s for _, s in jobs], self.eval_steps, batch_size, progress)
             # the reward's scores where evaluation reports them (below), each rank its share's:
             # every image for the other atoms (a CLIP or reward model), else the unparsed prompts'
             scored = [k for k, (p, _) in enumerate(jobs) if extra or not can_parse(p)]
@@ -105,6 +117,15 @@ class DiffusionTask:
             values = torch.tensor([r[0] for _, r in sampled], dtype=torch.float32).reshape(len(sampled), len(self.reward.names))
             out["reward"] = float(torch.tensor([r[1] for _, r in sampled], dtype=torch.float32).double().mean())
             out.update({name: float(values[:, self.reward.names.index(name)].double().mean()) for name in extra})
+        if rows is not None:
+            for prompt, seed, image, scored, parsed in zip(prompts, seeds, images, (r for _, r in sampled), ok):
+                row = {"prompt": prompt, "seed": seed}
+                if parsed:  # atom_accuracy's detections (cached): none made again
+                    row["atoms"] = evaluate_atoms(parse_prompt(prompt), cached_detect(image))
+                    row["prompt_correct"] = all(v >= 0.5 for v in row["atoms"].values())  # as prompt_accuracy counts
+                if scored is not None:
+                    row.update(scores=dict(zip(self.reward.names, scored[0])), total=scored[1])
+                rows.append(row)
         return out
 
     def save_samples(self, policy, out_dir: str | Path, tag: str, batch_size: int = 32) -> Path | None:
@@ -127,12 +148,18 @@ class DiffusionTask:
         return path
 
 
-def draw(policy, texts: list[str], seeds: list[int], steps: int, batch_size: int = 32) -> list[Image.Image]:
+def draw(policy, texts: list[str], seeds: list[int], steps: int, batch_size: int = 32,
+         progress=None) -> list[Image.Image]:
     """policy.sample_images of each (text, seed), batch_size images at a time: evaluation's, the
-    grids' and `sample`'s draws may be many more than a GPU holds at once at FLUX's sizes."""
+    grids' and `sample`'s draws may be many more than a GPU holds at once at FLUX's sizes.
+    `progress` (mmrl.core.held_out.EvalProgress) counts them."""
     images = []
+    if progress is not None:
+        progress.expect(len(texts))
     for start in range(0, len(texts), batch_size):
         images += policy.sample_images(texts[start: start + batch_size], seeds[start: start + batch_size], steps)
+        if progress is not None:
+            progress.advance(len(texts[start: start + batch_size]))
     return images
 
 

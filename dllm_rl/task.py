@@ -83,38 +83,45 @@ class DLLMTask:
     def train_prompts(self) -> list:
         return self.train
 
-    def answers(self, policy, problems, temperature: float, generator=None):
+    def answers(self, policy, problems, temperature: float, generator=None, progress=None):
         """Decoded answer texts of `problems` and the NFE of each, in batches of batch_size
-        (temperature 0 = greedy)."""
+        (temperature 0 = greedy); `progress` (mmrl.core.held_out.EvalProgress) counts them."""
         texts, nfe = [], []
+        if progress is not None:
+            progress.expect(len(problems))
         for start in range(0, len(problems), self.batch_size):
             chunk = problems[start: start + self.batch_size]
             result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature,
                                       strategy=self.rollout.eval_strategy)
             texts += policy.answer_text(result.completion)
             nfe.append(result.nfe.float())
+            if progress is not None:
+                progress.advance(len(chunk))
         return texts, torch.cat(nfe)
 
-    def dealt_answers(self, policy, problems, temperature: float, generator=None):
+    def dealt_answers(self, policy, problems, temperature: float, generator=None, progress=None):
         """`answers`, each data-parallel rank decoding its share (distributed.map_shards, a
         collective; sampling draws from `generator` on each rank alike); all of them on every rank."""
         def share(chunk):
-            texts, nfe = self.answers(policy, chunk, temperature, generator)
+            texts, nfe = self.answers(policy, chunk, temperature, generator, progress)
             return list(zip(texts, nfe.tolist(), strict=True))
 
         pairs = distributed.map_shards(share, list(problems))
         return [t for t, _ in pairs], torch.tensor([f for _, f in pairs], dtype=torch.float32)
 
-    def evaluate(self, policy) -> dict[str, float]:
+    def evaluate(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
+        """The metrics above; `progress` (mmrl.core.held_out.EvalProgress) counts the decodes, and
+        `rows` gets one dict per problem: prompt, answer, completion (greedy), nfe, scores (each
+        atom's), total, and with eval_samples sampled_<answer atom> (each sampled answer's score)."""
         was_training = policy.model.training
         policy.model.eval()
         try:
-            return self._evaluate(policy)
+            return self._evaluate(policy, progress, rows)
         finally:
             policy.model.train(was_training)
 
-    def _evaluate(self, policy) -> dict[str, float]:
-        texts, nfe = self.dealt_answers(policy, self.eval_problems, 0.0)
+    def _evaluate(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
+        texts, nfe = self.dealt_answers(policy, self.eval_problems, 0.0, progress=progress)
         # save_samples, which the trainer calls next under the same weights, takes the first of
         # these instead of decoding them again
         self._greedy_drawn = (policy, texts, nfe)
@@ -129,12 +136,19 @@ class DLLMTask:
             # of a problem are dealt out across the ranks, which drew identical answers alike seeded
             gen = torch.Generator().manual_seed(distributed.rank_seed(1234))
             problems = [p for p in self.eval_problems for _ in range(n)]
-            texts, nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gen)
-            sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, texts)])
-            hits = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n) >= 0.5
+            drawn, sampled_nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gen, progress)
+            sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, drawn)])
+            answer_scores = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n)
+            hits = answer_scores >= 0.5
             for k in range(1, min(16, n) + 1):
                 out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in hits.sum(1)) / len(hits)
-            out["sampled_nfe"] = float(nfe.double().mean())
+            out["sampled_nfe"] = float(sampled_nfe.double().mean())
+        if rows is not None:
+            for i, (p, t) in enumerate(zip(self.eval_problems, texts)):
+                rows.append({"prompt": p.prompt, "answer": p.answer, "completion": t, "nfe": float(nfe[i]),
+                             "scores": dict(zip(scores.names, scores.values[i].tolist())),
+                             "total": float(scores.total[i]),
+                             **({f"sampled_{self.answer_atom}": answer_scores[i].tolist()} if n else {})})
         return out
 
     def save_samples(self, policy, out_dir: str | Path, tag: str, count: int = 16) -> Path:

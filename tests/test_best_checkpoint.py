@@ -28,7 +28,7 @@ def make(tmp_path, *overrides):
 def scripted(trainer, by_step: dict[int, float], seen: dict | None = None):
     """The trainer's held-out evaluation gives accuracy by_step[step]; `seen` collects the
     weights each evaluation saw."""
-    def evaluate(samples_tag=None):
+    def evaluate(samples_tag=None, **kw):
         if seen is not None:
             seen[trainer.step] = {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
         return {"accuracy": by_step[trainer.step], "format": 1.0}

@@ -116,7 +116,8 @@ def test_eval_names_the_checkpoint_a_run_resolves_to_on_stderr_and_prints_json_a
     (out / "config.yaml").write_text("seed: 0\n")
     loaded = []
     monkeypatch.setattr(toy, "build", lambda cfg: (SimpleNamespace(load_weights=loaded.append), None))
-    monkeypatch.setattr(trainer, "Trainer", lambda *a, **k: SimpleNamespace(evaluate=lambda: {"accuracy": 0.5}))
+    monkeypatch.setattr(trainer, "Trainer", lambda *a, **k: SimpleNamespace(evaluate=lambda **kw: {"accuracy": 0.5},
+                                                                         eval_said="0.1 s"))
     result = runner.invoke(app, ["eval", "--checkpoint", str(out)])
     assert result.exit_code == 0, result.output
     newest = out / "checkpoints" / "step-00000002" / "model"

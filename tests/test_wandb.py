@@ -152,10 +152,10 @@ def test_a_final_evaluation_that_fails_finishes_the_wandb_run_as_failed(tmp_path
     trainer = wandb_trainer(tmp_path, max_steps=2)
     evaluate = trainer.evaluate
 
-    def breaks_after(samples_tag=None):
+    def breaks_after(samples_tag=None, **kw):
         if samples_tag == "after":
             raise RuntimeError("the reward model is gone")
-        return evaluate(samples_tag)
+        return evaluate(samples_tag, **kw)
 
     monkeypatch.setattr(trainer, "evaluate", breaks_after)
     with pytest.raises(RuntimeError, match="the reward model is gone"):

@@ -339,13 +339,26 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config of the run (task and model)."),
         set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Override a key (repeatable)."),
         checkpoint: Path | None = typer.Option(None, "--checkpoint", help="A checkpoint's model directory, a run directory (its newest checkpoint) or RUN/best (train.best_metric's); default: the config's model."),
+        out: str | None = typer.Option(None, "--out", "-o", metavar="FILE", help=(
+            "Where the per-item rows go (JSONL: each held-out item's prompt, reference, response and atom "
+            "scores); default: RUN/eval/checkpoint-step-N.jsonl for a run's checkpoint, else "
+            "OUTPUT_DIR/eval/eval.jsonl.")),
     ):
-        """Evaluate a model on the config's held-out task and print its metrics as JSON."""
+        """Evaluate a model on the config's held-out task and print its metrics as JSON (stdout);
+        each item's response and scores go to a JSONL file, named on stderr."""
+        if out is not None and (not out.strip() or Path(out).is_dir()):
+            fail(f"--out {out!r}: give a file for the per-item rows" + (" (was the variable it names unset?)"
+                                                                         if not out.strip() else ", not a directory"))
 
         def go():
             from mmrl.core import distributed
 
             backend, cfg = get_backend(config, list(set_), "eval", checkpoint)
+            if out is not None:  # a folder that cannot be made is said now, not after the evaluation
+                try:
+                    Path(out).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"--out {out}: cannot write there ({type(e).__name__}: {e})") from None
             policy, task = backend.build(cfg)
             if checkpoint is not None:
                 load_checkpoint(policy, checkpoint)
@@ -353,8 +366,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     err_console.print(f"evaluating {resolve_checkpoint(checkpoint)}", **PLAIN)
             from mmrl.core.trainer import Trainer
 
-            metrics = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False).evaluate()
+            trainer = Trainer(cfg, policy, task, output_dir=cfg.output_dir, training=False)
+            metrics = trainer.evaluate(rows_path=Path(out) if out is not None else rows_file(cfg, checkpoint))
             if distributed.is_main():  # every rank holds the whole set's metrics: one line of them
+                err_console.print(f"held-out evaluation: {trainer.eval_said}", **PLAIN)
                 typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
 
         run_verb(go)
@@ -673,6 +688,18 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / "model").is_dir():
         return path / "model"
     return path
+
+
+def rows_file(cfg: TrainConfig, checkpoint: Path | None) -> Path:
+    """Where `eval` writes its per-item rows by default: beside the run's own held-out rows
+    (RUN/eval/step-N.jsonl, which training writes) for one of its checkpoints, under a name of
+    its own, since a --set may have changed what is evaluated; else in the config's output_dir."""
+    if checkpoint is not None:
+        model = resolve_checkpoint(checkpoint)
+        run = run_dir_of(model)
+        if run is not None and model.name == "model":
+            return run / "eval" / f"checkpoint-{model.parent.name}.jsonl"
+    return Path(cfg.output_dir) / "eval" / "eval.jsonl"
 
 
 def load_checkpoint(policy, path: Path) -> None:

@@ -60,6 +60,7 @@ from mmrl.core.best import BestCheckpoint
 from mmrl.core.config import ConfigError, OptimConfig, TrainConfig, check_built, dump_yaml
 from mmrl.core.device import fork_rng, module_device
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
+from mmrl.core.held_out import EvalProgress, takes, write_rows
 from mmrl.core.logging import (
     CURVE,
     METRICS,
@@ -733,34 +734,58 @@ class Trainer:
                 raise TrainingError(f"method.group_size returned {g} for epoch {epoch}; a group needs >= 1 sample")
             self.num_generations, self.group_epoch = g, epoch
 
-    def evaluate(self, samples_tag: str | None = None) -> dict[str, float]:
+    def evaluate(self, samples_tag: str | None = None, rows_path: str | Path | None = None,
+                 nested: bool = False) -> dict[str, float]:
         """Held-out metrics, with every training RNG set aside (so evaluating never
         changes the training trajectory, and a resumed run matches an uninterrupted one).
         With `samples_tag`, a task that has `save_samples` (image tasks) also writes its
-        fixed-seed sample grid into <output>/samples/ under that tag (before / after)."""
+        fixed-seed sample grid into <output>/samples/ under that tag (before / after).
+        A task whose evaluate takes `progress` shows its items' progress (mmrl.core.held_out;
+        `nested`: under the training bar), and one that takes `rows` has its per-item rows
+        written to `rows_path` (JSONL). `eval_said` then says in a phrase how many generations
+        took how long and where their rows are."""
         py_state, np_state = random.getstate(), np.random.get_state()
+        evaluate, extra = self.task.evaluate, {}
+        bar = EvalProgress(self.cfg.logging.progress and distributed.is_main(), nested=nested)
+        if takes(evaluate, "progress"):
+            extra["progress"] = bar
+        if rows_path is not None and takes(evaluate, "rows"):
+            extra["rows"] = rows = []
         try:
             with fork_rng(self.policy.model), torch.no_grad(), self.averaged_weights(), self.gathered():
                 self.policy.model.eval()
-                result = self.task.evaluate(self.policy)
+                result = evaluate(self.policy, **extra)
                 if samples_tag and distributed.is_main() and hasattr(self.task, "save_samples"):
                     self.task.save_samples(self.policy, self.out / "samples", samples_tag)
         finally:
+            bar.close()
             random.setstate(py_state)
             np.random.set_state(np_state)
+        here = "" if self.world == 1 else " on this rank"  # each rank counts its share
+        said = f"{bar.done} generations{here}, " if bar.done else ""
+        self.eval_said = f"{said}{bar.seconds:.1f} s"
+        if "rows" in extra and distributed.is_main():  # every rank holds every row: the main rank writes them
+            try:
+                self.eval_said += f"; per-item rows in {write_rows(rows_path, rows)}"
+            except OSError as e:  # a by-product: the metrics (a long evaluation's) are kept
+                warnings.warn(f"the held-out evaluation's per-item rows were not written to {rows_path} "
+                              f"({type(e).__name__}: {e})", stacklevel=2)
         return {k: float(v) for k, v in result.items()}
 
     def _evaluate_noted(self, logger: RunLogger | None, when: str, samples_tag: str | None = None) -> dict[str, float]:
         """evaluate(), said on the progress's stderr as it starts and ends: on a large model it
-        takes minutes, which looked like a hang before the first step."""
+        takes minutes, which looked like a hang before the first step. Its per-item rows go to
+        <output>/eval/step-N.jsonl (step 0: before training)."""
         if logger is not None:
             logger.note(f"held-out evaluation {when} ...")
         t0 = time.perf_counter()
-        result = self.evaluate(samples_tag=samples_tag)
+        self.eval_said = None
+        result = self.evaluate(samples_tag=samples_tag, rows_path=self.out / "eval" / f"step-{self.step}.jsonl",
+                               nested=logger is not None)
         if logger is not None:
             took = time.perf_counter() - t0
             logger.pause(took)  # the pace of the steps is the steps' own
-            logger.note(f"held-out evaluation {when}: {took:.1f} s")
+            logger.note(f"held-out evaluation {when}: {self.eval_said or f'{took:.1f} s'}")
         return result
 
     def _save_after_failure(self, error: Exception, logger: RunLogger | None, unlogged: dict | None) -> None:

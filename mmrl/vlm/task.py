@@ -54,17 +54,34 @@ class VLMTask:
     def train_prompts(self) -> Sequence[Any]:
         return self.train
 
-    def evaluate(self, policy) -> dict[str, float]:
-        out = self._greedy(policy, self.eval_items)
+    def evaluate(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
+        """The metrics above; `progress` (mmrl.core.held_out.EvalProgress) counts the decodes, and
+        `rows` gets one dict per item (question, answer, where or kind, completion, scores: each
+        atom's, total; `called` in tool rollouts, `sampled_answer` with eval_samples; `split`
+        for extra_eval's items), from what evaluation decoded and scored anyway."""
+        made = [] if rows is not None else None  # the held-out items' rows, then each extra set's
+        out = self._greedy(policy, self.eval_items, progress, made)
         for name, items in self.extra_eval.items():
-            out.update({f"{name}/{k}": v for k, v in self._greedy(policy, items).items()})
+            extra = [] if rows is not None else None
+            out.update({f"{name}/{k}": v for k, v in self._greedy(policy, items, progress, extra).items()})
+            if extra is not None:
+                made += [{"split": name, **row} for row in extra]
         if self.rollout is not None and self.eval_samples > 0 and "answer" in self.reward.names:
-            out.update(self._sampled(policy))
+            out.update(self._sampled(policy, progress, made))
+        if rows is not None:
+            rows += made
         return out
 
-    def _greedy(self, policy, items: list[Any]) -> dict[str, float]:
+    def _greedy(self, policy, items: list[Any], progress=None, rows: list | None = None) -> dict[str, float]:
         def answer(share):  # (completion, its atom scores and total, whether it called a tool or None) per item
-            batches = policy.greedy_batches(share, self.max_new_tokens, self.batch_size, self.stop)
+            if progress is not None:
+                progress.expect(len(share))
+            batches = []
+            for start in range(0, len(share), self.batch_size):  # a batch at a time, for the progress
+                chunk = share[start: start + self.batch_size]
+                batches += policy.greedy_batches(chunk, self.max_new_tokens, self.batch_size, self.stop)
+                if progress is not None:
+                    progress.advance(len(chunk))
             samples = [s for b in batches for s in b.samples]  # with their lengths and tool calls in meta
             called = [c for b in batches for c in b.data["stat/called"].tolist()] if (
                 batches and "stat/called" in batches[0].data) else [None] * len(share)
@@ -86,26 +103,38 @@ class VLMTask:
             out["tool_call_rate"] = float(torch.tensor([c for *_, c in answered], dtype=torch.float64).mean())
         if self.metrics is not None:
             out.update(self.metrics(texts, items))
+        if rows is not None:
+            for item, (text, scores, total, called) in zip(items, answered):
+                rows.append({**_described(item), "completion": text, "scores": dict(zip(self.reward.names, scores)), "total": total,
+                             **({} if called is None else {"called": called})})
         return out
 
-    def _sampled(self, policy) -> dict[str, float]:
+    def _sampled(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
         """eval_samples completions per item at the rollout temperature (a fixed seed):
-        sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate."""
+        sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate;
+        each item's k answer scores into its row of `rows` (the held-out items' first)."""
         k = self.eval_samples
         gen = torch.Generator().manual_seed(distributed.rank_seed(1234))  # each rank's share its own seed
         per_batch = max(1, self.batch_size // k)
 
         def sample(share):  # per item: the k samples' answer scores, and their tool calls (or None)
             out = []
+            if progress is not None:
+                progress.expect(len(share) * k)
             for start in range(0, len(share), per_batch):
                 batch = policy.generate(share[start: start + per_batch], k, self.rollout, gen)
                 sampled = self.reward.score(batch.samples)
                 hits = sampled.values[:, sampled.names.index("answer")].view(-1, k)  # an item's rows are contiguous
                 called = batch.data["stat/called"].view(-1, k) if "stat/called" in batch.data else None
                 out += [(hits[i].tolist(), None if called is None else called[i].tolist()) for i in range(len(hits))]
+                if progress is not None:
+                    progress.advance(hits.numel())
             return out
 
         answered = distributed.map_shards(sample, list(self.eval_items))
+        if rows is not None:
+            for row, (hits, _) in zip(rows, answered):
+                row["sampled_answer"] = hits
         hits_t = torch.tensor([h for h, _ in answered], dtype=torch.float64)  # [items, k]
         # a success: an answer score of at least 0.5 (a partial-credit check's half counts), as the dLLM's pass@k
         out = {"sampled_accuracy": float(hits_t.mean()), f"pass@{k}": float((hits_t >= 0.5).any(-1).double().mean())}
@@ -113,3 +142,15 @@ class VLMTask:
             out["sampled_tool_call_rate"] = float(torch.tensor([c for _, cs in answered for c in cs],
                                                                dtype=torch.float64).mean())
         return out
+
+
+def _described(item) -> dict[str, Any]:
+    """What an evaluation row says of its item: the question, the answer the reward checks, and
+    where it came from: a data file's line (whose images it names), or a generated item's kind."""
+    out = {"question": getattr(item, "question", None), "answer": getattr(item, "answer", None)}
+    meta = getattr(item, "meta", None) or {}
+    if getattr(item, "where", ""):
+        out["where"] = item.where
+    elif "kind" in meta:
+        out["kind"] = meta["kind"]
+    return out

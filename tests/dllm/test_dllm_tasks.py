@@ -311,7 +311,7 @@ def test_heldout_accuracy_is_exact_share():
     task = DLLMTask("arith", problems, problems, arith.arith_reward(), answer_atom="answer",
                     rollout=None)
     texts = [p.reference if i < 105 else "x" for i, p in enumerate(problems)]
-    task.answers = lambda policy, probs, temperature, generator=None: (texts, torch.full((200,), 8))
+    task.answers = lambda policy, probs, temperature, generator=None, progress=None: (texts, torch.full((200,), 8))
     m = task._evaluate(policy=None)
     assert m["accuracy"] == 0.525 and float(torch.tensor([1.0] * 105 + [0.0] * 95).mean()) != 0.525
 
@@ -747,7 +747,7 @@ def test_heldout_reward_and_nfe_are_exact_shares():
     task = _dllm_task()
     task.eval_problems = [Problem(f"{i}=", "a", "a", {"answer": "a"}) for i in range(200)]
     task.reward = Reward([reward_atom("correct")(lambda s: float(s.completion == s.meta["answer"]))])
-    task.answers = lambda policy, probs, temperature, generator=None: (
+    task.answers = lambda policy, probs, temperature, generator=None, progress=None: (
         ["a" if i < 105 else "b" for i in range(200)], torch.tensor([1.0] * 105 + [0.0] * 95))
     out = task._evaluate(policy=None)
     assert out["reward"] == 0.525 and out["nfe"] == 0.525 and out["accuracy"] == 0.525

@@ -293,7 +293,7 @@ def test_heldout_accuracy_is_exact_share():
     from mmrl.vlm.task import VLMTask
 
     items = [QAItem([], "What colour is the square?", "blue")] * 200
-    texts = ["<answer>blue</answer>"] * 105 + ["<answer>red</answer>"] * 95
+    texts = iter(["<answer>blue</answer>"] * 105 + ["<answer>red</answer>"] * 95)  # in order, batch by batch
     policy = SimpleNamespace(greedy_batches=lambda its, n, bs, stop: [
         SimpleNamespace(samples=[to_sample(it, t) for it, t in zip(its, texts)], data={})])
     task = VLMTask("qa", items, items, shapes_qa_reward(), max_new_tokens=8)
