@@ -11,13 +11,13 @@ already generated and scored (no extra model calls).
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from mmrl.core.jsonl import json_line
 from mmrl.core.logging import atomic_path
 from mmrl.core.rewards import shortest
 
@@ -92,7 +92,7 @@ def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(_json(row), ensure_ascii=False) + "\n" for row in rows)
+        f.writelines(json_line(_json(row)) for row in rows)  # text as it is (a lone surrogate escaped)
     return path
 
 
