@@ -93,6 +93,19 @@ def test_a_vlm_export_shows_a_plain_processor_images_at_the_runs_size(tmp_path):
     assert (out / "preprocessor_config.json").is_file() and alone.size["longest_edge"] == 6272
 
 
+def test_a_vlm_checkpoint_holds_the_runs_image_bounds_and_leaves_the_runs_processor(tmp_path):
+    """A checkpoint's processor (checkpoints/step-N/model, read by a plain AutoProcessor as the
+    export's is) keeps images within the run's model.max_pixels too; the processor the run goes
+    on with is not changed by saving."""
+    from transformers import AutoProcessor
+
+    policy, _ = lora_policy("vlm", tmp_path, "model.max_pixels=6272")
+    before = dict(policy.processor.image_processor.size)
+    policy.save_pretrained(tmp_path / "ckpt")
+    assert AutoProcessor.from_pretrained(tmp_path / "ckpt").image_processor.size["longest_edge"] == 6272
+    assert policy.processor.image_processor.size == before and before["longest_edge"] == 12544
+
+
 def test_a_vlm_jsonl_run_exports_without_its_data_files(tmp_path):
     # export decodes nothing: a run copied to another machine without its train.jsonl exports
     from transformers import AutoModelForImageTextToText

@@ -626,28 +626,41 @@ class VLMPolicy:
         return is_lora(self.model)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """from_pretrained layout; with LoRA, the adapter (adapter_model.safetensors) only."""
+        """from_pretrained layout; with LoRA, the adapter (adapter_model.safetensors) only. The
+        processor keeps images within the run's model.min_pixels / max_pixels (saved_processor)."""
         self.model.save_pretrained(path)
-        self.processor.save_pretrained(path)
+        self.saved_processor().save_pretrained(path)
+
+    def saved_processor(self):
+        """The processor as a checkpoint or export holds it: its image size bounds narrowed to
+        the run's model.min_pixels / max_pixels, which every image the run saw was resized within
+        (qwen-vl-utils, then the processor); the base's own bounds would show a plain
+        AutoProcessor or vLLM other pixels than the run's. A copy: the run's own is left as is."""
+        image = getattr(self.processor, "image_processor", None)
+        size = dict(getattr(image, "size", None) or {})
+        if not ("shortest_edge" in size and "longest_edge" in size):  # not Qwen-VL's bounds in pixels
+            return self.processor
+        bounded = {"shortest_edge": max(size["shortest_edge"], self.min_pixels or 0),
+                   "longest_edge": min(size["longest_edge"], self.max_pixels or size["longest_edge"])}
+        if bounded == size:
+            return self.processor
+        processor = copy.copy(self.processor)  # the tokenizer shared, the image processor its own
+        processor.image_processor = copy.deepcopy(image)
+        processor.image_processor.size = bounded
+        return processor
 
     def export_pretrained(self, path: str | Path) -> None:
         """A standalone from_pretrained directory (weights and processor): under LoRA the adapters
         merged into the base weights, in place (the policy's last use: `export`). The processor
-        keeps images within the run's model.min_pixels / max_pixels (the base's own bounds would
-        show a plain AutoProcessor or vLLM other image sizes than the run's), and its image and
-        video processors are also written on their own (preprocessor_config.json,
-        video_preprocessor_config.json), as tools built on transformers 4 look them up."""
+        is saved_processor(), and its image and video processors are also written on their own
+        (preprocessor_config.json, video_preprocessor_config.json), as tools built on
+        transformers 4 look them up."""
         self.model = merge_lora(self.model)
-        image = self.processor.image_processor
-        size = dict(image.size)
-        if "shortest_edge" in size and "longest_edge" in size:  # Qwen-VL's bounds in pixels
-            # the run's images went through qwen-vl-utils' resize, then the processor's: both bounds held
-            image.size = {"shortest_edge": max(size["shortest_edge"], self.min_pixels or 0),
-                          "longest_edge": min(size["longest_edge"], self.max_pixels or size["longest_edge"])}
         self.save_pretrained(path)
+        processor = self.saved_processor()
         for part in ("image_processor", "video_processor"):
-            if getattr(self.processor, part, None) is not None:
-                getattr(self.processor, part).save_pretrained(path)
+            if getattr(processor, part, None) is not None:
+                getattr(processor, part).save_pretrained(path)
 
     def load_weights(self, path: str | Path) -> None:
         load_model_weights(self.model, path)
