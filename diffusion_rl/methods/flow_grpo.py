@@ -20,7 +20,7 @@ weights (diffusion_rl.ema), which the core loop updates after every optimizer st
 in for evaluation, the sample grids and the checkpoint's model; rollouts and the loss use the
 raw weights.
 
-Departures (checked against yifan123/flow_grpo, tests/diffusion/test_reference_formulas.py):
+Departures (checked against yifan123/flow_grpo, tests/diffusion/test_flow_grpo_reference.py):
 - the advantage's std is the group's by default. Most of Flow-GRPO's SD3 / FLUX configs set
   sample.global_std = True (config/grpo.py; a few, e.g. pickscore_flux_fast, False), dividing
   each prompt's centred rewards by the population std of the whole round's rewards instead

@@ -27,7 +27,7 @@
 RECONSTRUCTED from the code and the method summary (the paper itself was not available):
 the at-least-one-mask rule's choice of position, the accuracy definition and where the length
 rule applies. The normalisation and the KL's aggregation follow the code (checked against it,
-tests/dllm/test_reference_formulas.py). Choices made here:
+tests/dllm/test_dllm_reference.py). Choices made here:
 
 - Normalisation: rows = N * Q of the whole mini-batch (`loss_denominator`), so the loss is the
   mean over rows of the w_q-weighted terms, i.e. (1 / Q) x the quadrature estimate of the
