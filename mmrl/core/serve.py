@@ -27,7 +27,8 @@ it does weights of another shape, instead of sampling with adapters on another b
 Access: it binds 127.0.0.1 unless told otherwise. With a token (`--token`, or the
 MMRL_SERVE_TOKEN environment variable, which keeps it out of `ps`), every request
 must carry `Authorization: Bearer <token>` (else 401; compared in constant time).
-Bound to any address that is not loopback, it refuses to start without a token.
+Bound to any address that is not loopback, it refuses to start without a token; on loopback
+without one, `serve` warns at start that every user of the machine can reach it.
 The token travels in clear over HTTP: across machines, use a trusted network or a tunnel.
 
     python -m mmrl.core.serve --backend tests.toy --config-json cfg.json --port 0
@@ -203,6 +204,13 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
+def no_token_warning(url: str) -> str:
+    """What `serve` warns of when it has no token (so binds loopback): every user of the machine
+    (of a shared cluster node) can reach 127.0.0.1."""
+    return (f"the server at {url} has no token: any user of this machine can run its model and replace its "
+            f"weights; pass --token (or set {TOKEN_ENV}) and give the same token to its clients")
+
+
 def check_port(host: str, port: int) -> None:
     """OSError naming the address if `host:port` cannot be bound (taken, not this machine's, or
     no port), tried before the model loads (minutes for a large one) rather than after. Port 0
@@ -277,6 +285,8 @@ def serve(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int 
     raises KeyboardInterrupt on (the CLIs exit 130); with a request inside the engine the
     process ends at once, with status 130."""
     server = EngineServer(engine, rollout_cls, host, port, **limits)
+    if server.token is None:  # on loopback (elsewhere a token is required): not private on a shared machine
+        print(f"warning: {no_token_warning(server.url)}", file=sys.stderr, flush=True)
     if ready is not None:
         ready(server.url)
     try:
