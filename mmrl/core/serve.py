@@ -11,9 +11,12 @@ An error inside the engine answers 500 with {"error": "..."}; input that cannot
 be decoded answers 400, as do requests for more than `max_samples` samples in all (MAX_SAMPLES
 by default, `--max-samples`), an over-long body 413, a body that stalls for
 `read_timeout` seconds 408 (stalled headers: the connection is closed), so a
-client that stops sending does not hold a server thread forever. Calls into the engine are
-serialized with one lock (an engine runs one job at a time; a publish never
-lands in the middle of a generation). Nothing a client sends is unpickled.
+client that stops sending does not hold a server thread forever. Nor does one that sends a byte
+a minute: the headers must all arrive within `read_timeout`, a body within `read_timeout` plus a
+second per MiB (MIN_BODY_RATE).
+
+Calls into the engine are serialized with one lock (an engine runs one job at a time; a publish
+never lands in the middle of a generation). Nothing a client sends is unpickled.
 
 A RemoteEngine tags the weights it publishes (X-MMRL-Weights: "<client>/<version>") and sends
 the tag again with each /generate; a server whose weights are not those answers 409 instead of
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import io
 import ipaddress
 import json
 import logging
@@ -49,6 +53,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -73,7 +78,10 @@ MAX_WEIGHTS_BYTES = 4 << 30  # /weights: full weights of a few-billion-parameter
 # would hold the engine (and its memory) for hours, with every other client waiting behind it.
 MAX_SAMPLES = 1 << 16
 TOKEN_ENV = "MMRL_SERVE_TOKEN"  # the token, when --token / token= is not given
-READ_TIMEOUT = 60.0  # seconds a client may stay silent while sending a request (each wait, not the total)
+READ_TIMEOUT = 60.0  # seconds a client may stay silent while sending a request (each wait), and its headers' total
+# A body may take read_timeout plus a second per MiB: a trickle (a byte a minute) is dropped, not
+# waited on for hours; 1 MiB/s is far below any cluster network or tunnel (a 4 GiB publish: 70 min).
+MIN_BODY_RATE = 1 << 20
 _DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401) up to this
 
 
@@ -316,12 +324,60 @@ class _BadInput(Exception):
         self.status = status
 
 
+class _Late(TimeoutError):
+    """A request's headers, or its body, took longer in all than they may."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's bytes: each wait on the client is at most `timeout` seconds (None: no
+    bound), and all of them end at `deadline` (time.monotonic(); None: none). The socket's own
+    timeout bounds each wait only, so a client sending a byte a minute held a thread for ever."""
+
+    def __init__(self, sock: socket.socket, timeout: float | None):
+        self.sock, self.timeout = sock, timeout
+        self.deadline: float | None = None
+        self.count = 0  # bytes read since the deadline was set
+
+    def limit(self, seconds: float | None) -> None:
+        """Let what is read from now take at most `seconds` in all (None: no bound)."""
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        wait = self.timeout
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _Late("past its deadline")
+            wait = left if wait is None else min(wait, left)
+        self.sock.settimeout(wait)
+        try:
+            n = self.sock.recv_into(buffer)
+        except TimeoutError:
+            if wait != self.timeout:  # cut short by the deadline; else the client fell silent
+                raise _Late("past its deadline") from None
+            raise
+        finally:
+            self.sock.settimeout(self.timeout)  # what the replies' writes wait
+        self.count += n
+        return n
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: EngineServer
 
     def setup(self) -> None:
         self.timeout = self.server.read_timeout  # the socket's timeout, set by StreamRequestHandler.setup
         super().setup()
+        self.reader = _DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        self.reader.limit(self.timeout)  # the request line and headers, in all
+        super().handle_one_request()
 
     def _authorized(self) -> bool:
         """With a server token: True if the request carries it, else answer 401 and say False."""
@@ -335,6 +391,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length", "")
         try:
             if length.isdigit() and int(length) <= _DRAIN_LIMIT:
+                self.reader.limit(self.timeout)
                 self.rfile.read(int(length))  # unread bytes would reset the connection before our reply
             else:
                 self.close_connection = True
@@ -446,13 +503,26 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise _BadInput(411, "a Content-Length header is required")
-        if int(length) > limit:
-            raise _BadInput(413, f"body of {int(length)} bytes is over this server's limit of {limit}")
+        size = int(length)
+        if size > limit:
+            raise _BadInput(413, f"body of {size} bytes is over this server's limit of {limit}")
+        allowed = None if self.timeout is None else self.timeout + size / MIN_BODY_RATE
+        self.reader.limit(allowed)
         try:
-            return self.rfile.read(int(length))
+            body = self.rfile.read(size)
+        except _Late:
+            self.close_connection = True
+            raise _BadInput(408, f"the body of {self.path} arrived too slowly: {self.reader.count} of its {size} "
+                                 f"bytes in {allowed:.1f} s (a body may take {self.timeout:g} s plus a second "
+                                 "per MiB)") from None
         except TimeoutError:
             self.close_connection = True
             raise _BadInput(408, f"the body of {self.path} stopped arriving: nothing for {self.timeout:g} s") from None
+        if len(body) < size:  # the client hung up: what came is not the request it meant
+            self.close_connection = True
+            raise _BadInput(400, f"the body of {self.path} ended after {len(body)} of its {size} bytes "
+                                 "(Content-Length): the client closed the connection")
+        return body
 
     def _reply(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
