@@ -59,6 +59,7 @@ err_console = Console(stderr=True)
 console = Console()
 
 MAX_SAMPLES = 1 << 16  # mmrl.core.serve.MAX_SAMPLES, serve --max-samples' default (tests/test_cli_imports.py)
+MAX_CONNECTIONS = 32  # mmrl.core.serve.MAX_CONNECTIONS, serve --max-connections' default (tests/test_serve_limits.py)
 # A line that names paths: never broken (a console 40 columns wide, or 80 in a log file, broke
 # checkpoints/step-0000000 / 3/model across lines, which a copy or grep then missed); PLAIN also
 # prints a "[" in a path or message as it is, not as rich markup.
@@ -434,6 +435,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         max_samples: int = typer.Option(MAX_SAMPLES, "--max-samples", min=1,
                                         help="Most samples one /generate may ask for, its requests' n summed "
                                              "(more is a 400 before the engine runs)."),
+        max_connections: int = typer.Option(MAX_CONNECTIONS, "--max-connections", min=1,
+                                            help="Requests served at once; as many more are answered 503 (busy), "
+                                                 "and connections past those are closed."),
     ):
         """Serve the policy as a rollout engine over HTTP until interrupted (for RemoteEngine)."""
 
@@ -465,6 +469,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
                              read_timeout=read_timeout, max_samples=max_samples, rollout=cfg.rollout,
+                             max_connections=max_connections,
                              ready=lambda url: console.print(f"serving the {spec.title} policy at {url}", **PLAIN))
             except OSError as e:  # the address is taken or not ours
                 fail(f"cannot serve on {host}:{port}: {e.strerror or e}")

@@ -7,6 +7,8 @@ trainer cannot fix by itself (no connection, a timeout, an HTTP error, a reply
 that does not decode) raises `EngineError` naming the server's URL, so the
 scheduler can mark the engine dead and send its jobs elsewhere. A value that
 cannot be encoded on this side raises `WireError` instead: no engine would take it.
+A server that answers 503 (busy: its connections or the bodies it holds at their limit) has not
+acted on the request, so it is sent again, for up to the engine's `timeout`.
 
 `spawn_server(backend_module, config)` starts a server for a backend's policy as
 a child process on this machine and returns it with its URL: an engine in a
@@ -124,9 +126,26 @@ class RemoteEngine:
 
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
               headers: dict[str, str] | None = None, timeout: float | None = None) -> bytes:
-        return http_call(self._opener, self.url + path, engine=self.name, timeout=timeout or self.timeout, body=body,
-                         headers={**({"Content-Type": content_type} if content_type else {}), **(headers or {}),
-                                  **self._auth})
+        timeout = timeout or self.timeout
+        headers = {**({"Content-Type": content_type} if content_type else {}), **(headers or {}), **self._auth}
+        # A 503 comes before the server acts on the request (mmrl.core.serve), so sending it again
+        # is safe: a busy server is waited for, in growing steps, for up to `timeout` in all.
+        start, wait, tries = time.monotonic(), BUSY_WAIT, 1
+        while True:
+            try:
+                return http_call(self._opener, self.url + path, engine=self.name, timeout=timeout, body=body,
+                                 headers=headers)
+            except HTTPStatusError as e:
+                waited = time.monotonic() - start
+                if e.code != 503:
+                    raise
+                if waited + wait > timeout:
+                    raise HTTPStatusError(f"{e} (still busy after {tries} tries in {waited:.1f} s)", 503) from None
+            time.sleep(wait)
+            wait, tries = min(2 * wait, 5.0), tries + 1
+
+
+BUSY_WAIT = 0.25  # seconds before a request a busy server refused (503) is sent again; doubled each time, up to 5
 
 
 class UnreachableError(EngineError):

@@ -15,6 +15,14 @@ client that stops sending does not hold a server thread forever. Nor does one th
 a minute: the headers must all arrive within `read_timeout`, a body within `read_timeout` plus a
 second per MiB (MIN_BODY_RATE).
 
+Load: at most `max_connections` requests are served at once (MAX_CONNECTIONS, `--max-connections`);
+as many more are answered 503 ("busy", Retry-After), and connections past those are closed at
+once, so no number of clients exhausts the server's threads. The bodies held at once (read, being
+read, or decoded) are bounded too (`max_bodies_bytes`: by default one largest /generate and one
+largest /weights): a request whose body would pass that waits, unread, for others to end, and
+is answered 503 if they do not within `read_timeout`. A 503 comes before the request is acted
+on, so RemoteEngine sends it again (mmrl.core.remote).
+
 Calls into the engine are serialized with one lock (an engine runs one job at a time; a publish
 never lands in the middle of a generation). Nothing a client sends is unpickled.
 
@@ -82,7 +90,10 @@ READ_TIMEOUT = 60.0  # seconds a client may stay silent while sending a request 
 # A body may take read_timeout plus a second per MiB: a trickle (a byte a minute) is dropped, not
 # waited on for hours; 1 MiB/s is far below any cluster network or tunnel (a 4 GiB publish: 70 min).
 MIN_BODY_RATE = 1 << 20
-_DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401) up to this
+# Requests served at once (each on a thread); as many more are answered 503, the rest are closed.
+# A trainer keeps one or two open per server (a call, a health check); 32 leaves room for scripts.
+MAX_CONNECTIONS = 32
+_DRAIN_LIMIT = 1 << 20  # a refused request's body is read (so the client sees the 401 or 503) up to this
 
 
 class InsecureServeError(ValueError):
@@ -241,18 +252,28 @@ class EngineServer(ThreadingHTTPServer):
     def __init__(self, engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 0, *,
                  max_request_bytes: int = MAX_REQUEST_BYTES, max_weights_bytes: int = MAX_WEIGHTS_BYTES,
                  token: str | None = None, read_timeout: float | None = READ_TIMEOUT, rollout: Any = None,
-                 max_samples: int = MAX_SAMPLES):
+                 max_samples: int = MAX_SAMPLES, max_connections: int = MAX_CONNECTIONS,
+                 max_bodies_bytes: int | None = None):
         """`token`: required of every request (Authorization: Bearer); None or "" = no check,
         allowed only on a loopback address. (The environment is read by the CLIs, not here.)
         `read_timeout`: seconds each read of a request (and write of its reply) may wait on the
         client; None waits forever. `rollout`: the served run's rollout config, whose values
         fill what a request's rollout leaves out (None: the rollout class's defaults).
-        `max_samples`: the most samples one /generate may ask for, all its requests' n together."""
+        `max_samples`: the most samples one /generate may ask for, all its requests' n together.
+        `max_connections`: requests served at once (as many more get a 503, the rest are closed).
+        `max_bodies_bytes`: the bytes of request bodies held at once (None: one largest /generate
+        body and one largest /weights body)."""
         check_bind(host, token)  # before binding
         if read_timeout is not None and not read_timeout > 0:
             raise ValueError(f"read_timeout must be > 0 seconds (or None), got {read_timeout!r}")
         if max_samples < 1:
             raise ValueError(f"max_samples must be at least 1, got {max_samples!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
+        if max_bodies_bytes is not None and max_bodies_bytes < max(max_request_bytes, max_weights_bytes):
+            # a largest body would never be taken
+            raise ValueError(f"max_bodies_bytes ({max_bodies_bytes}) must hold the largest body, "
+                             f"max({max_request_bytes}, {max_weights_bytes})")
         self.token = token or None
         super().__init__((host, port), _Handler)
         self.engine = engine
@@ -266,6 +287,13 @@ class EngineServer(ThreadingHTTPServer):
         self.weights: str | None = None  # the tag of the weights last published; None: those it started with
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.max_connections = max_connections
+        self._serving = threading.BoundedSemaphore(max_connections)  # a slot per request served
+        self._refusing = threading.BoundedSemaphore(max_connections)  # a slot per 503 being answered
+        self._turned_away = 0.0  # when a connection was last closed unanswered (its warning, once a minute)
+        self._max_bodies_bytes = max_bodies_bytes
+        self.bodies_bytes = 0  # of the bodies held now, under _bodies
+        self._bodies = threading.Condition()  # notified as bodies are let go
 
     @property
     def url(self) -> str:
@@ -285,6 +313,57 @@ class EngineServer(ThreadingHTTPServer):
             self.shutdown()  # only returns once serve_forever has stopped, so only when it runs
             self._thread.join()
         self.server_close()
+
+    def process_request(self, request, client_address) -> None:
+        """Serve the connection on a thread of its own if a slot is free; else answer 503 on one
+        of as many refusal slots; else close it at once (ThreadingMixIn started a thread for each:
+        a client opening connections without end exhausted the process's threads and memory)."""
+        if self._serving.acquire(blocking=False):
+            slots, handler = self._serving, _Handler
+        elif self._refusing.acquire(blocking=False):
+            slots, handler = self._refusing, _Busy
+        else:
+            if time.monotonic() - self._turned_away > 60:
+                log.warning("%d requests at once and as many answered busy: closing new connections unanswered",
+                            self.max_connections)
+            self._turned_away = time.monotonic()
+            self.shutdown_request(request)
+            return
+        try:
+            threading.Thread(target=self._serve_connection, args=(request, client_address, handler, slots),
+                             daemon=True).start()
+        except RuntimeError:  # can't start new thread: the machine's limit, whatever ours is
+            slots.release()
+            self.shutdown_request(request)
+
+    def _serve_connection(self, request, client_address, handler: type, slots: threading.BoundedSemaphore) -> None:
+        try:
+            handler(request, client_address, self)
+        except Exception:  # noqa: BLE001 -- as ThreadingMixIn: logged, and the server serves on
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            slots.release()
+
+    @property
+    def max_bodies_bytes(self) -> int:
+        """The bytes of request bodies held at once; by default one largest of each kind."""
+        return self._max_bodies_bytes or self.max_request_bytes + self.max_weights_bytes
+
+    def hold_body(self, size: int) -> bool:
+        """Count `size` bytes of a body as held once that keeps within max_bodies_bytes; False if it
+        does not within read_timeout. (Waiting costs no memory: the client's bytes wait in its socket.)"""
+        with self._bodies:
+            if not self._bodies.wait_for(lambda: self.bodies_bytes + size <= self.max_bodies_bytes,
+                                         self.read_timeout):
+                return False
+            self.bodies_bytes += size
+            return True
+
+    def drop_body(self, size: int) -> None:
+        with self._bodies:
+            self.bodies_bytes -= size
+            self._bodies.notify_all()
 
 
 def serve(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", port: int = 8400, *,
@@ -319,9 +398,10 @@ def serve_in_thread(engine: Engine, rollout_cls: type, host: str = "127.0.0.1", 
 
 
 class _BadInput(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 class _Late(TimeoutError):
@@ -368,19 +448,39 @@ class _DeadlineReader(io.RawIOBase):
 
 class _Handler(BaseHTTPRequestHandler):
     server: EngineServer
+    busy = False  # _Busy: answers 503 to whatever it is asked
 
     def setup(self) -> None:
         self.timeout = self.server.read_timeout  # the socket's timeout, set by StreamRequestHandler.setup
         super().setup()
         self.reader = _DeadlineReader(self.connection, self.timeout)
         self.rfile = io.BufferedReader(self.reader)
+        self.held = 0  # bytes of this request's body counted in server.bodies_bytes
 
     def handle_one_request(self) -> None:
         self.reader.limit(self.timeout)  # the request line and headers, in all
         super().handle_one_request()
 
-    def _authorized(self) -> bool:
-        """With a server token: True if the request carries it, else answer 401 and say False."""
+    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        """Answer `status` without reading the body: a small one is read and dropped first
+        (unread bytes would reset the connection before the client reads our reply)."""
+        length = self.headers.get("Content-Length", "")
+        try:
+            if length.isdigit() and int(length) <= _DRAIN_LIMIT:
+                self.reader.limit(self.timeout)
+                self.rfile.read(int(length))
+            else:
+                self.close_connection = True
+        except TimeoutError:
+            self.close_connection = True
+        self._reply(status, {"error": message}, headers)
+
+    def _gate(self) -> bool:
+        """True if the request may go on; else answer it (503 busy, 401 no token) and say False."""
+        if self.busy:
+            self._refuse(503, f"this server is busy: it serves {self.server.max_connections} requests at once, "
+                              "its limit (--max-connections); try again shortly", {"Retry-After": "1"})
+            return False
         token = self.server.token
         if token is None:
             return True
@@ -388,22 +488,12 @@ class _Handler(BaseHTTPRequestHandler):
         scheme, _, value = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
             return True
-        length = self.headers.get("Content-Length", "")
-        try:
-            if length.isdigit() and int(length) <= _DRAIN_LIMIT:
-                self.reader.limit(self.timeout)
-                self.rfile.read(int(length))  # unread bytes would reset the connection before our reply
-            else:
-                self.close_connection = True
-        except TimeoutError:
-            self.close_connection = True
         message = "missing token" if not given else "wrong token"
-        self._reply(401, {"error": f"{message}: this server needs 'Authorization: Bearer <token>'"},
-                    {"WWW-Authenticate": "Bearer"})
+        self._refuse(401, f"{message}: this server needs 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"})
         return False
 
     def do_GET(self) -> None:
-        if not self._authorized():
+        if not self._gate():
             return
         if self.path in ("/generate", "/weights"):
             return self._reply(405, {"error": f"{self.path} takes POST, not GET"}, {"Allow": "POST"})
@@ -415,7 +505,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(200, {"name": s.engine.name, "version": s.version, "busy": s.lock.locked(), "weights": s.weights})
 
     def do_POST(self) -> None:
-        if not self._authorized():
+        if not self._gate():
             return
         route = {"/generate": self._generate, "/weights": self._weights}.get(self.path)
         if route is None:
@@ -426,13 +516,16 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             route()
         except _BadInput as e:
-            self._reply(e.status, {"error": str(e)})
+            self._reply(e.status, {"error": str(e)}, e.headers)
         except wire.WireError as e:
             self._reply(400, {"error": f"bad request to {self.path}: {e}"})
         except Exception as e:  # the client is told; the server keeps serving
             log.exception("engine call %s failed", self.path)
             self._reply(500, {"error": f"engine {self.server.engine.name} failed in {self.path}: "
                                        f"{type(e).__name__}: {e}"})
+        finally:
+            self.server.drop_body(self.held)  # held until the reply is sent: its decoded form lived as long
+            self.held = 0
 
     def _generate(self) -> None:
         try:
@@ -506,6 +599,14 @@ class _Handler(BaseHTTPRequestHandler):
         size = int(length)
         if size > limit:
             raise _BadInput(413, f"body of {size} bytes is over this server's limit of {limit}")
+        if not self.server.hold_body(size):
+            # The body is not read: the connection closes, and a client still sending a large one
+            # sees it broken, not this reply (RemoteEngine: unreachable, which the scheduler retries).
+            self.close_connection = True
+            raise _BadInput(503, f"this server is busy: it holds {self.server.bodies_bytes} bytes of other requests' "
+                                 f"bodies, and this one's {size} would pass its limit of {self.server.max_bodies_bytes} "
+                                 f"at once for {self.timeout:g} s; try again shortly", {"Retry-After": "1"})
+        self.held = size
         allowed = None if self.timeout is None else self.timeout + size / MIN_BODY_RATE
         self.reader.limit(allowed)
         try:
@@ -543,6 +644,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+
+class _Busy(_Handler):
+    """A connection past max_connections: its request is read and answered 503, whatever it asks."""
+
+    busy = True
 
 
 def _describe_tag(tag: str) -> str:
@@ -622,6 +729,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-weights-bytes", type=int, default=MAX_WEIGHTS_BYTES, help="largest /weights body")
     parser.add_argument("--max-samples", type=int, default=MAX_SAMPLES,
                         help=f"most samples one /generate may ask for, its requests' n summed (default: {MAX_SAMPLES})")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help=f"requests served at once; as many more are answered 503 (default: {MAX_CONNECTIONS})")
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
                         help=f"seconds a client may stay silent while sending a request (default: {READ_TIMEOUT:g})")
     parser.add_argument("--ignore-stop-signals", action="store_true",
@@ -644,6 +753,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--read-timeout must be > 0, got {args.read_timeout:g}")
     if args.max_samples < 1:
         parser.error(f"--max-samples must be at least 1, got {args.max_samples}")
+    if args.max_connections < 1:
+        parser.error(f"--max-connections must be at least 1, got {args.max_connections}")
 
     from mmrl.core.checkpoint import CheckpointError
     from mmrl.core.config import ConfigError
@@ -661,7 +772,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(ServedPolicyEngine(policy, name=args.name), type(cfg.rollout), args.host, args.port,
               ready=lambda url: print(READY + url, flush=True), token=token,
               max_request_bytes=args.max_request_bytes, max_weights_bytes=args.max_weights_bytes,
-              read_timeout=args.read_timeout, rollout=cfg.rollout, max_samples=args.max_samples)
+              read_timeout=args.read_timeout, rollout=cfg.rollout, max_samples=args.max_samples,
+              max_connections=args.max_connections)
     except KeyboardInterrupt:  # exit 130 as the CLIs do, without a traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
