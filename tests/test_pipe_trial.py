@@ -205,3 +205,15 @@ def test_only_an_engine_dropped_for_a_fault_a_restart_cures_is_tried_again_and_n
         assert not sched.workers[0].alive and len(refused.calls) == refused_calls and not sched.workers[3].alive
     finally:
         sched.close()
+
+
+def test_a_server_busy_past_the_clients_retries_is_one_a_restart_or_a_wait_cures():
+    """A 503 (the server's cap of requests at once, reached by other clients too) that outlasts
+    RemoteEngine's retries drops the engine for now, not for good: it is asked again later, as
+    one down or restarted is; a 400 would come again."""
+    from mmrl.core.pipeline import server_may_come_back
+    from mmrl.core.remote import HTTPStatusError
+
+    assert server_may_come_back(HTTPStatusError("HTTP 503: this server is busy", 503))
+    assert server_may_come_back(HTTPStatusError("HTTP 409: it holds ...", 409))
+    assert not server_may_come_back(HTTPStatusError("HTTP 400: no", 400))

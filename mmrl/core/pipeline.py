@@ -176,12 +176,13 @@ def build_engines(cfg: TrainConfig, policy, backend=None) -> list:
 
 def server_may_come_back(error: BaseException) -> bool:
     """Whether an engine fault is one that a restarted server cures: no answer (down, restarting,
-    hung) or a server that says it restarted (409); not an answer that refuses or does not fit,
-    which the same server would give again."""
+    hung), a server that says it restarted (409) or that stayed busy past the client's retries
+    (503: its cap of requests at once, perhaps other clients'); not an answer that refuses or does
+    not fit, which the same server would give again."""
     from mmrl.core.remote import HTTPStatusError, UnreachableError
 
     return (isinstance(error, (OSError, UnreachableError))
-            or isinstance(error, HTTPStatusError) and error.code == 409)
+            or isinstance(error, HTTPStatusError) and error.code in (409, 503))
 
 
 def describe_engine(w: Worker) -> str:
