@@ -23,14 +23,18 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from mmrl.core.faults import crash_point  # tests' kill -9 points (a no-op unless MMRL_CRASH_AT)
+
+# torch (and safetensors.torch) are imported in the functions that use them: `runs` and
+# `config --checkpoint` read the layout alone (list_checkpoints, step_dir), and importing torch
+# took seconds of them (tests/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
@@ -78,6 +82,8 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` atomically; then delete all but the newest `keep_last`, and
     checkpoint `spare` (the best one, mmrl.core.best), which counts apart from them."""
+    from safetensors.torch import save_file
+
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -149,6 +155,8 @@ def clean_partial(root: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
     path = Path(path)
     try:
         state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
@@ -172,6 +180,9 @@ def save_module(module: torch.nn.Module, path: Path) -> None:
 def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
     """Load `model.safetensors` (or its shards) written by save_pretrained / save_module,
     in place. Keys the file lacks must be tied to keys it has; unknown keys are errors."""
+    import torch
+    from safetensors.torch import load_file
+
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -207,6 +218,8 @@ def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
 
 def optimizer_state(optimizer: torch.optim.Optimizer, sd: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Split an optimizer state_dict (`sd`, else the optimizer's) into safetensors-able tensors and JSON."""
+    import torch
+
     sd = optimizer.state_dict() if sd is None else sd
     tensors, scalars = {}, {}
     for idx, slots in sd["state"].items():
@@ -237,6 +250,8 @@ def optimizer_state_dict(tensors: dict, meta: dict) -> dict:
 
 def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, torch.Tensor], dict]:
     """Every RNG the run draws from: torch's global one, the given generators, Python, NumPy."""
+    import torch
+
     tensors = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -278,6 +293,8 @@ def rank_rng_state(tensors: dict, meta: dict, rank: int, world: int) -> tuple[di
 
 
 def load_rng_state(tensors: dict, meta: dict, generators: dict[str, torch.Generator]) -> None:
+    import torch
+
     torch.set_rng_state(tensors["rng.torch"])
     cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng.cuda.")),
                                        key=lambda k: int(k.rsplit(".", 1)[1]))]  # device 2 before 10
