@@ -14,7 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from diffusion_rl.config import DiffusionTrainConfig
+from diffusion_rl.config import CONFIG_CLASS, DEFAULT_CONFIG, DiffusionTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
 from diffusion_rl.policy import DiffusionPolicy, to_sample
 from diffusion_rl.task import DiffusionTask, draw
 from mmrl.core.config import ConfigError
@@ -23,20 +23,6 @@ from mmrl.core.jsonl import LINE_END_BYTES, HeldOutWarning, text_lines
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.rewards import Reward
 from mmrl.core.runconfig import bundled, not_installed_note, resolve_dir, resolve_file
-
-CONFIG_CLASS = DiffusionTrainConfig
-DEFAULT_CONFIG = {
-    "output_dir": "runs/diffusion-default",
-    "method": {"type": "flow_grpo"},
-    # 64 samples a step at a small lr is what learns (benchmarks/RESULTS.md, "Flow-GRPO learns");
-    # a group shares its start and the SDE window is 2 early steps (DanceGRPO's and
-    # Flow-GRPO-Fast's choices): as good as 4 anywhere, and half the update.
-    "rollout": {"num_generations": 8, "prompts_per_step": 8, "num_steps": 10, "window_size": 2,
-                "window_start": (0, 1), "shared_noise": True, "noise_level": 0.7},
-    "optim": {"lr": 5e-5, "max_grad_norm": 1.0},
-    "train": {"max_steps": 300, "log_samples_every": 0},
-    "task": {"type": "shapes-geneval", "num_train": 2000, "num_eval": 64, "eval_seeds": 2},
-}
 
 
 def bundled_model_dir() -> Path:

@@ -10,6 +10,7 @@ import typer
 from mmrl.core.cli import PLAIN, BackendSpec, console, fail, make_app, run, user_errors
 
 SPEC = BackendSpec(modality="diffusion", title="flow / diffusion image", command="diffusion-rl", module="diffusion_rl.backend",
+                   settings="diffusion_rl.config",
                    scored_prompts="Held-out prompts, and --prompt prompts in shapes-geneval's "
                                   "grammar (\"two red circles left of a blue square\"), carry their reward atoms.")
 app = make_app(SPEC)

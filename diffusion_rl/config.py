@@ -448,3 +448,20 @@ class DiffusionTrainConfig(TrainConfig):
             raise ValueError("reward.overlong (DAPO's length penalty) counts completion tokens, and this "
                              "backend's samples are images")
         return self
+
+
+# The backend's settings as the CLI reads them (diffusion_rl.backend re-exports them): `diffusion-rl config`
+# imports this module alone (BackendSpec.settings), not the model code, torch or transformers.
+CONFIG_CLASS = DiffusionTrainConfig
+DEFAULT_CONFIG = {
+    "output_dir": "runs/diffusion-default",
+    "method": {"type": "flow_grpo"},
+    # 64 samples a step at a small lr is what learns (benchmarks/RESULTS.md, "Flow-GRPO learns");
+    # a group shares its start and the SDE window is 2 early steps (DanceGRPO's and
+    # Flow-GRPO-Fast's choices): as good as 4 anywhere, and half the update.
+    "rollout": {"num_generations": 8, "prompts_per_step": 8, "num_steps": 10, "window_size": 2,
+                "window_start": (0, 1), "shared_noise": True, "noise_level": 0.7},
+    "optim": {"lr": 5e-5, "max_grad_norm": 1.0},
+    "train": {"max_steps": 300, "log_samples_every": 0},
+    "task": {"type": "shapes-geneval", "num_train": 2000, "num_eval": 64, "eval_seeds": 2},
+}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dllm_rl.config import DLLMTrainConfig
+from dllm_rl.config import CONFIG_CLASS, DEFAULT_CONFIG, EVAL_DEFAULTS, DLLMTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
 from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong, unencodable
 from dllm_rl.task import DLLMTask
 from dllm_rl.tasks import CHARSET
@@ -28,21 +28,6 @@ from mmrl.core.runconfig import (
     resolve_dir,
     resolve_file,
 )
-
-CONFIG_CLASS = DLLMTrainConfig
-DEFAULT_CONFIG = {
-    "output_dir": "runs/dllm-default",
-    "method": {"type": "diffu_grpo"},  # d1's code: A = r - group mean, every group trains
-    "rollout": {"num_generations": 16, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
-                "steps": 8, "temperature": 0.7},
-    "optim": {"lr": 3e-5, "max_grad_norm": 1.0},
-    "train": {"max_steps": 300, "ppo_epochs": 2, "log_samples_every": 50},
-    "task": {"type": "arith", "num_train": 4000, "num_eval": 200},
-}
-# `dllm-rl eval` samples 16 answers per problem for pass@1..16 unless the config, --set or the
-# evaluated run (an n > 0 it trained with) says otherwise; training keeps eval_samples 0 (greedy
-# only), for the cost of its evaluations.
-EVAL_DEFAULTS = {"rollout": {"eval_samples": 16}}
 
 
 def bundled_model_dir() -> Path:

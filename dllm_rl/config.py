@@ -15,7 +15,7 @@ from mmrl.core.config import (
     TrainConfig,
     config_warning,
 )
-from mmrl.core.lora import LoRAConfig
+from mmrl.core.lora_config import LoRAConfig
 
 Strategy = Literal["low_confidence", "threshold", "fork", "tau_budget", "ar"]
 
@@ -339,3 +339,21 @@ class DLLMTrainConfig(TrainConfig):
                              "model decodes a fixed-length canvas (rollout.gen_length), so there is no budget "
                              "to run over")
         return self
+
+
+# The backend's settings as the CLI reads them (dllm_rl.backend re-exports them): `dllm-rl config`
+# imports this module alone (BackendSpec.settings), not the model code, torch or transformers.
+CONFIG_CLASS = DLLMTrainConfig
+DEFAULT_CONFIG = {
+    "output_dir": "runs/dllm-default",
+    "method": {"type": "diffu_grpo"},  # d1's code: A = r - group mean, every group trains
+    "rollout": {"num_generations": 16, "prompts_per_step": 8, "gen_length": 8, "block_length": 4,
+                "steps": 8, "temperature": 0.7},
+    "optim": {"lr": 3e-5, "max_grad_norm": 1.0},
+    "train": {"max_steps": 300, "ppo_epochs": 2, "log_samples_every": 50},
+    "task": {"type": "arith", "num_train": 4000, "num_eval": 200},
+}
+# `dllm-rl eval` samples 16 answers per problem for pass@1..16 unless the config, --set or the
+# evaluated run (an n > 0 it trained with) says otherwise; training keeps eval_samples 0 (greedy
+# only), for the cost of its evaluations.
+EVAL_DEFAULTS = {"rollout": {"eval_samples": 16}}

@@ -10,6 +10,7 @@ import typer
 from mmrl.core.cli import BackendSpec, err_console, fail, make_app, run
 
 SPEC = BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.backend",
+                   settings="mmrl.vlm.config",
                    scored_prompts="Held-out items carry their reward atoms; --prompt questions "
                                   "(with --image) have no gold answer and are not scored.")
 app = make_app(SPEC)

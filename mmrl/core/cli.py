@@ -75,19 +75,24 @@ class BackendSpec:
     module: str  # the backend module, imported only when a verb runs
     # `sample --help`: which samples carry their reward atoms
     scored_prompts: str = "Held-out items, and --prompt prompts in the task's own format, carry their reward atoms."
+    # a module with the backend's CONFIG_CLASS, DEFAULT_CONFIG (and EVAL_DEFAULTS) and no model
+    # code: what `config` imports instead of `module` (torch and transformers took seconds of it)
+    settings: str | None = None
 
 
 class BackendUnavailable(RuntimeError):
     pass
 
 
-def load_backend(spec: BackendSpec):
+def load_backend(spec: BackendSpec, settings_only: bool = False):
+    """The backend module; with `settings_only`, its settings module where it names one."""
+    module = spec.settings if settings_only and spec.settings else spec.module
     try:
-        return importlib.import_module(spec.module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name and spec.module.startswith(e.name):
+        if e.name and module.startswith(e.name):
             raise BackendUnavailable(
-                f"the {spec.title} backend ({spec.module}) is not available yet in this version of mmrl"
+                f"the {spec.title} backend ({module}) is not available yet in this version of mmrl"
             ) from None
         raise
 
@@ -224,9 +229,10 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     builds: bool = True):
         """Validate the config even before the backend exists, so config errors show first.
         With --resume, or a --checkpoint inside a run, the run's config.yaml is the base. `builds`:
-        the verb loads the model next (not `config`), whose libraries' bars are then set."""
+        the verb loads the model next (not `config`, which needs the backend's settings alone),
+        whose libraries' bars are then set."""
         try:
-            backend = load_backend(spec)
+            backend = load_backend(spec, settings_only=not builds)
         except BackendUnavailable:
             build_config(config, overrides, None)
             raise
@@ -246,9 +252,9 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         if run is None and failed is not None:  # no run to take keys from: the default config's error stands
             raise failed
         if run is not None:
-            from mmrl.core import distributed
+            from mmrl.core.launch import launched_main
 
-            if checkpoint is not None and distributed.launched_main():  # once, not once per rank
+            if checkpoint is not None and launched_main():  # once, not once per rank
                 err_console.print(f"settings: the run's {run / RUN_CONFIG} (--config and --set override them)",
                                   **PLAIN)
             cfg = build_config(config, overrides, backend, verb, run)  # a run of another modality is refused here
@@ -526,8 +532,8 @@ def make_app(spec: BackendSpec) -> typer.Typer:
         key with its description and value; it loads back as a --config file. Nothing is built."""
 
         def go():
+            from mmrl.core.config_checks import check_config
             from mmrl.core.config_doc import commented_config
-            from mmrl.core.pipeline import check_config
 
             _, cfg = get_backend(config, list(set_), "train", checkpoint, builds=False)
             typer.echo(commented_config(cfg, keys), nl=False)
@@ -602,9 +608,9 @@ def no_held_out_warnings():
 def world_size() -> int:
     """The trainer processes a launcher (torchrun, accelerate) starts, before any process group
     (a ConfigError for a WORLD_SIZE that no launcher set, before the model is built)."""
-    from mmrl.core import distributed
+    from mmrl.core.launch import launched_world
 
-    return distributed.launched_world()
+    return launched_world()
 
 
 def method_given(run: Path | None, config: Path | None, overrides: list[str]) -> tuple[str, Any]:

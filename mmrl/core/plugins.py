@@ -31,11 +31,7 @@ from mmrl.core.config import (
     expand_env,
     read_yaml,
 )
-from mmrl.core.method import METHODS
-from mmrl.core.rewards import PLUGIN_MODULES, import_python_file
 from mmrl.core.runconfig import resolve_file
-
-_imported: dict[Path, Any] = PLUGIN_MODULES  # shared: a reward atom spec naming a plugin's file uses its module
 
 
 def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> list[str]:
@@ -56,6 +52,13 @@ def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> 
 def load(plugins: list[str], base_dir: str | Path | None) -> list[Any]:
     """Import each plugin file (once per process); a file that is missing or fails to import is
     a ConfigError naming it."""
+    if not plugins:  # nothing to import, nor torch (mmrl.core.method and rewards import it): `config`
+        return []
+    from mmrl.core.method import METHODS
+    from mmrl.core.rewards import PLUGIN_MODULES, import_python_file
+
+    _imported = PLUGIN_MODULES  # shared: a reward atom spec naming a plugin's file uses its module
+
     modules = []
     for name, found in zip(plugins, absolute(plugins, base_dir)):
         path = Path(found)
@@ -96,3 +99,12 @@ def config_class(base: type[TrainConfig], path: str | Path | None, overrides: li
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ConfigError(f"plugins: {file}: CONFIG_CLASS must be a subclass of {base.__name__}, got {cls!r}")
     return cls
+
+
+def __getattr__(name: str) -> Any:
+    """`plugins._imported` (tests), the files imported so far, as when it was a module global."""
+    if name == "_imported":
+        from mmrl.core.rewards import PLUGIN_MODULES
+
+        return PLUGIN_MODULES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,25 +19,10 @@ from mmrl.core.config import ConfigError
 from mmrl.core.device import model_device
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import resolve_dir, resolve_file
-from mmrl.vlm.config import VLMTrainConfig
+from mmrl.vlm.config import CONFIG_CLASS, DEFAULT_CONFIG, VLMTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
 from mmrl.vlm.models import load_vlm
 from mmrl.vlm.policy import VLMPolicy
 from mmrl.vlm.task import VLMTask
-
-CONFIG_CLASS = VLMTrainConfig
-DEFAULT_CONFIG = {
-    "output_dir": "runs/vlm-default",
-    "rollout": {"num_generations": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
-    # lr 5e-4 for 500 steps: over seeds 0-7 it gained +18.8 points held-out, against +12.1 at
-    # 300 steps and +5.1 for lr 1e-3 at 200 (benchmarks/RESULTS.md). Encoding each group's image
-    # once made a step 1.6-2x cheaper, so 500 steps take what 300 did: 2-4 minutes on 2 cores.
-    "optim": {"lr": 5e-4, "max_grad_norm": 1.0},
-    "train": {"max_steps": 500, "log_samples_every": 25},
-    # Colour and shape questions: the bundled model answers every count question "1" and every
-    # left_of question with one word whatever the image, a prior that neither its SFT nor a few
-    # hundred RL steps move (benchmarks/RESULTS.md); `--set task.kinds=null` asks all five kinds.
-    "task": {"type": "shapes-qa", "num_train": 2000, "num_eval": 200, "kinds": ["colour_of", "shape_of"]},
-}
 
 
 def build_task(cfg: VLMTrainConfig) -> VLMTask:
