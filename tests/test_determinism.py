@@ -4,13 +4,17 @@ methods' own resume tests; these pin the bugs those runs found)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import load_config
 from mmrl.core.rewards import AtomScores, Sample
 from mmrl.vlm import backend
+from mmrl.vlm.methods import dspo
 from mmrl.vlm.methods.dspo import DSPO
+from mmrl.vlm.tasks import shapes_mood
 from mmrl.vlm.tasks.shapes_mood import MOOD_WARNINGS
 
 
@@ -31,3 +35,28 @@ def test_dspo_step_warnings_leave_out_the_evaluation_before_the_step(monkeypatch
     monkeypatch.setitem(MOOD_WARNINGS, "bad_box", MOOD_WARNINGS["bad_box"] + 2)  # the step's rollouts'
     assert method.batch_metrics(batch)["dspo/warnings/bad_box"] == 2.0
     assert method.step == 3
+
+
+def _dspo_and_batch():
+    cfg = load_config(backend.CONFIG_CLASS, None, ["method.type=dspo", "task.type=shapes-mood"],
+                      defaults=backend.DEFAULT_CONFIG)
+    total = torch.tensor([1.0, 0.0])
+    batch = RolloutBatch(group_ids=torch.tensor([0, 0]), samples=[Sample("q", "a")] * 2,
+                         scores=AtomScores(names=["answer"], values=total[:, None], total=total))
+    batch.data.update({"dspo/r_cf": torch.zeros(2), "dspo/r_div": torch.zeros(2),
+                       "dspo/scored": torch.tensor([True, False])})
+    return DSPO(cfg.method, cfg, None), batch
+
+
+def test_dspo_logs_every_warning_reason_whatever_the_process_saw_before(monkeypatch):
+    """The warning columns were the reasons seen so far in the process: a run resumed after a
+    step with an unknown emotion logged no dspo/warnings/unknown_emotion (0) where the
+    uninterrupted run did, so their metrics rows differed."""
+    monkeypatch.setattr(shapes_mood, "MOOD_WARNINGS", Counter())  # a fresh process: nothing seen yet
+    monkeypatch.setattr(dspo, "MOOD_WARNINGS", shapes_mood.MOOD_WARNINGS)
+    method, batch = _dspo_and_batch()
+    shapes_mood.MOOD_WARNINGS["bad_box"] += 1
+    out = method.batch_metrics(batch)
+    assert {k: v for k, v in out.items() if k.startswith("dspo/warnings/")} == {
+        "dspo/warnings/missing_part": 0.0, "dspo/warnings/bad_box": 1.0, "dspo/warnings/no_candidates": 0.0,
+        "dspo/warnings/wrong_count": 0.0, "dspo/warnings/unknown_emotion": 0.0}

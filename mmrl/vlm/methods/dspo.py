@@ -35,6 +35,7 @@ from mmrl.core.grpo import GRPO
 from mmrl.core.method import register_method
 from mmrl.vlm.interventions import black_row, mask_box
 from mmrl.vlm.tasks.shapes_mood import (
+    MOOD_REASONS,
     MOOD_WARNINGS,
     box_area_fraction,
     box_fraction,
@@ -164,7 +165,8 @@ class DSPO(GRPO):
         new = MOOD_WARNINGS - self._warned  # the task's bad-output counts since the last step
         self._warned = MOOD_WARNINGS.copy()
         out = {"dspo/cvig_scored": float(scored.float().mean()),
-               **{f"dspo/warnings/{k}": float(new.get(k, 0)) for k in MOOD_WARNINGS}}
+               # every reason, not those seen so far in this process: a resumed run logs the same columns
+               **{f"dspo/warnings/{k}": float(new.get(k, 0)) for k in MOOD_REASONS}}
         if bool(scored.any()):
             out["dspo/r_cf"] = float(batch.data["dspo/r_cf"][scored].mean())
             out["dspo/r_div"] = float(batch.data["dspo/r_div"][scored].mean())

@@ -43,7 +43,7 @@ from mmrl.vlm.tasks.shapes_qa import QAItem, held_out
 from mmrl.vlm.vad import EMOTIONS, vad
 
 __all__ = [
-    "COLOUR_WEIGHTS", "MOOD_WARNINGS", "OOD_COMPOSITIONS", "QUESTION", "SHAPE_WEIGHTS", "K",
+    "COLOUR_WEIGHTS", "MOOD_REASONS", "MOOD_WARNINGS", "OOD_COMPOSITIONS", "QUESTION", "SHAPE_WEIGHTS", "K",
     "MoodResponse", "ShapesMood", "box_area_fraction", "box_fraction", "coverage", "diversity",
     "format_problem", "label_dist", "mood_answer_atom", "mood_div_atom", "mood_format_atom",
     "mood_metrics", "parse_mood", "prior", "shapes_mood_reward", "top_k", "valid_box",
@@ -294,6 +294,7 @@ _WHY = {"missing_part": "a part is missing, repeated, out of order, empty or fol
         "bad_box": "step1 is not [ymin,xmin,ymax,xmax] integers with 0 <= min < max <= 1000",
         "no_candidates": "step3 lists no candidate emotions",
         "wrong_count": f"step3 does not list {K} distinct candidate emotions"}
+MOOD_REASONS = (*_WHY, "unknown_emotion")  # every reason _bad counts, for a fixed set of metric names
 
 
 def _bad(reason: str, detail: str) -> float:
