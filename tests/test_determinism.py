@@ -60,3 +60,22 @@ def test_dspo_logs_every_warning_reason_whatever_the_process_saw_before(monkeypa
     assert {k: v for k, v in out.items() if k.startswith("dspo/warnings/")} == {
         "dspo/warnings/missing_part": 0.0, "dspo/warnings/bad_box": 1.0, "dspo/warnings/no_candidates": 0.0,
         "dspo/warnings/wrong_count": 0.0, "dspo/warnings/unknown_emotion": 0.0}
+
+
+def test_shapes_mood_coverage_adds_in_one_order_whatever_the_hash_seed():
+    """coverage summed the candidates' label mass in the order of a set of strings, which
+    changes with each process's hash seed: two same-seed runs' ood/coverage differed in the
+    last bit. It adds them in sorted order now (checked by the order of the look-ups, over
+    three sets of five: a set's order is sorted by chance once in 120)."""
+
+    class Seen(dict):
+        def get(self, key, default=None):
+            self.order.append(key)
+            return super().get(key, default)
+
+    for names in (["joy", "fear", "anger", "awe", "calm"], ["sad", "pride", "love", "envy", "hope"],
+                  ["zest", "grief", "shame", "trust", "rage"]):
+        dist = Seen({n: 0.1 * (i + 1) for i, n in enumerate(names)})
+        dist.order = []
+        assert shapes_mood.coverage(names, dist) == sum(dist[n] for n in sorted(names))
+        assert dist.order == sorted(names)

@@ -366,7 +366,7 @@ def coverage(candidates, label_dist: dict[str, float]) -> float:
     """The label probability mass of the distinct candidates among the first K (unknown words add
     0): listing more than K, which the format refuses, does not buy more of it."""
     names = {c.strip().lower() for c in list(candidates or ())[:K] if isinstance(c, str)}
-    return sum(label_dist.get(c, 0.0) for c in names)
+    return sum(label_dist.get(c, 0.0) for c in sorted(names))  # a set's order changes with the process's hash seed
 
 
 def mood_metrics(completions, items) -> dict[str, float]:
