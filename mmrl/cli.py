@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from mmrl.core.cli import BackendSpec, err_console, fail, make_app, run
+from mmrl.core.cli import BackendSpec, fail, make_app, run
 
 SPEC = BackendSpec(modality="vlm", title="vision-language", command="mmrl", module="mmrl.vlm.backend",
                    settings="mmrl.vlm.config",
@@ -40,8 +40,8 @@ def demo(
     from mmrl.demo.app import launch
     from mmrl.demo.runs import RunError
 
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        err_console.print(f"[yellow]warning:[/] binding to {host}: the demo is reachable from other machines")
+    # launch warns of an address other machines reach (after the bind, with what it means for the
+    # Runs tab), by mmrl.core.serve.is_loopback: a warning here too said it twice
     try:
         launch(run or [], host=host, port=port, train_missing=not no_train)
     except RunError as e:

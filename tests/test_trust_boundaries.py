@@ -176,3 +176,32 @@ def test_the_demo_on_another_address_says_it_has_no_password_and_limits_the_runs
             "its Runs tab shows only the runs it was started with") in capsys.readouterr().err
     app.launch([], block=False)  # loopback: the documented any-path Runs tab, no warning
     assert built[2:] == [True, "127.0.0.1"] and "warning" not in capsys.readouterr().err
+
+
+def test_mmrl_demo_on_another_address_warns_once(monkeypatch):
+    """The command line left the warning to launch: it printed one of its own too (two at start,
+    where docs/errors.md says one)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from mmrl import cli
+    from mmrl.demo import app
+
+    class FakeApp:
+        local_url = "http://0.0.0.0:7860/"
+
+        def queue(self, **kwargs):
+            return self
+
+        def launch(self, **kwargs):
+            pass
+
+    monkeypatch.setitem(sys.modules, "gradio", SimpleNamespace(themes=SimpleNamespace(Default=lambda **kw: None)))
+    monkeypatch.setattr(app, "build_app", lambda demo: FakeApp())
+    monkeypatch.setattr("mmrl.core.serve.check_port", lambda host, port: None)
+    monkeypatch.setattr(app, "wait_until_interrupted", lambda demo_app: None)
+    result = CliRunner().invoke(cli.app, ["demo", "--host", "0.0.0.0", "--no-train"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("warning") == 1, result.output
+    assert "warning: the demo on 0.0.0.0:7860 has no password" in result.output
