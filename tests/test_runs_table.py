@@ -122,6 +122,17 @@ def test_where_a_sections_type_differs_only_the_type_labels_it_first(tmp_path):
     assert table.varying(runs)[:2] == ["method.type", "task.type"] and "task" not in table.varying(runs)
 
 
+def test_a_section_null_in_one_run_and_set_in_another_is_labelled_by_its_keys(tmp_path):
+    # the run with tools was labelled rollout.tools=None too: a key only the other run has
+    make_run(tmp_path, "a", before={}, after={}, rollout={"tools": None})
+    make_run(tmp_path, "b", before={}, after={}, rollout={"tools": {"names": ["zoom"], "max_turns": 3}})
+    runs = [table.load(p) for p in table.find([tmp_path])]
+    assert table.varying(runs) == ["rollout.tools.max_turns", "rollout.tools.names"]  # make_run sorts
+    assert [r["config"] for r in table.run_rows(runs, [])] == [
+        {"rollout.tools.names": None, "rollout.tools.max_turns": None},
+        {"rollout.tools.names": ["zoom"], "rollout.tools.max_turns": 3}]
+
+
 def test_runs_of_several_backends_are_labelled_by_the_modality_not_by_settings_one_backend_lacks(tmp_path):
     # model.kind: a dLLM setting the VLM run lacks, which labelled both runs "model.kind=null" first
     make_run(tmp_path, "d", before={}, after={}, rollout={"gen_length": 8, "num_generations": 4}, model={"kind": None})

@@ -149,6 +149,9 @@ def varying(runs: list[Run]) -> list[str]:
         differ = [k for k in differ if all(k in f for f in flats)]
     typed = [k[: -len("type")] for k in differ if k.endswith(".type")]  # "method.", "task."
     differ = [k for k in differ if not any(k.startswith(p) and k != p + "type" or k + "." == p for p in typed)]
+    # a section null in one run and set in another (rollout.tools): its keys say how they differ,
+    # and the section itself, a key the run that sets it lacks, labelled that run `rollout.tools=None`
+    differ = [k for k in differ if not any(j.startswith(k + ".") for j in differ)]
     return sorted(differ, key=lambda k: (k != "modality", not k.endswith(".type")))  # stable: config order otherwise
 
 
