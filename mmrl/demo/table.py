@@ -4,7 +4,7 @@ One row per run directory: its steps, each held-out metric of summary.json befor
 training, the best checkpoint (train.best_metric) and the training time. With `group=True`, runs
 whose configs differ only in `seed` (and in where they write: output_dir, logging) make one row:
 each metric's mean and sample standard deviation after training, and of its change, over the
-runs that finished. The settings that tell rows apart (method.type=dapo, optim.lr=1e-05, ...)
+runs that finished. The settings that tell rows apart (method.type=axpo, optim.lr=1e-05, ...)
 label them, so a sweep's table reads without opening its configs (where method.type or
 task.type differs, the type stands for that section's other settings).
 
