@@ -2,10 +2,11 @@
 one JSONL row per item it scored (write_rows), so that a researcher sees which items a checkpoint
 gets wrong.
 
-A task's `evaluate(policy, progress=None, rows=None)` may take either keyword (the Task protocol's
-`evaluate(policy)` still does): it calls `progress.expect(n)` as a stage of n generations (answers or
-images) begins and `progress.advance(n)` as each batch of them is done, and appends to `rows` one dict per item of what it
-already generated and scored (no extra model calls).
+A task's `evaluate(policy, progress=None, rows=None)` may take either keyword (the Task
+protocol's `evaluate(policy)` still does): it calls `progress.expect(n)` as a stage of n
+generations (answers or images) begins and `progress.advance(n)` as each batch of them is done,
+and appends to `rows` one dict per item of what it already generated and scored (no extra model
+calls).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from mmrl.core.rewards import shortest
 
 class EvalProgress:
     """The held-out evaluation's progress, where logging.progress is on and stderr is a terminal:
-    a rich bar (generations done of those expected: answers or images, time left), gone once the evaluation ends. Elsewhere
-    (a log file, CI) it draws nothing: redraws would leave a line each, so the caller says in one
-    line how many generations took how long (`done`, `seconds`). `nested`: a training bar is live on
+    a rich bar (generations done of those expected: answers or images, time left), gone once the
+    evaluation ends. Elsewhere (a log file, CI) it draws nothing: redraws would leave a line each,
+    so the caller says in one line how many generations took how long (`done`, `seconds`). `nested`: a training bar is live on
     rich's shared console; the evaluation's bar goes under it there (on rich before 14.1, which
     cannot show two, the evaluation shows none)."""
 
