@@ -27,9 +27,9 @@ class EvalProgress:
     """The held-out evaluation's progress, where logging.progress is on and stderr is a terminal:
     a rich bar (generations done of those expected: answers or images, time left), gone once the
     evaluation ends. Elsewhere (a log file, CI) it draws nothing: redraws would leave a line each,
-    so the caller says in one line how many generations took how long (`done`, `seconds`). `nested`: a training bar is live on
-    rich's shared console; the evaluation's bar goes under it there (on rich before 14.1, which
-    cannot show two, the evaluation shows none)."""
+    so the caller says in one line how many generations took how long (`done`, `seconds`).
+    `nested`: a training bar is live on rich's shared console; the evaluation's bar goes under it
+    there (on rich before 14.1, which cannot show two, the evaluation shows none)."""
 
     def __init__(self, enabled: bool, description: str = "held-out evaluation", nested: bool = False):
         self.done = self.total = 0
