@@ -82,8 +82,6 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` atomically; then delete all but the newest `keep_last`, and
     checkpoint `spare` (the best one, mmrl.core.best), which counts apart from them."""
-    from safetensors.torch import save_file
-
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -154,9 +152,22 @@ def clean_partial(root: str | Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
+def save_file(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """safetensors.torch.save_file, imported at its first use (see above); a name of this module,
+    where the fault tests make a write fail."""
+    from safetensors.torch import save_file as save
 
+    save(tensors, str(path))
+
+
+def load_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """safetensors.torch.load_file, imported at its first use (see above)."""
+    from safetensors.torch import load_file as load
+
+    return load(str(path))
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(path)
     try:
         state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
