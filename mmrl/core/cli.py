@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import inspect
 import json
-import math
 import shlex
 import shutil
 import warnings
@@ -46,7 +45,7 @@ from mmrl.core.config import (
     read_yaml,
 )
 from mmrl.core.jsonl import HeldOutWarning
-from mmrl.core.logging import quiet_library_bars, survive_reader_gone
+from mmrl.core.logging import nulled, quiet_library_bars, survive_reader_gone
 from mmrl.core.runconfig import (
     RUN_CONFIG,
     code_named,
@@ -377,7 +376,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             metrics = trainer.evaluate(rows_path=Path(out) if out is not None else rows_file(cfg, checkpoint))
             if distributed.is_main():  # every rank holds the whole set's metrics: one line of them
                 err_console.print(f"held-out evaluation: {trainer.eval_said}", **PLAIN)
-                typer.echo(json.dumps(_finite_or_null(metrics)))  # NaN is not JSON: null where a metric has no data
+                typer.echo(json.dumps(nulled(metrics)))  # NaN is not JSON: null where a metric has no data
 
         run_verb(go)
 
@@ -798,10 +797,6 @@ def _unset_in(extra: dict[str, Any], given: Any) -> dict[str, Any]:
     given = given if isinstance(given, dict) else {}
     return {k: _unset_in(v, given.get(k)) if isinstance(v, dict) else v
             for k, v in extra.items() if isinstance(v, dict) or not given.get(k)}
-
-
-def _finite_or_null(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def _flag_overrides(flags: dict[str, Any]) -> list[str]:
