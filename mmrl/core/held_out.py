@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.core.jsonl import json_line
-from mmrl.core.logging import atomic_path
+from mmrl.core.logging import atomic_path, json_safe
 from mmrl.core.rewards import shortest
 
 
@@ -93,19 +93,9 @@ def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json_line(_json(row)) for row in rows)  # text as it is (a lone surrogate escaped)
+        f.writelines(json_line(json_safe(row, _score, str)) for row in rows)  # text as it is (a lone surrogate escaped)
     return path
 
 
-def _json(v: Any) -> Any:
-    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # a 0-d tensor or NumPy number
-        v = v.item()
-    if isinstance(v, float):
-        return shortest(v) if math.isfinite(v) else None
-    if isinstance(v, (str, int, bool)) or v is None:
-        return v
-    if isinstance(v, (list, tuple)):
-        return [_json(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json(x) for k, x in v.items()}
-    return str(v)
+def _score(v: float) -> float | None:
+    return shortest(v) if math.isfinite(v) else None

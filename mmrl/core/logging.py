@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -440,14 +441,21 @@ def _tensorboard_writer(path: Path, first_step: int | None):
 def _clean(v: Any) -> Any:
     """JSON-safe: tensors to numbers, non-finite floats to strings (JSON has no NaN; metrics.jsonl
     keeps which of NaN and an infinity it was; summary.json makes them null, `nulled`)."""
+    return json_safe(v)
+
+
+def json_safe(v: Any, floats: Callable[[float], Any] = lambda x: x if math.isfinite(x) else str(x),
+              other: Callable[[Any], Any] = repr) -> Any:
+    """`v` as JSON can hold it: a 0-d tensor or NumPy number as its Python number, each float
+    through `floats`, lists, tuples and dicts (str keys) walked, anything else through `other`."""
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, (str, int, float, bool)) or v is None:
+    if isinstance(v, float):
+        return floats(v)
+    if isinstance(v, (str, int, bool)) or v is None:
         return v
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [json_safe(x, floats, other) for x in v]
     if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
-    return repr(v)
+        return {str(k): json_safe(x, floats, other) for k, x in v.items()}
+    return other(v)
