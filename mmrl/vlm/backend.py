@@ -239,11 +239,11 @@ def sample(cfg: VLMTrainConfig, policy: VLMPolicy, task: VLMTask, prompts: list[
     the first held-out items, scored by the task's atoms, or for each --prompt question (no
     gold answer, so not scored), asked of `images` (one image for every question, or one
     per question; none: text only)."""
-    from mmrl.vlm.tasks.jsonl import placeholder_problem, question_problem
+    from mmrl.vlm.tasks.jsonl import prompt_problem
     from mmrl.vlm.tasks.shapes_qa import QAItem
 
     for k, p in enumerate(prompts):  # as a data file's questions are checked: an error, not the processor's traceback
-        problem = question_problem(p) or placeholder_problem(p, 1 if images else 0)
+        problem = prompt_problem(p, 1 if images else 0)
         if problem:
             raise ConfigError(f"--prompt {k + 1} ({p!r}) {problem}")
     images = images or []

@@ -120,7 +120,7 @@ class VLMPolicy:
         from PIL import Image
 
         from mmrl.core.wire import describe
-        from mmrl.vlm.tasks.jsonl import placeholder_problem, question_problem
+        from mmrl.vlm.tasks.jsonl import prompt_problem
         from mmrl.vlm.tasks.shapes_qa import QAItem
 
         if isinstance(prompt, str):
@@ -131,7 +131,7 @@ class VLMPolicy:
             raise TypeError(f"expected {form}, got {describe(prompt)}")
         if not isinstance(prompt.images, list):
             raise TypeError(f"images must be a list of wire images, got {describe(prompt.images)}")
-        problem = question_problem(prompt.question) or placeholder_problem(prompt.question, len(prompt.images))
+        problem = prompt_problem(prompt.question, len(prompt.images))
         if problem:  # as a data file's line is refused: messages() would send the placeholders as text
             raise ValueError(f"the question {problem}")
         for k, image in enumerate(prompt.images):

@@ -55,7 +55,7 @@ from mmrl.core.jsonl import DatasetError, HeldOutWarning, json_type, read_object
 from mmrl.vlm.tasks.shapes_qa import QAItem
 
 __all__ = ["DatasetError", "ImageFile", "JsonlItem", "QADataset", "check_overlap", "load_jsonl", "open_rgb",
-           "placeholder_problem", "question_problem", "save_jsonl", "to_rgb", "warnings_named"]
+           "placeholder_problem", "prompt_problem", "question_problem", "save_jsonl", "to_rgb", "warnings_named"]
 
 IMAGE_FIELDS = ("image", "images", "image_b64")
 IMAGE_PLACEHOLDER = "<image>"  # where an image goes in the question (VLMPolicy.messages places it)
@@ -247,6 +247,13 @@ def placeholder_problem(question: str, images: int) -> str | None:
     return (f"holds {marks} {IMAGE_PLACEHOLDER} placeholder{'s' if marks > 1 else ''} for {images} "
             f"image{'' if images == 1 else 's'}: give one per image, where it goes in the text, or none "
             "(the images then come before the text)")
+
+
+def prompt_problem(question: str, images: int) -> str | None:
+    """Why a question given with `images` images cannot be asked (question_problem, then
+    placeholder_problem), or None: what `sample --prompt` and a served prompt are checked by, as a
+    data file's line is (which checks the question before its images are read)."""
+    return question_problem(question) or placeholder_problem(question, images)
 
 
 def _parse_object(obj: dict, path: Path, lineno: int, root: Path, fit=None, originals=False) -> QAItem:
