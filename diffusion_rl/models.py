@@ -145,9 +145,13 @@ def time_shift(family: str, scheduler: dict) -> str:
 def time_shift_settings(family: str, scheduler: dict, seq_len: int, num_steps: int) -> dict:
     """FlowSDESampler.set_timesteps's shift parameters as the pipeline computes them from the
     scheduler's config (before, FLUX's were used for every model: Qwen-Image's max_shift 0.9 up
-    to 8192 tokens was read as 1.15 up to 4096). Not applied: Qwen-Image's `shift_terminal`,
-    which ends the pipeline's schedule at 0.02, where this sampler's ends at 0 (diffusion_rl.sde)."""
+    to 8192 tokens was read as 1.15 up to 4096), and `shift_terminal` where the config sets it
+    (Qwen-Image's 0.02: the pipeline stretches its schedule so the last sigma before 0 is 0.02;
+    before, this sampler's was 0.16 at 10 steps and 1024 image tokens)."""
     settings = {"image_seq_len": seq_len}
+    terminal = shift_terminal(scheduler)
+    if terminal is not None:
+        settings["shift_terminal"] = terminal
     if not scheduler.get("use_dynamic_shifting") and "shift" in scheduler:
         settings["shift_value"] = float(scheduler["shift"])  # an explicit sd3 shift keeps 3.0 otherwise
     for ours, theirs in (("base_seq_len", "base_image_seq_len"), ("max_seq_len", "max_image_seq_len"),
@@ -157,6 +161,19 @@ def time_shift_settings(family: str, scheduler: dict, seq_len: int, num_steps: i
     if family == "flux2":  # Flux2Pipeline's own mu, fitted to image tokens and steps
         settings["mu"] = flux2_mu(seq_len, num_steps)
     return settings
+
+
+def shift_terminal(scheduler: dict, where: str = "scheduler config") -> float | None:
+    """The config's `shift_terminal` where it stretches the schedule (diffusers applies it where
+    truthy: null and 0 are off), a ConfigError naming `where` for one outside (0, 1): diffusers
+    would sample a schedule that rises back to 0 or stays at 1."""
+    terminal = scheduler.get("shift_terminal")
+    if not terminal:
+        return None
+    if isinstance(terminal, bool) or not isinstance(terminal, (int, float)) or not 0 < terminal < 1:
+        raise ConfigError(f"{where}: shift_terminal must be a number in (0, 1) (the last sigma before 0; "
+                          f"null: off); got {terminal!r}")
+    return float(terminal)
 
 
 def flux2_mu(seq_len: int, num_steps: int) -> float:
@@ -370,6 +387,8 @@ def load_flow_model(
         components[name] = _load_component(root, name, entry, dtype)
         if name == "scheduler":  # before the transformer and text encoders (minutes, for a real model)
             _check_flow_matching(root, components[name])
+            shift_terminal(dict(getattr(components[name], "config", None) or {}),
+                           str(root / name / "scheduler_config.json"))  # refused before minutes of loading
     components.setdefault("vae", None)
 
     if height is None or width is None:

@@ -58,8 +58,9 @@ Where we depart from Flow-GRPO's code (``flow_grpo/diffusers_patch/sd3_sde_with_
   same step with a log-prob of 0 / 0 (NaN), which it never reads. (The noise comes from
   ``generator`` when given, from torch's global RNG otherwise: the same as Flow-GRPO, whose
   diffusers ``randn_tensor`` draws from the global RNG when no generator is given.)
-- The schedule is ``shift(linspace(1, 0, N + 1))`` for every shift, which is exactly what
-  diffusers' FLUX / Qwen-Image pipelines build. diffusers' SD3 pipeline (so Flow-GRPO's SD3
+- The schedule is ``shift(linspace(1, 0, N + 1))`` for every shift (stretched to
+  ``shift_terminal`` where the scheduler's config sets one, Qwen-Image's 0.02), which is exactly
+  what diffusers' FLUX / Qwen-Image pipelines build. diffusers' SD3 pipeline (so Flow-GRPO's SD3
   runs) instead spaces its N sigmas from 1 down to the shifted training minimum (~0.003),
   shifts them, and appends 0, which leaves a last step of only ~0.009 in sigma.
 - The SDE window is drawn as a *start* in ``[lo, hi]`` (both inclusive); Flow-GRPO's
@@ -381,6 +382,7 @@ class FlowSDESampler:
         base_shift: float = 0.5,
         max_shift: float = 1.15,
         mu: float | None = None,
+        shift_terminal: float | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         """``sigmas = shift(linspace(1, 0, num_steps + 1))``.
@@ -388,10 +390,17 @@ class FlowSDESampler:
         shift: "sd3" (``shift_value``, SD3 / SD3.5's 3.0), "flux" (FLUX / Qwen-Image; needs
         ``image_seq_len``, the number of image tokens, and takes diffusers' ``calculate_shift``
         parameters, or ``mu`` itself, as FLUX.2's pipeline computes it) or "none" (uniform sigmas).
+
+        shift_terminal (in (0, 1); None or 0: off): then the shifted sigmas before the final 0 are
+        stretched affinely in ``1 - sigma`` so that sigmas[0] stays 1 and sigmas[-2] becomes
+        ``shift_terminal`` (diffusers' ``stretch_shift_to_terminal``; Qwen-Image's 0.02). One step
+        has no sigma to stretch but the starting 1 itself: it stays [1, 0] (diffusers' is NaN).
         """
         _check_choice(shift, SHIFTS, "shift")
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
+        if shift_terminal is not None and not 0 <= shift_terminal < 1:
+            raise ValueError(f"shift_terminal must lie in [0, 1) (0 or None: off); got {shift_terminal!r}")
         sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
         if shift == "sd3":
             sigmas = sd3_shift(sigmas, shift_value)
@@ -401,6 +410,12 @@ class FlowSDESampler:
             if mu is None:
                 mu = flux_mu(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
             sigmas = flux_shift(sigmas, mu)
+        if shift_terminal and num_steps > 1:
+            # 1 - sigma scaled so the last sigma before 0 lands on shift_terminal: an increasing
+            # affine map of sigma, so the schedule stays strictly decreasing, and sigma < 1 after
+            # the first (the SDE's std_t = a sqrt(sigma / (1 - sigma)) stays finite)
+            one_minus = 1 - sigmas[:-1]
+            sigmas[:-1] = 1 - one_minus / (one_minus[-1] / (1 - shift_terminal))
         self.sigmas = sigmas.to(dtype=torch.float32, device=device)
         self.timesteps = self.sigmas[:-1] * self.num_train_timesteps
 

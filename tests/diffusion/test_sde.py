@@ -370,6 +370,61 @@ def test_sampler_schedule_uses_its_shift_and_train_timestep_parameters():
     assert sampler.sigmas[1].item() == pytest.approx(1 / (1 + math.exp(-0.2)))  # sigmoid(mu) at .5
 
 
+def test_shift_terminal_stretches_the_schedule_to_end_there_by_hand():
+    """shift_terminal stretches 1 - sigma so the last sigma before 0 is shift_terminal (diffusers'
+    stretch_shift_to_terminal). Uniform 4 steps: 1 - sigma = 0, .25, .5, .75 scaled by
+    (1 - .1) / .75 = 1.2 -> 0, .3, .6, .9, i.e. sigmas 1, .7, .4, .1, then 0. One step has only
+    the starting 1 before 0: it stays [1, 0]; 0 and None are off; a terminal >= 1 is refused."""
+    sampler = FlowSDESampler()
+    sampler.set_timesteps(4, shift="none", shift_terminal=0.1)
+    torch.testing.assert_close(sampler.sigmas, torch.tensor([1.0, 0.7, 0.4, 0.1, 0.0]))
+    torch.testing.assert_close(sampler.timesteps, torch.tensor([1000.0, 700.0, 400.0, 100.0]))
+    sampler.set_timesteps(1, shift="none", shift_terminal=0.1)
+    assert sampler.sigmas.tolist() == [1.0, 0.0]
+    plain = FlowSDESampler()
+    plain.set_timesteps(10, shift="flux", image_seq_len=1024)
+    for off in (None, 0.0):  # bit for bit the unstretched schedule
+        sampler.set_timesteps(10, shift="flux", image_seq_len=1024, shift_terminal=off)
+        assert torch.equal(sampler.sigmas, plain.sigmas)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="shift_terminal must lie in"):
+            sampler.set_timesteps(4, shift_terminal=bad)
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 28])
+def test_sde_steps_stay_finite_on_a_stretched_schedule(n):
+    """Qwen-Image's stretched schedule (terminal 0.02) keeps sigma < 1 after the first step, so
+    every SDE step's std_t = a sqrt(sigma / (1 - sigma)), mean and log-prob are finite, and the
+    first step's x coefficient is 1 - a^2 / 2 as on any schedule."""
+    sampler = FlowSDESampler()
+    sampler.set_timesteps(n, shift="flux", image_seq_len=4096, max_seq_len=8192, max_shift=0.9,
+                          shift_terminal=0.02)
+    s = sampler.sigmas
+    assert s[-2].item() == pytest.approx(0.02) and (s[1:-1] < 1).all() and (s[1:] < s[:-1]).all()
+    x = torch.randn(3, 4, 5, generator=gen(11))
+    for i in sampler.sde_steps():
+        out = sampler.step(torch.zeros_like(x), x, i, noise_level=0.7, generator=gen(i))
+        assert torch.isfinite(out.mean).all() and torch.isfinite(out.log_prob).all()
+        assert torch.isfinite(out.std).all() and (out.std > 0).all()
+        x = out.prev_sample
+
+
+def test_scheduler_shift_terminal_reaches_the_sampler_and_bad_values_are_config_errors():
+    """time_shift_settings passes a truthy shift_terminal on (any family, as diffusers applies it
+    where set), none for null or 0 (the bundled tiny-flow configs: their schedules unchanged), and
+    refuses a value outside (0, 1) naming the key."""
+    from diffusion_rl.models import time_shift_settings
+    from mmrl.core.config import ConfigError
+
+    assert time_shift_settings("qwen_image", {"shift_terminal": 0.02}, 64, 10)["shift_terminal"] == 0.02
+    assert time_shift_settings("sd3", {"shift": 3.0, "shift_terminal": 0.1}, 64, 10)["shift_terminal"] == 0.1
+    for off in (None, 0, 0.0):
+        assert "shift_terminal" not in time_shift_settings("flux", {"shift_terminal": off}, 64, 10)
+    for bad in (1.0, 1.5, -0.02, "0.02", True):
+        with pytest.raises(ConfigError, match="scheduler config: shift_terminal must be a number in"):
+            time_shift_settings("qwen_image", {"shift_terminal": bad}, 64, 10)
+
+
 # --------------------------------------------------------------------------- the SDE window
 
 
@@ -514,11 +569,12 @@ def test_zero_steps_integer_velocity_and_vector_noise_level_are_refused():
         sde_step_with_logprob(x, x, 0.5, 0.4, noise_level=torch.tensor([0.7, 0.7]))
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "schnell", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "schnell", "sd3", "sd3_terminal"])
 def test_auto_shift_samples_the_sigmas_each_familys_pipeline_does(family):
     """rollout.shift auto reads the scheduler's config as the family's pipeline does: before, every
     model took FLUX.1's mu line (Qwen-Image's max_shift 0.9 to 8192 tokens read as 1.15 to 4096;
-    FLUX.2's empirical mu and FLUX.1-schnell's no shift ignored)."""
+    FLUX.2's empirical mu and FLUX.1-schnell's no shift ignored), and Qwen-Image's shift_terminal
+    0.02 (any family's: sd3_terminal) was not applied: its last sigma before 0 was 0.16, not 0.02."""
     from types import SimpleNamespace
 
     diffusers = pytest.importorskip("diffusers")
@@ -531,16 +587,35 @@ def test_auto_shift_samples_the_sigmas_each_familys_pipeline_does(family):
 
     n, seq_len = 10, 1024
     ref = (diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0) if family == "schnell"
+           else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, shift_terminal=0.1) if family == "sd3_terminal"
            else _scheduler("flux" if family == "flux2" else family))
     config = dict(ref.config)
-    ref = diffusers.FlowMatchEulerDiscreteScheduler.from_config({**config, "shift_terminal": None})  # see time_shift_settings
+    family = {"schnell": "flux", "sd3_terminal": "sd3"}.get(family, family)
     if family == "flux2":
         mu = compute_empirical_mu(seq_len, n)
     else:
         mu = calculate_shift(seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
                              config["base_shift"], config["max_shift"])
     ref.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
-    flow = SimpleNamespace(family="flux" if family == "schnell" else family, transformer=None, seq_len=seq_len,
+    flow = SimpleNamespace(family=family, transformer=None, seq_len=seq_len,
                            scheduler=SimpleNamespace(config=config))
     ours = DiffusionPolicy(flow, SimpleNamespace(shift="auto")).sampler(n)
     torch.testing.assert_close(ours.sigmas, ref.sigmas, atol=1e-6, rtol=0)
+
+
+def test_a_model_whose_scheduler_sets_a_bad_shift_terminal_is_refused_when_loaded(tmp_path):
+    """A scheduler_config.json with shift_terminal 1.5 is a ConfigError naming the file when the
+    model loads (before the transformer), not a schedule that rises back to 0 at the first rollout."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from diffusion_rl.models import load_flow_model
+    from mmrl.core.config import ConfigError
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(__file__).parents[2] / "assets" / "tiny-flow-pixel", model)
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "shift_terminal": 1.5}))
+    with pytest.raises(ConfigError, match=r"scheduler_config.json: shift_terminal must be a number in \(0, 1\).*1.5"):
+        load_flow_model(model)
