@@ -145,7 +145,8 @@ class DiffusionRolloutConfig(RolloutConfig):
     or cps, coefficients-preserving sampling (Flow-CPS; noise_level must lie in [0, 1])."""
     noise_level: float = Field(0.7, ge=0)
     """a: the SDE's noise scale (0: ODE rollouts, for FTFC's pool; the policy-gradient methods
-    need noise, since a noiseless step has no log-probability to train)."""
+    need noise, since a noiseless step has no log-probability to train). Above sqrt(2) ~ 1.414
+    (kind sde) a warning: the Euler-Maruyama step stops tracking the flow (docs/methods.md)."""
     window_size: int | None = Field(None, ge=1)
     """Flow-GRPO-Fast: SDE noise (and training) only on this many consecutive steps; None = every
     step but the last."""
@@ -180,6 +181,23 @@ class DiffusionRolloutConfig(RolloutConfig):
         """CPS steps with transition std sigma_next sin(a pi / 2): a lies in [0, 1] (sde.py)."""
         if self.kind == "cps" and self.noise_level > 1:
             raise ValueError(f"noise_level must lie in [0, 1] for kind cps, got {self.noise_level}")
+        return self
+
+    @model_validator(mode="after")
+    def _sde_noise_level(self):
+        """Flow-GRPO's Euler-Maruyama step's mean is x (1 - a^2 Delta / (2 (1 - sigma))) + ...: at
+        sigma = 1 (Delta = sigma_next - 1, sigma_next in the denominator) x's coefficient is
+        1 - a^2 / 2 on every schedule, <= 0 from a = sqrt(2). Later steps turn at
+        sqrt(2 (1 - sigma) / -Delta), which depends on the schedule (~1.15 to 1.4 at the second
+        step of 4 to 40 shifted steps, higher after): a warning, not an error. Nothing turns
+        NaN: the latents' spread is off (x 1.7 at 1.4 with exact velocities) and grows
+        |1 - a^2 / 2| times a step above a = 2 (the tiny model's: x 100 at 5 on a 2-step window)."""
+        if self.kind == "sde" and self.noise_level**2 > 2:
+            config_warning(f"rollout.noise_level {self.noise_level:g} is above sqrt(2) ~ 1.414, where Flow-GRPO's SDE "
+                           f"step stops tracking the flow: at sigma = 1 its mean keeps the sample times "
+                           f"1 - a^2/2 = {1 - self.noise_level**2 / 2:.3g} (later steps turn at about this level, "
+                           "depending on the schedule), so the window's latents leave the model's range and grow "
+                           "each step above 2; Flow-GRPO uses 0.7")
         return self
 
     @model_validator(mode="after")

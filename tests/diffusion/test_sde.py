@@ -619,3 +619,33 @@ def test_a_model_whose_scheduler_sets_a_bad_shift_terminal_is_refused_when_loade
     config.write_text(json.dumps({**json.loads(config.read_text()), "shift_terminal": 1.5}))
     with pytest.raises(ConfigError, match=r"scheduler_config.json: shift_terminal must be a number in \(0, 1\).*1.5"):
         load_flow_model(model)
+
+
+def test_sde_first_step_keeps_the_sample_times_one_minus_half_a_squared():
+    """At sigma = 1 (std_t^2 = a^2 / (1 - sigma_next), Delta = -(1 - sigma_next)) the mean is
+    x (1 - a^2 / 2) + v Delta whatever sigma_next: at a = sqrt(2) it forgets x, at a = 2 it
+    flips it (-x), at a = 5 it scales it by -11.5 -- why noise_level above sqrt(2) warns."""
+    x, v = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 0.25]])
+    for sigma_next in (0.9, 0.5):
+        for a, keep in ((math.sqrt(2), 0.0), (2.0, -1.0), (5.0, -11.5)):
+            out = sde_step_with_logprob(v, x, 1.0, sigma_next, noise_level=a)
+            torch.testing.assert_close(out.mean, keep * x + (sigma_next - 1) * v, atol=1e-5, rtol=0)
+            assert out.std.item() == pytest.approx(a)  # std_t sqrt(-Delta) = a at sigma = 1
+
+
+def test_sde_noise_level_above_sqrt_two_warns_and_cps_and_lower_levels_do_not():
+    """rollout.noise_level above sqrt(2) (kind sde) is accepted with a warning that names the key,
+    the value and the first step's coefficient 1 - a^2/2 (2: -1); 1.4 (coefficient 0.02) and the
+    default 0.7 say nothing, nor does kind cps (bounded to [0, 1] on its own)."""
+    import warnings
+
+    from diffusion_rl.config import DiffusionRolloutConfig
+
+    with pytest.warns(UserWarning, match=r"rollout.noise_level 2 is above sqrt\(2\) ~ 1.414, .* 1 - a\^2/2 = -1 "):
+        assert DiffusionRolloutConfig(noise_level=2.0).noise_level == 2.0
+    with pytest.warns(UserWarning, match=r"rollout.noise_level 1.415 .* = -0.0011"):
+        DiffusionRolloutConfig(noise_level=1.415)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for quiet in ({"noise_level": 1.4}, {"noise_level": 0.7}, {"noise_level": 1.0, "kind": "cps"}):
+            DiffusionRolloutConfig(**quiet)
