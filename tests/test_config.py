@@ -872,7 +872,8 @@ def test_diffusion_model_and_rollout_bounds():
     assert DiffusionRolloutConfig(kind="cps", noise_level=1.0).noise_level == 1.0  # sin(pi / 2) = 1: std sigma_next
     with pytest.raises(ValueError, match=r"noise_level must lie in \[0, 1\] for kind cps, got 1.01"):
         DiffusionRolloutConfig(kind="cps", noise_level=1.01)
-    assert DiffusionRolloutConfig(kind="sde", noise_level=1.5).noise_level == 1.5  # the SDE's a is unbounded
+    with pytest.warns(UserWarning, match="above sqrt"):  # the SDE's a is unbounded, above sqrt(2) warned of
+        assert DiffusionRolloutConfig(kind="sde", noise_level=1.5).noise_level == 1.5
 
 
 def test_diffusion_window_stays_off_the_last_step():
