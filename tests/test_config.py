@@ -982,7 +982,7 @@ def test_diffusion_method_defaults_are_flow_grpos():
 def test_a_config_files_environment_variables_are_expanded_and_an_unset_one_is_said(tmp_path, monkeypatch):
     """`output_dir: $SCRATCH/runs/x` in a file made a directory named "$SCRATCH" in the working
     directory without a word; set variables are expanded as a shell would, an unset one is kept
-    with one warning, and text that only looks like one ("$$", "$5") is left alone quietly."""
+    with one warning, text that only looks like one ("$5") is left alone quietly, and "$$" is one "$"."""
     monkeypatch.setenv("MMRL_TEST_SCRATCH", str(tmp_path / "scratch"))
     monkeypatch.delenv("MMRL_TEST_UNSET", raising=False)
     (tmp_path / "env.yaml").write_text("output_dir: $MMRL_TEST_SCRATCH/runs/x\n"
@@ -994,7 +994,7 @@ def test_a_config_files_environment_variables_are_expanded_and_an_unset_one_is_s
         warnings.simplefilter("error")
         cfg = load_config(VLMTrainConfig, tmp_path / "env.yaml")
     assert cfg.output_dir == f"{tmp_path}/scratch/runs/x" and cfg.plugins == [f"{tmp_path}/scratch/plugin.py"]
-    assert cfg.rollout.stop == ["$$", "costs $5"]
+    assert cfg.rollout.stop == ["$", "costs $5"]
     (tmp_path / "env.yaml").write_text("output_dir: $MMRL_TEST_UNSET/runs/x\n")
     with pytest.warns(UserWarning, match=r"env.yaml: output_dir names the environment variable \$MMRL_TEST_UNSET, "
                                          "which is not set: kept as written"):

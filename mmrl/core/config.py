@@ -890,8 +890,9 @@ _ENV_VAR = re.compile(r"\$([A-Za-z_]\w*|\{[A-Za-z_]\w*\})")
 def expand_env(data: Any, path: str | Path) -> Any:
     """A config file's values with $NAME and ${NAME} replaced by set environment variables, as
     a shell would (`output_dir: $SCRATCH/runs/axpo` on a cluster; a --set value the shell has
-    expanded already). An unset one stays as written, with one warning: it would otherwise
-    become a directory named "$SCRATCH" without a word."""
+    expanded already), and `$$` by one `$` (`price: $$5`; `$$HOME` is the text "$HOME"). An
+    unset variable stays as written, with one warning: it would otherwise become a directory
+    named "$SCRATCH" without a word."""
     unset: dict[str, str] = {}
 
     def walk(value: Any, key: str) -> Any:
@@ -900,9 +901,11 @@ def expand_env(data: Any, path: str | Path) -> Any:
         if isinstance(value, list):
             return [walk(v, f"{key}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, str) and "$" in value:
-            value = os.path.expandvars(value)
-            for m in _ENV_VAR.finditer(value):
+            # each piece between the `$$`s on its own: "$$HOME" is "$" and "HOME", never $HOME
+            pieces = [os.path.expandvars(piece) for piece in value.split("$$")]
+            for m in (m for piece in pieces for m in _ENV_VAR.finditer(piece)):
                 unset.setdefault(m.group(1).strip("{}"), key)
+            value = "$".join(pieces)
         return value
 
     data = walk(data, "")
