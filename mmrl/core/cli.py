@@ -42,7 +42,7 @@ from mmrl.core.config import (
     deep_merge,
     load_config,
     parse_override,
-    read_yaml,
+    read_config_file,
 )
 from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import nulled, quiet_library_bars, survive_reader_gone
@@ -618,12 +618,19 @@ def method_given(run: Path | None, config: Path | None, overrides: list[str]) ->
         if item.partition("=")[0].strip() == "method.type":
             method = parse_override(item)[1]
             return f"--set method.type asks for method {method!r}", method
-    for what, read, where in ((f"{config} sets", read_yaml, config), (f"the run in {run} trains", read_run_config, run)):
+    for what, read, where in ((f"{config} sets", _file_settings, config), (f"the run in {run} trains", read_run_config, run)):
         if where is not None:
             method = read(where).get("method")
             if isinstance(method, dict) and "type" in method:
                 return f"{what} method {method['type']!r}", method["type"]
     return "", None
+
+
+def _file_settings(config: Path) -> dict:
+    """A config file's settings over its bases (`base:`), quietly: load_config said what it had to."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return read_config_file(config)
 
 
 def method_fits(cls: type[TrainConfig], method: str) -> bool:

@@ -6,6 +6,9 @@ variant). Loading is three layers, later ones winning:
 
     embedded default (the backend's)  <-  YAML file  <-  --set key.path=value
 
+A YAML file may build on others: `base: common.yaml` (or a list) layers it over them
+(read_config_file), so a variant of an experiment holds only what differs.
+
 Every section forbids unknown keys, and every error is turned into one
 `ConfigError` whose message names the key path, so a CLI can print it instead of
 a traceback.
@@ -915,6 +918,95 @@ def expand_env(data: Any, path: str | Path) -> Any:
     return data
 
 
+BASE_KEY = "base"
+
+
+def read_config_file(path: str | Path, layers: list[tuple[Path, dict]] | None = None) -> dict:
+    """A config file's settings as load_config layers them: the file read (read_yaml), its
+    variables expanded (expand_env), over the config files its `base:` names (a path or a list,
+    relative to the file), the later of a list over the earlier, each read the same way (bases
+    of bases too), merged with deep_merge. A relative path in a base that names an existing
+    file or directory there is made absolute (runconfig.absolute_paths), so it still means the
+    file beside the base. `layers`, when given, gets each file's own settings (path, dict), the
+    bases first: whose key an error is."""
+    return _read_layered(Path(path), (), None, [] if layers is None else layers)
+
+
+def _read_layered(path: Path, chain: tuple[Path, ...], named_by: str | None,
+                  layers: list[tuple[Path, dict]]) -> dict:
+    """read_config_file of `path`, reached through the files of `chain` (named_by: the `base:`
+    entry that named it, for its errors)."""
+    from mmrl.core.runconfig import absolute_paths  # runconfig imports this module
+
+    try:
+        data = expand_env(read_yaml(path), path)
+    except ConfigError as e:
+        raise ConfigError(f"{named_by}: {e}" if named_by else str(e)) from None
+    bases = data.pop(BASE_KEY, None)
+    names = [bases] if isinstance(bases, str) else [] if bases is None else bases
+    if bases is not None:
+        where = f"{path}, line {_key_line(path, BASE_KEY)}: {BASE_KEY}"
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"{where} takes a config file's path or a list of them (relative to "
+                          f"{path.resolve().parent}), got {bases!r}")
+    merged: dict = {}
+    chain = (*chain, path.resolve())
+    for name in names:
+        file = (path.parent / Path(name).expanduser()).resolve()  # an absolute name stays as it is
+        if file in chain:
+            cycle = " -> ".join(map(str, [*chain[chain.index(file):], file]))
+            raise ConfigError(f"{where} {name!r} makes a cycle of bases: {cycle}")
+        unset = " (it names an environment variable that is not set)" if _ENV_VAR.search(name) else ""
+        base = _read_layered(file, chain, f"{where} {name!r}{unset}", layers)
+        merged = deep_merge(merged, absolute_paths(base, file.parent))  # its paths start beside it
+    layers.append((path, data))
+    return deep_merge(merged, data)
+
+
+def _key_line(path: Path, key: str) -> int | str:
+    """The line of the top-level `key` in YAML file `path` ("?" where it cannot be read)."""
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return "?"
+    for k, _ in getattr(node, "value", None) or ():
+        if isinstance(k, yaml.ScalarNode) and k.value == key:
+            return k.start_mark.line + 1
+    return "?"
+
+
+def _foreign_bases(cls: type[BaseModel], layers: list[tuple[Path, dict]]) -> None:
+    """A ConfigError where a base file picks a method or task type that `cls` has none of: a
+    base written for another backend (a diffusion config on a VLM one), which may still merge
+    into a valid config where the file on top replaces that section."""
+    top = layers[-1][0]
+    for file, data in layers[:-1]:
+        for section in ("method", "task"):
+            given = data.get(section)
+            kind = given.get("type") if isinstance(given, dict) else None
+            field = cls.model_fields.get(section)
+            tags = [m.model_fields["type"].default for m in _members(field.annotation) if isinstance(m, type)
+                    and issubclass(m, BaseModel) and "type" in m.model_fields] if field is not None else []
+            if kind is not None and tags and kind not in tags:
+                raise ConfigError(f"{file}, a base of {top}, sets {section} {kind!r}, not one of this config's "
+                                  f"({', '.join(map(str, tags))}): is it another backend's config?")
+
+
+def _file_of(key: str, layers: list[tuple[Path, dict]]) -> Path | None:
+    """The file of `layers` that sets most of dotted `key` (the later one of a tie): where a
+    key an error names, or the section a validator's error names, was written."""
+    best, depth = None, 0
+    for file, data in layers:
+        node, n = data, 0
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node, n = node[part], n + 1
+        if n and n >= depth:
+            best, depth = file, n
+    return best
+
+
 def load_config(
     cls: type[TrainConfig] = TrainConfig,
     path: str | Path | None = None,
@@ -931,11 +1023,16 @@ def load_config(
         raise ConfigError(f"load_config's defaults must be a mapping of sections, got a {type(defaults).__name__}")
     # Start from the full default dump, so every union section carries its `type`.
     data = deep_merge(cls().model_dump(mode="json"), defaults or {})
+    layers: list[tuple[Path, dict]] = []  # each file's own settings: whose key an error is
     if path is not None:
         from mmrl.core.runconfig import resolve_config_file  # runconfig imports this module
 
         path = resolve_config_file(path)
-        data = deep_merge(data, expand_env(read_yaml(path), path))
+        data = deep_merge(data, read_config_file(path, layers))
+        _foreign_bases(cls, layers)
+    if any(parse_override(o)[0][0] == BASE_KEY for o in overrides):
+        raise ConfigError(f"--set {BASE_KEY}=...: a config's base files are named in the config file itself "
+                          f"(`{BASE_KEY}: FILE` in the --config file), not by --set")
     before, data = data, apply_overrides(data, overrides)
     try:
         cfg = cls.model_validate(data)
@@ -943,9 +1040,11 @@ def load_config(
         set_keys = {".".join(parse_override(o)[0]) for o in overrides}
         keys = [".".join(map(str, _error_loc(err, data))) for err in e.errors()]
         # an error of a whole section (a validator's) may come from a --set inside it: blame no one then
-        from_file = any(not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in set_keys)
-                        for k in keys)
-        where = f" in {path}" if path is not None and from_file else ""  # a --set value is not the file's fault
+        files = dict.fromkeys(_file_of(k, layers) or path for k in keys
+                              if not any(k == s or k.startswith(s + ".") or s.startswith(k + ".") for s in set_keys))
+        # a --set value is not the file's fault; a base's key is the base's
+        named = [str(f) if f == path else f"{f} (a base of {path})" for f in files if f is not None]
+        where = f" in {' and '.join(named)}" if named else ""
         raise ConfigError(f"invalid config{where}: " + "; ".join(_describe(e, cls, data))) from None
     _say_replaced_sections(cfg, before, overrides)
     if path is not None:

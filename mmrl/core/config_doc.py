@@ -2,7 +2,8 @@
 
 The descriptions are the docstrings under the fields of the config classes (mmrl.core.config
 and each backend's config.py), so what `config` prints is what the code says. The YAML loads
-back as a `--config` file: paths are made absolute, as in a run's config.yaml.
+back as a `--config` file: paths are made absolute, as in a run's config.yaml, and a file's
+`base:` files are merged in (the key itself is not a setting, so it is not printed).
 """
 
 from __future__ import annotations

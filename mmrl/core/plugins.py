@@ -28,8 +28,7 @@ from mmrl.core.config import (
     TrainConfig,
     apply_overrides,
     deep_merge,
-    expand_env,
-    read_yaml,
+    read_config_file,
 )
 from mmrl.core.runconfig import resolve_file
 
@@ -40,7 +39,7 @@ def requested(path: str | Path | None, overrides: list[str], defaults: dict) -> 
     if path is not None:
         with warnings.catch_warnings():  # an unset variable is said once, by load_config
             warnings.simplefilter("ignore")
-            data = deep_merge(data, expand_env(read_yaml(path), path))  # `plugins: [$PROJECT/my_method.py]`
+            data = deep_merge(data, read_config_file(path))  # `plugins: [$PROJECT/my_method.py]`, a base's plugins
     plugins = apply_overrides(data, [o for o in overrides if o.split("=", 1)[0].strip() == "plugins"]).get("plugins")
     if plugins in (None, []):
         return []
