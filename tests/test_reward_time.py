@@ -100,3 +100,28 @@ def test_the_pipelined_scheduler_logs_reward_time_and_each_atoms(tmp_path, clock
     answered = sum(int(b.scores.values[:, 0].sum()) for b in groups)
     assert rnd.metrics["time/reward/answer"] == 32.0 and rnd.metrics["time/reward/stop"] == 2.0 * answered
     assert rnd.metrics["time/reward"] >= 0.0
+
+
+def test_the_sync_schedulers_extra_samples_are_charged_to_the_step(tmp_path, clock, monkeypatch):
+    """A method asking 2 more samples of every group (AXPO's continuations): they are scored, and
+    their reward seconds join time/reward and time/reward/<atom>, where they were left out. The
+    scheduler reads the atoms' clock too, which only the atoms advance: time/reward is exactly
+    the atoms' seconds, 1 s of `answer` per sample for 8 + 4 * 2 samples, plus 2 s of `stop` each
+    sample that answered."""
+    from mmrl.core import scheduler
+    from mmrl.core.engine import Request
+
+    trainer = make(tmp_path, "rollout.num_generations=2")  # 4 prompts x 2 samples
+    monkeypatch.setattr(scheduler, "time", rewards.time)
+
+    def extra_requests(self, group):
+        g = int(group.group_ids[0])
+        return [Request(g, group.prompts[g], 2, tag=1)]
+
+    trainer.method.__class__ = type("Resampling", (type(trainer.method),), {"extra_requests": extra_requests})
+    trainer.scheduler.reward = slow_toy_reward(clock)
+    batch, metrics = trainer.scheduler.next_groups(version=0)
+    answered = int(batch.scores.values[:, 0].sum())
+    assert len(batch) == 16 and metrics["rollout/samples_extra"] == 8
+    assert metrics["time/reward/answer"] == 16.0 and metrics["time/reward/stop"] == 2.0 * answered
+    assert metrics["time/reward"] == 16.0 + 2.0 * answered

@@ -181,10 +181,16 @@ class SyncScheduler:
             return batch
         engine = PolicyEngine(self.policy, own_weights=False)
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        t0 = time.perf_counter()
         extra = engine.generate(requests, self.cfg.rollout, seed)
+        t1 = time.perf_counter()
         metrics["rollout/decoded_tokens"] += decoded_tokens(extra)
         extra.policy_version = version
         extra.scores = self.reward.score(extra.samples)
+        # the extra samples' time is the step's too, as their tokens are (the pipelined round counts both)
+        metrics["time/rollout"] += t1 - t0
+        metrics["time/reward"] += time.perf_counter() - t1
+        add_atom_times(metrics, extra.scores)
         merged = RolloutBatch.concat([batch, extra])
         order = torch.argsort(merged.group_ids, stable=True)  # a group's rows stay together
         return merged.select(order)
