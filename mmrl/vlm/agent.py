@@ -20,9 +20,9 @@ Bad tool calls never stop a run: a malformed call (a turn that ends inside an un
 timeout all come back as an observation "error: ..." and the rollout goes on; they are
 counted (data["stat/tool_errors"]). A call that rollout.max_new_tokens cuts off is counted as a
 call and an error, and in data["stat/tool_cut"] (rollout/tool_cut: the turn budget is too short
-for the model's calls). Where the tool itself fails (it raises, outlasts its
-timeout, returns what cannot be shown) the count is also data["stat/tool_failures"], and a
-warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
+for the model's calls); a cut call's tokens are in call_mask and first_call, as a closed
+call's. Where the tool itself fails (it raises, outlasts its timeout, returns what cannot be
+shown) the count is also data["stat/tool_failures"], and a warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
 tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
 instead of running, and a call in the last turn is counted but not run (settings that let no
 tool run, max_turns 1, max_tool_calls 0 or a rollout.max_new_tokens shorter than any call, are
@@ -218,11 +218,14 @@ class ToolRollout:
         row.entropy += ent
         if not new or new[-1] not in self.stop_ids:  # a stop string or the token budget ended it
             row.done, row.truncated = True, len(new) >= rollout.max_new_tokens
-            if row.truncated and self._last_call_tag(row.ids[row.turn_start:])[1]:
+            last_open, left_open = self._last_call_tag(row.ids[row.turn_start:])
+            if row.truncated and left_open:
                 # the budget ran out inside a call: a call made, not run, counted (as "cut") so
-                # that a budget too short for the model's calls shows in the tool metrics
+                # that a budget too short for the model's calls shows in the tool metrics; its
+                # tokens are a call's (call_mask, first_call), as stat/called says
                 row.calls += 1
                 row.errors["cut"] += 1
+                row.call_spans.append((row.turn_start + last_open, len(row.ids)))
             return
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]

@@ -212,6 +212,9 @@ def test_a_call_cut_off_by_the_token_budget_is_counted(qwen25_dir):
     assert data["stat/tool_cut"].tolist() == [1.0, 0.0]
     assert data["stat/tool_calls"].tolist() == [1.0, 0.0] and data["stat/tool_errors"].tolist() == [1.0, 0.0]
     assert data["stat/tool_failures"].tolist() == [0.0, 0.0]  # the budget's fault, not the tool's
+    # its 20 tokens are a call's, as stat/called says (AXPO's first_call and call confidence)
+    assert data["stat/called"].tolist() == [1.0, 0.0] and data["first_call"].tolist() == [0, -1]
+    assert data["call_mask"][0].tolist() == batch.mask[0].tolist() and int(data["call_mask"][0].sum()) == 20
     batch.scores = Reward([reward_atom("one")(lambda s: 1.0)]).score(batch.samples)
     assert round_metrics(batch)["rollout/tool_cut"] == 0.5
 

@@ -25,8 +25,10 @@ RECONSTRUCTED (docs/methods.md section 2 marks AXPO partly reconstructed): the c
 ("extra decoding ~ 25% of G"), u_i over the first call's tokens only (the call the prefix
 ends before), "wrong" as the `answer` atom (else the total reward) below `success`, and the
 default K = 2 continuations per prefix (the method's description gives no K; budget 0.25 is its 25%).
-Departures: a rollout counts as tool-using when it emitted a complete tool call, whether
-or not the call succeeded; resampled continuations are never resampled again.
+Departures: a rollout counts as tool-using when it emitted a tool call (first_call), whether
+or not the call succeeded or was complete (one left unclosed, or cut by the turn's budget,
+counts: its continuations get a fresh budget to finish it); resampled continuations are never
+resampled again.
 """
 
 from __future__ import annotations
