@@ -20,13 +20,14 @@ Bad tool calls never stop a run: a malformed call (a turn that ends inside an un
 timeout all come back as an observation "error: ..." and the rollout goes on; they are
 counted (data["stat/tool_errors"]). A call that rollout.max_new_tokens cuts off is counted as a
 call and an error, and in data["stat/tool_cut"] (rollout/tool_cut: the turn budget is too short
-for the model's calls); a cut call's tokens are in call_mask and first_call, as a closed
-call's. Where the tool itself fails (it raises, outlasts its timeout, returns what cannot be
-shown) the count is also data["stat/tool_failures"], and a warning quotes the first failure of each tool and kind. Limits: tools.max_turns model turns and
-tools.max_tool_calls calls per rollout; a call past the limit gets an error observation
-instead of running, and a call in the last turn is counted but not run (settings that let no
-tool run, max_turns 1, max_tool_calls 0 or a rollout.max_new_tokens shorter than any call, are
-warned about once). An observation's text
+for the model's calls), as is one that a stop string ends (warned about once); a cut call's
+tokens are in call_mask and first_call, as a closed call's. Where the tool itself fails (it
+raises, outlasts its timeout, returns what cannot be shown) the count is also
+data["stat/tool_failures"], and a warning quotes the first failure of each tool and kind.
+Limits: tools.max_turns model turns and tools.max_tool_calls calls per rollout; a call past
+the limit gets an error observation instead of running, and a call in the last turn is
+counted but not run (settings that let no tool run, max_turns 1, max_tool_calls 0 or a
+rollout.max_new_tokens shorter than any call, are warned about once). An observation's text
 stays text (special tokens it quotes, e.g. <|image_pad|>, are broken by a word joiner) and is
 cut at tools.max_observation_tokens (a tool failure, too_long).
 
@@ -219,13 +220,15 @@ class ToolRollout:
         if not new or new[-1] not in self.stop_ids:  # a stop string or the token budget ended it
             row.done, row.truncated = True, len(new) >= rollout.max_new_tokens
             last_open, left_open = self._last_call_tag(row.ids[row.turn_start:])
-            if row.truncated and left_open:
-                # the budget ran out inside a call: a call made, not run, counted (as "cut") so
-                # that a budget too short for the model's calls shows in the tool metrics; its
-                # tokens are a call's (call_mask, first_call), as stat/called says
+            if left_open:
+                # the budget or a stop string ended the turn inside a call: a call made, not run,
+                # counted (as "cut") so that settings that cut the model's calls show in the tool
+                # metrics; its tokens are a call's (call_mask, first_call), as stat/called says
                 row.calls += 1
                 row.errors["cut"] += 1
                 row.call_spans.append((row.turn_start + last_open, len(row.ids)))
+                if not row.truncated and getattr(rollout, "stop", None):  # (teacher() has no stop strings)
+                    self._warn_stop_in_call(rollout.stop)
             return
         # the whole turn: a fixed prefix may hold the call's opening tag (AXPO's force_call)
         turn = row.ids[row.turn_start:]
@@ -306,6 +309,14 @@ class ToolRollout:
             self.warned.add((name, kind))
             warnings.warn(f"tool {name or '(observation)'}: {error} (the rollout {reads}; "
                           "counted in rollout/tool_failures; said once per tool and kind)", stacklevel=2)
+
+    def _warn_stop_in_call(self, stop) -> None:
+        """Said once: a stop string that ends turns inside tool calls keeps the tools from running."""
+        if ("stop_in_call",) not in self.checked:
+            self.checked.add(("stop_in_call",))
+            warnings.warn(f"rollout.stop {list(stop)!r}: a stop string ended a turn inside a tool call, "
+                          "so the call did not run (counted in rollout/tool_cut; said once); use stop strings "
+                          "that a tool call cannot hold", stacklevel=3)
 
     def _check_limits(self) -> None:
         """Warn (once) where tools.max_turns or tools.max_tool_calls leave no call able to run: each

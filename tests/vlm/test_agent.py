@@ -219,6 +219,24 @@ def test_a_call_cut_off_by_the_token_budget_is_counted(qwen25_dir):
     assert round_metrics(batch)["rollout/tool_cut"] == 0.5
 
 
+def test_a_call_ended_by_a_stop_string_is_counted_as_cut_and_said(qwen25_dir):
+    """rollout.stop ["</answer>"] ends row 0's turn inside its call (the script stops where the
+    string would): the call is counted as the budget's cut ones are (a call, an error, tool_cut,
+    its tokens in call_mask and first_call) where it was counted nowhere, the rollout is not
+    truncated, and a warning names the stop strings; row 1's answer stopped there counts none."""
+    policy = make_policy(qwen25_dir)
+    cut = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "</answer>'
+    Scripted(policy, [[cut], ["<answer>red</answer>"]]).install()
+    with pytest.warns(UserWarning, match=r"rollout.stop \['</answer>'\]: a stop string ended a turn inside a tool call"):
+        batch = policy.generate([ITEMS[0]], 2, rollout_cfg(stop=["</answer>"]), torch.Generator().manual_seed(0))
+    data = batch.data
+    n = len(policy.tokenizer(cut, add_special_tokens=False)["input_ids"])
+    assert data["stat/truncated"].tolist() == [0.0, 0.0] and data["stat/tool_cut"].tolist() == [1.0, 0.0]
+    assert data["stat/tool_calls"].tolist() == [1.0, 0.0] and data["stat/tool_errors"].tolist() == [1.0, 0.0]
+    assert data["first_call"].tolist() == [0, -1] and int(data["call_mask"][0].sum()) == n
+    assert batch.samples[0].meta["tool_calls"] == 1 and "tool_response" not in batch.samples[0].completion
+
+
 def test_limits_on_turns_and_tool_calls(qwen25_dir):
     """max_tool_calls: a second call gets an error observation; max_turns: a call in the
     last turn ends the rollout (truncated)."""

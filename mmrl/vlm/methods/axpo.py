@@ -26,9 +26,9 @@ RECONSTRUCTED (docs/methods.md section 2 marks AXPO partly reconstructed): the c
 ends before), "wrong" as the `answer` atom (else the total reward) below `success`, and the
 default K = 2 continuations per prefix (the method's description gives no K; budget 0.25 is its 25%).
 Departures: a rollout counts as tool-using when it emitted a tool call (first_call), whether
-or not the call succeeded or was complete (one left unclosed, or cut by the turn's budget,
-counts: its continuations get a fresh budget to finish it); resampled continuations are never
-resampled again.
+or not the call succeeded or was complete (one left unclosed, or cut by the turn's budget or a
+stop string, counts: its continuations get a fresh budget to finish it); resampled
+continuations are never resampled again.
 """
 
 from __future__ import annotations
