@@ -217,7 +217,8 @@ def build_tools(cfg: VLMTrainConfig):
     from mmrl.vlm.tools import build_registry
 
     try:
-        return build_registry(tc.names, timeout=tc.timeout, base_dir=cfg.base_dir, max_stuck=tc.max_stuck)
+        return build_registry(tc.names, timeout=tc.timeout, base_dir=cfg.base_dir, max_stuck=tc.max_stuck,
+                              isolation=tc.isolation)
     except ValueError as e:
         raise ConfigError(f"rollout.tools.names: {e}") from e
 

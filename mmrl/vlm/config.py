@@ -164,9 +164,17 @@ class ToolsConfig(Section):
     max_tool_calls: int = Field(2, ge=0)
     """Tool calls per rollout, failed ones (malformed, unknown tool) included; later calls get an error observation."""
     timeout: float = Field(10.0, gt=0)
-    """Seconds a tool may take; a slower call returns a timeout observation. A tool stuck in C
-    code that holds Python's GIL (a regex that backtracks for ever) cannot be interrupted:
-    run such work in a subprocess of the tool's own."""
+    """Seconds a tool may take; a slower call returns a timeout observation. Under isolation
+    thread, a tool stuck in C code that holds Python's GIL (a regex that backtracks for ever)
+    cannot be interrupted and hangs the rollout (one that ends late is a timeout, and warned
+    about): use isolation process for such tools."""
+    isolation: Literal["thread", "process"] = "thread"
+    """Where tools run. thread: a thread of this process; a call past its timeout is left running
+    (see max_stuck), and one in C code holding the GIL cannot time out. process: each tool in
+    worker processes of its own, killed at the timeout and replaced (the next call waits for a
+    fresh start: 0.1 s, more where the tool's file imports torch); the tool must be importable
+    there (a builtin or a "file.py:function"). A calculator call takes about 0.1-0.3 ms either way
+    (2 shared cores). One tool only: Tool(fn, isolation="process") in its file."""
     max_stuck: int = Field(4, ge=1)
     """Calls of one tool that may be left running past `timeout` (each in a thread that cannot be
     stopped, and may spin for ever); while that many still run, the tool's calls return a timeout

@@ -32,7 +32,11 @@ itself from:
     bad_arguments  unknown, missing or wrongly typed arguments
     raised         the tool raised ("tool zoom raised ValueError: ...")
     timeout        the tool ran longer than the registry's `timeout`; its worker
-                   thread is abandoned (a daemon; an async tool's task is cancelled).
+                   thread is abandoned (a daemon; an async tool's task is cancelled),
+                   or, under isolation "process", its process killed (and replaced).
+                   A thread cannot be stopped, nor time out while the tool holds the GIL
+                   in C code (a regex that backtracks): a call that ends far past its
+                   timeout that way is a timeout too, and a warning says to isolate it.
                    While `max_stuck` calls of a tool still run past their timeout, a
                    new call of it is not started and gets this kind at once: each
                    abandoned thread may spin for ever, and a policy that keeps calling
@@ -57,11 +61,14 @@ import json
 import math
 import numbers
 import operator
+import pickle
 import re
+import time
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
@@ -69,6 +76,13 @@ from PIL import Image
 from mmrl.core.jsonl import LONE_SURROGATE, json_type
 from mmrl.core.rewards import PLUGIN_MODULES, import_python_file, module_attribute, spec_file
 from mmrl.core.timeouts import Stuck, StuckCalls
+from mmrl.vlm.tool_process import (  # ToolContext lives there: a tool's process unpickles it without torch
+    ToolContext,
+    ToolProcessError,
+    ToolProcesses,
+    ToolProcessRaised,
+    ToolProcessTimeout,
+)
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -100,18 +114,6 @@ RESULT_KINDS = (
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI/Qwen function names allow
 _CTX = "ctx"  # the keyword parameter that receives the ToolContext
 _SHOWN = 60  # characters of a model's value quoted back in an error message
-
-
-@dataclass
-class ToolContext:
-    """What a tool may see of the prompt besides its arguments."""
-
-    # The prompt's images (may be empty), in order, at full resolution: the model saw them resized
-    # within model.max_pixels, and a box it names is in these images' own pixel coordinates (zoom's).
-    # In a rollout they are 8-bit RGB PIL images, copies, each the file's decoded original also where
-    # a jsonl task keeps only the model's view (mmrl.vlm.tasks.jsonl.JsonlItem.full_images).
-    images: list
-    meta: dict = field(default_factory=dict)  # anything else (e.g. the task item's meta)
 
 
 @dataclass
@@ -271,9 +273,11 @@ class Tool:
         extra arguments unchecked.
     name: default fn.__name__; letters, digits, "_" and "-", at most 64.
     description: default the first paragraph of fn's docstring.
+    isolation: "thread" or "process" (see ToolRegistry); None (default): the registry's.
     """
 
-    def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None):
+    def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None,
+                 isolation: str | None = None):
         if not callable(fn):
             raise TypeError(f"a tool must be callable, got {type(fn).__name__}")
         name = name if name is not None else getattr(fn, "__name__", None)
@@ -288,6 +292,8 @@ class Tool:
         self.name = name
         self.fn = fn
         self.description = description
+        self.isolation = _check_isolation(isolation, allow_none=True)
+        self.origin: tuple[str, str, bool] | None = None  # (file, attribute, a Tool there) of a "file.py:fn" tool
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             type(fn).__call__  # an object with an `async def __call__`
         )
@@ -474,6 +480,19 @@ class _ToolTimeout(Exception):
     pass
 
 
+class _HeldGIL(Exception):
+    """A call that ended past its timeout, holding the GIL; args[0] says so."""
+
+
+ISOLATIONS = ("thread", "process")
+
+
+def _check_isolation(isolation, allow_none: bool = False):
+    if (isolation is None and allow_none) or isolation in ISOLATIONS:
+        return isolation
+    raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+
+
 class ToolRegistry:
     """The tools of a rollout, by name; `call` runs one from a model's text.
 
@@ -482,9 +501,18 @@ class ToolRegistry:
         "timeout" at once; its worker thread is left to finish on its own (a daemon).
     max_stuck: calls of one tool that may be left running past their timeout (>= 1);
         while that many still run, the tool's calls return "timeout" without running.
+    isolation: where a tool runs (a Tool's own `isolation` overrides it). "thread" (default):
+        a thread of this process, which a call that outlasts its timeout leaves
+        running, and which cannot time out at all while the tool holds the GIL in C code (a
+        regex that backtracks for ever hangs the rollout). "process": a worker process per
+        concurrent call (mmrl.vlm.tool_process), killed at the timeout and replaced; the tool
+        must be importable there (a builtin, a "file.py:fn" tool, a module-level function),
+        and its arguments and result are pickled (a calculator call costs what a thread's does,
+        about 0.1 ms; a fresh process's start is not on the call's clock).
     """
 
-    def __init__(self, tools: Iterable[Callable | Tool] = (), *, timeout: float = 10.0, max_stuck: int = 4):
+    def __init__(self, tools: Iterable[Callable | Tool] = (), *, timeout: float = 10.0, max_stuck: int = 4,
+                 isolation: str = "thread"):
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, numbers.Real)
@@ -494,6 +522,9 @@ class ToolRegistry:
         self.timeout = float(timeout)
         self._stuck = StuckCalls(max_stuck, "tool")  # per tool: calls left running past the timeout
         self.max_stuck = self._stuck.limit
+        self.isolation = _check_isolation(isolation)
+        self._processes: dict[str, ToolProcesses] = {}
+        self._gil_warned: set[str] = set()
         self._tools: dict[str, Tool] = {}
         for t in tools:
             self.register(t)
@@ -508,11 +539,19 @@ class ToolRegistry:
             tool = fn
             if name is not None or description is not None:
                 tool = Tool(fn.fn, name=fn.name if name is None else name,  # "" is refused, not the old name
-                            description=fn.description if description is None else description)
+                            description=fn.description if description is None else description,
+                            isolation=fn.isolation)
         else:
             tool = Tool(fn, name=name, description=description)
         if tool.name in self._tools:
             raise ValueError(f"a tool named {tool.name!r} is already registered")
+        if self._isolated(tool):
+            try:  # another process imports it by name: said now, not at the model's first call
+                pickle.dumps(tool.fn)
+            except Exception as e:  # noqa: BLE001 -- a lambda, a closure, a local function
+                raise ValueError(f"tool {tool.name!r}: isolation 'process' runs it in another process, which "
+                                 f"cannot import it ({_describe(e)}); define it at the top level of a module, "
+                                 "or name it as 'path/to/file.py:function'") from None
         self._tools[tool.name] = tool
         return fn
 
@@ -537,7 +576,8 @@ class ToolRegistry:
         return len(self._tools)
 
     def __repr__(self) -> str:
-        return f"ToolRegistry({self.names()!r}, timeout={self.timeout}, max_stuck={self.max_stuck})"
+        return (f"ToolRegistry({self.names()!r}, timeout={self.timeout}, max_stuck={self.max_stuck}, "
+                f"isolation={self.isolation!r})")
 
     def stuck(self, name: str) -> int:
         """Calls of tool `name` abandoned at their timeout and still running."""
@@ -578,9 +618,15 @@ class ToolRegistry:
                 value = self._run(tool, kwargs)
             except _ToolTimeout:
                 return _error(f"tool {name} timed out after {self.timeout:g} s", "timeout", name)
+            except _HeldGIL as e:
+                return _error(e.args[0], "timeout", name)
             except Stuck as e:
                 return _error(f"tool {name} not run: {e.args[0]} earlier calls of it are still running past "
                               f"the {self.timeout:g} s timeout", "timeout", name)
+            except ToolProcessRaised as e:  # described in its process
+                return _error(f"tool {name} raised {e.args[0]}", "raised", name)
+            except ToolProcessError as e:
+                return _error(f"tool {name}: {e.args[0]}", "raised", name)
             except BaseException as e:  # noqa: BLE001 -- whatever the tool raised goes to the model
                 return _error(f"tool {name} raised {_describe(e)}", "raised", name)
             try:
@@ -591,10 +637,15 @@ class ToolRegistry:
         except Exception as e:  # noqa: BLE001 -- the contract: call never raises
             return _error(f"tool {_show(name)} failed: {_describe(e)}", "raised", name)
 
+    def _isolated(self, tool: Tool) -> bool:
+        return (tool.isolation or self.isolation) == "process"
+
     def _run(self, tool: Tool, kwargs: dict):
         """tool.fn(**kwargs) in a daemon thread (an async fn on its own event loop there),
         waiting at most self.timeout seconds; not started while max_stuck calls of it are
-        still running past theirs (mmrl.core.timeouts)."""
+        still running past theirs (mmrl.core.timeouts). Isolated: in a worker process."""
+        if self._isolated(tool):
+            return self._run_in_process(tool, kwargs)
         box: dict = {}
         timeout = self.timeout
 
@@ -607,11 +658,47 @@ class ToolRegistry:
             except BaseException as e:  # noqa: BLE001 -- handed to the caller
                 box["error"] = e
 
+        start = time.perf_counter()
         if not self._stuck.run(tool.name, work, timeout):  # Stuck: not started, for invoke to report
             raise _ToolTimeout
+        took = time.perf_counter() - start
+        # the timeout's wait woke this late: the tool held the GIL past the timeout (the margin is
+        # for a loaded machine that wakes a waiting thread late)
+        if took > 2 * timeout + 0.1:
+            self._held_gil(tool.name, took)
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _held_gil(self, name: str, took: float):
+        """A call that finished far past its timeout, the timeout's wait kept from waking: the
+        tool held the GIL (C code: a regex, big-integer arithmetic). It is a timeout, and said
+        once per tool: the same call with other input may never end, and hang the rollout."""
+        message = (f"tool {name} ran {took:.3g} s, past its {self.timeout:g} s timeout, holding Python's GIL "
+                   "(C code such as a regex or big-integer arithmetic), which no thread can interrupt")
+        if name not in self._gil_warned:
+            self._gil_warned.add(name)
+            warnings.warn(f"{message}: a call that never ends would hang the rollout; run it in a process "
+                          "killed at the timeout: rollout.tools.isolation: process (or Tool(fn, "
+                          "isolation='process'))", stacklevel=4)
+        raise _HeldGIL(message)
+
+    def _run_in_process(self, tool: Tool, kwargs: dict):
+        procs = self._processes.get(tool.name)
+        if procs is None:
+            load = (("file", *tool.origin) if tool.origin is not None
+                    else ("pickle", pickle.dumps(tool.fn)))
+            # a ctx's images unpickle with PIL: imported as the process starts, not on the call's clock
+            procs = self._processes.setdefault(tool.name, ToolProcesses(load, ["PIL.Image"] if tool.wants_context else []))
+        try:
+            return procs.call(kwargs, self.timeout)
+        except ToolProcessTimeout:
+            raise _ToolTimeout from None
+
+    def close(self) -> None:
+        """Stop the tools' idle worker processes (isolation "process"); a later call starts new ones."""
+        for procs in self._processes.values():
+            procs.close()
 
 
 async def _await_with_timeout(awaitable, timeout: float):
@@ -811,22 +898,24 @@ BUILTIN_TOOLS: dict[str, Callable] = {"zoom": zoom, "calculator": calculator}
 
 
 def build_registry(
-    names: Sequence[str], *, timeout: float = 10.0, base_dir: str | Path | None = None, max_stuck: int = 4
+    names: Sequence[str], *, timeout: float = 10.0, base_dir: str | Path | None = None, max_stuck: int = 4,
+    isolation: str = "thread",
 ) -> ToolRegistry:
     """A registry of the named tools. Each name is a builtin (BUILTIN_TOOLS) or
     "path/to/file.py:function" for a user's sync or async function (or Tool object);
     a relative path resolves against base_dir (default: the current directory), as
     for reward atoms. Each file is imported once, a plugin's file (`plugins:`) not again:
     its tools share the module (and its state) with the plugin's other code. An unknown
-    builtin or a bad path -> ValueError naming it and listing the builtins."""
+    builtin or a bad path -> ValueError naming it and listing the builtins. `isolation`: the
+    registry's (a file's tool runs in a process that imports its file again)."""
     if isinstance(names, str):
         names = [names]
     builtins = ", ".join(BUILTIN_TOOLS)
-    registry = ToolRegistry(timeout=timeout, max_stuck=max_stuck)
+    registry = ToolRegistry(timeout=timeout, max_stuck=max_stuck, isolation=isolation)
     modules: dict[Path, object] = {}
     given: dict[str, str] = {}  # tool name -> the spec that registered it, for a clash's message
 
-    def add(spec: str, tool, name: str) -> None:
+    def add(spec: str, tool, name: str, origin: tuple | None = None) -> None:
         if name in given:
             first = given[name]
             by = f"the builtin {first}" if first in BUILTIN_TOOLS else repr(first)
@@ -834,6 +923,7 @@ def build_registry(
             raise ValueError(f"tool {spec!r}: the name {name!r} is taken by {by}{same}; tools need "
                              "distinct names (rename the function, or give it one with Tool(fn, name=...))")
         registry.register(tool, name=None if isinstance(tool, Tool) else name)
+        registry.get(name).origin = origin  # where an isolated tool's process imports it from
         given[name] = spec
 
     for spec in names:
@@ -858,9 +948,9 @@ def build_registry(
             modules[path] = PLUGIN_MODULES.get(path) or import_python_file(path, what)
         obj = module_attribute(modules[path], attr, what, path.name)
         if isinstance(obj, Tool):
-            add(spec, obj, obj.name)
+            add(spec, obj, obj.name, (str(path), attr, True))
         elif callable(obj):
-            add(spec, obj, attr)
+            add(spec, obj, attr, (str(path), attr, False))
         else:
             raise ValueError(  # noqa: TRY004 -- a config error, like the others here
                 f"{what}: {attr!r} is not callable (it is {type(obj).__name__})"

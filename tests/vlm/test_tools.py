@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -661,7 +662,85 @@ def test_rollout_tools_config_reaches_the_registry():
     cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml",
                       ["rollout.tools.timeout=2.5", "rollout.tools.max_stuck=7"], defaults=backend.DEFAULT_CONFIG)
     reg = backend.build_tools(cfg)
-    assert (reg.timeout, reg.max_stuck) == (2.5, 7)
+    assert (reg.timeout, reg.max_stuck, reg.isolation) == (2.5, 7, "thread")
+    cfg = load_config(backend.CONFIG_CLASS, root / "configs" / "vlm" / "axpo.yaml",
+                      ["rollout.tools.isolation=process"], defaults=backend.DEFAULT_CONFIG)
+    assert backend.build_tools(cfg).isolation == "process"
+
+
+# ---------------------------------------------------------------------------- isolation
+
+HANGING_TOOLS = (  # a regex that backtracks: C code that holds the GIL, 2**n steps
+    "import os, re\n"
+    "def backtrack(n: int) -> str:\n"
+    '    """Match a pathological regex."""\n'
+    "    return str(bool(re.match(r'(a+)+$', 'a' * n + 'b')))\n"
+    "def die() -> str:\n"
+    "    os._exit(3)\n"
+    "def pid(*, ctx) -> str:\n"
+    "    return f'{os.getpid()} {ctx.images[0].size}'\n"
+)
+
+
+def test_a_tool_holding_the_gil_is_killed_at_its_timeout_under_isolation_process(tmp_path):
+    """A regex that backtracks for ever (2**40 steps) holds the GIL: a thread could not time it out,
+    and the rollout hung. In its own process it is killed at the 0.5 s timeout, the same timeout
+    observation as a thread's, and the next call gets a fresh process; a tool that raises or
+    kills its process is an error observation; a ctx tool gets its images there."""
+    (tmp_path / "hang.py").write_text(HANGING_TOOLS)
+    reg = build_registry(["hang.py:backtrack", "hang.py:die", "hang.py:pid"], base_dir=tmp_path, timeout=0.5,
+                         isolation="process")
+    try:
+        assert reg.call(call_text("backtrack", {"n": 3}), NO_CTX).content == ["False"]  # starts its process
+        start = time.monotonic()
+        res = reg.call(call_text("backtrack", {"n": 40}), NO_CTX)
+        assert_error(res, "timeout", "tool backtrack timed out after 0.5 s", name="backtrack")
+        assert time.monotonic() - start < 2.0
+        assert reg.call(call_text("backtrack", {"n": 3}), NO_CTX).content == ["False"]  # a new process
+        assert_error(reg.call(call_text("backtrack", {"n": "x"}), NO_CTX), "bad_arguments", name="backtrack")
+        assert_error(reg.call(call_text("die"), NO_CTX), "raised", "tool die: its process died (exit code 3)",
+                     name="die")
+        ctx = ToolContext(images=[gradient_image()[0]])
+        first, second = (reg.call(call_text("pid"), ctx).content[0] for _ in range(2))
+        assert first == second and first.endswith("(40, 30)")  # one process serves both calls
+        assert int(first.split()[0]) != os.getpid()
+    finally:
+        reg.close()
+
+
+def test_one_tool_can_be_isolated_and_a_tool_that_cannot_be_imported_is_refused():
+    """Tool(fn, isolation="process") isolates that tool only (re.match, whose module its process
+    imports at once); a lambda cannot be imported by another process, so isolating one is
+    refused at registration, naming it."""
+    import re
+
+    reg = ToolRegistry([Tool(re.match, name="match", isolation="process"), calculator], timeout=0.5)
+    try:
+        assert reg.isolation == "thread" and reg.get("match").isolation == "process"
+        res = reg.call(call_text("match", {"pattern": "(a+)+$", "string": "a" * 40 + "b"}), NO_CTX)
+        assert_error(res, "timeout", "tool match timed out after 0.5 s", name="match")
+        assert reg.call(call_text("calculator", {"expression": "2*3"}), NO_CTX).content == ["6"]
+        assert reg._processes.keys() == {"match"}  # the calculator ran here
+    finally:
+        reg.close()
+    with pytest.raises(ValueError, match=r"tool 'f': isolation 'process' runs it in another process, which cannot "
+                                         r"import it .*name it as 'path/to/file.py:function'"):
+        ToolRegistry([Tool(lambda: "x", name="f")], isolation="process")
+    with pytest.raises(ValueError, match="isolation must be 'thread' or 'process', got 'fork'"):
+        ToolRegistry(isolation="fork")
+
+
+def test_a_thread_tool_that_held_the_gil_past_its_timeout_is_a_timeout_naming_it(tmp_path):
+    """In a thread (the default) a GIL-holding call cannot be timed out; one that ends far past
+    its 0.05 s timeout (2**24 regex steps, about 0.6 s) was a success observation: it is a
+    timeout saying which tool held the GIL, and a warning, once per tool, says to isolate it."""
+    (tmp_path / "hang.py").write_text(HANGING_TOOLS)
+    reg = build_registry(["hang.py:backtrack"], base_dir=tmp_path, timeout=0.05)
+    with pytest.warns(UserWarning, match=r"tool backtrack ran .* s, past its 0.05 s timeout, holding Python's GIL.*"
+                                         r"rollout.tools.isolation: process"):
+        res = reg.call(call_text("backtrack", {"n": 24}), NO_CTX)
+    assert_error(res, "timeout", "tool backtrack ran", "holding Python's GIL", name="backtrack")
+    assert reg.call(call_text("backtrack", {"n": 3}), NO_CTX).content == ["False"]  # quick calls are fine
 
 
 # ---------------------------------------------------------------------------- edge cases by hand
@@ -908,7 +987,7 @@ def test_timeout_must_be_a_positive_finite_number(timeout):
 def test_registry_repr_and_timeout_as_float():
     reg = ToolRegistry([add], timeout=2, max_stuck=3)
     assert isinstance(reg.timeout, float)
-    assert repr(reg) == "ToolRegistry(['add'], timeout=2.0, max_stuck=3)"
+    assert repr(reg) == "ToolRegistry(['add'], timeout=2.0, max_stuck=3, isolation='thread')"
 
 
 def test_register_a_tool_object_under_a_new_name_or_description():
