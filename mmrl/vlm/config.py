@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from mmrl.core.config import (
     GroupAdvantageConfig,
     GRPOConfig,
+    KeyValueError,
     ModelConfig,
     RolloutConfig,
     Section,
@@ -454,6 +455,18 @@ class VLMTrainConfig(TrainConfig):
                              f"and the item's VAD prior); task.type {self.task.type} has none, so every R_cf and "
                              f"R_div would be 0 (GRPO, at the cost of CVIG's passes): use task.type shapes-mood, "
                              f"or a jsonl task of mood items with mu and sigma")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_images_fit(self):
+        # qwen-vl-utils refuses a max_pixels below min_pixels: every image a tool returned failed as
+        # an error observation (one warning, counted in rollout/tool_failures) and the run went on
+        tools, model = self.rollout.tools, self.model
+        if tools is not None and tools.image_max_pixels is not None and tools.image_max_pixels < model.min_pixels:
+            raise KeyValueError("rollout.tools.image_max_pixels",
+                                f"{tools.image_max_pixels} is below model.min_pixels ({model.min_pixels}): no size "
+                                f"of a tool's image fits both, so every image a tool returns would fail; give at "
+                                f"least {model.min_pixels}, or null for model.max_pixels ({model.max_pixels})")
         return self
 
     @model_validator(mode="after")

@@ -214,6 +214,9 @@ CONFIG_ROWS = {
                              lambda t: ["rollout.scheduler.frontier", "greater than or equal to 0"]),
     "min-pixels-above-max-pixels": Row("vlm", lambda t: train(t, "model.max_pixels=1000"),
                                        lambda t: ["min_pixels (3136) is above max_pixels (1000)"]),
+    "tool-image-below-min-pixels": Row(
+        "vlm", lambda t: train(t, "rollout.tools.names=[zoom]", "rollout.tools.image_max_pixels=100"),
+        lambda t: ["rollout.tools.image_max_pixels: 100 is below model.min_pixels (3136)"]),
     "noiseless-sde-policy-gradient": Row("diffusion", lambda t: train(t, "rollout.noise_level=0"),
                                          lambda t: ["method flow_grpo", "rollout.noise_level 0"]),
     "accuracy-band-inverted": Row("dllm", lambda t: train(t, "method.type=tracerl", "method.accuracy_band=[0.9,0.1]"),
