@@ -333,6 +333,19 @@ class DLLMTrainConfig(TrainConfig):
         return self
 
     @model_validator(mode="after")
+    def _kl_to_the_pre_update_policy_acts(self):  # said, not silently ignored
+        # One pass over one mini-batch runs under the rollout's weights: the k3 KL to them and its
+        # gradient are 0 whatever beta, so a beta sweep trains alike. A beta other than the method's
+        # default only: SLIM-RL's own config runs its paper's 0.01 in one pass (its description says so).
+        beta, default = self.method.kl.beta, type(self.method).model_fields["kl"].default_factory().beta
+        one_pass = self.train.ppo_epochs == 1 and self.train.mini_batches == 1
+        if beta > 0 and beta != default and one_pass and self.rollout.scheduler.mode == "sync":
+            config_warning(f"method.kl.beta {beta} weighs a KL to the pre-update policy, which is 0 with "
+                           "train.ppo_epochs 1 and train.mini_batches 1 (the only pass runs under the rollout's "
+                           "weights): the term and its gradient are 0; raise ppo_epochs or mini_batches for it to act")
+        return self
+
+    @model_validator(mode="after")
     def _overlong_buffer_fits(self):  # in place of the core's check of the buffer: no budget here
         if self.reward.overlong is not None:
             raise ValueError("reward.overlong (DAPO's length penalty) is for the VLM backend: a masked diffusion "

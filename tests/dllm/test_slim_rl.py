@@ -327,6 +327,27 @@ def test_the_kl_description_says_a_single_pass_makes_it_zero():
     assert "train.ppo_epochs 1 and train.mini_batches 1" in said and "exactly 0" in said
 
 
+@pytest.mark.parametrize("method", ["diffu_grpo", "tracerl", "slim_rl"])
+def test_a_kl_beta_that_a_single_pass_makes_zero_is_said(method):
+    """A dLLM method's KL is to the pre-update policy: with one pass over one mini-batch (sync) it
+    and its gradient are 0 whatever beta, so a beta sweep trained alike without a word."""
+    import warnings
+
+    from dllm_rl.config import DLLMTrainConfig
+    from mmrl.core.config import load_config
+
+    run = [f"method.type={method}", "rollout.strategy=tau_budget", "train.ppo_epochs=1"]
+    with pytest.warns(UserWarning, match=r"method.kl.beta 0.2 weighs a KL to the pre-update policy, which is 0 with "
+                                         r"train.ppo_epochs 1 and train.mini_batches 1"):
+        load_config(DLLMTrainConfig, None, [*run, "method.kl.beta=0.2"])
+    with warnings.catch_warnings():  # a second pass or mini-batch reads it; the method's own beta, or 0, is quiet
+        warnings.simplefilter("error")
+        load_config(DLLMTrainConfig, None, [*run, "method.kl.beta=0.2", "train.ppo_epochs=2"])
+        load_config(DLLMTrainConfig, None, [*run, "method.kl.beta=0.2", "train.mini_batches=2"])
+        load_config(DLLMTrainConfig, None, run)
+        load_config(DLLMTrainConfig, None, [*run, "method.kl.beta=0"])
+
+
 def test_max_spread_with_one_decoding_block_is_said_to_be_unused():
     """With gen_length = block_length the schedule has one block, masked at t itself
     (block_mask_rates(t, 1, ...) = [t]): a max_spread sweep trained alike without a word."""
