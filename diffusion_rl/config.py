@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from mmrl.core.config import (
+    KeyValueError,
     KLConfig,
     ModelConfig,
     RolloutConfig,
@@ -451,6 +452,20 @@ class DiffusionTrainConfig(TrainConfig):
         if getattr(self.method, "guided", False) and self.model.guidance_scale == 1:  # said, not silently ignored
             config_warning("method.guided true is unused with model.guidance_scale 1: without classifier-free "
                            "guidance the guided velocity is the conditional one")
+        return self
+
+    @model_validator(mode="after")
+    def _ema_moves(self):
+        # The average moves on every update_every-th optimizer step: in a run of fewer it never did, and
+        # evaluation and the checkpoint's model/ were the starting weights, the training in the raw ones only
+        ema, t = getattr(self.method, "ema", None), self.train
+        most = t.max_steps * t.ppo_epochs * t.mini_batches  # optimizer steps at most (pruning skips some)
+        if ema is not None and 0 < most < ema.update_every:
+            raise KeyValueError("method.ema.update_every",
+                                f"{ema.update_every} is more than the run's optimizer steps (train.max_steps "
+                                f"{t.max_steps} x ppo_epochs {t.ppo_epochs} x mini_batches {t.mini_batches} = {most}): "
+                                f"the average would never move, so evaluation and the saved model would be the "
+                                f"starting weights; give update_every at most {most}, or leave method.ema out")
         return self
 
     @model_validator(mode="after")

@@ -217,6 +217,9 @@ CONFIG_ROWS = {
     "tool-image-below-min-pixels": Row(
         "vlm", lambda t: train(t, "rollout.tools.names=[zoom]", "rollout.tools.image_max_pixels=100"),
         lambda t: ["rollout.tools.image_max_pixels: 100 is below model.min_pixels (3136)"]),
+    "ema-that-never-moves-diffusion": Row("diffusion", lambda t: train(t, "method.ema.update_every=8"),  # 1 step
+                                          lambda t: ["method.ema.update_every: 8 is more than the run's optimizer",
+                                                     "(train.max_steps 1 x ppo_epochs 1 x mini_batches 1 = 1)"]),
     "noiseless-sde-policy-gradient": Row("diffusion", lambda t: train(t, "rollout.noise_level=0"),
                                          lambda t: ["method flow_grpo", "rollout.noise_level 0"]),
     "accuracy-band-inverted": Row("dllm", lambda t: train(t, "method.type=tracerl", "method.accuracy_band=[0.9,0.1]"),
