@@ -458,6 +458,17 @@ class VLMTrainConfig(TrainConfig):
         return self
 
     @model_validator(mode="after")
+    def _cora_warmup_ends(self):  # said: a warm-up longer than the run never reaches the beta it names
+        m, steps = self.method, self.train.max_steps
+        if (m.type == "cora" and m.beta > 0 and steps > 0 and m.warmup_steps >= steps
+                and changed_settings(m, ("warmup_steps",))):
+            # beta_t = beta * step / warmup_steps at step 0 .. max_steps - 1
+            config_warning(f"method.warmup_steps {m.warmup_steps} is not shorter than the run (train.max_steps "
+                           f"{steps}): the consistency weight rises to {m.beta * (steps - 1) / m.warmup_steps:.3g} "
+                           f"at most, never method.beta {m.beta}")
+        return self
+
+    @model_validator(mode="after")
     def _tool_images_fit(self):
         # qwen-vl-utils refuses a max_pixels below min_pixels: every image a tool returned failed as
         # an error observation (one warning, counted in rollout/tool_failures) and the run went on

@@ -30,13 +30,16 @@ def _load(config, overrides):
      r"method.resample.force_call True unused with method.resample.budget 0: nothing is resampled"),
     ("cora.yaml", ["method.beta=0", "method.warmup_steps=50"],
      r"method.warmup_steps 50 unused with method.beta 0: there is no consistency weight to warm up"),
+    ("cora.yaml", ["method.warmup_steps=1000"],
+     (r"method.warmup_steps 1000 is not shorter than the run \(train.max_steps 500\): the consistency weight "
+      r"rises to 0.0998 at most, never method.beta 0.2")),  # 0.2 x 499 / 1000
     ("dspo.yaml", ["method.div_weight=0", "method.tau_div=0.1"],
      r"method.tau_div 0.1 unused with method.div_weight 0: each shapes R_div"),
     ("axpo.yaml", ["method.dynamic_sampling.enabled=true"],
      (r"method.dynamic_sampling drops a group whose rewards are all equal before AXPO looks at it: a group whose "
       r"rollouts are all wrong \(and score alike\) is dropped, never resampled")),
 ], ids=["vppo-mask_p-with-blur", "vppo-blur_sigma-with-mask", "pacg-vppo-shaping-on-dapo", "axpo-no-budget",
-        "cora-no-beta", "dspo-no-div-weight", "axpo-dynamic-sampling"])
+        "cora-no-beta", "cora-warmup-past-the-run", "dspo-no-div-weight", "axpo-dynamic-sampling"])
 def test_settings_their_method_does_not_read_are_said_to_be_unused(config, overrides, said):
     with pytest.warns(UserWarning, match=said) as record:
         _load(config, overrides)
@@ -52,6 +55,7 @@ def test_settings_their_method_does_not_read_are_said_to_be_unused(config, overr
     ("axpo.yaml", ["method.resample.k=4", "method.resample.force_call=true"]),
     ("cora.yaml", ["method.beta=0"]),
     ("cora.yaml", ["method.warmup_steps=50"]),
+    ("cora.yaml", ["train.max_steps=2"]),  # the default warm-up in a short (smoke) run
     ("dspo.yaml", ["method.div_weight=0"]),
     ("dspo.yaml", ["method.tau=0.1", "method.tau_div=0.1"]),
 ])
