@@ -521,6 +521,21 @@ def test_a_pad_multiple_of_the_whole_group_is_refused(tmp_path):
                      toy.ToyTask().reward)
 
 
+def test_a_null_pad_multiple_of_a_world_size_as_large_as_the_group_is_refused(tmp_path, monkeypatch):
+    """pad_multiple null pads to the data-parallel world size, which the config cannot see: with 8
+    processes and G = 8 every dropped rollout came back and MDAP pruned nothing, silently."""
+    from mmrl.core import distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 8)
+    with pytest.raises(ConfigError, match=r"method.fastrl.pad_multiple is null: the data-parallel world size \(8\), "
+                                          r"which is not below rollout.num_generations \(8\): .* MDAP prunes nothing"):
+        build_method(toy_config(tmp_path, "method.fastrl.enabled=true", "rollout.num_generations=8"),
+                     toy.ToyTask().reward)
+    for fine in (("rollout.num_generations=9",), ("rollout.num_generations=8", "method.fastrl.pad_multiple=1"),
+                 ("rollout.num_generations=8", "method.fastrl.enabled=false")):
+        build_method(toy_config(tmp_path, "method.fastrl.enabled=true", *fine), toy.ToyTask().reward)
+
+
 def test_grpo_ars_weighs_the_kept_counts_by_step_over_max_steps(tmp_path):
     def size_at(step):
         cfg = toy_config(tmp_path, "method.fastrl.enabled=true", "method.fastrl.ars=true",

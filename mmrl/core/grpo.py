@@ -31,6 +31,7 @@ from mmrl.core.advantages import (
     zero_variance_groups,
 )
 from mmrl.core.batch import RolloutBatch
+from mmrl.core.config import ConfigError
 from mmrl.core.fastrl import AdaptiveGroupSize, mdap_counts, sample_advantages, sequences_of
 from mmrl.core.losses import LossOutput, aggregate, kl_penalty, loss_denominator, policy_loss
 from mmrl.core.method import SAMPLE_WEIGHT, Method, register_method
@@ -44,6 +45,12 @@ class GRPO(Method):
         self.max_len = cfg.loss.max_len or run.rollout.max_new_tokens
         fastrl = getattr(cfg, "fastrl", None)
         self.fastrl = fastrl if fastrl is not None and fastrl.enabled else None
+        g, world = run.rollout.num_generations, distributed.world_size()
+        if self.fastrl is not None and fastrl.pad_multiple is None and 1 < g <= world:
+            # the config refuses a pad_multiple >= G it is given; null means the world size, known only here
+            raise ConfigError(f"method.fastrl.pad_multiple is null: the data-parallel world size ({world}), which is "
+                              f"not below rollout.num_generations ({g}): every group's kept rollouts would be padded "
+                              f"back to all {g}, so MDAP prunes nothing; set pad_multiple below {g} (1: no padding)")
         self.ars = (AdaptiveGroupSize(run.rollout.num_generations, fastrl.min_group_size)
                     if self.fastrl is not None and fastrl.ars else None)
 
