@@ -69,8 +69,9 @@ class DLLMRolloutConfig(RolloutConfig):
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set (or, on a run, unless the run set n > 0)."""
     eval_batch_size: int = Field(128, ge=1)
-    """Problems per decoding batch in held-out evaluation (greedy and sampled). The sampled
-    pass@k draw their samples batch by batch, so another value draws other samples."""
+    """Problems per decoding batch in held-out evaluation (greedy and sampled): memory and speed
+    only. Every metric, the sampled pass@k included, is the same at any value: each sampled
+    answer draws its noise from its own generator, seeded by its problem and sample index."""
     max_new_tokens: int = Field(16, exclude=True)  # the core's Dr.GRPO length constant: set to gen_length
     # (out of config dumps, so that only a user's own setting reaches the check below)
     """Not a dLLM setting: always gen_length (the core's Dr.GRPO length constant). Left out of

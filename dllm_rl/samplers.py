@@ -40,6 +40,10 @@ Departures from the reference code:
   on them either: `logits_fn(x[rows], rows)` gets only the rows still decoding, so their
   NFE saving is a compute saving. The random draws are still made for the whole batch, so
   a seed samples the same answers either way.
+- `generator` may be one generator per row (held-out evaluation's, mmrl.core.held_out.
+  sample_generators): row r's noise then comes from its own generator, drawn only at the
+  steps where r decodes, so its answer is the same in any batch. One generator (training's
+  rollouts) draws the whole batch's noise at once, as before.
 - `stop_id` (ours; LLaDA2's `eos_early_stop`): a row stops once it has committed that token
   (<eos>) with every position before it filled. Its answer is then final, since tokens are
   never re-masked; the positions after it stay masked (commit_step -1) and its later steps
@@ -199,19 +203,32 @@ def _block_logits(logits_fn, x: Tensor, active: Tensor | None, lo: int, hi: int)
     return out
 
 
-def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None, tempered: bool = False):
+def _uniform(shape, generator: torch.Generator | None, device) -> Tensor:
+    """u ~ U(0, 1) float64 of `shape`, drawn on the generator's device, moved to `device`."""
+    dev = generator.device if generator is not None else device
+    return torch.rand(shape, dtype=torch.float64, generator=generator, device=dev).to(device)
+
+
+def _draw(logits: Tensor, temperature: float, generator: torch.Generator | list | None,
+          tempered: bool = False, active: Tensor | None = None):
     """logits [B, L, V] float64 -> (x0 [B, L], confidence [B, L], logp [B, L]).
     Gumbel-max: argmax(logits / T + g), g = -log(-log(u)), u ~ U(0, 1) in float64.
-    The confidence is softmax(logits)[x0], or with `tempered` softmax(logits / T)[x0]."""
+    The confidence is softmax(logits)[x0], or with `tempered` softmax(logits / T)[x0].
+    `generator` a list: row r's u from generator[r], drawn only for the `active` rows (the others
+    commit nothing, so their u, 1/2, is never read)."""
     if temperature > 0:
         scaled = logits / temperature
         # The noise is drawn on the generator's device, then moved to the logits'. The trainer's
         # and the CLI's generators are CPU ones: on the CPU (and the tests' simulated device) a
         # seed gives the same float64 noise; on a GPU, decode() hands a GPU generator seeded from
         # the CPU one instead (see there).
-        dev = generator.device if generator is not None else logits.device
-        u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=dev)
-        u = u.to(logits.device).clamp_min(torch.finfo(torch.float64).tiny)
+        if isinstance(generator, list):
+            u = torch.full(logits.shape, 0.5, dtype=torch.float64, device=logits.device)
+            for r in active.nonzero().flatten().tolist():
+                u[r] = _uniform(logits.shape[1:], generator[r], logits.device)
+        else:
+            u = _uniform(logits.shape, generator, logits.device)
+        u = u.clamp_min(torch.finfo(torch.float64).tiny)
         x0 = (scaled - torch.log(-torch.log(u))).argmax(-1)
     else:
         scaled = logits
@@ -222,11 +239,22 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None,
     return x0, conf, logp
 
 
+def _on(device: torch.device, generator: torch.Generator) -> torch.Generator:
+    """A generator that draws on `device`. A float64 [B, block, V] draw per step on the CPU, then
+    copied, would dominate a GPU step (1 GB at LLaDA's vocabulary, 64 rows x 16 positions): draw
+    on the GPU from a generator seeded by the CPU one, so a seed still fixes the rollout (on that
+    GPU)."""
+    if device.type != "cuda" or generator.device.type == "cuda":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
+
+
 @torch.no_grad()
 def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_length: int,
            block_length: int, steps: int, mask_id: int, strategy: str = "low_confidence",
            temperature: float = 0.0, threshold: float = 0.8, tau: float = 0.9, m: float = 1.0,
-           generator: torch.Generator | None = None,
+           generator: torch.Generator | list[torch.Generator] | None = None,
            record_states: bool = False, stop_id: int | None = None,
            rows_arg: bool = False) -> DecodeResult:
     """Block-wise masked-diffusion decoding; see the module docstring.
@@ -235,6 +263,7 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
       with rows_arg, (x[rows] [b, P+gen_length], rows LongTensor [b]) -> [b, P+gen_length, V]
       for the b rows still decoding (a row's logits must not depend on the other rows).
     prompt_ids [B, P]: left-padded by the caller, never modified.
+    generator: one for the whole batch, or a list of one per row (each row's noise its own).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown commit strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -259,12 +288,12 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
 
     B, P = prompt_ids.shape
     device = prompt_ids.device
-    if generator is not None and device.type == "cuda" and generator.device.type != "cuda":
-        # A float64 [B, block, V] draw per step on the CPU, then copied, would dominate a GPU step
-        # (1 GB at LLaDA's vocabulary, 64 rows x 16 positions): draw on the GPU from a generator
-        # seeded by the CPU one, so a seed still fixes the rollout (on that GPU).
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        generator = torch.Generator(device).manual_seed(seed)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != B:
+            raise ValueError(f"{len(generator)} generators for {B} rows")
+        generator = [_on(device, g) for g in generator]
+    elif generator is not None:
+        generator = _on(device, generator)
     x = torch.cat([prompt_ids, prompt_ids.new_full((B, gen_length), mask_id)], dim=1)
     is_masked = torch.ones(B, gen_length, dtype=torch.bool, device=device)
     commit_step = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
@@ -291,7 +320,7 @@ def decode(logits_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, *, gen_len
             if record_states:
                 states.append(x.clone())
             logits = _block_logits(logits_fn, x, active if rows_arg else None, P + lo, P + hi)
-            x0, conf, logp = _draw(logits, temperature, generator, tempered=strategy == "tau_budget")
+            x0, conf, logp = _draw(logits, temperature, generator, tempered=strategy == "tau_budget", active=active)
             n = schedule[:, min(i, schedule.shape[1] - 1)]
             if strategy == "tau_budget":
                 n = n.clamp_min(1)

@@ -4,7 +4,8 @@ Held-out evaluation decodes every problem greedily (temperature 0) with the run'
 strategy (rollout.eval_strategy where it is set) and scores it with the task's atoms:
 `accuracy` (the answer atom), every other atom, `reward`, and `nfe` (mean function
 evaluations per answer). With rollout.eval_samples = n > 0 it also samples n answers per
-problem at the rollout temperature (fixed seed, so before and after are comparable) and
+problem at the rollout temperature (each answer's noise seeded by the problem and sample
+index alone, so before and after, and any eval_batch_size, are comparable) and
 reports pass@k for k = 1..min(16, n) (the unbiased estimator of Chen et al. 2021)
 and their mean NFE (`sampled_nfe`).
 """
@@ -20,6 +21,7 @@ import torch
 
 from dllm_rl.policy import to_sample
 from mmrl.core import distributed
+from mmrl.core.held_out import sample_generators
 from mmrl.core.rewards import Reward
 
 
@@ -85,13 +87,15 @@ class DLLMTask:
 
     def answers(self, policy, problems, temperature: float, generator=None, progress=None):
         """Decoded answer texts of `problems` and the NFE of each, in batches of batch_size
-        (temperature 0 = greedy); `progress` (mmrl.core.held_out.EvalProgress) counts them."""
+        (temperature 0 = greedy); `progress` (mmrl.core.held_out.EvalProgress) counts them.
+        `generator`: one for all, or a list of one per problem (its answer then the same in any batch)."""
         texts, nfe = [], []
         if progress is not None:
             progress.expect(len(problems))
         for start in range(0, len(problems), self.batch_size):
             chunk = problems[start: start + self.batch_size]
-            result, _ = policy.decode([p.prompt for p in chunk], generator, temperature=temperature,
+            gen = generator[start: start + self.batch_size] if isinstance(generator, list) else generator
+            result, _ = policy.decode([p.prompt for p in chunk], gen, temperature=temperature,
                                       strategy=self.rollout.eval_strategy)
             texts += policy.answer_text(result.completion)
             nfe.append(result.nfe.float())
@@ -99,14 +103,16 @@ class DLLMTask:
                 progress.advance(len(chunk))
         return texts, torch.cat(nfe)
 
-    def dealt_answers(self, policy, problems, temperature: float, generator=None, progress=None):
+    def dealt_answers(self, policy, problems, temperature: float, generators=None, progress=None):
         """`answers`, each data-parallel rank decoding its share (distributed.map_shards, a
-        collective; sampling draws from `generator` on each rank alike); all of them on every rank."""
+        collective; sampling draws each problem's noise from its own of `generators`); all of
+        them on every rank."""
         def share(chunk):
-            texts, nfe = self.answers(policy, chunk, temperature, generator, progress)
+            mine = [p for p, _ in chunk]
+            texts, nfe = self.answers(policy, mine, temperature, [g for _, g in chunk] if generators else None, progress)
             return list(zip(texts, nfe.tolist(), strict=True))
 
-        pairs = distributed.map_shards(share, list(problems))
+        pairs = distributed.map_shards(share, list(zip(problems, generators or [None] * len(problems))))
         return [t for t, _ in pairs], torch.tensor([f for _, f in pairs], dtype=torch.float32)
 
     def evaluate(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
@@ -132,11 +138,11 @@ class DLLMTask:
             out["accuracy" if name == self.answer_atom else name] = float(scores.values[:, k].double().mean())
         n = self.eval_samples
         if n:
-            # CPU; on a GPU it seeds one there (samplers.decode). Each rank its own seed: the n copies
-            # of a problem are dealt out across the ranks, which drew identical answers alike seeded
-            gen = torch.Generator().manual_seed(distributed.rank_seed(1234))
+            # One generator per answer, seeded by (problem, sample) alone: the same answers at any
+            # eval_batch_size and on any rank. CPU ones; on a GPU each seeds one there (samplers.decode).
+            gens = sample_generators(len(self.eval_problems), n)
             problems = [p for p in self.eval_problems for _ in range(n)]
-            drawn, sampled_nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gen, progress)
+            drawn, sampled_nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gens, progress)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, drawn)])
             answer_scores = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n)
             hits = answer_scores >= 0.5

@@ -86,6 +86,21 @@ def takes(fn, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+EVAL_SEED = 1234  # the sampled evaluation's seed: fixed, so before and after training are comparable
+
+
+def sample_generators(items: int, samples: int, seed: int = EVAL_SEED) -> list:
+    """One CPU generator per sampled answer, item-major ([item 0's samples, item 1's, ...]),
+    each seeded by (seed, item, sample) alone: an item's samples do not depend on the batch it
+    is decoded in (eval_batch_size), the rank that decodes it, or the items before it. A
+    sampler draws a row's noise from its row's generator only."""
+    import torch
+
+    # distinct seeds for items and samples under 1_000_003 each
+    return [torch.Generator().manual_seed((seed * 1_000_003 + i) * 1_000_003 + j)
+            for i in range(items) for j in range(samples)]
+
+
 def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """`rows` as JSONL at `path`, whole or not at all (atomic_path). A float32 score is written as
     its shortest decimal (rewards.shortest: 0.1, not 0.10000000149011612), a non-finite number

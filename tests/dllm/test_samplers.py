@@ -434,6 +434,32 @@ def test_rows_arg_runs_only_decoding_rows_and_samples_the_same(strategy, stop):
         assert int(whole.nfe.sum()) < whole.num_steps * len(prompt)
 
 
+@pytest.mark.parametrize("strategy", ["low_confidence", "threshold", "fork"])
+@pytest.mark.parametrize("stop", [None, 2])
+def test_a_generator_per_row_samples_each_row_as_it_samples_it_alone(strategy, stop):
+    """Held-out evaluation's generators, one per row: a row's answer, log-probs and NFE are
+    those it gets decoded alone with its generator (its commit steps count the batch's steps),
+    though threshold and fork rows (and rows stopping at `stop`) finish blocks at different
+    steps and wait for the batch: a row draws only at the steps where it decodes. (One
+    generator for the batch draws for every row at every step, so a row's noise depends on
+    its batch.)"""
+    prompt = torch.tensor([[1, 2], [3, 0], [4, 4], [0, 1], [2, 2], [3, 3]])
+    kw = {"gen_length": 16, "block_length": 4, "steps": 8, "mask_id": MASK, "strategy": strategy,
+          "temperature": 1.0, "threshold": 0.5, "stop_id": stop}
+
+    def gens(rows):
+        return [torch.Generator().manual_seed(10 + r) for r in rows]
+    batch = decode(seeded_model(), prompt, generator=gens(range(6)), **kw)
+    for r in range(6):
+        alone = decode(seeded_model(), prompt[r:r + 1], generator=gens([r]), **kw)
+        for field in ("completion", "commit_logp", "nfe"):
+            assert torch.equal(getattr(batch, field)[r], getattr(alone, field)[0]), (r, field)
+    if strategy != "low_confidence" or stop:  # rows waited for the batch: the case the per-row draws are for
+        assert not batch.active.all()
+    with pytest.raises(ValueError, match="5 generators for 6 rows"):
+        decode(seeded_model(), prompt, generator=gens(range(5)), **kw)
+
+
 def test_seeds():
     def sample(seed):
         return run(temperature=1.0, generator=torch.Generator().manual_seed(seed),
