@@ -165,6 +165,49 @@ def test_vlm_rows_hold_each_items_question_answer_completion_scores_and_sampled_
 
 # ------------------------------------------------------------------ diffusion
 
+def test_vlm_metrics_greedy_and_sampled_do_not_depend_on_eval_batch_size(one_thread):
+    """The bundled VLM on 5 held-out items, 2 samples each, at eval_batch_size 1, 3 and 8 (1, 1
+    and 4 items a sampled batch, so prompts of different lengths pad differently): the same
+    greedy and sampled answer scores and metrics. Each sample draws from its own generator
+    (RowSampler); generate's own draw took a batch's noise at once, and sampled_accuracy moved
+    with the size (0.5 at sizes 1 and 3, 0.3 at 8)."""
+    from mmrl.vlm import backend
+
+    cfg = load_config(backend.CONFIG_CLASS, defaults=backend.DEFAULT_CONFIG,
+                      overrides=["task.num_eval=5", "rollout.eval_samples=2", "rollout.max_new_tokens=16"])
+    policy, task = backend.build(cfg)
+    seen = []
+    for size in (1, 3, 8):
+        task.batch_size, rows = size, []
+        with torch.no_grad():
+            seen.append((task.evaluate(policy, rows=rows), [(r["completion"], r["sampled_answer"]) for r in rows]))
+    assert seen[0] == seen[1] == seen[2] and len(seen[0][1]) == 5 and "sampled_accuracy" in seen[0][0]
+
+
+def test_row_sampler_draws_each_row_from_its_own_generator_within_top_p():
+    """RowSampler, generate's sampling step with a generator per row: a row's draw is the same
+    alone or beside another row; it returns 0 at the drawn token, -inf elsewhere; and draws
+    follow softmax(scores / T) cut to top_p. Scores log(0.5, 0.3, 0.2) at T = 1, top_p 0.7:
+    0.5 + 0.3 reach 0.7, so tokens 0 and 1 are drawn at 0.5 / 0.8 = 0.625 and 0.375, token 2 never."""
+    from mmrl.vlm.policy import RowSampler
+
+    scores = torch.tensor([0.5, 0.3, 0.2]).log()
+    rollout = SimpleNamespace(temperature=1.0, top_p=0.7)
+
+    def sampler(*seeds):
+        return RowSampler([torch.Generator().manual_seed(s) for s in seeds], rollout.temperature, rollout.top_p, "cpu")
+
+    pair, alone = sampler(1, 2), sampler(2)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    for _ in range(5):  # row 1's t-th draw alone = its t-th draw beside row 0
+        both = pair(ids, scores.repeat(2, 1))
+        assert torch.equal(both[1], alone(ids[:1], scores[None])[0])
+        assert (both == 0).sum(-1).tolist() == [1, 1] and both.isneginf().sum().item() == 4
+    drawn = sampler(*range(4000))(torch.zeros(4000, 1, dtype=torch.long), scores.repeat(4000, 1)).argmax(-1)
+    freq = torch.bincount(drawn, minlength=3) / 4000.0
+    assert freq[2] == 0 and abs(freq[0] - 0.625) < 0.03  # 3 standard errors: sqrt(0.625 * 0.375 / 4000) = 0.0077
+
+
 def test_diffusion_rows_hold_each_images_prompt_seed_and_atom_verdicts():
     """A renderer that draws each prompt's own scene but a blank one for "three yellow
     triangles": the first prompt's atoms all pass, the second's all fail (the scene of "a red

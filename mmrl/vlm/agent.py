@@ -59,7 +59,7 @@ from torch import Tensor
 from mmrl.core.batch import RolloutBatch
 from mmrl.core.config import ConfigError
 from mmrl.core.device import fork_rng
-from mmrl.vlm.policy import _per_token, mean_over, scores_by_forward, to_sample
+from mmrl.vlm.policy import _per_token, mean_over, sampling_kwargs, scores_by_forward, to_sample
 from mmrl.vlm.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolContext, ToolRegistry
 
 TOOL_FAILURES = ("raised", "timeout", "bad_result", "bad_image", "too_long")  # the tool failed, not the model's call
@@ -145,7 +145,12 @@ class ToolRollout:
             active = [i for i, r in enumerate(rows) if not r.done]
             if not active:
                 break
-            seed = None if greedy else int(torch.randint(0, 2**62, (1,), generator=generator))  # CPU generator
+            if greedy:
+                seed = None
+            elif isinstance(generator, list):  # one per row (VLMPolicy.generate): the active rows' own
+                seed = [generator[i] for i in active]
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # CPU generator
             new, logp, ent = self._generate(prompt, rows, active, rollout, seed, greedy)
             for k, i in enumerate(active):
                 self._take_turn(rows[i], new[k], logp[k], ent[k], rollout)
@@ -430,10 +435,10 @@ class ToolRollout:
         if pixels:
             inputs["pixel_values"] = torch.cat(pixels)
             inputs["image_grid_thw"] = torch.cat(grids)
-        sampling = ({"do_sample": False} if greedy else
-                    {"do_sample": True, "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": 0})
+        rowwise = isinstance(seed, list)  # a generator per row, or a seed for generate's own draw
+        sampling = {"do_sample": False} if greedy else sampling_kwargs(rollout, seed if rowwise else None, device)
         with fork_rng(pol.model), torch.no_grad():
-            if seed is not None:
+            if seed is not None and not rowwise:
                 torch.manual_seed(seed)
             out = pol.model.generate(
                 **inputs, **sampling, max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True,

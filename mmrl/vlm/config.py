@@ -215,9 +215,9 @@ class VLMRolloutConfig(RolloutConfig):
     """Stop strings (besides the end-of-turn token)."""
     eval_batch_size: int = Field(64, ge=1)
     """Prompts per greedy decoding batch in held-out evaluation; the sampled evaluation
-    (eval_samples) decodes eval_batch_size // eval_samples prompts (at least 1) per batch. Its
-    metrics (sampled_accuracy, pass@k) draw their samples batch by batch, so another value draws
-    other samples."""
+    (eval_samples) decodes eval_batch_size // eval_samples prompts (at least 1) per batch. Memory
+    and speed only: every metric, sampled_accuracy and pass@k included, is the same at any value
+    (each sample draws from its own generator, seeded by its item and sample index)."""
     eval_samples: int = Field(4, ge=0)
     """Completions sampled per held-out item for `sampled_accuracy` and pass@k (0 = greedy only)."""
     tools: ToolsConfig | None = None

@@ -63,6 +63,48 @@ def budget_spent(is_eos: Tensor, mask: Tensor, lengths: Tensor, max_new_tokens: 
     return (~ended & spent).float()
 
 
+class RowSampler:
+    """generate's sampling step with one generator per row, for draws that do not depend on
+    the batch (held-out evaluation's samples, mmrl.core.held_out.sample_generators): generate's
+    own draw (do_sample) takes a whole batch's noise from the global RNG, so an item sampled in
+    another batch got other answers. As generate's last logits processor (after its banned
+    tokens), it applies generate's own temperature and top-p warpers, draws Gumbel-max
+    argmax(scores + g) with row r's g from generators[r], and returns 0 at the drawn token and
+    -inf elsewhere, which greedy decoding (do_sample=False) then takes: a sample of the same
+    distribution as do_sample's. Row r's t-th token takes its generator's t-th draw."""
+
+    def __init__(self, generators: Sequence[torch.Generator], temperature: float, top_p: float, device):
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        # CPU generators (a seed's draws then the same anywhere) seed ones on a GPU: a [rows, V]
+        # draw per token on the CPU, then copied, would cost more than the step
+        self.generators = [g if torch.device(device).type != "cuda" else
+                           torch.Generator(device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+                           for g in generators]
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:  # scores [rows, V]
+        if len(scores) != len(self.generators):
+            raise ValueError(f"{len(self.generators)} generators for {len(scores)} rows")
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=g.device) for g in self.generators])
+        u = u.to(scores.device).clamp_min(torch.finfo(u.dtype).tiny)
+        drawn = (scores - torch.log(-torch.log(u))).argmax(-1, keepdim=True)  # [rows, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
+
+
+def sampling_kwargs(rollout, generators: Sequence[torch.Generator] | None, device) -> dict:
+    """generate's sampling arguments at the rollout's temperature and top_p: its own draw (from
+    the global RNG, which the caller seeds), or with `generators` (one per row) RowSampler's."""
+    if generators is None:
+        return {"do_sample": True, "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": 0}
+    from transformers import LogitsProcessorList
+
+    return {"do_sample": False, "logits_processor": LogitsProcessorList([
+        RowSampler(generators, rollout.temperature, rollout.top_p, device)])}
+
+
 class PromptTooLong(ConfigError):
     """A prompt (with max_new_tokens) longer than the model's context. A ConfigError (so a
     ValueError) because it is the user's data or settings: the CLI prints it without a
@@ -231,11 +273,13 @@ class VLMPolicy:
 
     # ------------------------------------------------------------------ rollout
 
-    def generate(self, prompts, num_generations: int, rollout, generator: torch.Generator,
+    def generate(self, prompts, num_generations: int, rollout, generator: torch.Generator | list[torch.Generator],
                  prefixes: Sequence[Any] | None = None) -> RolloutBatch:
         """`prefixes` (one per sample, rows of a prompt contiguous): None, or a fixed start of
         the completion (token ids or text) to continue from. A prefix is part of the
-        sample's completion and its text, but carries no loss (mask False there)."""
+        sample's completion and its text, but carries no loss (mask False there). `generator`:
+        one for the batch, or a list of one per sample (RowSampler: each sample's draws its own,
+        the same in any batch)."""
         items = [item for item in prompts for _ in range(num_generations)]
         fixed = self._prefix_ids(prefixes, len(items))
         if self.agent is not None:  # multi-turn: generate, call tools, observe, continue
@@ -247,12 +291,16 @@ class VLMPolicy:
         prompt_rows = self._prompt_rows(enc, items)
         inputs = self._with_prefixes(enc, fixed) if any(fixed) else enc
         inputs = self._shared_image_inputs(inputs, prompt_rows)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # the CPU generator: same draws anywhere
+        rows = generator if isinstance(generator, list) else None
+        if rows is not None and len(rows) != len(items):
+            raise ValueError(f"{len(rows)} generators for {len(items)} samples")
+        seed = None if rows else int(torch.randint(0, 2**62, (1,), generator=generator))  # CPU generator: same draws anywhere
         forward = scores_by_forward(rollout)  # else the log-probs come from generate's logits
         with fork_rng(self.model), torch.no_grad():
-            torch.manual_seed(seed)  # generate draws from the global RNG (the model's GPU's too): pin it to ours
+            if seed is not None:
+                torch.manual_seed(seed)  # generate draws from the global RNG (the model's GPU's too): pin it to ours
             out = self.model.generate(
-                **inputs, do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
+                **inputs, **sampling_kwargs(rollout, rows, self.device),
                 max_new_tokens=rollout.max_new_tokens, return_dict_in_generate=True, output_logits=not forward,
                 eos_token_id=self.eos_id, pad_token_id=self.pad_id, suppress_tokens=self.banned_ids or None,
                 **self._stop_kwargs(getattr(rollout, "stop", None)), **self._plain_sampling(),

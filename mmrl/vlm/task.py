@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mmrl.core import distributed
+from mmrl.core.held_out import sample_generators
 from mmrl.core.rewards import Reward
 
 
@@ -19,7 +20,8 @@ class VLMTask:
     `accuracy` is the mean of the `answer` atom, `format` of the `format` atom,
     `reward` of the weighted total. With `rollout` and eval_samples > 0 it also
     reports `sampled_accuracy`: the mean `answer` over eval_samples completions per
-    item sampled at the rollout temperature (seeded, so before/after are comparable);
+    item sampled at the rollout temperature (each sample seeded by its item and index alone,
+    so before/after and any eval_batch_size are comparable);
     that is the quantity RL optimises, greedy accuracy the one a user decodes with."""
 
     def __init__(self, name: str, train: Sequence[Any], eval_items: Sequence[Any], reward: Reward,
@@ -110,11 +112,10 @@ class VLMTask:
         return out
 
     def _sampled(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
-        """eval_samples completions per item at the rollout temperature (a fixed seed):
-        sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate;
+        """eval_samples completions per item at the rollout temperature (each seeded by its item and
+        sample index alone): sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate;
         each item's k answer scores into its row of `rows` (the held-out items' first)."""
         k = self.eval_samples
-        gen = torch.Generator().manual_seed(distributed.rank_seed(1234))  # each rank's share its own seed
         per_batch = max(1, self.batch_size // k)
 
         def sample(share):  # per item: the k samples' answer scores, and their tool calls (or None)
@@ -122,7 +123,9 @@ class VLMTask:
             if progress is not None:
                 progress.expect(len(share) * k)
             for start in range(0, len(share), per_batch):
-                batch = policy.generate(share[start: start + per_batch], k, self.rollout, gen)
+                part = share[start: start + per_batch]
+                gens = [g for _, item_gens in part for g in item_gens]  # each sample's own (RowSampler)
+                batch = policy.generate([item for item, _ in part], k, self.rollout, gens)
                 sampled = self.reward.score(batch.samples)
                 hits = sampled.values[:, sampled.names.index("answer")].view(-1, k)  # an item's rows are contiguous
                 called = batch.data["stat/called"].view(-1, k) if "stat/called" in batch.data else None
@@ -131,7 +134,10 @@ class VLMTask:
                     progress.advance(hits.numel())
             return out
 
-        answered = distributed.map_shards(sample, list(self.eval_items))
+        # one generator per sample, seeded by (item, sample) alone: the same samples at any
+        # eval_batch_size and on any rank
+        gens = sample_generators(len(self.eval_items), k)
+        answered = distributed.map_shards(sample, [(item, gens[i * k: (i + 1) * k]) for i, item in enumerate(self.eval_items)])
         if rows is not None:
             for row, (hits, _) in zip(rows, answered):
                 row["sampled_answer"] = hits

@@ -1001,3 +1001,17 @@ def test_tool_schemas_are_in_the_prompt_only_where_configured(qwen25_dir):
     plain = prompt()
     assert plain.startswith("<|im_start|>user\n") and "<tools>" not in plain
     assert prompt(tools=registry, tools_cfg=ToolsConfig(schema_in_prompt=False)) == plain
+
+
+def test_tool_rollouts_with_a_generator_per_row_sample_each_row_as_alone(qwen25_dir):
+    """Held-out evaluation's sampled tool rollouts (a generator per row, VLMPolicy.generate
+    hands the active rows' own to each turn's generate): 3 items sampled together give each
+    item the completion it gets sampled alone with its generator."""
+    policy = make_policy(qwen25_dir)
+    rollout = rollout_cfg(max_new_tokens=16, temperature=1.0)
+
+    def gens(rows):
+        return [torch.Generator().manual_seed(100 + r) for r in rows]
+    together = policy.generate(ITEMS[:3], 1, rollout, gens(range(3)))
+    alone = [policy.generate(ITEMS[r:r + 1], 1, rollout, gens([r])).samples[0].completion for r in range(3)]
+    assert [s.completion for s in together.samples] == alone and len(set(alone)) > 1
