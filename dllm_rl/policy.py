@@ -145,8 +145,9 @@ class DLLMPolicy:
 
     # ------------------------------------------------------------------ sampling
 
-    def decode(self, texts: Sequence[str], generator: torch.Generator | None, *, temperature: float,
-               strategy: str | None = None, record_states: bool = False) -> tuple[DecodeResult, Tensor]:
+    def decode(self, texts: Sequence[str], generator: torch.Generator | list[torch.Generator] | None, *,
+               temperature: float, strategy: str | None = None,
+               record_states: bool = False) -> tuple[DecodeResult, Tensor]:
         r = self.rollout
         ids, valid = self.encode_prompts(texts)
         # rows_arg: rows that finished the block (or stopped at <eos>) are not run

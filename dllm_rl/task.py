@@ -109,7 +109,8 @@ class DLLMTask:
         them on every rank."""
         def share(chunk):
             mine = [p for p, _ in chunk]
-            texts, nfe = self.answers(policy, mine, temperature, [g for _, g in chunk] if generators else None, progress)
+            gens = [g for _, g in chunk] if generators else None
+            texts, nfe = self.answers(policy, mine, temperature, gens, progress)
             return list(zip(texts, nfe.tolist(), strict=True))
 
         pairs = distributed.map_shards(share, list(zip(problems, generators or [None] * len(problems))))

@@ -108,7 +108,8 @@ def test_dllm_metrics_and_answers_greedy_and_sampled_do_not_depend_on_eval_batch
     for size in (1, 3, 8):
         task.batch_size, rows = size, []
         with torch.no_grad():
-            seen.append((task.evaluate(policy, rows=rows), [(r["completion"], r[f"sampled_{task.answer_atom}"]) for r in rows]))
+            out = task.evaluate(policy, rows=rows)
+            seen.append((out, [(r["completion"], r[f"sampled_{task.answer_atom}"]) for r in rows]))
     assert seen[0] == seen[1] == seen[2] and len(seen[0][1]) == 6
     assert "pass@3" in seen[0][0] and len({str(s) for _, s in seen[0][1]}) > 1  # samples differ between problems
 

@@ -294,7 +294,8 @@ class VLMPolicy:
         rows = generator if isinstance(generator, list) else None
         if rows is not None and len(rows) != len(items):
             raise ValueError(f"{len(rows)} generators for {len(items)} samples")
-        seed = None if rows else int(torch.randint(0, 2**62, (1,), generator=generator))  # CPU generator: same draws anywhere
+        # a CPU generator: the same draws anywhere
+        seed = None if rows else int(torch.randint(0, 2**62, (1,), generator=generator))
         forward = scores_by_forward(rollout)  # else the log-probs come from generate's logits
         with fork_rng(self.model), torch.no_grad():
             if seed is not None:

@@ -137,7 +137,8 @@ class VLMTask:
         # one generator per sample, seeded by (item, sample) alone: the same samples at any
         # eval_batch_size and on any rank
         gens = sample_generators(len(self.eval_items), k)
-        answered = distributed.map_shards(sample, [(item, gens[i * k: (i + 1) * k]) for i, item in enumerate(self.eval_items)])
+        shares = [(item, gens[i * k: (i + 1) * k]) for i, item in enumerate(self.eval_items)]
+        answered = distributed.map_shards(sample, shares)
         if rows is not None:
             for row, (hits, _) in zip(rows, answered):
                 row["sampled_answer"] = hits
