@@ -11,14 +11,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import torch
-
 from dllm_rl.config import CONFIG_CLASS, DEFAULT_CONFIG, EVAL_DEFAULTS, DLLMTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
 from dllm_rl.policy import DLLMPolicy, PromptError, PromptTooLong, unencodable
 from dllm_rl.task import DLLMTask
 from dllm_rl.tasks import CHARSET
 from mmrl.core.config import ConfigError, check_remote_code
 from mmrl.core.device import model_device
+from mmrl.core.held_out import sample_generators
 from mmrl.core.lora import add_lora
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import (
@@ -241,9 +240,10 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
                 or task.eval_problems[:2])
     policy = fit_prompts(policy, prompts)
     texts = [p.prompt for p in problems for _ in range(n)]
-    # A CPU generator on any model.device: on the CPU the sampler draws its noise from it; on a
-    # GPU from a GPU generator it seeds (samplers.decode). A seed fixes the answers on a device.
-    gen = torch.Generator().manual_seed(cfg.seed)
+    # One CPU generator per answer, seeded by (seed, prompt, answer) alone, as sampled evaluation
+    # draws: an answer does not depend on eval_batch_size or the prompts beside it. On a GPU each
+    # seeds a GPU generator (samplers.decode). A seed fixes the answers on a device.
+    gens = sample_generators(len(problems), n, cfg.seed)
     try:
         policy.encode_prompts(list(dict.fromkeys(texts)))  # every prompt checked before any decoding
     except PromptError as e:  # too long, or a character the tokenizer has no token for
@@ -256,7 +256,7 @@ def sample(cfg: DLLMTrainConfig, policy: DLLMPolicy, task: DLLMTask, prompts: li
         if greedy:
             result, _ = policy.decode(chunk, None, temperature=0.0, strategy=cfg.rollout.eval_strategy)
         else:
-            result, _ = policy.decode(chunk, gen, temperature=cfg.rollout.temperature)
+            result, _ = policy.decode(chunk, gens[start:start + len(chunk)], temperature=cfg.rollout.temperature)
         answers += policy.answer_text(result.completion)
         nfe += result.nfe.tolist()  # one copy from the model's device per batch, not one per row
     rows = []

@@ -311,3 +311,18 @@ def test_sample_decodes_in_batches_of_eval_batch_size(small_sets, make_run, monk
     greedy = backend.sample(cfg, policy, task, [p.prompt for p in task.eval_problems[:4]], 1, greedy=True)
     assert sizes == [3, 1]
     assert [r["completion"] for r in greedy] == task.answers(policy, task.eval_problems[:4], 0.0)[0]
+
+
+def test_sampled_answers_do_not_depend_on_eval_batch_size(small_sets, make_run):
+    """`sample --num 4` drew one batch's noise from one generator, so an answer changed with
+    rollout.eval_batch_size; each answer now has its own generator (seed, prompt, answer), as
+    sampled evaluation does."""
+    from dllm_rl import backend
+
+    answers = []
+    for size in (1, 3, 8):
+        cfg, policy, task = make_run(f"rollout.eval_batch_size={size}")
+        rows = backend.sample(cfg, policy, task, ["12+3=", "1+1="], 4)
+        answers.append([r["completion"] for r in rows])
+    assert answers[0] == answers[1] == answers[2]
+    assert len(set(answers[0][:4])) > 1  # sampled: a prompt's answers differ, so the check has teeth
