@@ -68,6 +68,9 @@ class DLLMRolloutConfig(RolloutConfig):
     eval_samples: int = Field(0, ge=0)
     """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
     the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set (or, on a run, unless the run set n > 0)."""
+    eval_temperature: float | None = Field(None, gt=0)
+    """Temperature of those held-out samples (pass@k at 0.6, say, while training samples at 1);
+    None = rollout.temperature. Training rollouts always sample at rollout.temperature."""
     eval_batch_size: int = Field(128, ge=1)
     """Problems per decoding batch in held-out evaluation (greedy and sampled): memory and speed
     only. Every metric, the sampled pass@k included, is the same at any value: each sampled

@@ -4,7 +4,7 @@ Held-out evaluation decodes every problem greedily (temperature 0) with the run'
 strategy (rollout.eval_strategy where it is set) and scores it with the task's atoms:
 `accuracy` (the answer atom), every other atom, `reward`, and `nfe` (mean function
 evaluations per answer). With rollout.eval_samples = n > 0 it also samples n answers per
-problem at the rollout temperature (each answer's noise seeded by the problem and sample
+problem at rollout.eval_temperature (else the rollout temperature; each answer's noise seeded by the problem and sample
 index alone, so before and after, and any eval_batch_size, are comparable) and
 reports pass@k for k = 1..min(16, n) (the unbiased estimator of Chen et al. 2021)
 and their mean NFE (`sampled_nfe`).
@@ -21,7 +21,7 @@ import torch
 
 from dllm_rl.policy import to_sample
 from mmrl.core import distributed
-from mmrl.core.held_out import sample_generators
+from mmrl.core.held_out import eval_temperature, sample_generators
 from mmrl.core.rewards import Reward
 
 
@@ -143,7 +143,7 @@ class DLLMTask:
             # eval_batch_size and on any rank. CPU ones; on a GPU each seeds one there (samplers.decode).
             gens = sample_generators(len(self.eval_problems), n)
             problems = [p for p in self.eval_problems for _ in range(n)]
-            drawn, sampled_nfe = self.dealt_answers(policy, problems, self.rollout.temperature, gens, progress)
+            drawn, sampled_nfe = self.dealt_answers(policy, problems, eval_temperature(self.rollout), gens, progress)
             sampled = self.reward.score([to_sample(p, t) for p, t in zip(problems, drawn)])
             answer_scores = sampled.values[:, sampled.names.index(self.answer_atom)].view(-1, n)
             hits = answer_scores >= 0.5

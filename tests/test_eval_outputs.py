@@ -345,3 +345,51 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only_and_where_logging_progress
         assert bar.done == 3
         assert ("held-out evaluation" in err.getvalue()) is drawn, (tty, enabled, err.getvalue())
         assert "3/5" in err.getvalue() or not drawn
+
+
+def test_sampled_evaluation_draws_at_rollout_eval_temperature_and_training_does_not(one_thread):
+    """rollout.eval_temperature sets the held-out samples' temperature (pass@k at 0.5 while
+    training samples at 1); unset, they draw at rollout.temperature as before. VLM: generate gets
+    a rollout at that temperature; dLLM: the sampled answers are decoded at it, greedy at 0."""
+    from dllm_rl.task import DLLMTask
+    from mmrl.core.held_out import eval_temperature
+    from mmrl.vlm.config import VLMRolloutConfig
+    from mmrl.vlm.task import VLMTask
+    from mmrl.vlm.tasks.shapes_qa import QAItem
+
+    assert eval_temperature(VLMRolloutConfig()) == 1.0
+    assert eval_temperature(VLMRolloutConfig(temperature=0.8, eval_temperature=0.5)) == 0.5
+    with pytest.raises(ValueError, match="eval_temperature"):
+        VLMRolloutConfig(eval_temperature=0)
+
+    answer = reward_atom("answer")(lambda s: float(s.completion == s.meta["answer"]))
+    held = [QAItem([], "How many?", "2")]
+    seen = []
+
+    class Spy(Answerer):
+        def generate(self, items, k, rollout, generator):
+            seen.append(rollout.temperature)
+            return super().generate(items, k, rollout, generator)
+
+    for rollout in (VLMRolloutConfig(temperature=0.8), VLMRolloutConfig(temperature=0.8, eval_temperature=0.5)):
+        task = VLMTask("qa", held, held, Reward([answer]), max_new_tokens=4, rollout=rollout, eval_samples=2)
+        task.evaluate(Spy({"How many?": "2"}, {"How many?": ["2", "3"]}))
+    assert seen == [0.8, 0.5]
+
+    from dllm_rl.config import DLLMRolloutConfig
+    from dllm_rl.tasks import Problem
+
+    temps = []
+
+    class Stand(DLLMTask):  # answers "2" to everything, recording the temperature asked for
+        def answers(self, policy, problems, temperature, generator=None, progress=None):
+            temps.append(temperature)
+            return ["2"] * len(problems), torch.ones(len(problems))
+
+    ok = reward_atom("answer")(lambda s: float(s.completion == "2"))
+    problems = [Problem("1+1=", "2", "2", {})]
+    policy = SimpleNamespace(model=torch.nn.Linear(1, 1))
+    for rollout in (DLLMRolloutConfig(temperature=0.8), DLLMRolloutConfig(temperature=0.8, eval_temperature=0.25)):
+        Stand("arith", problems, problems, Reward([ok]), answer_atom="answer", rollout=rollout,
+              eval_samples=2).evaluate(policy)
+    assert temps == [0.0, 0.8, 0.0, 0.25]

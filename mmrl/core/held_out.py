@@ -89,6 +89,13 @@ def takes(fn, name: str) -> bool:
 EVAL_SEED = 1234  # the sampled evaluation's seed: fixed, so before and after training are comparable
 
 
+def eval_temperature(rollout) -> float:
+    """The temperature sampled held-out evaluation draws at: rollout.eval_temperature where set,
+    else the rollout's own."""
+    t = getattr(rollout, "eval_temperature", None)
+    return rollout.temperature if t is None else t
+
+
 def sample_generators(items: int, samples: int, seed: int = EVAL_SEED) -> list:
     """One CPU generator per sampled answer, item-major ([item 0's samples, item 1's, ...]),
     each seeded by (seed, item, sample) alone: an item's samples do not depend on the batch it

@@ -220,6 +220,9 @@ class VLMRolloutConfig(RolloutConfig):
     (each sample draws from its own generator, seeded by its item and sample index)."""
     eval_samples: int = Field(4, ge=0)
     """Completions sampled per held-out item for `sampled_accuracy` and pass@k (0 = greedy only)."""
+    eval_temperature: float | None = Field(None, gt=0)
+    """Temperature of those held-out samples (pass@k at 0.6, say, while training samples at 1);
+    None = rollout.temperature. Training rollouts always sample at rollout.temperature."""
     tools: ToolsConfig | None = None
     """None = single-turn rollouts; a tools section turns on multi-turn tool rollouts."""
     old_logprobs: Literal["generate", "forward"] = "generate"

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mmrl.core import distributed
-from mmrl.core.held_out import sample_generators
+from mmrl.core.held_out import eval_temperature, sample_generators
 from mmrl.core.rewards import Reward
 
 
@@ -20,7 +20,7 @@ class VLMTask:
     `accuracy` is the mean of the `answer` atom, `format` of the `format` atom,
     `reward` of the weighted total. With `rollout` and eval_samples > 0 it also
     reports `sampled_accuracy`: the mean `answer` over eval_samples completions per
-    item sampled at the rollout temperature (each sample seeded by its item and index alone,
+    item sampled at rollout.eval_temperature (else the rollout temperature; each sample seeded by its item and index alone,
     so before/after and any eval_batch_size are comparable);
     that is the quantity RL optimises, greedy accuracy the one a user decodes with."""
 
@@ -117,6 +117,9 @@ class VLMTask:
         each item's k answer scores into its row of `rows` (the held-out items' first)."""
         k = self.eval_samples
         per_batch = max(1, self.batch_size // k)
+        rollout = self.rollout  # at rollout.eval_temperature where set
+        if getattr(rollout, "eval_temperature", None) is not None:
+            rollout = rollout.model_copy(update={"temperature": eval_temperature(rollout)})
 
         def sample(share):  # per item: the k samples' answer scores, and their tool calls (or None)
             out = []
@@ -125,7 +128,7 @@ class VLMTask:
             for start in range(0, len(share), per_batch):
                 part = share[start: start + per_batch]
                 gens = [g for _, item_gens in part for g in item_gens]  # each sample's own (RowSampler)
-                batch = policy.generate([item for item, _ in part], k, self.rollout, gens)
+                batch = policy.generate([item for item, _ in part], k, rollout, gens)
                 sampled = self.reward.score(batch.samples)
                 hits = sampled.values[:, sampled.names.index("answer")].view(-1, k)  # an item's rows are contiguous
                 called = batch.data["stat/called"].view(-1, k) if "stat/called" in batch.data else None
