@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from test_trainer import make
+from test_trainer import make, raise_on_call
 
 from mmrl.core.checkpoint import list_checkpoints
 from mmrl.core.config import ConfigError, TrainConfig, load_config
@@ -34,6 +34,8 @@ def test_a_warmup_as_long_as_the_run_is_warned(tmp_path):
     with pytest.warns(UserWarning, match=r"warmup_steps 8 spans the whole run \(6 optimizer steps.*lr x 6/8 at "
                                          r"most and the cosine decay never starts"):
         make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_steps=8", "optim.schedule=cosine")
+    with pytest.warns(UserWarning, match=r"optim.warmup_ratio 1.0 spans the whole run \(6 optimizer steps.*lr x 6/6"):
+        make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_ratio=1", name="ratio")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make(tmp_path, "train.max_steps=3", "train.mini_batches=2", "optim.warmup_steps=5", name="shorter")
@@ -99,3 +101,56 @@ def test_lr_0_is_a_control_run_that_changes_no_weight(tmp_path):
     assert any(r["loss/grad_norm"] > 0 for r in rows)  # the gradients were made, only not applied
     after = dict(trainer.policy.model.named_parameters())
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_warmup_ratio_is_a_fraction_of_the_run_rounded_up_as_transformers():
+    """warmup_ratio r over a run of U optimizer steps warms up over ceil(r x U) of them (U =
+    train.max_steps x ppo_epochs x mini_batches, the count the decay spans): 0.25 of 10 is
+    ceil(2.5) = 3, so step n < 3 uses (n + 1) / 3 and the linear decay then spans 10 - 3 = 7.
+    The rounding is transformers' own (its get_warmup_steps, float products included), so a
+    ported warmup_ratio gives the same warm-up (transformers 5 takes a ratio as a warmup_steps
+    below 1; its 1.0 is one step, where warmup_ratio 1 here, as transformers 4's, is the whole run)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from mmrl.core.config import OptimConfig
+    from mmrl.core.trainer import lr_factor
+
+    linear = lr_factor(OptimConfig(schedule="linear", warmup_ratio=0.25), 10)
+    assert [linear(n) for n in (0, 1, 2, 3, 10)] == [pytest.approx(1 / 3), pytest.approx(2 / 3), 1.0, 1.0, 0.0]
+    assert linear(5) == pytest.approx(1 - 2 / 7)
+    for ratio in (0.0, 0.01, 0.07, 0.1, 0.25, 0.3, 0.5, 0.99):
+        for total in (1, 7, 10, 30, 100, 333):
+            theirs = TrainingArguments.get_warmup_steps(SimpleNamespace(warmup_steps=ratio), total)
+            assert OptimConfig(warmup_ratio=ratio).warmup(total) == theirs, (ratio, total)
+    assert OptimConfig(warmup_ratio=1.0).warmup(7) == 7
+    assert OptimConfig(warmup_steps=4).warmup(100) == 4  # a count stays a count
+
+
+def test_warmup_ratio_with_warmup_steps_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"optim\.warmup_ratio: 0\.1 and optim\.warmup_steps 5 are both set: give "
+                                          r"the warm-up as one of them and set the other to 0"):
+        load_config(TrainConfig, overrides=["optim.warmup_ratio=0.1", "optim.warmup_steps=5"])
+    with pytest.raises(ConfigError, match=r"optim\.warmup_ratio: Input should be less than or equal to 1"):
+        load_config(TrainConfig, overrides=["optim.warmup_ratio=1.5"])
+    assert load_config(TrainConfig, overrides=["optim.warmup_ratio=0.1", "optim.warmup_steps=0"]).optim.warmup_ratio == 0.1
+
+
+def test_a_resumed_warmup_ratio_run_goes_on_along_the_same_schedule(tmp_path):
+    """3 steps x 2 mini-batches = 6 optimizer steps, warmup_ratio 0.5: 3 warm-up steps, then a
+    linear decay over 3. Factors per optimizer step: 1/3, 2/3, 1 | 1, 2/3, 1/3; a step logs the
+    mean of its two, x lr 0.004: 0.002, 0.004, 0.002. A run killed in step 3 and resumed from
+    its step-2 checkpoint logs the same step 3: the ratio is of the whole run, not of the steps
+    left."""
+    args = (*SMALL, "train.max_steps=3", "train.mini_batches=2", "train.save_every=2", "optim.lr=0.004",
+            "optim.warmup_ratio=0.5", "optim.schedule=linear")
+    crashing = make(tmp_path, *args)
+    raise_on_call(crashing.policy, "generate", at=3, error=KeyboardInterrupt("simulated kill"))
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+    make(tmp_path, *args).train(resume=True)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["optim/lr"] for r in rows] == [pytest.approx(v) for v in (0.002, 0.004, 0.002)]

@@ -481,6 +481,11 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps (not training steps) over which the learning rate rises linearly to lr
     (optimizer step n, from 0, uses lr x (n + 1) / warmup_steps); 0 = no warm-up."""
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    """The warm-up as a fraction of the run's optimizer steps (train.max_steps x ppo_epochs x
+    mini_batches, the count the decay spans): ceil(warmup_ratio x that count) warm-up steps, rounded
+    up as transformers' warmup_ratio (verl's lr_warmup_steps_ratio rounds down). Set this or
+    warmup_steps, not both; 0 = no warm-up."""
     master_weights: bool = True
     """Trainable parameters stored below float32 (model.dtype bfloat16) get a float32 copy that
     the optimizer steps and gradients accumulate into; the model holds its rounding. Without
@@ -524,6 +529,19 @@ class OptimConfig(Section):
             config_warning(f"optim.min_lr_ratio {self.min_lr_ratio} is unused with optim.schedule constant "
                            "(it is where a linear or cosine decay ends)")
         return self
+
+    @model_validator(mode="after")
+    def _one_warmup(self):  # two lengths for one warm-up: which was meant is not ours to guess
+        if self.warmup_steps and self.warmup_ratio:
+            raise KeyValueError("warmup_ratio", f"{self.warmup_ratio} and optim.warmup_steps {self.warmup_steps} are "
+                                "both set: give the warm-up as one of them and set the other to 0")
+        return self
+
+    def warmup(self, total: int) -> int:
+        """The warm-up's length in optimizer steps, for a run of `total` of them."""
+        if self.warmup_ratio:
+            return math.ceil(self.warmup_ratio * total)  # as transformers' get_warmup_steps
+        return self.warmup_steps
 
     @model_validator(mode="after")
     def _betas_in_range(self):

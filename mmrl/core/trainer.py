@@ -157,12 +157,14 @@ def seed_everything(seed: int) -> None:
 def lr_factor(cfg: OptimConfig, total: int):
     """Multiplier of the base LR after `n` optimizer steps: linear warm-up, then the schedule."""
 
+    warmup = cfg.warmup(total)  # a warmup_ratio is of the whole run's count, also on --resume
+
     def factor(n: int) -> float:
-        if n < cfg.warmup_steps:
-            return (n + 1) / cfg.warmup_steps
+        if n < warmup:
+            return (n + 1) / warmup
         if cfg.schedule == "constant":
             return 1.0
-        frac = min(1.0, (n - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        frac = min(1.0, (n - warmup) / max(1, total - warmup))
         decay = 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
@@ -248,10 +250,12 @@ class Trainer:
         self.optimizer = distributed.adamw(self.opt_params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                            weight_decay=oc.weight_decay, shard=oc.shard_state)
         self.updates = updates = cfg.train.max_steps * cfg.train.ppo_epochs * cfg.train.mini_batches
-        if training and 0 < updates <= oc.warmup_steps:  # e.g. a short trial run of a long run's config
-            warnings.warn(f"optim.warmup_steps {oc.warmup_steps} spans the whole run ({updates} optimizer steps: "
+        warmup = oc.warmup(updates)
+        if training and 0 < updates <= warmup:  # e.g. a short trial run of a long run's config
+            setting = f"optim.warmup_ratio {oc.warmup_ratio}" if oc.warmup_ratio else f"optim.warmup_steps {warmup}"
+            warnings.warn(f"{setting} spans the whole run ({updates} optimizer steps: "
                           f"train.max_steps x ppo_epochs x mini_batches): the learning rate rises to lr x "
-                          f"{updates}/{oc.warmup_steps} at most"
+                          f"{updates}/{warmup} at most"
                           + (f" and the {oc.schedule} decay never starts" if oc.schedule != "constant" else ""),
                           stacklevel=2)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(oc, updates))
