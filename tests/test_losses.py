@@ -214,6 +214,66 @@ def test_policy_loss_errors():
         policy_loss(logp, OLD, ADV, MASK, denom=0)
 
 
+# --------------------------------------------------------------------------- dual clip
+
+# Dual-clip batch (N = 2, T = 4), clip 0.2 / 0.2, c = 3:
+#   sample 0: A = -2, ratios [4, 2, 0.5, 3]; cap c |A| = 6
+#     t0: -min(-8, 1.2 * -2 = -2.4) = 8 > 6: capped to 6 (dual-clipped)
+#     t1: -min(-4, -2.4) = 4;  t2: -min(-1, 0.8 * -2 = -1.6) = 1.6
+#     t3: -min(-6, -2.4) = 6, equal to the cap: not counted as clipped (strict, as verl)
+#   sample 1: A = +1, ratios [5, 1, 0.5, 1], t3 masked out: never capped
+#     t0: -min(5, 1.2) = -1.2;  t1: -1;  t2: -min(0.5, 0.8) = -0.5
+DC_OLD = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-0.3, -1.0, -2.0, -0.7]])
+DC_RATIOS = torch.tensor([[4.0, 2.0, 0.5, 3.0], [5.0, 1.0, 0.5, 1.0]])
+DC_ADV = torch.tensor([-2.0, 1.0])
+DC_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+def test_dual_clip_caps_a_negative_advantage_at_c_times_its_size_hand_values():
+    logp = (DC_OLD + DC_RATIOS.log()).requires_grad_(True)
+    out = policy_loss(logp, DC_OLD, DC_ADV, DC_MASK, dual_clip=3.0)
+    close(out.per_token, [[6.0, 4.0, 1.6, 6.0], [-1.2, -1.0, -0.5, 0.0]])
+    # token_mean: (6 + 4 + 1.6 + 6 - 1.2 - 1 - 0.5) / 7 = 14.9 / 7
+    close(out.loss, 14.9 / 7)
+    assert set(out.metrics) == METRIC_KEYS | {"loss/dual_clip_frac"}
+    assert math.isclose(out.metrics["loss/dual_clip_frac"], 1 / 7, abs_tol=1e-6)  # s0 t0 only
+    out.loss.backward()
+    # d/dlogp of -rho A / 7 where unclipped: s0 t1 -2 * -2 / 7, s0 t3 -3 * -2 / 7, s1 t1 -1 / 7;
+    # the capped s0 t0 (a constant), the PPO-clipped s0 t2 and s1 t0, s1 t2 (0.5 < 0.8, A > 0:
+    # unclipped, -0.5 / 7) and the masked s1 t3
+    close(logp.grad, [[0.0, 4 / 7, 0.0, 6 / 7], [0.0, -1 / 7, -0.5 / 7, 0.0]])
+    # verl's compute_policy_loss (vanilla) re-typed: max of the two PPO losses, then for A < 0
+    # the min with -A c
+    a, r = DC_ADV[:, None], DC_RATIOS
+    ppo = torch.maximum(-a * r, -a * r.clamp(0.8, 1.2))
+    verl = torch.where(a < 0, torch.minimum(ppo, -a * 3.0), ppo) * DC_MASK
+    close(out.per_token.detach(), verl)
+
+
+def test_dual_clip_off_is_bit_identical_to_the_plain_clipped_loss():
+    """Off (None, the default) the loss, its gradient, per-token values and metric keys are
+    today's; a c so large it never binds gives the same numbers too (only the metric added)."""
+    logp = (DC_OLD + DC_RATIOS.log()).requires_grad_(True)
+    off = policy_loss(logp, DC_OLD, DC_ADV, DC_MASK, aggregation="seq_mean_token_mean")
+    (grad_off,) = torch.autograd.grad(off.loss, logp)
+    a, r = DC_ADV[:, None], torch.exp(logp - DC_OLD)
+    plain = torch.where(DC_MASK != 0, -torch.minimum(r * a, r.clamp(0.8, 1.2) * a), 0.0)  # the loss before
+    expected = aggregate(plain, DC_MASK, "seq_mean_token_mean")
+    assert torch.equal(off.per_token, plain) and torch.equal(off.loss, expected)
+    assert torch.equal(grad_off, torch.autograd.grad(expected, logp)[0])
+    assert set(off.metrics) == METRIC_KEYS
+    never = policy_loss(logp, DC_OLD, DC_ADV, DC_MASK, aggregation="seq_mean_token_mean", dual_clip=1e6)
+    assert torch.equal(never.loss, off.loss) and never.metrics["loss/dual_clip_frac"] == 0.0
+    assert {k: v for k, v in never.metrics.items() if k != "loss/dual_clip_frac"} == off.metrics
+
+
+def test_dual_clip_must_exceed_1():
+    """c <= 1 would cap on-policy tokens (rho = 1, loss |A| > c |A|): refused, as verl does."""
+    for c in (1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"dual_clip must be > 1 \(or None: off\); got"):
+            policy_loss(DC_OLD, DC_OLD, DC_ADV, DC_MASK, dual_clip=c)
+
+
 # --------------------------------------------------------------------------- aggregate
 
 
@@ -815,3 +875,20 @@ def test_grpo_loss_takes_clip_high_and_level_from_the_config():
     gspo = grpo("method.loss.clip_high=0.28", "method.loss.aggregation=token_mean", "method.loss.level=sequence")
     # sequence ratio exp(ln(1.5) / 2) = sqrt(1.5) = 1.224745 inside [0.8, 1.28]: -1.224745 per token
     close(method_loss(gspo, logp, batch, torch.ones(1)).loss, -1.224745)
+
+
+def test_grpo_loss_takes_dual_clip_from_the_config():
+    """method.loss.dual_clip reaches the loss: one sample, A = -1, ratios [5, 1], c 3:
+    -min(-5, -1.2) = 5 capped to 3, and 1: token_mean (3 + 1) / 2 = 2; off, (5 + 1) / 2 = 3."""
+    from mmrl.core.config import ConfigError
+
+    logp = torch.tensor([[math.log(5.0), 0.0]])
+    batch = fake_batch(old_logp=torch.zeros(1, 2), mask=torch.ones(1, 2))
+    on = method_loss(grpo("method.loss.dual_clip=3", "method.loss.aggregation=token_mean"), logp, batch, -torch.ones(1))
+    close(on.loss, 2.0)
+    assert on.metrics["loss/dual_clip_frac"] == 0.5
+    off = method_loss(grpo("method.loss.aggregation=token_mean"), logp, batch, -torch.ones(1))
+    close(off.loss, 3.0)
+    assert "loss/dual_clip_frac" not in off.metrics
+    with pytest.raises(ConfigError, match=r"method\.loss\.dual_clip: Input should be greater than 1"):
+        grpo("method.loss.dual_clip=1")

@@ -299,6 +299,10 @@ class LossConfig(Section):
     """eps_low of the PPO clip: rho is clipped below at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
     """eps_high: rho is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip PPO's c (verl's clip_ratio_c, 3.0 there): a token with a negative advantage A
+    has its loss capped at c |A|, so a ratio far above 1 on a bad sample neither dominates the
+    loss nor gets a gradient; loss/dual_clip_frac logs the tokens capped. None = off."""
     level: Literal["token", "sequence"] = "token"
     """"sequence" is GSPO's ratio: exp(mean token log-ratio), shared by the sample's tokens."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (

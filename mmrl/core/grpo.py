@@ -121,7 +121,7 @@ class GRPO(Method):
         weights = batch.data.get(SAMPLE_WEIGHT)  # [N] or None: FastRL's counts
         out = policy_loss(
             logp, batch.old_logp, advantages, batch.mask,
-            clip_low=lc.clip_low, clip_high=lc.clip_high, level=lc.level,
+            clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip, level=lc.level,
             aggregation=lc.aggregation, max_len=self.max_len, denom=denom, weights=weights,
         )
         if self.needs_reference:

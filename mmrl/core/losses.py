@@ -5,7 +5,8 @@ any nonzero entry counts as "in the loss") marks the tokens that are trained.
 
 - :func:`policy_loss`  the PPO-clip surrogate of the GRPO family: token-level ratio (GRPO,
   DAPO, Dr.GRPO) or sequence-level ratio (GSPO), asymmetric clipping (DAPO's clip-higher),
-  and the three aggregations below. Returns a :class:`LossOutput`.
+  optional dual clip (verl's clip_ratio_c) and the three aggregations below. Returns a
+  :class:`LossOutput`.
 - :func:`aggregate`    reduces a per-token loss [N, T] to a scalar:
 
   ===========================  ====================================================  =========
@@ -200,6 +201,7 @@ def policy_loss(
     denom: float | Tensor | None = None,
     max_log_ratio: float | None = 20.0,
     weights: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> LossOutput:
     """PPO-clip surrogate: -min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A).
 
@@ -220,6 +222,10 @@ def policy_loss(
         max_log_ratio: ``logp - old_logp`` is clamped to ``[-max_log_ratio, max_log_ratio]``
             before the exponential so that the ratio stays finite (verl does the same with 20);
             ``None`` disables it. On-policy and near-policy values are unaffected.
+        dual_clip: c > 1 of Dual-Clip PPO (Ye et al. 2020; verl's ``clip_ratio_c``, 3.0): a
+            token with A < 0 has its loss capped at -c A = c |A|, i.e.
+            min(-min(rho A, clip(rho) A), -c A), so a ratio far above 1 on a bad sample
+            neither dominates the loss nor has a gradient. ``None`` (the default): no cap.
 
     Returns:
         :class:`LossOutput` with ``loss`` (scalar), ``per_token`` (``[N, T]``, zero where
@@ -228,14 +234,17 @@ def policy_loss(
         differs from the unclipped one); ``loss/clip_frac_low`` (rho < 1 - clip_low with
         A < 0); ``loss/clip_frac_high`` (rho > 1 + clip_high with A > 0);
         ``loss/ratio_mean``, ``loss/ratio_min``, ``loss/ratio_max``; ``loss/approx_kl``
-        (mean of old_logp - logp). With no masked token at all, fractions and approx_kl
-        are 0 and the ratio statistics 1.
+        (mean of old_logp - logp); with ``dual_clip``, ``loss/dual_clip_frac`` (the cap
+        binds: A < 0 and the clipped surrogate's loss above -c A). With no masked token at
+        all, fractions and approx_kl are 0 and the ratio statistics 1.
     """
     _check_choice(level, LEVELS, "level")
     _check_choice(aggregation, AGGREGATIONS, "aggregation")
     if not (clip_low >= 0 and clip_high >= 0):  # also refuses NaN (a lower bound 1 - clip_low < 0 never binds)
         raise ValueError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}")
     _check_max_log_ratio(max_log_ratio)
+    if dual_clip is not None and not dual_clip > 1:  # c <= 1 would cap even on-policy tokens (rho = 1)
+        raise ValueError(f"dual_clip must be > 1 (or None: off); got {dual_clip}")
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [N, T]; got {tuple(logp.shape)}")
     if old_logp.shape != logp.shape:
@@ -266,7 +275,12 @@ def policy_loss(
 
     unclipped = ratio * adv  # [N, T]
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [N, T]
-    per_token = torch.where(m, -torch.minimum(unclipped, clipped), zero)  # [N, T]
+    surrogate = -torch.minimum(unclipped, clipped)  # [N, T]
+    if dual_clip is not None:
+        cap = -dual_clip * adv  # [N, T], c |A| where A < 0
+        dual = (adv < 0) & (surrogate > cap)  # [N, T]; strict, as verl's pg_clipfrac_lower
+        surrogate = torch.where(dual, cap, surrogate)  # the cap is a constant: no gradient there
+    per_token = torch.where(m, surrogate, zero)  # [N, T]
     loss = aggregate(per_token, m, aggregation, max_len=max_len, denom=denom, weights=weights)
 
     with torch.no_grad():
@@ -295,6 +309,7 @@ def policy_loss(
                 ratio_min,
                 ratio_max,
                 approx_kl,
+                *([(dual & m).to(dtype).sum() / n_tok] if dual_clip is not None else []),
             ]
         ).tolist()  # one device sync for all metrics
     keys = (
@@ -306,7 +321,7 @@ def policy_loss(
         "loss/ratio_min",
         "loss/ratio_max",
         "loss/approx_kl",
-    )
+    ) + (("loss/dual_clip_frac",) if dual_clip is not None else ())  # off, the metrics are as before
     return LossOutput(loss=loss, metrics=dict(zip(keys, values)), per_token=per_token)
 
 
