@@ -248,6 +248,9 @@ def test_dual_clip_caps_a_negative_advantage_at_c_times_its_size_hand_values():
     ppo = torch.maximum(-a * r, -a * r.clamp(0.8, 1.2))
     verl = torch.where(a < 0, torch.minimum(ppo, -a * 3.0), ppo) * DC_MASK
     close(out.per_token.detach(), verl)
+    # TRL's two-sided clip, delta = c (>= 1 + clip_high): the unclipped term's ratio capped at delta
+    trl = -torch.minimum(r.clamp(max=3.0) * a, r.clamp(0.8, 1.2) * a) * DC_MASK
+    close(out.per_token.detach(), trl)
 
 
 def test_dual_clip_off_is_bit_identical_to_the_plain_clipped_loss():
