@@ -6,21 +6,18 @@ the page wrong."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
 import pytest
+from doc_keys import KEY, schema
 from pydantic import BaseModel
 
-from mmrl.core.cli import load_backend
 from mmrl.core.config import ConfigError, load_config
 from mmrl.core.config_doc import _section_class, _shown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "migrating.md"
-CLI_MODULES = {"mmrl": "mmrl.cli", "diffusion-rl": "diffusion_rl.cli", "dllm-rl": "dllm_rl.cli"}
-KEY = re.compile(r"[a-z_]+(\.[a-z0-9_]+)+")  # a dotted key path; values like 0.2 or q_proj are not
 
 
 def sections() -> dict[str, tuple[str, str, list[list[str]]]]:
@@ -35,13 +32,6 @@ def sections() -> dict[str, tuple[str, str, list[list[str]]]]:
         rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]  # after header, ---
         out[title] = (command.group(1), method.group(1), rows)
     return out
-
-
-def schema(command: str, method: str):
-    """The config class and a default config of `command` with `method.type`, as `config` builds them."""
-    backend = load_backend(importlib.import_module(CLI_MODULES[command]).SPEC, settings_only=True)
-    cls, defaults = backend.CONFIG_CLASS, backend.DEFAULT_CONFIG
-    return cls, defaults, load_config(cls, overrides=[f"method.type={method}"], defaults=defaults)
 
 
 def key_exists(cfg: BaseModel, key: str) -> bool:
