@@ -123,7 +123,7 @@ def words(text: str, variables: dict[str, str]) -> list[str]:
     out = []
     for word in shlex.split(text):
         word = word.strip("[]") if not re.search(r"=\[.*\]$", word) else word.lstrip("[")
-        if word in ("", "...", "ARM"):
+        if word in ("", "...", "ARM"):  # "[ARM]": the arms written under the command, read as its variants
             continue
         word = re.sub(r"\{(\w+),[\w,]+\}", r"\1", word)  # {fork,ar}: the first
         word = re.sub(r"=(\w[\w.\-]*)(\|[\w.\-]+)+$", r"=\1", word)  # posterior|sample: the first
@@ -297,6 +297,7 @@ def test_results_md_has_its_commands():
 
 
 def test_every_command_in_results_md_names_what_exists():
+    """Config files, --set keys and values, verbs, options and bundled assets, for every command."""
     problems = [f"line {c.line}: {p}\n    {c.text}" for c in COMMANDS for p in problems_of(c)
                 if not any(fragment in c.text for fragment in HISTORICAL)]
     assert not problems, "RESULTS.md's commands that no longer run as written:\n" + "\n".join(problems)
