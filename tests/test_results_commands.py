@@ -13,6 +13,7 @@ RESULTS.md writes placeholders for what a reader fills in (`--seed S`, `-o OUT`,
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import importlib
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import typer
 
-from mmrl.core.config import ConfigError, load_config
+from mmrl.core.config import ConfigError, deep_merge, load_config, read_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -153,16 +154,24 @@ def config_problems(modality: str, configs: list[Path | None], overrides: list[s
     return [p for config in configs for p in [loads(modality, config, tuple(sets))] if p]
 
 
+@functools.cache  # each config file parsed once: YAML parsing was most of this test's time
+def file_settings(config: Path) -> dict:
+    return read_config_file(ROOT / config)
+
+
 @functools.cache  # many commands repeat one setting
 def loads(modality: str, config: Path | None, sets: tuple[str, ...]) -> str | None:
     """What is wrong with the config that --config and --set give, or None."""
     settings = importlib.import_module(CLIS[next(c for c, m in CLIS.items() if m[0] == modality)][1])
     if config is not None and not (ROOT / config).is_file():
         return f"config file {config} does not exist"
+    defaults = dict(settings.DEFAULT_CONFIG)
     try:
+        if config is not None:  # the file under the overrides, as load_config layers it
+            defaults = deep_merge(defaults, copy.deepcopy(file_settings(config)))
         with warnings.catch_warnings():  # a setting the variant leaves unused is said at run time
             warnings.simplefilter("ignore")
-            load_config(settings.CONFIG_CLASS, config and ROOT / config, list(sets), defaults=dict(settings.DEFAULT_CONFIG))
+            load_config(settings.CONFIG_CLASS, None, list(sets), defaults=defaults)
     except ConfigError as e:
         return f"{config or f'the {modality} default'}: {e}"
     return None
