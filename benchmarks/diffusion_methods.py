@@ -98,8 +98,20 @@ def reach_eval(rows: list[dict], summary: dict, target: float) -> tuple[int | No
     return first_hit(rows, hits)
 
 
+def metric(metrics: dict, key: str) -> float:
+    """A held-out metric, nan where the run has none or summary.json holds null for it (no
+    relational prompt among a few held-out ones: its accuracy is undefined)."""
+    value = metrics.get(key)
+    return float("nan") if value is None else value
+
+
+def before_after(summary: dict, key: str) -> str:
+    return " -> ".join("-" if math.isnan(v) else f"{v:.3f}"
+                       for v in (metric(summary["eval_before"], key), metric(summary["eval_after"], key)))
+
+
 def gain(summary: dict, key: str) -> float:
-    return summary["eval_after"].get(key, float("nan")) - summary["eval_before"].get(key, float("nan"))
+    return metric(summary["eval_after"], key) - metric(summary["eval_before"], key)
 
 
 def main(argv=None) -> int:
@@ -153,7 +165,7 @@ def main(argv=None) -> int:
     print("|---|---|" + "---|" * len(COLUMNS) + "---|---|---|---|")
     for (method, seed), (s, rows) in results.items():
         target = trailing(results[("flow_grpo", seed)][1], args.window)[-1]
-        cells = " | ".join(f"{s['eval_before'][c]:.3f} -> {s['eval_after'][c]:.3f}" for c in COLUMNS)
+        cells = " | ".join(before_after(s, c) for c in COLUMNS)
         if logs_rewards(rows):
             step, wall, evals = reach(rows, target, args.window)
             got = f"{step} ({wall:.0f} s, {evals:.0f})" if step else "not reached"
@@ -171,8 +183,7 @@ def main(argv=None) -> int:
     print("|---|---|" + "---|" * len(HARD) + "---|---|")
     for (method, seed), (s, _) in results.items():
         base = results[("flow_grpo", seed)][0]
-        cells = " | ".join(f"{s['eval_before'].get(c, float('nan')):.3f} -> {s['eval_after'].get(c, float('nan')):.3f}"
-                           for c in HARD)
+        cells = " | ".join(before_after(s, c) for c in HARD)
         ratios = [gain(s, k) / gain(base, k) if gain(base, k) > 0 else float("nan")
                   for k in ("hard/atom_accuracy", "hard/prompt_accuracy")]
         text = [f"{r:.2f}x" if not math.isnan(r) else "n/a (Flow-GRPO did not gain)" for r in ratios]

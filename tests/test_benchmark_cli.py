@@ -322,3 +322,16 @@ def test_training_tables_name_the_command_that_made_them(tmp_path, monkeypatch, 
         assert module.main(argv) == 0
         line = f"\nfrom: python benchmarks/{name}.py {' '.join(argv)}\n| "
         assert line in capsys.readouterr().out, name
+
+
+def test_diffusion_methods_table_shows_a_metric_summary_json_holds_as_null(tmp_path, monkeypatch, capsys):
+    """A held-out set with no relational prompt has no relation accuracy: summary.json holds null,
+    and the table's f-string raised TypeError after every run had trained. It shows "-"."""
+    dm = bench("diffusion_methods")
+    before = {"atom_accuracy": 0.3, "exist": 0.5, "colour": 0.4, "count": 0.2, "relation": None,
+              "prompt_accuracy": 0.0, "hard/atom_accuracy": 0.2, "hard/prompt_accuracy": None}
+    summary = {"eval_before": before, "eval_after": {**before, "atom_accuracy": 0.4}, "train_seconds": 3.0}
+    monkeypatch.setattr(dm, "run", lambda *a, **k: (summary, [{"step": 1, "reward/total": 0.5, "time/step": 1.0}]))
+    assert dm.main(["--methods", "flow_grpo", "--steps", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| flow_grpo | 0 | 0.300 -> 0.400 | 0.500 -> 0.500 | 0.400 -> 0.400 | 0.200 -> 0.200 | - -> - |" in out
