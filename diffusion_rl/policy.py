@@ -243,15 +243,18 @@ class DiffusionPolicy:
 
     def save_pretrained(self, path: str | Path) -> None:
         """The whole pipeline directory (from_pretrained loads it as is); under LoRA the adapter
-        alone (adapter_config.json, adapter_model.safetensors), as the VLM and dLLM backends save
+        alone (adapter_config.json, adapter_model.safetensors, and for diffusers' pipeline loader
+        pytorch_lora_weights.safetensors: describe_adapter), as the VLM and dLLM backends save
         theirs: the text encoders and VAE are frozen and the base model's, and for a FLUX-size
         model a whole pipeline costs tens of GB a checkpoint. Loading it needs the base
         (model.path) built with the same model.lora, as `--checkpoint` and resuming do."""
         if not self.flow.has_lora:
             self.flow.save_pretrained(path)
             return
+        from diffusion_rl.models import _class_of
+
         self.flow.save_transformer_weights(path)
-        describe_adapter(Path(path), self.flow.transformer)
+        describe_adapter(Path(path), self.flow.transformer, _class_of(self.flow.family))
         self.flow.copy_carried_files(path)  # the record of the window the base was calibrated to
 
     def load_weights(self, path: str | Path) -> None:
@@ -279,14 +282,18 @@ class DiffusionPolicy:
         return _Reference(self, share_base=False)
 
 
-def describe_adapter(path: Path, transformer: torch.nn.Module) -> None:
+def describe_adapter(path: Path, transformer: torch.nn.Module, pipeline: str) -> None:
     """Make a LoRA checkpoint's adapter loadable without mmrl: adapter_config.json names its base
     (the transformer folder it was loaded from; PEFT leaves it null for a diffusers model), and the
     safetensors carry the LoRA config as diffusers' `lora_adapter_metadata`, without which
     `transformer.load_lora_adapter(path, weight_name="adapter_model.safetensors", prefix=None)`
-    silently scales the update by 1, not by alpha / r."""
+    silently scales the update by 1, not by alpha / r. Beside it, the same adapter as the
+    pipeline class `pipeline` (e.g. "FluxPipeline") saves one: pytorch_lora_weights.safetensors,
+    its keys under `transformer.`, which `pipe.load_lora_weights(path)` reads (it found no
+    `transformer.` key in adapter_model.safetensors and silently loaded nothing: the base model)."""
     import json
 
+    import diffusers
     from safetensors.torch import load_file, save_file
 
     config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -295,9 +302,15 @@ def describe_adapter(path: Path, transformer: torch.nn.Module) -> None:
     if config.get("base_model_name_or_path") is None and (base / "transformer").is_dir():
         config["base_model_name_or_path"] = str((base / "transformer").resolve())
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = load_file(weights)
     tmp = weights.with_suffix(".tmp")  # written aside: the tensors read may still map the old file
-    save_file(load_file(weights), tmp, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
+    save_file(state, tmp, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
     tmp.replace(weights)
+    # resume and load_lora_adapter read adapter_model.safetensors; this copy is for the pipeline's
+    # loader (the Hub's LoRA format). A pipeline class without a LoRA loader gets none.
+    save_lora = getattr(getattr(diffusers, pipeline, None), "save_lora_weights", None)
+    if save_lora is not None:
+        save_lora(path, transformer_lora_layers=state, transformer_lora_adapter_metadata=config)
 
 
 class _Reference:

@@ -60,6 +60,30 @@ def assert_same_logits(lora_model, plain, base):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def image_lora(tmp_path_factory):
+    """lora_policy's image model and its checkpoint directory, built once for the tests that load it."""
+    tmp = tmp_path_factory.mktemp("image_lora")
+    policy, _ = lora_policy("diffusion", tmp)
+    return policy, tmp / "ckpt"
+
+
+def assert_same_transformer(policy, plain):
+    """`plain` (a FluxTransformer2DModel loaded without mmrl) gives the LoRA policy's velocity, and
+    that differs from the base's (the adapter is not a no-op)."""
+    g, c = torch.Generator().manual_seed(0), plain.config
+    inputs = {"hidden_states": torch.randn(1, 16, c.in_channels, generator=g), "timestep": torch.tensor([0.5]),
+              "encoder_hidden_states": torch.randn(1, 5, c.joint_attention_dim, generator=g),
+              "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
+              "img_ids": torch.randn(16, 3, generator=g), "txt_ids": torch.zeros(5, 3), "guidance": torch.tensor([3.5])}
+    with torch.no_grad():
+        want, got = policy.flow.transformer.eval()(**inputs)[0], plain.eval()(**inputs)[0]
+        with policy.flow.disable_adapter():
+            before = policy.flow.transformer(**inputs)[0]
+    assert (want - before).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_vlm_lora_checkpoint_exports_as_one_plain_transformers_model(tmp_path):
     from transformers import AutoModelForImageTextToText
 
@@ -159,12 +183,14 @@ def test_a_dllm_lora_checkpoint_exports_as_a_mask_predictor_directory(tmp_path):
                        load_mask_predictor(backend.bundled_model_dir()).model)
 
 
-def test_an_image_lora_checkpoint_exports_as_a_whole_diffusers_pipeline(tmp_path):
+def test_an_image_lora_checkpoint_exports_as_a_whole_diffusers_pipeline(image_lora):
     from diffusion_rl.models import load_flow_model
 
-    policy, _ = lora_policy("diffusion", tmp_path)
-    out = exported("diffusion", tmp_path)
+    policy, ckpt = image_lora
+    out = exported("diffusion", ckpt.parent)
     assert (out / "model_index.json").is_file() and (out / "vae").is_dir()
+    # merged: no LoRA file for pipe.load_lora_weights, which would apply the adapter a second time
+    assert not list(out.rglob("*lora*")) and not list(out.rglob("adapter_*"))
     plain = dict(load_flow_model(out).transformer.named_parameters())
     lora = dict(policy.flow.transformer.named_parameters())
     layers = {n.removesuffix(".lora_A.default.weight") for n in lora if n.endswith(".lora_A.default.weight")}
@@ -211,7 +237,7 @@ def test_a_lora_checkpoint_without_its_lora_settings_is_one_clear_error(modality
     assert not (tmp_path / "out").exists()
 
 
-def test_an_image_lora_checkpoint_loads_with_diffusers_alone(tmp_path):
+def test_an_image_lora_checkpoint_loads_with_diffusers_alone(image_lora):
     """A LoRA run's checkpoint holds the adapter alone: its adapter_config.json names the base
     transformer (PEFT leaves it null for a diffusers model), and diffusers' load_lora_adapter
     gives the run's transformer, scaled by alpha / r (without the safetensors' LoRA metadata it
@@ -222,19 +248,25 @@ def test_an_image_lora_checkpoint_loads_with_diffusers_alone(tmp_path):
 
     from diffusion_rl.backend import bundled_model_dir
 
-    policy, _ = lora_policy("diffusion", tmp_path)
-    saved = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    policy, ckpt = image_lora
+    saved = json.loads((ckpt / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str((bundled_model_dir() / "transformer").resolve())
     plain = FluxTransformer2DModel.from_pretrained(saved["base_model_name_or_path"])
-    plain.load_lora_adapter(tmp_path / "ckpt", weight_name="adapter_model.safetensors", prefix=None)
-    g, c = torch.Generator().manual_seed(0), plain.config
-    inputs = {"hidden_states": torch.randn(1, 16, c.in_channels, generator=g), "timestep": torch.tensor([0.5]),
-              "encoder_hidden_states": torch.randn(1, 5, c.joint_attention_dim, generator=g),
-              "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
-              "img_ids": torch.randn(16, 3, generator=g), "txt_ids": torch.zeros(5, 3), "guidance": torch.tensor([3.5])}
-    with torch.no_grad():
-        want, got = policy.flow.transformer.eval()(**inputs)[0], plain.eval()(**inputs)[0]
-        with policy.flow.disable_adapter():
-            before = policy.flow.transformer(**inputs)[0]
-    assert (want - before).abs().max() > 1e-3
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plain.load_lora_adapter(ckpt, weight_name="adapter_model.safetensors", prefix=None)
+    assert_same_transformer(policy, plain)
+
+
+def test_an_image_lora_checkpoint_loads_with_the_pipelines_load_lora_weights(image_lora):
+    """The call researchers use, and the Hub's LoRA format: `pipe.load_lora_weights(dir)` reads
+    pytorch_lora_weights.safetensors (keys under `transformer.`, as FluxPipeline.save_lora_weights
+    writes them), written beside the adapter_model.safetensors that resuming reads. Before, it
+    found no `transformer.` key in adapter_model.safetensors, warned and loaded nothing: the base."""
+    from diffusers import FluxPipeline
+
+    from diffusion_rl.backend import bundled_model_dir
+
+    policy, ckpt = image_lora
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    pipe = FluxPipeline.from_pretrained(bundled_model_dir())
+    pipe.load_lora_weights(ckpt)
+    assert_same_transformer(policy, pipe.transformer)

@@ -119,7 +119,7 @@ def test_window_must_leave_the_last_step_deterministic():
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path, lora):
     """Also under LoRA, whose checkpoints hold the adapter alone (as the VLM's and dLLM's do):
-    no pipeline, no frozen text encoder or VAE."""
+    no pipeline, no frozen text encoder or VAE; and again as diffusers' pipeline loader reads it."""
     extra = ["model.lora.r=4"] if lora else []
 
     def run(name, steps, resume=False):
@@ -132,7 +132,7 @@ def test_resume_reproduces_the_uninterrupted_run(flux_dir, tmp_path, lora):
     (model_dir,) = (tmp_path / "split" / "run" / "checkpoints").glob("step-*/model")
     saved = sorted(p.name for p in model_dir.iterdir())
     if lora:
-        assert saved == ["adapter_config.json", "adapter_model.safetensors"]
+        assert saved == ["adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
     else:
         assert {"model_index.json", "transformer", "text_encoder"} <= set(saved)
     resumed = run("split", 2, resume=True)
