@@ -54,13 +54,13 @@ def test_hard_split_scores_the_relational_prompts_alone():
 
 def test_evaluation_detects_each_image_once_though_the_hard_split_scores_it_again(monkeypatch):
     """4 prompts, 2 of them relational (the hard/ split): 4 detections, not 4 + 2; the same metrics."""
-    from diffusion_rl.tasks import shapes_geneval
+    from diffusion_rl.tasks import shapes_verifier  # where cached_detect's detect and cache live
 
     task = DiffusionTask("shapes-geneval", PROMPTS, PROMPTS, shapes_geneval_reward())
     expected = task.evaluate(Renderer())
     calls = []
-    monkeypatch.setattr(shapes_geneval, "_OBJECT_CACHE", {})  # nothing detected yet
-    monkeypatch.setattr(shapes_geneval, "detect", lambda image, detect=shapes_geneval.detect: calls.append(1) or detect(image))
+    monkeypatch.setattr(shapes_verifier, "_OBJECT_CACHE", {})  # nothing detected yet
+    monkeypatch.setattr(shapes_verifier, "detect", lambda image, detect=shapes_verifier.detect: calls.append(1) or detect(image))
     assert task.evaluate(Renderer()) == expected and expected["hard/num_prompts"] == 2
     assert len(calls) == 4
 

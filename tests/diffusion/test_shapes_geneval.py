@@ -11,6 +11,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
 import diffusion_rl.tasks.shapes_geneval as sg
+from diffusion_rl.tasks import shapes_verifier
 from diffusion_rl.tasks.shapes_geneval import (
     COLOURS,
     IMAGE_SIZE,
@@ -876,10 +877,11 @@ def test_reward_scores_samples_by_atom_type(monkeypatch):
     ]
     calls = []
     real_detect = sg.detect
-    monkeypatch.setattr(sg, "detect", lambda img, **kw: calls.append(1) or real_detect(img, **kw))
+    # the verifier's detect and caches (shapes_geneval re-exports the function, not the global)
+    monkeypatch.setattr(shapes_verifier, "detect", lambda img, **kw: calls.append(1) or real_detect(img, **kw))
     # empty caches: an earlier test (evaluation's atom_accuracy) may have detected these images
-    monkeypatch.setattr(sg, "_OBJECT_CACHE", {})
-    monkeypatch.setattr(sg, "_ATOM_CACHE", {})
+    monkeypatch.setattr(shapes_verifier, "_OBJECT_CACHE", {})
+    monkeypatch.setattr(shapes_verifier, "_ATOM_CACHE", {})
     reward = shapes_geneval_reward()
     assert isinstance(reward, Reward)
     scores = reward.score(samples)
@@ -1009,3 +1011,23 @@ def test_atom_accuracy_on_a_mixed_set():
         atom_accuracy(images[:2], prompts[:1])
     with pytest.raises(ValueError):
         atom_accuracy([], [])
+
+
+# ---------------------------------------------------------------------------- module layout
+
+
+def test_every_public_name_of_the_split_modules_is_importable_from_shapes_geneval():
+    """shapes_geneval re-exports what its four modules define (tests, CAST, scripts and users'
+    code import them from there), the same objects, and its __all__ names exist."""
+    import inspect
+
+    from diffusion_rl.tasks import shapes_detector, shapes_prompts, shapes_scenes
+
+    for module in (shapes_prompts, shapes_scenes, shapes_detector, shapes_verifier):
+        for name, value in vars(module).items():
+            defined_here = getattr(value, "__module__", module.__name__) == module.__name__
+            if name.startswith("_") or inspect.ismodule(value) or not defined_here:
+                continue
+            assert getattr(sg, name, None) is value, f"{module.__name__}.{name}"
+    assert all(hasattr(sg, name) for name in sg.__all__)
+    assert sg.STRICT_FRAC == 0.5 and sg.MAX_ATOMS == 7  # constants too, not only functions
