@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mmrl.core.config import ConfigError, KeyValueError, TrainConfig, _members, config_warning
+from mmrl.core.runconfig import absolute_paths, not_installed_note, resolve_config_file
 
 # --------------------------------------------------------------------------- loading
 
@@ -208,8 +209,6 @@ def read_yaml(path: str | Path) -> dict:
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory, not a YAML file")
     if not path.is_file():
-        from mmrl.core.runconfig import not_installed_note
-
         raise ConfigError(f"config file {str(path)!r} does not exist{not_installed_note(path)}")
     try:
         data = _yaml(path.read_text(encoding="utf-8"), str(path))
@@ -271,8 +270,6 @@ def _read_layered(path: Path, chain: tuple[Path, ...], named_by: str | None,
                   layers: list[tuple[Path, dict]]) -> dict:
     """read_config_file of `path`, reached through the files of `chain` (named_by: the `base:`
     entry that named it, for its errors)."""
-    from mmrl.core.runconfig import absolute_paths  # runconfig imports this module
-
     try:
         data = expand_env(read_yaml(path), path)
     except ConfigError as e:
@@ -360,8 +357,6 @@ def load_config(
     data = deep_merge(cls().model_dump(mode="json"), defaults or {})
     layers: list[tuple[Path, dict]] = []  # each file's own settings: whose key an error is
     if path is not None:
-        from mmrl.core.runconfig import resolve_config_file  # runconfig imports this module
-
         path = resolve_config_file(path)
         data = deep_merge(data, read_config_file(path, layers))
         _foreign_bases(cls, layers)
