@@ -198,6 +198,20 @@ def test_lora_and_a_weight_average_are_refused():
         fsdp.check(ema, "inline")
 
 
+def test_a_torch_without_fsdp2_is_refused_by_name_and_trains_unsharded(monkeypatch):
+    # torch 2.4/2.5 have no public FSDPModule (nor DTensor in 2.4): a run without optim.fsdp must
+    # not import them (every optimizer step asks for the whole gradient norm)
+    import torch.distributed.fsdp as fsdp_api
+
+    monkeypatch.delattr(fsdp_api, "FSDPModule")
+    cfg = load_config(TrainConfig, defaults=toy.DEFAULT_CONFIG, overrides=["optim.fsdp=true"])
+    with pytest.raises(ConfigError, match=r"optim.fsdp needs torch>=2.8 .* set optim.fsdp=false"):
+        fsdp.check(cfg, "inline")
+    model = torch.nn.Linear(2, 2)
+    norm = torch.tensor(3.0)
+    assert not fsdp.is_sharded(model) and fsdp.Sharded.whole(norm) is norm
+
+
 def test_one_process_trains_unsharded_and_says_so(tmp_path):
     cfg = _config(tmp_path, True, 1)
     with pytest.warns(UserWarning, match="with one process it stays whole"):

@@ -58,6 +58,19 @@ def check(cfg, placement: str) -> None:
                           "hold whole copies of their own)")
     if cfg.optim.shard_state:
         raise ConfigError("optim.fsdp already shards AdamW's moments: leave optim.shard_state false")
+    if _fsdp_module() is None:
+        raise ConfigError(f"optim.fsdp needs torch>=2.8 (FSDP2's fully_shard with summed gradients); this is "
+                          f"torch {torch.__version__}: upgrade torch, or set optim.fsdp=false")
+
+
+def _fsdp_module() -> type | None:
+    """FSDP2's FSDPModule, or None on a torch too old for Sharded: FSDPModule is public from torch
+    2.6 and set_force_sum_reduction_for_comms from 2.8. Nothing is sharded there (check refuses)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return None
+    return FSDPModule if hasattr(FSDPModule, "set_force_sum_reduction_for_comms") else None
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -141,6 +154,8 @@ class Sharded:
     def whole(t, keep: bool = True):
         """A sharded tensor whole, on the CPU (every rank: an all-gather), or None where not `keep`
         (ranks other than the writer drop it at once); others as they are."""
+        if _fsdp_module() is None:  # torch < 2.8: nothing is sharded (and torch 2.4 has no public DTensor)
+            return t
         from torch.distributed.tensor import DTensor
 
         if not isinstance(t, DTensor):
@@ -228,9 +243,8 @@ def _to_float32(module: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` is sharded by optim.fsdp (its forwards are collectives outside `gathered`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    cls = _fsdp_module()
+    return cls is not None and isinstance(model, cls)
 
 
 def checksum(params: list[nn.Parameter]) -> float:

@@ -595,11 +595,11 @@ class VLMPolicy:
 
     @property
     def _takes_encoded_images(self) -> bool:
-        from torch.distributed.fsdp import FSDPModule
+        from mmrl.core.fsdp import is_sharded
 
         base = self.model.get_base_model() if self.is_lora else self.model
-        if isinstance(base, FSDPModule):  # sharded (optim.fsdp): the vision tower's weights are only
-            return False                  # whole inside the model's own forward, which encodes the pixels
+        if is_sharded(base):  # sharded (optim.fsdp): the vision tower's weights are only
+            return False      # whole inside the model's own forward, which encodes the pixels
         return (getattr(base.config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
                 and "mm_encoder_outputs" in inspect.signature(base.forward).parameters)
 
