@@ -196,6 +196,19 @@ def test_an_adapter_of_other_layers_names_the_weights_it_has_no_place_for(tmp_pa
                                     "base_model.model.q_proj.lora_B.weight)")
 
 
+def test_weights_without_a_place_are_named_as_the_file_names_them_on_an_older_peft(tmp_path, monkeypatch):
+    # peft before 0.21 reports unexpected keys with the adapter's name inserted
+    from types import SimpleNamespace
+
+    import peft
+
+    saved_adapter(tmp_path)
+    old = SimpleNamespace(unexpected_keys=["base_model.model.q_proj.lora_A.default.weight"], missing_keys=[])
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", lambda model, weights: old)
+    with pytest.raises(ConfigError, match=r"no place for: base_model.model.q_proj.lora_A.weight\)$"):
+        load_adapter(add_lora(Tiny(), LoRAConfig(r=2, target_modules=["q_proj"])), tmp_path)
+
+
 def test_the_adapter_config_is_checked_for_rslora_and_dora_and_may_lack_them(tmp_path):
     import json
 

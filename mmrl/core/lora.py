@@ -112,7 +112,9 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> None:
         first = lines[1] if len(lines) > 1 else lines[0]
         more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
         raise ConfigError(f"the adapter in {directory} does not fit this run's model.lora: {first}{more}") from e
-    unexpected = list(getattr(result, "unexpected_keys", None) or [])  # adapters on other layers
+    # adapters on other layers, named as the file names them (peft < 0.21 inserts the adapter's
+    # name: lora_A.default.weight)
+    unexpected = [k.replace(".default.", ".") for k in getattr(result, "unexpected_keys", None) or []]
     missing = [k for k in getattr(result, "missing_keys", None) or [] if ".lora_" in k]  # on fewer layers
     if unexpected or missing:
         what = (f"weights it has no place for: {', '.join(sorted(unexpected)[:3])}" if unexpected
