@@ -72,7 +72,13 @@ def _rank(rank, port, tmp):
         torch.save(record, f"{tmp}/record.{rank}")
 
 
-on_the_runs = pytest.mark.two_ranks(body=_rank)  # the tests that check RUNS share one run of them
+# sharding needs FSDP2 from torch 2.8 (fsdp.check refuses older ones): those tests skip there
+shards = pytest.mark.skipif(fsdp._fsdp_module() is None, reason="optim.fsdp needs torch>=2.8")
+
+
+def on_the_runs(test):
+    """The tests that check RUNS share one run of them."""
+    return shards(pytest.mark.two_ranks(body=_rank)(test))
 
 
 @pytest.fixture
@@ -234,6 +240,7 @@ def _vlm_rank(rank, port, tmp):
         torch.save({"rows": len(batch), "total": float(total)}, f"{tmp}/record.{rank}")
 
 
+@shards
 @pytest.mark.two_ranks(body=_vlm_rank)
 def test_vlm_ranks_generate_on_their_own_with_the_weights_gathered(ranks_ran):
     """transformers makes generate a collective on a sharded model (synced_gpus) unless told
@@ -355,6 +362,7 @@ def test_weights_in_two_low_dtypes_are_refused(one_rank):
         fsdp.Sharded(model)
 
 
+@shards
 def test_nested_gathered_blocks_keep_the_weights_whole_until_the_outer_one_ends(one_rank):
     from torch.distributed.tensor import DTensor
 
@@ -376,6 +384,7 @@ def test_nested_gathered_blocks_keep_the_weights_whole_until_the_outer_one_ends(
     assert fsdp.Sharded.whole(p).shape == (2, 2)
 
 
+@shards
 def test_tied_bfloat16_weights_are_written_as_one_tensor(one_rank):
     """whole_state of a bfloat16 model whose output layer shares the embedding: the two names
     hold one bfloat16 tensor (a cast per name would make two, which save_pretrained writes twice);
