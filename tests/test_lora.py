@@ -252,3 +252,19 @@ def test_an_empty_target_list_and_any_dropout_say_what_to_set():
         LoRAConfig(target_modules=[])
     with pytest.raises(ValueError, match="set it to 0"):  # was "should be less than 1"
         LoRAConfig(dropout=1)
+
+
+def test_a_peft_that_is_installed_but_does_not_import_is_told_from_a_missing_one(monkeypatch):
+    """"needs the `peft` package (pip install peft)" was said also where peft is installed and its
+    import fails (a version that does not fit this transformers): pip install changes nothing there."""
+    import sys
+    import types
+
+    cfg = LoRAConfig(r=2, target_modules=["q_proj"])
+    monkeypatch.setitem(sys.modules, "peft", None)  # not installed: ModuleNotFoundError
+    with pytest.raises(ConfigError, match=r"needs the `peft` package \(pip install peft\)"):
+        add_lora(Tiny(), cfg, seed=0)
+    monkeypatch.setitem(sys.modules, "peft", types.ModuleType("peft"))  # installed, lacks its names
+    with pytest.raises(ConfigError, match=r"installed but does not import here \(ImportError: cannot import name "
+                                          r"'LoraConfig' from 'peft'.*pyproject.toml"):
+        add_lora(Tiny(), cfg, seed=0)

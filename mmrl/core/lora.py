@@ -32,7 +32,12 @@ def add_lora(model: torch.nn.Module, lcfg: LoRAConfig, seed: int = 0) -> torch.n
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
-        raise ConfigError("model.lora needs the `peft` package (pip install peft)") from e
+        # installed but failing to import (a version that does not fit this transformers or torch)
+        # is another fix than a missing package: say which
+        missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "peft"
+        raise ConfigError("model.lora needs the `peft` package (pip install peft)" if missing else
+                          f"model.lora needs `peft`, which is installed but does not import here "
+                          f"({type(e).__name__}: {e}); pyproject.toml names the versions that fit") from e
     config = LoraConfig(
         r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
         target_modules=list(lcfg.target_modules), bias="none",
