@@ -20,8 +20,8 @@ from mmrl.core.device import model_device
 from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import resolve_dir, resolve_file
 from mmrl.vlm.config import CONFIG_CLASS, DEFAULT_CONFIG, VLMTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
-from mmrl.vlm.models import load_vlm
-from mmrl.vlm.policy import VLMPolicy
+from mmrl.vlm.models import load_vlm, resolve_model_path
+from mmrl.vlm.policy import DEFAULT_PATCH_SIZE, VLMPolicy
 from mmrl.vlm.task import VLMTask
 
 
@@ -66,7 +66,7 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
         # resolution (3000 12-megapixel photos are 100 GiB decoded). A tool (zoom) crops the
         # full-resolution original, in its pixel coordinates: with tools each item also says where
         # its original is, decoded again when a tool asks (JsonlItem.full_images).
-        fit = model_view(cfg.model.min_pixels, cfg.model.max_pixels)
+        fit = model_view(cfg.model.min_pixels, cfg.model.max_pixels, patch_size=saved_patch_size(cfg))
         kw = {"on_bad_image": t.on_bad_image, "fit": fit, "originals": cfg.rollout.tools is not None}
         try:
             train = load_jsonl(resolve_file(t.train_path, cfg.base_dir), **kw)
@@ -91,21 +91,40 @@ def build_task(cfg: VLMTrainConfig) -> VLMTask:
                    rollout=cfg.rollout, eval_samples=cfg.rollout.eval_samples, **extra)
 
 
-def model_view(min_pixels: int, max_pixels: int):
+def saved_patch_size(cfg: VLMTrainConfig) -> int:
+    """The patch side of model.path's image processor (VLMPolicy.patch_size), read from its JSON
+    files as transformers reads them (processor_config.json's "image_processor", else
+    preprocessor_config.json), for model_view before the processor loads; qwen-vl-utils' default
+    (Qwen2/2.5-VL's 14) where neither names one. A directory at fault is load_vlm's to name."""
+    import json
+
+    path = resolve_model_path(cfg.model.path, cfg.base_dir)
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        try:
+            found = json.loads((path / name).read_text())
+            found = found[key] if key else found
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        size = found.get("patch_size") if isinstance(found, dict) else None
+        return size if isinstance(size, int) and size > 0 else DEFAULT_PATCH_SIZE
+    return DEFAULT_PATCH_SIZE
+
+
+def model_view(min_pixels: int, max_pixels: int, *, patch_size: int = DEFAULT_PATCH_SIZE):
     """A jsonl image -> the image as the model sees it (the policy's resize, qwen-vl-utils',
-    within model.min_pixels and model.max_pixels), for an image over max_pixels; else the image
-    itself. The policy's resize of the smaller image is that same image (a copy, the same
-    pixels), so rollouts, training and evaluation see exactly what they saw of the original.
-    An image the resize refuses, or would resize again, is kept whole: _check_image_shapes
-    then names it by its own size, as before."""
+    within model.min_pixels and model.max_pixels, to multiples of 2 x the model's `patch_size`),
+    for an image over max_pixels; else the image itself. The policy's resize of the smaller
+    image is that same image (a copy, the same pixels), so rollouts, training and evaluation see
+    exactly what they saw of the original. An image the resize refuses, or would resize again,
+    is kept whole: _check_image_shapes then names it by its own size, as before."""
     from mmrl.vlm.policy import resize_for_model
 
     def fit(image):
         if image.width * image.height <= max_pixels:  # no smaller than the model's view: as it is
             return image
         try:
-            (seen,) = resize_for_model([image], min_pixels, max_pixels)
-            (again,) = resize_for_model([seen], min_pixels, max_pixels)
+            (seen,) = resize_for_model([image], min_pixels, max_pixels, patch_size=patch_size)
+            (again,) = resize_for_model([seen], min_pixels, max_pixels, patch_size=patch_size)
         except Exception:  # noqa: BLE001 -- qwen-vl-utils raises ValueError and assertion errors
             return image
         return seen if min(seen.size) >= 1 and again.size == seen.size else image
@@ -161,8 +180,9 @@ def build_policy(cfg: VLMTrainConfig) -> VLMPolicy:
 def _check_image_shapes(policy: VLMPolicy, task, on_bad_image: str) -> None:
     """A dataset image the model's resizing cannot take fails here, not at its first rollout:
     Qwen's resize refuses an aspect ratio over 200, and makes the short side 0 once the ratio is
-    past about max_pixels / 28^2 (16:1 at the default 112 x 112). Only elongated images are
-    tried (on a blank of their size); with task.on_bad_image=skip their samples are left out."""
+    past about max_pixels / (2 x patch)^2 (at the default 112 x 112: 16:1 for Qwen2/2.5-VL's
+    28-multiples, 12:1 for Qwen3-VL's 32). Only elongated images are tried (on a blank of their
+    size, resized as the policy resizes); with task.on_bad_image=skip their samples are left out."""
     bad: dict[tuple, str] = {}
     tried: set[tuple] = set()  # sizes already resized: a dataset's images often share one
     for split, items in (("train", task.train), ("eval", task.eval_items)):

@@ -123,6 +123,7 @@ class VLMPolicy:
         self.logprob_chunk = logprob_chunk  # model.logprob_chunk (mmrl.core.logprob)
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
+        self.patch_size = image_patch_size(processor)  # qwen-vl-utils resizes to multiples of twice this
         tok = self.tokenizer
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
         self.eos_id = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else tok.eos_token_id
@@ -211,8 +212,6 @@ class VLMPolicy:
     def encode(self, items: Sequence[Any]):
         """Processor inputs for a batch of prompts (left-padded), images resized by qwen-vl-utils,
         on the model's device."""
-        from qwen_vl_utils import process_vision_info
-
         texts, images = [], []
         for i, item in enumerate(items):
             msgs = self.messages(item)
@@ -220,10 +219,9 @@ class VLMPolicy:
                                                             **self._tool_schemas()))
             if item.images:
                 try:
-                    found, _ = process_vision_info(msgs)
+                    images.extend(self.prompt_images(msgs))
                 except Exception as e:
                     raise ValueError(f"prompt {i} ({item.question[:60]!r}): its image could not be read: {e}") from e
-                images.extend(found)
         self.tokenizer.padding_side = "left"
         return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt").to(self.device)
 
@@ -255,9 +253,19 @@ class VLMPolicy:
             return {}
         return {"tools": self.agent.registry.schemas()}
 
+    def prompt_images(self, msgs: list[dict[str, Any]]) -> list:
+        """The images of messages() as the processor receives them (encode, the vLLM engines):
+        resized by qwen-vl-utils within their min/max pixels, to multiples of the model's patch
+        side times the merge (2): 28 for Qwen2/2.5-VL, 32 for Qwen3-VL. At its default patch (14)
+        a Qwen3-VL image came in 28-multiples, which the processor resampled again to 32-multiples."""
+        from qwen_vl_utils import process_vision_info
+
+        found, _ = process_vision_info(msgs, image_patch_size=self.patch_size)
+        return list(found or [])
+
     def resize_images(self, images: Sequence[Any], max_pixels: int | None = None) -> list:
         """Images as the prompt's are: resized by qwen-vl-utils within min/max pixels."""
-        return resize_for_model(images, self.min_pixels, max_pixels or self.max_pixels)
+        return resize_for_model(images, self.min_pixels, max_pixels or self.max_pixels, patch_size=self.patch_size)
 
     def _check_length(self, enc, items, max_new_tokens: int, repeats: int = 1) -> None:
         """`items` may repeat each prompt `repeats` times (a group's rows): the error counts prompts."""
@@ -766,15 +774,28 @@ def _repeated_rows(rows: list[Tensor], grids: list[Tensor]) -> list[int]:
     return first
 
 
-def resize_for_model(images: Sequence[Any], min_pixels: int | None, max_pixels: int | None) -> list:
+DEFAULT_PATCH_SIZE = 14  # qwen-vl-utils' image_patch_size default: Qwen2/2.5-VL's patch
+
+
+def image_patch_size(processor) -> int:
+    """The patch side in pixels of the processor's images (image_processor.patch_size: 14 for
+    Qwen2/2.5-VL, 16 for Qwen3-VL), which qwen-vl-utils' resize must be given; its own default
+    where the processor names none."""
+    size = getattr(getattr(processor, "image_processor", None), "patch_size", None)
+    return size if isinstance(size, int) and size > 0 else DEFAULT_PATCH_SIZE
+
+
+def resize_for_model(images: Sequence[Any], min_pixels: int | None, max_pixels: int | None, *,
+                     patch_size: int = DEFAULT_PATCH_SIZE) -> list:
     """`images` as a prompt's reach the model: in RGB (`_rgb`), resized by qwen-vl-utils within
-    min/max pixels, as messages() asks it. No policy needed: the jsonl task keeps each image at
-    this size from the start (mmrl.vlm.backend.model_view)."""
+    min/max pixels to multiples of 2 x `patch_size` (the model's: image_patch_size), as
+    messages() asks it. No policy needed: the jsonl task keeps each image at this size from the
+    start (mmrl.vlm.backend.model_view)."""
     from qwen_vl_utils import process_vision_info
 
     parts = [{"type": "image", "image": _rgb(im), **({"min_pixels": min_pixels} if min_pixels else {}),
               **({"max_pixels": max_pixels} if max_pixels else {})} for im in images]
-    found, _ = process_vision_info([{"role": "user", "content": parts}])
+    found, _ = process_vision_info([{"role": "user", "content": parts}], image_patch_size=patch_size)
     return found
 
 

@@ -316,9 +316,7 @@ class _VLLMBase:
         text = self.policy.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         images: list = []
         if item.images:
-            from qwen_vl_utils import process_vision_info
-
-            images = list(process_vision_info(msgs)[0] or [])
+            images = self.policy.prompt_images(msgs)  # resized as encode resizes them
         return msgs, text, images
 
     @staticmethod
