@@ -884,7 +884,8 @@ class _SampleDecoder:
         self.predictor, self.prompt_length, self.calls = SimpleNamespace(tokenizer=_CharTok(), vocab_size=1000), 20, []
 
     def decode(self, texts, generator, temperature, strategy=None):
-        seed = None if generator is None else generator.initial_seed()
+        seed = (None if generator is None else [g.initial_seed() for g in generator]
+                if isinstance(generator, list) else generator.initial_seed())
         self.calls.append((list(texts), seed, temperature, strategy))
         return SimpleNamespace(completion=[str(k) for k in range(len(texts))], nfe=torch.full((len(texts),), 3)), None
 
@@ -906,7 +907,10 @@ def test_dllm_sample_scores_prompts_in_the_tasks_format_for_each_of_n_answers():
     assert [r.get("gold") for r in rows] == ["15", "15", None, None]
     assert [r["completion"] for r in rows] == ["0", "1", "2", "3"] and {r["nfe"] for r in rows} == {3}
     assert rows[0]["atoms"]["answer"] == 0.0 and "reward" not in rows[2]
-    assert policy.calls[-1][1:] == (7, 0.5, None)  # seeded by cfg.seed, at the rollout temperature
+    from mmrl.core.held_out import sample_generators
+
+    # one generator per answer, seeded by (cfg.seed, prompt, answer), at the rollout temperature
+    assert policy.calls[-1][1:] == ([g.initial_seed() for g in sample_generators(2, 2, 7)], 0.5, None)
     backend.sample(cfg, policy, task, ["12+3="], n=1, greedy=True)
     assert policy.calls[-1][1:] == (None, 0.0, "ar")  # greedy: temperature 0, rollout.eval_strategy
     rows = backend.sample(cfg, policy, task, [], n=1)  # no prompt: the first two held-out problems
