@@ -369,7 +369,7 @@ class ToolRollout:
         text += _OBS_CLOSE
         if images:  # processed before anything is appended: a failure leaves the row as it was
             resized = pol.resize_images(images, getattr(self.cfg, "image_max_pixels", None))
-            out = pol.processor(text=[text], images=resized, return_tensors="pt")
+            out = pol.processor(text=[text], images=resized, return_tensors="pt", **pol.as_resized(resized))
             ids = out["input_ids"][0].tolist()
         else:
             ids = pol.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -223,7 +223,17 @@ class VLMPolicy:
                 except Exception as e:
                     raise ValueError(f"prompt {i} ({item.question[:60]!r}): its image could not be read: {e}") from e
         self.tokenizer.padding_side = "left"
-        return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt").to(self.device)
+        return self.processor(text=texts, images=images or None, padding=True, return_tensors="pt",
+                              **self.as_resized(images)).to(self.device)
+
+    @staticmethod
+    def as_resized(images: Sequence[Any]) -> dict[str, Any]:
+        """The processor's keywords for images prompt_images / resize_images already resized: cut
+        them as they are (do_resize=False, as Qwen3-VL's README does after qwen-vl-utils). The
+        processor would resize them again within its own size bounds: a released Qwen3-VL's
+        shortest_edge (65536 px) scaled a 128 x 96 image up to 70 tokens, where the run's
+        model.max_pixels allowed 12."""
+        return {"do_resize": False} if images else {}
 
     def _encode_repeated(self, prompts: Sequence[Any], g: int) -> dict[str, Tensor]:
         """encode() of each prompt repeated g times, with every image resized and cut into

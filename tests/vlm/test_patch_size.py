@@ -14,10 +14,13 @@ from transformers import AutoProcessor
 
 from mmrl.core.config import load_config
 from mmrl.vlm import backend
+from mmrl.vlm.agent import ToolRollout, _Row
+from mmrl.vlm.config import ToolsConfig
 from mmrl.vlm.models import bundled_model_dir
 from mmrl.vlm.policy import VLMPolicy, resize_for_model
 from mmrl.vlm.tasks.shapes_qa import QAItem
 from mmrl.vlm.tiny import build_processor
+from mmrl.vlm.tools import ToolRegistry
 from mmrl.vlm.vllm_engine import _VLLMBase
 
 MIN, MAX = 56 * 56, 112 * 112  # model.min_pixels / max_pixels' defaults, the tiny processors' bounds
@@ -76,6 +79,22 @@ def test_encode_resizes_once_to_multiples_of_the_models_patch(processors, family
     # an export's processor, fed the original, takes it to the same grid
     plain = policy.saved_processor().image_processor(images=[photo(200, 150)], return_tensors="pt")
     assert torch.equal(plain["image_grid_thw"], enc["image_grid_thw"])
+
+
+def test_a_processor_with_larger_bounds_cuts_the_runs_image_as_it_is(processors):
+    """A released Qwen3-VL's processor bounds images to 65536 .. 16777216 px (256^2 .. 4096^2).
+    encode's 128 x 96 image (within the run's 112^2) is cut as it is: a grid of [1, 6, 8] 16-px
+    patches, 12 tokens after the 2 x 2 merge (the processor scaled it up to its 65536 px:
+    [1, 14, 20], 70 tokens); a tool's image likewise (agent)."""
+    released = build_processor("qwen3_vl", processors["qwen3_vl"].tokenizer, min_pixels=256 * 256,
+                               max_pixels=4096 * 4096)
+    policy = policy_of(released)
+    enc = policy.encode([QAItem(images=[photo(200, 150)], question="What?", answer="")])
+    assert enc["image_grid_thw"].tolist() == [[1, 96 // 16, 128 // 16]]
+    assert int((enc["input_ids"] == released.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 12
+    row = _Row(item=None)  # a tool's image, as the tool loop shows it to the model
+    ToolRollout(policy, ToolRegistry(), ToolsConfig())._observe(row, [photo(200, 150)])
+    assert [g.tolist() for g in row.grids] == [[[1, 6, 8]]]
 
 
 def test_the_vllm_engines_resize_as_encode_does(processors):
