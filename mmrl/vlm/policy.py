@@ -699,21 +699,25 @@ class VLMPolicy:
         self.saved_processor().save_pretrained(path)
 
     def saved_processor(self):
-        """The processor as a checkpoint or export holds it: its image size bounds narrowed to
-        the run's model.min_pixels / max_pixels, which every image the run saw was resized within
-        (qwen-vl-utils, then the processor); the base's own bounds would show a plain
-        AutoProcessor or vLLM other pixels than the run's. A copy: the run's own is left as is."""
+        """The processor as a checkpoint or export holds it: its image size bounds set to the
+        run's model.min_pixels / max_pixels (qwen-vl-utils' defaults at the model's patch where
+        unset), the bounds every image the run saw was resized within and then cut as it was
+        (encode: do_resize=False). A plain AutoProcessor or vLLM given an original image then
+        resizes it to the run's grid, and one the run resized keeps its size; the base's own
+        bounds (a released Qwen3-VL's shortest_edge: 65536 px) would show them other pixels.
+        A copy: the run's own is left as is."""
         image = getattr(self.processor, "image_processor", None)
         size = dict(getattr(image, "size", None) or {})
         if not ("shortest_edge" in size and "longest_edge" in size):  # not Qwen-VL's bounds in pixels
             return self.processor
-        bounded = {"shortest_edge": max(size["shortest_edge"], self.min_pixels or 0),
-                   "longest_edge": min(size["longest_edge"], self.max_pixels or size["longest_edge"])}
-        if bounded == size:
+        factor = 2 * self.patch_size  # qwen-vl-utils' defaults: 4 .. 16384 tokens of factor^2 px
+        bounds = {"shortest_edge": self.min_pixels or 4 * factor**2,
+                  "longest_edge": self.max_pixels or 16384 * factor**2}
+        if all(size[k] == v for k, v in bounds.items()):
             return self.processor
         processor = copy.copy(self.processor)  # the tokenizer shared, the image processor its own
         processor.image_processor = copy.deepcopy(image)
-        processor.image_processor.size = bounded
+        processor.image_processor.size = bounds
         return processor
 
     def export_pretrained(self, path: str | Path) -> None:

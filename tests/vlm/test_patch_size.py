@@ -85,7 +85,9 @@ def test_a_processor_with_larger_bounds_cuts_the_runs_image_as_it_is(processors)
     """A released Qwen3-VL's processor bounds images to 65536 .. 16777216 px (256^2 .. 4096^2).
     encode's 128 x 96 image (within the run's 112^2) is cut as it is: a grid of [1, 6, 8] 16-px
     patches, 12 tokens after the 2 x 2 merge (the processor scaled it up to its 65536 px:
-    [1, 14, 20], 70 tokens); a tool's image likewise (agent)."""
+    [1, 14, 20], 70 tokens); a tool's image likewise (agent). The saved processor holds the
+    run's bounds, not max(65536, 56^2) .. min(16777216, 112^2) = 65536 .. 12544, an empty
+    range, and takes the original image to the run's grid."""
     released = build_processor("qwen3_vl", processors["qwen3_vl"].tokenizer, min_pixels=256 * 256,
                                max_pixels=4096 * 4096)
     policy = policy_of(released)
@@ -95,6 +97,23 @@ def test_a_processor_with_larger_bounds_cuts_the_runs_image_as_it_is(processors)
     row = _Row(item=None)  # a tool's image, as the tool loop shows it to the model
     ToolRollout(policy, ToolRegistry(), ToolsConfig())._observe(row, [photo(200, 150)])
     assert [g.tolist() for g in row.grids] == [[[1, 6, 8]]]
+    saved = VLMPolicy(policy.model, released, min_pixels=MIN, max_pixels=MAX).saved_processor()  # no Spy
+    assert dict(saved.image_processor.size) == {"shortest_edge": MIN, "longest_edge": MAX}
+    assert released.image_processor.size["shortest_edge"] == 256 * 256  # the run's own is left as is
+    plain = saved.image_processor(images=[photo(200, 150)], return_tensors="pt")
+    assert plain["image_grid_thw"].tolist() == [[1, 6, 8]]
+
+
+def test_a_saved_processor_without_the_runs_bounds_has_qwen_vl_utils_defaults(processors):
+    """Where the run sets no bounds, qwen-vl-utils resized within its own: 4 .. 16384 tokens of
+    32 x 32 px for Qwen3-VL; the saved processor says so, and takes a 1000 x 750 photo, within
+    them, to qwen-vl-utils' 992 x 736 (31 x 23 tokens, grid [1, 46, 62])."""
+    policy = VLMPolicy(policy_of(processors["qwen3_vl"]).model, processors["qwen3_vl"])  # no bounds
+    saved = policy.saved_processor()
+    assert dict(saved.image_processor.size) == {"shortest_edge": 4 * 32 * 32, "longest_edge": 16384 * 32 * 32}
+    assert policy.resize_images([photo(1000, 750)])[0].size == (992, 736)
+    plain = saved.image_processor(images=[photo(1000, 750)], return_tensors="pt")
+    assert plain["image_grid_thw"].tolist() == [[1, 46, 62]]
 
 
 def test_the_vllm_engines_resize_as_encode_does(processors):
