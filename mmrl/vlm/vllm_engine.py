@@ -319,6 +319,12 @@ class _VLLMBase:
             images = self.policy.prompt_images(msgs)  # resized as encode resizes them
         return msgs, text, images
 
+    def _as_resized(self, images: list) -> dict:
+        """A request's mm_processor_kwargs: vLLM's processor, like encode's (policy.as_resized),
+        cuts the images as they are, not resized again within the bounds of the processor vLLM
+        loaded (the base's: a released Qwen3-VL's would scale a 128 x 96 image up to 256^2 px)."""
+        return {"mm_processor_kwargs": self.policy.as_resized(images)} if images else {}
+
     @staticmethod
     def _seeds(seed: int, k: int) -> list[int]:
         gen = torch.Generator().manual_seed(int(seed))
@@ -462,7 +468,8 @@ class VLLMEngine(_VLLMBase):
         inputs = []
         for item in prompts:
             _, text, images = self._chat(item)
-            inputs.append({"prompt": text, **({"multi_modal_data": {"image": images}} if images else {})})
+            inputs.append({"prompt": text, **({"multi_modal_data": {"image": images}} if images else {}),
+                           **self._as_resized(images)})
         params = [self._sampling_params(r, rollout, s) for r, s in zip(requests, self._seeds(seed, len(requests)))]
         self._wake()
         try:
@@ -657,7 +664,7 @@ class VLLMServerEngine(_VLLMBase):
             "stop_token_ids": [self.policy.eos_id], "ignore_eos": True,
             "logit_bias": {str(i): -100 for i in self.policy.banned_ids},
             "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-            "return_token_ids": True, "add_generation_prompt": True,
+            "return_token_ids": True, "add_generation_prompt": True, **self._as_resized(images),
         }
 
     def generate(self, requests: Sequence[Request], rollout, seed: int) -> RolloutBatch:
@@ -711,7 +718,7 @@ class VLLMServerEngine(_VLLMBase):
         base.config.save_pretrained(path)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(path)
-        self.policy.processor.save_pretrained(path)
+        self.policy.saved_processor().save_pretrained(path)  # the run's image bounds, as a checkpoint's
         try:
             self._rpc("reload_weights", kwargs={"weights_path": str(path)})
         except HTTPStatusError as first:

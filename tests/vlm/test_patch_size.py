@@ -124,6 +124,20 @@ def test_the_vllm_engines_resize_as_encode_does(processors):
     assert [im.size for im in images] == [(128, 96)]
 
 
+def test_vllm_is_asked_to_cut_the_images_as_they_are(processors):
+    """vLLM's processor is the served model's, with the base's bounds (a released Qwen3-VL's
+    65536 px would scale the 128 x 96 image up, and vLLM's prompt would not be the trainer's):
+    a request with images asks it not to resize them (mm_processor_kwargs), one without does not."""
+    from mmrl.core.engine import Request
+    from mmrl.vlm.vllm_engine import VLLMServerEngine
+
+    engine = VLLMServerEngine("http://127.0.0.1:9", policy_of(processors["qwen3_vl"]), model="tiny", own_weights=False)
+    rollout = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=8, stop=None)
+    with_image, text_only = (QAItem(images=images, question="What?", answer="") for images in ([photo(200, 150)], []))
+    assert engine._body(with_image, Request(0, with_image, 1), rollout, 0)["mm_processor_kwargs"] == {"do_resize": False}
+    assert "mm_processor_kwargs" not in engine._body(text_only, Request(1, text_only, 1), rollout, 0)
+
+
 def test_the_resize_checks_use_the_models_patch(processors):
     """A 1300 x 100 image at most 112^2 pixels: beta = sqrt(130000 / 12544) = 3.22 and its short
     side 100 / 3.22 = 31.1 floors to 28 for Qwen2.5-VL but to 0 for Qwen3-VL's 32, so the check

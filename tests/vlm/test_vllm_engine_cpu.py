@@ -384,6 +384,7 @@ def test_server_publish_reloads_full_weights(server, tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     policy = make_policy()
+    policy.max_pixels = 6272  # the run's, below the bundled processor's 12544
     server.routes["/collective_rpc"] = lambda body: (200, {"results": [None]})
     server.routes["/reset_prefix_cache"] = lambda _: (200, b"")
     engine = VLLMServerEngine(server.url, policy, timeout=30, model="tiny", weights_dir=tmp_path)
@@ -403,6 +404,10 @@ def test_server_publish_reloads_full_weights(server, tmp_path):
     assert set(got) == set(weights)
     for name, value in weights.items():
         assert torch.equal(got[name], value), name
+    # and the processor beside them holds the run's image bounds, as a checkpoint's does
+    from transformers import AutoProcessor
+
+    assert AutoProcessor.from_pretrained(path).image_processor.size["longest_edge"] == 6272
     # the copy for old log-probs took the weights too; the engine's version moved
     assert engine.version == 1
     assert all(torch.equal(p, weights[k]) for k, p in engine.scorer.model.named_parameters())
@@ -552,6 +557,7 @@ def test_in_process_engine_against_a_stand_in_vllm(policy, reference, monkeypatc
     assert inputs[0]["prompt"] == policy.processor.apply_chat_template(
         policy.messages(ITEMS[0]), tokenize=False, add_generation_prompt=True)
     assert "multi_modal_data" not in inputs[1] and len(inputs[2]["multi_modal_data"]["image"]) == 2
+    assert inputs[2]["mm_processor_kwargs"] == {"do_resize": False} and "mm_processor_kwargs" not in inputs[1]
     p = params[0]
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.stop, p.logprobs) == (3, 0.7, 1.0, 8, ["</answer>"], 0)
     assert p.stop_token_ids == [policy.eos_id] and p.ignore_eos is True
