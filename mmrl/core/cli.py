@@ -48,6 +48,7 @@ from mmrl.core.jsonl import HeldOutWarning
 from mmrl.core.logging import nulled, quiet_library_bars, survive_reader_gone
 from mmrl.core.runconfig import (
     RUN_CONFIG,
+    bundled_model_note,
     code_named,
     read_run_config,
     resolve_config_file,
@@ -367,7 +368,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                     raise ConfigError(f"--out {out}: cannot write there ({type(e).__name__}: {e})") from None
             policy, task = backend.build(cfg)
             if checkpoint is not None:
-                load_checkpoint(policy, checkpoint)
+                load_checkpoint(policy, checkpoint, cfg.model.path)
                 if distributed.launched_main():  # which step RUN or RUN/best is, beside the metrics (stdout: JSON alone)
                     err_console.print(f"evaluating {resolve_checkpoint(checkpoint)}", **PLAIN)
             from mmrl.core.trainer import Trainer
@@ -419,7 +420,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
                 policy, task = backend.build(cfg)
             with_config_atoms(task, cfg)  # samples are scored as training scores them
             if checkpoint is not None:
-                load_checkpoint(policy, checkpoint)
+                load_checkpoint(policy, checkpoint, cfg.model.path)
             for row in backend.sample(cfg, policy, task, list(prompt), 1 if greedy else num or 4, **extra):
                 typer.echo(json.dumps(row, default=str))  # JSON lines
 
@@ -470,7 +471,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             with no_held_out_warnings():  # serve reports no held-out metric
                 policy = served_policy(backend, cfg)  # the model alone where the backend can: no data files read
             if checkpoint is not None:
-                load_checkpoint(policy, checkpoint)
+                load_checkpoint(policy, checkpoint, cfg.model.path)
             try:
                 serve_engine(ServedPolicyEngine(policy), type(cfg.rollout), host, port, token=secret,
                              read_timeout=read_timeout, max_samples=max_samples, rollout=cfg.rollout,
@@ -502,7 +503,7 @@ def make_app(spec: BackendSpec) -> typer.Typer:
             # files need not be there (a run copied to another machine, its data left behind)
             policy = backend.build_policy(cfg) if hasattr(backend, "build_policy") else backend.build(cfg)[0]
             source = resolve_checkpoint(checkpoint)  # a run's newest checkpoint: found once, loaded and named
-            load_checkpoint(policy, source)
+            load_checkpoint(policy, source, cfg.model.path)
             if not hasattr(policy, "export_pretrained"):
                 raise BackendUnavailable(f"`{spec.command} export` is not available for this backend yet")
             partial = out.with_name(f".{out.name}.partial")  # written whole, then renamed: never half a model at --out
@@ -719,17 +720,22 @@ def rows_file(cfg: TrainConfig, checkpoint: Path | None) -> Path:
     return Path(cfg.output_dir) / "eval" / "eval.jsonl"
 
 
-def load_checkpoint(policy, path: Path) -> None:
+def load_checkpoint(policy, path: Path, model_path: str | None = "") -> None:
     """--checkpoint: the weights of `path` (see resolve_checkpoint) into the policy, or a
-    CheckpointError naming the directory where they cannot be read or do not fit."""
-    from mmrl.core.checkpoint import CheckpointError
+    CheckpointError naming the directory where they cannot be read or do not fit. `model_path`:
+    the config's model.path the policy was built from (None: the bundled model, which an older
+    mmrl's run may not fit; see bundled_model_note), "" where the caller does not say."""
+    from mmrl.core.checkpoint import CheckpointError, UnreadableError
 
     model = resolve_checkpoint(path)
     check_model_type(policy, path, model)
     try:
         policy.load_weights(model)
-    except ConfigError as e:  # ours: already says what is wrong with the directory
-        raise CheckpointError(f"--checkpoint {path}: {e}") from e
+    except UnreadableError:  # a damaged file, whatever model it is loaded into
+        raise
+    except (ConfigError, CheckpointError) as e:  # ours: already says what is wrong with the directory
+        note = bundled_model_note(model_path, model) if model_path != "" else ""
+        raise CheckpointError(f"--checkpoint {path}: {e}{note}") from e
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:  # from_pretrained's, on a wrong directory
         raise CheckpointError(f"--checkpoint {path}: cannot load this model's weights from {model} "
                               f"({type(e).__name__}: {e})") from e

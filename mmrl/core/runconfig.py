@@ -154,6 +154,29 @@ def run_dir_of(path: str | Path) -> Path | None:
     return None
 
 
+def bundled_model_note(model_path: str | None, model_dir: str | Path, resume: bool = False) -> str:
+    """What to do where a checkpoint's weights (`model_dir`) do not fit the model built for them
+    and that model is the bundled tiny one (`model_path` None): model.path null names the bundled
+    model of the mmrl that runs, and an older mmrl bundled another (assets/tiny-flow was a
+    pixel-space model until 2026-11-30, a latent one since), so a run it made holds weights of
+    another shape. A checkpoint holds its whole model: eval, sample and export can load that as
+    model.path; a resume cannot go on exactly (its starting model, the KL reference, is gone), but a
+    new run can start from it. "" where model.path names a model (the mismatch is something else)."""
+    if model_path is not None:
+        return ""
+    model_dir = Path(model_dir)
+    whole = (model_dir / "config.json").is_file() or (model_dir / "model_index.json").is_file()
+    why = ("; the run trained the bundled tiny model (model.path null) of the older mmrl that made it, and this "
+           "mmrl bundles another")
+    if not whole:  # a LoRA adapter: its base was that older bundled model
+        return f"{why}: use the mmrl version that made the run for its checkpoints"
+    if resume:
+        return (f"{why}: this mmrl cannot resume it (its starting model, the KL reference, is gone); go on from its "
+                f"checkpoint as a new run: train --set model.path={model_dir} -o NEW_DIR, or resume it with the mmrl "
+                f"version that made it")
+    return f"{why}: load the checkpoint as the whole model with --set model.path={model_dir}"
+
+
 def read_run_config(run_dir: str | Path) -> dict:
     """The run's config.yaml as a dict, or a ConfigError naming it."""
     path = Path(run_dir) / RUN_CONFIG

@@ -78,7 +78,7 @@ from mmrl.core.method import build_method, checked_loss
 from mmrl.core.overlong import overlong_atom
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
-from mmrl.core.runconfig import absolute_paths
+from mmrl.core.runconfig import absolute_paths, bundled_model_note
 from mmrl.core.scheduler import PromptStream, SyncScheduler
 from mmrl.core.stop import SignalStop, StoppedBySignal
 
@@ -968,6 +968,9 @@ class Trainer:
                 self.policy.load_weights(path / "model")
             except (OSError, SafetensorError, ckpt.UnreadableError) as e:
                 raise damaged(f"does not load ({type(e).__name__}: {e})") from e
+            except (ConfigError, ckpt.CheckpointError) as e:  # weights of another shape: perhaps an older mmrl's run
+                note = bundled_model_note(self.cfg.model.path, path / "model", resume=True)
+                raise type(e)(f"--resume: {e}{note}") from e
         self._load_averaged(path, tensors, state)
         if self.master is not None:  # the float32 copies as saved; else the loaded weights
             self.master.pull()

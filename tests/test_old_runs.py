@@ -1,0 +1,67 @@
+"""Run folders made by an older mmrl, used by this one (eval, sample, export, --resume). Each
+folder is built by hand in the old form, not by running old code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from toy import tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from mmrl.core.checkpoint import STATE_JSON, STATE_TENSORS, save_file
+from mmrl.core.cli import BackendSpec, make_app
+
+runner = CliRunner()
+app = make_app(BackendSpec(modality="toy", title="toy", command="toy-rl", module="toy"))
+
+
+def old_run(tmp_path, model) -> tuple:
+    """A run of the bundled model (model.path null) whose step-1 checkpoint holds `model`."""
+    run = tmp_path / "old run"
+    step = run / "checkpoints" / "step-00000001"
+    model.save_pretrained(step / "model")
+    # the keys every trainer state has held (trainer.STATE_KEYS); the weights load first
+    state = {"step": 1, "bad_steps": 0, "eval_before": {}, "optimizer": {}, "lr_scheduler": {}, "rng": {}, "data": {}}
+    (step / STATE_JSON).write_text(json.dumps(state))
+    save_file({}, step / STATE_TENSORS)
+    (run / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "output_dir": str(run), "model": {"path": None}}))
+    return run, step / "model"
+
+
+def wider_llama() -> LlamaForCausalLM:
+    """The toy model of another width: what an older mmrl's bundled tiny model was to today's
+    (assets/tiny-flow was a pixel-space model until 2026-11-30)."""
+    base = tiny_llama().config.to_dict()
+    return LlamaForCausalLM(LlamaConfig(**{**base, "hidden_size": 64, "intermediate_size": 128}))
+
+
+@pytest.mark.parametrize("verb", ["eval", "sample", "export"])
+def test_an_older_bundled_models_checkpoint_names_model_path(tmp_path, verb):
+    run, model = old_run(tmp_path, wider_llama())
+    args = [verb, "--checkpoint", str(run)] + (["-o", str(tmp_path / "out")] if verb == "export" else [])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())  # rich wraps the error line
+    assert "has shape" in text  # what does not fit, as before
+    assert "the run trained the bundled tiny model (model.path null) of the older mmrl that made it" in text
+    assert f"--set model.path={model}" in text
+
+
+def test_an_older_bundled_models_run_is_not_resumed_and_says_how_to_go_on(tmp_path):
+    run, model = old_run(tmp_path, wider_llama())
+    result = runner.invoke(app, ["train", "-o", str(run), "--resume", "--max-steps", "2"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "--resume: weights in" in text and "this mmrl cannot resume it" in text
+    assert f"train --set model.path={model} -o NEW_DIR" in text
+
+
+def test_a_checkpoint_that_fits_gets_no_note(tmp_path):
+    run, _ = old_run(tmp_path, tiny_llama())
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "older mmrl" not in result.output
+    assert "accuracy" in json.loads(result.output.strip().splitlines()[-1])
