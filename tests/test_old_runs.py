@@ -65,3 +65,35 @@ def test_a_checkpoint_that_fits_gets_no_note(tmp_path):
     assert result.exit_code == 0, result.output
     assert "older mmrl" not in result.output
     assert "accuracy" in json.loads(result.output.strip().splitlines()[-1])
+
+
+def test_an_older_runs_defaults_of_fastrl_switched_off_are_not_warned_of(tmp_path, recwarn):
+    """Until 2026-12-02 FastRL's defaults were ngram 2 and ars true (off, they change nothing):
+    every run's config.yaml holds them, and eval and --resume warned of them as set and unused,
+    and --resume as settings changed since the run."""
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["train", "-o", str(run), "--max-steps", "1", "--save-every", "1"]).exit_code == 0
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["method"]["fastrl"]["enabled"] is False
+    config["method"]["fastrl"].update(ngram=2, ars=True)  # as an older mmrl wrote it
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    recwarn.clear()
+    for args in (["eval", "--checkpoint", str(run)], ["train", "-o", str(run), "--resume", "--max-steps", "2"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+    said = [str(w.message) for w in recwarn]
+    assert not [w for w in said if "unused" in w or "differ" in w], said
+    assert not list(run.glob("config.before-step-*.yaml"))  # nothing counted as changed
+
+
+def test_fastrl_settings_a_run_chose_are_kept(tmp_path):
+    from mmrl.core.runconfig import upgraded
+
+    old = {"method": {"fastrl": {"enabled": False, "ngram": 2, "ars": True, "tau": 0.8}}}
+    assert upgraded(old) == {"method": {"fastrl": {"enabled": False, "tau": 0.8}}}
+    assert old["method"]["fastrl"]["ngram"] == 2  # the caller's dict is left as it is
+    on = {"method": {"fastrl": {"enabled": True, "ngram": 2, "ars": True}}}  # pruning with them: they matter
+    assert upgraded(on) == on
+    chosen = {"method": {"fastrl": {"enabled": False, "ngram": 3}}}  # not the old default: the user's
+    assert upgraded(chosen) == chosen
+    assert upgraded({"method": {"type": "tracerl"}}) == {"method": {"type": "tracerl"}}  # no such section

@@ -14,6 +14,7 @@ every such path that exists, made absolute (`absolute_paths`).
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -177,8 +178,32 @@ def bundled_model_note(model_path: str | None, model_dir: str | Path, resume: bo
     return f"{why}: load the checkpoint as the whole model with --set model.path={model_dir}"
 
 
+# Settings an older mmrl wrote into every run's config.yaml as its defaults, in a section that
+# its switch leaves off: (section, switch, {key: that default}). This mmrl's defaults differ, so
+# its config warned of them as set and unused at each eval, sample and --resume of such a run,
+# as if the user had set them. Off, they change nothing: a run's config is read without them.
+_OLD_DEFAULTS_WHEN_OFF = (
+    ("method.fastrl", "enabled", {"ngram": 2, "ars": True}),  # FastRL's defaults until 2026-12-02
+)
+
+
+def upgraded(data: dict) -> dict:
+    """A run's config (a dict, as its config.yaml holds it) without the older defaults of
+    switched-off sections (_OLD_DEFAULTS_WHEN_OFF); `data` itself is left as it is."""
+    data = copy.deepcopy(data)
+    for section, switch, defaults in _OLD_DEFAULTS_WHEN_OFF:
+        node = data
+        for part in section.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(switch) is False:
+            for key, value in defaults.items():
+                if key in node and node[key] == value:
+                    del node[key]
+    return data
+
+
 def read_run_config(run_dir: str | Path) -> dict:
-    """The run's config.yaml as a dict, or a ConfigError naming it."""
+    """The run's config.yaml as a dict (upgraded), or a ConfigError naming it."""
     path = Path(run_dir) / RUN_CONFIG
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -186,7 +211,7 @@ def read_run_config(run_dir: str | Path) -> dict:
         raise ConfigError(f"{path}: cannot read the run's config ({e})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the run's config is not a mapping")
-    return data
+    return upgraded(data)
 
 
 def code_named(data: Any, key: str = "") -> list[str]:

@@ -78,7 +78,7 @@ from mmrl.core.method import build_method, checked_loss
 from mmrl.core.overlong import overlong_atom
 from mmrl.core.pipeline import PipelinedScheduler, build_engines, check_config, placement
 from mmrl.core.rewards import Reward, load_atoms
-from mmrl.core.runconfig import absolute_paths, bundled_model_note
+from mmrl.core.runconfig import absolute_paths, bundled_model_note, upgraded
 from mmrl.core.scheduler import PromptStream, SyncScheduler
 from mmrl.core.stop import SignalStop, StoppedBySignal
 
@@ -306,7 +306,8 @@ class Trainer:
             whose, record = "the checkpoint's (the run's config.yaml is missing)", "The checkpoint's settings are"
         else:
             return
-        changed = [c for c in config_changes(yaml.safe_load(text) or {}, config,  # a run's folder is itself
+        # an older mmrl's defaults left out as build_config left them out (runconfig.upgraded)
+        changed = [c for c in config_changes(upgraded(yaml.safe_load(text) or {}), config,  # a run's folder is itself
                                              default=lambda key: field_default(self.cfg, key))
                    if not c.startswith(("train.max_steps:", "output_dir:"))]
         if changed:
