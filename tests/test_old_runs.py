@@ -97,3 +97,31 @@ def test_fastrl_settings_a_run_chose_are_kept(tmp_path):
     chosen = {"method": {"fastrl": {"enabled": False, "ngram": 3}}}  # not the old default: the user's
     assert upgraded(chosen) == chosen
     assert upgraded({"method": {"type": "tracerl"}}) == {"method": {"type": "tracerl"}}  # no such section
+
+
+def test_runs_of_one_configuration_by_an_older_and_this_mmrl_make_one_group(tmp_path):
+    """A run's config.yaml is a full dump of the mmrl that made it: an older one lacks the
+    settings added since, and holds FastRL's older defaults (off). Same settings otherwise: one
+    configuration, not two rows told apart by `method.fastrl.against=null`."""
+    from mmrl.core.config import load_config
+    from mmrl.demo import table
+    from mmrl.vlm.config import VLMTrainConfig
+
+    new = load_config(VLMTrainConfig).model_dump(mode="json")
+    old = json.loads(json.dumps(new))
+    del old["method"]["fastrl"]["against"], old["plugins"]  # added since
+    old["method"]["fastrl"].update(ngram=2, ars=True)
+    for name, config, seed, after in (("old", old, 0, 0.5), ("new", new, 1, 0.7), ("lr", new, 2, 0.9)):
+        run = tmp_path / name
+        run.mkdir()
+        config = {**config, "seed": seed, "output_dir": str(run)}
+        if name == "lr":
+            config["optim"] = {**config["optim"], "lr": 0.5}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.4}, "eval_after": {"accuracy": after},
+                                                      "steps": 2, "train_seconds": 3.0}))  # the oldest form
+    runs = [table.load(tmp_path / name) for name in ("old", "new", "lr")]
+    assert table.varying(runs) == ["optim.lr"]
+    rows = table.group_rows(runs, ["accuracy"])
+    assert [(r["config"], r["seeds"]) for r in rows] == [({"optim.lr": new["optim"]["lr"]}, [0, 1]), ({"optim.lr": 0.5}, [2])]
+    assert rows[0]["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.6)  # (0.5 + 0.7) / 2

@@ -79,9 +79,18 @@ class Run:
 
     @functools.cached_property
     def flat(self) -> dict[str, str]:
-        """The config flattened (see flatten) after its modality (vlm, diffusion, dllm), read once
-        however often rows and groups need it."""
-        return {"modality": json.dumps(modality_of(self.config)), **flatten(self.config)}
+        """The config as this mmrl reads it (runconfig.upgraded) flattened (see flatten) after its
+        modality (vlm, diffusion, dllm), read once however often rows and groups need it."""
+        from mmrl.core.runconfig import upgraded
+
+        return {"modality": json.dumps(modality_of(self.config)), **flatten(upgraded(self.config))}
+
+    @functools.cached_property
+    def defaults(self) -> dict[str, str]:
+        """`flat` with this mmrl's defaults where an older one's run lacks a setting (complete);
+        {} where this mmrl does not validate the config."""
+        done = complete(self.config)
+        return {} if done is None else flatten(done)
 
     def evaluation(self, when: str, metric: str) -> float | None:
         """summary.json's eval_<when>[metric] ("before" / "after") where it is a finite number."""
@@ -121,6 +130,46 @@ def load(path: Path) -> Run:
     return Run(path, info.config, info.summary, steps, metrics=info.metrics, kept=info.kept)
 
 
+# each modality's config class, imported where a run is compared (no torch: `runs` stays quick)
+CONFIG_CLASSES = {"vlm": ("mmrl.vlm.config", "VLMTrainConfig"), "dllm": ("dllm_rl.config", "DLLMTrainConfig"),
+                  "diffusion": ("diffusion_rl.config", "DiffusionTrainConfig")}
+
+
+def complete(config: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's config as this mmrl reads it (runconfig.upgraded), with each setting it lacks at
+    its default: the settings added since an older mmrl made the run (its config.yaml is a full
+    dump of that mmrl's settings); the run's own values as written. None where this
+    mmrl does not validate it, or would have to import a plugin's code to (a plugin's method)."""
+    import importlib
+
+    from mmrl.core.config import ConfigError, load_config
+    from mmrl.core.config_loading import deep_merge
+    from mmrl.core.runconfig import upgraded
+
+    config = upgraded(config)
+    if config.get("plugins"):
+        return None
+    module, name = CONFIG_CLASSES[modality_of(config)]
+    try:
+        with warnings.catch_warnings():  # what it says of its settings is eval's and train's to say
+            warnings.simplefilter("ignore")
+            full = load_config(getattr(importlib.import_module(module), name), None, [], defaults=config)
+    except (ConfigError, ValueError, TypeError):
+        return None
+    return deep_merge(full.model_dump(mode="json"), config)
+
+
+def compared(runs: list[Run]) -> dict[int, dict[str, str]]:
+    """id(run) -> its flattened config as the table compares it, for each readable run: a key
+    another run has and this one lacks is its default (Run.defaults) where its config validates,
+    so that a run of an older mmrl and one of today's with the same settings do not differ in
+    each key added since (`method.fastrl.against=null`) and make two groups."""
+    readable = [r for r in runs if not r.error]
+    keys = list(dict.fromkeys(k for r in readable for k in r.flat))
+    return {id(r): {k: r.flat[k] if k in r.flat else r.defaults[k] for k in keys
+                    if k in r.flat or k in r.defaults} for r in readable}
+
+
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """Dotted keys -> JSON text of the value (lists whole), without the per-seed keys."""
     flat = {}
@@ -142,7 +191,7 @@ def varying(runs: list[Run]) -> list[str]:
     task has other settings anyway, and its type says which. Where the modality differs, so are
     the keys some run lacks: another backend's settings, which read as `model.kind=null` in the
     label of every run (a key a run lacks is None) and took the label's first places."""
-    flats = [r.flat for r in runs if not r.error]
+    flats = list(compared(runs).values())
     keys = list(dict.fromkeys(k for f in flats for k in f))
     differ = [k for k in keys if len({f.get(k) for f in flats}) > 1]
     if "modality" in differ:
@@ -155,9 +204,11 @@ def varying(runs: list[Run]) -> list[str]:
     return sorted(differ, key=lambda k: (k != "modality", not k.endswith(".type")))  # stable: config order otherwise
 
 
-def label(run: Run, keys: list[str]) -> dict[str, Any]:
-    """The run's values of `keys` (None where its config lacks one)."""
-    return {k: json.loads(run.flat[k]) if k in run.flat else None for k in keys}
+def label(run: Run, keys: list[str], flats: dict[int, dict[str, str]] | None = None) -> dict[str, Any]:
+    """The run's values of `keys` (None where its config lacks one), from `flats` (compared)
+    where given."""
+    flat = flats[id(run)] if flats is not None else run.flat
+    return {k: json.loads(flat[k]) if k in flat else None for k in keys}
 
 
 def metric_names(runs: list[Run], chosen: list[str]) -> list[str]:
@@ -174,12 +225,12 @@ def metric_names(runs: list[Run], chosen: list[str]) -> list[str]:
 
 def run_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
     """One record per run: its label, seed, steps, status, metrics before/after, best, seconds."""
-    keys = varying(runs)
+    keys, flats = varying(runs), compared(runs)
     rows = []
     for r in runs:
         s = r.summary or {}
         rows.append({
-            "run": str(r.path), "config": {} if r.error else label(r, keys), "seed": r.config.get("seed"),
+            "run": str(r.path), "config": {} if r.error else label(r, keys, flats), "seed": r.config.get("seed"),
             "steps": r.steps, "status": r.status,
             "before": {m: r.evaluation("before", m) for m in metrics},
             "after": {m: r.evaluation("after", m) for m in metrics},
@@ -192,15 +243,16 @@ def groups(runs: list[Run]) -> list[list[Run]]:
     """The runs whose configs are equal but for PER_SEED, in order of first appearance; an
     unreadable run is a group of its own."""
     found: dict[str, list[Run]] = {}
+    flats = compared(runs)
     for r in runs:
-        found.setdefault("\0" + str(r.path) if r.error else json.dumps(r.flat, sort_keys=True), []).append(r)
+        found.setdefault("\0" + str(r.path) if r.error else json.dumps(flats[id(r)], sort_keys=True), []).append(r)
     return list(found.values())
 
 
 def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
     """One record per configuration (runs equal but for PER_SEED): its seeds, runs, how many
     finished, and per metric the n, mean and sample sd after training and of the change."""
-    keys = varying(runs)
+    keys, flats = varying(runs), compared(runs)
     rows = []
     for members in groups(runs):
         done = [r for r in members if r.summary is not None]
@@ -220,7 +272,7 @@ def group_rows(runs: list[Run], metrics: list[str]) -> list[dict[str, Any]]:
                           "the mean and standard deviation count each of them", stacklevel=2)
         first = members[0]
         rows.append({
-            "config": {} if first.error else label(first, keys), "status": first.status if first.error else None,
+            "config": {} if first.error else label(first, keys, flats), "status": first.status if first.error else None,
             "seeds": [r.config.get("seed") for r in members],
             "runs": [str(r.path) for r in members], "finished": len(done), "metrics": stats,
             "train_seconds_mean": _mean([t for t in (_number(r.summary.get("train_seconds")) for r in done)
