@@ -125,3 +125,26 @@ def test_runs_of_one_configuration_by_an_older_and_this_mmrl_make_one_group(tmp_
     rows = table.group_rows(runs, ["accuracy"])
     assert [(r["config"], r["seeds"]) for r in rows] == [({"optim.lr": new["optim"]["lr"]}, [0, 1]), ({"optim.lr": 0.5}, [2])]
     assert rows[0]["metrics"]["accuracy"]["after_mean"] == pytest.approx(0.6)  # (0.5 + 0.7) / 2
+
+
+def test_a_mismatch_of_a_model_bundled_today_gets_no_note(tmp_path):
+    """The note is for an architecture no bundled model has: a checkpoint of today's bundled
+    model that does not load (another LoRA setting, a damaged file) keeps its own message."""
+    from mmrl.core.runconfig import REPOSITORY, bundled_model_note
+
+    flow = tmp_path / "model"
+    (flow / "transformer").mkdir(parents=True)
+    (flow / "model_index.json").write_text("{}")
+    bundled = json.loads((REPOSITORY / "assets" / "tiny-flow" / "transformer" / "config.json").read_text())
+    (flow / "transformer" / "config.json").write_text(json.dumps({**bundled, "_diffusers_version": "0.1"}))
+    assert bundled_model_note(None, flow) == ""
+    (flow / "transformer" / "config.json").write_text(json.dumps({**bundled, "in_channels": 48}))  # 2026-11-29's
+    kept = REPOSITORY / "assets" / "tiny-flow-pixel"  # that model, bundled today under another name
+    assert f"{kept} has the run's architecture" in bundled_model_note(None, flow, resume=True)
+    (flow / "transformer" / "config.json").write_text(json.dumps({**bundled, "in_channels": 12}))  # none bundled
+    assert f"--set model.path={flow}" in bundled_model_note(None, flow)
+    assert bundled_model_note("assets/tiny-flow", flow) == ""  # a model named: not the bundled one
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert bundled_model_note(None, adapter) == ""

@@ -15,6 +15,7 @@ every such path that exists, made absolute (`absolute_paths`).
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,21 @@ def run_dir_of(path: str | Path) -> Path | None:
     return None
 
 
+def _architecture(model_dir: Path) -> dict | None:
+    """A model directory's config.json (a diffusers pipeline's transformer/config.json) without
+    what says where and by which library version it was saved; None for none (a LoRA adapter)."""
+    for f in (model_dir / "transformer" / "config.json", model_dir / "config.json"):
+        if f.is_file():
+            try:
+                data = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+            ignored = ("transformers_version", "torch_dtype", "dtype")
+            return {k: v for k, v in data.items() if not k.startswith("_") and k not in ignored} \
+                if isinstance(data, dict) else None
+    return None
+
+
 def bundled_model_note(model_path: str | None, model_dir: str | Path, resume: bool = False) -> str:
     """What to do where a checkpoint's weights (`model_dir`) do not fit the model built for them
     and that model is the bundled tiny one (`model_path` None): model.path null names the bundled
@@ -162,20 +178,31 @@ def bundled_model_note(model_path: str | None, model_dir: str | Path, resume: bo
     pixel-space model until 2026-11-30, a latent one since), so a run it made holds weights of
     another shape. A checkpoint holds its whole model: eval, sample and export can load that as
     model.path; a resume cannot go on exactly (its starting model, the KL reference, is gone), but a
-    new run can start from it. "" where model.path names a model (the mismatch is something else)."""
+    new run can start from it. "" where model.path names a model, or the checkpoint is a LoRA
+    adapter or of a model that is bundled today (the mismatch is something else: its message stands)."""
     if model_path is not None:
         return ""
     model_dir = Path(model_dir)
-    whole = (model_dir / "config.json").is_file() or (model_dir / "model_index.json").is_file()
+    theirs = _architecture(model_dir)
+    if theirs is None:
+        return ""
+    same = [d for d in sorted((REPOSITORY / "assets").iterdir()) if d.is_dir() and _architecture(d) == theirs]
+    if any(d.name in _BUNDLED_DEFAULTS for d in same):  # today's bundled model: the mismatch is something else
+        return ""
     why = ("; the run trained the bundled tiny model (model.path null) of the older mmrl that made it, and this "
            "mmrl bundles another")
-    if not whole:  # a LoRA adapter: its base was that older bundled model
-        return f"{why}: use the mmrl version that made the run for its checkpoints"
+    if same:  # an older bundled model kept under another name (assets/tiny-flow-pixel: tiny-flow until 2026-11-30)
+        return (f"{why}; {same[0]} has the run's architecture (the model it started from, where the older mmrl "
+                f"bundled it): pass --set model.path={same[0]}")
     if resume:
         return (f"{why}: this mmrl cannot resume it (its starting model, the KL reference, is gone); go on from its "
                 f"checkpoint as a new run: train --set model.path={model_dir} -o NEW_DIR, or resume it with the mmrl "
                 f"version that made it")
     return f"{why}: load the checkpoint as the whole model with --set model.path={model_dir}"
+
+
+# The models model.path null builds (each backend's bundled default).
+_BUNDLED_DEFAULTS = ("tiny-qwen2.5-vl", "tiny-dllm", "tiny-flow")
 
 
 # Settings an older mmrl wrote into every run's config.yaml as its defaults, in a section that
