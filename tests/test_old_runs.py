@@ -148,3 +148,18 @@ def test_a_mismatch_of_a_model_bundled_today_gets_no_note(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     assert bundled_model_note(None, adapter) == ""
+
+
+def test_an_image_run_from_before_disjoint_held_out_prompts_keeps_its_prompts():
+    """task.held_out came on 2026-12-05 with the default disjoint; a run made before drew its
+    held-out prompts from the whole space: `eval --checkpoint` of it scored other prompts than
+    its summary.json's (0.75 for its 0.83 exist accuracy), and --resume trained on others."""
+    from diffusion_rl.config import DiffusionTrainConfig
+    from mmrl.core.config import load_config
+    from mmrl.core.runconfig import upgraded
+
+    old = {"task": {"type": "shapes-geneval", "num_eval": 2}}
+    assert load_config(DiffusionTrainConfig, defaults=upgraded(old)).task.held_out == "overlapping"
+    new = {"task": {"type": "shapes-geneval", "held_out": "disjoint"}}  # a run of today says which
+    assert upgraded(new) == new
+    assert upgraded({"task": {"type": "arith"}}) == {"task": {"type": "arith"}}  # another task: nothing added

@@ -214,10 +214,25 @@ _OLD_DEFAULTS_WHEN_OFF = (
 )
 
 
+# Settings added since a run was made whose default is not what the run did: (section, its type,
+# key, the value that does what the older mmrl did). A run's config lacks the key, and read
+# with the default it evaluated (and resumed) on other prompts than it had, without a word.
+_ADDED_SINCE = (
+    # 2026-12-05 17:46: held-out prompts disjoint from the training ones; before, both streams
+    # drew from the whole space
+    ("task", "shapes-geneval", "held_out", "overlapping"),
+)
+
+
 def upgraded(data: dict) -> dict:
-    """A run's config (a dict, as its config.yaml holds it) without the older defaults of
-    switched-off sections (_OLD_DEFAULTS_WHEN_OFF); `data` itself is left as it is."""
+    """A run's config (a dict, as its config.yaml holds it) as this mmrl reads it: without the
+    older defaults of switched-off sections (_OLD_DEFAULTS_WHEN_OFF), and with the settings
+    added since it was made that do what it did (_ADDED_SINCE); `data` itself is left as it is."""
     data = copy.deepcopy(data)
+    for section, kind, key, then in _ADDED_SINCE:
+        node = data.get(section)
+        if isinstance(node, dict) and node.get("type") == kind and key not in node:
+            node[key] = then
     for section, switch, defaults in _OLD_DEFAULTS_WHEN_OFF:
         node = data
         for part in section.split("."):
