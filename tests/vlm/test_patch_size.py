@@ -192,3 +192,24 @@ def test_resize_for_model_keeps_qwen_vl_utils_default():
     """Qwen2/2.5-VL's 28-multiples where no patch is given (the bundled model's, as before)."""
     assert resize_for_model([photo(200, 150)], MIN, MAX)[0].size == (112, 84)
     assert resize_for_model([photo(200, 150)], MIN, MAX, patch_size=16)[0].size == (128, 96)
+
+
+def test_a_processor_whose_patch_differs_from_its_files_is_warned_of(tmp_path, monkeypatch):
+    """The data's images are kept at the patch read from model.path's files, before the processor
+    loads; where the loaded processor cuts another (a remote-code processor naming none in its
+    JSON), each rollout resizes that view again: said once, at build. The bundled model: silent."""
+    import warnings
+
+    photo(600, 400).save(tmp_path / "big.png")
+    lines = "".join(json.dumps({"question": q, "answer": "x", "image": "big.png"}) + "\n" for q in ("a?", "b?"))
+    (tmp_path / "train.jsonl").write_text(lines)
+    (tmp_path / "eval.jsonl").write_text(lines.replace("a?", "c?").replace("b?", "d?"))
+    cfg = load_config(backend.CONFIG_CLASS, None, ["task.type=jsonl", f"task.train_path={tmp_path / 'train.jsonl'}",
+                                                   f"task.eval_path={tmp_path / 'eval.jsonl'}"],
+                      defaults=backend.DEFAULT_CONFIG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.build(cfg)
+    monkeypatch.setattr(backend, "saved_patch_size", lambda cfg: 16)
+    with pytest.warns(UserWarning, match=r"cuts 14-pixel patches, but its JSON files name 16 .*multiples of 32"):
+        backend.build(cfg)
