@@ -541,11 +541,12 @@ class ToolRegistry:
                 tool = Tool(fn.fn, name=fn.name if name is None else name,  # "" is refused, not the old name
                             description=fn.description if description is None else description,
                             isolation=fn.isolation)
+                tool.origin = fn.origin  # its file still holds it under its attribute's name
         else:
             tool = Tool(fn, name=name, description=description)
         if tool.name in self._tools:
             raise ValueError(f"a tool named {tool.name!r} is already registered")
-        if self._isolated(tool):
+        if self._isolated(tool) and tool.origin is None:  # a file's tool is imported from its file there
             try:  # another process imports it by name: said now, not at the model's first call
                 pickle.dumps(tool.fn)
             except Exception as e:  # noqa: BLE001 -- a lambda, a closure, a local function
@@ -922,8 +923,12 @@ def build_registry(
             same = " (named twice)" if first == spec else ""
             raise ValueError(f"tool {spec!r}: the name {name!r} is taken by {by}{same}; tools need "
                              "distinct names (rename the function, or give it one with Tool(fn, name=...))")
-        registry.register(tool, name=None if isinstance(tool, Tool) else name)
-        registry.get(name).origin = origin  # where an isolated tool's process imports it from
+        if not isinstance(tool, Tool):
+            tool = Tool(tool, name=name)
+        # where an isolated tool's process imports it from: set before register, which needs no
+        # pickle of a tool its process loads from its file (a Tool there may wrap a closure)
+        tool.origin = origin
+        registry.register(tool)
         given[name] = spec
 
     for spec in names:

@@ -730,6 +730,27 @@ def test_one_tool_can_be_isolated_and_a_tool_that_cannot_be_imported_is_refused(
         ToolRegistry(isolation="fork")
 
 
+def test_a_files_tool_object_wrapping_a_closure_runs_isolated(tmp_path):
+    """A "file.py:name" tool's process imports the file, so a Tool there may wrap what pickle
+    cannot name (a closure): it was refused, told to name it as 'path/to/file.py:function',
+    which it was."""
+    (tmp_path / "made.py").write_text(
+        "from mmrl.vlm.tools import Tool\n"
+        "def _make():\n"
+        "    def shout(text: str) -> str:\n"
+        '        """Upper-case the text."""\n'
+        "        return text.upper()\n"
+        "    return shout\n"
+        "shout = Tool(_make(), name='shout')\n"
+    )
+    reg = build_registry(["made.py:shout"], base_dir=tmp_path, isolation="process")
+    try:
+        assert reg.call(call_text("shout", {"text": "hi"}), NO_CTX).content == ["HI"]
+        assert reg._processes.keys() == {"shout"}  # it ran in its process
+    finally:
+        reg.close()
+
+
 def test_a_thread_tool_that_held_the_gil_past_its_timeout_is_a_timeout_naming_it(tmp_path):
     """In a thread (the default) a GIL-holding call cannot be timed out; one that ends far past
     its 0.05 s timeout (2**24 regex steps, about 0.6 s) was a success observation: it is a
