@@ -66,8 +66,8 @@ class DLLMRolloutConfig(RolloutConfig):
     filled (LLaDA2's eos_early_stop): the same answers, fewer NFE. Off: the whole gen_length
     is decoded, as LLaDA does."""
     eval_samples: int = Field(0, ge=0)
-    """n samples per held-out problem at the rollout temperature for pass@k (k = 1..min(16, n),
-    the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set (or, on a run, unless the run set n > 0)."""
+    """n samples per held-out problem at eval_temperature (else the rollout temperature) for
+    pass@k (k = 1..min(16, n), the unbiased estimator); 0 = greedy accuracy only. `dllm-rl eval` uses 16 unless set (or, on a run, unless the run set n > 0)."""
     eval_temperature: float | None = Field(None, gt=0)
     """Temperature of those held-out samples (pass@k at 0.6, say, while training samples at 1);
     None = rollout.temperature. Training rollouts always sample at rollout.temperature."""

@@ -112,9 +112,10 @@ class VLMTask:
         return out
 
     def _sampled(self, policy, progress=None, rows: list | None = None) -> dict[str, float]:
-        """eval_samples completions per item at the rollout temperature (each seeded by its item and
-        sample index alone): sampled_accuracy (Pass@1 estimated from k samples), pass@k, and the tool-call rate;
-        each item's k answer scores into its row of `rows` (the held-out items' first)."""
+        """eval_samples completions per item at rollout.eval_temperature, else the rollout
+        temperature (each seeded by its item and sample index alone): sampled_accuracy (Pass@1
+        estimated from k samples), pass@k, and the tool-call rate; each item's k answer scores
+        into its row of `rows` (the held-out items' first)."""
         k = self.eval_samples
         per_batch = max(1, self.batch_size // k)
         rollout = self.rollout  # at rollout.eval_temperature where set
