@@ -159,10 +159,11 @@ def build(cfg: VLMTrainConfig):
     policy = build_policy(cfg)
     if cfg.task.type == "jsonl":  # the synthetic tasks draw images the model takes
         _check_image_shapes(policy, task, cfg.task.on_bad_image)
-        if policy.patch_size != saved_patch_size(cfg):  # read from the files before the processor loaded
+        saved = saved_patch_size(cfg)  # read from the files before the processor loaded (build_task)
+        if policy.patch_size != saved:
             config_warning(f"model.path: its processor cuts {policy.patch_size}-pixel patches, but its JSON files "
-                           f"name {saved_patch_size(cfg)} (a remote-code processor?): the data's images were kept at "
-                           f"multiples of {2 * saved_patch_size(cfg)} pixels, and each rollout resizes that view "
+                           f"name {saved} (a remote-code processor?): the data's images were kept at "
+                           f"multiples of {2 * saved} pixels, and each rollout resizes that view "
                            "again, not the original: other pixels than the processor's own patch would give")
     return policy, task
 
