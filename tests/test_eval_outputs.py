@@ -185,6 +185,18 @@ def test_vlm_metrics_greedy_and_sampled_do_not_depend_on_eval_batch_size(one_thr
     assert seen[0] == seen[1] == seen[2] and len(seen[0][1]) == 5 and "sampled_accuracy" in seen[0][0]
 
 
+def test_sample_generators_take_any_seed():
+    """`dllm-rl sample --set seed=20250101` raised ValueError (Overflow when unpacking long long):
+    (seed, item, sample) past 2**64 is taken modulo 2**64; below, the seeds are as before."""
+    from mmrl.core.held_out import sample_generators
+
+    p = 1_000_003
+    assert [g.initial_seed() for g in sample_generators(2, 2, 7)] == [(7 * p + i) * p + j for i in (0, 1) for j in (0, 1)]
+    for seed in (20250101, 2**70, -1):
+        seeds = [g.initial_seed() for g in sample_generators(3, 2, seed)]
+        assert len(set(seeds)) == 6 and all(0 <= s < 2**64 for s in seeds)
+
+
 def test_row_sampler_draws_each_row_from_its_own_generator_within_top_p():
     """RowSampler, generate's sampling step with a generator per row: a row's draw is the same
     alone or beside another row; it returns 0 at the drawn token, -inf elsewhere; and draws

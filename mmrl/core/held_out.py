@@ -103,8 +103,10 @@ def sample_generators(items: int, samples: int, seed: int = EVAL_SEED) -> list:
     sampler draws a row's noise from its row's generator only."""
     import torch
 
-    # distinct seeds for items and samples under 1_000_003 each
-    return [torch.Generator().manual_seed((seed * 1_000_003 + i) * 1_000_003 + j)
+    # distinct seeds for items and samples under 1_000_003 each; modulo 2**64, which manual_seed
+    # takes at most (a seed of 2**24 or more, a date such as 20250101, overflowed it), the same
+    # seeds below that
+    return [torch.Generator().manual_seed(((seed * 1_000_003 + i) * 1_000_003 + j) % 2**64)
             for i in range(items) for j in range(samples)]
 
 
