@@ -167,8 +167,8 @@ class ToolsConfig(Section):
     timeout: float = Field(10.0, gt=0)
     """Seconds a tool may take; a slower call returns a timeout observation. Under isolation
     thread, a tool stuck in C code that holds Python's GIL (a regex that backtracks for ever)
-    cannot be interrupted and hangs the rollout (one that ends late is a timeout, and warned
-    about): use isolation process for such tools."""
+    cannot be interrupted and hangs the rollout (one that ends past 2 x timeout + 0.1 s is a
+    timeout, and warned about): use isolation process for such tools."""
     isolation: Literal["thread", "process"] = "thread"
     """Where tools run. thread: a thread of this process; a call past its timeout is left running
     (see max_stuck), and one in C code holding the GIL cannot time out. process: each tool in
