@@ -3,12 +3,14 @@ built from configs (mmrl.vlm.tiny) and loaded through from_pretrained."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from PIL import Image
 
 from mmrl.core.batch import RolloutBatch
@@ -79,6 +81,11 @@ def test_a_group_encodes_its_images_once_with_the_same_logprobs_and_gradients(mo
     distinct image once, in the rollout and in the training forward; log-probs and gradients
     equal those of encoding every row."""
     policy = make_policy(model_dir)
+    # the model's own forward, not the policy's check of it: a policy that stopped sharing
+    # where the model allows it still fails here
+    if "mm_encoder_outputs" not in inspect.signature(type(policy.model).forward).parameters:
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen-VL forward takes no mm_encoder_outputs "
+                    "(newer releases do): every row's images are encoded, as the fallback should")
     seen = []
     hook = vision_tower(policy.model).register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     batch = policy.generate(ITEMS[:3], 4, rollout_cfg(), torch.Generator().manual_seed(0))
