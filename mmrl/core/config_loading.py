@@ -23,7 +23,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -307,6 +307,12 @@ def _key_line(path: Path, key: str) -> int | str:
     return "?"
 
 
+def _is_model(annotation: Any) -> bool:
+    """Whether an annotation is a pydantic model class. On Python 3.10 a parametrized generic
+    (dict[str, Any]) passes isinstance(_, type) but makes issubclass raise, hence get_origin."""
+    return isinstance(annotation, type) and get_origin(annotation) is None and issubclass(annotation, BaseModel)
+
+
 def _foreign_bases(cls: type[BaseModel], layers: list[tuple[Path, dict]]) -> None:
     """A ConfigError where a base file picks a method or task type that `cls` has none of: a
     base written for another backend (a diffusion config on a VLM one), which may still merge
@@ -317,8 +323,8 @@ def _foreign_bases(cls: type[BaseModel], layers: list[tuple[Path, dict]]) -> Non
             given = data.get(section)
             kind = given.get("type") if isinstance(given, dict) else None
             field = cls.model_fields.get(section)
-            tags = [m.model_fields["type"].default for m in _members(field.annotation) if isinstance(m, type)
-                    and issubclass(m, BaseModel) and "type" in m.model_fields] if field is not None else []
+            tags = [m.model_fields["type"].default for m in _members(field.annotation)
+                    if _is_model(m) and "type" in m.model_fields] if field is not None else []
             if kind is not None and tags and kind not in tags:
                 raise ConfigError(f"{file}, a base of {top}, sets {section} {kind!r}, not one of this config's "
                                   f"({', '.join(map(str, tags))}): is it another backend's config?")
@@ -508,7 +514,7 @@ def _known_keys(cls: type[BaseModel], data: Any, loc: list) -> list[str]:
         if field is None:
             return []
         model = _resolve(field.annotation, node)
-    if isinstance(model, type) and issubclass(model, BaseModel):
+    if _is_model(model):
         return list(model.model_fields)
     return []
 
@@ -520,7 +526,7 @@ def _resolve(annotation: Any, node: Any) -> Any:
     if typing.get_origin(annotation) is Annotated:
         return _resolve(args[0], node)
     if args:
-        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        models = [a for a in args if _is_model(a)]
         tag = node.get("type") if isinstance(node, dict) else None
         for m in models:
             f = m.model_fields.get("type")
