@@ -59,22 +59,29 @@ def test_fork_rng_restores_the_cpu_draws_of_a_cpu_model():
 def test_transformers_hub_kernels_are_off_unless_asked_for():
     """transformers >= 5 would swap layers for code from the Hub once a model is on a GPU (a
     download at run time, and code nobody gave mmrl): importing mmrl turns that off, and a
-    user's own USE_HUB_KERNELS wins (subprocesses: the variable is read at import)."""
+    user's own USE_HUB_KERNELS wins (subprocesses: the variable is read at import). Each also
+    loads the model with plain transformers: asked for, kernels are on where transformers turns
+    them on by default (5.6, the floor, never does; newer releases do)."""
     import os
     import subprocess
     import sys
 
-    probe = ("import os, dllm_rl; from dllm_rl.models import load_mask_predictor; "
-             "print(os.environ['USE_HUB_KERNELS'], load_mask_predictor('assets/tiny-dllm').model.use_kernels)")
+    probe = ("import os, dllm_rl, transformers; from dllm_rl.models import load_mask_predictor; "
+             "print(os.environ['USE_HUB_KERNELS'], load_mask_predictor('assets/tiny-dllm').model.use_kernels, "
+             "transformers.AutoModelForCausalLM.from_pretrained('assets/tiny-dllm').use_kernels)")
     env = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = {want: subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, cwd=root, env=env if given is None else {**env, "USE_HUB_KERNELS": given})
-             for given, want in ((None, "NO False"), ("YES", "YES True"))}  # both at once: each is mostly imports
-    for want, proc in procs.items():
+    procs = {given: subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=root, env=env if given is None else {**env, "USE_HUB_KERNELS": given})
+             for given in (None, "YES")}  # both at once: each is mostly imports
+    for given, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
-        assert out.strip().splitlines()[-1] == want
+        variable, ours, plain = out.strip().splitlines()[-1].split()
+        if given is None:
+            assert (variable, ours, plain) == ("NO", "False", "False")
+        else:  # the user's YES is kept, and mmrl's load does what transformers' own does with it
+            assert (variable, ours) == ("YES", plain)
 
 
 def test_which_gpu_model_device_picks(monkeypatch):
