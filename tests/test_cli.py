@@ -362,6 +362,17 @@ def test_config_keys_prints_one_part_under_its_parents_and_names_a_bad_path():
                           "target_modules (with --set model.lora.r=..., --keys model.lora shows them") in text
 
 
+def test_config_keys_under_a_list_or_none_field_is_no_section():
+    """--keys through a field `list[str] | None` names it as no section (a TypeError on Python
+    3.10, where list[str] passes isinstance(_, type))."""
+    from mmrl.core.config import ConfigError
+    from mmrl.core.config_doc import commented_config
+    from mmrl.vlm.config import VLMTrainConfig
+
+    with pytest.raises(ConfigError, match=r"^--keys task.kinds.x: task.kinds is None, not a section$"):
+        commented_config(VLMTrainConfig(), "task.kinds.x")
+
+
 def test_a_field_redefined_without_a_docstring_keeps_its_base_classs_description():
     """A backend's config that redefines a core field (a new default) without repeating its
     docstring still prints the core's description above it."""

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from mmrl.core.config import ConfigError, dump_yaml
+from mmrl.core.config_loading import _is_model
 from mmrl.core.runconfig import absolute_paths
 
 __all__ = ["commented_config"]
@@ -77,7 +78,7 @@ def _section_class(cls: type[BaseModel], name: str) -> type[BaseModel] | None:
     """The section class a field `X | None` takes (None for a plain value)."""
     annotation = cls.model_fields[name].annotation
     for arg in typing.get_args(annotation) or (annotation,):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
+        if _is_model(arg):  # (a dict[str, Any] | None's dict[...] is no model, on Python 3.10 too)
             return arg
     return None
 
