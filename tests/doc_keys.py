@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 from mmrl.core.cli import load_backend
 from mmrl.core.config import load_config
 from mmrl.core.config_doc import _shown
+from mmrl.core.config_loading import _is_model
 
 CLI_MODULES = {"mmrl": "mmrl.cli", "diffusion-rl": "diffusion_rl.cli", "dllm-rl": "dllm_rl.cli"}
 KEY = re.compile(r"[a-z_]+(\.[a-z0-9_]+)+")  # a dotted key path; values like 0.2 or q_proj are not
@@ -34,7 +35,7 @@ def schema(command: str, method: str):
 def _models(annotation: Any) -> list[type[BaseModel]]:
     """Every config class a field of `annotation` can hold: each member of a union (a method's
     types), of an Optional (model.lora), of a list or dict (reward.atoms)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if _is_model(annotation):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models(arg)]
 
