@@ -256,7 +256,8 @@ def _decode_image(v: dict, pixels: list[int]) -> Image.Image:
             raw, size = _b64(v["raw"], "raw"), _raw_size(mode, w, h)
             if len(raw) != size:  # before frombytes allocates the image: 2 bytes claimed 1 GiB of RGBA
                 raise WireError(f"raw image data is {len(raw)} bytes, a {w} x {h} {mode} image is {size}")
-            return Image.frombytes(mode, (w, h), raw)
+            # an empty image from new(): Pillow 10.0 (the floor) refuses frombytes of one
+            return Image.frombytes(mode, (w, h), raw) if w * h else Image.new(mode, (w, h))
         im = Image.open(io.BytesIO(_b64(v["png"], "png")), formats=["PNG"])  # no other decoder
         if im.size != (w, h):  # checked before the pixels are decoded
             raise WireError(f"image is {im.size}, its header says {(w, h)}")
