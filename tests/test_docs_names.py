@@ -34,6 +34,7 @@ ALLOWED = {
     "model.kind": "docs/errors.md: the example of an unknown key",
     "optim.lrr": "docs/errors.md: the example of a misspelt key",
     "rollout.gen_lenght": "docs/errors.md: the example of a misspelt key",
+    "task.kinds.x": "docs/errors.md: the example of --keys through a field that is no section",
     "configs/dllm/nosuch.yaml": "docs/errors.md: the example of a missing config file",
     "configs/mine/dapo_lr5e-6.yaml": "README.md: a config of one's own, written in the example",
     "mmrl/_bundled/": "where setup.py puts configs/ and assets/ in a wheel; not in the repository",
