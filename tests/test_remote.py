@@ -586,6 +586,11 @@ def test_unknown_weight_names_are_listed_up_to_three():
         load_named(model, {"a": torch.zeros(1), "b": torch.zeros(1), "weight": torch.zeros(3, 2),
                            "c": torch.zeros(1), "d": torch.zeros(1)})
     assert str(err.value) == "published weights do not fit the engine's model: unknown ['a', 'b', 'c']"
+    # by name, whatever order they came in (safetensors decodes them in a hash map's order, which
+    # changed the three named from one process to the next)
+    with pytest.raises(EngineError) as err:
+        load_named(model, {"d": torch.zeros(1), "c": torch.zeros(1), "b": torch.zeros(1), "a": torch.zeros(1)})
+    assert str(err.value) == "published weights do not fit the engine's model: unknown ['a', 'b', 'c']"
 
 
 def test_weights_that_do_not_fit_are_listed_up_to_three():

@@ -79,10 +79,12 @@ def load_named(model: torch.nn.Module, weights: dict[str, Tensor]) -> None:
     parameter's dtype and device). All or nothing: every name, shape and kind of dtype is checked
     before the first copy, so weights that do not fit leave the model as it was."""
     params = dict(model.named_parameters())
-    missing = [k for k in weights if k not in params]
+    # by name: weights decoded from safetensors bytes come in no fixed order (a hash map's), and
+    # the message names the first three
+    missing = sorted(k for k in weights if k not in params)
     if missing:
         raise EngineError(f"published weights do not fit the engine's model: unknown {missing[:3]}")
-    wrong = [f"{k}: {_describe(v)}, the model's is {_describe(params[k])}" for k, v in weights.items()
+    wrong = [f"{k}: {_describe(v)}, the model's is {_describe(params[k])}" for k, v in sorted(weights.items())
              if not _fits(v, params[k])]
     if wrong:
         raise EngineError(f"published weights do not fit the engine's model ({len(wrong)} of {len(weights)}): "
