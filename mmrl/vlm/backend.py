@@ -21,7 +21,7 @@ from mmrl.core.memory import enable_gradient_checkpointing
 from mmrl.core.runconfig import resolve_dir, resolve_file
 from mmrl.vlm.config import CONFIG_CLASS, DEFAULT_CONFIG, VLMTrainConfig  # noqa: F401 -- the CLI's settings: torch-free there
 from mmrl.vlm.models import load_vlm, resolve_model_path
-from mmrl.vlm.policy import DEFAULT_PATCH_SIZE, VLMPolicy
+from mmrl.vlm.policy import DEFAULT_PATCH_SIZE, VLMPolicy, patch_or_default
 from mmrl.vlm.task import VLMTask
 
 
@@ -105,8 +105,7 @@ def saved_patch_size(cfg: VLMTrainConfig) -> int:
             found = found[key] if key else found
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        size = found.get("patch_size") if isinstance(found, dict) else None
-        return size if isinstance(size, int) and size > 0 else DEFAULT_PATCH_SIZE
+        return patch_or_default(found.get("patch_size") if isinstance(found, dict) else None)
     return DEFAULT_PATCH_SIZE
 
 

@@ -795,7 +795,11 @@ def image_patch_size(processor) -> int:
     """The patch side in pixels of the processor's images (image_processor.patch_size: 14 for
     Qwen2/2.5-VL, 16 for Qwen3-VL), which qwen-vl-utils' resize must be given; its own default
     where the processor names none."""
-    size = getattr(getattr(processor, "image_processor", None), "patch_size", None)
+    return patch_or_default(getattr(getattr(processor, "image_processor", None), "patch_size", None))
+
+
+def patch_or_default(size: Any) -> int:
+    """A processor's patch_size as qwen-vl-utils takes it: a positive int, else its default."""
     return size if isinstance(size, int) and size > 0 else DEFAULT_PATCH_SIZE
 
 
